@@ -146,7 +146,8 @@ def _as_label_array(labels: Iterable[int] | np.ndarray | torch.Tensor, field: st
     if not np.issubdtype(array.dtype, np.integer):
         raise ValueError(f"{field} must be integer class labels, got dtype {array.dtype}")
     if array.min() < 0:
-        raise ValueError(f"{field} must be 0-based non-negative class labels, got {sorted(set(array[array < 0].tolist()))}")
+        negatives = sorted(set(array[array < 0].tolist()))
+        raise ValueError(f"{field} must be 0-based non-negative class labels, got {negatives}")
     return array.astype(np.int64).reshape(-1)
 
 
