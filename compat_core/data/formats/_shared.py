@@ -1,0 +1,274 @@
+"""Helpers shared by the readers of published dataset formats.
+
+Everything here reads through :mod:`compat_core.io`, so a dataset root may be a local folder or an ``s3://`` URI.
+Nothing is ever downloaded: a missing file raises ``FileNotFoundError`` naming the file and the layout expected.
+"""
+from __future__ import annotations
+
+import io as _stdio
+import pickle
+from collections import OrderedDict
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from compat_core import io
+
+# ImageNet statistics (fractions of 255), the normalisation every ImageNet/DINO-pretrained backbone expects; used
+# for the natural-image and face sets whose authors publish no statistics of their own.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def require_root(dataset: str, root: str | None, layout: str) -> str:
+    """``root`` as a string, or FileNotFoundError explaining the expected layout when none was given."""
+    if root is None or str(root) == "":
+        raise FileNotFoundError(
+            f"{dataset}: no data root given (nothing is downloaded). Pass root=<local folder or s3://bucket/prefix> "
+            f"holding {layout}"
+        )
+    return str(root)
+
+
+def locate_dir(dataset: str, root: str, subdirs: Sequence[str], markers: Sequence[str], layout: str) -> str:
+    """The folder under ``root`` (``root/<subdir>`` or ``root`` itself) that holds every file in ``markers``."""
+    candidates = [io.join(root, sub) for sub in subdirs] + [root]
+    for candidate in candidates:
+        if all(io.exists(io.join(candidate, marker)) for marker in markers):
+            return candidate
+    tried = ", ".join(io.join(c, markers[0]) for c in candidates)
+    raise FileNotFoundError(f"{dataset}: expected {layout}; did not find {markers[0]!r} (looked for {tried})")
+
+
+def require_file(dataset: str, uri: str, expected: str) -> str:
+    if not io.exists(uri):
+        raise FileNotFoundError(f"{dataset}: missing file {uri}; expected {expected}")
+    return uri
+
+
+def read_text_lines(dataset: str, uri: str, expected: str) -> list[tuple[int, list[str]]]:
+    """Non-empty lines of a text file as ``(1-based line number, whitespace-split fields)``."""
+    require_file(dataset, uri, expected)
+    text = io.read_bytes(uri).decode("utf-8")
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            rows.append((number, line.split()))
+    return rows
+
+
+def parse_int(dataset: str, uri: str, line_number: int, value: str, expected: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{dataset}: {uri} line {line_number}: {value!r} is not an integer; expected {expected}") from None
+
+
+# --- pickles --------------------------------------------------------------------------------------------------
+
+def _numpy_reconstruct():
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy < 2
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    return multiarray
+
+
+class _ArrayOnlyUnpickler(pickle.Unpickler):
+    """Unpickler for dataset batches: plain containers plus numpy arrays, no other globals.
+
+    Published CIFAR / downsampled-ImageNet batches hold dicts of lists, strings and numpy arrays. Arbitrary pickles can
+    run code, so every global except numpy's array reconstruction is refused.
+    """
+
+    def find_class(self, module: str, name: str):
+        multiarray = _numpy_reconstruct()
+        allowed = {
+            ("numpy.core.multiarray", "_reconstruct"): multiarray._reconstruct,
+            ("numpy._core.multiarray", "_reconstruct"): multiarray._reconstruct,
+            ("numpy.core.multiarray", "scalar"): multiarray.scalar,
+            ("numpy._core.multiarray", "scalar"): multiarray.scalar,
+            ("numpy", "ndarray"): np.ndarray,
+            ("numpy", "dtype"): np.dtype,
+            # Python 3 writes bytes with protocol <= 2 as codecs.encode(text, "latin1").
+            ("_codecs", "encode"): _latin1_encode,
+        }
+        try:
+            return allowed[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(
+                f"refusing global {module}.{name}: dataset pickles may only contain dicts, lists, strings and numpy arrays"
+            ) from None
+
+
+def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
+    if encoding not in ("latin1", "latin-1"):
+        raise pickle.UnpicklingError(f"unexpected codecs.encode encoding {encoding!r} in a dataset pickle")
+    return text.encode("latin1")
+
+
+def load_pickle_dict(dataset: str, uri: str, expected: str) -> dict[str, object]:
+    """Load a pickled dict (Python 2 or 3 pickle) with keys normalised to ``str``; refuses non-array globals."""
+    require_file(dataset, uri, expected)
+    data = io.read_bytes(uri)
+    try:
+        # encoding="bytes" keeps Python 2 strings as bytes (the published CIFAR keys are b"data", b"labels").
+        obj = _ArrayOnlyUnpickler(_stdio.BytesIO(data), encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{dataset}: {uri} is not a readable dataset pickle ({exc}); expected {expected}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{dataset}: {uri} holds a {type(obj).__name__}, expected a pickled dict: {expected}")
+    return {(k.decode("latin1") if isinstance(k, bytes) else str(k)): v for k, v in obj.items()}
+
+
+def require_key(dataset: str, uri: str, record: dict, key: str, expected: str):
+    if key not in record:
+        raise ValueError(f"{dataset}: {uri} has no key {key!r} (keys: {sorted(record)}); expected {expected}")
+    return record[key]
+
+
+def decode_names(values: Iterable) -> list[str]:
+    return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in values]
+
+
+def planar_rows_to_images(dataset: str, uri: str, data: np.ndarray) -> np.ndarray:
+    """(N, 3*S*S) uint8 rows with the R, G and B planes of an SxS image each row-major -> (N, S, S, 3)."""
+    data = np.asarray(data)
+    if data.ndim != 2 or data.dtype != np.uint8:
+        raise ValueError(
+            f"{dataset}: {uri}: 'data' must be a uint8 array (N, 3*S*S) of R, G, B planes, "
+            f"got dtype {data.dtype} shape {data.shape}"
+        )
+    side = int(round((data.shape[1] / 3) ** 0.5))
+    if 3 * side * side != data.shape[1]:
+        raise ValueError(f"{dataset}: {uri}: row length {data.shape[1]} is not 3*S*S for a square SxS RGB image")
+    return np.ascontiguousarray(data.reshape(-1, 3, side, side).transpose(0, 2, 3, 1))
+
+
+# --- encoded images ---------------------------------------------------------------------------------------------
+
+def decode_image(data: bytes, size: int, where: str) -> np.ndarray:
+    """Decode JPEG/PNG bytes to uint8 RGB ``(size, size, 3)``.
+
+    Non-square images are scaled so the shorter side is ``size`` and centre-cropped (aspect ratio kept); an image
+    already ``size`` x ``size`` is returned exactly as decoded.
+    """
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    try:
+        with Image.open(_stdio.BytesIO(data)) as image:
+            image = image.convert("RGB")
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"cannot decode image {where}: {exc} (expected JPEG or PNG bytes)") from None
+    if image.size != (size, size):
+        image = ImageOps.fit(image, (size, size), method=Image.Resampling.BILINEAR)
+    return np.asarray(image, dtype=np.uint8)
+
+
+class EncodedImageSource:
+    """An ImageSource over encoded images (JPEG/PNG) decoded on :meth:`read`.
+
+    ``locations[i]`` names sample ``i`` (a file URI, or a record key); ``fetch(location) -> bytes`` loads it
+    (default: :func:`compat_core.io.read_bytes`). Decoded images are resized to ``image_size`` and kept in a small
+    LRU of ``cache_size`` images (0 disables it).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        locations: Sequence[str],
+        labels: np.ndarray,
+        class_names: list[str],
+        *,
+        image_size: int,
+        mean: tuple[float, ...] = IMAGENET_MEAN,
+        std: tuple[float, ...] = IMAGENET_STD,
+        hflip: bool = True,
+        coarse_labels: np.ndarray | None = None,
+        fetch: Callable[[str], bytes] | None = None,
+        cache_size: int = 256,
+    ) -> None:
+        labels = np.asarray(labels, dtype=np.int64)
+        if labels.shape != (len(locations),):
+            raise ValueError(f"{name}: labels must have shape ({len(locations)},), got {labels.shape}")
+        if labels.size and (labels.min() < 0 or labels.max() >= len(class_names)):
+            raise ValueError(f"{name}: labels must lie in [0, {len(class_names)}), got [{labels.min()}, {labels.max()}]")
+        if int(image_size) <= 0:
+            raise ValueError(f"{name}: image_size must be a positive number of pixels, got {image_size}")
+        if int(cache_size) < 0:
+            raise ValueError(f"{name}: cache_size must be >= 0 images, got {cache_size}")
+        self.name = name
+        self.locations = list(locations)
+        self.labels = labels
+        self.class_names = list(class_names)
+        self.coarse_labels = None if coarse_labels is None else np.asarray(coarse_labels, dtype=np.int64)
+        self.image_size = int(image_size)
+        self.mean = tuple(mean)
+        self.std = tuple(std)
+        self.hflip = bool(hflip)
+        self._fetch = fetch
+        self.cache_size = int(cache_size)
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return (self.image_size, self.image_size, 3)
+
+    def __len__(self) -> int:
+        return len(self.locations)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def _load(self, location: str) -> np.ndarray:
+        cached = self._cache.get(location)
+        if cached is not None:
+            self._cache.move_to_end(location)
+            return cached
+        fetch = self._fetch or io.read_bytes
+        image = decode_image(fetch(location), self.image_size, f"{self.name}: {location}")
+        if self.cache_size:
+            self._cache[location] = image
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return image
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        """uint8 images ``(n, image_size, image_size, 3)`` for 0-based sample ``indices``."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if indices.size and (indices.min() < -len(self) or indices.max() >= len(self)):
+            raise IndexError(f"{self.name}: sample indices must lie in [0, {len(self)}), got [{indices.min()}, {indices.max()}]")
+        out = np.empty((indices.size, self.image_size, self.image_size, 3), dtype=np.uint8)
+        for row, index in enumerate(indices):
+            out[row] = self._load(self.locations[int(index)])
+        return out
+
+    def subset(self, indices: np.ndarray, name: str | None = None) -> "EncodedImageSource":
+        """The samples at ``indices`` (class ids, names and normalisation kept)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        return EncodedImageSource(
+            name or self.name,
+            [self.locations[int(i)] for i in indices],
+            self.labels[indices],
+            self.class_names,
+            image_size=self.image_size,
+            mean=self.mean,
+            std=self.std,
+            hflip=self.hflip,
+            coarse_labels=None if self.coarse_labels is None else self.coarse_labels[indices],
+            fetch=self._fetch,
+            cache_size=self.cache_size,
+        )
+
+    def __getstate__(self) -> dict:
+        # Decoded images stay behind when the source is shipped to another process (e.g. a Ray worker).
+        state = dict(self.__dict__)
+        state["_cache"] = OrderedDict()
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"EncodedImageSource(name={self.name!r}, samples={len(self)}, classes={self.num_classes}, "
+            f"image_shape={self.image_shape})"
+        )
