@@ -1,0 +1,176 @@
+"""The glyph set: size and disjointness numbers, nested pools, shared coarse concepts, determinism, cache, styles."""
+from __future__ import annotations
+
+import json
+import time
+import unicodedata
+
+import numpy as np
+import pytest
+
+from compat_core.data import glyphs
+from compat_core.data.glyphs import build_catalogue, glyph_set_summary, load_glyphs
+from compat_core.data.tasks import check_open_set
+
+SMALL = 4  # images per class for the cheap renders
+
+
+@pytest.fixture(scope="module")
+def full_set(tmp_path_factory):
+    """The full default set rendered once into a fresh cache (pretrain/source, finetune + test/target)."""
+    cache = tmp_path_factory.mktemp("glyph-cache")
+    started = time.perf_counter()
+    summary = glyph_set_summary(cache_dir=cache)
+    first_seconds = time.perf_counter() - started
+    print("\nglyph set summary:", json.dumps(summary, indent=1, ensure_ascii=False))
+    return cache, summary, first_seconds
+
+
+def _char_of(source, label: int) -> str:
+    return source.class_names[label].split(" U+")[0]
+
+
+def test_full_set_size(full_set):
+    cache, summary, first_seconds = full_set
+    pools = {split: load_glyphs(split=split, cache_dir=cache) for split in ("pretrain", "finetune", "test")}
+    classes = {split: np.unique(source.fine_labels) for split, source in pools.items()}
+    total_classes = sum(ids.size for ids in classes.values())
+    assert total_classes >= 700
+    assert summary["classes_total"] == total_classes
+    assert classes["finetune"].size >= 100
+    for split, source in pools.items():
+        assert source.images.dtype == np.uint8 and source.images.shape[1:] == (32, 32, 1), split
+        counts = np.bincount(source.fine_labels)[classes[split]]
+        assert counts.min() >= 32, split
+    assert summary["images_total"] == sum(len(source) for source in pools.values())
+    # The whole set must render within the 60 s budget on this 2-core machine (catalogue included).
+    assert first_seconds < 60.0
+
+
+def test_pools_disjoint_nested_and_concepts_shared(full_set):
+    cache, _, _ = full_set
+    nested = [load_glyphs(split=f"pretrain-{level}", cache_dir=cache) for level in (1, 2, 3)]
+    nested_classes = [set(np.unique(source.labels).tolist()) for source in nested]
+    assert [len(classes) for classes in nested_classes] == [100, 300, 600]
+    assert nested_classes[0] < nested_classes[1] < nested_classes[2]
+    by_size = load_glyphs(split="pretrain", pool_size=300, cache_dir=cache)
+    assert set(np.unique(by_size.labels).tolist()) == nested_classes[1]
+
+    finetune = load_glyphs(split="finetune", cache_dir=cache)
+    test = load_glyphs(split="test", cache_dir=cache)
+    pretrain_ids = np.asarray(sorted(nested_classes[2]))
+    finetune_ids, test_ids = np.unique(finetune.labels), np.unique(test.labels)
+    for a, b in ((pretrain_ids, finetune_ids), (pretrain_ids, test_ids), (finetune_ids, test_ids)):
+        assert np.intersect1d(a, b).size == 0
+        check_open_set(a, b)  # the guard agrees
+    # Characters (not just ids) are distinct across pools.
+    finetune_chars = {_char_of(finetune, c) for c in finetune_ids}
+    test_chars = {_char_of(test, c) for c in test_ids}
+    pretrain_chars = {_char_of(finetune, c) for c in pretrain_ids}
+    assert not (finetune_chars & test_chars) and not (pretrain_chars & test_chars)
+    assert not (pretrain_chars & finetune_chars)
+    # Every test character is an accented form of a base letter that the fine-tuning pool also draws.
+    base = lambda char: unicodedata.normalize("NFD", char)[0]  # noqa: E731
+    finetune_bases = {base(char) for char in finetune_chars}
+    for char in test_chars:
+        assert base(char) in finetune_bases, char
+        assert base(char).isascii() and base(char).isalpha(), char
+    assert len({base(char) for char in test_chars}) >= 10
+    # The coarse labels are those base letters.
+    for label, coarse in zip(test.fine_labels[::7], test.coarse_labels[::7]):
+        assert test.coarse_names[coarse] == base(_char_of(test, label))
+
+
+def test_second_load_hits_the_cache(full_set):
+    cache, summary, _ = full_set
+    started = time.perf_counter()
+    again = load_glyphs(split="pretrain", cache_dir=cache)
+    seconds = time.perf_counter() - started
+    assert again.from_cache
+    assert seconds < summary["pools"]["pretrain/source"]["render_seconds"] / 3
+    assert summary["cache_bytes"] == sum(p.stat().st_size for p in cache.rglob("*.npz"))
+
+
+def test_catalogue_is_deterministic(full_set):
+    cache, _, _ = full_set
+    cached = json.loads(next(cache.glob("catalogue-*.json")).read_text(encoding="utf-8"))
+    assert build_catalogue().to_dict() == cached
+
+
+def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path):
+    first = load_glyphs(split="finetune", images_per_class=SMALL, cache_dir=tmp_path / "a")
+    second = load_glyphs(split="finetune", images_per_class=SMALL, cache_dir=tmp_path / "b")
+    other = load_glyphs(split="finetune", images_per_class=SMALL, seed=1, cache_dir=tmp_path / "c")
+    assert not first.from_cache and not second.from_cache
+    assert first.images.tobytes() == second.images.tobytes()
+    np.testing.assert_array_equal(first.labels, second.labels)
+    assert first.images.tobytes() != other.images.tobytes()
+    np.testing.assert_array_equal(first.labels, other.labels)
+
+
+def test_statistics_and_labels_of_a_split(tmp_path):
+    source = load_glyphs(split="finetune", images_per_class=SMALL, cache_dir=tmp_path)
+    pixels = source.images.astype(np.float64) / 255.0
+    assert source.mean == pytest.approx((pixels.mean(),), abs=1e-12)
+    assert source.std == pytest.approx((pixels.std(),), abs=1e-12)
+    assert source.hflip is False and source.image_shape == (32, 32, 1)
+    assert np.bincount(source.instance_ids).tolist() == [100] * SMALL
+
+
+def test_query_gallery_halves_and_coarse_level(tmp_path):
+    test = load_glyphs(split="test", images_per_class=SMALL, cache_dir=tmp_path)
+    query = load_glyphs(split="test-query", images_per_class=SMALL, cache_dir=tmp_path)
+    gallery = load_glyphs(split="test-gallery", images_per_class=SMALL, cache_dir=tmp_path, label_level="coarse")
+    assert len(query) + len(gallery) == len(test)
+    assert set(query.instance_ids.tolist()) == {1, 3} and set(gallery.instance_ids.tolist()) == {0, 2}
+    assert query.mean == test.mean and gallery.std == test.std
+    # Coarse level: labels are base-letter ids, the characters stay in fine_labels.
+    np.testing.assert_array_equal(gallery.labels, gallery.coarse_labels)
+    for label, fine in zip(gallery.labels[::5], gallery.fine_labels[::5]):
+        char = test.class_names[fine].split(" U+")[0]
+        assert gallery.class_names[label] == unicodedata.normalize("NFD", char)[0]
+
+
+def test_styles_differ_measurably(tmp_path):
+    source = load_glyphs(split="finetune", style="source", images_per_class=SMALL, cache_dir=tmp_path)
+    target = load_glyphs(split="finetune", style="target", images_per_class=SMALL, cache_dir=tmp_path)
+    np.testing.assert_array_equal(source.labels, target.labels)
+    used_source = {source.font_names[i] for i in np.unique(source.font_ids)}
+    used_target = {target.font_names[i] for i in np.unique(target.font_ids)}
+    assert used_source and used_target and not (used_source & used_target)
+    assert any(name.startswith("STIX") for name in used_target) and any("Mono" in n for n in used_target)
+
+    def corner_noise(images):  # pixel std in the four 4x4 corners, where glyph ink rarely reaches
+        img = images[..., 0].astype(np.float64)
+        corners = np.concatenate([img[:, :4, :4], img[:, :4, -4:], img[:, -4:, :4], img[:, -4:, -4:]], axis=1)
+        return corners.reshape(len(img), -1).std(axis=1).mean()
+
+    def contrast(images):  # brightest ink minus background, in [0, 255] units
+        flat = images[..., 0].reshape(len(images), -1).astype(np.float64)
+        return (np.percentile(flat, 99, axis=1) - np.median(flat, axis=1)).mean()
+
+    assert corner_noise(target.images) > 2.0 * corner_noise(source.images)
+    assert contrast(source.images) > contrast(target.images) + 0.15 * 255
+    assert np.median(target.images) > np.median(source.images) + 10
+
+
+def test_input_errors_name_the_option(tmp_path):
+    with pytest.raises(ValueError, match="unknown split 'train'"):
+        load_glyphs(split="train", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="unknown style 'fancy'"):
+        load_glyphs(split="finetune", style="fancy", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="pool_size applies to pretrain"):
+        load_glyphs(split="finetune", pool_size=10, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="label_level"):
+        load_glyphs(split="test", label_level="medium", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="images_per_class must be an integer >= 1"):
+        load_glyphs(split="test", images_per_class=0, cache_dir=tmp_path)
+
+
+def test_registered_in_the_dataset_registry(tmp_path):
+    from compat_core.data import load_dataset
+
+    source = load_dataset("glyphs", split="pretrain", pool_size=20, images_per_class=2, cache_dir=tmp_path)
+    assert np.unique(source.labels).tolist() == list(range(20))
+    assert source.style == "source"
+    assert glyphs.STYLES["source"].fonts[0] == "DejaVuSans.ttf"
