@@ -1,0 +1,37 @@
+"""``compat compare RUN_DIR... [--output DIR]``: one table and one plot across finished runs.
+
+Prints the table (run, method, T, AC, AA, ACA, BC, FC) and writes ``compare.md``, ``compare.csv`` (fractions) and
+``compare.png`` into ``--output`` (default: the current directory). Inputs are read by
+:func:`pipelines.reports.load_runs`, so any source registered in ``pipelines.reports.RUN_SOURCES`` (e.g. a search
+experiment directory) is accepted as well as run directories. Exit code 0 on success, 2 when an input cannot be read.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HELP = "compare finished runs: one table (AC, AA, ACA, BC, FC) and one plot (AA_tau curves, metric bars)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Positional RUN_DIR... and --output DIR."""
+    parser.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR",
+                        help="run directories (config.yaml, matrix.json, metrics.json) or their eval-* variant folders")
+    parser.add_argument("--output", type=Path, default=Path("."), metavar="DIR",
+                        help="where compare.md, compare.csv and compare.png go; default: current directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipelines.reports import compare_table_markdown, load_runs, write_compare
+
+    try:
+        summaries = load_runs(args.run_dirs)
+        paths = write_compare(summaries, args.output)
+    except (FileNotFoundError, ValueError, KeyError) as error:
+        print(f"compat compare: error: {error.args[0] if error.args else error}", file=sys.stderr)
+        return 2
+    print("AC: fraction of model pairs; AA, ACA: percent; BC, FC: percentage points (pp)")
+    print(compare_table_markdown(summaries))
+    print("wrote: " + ", ".join(str(path) for path in paths.values()))
+    return 0

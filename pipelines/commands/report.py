@@ -1,0 +1,38 @@
+"""``compat report RUN_DIR``: regenerate the reports of a finished run and print its summary table.
+
+Writes ``report.md``, ``matrix.png``, ``aa_tau.png`` and ``matrix.csv`` next to ``matrix.json``. Exit code 0 on
+success, 2 when RUN_DIR is not a finished run (the message names the missing or malformed file).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HELP = "regenerate report.md, matrix.png (heatmap) and aa_tau.png of a finished run and print AC, AA, ACA, BC, FC"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Positional RUN_DIR."""
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                        help="run directory holding config.yaml, matrix.json and metrics.json")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipelines.reports import load_run, metric_display_name, summary_table_markdown, write_run_reports
+
+    try:
+        results = load_run(args.run_dir)
+        paths = write_run_reports(results)
+    except (FileNotFoundError, ValueError, KeyError) as error:
+        # KeyError's str() adds quotes around the message; args[0] is the message itself
+        print(f"compat report: error: {error.args[0] if error.args else error}", file=sys.stderr)
+        return 2
+    replaced = ", ".join(str(t) for t in results.replacement_tasks) or "none"
+    print(f"{results.name}: method {results.method}, {results.num_tasks} tasks, "
+          f"{metric_display_name(results.matrix.metric)}, gallery {results.gallery}, replacements at tasks {replaced}")
+    print(summary_table_markdown(results))
+    for problem in results.warnings:
+        print(f"compat report: warning: {problem}", file=sys.stderr)
+    print("wrote: " + ", ".join(str(path) for path in paths.values()))
+    return 0
