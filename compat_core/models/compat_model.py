@@ -1,0 +1,268 @@
+"""The compatible model: backbone -> bias-free junction Linear(m, K-1) -> classifier (SPEC §3).
+
+Classifier kinds:
+- ``"simplex"``: the fixed d-Simplex prototypes ``(K, K-1)`` held in a non-persistent buffer (rebuilt from ``K``
+  on load, so a K=22000 model does not carry a 1.9 GB matrix in every checkpoint); never a parameter, never trained.
+  Logits are the *unnormalised* junction output times the prototypes: ``(B, K)``.
+- ``"learnable"``: a bias-free ``nn.Linear(K-1, n_active)`` for baselines (ER, BCT, ...) that grows with
+  ``expand_classes``; logits ``(B, n_active)``.
+
+The retrieval feature is the L2-normalised junction output. ``model.config`` holds everything ``create_model``
+needs to rebuild the model and travels with the weights (``save_model`` / ``load_model``).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from pyarrow.fs import LocalFileSystem
+from torch import nn
+
+from compat_core import io as cio
+from compat_core.models.registry import create_backbone
+
+CLASSIFIERS = ("simplex", "learnable")
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ModelOutput:
+    """Everything one forward pass produces (B = batch size, m = backbone width, K = slots)."""
+
+    embedding: torch.Tensor  # (B, m) backbone output
+    projection: torch.Tensor  # (B, K-1) junction output, unnormalised
+    features: torch.Tensor  # (B, K-1) L2-normalised projection (the retrieval feature)
+    logits: torch.Tensor  # (B, K) simplex or (B, n_active) learnable
+
+
+class CompatModel(nn.Module):
+    """Backbone + junction + classifier; see the module docstring for shapes."""
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        num_slots: int,
+        classifier: str = "simplex",
+        config: dict | None = None,
+        num_active_classes: int = 0,
+        simplex_norm: str = "row",
+    ) -> None:
+        super().__init__()
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 2:
+            raise ValueError(f"num_slots (K) must be an int >= 2, got {num_slots!r}")
+        if classifier not in CLASSIFIERS:
+            raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {classifier!r}")
+        embed_dim = getattr(backbone, "embed_dim", None)
+        if not isinstance(embed_dim, int) or embed_dim <= 0:
+            raise ValueError(f"backbone must expose a positive int attribute embed_dim (m), got {embed_dim!r}")
+        if isinstance(num_active_classes, bool) or not isinstance(num_active_classes, int) or num_active_classes < 0:
+            raise ValueError(f"num_active_classes must be an int >= 0, got {num_active_classes!r}")
+        if classifier == "simplex" and num_active_classes:
+            raise ValueError("num_active_classes applies only to classifier='learnable' (simplex uses all K slots)")
+        self.backbone = backbone
+        self.num_slots = num_slots
+        self.classifier_kind = classifier
+        self.embed_dim = embed_dim
+        self.feature_dim = num_slots - 1
+        self.junction = nn.Linear(embed_dim, self.feature_dim, bias=False)
+        self.classifier: nn.Linear | None = None
+        if classifier == "simplex":
+            from compat_core.simplex import dsimplex
+
+            self.register_buffer("prototypes", dsimplex(num_slots, norm=simplex_norm), persistent=False)
+        else:
+            self.prototypes = None
+            self.classifier = nn.Linear(self.feature_dim, num_active_classes, bias=False)
+        self.config: dict[str, Any] = dict(config or {})
+        self.config.update(num_slots=num_slots, classifier=classifier, simplex_norm=simplex_norm)
+        if classifier == "learnable":
+            self.config["num_active_classes"] = num_active_classes
+
+    @property
+    def num_active_classes(self) -> int:
+        """Number of logits: K for simplex, the current classifier rows for learnable."""
+        return self.num_slots if self.classifier is None else self.classifier.out_features
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Backbone embedding ``(B, m)`` of images ``(B, C, H, W)``."""
+        return self.backbone(x)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Unnormalised junction output ``(B, K-1)``."""
+        return self.junction(self.embed(x))
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """L2-normalised junction output ``(B, K-1)`` (unit rows): the retrieval feature."""
+        return F.normalize(self.project(x), dim=1)
+
+    def logits_from_projection(self, projection: torch.Tensor) -> torch.Tensor:
+        """Logits for a given junction output ``(B, K-1)``: ``(B, K)`` simplex or ``(B, n_active)`` learnable."""
+        if self.classifier is not None:
+            return self.classifier(projection)
+        prototypes = self.prototypes
+        if prototypes.dtype != projection.dtype:
+            # Under autocast the projection may be bf16/fp16; a matching cast keeps one fused matmul.
+            prototypes = prototypes.to(projection.dtype)
+        return projection @ prototypes.T
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Class scores of images ``(B, C, H, W)``; see ``logits_from_projection`` for the shape."""
+        return self.logits_from_projection(self.project(x))
+
+    def forward(self, x: torch.Tensor) -> ModelOutput:
+        embedding = self.embed(x)
+        projection = self.junction(embedding)
+        return ModelOutput(
+            embedding=embedding,
+            projection=projection,
+            features=F.normalize(projection, dim=1),
+            logits=self.logits_from_projection(projection),
+        )
+
+    def expand_classes(self, n_total: int) -> None:
+        """Grow the learnable classifier to ``n_total`` rows, keeping rows ``0..n_old-1`` unchanged.
+
+        New rows get nn.Linear's default initialisation. The classifier is a new Parameter: rebuild the optimiser.
+        """
+        if self.classifier is None:
+            raise ValueError("expand_classes needs classifier='learnable'; the simplex classifier is fixed at K slots")
+        old = self.classifier
+        if isinstance(n_total, bool) or not isinstance(n_total, int) or n_total < old.out_features:
+            raise ValueError(f"n_total must be an int >= current classes {old.out_features}, got {n_total!r}")
+        if n_total == old.out_features:
+            return
+        grown = nn.Linear(self.feature_dim, n_total, bias=False, device=old.weight.device, dtype=old.weight.dtype)
+        with torch.no_grad():
+            grown.weight[: old.out_features].copy_(old.weight)
+        self.classifier = grown
+        self.config["num_active_classes"] = n_total
+
+
+def create_model(
+    backbone: str,
+    num_slots: int,
+    classifier: str = "simplex",
+    backbone_config: dict | None = None,
+    num_active_classes: int = 0,
+    simplex_norm: str = "row",
+    **extra_config: Any,
+) -> CompatModel:
+    """Build a CompatModel with a registered backbone (random weights).
+
+    ``extra_config`` entries (JSON-serialisable, e.g. ``pretrained_slots``) are stored in ``model.config`` as is.
+    """
+    backbone_config = dict(backbone_config or {})
+    module = create_backbone(backbone, **backbone_config)
+    config = {"backbone": backbone, "backbone_config": backbone_config, **extra_config}
+    return CompatModel(
+        module,
+        num_slots,
+        classifier=classifier,
+        config=config,
+        num_active_classes=num_active_classes,
+        simplex_norm=simplex_norm,
+    )
+
+
+def model_from_config(config: dict) -> CompatModel:
+    """Rebuild a (randomly initialised) CompatModel from ``model.config``; raises KeyError naming a missing field."""
+    for field in ("backbone", "num_slots"):
+        if field not in config:
+            raise KeyError(f"model config lacks {field!r}; got fields {sorted(config)}")
+    rest = {k: v for k, v in config.items() if k not in ("backbone", "num_slots", "classifier", "backbone_config",
+                                                         "num_active_classes", "simplex_norm", "format_version")}
+    return create_model(
+        config["backbone"],
+        int(config["num_slots"]),
+        classifier=config.get("classifier", "simplex"),
+        backbone_config=config.get("backbone_config") or {},
+        num_active_classes=int(config.get("num_active_classes", 0)),
+        simplex_norm=config.get("simplex_norm", "row"),
+        **rest,
+    )
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """Deep copy in eval mode with every parameter ``requires_grad=False`` (the "old model" of a training step)."""
+    # The fixed prototypes never change, so both models can share them (1.9 GB at K=22000).
+    prototypes = getattr(model, "prototypes", None)
+    memo = {id(prototypes): prototypes} if isinstance(prototypes, torch.Tensor) else {}
+    old = copy.deepcopy(model, memo)
+    old.eval()
+    old.requires_grad_(False)
+    return old
+
+
+def _state_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
+    # safetensors rejects views into shared storage and non-contiguous tensors; clone only those that need it.
+    state: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().cpu()
+        pointer = tensor.untyped_storage().data_ptr() if tensor.numel() else -1
+        if not tensor.is_contiguous() or pointer in seen:
+            tensor = tensor.contiguous().clone()
+        if pointer != -1:
+            seen.add(pointer)
+        state[name] = tensor
+    return state
+
+
+def save_model(model: CompatModel, uri: str) -> str:
+    """Write ``model.safetensors`` + ``config.json`` into the folder ``uri`` (local path or ``s3://``).
+
+    Returns ``uri``. The d-Simplex prototypes are not stored: ``load_model`` rebuilds them from ``num_slots``.
+    """
+    from safetensors.torch import save as save_safetensors
+
+    if not isinstance(model, CompatModel):
+        raise TypeError(f"save_model expects a CompatModel, got {type(model).__name__}")
+    config = dict(model.config, format_version=FORMAT_VERSION)
+    try:
+        config_text = json.dumps(config, indent=2, sort_keys=True)
+    except TypeError as error:
+        raise ValueError(f"model.config must be JSON-serialisable to save it: {error}") from error
+    payload = save_safetensors(_state_for_saving(model), metadata={"format": "pt"})
+    fs, path = cio.resolve(uri)
+    if isinstance(fs, LocalFileSystem):
+        # Object stores have no folders (a prefix exists once an object is written under it).
+        fs.create_dir(path, recursive=True)
+    with fs.open_output_stream(f"{path}/{WEIGHTS_FILE}") as handle:
+        handle.write(payload)
+    with fs.open_output_stream(f"{path}/{CONFIG_FILE}") as handle:
+        handle.write(config_text.encode("utf-8"))
+    return str(uri)
+
+
+def load_model(uri: str, map_location: str | torch.device = "cpu") -> CompatModel:
+    """Rebuild a model saved by ``save_model`` from the folder ``uri``; every saved tensor must match by name/shape."""
+    from safetensors.torch import load as load_safetensors
+
+    config_uri = cio.join(str(uri), CONFIG_FILE)
+    weights_uri = cio.join(str(uri), WEIGHTS_FILE)
+    for needed in (config_uri, weights_uri):
+        if not cio.exists(needed):
+            raise FileNotFoundError(f"model folder {uri} lacks {needed.rsplit('/', 1)[-1]} (expected "
+                                    f"{WEIGHTS_FILE} and {CONFIG_FILE}, as written by save_model)")
+    try:
+        config = json.loads(cio.read_bytes(config_uri).decode("utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_uri} is not valid JSON: {error}") from error
+    version = config.get("format_version", FORMAT_VERSION)
+    if version > FORMAT_VERSION:
+        raise ValueError(f"{config_uri} has format_version {version}; this code reads up to {FORMAT_VERSION}")
+    model = model_from_config(config)
+    state = load_safetensors(cio.read_bytes(weights_uri))
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(
+            f"{weights_uri} does not match its config: missing {result.missing_keys[:10]}, "
+            f"unexpected {result.unexpected_keys[:10]}"
+        )
+    return model.to(map_location)

@@ -1,0 +1,25 @@
+"""ImageNet-stem ResNet-18 from torchvision (7x7 stride-2 stem + max-pool), classifier removed.
+
+The public IAM-CL2R reference uses exactly this network even on 32x32 inputs (the stem leaves a 1x1 map after
+layer4); parameter names equal torchvision's (without ``fc``), so torchvision and reference checkpoints load as is.
+"""
+from __future__ import annotations
+
+import torchvision
+from torch import nn
+
+from compat_core.models.registry import BACKBONES
+
+
+@BACKBONES.register("resnet18")
+def resnet18(in_chans: int = 3) -> nn.Module:
+    """torchvision ResNet-18 with random weights and ``fc`` replaced by identity; m = 512."""
+    if isinstance(in_chans, bool) or not isinstance(in_chans, int) or in_chans <= 0:
+        raise ValueError(f"in_chans must be a positive int, got {in_chans!r}")
+    model = torchvision.models.resnet18(weights=None)
+    if in_chans != 3:
+        model.conv1 = nn.Conv2d(in_chans, 64, kernel_size=7, stride=2, padding=3, bias=False)
+        nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+    model.embed_dim = model.fc.in_features
+    model.fc = nn.Identity()
+    return model

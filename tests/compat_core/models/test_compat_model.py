@@ -1,0 +1,187 @@
+"""CompatModel: junction, fixed d-Simplex logits, learnable growth, saving, freezing, precision helpers."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from compat_core.models import (
+    CompatModel,
+    autocast_context,
+    create_backbone,
+    create_model,
+    frozen_copy,
+    load_model,
+    prepare_batch,
+    prepare_for_speed,
+    save_model,
+)
+from compat_core.models import precision
+
+
+def _numpy_dsimplex(K: int) -> np.ndarray:
+    """SPEC §3 recipe in float64: [I; (1 - sqrt(K))/(K-1)], subtract column means, unit rows."""
+    W = np.zeros((K, K - 1))
+    W[: K - 1] = np.eye(K - 1)
+    W[K - 1] = (1.0 - math.sqrt(K)) / (K - 1)
+    W -= W.mean(axis=0, keepdims=True)
+    return W / np.linalg.norm(W, axis=1, keepdims=True)
+
+
+def _tiny_model(classifier="simplex", num_slots=6, **kwargs) -> CompatModel:
+    torch.manual_seed(0)
+    return create_model("cnn4", num_slots, classifier=classifier, backbone_config={"width": 4}, **kwargs)
+
+
+def test_simplex_logits_equal_projection_times_prototypes():
+    K = 6
+    model = _tiny_model(num_slots=K).eval()
+    images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        out = model(images)
+    W = _numpy_dsimplex(K)
+    # pairwise cosine of the reference prototypes is -1/(K-1): the matrix itself is right before comparing
+    assert np.allclose(W @ W.T, np.where(np.eye(K, dtype=bool), 1.0, -1.0 / (K - 1)))
+    expected = out.projection.double().numpy() @ W.T
+    assert out.logits.shape == (3, K)
+    assert np.allclose(out.logits.double().numpy(), expected, atol=1e-5)
+    assert np.allclose(model.prototypes.double().numpy(), W, atol=1e-6)
+
+
+def test_junction_is_bias_free_and_features_are_unit_projection():
+    model = _tiny_model(num_slots=5).eval()
+    assert model.junction.bias is None
+    assert tuple(model.junction.weight.shape) == (4, model.backbone.embed_dim)
+    images = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        out = model(images)
+        embedding = model.embed(images)
+    assert torch.allclose(out.embedding, embedding)
+    expected_projection = embedding @ model.junction.weight.T
+    assert torch.allclose(out.projection, expected_projection, atol=1e-5)
+    norms = out.features.norm(dim=1)
+    assert torch.allclose(norms, torch.ones(4), atol=1e-6)
+    assert torch.allclose(out.features * out.projection.norm(dim=1, keepdim=True), out.projection, atol=1e-5)
+    with torch.no_grad():
+        assert torch.allclose(model.features(images), out.features, atol=1e-6)
+        assert torch.allclose(model.logits(images), out.logits, atol=1e-5)
+
+
+def test_prototypes_are_fixed_and_never_trained():
+    model = _tiny_model(num_slots=5)
+    names = {name for name, _ in model.named_parameters()}
+    assert not any("prototype" in name for name in names)
+    assert "prototypes" not in model.state_dict()  # rebuilt from K on load instead of stored
+    before = model.prototypes.clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    loss = torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 32, 32)).logits, torch.tensor([0, 1, 2, 4]))
+    loss.backward()
+    assert model.prototypes.grad is None and not model.prototypes.requires_grad
+    assert model.junction.weight.grad is not None
+    optimizer.step()
+    assert torch.equal(model.prototypes, before)
+
+
+def test_learnable_classifier_grows_and_keeps_old_rows():
+    model = _tiny_model("learnable", num_slots=6, num_active_classes=3)
+    old_rows = model.classifier.weight.detach().clone()
+    assert model(torch.randn(2, 3, 32, 32)).logits.shape == (2, 3)
+    model.expand_classes(5)
+    assert tuple(model.classifier.weight.shape) == (5, 5)
+    assert torch.equal(model.classifier.weight[:3], old_rows)
+    assert model.config["num_active_classes"] == 5
+    assert model(torch.randn(2, 3, 32, 32)).logits.shape == (2, 5)
+    with pytest.raises(ValueError, match="n_total"):
+        model.expand_classes(4)
+    with pytest.raises(ValueError, match="learnable"):
+        _tiny_model().expand_classes(10)
+
+
+def test_invalid_arguments_are_named():
+    backbone = create_backbone("cnn4", width=4)
+    with pytest.raises(ValueError, match="num_slots"):
+        CompatModel(backbone, 1)
+    with pytest.raises(ValueError, match="classifier"):
+        CompatModel(backbone, 4, classifier="cosine")
+    with pytest.raises(ValueError, match="embed_dim"):
+        CompatModel(torch.nn.Identity(), 4)
+
+
+def test_frozen_copy_is_independent_and_frozen():
+    model = _tiny_model()
+    old = frozen_copy(model)
+    assert not old.training
+    assert all(not p.requires_grad for p in old.parameters())
+    assert all(p.requires_grad for p in model.parameters())
+    assert old.prototypes.data_ptr() == model.prototypes.data_ptr()  # fixed, so shared rather than copied
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        reference = old.features(images)
+        model.junction.weight.add_(1.0)
+        assert torch.equal(old.features(images), reference)
+
+
+@pytest.mark.parametrize("classifier", ["simplex", "learnable"])
+def test_save_and_load_model_round_trip(tmp_path, classifier):
+    extra = {"num_active_classes": 2} if classifier == "learnable" else {}
+    model = _tiny_model(classifier, num_slots=5, **extra)
+    if classifier == "learnable":
+        model.expand_classes(4)
+    with torch.no_grad():
+        model.backbone.features[1].running_mean.uniform_()  # non-trivial BN statistics must travel too
+    model.eval()
+    folder = tmp_path / "m"
+    save_model(model, str(folder))
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["backbone"] == "cnn4" and config["num_slots"] == 5 and config["classifier"] == classifier
+    loaded = load_model(str(folder)).eval()
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        a, b = model(images), loaded(images)
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.features, b.features)
+    assert loaded.config == model.config
+
+
+def test_load_model_names_missing_file(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(str(tmp_path))
+
+
+def test_autocast_context_follows_device_capability(monkeypatch):
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    monkeypatch.setattr(precision, "autocast_dtype", lambda device: None)
+    with autocast_context("cpu"):
+        assert layer(x).dtype == torch.float32
+    monkeypatch.setattr(precision, "autocast_dtype", lambda device: torch.bfloat16)
+    with autocast_context("cpu"):
+        assert layer(x).dtype == torch.bfloat16
+    with autocast_context("cpu", enabled=False):
+        assert layer(x).dtype == torch.float32
+
+
+def test_simplex_logits_under_autocast_keep_shape(monkeypatch):
+    monkeypatch.setattr(precision, "autocast_dtype", lambda device: torch.bfloat16)
+    model = _tiny_model(num_slots=5).eval()
+    with torch.no_grad(), autocast_context("cpu"):
+        out = model(torch.randn(2, 3, 32, 32))
+    assert out.logits.shape == (2, 5) and out.logits.dtype == torch.bfloat16
+
+
+def test_prepare_for_speed_uses_channels_last_only_where_it_pays(monkeypatch):
+    monkeypatch.setattr(precision, "autocast_dtype", lambda device: None)
+    plain = prepare_for_speed(_tiny_model(), "cpu")
+    conv = plain.backbone.features[0].weight
+    assert conv.is_contiguous() and not conv.is_contiguous(memory_format=torch.channels_last)
+    monkeypatch.setattr(precision, "autocast_dtype", lambda device: torch.bfloat16)
+    fast = prepare_for_speed(_tiny_model(), "cpu")
+    assert fast.backbone.features[0].weight.is_contiguous(memory_format=torch.channels_last)
+    batch = prepare_batch(torch.randn(2, 3, 8, 8), fast)
+    assert batch.is_contiguous(memory_format=torch.channels_last)
+    vit = create_backbone("dinov3_vits16", img_size=32, depth=1, embed_dim=32, num_heads=2)
+    assert not precision.has_convolutions(vit)  # a patch embedding alone does not make a conv net
