@@ -1,0 +1,759 @@
+"""Exact cosine retrieval (1:N Recall@k, mAP), 1:1 verification, and the exact linear-head bridge (SPEC §7).
+
+The kernel (``nearest_neighbours``) returns exactly the top-k of an fp64 brute force while doing almost all of its
+arithmetic in half precision where the hardware multiplies half-precision matrices fast.
+
+Why it is exact. Let q, g be the fp64 unit vectors (the *reference*), x, y the vectors a stage multiplies (half
+or fp32 copies) and s~ the stage's score. Then
+    |s~ - q.g| <= ||x - q|| ||y|| + ||q|| ||y - g||          (input rounding, measured per row in fp64)
+                  + gamma_D ||x|| ||y||                        (fp32 accumulation in any order, gamma_D = D u/(1-D u))
+                  + u_out ||x|| ||y|| (1 + gamma_D)            (rounding of the product to a half-precision output)
+                =: E(q)  (the gallery terms use their maxima over the gallery, so E depends on the query only).
+If v is the k-th largest s~ of a query, at least k items have a reference score >= v - E, so every item of the
+exact top-k, and every item tied with its k-th, has s~ >= v - 2E. The candidates {s~ >= v - 2E} therefore contain
+the answer, including all exact ties. They are re-scored in fp32 (bound of the same form, u_out = 0), filtered again
+the same way, and the survivors are scored in fp64 and ordered by (score descending, gallery index ascending).
+A query whose candidate set is larger than ``_MAX_CANDIDATES`` falls back to a full fp32 row, then to a full fp64
+row. With k = 1 and a single candidate no re-scoring is needed at all: no other item can reach its score.
+Every query gets an answer from this chain; speed depends only on how often the bound forces a fallback.
+
+The fp64 reference score of (q, g_j) is ``sum_i q_i * (g_ji / ||g_j||)`` with q = query / ||query|| evaluated in
+float64; it equals any other fp64 brute force except at fp64 near-ties (relative gaps ~1e-15), where the order is
+this evaluation's. Exact ties (identical gallery rows) go to the lowest gallery index.
+
+Assumption: half-precision matrix products accumulate in fp32 (true for oneDNN AMX/AVX512-BF16 kernels and for
+cuBLAS with fp32 output, which is requested on CUDA).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from compat_core.device import fast_matmul_dtype
+
+__all__ = [
+    "nearest_neighbours",
+    "recall_at_1",
+    "recall_at_k",
+    "mean_average_precision",
+    "class_mean_gallery",
+    "bridged_nearest_neighbours",
+    "bridged_recall_at_1",
+    "make_verification_pairs",
+    "verification_accuracy",
+    "tar_at_far",
+    "PRECISIONS",
+]
+
+PRECISIONS = ("auto", "half", "bf16", "fp16", "fp32", "fp64")
+_MAX_CANDIDATES = 256          # wider candidate sets are cheaper as a full fp32 row than as gathered rows
+_GATHER_BUDGET = 1 << 24       # elements per gathered (rows x candidates x D) block: bounds re-scoring memory
+_SCORE_BUDGET = 1 << 26        # elements of one (query chunk x gallery) score block
+_U32 = 2.0 ** -24
+_UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 0.0}
+_SLACK = 1.0 + 1e-9            # covers the fp64 rounding in evaluating the bound itself
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# input checks
+
+
+def _as_matrix(name: str, value, device: torch.device | None = None) -> torch.Tensor:
+    if isinstance(value, np.ndarray):
+        value = torch.from_numpy(value)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor or numpy array, got {type(value).__name__}")
+    if value.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D (rows, dim) array, got shape {tuple(value.shape)}")
+    if not value.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point array, got dtype {value.dtype}")
+    if value.shape[0] == 0 or value.shape[1] == 0:
+        raise ValueError(f"{name}: expected a non-empty array, got shape {tuple(value.shape)}")
+    if device is not None and value.device != device:
+        value = value.to(device)
+    return value.detach()
+
+
+def _as_labels(name: str, value, expected_len: int) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    labels = np.asarray(value)
+    if labels.ndim != 1 or labels.shape[0] != expected_len:
+        raise ValueError(f"{name}: expected shape ({expected_len},), got {labels.shape}")
+    return labels
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+
+
+def _check_same_dim(query: torch.Tensor, gallery: torch.Tensor) -> None:
+    if query.shape[1] != gallery.shape[1]:
+        raise ValueError(
+            f"query/gallery: feature dimensions differ ({query.shape[1]} vs {gallery.shape[1]})")
+
+
+def _inverse_norms(name: str, rows: torch.Tensor) -> torch.Tensor:
+    """1 / L2 norm per row, fp64; zero rows have no direction and are refused."""
+    norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
+    bad = ~(norms > 0) | ~torch.isfinite(norms)
+    if bool(bad.any()):
+        first = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(f"{name}: row {first} has zero or non-finite norm; cosine similarity is undefined")
+    return 1.0 / norms
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the searchable gallery
+
+
+def _half_dtype_for(precision: str, device: torch.device) -> torch.dtype | None:
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "fp16":
+        return torch.float16
+    if precision == "half":
+        return fast_matmul_dtype(device) or torch.bfloat16
+    if precision == "auto":
+        return fast_matmul_dtype(device)
+    return None
+
+
+@dataclass
+class _Space:
+    """A gallery prepared for search: stage copies, their measured deviation from the fp64 reference vectors."""
+
+    size: int
+    dim: int
+    exact_rows: Callable[[torch.Tensor], torch.Tensor]   # gallery indices -> fp64 reference vectors
+    stage32: torch.Tensor            # (Ng, D) fp32
+    norm32_max: float                # max ||stage32_j||
+    dev32_max: float                 # max ||stage32_j - g_j||
+    norm64_max: float                # max ||g_j||
+    half_t: torch.Tensor | None      # (D, Ng) half, contiguous (a transposed view halves AMX speed)
+    half_dtype: torch.dtype | None
+    norm_half_max: float
+    dev_half_max: float
+
+
+def _build_space(size: int, dim: int, exact_block: Callable[[int, int], torch.Tensor],
+                 exact_rows: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
+                 half_dtype: torch.dtype | None) -> _Space:
+    """Materialise the fp32 (and half) gallery copies block by block and measure their deviations in fp64."""
+    stage32 = torch.empty((size, dim), dtype=torch.float32, device=device)
+    half = torch.empty((size, dim), dtype=half_dtype, device=device) if half_dtype is not None else None
+    norm32 = dev32 = norm64 = norm_half = dev_half = 0.0
+    block = max(1, (1 << 23) // dim)
+    for start in range(0, size, block):
+        stop = min(size, start + block)
+        exact = exact_block(start, stop)
+        stage32[start:stop] = exact
+        copy64 = stage32[start:stop].double()
+        norm64 = max(norm64, float(torch.linalg.vector_norm(exact, dim=1).max()))
+        norm32 = max(norm32, float(torch.linalg.vector_norm(copy64, dim=1).max()))
+        dev32 = max(dev32, float(torch.linalg.vector_norm(copy64 - exact, dim=1).max()))
+        if half is not None:
+            half[start:stop] = exact
+            half64 = half[start:stop].double()
+            norm_half = max(norm_half, float(torch.linalg.vector_norm(half64, dim=1).max()))
+            dev_half = max(dev_half, float(torch.linalg.vector_norm(half64 - exact, dim=1).max()))
+    half_t = half.t().contiguous() if half is not None else None
+    return _Space(size, dim, exact_rows, stage32, norm32 * _SLACK, dev32 * _SLACK, norm64 * _SLACK,
+                  half_t, half_dtype, norm_half * _SLACK, dev_half * _SLACK)
+
+
+def _direct_space(gallery: torch.Tensor, precision: str) -> _Space:
+    inverse = _inverse_norms("gallery", gallery)
+
+    def exact_rows(index: torch.Tensor) -> torch.Tensor:
+        return gallery[index].double() * inverse[index].unsqueeze(-1)
+
+    def exact_block(start: int, stop: int) -> torch.Tensor:
+        return gallery[start:stop].double() * inverse[start:stop, None]
+
+    half_dtype = _half_dtype_for(precision, gallery.device)
+    return _build_space(gallery.shape[0], gallery.shape[1], exact_block, exact_rows, gallery.device, half_dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the kernel
+
+
+def _gamma(dim: int, unit: float) -> float:
+    return dim * unit / (1.0 - dim * unit)
+
+
+def _stage_bound(dev_x: torch.Tensor, norm_x: torch.Tensor, norm_q: torch.Tensor, y_norm: float, y_dev: float,
+                 dim: int, unit_acc: float, unit_out: float, absolute: float) -> torch.Tensor:
+    """E(q) of the module docstring, fp64 (n,)."""
+    gamma = _gamma(dim, unit_acc)
+    products = norm_x * y_norm
+    bound = dev_x * y_norm + norm_q * y_dev + gamma * products + unit_out * (1.0 + gamma) * products + absolute
+    return bound * _SLACK
+
+
+def _round_down(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Largest ``dtype`` value <= each fp64 value, so a comparison in ``dtype`` never drops a candidate."""
+    rounded = values.to(dtype)
+    too_big = rounded.double() > values
+    if bool(too_big.any()):
+        int_type = torch.int16 if dtype in (torch.bfloat16, torch.float16) else torch.int32
+        bits = rounded.view(int_type)
+        # sign-magnitude: stepping down is -1 on the bits of a positive value, +1 on those of a negative one
+        positive = bits > 0
+        stepped = torch.where(positive, bits - 1, bits + 1)
+        smallest_negative = torch.iinfo(int_type).min + 1          # -0 bits + 1: the negative subnormal
+        stepped = torch.where(bits == 0, torch.full_like(bits, smallest_negative), stepped)
+        rounded = torch.where(too_big, stepped.view(dtype), rounded)
+    return rounded
+
+
+def _select(scores: torch.Tensor, bound: torch.Tensor, k: int, cap: int | None):
+    """Candidates {s >= v_k - 2E} of each row; rows with more than ``cap`` come back separately.
+
+    Returns (rows_ok, candidates (n_ok, w) int64 padded with -1 in ascending index order, rows_wide).
+    """
+    if k == 1:
+        kth = scores.max(dim=1).values
+    else:
+        kth = scores.topk(k, dim=1, sorted=True).values[:, k - 1]
+    threshold = _round_down(kth.double() - 2.0 * bound, scores.dtype)
+    mask = scores >= threshold.unsqueeze(1)
+    counts = mask.sum(dim=1)
+    if cap is None:
+        ok = torch.ones_like(counts, dtype=torch.bool)
+    else:
+        ok = counts <= cap
+    rows_ok = torch.nonzero(ok).squeeze(1)
+    rows_wide = torch.nonzero(~ok).squeeze(1)
+    candidates = _pad_candidates(mask[rows_ok], counts[rows_ok])
+    return rows_ok, candidates, rows_wide
+
+
+def _pad_candidates(mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    width = int(counts.max()) if counts.numel() else 0
+    padded = torch.full((mask.shape[0], width), -1, dtype=torch.long, device=mask.device)
+    if width == 0:
+        return padded
+    row, column = torch.nonzero(mask, as_tuple=True)       # row-major: columns ascend within a row
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(row.numel(), device=mask.device) - starts[row]
+    padded[row, position] = column
+    return padded
+
+
+def _gathered_scores(query_rows: torch.Tensor, candidates: torch.Tensor, rows_of: Callable) -> torch.Tensor:
+    """Scores of each query row against its padded candidates (-inf on padding), in blocks of bounded memory."""
+    count, width = candidates.shape
+    dim = query_rows.shape[1]
+    out = torch.full((count, width), -math.inf, dtype=query_rows.dtype, device=query_rows.device)
+    step = max(1, _GATHER_BUDGET // max(1, width * dim))
+    for start in range(0, count, step):
+        stop = min(count, start + step)
+        block = candidates[start:stop]
+        valid = block >= 0
+        vectors = rows_of(block.clamp(min=0))                  # (b, w, D)
+        # elementwise product + sum: every candidate reduced the same way, so identical rows tie bit for bit
+        scores = (vectors * query_rows[start:stop].unsqueeze(1)).sum(dim=-1)
+        out[start:stop] = torch.where(valid, scores, torch.full_like(scores, -math.inf))
+    return out
+
+
+def _filter(scores: torch.Tensor, candidates: torch.Tensor, bound: torch.Tensor, k: int) -> torch.Tensor:
+    """Drop candidates that cannot reach the top-k given scores within ``bound``; keeps positions (pads -1)."""
+    kth = scores.topk(k, dim=1).values[:, k - 1] if k > 1 else scores.max(dim=1).values
+    keep = (scores.double() >= (kth.double() - 2.0 * bound).unsqueeze(1)) & (candidates >= 0)
+    return torch.where(keep, candidates, torch.full_like(candidates, -1))
+
+
+class _Result:
+    def __init__(self, count: int, k: int, device: torch.device, want_scores: bool) -> None:
+        self.index = torch.full((count, k), -1, dtype=torch.long, device=device)
+        self.score = torch.full((count, k), math.nan, dtype=torch.float64, device=device) if want_scores else None
+
+
+def _search_chunk(space: _Space, q64: torch.Tensor, k: int, want_scores: bool, start_stage: str,
+                  result: _Result, offset: int) -> None:
+    """Exact top-k of one chunk of fp64 reference query vectors (n, D); writes rows offset.. of ``result``."""
+    n, dim = q64.shape
+    norm_q = torch.linalg.vector_norm(q64, dim=1)
+    q32 = q64.float()
+    q32_64 = q32.double()
+    dev32 = torch.linalg.vector_norm(q32_64 - q64, dim=1)
+    norm32 = torch.linalg.vector_norm(q32_64, dim=1)
+    bound32 = _stage_bound(dev32, norm32, norm_q, space.norm32_max, space.dev32_max, dim, _U32, 0.0, 0.0)
+
+    single_ok = k == 1 and not want_scores
+    if start_stage == "fp64":
+        _full_fp64(space, q64, torch.arange(n, device=q64.device), k, want_scores, result, offset)
+        return
+    if start_stage == "half":
+        qh = q64.to(space.half_dtype)
+        qh_64 = qh.double()
+        dev_h = torch.linalg.vector_norm(qh_64 - q64, dim=1)
+        norm_h = torch.linalg.vector_norm(qh_64, dim=1)
+        scores, out_unit = _half_scores(qh, space.half_t)
+        bound_h = _stage_bound(dev_h, norm_h, norm_q, space.norm_half_max, space.dev_half_max, dim, _U32,
+                               out_unit, 2.0 ** -24)
+        rows, cand, fp32_rows = _select(scores, bound_h, k, _MAX_CANDIDATES + k)
+        del scores
+        if single_ok:
+            rows, cand = _take_singles(rows, cand, result, offset)
+        if rows.numel():
+            # half-precision candidates: re-score in fp32 and narrow them with the fp32 bound
+            s32 = _gathered_scores(q32[rows], cand, lambda index: space.stage32[index])
+            cand = _filter(s32, cand, bound32[rows], k)
+            if single_ok:
+                rows, cand = _take_singles(rows, cand, result, offset)
+            _finish_exact(space, q64[rows], cand, rows, k, result, offset)
+    else:
+        fp32_rows = torch.arange(n, device=q64.device)
+    if fp32_rows.numel():
+        # full fp32 rows against a transposed view: the fp32 BLAS takes it at near full speed
+        scores = q32[fp32_rows] @ space.stage32.t()
+        local, cand, wide = _select(scores, bound32[fp32_rows], k, _MAX_CANDIDATES + k)
+        del scores
+        rows = fp32_rows[local]
+        if single_ok:
+            rows, cand = _take_singles(rows, cand, result, offset)
+        _finish_exact(space, q64[rows], cand, rows, k, result, offset)
+        _full_fp64(space, q64, fp32_rows[wide], k, want_scores, result, offset)
+
+
+def _take_singles(rows: torch.Tensor, cand: torch.Tensor, result: "_Result", offset: int):
+    """Rows with exactly one candidate left are answered (top-1): no other item can reach its score."""
+    single = (cand >= 0).sum(dim=1) == 1
+    if bool(single.any()):
+        result.index[offset + rows[single], 0] = cand[single].max(dim=1).values    # padding is -1
+    keep = ~single
+    return rows[keep], cand[keep]
+
+
+def _half_scores(qh: torch.Tensor, half_t: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Half-precision products; fp32 output where the backend offers it (CUDA), else rounded to the half dtype."""
+    if qh.device.type == "cuda":
+        try:
+            return torch.mm(qh, half_t, out_dtype=torch.float32), 0.0
+        except (TypeError, RuntimeError):
+            # without an fp32 output, forbid reduced-precision (half) split-K accumulation the bound excludes
+            matmul = torch.backends.cuda.matmul
+            saved = (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction)
+            matmul.allow_fp16_reduced_precision_reduction = False
+            matmul.allow_bf16_reduced_precision_reduction = False
+            try:
+                return qh @ half_t, _UNIT_ROUNDOFF[qh.dtype]
+            finally:
+                matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction = saved
+    return qh @ half_t, _UNIT_ROUNDOFF[qh.dtype]
+
+
+def _finish_exact(space: _Space, q64: torch.Tensor, cand: torch.Tensor, rows: torch.Tensor, k: int,
+                  result: _Result, offset: int) -> None:
+    """Score the surviving candidates in fp64 and order them by (score desc, gallery index asc)."""
+    if rows.numel() == 0:
+        return
+    s64 = _gathered_scores(q64, cand, space.exact_rows)
+    # candidates ascend in index along each row (padding last with -inf), so a stable sort breaks ties by index
+    order = torch.sort(s64, dim=1, descending=True, stable=True).indices[:, :k]
+    result.index[offset + rows] = torch.gather(cand, 1, order)
+    if result.score is not None:
+        result.score[offset + rows] = torch.gather(s64, 1, order)
+
+
+def _full_fp64(space: _Space, q64: torch.Tensor, rows: torch.Tensor, k: int, want_scores: bool,
+               result: _Result, offset: int) -> None:
+    """Fallback (and precision='fp64'): full fp64 rows, then the exact gathered evaluation on near-ties."""
+    if rows.numel() == 0:
+        return
+    queries = q64[rows]
+    norm_q = torch.linalg.vector_norm(queries, dim=1)
+    # two fp64 evaluations of the same products differ by at most 2 gamma_D ||q|| ||g||
+    bound = 2.0 * _gamma(space.dim, 2.0 ** -53) * norm_q * space.norm64_max * _SLACK + 1e-300
+    step = max(1, _SCORE_BUDGET // space.size)
+    for start in range(0, rows.numel(), step):
+        stop = min(rows.numel(), start + step)
+        scores = torch.empty((stop - start, space.size), dtype=torch.float64, device=q64.device)
+        block = max(1, (1 << 22) // space.dim)
+        for g0 in range(0, space.size, block):
+            g1 = min(space.size, g0 + block)
+            index = torch.arange(g0, g1, device=q64.device)
+            scores[:, g0:g1] = queries[start:stop] @ space.exact_rows(index).t()
+        _, cand, _ = _select(scores, bound[start:stop], k, None)
+        _finish_exact(space, queries[start:stop], cand, rows[start:stop], k, result, offset)
+
+
+def _start_stage(space: _Space, precision: str) -> str:
+    if precision == "fp64":
+        return "fp64"
+    if space.half_t is not None:
+        return "half"
+    return "fp32"
+
+
+def _default_chunk(gallery_size: int) -> int:
+    return int(max(16, min(4096, _SCORE_BUDGET // max(1, gallery_size))))
+
+
+def _search(space: _Space, query_rows: Callable[[int, int], torch.Tensor], query_count: int, k: int,
+            precision: str, chunk_size: int | None, want_scores: bool) -> _Result:
+    if not 1 <= k <= space.size:
+        raise ValueError(f"k: expected 1 <= k <= gallery size ({space.size}), got {k}")
+    chunk = chunk_size if chunk_size is not None else _default_chunk(space.size)
+    if chunk < 1:
+        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
+    stage = _start_stage(space, precision)
+    result = _Result(query_count, k, space.stage32.device, want_scores)
+    for start in range(0, query_count, chunk):
+        stop = min(query_count, start + chunk)
+        _search_chunk(space, query_rows(start, stop), k, want_scores, stage, result, start)
+    return result
+
+
+def _direct_queries(query: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
+    inverse = _inverse_norms("query", query)
+    return lambda start, stop: query[start:stop].double() * inverse[start:stop, None]
+
+
+def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None, precision: str = "auto",
+                       return_scores: bool = True):
+    """Exact cosine top-k: for each query row, the k gallery rows of highest cosine similarity.
+
+    query (Nq, D), gallery (Ng, D): float tensors (CPU or CUDA; the gallery's device is used) or numpy arrays;
+    rows are L2-normalised inside. Returns ``(indices, scores)``: indices (Nq, k) int64, 0-based gallery rows in
+    descending similarity, exact ties broken by the lowest index; scores (Nq, k) float64 cosine similarities (None
+    when ``return_scores`` is False, which skips the final fp64 scoring where it is not needed for k = 1).
+    ``precision``: "auto" (half precision where the hardware is fast at it, else fp32), "half"/"bf16"/"fp16"
+    (force that candidate stage), "fp32", "fp64" (brute force). The ranking is the same for every choice.
+    ``chunk_size``: queries per block (default: a block of scores stays under 2**26 entries).
+    """
+    _check_precision(precision)
+    gallery = _as_matrix("gallery", gallery)
+    query = _as_matrix("query", query, gallery.device)
+    _check_same_dim(query, gallery)
+    with torch.inference_mode():
+        space = _direct_space(gallery, precision)
+        result = _search(space, _direct_queries(query), query.shape[0], k, precision, chunk_size, return_scores)
+    return result.index, result.score
+
+
+def recall_at_k(query, query_labels, gallery, gallery_labels, k: int, chunk_size: int | None = None,
+                precision: str = "auto") -> float:
+    """1:N Recall@k as a fraction in [0, 1]: share of queries with a same-label item among their k nearest
+    gallery rows by cosine similarity (ties at the k-th place resolved by the lowest gallery index)."""
+    query = _as_matrix("query", query)
+    gallery = _as_matrix("gallery", gallery)
+    q_labels = _as_labels("query_labels", query_labels, query.shape[0])
+    g_labels = _as_labels("gallery_labels", gallery_labels, gallery.shape[0])
+    index, _ = nearest_neighbours(query, gallery, k, chunk_size, precision, return_scores=False)
+    retrieved = g_labels[index.cpu().numpy()]
+    return float(np.mean(np.any(retrieved == q_labels[:, None], axis=1)))
+
+
+def recall_at_1(query, query_labels, gallery, gallery_labels, chunk_size: int | None = None,
+                precision: str = "auto") -> float:
+    """1:N Recall@1 as a fraction in [0, 1]: share of queries whose most cosine-similar gallery row (lowest index
+    among exact ties) has the query's label. query (Nq, D), gallery (Ng, D), labels (Nq,) and (Ng,)."""
+    return recall_at_k(query, query_labels, gallery, gallery_labels, 1, chunk_size, precision)
+
+
+def mean_average_precision(query, query_labels, gallery, gallery_labels, chunk_size: int | None = None,
+                           no_relevant: str = "skip") -> float:
+    """Re-identification mAP as a fraction in [0, 1], ranking the whole gallery by fp64 cosine similarity.
+
+    AP of a query = mean over its R relevant (same-label) gallery items of precision at each one's 1-based rank,
+    the ranking ordered by (similarity desc, gallery index asc). Queries without any relevant gallery item have no
+    AP: ``no_relevant="skip"`` leaves them out of the mean (as the Market-1501 protocol does), ``"zero"`` counts
+    them as 0. Raises ValueError when every query is skipped.
+    """
+    if no_relevant not in ("skip", "zero"):
+        raise ValueError(f"no_relevant: expected 'skip' or 'zero', got {no_relevant!r}")
+    gallery = _as_matrix("gallery", gallery)
+    query = _as_matrix("query", query, gallery.device)
+    _check_same_dim(query, gallery)
+    q_labels = torch.as_tensor(_as_labels("query_labels", query_labels, query.shape[0]), device=gallery.device)
+    g_labels = torch.as_tensor(_as_labels("gallery_labels", gallery_labels, gallery.shape[0]),
+                               device=gallery.device)
+    chunk = chunk_size if chunk_size is not None else _default_chunk(gallery.shape[0])
+    if chunk < 1:
+        raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
+    with torch.inference_mode():
+        gallery64 = gallery.double() * _inverse_norms("gallery", gallery)[:, None]
+        queries = _direct_queries(query)
+        ap_values = []
+        for start in range(0, query.shape[0], chunk):
+            stop = min(query.shape[0], start + chunk)
+            scores = queries(start, stop) @ gallery64.t()
+            order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+            relevant = (g_labels[order] == q_labels[start:stop, None]).double()
+            hits = torch.cumsum(relevant, dim=1)
+            ranks = torch.arange(1, gallery.shape[0] + 1, device=gallery.device, dtype=torch.float64)
+            total = relevant.sum(dim=1)
+            ap = (relevant * hits / ranks).sum(dim=1) / total.clamp(min=1)
+            if no_relevant == "skip":
+                ap = ap[total > 0]
+            ap_values.append(ap)
+        all_ap = torch.cat(ap_values)
+    if all_ap.numel() == 0:
+        raise ValueError("query_labels: no query has a relevant gallery item; mAP is undefined")
+    return float(all_ap.mean())
+
+
+def class_mean_gallery(features, labels) -> tuple[torch.Tensor, np.ndarray]:
+    """Templates for the ``gallery: class_means`` protocol.
+
+    features (N, D), labels (N,). Each feature is L2-normalised, averaged per class, and the mean re-normalised.
+    Returns (templates (C, D) float32 unit rows, template_labels (C,) sorted distinct labels).
+    """
+    features = _as_matrix("features", features)
+    labels_np = _as_labels("labels", labels, features.shape[0])
+    classes, inverse = np.unique(labels_np, return_inverse=True)
+    with torch.inference_mode():
+        unit = features.double() * _inverse_norms("features", features)[:, None]
+        sums = torch.zeros((len(classes), features.shape[1]), dtype=torch.float64, device=features.device)
+        sums.index_add_(0, torch.as_tensor(inverse, device=features.device), unit)
+        norms = torch.linalg.vector_norm(sums, dim=1)
+        if bool((norms <= 0).any()):
+            bad = classes[int(torch.nonzero(norms <= 0)[0, 0])]
+            raise ValueError(f"features: the normalised features of class {bad!r} sum to zero; no mean direction")
+        templates = (sums / norms[:, None]).float()
+    return templates, classes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# exact linear-head bridge (SPEC §7)
+
+
+def _check_head(name: str, head: torch.Tensor, embed_dim: int) -> None:
+    if head.shape[1] != embed_dim:
+        raise ValueError(f"{name}: expected shape (d, {embed_dim}) as nn.Linear(m, d).weight stores it, "
+                         f"got {tuple(head.shape)}")
+
+
+def _bridge_space(gallery_embed: torch.Tensor, query_head: torch.Tensor, gallery_head: torch.Tensor,
+                  precision: str) -> _Space:
+    """Gallery vectors (A_t^T A_k g_j) / ||A_k g_j||, m-dimensional, from the two m x m Gram products in fp64."""
+    device = gallery_embed.device
+    head_t = query_head.to(device).double()
+    head_k = gallery_head.to(device).double()
+    cross = head_t.t() @ head_k                        # A_t^T A_k (m, m)
+    gram_k = head_k.t() @ head_k                       # A_k^T A_k (m, m): ||A_k g||^2 = g^T G g
+    del head_t, head_k
+    size, dim = gallery_embed.shape
+    vectors = torch.empty((size, dim), dtype=torch.float64, device=device)
+    block = max(1, (1 << 22) // dim)
+    for start in range(0, size, block):
+        stop = min(size, start + block)
+        g = gallery_embed[start:stop].double()
+        squared = ((g @ gram_k) * g).sum(dim=1)
+        if bool((~(squared > 0)).any()):
+            first = start + int(torch.nonzero(~(squared > 0))[0, 0])
+            raise ValueError(f"gallery_embed: row {first} maps to a zero feature under gallery_head; "
+                             "cosine similarity is undefined")
+        vectors[start:stop] = (g @ cross.t()) / torch.sqrt(squared)[:, None]
+    half_dtype = _half_dtype_for(precision, device)
+    return _build_space(size, dim, lambda a, b: vectors[a:b], lambda index: vectors[index], device, half_dtype)
+
+
+def bridged_nearest_neighbours(query_embed, query_head, gallery_embed, gallery_head, k: int = 1,
+                               chunk_size: int | None = None, precision: str = "auto",
+                               return_scores: bool = True):
+    """Exact top-k of cos(A_t q, A_k g) without forming the d-dimensional features.
+
+    query_embed (Nq, m), gallery_embed (Ng, m): backbone embeddings; query_head (d, m) = A_t, gallery_head (d, m)
+    = A_k, the bias-free junction weights as ``nn.Linear(m, d).weight`` stores them. Since
+    cos(A_t q, A_k g) = q^T (A_t^T A_k) g / (||A_t q|| ||A_k g||), the gallery becomes m-dim vectors
+    (A_t^T A_k g) / ||A_k g|| (||A_k g||^2 = g^T (A_k^T A_k) g) and the search runs in m dimensions.
+    The query norm ||A_t q|| is a positive factor common to a query's row: it changes neither the order nor exact
+    ties (ties are decided on the unscaled fp64 products, so scaling cannot merge or split them) and is computed
+    only when ``return_scores`` asks for cosine values (one more m x m Gram product).
+    Returns (indices (Nq, k) int64, scores (Nq, k) float64 cosines or None), as ``nearest_neighbours``.
+    """
+    _check_precision(precision)
+    gallery_embed = _as_matrix("gallery_embed", gallery_embed)
+    device = gallery_embed.device
+    query_embed = _as_matrix("query_embed", query_embed, device)
+    query_head = _as_matrix("query_head", query_head, device)
+    gallery_head = _as_matrix("gallery_head", gallery_head, device)
+    _check_head("query_head", query_head, query_embed.shape[1])
+    _check_head("gallery_head", gallery_head, gallery_embed.shape[1])
+    if query_head.shape[0] != gallery_head.shape[0]:
+        raise ValueError(f"query_head/gallery_head: feature dimensions d differ "
+                         f"({query_head.shape[0]} vs {gallery_head.shape[0]})")
+    with torch.inference_mode():
+        space = _bridge_space(gallery_embed, query_head, gallery_head, precision)
+        # any positive per-query scale is allowed for the ranking; the Euclidean one keeps the stage bounds small
+        result = _search(space, _direct_queries(query_embed), query_embed.shape[0], k, precision, chunk_size,
+                         return_scores)
+        if return_scores:
+            head_t = query_head.double()
+            gram_t = head_t.t() @ head_t
+            q = query_embed.double()
+            feature_norm = torch.sqrt(((q @ gram_t) * q).sum(dim=1))
+            if bool((~(feature_norm > 0)).any()):
+                first = int(torch.nonzero(~(feature_norm > 0))[0, 0])
+                raise ValueError(f"query_embed: row {first} maps to a zero feature under query_head; "
+                                 "cosine similarity is undefined")
+            euclidean = torch.linalg.vector_norm(q, dim=1)
+            result.score *= (euclidean / feature_norm)[:, None]
+    return result.index, result.score
+
+
+def bridged_recall_at_1(query_embed, query_head, gallery_embed, gallery_head, query_labels, gallery_labels,
+                        chunk_size: int | None = None, precision: str = "auto") -> float:
+    """1:N Recall@1 (fraction) of queries A_t q against gallery A_k g, computed in the m-dim embedding space
+    (see ``bridged_nearest_neighbours``); identical top-1 to searching the d-dim features directly."""
+    q_labels = _as_labels("query_labels", query_labels, len(query_embed))
+    g_labels = _as_labels("gallery_labels", gallery_labels, len(gallery_embed))
+    index, _ = bridged_nearest_neighbours(query_embed, query_head, gallery_embed, gallery_head, 1, chunk_size,
+                                          precision, return_scores=False)
+    return float(np.mean(g_labels[index[:, 0].cpu().numpy()] == q_labels))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1:1 verification
+
+
+def make_verification_pairs(labels, n_pos: int, n_neg: int, seed: int
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Seeded 1:1 verification pairs: ``n_pos`` same-label and ``n_neg`` different-label pairs.
+
+    Pairs are distinct unordered pairs of distinct samples (0-based indices into ``labels``; idx_a < idx_b), drawn
+    uniformly among all pairs of their kind, then shuffled together. Returns (idx_a (n,), idx_b (n,) int64,
+    same (n,) bool) with n = n_pos + n_neg. Raises ValueError when positives are asked for and no class has two
+    samples, or when fewer distinct pairs of a kind exist than requested.
+    """
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise ValueError(f"labels: expected a 1-D array, got shape {labels.shape}")
+    if n_pos < 0 or n_neg < 0:
+        raise ValueError(f"n_pos/n_neg: expected non-negative counts, got {n_pos}, {n_neg}")
+    rng = np.random.default_rng(seed)
+    classes, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+    members = [np.flatnonzero(inverse == c) for c in range(len(classes))]
+    pair_counts = counts.astype(np.float64) * (counts - 1) / 2
+    total_pos = int(pair_counts.sum())
+    total_neg = len(labels) * (len(labels) - 1) // 2 - total_pos
+    if n_pos > 0 and total_pos == 0:
+        raise ValueError("labels: no class has 2 or more samples, so no positive pair exists")
+    if n_pos > total_pos:
+        raise ValueError(f"n_pos: only {total_pos} distinct same-label pairs exist, {n_pos} requested")
+    if n_neg > total_neg:
+        raise ValueError(f"n_neg: only {total_neg} distinct different-label pairs exist, {n_neg} requested")
+
+    def draw_positive(count: int) -> np.ndarray:
+        cls = rng.choice(len(classes), size=count, p=pair_counts / pair_counts.sum())
+        size = counts[cls]
+        first = rng.integers(0, size)
+        second = (first + rng.integers(1, np.maximum(size, 2))) % size      # a different member of the class
+        return np.stack([[members[c][i] for c, i in zip(cls, first)],
+                         [members[c][i] for c, i in zip(cls, second)]], axis=1)
+
+    def draw_negative(count: int) -> np.ndarray:
+        pairs = rng.integers(0, len(labels), size=(count, 2))
+        return pairs[labels[pairs[:, 0]] != labels[pairs[:, 1]]]
+
+    def distinct(count: int, total: int, draw, same: bool) -> np.ndarray:
+        if count == 0:
+            return np.zeros((0, 2), dtype=np.int64)
+        if total <= 4 * count:
+            # few pairs exist: enumerate them all and pick without replacement
+            a, b = np.triu_indices(len(labels), k=1)
+            keep = (labels[a] == labels[b]) == same
+            pool = np.stack([a[keep], b[keep]], axis=1)
+            return pool[rng.choice(len(pool), size=count, replace=False)]
+        chosen: dict[tuple[int, int], None] = {}
+        while len(chosen) < count:
+            for x, y in draw(2 * (count - len(chosen)) + 16):
+                key = (min(int(x), int(y)), max(int(x), int(y)))
+                chosen.setdefault(key)
+                if len(chosen) == count:
+                    break
+        return np.array(list(chosen), dtype=np.int64)
+
+    positives = distinct(n_pos, total_pos, draw_positive, True)
+    negatives = distinct(n_neg, total_neg, draw_negative, False)
+    pairs = np.concatenate([positives, negatives]).astype(np.int64)
+    same = np.concatenate([np.ones(len(positives), bool), np.zeros(len(negatives), bool)])
+    order = rng.permutation(len(pairs))
+    return pairs[order, 0], pairs[order, 1], same[order]
+
+
+def _pair_cosines(feats_a, feats_b) -> np.ndarray:
+    a = _as_matrix("feats_a", feats_a).double().cpu()
+    b = _as_matrix("feats_b", feats_b).double().cpu()
+    if a.shape != b.shape:
+        raise ValueError(f"feats_a/feats_b: expected equal shapes, got {tuple(a.shape)} and {tuple(b.shape)}")
+    a = a * _inverse_norms("feats_a", a)[:, None]
+    b = b * _inverse_norms("feats_b", b)[:, None]
+    return (a * b).sum(dim=1).numpy()
+
+
+def _best_threshold(scores: np.ndarray, same: np.ndarray) -> float:
+    """Threshold maximising accuracy of 'same iff score > threshold'; the smallest one among equals."""
+    values = np.unique(scores)
+    candidates = np.concatenate([[-np.inf], values])           # 'score > v' accepts everything above v
+    order = np.sort(scores[same])
+    neg = np.sort(scores[~same])
+    true_accepts = len(order) - np.searchsorted(order, candidates, side="right")
+    true_rejects = np.searchsorted(neg, candidates, side="right")
+    accuracy = (true_accepts + true_rejects) / len(scores)
+    return float(candidates[int(np.argmax(accuracy))])
+
+
+def verification_accuracy(feats_a, feats_b, same, folds: int = 10) -> tuple[float, float]:
+    """1:1 verification accuracy (fraction) by k-fold threshold selection, LFW style.
+
+    feats_a, feats_b (n, D): the two sides of each pair; same (n,) bool. A pair is called "same" when its cosine
+    similarity is > the threshold. Folds are stratified and contiguous: positives and negatives are each split in
+    ``folds`` consecutive groups (in their order in the input) and fold f joins group f of both. For each fold the
+    threshold maximising accuracy on the other folds (the smallest such) is applied to the held-out fold.
+    Returns (mean, population std) of the per-fold accuracies.
+    """
+    scores = _pair_cosines(feats_a, feats_b)
+    same = _as_labels("same", same, len(scores)).astype(bool)
+    if folds < 2:
+        raise ValueError(f"folds: expected at least 2, got {folds}")
+    positive = np.flatnonzero(same)
+    negative = np.flatnonzero(~same)
+    if len(positive) < folds or len(negative) < folds:
+        raise ValueError(f"same: need at least {folds} positive and {folds} negative pairs for {folds} folds, "
+                         f"got {len(positive)} and {len(negative)}")
+    fold_of = np.empty(len(scores), dtype=np.int64)
+    for group in (positive, negative):
+        for f, part in enumerate(np.array_split(group, folds)):
+            fold_of[part] = f
+    accuracies = []
+    for f in range(folds):
+        train = fold_of != f
+        threshold = _best_threshold(scores[train], same[train])
+        test = ~train
+        accuracies.append(float(np.mean((scores[test] > threshold) == same[test])))
+    return float(np.mean(accuracies)), float(np.std(accuracies))
+
+
+def tar_at_far(scores, same, far: float) -> float:
+    """True accept rate (fraction) at the lowest threshold whose false accept rate is <= ``far``.
+
+    scores (n,) similarities, same (n,) bool; a pair is accepted when score >= threshold, so pairs with equal
+    scores are always accepted or rejected together (ties never split). Thresholds range over the observed
+    scores and +inf (accept nothing), so the result is exact for the empirical distribution.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    if scores.ndim != 1:
+        raise ValueError(f"scores: expected a 1-D array, got shape {scores.shape}")
+    same = _as_labels("same", same, len(scores)).astype(bool)
+    if not 0.0 <= far <= 1.0:
+        raise ValueError(f"far: expected a fraction in [0, 1], got {far}")
+    pos = np.sort(scores[same])
+    neg = np.sort(scores[~same])
+    if len(pos) == 0 or len(neg) == 0:
+        raise ValueError("same: need at least one positive and one negative pair")
+    thresholds = np.concatenate([np.unique(scores), [np.inf]])
+    false_accept = (len(neg) - np.searchsorted(neg, thresholds, side="left")) / len(neg)
+    threshold = thresholds[int(np.argmax(false_accept <= far))]      # FAR falls as the threshold rises
+    return float((len(pos) - np.searchsorted(pos, threshold, side="left")) / len(pos))

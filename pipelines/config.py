@@ -1,0 +1,502 @@
+"""Scenario configuration: the YAML schema, ``--set`` overrides and cross-field validation before any compute.
+
+A scenario says which data make up the pre-training pools, the fine-tuning pool and the open-set query/gallery
+sets, how the fine-tuning classes are split into tasks, which backbone and how many d-Simplex slots (K) the models
+have, which method trains them, when third-party models replace the fine-tuned one, and how compatibility is
+measured. Validation never touches the data (paper configs name data roots that may not exist on this machine):
+what can only be checked against the data is checked when a stage starts.
+
+Conventions: task numbers are 0-based in code and files except ``replacements[i].at_task``, which is 1-based as in
+the papers. Learning rates are plain numbers; metrics are fractions in [0, 1].
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import re
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PRETRAIN_PREFIX = "pretrain:"
+
+
+class StrictModel(BaseModel):
+    """Base for every config section: unknown keys are errors, so a typo never silently keeps a default."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+class Portion(StrictModel):
+    """A seeded, class-stratified part of a pool: per class, a ``fraction`` of its samples is ``first``, the rest ``second``.
+
+    Used to make a query and a gallery set out of one open-set test pool (query = first, gallery = second).
+    """
+
+    fraction: float = Field(0.5, gt=0.0, lt=1.0, description="share of each class's samples in the 'first' part")
+    take: Literal["first", "second"] = "first"
+    seed: int = 0
+
+
+class PoolSpec(StrictModel):
+    """One labelled image pool: ``load_dataset(dataset, root, split, **options)`` then optional filtering."""
+
+    dataset: str = Field(description="name in compat_core.data.DATASETS (e.g. glyphs, cifar100)")
+    root: str | None = Field(None, description="local folder or s3:// URI of the data; None = the reader's default")
+    split: str = "train"
+    options: dict[str, Any] = Field(default_factory=dict, description="extra keyword options of the dataset reader")
+    classes: list[int] | None = Field(None, description="dataset class ids to keep (None = all classes of the split)")
+    per_class: int | None = Field(None, ge=1, description="keep at most this many samples per class (first ones)")
+    portion: Portion | None = None
+    num_samples: int | None = Field(
+        None, ge=1, description="expected samples after filtering: used by `compat plan` estimates only"
+    )
+
+    def identity(self) -> tuple:
+        """What makes two pools draw from the same class space (for the open-set guard)."""
+        return (self.dataset, self.root, self.split, json.dumps(self.options, sort_keys=True, default=str))
+
+
+class ModelSpec(StrictModel):
+    backbone: str = Field(description="name in compat_core.models.BACKBONES")
+    backbone_config: dict[str, Any] = Field(default_factory=dict)
+    num_slots: int = Field(ge=2, description="K: d-Simplex classes pre-allocated; feature dimension is K - 1")
+
+
+class OptimizerSpec(StrictModel):
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(0.1, gt=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum (ignored by adamw)")
+    weight_decay: float = Field(5e-4, ge=0.0)
+
+
+class ScheduleSpec(StrictModel):
+    name: Literal["cosine", "constant", "step"] = "constant"
+    milestones: list[int] = Field(default_factory=list, description="epochs (0-based) where step divides the lr")
+    gamma: float = Field(0.1, gt=0.0, description="lr multiplier at each milestone (step schedule)")
+
+    @model_validator(mode="after")
+    def _milestones_for_step(self) -> "ScheduleSpec":
+        if self.name == "step" and not self.milestones:
+            raise ValueError("schedule.milestones: the step schedule needs at least one epoch, e.g. [50, 64]")
+        if self.milestones != sorted(self.milestones):
+            raise ValueError(f"schedule.milestones must be increasing, got {self.milestones}")
+        return self
+
+
+class TrainingSpec(StrictModel):
+    """How every fine-tuning / replacement task is trained (pre-training stages may override parts)."""
+
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(128, ge=1)
+    model_selection: Literal["last", "compatibility"] = Field(
+        "last", description="last epoch, or CoReS Sec. 8.2 compatibility-based selection on a held-out split"
+    )
+    selection_holdout: float = Field(0.1, gt=0.0, lt=1.0, description="fraction of task data held out for selection")
+    autocast: bool = Field(True, description="use bf16/fp16 autocast where the hardware makes it faster")
+
+
+class ReplaySpec(StrictModel):
+    per_class: int = Field(20, ge=0, description="images kept per seen class (0 disables replay)")
+    strategy: Literal["random", "herding"] = "random"
+
+
+class MethodSpec(StrictModel):
+    name: str = Field(description="name in pipelines.methods.METHODS (e.g. er, dsimplex-hoc)")
+    params: dict[str, Any] = Field(default_factory=dict, description="method hyper-parameters (method's own schema)")
+
+
+class TaskSpec(StrictModel):
+    spec: str = Field(description="initial classes + increments, e.g. '10+6x15' (7 tasks)")
+    seed: int | None = Field(None, description="class-order seed (None: the scenario seed)")
+
+    @field_validator("spec")
+    @classmethod
+    def _parse(cls, value: str) -> str:
+        parse_increments(value)
+        return value
+
+
+class PretrainSpec(StrictModel):
+    """A third-party model trained by the pipeline on its own class pool (slots 0..num_classes-1, left to right)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    pool: PoolSpec
+    num_classes: int = Field(ge=1, description="classes in the pool (checked against the data when the stage runs)")
+    epochs: int | None = Field(None, ge=1, description="None: training.epochs")
+    backbone: str | None = None
+    backbone_config: dict[str, Any] | None = None
+    optimizer: OptimizerSpec | None = None
+    schedule: ScheduleSpec | None = None
+    batch_size: int | None = Field(None, ge=1)
+    seed: int | None = None
+
+
+class ReplacementSpec(StrictModel):
+    """At task ``at_task`` (1-based, as the papers) the fine-tuned model is replaced by another one, then fine-tuned."""
+
+    at_task: int = Field(description="1-based task number of the first task trained from the new model")
+    source: str = Field(description="path / URI / MLflow URI of external weights, or 'pretrain:<name>'")
+    backbone: str | None = Field(None, description="backbone of the new model (None: model.backbone)")
+    backbone_config: dict[str, Any] | None = None
+    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
+    num_pretrain_classes: int | None = Field(
+        None, ge=0, description="slots 0.. used by the external model's own classes (for the K check)"
+    )
+
+
+class EvaluationSpec(StrictModel):
+    query_set: PoolSpec
+    gallery_set: PoolSpec
+    metric: Literal["recall_at_1", "map", "verification", "tar_at_far"] = "recall_at_1"
+    gallery: Literal["instances", "class_means"] = "instances"
+    label_level: Literal["fine", "coarse"] = "fine"
+    strict: bool = Field(True, description="compatibility criterion uses > (True) or >= (False)")
+    far: float = Field(1e-3, gt=0.0, lt=1.0, description="false-acceptance rate for tar_at_far")
+    verification_pairs: int = Field(3000, ge=1, description="positive (and as many negative) pairs for verification")
+    feature_dtype: Literal["float16", "float32"] = "float16"
+    batch_size: int = Field(256, ge=1, description="extraction batch size")
+
+
+class StageResources(StrictModel):
+    """What one stage asks a scheduler for (Ray). ``num_gpus`` None: 1 when the cluster has GPUs, else 0."""
+
+    num_gpus: float | None = Field(None, ge=0)
+    num_cpus: float = Field(1, gt=0)
+    memory: int | None = Field(None, ge=0, description="bytes")
+
+
+class ResourcesSpec(StrictModel):
+    pretrain: StageResources = Field(default_factory=StageResources)
+    finetune: StageResources = Field(default_factory=StageResources)
+    extract: StageResources = Field(default_factory=StageResources)
+    evaluate: StageResources = Field(default_factory=lambda: StageResources(num_gpus=0))
+    evaluation_actors: int | None = Field(None, ge=1, description="parallel evaluation actors (None: from the cluster)")
+
+    def for_stage(self, kind: str) -> StageResources:
+        return getattr(self, "finetune" if kind == "replace" else kind)
+
+
+class OutputSpec(StrictModel):
+    dir: str = Field("runs/{name}", description="run directory (local path or s3:// URI); {name} = scenario name")
+
+
+class ScenarioConfig(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    seed: int = 0
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    data: PoolSpec = Field(description="the fine-tuning pool, split into tasks")
+    tasks: TaskSpec
+    model: ModelSpec
+    method: MethodSpec
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    replay: ReplaySpec = Field(default_factory=ReplaySpec)
+    pretrain: list[PretrainSpec] = Field(default_factory=list)
+    initial_model: str | None = Field(
+        None, description="weights the first task starts from: 'pretrain:<name>', a path/URI, or None (random init)"
+    )
+    replacements: list[ReplacementSpec] = Field(default_factory=list)
+    evaluation: EvaluationSpec
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    output: OutputSpec = Field(default_factory=OutputSpec)
+
+    # ---- derived values -------------------------------------------------------------------------------------
+    @property
+    def increments(self) -> list[int]:
+        return parse_increments(self.tasks.spec)
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.increments)
+
+    @property
+    def task_seed(self) -> int:
+        return self.seed if self.tasks.seed is None else self.tasks.seed
+
+    def replacement_at(self, task: int) -> ReplacementSpec | None:
+        """The replacement whose first task is ``task`` (0-based), if any."""
+        for replacement in self.replacements:
+            if replacement.at_task - 1 == task:
+                return replacement
+        return None
+
+    def pretrain_spec(self, name: str) -> PretrainSpec:
+        for spec in self.pretrain:
+            if spec.name == name:
+                return spec
+        raise KeyError(f"no pretrain entry named {name!r}; defined: {[p.name for p in self.pretrain]}")
+
+    def output_dir(self) -> str:
+        return self.output.dir.replace("{name}", self.name)
+
+    # ---- cross-field validation -----------------------------------------------------------------------------
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "ScenarioConfig":
+        problems: list[str] = []
+        num_tasks = self.num_tasks
+        total_classes = sum(self.increments)
+        pretrain_names = [p.name for p in self.pretrain]
+        duplicates = sorted({n for n in pretrain_names if pretrain_names.count(n) > 1})
+        if duplicates:
+            problems.append(f"pretrain: names must be unique, {duplicates} appear more than once")
+
+        def check_source(key: str, source: str) -> None:
+            if source.startswith(PRETRAIN_PREFIX) and source[len(PRETRAIN_PREFIX):] not in pretrain_names:
+                problems.append(
+                    f"{key}: {source!r} names no pretrain entry; define it under 'pretrain' (defined: {pretrain_names})"
+                )
+
+        if self.initial_model is not None:
+            check_source("initial_model", self.initial_model)
+        seen_tasks: dict[int, int] = {}
+        for index, replacement in enumerate(self.replacements):
+            key = f"replacements[{index}]"
+            if not 2 <= replacement.at_task <= num_tasks:
+                problems.append(
+                    f"{key}.at_task: must be in 2..{num_tasks} (1-based task number) for a {num_tasks}-task "
+                    f"sequence, got {replacement.at_task}"
+                )
+            if replacement.at_task in seen_tasks:
+                problems.append(
+                    f"{key}.at_task: task {replacement.at_task} is already replaced by "
+                    f"replacements[{seen_tasks[replacement.at_task]}]; use one replacement per task"
+                )
+            seen_tasks[replacement.at_task] = index
+            check_source(f"{key}.source", replacement.source)
+
+        # Slots: third-party classes fill 0.. left to right, fine-tuning classes K-1.. right to left; they must not meet.
+        left_slots = [0]
+        for spec in self.pretrain:
+            left_slots.append(spec.num_classes)
+        for index, replacement in enumerate(self.replacements):
+            if replacement.num_pretrain_classes is not None:
+                left_slots.append(replacement.num_pretrain_classes)
+        needed = max(left_slots) + total_classes
+        if self.model.num_slots < needed:
+            problems.append(
+                f"model.num_slots: K={self.model.num_slots} is too small: {total_classes} fine-tuning classes "
+                f"(tasks.spec {self.tasks.spec!r}) + {max(left_slots)} pre-training slots need K >= {needed}"
+            )
+        if self.data.classes is not None and len(set(self.data.classes)) != total_classes:
+            problems.append(
+                f"data.classes: {len(set(self.data.classes))} distinct classes listed but tasks.spec "
+                f"{self.tasks.spec!r} uses {total_classes}"
+            )
+
+        # Open-set guard on what is visible without the data: the same class space cannot feed training and test
+        # with overlapping (or unrestricted) class lists. The data-level check runs again when evaluation starts.
+        training_pools = [("data", self.data)] + [(f"pretrain[{i}].pool", p.pool) for i, p in enumerate(self.pretrain)]
+        for test_key, test_pool in (("evaluation.query_set", self.evaluation.query_set),
+                                    ("evaluation.gallery_set", self.evaluation.gallery_set)):
+            for train_key, train_pool in training_pools:
+                if train_pool.identity() != test_pool.identity():
+                    continue
+                if train_pool.classes is None or test_pool.classes is None:
+                    problems.append(
+                        f"{test_key}: draws from the same dataset split as {train_key} "
+                        f"({train_pool.dataset}/{train_pool.split}) without disjoint 'classes' lists; "
+                        f"the open-set protocol needs test classes never seen in training"
+                    )
+                    continue
+                overlap = sorted(set(train_pool.classes) & set(test_pool.classes))
+                if overlap:
+                    problems.append(
+                        f"{test_key}.classes: overlap with {train_key}.classes on {overlap[:10]}"
+                        f"{' ...' if len(overlap) > 10 else ''}; training and test classes must be disjoint"
+                    )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+_INCREMENT_PATTERN = re.compile(r"^\s*(\d+)\s*(?:x\s*(\d+))?\s*$")
+
+
+def parse_increments(spec: str) -> list[int]:
+    """'10+6x15' -> [10, 15, 15, 15, 15, 15, 15]: classes per task (0-based task index = list position).
+
+    ``AxB`` means A tasks of B classes. Kept here so configs validate without the data package; it must agree
+    with ``compat_core.data.tasks.parse_increments`` (a test checks both on the shipped specs).
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"tasks.spec: expected text like '10+6x15', got {spec!r}")
+    counts: list[int] = []
+    for part in spec.split("+"):
+        match = _INCREMENT_PATTERN.match(part)
+        if not match:
+            raise ValueError(f"tasks.spec: cannot read {part.strip()!r} in {spec!r}; write N or AxB, e.g. '10+6x15'")
+        if match.group(2) is None:
+            counts.append(int(match.group(1)))
+        else:
+            counts.extend([int(match.group(2))] * int(match.group(1)))
+    if not counts or min(counts) < 1:
+        raise ValueError(f"tasks.spec: every task needs at least one class, got {spec!r}")
+    return counts
+
+
+# ---- loading, overrides, errors -------------------------------------------------------------------------------
+def apply_override(document: dict, assignment: str) -> None:
+    """Apply one ``key.sub=value`` override in place; list items are addressed by index (``replacements.0.at_task``).
+
+    The value is parsed as YAML (``3`` -> int, ``[1, 2]`` -> list, ``null`` -> None, ``a`` -> str).
+    """
+    if "=" not in assignment:
+        raise ValueError(f"--set {assignment!r}: expected KEY=VALUE, e.g. training.epochs=5")
+    key, raw_value = assignment.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ValueError(f"--set {assignment!r}: empty key")
+    try:
+        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+    except yaml.YAMLError as error:
+        raise ValueError(f"--set {key}: value {raw_value!r} is not valid YAML ({error})") from None
+    parts = re.split(r"\.|\[(\d+)\]", key)
+    parts = [p for p in parts if p]
+    node: Any = document
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        where = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ValueError(f"--set {key}: {where!r} must be an index below {len(node)}")
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+        elif isinstance(node, dict):
+            if last:
+                node[part] = value
+            else:
+                if node.get(part) is None:
+                    node[part] = {}
+                node = node[part]
+        else:
+            raise ValueError(f"--set {key}: {'.'.join(parts[:depth])!r} is a value, not a section")
+
+
+def _format_location(location: tuple) -> str:
+    text = ""
+    for part in location:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text
+
+
+def format_validation_error(error: ValidationError, source: str) -> str:
+    """One line per problem, each starting with the key path (``replacements[0].at_task: ...``)."""
+    lines = []
+    for item in error.errors():
+        location = _format_location(tuple(item["loc"]))
+        message = item["msg"]
+        if message.startswith("Value error, "):
+            message = message[len("Value error, "):]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key (check the spelling; see docs of the section for valid keys)"
+        elif item["type"] == "missing":
+            message = "required key is missing"
+        elif "input" in item and item["type"] not in ("value_error",):
+            message = f"{message} (got {item['input']!r})"
+        lines.append(f"{location}: {message}" if location else message)
+    return f"invalid scenario config {source}:\n  " + "\n  ".join(lines)
+
+
+class ConfigError(ValueError):
+    """A scenario config that cannot run; the message lists every problem with its key path."""
+
+
+def validate_config(document: dict, source: str = "<config>") -> ScenarioConfig:
+    """Validate a plain dict into a :class:`ScenarioConfig` (and the method's own parameter schema)."""
+    if not isinstance(document, dict):
+        raise ConfigError(f"invalid scenario config {source}: expected a mapping at the top level")
+    try:
+        config = ScenarioConfig.model_validate(document)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, source)) from None
+    check_method(config, source)
+    return config
+
+
+def check_method(config: ScenarioConfig, source: str = "<config>") -> None:
+    """Check ``method.name`` against the METHODS registry and ``method.params`` against the method's own schema.
+
+    The schema is the method's ``Hparams`` (built by the method's constructor, which raises ValueError on unknown
+    names, wrong types or out-of-range values).
+    """
+    try:
+        from pipelines.methods import METHODS
+    except ImportError as error:
+        if error.name and error.name.startswith("pipelines.methods"):
+            return  # the methods package is optional at validation time (e.g. a config-only install)
+        raise
+    if config.method.name not in METHODS:
+        raise ConfigError(
+            f"invalid scenario config {source}:\n  method.name: unknown method {config.method.name!r}; "
+            f"valid: {', '.join(METHODS.names())}"
+        )
+    method_class = METHODS.get(config.method.name)
+    try:
+        method_class(**config.method.params)
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"invalid scenario config {source}:\n  method.params: {error}") from None
+
+
+def read_document(path: str | os.PathLike) -> dict:
+    """Read a YAML config file into a dict (local path or URI)."""
+    from compat_core import io
+
+    text = io.read_bytes(path).decode("utf-8")
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML ({error})") from None
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path}: expected a mapping of config sections at the top level")
+    return document
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> ScenarioConfig:
+    """Load, override (``key.sub=value``) and validate a scenario YAML; raises ConfigError listing every problem."""
+    document = read_document(path)
+    for assignment in overrides or []:
+        apply_override(document, assignment)
+    return validate_config(document, source=os.fspath(path))
+
+
+def config_to_dict(config: ScenarioConfig) -> dict:
+    """The resolved config as plain JSON-compatible data (defaults filled in)."""
+    return config.model_dump(mode="json")
+
+
+def dump_config(config: ScenarioConfig) -> str:
+    return yaml.safe_dump(config_to_dict(config), sort_keys=False)
+
+
+def stable_hash(value: Any) -> str:
+    """sha256 hex digest of a JSON-serialisable value with sorted keys (stage keys, config hashes)."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def config_hash(config: ScenarioConfig) -> str:
+    """Hash of everything that changes results (the output location excluded)."""
+    data = copy.deepcopy(config_to_dict(config))
+    data.pop("output", None)
+    data.pop("resources", None)
+    data.pop("description", None)
+    return stable_hash(data)
+
+
+__all__ = [
+    "ConfigError", "ScenarioConfig", "PoolSpec", "PretrainSpec", "ReplacementSpec", "EvaluationSpec",
+    "TrainingSpec", "OptimizerSpec", "ScheduleSpec", "ReplaySpec", "MethodSpec", "ModelSpec", "TaskSpec",
+    "StageResources", "ResourcesSpec", "load_config", "validate_config", "apply_override", "parse_increments",
+    "config_to_dict", "dump_config", "stable_hash", "config_hash", "PRETRAIN_PREFIX",
+]

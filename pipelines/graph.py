@@ -1,0 +1,303 @@
+"""A scenario compiled into a graph of stages, each keyed by a hash of what determines its output.
+
+Stage kinds (``t`` is the 0-based task index):
+
+- ``pretrain``: a third-party model trained on its own class pool (slots 0.. left to right).
+- ``finetune`` (t): task ``t`` trained from the model of task ``t - 1`` (task 0 from ``initial_model`` or a random
+  initialisation); also updates the replay memory.
+- ``replace`` (t): external weights loaded (a ``pretrain:<name>`` stage or a path/URI), then task ``t`` fine-tuned
+  from them with the loaded model as the frozen "old" model (as the reference HOC does).
+- ``extract`` (t, split): features of model ``t`` on the query or gallery set (once per model and split).
+- ``evaluate`` (t): row ``t`` of the compatibility matrix, ``C[t, 0..t]`` (each entry committed on its own).
+
+The key of a stage is ``<kind>-<label>-<16 hex>`` where the hex digest hashes (kind, config slice, parent keys,
+code version): a change to any input or to the source code gives new keys, so stale artifacts are never reused.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig, StageResources, config_to_dict, stable_hash
+
+STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "evaluate")
+SPLITS = ("query", "gallery")
+# Source files that do not change what a stage produces (presentation, CLI, executors) stay out of the code hash,
+# so editing a report template does not invalidate trained models.
+_CODE_HASH_EXCLUDED = ("pipelines/commands/", "pipelines/cli.py", "pipelines/reports", "pipelines/progress.py",
+                       "pipelines/executor.py", "pipelines/graph.py")
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    """Package version + sha256 (16 hex) of the compat_core and pipelines sources that produce artifacts."""
+    try:
+        from importlib.metadata import version
+
+        package_version = version("compat-learning")
+    except Exception:  # not installed as a distribution (running from a checkout)
+        package_version = "0+unknown"
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for package in ("compat_core", "pipelines"):
+        for path in sorted((root / package).rglob("*.py")):
+            relative = path.relative_to(root).as_posix()
+            if relative.startswith(_CODE_HASH_EXCLUDED):
+                continue
+            digest.update(relative.encode())
+            digest.update(path.read_bytes())
+    return f"{package_version}+{digest.hexdigest()[:16]}"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One node of the scenario graph.
+
+    key: unique, content-derived id (also the artifact folder / manifest name). kind: one of STAGE_KINDS.
+    label: short human name, e.g. ``finetune[t=3]``. task: 0-based task index (None for pretrain). split: query or
+    gallery for extract stages. params: the JSON config slice hashed into the key. parents: keys of the stages
+    whose records this stage reads. resources: what a scheduler should reserve.
+    """
+
+    key: str
+    kind: str
+    label: str
+    params: dict[str, Any]
+    parents: tuple[str, ...]
+    resources: StageResources
+    task: int | None = None
+    split: str | None = None
+    name: str | None = None  # pretrain name
+
+
+def stage_key(kind: str, label: str, params: dict, parents: tuple[str, ...], version: str) -> str:
+    """Content key of a stage: ``<kind>-<label>-<first 16 hex of sha256(kind, params, parents, version)>``."""
+    digest = stable_hash({"kind": kind, "params": params, "parents": list(parents), "code": version})
+    return f"{kind}-{label}-{digest[:16]}"
+
+
+@dataclass
+class StageGraph:
+    """Stages in a topological order (every parent before its children) plus look-ups by role."""
+
+    config: ScenarioConfig
+    stages: list[Stage] = field(default_factory=list)
+    code_version: str = ""
+    model_stages: list[str] = field(default_factory=list)        # key of the model stage of task t
+    pretrain_stages: dict[str, str] = field(default_factory=dict)  # pretrain name -> key
+    extract_stages: dict[tuple[int, str], str] = field(default_factory=dict)  # (t, split) -> key
+    evaluate_stages: list[str] = field(default_factory=list)     # key of row t
+
+    def __post_init__(self) -> None:
+        self._by_key = {stage.key: stage for stage in self.stages}
+
+    def add(self, stage: Stage) -> Stage:
+        for parent in stage.parents:
+            if parent not in self._by_key:
+                raise ValueError(f"stage {stage.label}: parent {parent} must be added before its child")
+        if stage.key in self._by_key:
+            raise ValueError(f"stage {stage.label}: duplicate key {stage.key}")
+        self.stages.append(stage)
+        self._by_key[stage.key] = stage
+        return stage
+
+    def __getitem__(self, key: str) -> Stage:
+        try:
+            return self._by_key[key]
+        except KeyError:
+            raise KeyError(f"no stage with key {key!r} in this graph") from None
+
+    def __iter__(self) -> Iterator[Stage]:
+        return iter(self.stages)
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def count_by_kind(self) -> dict[str, int]:
+        counts = {kind: 0 for kind in STAGE_KINDS}
+        for stage in self.stages:
+            counts[stage.kind] += 1
+        return counts
+
+    def children(self, key: str) -> list[Stage]:
+        return [stage for stage in self.stages if key in stage.parents]
+
+
+def _method_traits(name: str) -> dict[str, Any]:
+    """Class-level traits of the method (classifier family, retraining) that change what stages do."""
+    try:
+        from pipelines.methods import METHODS
+    except ImportError:
+        return {"classifier": "simplex", "retrain_from_scratch": False, "training_free": False}
+    method = METHODS.get(name)
+    return {
+        "classifier": getattr(method, "classifier", "simplex"),
+        "retrain_from_scratch": bool(getattr(method, "retrain_from_scratch", False)),
+        "training_free": bool(getattr(method, "training_free", False)),
+    }
+
+
+def compile_scenario(config: ScenarioConfig, version: str | None = None) -> StageGraph:
+    """Compile a validated scenario into its stage graph (no data is read)."""
+    version = code_version() if version is None else version
+    document = config_to_dict(config)
+    traits = _method_traits(config.method.name)
+    graph = StageGraph(config=config, code_version=version)
+    resources = config.resources
+    model_section = document["model"]
+
+    for index, spec in enumerate(config.pretrain):
+        params = {
+            "pretrain": document["pretrain"][index],
+            "defaults": {"model": model_section, "training": document["training"], "seed": config.seed},
+            "classifier": traits["classifier"],
+        }
+        stage = Stage(stage_key("pretrain", spec.name, params, (), version), "pretrain", f"pretrain[{spec.name}]",
+                      params, (), resources.pretrain, name=spec.name)
+        graph.add(stage)
+        graph.pretrain_stages[spec.name] = stage.key
+
+    # What every task's training depends on, besides its own position and its parents.
+    shared = {
+        "data": document["data"],
+        "tasks": document["tasks"],
+        "seed": config.seed,
+        "model": model_section,
+        "method": document["method"],
+        "method_traits": traits,
+        "training": document["training"],
+        "replay": document["replay"],
+        "evaluation_for_selection": document["evaluation"] if config.training.model_selection == "compatibility"
+        else None,
+    }
+
+    def source_parents(source: str | None) -> tuple[str, ...]:
+        if source and source.startswith(PRETRAIN_PREFIX):
+            return (graph.pretrain_stages[source[len(PRETRAIN_PREFIX):]],)
+        return ()
+
+    previous: str | None = None
+    for task in range(config.num_tasks):
+        replacement = config.replacement_at(task)
+        if replacement is not None:
+            kind = "replace"
+            source = document["replacements"][config.replacements.index(replacement)]
+            parents = (previous,) + source_parents(replacement.source)  # type: ignore[operator]
+        else:
+            kind = "finetune"
+            source = {"initial_model": config.initial_model} if task == 0 else None
+            parents = ((previous,) if previous else ()) + (source_parents(config.initial_model) if task == 0 else ())
+        params = {"task": task, "shared": shared, "source": source}
+        stage = Stage(stage_key(kind, f"t{task:03d}", params, parents, version), kind, f"{kind}[t={task}]", params,
+                      parents, resources.for_stage(kind), task=task)
+        graph.add(stage)
+        graph.model_stages.append(stage.key)
+        previous = stage.key
+
+    evaluation = document["evaluation"]
+    extraction_params = {"feature_dtype": evaluation["feature_dtype"], "batch_size": evaluation["batch_size"]}
+    for task, model_key in enumerate(graph.model_stages):
+        for split in SPLITS:
+            params = {"split": split, "pool": evaluation[f"{split}_set"], **extraction_params,
+                      "method": document["method"]}
+            stage = Stage(stage_key("extract", f"t{task:03d}-{split}", params, (model_key,), version), "extract",
+                          f"extract[t={task},{split}]", params, (model_key,), resources.extract, task=task,
+                          split=split)
+            graph.add(stage)
+            graph.extract_stages[(task, split)] = stage.key
+
+    for task in range(config.num_tasks):
+        parents = (graph.extract_stages[(task, "query")],) + tuple(
+            graph.extract_stages[(k, "gallery")] for k in range(task + 1)
+        )
+        params = {"row": task, "protocol": protocol_params(document["evaluation"])}
+        stage = Stage(stage_key("evaluate", f"t{task:03d}", params, parents, version), "evaluate",
+                      f"evaluate[row={task}]", params, parents, resources.evaluate, task=task)
+        graph.add(stage)
+        graph.evaluate_stages.append(stage.key)
+    return graph
+
+
+def protocol_params(evaluation: dict) -> dict:
+    """The evaluation settings that change a matrix entry (ECC strictness does not: it only changes metrics)."""
+    return {key: evaluation[key] for key in ("metric", "gallery", "label_level", "far", "verification_pairs")}
+
+
+def entry_key(query_extract: str, gallery_extract: str, protocol: dict, row: int, column: int) -> str:
+    """Key of one matrix entry C[row, column] computed from two stored feature sets under ``protocol``."""
+    digest = stable_hash({"query": query_extract, "gallery": gallery_extract, "protocol": protocol})
+    return f"entry-r{row:03d}-c{column:03d}-{digest[:16]}"
+
+
+# ---- estimates for `compat plan` --------------------------------------------------------------------------------
+@dataclass
+class PlanEstimate:
+    """Storage and compute estimates. Sizes in bytes; FLOPs count multiply-adds as 2."""
+
+    feature_dim: int
+    query_rows: int | None
+    gallery_rows: int | None
+    feature_bytes: int | None
+    matrix_entries: int
+    matrix_flops: float | None
+
+
+def estimate(graph: StageGraph) -> PlanEstimate:
+    """Feature storage (T models x (query + gallery) x (K-1) x bytes per value) and matrix cost (T(T+1)/2 entries)."""
+    config = graph.config
+    T = config.num_tasks
+    dim = config.model.num_slots - 1
+    bytes_per_value = 2 if config.evaluation.feature_dtype == "float16" else 4
+    query_rows = config.evaluation.query_set.num_samples
+    gallery_rows = config.evaluation.gallery_set.num_samples
+    entries = T * (T + 1) // 2
+    feature_bytes = None
+    flops = None
+    if query_rows is not None and gallery_rows is not None:
+        feature_bytes = T * (query_rows + gallery_rows) * dim * bytes_per_value
+        gallery_columns = gallery_rows
+        gallery_classes = config.evaluation.gallery_set.classes
+        if config.evaluation.gallery == "class_means" and gallery_classes:
+            gallery_columns = len(gallery_classes)  # one template per class
+        flops = float(entries) * 2.0 * query_rows * gallery_columns * dim
+    return PlanEstimate(dim, query_rows, gallery_rows, feature_bytes, entries, flops)
+
+
+def describe(graph: StageGraph) -> str:
+    """Human-readable plan: stages with parents and resources, then the estimates."""
+    config = graph.config
+    lines = [f"scenario {config.name}: {config.num_tasks} tasks ({config.tasks.spec}), method {config.method.name}, "
+             f"K={config.model.num_slots}, code {graph.code_version}"]
+    counts = graph.count_by_kind()
+    lines.append("stages: " + ", ".join(f"{counts[k]} {k}" for k in STAGE_KINDS) + f" ({len(graph)} in all)")
+    labels = {stage.key: stage.label for stage in graph}
+    for stage in graph:
+        res = stage.resources
+        gpus = "auto" if res.num_gpus is None else f"{res.num_gpus:g}"
+        memory = "-" if res.memory is None else _human_bytes(res.memory)
+        parents = ", ".join(labels[p] for p in stage.parents) or "-"
+        lines.append(f"  {stage.label:<26} gpus={gpus:<4} cpus={res.num_cpus:<4g} mem={memory:<9} <- {parents}")
+    plan = estimate(graph)
+    if plan.feature_bytes is None:
+        lines.append(f"feature storage: unknown (set evaluation.query_set.num_samples and gallery_set.num_samples); "
+                     f"{plan.feature_dim * (2 if config.evaluation.feature_dtype == 'float16' else 4)} bytes per "
+                     f"image per model ({config.evaluation.feature_dtype}, d={plan.feature_dim})")
+    else:
+        lines.append(f"feature storage: {plan.feature_bytes} bytes ({_human_bytes(plan.feature_bytes)}; "
+                     f"{config.num_tasks} models x ({plan.query_rows} query + {plan.gallery_rows} gallery) x "
+                     f"d={plan.feature_dim} x {config.evaluation.feature_dtype})")
+    flops = "unknown" if plan.matrix_flops is None else f"{plan.matrix_flops:.3e} FLOPs"
+    lines.append(f"matrix: {plan.matrix_entries} entries (T(T+1)/2, metric {config.evaluation.metric}, gallery "
+                 f"{config.evaluation.gallery}), similarity cost {flops}")
+    return "\n".join(lines)
+
+
+def _human_bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{value} B"

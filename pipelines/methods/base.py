@@ -1,0 +1,297 @@
+"""The method (training recipe) strategy interface and helpers shared by several methods.
+
+A method is a small object that turns a batch into a loss. The training loop (:mod:`pipelines.training`) owns the
+model, the frozen old model, the optimiser, the schedule and the batches; it calls ``setup`` once per task (the
+returned modules are trained together with the model) and ``loss`` once per step, inside the autocast context.
+
+Conventions shared by every method:
+
+- ``Batch.targets`` are class *slots*: d-Simplex slot indices in ``[0, K)`` for ``classifier == "simplex"``, output
+  indices of the learnable classifier for ``classifier == "learnable"``. Old classes are the ones the old model's
+  classifier can score.
+- The first task of a sequence has no previous model (``ctx.old_model is None``) and no replay memory: every
+  method then reduces to its plain classification term, since its compatibility terms compare against something
+  that does not exist yet.
+- At a replacement the stage passes the newly loaded model both as ``model`` (to fine-tune) and, frozen, as
+  ``old_model``: the reference anchors to the loaded model, not to the model it replaces.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CLASSIFIERS = ("simplex", "learnable")
+
+
+@dataclass
+class Batch:
+    """One training batch on the device.
+
+    images: float (B, C, H, W), already transformed and normalised. targets: (B,) int64 class slots (see module
+    docstring). is_memory: (B,) bool, True for samples drawn from the replay memory.
+    """
+
+    images: torch.Tensor
+    targets: torch.Tensor
+    is_memory: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.images, torch.Tensor) or self.images.ndim != 4 or not self.images.is_floating_point():
+            raise ValueError("Batch.images must be a float tensor (B, C, H, W)")
+        batch = self.images.shape[0]
+        if not isinstance(self.targets, torch.Tensor) or self.targets.shape != (batch,):
+            raise ValueError(f"Batch.targets must be an int tensor of shape ({batch},)")
+        if not isinstance(self.is_memory, torch.Tensor) or self.is_memory.shape != (batch,) or self.is_memory.dtype != torch.bool:
+            raise ValueError(f"Batch.is_memory must be a bool tensor of shape ({batch},)")
+
+
+@dataclass
+class TaskContext:
+    """What a method may look at during one task.
+
+    model: the model being trained (a ``CompatModel``). old_model: frozen previous model (eval mode, no grads) or
+    None. task: 0-based task index. num_old_classes: classes seen before this task (count); num_new_classes:
+    classes introduced by this task (count). hparams: the method's validated hyper-parameters. device: where the
+    batches live. iterate_memory: None, or a callable returning an iterator of :class:`Batch` over the replay
+    memory with evaluation transforms (each memory sample once), for methods that summarise old classes in
+    ``setup``.
+    """
+
+    model: nn.Module
+    old_model: nn.Module | None
+    task: int
+    num_old_classes: int
+    num_new_classes: int
+    hparams: Any
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    iterate_memory: Callable[[], Iterator[Batch]] | None = None
+
+
+class Method:
+    """Base class of every training recipe; see the module docstring for the contract.
+
+    Subclasses set the class attributes and ``Hparams`` (a dataclass whose fields carry the SPEC defaults), and
+    implement ``loss``. ``setup`` returns the extra trainable modules (adapters, discriminators), already on the
+    context's device. ``export_state`` returns state dicts of the extra modules that must outlive training (FAN's
+    adapters); the stage stores them next to the model.
+    """
+
+    name: ClassVar[str] = ""
+    classifier: ClassVar[str] = "simplex"
+    uses_replay: ClassVar[bool] = False
+    needs_old_model: ClassVar[bool] = False
+    retrain_from_scratch: ClassVar[bool] = False
+    requires_initial_state: ClassVar[bool] = False
+    training_free: ClassVar[bool] = False
+
+    @dataclass(frozen=True)
+    class Hparams:
+        pass
+
+    def __init__(self, **hparams: Any) -> None:
+        self.hparams = make_hparams(self.name, self.Hparams, hparams)
+
+    def setup(self, ctx: TaskContext) -> list[nn.Module]:
+        return []
+
+    def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError(f"method {self.name!r} does not implement loss()")
+
+    def export_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.hparams})"
+
+
+def make_hparams(method_name: str, hparams_type: type, values: Mapping[str, Any]):
+    """Build ``hparams_type`` from ``values``; unknown names and wrong types raise ``ValueError`` naming the method.
+
+    Ints are accepted for float fields (YAML writes ``5`` for ``5.0``); bools are never accepted as numbers.
+    """
+    valid = {f.name: f for f in dataclasses.fields(hparams_type)}
+    unknown = sorted(set(values) - set(valid))
+    if unknown:
+        names = ", ".join(sorted(valid)) or "(none)"
+        raise ValueError(f"method {method_name!r} has no hyper-parameter(s) {unknown}; valid names: {names}")
+    converted: dict[str, Any] = {}
+    for key, value in values.items():
+        expected = valid[key].type if isinstance(valid[key].type, type) else _resolve_annotation(valid[key].type)
+        if expected is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"method {method_name!r}: hyper-parameter {key!r} must be a finite number, got {value!r}")
+            value = float(value)
+        elif expected is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"method {method_name!r}: hyper-parameter {key!r} must be an int, got {value!r}")
+        elif expected is str:
+            if not isinstance(value, str):
+                raise ValueError(f"method {method_name!r}: hyper-parameter {key!r} must be a string, got {value!r}")
+        elif expected is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"method {method_name!r}: hyper-parameter {key!r} must be true or false, got {value!r}")
+        converted[key] = value
+    instance = hparams_type(**converted)
+    check = getattr(instance, "check", None)
+    if callable(check):
+        check(method_name)
+    return instance
+
+
+def _resolve_annotation(annotation: Any) -> Any:
+    # dataclasses under ``from __future__ import annotations`` store the annotation as a string
+    return {"float": float, "int": int, "str": str, "bool": bool}.get(str(annotation), object)
+
+
+def require_range(method_name: str, key: str, value: float, low: float, high: float | None = None) -> None:
+    """Raise ``ValueError`` naming the method and hyper-parameter when ``value`` is outside ``[low, high]``."""
+    if value < low or (high is not None and value > high):
+        upper = "inf" if high is None else f"{high}"
+        raise ValueError(f"method {method_name!r}: hyper-parameter {key!r} must lie in [{low}, {upper}], got {value}")
+
+
+def require_choice(method_name: str, key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"method {method_name!r}: hyper-parameter {key!r} must be one of {choices}, got {value!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers shared by several methods
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def learnable_classifier(model: nn.Module, role: str) -> nn.Linear:
+    """The growing ``nn.Linear(K-1, n_active)`` head of a learnable-classifier model (ValueError otherwise)."""
+    head = getattr(model, "classifier", None)
+    if not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"the {role} needs a learnable classifier (model.classifier an nn.Linear), got {type(head).__name__}; "
+            f"build it with create_model(..., classifier='learnable')"
+        )
+    return head
+
+
+def classification_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean softmax cross-entropy in fp32 (nats); raises ValueError when a target has no classifier output."""
+    if bool((targets >= logits.shape[1]).any()) or bool((targets < 0).any()):
+        raise ValueError(
+            f"targets must be classifier outputs in [0, {logits.shape[1]}), got range "
+            f"[{int(targets.min())}, {int(targets.max())}]; expand the classifier to the task's classes first"
+        )
+    return F.cross_entropy(logits.float(), targets.long())
+
+
+@torch.no_grad()
+def old_outputs(ctx: TaskContext, images: torch.Tensor):
+    """Forward of the frozen old model (no graph): its ``ModelOutput`` for ``images``."""
+    if ctx.old_model is None:
+        raise ValueError("this method needs the previous model (ctx.old_model) but none was given")
+    return ctx.old_model(images)
+
+
+@dataclass
+class ClassStatistics:
+    """Old-model class summaries over the replay memory, in the old model's L2-normalised feature space.
+
+    centres: (C_old, d) unit class-mean directions (zero rows for classes without memory samples); radius:
+    (C_old,) mean cosine distance (1 - cos) of the class's old features to its centre; present: (C_old,) bool.
+    """
+
+    centres: torch.Tensor
+    radius: torch.Tensor
+    present: torch.Tensor
+
+
+@torch.no_grad()
+def old_class_statistics(ctx: TaskContext, num_classes: int) -> ClassStatistics | None:
+    """Class centres and radii of the old model on the replay memory (None without old model or memory).
+
+    num_classes: number of old-class slots to summarise (targets >= num_classes are ignored).
+    """
+    if ctx.old_model is None or ctx.iterate_memory is None or num_classes <= 0:
+        return None
+    sums: torch.Tensor | None = None
+    counts = torch.zeros(num_classes, dtype=torch.float64, device=ctx.device)
+    stored: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for batch in ctx.iterate_memory():
+        features = F.normalize(ctx.old_model(batch.images).features.double(), dim=1)
+        keep = batch.targets < num_classes
+        features, targets = features[keep], batch.targets[keep]
+        if sums is None:
+            sums = torch.zeros(num_classes, features.shape[1], dtype=torch.float64, device=ctx.device)
+        sums.index_add_(0, targets, features)
+        counts.index_add_(0, targets, torch.ones_like(targets, dtype=torch.float64))
+        stored.append((features, targets))
+    if sums is None or not bool((counts > 0).any()):
+        return None
+    centres = F.normalize(sums, dim=1)
+    distance_sums = torch.zeros(num_classes, dtype=torch.float64, device=ctx.device)
+    for features, targets in stored:
+        distance_sums.index_add_(0, targets, 1.0 - (features * centres[targets]).sum(dim=1))
+    present = counts > 0
+    radius = torch.where(present, distance_sums / counts.clamp_min(1.0), torch.zeros_like(distance_sums))
+    return ClassStatistics(centres=centres.float(), radius=radius.float(), present=present)
+
+
+def boundary_hinge(
+    new_features: torch.Tensor, targets: torch.Tensor, stats: ClassStatistics, scale: float = 1.0
+) -> torch.Tensor:
+    """Mean ``relu((1 - cos(new_i, c_{y_i})) - scale * r_{y_i})`` over samples of classes in ``stats`` (0 if none).
+
+    Pulls a new feature inside the old class's boundary (the radius of the old features around their centre).
+    """
+    num_classes = stats.centres.shape[0]
+    valid = targets < num_classes
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    valid = valid & stats.present[safe]
+    new_unit = F.normalize(new_features.float(), dim=1)
+    distance = 1.0 - (new_unit * stats.centres[safe]).sum(dim=1)
+    hinge = F.relu(distance - scale * stats.radius[safe]) * valid.float()
+    return hinge.sum() / valid.float().sum().clamp_min(1.0)
+
+
+def classifier_input(output) -> torch.Tensor:
+    """What a learnable classifier head consumes in a ``ModelOutput``: the unnormalised junction output."""
+    return output.projection
+
+
+class GradientReversal(torch.autograd.Function):
+    """Identity forward, ``-scale * grad`` backward (Ganin & Lempitsky, 2015)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return -ctx.scale * grad, None
+
+
+def reverse_gradient(tensor: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    return GradientReversal.apply(tensor, scale)
+
+
+__all__ = [
+    "Batch",
+    "CLASSIFIERS",
+    "ClassStatistics",
+    "Method",
+    "TaskContext",
+    "boundary_hinge",
+    "classification_cross_entropy",
+    "classifier_input",
+    "learnable_classifier",
+    "make_hparams",
+    "old_class_statistics",
+    "old_outputs",
+    "require_choice",
+    "require_range",
+    "reverse_gradient",
+]

@@ -1,0 +1,30 @@
+"""ER: experience-replay fine-tuning with a learnable, growing classifier (the baseline of every table)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy
+
+
+class ER(Method):
+    """Cross-entropy over the active outputs of a learnable classifier, on task data + replay memory.
+
+    Choices: the classifier grows by one output per new class (the loop expands it before the task); batches are
+    half memory, half task data (the public reference's sampler) when a memory exists. No compatibility term.
+    """
+
+    name = "er"
+    classifier = "learnable"
+    uses_replay = True
+    needs_old_model = False
+
+    @dataclass(frozen=True)
+    class Hparams:
+        pass
+
+    def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
+        output = ctx.model(batch.images)
+        ce = classification_cross_entropy(output.logits, batch.targets)
+        return ce, {"ce": float(ce.detach())}

@@ -1,0 +1,77 @@
+"""PSP / LSP ("The Probability Simplex is Compatible"): compatible features of independently trained models.
+
+Nothing compatibility-specific happens during training: every step trains a model independently (from scratch, on
+all data seen so far, plain cross-entropy with a learnable classifier whose outputs keep the class order, older
+classes first). Compatibility comes at extraction time from the classifier outputs: ``extract_features`` maps a
+newer model's logits into an older model's class space (PSP: centred softmax, LSP: normalised logits).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compat_core.features import lsp, psp_from_logits
+from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy, require_range
+
+
+class _TrainingFree(Method):
+    classifier = "learnable"
+    uses_replay = False
+    needs_old_model = False
+    retrain_from_scratch = True
+    training_free = True
+
+    @dataclass(frozen=True)
+    class Hparams:
+        top_k: int = 0  # 0: no sparsification
+
+        def check(self, method: str) -> None:
+            require_range(method, "top_k", self.top_k, 0)
+
+    def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
+        output = ctx.model(batch.images)
+        ce = classification_cross_entropy(output.logits, batch.targets)
+        return ce, {"ce": float(ce.detach())}
+
+    def _top_k(self, top_k: int | None) -> int | None:
+        value = self.hparams.top_k if top_k is None else top_k
+        return None if not value else int(value)
+
+
+class PSP(_TrainingFree):
+    """Probability Simplex Projection features ``P_{t,k} softmax(z) / ||.||`` of independently trained models.
+
+    Choices: the models are trained from scratch with a fresh initialisation chosen by the stage (independent
+    training, as in the paper); top_k 0 means no sparsification (the paper's App. K uses 128).
+    """
+
+    name = "psp"
+
+    def extract_features(self, model_output, num_classes_old: int | None = None, top_k: int | None = None) -> torch.Tensor:
+        """(N, C_t) logits (or a ModelOutput) of the newer model -> (N, C_k) PSP unit features in the older space.
+
+        num_classes_old: C_k, the class count of the gallery model (None: the model's own space). top_k: None uses
+        the method's hyper-parameter (0 = off).
+        """
+        return psp_from_logits(_logits(model_output), num_classes_old, self._top_k(top_k))
+
+
+class LSP(_TrainingFree):
+    """Logit Simplex Projection features ``z / ||z||`` (first C_k logits) of independently trained models.
+
+    Choices as for PSP; no centring (the paper's Eq. 6; compat_core.features.lsp can centre).
+    """
+
+    name = "lsp"
+
+    def extract_features(self, model_output, num_classes_old: int | None = None, top_k: int | None = None) -> torch.Tensor:
+        """(N, C_t) logits (or a ModelOutput) -> (N, C_k) LSP unit features; arguments as ``PSP.extract_features``."""
+        return lsp(_logits(model_output), num_classes_old, self._top_k(top_k))
+
+
+def _logits(model_output) -> torch.Tensor:
+    logits = getattr(model_output, "logits", model_output)
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"model_output must be a ModelOutput or a logits tensor (N, C), got {type(model_output).__name__}")
+    return logits

@@ -1,0 +1,669 @@
+"""Stage functions: (stage, config, store, parent records) -> an artifact record committed to the store.
+
+Every stage function is pure in the sense that matters for resuming: its output depends only on its inputs (config
+slice, parent artifacts, seeds), and its result is committed atomically (blobs, then the manifest) by
+:func:`execute_stage`. Records hold URIs, never tensors, so the same functions run in-process (LocalExecutor) or
+inside Ray actors (cluster package) with a local or S3 store. Training progress goes through ``emit(record)``;
+stages never call a tracker.
+
+Class bookkeeping: the fine-tuning classes are numbered by *position* in task order (0 = first class of task 0).
+Slots are derived per model line: d-Simplex methods put position ``i`` in slot ``K-1-i`` (right to left, after the
+third-party classes in slots 0.. left to right); learnable classifiers put it at output ``P + i`` where ``P`` is the
+number of classes the model line was pre-trained on (0 without pre-training).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from pipelines.config import PRETRAIN_PREFIX, PoolSpec, ScenarioConfig
+from pipelines.graph import Stage, entry_key, protocol_params
+from pipelines.progress import ProgressUpdate
+from pipelines.store import RunStore, decode_array, encode_array, feature_blobs, read_features
+
+Emit = Callable[[Any], None]
+
+
+# ---- artifact records ---------------------------------------------------------------------------------------------
+@dataclass
+class ModelArtifact:
+    """A trained model: folder ``uri`` holding model.safetensors + config.json (save_model layout).
+
+    task: 0-based task (None for pretrain). line: 0-based model line (+1 at each replacement). pretrained_classes:
+    P, classes the line's starting model was pre-trained on (slots 0..P-1). positions_seen: fine-tuning classes
+    learned so far (positions 0..positions_seen-1). memory: replay memory record after this task, or None.
+    """
+
+    type: str
+    stage_key: str
+    uri: str
+    task: int | None
+    line: int
+    pretrained_classes: int
+    positions_seen: int
+    classifier: str
+    num_active_classes: int
+    source: str | None = None
+    memory: dict | None = None
+    extra_blobs: list[str] = field(default_factory=list)
+    training: dict = field(default_factory=dict)
+
+
+@dataclass
+class MemoryArtifact:
+    """Replay memory after a task: blob names of .npy arrays (pool indices, class positions, source task)."""
+
+    indices_blob: str
+    positions_blob: str
+    tasks_blob: str
+    size: int
+    per_class: int
+
+
+@dataclass
+class FeatureArtifact:
+    """Features of one model on one evaluation split, fp16 (default) .npy shards + labels under the stage folder."""
+
+    type: str
+    stage_key: str
+    task: int
+    split: str
+    uri: str
+    layout: dict
+    num_classes_model: int
+    seconds: float
+    images_per_second: float
+
+
+@dataclass
+class MatrixRow:
+    """Row ``row`` of the compatibility matrix: ``values[k] = C[row, k]`` for k = 0..row (fractions)."""
+
+    type: str
+    stage_key: str
+    row: int
+    values: list[float]
+    entry_keys: list[str]
+    metric: str
+    protocol: dict
+    computed_entries: int
+    reused_entries: int
+
+
+@dataclass
+class StageResult:
+    record: Any
+    blobs: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass
+class StageContext:
+    stage: Stage
+    config: ScenarioConfig
+    store: RunStore
+    parents: dict[str, dict]
+    emit: Emit
+    device: torch.device
+
+
+# ---- data --------------------------------------------------------------------------------------------------------
+class SubsetSource:
+    """An ImageSource view of ``indices`` of another source (class ids, names and statistics unchanged)."""
+
+    def __init__(self, source: Any, indices: np.ndarray, name: str | None = None) -> None:
+        self.source = source
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.name = name or source.name
+        self.labels = np.asarray(source.labels)[self.indices]
+        coarse = getattr(source, "coarse_labels", None)
+        self.coarse_labels = None if coarse is None else np.asarray(coarse)[self.indices]
+        self.class_names = source.class_names
+        self.image_shape = source.image_shape
+        self.mean = source.mean
+        self.std = source.std
+        self.hflip = source.hflip
+
+    def __len__(self) -> int:
+        return int(self.indices.shape[0])
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        return self.source.read(self.indices[np.asarray(indices, dtype=np.int64)])
+
+
+_POOL_CACHE: dict[str, Any] = {}
+
+
+def load_pool(spec: PoolSpec, key: str = "pool") -> Any:
+    """Open a pool (dataset + filters); cached in-process by its spec. Raises naming ``key`` when data is missing."""
+    from compat_core.data.registry import load_dataset
+
+    cache_key = json.dumps(spec.model_dump(mode="json"), sort_keys=True)
+    if cache_key in _POOL_CACHE:
+        return _POOL_CACHE[cache_key]
+    try:
+        source = load_dataset(spec.dataset, root=spec.root, split=spec.split, **spec.options)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{key}: data of {spec.dataset!r} (split {spec.split!r}, root {spec.root!r}) "
+                                f"not found: {error}") from error
+    labels = np.asarray(source.labels)
+    keep = np.ones(labels.shape[0], dtype=bool)
+    if spec.classes is not None:
+        unknown = sorted(set(spec.classes) - set(np.unique(labels).tolist()))
+        if unknown:
+            raise ValueError(f"{key}.classes: ids {unknown[:10]} do not occur in {spec.dataset}/{spec.split}")
+        keep &= np.isin(labels, np.asarray(spec.classes))
+    indices = np.flatnonzero(keep)
+    if spec.per_class is not None:
+        chosen = [indices[labels[indices] == c][: spec.per_class] for c in np.unique(labels[indices])]
+        indices = np.sort(np.concatenate(chosen)) if chosen else indices[:0]
+    if spec.portion is not None:
+        rng = np.random.default_rng(spec.portion.seed)
+        parts = []
+        for c in np.unique(labels[indices]):
+            members = indices[labels[indices] == c]
+            members = members[rng.permutation(members.shape[0])]
+            cut = int(round(spec.portion.fraction * members.shape[0]))
+            parts.append(members[:cut] if spec.portion.take == "first" else members[cut:])
+        indices = np.sort(np.concatenate(parts)) if parts else indices[:0]
+    if spec.num_samples is not None and indices.shape[0] != spec.num_samples:
+        raise ValueError(f"{key}.num_samples: config expects {spec.num_samples} samples, the data has "
+                         f"{indices.shape[0]} after filtering; fix num_samples or the filters")
+    pool = source if indices.shape[0] == labels.shape[0] else SubsetSource(source, indices)
+    _POOL_CACHE[cache_key] = pool
+    return pool
+
+
+def task_classes(config: ScenarioConfig) -> list[np.ndarray]:
+    """Dataset class ids of each task (0-based list index), by the seeded task-sequence builder."""
+    from compat_core.data.tasks import build_task_sequence
+
+    pool = load_pool(config.data, "data")
+    class_ids = np.unique(np.asarray(pool.labels))
+    total = sum(config.increments)
+    if class_ids.shape[0] < total:
+        raise ValueError(f"tasks.spec: {config.tasks.spec!r} needs {total} classes, data pool has {class_ids.shape[0]}")
+    sequence = build_task_sequence(class_ids, config.tasks.spec, config.task_seed)
+    return [np.asarray(t, dtype=np.int64) for t in sequence.tasks]
+
+
+def slot_of_positions(positions: np.ndarray, classifier: str, num_slots: int, pretrained_classes: int) -> np.ndarray:
+    """Classifier targets of fine-tuning class positions (see module docstring). Shapes (N,) -> (N,) int64."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if classifier == "simplex":
+        return num_slots - 1 - positions
+    return pretrained_classes + positions
+
+
+# ---- models --------------------------------------------------------------------------------------------------------
+def _model_blobs(model) -> dict[str, bytes]:
+    """save_model into a local temp folder, read the files back as blobs (the store commits them atomically)."""
+    from compat_core.models.compat_model import save_model
+
+    with tempfile.TemporaryDirectory(prefix="compat-model-") as folder:
+        save_model(model, folder)
+        return {name: Path(folder, name).read_bytes() for name in sorted(os.listdir(folder))}
+
+
+def load_model_artifact(store: RunStore, record: dict, device: torch.device):
+    """Model of a model record, every blob verified against the manifest first."""
+    from compat_core.models.compat_model import load_model
+
+    manifest = store.load_manifest(record["stage_key"])
+    for name in manifest["blobs"]:
+        if name in ("config.json", "model.safetensors"):
+            store.read_blob(record["stage_key"], name, manifest)
+    return load_model(record["uri"], map_location=device)
+
+
+def _method(config: ScenarioConfig):
+    from pipelines.methods import get_method
+
+    return get_method(config.method.name, **config.method.params)
+
+
+def _seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % (2**32))
+
+
+def _initial_model(config: ScenarioConfig, classifier: str, seed: int, backbone: str | None = None,
+                   backbone_config: dict | None = None, num_active: int = 0):
+    from compat_core.models.compat_model import create_model
+
+    _seed_everything(seed)
+    return create_model(backbone or config.model.backbone, config.model.num_slots, classifier=classifier,
+                        backbone_config=config.model.backbone_config if backbone_config is None else backbone_config,
+                        num_active_classes=num_active)
+
+
+def _load_source(ctx: StageContext, source: str, classifier: str, backbone: str | None, backbone_config: dict | None,
+                 sha256: str | None, seed: int, num_pretrain_classes: int | None = None) -> tuple[Any, int]:
+    """Model to start from, and P (classes it was pre-trained on): a pretrain stage's output or external weights."""
+    if source.startswith(PRETRAIN_PREFIX):
+        name = source[len(PRETRAIN_PREFIX):]
+        matches = [r for r in ctx.parents.values() if r.get("pretrain_name") == name]
+        if not matches:
+            raise RuntimeError(f"stage {ctx.stage.label}: source {source!r} is not among its parents")
+        record = matches[0]
+        return load_model_artifact(ctx.store, record, ctx.device), int(record["pretrained_classes"])
+    from compat_core.models import load_external_weights
+
+    pretrained = int(num_pretrain_classes or 0)
+    model = _initial_model(ctx.config, classifier, seed, backbone, backbone_config,
+                           num_active=pretrained if classifier == "learnable" else 0)
+    report = load_external_weights(model, source, sha256=sha256)
+    if report.pretrained_class_ids:
+        pretrained = max(pretrained, len(report.pretrained_class_ids))
+    return model.to(ctx.device), pretrained
+
+
+# ---- training ------------------------------------------------------------------------------------------------------
+def _train_config(config: ScenarioConfig, seed: int, device: torch.device, epochs: int | None = None,
+                  batch_size: int | None = None, optimizer=None, schedule=None, model_selection: str | None = None):
+    """pipelines.training.TrainConfig from the scenario's training section (pretrain entries may override parts)."""
+    from pipelines.training import TrainConfig
+
+    training = config.training
+    optimizer = optimizer or training.optimizer
+    schedule = schedule or training.schedule
+    return TrainConfig(
+        epochs=epochs or training.epochs, batch_size=batch_size or training.batch_size, lr=optimizer.lr,
+        optimizer=optimizer.name, momentum=optimizer.momentum, weight_decay=optimizer.weight_decay,
+        schedule=schedule.name, milestones=tuple(schedule.milestones), gamma=schedule.gamma, seed=seed,
+        device=str(device), model_selection=model_selection or training.model_selection,
+        selection_strict=config.evaluation.strict, mixed_precision=training.autocast,
+        eval_batch_size=config.evaluation.batch_size,
+    )
+
+
+def _progress_hook(ctx: StageContext):
+    """train_task's per-step progress -> ProgressUpdate records (epoch bar with images/s and ETA)."""
+    def hook(epoch: int, step: int, total_steps: int, images_per_s: float) -> None:
+        ctx.emit(ProgressUpdate(ctx.stage.key, step, total_steps, "step", images_per_s))
+    return hook
+
+
+def _summary(result: Any) -> dict:
+    """JSON summary of a TrainResult: selected epoch (0-based), images/s, seconds, last epoch's mean loss (nats)."""
+    records = getattr(result, "records", []) or []
+    return {
+        "selected_epoch": int(result.selected_epoch),
+        "images_per_s": float(result.images_per_s),
+        "seconds": float(result.seconds),
+        "final_loss": float(records[-1].loss) if records else None,
+        "epochs_recorded": len(records),
+    }
+
+
+def pretrain_stage(ctx: StageContext) -> StageResult:
+    """Train a third-party model on its pool: class y takes slot y (0.., left to right) / output y (learnable).
+
+    The model has the classifier family of the method under test (shared d-Simplex with the same K, or a learnable
+    classifier), as the reference pre-trains third-party models.
+    """
+    from pipelines.training import pretrain_model
+
+    config = ctx.config
+    spec = config.pretrain_spec(ctx.stage.name)
+    classifier = _method(config).classifier
+    pool = load_pool(spec.pool, f"pretrain[{spec.name}].pool")
+    labels = np.asarray(pool.labels)
+    occupied = int(labels.max()) + 1 if labels.size else 0
+    if occupied != spec.num_classes or np.unique(labels).size != spec.num_classes:
+        raise ValueError(f"pretrain[{spec.name}].num_classes: config says {spec.num_classes}; the pool has "
+                         f"{np.unique(labels).size} classes with labels up to {occupied - 1} (pre-training labels "
+                         f"are the slots, so they must be exactly 0..num_classes-1)")
+    seed = spec.seed if spec.seed is not None else config.seed
+    model = _initial_model(config, classifier, seed, spec.backbone, spec.backbone_config,
+                           num_active=spec.num_classes if classifier == "learnable" else 0).to(ctx.device)
+    model.config["pretrained_classes"] = spec.num_classes
+    train_config = _train_config(config, seed, ctx.device, spec.epochs, spec.batch_size, spec.optimizer,
+                                 spec.schedule, model_selection="last")
+    result = pretrain_model(model, pool, np.arange(len(pool)), train_config, on_record=ctx.emit,
+                            progress=_progress_hook(ctx))
+    record = ModelArtifact("model", ctx.stage.key, ctx.store.uri(ctx.store.ARTIFACTS, ctx.stage.key), None, 0,
+                           spec.num_classes, 0, classifier, spec.num_classes if classifier == "learnable" else 0,
+                           source=None, training=_summary(result))
+    data = asdict(record)
+    data["pretrain_name"] = spec.name
+    return StageResult(data, _model_blobs(result.model))
+
+
+def _state_copy(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _memory_from_record(store: RunStore, model_record: dict | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pool indices, class positions, source task) of the replay memory stored with a model record."""
+    memory = (model_record or {}).get("memory")
+    if not memory:
+        return _EMPTY, _EMPTY, _EMPTY
+    key = model_record["stage_key"]
+    manifest = store.load_manifest(key)
+    return (store.read_array(key, memory["indices_blob"], manifest),
+            store.read_array(key, memory["positions_blob"], manifest),
+            store.read_array(key, memory["tasks_blob"], manifest))
+
+
+def _update_memory(config: ScenarioConfig, memory: tuple, new_indices, new_positions, task: int) -> tuple:
+    """Add ``per_class`` samples of each new class; old classes keep theirs (fixed quota per seen class)."""
+    from compat_core.data import replay
+
+    indices, positions, tasks = memory
+    current = replay.ReplayMemory(indices=indices, labels=positions, slots=positions, source_task=tasks)
+    updated = replay.update_memory(current, new_indices, new_positions, new_positions, task,
+                                   config.replay.per_class, strategy=config.replay.strategy,
+                                   seed=config.seed * 1000 + task)
+    return (np.asarray(updated.indices, dtype=np.int64), np.asarray(updated.labels, dtype=np.int64),
+            np.asarray(updated.source_task, dtype=np.int64))
+
+
+def _selection_split(config: ScenarioConfig, pool, indices: np.ndarray, seed: int):
+    """CoReS Sec. 8.2 held-out split: ``selection_holdout`` of the task's samples per class, halved into query and
+    gallery; returns (training indices without them, SelectionSplit)."""
+    from pipelines.training import SelectionSplit
+
+    rng = np.random.default_rng(seed)
+    labels = np.asarray(pool.labels)[indices]
+    held_query, held_gallery = [], []
+    for c in np.unique(labels):
+        members = indices[labels == c][rng.permutation(int((labels == c).sum()))]
+        count = max(2, int(round(config.training.selection_holdout * members.size)))
+        if count >= members.size:
+            continue
+        held = members[:count]
+        held_query.append(held[: count // 2])
+        held_gallery.append(held[count // 2:])
+    if not held_query:
+        raise ValueError("training.selection_holdout: no class has enough samples for a held-out split")
+    query, gallery = np.concatenate(held_query), np.concatenate(held_gallery)
+    remaining = np.setdiff1d(indices, np.concatenate([query, gallery]))
+    return remaining, SelectionSplit(pool, query, gallery)
+
+
+def train_task_stage(ctx: StageContext) -> StageResult:
+    """finetune(t) / replace(t): one task of the scenario, then the replay memory update."""
+    from pipelines.training import TaskData, train_task
+
+    config = ctx.config
+    stage = ctx.stage
+    task = int(stage.task)
+    method = _method(config)
+    classifier = method.classifier
+    K = config.model.num_slots
+    pool = load_pool(config.data, "data")
+    tasks = task_classes(config)
+    position_of = {int(c): i for i, c in enumerate(np.concatenate(tasks))}
+    pool_labels = np.asarray(pool.labels)
+    first_position = sum(len(t) for t in tasks[:task])
+    seed = config.seed * 1000 + task
+    previous = ctx.parents[stage.parents[0]] if task > 0 else None
+    memory = _memory_from_record(ctx.store, previous)
+    replacement = config.replacement_at(task) if stage.kind == "replace" else None
+    wants_old = method.needs_old_model or config.training.model_selection == "compatibility"
+
+    initial_state = None
+    old_model = None
+    if method.retrain_from_scratch:
+        # CoReS / independent training: the same initial weights (seeded once) at every step, all data seen so far
+        model = _initial_model(config, classifier, config.seed).to(ctx.device)
+        initial_state = _state_copy(model)
+        pretrained, line = 0, 0
+        if previous is not None and wants_old:
+            old_model = _frozen(load_model_artifact(ctx.store, previous, ctx.device))
+        indices = np.flatnonzero(np.isin(pool_labels, np.concatenate(tasks[: task + 1])))
+    else:
+        if replacement is not None:
+            model, pretrained = _load_source(ctx, replacement.source, classifier, replacement.backbone,
+                                             replacement.backbone_config, replacement.sha256, config.seed,
+                                             replacement.num_pretrain_classes)
+            line = int(previous["line"]) + 1
+            old_model = _frozen(model)  # the reference HOC anchors to the newly loaded model
+        elif task == 0 and config.initial_model:
+            model, pretrained = _load_source(ctx, config.initial_model, classifier, None, None, None, config.seed)
+            line = 0
+        elif task == 0:
+            model, pretrained, line = _initial_model(config, classifier, config.seed).to(ctx.device), 0, 0
+        else:
+            model = load_model_artifact(ctx.store, previous, ctx.device)
+            pretrained, line = int(previous["pretrained_classes"]), int(previous["line"])
+            if wants_old:
+                old_model = _frozen(model)
+        if classifier == "simplex" and model.num_slots != K:
+            raise ValueError(f"model.num_slots: the starting model of task {task + 1} (1-based) has "
+                             f"K={model.num_slots}, the scenario uses K={K}; a d-Simplex line needs one K throughout")
+        indices = np.flatnonzero(np.isin(pool_labels, tasks[task]))
+
+    selection = None
+    if config.training.model_selection == "compatibility":
+        indices, selection = _selection_split(config, pool, indices, seed)
+    positions = np.asarray([position_of[int(c)] for c in pool_labels[indices]], dtype=np.int64)
+    use_memory = method.uses_replay and config.replay.per_class > 0 and not method.retrain_from_scratch
+    memory_indices = memory_slots = None
+    if use_memory and memory[0].size:
+        memory_indices = memory[0]
+        memory_slots = slot_of_positions(memory[1], classifier, K, pretrained)
+    num_old = first_position if not method.retrain_from_scratch else 0
+    data = TaskData(
+        source=pool, task=task, indices=indices, slots=slot_of_positions(positions, classifier, K, pretrained),
+        num_old_classes=num_old + (pretrained if classifier == "learnable" else 0),
+        num_new_classes=len(tasks[task]) + (first_position if method.retrain_from_scratch else 0),
+        memory_indices=memory_indices, memory_slots=memory_slots, initial_state=initial_state, selection=selection,
+    )
+    result = train_task(model, old_model, method, data, _train_config(config, seed, ctx.device), on_record=ctx.emit,
+                        progress=_progress_hook(ctx))
+    trained = result.model
+    blobs = _model_blobs(trained)
+    extra = []
+    if result.extra_state:
+        from safetensors.torch import save as save_safetensors
+
+        for module_name, state in result.extra_state.items():
+            name = f"extra-{module_name}.safetensors"
+            blobs[name] = save_safetensors({k: v.detach().cpu().contiguous() for k, v in state.items()})
+            extra.append(name)
+
+    memory_record = None
+    if use_memory:
+        task_indices = np.flatnonzero(np.isin(pool_labels, tasks[task]))
+        task_positions = np.asarray([position_of[int(c)] for c in pool_labels[task_indices]], dtype=np.int64)
+        new_indices, new_positions, new_tasks = _update_memory(config, memory, task_indices, task_positions, task)
+        blobs["memory-indices.npy"] = encode_array(new_indices)
+        blobs["memory-positions.npy"] = encode_array(new_positions)
+        blobs["memory-tasks.npy"] = encode_array(new_tasks)
+        memory_record = asdict(MemoryArtifact("memory-indices.npy", "memory-positions.npy", "memory-tasks.npy",
+                                              int(new_indices.shape[0]), config.replay.per_class))
+    num_active = int(trained.num_active_classes) if classifier == "learnable" else 0
+    source = replacement.source if replacement is not None else (config.initial_model if task == 0 else None)
+    record = ModelArtifact("model", stage.key, ctx.store.uri(ctx.store.ARTIFACTS, stage.key), task, line, pretrained,
+                           first_position + len(tasks[task]), classifier, num_active, source=source,
+                           memory=memory_record, extra_blobs=extra, training=_summary(result))
+    return StageResult(asdict(record), blobs)
+
+
+def _frozen(model):
+    from compat_core.models.compat_model import frozen_copy
+
+    return frozen_copy(model)
+
+
+# ---- extraction --------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def extract_stage(ctx: StageContext) -> StageResult:
+    """Features of the parent model on the query or gallery set, once, stored as fp16 (default) shards."""
+    from compat_core.data.transforms import make_transforms
+
+    config = ctx.config
+    split = ctx.stage.split
+    spec = config.evaluation.query_set if split == "query" else config.evaluation.gallery_set
+    pool = load_pool(spec, f"evaluation.{split}_set")
+    model_record = ctx.parents[ctx.stage.parents[0]]
+    model = load_model_artifact(ctx.store, model_record, ctx.device)
+    model.eval()
+    method = _method(config)
+    transform = make_transforms(pool, train=False)
+    batch_size = config.evaluation.batch_size
+    outputs = []
+    started = time.perf_counter()
+    total = len(pool)
+    batches = max(1, -(-total // batch_size))
+    autocast = _autocast_dtype(ctx.device) if config.training.autocast else None
+    for batch_index, start in enumerate(range(0, total, batch_size)):
+        images = torch.from_numpy(pool.read(np.arange(start, min(start + batch_size, total)))).to(ctx.device)
+        inputs = transform(images)
+        with torch.autocast(ctx.device.type, dtype=autocast, enabled=autocast is not None):
+            output = model(inputs)
+        # training-free methods (PSP/LSP) map logits into the gallery model's class space at evaluation time
+        values = output.logits if getattr(method, "training_free", False) else output.features
+        outputs.append(values.float().cpu().numpy())
+        elapsed = time.perf_counter() - started
+        ctx.emit(ProgressUpdate(ctx.stage.key, batch_index + 1, batches, "batch",
+                                min(start + batch_size, total) / max(elapsed, 1e-9)))
+    features = np.concatenate(outputs, axis=0) if outputs else np.zeros((0, config.model.num_slots - 1), np.float32)
+    seconds = time.perf_counter() - started
+    coarse = getattr(pool, "coarse_labels", None)
+    blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse, dtype=config.evaluation.feature_dtype)
+    record = FeatureArtifact("features", ctx.stage.key, int(ctx.stage.task), split,
+                             ctx.store.uri(ctx.store.ARTIFACTS, ctx.stage.key), layout,
+                             int(model_record.get("num_active_classes") or 0), seconds, total / max(seconds, 1e-9))
+    return StageResult(asdict(record), blobs)
+
+
+def _autocast_dtype(device: torch.device):
+    from compat_core.device import autocast_dtype
+
+    return autocast_dtype(device)
+
+
+# ---- evaluation --------------------------------------------------------------------------------------------------
+def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: ScenarioConfig,
+                  query_classes: int = 0, gallery_classes: int = 0) -> float:
+    """One matrix entry M(Q, G) from stored features; ``query``/``gallery`` = (features, labels, coarse labels).
+
+    protocol: metric (recall_at_1 | map | verification | tar_at_far), gallery (instances | class_means),
+    label_level (fine | coarse), far, verification_pairs. Returns a fraction in [0, 1].
+    """
+    from compat_core import retrieval
+
+    q_features, q_labels, q_coarse = query
+    g_features, g_labels, g_coarse = gallery
+    if protocol["label_level"] == "coarse":
+        if q_coarse is None or g_coarse is None:
+            raise ValueError("evaluation.label_level: 'coarse' needs a dataset with coarse labels (this one has none)")
+        q_labels, g_labels = q_coarse, g_coarse
+    q = torch.from_numpy(np.asarray(q_features, dtype=np.float32))
+    g = torch.from_numpy(np.asarray(g_features, dtype=np.float32))
+    method = _method(config)
+    if getattr(method, "training_free", False):
+        # features are logits; PSP/LSP project both into the class space of the older (gallery) model
+        q = method.extract_features(q, num_classes_old=gallery_classes or None)
+        g = method.extract_features(g, num_classes_old=gallery_classes or None)
+    q = torch.nn.functional.normalize(q.float(), dim=1)
+    g = torch.nn.functional.normalize(g.float(), dim=1)
+    q_labels = torch.from_numpy(np.asarray(q_labels, dtype=np.int64))
+    g_labels = torch.from_numpy(np.asarray(g_labels, dtype=np.int64))
+    metric = protocol["metric"]
+    if metric in ("recall_at_1", "map") and protocol["gallery"] == "class_means":
+        g, g_labels = retrieval.class_mean_gallery(g, g_labels)
+    if metric == "recall_at_1":
+        value = retrieval.recall_at_1(q, q_labels, g, g_labels)
+    elif metric == "map":
+        value = retrieval.mean_average_precision(q, q_labels, g, g_labels)
+    elif metric == "verification":
+        value = retrieval.verification_accuracy(q, q_labels, g, g_labels, num_pairs=protocol["verification_pairs"],
+                                                seed=config.seed)
+    else:
+        value = retrieval.tar_at_far(q, q_labels, g, g_labels, far=protocol["far"],
+                                     num_pairs=protocol["verification_pairs"], seed=config.seed)
+    return float(value)
+
+
+def evaluate_stage(ctx: StageContext) -> StageResult:
+    """Row t of the matrix: entries C[t, k], k = 0..t, each committed on its own and reused when already stored."""
+    config = ctx.config
+    stage = ctx.stage
+    row = int(stage.task)
+    protocol = stage.params["protocol"]
+    query_key = stage.parents[0]
+    gallery_keys = stage.parents[1:]
+    query = None
+    values: list[float] = []
+    keys: list[str] = []
+    computed = reused = 0
+    for column, gallery_key in enumerate(gallery_keys):
+        key = entry_key(query_key, gallery_key, protocol, row, column)
+        keys.append(key)
+        if ctx.store.has(key):
+            values.append(float(ctx.store.load_record(key)["value"]))
+            reused += 1
+            continue
+        if query is None:
+            query = read_features(ctx.store, query_key)
+        gallery = read_features(ctx.store, gallery_key)
+        value = compute_entry(query, gallery, protocol, config,
+                              ctx.parents[query_key].get("num_classes_model", 0),
+                              ctx.parents[gallery_key].get("num_classes_model", 0))
+        ctx.store.commit(key, {"type": "entry", "row": row, "column": column, "value": value,
+                               "query": query_key, "gallery": gallery_key, "protocol": protocol})
+        values.append(value)
+        computed += 1
+    record = MatrixRow("matrix_row", stage.key, row, values, keys, protocol["metric"], protocol, computed, reused)
+    return StageResult(asdict(record), {})
+
+
+STAGE_FUNCTIONS: dict[str, Callable[[StageContext], StageResult]] = {
+    "pretrain": pretrain_stage,
+    "finetune": train_task_stage,
+    "replace": train_task_stage,
+    "extract": extract_stage,
+    "evaluate": evaluate_stage,
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: Emit,
+                  code_version: str | None = None) -> dict:
+    """Run one stage whose parents are committed, commit its artifacts (blobs, then manifest) and return the record.
+
+    This is the unit a Ray actor runs: everything it needs comes from the store by key.
+    """
+    parents = {}
+    for key in stage.parents:
+        if not store.has(key):
+            raise RuntimeError(f"stage {stage.label}: parent {key} is not committed; run the graph in order")
+        parents[key] = store.load_record(key)
+    ctx = StageContext(stage, config, store, parents, emit, resolve_device(config.device))
+    result = STAGE_FUNCTIONS[stage.kind](ctx)
+    record = result.record if isinstance(result.record, dict) else asdict(result.record)
+    record.setdefault("kind", stage.kind)
+    record["kind"] = stage.kind
+    record["label"] = stage.label
+    manifest = store.commit(stage.key, record, result.blobs, code_version=code_version)
+    return manifest["record"]
+
+
+__all__ = [
+    "ModelArtifact", "MemoryArtifact", "FeatureArtifact", "MatrixRow", "StageResult", "StageContext",
+    "STAGE_FUNCTIONS", "execute_stage", "load_pool", "task_classes", "slot_of_positions", "compute_entry",
+    "load_model_artifact", "SubsetSource", "decode_array", "protocol_params",
+]

@@ -1,0 +1,234 @@
+"""Run storage: stage artifacts committed atomically (blobs first, the JSON manifest last) over ``pyarrow.fs``.
+
+Layout under the run root (a local folder or an ``s3://bucket/prefix`` URI)::
+
+    artifacts/<stage_key>/<blob name>     blobs of one stage (model weights, feature shards, ...)
+    manifests/<stage_key>.json            {"stage_key", "record", "blobs": {name: {"sha256", "size"}}, "code_version"}
+
+A stage is done exactly when its manifest exists: a crash after some blobs and before the manifest leaves the stage
+not done, and running it again overwrites the orphaned blobs. Locally every file is written under a temporary name
+and renamed (rename is atomic on one filesystem); on S3 a PUT is atomic per object, so blobs are written directly.
+Readers verify each blob's sha256 against the manifest.
+"""
+from __future__ import annotations
+
+import hashlib
+import io as _stdio
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import pyarrow.fs as pafs
+
+from compat_core import io as cio
+
+
+class CorruptArtifactError(IOError):
+    """A stored blob whose content does not match its manifest (message names path, expected and actual)."""
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    sha256: str
+    size: int  # bytes
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def encode_array(array: np.ndarray) -> bytes:
+    """numpy array -> .npy bytes (no pickle)."""
+    buffer = _stdio.BytesIO()
+    np.save(buffer, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def decode_array(data: bytes) -> np.ndarray:
+    return np.load(_stdio.BytesIO(data), allow_pickle=False)
+
+
+class RunStore:
+    """Artifacts of one run directory. ``root`` is a local path or an ``s3://`` URI (resolved by compat_core.io)."""
+
+    MANIFESTS = "manifests"
+    ARTIFACTS = "artifacts"
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = os.fspath(root)
+        self.fs, self.base = cio.resolve(self.root)
+        self.is_local = isinstance(self.fs, pafs.LocalFileSystem)
+
+    # ---- paths -------------------------------------------------------------------------------------------------
+    def uri(self, *parts: str) -> str:
+        """URI (or absolute local path) of a file under the run root."""
+        return cio.join(self.root if not self.is_local else self.base, *parts)
+
+    def manifest_path(self, stage_key: str) -> str:
+        _check_key(stage_key)
+        return f"{self.base}/{self.MANIFESTS}/{stage_key}.json"
+
+    def blob_path(self, stage_key: str, name: str) -> str:
+        _check_key(stage_key)
+        _check_blob_name(name)
+        return f"{self.base}/{self.ARTIFACTS}/{stage_key}/{name}"
+
+    def blob_uri(self, stage_key: str, name: str) -> str:
+        """The URI a record stores for a blob (s3://... or an absolute local path)."""
+        return self.uri(self.ARTIFACTS, stage_key, name)
+
+    # ---- low-level writes --------------------------------------------------------------------------------------
+    def _write(self, path: str, data: bytes) -> None:
+        parent = path.rsplit("/", 1)[0]
+        if self.is_local:
+            self.fs.create_dir(parent, recursive=True)
+            temporary = f"{parent}/.tmp-{uuid.uuid4().hex}-{path.rsplit('/', 1)[1]}"
+            with self.fs.open_output_stream(temporary) as handle:
+                handle.write(data)
+            # fsync so that a crash right after the rename cannot leave a renamed but empty file
+            with open(temporary, "rb+") as handle:
+                os.fsync(handle.fileno())
+            self.fs.move(temporary, path)
+        else:
+            with self.fs.open_output_stream(path) as handle:
+                handle.write(data)
+
+    def write_text(self, relative: str, text: str) -> str:
+        """Write a top-level file of the run directory (config.yaml, matrix.json, ...) atomically; returns its URI."""
+        self._write(f"{self.base}/{relative}", text.encode("utf-8"))
+        return self.uri(relative)
+
+    def read_text(self, relative: str) -> str:
+        path = f"{self.base}/{relative}"
+        if self.fs.get_file_info(path).type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"no such file in run {self.root}: {relative}")
+        with self.fs.open_input_stream(path) as handle:
+            return handle.read().decode("utf-8")
+
+    # ---- stages ------------------------------------------------------------------------------------------------
+    def has(self, stage_key: str) -> bool:
+        """True when the stage's manifest is committed (the stage is done)."""
+        return self.fs.get_file_info(self.manifest_path(stage_key)).type == pafs.FileType.File
+
+    def commit(self, stage_key: str, record: Mapping[str, Any], blobs: Mapping[str, bytes] | None = None,
+               code_version: str | None = None) -> dict:
+        """Write ``blobs`` (name -> bytes) then the manifest holding ``record`` (JSON data). Returns the manifest."""
+        infos: dict[str, dict] = {}
+        for name, data in (blobs or {}).items():
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"blob {name!r} of stage {stage_key}: expected bytes, got {type(data).__name__}")
+            data = bytes(data)
+            self._write(self.blob_path(stage_key, name), data)
+            infos[name] = {"sha256": sha256_bytes(data), "size": len(data)}
+        manifest = {
+            "stage_key": stage_key,
+            "record": dict(record),
+            "blobs": infos,
+            "code_version": code_version,
+        }
+        text = json.dumps(manifest, indent=1, sort_keys=True, default=_json_default)
+        self._write(self.manifest_path(stage_key), text.encode("utf-8"))
+        return json.loads(text)
+
+    def load_manifest(self, stage_key: str) -> dict:
+        path = self.manifest_path(stage_key)
+        if self.fs.get_file_info(path).type != pafs.FileType.File:
+            raise FileNotFoundError(f"stage {stage_key} has no committed manifest at {self._display(path)}")
+        with self.fs.open_input_stream(path) as handle:
+            text = handle.read().decode("utf-8")
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as error:
+            raise CorruptArtifactError(f"manifest {self._display(path)} is not valid JSON: {error}") from None
+
+    def load_record(self, stage_key: str) -> dict:
+        """The record committed with the stage (raises FileNotFoundError when the stage is not done)."""
+        return self.load_manifest(stage_key)["record"]
+
+    def read_blob(self, stage_key: str, name: str, manifest: dict | None = None) -> bytes:
+        """Blob bytes, verified against the manifest's sha256 and size."""
+        manifest = manifest or self.load_manifest(stage_key)
+        if name not in manifest["blobs"]:
+            raise KeyError(f"stage {stage_key} has no blob {name!r}; blobs: {sorted(manifest['blobs'])}")
+        expected = manifest["blobs"][name]
+        path = self.blob_path(stage_key, name)
+        if self.fs.get_file_info(path).type != pafs.FileType.File:
+            raise CorruptArtifactError(f"{self._display(path)}: blob listed in the manifest is missing")
+        with self.fs.open_input_stream(path) as handle:
+            data = handle.read()
+        actual = sha256_bytes(data)
+        if actual != expected["sha256"] or len(data) != expected["size"]:
+            raise CorruptArtifactError(
+                f"{self._display(path)}: sha256 expected {expected['sha256']} ({expected['size']} bytes), "
+                f"actual {actual} ({len(data)} bytes)"
+            )
+        return data
+
+    def stage_keys(self) -> list[str]:
+        """Keys of every committed stage, sorted."""
+        directory = f"{self.base}/{self.MANIFESTS}"
+        if self.fs.get_file_info(directory).type != pafs.FileType.Directory:
+            return []
+        infos = self.fs.get_file_info(pafs.FileSelector(directory, recursive=False))
+        return sorted(i.base_name[:-5] for i in infos if i.base_name.endswith(".json"))
+
+    # ---- arrays and features -----------------------------------------------------------------------------------
+    def read_array(self, stage_key: str, name: str, manifest: dict | None = None) -> np.ndarray:
+        return decode_array(self.read_blob(stage_key, name, manifest))
+
+    def _display(self, path: str) -> str:
+        return path if self.is_local else f"s3://{path}"
+
+
+def feature_blobs(features: np.ndarray, labels: np.ndarray, coarse_labels: np.ndarray | None = None,
+                  dtype: str = "float16", shard_rows: int = 65536) -> tuple[dict[str, bytes], dict]:
+    """Encode features ``(N, D)`` as .npy shards of ``dtype`` plus labels; returns (blobs, layout for the record)."""
+    features = np.asarray(features)
+    if features.ndim != 2:
+        raise ValueError(f"features must be (N, D), got shape {features.shape}")
+    if labels.shape != (features.shape[0],):
+        raise ValueError(f"labels must be ({features.shape[0]},), got {labels.shape}")
+    blobs: dict[str, bytes] = {}
+    shards = []
+    for index, start in enumerate(range(0, max(features.shape[0], 1), shard_rows)):
+        name = f"features-{index:05d}.npy"
+        blobs[name] = encode_array(features[start:start + shard_rows].astype(dtype))
+        shards.append(name)
+    blobs["labels.npy"] = encode_array(np.asarray(labels, dtype=np.int64))
+    if coarse_labels is not None:
+        blobs["coarse_labels.npy"] = encode_array(np.asarray(coarse_labels, dtype=np.int64))
+    layout = {"shards": shards, "rows": int(features.shape[0]), "dim": int(features.shape[1]), "dtype": dtype,
+              "has_coarse": coarse_labels is not None}
+    return blobs, layout
+
+
+def read_features(store: RunStore, stage_key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(features (N, D) in their stored dtype, labels (N,), coarse labels (N,) or None) of an extract stage."""
+    manifest = store.load_manifest(stage_key)
+    layout = manifest["record"]["layout"]
+    parts = [store.read_array(stage_key, name, manifest) for name in layout["shards"]]
+    features = np.concatenate(parts, axis=0) if parts else np.zeros((0, layout["dim"]), dtype=layout["dtype"])
+    labels = store.read_array(stage_key, "labels.npy", manifest)
+    coarse = store.read_array(stage_key, "coarse_labels.npy", manifest) if layout.get("has_coarse") else None
+    return features, labels, coarse
+
+
+def _check_key(stage_key: str) -> None:
+    if not stage_key or "/" in stage_key or stage_key.startswith("."):
+        raise ValueError(f"stage key {stage_key!r}: expected a non-empty name without '/'")
+
+
+def _check_blob_name(name: str) -> None:
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"blob name {name!r}: expected a file name without '/' that does not start with '.'")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"not JSON serialisable in a stage record: {type(value).__name__}")

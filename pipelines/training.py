@@ -1,0 +1,658 @@
+"""The training loop shared by every method: one call trains one task (``train_task``).
+
+The loop owns the model, the optimiser, the schedule, the batches and model selection; the method
+(:mod:`pipelines.methods`) only turns a batch into a loss. Nothing here talks to a tracker: progress goes to a
+callable and per-epoch summaries to ``on_record`` as plain :class:`TrainRecord` dataclasses.
+
+Determinism: with the same ``TrainConfig.seed``, model weights, data and thread count, two runs on the CPU produce
+bit-identical weights (batch order comes from numpy generators seeded by (seed, task, epoch); augmentation and
+module initialisation use the torch generator seeded at the start of the task).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from compat_core.data.base import ImageSource
+from compat_core.data.replay import half_and_half_batches
+from compat_core.data.transforms import make_transforms
+from compat_core.models.precision import autocast_context, prepare_batch, prepare_for_speed
+from compat_core.retrieval import recall_at_1
+from compat_core.simplex import pretrain_slot
+from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy
+
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("cosine", "constant", "step")
+REPLAY_SAMPLINGS = ("half_and_half", "mixed")
+MODEL_SELECTIONS = ("last", "compatibility")
+
+
+def _require_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"TrainConfig.{name} must be an int >= {low}, got {value!r}")
+
+
+def _require_number(name: str, value: Any, low: float, *, strict: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"TrainConfig.{name} must be a finite number, got {value!r}")
+    if value < low or (strict and value == low):
+        raise ValueError(f"TrainConfig.{name} must be {'>' if strict else '>='} {low}, got {value!r}")
+
+
+def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"TrainConfig.{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings of one task.
+
+    epochs: passes over the task data (or ``steps_per_epoch`` steps each). lr: peak learning rate. schedule:
+    "cosine" (to 0 over all steps after warm-up), "constant", or "step" (multiply by ``gamma`` at each epoch in
+    ``milestones``, 0-based epoch counts, e.g. CoReS's 100 epochs with milestone 70). warmup_epochs: linear warm-up
+    from lr/warmup_steps. replay_sampling: "half_and_half" (every batch half memory, half task: the public
+    reference) or "mixed" (memory and task samples shuffled together). model_selection: "last" or "compatibility"
+    (CoReS Sec. 8.2; needs ``TaskData.selection``). mixed_precision: autocast where the device has a fast half
+    type (bf16 on CPUs with AMX), fp32 otherwise. steps_per_epoch: cap on steps per epoch (None: one pass).
+    log_every_steps: also emit a record every N steps (0: per-epoch records only).
+    """
+
+    epochs: int = 1
+    batch_size: int = 128
+    lr: float = 0.1
+    optimizer: str = "sgd"
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    schedule: str = "constant"
+    milestones: tuple[int, ...] = ()
+    gamma: float = 0.1
+    warmup_epochs: int = 0
+    seed: int = 0
+    device: str = "cpu"
+    replay_sampling: str = "half_and_half"
+    model_selection: str = "last"
+    selection_strict: bool = True
+    mixed_precision: bool = True
+    augment: bool = True
+    steps_per_epoch: int | None = None
+    eval_batch_size: int = 256
+    log_every_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _require_int("epochs", self.epochs, 1)
+        _require_int("batch_size", self.batch_size, 2)
+        _require_number("lr", self.lr, 0.0, strict=True)
+        _require_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _require_number("momentum", self.momentum, 0.0)
+        _require_number("weight_decay", self.weight_decay, 0.0)
+        _require_choice("schedule", self.schedule, SCHEDULES)
+        self.milestones = tuple(self.milestones)
+        for milestone in self.milestones:
+            _require_int("milestones[]", milestone, 1)
+        _require_number("gamma", self.gamma, 0.0, strict=True)
+        _require_int("warmup_epochs", self.warmup_epochs, 0)
+        if self.warmup_epochs >= self.epochs:
+            raise ValueError(f"TrainConfig.warmup_epochs must be < epochs ({self.epochs}), got {self.warmup_epochs}")
+        _require_int("seed", self.seed, 0)
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"TrainConfig.device must be a torch device string such as 'cpu' or 'cuda:0', got {self.device!r}") from error
+        _require_choice("replay_sampling", self.replay_sampling, REPLAY_SAMPLINGS)
+        _require_choice("model_selection", self.model_selection, MODEL_SELECTIONS)
+        if self.steps_per_epoch is not None:
+            _require_int("steps_per_epoch", self.steps_per_epoch, 1)
+        _require_int("eval_batch_size", self.eval_batch_size, 1)
+        _require_int("log_every_steps", self.log_every_steps, 0)
+
+
+@dataclass
+class SelectionSplit:
+    """Held-out split for compatibility-based model selection: an i.i.d. sample of the gallery data (CoReS Sec. 8.2).
+
+    query_indices / gallery_indices: sample indices into ``source`` (classes are ``source.labels``).
+    """
+
+    source: ImageSource
+    query_indices: np.ndarray
+    gallery_indices: np.ndarray
+
+    def __post_init__(self) -> None:
+        for name in ("query_indices", "gallery_indices"):
+            values = np.asarray(getattr(self, name), dtype=np.int64).reshape(-1)
+            if values.size == 0:
+                raise ValueError(f"SelectionSplit.{name} must not be empty")
+            if values.min() < 0 or values.max() >= len(self.source):
+                raise ValueError(f"SelectionSplit.{name} must index {self.source.name} (size {len(self.source)})")
+            setattr(self, name, values)
+
+
+@dataclass
+class TaskData:
+    """The data of one task.
+
+    source: where images come from. task: 0-based task index. indices: (n,) sample indices of the task's training
+    data (for CoReS / PSP / LSP: every sample seen so far). slots: (n,) class slot of each sample (d-Simplex slot or
+    learnable-classifier output). memory_indices / memory_slots: the replay memory (same source) or None.
+    num_old_classes / num_new_classes: counts of classes before / introduced by this task. initial_state: the
+    weights CoReS restarts from (required by methods with ``requires_initial_state``). selection: held-out split
+    for ``model_selection: compatibility``.
+    """
+
+    source: ImageSource
+    task: int
+    indices: np.ndarray
+    slots: np.ndarray
+    num_old_classes: int
+    num_new_classes: int
+    memory_indices: np.ndarray | None = None
+    memory_slots: np.ndarray | None = None
+    initial_state: Mapping[str, torch.Tensor] | None = None
+    selection: SelectionSplit | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("task", "num_old_classes", "num_new_classes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"TaskData.{name} must be an int >= 0, got {value!r}")
+        self.indices, self.slots = self._pair("indices", self.indices, "slots", self.slots)
+        if self.indices.size == 0:
+            raise ValueError("TaskData.indices must hold at least one training sample")
+        if (self.memory_indices is None) != (self.memory_slots is None):
+            raise ValueError("TaskData.memory_indices and memory_slots must be given together (or both None)")
+        if self.memory_indices is not None:
+            self.memory_indices, self.memory_slots = self._pair(
+                "memory_indices", self.memory_indices, "memory_slots", self.memory_slots
+            )
+
+    def _pair(self, index_name: str, indices, slot_name: str, slots) -> tuple[np.ndarray, np.ndarray]:
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if indices.shape != slots.shape:
+            raise ValueError(f"TaskData.{index_name} and {slot_name} must have the same length, got {indices.size} and {slots.size}")
+        if indices.size and (indices.min() < 0 or indices.max() >= len(self.source)):
+            raise ValueError(f"TaskData.{index_name} must index {self.source.name} (size {len(self.source)})")
+        if slots.size and slots.min() < 0:
+            raise ValueError(f"TaskData.{slot_name} must be non-negative class slots, got minimum {slots.min()}")
+        return indices, slots
+
+    @property
+    def has_memory(self) -> bool:
+        return self.memory_indices is not None and self.memory_indices.size > 0
+
+
+@dataclass
+class TrainRecord:
+    """One training summary (per epoch, or every ``log_every_steps`` steps).
+
+    task/epoch: 0-based; step: optimiser steps done in this task so far; loss / loss_parts: means since the
+    previous record (nats); lr at the last step; images_per_s: training throughput since the previous record;
+    seconds: wall time since the previous record; metrics: model-selection Recall@1 values (fractions), if any.
+    """
+
+    task: int
+    epoch: int
+    step: int
+    loss: float
+    loss_parts: dict[str, float]
+    lr: float
+    images_per_s: float
+    seconds: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TrainResult:
+    """What ``train_task`` returns.
+
+    model: trained model (the selected epoch's weights, on ``config.device``, eval mode). selected_epoch: 0-based.
+    images_per_s: mean training throughput over the task. extra_state: state dicts the method exports (FAN
+    adapters). selection: per-epoch model-selection metrics (self / cross Recall@1 fractions), empty for "last".
+    """
+
+    model: nn.Module
+    records: list[TrainRecord]
+    selected_epoch: int
+    images_per_s: float
+    seconds: float
+    extra_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    selection: list[dict[str, float]] = field(default_factory=list)
+
+
+ProgressHook = Callable[[int, int, int, float], None]
+
+
+def _epoch_seed(seed: int, task: int, epoch: int) -> int:
+    return int(np.random.SeedSequence([seed, task, epoch]).generate_state(1)[0])
+
+
+def _augment_seed(seed: int, task: int) -> int:
+    # a stream of its own (tag 1 in the 4th word), so batch order and augmentation never share draws
+    return int(np.random.SeedSequence([seed, task, 0, 1]).generate_state(1)[0])
+
+
+def epoch_batches(data: TaskData, method: Method, config: TrainConfig, epoch: int) -> Iterator[np.ndarray]:
+    """Batches of positions for one epoch: ``< len(indices)`` are task samples, the rest memory samples.
+
+    Replay methods with a memory use ``half_and_half_batches`` (or a joint shuffle with ``replay_sampling:
+    mixed``); others shuffle the task data. A final batch of one sample is dropped (batch norm needs two).
+    """
+    seed = _epoch_seed(config.seed, data.task, epoch)
+    num_task = data.indices.size
+    task_positions = np.arange(num_task, dtype=np.int64)
+    if method.uses_replay and data.has_memory:
+        memory_positions = np.arange(num_task, num_task + data.memory_indices.size, dtype=np.int64)
+        if config.replay_sampling == "half_and_half":
+            batches: Iterator[np.ndarray] = half_and_half_batches(task_positions, memory_positions, config.batch_size, seed)
+        else:
+            order = np.random.default_rng(seed).permutation(np.concatenate([task_positions, memory_positions]))
+            batches = iter(np.array_split(order, range(config.batch_size, order.size, config.batch_size)))
+    else:
+        order = np.random.default_rng(seed).permutation(task_positions)
+        batches = iter(np.array_split(order, range(config.batch_size, order.size, config.batch_size)))
+    for count, positions in enumerate(batches):
+        if config.steps_per_epoch is not None and count >= config.steps_per_epoch:
+            return
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size >= 2:
+            yield positions
+
+
+def _steps_per_epoch(data: TaskData, method: Method, config: TrainConfig) -> int:
+    # counted from epoch 0 of the same sampler (sizes do not depend on the epoch's seed)
+    return sum(1 for _ in epoch_batches(data, method, config, 0))
+
+
+class _Loader:
+    """Turns position batches into device ``Batch`` objects (read uint8 -> device -> transforms)."""
+
+    def __init__(self, data: TaskData, model: nn.Module, device: torch.device, train: bool, augment: bool,
+                 seed: int) -> None:
+        self.data = data
+        self.model = model
+        self.device = device
+        # augmentation draws from its own generator so that it repeats exactly for a given (seed, task)
+        self.transform = make_transforms(data.source, train=train and augment, seed=seed)
+        if data.has_memory:
+            self.all_indices = np.concatenate([data.indices, data.memory_indices])
+            self.all_slots = np.concatenate([data.slots, data.memory_slots])
+        else:
+            self.all_indices, self.all_slots = data.indices, data.slots
+        self.num_task = data.indices.size
+
+    def batch(self, positions: np.ndarray) -> Batch:
+        images = torch.from_numpy(np.ascontiguousarray(self.data.source.read(self.all_indices[positions])))
+        images = prepare_batch(self.transform(images.to(self.device, non_blocking=True)), self.model)
+        targets = torch.from_numpy(self.all_slots[positions]).to(self.device)
+        is_memory = torch.from_numpy(positions >= self.num_task).to(self.device)
+        return Batch(images=images, targets=targets, is_memory=is_memory)
+
+    def memory_batches(self, batch_size: int) -> Iterator[Batch]:
+        positions = np.arange(self.num_task, self.all_indices.size, dtype=np.int64)
+        for start in range(0, positions.size, batch_size):
+            yield self.batch(positions[start : start + batch_size])
+
+
+def _lr_factor(config: TrainConfig, steps_per_epoch: int) -> Callable[[int], float]:
+    total = config.epochs * steps_per_epoch
+    warmup = config.warmup_epochs * steps_per_epoch
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if config.schedule == "cosine":
+            progress = (step - warmup) / max(1, total - warmup)
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        if config.schedule == "step":
+            epoch = step // steps_per_epoch
+            return config.gamma ** sum(1 for milestone in config.milestones if epoch >= milestone)
+        return 1.0
+
+    return factor
+
+
+def _make_optimizer(parameters: list[nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def _check_model_for_method(model: nn.Module, method: Method, data: TaskData) -> None:
+    kind = getattr(model, "classifier_kind", None)
+    if kind != method.classifier:
+        raise ValueError(
+            f"method {method.name!r} needs a model with classifier={method.classifier!r}, got {kind!r}; "
+            f"build it with create_model(..., classifier={method.classifier!r})"
+        )
+    top_slot = int(data.slots.max())
+    if data.has_memory:
+        top_slot = max(top_slot, int(data.memory_slots.max()))
+    if kind == "simplex" and top_slot >= model.num_slots:
+        raise ValueError(f"TaskData slots reach {top_slot} but the model has only K={model.num_slots} d-Simplex slots")
+    if method.requires_initial_state and data.initial_state is None:
+        raise ValueError(f"method {method.name!r} retrains from the same initial weights: TaskData.initial_state is required")
+
+
+def snapshot_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of ``model.state_dict()`` (for initial weights and model selection)."""
+    return {key: value.detach().to("cpu", copy=True) for key, value in model.state_dict().items()}
+
+
+@torch.no_grad()
+def _extract(model: nn.Module, source: ImageSource, indices: np.ndarray, device: torch.device, config: TrainConfig,
+             feature_fn: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+    transform = make_transforms(source, train=False)
+    chunks = []
+    for start in range(0, indices.size, config.eval_batch_size):
+        images = torch.from_numpy(np.ascontiguousarray(source.read(indices[start : start + config.eval_batch_size])))
+        with autocast_context(device, enabled=config.mixed_precision):
+            output = model(prepare_batch(transform(images.to(device)), model))
+        chunks.append(feature_fn(output).float().cpu())
+    return torch.cat(chunks)
+
+
+class _CompatibilitySelector:
+    """CoReS Sec. 8.2: among epochs whose cross-test beats the previous model's self-test, keep the best self-test.
+
+    All tests are 1:N Recall@1 (fractions) on the held-out split; the previous model's features and self-test are
+    computed once. Only the best snapshot so far is kept in memory. With no previous model every epoch qualifies;
+    when no epoch qualifies, the last epoch is kept (the paper does not say; "last" is the default anyway).
+    """
+
+    def __init__(self, split: SelectionSplit, old_model: nn.Module | None, method: Method, device: torch.device,
+                 config: TrainConfig) -> None:
+        self.split, self.method, self.device, self.config = split, method, device, config
+        self.query_labels = torch.from_numpy(np.asarray(split.source.labels)[split.query_indices])
+        self.gallery_labels = torch.from_numpy(np.asarray(split.source.labels)[split.gallery_indices])
+        self.old_model = old_model
+        self.old_classes = None if old_model is None else int(old_model.num_active_classes)
+        self.old_gallery = self.old_self = None
+        if old_model is not None:
+            old_query = self._features(old_model, split.query_indices, None)
+            self.old_gallery = self._features(old_model, split.gallery_indices, None)
+            self.old_self = self._recall(old_query, self.old_gallery)
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.best_epoch: int | None = None
+        self.best_self = -math.inf
+        self.history: list[dict[str, float]] = []
+
+    def _features(self, model: nn.Module, indices: np.ndarray, num_classes_old: int | None) -> torch.Tensor:
+        if self.method.training_free:
+            feature_fn = lambda output: self.method.extract_features(output, num_classes_old)  # noqa: E731
+        else:
+            feature_fn = lambda output: output.features  # noqa: E731
+        return _extract(model, self.split.source, indices, self.device, self.config, feature_fn)
+
+    def _recall(self, query: torch.Tensor, gallery: torch.Tensor) -> float:
+        return float(recall_at_1(query, self.query_labels, gallery, self.gallery_labels))
+
+    def observe(self, epoch: int, model: nn.Module) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        query = self._features(model, self.split.query_indices, None)
+        gallery = self._features(model, self.split.gallery_indices, None)
+        metrics = {"selection_self": self._recall(query, gallery)}
+        qualifies = True
+        if self.old_model is not None:
+            old_gallery = self.old_gallery
+            adapter = getattr(self.method, "adapter", None)
+            if adapter is not None:  # FAN compares a new query with the adapted old gallery
+                from pipelines.methods.fan import adapt_features
+
+                old_gallery = adapt_features(old_gallery.to(self.device), [adapter]).cpu()
+            cross_query = query
+            if self.method.training_free:
+                cross_query = self._features(model, self.split.query_indices, self.old_classes)
+            metrics["selection_cross"] = self._recall(cross_query, old_gallery)
+            metrics["selection_old_self"] = self.old_self
+            if self.config.selection_strict:
+                qualifies = metrics["selection_cross"] > self.old_self
+            else:
+                qualifies = metrics["selection_cross"] >= self.old_self
+        metrics["selection_compatible"] = float(qualifies)
+        if qualifies and metrics["selection_self"] > self.best_self:
+            self.best_self = metrics["selection_self"]
+            self.best_epoch = epoch
+            self.best_state = snapshot_state(model)
+        self.history.append({"epoch": float(epoch), **metrics})
+        model.train(was_training)
+        return metrics
+
+
+def train_task(
+    model: nn.Module,
+    old_model: nn.Module | None,
+    method: Method,
+    data: TaskData,
+    config: TrainConfig,
+    on_record: Callable[[TrainRecord], None] | None = None,
+    progress: ProgressHook | None = None,
+) -> TrainResult:
+    """Train ``model`` on one task with ``method``; returns the trained model and the training records.
+
+    model: a CompatModel whose classifier kind matches ``method.classifier`` (learnable classifiers are grown to the
+    largest slot + 1 here). old_model: the frozen previous model (or the newly loaded one at a replacement) or
+    None; it is put in eval mode and never receives gradients. ``on_record`` receives a :class:`TrainRecord` per
+    epoch (and every ``log_every_steps`` steps); ``progress(epoch, step, total_steps, images_per_s)`` is called after
+    every step. Methods with ``retrain_from_scratch`` and an ``initial_state`` restart from those weights.
+    """
+    if not isinstance(method, Method):
+        raise ValueError(f"method must be a pipelines.methods Method, got {type(method).__name__}")
+    if not isinstance(config, TrainConfig):
+        raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
+    _check_model_for_method(model, method, data)
+    if config.model_selection == "compatibility" and data.selection is None:
+        raise ValueError("TrainConfig.model_selection 'compatibility' needs TaskData.selection (a held-out split)")
+    device = torch.device(config.device)
+    torch.manual_seed(config.seed)
+    if data.initial_state is not None and method.retrain_from_scratch:
+        model.load_state_dict(dict(data.initial_state))
+    if method.classifier == "learnable":
+        needed = int(data.slots.max()) + 1
+        if data.has_memory:
+            needed = max(needed, int(data.memory_slots.max()) + 1)
+        if needed > model.num_active_classes:
+            model.expand_classes(needed)
+    prepare_for_speed(model, device)
+    if old_model is not None:
+        prepare_for_speed(old_model, device)
+        old_model.eval()
+        old_model.requires_grad_(False)
+
+    loader = _Loader(data, model, device, train=True, augment=config.augment, seed=_augment_seed(config.seed, data.task))
+    memory_iterator = None
+    if data.has_memory:
+        # summaries of the memory taken in setup (old-class centres) see un-augmented images
+        eval_loader = _Loader(data, model, device, train=False, augment=False, seed=0)
+        memory_iterator = lambda: eval_loader.memory_batches(config.eval_batch_size)  # noqa: E731
+    ctx = TaskContext(
+        model=model,
+        old_model=old_model,
+        task=data.task,
+        num_old_classes=data.num_old_classes,
+        num_new_classes=data.num_new_classes,
+        hparams=method.hparams,
+        device=device,
+        iterate_memory=memory_iterator,
+    )
+    model.eval()  # setup statistics (e.g. old-class centres) must not update batch-norm buffers
+    with autocast_context(device, enabled=config.mixed_precision):
+        extra_modules = method.setup(ctx)
+    for module in extra_modules:
+        module.to(device).train()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    for module in extra_modules:
+        parameters.extend(p for p in module.parameters() if p.requires_grad)
+    optimizer = _make_optimizer(parameters, config)
+    steps_per_epoch = _steps_per_epoch(data, method, config)
+    if steps_per_epoch == 0:
+        raise ValueError(f"task {data.task} yields no batch of >= 2 samples with batch_size {config.batch_size}")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, steps_per_epoch))
+    total_steps = config.epochs * steps_per_epoch
+
+    selector = None
+    if config.model_selection == "compatibility":
+        selector = _CompatibilitySelector(data.selection, old_model, method, device, config)
+
+    records: list[TrainRecord] = []
+    step = 0
+    train_seconds = 0.0
+    train_images = 0
+    task_start = time.perf_counter()
+
+    def emit(record: TrainRecord) -> None:
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
+
+    for epoch in range(config.epochs):
+        model.train()
+        window = _Window()
+        for positions in epoch_batches(data, method, config, epoch):
+            started = time.perf_counter()
+            batch = loader.batch(positions)
+            with autocast_context(device, enabled=config.mixed_precision):
+                loss, parts = method.loss(batch, ctx)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"method {method.name!r}: non-finite loss {float(loss)} at task {data.task}, epoch {epoch}, step "
+                    f"{step} (parts {parts}); lower TrainConfig.lr"
+                )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            seconds = time.perf_counter() - started
+            train_seconds += seconds
+            train_images += int(positions.size)
+            window.add(float(loss.detach()), parts, int(positions.size), seconds)
+            if progress is not None:
+                progress(epoch, step, total_steps, train_images / max(train_seconds, 1e-9))
+            if config.log_every_steps and step % config.log_every_steps == 0:
+                emit(window.record(data.task, epoch, step, optimizer))
+                window = _Window()
+        metrics = selector.observe(epoch, model) if selector is not None else {}
+        if window.count or metrics:
+            emit(window.record(data.task, epoch, step, optimizer, metrics))
+
+    selected_epoch = config.epochs - 1
+    if selector is not None and selector.best_state is not None:
+        selected_epoch = int(selector.best_epoch)
+        if selected_epoch != config.epochs - 1:
+            model.load_state_dict(selector.best_state)
+    model.eval()
+    return TrainResult(
+        model=model,
+        records=records,
+        selected_epoch=selected_epoch,
+        images_per_s=train_images / max(train_seconds, 1e-9),
+        seconds=time.perf_counter() - task_start,
+        extra_state=method.export_state(),
+        selection=[] if selector is None else selector.history,
+    )
+
+
+class _Window:
+    """Running means of the loss and its parts between two records."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.loss_sum = 0.0
+        self.part_sums: dict[str, float] = {}
+        self.images = 0
+        self.seconds = 0.0
+
+    def add(self, loss: float, parts: Mapping[str, float], images: int, seconds: float) -> None:
+        self.count += 1
+        self.loss_sum += loss
+        for key, value in parts.items():
+            self.part_sums[key] = self.part_sums.get(key, 0.0) + float(value)
+        self.images += images
+        self.seconds += seconds
+
+    def record(self, task: int, epoch: int, step: int, optimizer: torch.optim.Optimizer,
+               metrics: Mapping[str, float] | None = None) -> TrainRecord:
+        count = max(self.count, 1)
+        return TrainRecord(
+            task=task,
+            epoch=epoch,
+            step=step,
+            loss=self.loss_sum / count if self.count else math.nan,
+            loss_parts={key: value / count for key, value in self.part_sums.items()},
+            lr=float(optimizer.param_groups[0]["lr"]),
+            images_per_s=self.images / max(self.seconds, 1e-9),
+            seconds=self.seconds,
+            metrics=dict(metrics or {}),
+        )
+
+
+class SupervisedPretraining(Method):
+    """Plain supervised training of a third-party model: SCE over all K (simplex) or CE (learnable).
+
+    Not registered as a compared method; used by :func:`pretrain_model`.
+    """
+
+    name = "pretrain"
+    uses_replay = False
+
+    def __init__(self, classifier: str) -> None:
+        super().__init__()
+        self.classifier = classifier  # type: ignore[misc]
+
+    def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
+        output = ctx.model(batch.images)
+        from compat_core.losses import simplex_cross_entropy
+
+        if self.classifier == "simplex":
+            value = simplex_cross_entropy(output.logits, batch.targets)
+        else:
+            value = classification_cross_entropy(output.logits, batch.targets)
+        return value, {"ce": float(value.detach())}
+
+
+def pretrain_model(
+    model: nn.Module,
+    source: ImageSource,
+    indices: np.ndarray,
+    config: TrainConfig,
+    on_record: Callable[[TrainRecord], None] | None = None,
+    progress: ProgressHook | None = None,
+) -> TrainResult:
+    """Pre-train a third-party model on its own class pool, class slots left to right (slot = dataset label).
+
+    indices: sample indices into ``source``; labels must be 0-based within the pre-training pool (nested pools
+    share their leading labels, so bigger pools keep the smaller pools' slots).
+    """
+    indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+    labels = np.asarray(source.labels)[indices]
+    slots = pretrain_slot(labels)
+    data = TaskData(source=source, task=0, indices=indices, slots=slots, num_old_classes=0,
+                    num_new_classes=int(np.unique(labels).size))
+    method = SupervisedPretraining(getattr(model, "classifier_kind", "simplex"))
+    return train_task(model, None, method, data, config, on_record=on_record, progress=progress)
+
+
+__all__ = [
+    "MODEL_SELECTIONS",
+    "OPTIMIZERS",
+    "REPLAY_SAMPLINGS",
+    "SCHEDULES",
+    "SelectionSplit",
+    "SupervisedPretraining",
+    "TaskData",
+    "TrainConfig",
+    "TrainRecord",
+    "TrainResult",
+    "epoch_batches",
+    "pretrain_model",
+    "snapshot_state",
+    "train_task",
+]

@@ -1,0 +1,99 @@
+"""Scenario config validation: errors name the key path and the fix; --set overrides; shipped configs validate."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines.config import ConfigError, apply_override, load_config, parse_increments, validate_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _demo() -> dict:
+    return yaml.safe_load((CONFIGS / "demo-dsimplex-hoc.yaml").read_text())
+
+
+def test_parse_increments_hand_worked():
+    assert parse_increments("10+6x15") == [10, 15, 15, 15, 15, 15, 15]
+    assert parse_increments("16x512") == [512] * 16
+    assert sum(parse_increments("10+30x3")) == 100 and len(parse_increments("10+30x3")) == 31
+    with pytest.raises(ValueError, match="tasks.spec"):
+        parse_increments("10+x3")
+
+
+def test_parse_increments_agrees_with_data_package():
+    tasks = pytest.importorskip("compat_core.data.tasks")
+    for spec in ("10+6x15", "10+30x3", "50+6x25", "60+30x4", "16x512", "10x10", "5x20"):
+        assert tasks.parse_increments(spec) == parse_increments(spec)
+
+
+def test_replacement_outside_sequence_names_key_and_range():
+    document = _demo()
+    document["replacements"][0]["at_task"] = 9
+    with pytest.raises(ConfigError) as error:
+        validate_config(document)
+    assert "replacements[0].at_task: must be in 2..7 (1-based task number) for a 7-task sequence, got 9" in str(error.value)
+
+
+def test_unknown_key_is_named():
+    document = _demo()
+    document["training"]["epoch"] = 3
+    with pytest.raises(ConfigError, match=r"training\.epoch: unknown key"):
+        validate_config(document)
+
+
+def test_too_few_slots_gives_needed_k():
+    document = _demo()
+    document["model"]["num_slots"] = 650
+    # 100 fine-tuning classes + 600 third-party slots (largest pool) = 700
+    with pytest.raises(ConfigError, match=r"model\.num_slots: K=650 is too small.*K >= 700"):
+        validate_config(document)
+
+
+def test_open_set_guard_on_same_split():
+    document = _demo()
+    document["evaluation"]["query_set"] = {"dataset": "glyphs", "split": "finetune", "options": {"style": "target"}}
+    with pytest.raises(ConfigError, match=r"evaluation\.query_set: draws from the same dataset split as data"):
+        validate_config(document)
+    document["data"]["classes"] = list(range(100))
+    document["evaluation"]["query_set"]["classes"] = [99, 100, 101]
+    with pytest.raises(ConfigError, match=r"evaluation\.query_set\.classes: overlap with data\.classes on \[99\]"):
+        validate_config(document)
+
+
+def test_unknown_pretrain_source_and_method_params():
+    document = _demo()
+    document["replacements"][1]["source"] = "pretrain:p9"
+    with pytest.raises(ConfigError, match=r"replacements\[1\]\.source: 'pretrain:p9' names no pretrain entry"):
+        validate_config(document)
+    document = _demo()
+    document["method"]["params"]["lambda"] = 0.5
+    with pytest.raises(ConfigError, match=r"method\.params: .*'lambda'"):
+        validate_config(document)
+    document = _demo()
+    document["method"]["name"] = "hoc"
+    with pytest.raises(ConfigError, match=r"method\.name: unknown method 'hoc'; valid: .*dsimplex-hoc"):
+        validate_config(document)
+
+
+def test_overrides_are_yaml_parsed(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text((CONFIGS / "demo-er.yaml").read_text())
+    config = load_config(path, ["training.epochs=3", "replacements.1.at_task=6", "training.optimizer.lr=1e-3",
+                                "evaluation.gallery=class_means", "data.classes=null"])
+    assert config.training.epochs == 3 and isinstance(config.training.epochs, int)
+    assert config.replacements[1].at_task == 6
+    assert config.training.optimizer.lr == pytest.approx(0.001)
+    assert config.evaluation.gallery == "class_means"
+    with pytest.raises(ConfigError, match=r"replacements\[0\]\.at_task: must be in 2\.\.7"):
+        load_config(path, ["replacements[0].at_task=1"])
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        apply_override({}, "training.epochs")
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_configs_validate_without_data(path):
+    config = load_config(path)
+    assert config.num_tasks == len(parse_increments(config.tasks.spec))
+    for replacement in config.replacements:
+        assert 2 <= replacement.at_task <= config.num_tasks

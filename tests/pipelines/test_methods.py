@@ -1,0 +1,233 @@
+"""Contract and value tests of the training recipes in pipelines.methods."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from compat_core.losses import hoc_loss, simplex_cross_entropy
+from compat_core.models import create_model, frozen_copy
+from pipelines.methods import METHODS, get_method, load_adapter, method_hparam_names
+from pipelines.methods.base import Batch, ClassStatistics, TaskContext, boundary_hinge
+from pipelines.methods.cvs import relation_distillation
+from pipelines.methods.fan import adapt_features
+
+K = 16
+NUM_OLD, NUM_NEW = 3, 3
+ALL_METHODS = ["advbct-er", "bct-er", "cores", "cvs", "dsimplex-fd", "dsimplex-hoc", "er", "fan", "lce-er", "lsp", "psp"]
+
+
+def tiny_model(classifier: str, seed: int, classes: int = 0):
+    torch.manual_seed(seed)
+    return create_model("cnn4", K, classifier=classifier, backbone_config={"width": 4, "in_chans": 1},
+                        num_active_classes=classes)
+
+
+def fixed_batch(classifier: str) -> Batch:
+    """8 images: 4 memory samples of old classes 0..2, 4 task samples of new classes 3..5 (as slots)."""
+    generator = torch.Generator().manual_seed(123)
+    images = torch.randn(8, 1, 16, 16, generator=generator)
+    classes = torch.tensor([0, 1, 2, 0, 3, 4, 5, 3])
+    targets = classes if classifier == "learnable" else K - 1 - classes  # fine-tuning slots right to left
+    is_memory = torch.tensor([True] * 4 + [False] * 4)
+    return Batch(images=images, targets=targets, is_memory=is_memory)
+
+
+def make_context(method, with_old: bool = True):
+    """New model (seed 0) and a different frozen old model (seed 1), as after a replacement."""
+    kind = method.classifier
+    model = tiny_model(kind, 0, NUM_OLD + NUM_NEW if kind == "learnable" else 0)
+    old = frozen_copy(tiny_model(kind, 1, NUM_OLD if kind == "learnable" else 0)) if with_old else None
+    batch = fixed_batch(kind)
+
+    def iterate_memory():
+        keep = batch.is_memory
+        yield Batch(images=batch.images[keep], targets=batch.targets[keep], is_memory=batch.is_memory[keep])
+
+    ctx = TaskContext(model=model, old_model=old, task=1, num_old_classes=NUM_OLD, num_new_classes=NUM_NEW,
+                      hparams=method.hparams, iterate_memory=iterate_memory)
+    return ctx, batch
+
+
+def test_registry_holds_every_compared_method():
+    assert METHODS.names() == ALL_METHODS
+    with pytest.raises(KeyError, match="valid method names: advbct-er, bct-er"):
+        get_method("dsimplex")
+
+
+def test_unknown_or_bad_hparams_name_the_method_and_valid_names():
+    with pytest.raises(ValueError, match=r"'dsimplex-hoc' has no hyper-parameter\(s\) \['lambda'\]; valid names: lam, masking, rho"):
+        get_method("dsimplex-hoc", **{"lambda": 0.5})
+    with pytest.raises(ValueError, match="'lam' must lie in"):
+        get_method("dsimplex-hoc", lam=1.5)
+    with pytest.raises(ValueError, match="'masking' must be one of"):
+        get_method("dsimplex-hoc", masking="zero")
+    with pytest.raises(ValueError, match="'w_base' must be a finite number"):
+        get_method("dsimplex-fd", w_base="5")
+    assert method_hparam_names("dsimplex-fd") == ["w_base"]
+
+
+def test_spec_defaults():
+    hoc = get_method("dsimplex-hoc")
+    assert (hoc.hparams.lam, hoc.hparams.rho, hoc.hparams.masking) == (0.1, 10.0, "standard")
+    assert get_method("dsimplex-fd").hparams.w_base == 5.0
+    assert get_method("dsimplex-hoc", rho=5).hparams.rho == 5.0  # YAML ints accepted for floats
+    cores = get_method("cores")
+    assert cores.retrain_from_scratch and cores.requires_initial_state and not cores.uses_replay
+    assert get_method("psp").training_free and get_method("lsp").training_free
+    assert get_method("er").classifier == "learnable" and get_method("dsimplex-hoc").classifier == "simplex"
+
+
+@pytest.mark.parametrize("name", ALL_METHODS)
+def test_contract_one_step_trains(name):
+    method = get_method(name)
+    ctx, batch = make_context(method)
+    extra = method.setup(ctx)
+    parameters = list(ctx.model.parameters()) + [p for module in extra for p in module.parameters()]
+    optimizer = torch.optim.SGD(parameters, lr=0.05)
+    losses = []
+    for step in range(6):
+        loss, parts = method.loss(batch, ctx)
+        assert loss.ndim == 0 and math.isfinite(loss.item())
+        assert all(math.isfinite(v) for v in parts.values()) and parts
+        optimizer.zero_grad()
+        loss.backward()
+        if step == 0:
+            first_conv = next(m for m in ctx.model.backbone.modules() if isinstance(m, torch.nn.Conv2d))
+            assert first_conv.weight.grad is not None and float(first_conv.weight.grad.abs().sum()) > 0
+            assert all(p.grad is None for p in ctx.old_model.parameters())
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    assert ctx.model(batch.images).features.shape == (8, K - 1)
+
+
+@pytest.mark.parametrize("name", ["er", "dsimplex-hoc", "dsimplex-fd", "bct-er", "fan", "cvs", "lce-er", "advbct-er"])
+def test_first_task_without_old_model_is_plain_classification(name):
+    method = get_method(name)
+    ctx, batch = make_context(method, with_old=False)
+    ctx.model.eval()
+    assert method.setup(ctx) == []
+    loss, _ = method.loss(batch, ctx)
+    logits = ctx.model(batch.images).logits
+    expected = torch.nn.functional.cross_entropy(logits.double(), batch.targets)  # all K slots for simplex
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("masking", ["standard", "reference"])
+def test_hoc_method_equals_hoc_loss(masking):
+    method = get_method("dsimplex-hoc", lam=0.3, rho=5, masking=masking)
+    ctx, batch = make_context(method)
+    ctx.model.eval()
+    loss, parts = method.loss(batch, ctx)
+    new, old = ctx.model(batch.images), ctx.old_model(batch.images)
+    expected = hoc_loss(new.logits, batch.targets, new.features, old.features, lam=0.3, rho=5.0, masking=masking)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert 0.3 * parts["sce"] + 0.7 * parts["info_nce"] == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_fd_distils_memory_samples_only():
+    method = get_method("dsimplex-fd", w_base=2.0)
+    ctx, batch = make_context(method)
+    ctx.model.eval()
+    loss, parts = method.loss(batch, ctx)
+    new = ctx.model(batch.images)
+    old = ctx.old_model(batch.images)
+    a = new.projection.detach().double().numpy()
+    b = old.projection.double().numpy()
+    cosines = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    fd_memory = float(np.mean(1.0 - cosines[:4]))  # samples 0..3 are the memory
+    weight = 2.0 * math.sqrt(NUM_NEW / NUM_OLD)
+    sce = simplex_cross_entropy(new.logits, batch.targets).item()
+    assert parts["fd"] == pytest.approx(fd_memory, rel=1e-5)
+    assert parts["fd_weight"] == pytest.approx(weight)
+    assert loss.item() == pytest.approx(sce + weight * fd_memory, rel=1e-5)
+    # with no memory sample in the batch only the SCE remains
+    no_memory = Batch(images=batch.images, targets=batch.targets, is_memory=torch.zeros(8, dtype=torch.bool))
+    loss_without, parts_without = method.loss(no_memory, ctx)
+    assert parts_without["fd"] == 0.0 and loss_without.item() == pytest.approx(sce, rel=1e-6)
+
+
+def test_bct_influence_term_uses_old_head_on_new_features_for_old_classes():
+    method = get_method("bct-er", lam=0.5)
+    ctx, batch = make_context(method)
+    ctx.model.eval()
+    loss, parts = method.loss(batch, ctx)
+    projection = ctx.model(batch.images).projection.detach().double().numpy()
+    old_weight = ctx.old_model.classifier.weight.double().numpy()  # (3, K-1)
+    logits = projection @ old_weight.T
+    targets = batch.targets.numpy()
+    selected = targets < NUM_OLD
+    log_probs = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    influence = float(-log_probs[selected, targets[selected]].mean())
+    assert parts["influence"] == pytest.approx(influence, rel=1e-5)
+    assert loss.item() == pytest.approx(parts["ce"] + 0.5 * influence, rel=1e-5)
+
+
+def test_boundary_hinge_by_hand():
+    stats = ClassStatistics(
+        centres=torch.tensor([[1.0, 0.0], [0.0, 1.0]]),
+        radius=torch.tensor([0.1, 0.5]),
+        present=torch.tensor([True, True]),
+    )
+    # sample 0: class 0 at 60 degrees -> distance 0.5, hinge 0.4; sample 1: class 1 at 0 -> hinge 0;
+    # sample 2: class 2 is not an old class -> ignored
+    features = torch.tensor([[0.5, math.sqrt(3) / 2], [0.0, 3.0], [1.0, 0.0]])
+    value = boundary_hinge(features, torch.tensor([0, 1, 2]), stats)
+    assert float(value) == pytest.approx((0.4 + 0.0) / 2, abs=1e-6)
+    assert float(boundary_hinge(features, torch.tensor([0, 1, 2]), stats, scale=2.0)) == pytest.approx(0.3 / 2, abs=1e-6)
+
+
+def test_lce_statistics_are_old_class_centres_over_memory():
+    method = get_method("lce-er")
+    ctx, batch = make_context(method)
+    method.setup(ctx)
+    old = ctx.old_model(batch.images[:4]).features.double().numpy()
+    centre0 = old[0] + old[3]
+    centre0 /= np.linalg.norm(centre0)
+    np.testing.assert_allclose(method.stats.centres[0].numpy(), centre0, atol=1e-5)
+    radius0 = np.mean([1 - old[0] @ centre0, 1 - old[3] @ centre0])
+    assert float(method.stats.radius[0]) == pytest.approx(radius0, abs=1e-5)
+    assert float(method.stats.radius[1]) == pytest.approx(0.0, abs=1e-6)  # one sample is its own centre
+
+
+def test_psp_and_lsp_features_by_hand():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.5, 3.0, 0.0]])
+    z = logits.double().numpy()
+    probs = np.exp(z) / np.exp(z).sum(1, keepdims=True)
+    known = probs[:, :3] - probs[:, :3].mean(1, keepdims=True)
+    expected_psp = known / np.linalg.norm(known, axis=1, keepdims=True)
+    np.testing.assert_allclose(get_method("psp").extract_features(logits, 3).numpy(), expected_psp, atol=1e-6)
+    expected_lsp = z[:, :2] / np.linalg.norm(z[:, :2], axis=1, keepdims=True)
+    np.testing.assert_allclose(get_method("lsp").extract_features(logits, 2).numpy(), expected_lsp, atol=1e-6)
+    # top-1: only the largest entry survives, renormalised to 1
+    top1 = get_method("lsp", top_k=1).extract_features(logits)
+    np.testing.assert_allclose(top1.numpy(), [[1, 0, 0, 0], [0, 0, 1, 0]], atol=1e-6)
+
+
+def test_cvs_relation_distillation_zero_iff_same_structure():
+    generator = torch.Generator().manual_seed(0)
+    features = torch.nn.functional.normalize(torch.randn(5, 4, generator=generator), dim=1)
+    assert float(relation_distillation(features, features, 0.1)) == pytest.approx(0.0, abs=1e-6)
+    other = torch.nn.functional.normalize(torch.randn(5, 4, generator=generator), dim=1)
+    assert float(relation_distillation(other, features, 0.1)) > 0.01
+    assert float(relation_distillation(other[:2], features[:2], 0.1)) == 0.0
+
+
+def test_fan_adapters_compose_and_round_trip():
+    method = get_method("fan", adapter_hidden=8)
+    ctx, batch = make_context(method)
+    method.setup(ctx)
+    state = method.export_state()["adapter"]
+    rebuilt = load_adapter(state)
+    features = torch.nn.functional.normalize(torch.randn(3, K - 1), dim=1)
+    once = adapt_features(features, [rebuilt])
+    with torch.no_grad():
+        expected = torch.nn.functional.normalize(method.adapter(features), dim=1)
+    torch.testing.assert_close(once, expected)
+    twice = adapt_features(features, [rebuilt, rebuilt])
+    torch.testing.assert_close(twice, adapt_features(once, [rebuilt]))
+    with pytest.raises(KeyError, match="0.weight"):
+        load_adapter({})
