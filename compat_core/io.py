@@ -1,15 +1,48 @@
 """Reading inputs from a local path or an object-store URI (``s3://bucket/key``) through ``pyarrow.fs``.
 
-compat_core stays free of boto3: S3 access goes through pyarrow's own S3 client, configured from the standard AWS
-environment/config chain (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...). Credentials are never logged.
+compat_core stays free of boto3: S3 access goes through pyarrow's own S3 client. By default it is configured from the
+standard AWS environment variables (``AWS_ENDPOINT_URL``, ``AWS_REGION``; credentials through the AWS SDK's own chain).
+The cluster layer installs a fully configured filesystem (profiles, addressing style, clear errors) with
+:func:`set_s3_filesystem_factory`, so every reader and writer that goes through :func:`resolve` uses it.
+Credentials are never logged.
 """
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 import pyarrow.fs as pafs
+
+S3FilesystemFactory = Callable[[], pafs.FileSystem]
+_s3_factory: S3FilesystemFactory | None = None
+
+
+def set_s3_filesystem_factory(factory: S3FilesystemFactory | None) -> S3FilesystemFactory | None:
+    """Install the callable that :func:`resolve` uses for ``s3://`` URIs; ``None`` restores the default.
+
+    Returns the previously installed factory (``None`` for the default) so callers can restore it.
+    The factory is called on every ``s3://`` resolve, so it should return a cached filesystem.
+    """
+    global _s3_factory
+    if factory is not None and not callable(factory):
+        raise TypeError(f"S3 filesystem factory must be callable or None, got {type(factory).__name__}")
+    previous, _s3_factory = _s3_factory, factory
+    return previous
+
+
+def s3_filesystem() -> pafs.FileSystem:
+    """The filesystem used for ``s3://`` URIs: the installed factory's, else one built from the environment."""
+    if _s3_factory is not None:
+        filesystem = _s3_factory()
+        if not isinstance(filesystem, pafs.FileSystem):
+            raise TypeError(
+                f"the installed S3 filesystem factory returned {type(filesystem).__name__}, "
+                "expected a pyarrow.fs.FileSystem"
+            )
+        return filesystem
+    return _s3_filesystem()
 
 
 def _s3_filesystem() -> pafs.S3FileSystem:
@@ -33,7 +66,7 @@ def resolve(uri: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
     """Split a URI into (filesystem, path inside it). Local paths and ``file://`` URIs use the local filesystem."""
     text = os.fspath(uri)
     if text.startswith("s3://"):
-        return _s3_filesystem(), text[len("s3://"):]
+        return s3_filesystem(), text[len("s3://"):]
     if text.startswith("file://"):
         text = text[len("file://"):]
     if "://" in text:
@@ -62,14 +95,51 @@ def is_dir(uri: str | os.PathLike) -> bool:
 def open_input(uri: str | os.PathLike) -> BinaryIO:
     """Open a file for binary reading; raises FileNotFoundError naming the URI when it is missing."""
     fs, path = resolve(uri)
-    if fs.get_file_info(path).type == pafs.FileType.NotFound:
-        raise FileNotFoundError(f"no such file: {os.fspath(uri)}")
-    return fs.open_input_file(path)
+    try:
+        return fs.open_input_file(path)
+    except FileNotFoundError as error:
+        if type(error) is not FileNotFoundError:
+            raise  # a more specific subclass (e.g. a missing bucket) already says what is wrong
+        raise FileNotFoundError(f"no such file: {os.fspath(uri)}") from None
 
 
 def read_bytes(uri: str | os.PathLike) -> bytes:
     with open_input(uri) as handle:
         return handle.read()
+
+
+def read_range(uri: str | os.PathLike, offset: int, length: int) -> bytes:
+    """``length`` bytes starting at 0-based byte ``offset`` (a ranged GET on S3); fewer only at the end of the file."""
+    for name, value in (("offset", offset), ("length", length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"read_range {name} must be an integer >= 0 (bytes), got {value!r}")
+    with open_input(uri) as handle:
+        return handle.read_at(length, offset)
+
+
+def write_bytes(uri: str | os.PathLike, data: bytes) -> str:
+    """Write ``data`` to a file, replacing it; locally via a temporary name and a rename. Returns ``uri``.
+
+    Parent folders are created locally; on S3 an object PUT is atomic, so readers never see a partial object.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"write_bytes to {os.fspath(uri)}: expected bytes, got {type(data).__name__}")
+    fs, path = resolve(uri)
+    if isinstance(fs, pafs.LocalFileSystem):
+        parent, _, name = path.rpartition("/")
+        fs.create_dir(parent, recursive=True)
+        temporary = f"{parent}/.tmp-{uuid.uuid4().hex}-{name}"
+        try:
+            with fs.open_output_stream(temporary) as handle:
+                handle.write(data)
+            fs.move(temporary, path)
+        finally:
+            if fs.get_file_info(temporary).type != pafs.FileType.NotFound:
+                fs.delete_file(temporary)
+    else:
+        with fs.open_output_stream(path) as handle:
+            handle.write(data)
+    return os.fspath(uri)
 
 
 def list_dir(uri: str | os.PathLike) -> list[str]:

@@ -1,0 +1,75 @@
+"""Fixtures shared by the whole suite: real servers on 127.0.0.1 started by the tests themselves."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cluster.local_services import MlflowServer, SeaweedS3Server
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real SeaweedFS S3 server on 127.0.0.1 for the whole session (restartable: ``stop()`` / ``start()``)."""
+    server = SeaweedS3Server(tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The standard AWS variables pointing at the test S3 server (restored after the test)."""
+    for name, value in s3_server.environment().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return s3_server.environment()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, s3_env, request):
+    """A fresh bucket (named after the test) on the test S3 server; returns its name."""
+    import re
+    import uuid
+
+    import boto3
+    from botocore.config import Config
+
+    stem = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    name = f"t-{stem}-{uuid.uuid4().hex[:6]}"
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_env["AWS_ENDPOINT_URL"],
+        region_name=s3_env["AWS_REGION"],
+        config=Config(request_checksum_calculation="when_required", s3={"addressing_style": "path"}),
+    )
+    client.create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real ``mlflow server`` (SQLite backend, one worker, job execution off) on 127.0.0.1 for the session."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A local Ray instance (2 CPUs, small object store, no dashboard) shared by the session's Ray tests."""
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=2,
+            object_store_memory=200 * 1024 * 1024,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            configure_logging=False,
+            log_to_driver=False,
+        )
+    yield ray
+    ray.shutdown()
