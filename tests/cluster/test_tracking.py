@@ -1,0 +1,376 @@
+"""cluster.tracking without a server: param flattening and secret exclusion, naming, and a pipeline tracked into the
+default SQLite database of its run directory (hand-made stage outputs driven through the real LocalExecutor)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cluster.registry import parse_model_uri, registered_model_name, task_alias
+from cluster.tracking import (
+    MlflowTracker,
+    NullTracker,
+    check_tracking_uri,
+    create_tracker,
+    default_tracking_uri,
+    entry_metric_key,
+    flatten_params,
+    looks_like_secret,
+)
+
+# C[t, k] (0-based query t, gallery k); exact binary fractions so that hand arithmetic is exact
+MATRIX = [[0.5], [0.625, 0.75], [0.375, 0.875, 1.0]]
+# Hand-worked (strict ECC C[t,k] > C[k,k]): pairs (1,0) yes, (2,0) no, (2,1) yes -> AC = 2/3;
+# AA = (0.5+0.625+0.75+0.375+0.875+1.0)/6 = 4.125/6; ACA = (0.625+0.875)/3; BC = mean(0.375-0.5, 0.875-0.75) = 0;
+# FC = mean(0.625-0.75, 0.875-1.0) = -0.125; AC_tau = [undefined, 1, 2/3]; AA_tau = [0.5, 1.875/3, 4.125/6]
+EXPECTED = {"AC": 2 / 3, "AA": 4.125 / 6, "ACA": 1.5 / 3, "BC": 0.0, "FC": -0.125}
+EXPECTED_AC_TAU = {1: 1.0, 2: 2 / 3}
+EXPECTED_AA_TAU = {0: 0.5, 1: 1.875 / 3, 2: 4.125 / 6}
+
+
+# ---- params and names ----------------------------------------------------------------------------------------------
+def test_flatten_params_uses_dot_keys_and_excludes_secrets_by_key_and_by_value():
+    config = {
+        "name": "demo",
+        "training": {"optimizer": {"name": "sgd", "lr": 0.01}, "epochs": 8},
+        "replacements": [{"at_task": 3, "sha256": "ab" * 32}],
+        "increments": [10, 15],
+        "storage": {"aws_secret_key": "x", "db_password": "hunter2", "hf_token": "t", "credentials": {"a": 1},
+                    "endpoint": "https://user:pa55word@example.com/bucket", "key_id": "AKIAABCDEFGHIJKLMNOP",
+                    "blob": "Zx9" * 12, "note": None},
+        "empty": {},
+    }
+    params, excluded = flatten_params(config)
+    assert params == {
+        "name": "demo",
+        "training.optimizer.name": "sgd",
+        "training.optimizer.lr": "0.01",
+        "training.epochs": "8",
+        "replacements.0.at_task": "3",
+        "replacements.0.sha256": "ab" * 32,  # a lower-case hex digest is not a secret
+        "increments": "[10, 15]",
+        "storage.note": "null",
+        "empty": "{}",
+    }
+    assert sorted(excluded) == sorted([
+        "storage.aws_secret_key", "storage.db_password", "storage.hf_token", "storage.credentials",
+        "storage.endpoint", "storage.key_id", "storage.blob"])
+
+
+def test_secret_values_are_recognised_and_plain_values_are_not():
+    assert looks_like_secret("ghp_" + "a1B2" * 9)
+    assert looks_like_secret("eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.abc")
+    assert looks_like_secret("-----BEGIN RSA PRIVATE KEY-----\nMII")
+    for plain in ("recall_at_1", "pretrain:p2", "s3://bucket/models/p1", "runs/demo/er", "0" * 64, "token", 0.5):
+        assert not looks_like_secret(plain), plain
+
+
+def test_long_param_values_are_truncated_to_mlflow_limit():
+    params, _ = flatten_params({"description": "x" * 7000})
+    assert len(params["description"]) == 6000 and params["description"].endswith("...")
+
+
+def test_naming_helpers():
+    assert entry_metric_key(2, 0) == "compat/q2_g0"
+    with pytest.raises(ValueError, match="gallery <= query"):
+        entry_metric_key(0, 1)
+    assert registered_model_name("demo-er", "0123456789abcdef") == "demo-er-01234567"
+    with pytest.raises(ValueError, match="scenario name"):
+        registered_model_name("demo er", "0123456789abcdef")
+    assert task_alias(2) == "task-3"  # 0-based task 2 is the papers' third task
+    assert parse_model_uri("models:/demo-er-01234567@task-3") == ("demo-er-01234567", None, "task-3")
+    assert parse_model_uri("models:/demo-er-01234567/4") == ("demo-er-01234567", "4", None)
+    assert parse_model_uri("models:/demo-er-01234567/latest") == ("demo-er-01234567", "latest", None)
+    with pytest.raises(ValueError, match="models:/NAME"):
+        parse_model_uri("models:/a/b/c")
+
+
+def test_tracking_uri_defaults_to_sqlite_in_run_dir(tmp_path):
+    assert default_tracking_uri(tmp_path / "run") == f"sqlite:///{(tmp_path / 'run').resolve()}/mlflow.db"
+    with pytest.raises(ValueError, match="not local"):
+        default_tracking_uri("s3://bucket/run")
+    assert check_tracking_uri("https://mlflow.example.com:5000") == "https://mlflow.example.com:5000"
+    with pytest.raises(ValueError, match="tracking URI"):
+        check_tracking_uri("ftp://host")
+    assert isinstance(create_tracker("none"), NullTracker)
+
+
+def test_train_record_has_the_fields_the_tracker_reads():
+    training = pytest.importorskip("pipelines.training")
+    names = {f for f in training.TrainRecord.__dataclass_fields__}
+    assert {"task", "epoch", "step", "loss", "loss_parts", "lr", "images_per_s", "metrics"} <= names
+
+
+# ---- a hand-made pipeline ------------------------------------------------------------------------------------------
+@dataclass
+class FakeTrainRecord:
+    """Same fields as pipelines.training.TrainRecord (the tracker reads records by duck typing)."""
+
+    task: int
+    epoch: int
+    step: int
+    loss: float
+    loss_parts: dict
+    lr: float
+    images_per_s: float
+    seconds: float
+    metrics: dict = field(default_factory=dict)
+
+
+def train_loss(task: int, step: int) -> float:
+    return 2.0 - 0.25 * step + task  # step 1 -> 1.75 + task, step 2 -> 1.5 + task
+
+
+def scenario(output: str) -> dict:
+    """3 tasks (2+2x2), pretrain p1 (initial model) and p2 (replacement at task 3, 1-based); K = 10."""
+    pool = {"dataset": "tiny-synth", "split": "pretrain"}
+    return {
+        "name": "track-demo",
+        "seed": 0,
+        "device": "cpu",
+        "data": {"dataset": "tiny-synth", "split": "finetune"},
+        "tasks": {"spec": "2+2x2"},
+        "model": {"backbone": "cnn4", "backbone_config": {"in_chans": 1, "width": 4}, "num_slots": 10},
+        "method": {"name": "er", "params": {}},
+        "training": {"optimizer": {"name": "sgd", "lr": 0.01}, "epochs": 2, "batch_size": 8, "autocast": False},
+        "pretrain": [{"name": "p1", "pool": pool, "num_classes": 4}, {"name": "p2", "pool": pool, "num_classes": 4}],
+        "initial_model": "pretrain:p1",
+        "replacements": [{"at_task": 3, "source": "pretrain:p2"}],
+        "evaluation": {"query_set": {"dataset": "tiny-synth", "split": "query"},
+                       "gallery_set": {"dataset": "tiny-synth", "split": "gallery"}},
+        "output": {"dir": output},
+    }
+
+
+def model_blobs(seed: int) -> dict[str, bytes]:
+    from compat_core.models import create_model, save_model
+
+    torch.manual_seed(seed)
+    model = create_model("cnn4", 10, classifier="learnable", backbone_config={"in_chans": 1, "width": 4},
+                         num_active_classes=4)
+    with tempfile.TemporaryDirectory() as folder:
+        save_model(model, folder)
+        return {name: Path(folder, name).read_bytes() for name in os.listdir(folder)}
+
+
+def fake_stage_functions(fail_task: int | None = None) -> dict:
+    """Stage functions returning hand-made records (no data, no training); ``fail_task`` raises in that model stage."""
+    from pipelines.stages import FeatureArtifact, MatrixRow, ModelArtifact, StageResult
+
+    def model_stage(ctx):
+        stage, config = ctx.stage, ctx.config
+        task = stage.task
+        if fail_task is not None and task == fail_task:
+            raise RuntimeError(f"injected failure in {stage.label}")
+        for step in (1, 2):
+            ctx.emit(FakeTrainRecord(task if task is not None else 0, step - 1, step, train_loss(task or 0, step),
+                                     {"ce": train_loss(task or 0, step) - 0.5, "distill": 0.5}, 0.01 / step,
+                                     100.0 * step, 0.1))
+        seed = 1000 + (task if task is not None else 100 + int(stage.name[1:]))
+        source = None
+        if stage.kind == "replace":
+            source = config.replacement_at(task).source
+        elif task == 0:
+            source = config.initial_model
+        record = ModelArtifact("model", stage.key, ctx.store.uri(ctx.store.ARTIFACTS, stage.key), task,
+                               1 if stage.kind == "replace" else 0, 4, 0 if task is None else 2 * task + 2,
+                               "learnable", 4, source=source,
+                               training={"selected_epoch": 1, "images_per_s": 150.0, "seconds": 2.0 + (task or 0),
+                                         "final_loss": train_loss(task or 0, 2), "epochs_recorded": 2})
+        return StageResult(asdict(record), model_blobs(seed))
+
+    def extract_stage(ctx):
+        record = FeatureArtifact("features", ctx.stage.key, ctx.stage.task, ctx.stage.split,
+                                 ctx.store.uri(ctx.store.ARTIFACTS, ctx.stage.key),
+                                 {"shards": [], "rows": 30, "dim": 9, "dtype": "float16", "has_coarse": False},
+                                 4, 0.5, 60.0)
+        return StageResult(asdict(record))
+
+    def evaluate_stage(ctx):
+        row = ctx.stage.task
+        record = MatrixRow("matrix_row", ctx.stage.key, row, MATRIX[row], [f"e{row}{k}" for k in range(row + 1)],
+                           "recall_at_1", ctx.stage.params["protocol"], row + 1, 0)
+        return StageResult(asdict(record))
+
+    return {"pretrain": model_stage, "finetune": model_stage, "replace": model_stage, "extract": extract_stage,
+            "evaluate": evaluate_stage}
+
+
+def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task: int | None = None,
+                ray_job: str | None = None):
+    """Compile the scenario, run it with the LocalExecutor and fake stages, tracked by an MlflowTracker.
+
+    Returns (graph, store, tracker). Re-raises a stage failure after the tracker has closed the runs.
+    """
+    from pipelines import stages
+    from pipelines.config import validate_config
+    from pipelines.executor import LocalExecutor
+    from pipelines.graph import compile_scenario
+    from pipelines.progress import ProgressReporter
+    from pipelines.store import RunStore
+
+    for kind, function in fake_stage_functions(fail_task).items():
+        monkeypatch.setitem(stages.STAGE_FUNCTIONS, kind, function)
+    if ray_job is not None:
+        fake_ray = SimpleNamespace(is_initialized=lambda: True,
+                                   get_runtime_context=lambda: SimpleNamespace(get_job_id=lambda: ray_job))
+        monkeypatch.setitem(__import__("sys").modules, "ray", fake_ray)
+    config = validate_config(scenario(str(run_dir)))
+    graph = compile_scenario(config, version="test+0123")
+    store = RunStore(run_dir)
+    tracker = create_tracker(tracking_uri, run_dir)
+    with tracker.pipeline(graph, store):
+        LocalExecutor(emit=ProgressReporter(enabled=False, sinks=[tracker])).run(graph, store)
+    if ray_job is not None:
+        monkeypatch.delitem(__import__("sys").modules, "ray")
+    return graph, store, tracker
+
+
+def metric_history(client, run_id: str, key: str) -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+
+@pytest.fixture(scope="module")
+def sqlite_run(tmp_path_factory):
+    """One tracked run into the default SQLite database (module-scoped: creating the schema takes seconds)."""
+    monkeypatch = pytest.MonkeyPatch()
+    run_dir = tmp_path_factory.mktemp("tracked") / "run"
+    try:
+        yield (run_dir, *run_tracked(run_dir, None, monkeypatch, ray_job="02000000"))
+    finally:
+        monkeypatch.undo()
+
+
+def test_default_sqlite_run_holds_parent_nested_runs_metrics_and_tags(sqlite_run):
+    run_dir, graph, store, tracker = sqlite_run
+    assert tracker.tracking_uri == f"sqlite:///{run_dir.resolve()}/mlflow.db" and (run_dir / "mlflow.db").is_file()
+    client = tracker.client
+    experiment = client.get_experiment_by_name("track-demo")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("run_role") == "pipeline"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == len(graph) == 14
+    assert {r.data.tags["stage_key"] for r in children} == {s.key for s in graph}
+    assert all(r.info.status == "FINISHED" for r in children)
+    replace = next(r for r in children if r.data.tags["stage_kind"] == "replace")
+    assert replace.data.tags["task_0based"] == "2" and replace.data.tags["task_1based"] == "3"
+    assert replace.data.tags["ray_job_id"] == "02000000" and parent.data.tags["ray_job_id"] == "02000000"
+    assert replace.data.tags["code_version"] == "test+0123"
+    assert replace.data.tags["pipeline_id"] == parent.data.tags["pipeline_id"] == tracker.pipeline_id
+    # params: flattened validated config
+    assert parent.data.params["training.optimizer.lr"] == "0.01"
+    assert parent.data.params["replacements.0.source"] == "pretrain:p2"
+    # per-step training metrics of task 2 (0-based): loss 1.75 + 2 at step 1, 1.5 + 2 at step 2
+    assert metric_history(client, replace.info.run_id, "train/loss") == {1: 3.75, 2: 3.5}
+    assert metric_history(client, replace.info.run_id, "train/loss/ce") == {1: 3.25, 2: 3.0}
+    assert metric_history(client, replace.info.run_id, "train/lr") == {1: 0.01, 2: 0.005}
+    assert metric_history(client, replace.info.run_id, "train/images_per_s") == {1: 100.0, 2: 200.0}
+    # per-task metrics on the parent, step = 0-based task
+    assert metric_history(client, parent.info.run_id, "task/seconds") == {0: 2.0, 1: 3.0, 2: 4.0}
+    # every compatibility entry, step = query task
+    for t, row in enumerate(MATRIX):
+        for k, value in enumerate(row):
+            assert metric_history(client, parent.info.run_id, f"compat/q{t}_g{k}") == {t: value}
+    for name, value in EXPECTED.items():
+        assert metric_history(client, parent.info.run_id, name) == pytest.approx({2: value}, abs=1e-12), name
+    assert metric_history(client, parent.info.run_id, "AC_tau") == pytest.approx(EXPECTED_AC_TAU, abs=1e-12)
+    assert metric_history(client, parent.info.run_id, "AA_tau") == pytest.approx(EXPECTED_AA_TAU, abs=1e-12)
+    artifacts = {f.path for f in client.list_artifacts(parent.info.run_id, "results")}
+    assert {"results/matrix.json", "results/matrix.csv", "results/metrics.json"} <= artifacts
+
+
+def test_models_are_registered_with_aliases_lineage_and_load_by_uri(sqlite_run, tmp_path):
+    from cluster.registry import register_mlflow_resolvers
+    from compat_core.models import create_model, load_external_weights, unregister_uri_resolver
+
+    run_dir, graph, store, tracker = sqlite_run
+    client = tracker.client
+    name = f"track-demo-{tracker.pipeline_id[:8]}"
+    versions = {v.tags["stage_key"]: v for v in client.search_model_versions(f"name = '{name}'")}
+    assert len(versions) == 5  # p1, p2, tasks 0..2
+    by_alias = {alias: str(client.get_model_version_by_alias(name, alias).version)
+                for alias in ("task-1", "task-2", "task-3", "latest-task", "pretrain-p1", "pretrain-p2")}
+    model_keys = graph.model_stages
+    assert by_alias["task-3"] == by_alias["latest-task"] == str(versions[model_keys[2]].version)
+    task3 = versions[model_keys[2]]
+    assert task3.tags["parent_version"] == by_alias["task-2"]
+    assert task3.tags["external_source"] == "pretrain:p2"
+    assert task3.tags["source_version"] == by_alias["pretrain-p2"]
+    assert task3.tags["task_1based"] == "3"
+    weights = Path(store.blob_path(model_keys[2], "model.safetensors"))
+    assert task3.tags["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert task3.source == f"runs:/{task3.run_id}/model"
+
+    register_mlflow_resolvers(tracker.tracking_uri, cache_dir=tmp_path / "cache")
+    try:
+        torch.manual_seed(99)
+        model = create_model("cnn4", 10, classifier="learnable", backbone_config={"in_chans": 1, "width": 4},
+                             num_active_classes=4)
+        report = load_external_weights(model, f"models:/{name}@task-3", sha256=task3.tags["sha256"])
+        assert report.ok
+        from safetensors.torch import load_file
+
+        expected = load_file(str(weights))
+        for key, value in model.state_dict().items():
+            if key in expected:
+                assert torch.equal(value, expected[key]), key
+    finally:
+        unregister_uri_resolver("models")
+        unregister_uri_resolver("runs")
+
+
+def test_resumed_pipeline_reuses_runs_and_versions(sqlite_run, monkeypatch):
+    run_dir, graph, store, tracker = sqlite_run
+    client = tracker.client
+    experiment_id = client.get_experiment_by_name("track-demo").experiment_id
+    before = {r.info.run_id for r in client.search_runs([experiment_id])}
+    name = f"track-demo-{tracker.pipeline_id[:8]}"
+    versions_before = len(client.search_model_versions(f"name = '{name}'"))
+    _, _, again = run_tracked(run_dir, None, monkeypatch)
+    after = client.search_runs([experiment_id])
+    assert {r.info.run_id for r in after} == before
+    assert len(client.search_model_versions(f"name = '{name}'")) == versions_before
+    parent = next(r for r in after if r.data.tags.get("run_role") == "pipeline")
+    assert parent.info.status == "FINISHED" and parent.data.tags["resumes"] == "1"
+    # the summary metrics were not logged a second time
+    assert len(client.get_metric_history(parent.info.run_id, "AC")) == 1
+
+
+def test_failed_stage_ends_failed_and_retry_gets_a_new_attempt(sqlite_run, tmp_path, monkeypatch):
+    _, _, _, first = sqlite_run
+    run_dir = tmp_path / "failing"
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run_tracked(run_dir, first.tracking_uri, monkeypatch, fail_task=1)
+    client = first.client
+    experiment_id = client.get_experiment_by_name("track-demo").experiment_id
+    parent = [r for r in client.search_runs([experiment_id], "tags.run_role = 'pipeline'")
+              if r.data.tags["pipeline_id"] != first.pipeline_id]
+    assert len(parent) == 1 and parent[0].info.status == "FAILED"
+    children = client.search_runs([experiment_id], f"tags.`mlflow.parentRunId` = '{parent[0].info.run_id}'")
+    statuses = {r.data.tags["stage_label"]: r.info.status for r in children}
+    assert statuses == {"pretrain[p1]": "FINISHED", "pretrain[p2]": "FINISHED", "finetune[t=0]": "FINISHED",
+                        "finetune[t=1]": "FAILED"}
+
+    run_tracked(run_dir, first.tracking_uri, monkeypatch)  # the retry succeeds
+    parent_after = client.get_run(parent[0].info.run_id)
+    assert parent_after.info.status == "FINISHED"
+    children = client.search_runs([experiment_id], f"tags.`mlflow.parentRunId` = '{parent[0].info.run_id}'")
+    attempts = sorted((r.data.tags["attempt"], r.info.status) for r in children
+                      if r.data.tags["stage_label"] == "finetune[t=1]")
+    assert attempts == [("1", "FAILED"), ("2", "FINISHED")]
+    assert len(children) == 15  # 14 stages + the failed first attempt
+
+
+def test_tracker_refuses_records_before_start(tmp_path):
+    tracker = MlflowTracker("http://127.0.0.1:9")  # never contacted: the record is refused first
+    with pytest.raises(RuntimeError, match="before start"):
+        tracker(json.loads("{}"))
