@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test venv system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,10 +15,16 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# Headless Chromium drives the MLflow UI in the end-to-end test (Debian's package; Playwright downloads nothing).
+system-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium is missing: run 'sudo apt-get install chromium' (the MLflow UI test needs it)" >&2; exit 1; fi; }
+
 demo: $(STAMP)
 	$(BIN)/compat demo
 
-test: $(STAMP)
+test: system-deps $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 clean:
