@@ -1,0 +1,244 @@
+"""Submission of pipelines to a Ray cluster as Ray Jobs (``compat submit`` / ``status`` / ``logs``).
+
+A pipeline job is the resolved scenario (``--set`` overrides applied) written to ``scenario.yaml`` in a staging
+folder that becomes the job's ``working_dir``; the project's packages (compat_core, pipelines, cluster) travel as
+``py_modules`` (caches, ``.venv``, ``runs``, ``.git`` never do). The entrypoint is
+``python -m pipelines.cli run scenario.yaml --executor ray --address auto --output OUT`` (= ``compat run``).
+
+Idempotent submission: the submission id is ``compat-<scenario name>-<12 hex>``, the hex hashing the config hash
+(results-relevant content), the output location and the entrypoint. Submitting again while the latest attempt with
+that id is PENDING, RUNNING or SUCCEEDED does nothing but report it. When the latest attempt FAILED or was STOPPED,
+a new attempt is submitted as ``<id>-r2``, ``<id>-r3``...: pipelines resume from their committed stages, so a new
+attempt redoes only what is missing.
+
+Secrets: the runtime env carries no environment variables at all (whatever a runtime env holds is visible in the
+dashboard and the job table). Storage and tracking credentials must come from the cluster's own environment
+(instance roles / IAM, a secret mounted on the pods, ``~/.aws`` on the nodes). The client authenticates to a
+token-protected cluster through Ray's standard variables (``RAY_AUTH_MODE=token`` with ``RAY_AUTH_TOKEN`` or
+``RAY_AUTH_TOKEN_PATH`` / ``~/.ray/auth_token``), which Ray's client reads itself; this module never reads,
+prints or forwards the token. See docs/cluster.md.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+ID_PREFIX = "compat-"
+TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
+REUSABLE_STATUSES = ("PENDING", "RUNNING", "SUCCEEDED")  # a resubmission is a no-op while the latest is one of these
+PACKAGES = ("compat_core", "pipelines", "cluster")
+# Patterns (gitignore syntax) kept out of what is uploaded to the cluster.
+RUNTIME_EXCLUDES = (".venv", ".git", "runs", "mlruns", "__pycache__", "*.pyc", "*.egg-info", ".pytest_cache",
+                    "*.safetensors", "*.parquet")
+
+
+@dataclass
+class SubmitOutcome:
+    """What a submission did. submitted: False when an existing attempt was reused. attempt: 1-based attempt number
+    (the ``-rN`` suffix). status: the job status string (PENDING | RUNNING | SUCCEEDED | FAILED | STOPPED)."""
+
+    submission_id: str
+    status: str
+    submitted: bool
+    attempt: int
+    message: str = ""
+
+
+def project_root() -> Path:
+    """Folder that holds the packages (the checkout, or site-packages for an installed wheel)."""
+    return Path(__file__).resolve().parents[1]
+
+
+def job_client(address: str | None):
+    """JobSubmissionClient for ``address`` (``http(s)://HOST:8265``; None: Ray's RAY_ADDRESS / RAY_API_SERVER_ADDRESS
+    variables). Token authentication headers are added by Ray from its standard variables."""
+    from ray.job_submission import JobSubmissionClient
+
+    if address is not None and not address.startswith(("http://", "https://")):
+        raise ValueError(f"--address {address!r}: expected the cluster's job server, http(s)://HOST:8265")
+    return JobSubmissionClient(address)
+
+
+def status_name(status: Any) -> str:
+    """JobStatus enum (or string) -> its plain name, e.g. 'RUNNING'."""
+    return str(getattr(status, "value", status)).split(".")[-1].upper()
+
+
+def submission_id_for(config: Any, output: str | None, entrypoint_kind: str = "run") -> str:
+    """``compat-<name>-<12 hex>`` from the config hash, the output location and the entrypoint kind."""
+    from pipelines.config import config_hash, stable_hash
+
+    name = re.sub(r"[^a-z0-9-]+", "-", str(config.name).lower()).strip("-")[:40] or "scenario"
+    digest = stable_hash({"config": config_hash(config), "output": output, "entrypoint": entrypoint_kind})
+    return f"{ID_PREFIX}{name}-{digest[:12]}"
+
+
+def _attempt_of(submission_id: str, base_id: str) -> int | None:
+    if submission_id == base_id:
+        return 1
+    match = re.fullmatch(re.escape(base_id) + r"-r(\d+)", submission_id)
+    return int(match.group(1)) if match else None
+
+
+def attempts(client, base_id: str) -> list[tuple[int, str, str]]:
+    """Existing attempts of ``base_id`` on the cluster as (attempt number, submission id, status), oldest first."""
+    found = []
+    for job in client.list_jobs():
+        submission_id = getattr(job, "submission_id", None)
+        if not submission_id:
+            continue
+        attempt = _attempt_of(submission_id, base_id)
+        if attempt is not None:
+            found.append((attempt, submission_id, status_name(job.status)))
+    return sorted(found)
+
+
+def submit_entrypoint(client, base_id: str, entrypoint: str, runtime_env: dict | None = None,
+                      metadata: dict[str, str] | None = None) -> SubmitOutcome:
+    """Submit ``entrypoint`` under ``base_id`` unless an attempt is pending, running or succeeded (see module doc)."""
+    if not base_id or len(base_id) > 120:
+        raise ValueError(f"submission id {base_id!r}: expected 1..120 characters")
+    existing = attempts(client, base_id)
+    attempt = 1
+    if existing:
+        number, latest, status = existing[-1]
+        if status in REUSABLE_STATUSES:
+            return SubmitOutcome(latest, status, False, number, f"job {latest} is already {status}; nothing submitted")
+        attempt = number + 1
+    submission_id = base_id if attempt == 1 else f"{base_id}-r{attempt}"
+    try:
+        _submit_with_retry(client, entrypoint, submission_id, runtime_env or {}, metadata or {})
+    except RuntimeError as error:
+        # another client submitted the same attempt between our listing and our submission
+        if "already" not in str(error).lower():
+            raise
+        status = status_name(client.get_job_status(submission_id))
+        return SubmitOutcome(submission_id, status, False, attempt, f"job {submission_id} was submitted "
+                                                                    f"concurrently; it is {status}")
+    previous = f" (attempt {attempt}: attempt {attempt - 1} ended {existing[-1][2]}; committed stages are reused)" \
+        if attempt > 1 else ""
+    return SubmitOutcome(submission_id, status_name(client.get_job_status(submission_id)), True, attempt,
+                         f"submitted {submission_id}{previous}")
+
+
+def _submit_with_retry(client, entrypoint: str, submission_id: str, runtime_env: dict, metadata: dict,
+                       patience_s: float = 60.0) -> None:
+    """submit_job, retried while the head answers "no available agent" (its job agent starts after the
+    dashboard; a freshly started head says so for some seconds)."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            client.submit_job(entrypoint=entrypoint, submission_id=submission_id, runtime_env=runtime_env,
+                              metadata=metadata)
+            return
+        except RuntimeError as error:
+            if "no available agent" not in str(error).lower() or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def pipeline_runtime_env(staging_dir: str | Path, root: Path | None = None) -> dict:
+    """Runtime env of a pipeline job: the staging folder (scenario.yaml) as working_dir, packages as py_modules.
+
+    No ``env_vars``: credentials must come from the cluster's environment (see module docstring)."""
+    root = root or project_root()
+    modules = []
+    for package in PACKAGES:
+        folder = root / package
+        if not (folder / "__init__.py").exists():
+            raise FileNotFoundError(f"package folder {folder} (with __init__.py) not found; run from the checkout "
+                                    f"or an installed compat-learning")
+        modules.append(str(folder))
+    return {"working_dir": str(staging_dir), "py_modules": modules, "excludes": list(RUNTIME_EXCLUDES)}
+
+
+def pipeline_entrypoint(output: str | None, config_file: str = "scenario.yaml", executor: str = "ray") -> str:
+    """Shell command the job runs: ``compat run`` on the staged scenario (module form, so the uploaded packages are
+    imported rather than whatever ``compat`` is installed on the node)."""
+    command = ["python", "-m", "pipelines.cli", "run", config_file, "--executor", executor, "--no-progress"]
+    if executor == "ray":
+        command += ["--address", "auto"]
+    if output:
+        command += ["--output", output]
+    return shlex.join(command)
+
+
+def submit_pipeline(config: Any, address: str | None, output: str | None = None, wait: bool = False,
+                    follow: bool = False, timeout_s: float | None = None, stream: TextIO | None = None,
+                    executor: str = "ray") -> SubmitOutcome:
+    """Submit a validated scenario as a Ray Job (no-op when already pending/running/succeeded).
+
+    output: run directory as seen from the cluster (s3://... for a multi-node cluster; default: the config's
+    output.dir, relative to the job's working folder). wait: block until the job ends; follow: print its logs
+    meanwhile. Returns the outcome, with the final status when waiting.
+    """
+    from pipelines.config import config_hash, dump_config
+
+    stream = stream or sys.stdout
+    output = output or config.output_dir()
+    client = job_client(address)
+    base_id = submission_id_for(config, output)
+    with tempfile.TemporaryDirectory(prefix="compat-submit-") as staging:
+        Path(staging, "scenario.yaml").write_text(dump_config(config))
+        outcome = submit_entrypoint(
+            client, base_id, pipeline_entrypoint(output, executor=executor), pipeline_runtime_env(staging),
+            metadata={"compat_scenario": str(config.name), "compat_config_hash": config_hash(config)[:16],
+                      "compat_output": str(output)},
+        )
+    print(outcome.message, file=stream)
+    if wait:
+        outcome.status = wait_for(client, outcome.submission_id, timeout_s=timeout_s, follow=follow, stream=stream)
+    return outcome
+
+
+def wait_for(client, submission_id: str, timeout_s: float | None = None, poll_s: float = 1.0, follow: bool = False,
+             stream: TextIO | None = None) -> str:
+    """Poll until the job is SUCCEEDED, FAILED or STOPPED (returned); with ``follow`` print new log text meanwhile.
+
+    Raises TimeoutError naming the job when ``timeout_s`` seconds pass first."""
+    stream = stream or sys.stdout
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    printed = 0
+    while True:
+        status = status_name(client.get_job_status(submission_id))
+        if follow:
+            printed = _print_new_logs(client, submission_id, printed, stream)
+        if status in TERMINAL_STATUSES:
+            if follow:
+                _print_new_logs(client, submission_id, printed, stream)
+            return status
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"job {submission_id} still {status} after {timeout_s:g} s")
+        time.sleep(poll_s)
+
+
+def _print_new_logs(client, submission_id: str, printed: int, stream: TextIO) -> int:
+    text = client.get_job_logs(submission_id)
+    if len(text) > printed:
+        stream.write(text[printed:])
+        stream.flush()
+    return max(printed, len(text))
+
+
+def list_pipeline_jobs(client) -> list[dict]:
+    """compat jobs on the cluster (ids starting with ``compat-``): id, status, start time (s since epoch), message."""
+    jobs = []
+    for job in client.list_jobs():
+        submission_id = getattr(job, "submission_id", None) or ""
+        if submission_id.startswith(ID_PREFIX):
+            started = getattr(job, "start_time", None)
+            jobs.append({"submission_id": submission_id, "status": status_name(job.status),
+                         "start_time": None if started is None else started / 1000.0,
+                         "message": getattr(job, "message", "") or ""})
+    return sorted(jobs, key=lambda job: job["start_time"] or 0.0)
+
+
+__all__ = ["SubmitOutcome", "job_client", "submission_id_for", "submit_entrypoint", "submit_pipeline",
+           "pipeline_runtime_env", "pipeline_entrypoint", "wait_for", "attempts", "list_pipeline_jobs",
+           "status_name", "TERMINAL_STATUSES", "REUSABLE_STATUSES", "RUNTIME_EXCLUDES"]

@@ -1,0 +1,45 @@
+"""`compat submit CONFIG --address http://HOST:8265 [--set K=V] [--output DIR] [--wait] [--follow]`: run a scenario
+as a Ray Job on a cluster. Resubmitting the same scenario is a no-op while its job is pending, running or done;
+after a failure it submits a new attempt (``-r2``, ...) that resumes from the committed stages."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "submit a scenario to a Ray cluster as a Ray Job (idempotent: the id derives from the config hash)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="scenario YAML")
+    parser.add_argument("--address", default=None,
+                        help="the cluster's job server, http(s)://HOST:8265 (default: $RAY_ADDRESS); token auth via "
+                             "RAY_AUTH_MODE=token + RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH (see docs/cluster.md)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value (YAML-parsed; repeatable)")
+    parser.add_argument("--output", metavar="DIR", help="run directory as the cluster sees it (s3://... for a "
+                                                         "multi-node cluster); default: the config's output.dir")
+    parser.add_argument("--executor", choices=("ray", "local"), default="ray",
+                        help="executor inside the job (default ray: stages spread over the cluster)")
+    parser.add_argument("--wait", action="store_true", help="wait until the job ends; exit 0 only if it SUCCEEDED")
+    parser.add_argument("--follow", action="store_true", help="with --wait: print the job's logs as they come")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S", help="with --wait: give up after S s")
+
+
+def run(args) -> int:
+    from cluster.jobs import submit_pipeline
+    from pipelines.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, args.overrides)
+        outcome = submit_pipeline(config, args.address, output=args.output, wait=args.wait, follow=args.follow,
+                                  timeout_s=args.timeout, executor=args.executor)
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except (ConnectionError, TimeoutError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"submission id: {outcome.submission_id} ({outcome.status})")
+    if args.wait:
+        return 0 if outcome.status == "SUCCEEDED" else 1
+    return 0

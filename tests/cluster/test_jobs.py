@@ -1,0 +1,173 @@
+"""Ray Job submission against a real Ray head started by the test on 127.0.0.1 (own ports and temp dir).
+
+The head is stopped by signalling its own process group and then any process whose command line holds this
+head's unique temp dir: never ``ray stop``, which would stop every Ray instance on the machine (the session's
+``ray_local`` fixture and other users' clusters included).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.request import urlopen
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+import tiny_scenario_helpers as tiny  # noqa: E402
+
+from cluster import jobs  # noqa: E402
+from pipelines.config import validate_config  # noqa: E402
+
+VENV_BIN = Path(sys.executable).parent
+THEORY = "python -m pipelines.cli theory --samples 2000 --dims 3 10"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _pids_with(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """`ray start --head --block` on loopback, token auth disabled (acceptable on 127.0.0.1 only); yields its URL."""
+    temp_dir = tempfile.mkdtemp(prefix="rayjob-", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
+    port, dashboard_port = _free_port(), _free_port()
+    # every fixed default port gets a free one: another Ray on this machine (the ray_local fixture, other users)
+    # may hold the defaults, and the job agent then silently disables its HTTP server
+    extra_ports = [f"--{name}={_free_port()}" for name in (
+        "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
+        "ray-client-server-port", "node-manager-port", "object-manager-port")]
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
+               PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.pop("RAY_ADDRESS", None)
+    log_path = Path(temp_dir) / "head.log"
+    process = subprocess.Popen(
+        [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}", "--num-cpus=2",
+         "--object-store-memory=200000000", "--disable-usage-stats", f"--temp-dir={temp_dir}", *extra_ports],
+        env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dashboard_port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"ray head exited ({process.returncode}): {log_path.read_text()[-2000:]}")
+            try:
+                urlopen(f"{address}/api/version", timeout=1).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ray head not ready after 90 s; see {log_path}")
+                time.sleep(0.5)
+        previous = os.environ.get("RAY_AUTH_MODE")
+        os.environ["RAY_AUTH_MODE"] = "disabled"  # the client side of this loopback-only test head
+        yield address
+    finally:
+        if previous is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = previous
+        for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        for pid in _pids_with(temp_dir):  # daemons of this head that left the process group
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_submission_id_and_runtime_env_are_deterministic_and_secret_free(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-ship-this-secret")
+    config = validate_config(tiny.scenario("dsimplex-hoc", output="runs/tiny"))
+    first = jobs.submission_id_for(config, "s3://bucket/runs/tiny")
+    assert first == jobs.submission_id_for(validate_config(tiny.scenario("dsimplex-hoc", output="runs/tiny")),
+                                           "s3://bucket/runs/tiny")
+    assert re.fullmatch(r"compat-tiny-dsimplex-hoc-[0-9a-f]{12}", first)
+    assert jobs.submission_id_for(config, "s3://bucket/runs/other") != first
+    changed = tiny.scenario("dsimplex-hoc", output="runs/tiny")
+    changed["training"]["epochs"] = 2
+    assert jobs.submission_id_for(validate_config(changed), "s3://bucket/runs/tiny") != first
+
+    env = jobs.pipeline_runtime_env(tmp_path)
+    assert env["working_dir"] == str(tmp_path)
+    assert [Path(p).name for p in env["py_modules"]] == ["compat_core", "pipelines", "cluster"]
+    assert "env_vars" not in env
+    for pattern in (".venv", ".git", "runs", "__pycache__"):
+        assert pattern in env["excludes"]
+    assert "do-not-ship-this-secret" not in json.dumps(env)
+    assert jobs.pipeline_entrypoint("s3://b/r") == ("python -m pipelines.cli run scenario.yaml --executor ray "
+                                                    "--no-progress --address auto --output s3://b/r")
+
+
+def test_job_round_trip_and_idempotent_resubmission(ray_head, tmp_path, capsys):
+    client = jobs.job_client(ray_head)
+    base_id = f"compat-theory-test-{os.getpid()}"
+    env = jobs.pipeline_runtime_env(tmp_path)
+    outcome = jobs.submit_entrypoint(client, base_id, THEORY, env)
+    assert outcome.submitted and outcome.submission_id == base_id and outcome.attempt == 1
+    status = jobs.wait_for(client, base_id, timeout_s=120, poll_s=0.5)
+    assert status == "SUCCEEDED", client.get_job_logs(base_id)[-2000:]
+    logs = client.get_job_logs(base_id)
+    assert "Theorem 1: both inequalities hold" in logs
+
+    jobs_before = len(client.list_jobs())
+    again = jobs.submit_entrypoint(client, base_id, THEORY, env)
+    assert not again.submitted and again.submission_id == base_id and again.status == "SUCCEEDED"
+    assert len(client.list_jobs()) == jobs_before  # no new job
+
+    from pipelines.cli import main
+
+    assert main(["status", base_id, "--address", ray_head]) == 0
+    assert f"{base_id}: SUCCEEDED" in capsys.readouterr().out
+    assert main(["logs", base_id, "--address", ray_head]) == 0
+    assert "Theorem 1: both inequalities hold" in capsys.readouterr().out
+    assert main(["status", "--address", ray_head]) == 0
+    listing = capsys.readouterr().out
+    assert re.search(rf"^{re.escape(base_id)}\s+SUCCEEDED", listing, flags=re.M)
+
+
+def test_failed_job_is_resubmitted_as_a_new_attempt(ray_head):
+    client = jobs.job_client(ray_head)
+    base_id = f"compat-failing-test-{os.getpid()}"
+    failing = "python -c 'import sys; print(\"stage exploded\"); sys.exit(3)'"
+    first = jobs.submit_entrypoint(client, base_id, failing)
+    assert jobs.wait_for(client, first.submission_id, timeout_s=120, poll_s=0.5) == "FAILED"
+    second = jobs.submit_entrypoint(client, base_id, "python -c 'print(42)'")
+    assert second.submitted and second.attempt == 2 and second.submission_id == f"{base_id}-r2"
+    assert jobs.wait_for(client, second.submission_id, timeout_s=120, poll_s=0.5) == "SUCCEEDED"
+    assert [(n, s) for n, _, s in jobs.attempts(client, base_id)] == [(1, "FAILED"), (2, "SUCCEEDED")]
+    # the latest attempt succeeded: a third submission is a no-op on attempt 2
+    third = jobs.submit_entrypoint(client, base_id, "python -c 'print(42)'")
+    assert not third.submitted and third.submission_id == f"{base_id}-r2"
