@@ -4,18 +4,25 @@ The kernel (``nearest_neighbours``) returns exactly the top-k of an fp64 brute f
 arithmetic in half precision where the hardware multiplies half-precision matrices fast.
 
 Why it is exact. Let q, g be the fp64 unit vectors (the *reference*), x, y the vectors a stage multiplies (half
-or fp32 copies) and s~ the stage's score. Then
-    |s~ - q.g| <= ||x - q|| ||y|| + ||q|| ||y - g||          (input rounding, measured per row in fp64)
-                  + gamma_D ||x|| ||y||                        (fp32 accumulation in any order, gamma_D = D u/(1-D u))
-                  + u_out ||x|| ||y|| (1 + gamma_D)            (rounding of the product to a half-precision output)
-                =: E(q)  (the gallery terms use their maxima over the gallery, so E depends on the query only).
-If v is the k-th largest s~ of a query, at least k items have a reference score >= v - E, so every item of the
-exact top-k, and every item tied with its k-th, has s~ >= v - 2E. The candidates {s~ >= v - 2E} therefore contain
-the answer, including all exact ties. They are re-scored in fp32 (bound of the same form, u_out = 0), filtered again
-the same way, and the survivors are scored in fp64 and ordered by (score descending, gallery index ascending).
-A query whose candidate set is larger than ``_MAX_CANDIDATES`` falls back to a full fp32 row, then to a full fp64
-row. With k = 1 and a single candidate no re-scoring is needed at all: no other item can reach its score.
-Every query gets an answer from this chain; speed depends only on how often the bound forces a fallback.
+or fp32 copies), z the stage's exact-arithmetic product x.y and S the stored score. Then
+    |z_fp32acc - q.g| <= ||x - q|| ||y|| + ||q|| ||y - g||     (input rounding: measured per gallery row in fp64;
+                                                                 per query row bounded by 3 u32 + the measured
+                                                                 half-vs-fp32 difference, exact in fp32)
+                         + gamma_D ||x|| ||y||                   (fp32 accumulation in any order,
+                                                                 gamma_D = D u32 / (1 - D u32))
+                      =: E(q)   (gallery terms at their maxima over the gallery, so E depends on the query only)
+and a half-precision output S = round(z) adds |S - z| <= u_out |S| (u_out = 2^-8 bf16, 2^-11 fp16, 0 for fp32
+output; plus 2^-24 absolute for subnormals). Let v be the k-th largest S of a query. The k items with S >= v have
+z >= v - u_out|v| (rounding is monotone), hence reference scores >= v - u_out|v| - E, so the exact k-th score is at
+least that; any item of the exact top-k, or tied with its k-th, has z >= v - u_out|v| - 2E and, rounding being
+monotone, S >= round_down(v - u_out|v| - 2E) =: T. The candidates {S >= T} therefore contain the answer, exact
+ties included. They are re-scored in fp32 (same bound, no output rounding), filtered again the same way, and the
+survivors are scored in fp64 and ordered by (score descending, gallery index ascending). If the (k+1)-th S is
+already below T, the top-k by S are the only candidates and, for k = 1 without scores, the answer: no other item
+can reach its score. A query with more than ``_MAX_CANDIDATES`` candidates falls back to a full fp32 row, then to a
+full fp64 row. Every query gets the exact answer; speed depends only on how often the bound forces re-scoring.
+The bound is worst case (Cauchy-Schwarz); bf16's 8-bit significand makes its window about 0.005-0.01 in cosine, so
+galleries with many items within that distance of the best re-score more of them.
 
 The fp64 reference score of (q, g_j) is ``sum_i q_i * (g_ji / ||g_j||)`` with q = query / ||query|| evaluated in
 float64; it equals any other fp64 brute force except at fp64 near-ties (relative gaps ~1e-15), where the order is
@@ -51,7 +58,7 @@ __all__ = [
 
 PRECISIONS = ("auto", "half", "bf16", "fp16", "fp32", "fp64")
 _MAX_CANDIDATES = 256          # wider candidate sets are cheaper as a full fp32 row than as gathered rows
-_GATHER_BUDGET = 1 << 24       # elements per gathered (rows x candidates x D) block: bounds re-scoring memory
+_GATHER_BUDGET = 1 << 22       # elements per gathered (rows x candidates x D) block: bounds re-scoring memory
 _SCORE_BUDGET = 1 << 26        # elements of one (query chunk x gallery) score block
 _U32 = 2.0 ** -24
 _UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 0.0}
@@ -141,43 +148,46 @@ class _Space:
     dev_half_max: float
 
 
-def _build_space(size: int, dim: int, exact_block: Callable[[int, int], torch.Tensor],
-                 exact_rows: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
-                 half_dtype: torch.dtype | None) -> _Space:
-    """Materialise the fp32 (and half) gallery copies block by block and measure their deviations in fp64."""
-    stage32 = torch.empty((size, dim), dtype=torch.float32, device=device)
-    half = torch.empty((size, dim), dtype=half_dtype, device=device) if half_dtype is not None else None
-    norm32 = dev32 = norm64 = norm_half = dev_half = 0.0
-    block = max(1, (1 << 23) // dim)
+def _build_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float,
+                 exact_rows: Callable[..., torch.Tensor], half_dtype: torch.dtype | None) -> _Space:
+    """Wrap the fp32 gallery copy; make the half copy and bound its deviation, all in fp32, block by block.
+
+    ``dev32_max`` bounds ||stage32_j - g_j|| and ``norm64_max`` bounds ||g_j|| (g_j the fp64 reference rows).
+    A half row rounded from its fp32 row differs from it exactly representably in fp32, so its deviation from
+    g_j is at most ||half_j - stage32_j|| (evaluated in fp32, inflated by its own rounding bound) + dev32_max.
+    """
+    size, dim = stage32.shape
+    norm32 = norm_half = dev_half = 0.0
+    half = torch.empty((size, dim), dtype=half_dtype, device=stage32.device) if half_dtype is not None else None
+    block = max(1, (1 << 22) // dim)
     for start in range(0, size, block):
-        stop = min(size, start + block)
-        exact = exact_block(start, stop)
-        stage32[start:stop] = exact
-        copy64 = stage32[start:stop].double()
-        norm64 = max(norm64, float(torch.linalg.vector_norm(exact, dim=1).max()))
-        norm32 = max(norm32, float(torch.linalg.vector_norm(copy64, dim=1).max()))
-        dev32 = max(dev32, float(torch.linalg.vector_norm(copy64 - exact, dim=1).max()))
+        rows = stage32[start:start + block]
+        norm32 = max(norm32, float(_norm32_upper(rows).max()))
         if half is not None:
-            half[start:stop] = exact
-            half64 = half[start:stop].double()
-            norm_half = max(norm_half, float(torch.linalg.vector_norm(half64, dim=1).max()))
-            dev_half = max(dev_half, float(torch.linalg.vector_norm(half64 - exact, dim=1).max()))
+            half[start:start + block] = rows
+            half32 = half[start:start + block].float()
+            norm_half = max(norm_half, float(_norm32_upper(half32).max()))
+            dev_half = max(dev_half, float(_norm32_upper(half32 - rows).max()))
+    if half is not None and not (math.isfinite(norm_half) and math.isfinite(dev_half)
+                                 and (half_dtype != torch.float16 or norm_half < 1e3)):
+        # out of the half format's range (fp16 overflows at 65504): no half stage for this gallery
+        half, half_dtype = None, None
     half_t = half.t().contiguous() if half is not None else None
-    return _Space(size, dim, exact_rows, stage32, norm32 * _SLACK, dev32 * _SLACK, norm64 * _SLACK,
-                  half_t, half_dtype, norm_half * _SLACK, dev_half * _SLACK)
+    return _Space(size, dim, exact_rows, stage32, norm32 * _SLACK, dev32_max * _SLACK, norm64_max * _SLACK,
+                  half_t, half_dtype, norm_half * _SLACK, (dev_half + dev32_max) * _SLACK)
 
 
 def _direct_space(gallery: torch.Tensor, precision: str) -> _Space:
     inverse = _inverse_norms("gallery", gallery)
 
-    def exact_rows(index: torch.Tensor) -> torch.Tensor:
-        return gallery[index].double() * inverse[index].unsqueeze(-1)
+    def exact_rows(index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        rows = gallery[index].double() * inverse[index].unsqueeze(-1)
+        return rows if out is None else out.copy_(rows)
 
-    def exact_block(start: int, stop: int) -> torch.Tensor:
-        return gallery[start:stop].double() * inverse[start:stop, None]
-
-    half_dtype = _half_dtype_for(precision, gallery.device)
-    return _build_space(gallery.shape[0], gallery.shape[1], exact_block, exact_rows, gallery.device, half_dtype)
+    # per component the fp32 copy rounds three times (input conversion, fp32 inverse norm, product): <= 3 u32
+    stage32 = (gallery.float() * inverse.float()[:, None]).contiguous()
+    return _build_space(stage32, 3.0 * _U32 * (1.0 + 1e-12), 1.0 + 1e-12, exact_rows,
+                        _half_dtype_for(precision, gallery.device))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -188,17 +198,24 @@ def _gamma(dim: int, unit: float) -> float:
     return dim * unit / (1.0 - dim * unit)
 
 
-def _stage_bound(dev_x: torch.Tensor, norm_x: torch.Tensor, norm_q: torch.Tensor, y_norm: float, y_dev: float,
-                 dim: int, unit_acc: float, unit_out: float, absolute: float) -> torch.Tensor:
-    """E(q) of the module docstring, fp64 (n,)."""
-    gamma = _gamma(dim, unit_acc)
-    products = norm_x * y_norm
-    bound = dev_x * y_norm + norm_q * y_dev + gamma * products + unit_out * (1.0 + gamma) * products + absolute
+def _stage_bound(dev_x: torch.Tensor, norm_x: torch.Tensor, y_norm: float, y_dev: float, dim: int,
+                 absolute: float = 0.0) -> torch.Tensor:
+    """Input-rounding + fp32-accumulation part of E(q) (module docstring), fp64 (n,); ||q|| = 1 (+1e-12)."""
+    gamma = _gamma(dim, _U32)
+    bound = dev_x * y_norm + (1.0 + 1e-12) * y_dev + gamma * norm_x * y_norm + absolute
     return bound * _SLACK
+
+
+def _norm32_upper(rows: torch.Tensor) -> torch.Tensor:
+    """Upper bound (fp64) on the exact L2 norms of fp32 rows, from an fp32 evaluation (sum of squares: gamma_D
+    relative error; the square root halves it and rounds once more)."""
+    return torch.linalg.vector_norm(rows, dim=1).double() * (1.0 + 2.0 * _gamma(rows.shape[1], _U32))
 
 
 def _round_down(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Largest ``dtype`` value <= each fp64 value, so a comparison in ``dtype`` never drops a candidate."""
+    if dtype == torch.float64:
+        return values
     rounded = values.to(dtype)
     too_big = rounded.double() > values
     if bool(too_big.any()):
@@ -213,54 +230,102 @@ def _round_down(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return rounded
 
 
-def _select(scores: torch.Tensor, bound: torch.Tensor, k: int, cap: int | None):
-    """Candidates {s >= v_k - 2E} of each row; rows with more than ``cap`` come back separately.
+def _select(scores: torch.Tensor, bound: torch.Tensor, k: int, cap: int | None, out_unit: float = 0.0):
+    """Candidates {S >= v_k - u|v_k| - 2E} of each row; rows with more than ``cap`` come back separately.
 
-    Returns (rows_ok, candidates (n_ok, w) int64 padded with -1 in ascending index order, rows_wide).
+    ``out_unit`` is the unit roundoff of the stored scores (rounding is monotone, so it costs u|v_k| once; see
+    the module docstring). ``scores`` is used as scratch space. Returns (rows_ok, candidates (n_ok, w) int64
+    padded with -1, ascending index order, rows_wide).
+
+    Comparing the whole block against the threshold costs several passes over it, about as much as the product
+    itself, so the common case is settled with top-(k+1) alone: when the (k+1)-th score is already below the
+    threshold, the top-k are the only candidates.
     """
     if k == 1:
-        kth = scores.max(dim=1).values
+        best, best_index = scores.max(dim=1)
+        top_index = best_index.unsqueeze(1)
+        every_row = torch.arange(scores.shape[0], device=scores.device)
+        scores[every_row, best_index] = float("-inf")         # index_put: scatter_ is far slower here
+        next_score = scores.max(dim=1).values.double()
+        kth = best.double()
     else:
-        kth = scores.topk(k, dim=1, sorted=True).values[:, k - 1]
-    threshold = _round_down(kth.double() - 2.0 * bound, scores.dtype)
-    mask = scores >= threshold.unsqueeze(1)
-    counts = mask.sum(dim=1)
-    if cap is None:
-        ok = torch.ones_like(counts, dtype=torch.bool)
-    else:
-        ok = counts <= cap
-    rows_ok = torch.nonzero(ok).squeeze(1)
-    rows_wide = torch.nonzero(~ok).squeeze(1)
-    candidates = _pad_candidates(mask[rows_ok], counts[rows_ok])
-    return rows_ok, candidates, rows_wide
+        top = scores.topk(k + 1, dim=1, sorted=True)
+        top_index = top.indices[:, :k]
+        next_score = top.values[:, k].double()
+        kth = top.values[:, k - 1].double()
+    # the 1e-12 term absorbs the fp64 rounding of this expression itself
+    threshold64 = kth - out_unit * kth.abs() - 2.0 * bound - 1e-12 * (1.0 + kth.abs())
+    threshold = _round_down(threshold64, scores.dtype)
+    settled = next_score < threshold.double()
+    rows_settled = torch.nonzero(settled).squeeze(1)
+    settled_cand = torch.sort(top_index[rows_settled], dim=1).values
+    if k == 1:
+        scores[every_row, best_index] = best
+    # settled rows get an unreachable threshold so the block is compared once, without copying its open rows
+    open_threshold = threshold.masked_fill(settled, float("inf"))
+    row, column = torch.nonzero(scores >= open_threshold.unsqueeze(1), as_tuple=True)
+    counts = torch.bincount(row, minlength=scores.shape[0])
+    open_ok = ~settled if cap is None else ~settled & (counts <= cap)
+    keep = open_ok[row]
+    open_cand = _pad_candidates(row[keep], column[keep], counts.masked_fill(~open_ok, 0))
+    rows_open_ok = torch.nonzero(open_ok).squeeze(1)
+    width = max(k, open_cand.shape[1])
+    candidates = torch.full((rows_settled.numel() + rows_open_ok.numel(), width), -1, dtype=torch.long,
+                            device=scores.device)
+    candidates[:rows_settled.numel(), :k] = settled_cand
+    candidates[rows_settled.numel():, :open_cand.shape[1]] = open_cand[rows_open_ok]
+    rows_ok = torch.cat([rows_settled, rows_open_ok])
+    return rows_ok, candidates, torch.nonzero(~settled & ~open_ok).squeeze(1)
 
 
-def _pad_candidates(mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _pad_candidates(row: torch.Tensor, column: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """(n, max count) table of the columns of each row (row-major order: ascending), padded with -1."""
     width = int(counts.max()) if counts.numel() else 0
-    padded = torch.full((mask.shape[0], width), -1, dtype=torch.long, device=mask.device)
+    padded = torch.full((counts.shape[0], width), -1, dtype=torch.long, device=counts.device)
     if width == 0:
         return padded
-    row, column = torch.nonzero(mask, as_tuple=True)       # row-major: columns ascend within a row
     starts = torch.cumsum(counts, 0) - counts
-    position = torch.arange(row.numel(), device=mask.device) - starts[row]
+    position = torch.arange(row.numel(), device=row.device) - starts[row]
     padded[row, position] = column
     return padded
 
 
-def _gathered_scores(query_rows: torch.Tensor, candidates: torch.Tensor, rows_of: Callable) -> torch.Tensor:
-    """Scores of each query row against its padded candidates (-inf on padding), in blocks of bounded memory."""
+def _gathered_scores(query_rows: torch.Tensor, candidates: torch.Tensor, rows_of: Callable,
+                     same_reduction: bool) -> torch.Tensor:
+    """Scores of each query row against its padded candidates (-inf on padding), in blocks of bounded memory.
+
+    ``same_reduction``: reduce every candidate with the identical elementwise-product-and-sum (identical gallery
+    rows then tie bit for bit, which the fp64 stage needs); otherwise a batched matrix product (faster; the fp32
+    bound holds for any summation order).
+    """
     count, width = candidates.shape
     dim = query_rows.shape[1]
     out = torch.full((count, width), -math.inf, dtype=query_rows.dtype, device=query_rows.device)
-    step = max(1, _GATHER_BUDGET // max(1, width * dim))
-    for start in range(0, count, step):
-        stop = min(count, start + step)
-        block = candidates[start:stop]
-        valid = block >= 0
-        vectors = rows_of(block.clamp(min=0))                  # (b, w, D)
-        # elementwise product + sum: every candidate reduced the same way, so identical rows tie bit for bit
-        scores = (vectors * query_rows[start:stop].unsqueeze(1)).sum(dim=-1)
-        out[start:stop] = torch.where(valid, scores, torch.full_like(scores, -math.inf))
+    if width == 0 or count == 0:
+        return out
+    # rows in order of their last valid position (filtering leaves gaps), so each block is padded only to its
+    # own widest row
+    positions = torch.arange(1, width + 1, device=candidates.device)
+    counts = torch.where(candidates >= 0, positions, torch.zeros_like(positions)).max(dim=1).values
+    order = torch.argsort(counts)
+    counts_sorted = counts[order].tolist()
+    buffer = torch.empty((_GATHER_BUDGET // dim + width, dim), dtype=query_rows.dtype, device=query_rows.device)
+    start = 0
+    while start < count:
+        stop = min(count, start + max(1, _GATHER_BUDGET // (max(1, counts_sorted[start]) * dim)))
+        stop = min(stop, start + max(1, _GATHER_BUDGET // (max(1, counts_sorted[stop - 1]) * dim)))
+        block_width = max(1, counts_sorted[stop - 1])
+        rows = order[start:stop]
+        block = candidates[rows, :block_width]
+        flat = block.clamp(min=0).reshape(-1)
+        # one reused gather buffer: fresh large allocations cost page faults that dominate the gather
+        vectors = rows_of(flat, buffer[:flat.numel()]).view(stop - start, block_width, dim)
+        if same_reduction:
+            scores = (vectors * query_rows[rows].unsqueeze(1)).sum(dim=-1)
+        else:
+            scores = torch.bmm(vectors, query_rows[rows].unsqueeze(2)).squeeze(2)
+        out[rows, :block_width] = scores.masked_fill(block < 0, -math.inf)
+        start = stop
     return out
 
 
@@ -277,42 +342,57 @@ class _Result:
         self.score = torch.full((count, k), math.nan, dtype=torch.float64, device=device) if want_scores else None
 
 
-def _search_chunk(space: _Space, q64: torch.Tensor, k: int, want_scores: bool, start_stage: str,
-                  result: _Result, offset: int) -> None:
-    """Exact top-k of one chunk of fp64 reference query vectors (n, D); writes rows offset.. of ``result``."""
-    n, dim = q64.shape
-    norm_q = torch.linalg.vector_norm(q64, dim=1)
-    q32 = q64.float()
-    q32_64 = q32.double()
-    dev32 = torch.linalg.vector_norm(q32_64 - q64, dim=1)
-    norm32 = torch.linalg.vector_norm(q32_64, dim=1)
-    bound32 = _stage_bound(dev32, norm32, norm_q, space.norm32_max, space.dev32_max, dim, _U32, 0.0, 0.0)
+class _Queries:
+    """Query rows as the stages need them: fp32 unit rows for the fast stages, fp64 reference rows on demand."""
 
-    single_ok = k == 1 and not want_scores
+    def __init__(self, name: str, rows: torch.Tensor) -> None:
+        self.rows = rows
+        self.inverse64 = _inverse_norms(name, rows)
+        self.inverse32 = self.inverse64.float()
+        self.count = rows.shape[0]
+
+    def fp32(self, start: int, stop: int) -> torch.Tensor:
+        # per component: input conversion, the fp32 inverse norm and the product each round once (<= 3 u32)
+        return self.rows[start:stop].float() * self.inverse32[start:stop, None]
+
+    def fp64(self, index: torch.Tensor) -> torch.Tensor:
+        return self.rows[index].double() * self.inverse64[index, None]
+
+
+def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: int, want_scores: bool,
+                  start_stage: str, result: _Result) -> None:
+    """Exact top-k of query rows start..stop-1; writes those rows of ``result``."""
     if start_stage == "fp64":
-        _full_fp64(space, q64, torch.arange(n, device=q64.device), k, want_scores, result, offset)
+        _full_fp64(space, queries, torch.arange(start, stop, device=result.index.device), k, result)
         return
+    dim = space.dim
+    q32 = queries.fp32(start, stop)
+    norm32 = _norm32_upper(q32)
+    dev32 = 3.0 * _U32 * (1.0 + 1e-12) * torch.ones_like(norm32)      # ||q32 - q||, q the fp64 unit row
+    bound32 = _stage_bound(dev32, norm32, space.norm32_max, space.dev32_max, dim)
+    single_ok = k == 1 and not want_scores
+    offset = start
     if start_stage == "half":
-        qh = q64.to(space.half_dtype)
-        qh_64 = qh.double()
-        dev_h = torch.linalg.vector_norm(qh_64 - q64, dim=1)
-        norm_h = torch.linalg.vector_norm(qh_64, dim=1)
+        qh = q32.to(space.half_dtype)
+        qh32 = qh.float()
+        dev_h = _norm32_upper(qh32 - q32) + dev32                     # the difference is exact in fp32
+        bound_h = _stage_bound(dev_h, _norm32_upper(qh32), space.norm_half_max, space.dev_half_max, dim,
+                               absolute=2.0 ** -24)                     # subnormal outputs: absolute rounding
         scores, out_unit = _half_scores(qh, space.half_t)
-        bound_h = _stage_bound(dev_h, norm_h, norm_q, space.norm_half_max, space.dev_half_max, dim, _U32,
-                               out_unit, 2.0 ** -24)
-        rows, cand, fp32_rows = _select(scores, bound_h, k, _MAX_CANDIDATES + k)
-        del scores
+        rows, cand, fp32_rows = _select(scores, bound_h, k, _MAX_CANDIDATES + k, out_unit)
+        del scores, qh, qh32
         if single_ok:
             rows, cand = _take_singles(rows, cand, result, offset)
         if rows.numel():
             # half-precision candidates: re-score in fp32 and narrow them with the fp32 bound
-            s32 = _gathered_scores(q32[rows], cand, lambda index: space.stage32[index])
+            s32 = _gathered_scores(q32[rows], cand, lambda index, out: torch.index_select(space.stage32, 0, index, out=out),
+                                   same_reduction=False)
             cand = _filter(s32, cand, bound32[rows], k)
             if single_ok:
                 rows, cand = _take_singles(rows, cand, result, offset)
-            _finish_exact(space, q64[rows], cand, rows, k, result, offset)
+            _finish_exact(space, queries, cand, rows + offset, k, result)
     else:
-        fp32_rows = torch.arange(n, device=q64.device)
+        fp32_rows = torch.arange(stop - start, device=q32.device)
     if fp32_rows.numel():
         # full fp32 rows against a transposed view: the fp32 BLAS takes it at near full speed
         scores = q32[fp32_rows] @ space.stage32.t()
@@ -321,8 +401,8 @@ def _search_chunk(space: _Space, q64: torch.Tensor, k: int, want_scores: bool, s
         rows = fp32_rows[local]
         if single_ok:
             rows, cand = _take_singles(rows, cand, result, offset)
-        _finish_exact(space, q64[rows], cand, rows, k, result, offset)
-        _full_fp64(space, q64, fp32_rows[wide], k, want_scores, result, offset)
+        _finish_exact(space, queries, cand, rows + offset, k, result)
+        _full_fp64(space, queries, fp32_rows[wide] + offset, k, result)
 
 
 def _take_singles(rows: torch.Tensor, cand: torch.Tensor, result: "_Result", offset: int):
@@ -352,39 +432,42 @@ def _half_scores(qh: torch.Tensor, half_t: torch.Tensor) -> tuple[torch.Tensor, 
     return qh @ half_t, _UNIT_ROUNDOFF[qh.dtype]
 
 
-def _finish_exact(space: _Space, q64: torch.Tensor, cand: torch.Tensor, rows: torch.Tensor, k: int,
-                  result: _Result, offset: int) -> None:
-    """Score the surviving candidates in fp64 and order them by (score desc, gallery index asc)."""
+def _finish_exact(space: _Space, queries: _Queries, cand: torch.Tensor, rows: torch.Tensor, k: int,
+                  result: _Result) -> None:
+    """Score the surviving candidates in fp64 and order them by (score desc, gallery index asc).
+
+    ``rows``: absolute query indices."""
     if rows.numel() == 0:
         return
-    s64 = _gathered_scores(q64, cand, space.exact_rows)
+    s64 = _gathered_scores(queries.fp64(rows), cand, space.exact_rows, same_reduction=True)
     # candidates ascend in index along each row (padding last with -inf), so a stable sort breaks ties by index
     order = torch.sort(s64, dim=1, descending=True, stable=True).indices[:, :k]
-    result.index[offset + rows] = torch.gather(cand, 1, order)
+    result.index[rows] = torch.gather(cand, 1, order)
     if result.score is not None:
-        result.score[offset + rows] = torch.gather(s64, 1, order)
+        result.score[rows] = torch.gather(s64, 1, order)
 
 
-def _full_fp64(space: _Space, q64: torch.Tensor, rows: torch.Tensor, k: int, want_scores: bool,
-               result: _Result, offset: int) -> None:
-    """Fallback (and precision='fp64'): full fp64 rows, then the exact gathered evaluation on near-ties."""
+def _full_fp64(space: _Space, queries: _Queries, rows: torch.Tensor, k: int, result: _Result) -> None:
+    """Fallback (and precision='fp64'): full fp64 rows, then the exact gathered evaluation on near-ties.
+
+    ``rows``: absolute query indices."""
     if rows.numel() == 0:
         return
-    queries = q64[rows]
-    norm_q = torch.linalg.vector_norm(queries, dim=1)
-    # two fp64 evaluations of the same products differ by at most 2 gamma_D ||q|| ||g||
-    bound = 2.0 * _gamma(space.dim, 2.0 ** -53) * norm_q * space.norm64_max * _SLACK + 1e-300
+    # two fp64 evaluations of the same unit-vector products differ by at most 2 gamma_D ||q|| ||g||
+    bound_value = 2.0 * _gamma(space.dim, 2.0 ** -53) * (1.0 + 1e-12) * space.norm64_max * _SLACK
     step = max(1, _SCORE_BUDGET // space.size)
+    block = max(1, (1 << 22) // space.dim)
     for start in range(0, rows.numel(), step):
-        stop = min(rows.numel(), start + step)
-        scores = torch.empty((stop - start, space.size), dtype=torch.float64, device=q64.device)
-        block = max(1, (1 << 22) // space.dim)
+        part = rows[start:start + step]
+        q64 = queries.fp64(part)
+        scores = torch.empty((part.numel(), space.size), dtype=torch.float64, device=q64.device)
         for g0 in range(0, space.size, block):
             g1 = min(space.size, g0 + block)
-            index = torch.arange(g0, g1, device=q64.device)
-            scores[:, g0:g1] = queries[start:stop] @ space.exact_rows(index).t()
-        _, cand, _ = _select(scores, bound[start:stop], k, None)
-        _finish_exact(space, queries[start:stop], cand, rows[start:stop], k, result, offset)
+            scores[:, g0:g1] = q64 @ space.exact_rows(torch.arange(g0, g1, device=q64.device)).t()
+        bound = torch.full((part.numel(),), bound_value, dtype=torch.float64, device=q64.device)
+        local, cand, _ = _select(scores, bound, k, None)
+        del scores
+        _finish_exact(space, queries, cand, part[local], k, result)
 
 
 def _start_stage(space: _Space, precision: str) -> str:
@@ -399,24 +482,18 @@ def _default_chunk(gallery_size: int) -> int:
     return int(max(16, min(4096, _SCORE_BUDGET // max(1, gallery_size))))
 
 
-def _search(space: _Space, query_rows: Callable[[int, int], torch.Tensor], query_count: int, k: int,
-            precision: str, chunk_size: int | None, want_scores: bool) -> _Result:
+def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size: int | None,
+            want_scores: bool) -> _Result:
     if not 1 <= k <= space.size:
         raise ValueError(f"k: expected 1 <= k <= gallery size ({space.size}), got {k}")
     chunk = chunk_size if chunk_size is not None else _default_chunk(space.size)
     if chunk < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
     stage = _start_stage(space, precision)
-    result = _Result(query_count, k, space.stage32.device, want_scores)
-    for start in range(0, query_count, chunk):
-        stop = min(query_count, start + chunk)
-        _search_chunk(space, query_rows(start, stop), k, want_scores, stage, result, start)
+    result = _Result(queries.count, k, space.stage32.device, want_scores)
+    for start in range(0, queries.count, chunk):
+        _search_chunk(space, queries, start, min(queries.count, start + chunk), k, want_scores, stage, result)
     return result
-
-
-def _direct_queries(query: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
-    inverse = _inverse_norms("query", query)
-    return lambda start, stop: query[start:stop].double() * inverse[start:stop, None]
 
 
 def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None, precision: str = "auto",
@@ -437,7 +514,7 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
     _check_same_dim(query, gallery)
     with torch.inference_mode():
         space = _direct_space(gallery, precision)
-        result = _search(space, _direct_queries(query), query.shape[0], k, precision, chunk_size, return_scores)
+        result = _search(space, _Queries("query", query), k, precision, chunk_size, return_scores)
     return result.index, result.score
 
 
@@ -475,19 +552,22 @@ def mean_average_precision(query, query_labels, gallery, gallery_labels, chunk_s
     gallery = _as_matrix("gallery", gallery)
     query = _as_matrix("query", query, gallery.device)
     _check_same_dim(query, gallery)
-    q_labels = torch.as_tensor(_as_labels("query_labels", query_labels, query.shape[0]), device=gallery.device)
-    g_labels = torch.as_tensor(_as_labels("gallery_labels", gallery_labels, gallery.shape[0]),
-                               device=gallery.device)
+    q_np = _as_labels("query_labels", query_labels, query.shape[0])
+    g_np = _as_labels("gallery_labels", gallery_labels, gallery.shape[0])
+    # integer codes let labels of any type (strings included) be compared on the device
+    _, codes = np.unique(np.concatenate([q_np, g_np]), return_inverse=True)
+    q_labels = torch.as_tensor(codes[:len(q_np)], device=gallery.device)
+    g_labels = torch.as_tensor(codes[len(q_np):], device=gallery.device)
     chunk = chunk_size if chunk_size is not None else _default_chunk(gallery.shape[0])
     if chunk < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
     with torch.inference_mode():
         gallery64 = gallery.double() * _inverse_norms("gallery", gallery)[:, None]
-        queries = _direct_queries(query)
+        queries = _Queries("query", query)
         ap_values = []
         for start in range(0, query.shape[0], chunk):
             stop = min(query.shape[0], start + chunk)
-            scores = queries(start, stop) @ gallery64.t()
+            scores = queries.fp64(torch.arange(start, stop, device=gallery.device)) @ gallery64.t()
             order = torch.sort(scores, dim=1, descending=True, stable=True).indices
             relevant = (g_labels[order] == q_labels[start:stop, None]).double()
             hits = torch.cumsum(relevant, dim=1)
@@ -538,11 +618,13 @@ def _bridge_space(gallery_embed: torch.Tensor, query_head: torch.Tensor, gallery
                   precision: str) -> _Space:
     """Gallery vectors (A_t^T A_k g_j) / ||A_k g_j||, m-dimensional, from the two m x m Gram products in fp64."""
     device = gallery_embed.device
-    head_t = query_head.to(device).double()
     head_k = gallery_head.to(device).double()
-    cross = head_t.t() @ head_k                        # A_t^T A_k (m, m)
     gram_k = head_k.t() @ head_k                       # A_k^T A_k (m, m): ||A_k g||^2 = g^T G g
-    del head_t, head_k
+    if query_head is gallery_head or torch.equal(query_head, gallery_head):
+        cross = gram_k                                 # self-test: one Gram product serves both
+    else:
+        cross = query_head.to(device).double().t() @ head_k     # A_t^T A_k (m, m)
+    del head_k
     size, dim = gallery_embed.shape
     vectors = torch.empty((size, dim), dtype=torch.float64, device=device)
     block = max(1, (1 << 22) // dim)
@@ -555,8 +637,11 @@ def _bridge_space(gallery_embed: torch.Tensor, query_head: torch.Tensor, gallery
             raise ValueError(f"gallery_embed: row {first} maps to a zero feature under gallery_head; "
                              "cosine similarity is undefined")
         vectors[start:stop] = (g @ cross.t()) / torch.sqrt(squared)[:, None]
-    half_dtype = _half_dtype_for(precision, device)
-    return _build_space(size, dim, lambda a, b: vectors[a:b], lambda index: vectors[index], device, half_dtype)
+    norms = torch.linalg.vector_norm(vectors, dim=1)
+    # rounding fp64 -> fp32 moves each component by at most u32 of itself
+    return _build_space(vectors.float(), _U32 * float(norms.max()), float(norms.max()),
+                        lambda index, out=None: torch.index_select(vectors, 0, index, out=out),
+                        _half_dtype_for(precision, device))
 
 
 def bridged_nearest_neighbours(query_embed, query_head, gallery_embed, gallery_head, k: int = 1,
@@ -587,8 +672,7 @@ def bridged_nearest_neighbours(query_embed, query_head, gallery_embed, gallery_h
     with torch.inference_mode():
         space = _bridge_space(gallery_embed, query_head, gallery_head, precision)
         # any positive per-query scale is allowed for the ranking; the Euclidean one keeps the stage bounds small
-        result = _search(space, _direct_queries(query_embed), query_embed.shape[0], k, precision, chunk_size,
-                         return_scores)
+        result = _search(space, _Queries("query_embed", query_embed), k, precision, chunk_size, return_scores)
         if return_scores:
             head_t = query_head.double()
             gram_t = head_t.t() @ head_t
@@ -694,15 +778,19 @@ def _pair_cosines(feats_a, feats_b) -> np.ndarray:
 
 
 def _best_threshold(scores: np.ndarray, same: np.ndarray) -> float:
-    """Threshold maximising accuracy of 'same iff score > threshold'; the smallest one among equals."""
+    """Threshold maximising accuracy of 'same iff score > threshold' among -inf and the midpoints between
+    adjacent distinct scores; among equally good ones the midpoint of the widest gap (the largest margin to the
+    training scores on either side, first on ties), so that a separable training set is split in the middle."""
     values = np.unique(scores)
-    candidates = np.concatenate([[-np.inf], values])           # 'score > v' accepts everything above v
-    order = np.sort(scores[same])
-    neg = np.sort(scores[~same])
-    true_accepts = len(order) - np.searchsorted(order, candidates, side="right")
-    true_rejects = np.searchsorted(neg, candidates, side="right")
+    candidates = np.concatenate([[-np.inf], (values[:-1] + values[1:]) / 2, [values[-1]]])
+    positive = np.sort(scores[same])
+    negative = np.sort(scores[~same])
+    true_accepts = len(positive) - np.searchsorted(positive, candidates, side="right")
+    true_rejects = np.searchsorted(negative, candidates, side="right")
     accuracy = (true_accepts + true_rejects) / len(scores)
-    return float(candidates[int(np.argmax(accuracy))])
+    gaps = np.concatenate([[0.0], np.diff(values), [0.0]])
+    best = np.flatnonzero(accuracy == accuracy.max())
+    return float(candidates[best[int(np.argmax(gaps[best]))]])
 
 
 def verification_accuracy(feats_a, feats_b, same, folds: int = 10) -> tuple[float, float]:
@@ -711,7 +799,7 @@ def verification_accuracy(feats_a, feats_b, same, folds: int = 10) -> tuple[floa
     feats_a, feats_b (n, D): the two sides of each pair; same (n,) bool. A pair is called "same" when its cosine
     similarity is > the threshold. Folds are stratified and contiguous: positives and negatives are each split in
     ``folds`` consecutive groups (in their order in the input) and fold f joins group f of both. For each fold the
-    threshold maximising accuracy on the other folds (the smallest such) is applied to the held-out fold.
+    threshold maximising accuracy on the other folds (see ``_best_threshold``) is applied to the held-out fold.
     Returns (mean, population std) of the per-fold accuracies.
     """
     scores = _pair_cosines(feats_a, feats_b)

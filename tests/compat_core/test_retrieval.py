@@ -1,0 +1,313 @@
+"""compat_core.retrieval against numpy float64 brute force and hand-worked examples."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from compat_core import retrieval
+from compat_core.retrieval import (
+    bridged_nearest_neighbours,
+    bridged_recall_at_1,
+    class_mean_gallery,
+    make_verification_pairs,
+    mean_average_precision,
+    nearest_neighbours,
+    recall_at_1,
+    recall_at_k,
+    tar_at_far,
+    verification_accuracy,
+)
+
+PRECISIONS = ["auto", "half", "fp32", "fp64"]
+
+
+def brute_topk(query: np.ndarray, gallery: np.ndarray, k: int):
+    """fp64 cosine top-k; einsum without BLAS so identical gallery rows get bit-identical scores."""
+    q = query.astype(np.float64)
+    g = gallery.astype(np.float64)
+    q = q / np.linalg.norm(q, axis=1, keepdims=True)
+    g = g / np.linalg.norm(g, axis=1, keepdims=True)
+    scores = np.einsum("qd,gd->qg", q, g, optimize=False)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]     # stable: lowest index first among ties
+    return order, np.take_along_axis(scores, order, axis=1)
+
+
+def planted(nq: int, ng: int, dim: int, seed: int):
+    """Random data with exact ties (duplicated gallery rows) and one-ulp near-ties, each the answer of a query."""
+    rng = np.random.default_rng(seed)
+    gallery = rng.standard_normal((ng, dim)).astype(np.float32)
+    query = rng.standard_normal((nq, dim)).astype(np.float32)
+    # exact ties: rows 3 and ng-2 copy row ng-1; query 0 sits next to them, so the lowest index (3) must win
+    gallery[3] = gallery[ng - 1]
+    gallery[ng - 2] = gallery[ng - 1]
+    query[0] = gallery[ng - 1] + np.float32(0.01) * rng.standard_normal(dim).astype(np.float32)
+    # near-tie: row 5 is row 1 with one component moved by one ulp; query 1 sits next to both
+    gallery[5] = gallery[1]
+    c = int(np.argmax(np.abs(gallery[1])))
+    gallery[5, c] = np.nextafter(gallery[1, c], np.float32(np.inf) * np.sign(gallery[1, c]), dtype=np.float32)
+    query[1] = gallery[1] + np.float32(0.01) * rng.standard_normal(dim).astype(np.float32)
+    return query, gallery
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("shape", [(37, 50, 8), (130, 257, 33), (300, 600, 96)])
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_top1_and_scores_equal_fp64_brute_force(precision, shape, chunk_size):
+    query, gallery = planted(*shape, seed=sum(shape))
+    expected, expected_scores = brute_topk(query, gallery, 1)
+    index, scores = nearest_neighbours(torch.from_numpy(query), torch.from_numpy(gallery), k=1,
+                                       chunk_size=chunk_size, precision=precision)
+    np.testing.assert_array_equal(index.numpy(), expected)
+    np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-12)
+    index_only, none = nearest_neighbours(query, gallery, k=1, chunk_size=chunk_size, precision=precision,
+                                          return_scores=False)
+    assert none is None
+    np.testing.assert_array_equal(index_only.numpy(), expected)
+    assert int(index[0, 0]) == 3                      # lowest of the three identical rows
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_topk_order_with_ties_equals_fp64(precision):
+    query, gallery = planted(90, 211, 24, seed=5)
+    expected, expected_scores = brute_topk(query, gallery, 5)
+    index, scores = nearest_neighbours(query, gallery, k=5, chunk_size=13, precision=precision)
+    np.testing.assert_array_equal(index.numpy(), expected)
+    np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-12)
+    assert index[0, :3].tolist() == [3, 209, 210]     # the three identical rows, in index order
+
+
+def test_near_tie_one_ulp_apart_is_resolved_like_fp64():
+    query, gallery = planted(40, 64, 16, seed=11)
+    expected, _ = brute_topk(query, gallery, 1)
+    assert expected[1, 0] in (1, 5)                   # the planted near-tie is really the answer of query 1
+    for precision in PRECISIONS:
+        index, _ = nearest_neighbours(query, gallery, k=1, precision=precision, return_scores=False)
+        assert int(index[1, 0]) == int(expected[1, 0]), precision
+
+
+def test_fp64_inputs_with_1e_12_gaps():
+    rng = np.random.default_rng(3)
+    gallery = rng.standard_normal((50, 12))
+    query = gallery[[7]] + 1e-3 * rng.standard_normal((1, 12))
+    gallery[20] = gallery[7] + 1e-11 * rng.standard_normal(12)        # far below fp32 resolution
+    expected, expected_scores = brute_topk(query, gallery, 2)
+    assert sorted(expected[0].tolist()) == [7, 20]
+    assert 0 < expected_scores[0, 0] - expected_scores[0, 1] < 1e-9
+    for precision in PRECISIONS:
+        index, _ = nearest_neighbours(torch.from_numpy(query), torch.from_numpy(gallery), k=2, precision=precision)
+        assert index[0].tolist() == expected[0].tolist(), precision
+
+
+def test_heavily_duplicated_gallery_falls_back_and_stays_exact():
+    # 300 identical rows exceed the candidate cap: the fallback chain must still return the lowest index
+    rng = np.random.default_rng(8)
+    gallery = rng.standard_normal((400, 10)).astype(np.float32)
+    gallery[50:350] = gallery[49]
+    query = gallery[[49]] + np.float32(1e-3)
+    for precision in PRECISIONS:
+        index, _ = nearest_neighbours(query, gallery, k=3, precision=precision)
+        assert index[0].tolist() == [49, 50, 51], precision
+
+
+def test_recall_at_k_hand_worked():
+    # cos(q, g0) = 1/sqrt(1.01) = 0.995, cos(q, g2) = 1.1/sqrt(2.02) = 0.774, cos(q, g1) = 0.1/sqrt(1.01) = 0.0995
+    gallery = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=np.float32)
+    gallery_labels = np.array([0, 1, 2])
+    query = np.array([[1.0, 0.1], [0.0, 2.0]], dtype=np.float32)
+    query_labels = np.array([2, 1])
+    # query 0 ranks g0, g2, g1: wrong at 1, right at 2; query 1 ranks g1 first: right at 1
+    assert recall_at_1(query, query_labels, gallery, gallery_labels) == pytest.approx(0.5)
+    assert recall_at_k(query, query_labels, gallery, gallery_labels, k=2) == pytest.approx(1.0)
+
+
+def test_recall_matches_brute_force_on_random_data():
+    rng = np.random.default_rng(1)
+    query = rng.standard_normal((200, 20)).astype(np.float32)
+    gallery = rng.standard_normal((300, 20)).astype(np.float32)
+    q_labels = rng.integers(0, 5, 200)
+    g_labels = rng.integers(0, 5, 300)
+    order, _ = brute_topk(query, gallery, 4)
+    for k in (1, 4):
+        expected = np.mean(np.any(g_labels[order[:, :k]] == q_labels[:, None], axis=1))
+        assert recall_at_k(query, q_labels, gallery, g_labels, k, chunk_size=33) == pytest.approx(expected)
+
+
+def test_mean_average_precision_hand_worked():
+    angles = np.deg2rad([0.0, 30.0, 60.0, 90.0])
+    gallery = np.stack([np.cos(angles), np.sin(angles)], axis=1)
+    gallery_labels = np.array(["A", "B", "A", "B"])
+    query = np.array([[1.0, 0.0], [1.0, 0.0]])
+    # query "A" ranks g0 (A), g1 (B), g2 (A), g3 (B): AP = (1/1 + 2/3) / 2 = 5/6; query "C" has no relevant item
+    query_labels = np.array(["A", "C"])
+    assert mean_average_precision(query, query_labels, gallery, gallery_labels) == pytest.approx(5 / 6)
+    assert mean_average_precision(query, query_labels, gallery, gallery_labels,
+                                  no_relevant="zero") == pytest.approx(5 / 12)
+    with pytest.raises(ValueError, match="query_labels"):
+        mean_average_precision(query[1:], query_labels[1:], gallery, gallery_labels)
+
+
+def test_mean_average_precision_ties_rank_lowest_index_first():
+    gallery = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    query = np.array([[1.0, 0.0]])
+    # g0 (B) and g1 (A) tie: g0 ranks first, so the relevant g1 is at rank 2: AP = 1/2
+    assert mean_average_precision(query, ["A"], gallery, ["B", "A", "C"]) == pytest.approx(0.5)
+
+
+def test_class_mean_gallery_normalises_each_feature_first():
+    features = np.array([[3.0, 0.0], [0.0, 4.0], [0.0, -2.0]])
+    labels = np.array([7, 7, 2])
+    templates, template_labels = class_mean_gallery(features, labels)
+    assert template_labels.tolist() == [2, 7]
+    # class 7: mean of units (1,0) and (0,1) = (0.5, 0.5) -> (1/sqrt2, 1/sqrt2), not the raw mean's (0.6, 0.8)
+    np.testing.assert_allclose(templates.numpy(), [[0.0, -1.0], [1 / math.sqrt(2), 1 / math.sqrt(2)]], atol=1e-7)
+
+
+def test_verification_separable_scores_give_accuracy_one():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((60, 8))
+    same = np.arange(60) % 2 == 0
+    b = np.where(same[:, None], a + 0.01 * rng.standard_normal((60, 8)), -a)
+    mean, std = verification_accuracy(a, b, same)
+    assert (mean, std) == (1.0, 0.0)
+
+
+def test_verification_hand_worked_ten_folds():
+    # 20 positives at cosine 0.9 except the first (0.1), 20 negatives at 0.2; fold f = positives 2f, 2f+1 and
+    # negatives 2f, 2f+1. Training on the other folds always picks threshold 0.2 (accept > 0.2): fold 0 gets 3/4,
+    # the other nine folds 4/4: mean = (0.75 + 9) / 10 = 0.975, std = sqrt((0.225^2 + 9 * 0.025^2) / 10) = 0.075.
+    pos = np.full(20, 0.9)
+    pos[0] = 0.1
+    neg = np.full(20, 0.2)
+    scores = np.empty(40)
+    scores[0::2], scores[1::2] = pos, neg                 # interleaved input order
+    same = np.zeros(40, bool)
+    same[0::2] = True
+    a = np.tile([1.0, 0.0], (40, 1))
+    b = np.stack([scores, np.sqrt(1 - scores ** 2)], axis=1)
+    mean, std = verification_accuracy(a, b, same, folds=10)
+    assert mean == pytest.approx(0.975)
+    assert std == pytest.approx(0.075)
+
+
+def test_tar_at_far_hand_worked():
+    scores = np.array([0.9, 0.8, 0.7, 0.4, 0.85, 0.5, 0.3, 0.2, 0.1])
+    same = np.array([1, 1, 1, 1, 0, 0, 0, 0, 0], bool)
+    # FAR <= 0.2 allows one of five negatives (0.85): lowest such threshold 0.7 -> TAR 3/4
+    assert tar_at_far(scores, same, 0.2) == pytest.approx(0.75)
+    assert tar_at_far(scores, same, 0.0) == pytest.approx(0.25)      # threshold 0.9
+    assert tar_at_far(scores, same, 1.0) == pytest.approx(1.0)
+
+
+def test_tar_at_far_ties_are_accepted_together():
+    scores = np.array([0.6, 0.5, 0.5, 0.1])
+    same = np.array([True, True, False, False])
+    assert tar_at_far(scores, same, 0.5) == pytest.approx(1.0)       # threshold 0.5 accepts both 0.5 pairs
+    assert tar_at_far(scores, same, 0.49) == pytest.approx(0.5)      # cannot split the tie: threshold 0.6
+
+
+def test_make_verification_pairs_is_seeded_distinct_and_labelled():
+    labels = np.repeat(np.arange(6), [1, 2, 3, 4, 5, 6])
+    idx_a, idx_b, same = make_verification_pairs(labels, 20, 30, seed=4)
+    again = make_verification_pairs(labels, 20, 30, seed=4)
+    for x, y in zip((idx_a, idx_b, same), again):
+        np.testing.assert_array_equal(x, y)
+    assert same.sum() == 20 and (~same).sum() == 30
+    assert np.all(idx_a < idx_b)                                    # no self pairs, canonical order
+    assert len({(int(x), int(y)) for x, y in zip(idx_a, idx_b)}) == 50
+    np.testing.assert_array_equal(labels[idx_a] == labels[idx_b], same)
+    # every same-label pair: 0 + 1 + 3 + 6 + 10 + 15 = 35; all of them on request
+    _, _, all_same = make_verification_pairs(labels, 35, 0, seed=1)
+    assert all_same.sum() == 35
+    with pytest.raises(ValueError, match="n_pos"):
+        make_verification_pairs(labels, 36, 0, seed=1)
+    with pytest.raises(ValueError, match="no class has 2"):
+        make_verification_pairs(np.arange(5), 1, 1, seed=1)
+
+
+def random_heads(seed: int, d: int = 40, m: int = 12):
+    gen = torch.Generator().manual_seed(seed)
+    head_t = torch.randn(d, m, generator=gen)
+    head_k = head_t + 0.5 * torch.randn(d, m, generator=gen)
+    query = torch.randn(150, m, generator=gen)
+    gallery = torch.randn(230, m, generator=gen)
+    return query, head_t, gallery, head_k
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_bridge_equals_direct_features(precision):
+    query, head_t, gallery, head_k = random_heads(0)
+    gallery[17] = gallery[200]                        # exact tie: identical embeddings give identical features
+    query[0] = gallery[200] + 0.01
+    direct_q = (query.double() @ head_t.double().t()).numpy()   # (Nq, d) features the bridge never forms
+    direct_g = (gallery.double() @ head_k.double().t()).numpy()
+    expected, expected_scores = brute_topk(direct_q, direct_g, 3)
+    index, scores = bridged_nearest_neighbours(query, head_t, gallery, head_k, k=3, chunk_size=41,
+                                               precision=precision)
+    np.testing.assert_array_equal(index.numpy(), expected)
+    np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-10)
+    assert index[0, :2].tolist() == [17, 200]
+    labels_q = np.arange(150) % 7
+    labels_g = np.arange(230) % 7
+    expected_recall = np.mean(labels_g[expected[:, 0]] == labels_q)
+    assert bridged_recall_at_1(query, head_t, gallery, head_k, labels_q, labels_g,
+                               precision=precision) == pytest.approx(expected_recall)
+
+
+def test_half_path_is_really_taken_when_forced(monkeypatch):
+    calls = []
+    original = retrieval._half_scores
+
+    def spy(qh, half_t):
+        calls.append(qh.dtype)
+        return original(qh, half_t)
+
+    monkeypatch.setattr(retrieval, "_half_scores", spy)
+    query, gallery = planted(20, 30, 8, seed=2)
+    nearest_neighbours(query, gallery, precision="half")
+    assert calls and calls[0] in (torch.bfloat16, torch.float16)
+    calls.clear()
+    nearest_neighbours(query, gallery, precision="fp32")
+    assert calls == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_round_down_never_exceeds_the_value(dtype):
+    values = torch.tensor([0.3, -0.3, 0.0, 1e-30, -1e-30, 0.99999, -2.5e-5, 7.0], dtype=torch.float64)
+    rounded = retrieval._round_down(values, dtype)
+    assert rounded.dtype == dtype
+    assert bool((rounded.double() <= values).all())
+    # and it is the largest such value: the next representable value up exceeds the input
+    up = torch.nextafter(rounded.float(), torch.tensor(math.inf)).to(dtype) if dtype == torch.float32 else None
+    if up is not None:
+        assert bool((up.double() > values).all())
+
+
+def test_input_validation_names_the_field():
+    gallery = np.ones((4, 3), np.float32)
+    with pytest.raises(ValueError, match="precision"):
+        nearest_neighbours(gallery, gallery, precision="int8")
+    with pytest.raises(ValueError, match="query/gallery"):
+        nearest_neighbours(np.ones((2, 5)), gallery)
+    with pytest.raises(ValueError, match="k:"):
+        nearest_neighbours(gallery, gallery, k=5)
+    zero = gallery.copy()
+    zero[2] = 0
+    with pytest.raises(ValueError, match="gallery: row 2"):
+        nearest_neighbours(gallery, zero)
+    with pytest.raises(ValueError, match="query_labels"):
+        recall_at_1(gallery, [0, 1], gallery, [0, 1, 2, 3])
+    with pytest.raises(ValueError, match="gallery_head"):
+        bridged_nearest_neighbours(np.ones((2, 3)), np.ones((5, 3)), np.ones((2, 3)), np.ones((5, 4)))
+    with pytest.raises(ValueError, match="far"):
+        tar_at_far([0.1, 0.2], [True, False], 1.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_fp64_brute_force():
+    query, gallery = planted(200, 300, 40, seed=9)
+    expected, _ = brute_topk(query, gallery, 2)
+    index, _ = nearest_neighbours(torch.from_numpy(query).cuda(), torch.from_numpy(gallery).cuda(), k=2)
+    np.testing.assert_array_equal(index.cpu().numpy(), expected)
