@@ -19,6 +19,7 @@ permissions) and :class:`BucketNotFoundError`, each naming the endpoint, bucket 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -498,13 +499,14 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
         return self._call("listing", selector.base_dir, self.inner.get_file_info, selector)
 
     def create_dir(self, path, recursive):
-        self._call("creating a folder at", path, self.inner.create_dir, path, recursive)
+        self._call("creating a folder at", path, functools.partial(self.inner.create_dir, recursive=recursive), path)
 
     def delete_dir(self, path):
         self._call("deleting the folder at", path, self.inner.delete_dir, path)
 
     def delete_dir_contents(self, path, missing_dir_ok=False):
-        self._call("deleting the contents of", path, self.inner.delete_dir_contents, path, missing_dir_ok)
+        self._call("deleting the contents of", path,
+                   functools.partial(self.inner.delete_dir_contents, missing_dir_ok=missing_dir_ok), path)
 
     def delete_root_dir_contents(self):
         raise PermissionError("refusing to delete every bucket of the S3 endpoint "
@@ -527,10 +529,10 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
 
     def open_output_stream(self, path, metadata):
         self._check_bucket_for_write(path)
-        return self._call("writing", path, self.inner.open_output_stream, path, metadata)
+        return self._call("writing", path, functools.partial(self.inner.open_output_stream, compression=None, metadata=metadata), path)
 
     def open_append_stream(self, path, metadata):
-        return self._call("appending to", path, self.inner.open_append_stream, path, metadata)
+        return self._call("appending to", path, functools.partial(self.inner.open_append_stream, compression=None, metadata=metadata), path)
 
 
 def _handler_from_access(access: S3Access) -> _TranslatingS3Handler:

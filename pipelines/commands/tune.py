@@ -1,0 +1,113 @@
+"""``compat tune CONFIG --space SPACE.yaml``: hyper-parameter search over whole pipelines (Ray Tune + Optuna).
+
+Each trial runs the scenario with sampled values applied as config overrides and reports the compatibility metrics
+after every task; ASHA (default) stops bad trials early, Optuna (seeded TPE) proposes values, at most
+``--concurrent`` trials run at once. Every trial is an MLflow run nested under the search's run. An interrupted
+search continues with ``compat tune --resume SEARCH_DIR`` and ends with the requested number of trials.
+``compat compare SEARCH_DIR`` prints its top trials. Exit codes: 0 done, 1 interrupted, 2 invalid input.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+HELP = "hyper-parameter search over whole pipelines (Ray Tune + Optuna, ASHA), every trial tracked in MLflow"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="scenario YAML (not needed with --resume)")
+    parser.add_argument("--space", help="search-space YAML (see configs/spaces/)")
+    parser.add_argument("--samples", type=int, default=8, help="trials in all (default 8)")
+    parser.add_argument("--concurrent", type=int, default=1, help="trials running at once (default 1)")
+    parser.add_argument("--objective", default="aca", help="aca (default) | ac | aa | bc | fc, maximised")
+    parser.add_argument("--scheduler", choices=("asha", "none"), default="asha",
+                        help="asha: stop bad trials early, compared after each task (default); none: run all")
+    parser.add_argument("--storage", default="runs/tune",
+                        help="where searches live: local folder (default runs/tune) or s3://bucket/prefix "
+                             "(endpoint and credentials from the standard AWS environment/config)")
+    parser.add_argument("--name", help="search name (default: tune-<scenario>-<date-time>)")
+    parser.add_argument("--seed", type=int, default=0, help="Optuna sampler seed (default 0)")
+    parser.add_argument("--resume", metavar="SEARCH_DIR", help="continue an interrupted search")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value for every trial (YAML-parsed; repeatable)")
+    parser.add_argument("--cpus-per-trial", type=float, help="CPUs per trial (default: the config's finetune "
+                                                             "resources, shared fractionally on small machines)")
+    parser.add_argument("--gpus-per-trial", type=float, help="GPUs per trial (default: 1 when Ray has GPUs)")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or SQLite in the "
+                                               "search directory)")
+    parser.add_argument("--mlflow-experiment", help="MLflow experiment name (default: <scenario>-search)")
+    parser.add_argument("--plugin", dest="plugins", action="append", default=[], metavar="MODULE[:FUNC]",
+                        help="module or PATH.py imported in every trial (registers extra datasets/methods); "
+                             "FUNC is called after import")
+    parser.add_argument("--address", help="Ray address (default: start a local Ray)")
+
+
+def build_spec(args):
+    """SearchSpec from the command line (validates config, space and objective)."""
+    from compat_core import io as cio
+    from cluster.search_space import load_space
+    from cluster.tune import SearchSpec, absolute_plugin, default_resources, load_plugins, objective_metric
+    from pipelines.config import config_to_dict, load_config
+
+    if not args.config or not args.space:
+        raise ValueError("CONFIG and --space SPACE.yaml are required (or --resume SEARCH_DIR)")
+    plugins = [absolute_plugin(p) for p in args.plugins]
+    load_plugins(plugins)
+    config = load_config(args.config, args.overrides)
+    space = load_space(args.space)
+    storage = args.storage if cio.is_remote(args.storage) else str(__import__("pathlib").Path(args.storage).resolve())
+    resources = default_resources(config, args.concurrent)
+    if args.cpus_per_trial is not None:
+        resources["cpu"] = args.cpus_per_trial
+    if args.gpus_per_trial is not None:
+        resources["gpu"] = args.gpus_per_trial
+    return SearchSpec(
+        name=args.name or f"tune-{config.name}-{time.strftime('%Y%m%d-%H%M%S')}",
+        base_config=config_to_dict(config), space=space.to_dict(), objective=objective_metric(args.objective),
+        samples=args.samples, concurrent=args.concurrent, scheduler=args.scheduler, seed=args.seed, storage=storage,
+        resources=resources, plugins=plugins, tracking_uri=args.tracking_uri,
+        mlflow_experiment=args.mlflow_experiment)
+
+
+def run(args) -> int:
+    from cluster.tune import _ensure_ray, resume_search, run_search
+
+    try:
+        if args.resume:
+            outcome = resume_search(args.resume, address=args.address)
+        else:
+            _ensure_ray(args.address)  # default resources depend on the cluster (GPUs, CPUs)
+            outcome = run_search(build_spec(args), address=args.address)
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError, ModuleNotFoundError) as error:
+        print(f"compat tune: error: {error.args[0] if error.args else error}", file=sys.stderr)
+        return 2
+    print_outcome(outcome)
+    return 0 if outcome.complete else 1
+
+
+def print_outcome(outcome, stream=None, top: int = 10) -> None:
+    """Top trials (objective as a fraction), the best trial and where the search lives."""
+    stream = stream or sys.stdout
+    spec = outcome.spec
+    print(f"search {spec.name}: {len(outcome.trials)} of {spec.samples} trials, objective {spec.objective} "
+          f"(fraction, maximised){'' if outcome.complete else ' - INTERRUPTED'}", file=stream)
+    for trial in outcome.trials[:top]:
+        value = "n/a" if trial.objective is None else f"{trial.objective:.4f}"
+        params = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in
+                           sorted(trial.params.items()))
+        print(f"  {trial.trial_id}  {spec.objective}={value}  tasks={trial.tasks_completed}  {trial.status:<8} "
+              f"{params}", file=stream)
+    if outcome.best is not None:
+        print(f"best trial: {outcome.best.trial_id} ({spec.objective} = {outcome.best.objective:.4f}); run "
+              f"directory {outcome.best.run_dir}", file=stream)
+    print(f"search directory: {spec.experiment_path}  (compat compare {spec.experiment_path}; resume with "
+          f"compat tune --resume {spec.experiment_path})", file=stream)
+
+
+try:  # `compat compare SEARCH_DIR`: importing the command modules registers the run source (no Ray import)
+    from cluster.tune import register_run_source as _register_run_source
+except ImportError:  # the cluster package is not installed: compare reads run directories only
+    pass
+else:
+    _register_run_source()

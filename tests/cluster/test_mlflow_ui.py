@@ -1,0 +1,85 @@
+"""End to end: a search logged to a real `mlflow server`, its UI driven by headless Chromium (Debian's package).
+
+The experiment's runs table must show the search's parent run with its trials nested under it and the objective as a
+column. A screenshot is written to the test's tmp folder and copied to tests/.artifacts/ for people to look at.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = Path("/usr/bin/chromium")
+# flags that work as root on a closed network (see the shared ENVIRONMENT notes)
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+sys.path.insert(0, str(ROOT / "tests" / "pipelines"))
+import tiny_scenario_helpers as tiny  # noqa: E402
+
+
+def test_mlflow_ui_shows_trials_nested_with_the_objective(ray_local, mlflow_server, tmp_path):
+    if not CHROMIUM.exists():
+        pytest.fail("Debian's chromium is not installed (/usr/bin/chromium); the setup command installs it with "
+                    "`apt-get install -y chromium`")
+    from mlflow import MlflowClient
+    from playwright.sync_api import sync_playwright
+
+    from cluster.tune import SearchSpec, run_search
+    from pipelines.config import config_to_dict, validate_config
+
+    tiny.register()
+    base = config_to_dict(validate_config(tiny.scenario("dsimplex-hoc", {"lam": 0.1, "rho": 10.0})))
+    base["tasks"]["spec"] = "2+2"
+    base["replacements"] = []
+    spec = SearchSpec(name="ui-search", base_config=base, objective="AA", samples=2, concurrent=2,
+                      scheduler="none", storage=str(tmp_path / "searches"), resources={"cpu": 0.5, "gpu": 0.0},
+                      plugins=[f"{ROOT / 'tests' / 'pipelines' / 'tiny_scenario_helpers.py'}:register"],
+                      space={"parameters": {"method.params.lam": {"type": "categorical", "values": [0.0, 1.0]}}},
+                      tracking_uri=mlflow_server.tracking_uri, mlflow_experiment="ui-search-experiment")
+    outcome = run_search(spec)
+    assert outcome.complete and len(outcome.trials) == 2
+    client = MlflowClient(tracking_uri=mlflow_server.tracking_uri)
+    experiment_id = client.get_experiment_by_name("ui-search-experiment").experiment_id
+    trial_runs = {run.info.run_name: run for run in client.search_runs([experiment_id], "tags.run_role = 'trial'")}
+    assert len(trial_runs) == 2
+
+    screenshot = tmp_path / "mlflow-ui-search.png"
+    with sync_playwright() as playwright:
+        # a fresh, empty profile (Playwright passes it to Chromium as --user-data-dir)
+        browser = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
+            viewport={"width": 1600, "height": 900})
+        try:
+            page = browser.new_page()
+            page.goto(f"{mlflow_server.tracking_uri}/#/experiments/{experiment_id}/runs", wait_until="load")
+            parent_row = page.get_by_role("row").filter(has_text=spec.name)
+            parent_row.wait_for(timeout=60_000)
+            # before expanding, the table lists only the parent (trials are nested under it)
+            for name in trial_runs:
+                assert page.get_by_role("row").filter(has_text=name).count() == 0
+            page.get_by_role("button", name="Columns").click()
+            page.get_by_text("objective", exact=True).first.click()  # the metric's entry in the Columns menu
+            page.keyboard.press("Escape")
+            parent_row.locator("button").first.click()  # the expander in front of the parent's name
+            header = page.locator('[role="columnheader"][col-id="metrics.`objective`"]')
+            header.wait_for(timeout=30_000)
+            for name in trial_runs:
+                page.get_by_role("row").filter(has_text=name).first.wait_for(timeout=30_000)
+            page.screenshot(path=str(screenshot), full_page=True)
+            for name, run in trial_runs.items():
+                # ag-grid renders the pinned name column and the scrolling columns as separate rows sharing row-index
+                index = page.get_by_role("row").filter(has_text=name).first.get_attribute("row-index")
+                cell = page.locator(f'[role="row"][row-index="{index}"] [role="gridcell"][col-id="metrics.`objective`"]')
+                shown = float(cell.first.inner_text().strip())
+                value = run.data.metrics["objective"]
+                assert shown == pytest.approx(value, abs=5e-3), f"{name}: UI shows {shown}, MLflow has {value}"
+        finally:
+            browser.close()
+    stable = ROOT / "tests" / ".artifacts" / screenshot.name
+    stable.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(screenshot, stable)
+    print(f"MLflow UI screenshot: {stable}")
+    assert screenshot.stat().st_size > 10_000

@@ -1,0 +1,187 @@
+"""`compat tune`: Ray Tune + Optuna over the tiny scenario, MLflow runs per trial, best model alias, compare, resume.
+
+The tiny scenario (tests/pipelines/tiny_scenario_helpers.py) reaches the trial processes as a plugin file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "tests" / "pipelines" / "tiny_scenario_helpers.py"
+sys.path.insert(0, str(TINY.parent))
+import tiny_scenario_helpers as tiny  # noqa: E402
+
+PLUGIN = f"{TINY}:register"
+SPACE = {"parameters": {
+    "method.params.lam": {"type": "categorical", "values": [0.0, 0.1, 1.0]},
+    "training.optimizer.lr": {"type": "loguniform", "low": 0.001, "high": 0.1},
+}}
+
+
+def _base_config() -> dict:
+    from pipelines.config import config_to_dict, validate_config
+
+    tiny.register()
+    return config_to_dict(validate_config(tiny.scenario("dsimplex-hoc", {"lam": 0.1, "rho": 10.0})))
+
+
+def _matrix(run_dir: Path) -> np.ndarray:
+    data = json.loads((run_dir / "matrix.json").read_text())
+    return np.array([[np.nan if v is None else v for v in row] for row in data["values"]], dtype=np.float64)
+
+
+def _mean_lower(block: np.ndarray) -> float:
+    """AA by brute force: mean of the lower triangle with the diagonal."""
+    values = [block[t, k] for t in range(block.shape[0]) for k in range(t + 1)]
+    return float(sum(values) / len(values))
+
+
+def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, capsys):
+    from mlflow import MlflowClient
+
+    from cluster.tune import SearchSpec, run_search
+    from pipelines.cli import main
+
+    spec = SearchSpec(name="tiny-aa", base_config=_base_config(), space=SPACE, objective="AA", samples=3,
+                      concurrent=2, scheduler="none", seed=1, storage=str(tmp_path / "searches"),
+                      resources={"cpu": 0.5, "gpu": 0.0}, plugins=[PLUGIN])
+    outcome = run_search(spec)
+    assert outcome.complete and len(outcome.trials) == 3
+    experiment = tmp_path / "searches" / "tiny-aa"
+    expected = {}
+    for trial in outcome.trials:
+        run_dir = experiment / "runs" / trial.trial_id
+        matrix = _matrix(run_dir)
+        assert matrix.shape == (3, 3)
+        expected[trial.trial_id] = _mean_lower(matrix)
+        assert trial.objective == pytest.approx(expected[trial.trial_id], abs=1e-12)
+        assert trial.tasks_completed == 3 and trial.status == "FINISHED"
+        # every stage ran exactly once across the per-task invocations
+        executed = [key for path in (run_dir / "executions").iterdir()
+                    for key in json.loads(path.read_text())["executed"]]
+        stages = [path.stem for path in (run_dir / "manifests").glob("*.json") if not path.stem.startswith("entry-")]
+        assert len(stages) == 13  # 1 pretrain, 3 fine-tune/replace, 6 extract, 3 evaluate
+        assert sorted(executed) == sorted(stages)
+    best_id = max(expected, key=expected.get)
+    assert outcome.best.trial_id == best_id
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{experiment / 'mlflow.db'}")
+    parent = client.get_run(spec.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["run_role"] == "search"
+    children = client.search_runs([parent.info.experiment_id], "tags.run_role = 'trial'")
+    assert sorted(run.data.tags["trial_id"] for run in children) == sorted(expected)
+    for run in children:
+        trial_id = run.data.tags["trial_id"]
+        assert run.data.tags["mlflow.parentRunId"] == spec.parent_run_id and run.info.status == "FINISHED"
+        sampled = json.loads((experiment / "runs" / trial_id / "trial.json").read_text())["params"]
+        assert {k: float(v) for k, v in run.data.params.items()} == pytest.approx(sampled)
+        history = client.get_metric_history(run.info.run_id, "objective")
+        matrix = _matrix(experiment / "runs" / trial_id)
+        # AA is defined from the first task: one value per task, step = tasks completed
+        assert [m.step for m in sorted(history, key=lambda m: m.step)] == [1, 2, 3]
+        for metric in history:
+            assert metric.value == pytest.approx(_mean_lower(matrix[: metric.step, : metric.step]), abs=1e-12)
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "results")}
+        assert {"results/matrix.json", "results/metrics.json"} <= artifacts
+    best = client.get_model_version_by_alias("tiny-aa", "best")
+    assert best.tags["trial_id"] == best_id and best.tags["task_1based"] == "3"
+    assert client.get_model_version_by_alias("tiny-aa", "best-task-1").tags["trial_id"] == best_id
+
+    capsys.readouterr()
+    assert main(["compare", str(experiment), "--output", str(tmp_path / "compare")]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| trial ")]
+    shown = [line.split()[2] for line in lines]
+    assert shown == sorted(expected, key=expected.get, reverse=True)
+    # AA column (percent, 2 decimals) of the first row is the best trial's brute-force AA
+    assert lines[0].split("|")[5].strip() == f"{100 * expected[best_id]:.2f}"
+
+
+def _runs_done(runs_root: str) -> int:
+    """Trials whose pipeline finished (metrics.json written) under ``runs_root`` (local path or s3:// URI)."""
+    from compat_core import io as cio
+
+    if not cio.is_dir(runs_root):
+        return 0
+    return sum(1 for name in cio.list_dir(runs_root) if cio.exists(f"{runs_root}/{name}/metrics.json"))
+
+
+def _executed(runs_root: str, name: str) -> list[str]:
+    """Stage keys executed by every invocation recorded in a trial's run directory (a stage run twice appears twice)."""
+    from compat_core import io as cio
+
+    folder = f"{runs_root}/{name}/executions"
+    return sorted(key for record in cio.list_dir(folder)
+                  for key in json.loads(cio.read_bytes(f"{folder}/{record}"))["executed"])
+
+
+@pytest.fixture(params=["local", "s3"])
+def search_storage(request, tmp_path):
+    """Where the interrupted search lives: a local folder, or a bucket on the real SeaweedFS S3 server."""
+    if request.param == "local":
+        yield str(tmp_path / "searches")
+        return
+    from cluster.storage import object_storage
+
+    bucket = request.getfixturevalue("s3_bucket")
+    with object_storage():
+        yield f"s3://{bucket}/searches"
+
+
+def test_interrupted_search_resumes_to_the_requested_total(search_storage, tmp_path):
+    samples = 6
+    from compat_core import io as cio
+
+    config_path = tmp_path / "tiny.yaml"
+    config_path.write_text(yaml.safe_dump(tiny.scenario("dsimplex-hoc", {"lam": 0.1, "rho": 10.0})))
+    space_path = tmp_path / "space.yaml"
+    space_path.write_text(yaml.safe_dump(SPACE, sort_keys=False))
+    experiment = f"{search_storage}/resumable"
+    runs_root = f"{experiment}/runs"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    command = [sys.executable, "-m", "pipelines.cli", "tune", str(config_path), "--space", str(space_path),
+               "--samples", str(samples), "--concurrent", "1", "--objective", "aa", "--storage", search_storage,
+               "--name", "resumable", "--plugin", PLUGIN, "--cpus-per-trial", "1", "--tracking-uri", tracking]
+    log_path = tmp_path / "first.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 150
+        while _runs_done(runs_root) < 2:
+            assert process.poll() is None, f"search ended before the interruption:\n{log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"2 trials not done in time:\n{log_path.read_text()[-3000:]}"
+            time.sleep(0.5)
+        process.send_signal(signal.SIGINT)  # Ctrl+C: Tune saves the experiment and searcher state, then stops
+        assert process.wait(timeout=90) == 1, log_path.read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "INTERRUPTED" in log_path.read_text()
+
+    finished_before = {name for name in cio.list_dir(runs_root) if cio.exists(f"{runs_root}/{name}/metrics.json")}
+    executed_before = {name: _executed(runs_root, name) for name in finished_before}
+    # Under load Tune may finish another trial or two while it handles Ctrl+C; 6 samples leave room for that.
+    assert 2 <= len(finished_before) < samples
+
+    resumed = subprocess.run([sys.executable, "-m", "pipelines.cli", "tune", "--resume", experiment], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"search resumable: {samples} of {samples} trials" in resumed.stdout
+
+    trials = sorted(cio.list_dir(runs_root))
+    assert len(trials) == samples
+    for name in trials:
+        executed = _executed(runs_root, name)
+        assert len(executed) == len(set(executed)), f"trial {name} ran a stage twice"
+    for name in finished_before:  # completed before the interruption: none of their stages ran again
+        assert _executed(runs_root, name) == executed_before[name]
