@@ -153,7 +153,7 @@ def write_replay_shard(store_or_root, task: int, memory: ReplayMemory, source) -
     # locally: write under a temporary name and rename, so a crash never leaves a truncated file at the final name
     target = f"{parent}/.tmp-{uuid.uuid4().hex}-{name}" if local else path
     try:
-        with fs.open_output_stream(target) as raw:
+        with fs.open_output_stream(target, compression=None) as raw:
             sink = _HashingSink(raw)
             pq.write_table(table, sink, compression="zstd")
         if local:

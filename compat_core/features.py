@@ -17,10 +17,10 @@ whether it re-normalised; ranking by cosine similarity is unaffected for the que
 """
 from __future__ import annotations
 
-import numbers
-
 import torch
 import torch.nn.functional as F
+
+from compat_core.validation import check_int
 
 # Row sums of probabilities may drift from 1 in fp16/bf16 softmax over many classes; logits almost never sum to 1.
 _PROBABILITY_SUM_TOLERANCE = 1e-2
@@ -37,26 +37,16 @@ def _as_float_tensor(values, name: str) -> torch.Tensor:
     return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
-def _check_count(value, name: str, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    value = int(value)
-    if value < low or (high is not None and value > high):
-        upper = "" if high is None else f" and <= {high}"
-        raise ValueError(f"{name} must be >= {low}{upper}, got {value}")
-    return value
-
-
 def _resolve_num_old(num_classes_old, num_classes: int) -> int:
     if num_classes_old is None:
         return num_classes
-    return _check_count(num_classes_old, "num_classes_old", 2, num_classes)
+    return check_int("num_classes_old", num_classes_old, 2, num_classes)
 
 
 def _keep_top_k(features: torch.Tensor, top_k: int | None) -> torch.Tensor:
     if top_k is None:
         return features
-    top_k = _check_count(top_k, "top_k", 1)
+    top_k = check_int("top_k", top_k, 1)
     if top_k >= features.shape[-1]:
         return features
     kept = torch.topk(features, top_k, dim=-1).indices
@@ -115,8 +105,8 @@ def psp_projection(num_classes_new: int, num_classes_old: int, dtype: torch.dtyp
 
     :func:`psp` never builds it (that would cost C_k * C_t memory at CelebA scale).
     """
-    num_new = _check_count(num_classes_new, "num_classes_new", 2)
-    num_old = _check_count(num_classes_old, "num_classes_old", 2, num_new)
+    num_new = check_int("num_classes_new", num_classes_new, 2)
+    num_old = check_int("num_classes_old", num_classes_old, 2, num_new)
     projection = torch.zeros(num_old, num_new, dtype=dtype)
     projection[:, :num_old] = torch.eye(num_old, dtype=dtype) - 1.0 / num_old
     return projection

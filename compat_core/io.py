@@ -59,6 +59,7 @@ def _s3_filesystem() -> pafs.S3FileSystem:
 
 
 def is_remote(uri: str | os.PathLike) -> bool:
+    """True for a string URI with a non-file scheme (``s3://...``); local paths and ``file://`` URIs are not remote."""
     return isinstance(uri, str) and "://" in uri and not uri.startswith("file://")
 
 
@@ -83,11 +84,13 @@ def join(base: str | os.PathLike, *parts: str) -> str:
 
 
 def exists(uri: str | os.PathLike) -> bool:
+    """True when a file or folder (an S3 object or prefix) is at ``uri``."""
     fs, path = resolve(uri)
     return fs.get_file_info(path).type != pafs.FileType.NotFound
 
 
 def is_dir(uri: str | os.PathLike) -> bool:
+    """True when ``uri`` is a folder (on S3: a prefix with objects below it or a directory marker)."""
     fs, path = resolve(uri)
     return fs.get_file_info(path).type == pafs.FileType.Directory
 
@@ -104,6 +107,7 @@ def open_input(uri: str | os.PathLike) -> BinaryIO:
 
 
 def read_bytes(uri: str | os.PathLike) -> bytes:
+    """The whole file as stored (no decompression); FileNotFoundError naming ``uri`` when it is missing."""
     with open_input(uri) as handle:
         return handle.read()
 
@@ -121,6 +125,7 @@ def write_bytes(uri: str | os.PathLike, data: bytes) -> str:
     """Write ``data`` to a file, replacing it; locally via a temporary name and a rename. Returns ``uri``.
 
     Parent folders are created locally; on S3 an object PUT is atomic, so readers never see a partial object.
+    The bytes are stored as given, whatever the name's extension (a ``.gz`` name is not compressed again).
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"write_bytes to {os.fspath(uri)}: expected bytes, got {type(data).__name__}")
@@ -130,14 +135,15 @@ def write_bytes(uri: str | os.PathLike, data: bytes) -> str:
         fs.create_dir(parent, recursive=True)
         temporary = f"{parent}/.tmp-{uuid.uuid4().hex}-{name}"
         try:
-            with fs.open_output_stream(temporary) as handle:
+            # compression=None: pyarrow would otherwise gzip a name ending in ".gz" a second time
+            with fs.open_output_stream(temporary, compression=None) as handle:
                 handle.write(data)
             fs.move(temporary, path)
         finally:
             if fs.get_file_info(temporary).type != pafs.FileType.NotFound:
                 fs.delete_file(temporary)
     else:
-        with fs.open_output_stream(path) as handle:
+        with fs.open_output_stream(path, compression=None) as handle:
             handle.write(data)
     return os.fspath(uri)
 

@@ -32,6 +32,7 @@ class Registry(Generic[T]):
         return _add
 
     def get(self, name: str) -> T:
+        """The object registered as ``name``; raises KeyError listing every valid name when there is none."""
         try:
             return self._entries[name]
         except KeyError:
@@ -39,6 +40,7 @@ class Registry(Generic[T]):
             raise KeyError(f"unknown {self.kind} {name!r}; valid {self.kind} names: {valid}") from None
 
     def names(self) -> list[str]:
+        """Every registered name, sorted alphabetically."""
         return sorted(self._entries)
 
     def __contains__(self, name: object) -> bool:

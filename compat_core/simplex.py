@@ -25,6 +25,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from compat_core.validation import as_label_array, check_int
+
 NORMS = ("row", "frobenius")
 
 # Appendix D of the 2026 paper adds this to the Frobenius norm before dividing; kept so "frobenius" reproduces it.
@@ -32,12 +34,8 @@ _APPENDIX_D_EPS = 1e-8
 
 
 def _check_num_slots(K: int) -> int:
-    if isinstance(K, bool) or not isinstance(K, (int, np.integer)):
-        raise ValueError(f"K (number of class slots) must be an int >= 2, got {K!r}")
-    K = int(K)
-    if K < 2:
-        raise ValueError(f"K (number of class slots) must be >= 2 (a d-Simplex needs two vertices), got {K}")
-    return K
+    # a d-Simplex needs two vertices
+    return check_int("K (number of class slots)", K, 2)
 
 
 def _entry_constants(K: int, norm: str) -> tuple[float, float, float]:
@@ -137,20 +135,6 @@ def finetune_slot(y, K: int):
     return K - 1 - y
 
 
-def _as_label_array(labels: Iterable[int] | np.ndarray | torch.Tensor, field: str) -> np.ndarray:
-    if isinstance(labels, torch.Tensor):
-        labels = labels.detach().cpu().numpy()
-    array = np.asarray(list(labels) if not isinstance(labels, np.ndarray) else labels)
-    if array.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{field} must be integer class labels, got dtype {array.dtype}")
-    if array.min() < 0:
-        negatives = sorted(set(array[array < 0].tolist()))
-        raise ValueError(f"{field} must be 0-based non-negative class labels, got {negatives}")
-    return array.astype(np.int64).reshape(-1)
-
-
 def _short_list(values: Iterable[int], limit: int = 10) -> str:
     values = sorted(set(int(v) for v in values))
     shown = ", ".join(str(v) for v in values[:limit])
@@ -174,8 +158,8 @@ class SlotMapper:
     ) -> None:
         self.num_slots = _check_num_slots(num_slots)
         K = self.num_slots
-        self.pretrain_labels = np.unique(_as_label_array(pretrain_labels, "pretrain_labels"))
-        self.finetune_labels = np.unique(_as_label_array(finetune_labels, "finetune_labels"))
+        self.pretrain_labels = np.unique(as_label_array("pretrain_labels", pretrain_labels))
+        self.finetune_labels = np.unique(as_label_array("finetune_labels", finetune_labels))
         too_big_pre = self.pretrain_labels[self.pretrain_labels >= K]
         if too_big_pre.size:
             raise ValueError(
@@ -208,12 +192,12 @@ class SlotMapper:
         """A new mapper with extra labels declared (a replacement model's larger pool, a new task's classes)."""
         return SlotMapper(
             self.num_slots,
-            np.concatenate([self.pretrain_labels, _as_label_array(pretrain_labels, "pretrain_labels")]),
-            np.concatenate([self.finetune_labels, _as_label_array(finetune_labels, "finetune_labels")]),
+            np.concatenate([self.pretrain_labels, as_label_array("pretrain_labels", pretrain_labels)]),
+            np.concatenate([self.finetune_labels, as_label_array("finetune_labels", finetune_labels)]),
         )
 
     def _map(self, labels, declared: np.ndarray, role: str, to_slot):
-        values = _as_label_array(labels if not isinstance(labels, (int, np.integer)) else [labels], f"{role} labels")
+        values = as_label_array(f"{role} labels", labels if not isinstance(labels, (int, np.integer)) else [labels])
         unknown = np.setdiff1d(values, declared)
         if unknown.size:
             raise ValueError(

@@ -39,6 +39,7 @@ def _load_commands() -> dict[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``compat`` parser with one sub-parser per available command module (each sets ``args._run``)."""
     parser = argparse.ArgumentParser(
         prog="compat",
         description="Compatible representation learning: train, replace and evaluate compatible models.",
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``compat`` with ``argv`` (None: ``sys.argv[1:]``); returns the command's exit code, 2 without a command."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

@@ -86,14 +86,14 @@ class RunStore:
         if self.is_local:
             self.fs.create_dir(parent, recursive=True)
             temporary = f"{parent}/.tmp-{uuid.uuid4().hex}-{path.rsplit('/', 1)[1]}"
-            with self.fs.open_output_stream(temporary) as handle:
+            with self.fs.open_output_stream(temporary, compression=None) as handle:
                 handle.write(data)
             # fsync so that a crash right after the rename cannot leave a renamed but empty file
             with open(temporary, "rb+") as handle:
                 os.fsync(handle.fileno())
             self.fs.move(temporary, path)
         else:
-            with self.fs.open_output_stream(path) as handle:
+            with self.fs.open_output_stream(path, compression=None) as handle:
                 handle.write(data)
 
     def write_text(self, relative: str, text: str) -> str:
@@ -105,7 +105,7 @@ class RunStore:
         path = f"{self.base}/{relative}"
         if self.fs.get_file_info(path).type == pafs.FileType.NotFound:
             raise FileNotFoundError(f"no such file in run {self.root}: {relative}")
-        with self.fs.open_input_stream(path) as handle:
+        with self.fs.open_input_stream(path, compression=None) as handle:
             return handle.read().decode("utf-8")
 
     # ---- stages ------------------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ class RunStore:
         path = self.manifest_path(stage_key)
         if self.fs.get_file_info(path).type != pafs.FileType.File:
             raise FileNotFoundError(f"stage {stage_key} has no committed manifest at {self._display(path)}")
-        with self.fs.open_input_stream(path) as handle:
+        with self.fs.open_input_stream(path, compression=None) as handle:
             text = handle.read().decode("utf-8")
         try:
             return json.loads(text)
@@ -157,7 +157,7 @@ class RunStore:
         path = self.blob_path(stage_key, name)
         if self.fs.get_file_info(path).type != pafs.FileType.File:
             raise CorruptArtifactError(f"{self._display(path)}: blob listed in the manifest is missing")
-        with self.fs.open_input_stream(path) as handle:
+        with self.fs.open_input_stream(path, compression=None) as handle:
             data = handle.read()
         actual = sha256_bytes(data)
         if actual != expected["sha256"] or len(data) != expected["size"]:

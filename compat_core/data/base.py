@@ -30,7 +30,9 @@ class ImageSource(Protocol):
     @property
     def num_classes(self) -> int: ...
 
-    def read(self, indices: np.ndarray) -> np.ndarray: ...
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        """Decoded images at 0-based ``indices`` (n,), in that order: uint8 ``(n, H, W, C)``."""
+        ...
 
 
 @dataclass
@@ -91,6 +93,7 @@ class ArraySource:
         return tuple(int(v) for v in self.images.shape[1:])  # type: ignore[return-value]
 
     def read(self, indices: np.ndarray) -> np.ndarray:
+        """The images at 0-based ``indices`` (n,), in that order: uint8 ``(n, H, W, C)`` (a copy)."""
         return self.images[np.asarray(indices, dtype=np.int64)]
 
     def subset(self, indices: np.ndarray, name: str | None = None) -> "ArraySource":

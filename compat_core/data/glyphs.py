@@ -764,11 +764,15 @@ def glyph_set_summary(
     layout_seed: int = 0,
     styles: dict[str, str] | None = None,
 ) -> dict:
-    """The glyph set's numbers for reports: classes per pool, images, render seconds and cache bytes.
+    """The glyph set's numbers for reports: classes and images per pool, disjointness, render seconds, cache bytes.
 
     Renders (or loads from the cache) each pool in ``styles`` (default: pretrain in ``source``, finetune and test
     in ``target``). ``render_seconds`` is the time the first render of each pool took (stored with the cache),
-    ``load_seconds`` the time of this call's load.
+    ``load_seconds`` the time of this call's load (both in seconds). ``disjointness`` is measured on the loaded
+    images' labels: ``fine_label_overlap`` / ``character_overlap`` count the classes (global ids) / characters that
+    two pools share (0 for a valid set); ``pretrain_nested`` says whether the classes of ``pretrain-1`` are a subset
+    of ``pretrain-2`` and those of ``pretrain-2`` of ``pretrain-3``; ``test_coarse_groups_covered_by_finetune`` counts
+    the test pool's base letters that the fine-tuning pool also draws. Overlaps need all three pools in ``styles``.
     """
     cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     styles = dict(styles or _DEFAULT_STYLE_OF_POOL)
@@ -776,6 +780,7 @@ def glyph_set_summary(
     catalogue = glyph_catalogue(cache_root, layout_seed)
     catalogue_seconds = time.perf_counter() - started
     pools = {}
+    loaded_classes: dict[str, np.ndarray] = {}
     for pool, style in styles.items():
         begin = time.perf_counter()
         source = load_glyphs(split=pool, style=style, images_per_class=images_per_class, seed=seed,
@@ -790,8 +795,11 @@ def glyph_set_summary(
             "mean": source.mean,
             "std": source.std,
         }
+        loaded_classes[pool] = np.unique(source.fine_labels)
     finetune_coarse = set(catalogue.coarse_of_class[catalogue.pools["finetune"]].tolist())
     test_coarse = set(catalogue.coarse_of_class[catalogue.pools["test"]].tolist())
+    disjointness = _pool_disjointness(catalogue, loaded_classes, cache_root, images_per_class, seed, image_size,
+                                      layout_seed, styles)
     render_key = {style: _render_key(layout_seed, images_per_class, seed, image_size, STYLES[style])
                   for style in set(styles.values())}
     cache_bytes = sum(path.stat().st_size for key in render_key.values() for path in (cache_root / key).glob("*.npz"))
@@ -802,6 +810,7 @@ def glyph_set_summary(
         "test_classes": int(len(catalogue.pools["test"])),
         "test_coarse_groups": len(test_coarse),
         "test_coarse_groups_covered_by_finetune": len(test_coarse & finetune_coarse),
+        "disjointness": disjointness,
         "images_per_class": images_per_class,
         "image_shape": (image_size, image_size, 1),
         "images_total": sum(entry["images"] for entry in pools.values()),
@@ -815,8 +824,84 @@ def glyph_set_summary(
     }
 
 
-if __name__ == "__main__":
-    import sys
+def _pool_disjointness(
+    catalogue: GlyphCatalogue, loaded_classes: dict[str, np.ndarray], cache_root: Path, images_per_class: int,
+    seed: int, image_size: int, layout_seed: int, styles: dict[str, str],
+) -> dict:
+    """Pairwise class and character overlaps of the loaded pools and the nesting of the pretrain sub-pools."""
+    fine_overlap, char_overlap = {}, {}
+    names = [pool for pool in ("pretrain", "finetune", "test") if pool in loaded_classes]
+    for position, first in enumerate(names):
+        for second in names[position + 1:]:
+            pair = f"{first}&{second}"
+            fine_overlap[pair] = int(np.intersect1d(loaded_classes[first], loaded_classes[second]).size)
+            chars_first = {catalogue.chars[i] for i in loaded_classes[first]}
+            chars_second = {catalogue.chars[i] for i in loaded_classes[second]}
+            char_overlap[pair] = len(chars_first & chars_second)
+    nested: dict[str, bool] = {}
+    if "pretrain" in styles:
+        sub_pools = [
+            set(np.unique(load_glyphs(split=f"pretrain-{level}", style=styles["pretrain"],
+                                      images_per_class=images_per_class, seed=seed, image_size=image_size,
+                                      cache_dir=cache_root, layout_seed=layout_seed).labels).tolist())
+            for level in range(1, len(PRETRAIN_POOL_SIZES) + 1)
+        ]
+        for level in range(1, len(sub_pools)):
+            nested[f"pretrain-{level} <= pretrain-{level + 1}"] = sub_pools[level - 1] <= sub_pools[level]
+    return {"fine_label_overlap": fine_overlap, "character_overlap": char_overlap, "pretrain_nested": nested}
 
-    # python -m compat_core.data.glyphs [CACHE_DIR]: render (or load) the default set and print its numbers.
-    print(json.dumps(glyph_set_summary(sys.argv[1] if len(sys.argv) > 1 else None), indent=2, ensure_ascii=False))
+
+def format_glyph_summary(summary: dict) -> str:
+    """The numbers of :func:`glyph_set_summary` as readable lines (counts, overlaps, nesting, seconds, bytes)."""
+    disjointness = summary["disjointness"]
+    lines = [
+        f"glyph set: {summary['classes_total']} classes, {summary['images_total']} images of "
+        f"{'x'.join(str(v) for v in summary['image_shape'])} ({summary['images_per_class']} per class)",
+        f"candidate characters {summary['candidate_characters']}, homoglyphs dropped {summary['homoglyphs_dropped']}",
+        "pools:",
+    ]
+    for name, entry in summary["pools"].items():
+        lines.append(
+            f"  {name:<16} {entry['classes']:>4} classes {entry['images']:>6} images  coarse groups "
+            f"{entry['coarse_groups']:>3}  render {entry['render_seconds']:.2f} s  load {entry['load_seconds']:.2f} s"
+            f"  {'(cache)' if entry['from_cache'] else '(rendered)'}"
+        )
+    lines.append("nested pretrain pools: " + ", ".join(
+        f"{name} = {size} classes" for name, size in summary["pretrain_nested_pools"].items()))
+    for check, holds in disjointness["pretrain_nested"].items():
+        lines.append(f"  {check}: {'yes' if holds else 'NO'}")
+    lines.append("overlap between pools (classes / characters; 0 = disjoint):")
+    for pair, count in disjointness["fine_label_overlap"].items():
+        lines.append(f"  {pair:<18} {count} / {disjointness['character_overlap'][pair]}")
+    lines.append(
+        f"test coarse groups covered by finetune: {summary['test_coarse_groups_covered_by_finetune']} of "
+        f"{summary['test_coarse_groups']}"
+    )
+    lines.append(
+        f"catalogue {summary['catalogue_seconds']:.2f} s, render total {summary['render_seconds_total']:.2f} s, "
+        f"cache {summary['cache_bytes'] / 2**20:.1f} MiB in {summary['cache_dir']}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m compat_core.data.glyphs [CACHE_DIR] [--json]``: render (or load) the default set, print its numbers.
+
+    Returns 0 when the pools are pairwise disjoint and the pretrain sub-pools nested, 1 otherwise.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m compat_core.data.glyphs", description=main.__doc__)
+    parser.add_argument("cache_dir", nargs="?", default=None, help="cache folder (default ~/.cache/compat/glyphs)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of text")
+    args = parser.parse_args(argv)
+    summary = glyph_set_summary(args.cache_dir)
+    print(json.dumps(summary, indent=2, ensure_ascii=False) if args.json else format_glyph_summary(summary))
+    disjointness = summary["disjointness"]
+    valid = (not any(disjointness["fine_label_overlap"].values()) and not any(disjointness["character_overlap"].values())
+             and all(disjointness["pretrain_nested"].values()))
+    return 0 if valid else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,16 +10,9 @@ from typing import Iterator
 
 import numpy as np
 
+from compat_core.validation import as_int_vector, check_int
+
 _FIELDS = ("indices", "labels", "slots", "source_task")
-
-
-def _int_vector(values, name: str) -> np.ndarray:
-    array = np.asarray(values)
-    if array.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D array, got shape {array.shape}")
-    if array.size and not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{name} must hold integers, got dtype {array.dtype}")
-    return array.astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -34,7 +27,7 @@ class ReplayMemory:
     source_task: np.ndarray
 
     def __post_init__(self) -> None:
-        arrays = {name: _int_vector(getattr(self, name), f"ReplayMemory.{name}") for name in _FIELDS}
+        arrays = {name: as_int_vector(f"ReplayMemory.{name}", getattr(self, name)) for name in _FIELDS}
         lengths = {name: array.shape[0] for name, array in arrays.items()}
         if len(set(lengths.values())) != 1:
             raise ValueError(f"ReplayMemory fields must have equal lengths, got {lengths}")
@@ -115,18 +108,16 @@ def update_memory(
     memory raises ValueError because class-incremental tasks never repeat a class.
     """
     memory = ReplayMemory.empty() if memory is None else memory
-    indices = _int_vector(indices, "indices")
-    labels = _int_vector(labels, "labels")
-    slots = _int_vector(slots, "slots")
+    indices = as_int_vector("indices", indices)
+    labels = as_int_vector("labels", labels)
+    slots = as_int_vector("slots", slots)
     if not (indices.shape == labels.shape == slots.shape):
         raise ValueError(
             f"indices, labels and slots must have equal lengths, got {indices.shape[0]}, {labels.shape[0]}, "
             f"{slots.shape[0]}"
         )
-    if isinstance(per_class, bool) or not isinstance(per_class, (int, np.integer)) or per_class < 1:
-        raise ValueError(f"per_class must be an integer >= 1 (samples per class), got {per_class!r}")
-    if isinstance(task, bool) or not isinstance(task, (int, np.integer)) or task < 0:
-        raise ValueError(f"task must be a 0-based integer index, got {task!r}")
+    per_class = check_int("per_class (samples per class)", per_class, 1)
+    task = check_int("task (0-based index)", task, 0)
     if strategy not in ("random", "herding"):
         raise ValueError(f"strategy must be 'random' or 'herding', got {strategy!r}")
     if strategy == "herding":
@@ -206,14 +197,13 @@ def half_and_half_batches(
     epoch e yields the same batches as an uninterrupted run.
     """
     _check_batch_size(batch_size)
-    task = _int_vector(task_indices, "task_indices")
-    memory = _int_vector(memory_indices, "memory_indices")
+    task = as_int_vector("task_indices", task_indices)
+    memory = as_int_vector("memory_indices", memory_indices)
     if task.size == 0:
         raise ValueError("task_indices is empty: a task needs training samples")
     if epoch_length not in ("task", "reference"):
         raise ValueError(f"epoch_length must be 'task' or 'reference', got {epoch_length!r}")
-    if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 0:
-        raise ValueError(f"epochs must be an integer >= 0, got {epochs!r}")
+    epochs = check_int("epochs", epochs, 0)
     half = batch_size // 2
     if epoch_length == "reference" and memory.size and (memory.size < half or task.size < half):
         raise ValueError(

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from compat_core.validation import as_int_vector
+
 INCREMENTS_GRAMMAR = "TERM ('+' TERM)*, where TERM is N (one task of N classes) or RxN (R tasks of N classes), N, R >= 1"
 _TERM = re.compile(r"^\s*(\d+)\s*(?:[xX\u00d7]\s*(\d+)\s*)?$")
 
@@ -75,12 +77,7 @@ class TaskSequence:
 
 
 def _class_ids(class_ids, field_name: str) -> np.ndarray:
-    ids = np.asarray(class_ids)
-    if ids.ndim != 1:
-        raise ValueError(f"{field_name} must be a 1-D array of class ids, got shape {ids.shape}")
-    if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"{field_name} must hold integer class ids, got dtype {ids.dtype}")
-    return ids.astype(np.int64)
+    return as_int_vector(field_name, class_ids, items="integer class ids")
 
 
 def build_task_sequence(class_ids, spec: str, seed: int = 0, order: str = "seeded") -> TaskSequence:

@@ -24,6 +24,7 @@ from torch import nn
 
 from compat_core import io as cio
 from compat_core.models.registry import create_backbone
+from compat_core.validation import check_int
 
 CLASSIFIERS = ("simplex", "learnable")
 WEIGHTS_FILE = "model.safetensors"
@@ -54,15 +55,13 @@ class CompatModel(nn.Module):
         simplex_norm: str = "row",
     ) -> None:
         super().__init__()
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 2:
-            raise ValueError(f"num_slots (K) must be an int >= 2, got {num_slots!r}")
+        num_slots = check_int("num_slots (K)", num_slots, 2)
         if classifier not in CLASSIFIERS:
             raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {classifier!r}")
         embed_dim = getattr(backbone, "embed_dim", None)
         if not isinstance(embed_dim, int) or embed_dim <= 0:
             raise ValueError(f"backbone must expose a positive int attribute embed_dim (m), got {embed_dim!r}")
-        if isinstance(num_active_classes, bool) or not isinstance(num_active_classes, int) or num_active_classes < 0:
-            raise ValueError(f"num_active_classes must be an int >= 0, got {num_active_classes!r}")
+        num_active_classes = check_int("num_active_classes", num_active_classes, 0)
         if classifier == "simplex" and num_active_classes:
             raise ValueError("num_active_classes applies only to classifier='learnable' (simplex uses all K slots)")
         self.backbone = backbone
@@ -116,6 +115,7 @@ class CompatModel(nn.Module):
         return self.logits_from_projection(self.project(x))
 
     def forward(self, x: torch.Tensor) -> ModelOutput:
+        """All outputs of images ``(B, C, H, W)`` from one backbone pass; see :class:`ModelOutput` for the shapes."""
         embedding = self.embed(x)
         projection = self.junction(embedding)
         return ModelOutput(
@@ -133,8 +133,7 @@ class CompatModel(nn.Module):
         if self.classifier is None:
             raise ValueError("expand_classes needs classifier='learnable'; the simplex classifier is fixed at K slots")
         old = self.classifier
-        if isinstance(n_total, bool) or not isinstance(n_total, int) or n_total < old.out_features:
-            raise ValueError(f"n_total must be an int >= current classes {old.out_features}, got {n_total!r}")
+        n_total = check_int("n_total (at least the current classes)", n_total, old.out_features)
         if n_total == old.out_features:
             return
         grown = nn.Linear(self.feature_dim, n_total, bias=False, device=old.weight.device, dtype=old.weight.dtype)

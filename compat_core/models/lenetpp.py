@@ -12,12 +12,9 @@ import torch
 from torch import nn
 
 from compat_core.models.registry import BACKBONES
+from compat_core.validation import check_int
 
 
-def _positive_int(field: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{field} must be a positive int, got {value!r}")
-    return value
 
 
 class LeNetPlusPlus(nn.Module):
@@ -25,9 +22,9 @@ class LeNetPlusPlus(nn.Module):
 
     def __init__(self, in_chans: int = 1, img_size: int = 28, embed_dim: int = 2) -> None:
         super().__init__()
-        _positive_int("in_chans", in_chans)
-        _positive_int("embed_dim", embed_dim)
-        if _positive_int("img_size", img_size) < 8:
+        check_int("in_chans", in_chans, 1)
+        check_int("embed_dim", embed_dim, 1)
+        if check_int("img_size", img_size, 1) < 8:
             raise ValueError(f"img_size must be >= 8 (three 2x2 poolings), got {img_size}")
         layers: list[nn.Module] = []
         channels = in_chans
@@ -49,8 +46,8 @@ class CNN4(nn.Module):
 
     def __init__(self, in_chans: int = 3, width: int = 32) -> None:
         super().__init__()
-        _positive_int("in_chans", in_chans)
-        _positive_int("width", width)
+        check_int("in_chans", in_chans, 1)
+        check_int("width", width, 1)
         blocks: list[nn.Module] = []
         channels = in_chans
         for multiplier in (1, 2, 4, 8):

@@ -20,6 +20,7 @@ import torchvision
 from torch import nn
 
 from compat_core.models.registry import BACKBONES
+from compat_core.validation import check_int
 
 
 class SqueezeExcite(nn.Module):
@@ -87,8 +88,7 @@ class CifarRegNet(nn.Module):
                 f"{list(strides)}"
             )
         for field, value in (("in_chans", in_chans), ("stem_width", stem_width), ("group_width", group_width)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{field} must be a positive int, got {value!r}")
+            check_int(field, value, 1)
         self.conv1 = nn.Conv2d(in_chans, stem_width, 3, stride=1, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(stem_width)
         w_in = stem_width
@@ -127,8 +127,7 @@ def regnety_400mf(
 @BACKBONES.register("regnety_400mf_tv")
 def regnety_400mf_tv(in_chans: int = 3) -> nn.Module:
     """torchvision ``regnet_y_400mf`` with random weights and ``fc`` removed; m = 440."""
-    if isinstance(in_chans, bool) or not isinstance(in_chans, int) or in_chans <= 0:
-        raise ValueError(f"in_chans must be a positive int, got {in_chans!r}")
+    check_int("in_chans", in_chans, 1)
     model = torchvision.models.regnet_y_400mf(weights=None)
     if in_chans != 3:
         old = model.stem[0]

@@ -9,13 +9,13 @@ import torchvision
 from torch import nn
 
 from compat_core.models.registry import BACKBONES
+from compat_core.validation import check_int
 
 
 @BACKBONES.register("resnet18")
 def resnet18(in_chans: int = 3) -> nn.Module:
     """torchvision ResNet-18 with random weights and ``fc`` replaced by identity; m = 512."""
-    if isinstance(in_chans, bool) or not isinstance(in_chans, int) or in_chans <= 0:
-        raise ValueError(f"in_chans must be a positive int, got {in_chans!r}")
+    check_int("in_chans", in_chans, 1)
     model = torchvision.models.resnet18(weights=None)
     if in_chans != 3:
         model.conv1 = nn.Conv2d(in_chans, 64, kernel_size=7, stride=2, padding=3, bias=False)

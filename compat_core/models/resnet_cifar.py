@@ -12,12 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from compat_core.models.registry import BACKBONES
+from compat_core.validation import check_int
 
 
-def _check_positive(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class BasicBlock(nn.Module):
@@ -75,8 +72,8 @@ class CifarResNet(nn.Module):
 
     def __init__(self, block: type, num_blocks: tuple[int, ...], in_chans: int = 3, base_width: int = 64) -> None:
         super().__init__()
-        _check_positive("in_chans", in_chans)
-        _check_positive("base_width", base_width)
+        check_int("in_chans", in_chans, 1)
+        check_int("base_width", base_width, 1)
         self.conv1 = nn.Conv2d(in_chans, base_width, 3, stride=1, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(base_width)
         self._in_planes = base_width
@@ -125,9 +122,9 @@ class ResNet32Cifar(nn.Module):
 
     def __init__(self, in_chans: int = 3, base_width: int = 16, blocks_per_stage: int = 5) -> None:
         super().__init__()
-        _check_positive("in_chans", in_chans)
-        _check_positive("base_width", base_width)
-        _check_positive("blocks_per_stage", blocks_per_stage)
+        check_int("in_chans", in_chans, 1)
+        check_int("base_width", base_width, 1)
+        check_int("blocks_per_stage", blocks_per_stage, 1)
         self.conv1 = nn.Conv2d(in_chans, base_width, 3, stride=1, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(base_width)
         in_planes = base_width

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compat_core.models.registry import BACKBONES
+from compat_core.validation import check_int
 
 SE_REDUCTION = 16
 
@@ -48,8 +49,7 @@ class SENet18(nn.Module):
     def __init__(self, in_chans: int = 3, base_width: int = 64) -> None:
         super().__init__()
         for field, value in (("in_chans", in_chans), ("base_width", base_width)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{field} must be a positive int, got {value!r}")
+            check_int(field, value, 1)
         self.conv1 = nn.Conv2d(in_chans, base_width, 3, stride=1, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(base_width)
         in_planes = base_width

@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from compat_core.models.registry import BACKBONES
+from compat_core.validation import check_int
 
 # registry name -> (timm model name, default image side in pixels)
 TIMM_NAMES: dict[str, tuple[str, int]] = {
@@ -36,8 +37,8 @@ def _create_timm_vit(
     timm_name, default_size = TIMM_NAMES[name]
     for field, value in (("in_chans", in_chans), ("img_size", img_size), ("depth", depth),
                          ("embed_dim", embed_dim), ("num_heads", num_heads)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"{name}: {field} must be a positive int, got {value!r}")
+        if value is not None:
+            check_int(f"{name}: {field}", value, 1)
     if global_pool not in ("token", "avg"):
         raise ValueError(f"{name}: global_pool must be 'token' (CLS) or 'avg', got {global_pool!r}")
     overrides: dict[str, Any] = {}

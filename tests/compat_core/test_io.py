@@ -1,6 +1,7 @@
 """compat_core.io on the local filesystem, and the hook that lets the cluster layer install the s3:// filesystem."""
 from __future__ import annotations
 
+import gzip
 import os
 
 import pyarrow.fs as pafs
@@ -39,6 +40,15 @@ def test_write_bytes_creates_parents_leaves_no_temporaries_and_replaces(tmp_path
     assert os.listdir(target.parent) == ["blob.bin"]  # temporaries renamed away
     with pytest.raises(TypeError, match="expected bytes"):
         cio.write_bytes(str(target), "text")
+
+
+def test_write_and_read_keep_compressed_names_byte_exact(tmp_path):
+    # pyarrow's streams default to compression="detect"; a .gz name must not be gzipped again or unpacked on read.
+    payload = gzip.compress(b"IDX payload")
+    target = tmp_path / "train-images-idx3-ubyte.gz"
+    cio.write_bytes(str(target), payload)
+    assert target.read_bytes() == payload
+    assert cio.read_bytes(str(target)) == payload
 
 
 def test_read_range_is_a_byte_slice(tmp_path):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import time
 import unicodedata
 
 import numpy as np
@@ -19,11 +18,19 @@ SMALL = 4  # images per class for the cheap renders
 def full_set(tmp_path_factory):
     """The full default set rendered once into a fresh cache (pretrain/source, finetune + test/target)."""
     cache = tmp_path_factory.mktemp("glyph-cache")
-    started = time.perf_counter()
     summary = glyph_set_summary(cache_dir=cache)
-    first_seconds = time.perf_counter() - started
-    print("\nglyph set summary:", json.dumps(summary, indent=1, ensure_ascii=False))
-    return cache, summary, first_seconds
+    print("\n" + glyphs.format_glyph_summary(summary))
+    return cache, summary
+
+
+@pytest.fixture
+def renderer_forbidden(monkeypatch):
+    """Makes any call of the glyph renderer fail, so a load that succeeds must have come from the cache."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("render_class was called: the pool was not served from the cache")
+
+    monkeypatch.setattr(glyphs, "render_class", refuse)
 
 
 def _char_of(source, label: int) -> str:
@@ -31,7 +38,7 @@ def _char_of(source, label: int) -> str:
 
 
 def test_full_set_size(full_set):
-    cache, summary, first_seconds = full_set
+    cache, summary = full_set
     pools = {split: load_glyphs(split=split, cache_dir=cache) for split in ("pretrain", "finetune", "test")}
     classes = {split: np.unique(source.fine_labels) for split, source in pools.items()}
     total_classes = sum(ids.size for ids in classes.values())
@@ -43,12 +50,15 @@ def test_full_set_size(full_set):
         counts = np.bincount(source.fine_labels)[classes[split]]
         assert counts.min() >= 32, split
     assert summary["images_total"] == sum(len(source) for source in pools.values())
-    # The whole set must render within the 60 s budget on this 2-core machine (catalogue included).
-    assert first_seconds < 60.0
+    for split, source in pools.items():
+        entry = summary["pools"][f"{split}/{source.style}"]
+        assert entry["images"] == len(source) and entry["classes"] == classes[split].size, split
+    # The fixture's cache folder was fresh, so the summary must have rendered every pool itself.
+    assert [entry["from_cache"] for entry in summary["pools"].values()] == [False, False, False]
 
 
 def test_pools_disjoint_nested_and_concepts_shared(full_set):
-    cache, _, _ = full_set
+    cache, summary = full_set
     nested = [load_glyphs(split=f"pretrain-{level}", cache_dir=cache) for level in (1, 2, 3)]
     nested_classes = [set(np.unique(source.labels).tolist()) for source in nested]
     assert [len(classes) for classes in nested_classes] == [100, 300, 600]
@@ -76,23 +86,59 @@ def test_pools_disjoint_nested_and_concepts_shared(full_set):
         assert base(char) in finetune_bases, char
         assert base(char).isascii() and base(char).isalpha(), char
     assert len({base(char) for char in test_chars}) >= 10
+    # The summary reports the same facts (counts recomputed here from the loaded pools).
+    disjointness = summary["disjointness"]
+    assert disjointness["fine_label_overlap"] == {"pretrain&finetune": 0, "pretrain&test": 0, "finetune&test": 0}
+    assert disjointness["character_overlap"] == {"pretrain&finetune": 0, "pretrain&test": 0, "finetune&test": 0}
+    assert disjointness["pretrain_nested"] == {"pretrain-1 <= pretrain-2": True, "pretrain-2 <= pretrain-3": True}
+    test_bases = {base(char) for char in test_chars}
+    assert summary["test_coarse_groups"] == len(test_bases)
+    assert summary["test_coarse_groups_covered_by_finetune"] == len(test_bases & finetune_bases) == len(test_bases)
     # The coarse labels are those base letters.
     for label, coarse in zip(test.fine_labels[::7], test.coarse_labels[::7]):
         assert test.coarse_names[coarse] == base(_char_of(test, label))
 
 
-def test_second_load_hits_the_cache(full_set):
-    cache, summary, _ = full_set
-    started = time.perf_counter()
-    again = load_glyphs(split="pretrain", cache_dir=cache)
-    seconds = time.perf_counter() - started
+def test_second_load_hits_the_cache(full_set, renderer_forbidden, tmp_path):
+    cache, summary = full_set
+    again = load_glyphs(split="pretrain", cache_dir=cache)  # would raise if it rendered
     assert again.from_cache
-    assert seconds < summary["pools"]["pretrain/source"]["render_seconds"] / 3
+    assert len(again) == summary["pools"]["pretrain/source"]["images"]
     assert summary["cache_bytes"] == sum(p.stat().st_size for p in cache.rglob("*.npz"))
+    # The guard is live: a pool missing from the cache does reach the (forbidden) renderer.
+    with pytest.raises(AssertionError, match="render_class was called"):
+        load_glyphs(split="finetune", images_per_class=SMALL, cache_dir=tmp_path)
+
+
+def test_summary_counts_overlaps_and_nesting_of_given_pools(full_set):
+    cache, _ = full_set
+    catalogue = glyphs.glyph_catalogue(cache)
+    # Hand-made pools: class 2 in pretrain and finetune, classes 3 and 4 in finetune and test.
+    loaded = {"pretrain": np.array([0, 1, 2]), "finetune": np.array([2, 3, 4]), "test": np.array([3, 4, 5])}
+    result = glyphs._pool_disjointness(catalogue, loaded, cache, glyphs.DEFAULT_IMAGES_PER_CLASS, 0,
+                                       glyphs.DEFAULT_IMAGE_SIZE, 0, styles={"finetune": "target"})
+    assert result["fine_label_overlap"] == {"pretrain&finetune": 1, "pretrain&test": 0, "finetune&test": 2}
+    assert result["character_overlap"] == {"pretrain&finetune": 1, "pretrain&test": 0, "finetune&test": 2}
+    assert result["pretrain_nested"] == {}  # no pretrain style asked for: nothing loaded, nothing claimed
+
+
+def test_module_entry_point_prints_the_numbers(full_set, renderer_forbidden, capsys):
+    cache, summary = full_set
+    assert glyphs.main([str(cache)]) == 0
+    text = capsys.readouterr().out
+    assert f"glyph set: {summary['classes_total']} classes, {summary['images_total']} images" in text
+    assert "pretrain&finetune  0 / 0" in text and "finetune&test      0 / 0" in text
+    assert "pretrain-1 <= pretrain-2: yes" in text and "pretrain-2 <= pretrain-3: yes" in text
+    covered = summary["test_coarse_groups_covered_by_finetune"]
+    assert f"test coarse groups covered by finetune: {covered} of {summary['test_coarse_groups']}" in text
+    assert glyphs.main([str(cache), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["classes_total"] == summary["classes_total"]
+    assert printed["disjointness"]["fine_label_overlap"] == summary["disjointness"]["fine_label_overlap"]
 
 
 def test_catalogue_is_deterministic(full_set):
-    cache, _, _ = full_set
+    cache, _ = full_set
     cached = json.loads(next(cache.glob("catalogue-*.json")).read_text(encoding="utf-8"))
     assert build_catalogue().to_dict() == cached
 

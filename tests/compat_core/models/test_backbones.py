@@ -76,6 +76,38 @@ def test_compat_model_dimensions_for_every_backbone_on_grayscale(name):
     assert out.logits.shape == (2, 7)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_backward_through_the_junction(name):
+    # The training path: images -> backbone -> junction -> d-Simplex logits -> cross-entropy -> every weight.
+    torch.manual_seed(0)
+    num_slots = 5
+    config = small_test_config(name)
+    model = create_model(name, num_slots, backbone_config=config)
+    in_chans = 1 if name == "lenetpp" else 3
+    side = _input_side(name, config)
+    labels = torch.tensor([0, 3])
+    out = model(torch.randn(2, in_chans, side, side))
+    assert out.embedding.shape == (2, model.backbone.embed_dim) and model.embed_dim == model.backbone.embed_dim
+    assert out.features.shape == (2, num_slots - 1)
+    assert torch.allclose(out.features.norm(dim=1), torch.ones(2), atol=1e-5)
+    assert model.junction.weight.shape == (num_slots - 1, model.backbone.embed_dim)
+    torch.nn.functional.cross_entropy(out.logits, labels).backward()
+
+    assert model.junction.weight.grad is not None and torch.isfinite(model.junction.weight.grad).all()
+    without_grad = [n for n, p in model.backbone.named_parameters() if p.grad is None]
+    assert without_grad == []
+    not_finite = [n for n, p in model.backbone.named_parameters() if not torch.isfinite(p.grad).all()]
+    assert not_finite == []
+    assert any(p.grad.abs().sum() > 0 for p in model.backbone.parameters())
+    # Junction gradient by hand in fp64: logits = (E W^T) P^T, so dL/dW = ((softmax - onehot) P)^T E / B.
+    embedding = out.embedding.detach().double()
+    prototypes = model.prototypes.double()
+    probs = torch.softmax(out.logits.detach().double(), dim=1)
+    residual = probs - torch.nn.functional.one_hot(labels, num_slots).double()
+    expected = (residual @ prototypes).T @ embedding / len(labels)
+    assert torch.allclose(model.junction.weight.grad.double(), expected, rtol=1e-4, atol=1e-6)
+
+
 def test_resnet32_matches_he_et_al():
     backbone = create_backbone("resnet32_cifar")
     # 6n+2 = 32 weighted layers with n=5: 31 convolutions + the classifier (here the junction).
