@@ -24,6 +24,13 @@ full fp64 row. Every query gets the exact answer; speed depends only on how ofte
 The bound is worst case (Cauchy-Schwarz); bf16's 8-bit significand makes its window about 0.005-0.01 in cosine, so
 galleries with many items within that distance of the best re-score more of them.
 
+Low-rank galleries (junction outputs A h have rank <= m < D): with enough queries, the half stage runs in the
+gallery's dominant r-dim subspace U (fp64 eigendecomposition of a sample Gram matrix, r <= 0.8 D): x = U^T q,
+y_j = U^T g_j in fp32, and q.g_j = x.y_j + q.(g_j - U y_j) exactly, so the measured max ||g_j - U y_j|| joins E(q)
+together with the projection's own rounding (``_Projection``, ``_blocked_matmul``). Queries outside the span
+(another model's features) stay exact: the term is bounded with ||q|| = 1. The fp32 and fp64 re-scoring use the
+original D-dim rows.
+
 The fp64 reference score of (q, g_j) is ``sum_i q_i * (g_ji / ||g_j||)`` with q = query / ||query|| evaluated in
 float64; it equals any other fp64 brute force except at fp64 near-ties (relative gaps ~1e-15), where the order is
 this evaluation's. Exact ties (identical gallery rows) go to the lowest gallery index.
@@ -146,6 +153,19 @@ class _Space:
     half_dtype: torch.dtype | None
     norm_half_max: float
     dev_half_max: float
+    projection: "_Projection | None" = None   # set: the half stage runs in a rank-r subspace (see _low_rank)
+
+
+@dataclass
+class _Projection:
+    """Orthonormal-ish basis U (D, r) of the gallery's dominant subspace; the half stage scores x.y with
+    x = U^T q, y_j = fp32 coordinates of g_j, and q.g_j = x.y_j + q.(g_j - U y_j) exactly (U, y_j taken as the
+    real numbers stored), so |q.g_j - x.y_j| <= ||q|| * residual_max."""
+
+    basis: torch.Tensor              # (D, r) fp32, U
+    basis_norm: float                # upper bound on ||U||_2 (so ||U^T q|| <= basis_norm for unit q)
+    basis_frobenius: float           # upper bound on ||U||_F
+    residual_max: float              # upper bound on max_j ||g_j - U y_j|| (exact arithmetic)
 
 
 def _build_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float,
@@ -177,7 +197,9 @@ def _build_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float,
                   half_t, half_dtype, norm_half * _SLACK, (dev_half + dev32_max) * _SLACK)
 
 
-def _direct_space(gallery: torch.Tensor, precision: str) -> _Space:
+def _direct_space(gallery: torch.Tensor, precision: str, query_count: int = 0) -> _Space:
+    """Gallery rows prepared for search; with at least ``_LOW_RANK_MIN_QUERIES_PER_DIM`` x D queries to amortise
+    it, the half stage moves to the gallery's dominant subspace when that is small (``_low_rank``)."""
     inverse = _inverse_norms("gallery", gallery)
 
     def exact_rows(index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,8 +208,74 @@ def _direct_space(gallery: torch.Tensor, precision: str) -> _Space:
 
     # per component the fp32 copy rounds three times (input conversion, fp32 inverse norm, product): <= 3 u32
     stage32 = (gallery.float() * inverse.float()[:, None]).contiguous()
-    return _build_space(stage32, 3.0 * _U32 * (1.0 + 1e-12), 1.0 + 1e-12, exact_rows,
-                        _half_dtype_for(precision, gallery.device))
+    space = _build_space(stage32, 3.0 * _U32 * (1.0 + 1e-12), 1.0 + 1e-12, exact_rows,
+                         _half_dtype_for(precision, gallery.device))
+    if (space.half_t is not None and precision in ("auto", "half", "bf16", "fp16")
+            and query_count >= _LOW_RANK_MIN_QUERIES_PER_DIM * gallery.shape[1]):
+        _low_rank(space, gallery, inverse)
+    return space
+
+
+_LOW_RANK_MAX_FRACTION = 0.8   # above r = 0.8 D the projection, residual and eigh cost more than they save
+_LOW_RANK_MIN_DIM = 64         # tiny D: nothing to save
+_LOW_RANK_MIN_QUERIES_PER_DIM = 32  # fewer queries do not repay the D x D eigendecomposition and gallery pass
+_LOW_RANK_RMS_RESIDUAL = 2.0 ** -14   # target rms ||g - U y||: far inside bf16's ~2^-8 candidate window
+_LOW_RANK_MAX_RESIDUAL = 2.0 ** -10   # measured worst row above this: the bound would widen the window, skip
+_PROJECTION_BLOCK = 128        # fp32 accumulation length per partial product of U^T q (error gamma_128, not gamma_D)
+
+
+def _low_rank(space: _Space, gallery: torch.Tensor, inverse: torch.Tensor) -> None:
+    """Switch the half stage of ``space`` to the gallery's dominant r-dim subspace when r <= 0.8 D.
+
+    Junction features f = A h (A: D x m, bias-free) have rank <= m < D, so the half product can run in r dims.
+    U comes from an fp64 eigendecomposition of the Gram matrix of (a stride subset of) the unit gallery rows; r is
+    the smallest rank whose rms residual is <= 2^-14. Exactness does not depend on U being good: the residuals of
+    all gallery rows are measured in fp64 and enter the candidate bound (``_Projection``).
+    """
+    size, dim = space.size, space.dim
+    if dim < _LOW_RANK_MIN_DIM:
+        return
+    sample_rows = min(size, dim + 256)
+    pick = torch.linspace(0, size - 1, sample_rows, device=gallery.device).round().long()
+    sample = gallery[pick].double() * inverse[pick, None]
+    eigenvalues, eigenvectors = torch.linalg.eigh(sample.t() @ sample)     # ascending
+    del sample
+    # tail[i] = energy outside the top-i eigenvectors, per sample row
+    tail = torch.flip(torch.cumsum(eigenvalues.clamp(min=0), 0), (0,)) / sample_rows
+    tail = torch.cat([tail, tail.new_zeros(1)])                             # tail[dim] = 0
+    rank = int(torch.nonzero(tail <= _LOW_RANK_RMS_RESIDUAL ** 2)[0, 0])
+    if rank < 1 or rank > _LOW_RANK_MAX_FRACTION * dim:
+        return
+    basis = torch.flip(eigenvectors[:, dim - rank:], (1,)).float().contiguous()   # (D, r), largest first
+    basis64 = basis.double()
+    # ||U||_2^2 = ||U^T U||_2 <= 1 + ||U^T U - I||_F; the fp64 evaluation errs by <= gamma_D(fp64) ||U||_F^2
+    frobenius = float(torch.linalg.vector_norm(basis64)) * (1.0 + 1e-12)
+    off_identity = float(torch.linalg.matrix_norm(basis64.t() @ basis64 - torch.eye(rank, dtype=torch.float64,
+                                                                                       device=basis.device)))
+    basis_norm = math.sqrt(1.0 + off_identity + 2.0 * _gamma(dim, 2.0 ** -53) * frobenius ** 2) * _SLACK
+    coords = torch.empty((size, rank), dtype=torch.float32, device=gallery.device)
+    basis_t = basis.t().contiguous()
+    residual = 0.0
+    block = max(1, (1 << 21) // dim)
+    for start in range(0, size, block):
+        stop = min(size, start + block)
+        coords[start:stop] = space.stage32[start:stop] @ basis
+        rebuilt, gamma = _blocked_matmul(coords[start:stop], basis_t)
+        # ||g - U y|| <= ||g - g32|| + ||fl(g32 - P) - (g32 - P)|| + ||fl(g32 - P)|| + ||P - U y||, with P the
+        # blocked fp32 U y: componentwise |P - U y| <= gamma (|y|^T |U^T|), in norm <= gamma ||y|| ||U||_F
+        rows = space.stage32[start:stop] - rebuilt
+        bound = (space.dev32_max + _norm32_upper(rows) * (1.0 + 2.0 * _U32)
+                 + gamma * _norm32_upper(coords[start:stop]) * frobenius)
+        residual = max(residual, float(bound.max()))
+        if residual > _LOW_RANK_MAX_RESIDUAL:
+            return
+    projected = _build_space(coords, 0.0, 1.0, space.exact_rows, space.half_dtype)
+    if projected.half_t is None:
+        return
+    space.half_t = projected.half_t
+    space.norm_half_max = projected.norm_half_max
+    space.dev_half_max = projected.dev_half_max        # ||y_h - y||: y (fp32) is the reference in r dims
+    space.projection = _Projection(basis, basis_norm, frobenius, residual * _SLACK)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -199,10 +287,11 @@ def _gamma(dim: int, unit: float) -> float:
 
 
 def _stage_bound(dev_x: torch.Tensor, norm_x: torch.Tensor, y_norm: float, y_dev: float, dim: int,
-                 absolute: float = 0.0) -> torch.Tensor:
-    """Input-rounding + fp32-accumulation part of E(q) (module docstring), fp64 (n,); ||q|| = 1 (+1e-12)."""
+                 absolute: float = 0.0, ref_norm: float = 1.0 + 1e-12) -> torch.Tensor:
+    """Input-rounding + fp32-accumulation part of E(q) (module docstring), fp64 (n,); ``ref_norm`` bounds the
+    reference query's norm (1 + 1e-12 for unit rows, ||U||_2 for projected ones)."""
     gamma = _gamma(dim, _U32)
-    bound = dev_x * y_norm + (1.0 + 1e-12) * y_dev + gamma * norm_x * y_norm + absolute
+    bound = dev_x * y_norm + ref_norm * y_dev + gamma * norm_x * y_norm + absolute
     return bound * _SLACK
 
 
@@ -230,52 +319,82 @@ def _round_down(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return rounded
 
 
+_ORDERED_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+                torch.float64: torch.int64}
+
+
+def _top_two(scores: torch.Tensor):
+    """(best value, its first index, an upper bound on the second-best value) of each row.
+
+    Non-negative floats order like their bit patterns read as signed integers, and an integer max/amax is several
+    times faster than a float max with indices (bf16 especially), so the block is read as integers: rows whose
+    best is non-negative get their answer from two integer passes; if no other non-negative value is left in the
+    row, the second best is <= 0. The rest (best < 0, rare for cosine top-1) take a float topk.
+    """
+    ints = scores.view(_ORDERED_INT[scores.dtype])
+    best_bits, best_index = ints.max(dim=1)
+    every_row = torch.arange(scores.shape[0], device=scores.device)
+    ints[every_row, best_index] = torch.iinfo(ints.dtype).min           # index_put: scatter_ is far slower here
+    second_bits = ints.amax(dim=1)
+    ints[every_row, best_index] = best_bits
+    best = best_bits.view(scores.dtype).double()
+    second = torch.where(second_bits >= 0, second_bits.view(scores.dtype).double(), torch.zeros_like(best))
+    negative = torch.nonzero(best_bits < 0).squeeze(1)
+    if negative.numel():
+        if scores.shape[1] > 1:
+            top = scores[negative].topk(2, dim=1, sorted=True)
+            best[negative] = top.values[:, 0].double()
+            best_index[negative] = top.indices[:, 0]
+            second[negative] = top.values[:, 1].double()
+        else:
+            best[negative] = scores[negative, 0].double()
+            best_index[negative] = 0
+    if scores.shape[1] == 1:
+        second.fill_(-math.inf)
+    return best, best_index, second
+
+
 def _select(scores: torch.Tensor, bound: torch.Tensor, k: int, cap: int | None, out_unit: float = 0.0):
     """Candidates {S >= v_k - u|v_k| - 2E} of each row; rows with more than ``cap`` come back separately.
 
     ``out_unit`` is the unit roundoff of the stored scores (rounding is monotone, so it costs u|v_k| once; see
-    the module docstring). ``scores`` is used as scratch space. Returns (rows_ok, candidates (n_ok, w) int64
-    padded with -1, ascending index order, rows_wide).
+    the module docstring). Returns (rows_ok, candidates (n_ok, w) int64 padded with -1, ascending index order,
+    rows_wide).
 
-    Comparing the whole block against the threshold costs several passes over it, about as much as the product
-    itself, so the common case is settled with top-(k+1) alone: when the (k+1)-th score is already below the
-    threshold, the top-k are the only candidates.
+    Comparing the whole block against the threshold costs more than finding the top entries, so the common case
+    is settled from the top k+1 alone: when the (k+1)-th score (or an upper bound on it) is below the threshold,
+    the top k are the only candidates. Only the remaining rows are compared with their threshold.
     """
     if k == 1:
-        best, best_index = scores.max(dim=1)
+        kth, best_index, next_score = _top_two(scores)
         top_index = best_index.unsqueeze(1)
-        every_row = torch.arange(scores.shape[0], device=scores.device)
-        scores[every_row, best_index] = float("-inf")         # index_put: scatter_ is far slower here
-        next_score = scores.max(dim=1).values.double()
-        kth = best.double()
     else:
-        top = scores.topk(k + 1, dim=1, sorted=True)
+        top = scores.topk(min(k + 1, scores.shape[1]), dim=1, sorted=True)
         top_index = top.indices[:, :k]
-        next_score = top.values[:, k].double()
         kth = top.values[:, k - 1].double()
+        next_score = (top.values[:, k].double() if scores.shape[1] > k
+                      else torch.full_like(kth, -math.inf))
     # the 1e-12 term absorbs the fp64 rounding of this expression itself
     threshold64 = kth - out_unit * kth.abs() - 2.0 * bound - 1e-12 * (1.0 + kth.abs())
     threshold = _round_down(threshold64, scores.dtype)
     settled = next_score < threshold.double()
     rows_settled = torch.nonzero(settled).squeeze(1)
+    rows_open = torch.nonzero(~settled).squeeze(1)
     settled_cand = torch.sort(top_index[rows_settled], dim=1).values
-    if k == 1:
-        scores[every_row, best_index] = best
-    # settled rows get an unreachable threshold so the block is compared once, without copying its open rows
-    open_threshold = threshold.masked_fill(settled, float("inf"))
-    row, column = torch.nonzero(scores >= open_threshold.unsqueeze(1), as_tuple=True)
-    counts = torch.bincount(row, minlength=scores.shape[0])
-    open_ok = ~settled if cap is None else ~settled & (counts <= cap)
-    keep = open_ok[row]
-    open_cand = _pad_candidates(row[keep], column[keep], counts.masked_fill(~open_ok, 0))
-    rows_open_ok = torch.nonzero(open_ok).squeeze(1)
+    mask = scores[rows_open] >= threshold[rows_open].unsqueeze(1)
+    row, column = torch.nonzero(mask, as_tuple=True)
+    counts = torch.bincount(row, minlength=rows_open.numel())
+    fits = torch.ones_like(counts, dtype=torch.bool) if cap is None else counts <= cap
+    keep = fits[row]
+    open_cand = _pad_candidates(row[keep], column[keep], counts.masked_fill(~fits, 0))[fits]
+    rows_open_ok = rows_open[fits]
     width = max(k, open_cand.shape[1])
     candidates = torch.full((rows_settled.numel() + rows_open_ok.numel(), width), -1, dtype=torch.long,
                             device=scores.device)
     candidates[:rows_settled.numel(), :k] = settled_cand
-    candidates[rows_settled.numel():, :open_cand.shape[1]] = open_cand[rows_open_ok]
+    candidates[rows_settled.numel():, :open_cand.shape[1]] = open_cand
     rows_ok = torch.cat([rows_settled, rows_open_ok])
-    return rows_ok, candidates, torch.nonzero(~settled & ~open_ok).squeeze(1)
+    return rows_ok, candidates, rows_open[~fits]
 
 
 def _pad_candidates(row: torch.Tensor, column: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -373,11 +492,19 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
     single_ok = k == 1 and not want_scores
     offset = start
     if start_stage == "half":
-        qh = q32.to(space.half_dtype)
+        if space.projection is None:
+            x32, dev_x, ref_norm, half_dim, residual = q32, dev32, 1.0 + 1e-12, dim, 0.0
+        else:
+            x32, dev_x = _project_queries(q32, norm32, dev32, space.projection)
+            ref_norm, half_dim = space.projection.basis_norm, space.projection.basis.shape[1]
+            residual = (1.0 + 1e-12) * space.projection.residual_max          # |q.(g - U y)| <= ||q|| ||res||
+        qh = x32.to(space.half_dtype)
         qh32 = qh.float()
-        dev_h = _norm32_upper(qh32 - q32) + dev32                     # the difference is exact in fp32
-        bound_h = _stage_bound(dev_h, _norm32_upper(qh32), space.norm_half_max, space.dev_half_max, dim,
-                               absolute=2.0 ** -24)                     # subnormal outputs: absolute rounding
+        dev_h = _norm32_upper(qh32 - x32) + dev_x                     # the difference is exact in fp32
+        bound_h = _stage_bound(dev_h, _norm32_upper(qh32), space.norm_half_max, space.dev_half_max, half_dim,
+                               absolute=2.0 ** -24 + residual,        # subnormal outputs: absolute rounding
+                               ref_norm=ref_norm)
+        del x32
         scores, out_unit = _half_scores(qh, space.half_t)
         rows, cand, fp32_rows = _select(scores, bound_h, k, _MAX_CANDIDATES + k, out_unit)
         del scores, qh, qh32
@@ -403,6 +530,26 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
             rows, cand = _take_singles(rows, cand, result, offset)
         _finish_exact(space, queries, cand, rows + offset, k, result)
         _full_fp64(space, queries, fp32_rows[wide] + offset, k, result)
+
+
+def _blocked_matmul(left: torch.Tensor, right: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """fp32 ``left @ right`` as partial products over blocks of ``_PROJECTION_BLOCK`` inner indices summed in
+    fp32, and its accumulation bound gamma: |result - exact|_ij <= gamma (|left| |right|)_ij in any BLAS order
+    (a single product over D would carry gamma_D, ``_PROJECTION_BLOCK / D`` times worse)."""
+    inner = left.shape[1]
+    result = None
+    for start in range(0, inner, _PROJECTION_BLOCK):
+        part = left[:, start:start + _PROJECTION_BLOCK] @ right[start:start + _PROJECTION_BLOCK]
+        result = part if result is None else result.add_(part)
+    blocks = -(-inner // _PROJECTION_BLOCK)
+    return result, _gamma(min(inner, _PROJECTION_BLOCK) + blocks, _U32)
+
+
+def _project_queries(q32: torch.Tensor, norm32: torch.Tensor, dev32: torch.Tensor, projection: _Projection):
+    """x = U^T q32 (fp32, blocked) and an upper bound on ||x - U^T q|| (q the fp64 unit row): ||U||_2 ||q32 - q||
+    for the input plus the accumulation error gamma (|q32|^T |U|)_i per component, <= gamma ||q32|| ||U||_F."""
+    x32, gamma = _blocked_matmul(q32, projection.basis)
+    return x32, projection.basis_norm * dev32 + gamma * norm32 * projection.basis_frobenius
 
 
 def _take_singles(rows: torch.Tensor, cand: torch.Tensor, result: "_Result", offset: int):
@@ -513,7 +660,7 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
     query = _as_matrix("query", query, gallery.device)
     _check_same_dim(query, gallery)
     with torch.inference_mode():
-        space = _direct_space(gallery, precision)
+        space = _direct_space(gallery, precision, query.shape[0])
         result = _search(space, _Queries("query", query), k, precision, chunk_size, return_scores)
     return result.index, result.score
 

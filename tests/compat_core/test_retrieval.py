@@ -311,3 +311,89 @@ def test_cuda_matches_fp64_brute_force():
     expected, _ = brute_topk(query, gallery, 2)
     index, _ = nearest_neighbours(torch.from_numpy(query).cuda(), torch.from_numpy(gallery).cuda(), k=2)
     np.testing.assert_array_equal(index.cpu().numpy(), expected)
+
+
+def junction_features(count: int, dim: int, rank: int, seed: int, head=None):
+    """Rows of h @ A^T: features of a bias-free linear junction, rank <= ``rank`` < dim."""
+    rng = np.random.default_rng(seed)
+    head = rng.standard_normal((dim, rank)) if head is None else head
+    return (rng.standard_normal((count, rank)) @ head.T).astype(np.float32), head
+
+
+def low_rank_space_used(monkeypatch, query, gallery, precision="half"):
+    """Run with the query-count gate off and report whether the rank-r half stage was built."""
+    monkeypatch.setattr(retrieval, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
+    built = []
+    original = retrieval._direct_space
+
+    def spy(*args, **kwargs):
+        space = original(*args, **kwargs)
+        built.append(space.projection)
+        return space
+
+    monkeypatch.setattr(retrieval, "_direct_space", spy)
+    return built
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_low_rank_path_equals_fp64_with_ties_and_queries_outside_the_span(monkeypatch, k):
+    gallery, head = junction_features(400, 96, 20, seed=1)
+    in_span, _ = junction_features(150, 96, 20, seed=2, head=head)
+    outside = np.random.default_rng(3).standard_normal((150, 96)).astype(np.float32)   # not in the span
+    query = np.concatenate([in_span, outside])
+    gallery[7] = gallery[390]                           # exact ties: rows 7, 200, 390 identical
+    gallery[200] = gallery[390]
+    query[0] = gallery[390] + np.float32(0.01) * gallery[5]
+    gallery[11] = gallery[3]                             # near-tie: one ulp apart in one component
+    c = int(np.argmax(np.abs(gallery[3])))
+    gallery[11, c] = np.nextafter(gallery[3, c], np.float32(np.inf) * np.sign(gallery[3, c]), dtype=np.float32)
+    query[1] = gallery[3] + np.float32(0.01) * gallery[6]
+    built = low_rank_space_used(monkeypatch, query, gallery)
+    expected, expected_scores = brute_topk(query, gallery, k)
+    index, scores = nearest_neighbours(query, gallery, k=k, chunk_size=64, precision="half")
+    assert built and built[0] is not None and built[0].basis.shape == (96, 20)
+    assert built[0].residual_max < 1e-3
+    np.testing.assert_array_equal(index.numpy(), expected)
+    np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-12)
+    assert int(index[0, 0]) == 7                          # lowest of the identical rows
+    assert int(index[1, 0]) == int(expected[1, 0]) and int(expected[1, 0]) in (3, 11)
+    only, _ = nearest_neighbours(query, gallery, k=1, precision="half", return_scores=False)
+    np.testing.assert_array_equal(only.numpy(), expected[:, :1])
+
+
+def test_low_rank_path_on_an_approximately_low_rank_gallery(monkeypatch):
+    gallery, head = junction_features(300, 128, 16, seed=4)
+    rng = np.random.default_rng(5)
+    # tiny full-rank noise: still projected, the residual enters the bound
+    noisy = gallery + np.float32(1e-6) * np.linalg.norm(gallery, axis=1, keepdims=True) * \
+        rng.standard_normal(gallery.shape).astype(np.float32)
+    query, _ = junction_features(200, 128, 16, seed=6, head=head)
+    query = query + np.float32(0.3) * rng.standard_normal(query.shape).astype(np.float32)
+    built = low_rank_space_used(monkeypatch, query, noisy)
+    index, _ = nearest_neighbours(query, noisy, k=2, precision="half")
+    assert built[0] is not None and 0 < built[0].residual_max < 1e-4
+    np.testing.assert_array_equal(index.numpy(), brute_topk(query, noisy, 2)[0])
+
+
+def test_full_rank_gallery_keeps_the_full_half_stage(monkeypatch):
+    rng = np.random.default_rng(7)
+    gallery = rng.standard_normal((300, 96)).astype(np.float32)
+    query = rng.standard_normal((100, 96)).astype(np.float32)
+    built = low_rank_space_used(monkeypatch, query, gallery)
+    index, _ = nearest_neighbours(query, gallery, k=1, precision="half", return_scores=False)
+    assert built == [None]
+    np.testing.assert_array_equal(index.numpy(), brute_topk(query, gallery, 1)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_top_two_handles_negative_rows_and_ties(dtype):
+    scores = torch.tensor([[0.5, 0.7, 0.7, -0.1],       # tie at the top: first index, second equals best
+                           [-0.3, -0.2, -0.9, -0.25],   # all negative: float fallback
+                           [0.4, -0.5, -0.6, -0.7],     # one non-negative: second bounded by 0
+                           [0.0, -0.0, 0.1, 0.05]], dtype=dtype)
+    best, index, second = retrieval._top_two(scores.clone())
+    assert index.tolist() == [1, 1, 0, 2]
+    np.testing.assert_allclose(best.numpy(), scores.double().max(dim=1).values.numpy())
+    true_second = scores.double().topk(2, dim=1).values[:, 1]
+    assert bool((second >= true_second).all())           # an upper bound: never settles a contested row
+    assert second[0] == best[0] and second[1] == true_second[1] and second[3] == true_second[3]
