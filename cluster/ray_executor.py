@@ -37,7 +37,7 @@ from cluster.eval_actors import (DEFAULT_MAX_RESTARTS, DEFAULT_MAX_TASK_RETRIES,
                                  default_pool_size, entries_of_row)
 from pipelines.executor import Executor, RunSummary, finalize_run, prepare_run, read_invocations, record_invocation
 from pipelines.graph import Stage, StageGraph
-from pipelines.progress import ProgressReporter, ProgressUpdate, StageEvent
+from pipelines.progress import ProgressReporter, ProgressUpdate, StageEvent, StageRecord
 from pipelines.store import RunStore
 
 log = logging.getLogger(__name__)
@@ -345,7 +345,7 @@ class RayExecutor(Executor):
                 if job.kind == "stage":
                     stage = job.stage
                     for record in result["records"]:
-                        self.emit(record)
+                        self.emit(StageRecord(stage.key, record))
                     seconds = time.perf_counter() - job.started
                     done.add(stage.key)
                     summary.executed.append(stage.key)

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from pipelines.progress import StageRecord  # re-exported: executors and trackers share one record type
+
 log = logging.getLogger(__name__)
 
 SECRET_KEY_PATTERN = re.compile(r"secret|password|passwd|token|access_key|secret_key|credential|api_key|private_key",
@@ -141,15 +143,6 @@ def check_tracking_uri(uri: str) -> str:
     if not isinstance(uri, str) or not re.match(r"^(sqlite:///.+|https?://[^/\s]+.*)$", uri):
         raise ValueError(f"tracking URI {uri!r}: expected sqlite:///PATH or an http(s):// MLflow tracking server")
     return uri
-
-
-@dataclass
-class StageRecord:
-    """A record tagged with the stage that produced it; executors running stages concurrently (Ray) wrap records in
-    it so that the tracker need not guess which open stage a TrainRecord belongs to."""
-
-    stage_key: str
-    record: Any
 
 
 # ---- interface -----------------------------------------------------------------------------------------------------

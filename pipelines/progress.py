@@ -39,6 +39,15 @@ class ProgressUpdate:
     loss: float | None = None
 
 
+@dataclass
+class StageRecord:
+    """A record tagged with the stage that produced it. Executors that run stages concurrently (Ray) wrap records in
+    it so that sinks such as the MLflow tracker need not guess which open stage a training record belongs to."""
+
+    stage_key: str
+    record: Any
+
+
 class ProgressReporter:
     """Shows stages as tqdm bars (stage label, epoch, images/s, ETA) on stderr; forwards records to ``sinks``."""
 
@@ -53,6 +62,8 @@ class ProgressReporter:
     def __call__(self, record: Any) -> None:
         for sink in self.sinks:
             sink(record)
+        if isinstance(record, StageRecord):
+            record = record.record
         if isinstance(record, StageEvent):
             self._on_stage(record)
         elif isinstance(record, ProgressUpdate):
@@ -107,4 +118,9 @@ class ProgressReporter:
             self._bar = None
 
     def close(self) -> None:
+        """Close the open bar and every sink that can be closed (the tracker ends its runs there)."""
         self._close()
+        for sink in self.sinks:
+            close = getattr(sink, "close", None)
+            if callable(close):
+                close()
