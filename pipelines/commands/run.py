@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 HELP = "run a scenario (train, replace, extract, evaluate); resumable: completed stages are skipped"
@@ -18,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor", choices=("local", "ray"), default="local", help="where stages run")
     parser.add_argument("--address", default=None, help="Ray address for --executor ray (auto | ray://... | http://...)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
+    parser.add_argument("--tracking-uri", default=None, metavar="URI",
+                        help="MLflow tracking: sqlite:///PATH or http(s)://HOST:PORT; 'none' disables it; default: "
+                             "$MLFLOW_TRACKING_URI, else SQLite mlflow.db in a local run directory")
 
 
 def resolve_run(args) -> tuple[object, str]:
@@ -40,16 +44,43 @@ def resolve_run(args) -> tuple[object, str]:
     return config, output or config.output_dir()
 
 
-def make_executor(args):
+def make_executor(args, emit=None):
+    """LocalExecutor, or cluster.ray_executor.RayExecutor for ``--executor ray`` (imported only then: pipelines
+    never needs ray at import time). ``emit`` receives every record (progress display + tracker)."""
     if getattr(args, "executor", "local") == "ray":
         try:
-            from cluster.executor import RayExecutor  # provided by the cluster package
+            from cluster.ray_executor import RayExecutor
         except ImportError as error:
-            raise SystemExit(f"--executor ray needs the cluster package's RayExecutor: {error}") from None
-        return RayExecutor(address=args.address)
+            raise SystemExit(f"--executor ray needs the cluster package and ray installed ({error}); "
+                             f"install the project's cluster extras or use --executor local") from None
+        return RayExecutor(address=args.address, emit=emit, progress=not args.no_progress)
+    if getattr(args, "address", None):
+        raise SystemExit("--address applies to --executor ray only")
     from pipelines.executor import LocalExecutor
 
-    return LocalExecutor(progress=not args.no_progress)
+    return LocalExecutor(emit=emit, progress=not args.no_progress)
+
+
+def make_tracker(args, run_dir: str):
+    """The MLflow tracker for this run (cluster.tracking; 'none' gives a no-op tracker). A run directory on S3 has
+    no place for the default SQLite file, so it tracks only with an explicit --tracking-uri or MLFLOW_TRACKING_URI."""
+    from compat_core import io as cio
+    from cluster.tracking import create_tracker
+
+    uri = getattr(args, "tracking_uri", None)
+    address = getattr(args, "address", None) or ""
+    if getattr(args, "executor", "local") == "ray" and address.startswith(("http://", "https://")):
+        return create_tracker("none")  # the submitted job runs `compat run` itself and tracks there
+    if uri is None and cio.is_remote(run_dir) and not os.environ.get("MLFLOW_TRACKING_URI"):
+        print(f"note: run directory {run_dir} is remote; MLflow tracking is off (give --tracking-uri to track)",
+              file=sys.stderr)
+        uri = "none"
+    return create_tracker(uri, run_dir=run_dir)
+
+
+def uses_object_storage(config, run_dir: str) -> bool:
+    """True when the run directory or any data root is an s3:// URI."""
+    return str(run_dir).startswith("s3://") or "s3://" in json.dumps(config.model_dump(mode="json"), default=str)
 
 
 def run(args) -> int:
@@ -62,9 +93,22 @@ def run(args) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if uses_object_storage(config, run_dir):
+        from cluster.storage import configure_object_storage
+
+        configure_object_storage()  # S3 settings and credentials from the standard AWS chain, never from the YAML
+    try:
+        tracker = make_tracker(args, run_dir)
+    except ValueError as error:
+        print(f"error: --tracking-uri: {error}", file=sys.stderr)
+        return 2
+    from pipelines.progress import ProgressReporter
+
     graph = compile_scenario(config)
     store = RunStore(run_dir)
-    summary = make_executor(args).run(graph, store)
+    emit = ProgressReporter(enabled=not args.no_progress, sinks=[tracker])
+    with tracker.pipeline(graph, store):
+        summary = make_executor(args, emit=emit).run(graph, store)
     print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done)")
     if summary.matrix is not None:
         print_results(summary.matrix, summary.metrics)

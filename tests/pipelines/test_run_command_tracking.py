@@ -1,0 +1,65 @@
+"""`compat run` tracks every run in MLflow by default (SQLite in the run directory), and 'none' turns it off."""
+from __future__ import annotations
+
+import json
+
+import yaml
+
+import tiny_scenario_helpers as tiny
+from pipelines.cli import main
+
+
+def _write_config(tmp_path, method="dsimplex-hoc"):
+    tiny.register()
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tiny.scenario(method)))
+    return path
+
+
+def test_run_tracks_in_sqlite_in_the_run_directory_by_default(tmp_path):
+    from mlflow import MlflowClient
+
+    config = _write_config(tmp_path)
+    run_dir = tmp_path / "run"
+    assert main(["run", str(config), "--output", str(run_dir), "--no-progress"]) == 0
+
+    database = run_dir / "mlflow.db"
+    assert database.exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{database}")
+    experiment = client.get_experiment_by_name("tiny-dsimplex-hoc")
+    runs = client.search_runs([experiment.experiment_id], max_results=200)
+    parents = [run for run in runs if run.data.tags.get("run_role") == "pipeline"]
+    stages = [run for run in runs if run.data.tags.get("run_role") == "stage"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0]
+    # one nested run per stage of the graph, each pointing at the parent
+    manifests = list((run_dir / "manifests").glob("*.json"))
+    stage_keys = {json.loads(path.read_text())["stage_key"] for path in manifests}
+    assert {run.data.tags["stage_key"] for run in stages} >= {key for key in stage_keys if not key.startswith("entry")}
+    assert all(run.data.tags["mlflow.parentRunId"] == parent.info.run_id for run in stages)
+    # the scalar metrics logged on the parent equal metrics.json (fractions)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    for name in ("AA",):
+        assert abs(parent.data.metrics[name] - metrics[name]) < 1e-12
+    # a model version per model stage: 3 fine-tuned/replaced tasks + the third-party model
+    name = parent.data.tags.get("registered_model") or next(
+        model.name for model in client.search_registered_models())
+    versions = client.search_model_versions(f"name='{name}'")
+    assert len(versions) == 4
+    assert client.get_model_version_by_alias(name, "task-3").tags["external_source"] == "pretrain:p1"
+
+
+def test_tracking_none_writes_no_database(tmp_path):
+    config = _write_config(tmp_path, "er")
+    run_dir = tmp_path / "run"
+    assert main(["run", str(config), "--output", str(run_dir), "--no-progress", "--tracking-uri", "none"]) == 0
+    assert (run_dir / "metrics.json").exists()
+    assert not (run_dir / "mlflow.db").exists()
+
+
+def test_bad_tracking_uri_is_refused_before_any_compute(tmp_path, capsys):
+    config = _write_config(tmp_path, "er")
+    run_dir = tmp_path / "run"
+    assert main(["run", str(config), "--output", str(run_dir), "--tracking-uri", "mysql://nope"]) == 2
+    assert "tracking" in capsys.readouterr().err
+    assert not (run_dir / "manifests").exists()
