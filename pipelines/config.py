@@ -98,7 +98,9 @@ class TrainingSpec(StrictModel):
         "last", description="last epoch, or CoReS Sec. 8.2 compatibility-based selection on a held-out split"
     )
     selection_holdout: float = Field(0.1, gt=0.0, lt=1.0, description="fraction of task data held out for selection")
-    autocast: bool = Field(True, description="use bf16/fp16 autocast where the hardware makes it faster")
+    autocast: bool | Literal["auto", "bf16", "fp16", "off"] = Field(
+        True, description="true/auto: bf16/fp16 autocast where compat_core.device finds it faster; bf16/fp16: force "
+        "that dtype (e.g. CPUs with avx512_bf16 but no AMX); false/off: fp32")
 
 
 class ReplaySpec(StrictModel):
@@ -446,6 +448,11 @@ def check_method(config: ScenarioConfig, source: str = "<config>") -> None:
         method_class(**config.method.params)
     except (ValueError, TypeError) as error:
         raise ConfigError(f"invalid scenario config {source}:\n  method.params: {error}") from None
+    if getattr(method_class, "retrain_from_scratch", False) and (config.replacements or config.initial_model):
+        key = "replacements" if config.replacements else "initial_model"
+        raise ConfigError(
+            f"invalid scenario config {source}:\n  {key}: method {config.method.name!r} retrains every model from the "
+            f"same initial weights, so it never starts from third-party weights; remove '{key}'")
 
 
 def read_document(path: str | os.PathLike) -> dict:

@@ -3,8 +3,8 @@
 Stage kinds (``t`` is the 0-based task index):
 
 - ``pretrain``: a third-party model trained on its own class pool (slots 0.. left to right).
-- ``finetune`` (t): task ``t`` trained from the model of task ``t - 1`` (task 0 from ``initial_model`` or a random
-  initialisation); also updates the replay memory.
+- ``finetune`` (t): task ``t`` trained from the model of task ``t - 1`` (task 0 from ``initial_model``, which is then
+  also the frozen "old" model, or from a random initialisation); also updates the replay memory.
 - ``replace`` (t): external weights loaded (a ``pretrain:<name>`` stage or a path/URI), then task ``t`` fine-tuned
   from them with the loaded model as the frozen "old" model (as the reference HOC does).
 - ``extract`` (t, split): features of model ``t`` on the query or gallery set (once per model and split).
@@ -12,6 +12,9 @@ Stage kinds (``t`` is the 0-based task index):
 
 The key of a stage is ``<kind>-<label>-<16 hex>`` where the hex digest hashes (kind, config slice, parent keys,
 code version): a change to any input or to the source code gives new keys, so stale artifacts are never reused.
+A pretrain stage's slice holds only the training settings it uses (its own entry, the model, the seed, the
+classifier family, and the ``training`` values it falls back to: epochs, batch_size, optimizer, schedule, autocast),
+so changing how the fine-tuning tasks are trained keeps the third-party models.
 """
 from __future__ import annotations
 
@@ -150,9 +153,16 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
     model_section = document["model"]
 
     for index, spec in enumerate(config.pretrain):
+        entry = document["pretrain"][index]
+        training = document["training"]
+        # only the training settings the pretrain stage falls back to (or always uses) enter its key, so tuning
+        # the fine-tuning schedule keeps already trained third-party models
+        resolved_training = {name: training[name] if entry.get(name) is None else entry[name]
+                             for name in ("epochs", "batch_size", "optimizer", "schedule")}
+        resolved_training["autocast"] = training["autocast"]
         params = {
-            "pretrain": document["pretrain"][index],
-            "defaults": {"model": model_section, "training": document["training"], "seed": config.seed},
+            "pretrain": entry,
+            "defaults": {"model": model_section, "training": resolved_training, "seed": config.seed},
             "classifier": traits["classifier"],
         }
         stage = Stage(stage_key("pretrain", spec.name, params, (), version), "pretrain", f"pretrain[{spec.name}]",

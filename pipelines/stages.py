@@ -30,6 +30,9 @@ from pipelines.progress import ProgressUpdate
 from pipelines.store import RunStore, decode_array, encode_array, feature_blobs, read_features
 
 Emit = Callable[[Any], None]
+# Extra modules a method exports (TrainResult.extra_state) are stored next to the model as extra-<name>.safetensors;
+# FAN's adapter psi_t is "adapter".
+ADAPTER_BLOB = "extra-adapter.safetensors"
 
 
 # ---- artifact records ---------------------------------------------------------------------------------------------
@@ -70,7 +73,12 @@ class MemoryArtifact:
 
 @dataclass
 class FeatureArtifact:
-    """Features of one model on one evaluation split, fp16 (default) .npy shards + labels under the stage folder."""
+    """Features of one model on one evaluation split, fp16 (default) .npy shards + labels under the stage folder.
+
+    model_stage_key: the model stage the features come from. adapter_blob: name of that stage's FAN adapter blob
+    (maps features of the previous model into this model's space), or None when the model has none.
+    num_classes_model: classifier outputs of the model (learnable classifiers; PSP/LSP project into this space).
+    """
 
     type: str
     stage_key: str
@@ -81,6 +89,8 @@ class FeatureArtifact:
     num_classes_model: int
     seconds: float
     images_per_second: float
+    model_stage_key: str = ""
+    adapter_blob: str | None = None
 
 
 @dataclass
@@ -125,6 +135,8 @@ class SubsetSource:
         self.labels = np.asarray(source.labels)[self.indices]
         coarse = getattr(source, "coarse_labels", None)
         self.coarse_labels = None if coarse is None else np.asarray(coarse)[self.indices]
+        fine = getattr(source, "fine_labels", None)
+        self.fine_labels = None if fine is None else np.asarray(fine)[self.indices]
         self.class_names = source.class_names
         self.image_shape = source.image_shape
         self.mean = source.mean
@@ -196,6 +208,37 @@ def task_classes(config: ScenarioConfig) -> list[np.ndarray]:
         raise ValueError(f"tasks.spec: {config.tasks.spec!r} needs {total} classes, data pool has {class_ids.shape[0]}")
     sequence = build_task_sequence(class_ids, config.tasks.spec, config.task_seed)
     return [np.asarray(t, dtype=np.int64) for t in sequence.tasks]
+
+
+def fine_labels(pool: Any) -> np.ndarray:
+    """Fine class ids of every sample of a pool (``fine_labels`` when the reader keeps them apart, else labels)."""
+    fine = getattr(pool, "fine_labels", None)
+    return np.asarray(pool.labels if fine is None else fine)
+
+
+_OPEN_SET_CHECKED: set[str] = set()
+
+
+def check_pools_open_set(config: ScenarioConfig) -> None:
+    """Data-level open-set guard: no fine class of a training pool (fine-tuning data, every pre-training pool)
+    may occur in the query or gallery set. Raises ValueError naming both pools; checked once per process."""
+    from compat_core.data.tasks import check_open_set
+    from pipelines.config import stable_hash
+
+    key = stable_hash([config.data.model_dump(mode="json"), [p.pool.model_dump(mode="json") for p in config.pretrain],
+                       config.evaluation.query_set.model_dump(mode="json"),
+                       config.evaluation.gallery_set.model_dump(mode="json")])
+    if key in _OPEN_SET_CHECKED:
+        return
+    training = [("data", config.data)] + [(f"pretrain[{p.name}].pool", p.pool) for p in config.pretrain]
+    tests = [("evaluation.query_set", config.evaluation.query_set),
+             ("evaluation.gallery_set", config.evaluation.gallery_set)]
+    for test_key, test_spec in tests:
+        test_classes = np.unique(fine_labels(load_pool(test_spec, test_key)))
+        for train_key, train_spec in training:
+            train_classes = np.unique(fine_labels(load_pool(train_spec, train_key)))
+            check_open_set(train_classes, test_classes, train_name=train_key, test_name=test_key)
+    _OPEN_SET_CHECKED.add(key)
 
 
 def slot_of_positions(positions: np.ndarray, classifier: str, num_slots: int, pretrained_classes: int) -> np.ndarray:
@@ -360,15 +403,18 @@ def _memory_from_record(store: RunStore, model_record: dict | None) -> tuple[np.
             store.read_array(key, memory["tasks_blob"], manifest))
 
 
-def _update_memory(config: ScenarioConfig, memory: tuple, new_indices, new_positions, task: int) -> tuple:
-    """Add ``per_class`` samples of each new class; old classes keep theirs (fixed quota per seen class)."""
+def _update_memory(config: ScenarioConfig, memory: tuple, new_indices, new_positions, task: int,
+                   features: np.ndarray | None = None) -> tuple:
+    """Add ``per_class`` samples of each new class; old classes keep theirs (fixed quota per seen class).
+
+    features: (n, K-1) features of the new samples for ``replay.strategy: herding`` (None for random)."""
     from compat_core.data import replay
 
     indices, positions, tasks = memory
     current = replay.ReplayMemory(indices=indices, labels=positions, slots=positions, source_task=tasks)
     updated = replay.update_memory(current, new_indices, new_positions, new_positions, task,
                                    config.replay.per_class, strategy=config.replay.strategy,
-                                   seed=config.seed * 1000 + task)
+                                   seed=config.seed * 1000 + task, features=features)
     return (np.asarray(updated.indices, dtype=np.int64), np.asarray(updated.labels, dtype=np.int64),
             np.asarray(updated.source_task, dtype=np.int64))
 
@@ -437,6 +483,9 @@ def train_task_stage(ctx: StageContext) -> StageResult:
         elif task == 0 and config.initial_model:
             model, pretrained = _load_source(ctx, config.initial_model, classifier, None, None, None, config.seed)
             line = 0
+            if wants_old:
+                # a line that starts from loaded weights anchors to them, at the first task as at a replacement
+                old_model = _frozen(model)
         elif task == 0:
             model, pretrained, line = _initial_model(config, classifier, config.seed).to(ctx.device), 0, 0
         else:
@@ -482,7 +531,15 @@ def train_task_stage(ctx: StageContext) -> StageResult:
     if use_memory:
         task_indices = np.flatnonzero(np.isin(pool_labels, tasks[task]))
         task_positions = np.asarray([position_of[int(c)] for c in pool_labels[task_indices]], dtype=np.int64)
-        new_indices, new_positions, new_tasks = _update_memory(config, memory, task_indices, task_positions, task)
+        herding_features = None
+        if config.replay.strategy == "herding":
+            # iCaRL herding ranks the task's samples by the features of the model just trained (eval transforms)
+            from pipelines.training import compute_features
+
+            herding_features = compute_features(trained, pool, task_indices,
+                                                _train_config(config, seed, ctx.device)).numpy()
+        new_indices, new_positions, new_tasks = _update_memory(config, memory, task_indices, task_positions, task,
+                                                               herding_features)
         blobs["memory-indices.npy"] = encode_array(new_indices)
         blobs["memory-positions.npy"] = encode_array(new_positions)
         blobs["memory-tasks.npy"] = encode_array(new_tasks)
@@ -507,13 +564,18 @@ def _frozen(model):
 def extract_stage(ctx: StageContext) -> StageResult:
     """Features of the parent model on the query or gallery set, once, stored as fp16 (default) shards."""
     from compat_core.data.transforms import make_transforms
+    from compat_core.models.precision import prepare_batch
 
     config = ctx.config
     split = ctx.stage.split
+    check_pools_open_set(config)
     spec = config.evaluation.query_set if split == "query" else config.evaluation.gallery_set
     pool = load_pool(spec, f"evaluation.{split}_set")
     model_record = ctx.parents[ctx.stage.parents[0]]
-    model = load_model_artifact(ctx.store, model_record, ctx.device)
+    from pipelines.training import precision_context, prepare_model
+
+    model = prepare_model(load_model_artifact(ctx.store, model_record, ctx.device), ctx.device,
+                          config.training.autocast)
     model.eval()
     method = _method(config)
     transform = make_transforms(pool, train=False)
@@ -522,11 +584,10 @@ def extract_stage(ctx: StageContext) -> StageResult:
     started = time.perf_counter()
     total = len(pool)
     batches = max(1, -(-total // batch_size))
-    autocast = _autocast_dtype(ctx.device) if config.training.autocast else None
     for batch_index, start in enumerate(range(0, total, batch_size)):
         images = torch.from_numpy(pool.read(np.arange(start, min(start + batch_size, total)))).to(ctx.device)
-        inputs = transform(images)
-        with torch.autocast(ctx.device.type, dtype=autocast, enabled=autocast is not None):
+        inputs = prepare_batch(transform(images), model)
+        with precision_context(ctx.device, config.training.autocast):
             output = model(inputs)
         # training-free methods (PSP/LSP) map logits into the gallery model's class space at evaluation time
         values = output.logits if getattr(method, "training_free", False) else output.features
@@ -538,25 +599,57 @@ def extract_stage(ctx: StageContext) -> StageResult:
     seconds = time.perf_counter() - started
     coarse = getattr(pool, "coarse_labels", None)
     blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse, dtype=config.evaluation.feature_dtype)
+    adapter = ADAPTER_BLOB if ADAPTER_BLOB in (model_record.get("extra_blobs") or []) else None
     record = FeatureArtifact("features", ctx.stage.key, int(ctx.stage.task), split,
                              ctx.store.uri(ctx.store.ARTIFACTS, ctx.stage.key), layout,
-                             int(model_record.get("num_active_classes") or 0), seconds, total / max(seconds, 1e-9))
+                             int(model_record.get("num_active_classes") or 0), seconds, total / max(seconds, 1e-9),
+                             model_stage_key=model_record["stage_key"], adapter_blob=adapter)
     return StageResult(asdict(record), blobs)
 
 
-def _autocast_dtype(device: torch.device):
-    from compat_core.device import autocast_dtype
-
-    return autocast_dtype(device)
-
-
 # ---- evaluation --------------------------------------------------------------------------------------------------
+def verification_pairs(query_labels: np.ndarray, gallery_labels: np.ndarray, count: int,
+                       seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Seeded cross-set 1:1 pairs: side a a query sample (model t), side b a gallery sample (model k).
+
+    ``count`` positive (same label) and ``count`` negative pairs, each drawn uniformly among the pairs of its kind
+    (with replacement when fewer exist). Returns (query index (2n,), gallery index (2n,), same (2n,) bool), shuffled.
+    """
+    rng = np.random.default_rng(seed)
+    query_labels = np.asarray(query_labels)
+    gallery_labels = np.asarray(gallery_labels)
+    classes = np.intersect1d(query_labels, gallery_labels)
+    if classes.size == 0:
+        raise ValueError("evaluation.metric: verification needs labels shared by the query and gallery sets")
+    q_members = [np.flatnonzero(query_labels == c) for c in classes]
+    g_members = [np.flatnonzero(gallery_labels == c) for c in classes]
+    weights = np.asarray([a.size * b.size for a, b in zip(q_members, g_members)], dtype=np.float64)
+    chosen = rng.choice(classes.size, size=count, p=weights / weights.sum())
+    pos_a = np.asarray([q_members[c][rng.integers(q_members[c].size)] for c in chosen], dtype=np.int64)
+    pos_b = np.asarray([g_members[c][rng.integers(g_members[c].size)] for c in chosen], dtype=np.int64)
+    neg_a, neg_b = [], []
+    while len(neg_a) < count:
+        a = rng.integers(query_labels.size, size=2 * count)
+        b = rng.integers(gallery_labels.size, size=2 * count)
+        keep = query_labels[a] != gallery_labels[b]
+        neg_a.extend(a[keep].tolist())
+        neg_b.extend(b[keep].tolist())
+    index_a = np.concatenate([pos_a, np.asarray(neg_a[:count], dtype=np.int64)])
+    index_b = np.concatenate([pos_b, np.asarray(neg_b[:count], dtype=np.int64)])
+    same = np.concatenate([np.ones(count, dtype=bool), np.zeros(count, dtype=bool)])
+    order = rng.permutation(index_a.size)
+    return index_a[order], index_b[order], same[order]
+
+
 def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: ScenarioConfig,
-                  query_classes: int = 0, gallery_classes: int = 0) -> float:
+                  query_classes: int = 0, gallery_classes: int = 0, adapters: list | None = None) -> float:
     """One matrix entry M(Q, G) from stored features; ``query``/``gallery`` = (features, labels, coarse labels).
 
     protocol: metric (recall_at_1 | map | verification | tar_at_far), gallery (instances | class_means),
-    label_level (fine | coarse), far, verification_pairs. Returns a fraction in [0, 1].
+    label_level (fine | coarse), far, verification_pairs. query_classes / gallery_classes: classifier outputs of
+    the two models (PSP/LSP project the query into the gallery model's space). adapters: FAN adapters that map the
+    gallery model's features into the query model's space, oldest first (see :func:`entry_adapters`).
+    Returns a fraction in [0, 1].
     """
     from compat_core import retrieval
 
@@ -573,10 +666,14 @@ def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: Scenario
         # features are logits; PSP/LSP project both into the class space of the older (gallery) model
         q = method.extract_features(q, num_classes_old=gallery_classes or None)
         g = method.extract_features(g, num_classes_old=gallery_classes or None)
+    if adapters:
+        from pipelines.methods.fan import adapt_features
+
+        g = adapt_features(g, adapters)
     q = torch.nn.functional.normalize(q.float(), dim=1)
     g = torch.nn.functional.normalize(g.float(), dim=1)
-    q_labels = torch.from_numpy(np.asarray(q_labels, dtype=np.int64))
-    g_labels = torch.from_numpy(np.asarray(g_labels, dtype=np.int64))
+    q_labels = np.asarray(q_labels, dtype=np.int64)
+    g_labels = np.asarray(g_labels, dtype=np.int64)
     metric = protocol["metric"]
     if metric in ("recall_at_1", "map") and protocol["gallery"] == "class_means":
         g, g_labels = retrieval.class_mean_gallery(g, g_labels)
@@ -584,13 +681,39 @@ def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: Scenario
         value = retrieval.recall_at_1(q, q_labels, g, g_labels)
     elif metric == "map":
         value = retrieval.mean_average_precision(q, q_labels, g, g_labels)
-    elif metric == "verification":
-        value = retrieval.verification_accuracy(q, q_labels, g, g_labels, num_pairs=protocol["verification_pairs"],
-                                                seed=config.seed)
     else:
-        value = retrieval.tar_at_far(q, q_labels, g, g_labels, far=protocol["far"],
-                                     num_pairs=protocol["verification_pairs"], seed=config.seed)
+        index_a, index_b, same = verification_pairs(q_labels, g_labels, int(protocol["verification_pairs"]),
+                                                    config.seed)
+        if metric == "verification":
+            value = retrieval.verification_accuracy(q[index_a], g[index_b], same)[0]
+        else:
+            scores = (q[index_a].double() * g[index_b].double()).sum(dim=1).numpy()
+            value = retrieval.tar_at_far(scores, same, far=protocol["far"])
     return float(value)
+
+
+def entry_adapters(store: RunStore, gallery_records: list[dict], row: int, column: int) -> list:
+    """FAN adapters for entry C[row, column]: those stored with the models of tasks column+1..row, oldest first.
+
+    gallery_records: the gallery extract records of columns 0..row (their ``model_stage_key`` / ``adapter_blob``).
+    Empty for methods without adapters. At a replacement FAN's adapter maps the newly loaded model's features (its
+    old model there), so a chain crossing a replacement is an approximation the papers do not define.
+    """
+    from safetensors.torch import load as load_safetensors
+
+    from pipelines.methods.fan import load_adapter
+
+    if not any(record.get("adapter_blob") for record in gallery_records[column + 1: row + 1]):
+        return []
+    adapters = []
+    for task in range(column + 1, row + 1):
+        record = gallery_records[task]
+        if not record.get("adapter_blob"):
+            raise ValueError(f"entry C[{row}, {column}]: the model of task {task} has no FAN adapter "
+                             f"({ADAPTER_BLOB}) although other models of the run have one")
+        state = load_safetensors(store.read_blob(record["model_stage_key"], record["adapter_blob"]))
+        adapters.append(load_adapter(state))
+    return adapters
 
 
 def evaluate_stage(ctx: StageContext) -> StageResult:
@@ -615,9 +738,10 @@ def evaluate_stage(ctx: StageContext) -> StageResult:
         if query is None:
             query = read_features(ctx.store, query_key)
         gallery = read_features(ctx.store, gallery_key)
+        adapters = entry_adapters(ctx.store, [ctx.parents[k] for k in gallery_keys], row, column)
         value = compute_entry(query, gallery, protocol, config,
                               ctx.parents[query_key].get("num_classes_model", 0),
-                              ctx.parents[gallery_key].get("num_classes_model", 0))
+                              ctx.parents[gallery_key].get("num_classes_model", 0), adapters=adapters)
         ctx.store.commit(key, {"type": "entry", "row": row, "column": column, "value": value,
                                "query": query_key, "gallery": gallery_key, "protocol": protocol})
         values.append(value)
@@ -665,5 +789,6 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
 __all__ = [
     "ModelArtifact", "MemoryArtifact", "FeatureArtifact", "MatrixRow", "StageResult", "StageContext",
     "STAGE_FUNCTIONS", "execute_stage", "load_pool", "task_classes", "slot_of_positions", "compute_entry",
+    "entry_adapters", "verification_pairs", "check_pools_open_set", "fine_labels", "ADAPTER_BLOB",
     "load_model_artifact", "SubsetSource", "decode_array", "protocol_params",
 ]

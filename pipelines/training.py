@@ -10,6 +10,7 @@ module initialisation use the torch generator seeded at the start of the task).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from torch import nn
 from compat_core.data.base import ImageSource
 from compat_core.data.replay import half_and_half_batches
 from compat_core.data.transforms import make_transforms
-from compat_core.models.precision import autocast_context, prepare_batch, prepare_for_speed
+from compat_core.models.precision import autocast_context, has_convolutions, prepare_batch, prepare_for_speed
 from compat_core.retrieval import recall_at_1
 from compat_core.simplex import pretrain_slot
 from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy
@@ -31,6 +32,40 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant", "step")
 REPLAY_SAMPLINGS = ("half_and_half", "mixed")
 MODEL_SELECTIONS = ("last", "compatibility")
+# "auto": the half type compat_core.device finds fast (bf16 on CPUs only with AMX); "bf16"/"fp16": forced (e.g. a
+# CPU with avx512_bf16 but no AMX, where bf16 convolutions measured ~1.8x faster than fp32); "off": fp32.
+AUTOCAST_MODES = ("auto", "bf16", "fp16", "off")
+_FORCED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_mode(value: Any) -> str:
+    """Normalise an autocast setting: True -> "auto", False -> "off", or one of AUTOCAST_MODES (ValueError else)."""
+    if value is True:
+        return "auto"
+    if value is False:
+        return "off"
+    if value not in AUTOCAST_MODES:
+        raise ValueError(f"autocast must be true, false or one of {AUTOCAST_MODES}, got {value!r}")
+    return value
+
+
+def precision_context(device: torch.device | str, mode: Any):
+    """The autocast context of ``mode`` (see AUTOCAST_MODES) on ``device``; a null context for fp32."""
+    mode = autocast_mode(mode)
+    device = torch.device(device)
+    if mode == "off":
+        return contextlib.nullcontext()
+    if mode == "auto":
+        return autocast_context(device, enabled=True)
+    return torch.autocast(device_type=device.type, dtype=_FORCED_DTYPES[mode])
+
+
+def prepare_model(model: nn.Module, device: torch.device | str, mode: Any) -> nn.Module:
+    """Move ``model`` to ``device``; conv nets go channels_last where the half path makes NHWC kernels pay."""
+    model = prepare_for_speed(model, device)
+    if autocast_mode(mode) in _FORCED_DTYPES and has_convolutions(model):
+        model = model.to(memory_format=torch.channels_last)
+    return model
 
 
 def _require_int(name: str, value: Any, low: int) -> None:
@@ -59,8 +94,8 @@ class TrainConfig:
     ``milestones``, 0-based epoch counts, e.g. CoReS's 100 epochs with milestone 70). warmup_epochs: linear warm-up
     from lr/warmup_steps. replay_sampling: "half_and_half" (every batch half memory, half task: the public
     reference) or "mixed" (memory and task samples shuffled together). model_selection: "last" or "compatibility"
-    (CoReS Sec. 8.2; needs ``TaskData.selection``). mixed_precision: autocast where the device has a fast half
-    type (bf16 on CPUs with AMX), fp32 otherwise. steps_per_epoch: cap on steps per epoch (None: one pass).
+    (CoReS Sec. 8.2; needs ``TaskData.selection``). mixed_precision: True / "auto" autocasts where the device has
+    a fast half type (bf16 on CPUs with AMX), "bf16" / "fp16" force that autocast dtype, False / "off" runs fp32. steps_per_epoch: cap on steps per epoch (None: one pass).
     log_every_steps: also emit a record every N steps (0: per-epoch records only).
     """
 
@@ -79,7 +114,7 @@ class TrainConfig:
     replay_sampling: str = "half_and_half"
     model_selection: str = "last"
     selection_strict: bool = True
-    mixed_precision: bool = True
+    mixed_precision: bool | str = True
     augment: bool = True
     steps_per_epoch: int | None = None
     eval_batch_size: int = 256
@@ -111,6 +146,10 @@ class TrainConfig:
             _require_int("steps_per_epoch", self.steps_per_epoch, 1)
         _require_int("eval_batch_size", self.eval_batch_size, 1)
         _require_int("log_every_steps", self.log_every_steps, 0)
+        try:
+            autocast_mode(self.mixed_precision)
+        except ValueError as error:
+            raise ValueError(f"TrainConfig.mixed_precision: {error}") from None
 
 
 @dataclass
@@ -352,10 +391,25 @@ def _extract(model: nn.Module, source: ImageSource, indices: np.ndarray, device:
     chunks = []
     for start in range(0, indices.size, config.eval_batch_size):
         images = torch.from_numpy(np.ascontiguousarray(source.read(indices[start : start + config.eval_batch_size])))
-        with autocast_context(device, enabled=config.mixed_precision):
+        with precision_context(device, config.mixed_precision):
             output = model(prepare_batch(transform(images.to(device)), model))
         chunks.append(feature_fn(output).float().cpu())
     return torch.cat(chunks)
+
+
+def compute_features(model: nn.Module, source: ImageSource, indices: np.ndarray, config: TrainConfig) -> torch.Tensor:
+    """L2-normalised features (n, K-1), float32 on the CPU, of ``source[indices]`` with evaluation transforms.
+
+    Batches of ``config.eval_batch_size`` on ``config.device`` under ``config.mixed_precision``; the model is put in
+    eval mode for the call and its previous mode restored (used for herding replay selection).
+    """
+    indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+    was_training = model.training
+    model.eval()
+    try:
+        return _extract(model, source, indices, torch.device(config.device), config, lambda output: output.features)
+    finally:
+        model.train(was_training)
 
 
 class _CompatibilitySelector:
@@ -460,9 +514,9 @@ def train_task(
             needed = max(needed, int(data.memory_slots.max()) + 1)
         if needed > model.num_active_classes:
             model.expand_classes(needed)
-    prepare_for_speed(model, device)
+    prepare_model(model, device, config.mixed_precision)
     if old_model is not None:
-        prepare_for_speed(old_model, device)
+        prepare_model(old_model, device, config.mixed_precision)
         old_model.eval()
         old_model.requires_grad_(False)
 
@@ -483,7 +537,7 @@ def train_task(
         iterate_memory=memory_iterator,
     )
     model.eval()  # setup statistics (e.g. old-class centres) must not update batch-norm buffers
-    with autocast_context(device, enabled=config.mixed_precision):
+    with precision_context(device, config.mixed_precision):
         extra_modules = method.setup(ctx)
     for module in extra_modules:
         module.to(device).train()
@@ -518,7 +572,7 @@ def train_task(
         for positions in epoch_batches(data, method, config, epoch):
             started = time.perf_counter()
             batch = loader.batch(positions)
-            with autocast_context(device, enabled=config.mixed_precision):
+            with precision_context(device, config.mixed_precision):
                 loss, parts = method.loss(batch, ctx)
             if not torch.isfinite(loss):
                 raise FloatingPointError(
@@ -641,6 +695,7 @@ def pretrain_model(
 
 
 __all__ = [
+    "AUTOCAST_MODES",
     "MODEL_SELECTIONS",
     "OPTIMIZERS",
     "REPLAY_SAMPLINGS",
@@ -651,7 +706,11 @@ __all__ = [
     "TrainConfig",
     "TrainRecord",
     "TrainResult",
+    "autocast_mode",
+    "compute_features",
     "epoch_batches",
+    "precision_context",
+    "prepare_model",
     "pretrain_model",
     "snapshot_state",
     "train_task",

@@ -13,7 +13,9 @@ Conventions shared by every method:
   method then reduces to its plain classification term, since its compatibility terms compare against something
   that does not exist yet.
 - At a replacement the stage passes the newly loaded model both as ``model`` (to fine-tune) and, frozen, as
-  ``old_model``: the reference anchors to the loaded model, not to the model it replaces.
+  ``old_model``: the reference anchors to the loaded model, not to the model it replaces. The first task of a
+  line that starts from ``initial_model`` is treated alike (anchored to the loaded third-party model); a line that
+  starts from a random initialisation has no old model at its first task.
 """
 from __future__ import annotations
 
