@@ -5,6 +5,10 @@ processes with one torch thread each when the machine has at least two cores: th
 from a second intra-op thread, and two single-threaded processes keep both cores busy without the OpenMP barrier
 stalls that two threads per process suffer when other work shares the cores (measured ~10x slower steps then).
 ``--jobs 1`` runs them one after the other with every core. Runs are resumable like `compat run`.
+
+By default each scenario runs on the embedded defaults of the product: its stages execute as Ray actors on a local
+Ray instance (one per worker, sized to the worker's cores, bound to 127.0.0.1), artifacts go to the local run folder
+and every run is tracked in MLflow in ``<run>/mlflow.db``. ``--executor local`` runs the stages in-process instead.
 """
 from __future__ import annotations
 
@@ -32,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a value in both demo configs (YAML-parsed; repeatable)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="scenarios run at once (default: 2 when the machine has >= 2 cores, else 1)")
+    parser.add_argument("--executor", choices=("ray", "local"), default="ray",
+                        help="ray (default): stages as actors on an embedded local Ray instance; local: in-process")
+    parser.add_argument("--tracking-uri", default=None, metavar="URI",
+                        help="MLflow tracking for both runs; default SQLite mlflow.db in each run folder; 'none' off")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -52,30 +60,40 @@ class _StageLines:
 
 
 def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, threads: int | None,
-            progress: str) -> dict:
-    """Run one demo scenario in this process; returns matrix, metrics, wall and CPU seconds of the run.
+            progress: str, executor: str = "local", tracking_uri: str | None = None) -> dict:
+    """Run one demo scenario from this process; returns matrix, metrics, wall and CPU seconds of the run.
 
-    threads: torch intra-op threads (None: leave torch's default). progress: "bars", "lines" or "none".
+    threads: torch intra-op threads (None: leave torch's default; with executor "ray": the CPUs of the embedded
+    Ray instance, default 1). progress: "bars", "lines" or "none". tracking_uri: None = SQLite in the run folder.
+    CPU seconds count this process only (Ray actors are not its children).
     """
     import torch
 
+    from cluster.tracking import create_tracker
     from pipelines.config import load_config
-    from pipelines.executor import LocalExecutor
     from pipelines.graph import compile_scenario
+    from pipelines.progress import ProgressReporter
     from pipelines.store import RunStore
 
     if threads is not None:
         torch.set_num_threads(threads)
     config = load_config(config_path, overrides)
-    if progress == "bars":
-        executor = LocalExecutor(progress=True)
-    elif progress == "lines":
-        executor = LocalExecutor(emit=_StageLines(name))
+    tracker = create_tracker(tracking_uri, run_dir=run_dir)
+    sinks = [tracker] + ([_StageLines(name)] if progress == "lines" else [])
+    emit = ProgressReporter(enabled=progress == "bars", sinks=sinks)
+    if executor == "ray":
+        from cluster.ray_executor import RayExecutor
+
+        runner = RayExecutor(emit=emit, num_cpus=threads or 1)
     else:
-        executor = LocalExecutor(progress=False)
+        from pipelines.executor import LocalExecutor
+
+        runner = LocalExecutor(emit=emit)
+    graph, store = compile_scenario(config), RunStore(run_dir)
     started = time.perf_counter()
     cpu_before = _cpu_seconds()
-    summary = executor.run(compile_scenario(config), RunStore(run_dir))
+    with tracker.pipeline(graph, store):
+        summary = runner.run(graph, store)
     return {"name": name, "run_dir": run_dir, "matrix": summary.matrix, "metrics": summary.metrics,
             "wall_s": time.perf_counter() - started, "cpu_s": _cpu_seconds() - cpu_before,
             "executed": len(summary.executed), "skipped": len(summary.skipped)}
@@ -109,7 +127,9 @@ def run(args) -> int:
     started = time.perf_counter()
     if jobs == 1:
         progress = "none" if args.no_progress else "bars"
-        results = [run_one(*task, threads=None, progress=progress) for task in tasks]
+        threads = cores if args.executor == "ray" else None
+        results = [run_one(*task, threads=threads, progress=progress, executor=args.executor,
+                           tracking_uri=args.tracking_uri) for task in tasks]
     else:
         import multiprocessing
 
@@ -118,7 +138,8 @@ def run(args) -> int:
         # spawn: a fresh interpreter per worker (fork would copy this process's torch thread pools)
         with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
                                  mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(run_one, *task, threads, progress) for task in tasks]
+            futures = [pool.submit(run_one, *task, threads, progress, args.executor, args.tracking_uri)
+                       for task in tasks]
             results = [future.result() for future in futures]
     wall = time.perf_counter() - started
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -134,5 +155,8 @@ def run(args) -> int:
     if er and hoc and er.get("AA") and hoc.get("AA") is not None:
         print(f"\nd-Simplex-HOC vs ER: AC {hoc['AC']:.3f} vs {er['AC']:.3f}; AA {hoc['AA']:.3f} vs {er['AA']:.3f} "
               f"({hoc['AA'] / er['AA']:.2f}x)")
-    print(f"demo: {wall:.0f} s wall, {cpu:.0f} s CPU (user+sys, all processes), {jobs} job(s) on {cores} core(s)")
+    where = "Ray actors on embedded local Ray" if args.executor == "ray" else "in-process"
+    cpu_note = "driver processes only" if args.executor == "ray" else "all processes"
+    print(f"demo: {wall:.0f} s wall, {cpu:.0f} s CPU (user+sys, {cpu_note}), {jobs} job(s) on {cores} core(s), "
+          f"stages {where}; MLflow: {args.tracking_uri or 'mlflow.db in each run folder'}")
     return 0
