@@ -36,7 +36,8 @@ class EntrySpec:
 
     query_key / gallery_key: keys of the extract stages holding the features. query_classes / gallery_classes:
     active classes of the two models (used by training-free methods; 0 otherwise). protocol: evaluation protocol
-    slice (metric, gallery, label_level, far, verification_pairs).
+    slice (metric, gallery, label_level, far, verification_pairs). row_gallery_keys: the gallery extract keys of
+    columns 0..row, from which FAN adapters of tasks column+1..row are found (same as the local evaluate stage).
     """
 
     key: str
@@ -47,6 +48,7 @@ class EntrySpec:
     protocol: dict
     query_classes: int = 0
     gallery_classes: int = 0
+    row_gallery_keys: tuple[str, ...] = ()
 
 
 def entries_of_row(stage: Stage, store: RunStore) -> list[EntrySpec]:
@@ -61,7 +63,7 @@ def entries_of_row(stage: Stage, store: RunStore) -> list[EntrySpec]:
     for column, gallery_key in enumerate(gallery_keys):
         gallery_classes = int(store.load_record(gallery_key).get("num_classes_model") or 0)
         specs.append(EntrySpec(entry_key(query_key, gallery_key, protocol, row, column), row, column, query_key,
-                               gallery_key, protocol, query_classes, gallery_classes))
+                               gallery_key, protocol, query_classes, gallery_classes, tuple(gallery_keys)))
     return specs
 
 
@@ -109,7 +111,7 @@ class EvaluationWorker:
 
         value: the entry as a fraction in [0, 1]; computed: False when the entry was already committed.
         """
-        from pipelines.stages import compute_entry
+        from pipelines.stages import compute_entry, entry_adapters
 
         started = time.perf_counter()
         if self.store.has(spec.key):
@@ -118,7 +120,10 @@ class EvaluationWorker:
                     "seconds": time.perf_counter() - started, "pid": os.getpid()}
         query = self._features(spec.query_key)
         gallery = self._features(spec.gallery_key)
-        value = compute_entry(query, gallery, spec.protocol, self.config, spec.query_classes, spec.gallery_classes)
+        adapters = entry_adapters(self.store, [self.store.load_record(key) for key in spec.row_gallery_keys],
+                                  spec.row, spec.column) if spec.row_gallery_keys else None
+        value = compute_entry(query, gallery, spec.protocol, self.config, spec.query_classes, spec.gallery_classes,
+                              adapters=adapters)
         # the same record the local executor's evaluate stage commits, so both executors share entries
         self.store.commit(spec.key, {"type": "entry", "row": spec.row, "column": spec.column, "value": value,
                                      "query": spec.query_key, "gallery": spec.gallery_key,
