@@ -51,7 +51,7 @@ def test_mlflow_ui_shows_trials_nested_with_the_objective(ray_local, mlflow_serv
         # a fresh, empty profile (Playwright passes it to Chromium as --user-data-dir)
         browser = playwright.chromium.launch_persistent_context(
             str(tmp_path / "profile"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
-            viewport={"width": 1600, "height": 900})
+            viewport={"width": 1920, "height": 900})
         try:
             page = browser.new_page()
             page.goto(f"{mlflow_server.tracking_uri}/#/experiments/{experiment_id}/runs", wait_until="load")
@@ -68,6 +68,8 @@ def test_mlflow_ui_shows_trials_nested_with_the_objective(ray_local, mlflow_serv
             header.wait_for(timeout=30_000)
             for name in trial_runs:
                 page.get_by_role("row").filter(has_text=name).first.wait_for(timeout=30_000)
+            _close_side_panel(page)  # MLflow 3's assistant panel would hide the objective column in the picture
+            header.scroll_into_view_if_needed()
             page.screenshot(path=str(screenshot), full_page=True)
             for name, run in trial_runs.items():
                 # ag-grid renders the pinned name column and the scrolling columns as separate rows sharing row-index
@@ -83,3 +85,15 @@ def test_mlflow_ui_shows_trials_nested_with_the_objective(ray_local, mlflow_serv
     shutil.copyfile(screenshot, stable)
     print(f"MLflow UI screenshot: {stable}")
     assert screenshot.stat().st_size > 10_000
+
+
+def _close_side_panel(page) -> None:
+    """Close the "MLflow Assistant" side panel when this MLflow version opens it (the screenshot is for people)."""
+    panel = page.get_by_text("MLflow Assistant", exact=False)
+    if panel.count() == 0:
+        return
+    heading = panel.first.locator("xpath=ancestor::div[.//button][1]")
+    buttons = heading.get_by_role("button")
+    if buttons.count():
+        buttons.last.click()  # the close (x) button ends the panel's header row
+        page.wait_for_timeout(300)
