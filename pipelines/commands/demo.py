@@ -70,30 +70,22 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
     import torch
 
     from cluster.tracking import create_tracker
+    from pipelines.commands.run import run_tracked
     from pipelines.config import load_config
     from pipelines.graph import compile_scenario
-    from pipelines.progress import ProgressReporter
     from pipelines.store import RunStore
 
     if threads is not None:
         torch.set_num_threads(threads)
     config = load_config(config_path, overrides)
     tracker = create_tracker(tracking_uri, run_dir=run_dir)
-    sinks = [tracker] + ([_StageLines(name)] if progress == "lines" else [])
-    emit = ProgressReporter(enabled=progress == "bars", sinks=sinks)
-    if executor == "ray":
-        from cluster.ray_executor import RayExecutor
-
-        runner = RayExecutor(emit=emit, num_cpus=threads or 1)
-    else:
-        from pipelines.executor import LocalExecutor
-
-        runner = LocalExecutor(emit=emit)
     graph, store = compile_scenario(config), RunStore(run_dir)
     started = time.perf_counter()
     cpu_before = _cpu_seconds()
-    with tracker.pipeline(graph, store):
-        summary = runner.run(graph, store)
+    summary = run_tracked(graph, store, tracker, executor,
+                          progress=progress == "bars",
+                          sinks=(_StageLines(name),) if progress == "lines" else (),
+                          num_cpus=(threads or 1) if executor == "ray" else None)
     return {"name": name, "run_dir": run_dir, "matrix": summary.matrix, "metrics": summary.metrics,
             "wall_s": time.perf_counter() - started, "cpu_s": _cpu_seconds() - cpu_before,
             "executed": len(summary.executed), "skipped": len(summary.skipped)}

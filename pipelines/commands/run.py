@@ -44,21 +44,34 @@ def resolve_run(args) -> tuple[object, str]:
     return config, output or config.output_dir()
 
 
-def make_executor(args, emit=None):
-    """LocalExecutor, or cluster.ray_executor.RayExecutor for ``--executor ray`` (imported only then: pipelines
-    never needs ray at import time). ``emit`` receives every record (progress display + tracker)."""
-    if getattr(args, "executor", "local") == "ray":
+def make_executor(kind: str = "local", address: str | None = None, emit=None, progress: bool = True,
+                  num_cpus: int | None = None):
+    """LocalExecutor, or cluster.ray_executor.RayExecutor for kind "ray" (imported only then: pipelines never needs
+    ray at import time). ``emit`` receives every record; num_cpus: CPUs of an embedded Ray instance (Ray only)."""
+    if kind == "ray":
         try:
             from cluster.ray_executor import RayExecutor
         except ImportError as error:
             raise SystemExit(f"--executor ray needs the cluster package and ray installed ({error}); "
                              f"install the project's cluster extras or use --executor local") from None
-        return RayExecutor(address=args.address, emit=emit, progress=not args.no_progress)
-    if getattr(args, "address", None):
+        kwargs = {"num_cpus": num_cpus} if num_cpus is not None else {}
+        return RayExecutor(address=address, emit=emit, progress=progress, **kwargs)
+    if address:
         raise SystemExit("--address applies to --executor ray only")
     from pipelines.executor import LocalExecutor
 
-    return LocalExecutor(emit=emit, progress=not args.no_progress)
+    return LocalExecutor(emit=emit, progress=progress)
+
+
+def run_tracked(graph, store, tracker, kind: str = "local", address: str | None = None, progress: bool = True,
+                sinks: tuple = (), num_cpus: int | None = None):
+    """Run ``graph`` on the chosen executor inside the tracker's pipeline scope; every record goes to the progress
+    display (bars when ``progress``), the tracker and ``sinks``. Returns the executor's RunSummary."""
+    from pipelines.progress import ProgressReporter
+
+    emit = ProgressReporter(enabled=progress, sinks=[tracker, *sinks])
+    with tracker.pipeline(graph, store):
+        return make_executor(kind, address, emit, progress, num_cpus).run(graph, store)
 
 
 def make_tracker(args, run_dir: str):
@@ -102,13 +115,8 @@ def run(args) -> int:
     except ValueError as error:
         print(f"error: --tracking-uri: {error}", file=sys.stderr)
         return 2
-    from pipelines.progress import ProgressReporter
-
-    graph = compile_scenario(config)
-    store = RunStore(run_dir)
-    emit = ProgressReporter(enabled=not args.no_progress, sinks=[tracker])
-    with tracker.pipeline(graph, store):
-        summary = make_executor(args, emit=emit).run(graph, store)
+    summary = run_tracked(compile_scenario(config), RunStore(run_dir), tracker, args.executor, args.address,
+                          progress=not args.no_progress)
     print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done)")
     if summary.matrix is not None:
         print_results(summary.matrix, summary.metrics)
