@@ -450,6 +450,8 @@ class MlflowTracker(Tracker):
             self._log_metrics(run_id, {"extract/images_per_s": record.get("images_per_second"),
                                        "extract/seconds": record.get("seconds"),
                                        "extract/rows": (record.get("layout") or {}).get("rows")}, step=0)
+        elif kind == "adapters":
+            self._log_adapters(stage, run_id, manifest)
         elif kind == "matrix_row":
             row = int(record["row"])
             entries = {entry_metric_key(row, column): value for column, value in enumerate(record["values"])}
@@ -500,6 +502,47 @@ class MlflowTracker(Tracker):
         version = register_version(self.client, self.model_name, run_id, stage.key, tags, aliases)
         self.client.set_tag(run_id, "registered_model", self.model_name)
         self.client.set_tag(run_id, "model_version", version.version)
+
+    def _log_adapters(self, stage: Any, run_id: str, manifest: dict) -> None:
+        """Adapter stage (issue 16): cross-tests with/without each adapter, backfilling curves (step = percent
+        re-embedded), adapter files as artifacts, each registered in ``<model>-adapters`` (alias KIND-task-N)."""
+        from cluster.registry import ensure_registered_model, register_version
+
+        record = manifest["record"]
+        task = int(record["task"])
+        values = {f"adapt/{name}/{part}": value for name, parts in record["baseline"].items()
+                  for part, value in parts.items()}
+        values["adapt/baseline/compatible"] = float(record["verdict"]["compatible"])
+        for kind, result in record["adapters"].items():
+            values.update({f"adapt/{kind}/cross_recall_at_1": result["cross_recall_at_1"],
+                           f"adapt/{kind}/cross_map": result["cross_map"], f"adapt/{kind}/fit_loss": result["fit_loss"],
+                           f"adapt/{kind}/compatible": float(result["verdict"]["compatible"]),
+                           f"adapt/{kind}/margin": result["verdict"]["margin"]})
+        self._log_metrics(run_id, values, step=task)
+        for order, curve in record["backfill"].items():
+            if not isinstance(curve, dict):
+                continue
+            for index, fraction in enumerate(curve["fraction"]):
+                self._log_metrics(run_id, {f"backfill/{order}/{name}": curve[name][index] for name in curve
+                                           if name != "fraction"}, step=int(round(100 * fraction)))
+        names = [entry["blob"] for entry in record["adapters"].values() if entry["blob"] in manifest["blobs"]]
+        with tempfile.TemporaryDirectory(prefix="compat-mlflow-adapters-") as folder:
+            Path(folder, "adapters.json").write_text(json.dumps(record, indent=2))
+            for name in names:
+                Path(folder, name).write_bytes(self.store.read_blob(stage.key, name, manifest))
+            self.client.log_artifacts(run_id, folder, "adapters")
+        if not self.register_models or not names:
+            return
+        adapters_model = f"{self.model_name}-adapters"
+        ensure_registered_model(self.client, adapters_model, {"pipeline_id": self.pipeline_id,
+                                                             "models_of": self.model_name})
+        for kind, entry in record["adapters"].items():
+            sha256 = manifest["blobs"][entry["blob"]]["sha256"]
+            register_version(self.client, adapters_model, run_id, f"{stage.key}/{kind}",
+                             {"stage_kind": "adapt", "adapter": kind, "direction": entry["direction"],
+                              "task_0based": task, "task_1based": task + 1, "sha256": sha256,
+                              "compatible": str(entry["verdict"]["compatible"]).lower()},
+                             [f"{kind}-task-{task + 1}"], artifact_path=f"adapters/{entry['blob']}")
 
     def _log_results(self) -> None:
         """Summary metrics and result files of a complete run, once per metrics.json content."""

@@ -37,6 +37,7 @@ __all__ = [
     "forward_compatibility",
     "metrics_by_task",
     "update_gain",
+    "upgrade_verdict",
     "validate_matrix",
 ]
 
@@ -428,3 +429,27 @@ class CompatibilityMatrix:
             + " (AC as a fraction of pairs; n/a = undefined with one model)"
         )
         return "\n".join(lines)
+
+
+def upgrade_verdict(cross: float, self_old: float, self_new: float | None = None, strict: bool = True) -> dict:
+    """The compatibility criterion for one model upgrade (SPEC §1), as a decision record.
+
+    cross: M(Q_new, G_old); self_old: M(Q_old, G_old); self_new: M(Q_new, G_new) (full re-indexing), optional.
+    Returns ``{"compatible": cross > self_old (>= when not strict), "margin": cross - self_old,
+    "reindex_margin": self_new - self_old, "update_gain": CoReS Eq. 4 with self_new as the upper bound}``;
+    all fractions, the last two None without ``self_new`` (update_gain also None when self_new == self_old).
+    """
+    for name, value in (("cross", cross), ("self_old", self_old)) + ((("self_new", self_new),) if self_new is not None
+                                                                     else ()):
+        if not (isinstance(value, (int, float, np.floating)) and 0.0 <= float(value) <= 1.0):
+            raise ValueError(f"upgrade verdict {name}: expected a fraction in [0, 1], got {value!r}")
+    compatible = cross > self_old if strict else cross >= self_old
+    result = {"compatible": bool(compatible), "strict": bool(strict), "cross": float(cross),
+              "self_old": float(self_old), "margin": float(cross) - float(self_old), "self_new": None,
+              "reindex_margin": None, "update_gain": None}
+    if self_new is not None:
+        result["self_new"] = float(self_new)
+        result["reindex_margin"] = float(self_new) - float(self_old)
+        if float(self_new) != float(self_old):
+            result["update_gain"] = update_gain(cross, self_old, self_new)
+    return result

@@ -150,6 +150,13 @@ class ReplacementSpec(StrictModel):
     num_pretrain_classes: int | None = Field(
         None, ge=0, description="slots 0.. used by the external model's own classes (for the K check)"
     )
+    adapters: list[Literal["procrustes", "affine", "mlp", "fct"]] = Field(
+        default_factory=list,
+        description="adapters fitted between the replaced (old) and the new model at this replacement, evaluated "
+                    "and stored by an 'adapt' stage: procrustes|affine|mlp (new->old queries), fct (old->new gallery)",
+    )
+    adapter_params: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per-adapter settings, e.g. {affine: {rank: 64}, mlp: {epochs: 30}}")
 
 
 class EvaluationSpec(StrictModel):
@@ -181,7 +188,7 @@ class ResourcesSpec(StrictModel):
     evaluation_actors: int | None = Field(None, ge=1, description="parallel evaluation actors (None: from the cluster)")
 
     def for_stage(self, kind: str) -> StageResources:
-        return getattr(self, "finetune" if kind == "replace" else kind)
+        return getattr(self, {"replace": "finetune", "adapt": "evaluate"}.get(kind, kind))
 
 
 class OutputSpec(StrictModel):

@@ -9,6 +9,8 @@ Stage kinds (``t`` is the 0-based task index):
   from them with the loaded model as the frozen "old" model (as the reference HOC does).
 - ``extract`` (t, split): features of model ``t`` on the query or gallery set (once per model and split).
 - ``evaluate`` (t): row ``t`` of the compatibility matrix, ``C[t, 0..t]`` (each entry committed on its own).
+- ``adapt`` (t): at a replacement with ``adapters``, adapters between models t-1 and t fitted on paired gallery
+  features, their cross-tests and the partial-backfilling curves (pipelines/upgrades.py).
 
 The key of a stage is ``<kind>-<label>-<16 hex>`` where the hex digest hashes (kind, config slice, parent keys,
 code version): a change to any input or to the source code gives new keys, so stale artifacts are never reused.
@@ -26,7 +28,7 @@ from typing import Any, Iterator
 
 from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig, StageResources, config_to_dict, stable_hash
 
-STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "evaluate")
+STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "evaluate", "adapt")
 SPLITS = ("query", "gallery")
 # Source files that do not change what a stage produces (presentation, CLI, executors) stay out of the code hash,
 # so editing a report template does not invalidate trained models.
@@ -93,6 +95,7 @@ class StageGraph:
     pretrain_stages: dict[str, str] = field(default_factory=dict)  # pretrain name -> key
     extract_stages: dict[tuple[int, str], str] = field(default_factory=dict)  # (t, split) -> key
     evaluate_stages: list[str] = field(default_factory=list)     # key of row t
+    adapt_stages: dict[int, str] = field(default_factory=dict)   # replacement task t -> key of its adapt stage
 
     def __post_init__(self) -> None:
         self._by_key = {stage.key: stage for stage in self.stages}
@@ -120,7 +123,8 @@ class StageGraph:
         return len(self.stages)
 
     def count_by_kind(self) -> dict[str, int]:
-        counts = {kind: 0 for kind in STAGE_KINDS}
+        # optional kinds (adapt) appear only when the scenario has such stages
+        counts = {kind: 0 for kind in STAGE_KINDS if kind != "adapt" or self.adapt_stages}
         for stage in self.stages:
             counts[stage.kind] += 1
         return counts
@@ -194,7 +198,9 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
         replacement = config.replacement_at(task)
         if replacement is not None:
             kind = "replace"
-            source = document["replacements"][config.replacements.index(replacement)]
+            source = {name: value for name, value in
+                      document["replacements"][config.replacements.index(replacement)].items()
+                      if name not in ("adapters", "adapter_params")}  # adapters never retrain the model
             parents = (previous,) + source_parents(replacement.source)  # type: ignore[operator]
         else:
             kind = "finetune"
@@ -228,6 +234,21 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
                       f"evaluate[row={task}]", params, parents, resources.evaluate, task=task)
         graph.add(stage)
         graph.evaluate_stages.append(stage.key)
+
+    # Adapters at a replacement (issue 16): fitted on paired gallery features of the old (t-1) and new (t) models.
+    for index, replacement in enumerate(config.replacements):
+        if not replacement.adapters:
+            continue
+        task = replacement.at_task - 1
+        parents = (graph.extract_stages[(task - 1, "query")], graph.extract_stages[(task - 1, "gallery")],
+                   graph.extract_stages[(task, "query")], graph.extract_stages[(task, "gallery")])
+        params = {"task": task, "adapters": document["replacements"][index]["adapters"],
+                  "adapter_params": document["replacements"][index]["adapter_params"], "seed": config.seed,
+                  "protocol": protocol_params(document["evaluation"]), "strict": config.evaluation.strict}
+        stage = Stage(stage_key("adapt", f"t{task:03d}", params, parents, version), "adapt", f"adapt[t={task}]",
+                      params, parents, resources.evaluate, task=task)
+        graph.add(stage)
+        graph.adapt_stages[task] = stage.key
     return graph
 
 
@@ -282,7 +303,7 @@ def describe(graph: StageGraph) -> str:
     lines = [f"scenario {config.name}: {config.num_tasks} tasks ({config.tasks.spec}), method {config.method.name}, "
              f"K={config.model.num_slots}, code {graph.code_version}"]
     counts = graph.count_by_kind()
-    lines.append("stages: " + ", ".join(f"{counts[k]} {k}" for k in STAGE_KINDS) + f" ({len(graph)} in all)")
+    lines.append("stages: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + f" ({len(graph)} in all)")
     labels = {stage.key: stage.label for stage in graph}
     for stage in graph:
         res = stage.resources

@@ -759,6 +759,15 @@ STAGE_FUNCTIONS: dict[str, Callable[[StageContext], StageResult]] = {
 }
 
 
+def _adapt_stage(ctx: StageContext) -> StageResult:
+    from pipelines.upgrades import adapt_stage  # adapters at a replacement (issue 16)
+
+    return adapt_stage(ctx)
+
+
+STAGE_FUNCTIONS["adapt"] = _adapt_stage
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,116 @@
+"""The ``adapt`` stage: adapters and partial-backfilling curves at a replacement (old model t-1 -> new model t).
+
+Inputs are the features the pipeline already extracted: query and gallery features of both models. Adapters are
+fitted on the **paired gallery features** (the same gallery images embedded by both models: what a team has after
+re-embedding a sample of its index) and evaluated with the **query** set, whose images are disjoint from the
+gallery's. Each adapter is stored as ``adapter-<kind>.safetensors`` in the stage folder (content-keyed like every
+model; the tracker logs and registers it), and the record holds, for the entry C[t, t-1]:
+
+- ``self_old`` M(Q_old, G_old), ``self_new`` M(Q_new, G_new) (full re-indexing), ``cross`` M(Q_new, G_old);
+- per adapter: ``cross`` with the adapter applied (queries new->old, or the FCT-transformed gallery), the verdict
+  of the compatibility criterion (strict by default) and the margin to the self-test, the fit loss;
+- ``backfill``: Recall@1 / mAP against the re-embedded fraction of the gallery, random and uncertainty-first
+  order, starting from the FCT-transformed gallery when ``fct`` is listed, else from the raw old gallery.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+ADAPTER_BLOB_PREFIX = "adapter-"
+
+
+def adapter_blob_name(kind: str) -> str:
+    return f"{ADAPTER_BLOB_PREFIX}{kind}.safetensors"
+
+
+def _with_metric(protocol: dict, metric: str) -> dict:
+    return {**protocol, "metric": metric}
+
+
+def adapt_stage(ctx: Any) -> Any:
+    """Fit every adapter listed at the replacement of task ``ctx.stage.task``; evaluate; backfilling curves."""
+    from compat_core.adapters import GALLERY_ADAPTERS, make_adapter, save_adapter
+    from compat_core.backfill import backfill_curve, backfill_order, uncertainty_scores
+    from compat_core.metrics import upgrade_verdict
+    from pipelines.progress import ProgressUpdate
+    from pipelines.stages import StageResult, compute_entry
+    from pipelines.store import read_features
+
+    config, stage = ctx.config, ctx.stage
+    params = stage.params
+    protocol = params["protocol"]
+    metric = protocol["metric"]
+    if metric not in ("recall_at_1", "map"):
+        raise ValueError(f"replacements[].adapters: adapters are evaluated with recall_at_1 or map retrieval; "
+                         f"evaluation.metric is {metric!r}")
+    old_q, old_g, new_q, new_g = (read_features(ctx.store, key) for key in stage.parents)
+    as_float = lambda part: np.asarray(part[0], dtype=np.float32)  # noqa: E731
+
+    def entry(query: tuple, gallery: tuple, name: str = metric) -> float:
+        return compute_entry(query, gallery, _with_metric(protocol, name), config)
+
+    baseline = {name: {"self_old": entry(old_q, old_g, name), "self_new": entry(new_q, new_g, name),
+                       "cross": entry(new_q, old_g, name)} for name in ("recall_at_1", "map")}
+    strict = bool(params.get("strict", True))
+    record: dict[str, Any] = {"type": "adapters", "stage_key": stage.key, "task": int(stage.task),
+                              "old_task": int(stage.task) - 1, "metric": metric, "units": "fraction",
+                              "fit_on": "paired gallery features", "baseline": baseline,
+                              "verdict": upgrade_verdict(baseline[metric]["cross"], baseline[metric]["self_old"],
+                                                         baseline[metric]["self_new"], strict),
+                              "adapters": {}, "backfill": {}}
+    blobs: dict[str, bytes] = {}
+    transformed_gallery = None
+    kinds = list(params["adapters"])
+    for index, kind in enumerate(kinds):
+        settings = dict(params.get("adapter_params", {}).get(kind, {}))
+        if kind in ("mlp", "fct"):
+            settings.setdefault("seed", int(params.get("seed", 0)))
+        started = time.perf_counter()
+        adapter = make_adapter(kind, **settings)
+        gallery_direction = kind in GALLERY_ADAPTERS
+        source, target = (as_float(old_g), as_float(new_g)) if gallery_direction else (as_float(new_g),
+                                                                                        as_float(old_g))
+        adapter.fit(torch.from_numpy(source), torch.from_numpy(target))
+        values = {}
+        for name in ("recall_at_1", "map"):
+            if gallery_direction:  # old gallery moved into the new space, new queries unchanged
+                gallery = (adapter.apply(torch.from_numpy(as_float(old_g))).numpy(), old_g[1], old_g[2])
+                values[name] = entry(new_q, gallery, name)
+            else:                  # new queries moved into the old space, old gallery unchanged
+                query = (adapter.apply(torch.from_numpy(as_float(new_q))).numpy(), new_q[1], new_q[2])
+                values[name] = entry(query, old_g, name)
+        if gallery_direction:
+            transformed_gallery = adapter.apply(torch.from_numpy(as_float(old_g))).numpy()
+        blob = adapter_blob_name(kind)
+        blobs[blob] = save_adapter(adapter)
+        record["adapters"][kind] = {
+            "direction": adapter.direction, "blob": blob, "params": settings, "fit_loss": adapter.fit_loss[-1],
+            "seconds": time.perf_counter() - started, **{f"cross_{name}": value for name, value in values.items()},
+            "verdict": upgrade_verdict(values[metric], baseline[metric]["self_old"], baseline[metric]["self_new"],
+                                       strict)}
+        ctx.emit(ProgressUpdate(stage.key, index + 1, len(kinds) + 2, "adapter", 0.0))
+
+    # partial backfilling: new queries on a gallery re-embedded item by item
+    start_gallery = transformed_gallery if transformed_gallery is not None else as_float(old_g)
+    labels = lambda part: part[2] if protocol["label_level"] == "coarse" else part[1]  # noqa: E731
+    scores = uncertainty_scores(as_float(old_g), start_gallery, as_float(new_g))
+    record["backfill"]["start"] = "fct" if transformed_gallery is not None else "old features"
+    for step, order_name in enumerate(("random", "uncertainty")):
+        order = backfill_order(start_gallery.shape[0], order_name, seed=int(params.get("seed", 0)),
+                               scores=scores if order_name == "uncertainty" else None)
+        record["backfill"][order_name] = backfill_curve(as_float(new_q), labels(new_q), start_gallery,
+                                                        as_float(new_g), labels(new_g), order)
+        ctx.emit(ProgressUpdate(stage.key, len(kinds) + step + 1, len(kinds) + 2, "backfill curve", 0.0))
+    return StageResult(record, blobs)
+
+
+def adapter_summaries(graph: Any, store: Any) -> list[dict]:
+    """Committed adapt-stage records of a run, by replacement task (empty when the scenario lists no adapters)."""
+    return [store.load_record(key) for task, key in sorted(graph.adapt_stages.items()) if store.has(key)]
+
+
+__all__ = ["adapt_stage", "adapter_blob_name", "adapter_summaries", "ADAPTER_BLOB_PREFIX"]
