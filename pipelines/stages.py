@@ -561,21 +561,17 @@ def _frozen(model):
 
 # ---- extraction --------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def extract_stage(ctx: StageContext) -> StageResult:
-    """Features of the parent model on the query or gallery set, once, stored as fp16 (default) shards."""
+def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.device,
+                          progress: Callable[[int, int, float], None] | None = None) -> np.ndarray:
+    """(N, D) float32 features of ``model`` on every image of ``pool`` (logits for training-free methods).
+
+    The one extraction path: extract stages and ``compat gate`` use it. progress(batch, batches, images per s).
+    """
     from compat_core.data.transforms import make_transforms
     from compat_core.models.precision import prepare_batch
-
-    config = ctx.config
-    split = ctx.stage.split
-    check_pools_open_set(config)
-    spec = config.evaluation.query_set if split == "query" else config.evaluation.gallery_set
-    pool = load_pool(spec, f"evaluation.{split}_set")
-    model_record = ctx.parents[ctx.stage.parents[0]]
     from pipelines.training import precision_context, prepare_model
 
-    model = prepare_model(load_model_artifact(ctx.store, model_record, ctx.device), ctx.device,
-                          config.training.autocast)
+    model = prepare_model(model, device, config.training.autocast)
     model.eval()
     method = _method(config)
     transform = make_transforms(pool, train=False)
@@ -585,17 +581,32 @@ def extract_stage(ctx: StageContext) -> StageResult:
     total = len(pool)
     batches = max(1, -(-total // batch_size))
     for batch_index, start in enumerate(range(0, total, batch_size)):
-        images = torch.from_numpy(pool.read(np.arange(start, min(start + batch_size, total)))).to(ctx.device)
+        images = torch.from_numpy(pool.read(np.arange(start, min(start + batch_size, total)))).to(device)
         inputs = prepare_batch(transform(images), model)
-        with precision_context(ctx.device, config.training.autocast):
+        with precision_context(device, config.training.autocast):
             output = model(inputs)
         # training-free methods (PSP/LSP) map logits into the gallery model's class space at evaluation time
         values = output.logits if getattr(method, "training_free", False) else output.features
         outputs.append(values.float().cpu().numpy())
-        elapsed = time.perf_counter() - started
-        ctx.emit(ProgressUpdate(ctx.stage.key, batch_index + 1, batches, "batch",
-                                min(start + batch_size, total) / max(elapsed, 1e-9)))
-    features = np.concatenate(outputs, axis=0) if outputs else np.zeros((0, config.model.num_slots - 1), np.float32)
+        if progress is not None:
+            progress(batch_index + 1, batches, min(start + batch_size, total) / max(time.perf_counter() - started,
+                                                                                     1e-9))
+    return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, config.model.num_slots - 1), np.float32)
+
+
+def extract_stage(ctx: StageContext) -> StageResult:
+    """Features of the parent model on the query or gallery set, once, stored as fp16 (default) shards."""
+    config = ctx.config
+    split = ctx.stage.split
+    check_pools_open_set(config)
+    spec = config.evaluation.query_set if split == "query" else config.evaluation.gallery_set
+    pool = load_pool(spec, f"evaluation.{split}_set")
+    model_record = ctx.parents[ctx.stage.parents[0]]
+    started = time.perf_counter()
+    total = len(pool)
+    features = extract_pool_features(
+        load_model_artifact(ctx.store, model_record, ctx.device), pool, config, ctx.device,
+        lambda batch, batches, rate: ctx.emit(ProgressUpdate(ctx.stage.key, batch, batches, "batch", rate)))
     seconds = time.perf_counter() - started
     coarse = getattr(pool, "coarse_labels", None)
     blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse, dtype=config.evaluation.feature_dtype)
@@ -799,5 +810,5 @@ __all__ = [
     "ModelArtifact", "MemoryArtifact", "FeatureArtifact", "MatrixRow", "StageResult", "StageContext",
     "STAGE_FUNCTIONS", "execute_stage", "load_pool", "task_classes", "slot_of_positions", "compute_entry",
     "entry_adapters", "verification_pairs", "check_pools_open_set", "fine_labels", "ADAPTER_BLOB",
-    "load_model_artifact", "SubsetSource", "decode_array", "protocol_params",
+    "load_model_artifact", "SubsetSource", "extract_pool_features", "decode_array", "protocol_params",
 ]

@@ -1,0 +1,350 @@
+"""Compatibility gate on MLflow registry aliases: move ``champion`` to a candidate only when new queries can search
+the gallery the champion indexed.
+
+:func:`run_gate` evaluates, on a held-out query/gallery set (the ``evaluation`` section of a scenario config), the
+self-test M(Q_old, G_old) of the version behind the alias, the cross-test M(Q_new, G_old) of the candidate against
+it and the candidate's self-test M(Q_new, G_new) (full re-indexing), Recall@1 and mAP, and applies the strict
+compatibility criterion ``M(new, old) > M(old, old)`` (``>=`` when not strict; SPEC §1). The alias moves only when
+it holds (or when the alias is not set yet: the first champion). With ``adapter`` a query adapter (new -> old) or
+an FCT gallery transformation is fitted on the candidate's and champion's paired gallery features and the criterion
+is applied with it; the adapter file is logged with the gate run and its kind tagged on the version.
+
+Every decision is a run of the MLflow experiment ``compat-gate`` (tags ``run_role=gate``, ``action=gate|rollback``,
+``registered_model``, ``alias``, ``candidate_version``, ``previous_version`` (behind the alias before),
+``new_version`` (behind it after), ``decision``, ``reason``; metrics in fractions) and tags on the versions
+(``gate.<alias>.decision``, ``gate.<alias>.run_id``, ``gate.<alias>.margin``). :func:`alias_history` lists those
+runs; :func:`rollback` moves the alias back to the version it pointed to before its last move.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+GATE_EXPERIMENT = "compat-gate"
+DEFAULT_ALIAS = "champion"
+METRICS = ("recall_at_1", "map")
+
+
+@dataclass
+class GateResult:
+    """One gate decision. decision: promoted | refused | dry-run-pass | dry-run-refuse; numbers are fractions."""
+
+    model: str
+    alias: str
+    candidate_version: str
+    champion_version: str | None
+    decision: str
+    reason: str
+    metric: str
+    strict: bool
+    adapter: str | None = None
+    values: dict[str, dict[str, float]] = field(default_factory=dict)   # metric -> self_old/cross/self_new
+    verdict: dict[str, Any] = field(default_factory=dict)
+    advice: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)              # per adapter / backfill numbers on refusal
+    run_id: str | None = None
+
+    @property
+    def moved(self) -> bool:
+        return self.decision == "promoted"
+
+
+def _client(tracking_uri: str, registry_uri: str | None = None):
+    from mlflow import MlflowClient
+
+    from cluster.tracking import check_tracking_uri
+
+    uri = check_tracking_uri(tracking_uri)
+    return MlflowClient(tracking_uri=uri, registry_uri=check_tracking_uri(registry_uri) if registry_uri else uri)
+
+
+def _experiment_id(client: Any, name: str) -> str:
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return client.create_experiment(name)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def _version(client: Any, model: str, version: str) -> Any:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version(model, str(version))
+    except MlflowException as error:
+        raise ValueError(f"registered model {model!r} has no version {version!r} "
+                         f"({error.error_code}); list them with `mlflow models` or the MLflow UI") from None
+
+
+def _features(resolver: Any, model: str, version: str, config: Any, pools: dict, device: Any,
+              log: Callable[[str], None]) -> dict[str, tuple]:
+    """Features of ``models:/model/version`` on the query and gallery pools: split -> (features, labels, coarse)."""
+    from compat_core.models.compat_model import load_model
+    from pipelines.stages import extract_pool_features
+
+    folder = resolver(f"models:/{model}/{version}")
+    network = load_model(folder, map_location=device)
+    out = {}
+    for split, pool in pools.items():
+        started = time.perf_counter()
+        features = extract_pool_features(network, pool, config, device)
+        log(f"gate: version {version} {split} features {features.shape[0]} x {features.shape[1]} in "
+            f"{time.perf_counter() - started:.1f} s")
+        out[split] = (features, np.asarray(pool.labels), getattr(pool, "coarse_labels", None))
+    return out
+
+
+def _entry(query: tuple, gallery: tuple, config: Any, metric: str) -> float:
+    from pipelines.graph import protocol_params
+    from pipelines.stages import compute_entry
+
+    protocol = {**protocol_params(config.evaluation.model_dump()), "metric": metric}
+    return compute_entry(query, gallery, protocol, config)
+
+
+def _with_adapter(kind: str, old: dict, new: dict, seed: int) -> tuple[Any, dict, dict]:
+    """Fit ``kind`` on paired gallery features; returns (adapter, query features used, gallery features used)."""
+    import torch
+
+    from compat_core.adapters import GALLERY_ADAPTERS, make_adapter
+
+    adapter = make_adapter(kind, **({"seed": seed} if kind in ("mlp", "fct") else {}))
+    old_g = torch.from_numpy(np.asarray(old["gallery"][0], dtype=np.float32))
+    new_g = torch.from_numpy(np.asarray(new["gallery"][0], dtype=np.float32))
+    if kind in GALLERY_ADAPTERS:
+        adapter.fit(old_g, new_g)
+        gallery = (adapter.apply(old_g).numpy(),) + tuple(old["gallery"][1:])
+        return adapter, new["query"], gallery
+    adapter.fit(new_g, old_g)
+    query = (adapter.apply(torch.from_numpy(np.asarray(new["query"][0], dtype=np.float32))).numpy(),) + tuple(
+        new["query"][1:])
+    return adapter, query, old["gallery"]
+
+
+def _options_on_refusal(old: dict, new: dict, config: Any, metric: str, self_old: float, strict: bool,
+                        seed: int) -> tuple[dict, list[str]]:
+    """What the team can do: each adapter's verdict, and the re-indexed fraction that reaches the self-test."""
+    from compat_core.adapters import ADAPTER_KINDS
+    from compat_core.backfill import backfill_curve, backfill_order
+    from compat_core.metrics import upgrade_verdict
+
+    options: dict[str, Any] = {"adapters": {}}
+    advice = []
+    for kind in ADAPTER_KINDS:
+        _, query, gallery = _with_adapter(kind, old, new, seed)
+        value = _entry(query, gallery, config, metric)
+        verdict = upgrade_verdict(value, self_old, strict=strict)
+        options["adapters"][kind] = {"cross": value, "compatible": verdict["compatible"], "margin": verdict["margin"]}
+    passing = [kind for kind, item in options["adapters"].items() if item["compatible"]]
+    if passing:
+        best = max(passing, key=lambda kind: options["adapters"][kind]["cross"])
+        advice.append(f"fit an adapter: with {best} the cross-test is {options['adapters'][best]['cross']:.4f} > "
+                      f"{self_old:.4f}; re-run with --adapter {best} (passing: {', '.join(passing)})")
+    else:
+        advice.append("no adapter makes the candidate compatible on this set "
+                      + ", ".join(f"{k} {v['cross']:.4f}" for k, v in options["adapters"].items()))
+    labels = 2 if config.evaluation.label_level == "coarse" else 1
+    curve = backfill_curve(new["query"][0], new["query"][labels], old["gallery"][0], new["gallery"][0],
+                           new["gallery"][labels], backfill_order(len(new["gallery"][1]), "random", seed),
+                           metrics=(metric,))
+    options["backfill_random"] = curve
+    needed = next((f for f, v in zip(curve["fraction"], curve[metric]) if (v > self_old if strict else v >= self_old)),
+                  None)
+    if needed is None:
+        advice.append("backfill: even full re-indexing does not beat the champion's self-test on this set")
+    else:
+        advice.append(f"backfill: re-embedding {needed:.0%} of the gallery with the candidate (random order) gives "
+                      f"{curve[metric][curve['fraction'].index(needed)]:.4f} {'>' if strict else '>='} {self_old:.4f} "
+                      f"(full re-indexing: {curve[metric][-1]:.4f}); serve the candidate once that much is "
+                      f"re-embedded (see the backfilling curve in the gate run)")
+    return options, advice
+
+
+def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: str = DEFAULT_ALIAS,
+             adapter: str | None = None, strict: bool | None = None, dry_run: bool = False,
+             registry_uri: str | None = None, cache_dir: str | None = None, experiment: str = GATE_EXPERIMENT,
+             log: Callable[[str], None] = print) -> GateResult:
+    """Evaluate ``models:/model/candidate`` against the version behind ``alias``; move the alias when compatible.
+
+    config: a ScenarioConfig whose ``evaluation`` section names the held-out query/gallery sets and the metric
+    (``recall_at_1`` or ``map``). strict: None = ``config.evaluation.strict``. dry_run: decide and record, never move.
+    """
+    from cluster.registry import MlflowModelResolver, version_by_alias
+    from compat_core.metrics import upgrade_verdict
+    from pipelines.stages import check_pools_open_set, load_pool, resolve_device
+
+    metric = config.evaluation.metric
+    if metric not in METRICS:
+        raise ValueError(f"evaluation.metric {metric!r}: the gate evaluates retrieval, expected one of {METRICS}")
+    if adapter is not None:
+        from compat_core.adapters import ADAPTER_KINDS
+
+        if adapter not in ADAPTER_KINDS:
+            raise ValueError(f"--adapter {adapter!r}: expected one of {list(ADAPTER_KINDS)}")
+    strict = config.evaluation.strict if strict is None else bool(strict)
+    client = _client(tracking_uri, registry_uri)
+    candidate_version = _version(client, model, candidate)
+    champion = version_by_alias(client, model, alias)
+    result = GateResult(model, alias, str(candidate_version.version), str(champion.version) if champion else None,
+                        "", "", metric, strict, adapter)
+    if champion is None:
+        result.decision, result.reason = ("dry-run-pass" if dry_run else "promoted"), (
+            f"alias {alias!r} is not set: the candidate becomes the first {alias}")
+    elif str(champion.version) == str(candidate_version.version):
+        result.decision, result.reason = "refused", f"version {candidate} is already behind alias {alias!r}"
+    else:
+        check_pools_open_set(config)
+        pools = {"query": load_pool(config.evaluation.query_set, "evaluation.query_set"),
+                 "gallery": load_pool(config.evaluation.gallery_set, "evaluation.gallery_set")}
+        device = resolve_device(config.device)
+        resolver = MlflowModelResolver(client.tracking_uri, registry_uri, cache_dir)
+        old = _features(resolver, model, str(champion.version), config, pools, device, log)
+        new = _features(resolver, model, str(candidate_version.version), config, pools, device, log)
+        for name in METRICS:
+            result.values[name] = {"self_old": _entry(old["query"], old["gallery"], config, name),
+                                   "cross": _entry(new["query"], old["gallery"], config, name),
+                                   "self_new": _entry(new["query"], new["gallery"], config, name)}
+        fitted = None
+        if adapter is not None:
+            fitted, query, gallery = _with_adapter(adapter, old, new, config.seed)
+            for name in METRICS:
+                result.values[name][f"cross_{adapter}"] = _entry(query, gallery, config, name)
+        numbers = result.values[metric]
+        cross = numbers[f"cross_{adapter}"] if adapter else numbers["cross"]
+        result.verdict = upgrade_verdict(cross, numbers["self_old"], numbers["self_new"], strict)
+        sign = ">" if strict else ">="
+        what = f"M(new{'+' + adapter if adapter else ''}, old) = {cross:.4f}"
+        if result.verdict["compatible"]:
+            result.decision = "dry-run-pass" if dry_run else "promoted"
+            result.reason = f"compatible: {what} {sign} M(old, old) = {numbers['self_old']:.4f}"
+        else:
+            result.decision = "dry-run-refuse" if dry_run else "refused"
+            result.reason = f"not compatible: {what} is not {sign} M(old, old) = {numbers['self_old']:.4f}"
+            result.options, result.advice = _options_on_refusal(old, new, config, metric, numbers["self_old"],
+                                                                strict, config.seed)
+        result.fitted_adapter = fitted  # type: ignore[attr-defined]
+    _record(client, experiment, result, candidate_version, champion, dry_run)
+    return result
+
+
+def _record(client: Any, experiment: str, result: GateResult, candidate: Any, champion: Any, dry_run: bool) -> None:
+    """Gate run (tags, metrics, decision.json, adapter file), version tags, then the alias move."""
+    from mlflow.entities import Metric
+
+    from compat_core.adapters import save_adapter
+
+    moved = result.decision == "promoted"
+    tags = {"run_role": "gate", "action": "gate", "registered_model": result.model, "alias": result.alias,
+            "candidate_version": result.candidate_version, "previous_version": result.champion_version or "",
+            "new_version": result.candidate_version if moved else (result.champion_version or ""),
+            "decision": result.decision, "reason": result.reason[:4000], "metric": result.metric,
+            "strict": str(result.strict).lower(), "adapter": result.adapter or "", "dry_run": str(dry_run).lower()}
+    run = client.create_run(_experiment_id(client, experiment), tags=tags,
+                            run_name=f"gate-{result.model}-v{result.candidate_version}")
+    result.run_id = run.info.run_id
+    now = int(time.time() * 1000)
+    metrics = [Metric(f"{name}/{part}", float(value), now, 0) for name, parts in result.values.items()
+               for part, value in parts.items()]
+    if result.verdict:
+        metrics.append(Metric("margin", float(result.verdict["margin"]), now, 0))
+        metrics.append(Metric("compatible", float(result.verdict["compatible"]), now, 0))
+    for kind, item in (result.options.get("adapters") or {}).items():
+        metrics.append(Metric(f"option/{kind}/cross", float(item["cross"]), now, 0))
+    curve = result.options.get("backfill_random")
+    if curve:
+        for fraction, value in zip(curve["fraction"], curve[result.metric]):
+            metrics.append(Metric(f"backfill/random/{result.metric}", float(value), now, int(round(100 * fraction))))
+    if metrics:
+        client.log_batch(run.info.run_id, metrics=metrics, synchronous=True)
+    with tempfile.TemporaryDirectory(prefix="compat-gate-") as folder:
+        document = {key: value for key, value in asdict(result).items()}
+        Path(folder, "decision.json").write_text(json.dumps(document, indent=2))
+        fitted = getattr(result, "fitted_adapter", None)
+        if fitted is not None:
+            Path(folder, f"adapter-{result.adapter}.safetensors").write_bytes(save_adapter(fitted))
+        client.log_artifacts(run.info.run_id, folder, "gate")
+    client.set_terminated(run.info.run_id, "FINISHED")
+    prefix = f"gate.{result.alias}"
+    client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.decision", result.decision)
+    client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.run_id", run.info.run_id)
+    if result.verdict:
+        client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.margin",
+                                     f"{result.verdict['margin']:.6f}")
+    if moved:
+        if result.adapter:
+            client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.adapter", result.adapter)
+        client.set_registered_model_alias(result.model, result.alias, result.candidate_version)
+        if champion is not None:
+            client.set_model_version_tag(result.model, champion.version, f"{prefix}.replaced_by",
+                                         result.candidate_version)
+
+
+def alias_history(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, experiment: str = GATE_EXPERIMENT,
+                  registry_uri: str | None = None) -> list[dict]:
+    """Gate and rollback runs of ``model``/``alias``, oldest first: time, action, versions, decision, reason."""
+    client = _client(tracking_uri, registry_uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    if "'" in model or "'" in alias:
+        raise ValueError(f"model {model!r} / alias {alias!r}: quotes are not allowed")
+    runs = client.search_runs([found.experiment_id], f"tags.run_role = 'gate' and tags.registered_model = '{model}' "
+                              f"and tags.alias = '{alias}'", order_by=["attributes.start_time ASC"],
+                              max_results=1000)
+    rows = []
+    for run in runs:
+        tags = run.data.tags
+        rows.append({"time": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(run.info.start_time / 1000)),
+                     "start_ms": run.info.start_time, "run_id": run.info.run_id, "action": tags.get("action"),
+                     "candidate_version": tags.get("candidate_version"),
+                     "previous_version": tags.get("previous_version") or None,
+                     "new_version": tags.get("new_version") or None, "decision": tags.get("decision"),
+                     "adapter": tags.get("adapter") or None, "reason": tags.get("reason", ""),
+                     "margin": run.data.metrics.get("margin")})
+    return rows
+
+
+def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_version: str | None = None,
+             reason: str = "", experiment: str = GATE_EXPERIMENT, registry_uri: str | None = None) -> dict:
+    """Move ``alias`` back to the version it pointed to before its last move (or to ``to_version``); recorded."""
+    from cluster.registry import version_by_alias
+
+    client = _client(tracking_uri, registry_uri)
+    current = version_by_alias(client, model, alias)
+    if current is None:
+        raise ValueError(f"registered model {model!r}: alias {alias!r} is not set, nothing to roll back")
+    if to_version is None:
+        moves = [row for row in alias_history(tracking_uri, model, alias, experiment, registry_uri)
+                 if row["decision"] in ("promoted", "rolled-back") and row["new_version"] == str(current.version)]
+        if not moves or not moves[-1]["previous_version"]:
+            raise ValueError(f"registered model {model!r}: no recorded move of alias {alias!r} to version "
+                             f"{current.version} with a previous version; give the target with --to VERSION")
+        to_version = moves[-1]["previous_version"]
+    target = _version(client, model, to_version)
+    tags = {"run_role": "gate", "action": "rollback", "registered_model": model, "alias": alias,
+            "candidate_version": str(target.version), "previous_version": str(current.version),
+            "new_version": str(target.version), "decision": "rolled-back",
+            "reason": (reason or f"rollback of alias {alias!r} from version {current.version} to {target.version}")}
+    run = client.create_run(_experiment_id(client, experiment), tags=tags,
+                            run_name=f"rollback-{model}-v{current.version}-to-v{target.version}")
+    client.set_terminated(run.info.run_id, "FINISHED")
+    client.set_registered_model_alias(model, alias, str(target.version))
+    client.set_model_version_tag(model, str(current.version), f"gate.{alias}.rolled_back_by", run.info.run_id)
+    client.set_model_version_tag(model, str(target.version), f"gate.{alias}.decision", "rolled-back")
+    return {"model": model, "alias": alias, "from_version": str(current.version), "to_version": str(target.version),
+            "run_id": run.info.run_id}
+
+
+__all__ = ["GateResult", "run_gate", "alias_history", "rollback", "GATE_EXPERIMENT", "DEFAULT_ALIAS"]

@@ -1,0 +1,115 @@
+"""``compat gate``: a compatibility gate on MLflow registry aliases (logic: :mod:`cluster.gate`).
+
+- ``compat gate MODEL --candidate VERSION --config CONFIG [--alias champion] [--adapter KIND] [--non-strict]
+  [--dry-run]``: evaluate the candidate against the version behind the alias on the config's evaluation sets
+  (override with ``--set evaluation.query_set.split=...``), move the alias only when M(new, old) > M(old, old).
+  Exit 0 when promoted (or a dry run passes), 1 when refused, 2 on bad input.
+- ``compat gate history MODEL [--alias champion]``: every gate decision and rollback of the alias, oldest first.
+- ``compat gate rollback MODEL [--alias champion] [--to VERSION] [--reason TEXT]``: move the alias back to the
+  version it pointed to before its last move (or to ``--to``); recorded like a decision.
+
+The tracking server: ``--tracking-uri`` (``http(s)://HOST:PORT`` or ``sqlite:///PATH``), default
+``$MLFLOW_TRACKING_URI``. Numbers are fractions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HELP = "compatibility gate on a registry alias: evaluate, promote only when compatible; history; rollback"
+_ACTIONS = ("history", "rollback")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("words", nargs="+", metavar="[history|rollback] MODEL",
+                        help="registered model name, optionally preceded by 'history' or 'rollback'")
+    parser.add_argument("--candidate", metavar="VERSION", help="model version to gate (required for a gate)")
+    parser.add_argument("--config", metavar="YAML", help="scenario config whose evaluation section is the held-out "
+                        "query/gallery set (e.g. a run's config.yaml); required for a gate")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value (YAML-parsed; repeatable)")
+    parser.add_argument("--alias", default="champion", help="registry alias to guard (default: champion)")
+    parser.add_argument("--adapter", choices=("procrustes", "affine", "mlp", "fct"),
+                        help="fit this adapter on paired gallery features and gate with it applied")
+    parser.add_argument("--non-strict", action="store_true", help="criterion >= instead of > (default: the "
+                        "config's evaluation.strict)")
+    parser.add_argument("--dry-run", action="store_true", help="decide and record, never move the alias")
+    parser.add_argument("--to", dest="to_version", metavar="VERSION", help="rollback target version")
+    parser.add_argument("--reason", default="", help="rollback reason recorded in MLflow")
+    parser.add_argument("--tracking-uri", default=None, metavar="URI",
+                        help="MLflow tracking server (default: $MLFLOW_TRACKING_URI)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _fail(message: str) -> int:
+    print(f"compat gate: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _print_gate(result) -> None:
+    print(f"gate {result.model} v{result.candidate_version} -> alias {result.alias!r} "
+          f"(behind it: {'v' + result.champion_version if result.champion_version else 'nothing'}); "
+          f"criterion M(new, old) {'>' if result.strict else '>='} M(old, old), fractions")
+    if result.values:
+        columns = [name for name in result.values[result.metric]]
+        print(f"  {'metric':<12}" + "".join(f"{name:>18}" for name in columns))
+        for metric, parts in result.values.items():
+            print(f"  {metric:<12}" + "".join(f"{parts[name]:>18.4f}" for name in columns))
+        print(f"  margin M(new, old) - M(old, old) on {result.metric}: {result.verdict['margin']:+.4f}; "
+              f"full re-indexing gains {result.verdict['reindex_margin']:+.4f}")
+    print(f"decision: {result.decision}: {result.reason}")
+    for line in result.advice:
+        print(f"  what to do: {line}")
+    print(f"recorded: gate run {result.run_id} (experiment compat-gate)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster import gate
+
+    words = list(args.words)
+    action = words.pop(0) if words[0] in _ACTIONS else "gate"
+    if len(words) != 1:
+        return _fail(f"expected exactly one MODEL after {action!r}, got {words}")
+    model = words[0]
+    tracking_uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not tracking_uri:
+        return _fail("--tracking-uri: give the MLflow server (http://HOST:PORT or sqlite:///PATH) or set "
+                     "MLFLOW_TRACKING_URI")
+    try:
+        if action == "history":
+            rows = gate.alias_history(tracking_uri, model, args.alias)
+            if args.json:
+                print(json.dumps(rows, indent=2))
+                return 0
+            print(f"alias {args.alias!r} of {model}: {len(rows)} recorded decisions (oldest first)")
+            for row in rows:
+                margin = "" if row["margin"] is None else f" margin {row['margin']:+.4f}"
+                print(f"  {row['time']}  {row['action']:<8} v{row['candidate_version']:<4} {row['decision']:<15} "
+                      f"alias v{row['previous_version'] or '-'} -> v{row['new_version'] or '-'}"
+                      f"{' adapter ' + row['adapter'] if row['adapter'] else ''}{margin}  {row['reason']}")
+            return 0
+        if action == "rollback":
+            moved = gate.rollback(tracking_uri, model, args.alias, args.to_version, args.reason)
+            print(json.dumps(moved) if args.json else
+                  f"rolled back alias {args.alias!r} of {model}: v{moved['from_version']} -> v{moved['to_version']} "
+                  f"(recorded: run {moved['run_id']})")
+            return 0
+        if not args.candidate or not args.config:
+            return _fail("a gate needs --candidate VERSION and --config YAML (the held-out evaluation sets)")
+        from pipelines.config import load_config
+
+        config = load_config(args.config, args.overrides)
+        result = gate.run_gate(tracking_uri, model, args.candidate, config, args.alias, args.adapter,
+                               strict=False if args.non_strict else None, dry_run=args.dry_run,
+                               log=lambda line: print(line, file=sys.stderr))
+    except (ValueError, FileNotFoundError, KeyError) as error:
+        return _fail(str(error.args[0] if error.args else error))
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps(asdict(result), indent=2))
+    else:
+        _print_gate(result)
+    return 0 if result.decision in ("promoted", "dry-run-pass") else 1
