@@ -1,0 +1,122 @@
+"""`compat gate`, `compat gate history`, `compat gate rollback` against the real MLflow server (session fixture),
+on the model versions a real tiny pipeline run registered there (with adapters at its replacement)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+import tiny_scenario_helpers as tiny  # noqa: E402
+
+from pipelines.cli import main  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def tracked_run(mlflow_server, tmp_path_factory):
+    """A tiny ER run (float32 features, adapters at the replacement) tracked on the server; its model name."""
+    from mlflow import MlflowClient
+
+    tiny.register()
+    folder = tmp_path_factory.mktemp("gate")
+    document = tiny.scenario("er")
+    document["name"] = "tiny-gate"
+    document["evaluation"]["feature_dtype"] = "float32"   # so the run's matrix equals the gate's numbers exactly
+    document["replacements"][0]["adapters"] = ["procrustes", "fct"]
+    document["replacements"][0]["adapter_params"] = {"fct": {"epochs": 2, "hidden": 8}}
+    config = folder / "tiny.yaml"
+    config.write_text(yaml.safe_dump(document))
+    run_dir = folder / "run"
+    assert main(["run", str(config), "--output", str(run_dir), "--no-progress",
+                 "--tracking-uri", mlflow_server.tracking_uri]) == 0
+    client = MlflowClient(mlflow_server.tracking_uri)
+    name = next(m.name for m in client.search_registered_models() if m.name.startswith("tiny-gate-")
+                and not m.name.endswith("-adapters"))
+    return client, name, run_dir
+
+
+def _json_tail(text: str):
+    """The JSON document printed last (MLflow's client prints 'View run' lines to stdout before it)."""
+    lines = text.splitlines()
+    start = max(i for i, line in enumerate(lines) if line in ("{", "[", "[]"))
+    return json.loads("\n".join(lines[start:]))
+
+
+def _version_of_task(client, name, task_1based):
+    return client.get_model_version_by_alias(name, f"task-{task_1based}").version
+
+
+def test_gate_promotes_refuses_records_and_rolls_back(tracked_run, mlflow_server, capsys):
+    client, name, run_dir = tracked_run
+    uri = ["--tracking-uri", mlflow_server.tracking_uri]
+    config = str(run_dir / "config.yaml")
+    v1, v2 = _version_of_task(client, name, 1), _version_of_task(client, name, 2)
+
+    # the first gate on an unset alias makes the candidate the champion
+    assert main(["gate", name, "--candidate", str(v1), "--config", config] + uri) == 0
+    assert client.get_model_version_by_alias(name, "champion").version == v1
+
+    # task 2 against task 1: the decision and numbers equal the run's own matrix (C[1,0] vs C[0,0])
+    matrix = json.loads((run_dir / "matrix.json").read_text())["values"]
+    cross, self_old, self_new = matrix[1][0], matrix[0][0], matrix[1][1]
+    expected_pass = cross > self_old
+    capsys.readouterr()
+    code = main(["gate", name, "--candidate", str(v2), "--config", config, "--json"] + uri)
+    result = _json_tail(capsys.readouterr().out)
+    assert code == (0 if expected_pass else 1)
+    assert result["values"]["recall_at_1"]["cross"] == pytest.approx(cross, abs=1e-12)
+    assert result["values"]["recall_at_1"]["self_old"] == pytest.approx(self_old, abs=1e-12)
+    assert result["values"]["recall_at_1"]["self_new"] == pytest.approx(self_new, abs=1e-12)
+    assert result["verdict"]["margin"] == pytest.approx(cross - self_old, abs=1e-12)
+    assert result["decision"] == ("promoted" if expected_pass else "refused")
+    if not expected_pass:
+        assert set(result["options"]["adapters"]) == {"procrustes", "affine", "mlp", "fct"}
+        assert result["advice"]
+    gate_run = client.get_run(result["run_id"])
+    assert gate_run.data.tags["decision"] == result["decision"]
+    assert gate_run.data.tags["candidate_version"] == str(v2)
+    assert gate_run.data.metrics["recall_at_1/cross"] == pytest.approx(cross, abs=1e-12)
+    assert client.get_model_version(name, v2).tags["gate.champion.decision"] == result["decision"]
+    champion_now = client.get_model_version_by_alias(name, "champion").version
+
+    # identical weights registered as a new version: M(new, old) == M(old, old) exactly, so strict refuses and
+    # non-strict (>=) promotes
+    source = client.get_model_version(name, champion_now)
+    twin = client.create_model_version(name, source.source, run_id=source.run_id).version
+    assert main(["gate", name, "--candidate", str(twin), "--config", config] + uri) == 1
+    out = capsys.readouterr().out
+    assert "not compatible" in out and "what to do" in out
+    assert client.get_model_version_by_alias(name, "champion").version == champion_now
+    assert main(["gate", name, "--candidate", str(twin), "--config", config, "--non-strict"] + uri) == 0
+    assert client.get_model_version_by_alias(name, "champion").version == twin
+
+    # history lists every decision in order; rollback restores the previous champion and is recorded
+    capsys.readouterr()
+    assert main(["gate", "history", name, "--json"] + uri) == 0
+    rows = _json_tail(capsys.readouterr().out)
+    assert [row["candidate_version"] for row in rows] == [str(v1), str(v2), str(twin), str(twin)]
+    assert rows[-1]["previous_version"] == str(champion_now) and rows[-1]["new_version"] == str(twin)
+    assert main(["gate", "rollback", name, "--reason", "p99 latency regression"] + uri) == 0
+    assert client.get_model_version_by_alias(name, "champion").version == champion_now
+    capsys.readouterr()
+    assert main(["gate", "history", name] + uri) == 0
+    assert "rollback" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_adapters_of_the_run_are_registered_and_bad_gate_input_is_refused(tracked_run, mlflow_server, capsys):
+    client, name, run_dir = tracked_run
+    adapters = client.search_model_versions(f"name = '{name}-adapters'")
+    assert sorted(version.tags["adapter"] for version in adapters) == ["fct", "procrustes"]
+    assert client.get_model_version_by_alias(f"{name}-adapters", "procrustes-task-3").tags["task_1based"] == "3"
+    record = json.loads((run_dir / "adapters.json").read_text())[0]
+    assert record["task"] == 2 and set(record["adapters"]) == {"procrustes", "fct"}
+    uri = ["--tracking-uri", mlflow_server.tracking_uri]
+    assert main(["gate", name, "--candidate", "999", "--config", str(run_dir / "config.yaml")] + uri) == 2
+    assert "has no version '999'" in capsys.readouterr().err
+    assert main(["gate", name, "--candidate", "1"] + uri) == 2
+    assert "--config" in capsys.readouterr().err
