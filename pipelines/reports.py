@@ -409,6 +409,12 @@ def render_report_markdown(results: RunResults, images: dict[str, str] | None = 
         "",
         per_task_table_markdown(results),
         "",
+    ]
+    from pipelines.reports_upgrades import load_upgrades, section_markdown  # issue 16: gate verdicts, backfilling
+
+    lines += section_markdown(results, load_upgrades(results.run_dir),
+                              (images or {}).pop("Partial backfilling", None))
+    lines += [
         "## Protocol",
         "",
         f"- metric: `{matrix.metric}` (stored as `{matrix.units}` in `{MATRIX_FILE}`)",
@@ -597,6 +603,12 @@ def write_run_reports(results: RunResults) -> dict[str, Path]:
     _save(matrix_figure(results)[0], paths["matrix_png"])
     _save(aa_tau_figure(results)[0], paths["aa_tau_png"])
     images = {"Compatibility matrix": MATRIX_PNG, "AA_tau and AC_tau across tasks": CURVES_PNG}
+    from pipelines.reports_upgrades import BACKFILL_PNG, backfill_figure, load_upgrades
+
+    upgrades = load_upgrades(run_dir)
+    if any("random" in (record.get("backfill") or {}) for record in upgrades):
+        paths["backfill_png"] = _save(backfill_figure(upgrades), run_dir / BACKFILL_PNG)
+        images["Partial backfilling"] = BACKFILL_PNG
     _write_text_atomically(paths["report"], render_report_markdown(results, images))
     return paths
 

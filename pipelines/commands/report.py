@@ -32,6 +32,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"{results.name}: method {results.method}, {results.num_tasks} tasks, "
           f"{metric_display_name(results.matrix.metric)}, gallery {results.gallery}, replacements at tasks {replaced}")
     print(summary_table_markdown(results))
+    if results.replacement_tasks:
+        from pipelines.reports_upgrades import gate_table_markdown, load_upgrades
+
+        print("upgrade gate at replacements (percent):")
+        print(gate_table_markdown(results, load_upgrades(results.run_dir)))
     for problem in results.warnings:
         print(f"compat report: warning: {problem}", file=sys.stderr)
     print("wrote: " + ", ".join(str(path) for path in paths.values()))
