@@ -23,4 +23,19 @@ def run(args) -> int:
         print(f"refused: {error}", file=sys.stderr)
         return 2
     print(describe(compile_scenario(config)))
+    print(describe_paper(config))
     return 0
+
+
+def describe_paper(config) -> str:
+    """Which paper table the scenario reproduces, its deliberate divergences and the choices the paper leaves open."""
+    paper = config.paper
+    if paper is None:
+        return "paper: none (not a reproduction of a published table)"
+    lines = [f"paper: reproduces {paper.reproduces}"]
+    lines.append("  divergences:" if paper.divergences else "  divergences: none")
+    lines += [f"    - {item}" for item in paper.divergences]
+    if paper.choices:
+        lines.append("  choices where the paper is silent:")
+        lines += [f"    - {item}" for item in paper.choices]
+    return "\n".join(lines)

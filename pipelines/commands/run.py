@@ -91,6 +91,14 @@ def make_tracker(args, run_dir: str):
     return create_tracker(uri, run_dir=run_dir)
 
 
+def preflight_data(config) -> None:
+    """Before any stage: every pool opens (missing data named by key) and no test class occurs in a training pool
+    of the same dataset (the data-level open-set guard), so a run never trains for hours and then stops."""
+    from pipelines.stages import check_pools_open_set
+
+    check_pools_open_set(config)
+
+
 def uses_object_storage(config, run_dir: str) -> bool:
     """True when the run directory or any data root is an s3:// URI."""
     return str(run_dir).startswith("s3://") or "s3://" in json.dumps(config.model_dump(mode="json"), default=str)
@@ -110,6 +118,12 @@ def run(args) -> int:
         from cluster.storage import configure_object_storage
 
         configure_object_storage()  # S3 settings and credentials from the standard AWS chain, never from the YAML
+    if not (args.address or "").startswith(("http://", "https://")):  # a submitted job checks on the cluster
+        try:
+            preflight_data(config)
+        except (FileNotFoundError, ValueError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     try:
         tracker = make_tracker(args, run_dir)
     except ValueError as error:

@@ -180,15 +180,26 @@ def test_compatibility_model_selection_keeps_the_best_qualifying_epoch(tmp_path)
 
 
 def test_data_level_open_set_guard_refuses_a_leaking_test_pool(tmp_path):
+    tiny.register()
+    document = scenario_for("er", tmp_path)
+    # another root of the same dataset: the config-level guard cannot see that the classes are the fine-tuning ones
+    document["evaluation"]["query_set"] = {"dataset": "tiny-synth", "root": "elsewhere", "split": "finetune"}
+    with pytest.raises(ValueError, match="open-set violation.*tiny-synth.*data.*evaluation.query_set"):
+        run_scenario(document)
+
+
+def test_open_set_guard_compares_ids_only_within_one_dataset(tmp_path):
+    """Class ids of different datasets live in different spaces (CIFAR-100 id 3 is not CIFAR-10 id 3): a test pool
+    of another dataset whose ids coincide with the training ids is not a violation."""
     from compat_core.data.registry import DATASETS
+    from pipelines.stages import check_pools_open_set
 
     tiny.register()
-    if "tiny-synth-copy" not in DATASETS:  # another name for the same data: the config-level guard cannot see it
-        DATASETS.register("tiny-synth-copy", tiny.make_source)
+    if "tiny-synth-other" not in DATASETS:  # same ids, another dataset (as CIFAR-10 next to CIFAR-100)
+        DATASETS.register("tiny-synth-other", tiny.make_source)
     document = scenario_for("er", tmp_path)
-    document["evaluation"]["query_set"] = {"dataset": "tiny-synth-copy", "split": "finetune"}
-    with pytest.raises(ValueError, match="open-set violation.*data.*evaluation.query_set"):
-        run_scenario(document)
+    document["evaluation"]["query_set"] = {"dataset": "tiny-synth-other", "split": "finetune"}
+    check_pools_open_set(validate_config(document))  # no error: ids 10..15 of two datasets are different classes
 
 
 def test_run_dispatches_to_the_ray_executor(tmp_path, monkeypatch):
