@@ -64,6 +64,10 @@ class ModelSpec(StrictModel):
     backbone: str = Field(description="name in compat_core.models.BACKBONES")
     backbone_config: dict[str, Any] = Field(default_factory=dict)
     num_slots: int = Field(ge=2, description="K: d-Simplex classes pre-allocated; feature dimension is K - 1")
+    head: Literal["auto", "junction", "backbone"] = Field(
+        "auto", description="retrieval feature: 'junction' = Linear(m, K-1) output (d-Simplex methods need it); "
+        "'backbone' = the backbone output with the classifier on it (the papers' learnable-classifier baselines); "
+        "'auto' = backbone for learnable classifiers, junction for the d-Simplex")
 
 
 class OptimizerSpec(StrictModel):
@@ -474,11 +478,33 @@ def check_method(config: ScenarioConfig, source: str = "<config>") -> None:
         method_class(**config.method.params)
     except (ValueError, TypeError) as error:
         raise ConfigError(f"invalid scenario config {source}:\n  method.params: {error}") from None
+    head = resolved_head(config, method_class.classifier)
+    if head == "backbone":
+        if method_class.classifier == "simplex":
+            raise ConfigError(f"invalid scenario config {source}:\n  model.head: 'backbone' needs a learnable-classifier "
+                              f"method; {config.method.name!r} uses the d-Simplex, which needs the junction")
+        others = [(f"pretrain[{i}]", p.backbone, p.backbone_config) for i, p in enumerate(config.pretrain)]
+        others += [(f"replacements[{i}]", r.backbone, r.backbone_config) for i, r in enumerate(config.replacements)]
+        for key, backbone, backbone_config in others:
+            if (backbone is not None and backbone != config.model.backbone) or (
+                    backbone_config is not None and backbone_config != config.model.backbone_config):
+                raise ConfigError(
+                    f"invalid scenario config {source}:\n  {key}.backbone: another architecture than model.backbone "
+                    f"with the backbone-output features of {config.method.name!r} gives features of another width "
+                    f"that no cross-model entry can compare; set model.head: junction (a shared K-1 junction)")
     if getattr(method_class, "retrain_from_scratch", False) and (config.replacements or config.initial_model):
         key = "replacements" if config.replacements else "initial_model"
         raise ConfigError(
             f"invalid scenario config {source}:\n  {key}: method {config.method.name!r} retrains every model from the "
             f"same initial weights, so it never starts from third-party weights; remove '{key}'")
+
+
+def resolved_head(config: ScenarioConfig, classifier: str) -> str:
+    """'junction' or 'backbone': the model head a scenario's models get (``model.head``, 'auto' resolved by the
+    method's classifier family: backbone output for learnable classifiers, as the papers' baselines)."""
+    if config.model.head != "auto":
+        return config.model.head
+    return "backbone" if classifier == "learnable" else "junction"
 
 
 def read_document(path: str | os.PathLike) -> dict:

@@ -313,10 +313,12 @@ def _initial_model(config: ScenarioConfig, classifier: str, seed: int, backbone:
                    backbone_config: dict | None = None, num_active: int = 0):
     from compat_core.models.compat_model import create_model
 
+    from pipelines.config import resolved_head
+
     _seed_everything(seed)
     return create_model(backbone or config.model.backbone, config.model.num_slots, classifier=classifier,
                         backbone_config=config.model.backbone_config if backbone_config is None else backbone_config,
-                        num_active_classes=num_active)
+                        num_active_classes=num_active, head=resolved_head(config, classifier))
 
 
 def _load_source(ctx: StageContext, source: str, classifier: str, backbone: str | None, backbone_config: dict | None,
@@ -634,7 +636,7 @@ def extract_stage(ctx: StageContext) -> StageResult:
         elapsed = time.perf_counter() - started
         ctx.emit(ProgressUpdate(ctx.stage.key, batch_index + 1, batches, "batch",
                                 min(start + batch_size, total) / max(elapsed, 1e-9)))
-    features = np.concatenate(outputs, axis=0) if outputs else np.zeros((0, config.model.num_slots - 1), np.float32)
+    features = np.concatenate(outputs, axis=0) if outputs else np.zeros((0, model.feature_dim), np.float32)
     seconds = time.perf_counter() - started
     coarse = getattr(pool, "coarse_labels", None)
     blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse, dtype=config.evaluation.feature_dtype)

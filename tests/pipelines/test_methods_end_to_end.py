@@ -99,6 +99,15 @@ def test_method_runs_end_to_end_and_matrix_matches_fp64_brute_force(tmp_path, me
             else:
                 expected = brute_force_entry(method, store, graph, row, column)
                 assert values[row][column] == pytest.approx(expected, abs=1e-12), (method, row, column)
+    if method not in ("psp", "lsp"):
+        # d-Simplex methods retrieve on the K-1 junction output; learnable-classifier baselines on the backbone
+        # output (m = cnn4's embedding width), as the papers' reference ER
+        from compat_core.models import create_backbone
+
+        width = (config.model.num_slots - 1 if METHODS.get(method).classifier == "simplex"
+                 else create_backbone("cnn4", in_chans=1, width=4).embed_dim)
+        dims = {store.load_record(graph.extract_stages[(t, "gallery")])["layout"]["dim"] for t in range(T)}
+        assert dims == {width}, method
     if method == "fan":
         # tasks 1 and 2 trained with an old model, so each stored an adapter; task 0 had none
         assert [bool(store.load_record(k)["extra_blobs"]) for k in graph.model_stages] == [False, True, True]
