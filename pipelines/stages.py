@@ -287,15 +287,23 @@ def _model_blobs(model) -> dict[str, bytes]:
         return {name: Path(folder, name).read_bytes() for name in sorted(os.listdir(folder))}
 
 
+def artifact_location(stage_key: str) -> str:
+    """Where a stage's blobs live, relative to the run root (records never hold absolute paths, so a run folder
+    can be moved or copied; ``RunStore.uri(location)`` resolves it)."""
+    return f"{RunStore.ARTIFACTS}/{stage_key}"
+
+
 def load_model_artifact(store: RunStore, record: dict, device: torch.device):
     """Model of a model record, every blob verified against the manifest first."""
-    from compat_core.models.compat_model import load_model
+    from compat_core.models.compat_model import CONFIG_FILE, WEIGHTS_FILE, model_from_bytes
 
-    manifest = store.load_manifest(record["stage_key"])
-    for name in manifest["blobs"]:
-        if name in ("config.json", "model.safetensors"):
-            store.read_blob(record["stage_key"], name, manifest)
-    return load_model(record["uri"], map_location=device)
+    # The bytes that pass the manifest's sha256 are the bytes loaded, read from this run folder (never from the
+    # path the record was written under: a moved or copied run loads its own verified weights).
+    key = record["stage_key"]
+    manifest = store.load_manifest(key)
+    config_bytes = store.read_blob(key, CONFIG_FILE, manifest)
+    weights_bytes = store.read_blob(key, WEIGHTS_FILE, manifest)
+    return model_from_bytes(config_bytes, weights_bytes, store.uri(store.ARTIFACTS, key), map_location=device)
 
 
 def _method(config: ScenarioConfig):
@@ -415,7 +423,7 @@ def pretrain_stage(ctx: StageContext) -> StageResult:
                                  spec.schedule, model_selection="last")
     result = pretrain_model(model, pool, np.arange(len(pool)), train_config, on_record=ctx.emit,
                             progress=_progress_hook(ctx))
-    record = ModelArtifact("model", ctx.stage.key, ctx.store.uri(ctx.store.ARTIFACTS, ctx.stage.key), None, 0,
+    record = ModelArtifact("model", ctx.stage.key, artifact_location(ctx.stage.key), None, 0,
                            spec.num_classes, 0, classifier, spec.num_classes if classifier == "learnable" else 0,
                            source=None, training=_summary(result))
     data = asdict(record)
@@ -588,7 +596,7 @@ def train_task_stage(ctx: StageContext) -> StageResult:
                                               int(new_indices.shape[0]), config.replay.per_class))
     num_active = int(trained.num_active_classes) if classifier == "learnable" else 0
     source = replacement.source if replacement is not None else (config.initial_model if task == 0 else None)
-    record = ModelArtifact("model", stage.key, ctx.store.uri(ctx.store.ARTIFACTS, stage.key), task, line, pretrained,
+    record = ModelArtifact("model", stage.key, artifact_location(stage.key), task, line, pretrained,
                            first_position + len(tasks[task]), classifier, num_active, source=source,
                            memory=memory_record, extra_blobs=extra, training=_summary(result))
     return StageResult(asdict(record), blobs)
@@ -642,7 +650,7 @@ def extract_stage(ctx: StageContext) -> StageResult:
     blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse, dtype=config.evaluation.feature_dtype)
     adapter = ADAPTER_BLOB if ADAPTER_BLOB in (model_record.get("extra_blobs") or []) else None
     record = FeatureArtifact("features", ctx.stage.key, int(ctx.stage.task), split,
-                             ctx.store.uri(ctx.store.ARTIFACTS, ctx.stage.key), layout,
+                             artifact_location(ctx.stage.key), layout,
                              int(model_record.get("num_active_classes") or 0), seconds, total / max(seconds, 1e-9),
                              model_stage_key=model_record["stage_key"], adapter_blob=adapter)
     return StageResult(asdict(record), blobs)

@@ -262,23 +262,32 @@ def save_model(model: CompatModel, uri: str) -> str:
 
 def load_model(uri: str, map_location: str | torch.device = "cpu") -> CompatModel:
     """Rebuild a model saved by ``save_model`` from the folder ``uri``; every saved tensor must match by name/shape."""
-    from safetensors.torch import load as load_safetensors
-
     config_uri = cio.join(str(uri), CONFIG_FILE)
     weights_uri = cio.join(str(uri), WEIGHTS_FILE)
     for needed in (config_uri, weights_uri):
         if not cio.exists(needed):
             raise FileNotFoundError(f"model folder {uri} lacks {needed.rsplit('/', 1)[-1]} (expected "
                                     f"{WEIGHTS_FILE} and {CONFIG_FILE}, as written by save_model)")
+    return model_from_bytes(cio.read_bytes(config_uri), cio.read_bytes(weights_uri), str(uri), map_location)
+
+
+def model_from_bytes(config_bytes: bytes, weights_bytes: bytes, where: str = "<bytes>",
+                     map_location: str | torch.device = "cpu") -> CompatModel:
+    """Rebuild a model from the contents of its config.json and model.safetensors (e.g. blobs already read and
+    verified by a run store); ``where`` names them in errors."""
+    from safetensors.torch import load as load_safetensors
+
+    config_uri = cio.join(where, CONFIG_FILE)
+    weights_uri = cio.join(where, WEIGHTS_FILE)
     try:
-        config = json.loads(cio.read_bytes(config_uri).decode("utf-8"))
-    except json.JSONDecodeError as error:
+        config = json.loads(config_bytes.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{config_uri} is not valid JSON: {error}") from error
     version = config.get("format_version", FORMAT_VERSION)
     if version > FORMAT_VERSION:
         raise ValueError(f"{config_uri} has format_version {version}; this code reads up to {FORMAT_VERSION}")
     model = model_from_config(config)
-    state = load_safetensors(cio.read_bytes(weights_uri))
+    state = load_safetensors(weights_bytes)
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
         raise ValueError(

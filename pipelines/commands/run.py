@@ -19,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor", choices=("local", "ray"), default="local", help="where stages run")
     parser.add_argument("--address", default=None, help="Ray address for --executor ray (auto | ray://... | http://...)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
+    parser.add_argument("--recompute", action="append", default=[], metavar="KEY",
+                        help="with --resume: compute this committed stage again (a unique prefix of its key, as "
+                             "printed by an integrity error); repeatable")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking: sqlite:///PATH or http(s)://HOST:PORT; 'none' disables it; default: "
                              "$MLFLOW_TRACKING_URI, else SQLite mlflow.db in a local run directory")
@@ -124,13 +127,21 @@ def run(args) -> int:
         except (FileNotFoundError, ValueError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-    try:
-        tracker = make_tracker(args, run_dir)
-    except ValueError as error:
-        print(f"error: --tracking-uri: {error}", file=sys.stderr)
-        return 2
-    summary = run_tracked(compile_scenario(config), RunStore(run_dir), tracker, args.executor, args.address,
-                          progress=not args.no_progress)
+    from pipelines.lease import run_lease
+
+    with run_lease(run_dir):  # one writer per run folder, taken before tracking or any stage
+        store = RunStore(run_dir)
+        for prefix in args.recompute:
+            key = store.resolve_key(prefix)
+            store.forget(key)
+            print(f"recompute: stage {key} uncommitted; it runs again", file=sys.stderr)
+        try:
+            tracker = make_tracker(args, run_dir)
+        except ValueError as error:
+            print(f"error: --tracking-uri: {error}", file=sys.stderr)
+            return 2
+        summary = run_tracked(compile_scenario(config), store, tracker, args.executor, args.address,
+                              progress=not args.no_progress)
     print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done)")
     if summary.matrix is not None:
         print_results(summary.matrix, summary.metrics)

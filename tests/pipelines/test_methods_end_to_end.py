@@ -136,7 +136,7 @@ def test_herding_memory_matches_icarl_herding_on_the_trained_model(tmp_path):
     record = store.load_record(graph.model_stages[0])
     stored = store.read_array(graph.model_stages[0], record["memory"]["indices_blob"])
     pool = load_pool(config.data)
-    model = load_model(record["uri"]).eval()
+    model = load_model(store.uri(record["uri"])).eval()
     labels = np.asarray(pool.labels)
     expected = []
     for class_id in task_classes(config)[0]:
