@@ -38,12 +38,23 @@ def _load_commands() -> dict[str, object]:
     return commands
 
 
+def package_version() -> str:
+    """The installed distribution's version (``compat-learning``), or 'unknown' when run from a bare checkout."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("compat-learning")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``compat`` parser with one sub-parser per available command module (each sets ``args._run``)."""
     parser = argparse.ArgumentParser(
         prog="compat",
         description="Compatible representation learning: train, replace and evaluate compatible models.",
     )
+    parser.add_argument("--version", action="version", version=f"compat {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in _load_commands().items():
         command_parser = sub.add_parser(name, help=module.HELP, description=module.HELP)

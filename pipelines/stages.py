@@ -161,7 +161,11 @@ def load_pool(spec: PoolSpec, key: str = "pool") -> Any:
     """Open a pool (dataset + filters); cached in-process by its spec. Raises naming ``key`` when data is missing."""
     from compat_core.data.registry import load_dataset
 
-    cache_key = json.dumps(spec.model_dump(mode="json"), sort_keys=True)
+    # a relative local root means another folder after a chdir: the cache key holds the resolved location
+    root = spec.root
+    if root is not None and "://" not in root and not os.path.isabs(root):
+        root = os.path.abspath(root)
+    cache_key = json.dumps([spec.model_dump(mode="json"), root], sort_keys=True)
     if cache_key in _POOL_CACHE:
         return _POOL_CACHE[cache_key]
     try:
@@ -246,7 +250,7 @@ def check_pools_open_set(config: ScenarioConfig) -> None:
 
     key = stable_hash([config.data.model_dump(mode="json"), [p.pool.model_dump(mode="json") for p in config.pretrain],
                        config.evaluation.query_set.model_dump(mode="json"),
-                       config.evaluation.gallery_set.model_dump(mode="json")])
+                       config.evaluation.gallery_set.model_dump(mode="json"), os.getcwd()])
     if key in _OPEN_SET_CHECKED:
         return
     training = [("data", config.data)] + [(f"pretrain[{p.name}].pool", p.pool) for p in config.pretrain]

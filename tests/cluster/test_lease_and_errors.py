@@ -120,3 +120,22 @@ def test_corrupt_blob_prints_the_fix_and_recompute_repairs_the_run(tmp_path):
     assert feature_blob.read_bytes() == original  # the stage is deterministic: the same bytes come back
     again = _compat(tmp_path, "eval", str(run_dir), "--gallery", "class_means")
     assert again.returncode == 0, again.stderr[-2000:]
+
+
+def test_weed_gets_no_credentials_from_the_environment(tmp_path, monkeypatch):
+    """Given AWS_* variables weed would add an identity of its own: the server starts with a minimal environment."""
+    from cluster.local_services import SeaweedS3Server
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIASHOULDNOTLEAK")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "should-not-leak-secret")
+    server = SeaweedS3Server(tmp_path / "weed")
+    server.start()
+    try:
+        environ = Path(f"/proc/{server.process.pid}/environ").read_bytes().split(b"\0")
+        names = {item.split(b"=", 1)[0].decode() for item in environ if item}
+        assert not {name for name in names if name.startswith("AWS_")}
+        assert "PATH" in names
+    finally:
+        server.stop()
+    logs = b"".join(p.read_bytes() for p in (tmp_path / "weed").rglob("*.log") if p.is_file())
+    assert b"AKIASHOULDNOTLEAK" not in logs and b"should-not-leak-secret" not in logs

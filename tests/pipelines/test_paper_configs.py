@@ -40,6 +40,9 @@ def test_every_paper_config_reaches_a_matrix_on_published_format_data(name, data
     config_path = tmp_path / name
     config_path.write_text(yaml.safe_dump(tiny, sort_keys=False))
     assert main(["run", str(config_path), "--no-progress", "--tracking-uri", "none"]) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    # --no-progress (and any non-terminal stream) gives flushed stage lines, never bars drawn into a file
+    assert "] finetune[t=0]: started" in err and "] finetune[t=0]: done in " in err and "\r" not in err
     matrix = json.loads((tmp_path / "run" / "matrix.json").read_text())
     values = matrix["values"]
     assert len(values) == 3  # three tasks
@@ -166,3 +169,33 @@ def test_iam_cl2r_t7_sampler_steps_per_epoch_are_task_plus_memory_over_batch():
                     memory_slots=np.zeros(num_memory, dtype=np.int64))
     method = get_method(config.method.name, **config.method.params)
     assert _steps_per_epoch(data, method, train) == (num_task + num_memory) // config.training.batch_size
+
+
+def test_plan_check_data_lists_every_missing_root_at_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no data here at all
+    assert main(["plan", str(CONFIGS / "iam-cl2r-cifar100r-10-t7.yaml"), "--check-data"]) == 1
+    out = capsys.readouterr().out
+    assert "data: 6 problem(s):" in out
+    for key in ("data", "pretrain[0].pool", "pretrain[1].pool", "pretrain[2].pool", "evaluation.query_set",
+                "evaluation.gallery_set"):
+        assert f"\n  {key}: " in out, key
+
+
+def test_plan_check_data_passes_on_the_published_layouts(data_dir, monkeypatch, capsys):
+    monkeypatch.chdir(data_dir)
+    assert main(["plan", str(CONFIGS / "cl2r-cub180-20-t7.yaml"), "--check-data",
+                 "--set", "evaluation.query_set.num_samples=null", "--set", "evaluation.gallery_set.num_samples=null"]) == 0
+    assert "data: every pool opened" in capsys.readouterr().out
+
+
+def test_version_and_missing_data_without_traceback(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.startswith("compat ")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(CONFIGS / "cl2r-cifar100-10-t2.yaml"), "--output", str(tmp_path / "run"),
+                 "--tracking-uri", "none", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "error: data: data of 'cifar100'" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "manifests").exists()  # detected before any stage
