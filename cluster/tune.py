@@ -261,10 +261,44 @@ class SearchSpec:
         return cls(**data)
 
 
+MARKER_FILE = "compat-tune.json"
+
+
 def write_spec(spec: SearchSpec) -> str:
+    """Write ``search.json`` and the marker that says `compat tune` created this folder (with its sha256)."""
+    import hashlib
+
     from compat_core import io as cio
 
-    return cio.write_bytes(cio.join(spec.experiment_path, SEARCH_FILE), spec.to_json().encode("utf-8"))
+    data = spec.to_json().encode("utf-8")
+    uri = cio.write_bytes(cio.join(spec.experiment_path, SEARCH_FILE), data)
+    marker = {"created_by": "compat tune", "search_sha256": hashlib.sha256(data).hexdigest()}
+    cio.write_bytes(cio.join(spec.experiment_path, MARKER_FILE), json.dumps(marker).encode("utf-8"))
+    return uri
+
+
+def check_marker(experiment_path: str) -> None:
+    """Refuse a folder that `compat tune` did not create (or whose search.json changed since): ``--resume``
+    unpickles Ray Tune's experiment state from it, so only folders this tool wrote, from a trusted location, may
+    be resumed. Raises PermissionError naming the folder."""
+    import hashlib
+
+    from compat_core import io as cio
+
+    marker_uri = cio.join(str(experiment_path), MARKER_FILE)
+    search_uri = cio.join(str(experiment_path), SEARCH_FILE)
+    missing = [name for name, uri in ((MARKER_FILE, marker_uri), (SEARCH_FILE, search_uri)) if not cio.exists(uri)]
+    if missing:
+        raise PermissionError(f"--resume {experiment_path}: {' and '.join(missing)} missing there; only a folder "
+                              f"created by `compat tune` can be resumed (resuming unpickles its Tune state)")
+    try:
+        marker = json.loads(cio.read_bytes(marker_uri).decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        marker = {}
+    actual = hashlib.sha256(cio.read_bytes(search_uri)).hexdigest()
+    if marker.get("created_by") != "compat tune" or marker.get("search_sha256") != actual:
+        raise PermissionError(f"--resume {experiment_path}: {SEARCH_FILE} does not match {MARKER_FILE} (sha256 "
+                              f"{actual}); the folder was changed outside `compat tune` and is not resumed")
 
 
 def read_spec(experiment_path: str) -> SearchSpec:
@@ -723,6 +757,7 @@ def resume_search(experiment_path: str, address: str | None = None) -> SearchOut
         from cluster.storage import configure_object_storage
 
         configure_object_storage()
+    check_marker(experiment_path)
     spec = read_spec(experiment_path)
     if spec.plugins:
         load_plugins(spec.plugins)

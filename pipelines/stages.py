@@ -845,7 +845,14 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
             raise RuntimeError(f"stage {stage.label}: parent {key} is not committed; run the graph in order")
         parents[key] = store.load_record(key)
     ctx = StageContext(stage, config, store, parents, emit, resolve_device(config.device))
-    result = STAGE_FUNCTIONS[stage.kind](ctx)
+    from pipelines.graph import stage_threads
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(stage_threads(stage.resources))  # the count in the stage key, on every backend
+    try:
+        result = STAGE_FUNCTIONS[stage.kind](ctx)
+    finally:
+        torch.set_num_threads(threads_before)
     record = result.record if isinstance(result.record, dict) else asdict(result.record)
     record.setdefault("kind", stage.kind)
     record["kind"] = stage.kind

@@ -112,6 +112,11 @@ def run(args) -> int:
     from pipelines.graph import compile_scenario
     from pipelines.store import RunStore
 
+    if any(str(value or "").startswith("s3://") for value in (args.resume, args.config, args.output)):
+        # configure before the first read (--resume reads the run's config.yaml from the bucket)
+        from cluster.storage import configure_object_storage
+
+        configure_object_storage()
     try:
         config, run_dir = resolve_run(args)
     except (ConfigError, ValueError, FileNotFoundError) as error:

@@ -139,3 +139,32 @@ def test_weed_gets_no_credentials_from_the_environment(tmp_path, monkeypatch):
         server.stop()
     logs = b"".join(p.read_bytes() for p in (tmp_path / "weed").rglob("*.log") if p.is_file())
     assert b"AKIASHOULDNOTLEAK" not in logs and b"should-not-leak-secret" not in logs
+
+
+def test_resume_of_an_s3_run_uses_the_endpoint_of_the_aws_profile(s3_server, s3_bucket, tmp_path, monkeypatch):
+    """The endpoint lives only in an AWS profile (no AWS_ENDPOINT_URL): `compat run` and `compat run --resume`
+    of an s3:// run folder both reach the SeaweedFS server (before, --resume read config.yaml before configuring)."""
+    sys.path.insert(0, str(ROOT / "tests" / "pipelines"))
+    import tiny_scenario_helpers as tiny
+
+    config = tmp_path / "aws-config"
+    config.write_text("[profile seaweed]\nregion = us-east-1\n"
+                      f"endpoint_url = {s3_server.endpoint_url}\ns3 =\n    addressing_style = path\n")
+    credentials = tmp_path / "aws-credentials"
+    credentials.write_text(f"[seaweed]\naws_access_key_id = {s3_server.credentials.access_key}\n"
+                           f"aws_secret_access_key = {s3_server.credentials.secret_key}\n")
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_PROFILE", "seaweed")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    scenario = tmp_path / "tiny.yaml"
+    scenario.write_text(yaml.safe_dump(tiny.scenario("er")))
+    run_dir = f"s3://{s3_bucket}/runs/tiny"
+    first = _compat(tmp_path, "run", str(scenario), "--output", run_dir, "--no-progress", "--tracking-uri", "none")
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = _compat(tmp_path, "run", "--resume", run_dir, "--no-progress", "--tracking-uri", "none")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "stages run, " in resumed.stdout and "(0 stages run" in resumed.stdout

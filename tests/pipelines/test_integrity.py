@@ -60,3 +60,22 @@ def test_moved_and_copied_runs_load_their_own_verified_weights(tmp_path):
     assert resumed.matrix["values"] == reference
     features = read_features(copied_store, graph.extract_stages[(0, "query")])[0]
     assert np.array_equal(features, reference_features)
+
+
+def test_results_do_not_depend_on_the_ambient_thread_count_and_threads_are_in_the_key(tmp_path):
+    """A stage computes with its own thread count (resources.<kind>.num_cpus) on every backend, so the process's
+    torch thread setting changes nothing; a different stage thread count is a different stage key."""
+    document = tiny.scenario("dsimplex-hoc")
+    blobs = []
+    for ambient, folder in ((1, tmp_path / "one"), (2, tmp_path / "two")):
+        torch.set_num_threads(ambient)
+        tiny.register()
+        graph = compile_scenario(validate_config(dict(document, output={"dir": str(folder)})))
+        LocalExecutor(progress=False).run(graph, RunStore(str(folder)))
+        blobs.append({p.relative_to(folder): p.read_bytes() for p in (folder / "artifacts").rglob("*") if p.is_file()})
+    torch.set_num_threads(1)
+    assert blobs[0].keys() == blobs[1].keys() and blobs[0] == blobs[1]
+    two_threads = dict(document, resources={"finetune": {"num_cpus": 2}})
+    keys_one = set(compile_scenario(validate_config(document)).model_stages)
+    keys_two = set(compile_scenario(validate_config(two_threads)).model_stages)
+    assert not keys_one & keys_two  # every model stage (all are finetune here) changes key
