@@ -236,9 +236,11 @@ class SearchSpec:
 
     @property
     def num_tasks(self) -> int:
+        """Tasks of every trial: the base config's, after the space's ``fixed`` overrides (which may set tasks.spec)."""
         from pipelines.config import parse_increments
 
-        return len(parse_increments(self.base_config["tasks"]["spec"]))
+        document = apply_values(self.base_config, dict((self.space or {}).get("fixed") or {}))
+        return len(parse_increments(document["tasks"]["spec"]))
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1, sort_keys=True)
@@ -689,6 +691,17 @@ def default_resources(config, concurrent: int) -> dict:
     return {"cpu": round(cpus, 3), "gpu": float(gpus)}
 
 
+def make_sampler(space, seed: int):
+    """Optuna sampler of a search: a seeded brute-force enumeration (every combination once, in a seeded random
+    order: no repeated trial) when every parameter is an unconditional categorical; seeded TPE otherwise."""
+    import optuna
+
+    parameters = list(getattr(space, "parameters", []))
+    if parameters and all(p.type == "categorical" and not p.when for p in parameters):
+        return optuna.samplers.BruteForceSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
+
+
 def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: list | None = None) -> SearchOutcome:
     """Start a new search described by ``spec`` (search.json written first), run it to the end or an interruption."""
     import ray.tune as tune
@@ -721,7 +734,8 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
     experiment_id, spec.parent_run_id = open_search_run(spec)
     write_spec(spec)
 
-    searcher = ConcurrencyLimiter(OptunaSearch(space=space, metric=OBJECTIVE_KEY, mode="max", seed=spec.seed),
+    searcher = ConcurrencyLimiter(OptunaSearch(space=space, metric=OBJECTIVE_KEY, mode="max",
+                                               sampler=make_sampler(space, spec.seed)),
                                   max_concurrent=spec.concurrent)
     scheduler = None
     if spec.scheduler == "asha":
@@ -730,8 +744,9 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
                                   reduction_factor=2)
     tuner = tune.Tuner(
         _trainable(spec),
+        # concurrency is the ConcurrencyLimiter's alone (also giving it to TuneConfig makes Tune wrap it twice)
         tune_config=tune.TuneConfig(metric=OBJECTIVE_KEY, mode="max", search_alg=searcher, scheduler=scheduler,
-                                    num_samples=spec.samples, max_concurrent_trials=spec.concurrent,
+                                    num_samples=spec.samples,
                                     trial_dirname_creator=trial_dirname, trial_name_creator=trial_dirname),
         run_config=tune.RunConfig(
             name=spec.name, storage_path=storage_path, storage_filesystem=filesystem,
