@@ -178,7 +178,8 @@ class ResourcesSpec(StrictModel):
     finetune: StageResources = Field(default_factory=StageResources)
     extract: StageResources = Field(default_factory=StageResources)
     evaluate: StageResources = Field(default_factory=lambda: StageResources(num_gpus=0))
-    evaluation_actors: int | None = Field(None, ge=1, description="parallel evaluation actors (None: from the cluster)")
+    evaluation_actors: int | None = Field(None, ge=1, description="most matrix-entry tasks running at once on Ray "
+                                                                   "(None: as many as Ray places)")
 
     def for_stage(self, kind: str) -> StageResources:
         return getattr(self, "finetune" if kind == "replace" else kind)
