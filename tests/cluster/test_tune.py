@@ -69,8 +69,8 @@ def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, c
         # every stage ran exactly once across the per-task invocations
         executed = [key for path in (run_dir / "executions").iterdir()
                     for key in json.loads(path.read_text())["executed"]]
-        stages = [path.stem for path in (run_dir / "manifests").glob("*.json") if not path.stem.startswith("entry-")]
-        assert len(stages) == 13  # 1 pretrain, 3 fine-tune/replace, 6 extract, 3 evaluate
+        stages = [path.stem for path in (run_dir / "manifests").glob("*.json")]
+        assert len(stages) == 19  # 1 pretrain, 3 fine-tune/replace, 6 extract, 6 matrix entries, 3 evaluate
         assert sorted(executed) == sorted(stages)
     best_id = max(expected, key=expected.get)
     assert outcome.best.trial_id == best_id
