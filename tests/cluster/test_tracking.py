@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -12,6 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+import tiny_scenario_helpers as tiny  # noqa: E402
+
+tiny.register()  # the scenario below names the tiny-synth dataset: configs validate only once it is registered
 
 from cluster.registry import parse_model_uri, registered_model_name, task_alias
 from cluster.tracking import (

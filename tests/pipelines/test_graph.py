@@ -74,7 +74,7 @@ def test_plan_estimates_hand_worked():
 
 
 def test_plan_command_refuses_invalid_config(tmp_path, capsys):
-    from pipelines.cli import main
+    from app.cli import main
 
     path = tmp_path / "bad.yaml"
     path.write_text((CONFIGS / "demo-er.yaml").read_text().replace("at_task: 5", "at_task: 8"))

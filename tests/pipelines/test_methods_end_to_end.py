@@ -107,7 +107,7 @@ def test_method_runs_end_to_end_and_matrix_matches_fp64_brute_force(tmp_path, me
                 assert values[row][column] == pytest.approx(expected, abs=1e-12), (method, row, column)
     # `compat eval` after `compat run`: the run's own protocol computes nothing and gives the same matrix; another
     # protocol runs only its new entry nodes, through the same entry function (FAN: with the adapters)
-    from pipelines.cli import main
+    from app.cli import main
 
     before = set(store.stage_keys())
     assert main(["eval", str(tmp_path)]) == 0
@@ -229,7 +229,7 @@ def test_run_dispatches_to_the_ray_executor(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "cluster.ray_executor", fake)
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(yaml.safe_dump(tiny.scenario("er", output=str(tmp_path / "run"))))
-    from pipelines.cli import main
+    from app.cli import main
 
     assert main(["run", str(config_path), "--executor", "ray", "--address", "ray://head:10001", "--no-progress",
                  "--tracking-uri", "none"]) == 0

@@ -69,7 +69,7 @@ def test_second_run_skips_everything_and_eval_variant_reuses_features(hoc_run, c
     config, graph, run_dir, _ = hoc_run
     again = LocalExecutor(progress=False).run(graph, RunStore(run_dir))
     assert again.executed == [] and len(again.skipped) == len(graph)
-    from pipelines.cli import main
+    from app.cli import main
 
     before = set(RunStore(run_dir).stage_keys())
     assert main(["eval", str(run_dir), "--gallery", "class_means"]) == 0

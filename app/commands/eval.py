@@ -60,7 +60,7 @@ def evaluate_variant(run_dir: str, overrides: dict) -> tuple[dict, dict, str]:
 
 
 def run(args) -> int:
-    from pipelines.commands.run import print_results
+    from app.commands.run import print_results
 
     overrides = {"gallery": args.gallery, "metric": args.metric, "label_level": args.label_level,
                  "strict": None if args.strict is None else args.strict == "true"}
