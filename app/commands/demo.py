@@ -78,14 +78,17 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
     if threads is not None:
         torch.set_num_threads(threads)
     config = load_config(config_path, overrides)
-    tracker = create_tracker(tracking_uri, run_dir=run_dir)
-    graph, store = compile_scenario(config), RunStore(run_dir)
-    started = time.perf_counter()
-    cpu_before = _cpu_seconds()
-    summary = run_tracked(graph, store, tracker, executor,
-                          progress=progress == "bars",
-                          sinks=(_StageLines(name),) if progress == "lines" else (),
-                          num_cpus=(threads or 1) if executor == "ray" else None)
+    from pipelines.lease import run_lease
+
+    with run_lease(run_dir):
+        tracker = create_tracker(tracking_uri, run_dir=run_dir)
+        graph, store = compile_scenario(config), RunStore(run_dir)
+        started = time.perf_counter()
+        cpu_before = _cpu_seconds()
+        summary = run_tracked(graph, store, tracker, executor,
+                              progress=progress == "bars",
+                              sinks=(_StageLines(name),) if progress == "lines" else (),
+                              num_cpus=(threads or 1) if executor == "ray" else None)
     return {"name": name, "run_dir": run_dir, "matrix": summary.matrix, "metrics": summary.metrics,
             "wall_s": time.perf_counter() - started, "cpu_s": _cpu_seconds() - cpu_before,
             "executed": len(summary.executed), "skipped": len(summary.skipped)}
