@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", action="append", default=[], metavar="KEY",
                         help="with --resume: compute this committed stage again (a unique prefix of its key, as "
                              "printed by an integrity error); repeatable")
+    parser.add_argument("--experiment", default=None, metavar="NAME",
+                        help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME, else the scenario name); put "
+                             "runs you compare (e.g. ER and d-Simplex-HOC) in one experiment")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking: sqlite:///PATH or http(s)://HOST:PORT; 'none' disables it; default: "
                              "$MLFLOW_TRACKING_URI, else SQLite mlflow.db in a local run directory")
@@ -118,7 +121,8 @@ def make_tracker(args, run_dir: str):
         print(f"note: run directory {run_dir} is remote; MLflow tracking is off (give --tracking-uri to track)",
               file=sys.stderr)
         uri = "none"
-    return create_tracker(uri, run_dir=run_dir)
+    experiment = getattr(args, "experiment", None) or os.environ.get("MLFLOW_EXPERIMENT_NAME") or None
+    return create_tracker(uri, run_dir=run_dir, experiment=experiment)
 
 
 def preflight_data(config) -> None:
