@@ -67,7 +67,7 @@ def test_models_alias_source_trains_and_evaluates_end_to_end(mlflow_server, tmp_
     assert graph_source["values"][2][2] is not None
     task_3 = [k for k in store.stage_keys() if k.startswith("replace-t002-")]
     assert len(task_3) == 1 and version.tags["stage_key"] == task_3[0]
-    folder = store.load_record(task_3[0])["uri"]
+    folder = store.uri(store.ARTIFACTS, task_3[0])  # model.safetensors + config.json of that stage
     assert main(["run", _write(tmp_path, "path", _upgrade(tmp_path, "path", folder)), "--tracking-uri", "none",
                  "--no-progress"]) == 0
     registry = json.loads((tmp_path / "registry" / "matrix.json").read_text())
