@@ -28,6 +28,7 @@ import ray
 
 from pipelines.executor import Backend, Executor, RunSummary, close_emit, read_invocations, run_graph
 from pipelines.graph import Stage, StageGraph
+from cluster.storage import installed_access
 from pipelines.progress import ProgressReporter, ProgressUpdate
 from pipelines.store import RunStore
 
@@ -76,7 +77,7 @@ DEFAULT_MAX_RETRIES = 3  # a transient failure (a node lost, an OOM kill): a few
 
 
 def run_node(store_root: str, stage: Stage, config: Any, code_version: str, num_threads: int,
-             setup: Callable[[], None] | None = None) -> dict:
+             setup: Callable[[], None] | None = None, storage_access: Any = None) -> dict:
     """Body of a node's Ray task: execute and commit ``stage``; returns {"key", "records", "pid", "computed"}.
 
     records: the node's non-progress records (per-epoch training summaries), replayed by the driver to its emit
@@ -87,6 +88,12 @@ def run_node(store_root: str, stage: Stage, config: Any, code_version: str, num_
     from pipelines.stages import execute_stage
 
     torch.set_num_threads(max(1, int(num_threads)))
+    if storage_access is not None:
+        # the driver's S3 settings (endpoint, region, style, profile: from its AWS chain, e.g. an AWS_PROFILE);
+        # an S3Access travels without secrets and resolves credentials from this worker's own chain
+        from cluster.storage import configure_object_storage
+
+        configure_object_storage(storage_access)
     if setup is not None:
         setup()
     store = RunStore(store_root)
@@ -150,7 +157,8 @@ class RayBackend(Backend):
         root = store.root if not store.is_local else store.base  # absolute: workers do not share the driver's cwd
         # tasks are named after their stage: `ray list tasks` and the dashboard show finetune[t=3], entry[...]
         ref = self.remote.options(**options, max_retries=self.max_retries, name=stage.label).remote(
-            root, stage, graph.config, graph.code_version, max(1, int(math.floor(options["num_cpus"]))), self.setup)
+            root, stage, graph.config, graph.code_version, max(1, int(math.floor(options["num_cpus"]))), self.setup,
+            installed_access())
         self.running[ref] = stage.key
         self.stats["tasks"] += 1
 

@@ -141,9 +141,13 @@ def test_weed_gets_no_credentials_from_the_environment(tmp_path, monkeypatch):
     assert b"AKIASHOULDNOTLEAK" not in logs and b"should-not-leak-secret" not in logs
 
 
-def test_resume_of_an_s3_run_uses_the_endpoint_of_the_aws_profile(s3_server, s3_bucket, tmp_path, monkeypatch):
+@pytest.mark.parametrize("executor", ["local", "ray"])
+def test_resume_of_an_s3_run_uses_the_endpoint_of_the_aws_profile(s3_server, s3_bucket, tmp_path, monkeypatch,
+                                                                  executor):
     """The endpoint lives only in an AWS profile (no AWS_ENDPOINT_URL): `compat run` and `compat run --resume`
-    of an s3:// run folder both reach the SeaweedFS server (before, --resume read config.yaml before configuring)."""
+    of an s3:// run folder both reach the SeaweedFS server (before, --resume read config.yaml before configuring),
+    in-process and on Ray, whose stage tasks get the driver's S3 settings (never its secrets) and resolve
+    credentials from their own chain."""
     sys.path.insert(0, str(ROOT / "tests" / "pipelines"))
     import tiny_scenario_helpers as tiny
 
@@ -161,9 +165,22 @@ def test_resume_of_an_s3_run_uses_the_endpoint_of_the_aws_profile(s3_server, s3_
     monkeypatch.setenv("AWS_PROFILE", "seaweed")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     scenario = tmp_path / "tiny.yaml"
-    scenario.write_text(yaml.safe_dump(tiny.scenario("er")))
+    document = tiny.scenario("er")
+    # a registered dataset (Ray's stage tasks run in workers that only know the registry): scikit-learn's digits,
+    # classes 0-5 for training, 6-9 as the open-set query/gallery
+    document.pop("pretrain")
+    document.pop("replacements")
+    document["data"] = {"dataset": "digits", "split": "train", "classes": [0, 1, 2, 3, 4, 5]}
+    document["evaluation"]["query_set"] = {"dataset": "digits", "split": "test", "classes": [6, 7, 8, 9],
+                                           "per_class": 8}
+    document["evaluation"]["gallery_set"] = {"dataset": "digits", "split": "train", "classes": [6, 7, 8, 9],
+                                             "per_class": 8}
+    document["model"] = {"backbone": "resnet32_cifar", "backbone_config": {"in_chans": 1}, "num_slots": 8}
+    scenario.write_text(yaml.safe_dump(document))
     run_dir = f"s3://{s3_bucket}/runs/tiny"
-    first = _compat(tmp_path, "run", str(scenario), "--output", run_dir, "--no-progress", "--tracking-uri", "none")
+    run_dir = f"{run_dir}-{executor}"
+    first = _compat(tmp_path, "run", str(scenario), "--output", run_dir, "--no-progress", "--tracking-uri", "none",
+                    "--executor", executor)
     assert first.returncode == 0, first.stderr[-2000:]
     resumed = _compat(tmp_path, "run", "--resume", run_dir, "--no-progress", "--tracking-uri", "none")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
