@@ -341,6 +341,8 @@ def describe(graph: StageGraph) -> str:
         gpus = "auto" if res.num_gpus is None else f"{res.num_gpus:g}"
         memory = "-" if res.memory is None else _human_bytes(res.memory)
         parents = ", ".join(labels[p] for p in stage.parents) or "-"
+        if stage.kind == "evaluate":  # its T entry nodes, one range instead of t+1 labels
+            parents = f"entry[{stage.task},0..{stage.task}]"
         lines.append(f"  {stage.label:<26} gpus={gpus:<4} cpus={res.num_cpus:<4g} mem={memory:<9} <- {parents}")
     plan = estimate(graph)
     if plan.feature_bytes is None:

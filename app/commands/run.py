@@ -107,6 +107,37 @@ def model_sources_setup(config, tracking_uri: str | None):
     return functools.partial(register_mlflow_resolvers, uri)
 
 
+def pin_model_aliases(config, tracking_uri: str | None):
+    """``models:/NAME@ALIAS`` sources rewritten as ``models:/NAME/VERSION`` (the version the alias names now), so
+    the stage keys hash immutable content: moving the alias later never reuses stages trained from the old
+    version, and config.yaml records which version was used. Other configs are returned unchanged."""
+    import re
+
+    pattern = re.compile(r"^models:/(?P<name>[^/@]+)@(?P<alias>[A-Za-z0-9_-]+)/?$")
+    if not any(pattern.match(r.source) for r in config.replacements) and not pattern.match(config.initial_model or ""):
+        return config
+    from mlflow import MlflowClient
+
+    from cluster.registry import version_by_alias
+
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+    def pinned(key: str, source: str) -> str:
+        match = pattern.match(source or "")
+        if match is None:
+            return source
+        found = version_by_alias(client, match["name"], match["alias"])
+        if found is None:
+            raise FileNotFoundError(f"{key}: registered model {match['name']!r} has no alias {match['alias']!r} "
+                                    f"on {tracking_uri}")
+        return f"models:/{match['name']}/{found.version}"
+
+    replacements = [r.model_copy(update={"source": pinned(f"replacements[{i}].source", r.source)})
+                    for i, r in enumerate(config.replacements)]
+    return config.model_copy(update={"replacements": replacements,
+                                     "initial_model": pinned("initial_model", config.initial_model)})
+
+
 def make_tracker(args, run_dir: str):
     """The MLflow tracker for this run (cluster.tracking; 'none' gives a no-op tracker). A run directory on S3 has
     no place for the default SQLite file, so it tracks only with an explicit --tracking-uri or MLFLOW_TRACKING_URI."""
@@ -151,6 +182,8 @@ def run(args) -> int:
     try:
         config, run_dir = resolve_run(args)
         setup = model_sources_setup(config, args.tracking_uri)
+        if setup is not None:
+            config = pin_model_aliases(config, setup.args[0])
     except (ConfigError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

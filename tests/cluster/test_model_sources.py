@@ -58,6 +58,9 @@ def test_models_alias_source_trains_and_evaluates_end_to_end(mlflow_server, tmp_
         assert not (tmp_path / "noreg" / "manifests").exists()
         assert main(["run", _write(tmp_path, "registry", _upgrade(tmp_path, "registry", models_uri)),
                      "--tracking-uri", uri, "--no-progress"]) == 0
+        # the alias is pinned to the version it named, so moving it later cannot reuse these stages
+        used = yaml.safe_load((tmp_path / "registry" / "config.yaml").read_text())["replacements"][0]["source"]
+        assert used == f"models:/{names[0]}/{version.version}"
     finally:
         unregister_uri_resolver("models")
         unregister_uri_resolver("runs")
