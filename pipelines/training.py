@@ -574,11 +574,6 @@ def train_task(
             batch = loader.batch(positions)
             with precision_context(device, config.mixed_precision):
                 loss, parts = method.loss(batch, ctx)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"method {method.name!r}: non-finite loss {float(loss)} at task {data.task}, epoch {epoch}, step "
-                    f"{step} (parts {parts}); lower TrainConfig.lr"
-                )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -587,15 +582,16 @@ def train_task(
             seconds = time.perf_counter() - started
             train_seconds += seconds
             train_images += int(positions.size)
-            window.add(float(loss.detach()), parts, int(positions.size), seconds)
+            # running sums stay on the device: the host reads them only when a record is emitted (no per-step sync)
+            window.add(loss.detach(), parts, int(positions.size), seconds)
             if progress is not None:
                 progress(epoch, step, total_steps, train_images / max(train_seconds, 1e-9))
             if config.log_every_steps and step % config.log_every_steps == 0:
-                emit(window.record(data.task, epoch, step, optimizer))
+                emit(window.record(data.task, epoch, step, optimizer, method_name=method.name))
                 window = _Window()
         metrics = selector.observe(epoch, model) if selector is not None else {}
         if window.count or metrics:
-            emit(window.record(data.task, epoch, step, optimizer, metrics))
+            emit(window.record(data.task, epoch, step, optimizer, metrics, method_name=method.name))
 
     selected_epoch = config.epochs - 1
     if selector is not None and selector.best_state is not None:
@@ -615,32 +611,53 @@ def train_task(
 
 
 class _Window:
-    """Running means of the loss and its parts between two records."""
+    """Running sums of the loss and its parts between two records, kept as device tensors.
+
+    ``add`` never reads a value back to the host; ``record`` does once (one device sync per record), and raises
+    FloatingPointError when any step of the window had a non-finite loss (checked there, not per step, so that the
+    training step does not wait for the accelerator).
+    """
 
     def __init__(self) -> None:
         self.count = 0
-        self.loss_sum = 0.0
-        self.part_sums: dict[str, float] = {}
+        self.loss_sum: torch.Tensor | float = 0.0
+        self.nonfinite: torch.Tensor | int = 0
+        self.part_sums: dict[str, torch.Tensor | float] = {}
         self.images = 0
         self.seconds = 0.0
 
-    def add(self, loss: float, parts: Mapping[str, float], images: int, seconds: float) -> None:
+    def add(self, loss: torch.Tensor, parts: Mapping[str, Any], images: int, seconds: float) -> None:
         self.count += 1
-        self.loss_sum += loss
+        loss = loss.detach().float()
+        self.loss_sum = self.loss_sum + loss
+        self.nonfinite = self.nonfinite + (~torch.isfinite(loss)).int()
         for key, value in parts.items():
-            self.part_sums[key] = self.part_sums.get(key, 0.0) + float(value)
+            value = value.detach().float() if isinstance(value, torch.Tensor) else float(value)
+            self.part_sums[key] = self.part_sums.get(key, 0.0) + value
         self.images += images
         self.seconds += seconds
 
     def record(self, task: int, epoch: int, step: int, optimizer: torch.optim.Optimizer,
-               metrics: Mapping[str, float] | None = None) -> TrainRecord:
+               metrics: Mapping[str, float] | None = None, method_name: str = "") -> TrainRecord:
         count = max(self.count, 1)
+        names = list(self.part_sums)
+        # one transfer for the loss, the non-finite count and every part
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(())
+                              for v in [self.loss_sum, self.nonfinite, *(self.part_sums[n] for n in names)]])
+        host = values.cpu().tolist() if self.count else [math.nan, 0.0] + [0.0] * len(names)
+        loss_sum, nonfinite, part_values = host[0], int(host[1]), host[2:]
+        parts = {name: value / count for name, value in zip(names, part_values)}
+        if nonfinite:
+            raise FloatingPointError(
+                f"method {method_name!r}: non-finite loss in {nonfinite} of the {self.count} steps ending at step "
+                f"{step} (task {task}, epoch {epoch}; mean {loss_sum / count}, parts {parts}); lower TrainConfig.lr"
+            )
         return TrainRecord(
             task=task,
             epoch=epoch,
             step=step,
-            loss=self.loss_sum / count if self.count else math.nan,
-            loss_parts={key: value / count for key, value in self.part_sums.items()},
+            loss=loss_sum / count if self.count else math.nan,
+            loss_parts=parts,
             lr=float(optimizer.param_groups[0]["lr"]),
             images_per_s=self.images / max(self.seconds, 1e-9),
             seconds=self.seconds,
@@ -669,7 +686,7 @@ class SupervisedPretraining(Method):
             value = simplex_cross_entropy(output.logits, batch.targets)
         else:
             value = classification_cross_entropy(output.logits, batch.targets)
-        return value, {"ce": float(value.detach())}
+        return value, {"ce": value.detach()}
 
 
 def pretrain_model(
