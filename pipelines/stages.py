@@ -328,7 +328,7 @@ def _train_config(config: ScenarioConfig, seed: int, device: torch.device, epoch
         schedule=schedule.name, milestones=tuple(schedule.milestones), gamma=schedule.gamma, seed=seed,
         device=str(device), model_selection=model_selection or training.model_selection,
         selection_strict=config.evaluation.strict, mixed_precision=training.autocast,
-        eval_batch_size=config.evaluation.batch_size,
+        eval_batch_size=config.evaluation.batch_size, input_workers=training.input_workers,
     )
 
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from compat_core.data.base import ImageSource
 from compat_core.data.replay import half_and_half_batches
+from compat_core.data.stream import stream_batches
 from compat_core.data.transforms import make_transforms
 from compat_core.models.precision import autocast_context, has_convolutions, prepare_batch, prepare_for_speed
 from compat_core.retrieval import recall_at_1
@@ -97,6 +98,8 @@ class TrainConfig:
     (CoReS Sec. 8.2; needs ``TaskData.selection``). mixed_precision: True / "auto" autocasts where the device has
     a fast half type (bf16 on CPUs with AMX), "bf16" / "fp16" force that autocast dtype, False / "off" runs fp32. steps_per_epoch: cap on steps per epoch (None: one pass).
     log_every_steps: also emit a record every N steps (0: per-epoch records only).
+    input_workers: CPU processes that read and decode the next batches while the current step runs
+    (compat_core.data.stream; 0: read in the training thread). prefetch_batches: batches read ahead per worker.
     """
 
     epochs: int = 1
@@ -119,6 +122,8 @@ class TrainConfig:
     steps_per_epoch: int | None = None
     eval_batch_size: int = 256
     log_every_steps: int = 0
+    input_workers: int = 0
+    prefetch_batches: int = 2
 
     def __post_init__(self) -> None:
         _require_int("epochs", self.epochs, 1)
@@ -146,6 +151,8 @@ class TrainConfig:
             _require_int("steps_per_epoch", self.steps_per_epoch, 1)
         _require_int("eval_batch_size", self.eval_batch_size, 1)
         _require_int("log_every_steps", self.log_every_steps, 0)
+        _require_int("input_workers", self.input_workers, 0)
+        _require_int("prefetch_batches", self.prefetch_batches, 1)
         try:
             autocast_mode(self.mixed_precision)
         except ValueError as error:
@@ -326,8 +333,10 @@ class _Loader:
             self.all_indices, self.all_slots = data.indices, data.slots
         self.num_task = data.indices.size
 
-    def batch(self, positions: np.ndarray) -> Batch:
-        images = torch.from_numpy(np.ascontiguousarray(self.data.source.read(self.all_indices[positions])))
+    def batch(self, positions: np.ndarray, images: torch.Tensor | None = None) -> Batch:
+        """The device batch of ``positions``; ``images`` (uint8, already read, e.g. by the stream) or read here."""
+        if images is None:
+            images = torch.from_numpy(np.ascontiguousarray(self.data.source.read(self.all_indices[positions])))
         images = prepare_batch(self.transform(images.to(self.device, non_blocking=True)), self.model)
         targets = torch.from_numpy(self.all_slots[positions]).to(self.device)
         is_memory = torch.from_numpy(positions >= self.num_task).to(self.device)
@@ -389,10 +398,12 @@ def _extract(model: nn.Module, source: ImageSource, indices: np.ndarray, device:
              feature_fn: Callable[[Any], torch.Tensor]) -> torch.Tensor:
     transform = make_transforms(source, train=False)
     chunks = []
-    for start in range(0, indices.size, config.eval_batch_size):
-        images = torch.from_numpy(np.ascontiguousarray(source.read(indices[start : start + config.eval_batch_size])))
+    batches = [np.arange(start, min(start + config.eval_batch_size, indices.size))
+               for start in range(0, indices.size, config.eval_batch_size)]
+    for _, images in stream_batches(source, indices, batches, workers=config.input_workers,
+                                    prefetch=config.prefetch_batches, pin_memory=device.type == "cuda"):
         with precision_context(device, config.mixed_precision):
-            output = model(prepare_batch(transform(images.to(device)), model))
+            output = model(prepare_batch(transform(images.to(device, non_blocking=True)), model))
         chunks.append(feature_fn(output).float().cpu())
     return torch.cat(chunks)
 
@@ -569,9 +580,13 @@ def train_task(
     for epoch in range(config.epochs):
         model.train()
         window = _Window()
-        for positions in epoch_batches(data, method, config, epoch):
-            started = time.perf_counter()
-            batch = loader.batch(positions)
+        # the next batches are read and decoded on CPU workers while this step runs (same order for a seed)
+        stream = stream_batches(data.source, loader.all_indices, list(epoch_batches(data, method, config, epoch)),
+                                workers=config.input_workers, prefetch=config.prefetch_batches,
+                                pin_memory=device.type == "cuda")
+        started = time.perf_counter()  # a step's time includes any wait for its batch
+        for positions, images in stream:
+            batch = loader.batch(positions, images)
             with precision_context(device, config.mixed_precision):
                 loss, parts = method.loss(batch, ctx)
             optimizer.zero_grad(set_to_none=True)
@@ -580,6 +595,7 @@ def train_task(
             scheduler.step()
             step += 1
             seconds = time.perf_counter() - started
+            started = time.perf_counter()
             train_seconds += seconds
             train_images += int(positions.size)
             # running sums stay on the device: the host reads them only when a record is emitted (no per-step sync)

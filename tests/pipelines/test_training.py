@@ -270,3 +270,11 @@ def test_non_finite_loss_is_reported_at_the_record(source):
     with pytest.raises(FloatingPointError, match=r"non-finite loss in 3 of the 3 steps ending at step 3.*lower TrainConfig.lr"):
         train_task(tiny_model(), None, Exploding(), task_data(source, "simplex"),
                    config(epochs=1, batch_size=4, steps_per_epoch=3))
+
+
+def test_streaming_workers_give_the_same_weights_as_reading_in_the_loop(source):
+    data = task_data(source, "simplex")
+    inline = train_task(tiny_model(), None, get_method("dsimplex-hoc"), data, config(input_workers=0)).model
+    streamed = train_task(tiny_model(), None, get_method("dsimplex-hoc"), data,
+                          config(input_workers=2, prefetch_batches=1)).model
+    assert weights_equal(inline, streamed)
