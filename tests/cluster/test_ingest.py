@@ -136,3 +136,26 @@ def test_run_on_ingested_shards_without_the_source_gives_the_same_matrix(shards_
     assert "tiny-synth" not in json.dumps(scenario)
     sharded = _run_matrix(scenario, tmp_path / "sharded")
     assert sharded == direct and len(direct) == 3
+
+
+def test_published_jpegs_keep_their_bytes_and_both_decoders_agree(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compat_core" / "data"))
+    from fixtures_published import write_celeba
+
+    rng = np.random.default_rng(1)
+    yy, xx = np.mgrid[0:218, 0:178]
+    rows = []
+    for i in range(6):  # smooth 178x218 faces-sized images, the published aligned size
+        pixels = np.stack([(xx * (i + 1) + yy * c) % 256 for c in (1, 2, 3)], axis=-1).astype(np.uint8)
+        rows.append((f"{i + 1:06d}.jpg", i // 2 + 1, 0, np.clip(pixels + rng.normal(0, 3, pixels.shape), 0, 255)
+                     .astype(np.uint8)))
+    root = write_celeba(tmp_path / "celeba", rows)
+    ingest("celeba", str(root), "train", str(tmp_path / "shards"), options={"image_size": 64}, workers=0,
+           progress=None)
+    published = load_dataset("celeba", root=str(root), split="train", image_size=64)
+    shards = load_dataset("shards", root=str(tmp_path / "shards"), split="train")
+    assert shards.encoded_rows([3])[0] == (root / "img_align_celeba" / "000004.jpg").read_bytes()
+    np.testing.assert_array_equal(shards.read(np.arange(6)), published.read(np.arange(6)))
+    fast = load_dataset("shards", root=str(tmp_path / "shards"), split="train", decoder="torchvision")
+    difference = np.abs(fast.read(np.arange(6)).astype(float) - published.read(np.arange(6)).astype(float))
+    assert fast.read(np.arange(6)).shape == (6, 64, 64, 3) and difference.mean() < 4.0
