@@ -35,8 +35,8 @@ def main() -> None:
     centres = torch.randn(args.classes, m, generator=generator)
     q_labels = np.arange(args.query) % args.classes
     g_labels = np.arange(args.gallery) % args.classes
-    query_embed = (centres[q_labels] + 0.8 * torch.randn(args.query, m, generator=generator)).half()
-    gallery_embed = (centres[g_labels] + 0.8 * torch.randn(args.gallery, m, generator=generator)).half()
+    query_embed = (centres[q_labels] + 3.0 * torch.randn(args.query, m, generator=generator)).half()
+    gallery_embed = (centres[g_labels] + 3.0 * torch.randn(args.gallery, m, generator=generator)).half()
     # what the direct path stores: the normalised d-dim features, fp16
     query_features = torch.nn.functional.normalize(query_embed.float() @ head_new.T, dim=1).half()
     gallery_features = torch.nn.functional.normalize(gallery_embed.float() @ head_old.T, dim=1).half()

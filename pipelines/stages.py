@@ -632,8 +632,15 @@ def extract_stage(ctx: StageContext) -> StageResult:
     started = time.perf_counter()
     total = len(pool)
     batches = max(1, -(-total // batch_size))
-    for batch_index, start in enumerate(range(0, total, batch_size)):
-        images = torch.from_numpy(pool.read(np.arange(start, min(start + batch_size, total)))).to(ctx.device)
+    from compat_core.data.stream import stream_batches
+
+    # the next batches are decoded on CPU workers (training.input_workers) while the model runs on this one
+    stream = stream_batches(pool, np.arange(total), [np.arange(start, min(start + batch_size, total))
+                                                     for start in range(0, total, batch_size)],
+                            workers=config.training.input_workers, pin_memory=ctx.device.type == "cuda")
+    for batch_index, (positions, images) in enumerate(stream):
+        start = int(positions[0])
+        images = images.to(ctx.device, non_blocking=True)
         inputs = prepare_batch(transform(images), model)
         with precision_context(ctx.device, config.training.autocast):
             output = model(inputs)

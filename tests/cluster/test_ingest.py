@@ -134,6 +134,7 @@ def test_run_on_ingested_shards_without_the_source_gives_the_same_matrix(shards_
     monkeypatch.setattr(stages, "_POOL_CACHE", {})
     scenario = _point_pools_at(tiny.scenario("dsimplex-hoc", output=str(tmp_path / "sharded")), str(shards_root))
     assert "tiny-synth" not in json.dumps(scenario)
+    scenario["training"]["input_workers"] = 2  # streamed training and extraction: the same matrix
     sharded = _run_matrix(scenario, tmp_path / "sharded")
     assert sharded == direct and len(direct) == 3
 
