@@ -62,6 +62,10 @@ def job_client(address: str | None):
 
     if address is not None and not address.startswith(("http://", "https://")):
         raise ValueError(f"--address {address!r}: expected the cluster's job server, http(s)://HOST:8265")
+    if address is not None:
+        from cluster.reach import require_reachable
+
+        require_reachable(address, "Ray job server", 8265)
     return JobSubmissionClient(address)
 
 

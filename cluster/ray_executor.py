@@ -71,6 +71,10 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
                  include_dashboard=False, _node_ip_address=LOOPBACK, configure_logging=False)
     else:
+        if address != "auto":
+            from cluster.reach import require_reachable
+
+            require_reachable(address, "Ray cluster", 10001 if address.startswith("ray://") else 6379)
         ray.init(address=address, configure_logging=False)
     return True
 

@@ -236,9 +236,11 @@ class SearchSpec:
 
     @property
     def num_tasks(self) -> int:
+        """Tasks of every trial: the base config's, after the space's ``fixed`` overrides (which may set tasks.spec)."""
         from pipelines.config import parse_increments
 
-        return len(parse_increments(self.base_config["tasks"]["spec"]))
+        document = apply_values(self.base_config, dict((self.space or {}).get("fixed") or {}))
+        return len(parse_increments(document["tasks"]["spec"]))
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1, sort_keys=True)
@@ -261,10 +263,44 @@ class SearchSpec:
         return cls(**data)
 
 
+MARKER_FILE = "compat-tune.json"
+
+
 def write_spec(spec: SearchSpec) -> str:
+    """Write ``search.json`` and the marker that says `compat tune` created this folder (with its sha256)."""
+    import hashlib
+
     from compat_core import io as cio
 
-    return cio.write_bytes(cio.join(spec.experiment_path, SEARCH_FILE), spec.to_json().encode("utf-8"))
+    data = spec.to_json().encode("utf-8")
+    uri = cio.write_bytes(cio.join(spec.experiment_path, SEARCH_FILE), data)
+    marker = {"created_by": "compat tune", "search_sha256": hashlib.sha256(data).hexdigest()}
+    cio.write_bytes(cio.join(spec.experiment_path, MARKER_FILE), json.dumps(marker).encode("utf-8"))
+    return uri
+
+
+def check_marker(experiment_path: str) -> None:
+    """Refuse a folder that `compat tune` did not create (or whose search.json changed since): ``--resume``
+    unpickles Ray Tune's experiment state from it, so only folders this tool wrote, from a trusted location, may
+    be resumed. Raises PermissionError naming the folder."""
+    import hashlib
+
+    from compat_core import io as cio
+
+    marker_uri = cio.join(str(experiment_path), MARKER_FILE)
+    search_uri = cio.join(str(experiment_path), SEARCH_FILE)
+    missing = [name for name, uri in ((MARKER_FILE, marker_uri), (SEARCH_FILE, search_uri)) if not cio.exists(uri)]
+    if missing:
+        raise PermissionError(f"--resume {experiment_path}: {' and '.join(missing)} missing there; only a folder "
+                              f"created by `compat tune` can be resumed (resuming unpickles its Tune state)")
+    try:
+        marker = json.loads(cio.read_bytes(marker_uri).decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        marker = {}
+    actual = hashlib.sha256(cio.read_bytes(search_uri)).hexdigest()
+    if marker.get("created_by") != "compat tune" or marker.get("search_sha256") != actual:
+        raise PermissionError(f"--resume {experiment_path}: {SEARCH_FILE} does not match {MARKER_FILE} (sha256 "
+                              f"{actual}); the folder was changed outside `compat tune` and is not resumed")
 
 
 def read_spec(experiment_path: str) -> SearchSpec:
@@ -655,6 +691,17 @@ def default_resources(config, concurrent: int) -> dict:
     return {"cpu": round(cpus, 3), "gpu": float(gpus)}
 
 
+def make_sampler(space, seed: int):
+    """Optuna sampler of a search: a seeded brute-force enumeration (every combination once, in a seeded random
+    order: no repeated trial) when every parameter is an unconditional categorical; seeded TPE otherwise."""
+    import optuna
+
+    parameters = list(getattr(space, "parameters", []))
+    if parameters and all(p.type == "categorical" and not p.when for p in parameters):
+        return optuna.samplers.BruteForceSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
+
+
 def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: list | None = None) -> SearchOutcome:
     """Start a new search described by ``spec`` (search.json written first), run it to the end or an interruption."""
     import ray.tune as tune
@@ -687,7 +734,8 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
     experiment_id, spec.parent_run_id = open_search_run(spec)
     write_spec(spec)
 
-    searcher = ConcurrencyLimiter(OptunaSearch(space=space, metric=OBJECTIVE_KEY, mode="max", seed=spec.seed),
+    searcher = ConcurrencyLimiter(OptunaSearch(space=space, metric=OBJECTIVE_KEY, mode="max",
+                                               sampler=make_sampler(space, spec.seed)),
                                   max_concurrent=spec.concurrent)
     scheduler = None
     if spec.scheduler == "asha":
@@ -696,8 +744,9 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
                                   reduction_factor=2)
     tuner = tune.Tuner(
         _trainable(spec),
+        # concurrency is the ConcurrencyLimiter's alone (also giving it to TuneConfig makes Tune wrap it twice)
         tune_config=tune.TuneConfig(metric=OBJECTIVE_KEY, mode="max", search_alg=searcher, scheduler=scheduler,
-                                    num_samples=spec.samples, max_concurrent_trials=spec.concurrent,
+                                    num_samples=spec.samples,
                                     trial_dirname_creator=trial_dirname, trial_name_creator=trial_dirname),
         run_config=tune.RunConfig(
             name=spec.name, storage_path=storage_path, storage_filesystem=filesystem,
@@ -723,6 +772,7 @@ def resume_search(experiment_path: str, address: str | None = None) -> SearchOut
         from cluster.storage import configure_object_storage
 
         configure_object_storage()
+    check_marker(experiment_path)
     spec = read_spec(experiment_path)
     if spec.plugins:
         load_plugins(spec.plugins)

@@ -64,6 +64,10 @@ class ModelSpec(StrictModel):
     backbone: str = Field(description="name in compat_core.models.BACKBONES")
     backbone_config: dict[str, Any] = Field(default_factory=dict)
     num_slots: int = Field(ge=2, description="K: d-Simplex classes pre-allocated; feature dimension is K - 1")
+    head: Literal["auto", "junction", "backbone"] = Field(
+        "auto", description="retrieval feature: 'junction' = Linear(m, K-1) output (d-Simplex methods need it); "
+        "'backbone' = the backbone output with the classifier on it (the papers' learnable-classifier baselines); "
+        "'auto' = backbone for learnable classifiers, junction for the d-Simplex")
 
 
 class OptimizerSpec(StrictModel):
@@ -108,6 +112,9 @@ class TrainingSpec(StrictModel):
 class ReplaySpec(StrictModel):
     per_class: int = Field(20, ge=0, description="images kept per seen class (0 disables replay)")
     strategy: Literal["random", "herding"] = "random"
+    epoch_length: Literal["task", "reference"] = Field(
+        "task", description="half-memory/half-task epochs: 'task' = one pass over the task data (batch_size // 2 task "
+        "samples per batch); 'reference' = (task + memory) // batch_size batches, as the public CL2R / IAM-CL2R code")
 
 
 class MethodSpec(StrictModel):
@@ -118,6 +125,9 @@ class MethodSpec(StrictModel):
 class TaskSpec(StrictModel):
     spec: str = Field(description="initial classes + increments, e.g. '10+6x15' (7 tasks)")
     seed: int | None = Field(None, description="class-order seed (None: the scenario seed)")
+    order: Literal["seeded", "given"] = Field(
+        "seeded", description="'seeded': the sorted class ids shuffled with the seed; 'given': data.classes in the "
+        "order listed, else the classes in the dataset's id order (the reference codes' order)")
 
     @field_validator("spec")
     @classmethod
@@ -139,6 +149,17 @@ class PretrainSpec(StrictModel):
     schedule: ScheduleSpec | None = None
     batch_size: int | None = Field(None, ge=1)
     seed: int | None = None
+    init: str | None = Field(
+        None, description="external weights pre-training starts from (path / s3:// URI of a safetensors file or a torch "
+        "state dict read with weights_only=True, e.g. the published DINOv3 checkpoint); None: random initialisation")
+    init_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$",
+                                    description="expected sha256 of the init file (checked before loading)")
+
+    @model_validator(mode="after")
+    def _sha_needs_init(self) -> "PretrainSpec":
+        if self.init_sha256 is not None and self.init is None:
+            raise ValueError("init_sha256 is set but init is not: give the weights file the digest belongs to")
+        return self
 
 
 class ReplacementSpec(StrictModel):
@@ -186,6 +207,14 @@ class ResourcesSpec(StrictModel):
         return getattr(self, "finetune" if kind == "replace" else kind)
 
 
+class PaperSpec(StrictModel):
+    """What a shipped config reproduces and how it knowingly differs (printed by `compat plan`; not in the config hash)."""
+
+    reproduces: str = Field(description="paper and table/figure the scenario reproduces, e.g. 'CL2R (2026) Table II'")
+    divergences: list[str] = Field(default_factory=list, description="every deliberate difference from the paper")
+    choices: list[str] = Field(default_factory=list, description="settings the paper does not state, and our choice")
+
+
 class OutputSpec(StrictModel):
     dir: str = Field("runs/{name}", description="run directory (local path or s3:// URI); {name} = scenario name")
 
@@ -209,6 +238,7 @@ class ScenarioConfig(StrictModel):
     evaluation: EvaluationSpec
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     output: OutputSpec = Field(default_factory=OutputSpec)
+    paper: PaperSpec | None = Field(None, description="which paper table the config reproduces, and divergences")
 
     # ---- derived values -------------------------------------------------------------------------------------
     @property
@@ -450,11 +480,33 @@ def check_method(config: ScenarioConfig, source: str = "<config>") -> None:
         method_class(**config.method.params)
     except (ValueError, TypeError) as error:
         raise ConfigError(f"invalid scenario config {source}:\n  method.params: {error}") from None
+    head = resolved_head(config, method_class.classifier)
+    if head == "backbone":
+        if method_class.classifier == "simplex":
+            raise ConfigError(f"invalid scenario config {source}:\n  model.head: 'backbone' needs a learnable-classifier "
+                              f"method; {config.method.name!r} uses the d-Simplex, which needs the junction")
+        others = [(f"pretrain[{i}]", p.backbone, p.backbone_config) for i, p in enumerate(config.pretrain)]
+        others += [(f"replacements[{i}]", r.backbone, r.backbone_config) for i, r in enumerate(config.replacements)]
+        for key, backbone, backbone_config in others:
+            if (backbone is not None and backbone != config.model.backbone) or (
+                    backbone_config is not None and backbone_config != config.model.backbone_config):
+                raise ConfigError(
+                    f"invalid scenario config {source}:\n  {key}.backbone: another architecture than model.backbone "
+                    f"with the backbone-output features of {config.method.name!r} gives features of another width "
+                    f"that no cross-model entry can compare; set model.head: junction (a shared K-1 junction)")
     if getattr(method_class, "retrain_from_scratch", False) and (config.replacements or config.initial_model):
         key = "replacements" if config.replacements else "initial_model"
         raise ConfigError(
             f"invalid scenario config {source}:\n  {key}: method {config.method.name!r} retrains every model from the "
             f"same initial weights, so it never starts from third-party weights; remove '{key}'")
+
+
+def resolved_head(config: ScenarioConfig, classifier: str) -> str:
+    """'junction' or 'backbone': the model head a scenario's models get (``model.head``, 'auto' resolved by the
+    method's classifier family: backbone output for learnable classifiers, as the papers' baselines)."""
+    if config.model.head != "auto":
+        return config.model.head
+    return "backbone" if classifier == "learnable" else "junction"
 
 
 def read_document(path: str | os.PathLike) -> dict:
@@ -500,12 +552,13 @@ def config_hash(config: ScenarioConfig) -> str:
     data.pop("output", None)
     data.pop("resources", None)
     data.pop("description", None)
+    data.pop("paper", None)
     return stable_hash(data)
 
 
 __all__ = [
     "ConfigError", "ScenarioConfig", "PoolSpec", "PretrainSpec", "ReplacementSpec", "EvaluationSpec",
     "TrainingSpec", "OptimizerSpec", "ScheduleSpec", "ReplaySpec", "MethodSpec", "ModelSpec", "TaskSpec",
-    "StageResources", "ResourcesSpec", "load_config", "validate_config", "apply_override", "parse_increments",
+    "StageResources", "ResourcesSpec", "PaperSpec", "load_config", "validate_config", "apply_override", "parse_increments",
     "config_to_dict", "dump_config", "stable_hash", "config_hash", "PRETRAIN_PREFIX",
 ]

@@ -76,6 +76,15 @@ class Stage:
     name: str | None = None  # pretrain name
 
 
+def stage_threads(resources: StageResources) -> int:
+    """torch intra-op threads a stage computes with, on every backend: its ``num_cpus`` (at least 1).
+
+    Float reductions (GEMM, convolutions) are split by thread count, so results depend on it: it is fixed per stage
+    and part of the stage key, so the same key gives the same bytes in-process, on Ray and after a resume.
+    """
+    return max(1, int(resources.num_cpus))
+
+
 def stage_key(kind: str, label: str, params: dict, parents: tuple[str, ...], version: str) -> str:
     """Content key of a stage: ``<kind>-<label>-<first 16 hex of sha256(kind, params, parents, version)>``."""
     digest = stable_hash({"kind": kind, "params": params, "parents": list(parents), "code": version})
@@ -164,6 +173,7 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
             "pretrain": entry,
             "defaults": {"model": model_section, "training": resolved_training, "seed": config.seed},
             "classifier": traits["classifier"],
+            "threads": stage_threads(resources.pretrain),
         }
         stage = Stage(stage_key("pretrain", spec.name, params, (), version), "pretrain", f"pretrain[{spec.name}]",
                       params, (), resources.pretrain, name=spec.name)
@@ -200,7 +210,7 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
             kind = "finetune"
             source = {"initial_model": config.initial_model} if task == 0 else None
             parents = ((previous,) if previous else ()) + (source_parents(config.initial_model) if task == 0 else ())
-        params = {"task": task, "shared": shared, "source": source}
+        params = {"task": task, "shared": shared, "source": source, "threads": stage_threads(resources.for_stage(kind))}
         stage = Stage(stage_key(kind, f"t{task:03d}", params, parents, version), kind, f"{kind}[t={task}]", params,
                       parents, resources.for_stage(kind), task=task)
         graph.add(stage)
@@ -212,7 +222,7 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
     for task, model_key in enumerate(graph.model_stages):
         for split in SPLITS:
             params = {"split": split, "pool": evaluation[f"{split}_set"], **extraction_params,
-                      "method": document["method"]}
+                      "method": document["method"], "threads": stage_threads(resources.extract)}
             stage = Stage(stage_key("extract", f"t{task:03d}-{split}", params, (model_key,), version), "extract",
                           f"extract[t={task},{split}]", params, (model_key,), resources.extract, task=task,
                           split=split)

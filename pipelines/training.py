@@ -94,7 +94,9 @@ class TrainConfig:
     "cosine" (to 0 over all steps after warm-up), "constant", or "step" (multiply by ``gamma`` at each epoch in
     ``milestones``, 0-based epoch counts, e.g. CoReS's 100 epochs with milestone 70). warmup_epochs: linear warm-up
     from lr/warmup_steps. replay_sampling: "half_and_half" (every batch half memory, half task: the public
-    reference) or "mixed" (memory and task samples shuffled together). model_selection: "last" or "compatibility"
+    reference) or "mixed" (memory and task samples shuffled together). epoch_length (half_and_half): "task" (one pass
+    over the task data, batch_size // 2 task samples per batch) or "reference" ((task + memory) // batch_size
+    batches, as the public CL2R/IAM-CL2R code's BalancedBatchSampler). model_selection: "last" or "compatibility"
     (CoReS Sec. 8.2; needs ``TaskData.selection``). mixed_precision: True / "auto" autocasts where the device has
     a fast half type (bf16 on CPUs with AMX), "bf16" / "fp16" force that autocast dtype, False / "off" runs fp32. steps_per_epoch: cap on steps per epoch (None: one pass).
     log_every_steps: also emit a record every N steps (0: per-epoch records only).
@@ -115,6 +117,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     replay_sampling: str = "half_and_half"
+    epoch_length: str = "task"
     model_selection: str = "last"
     selection_strict: bool = True
     mixed_precision: bool | str = True
@@ -133,6 +136,7 @@ class TrainConfig:
         _require_number("momentum", self.momentum, 0.0)
         _require_number("weight_decay", self.weight_decay, 0.0)
         _require_choice("schedule", self.schedule, SCHEDULES)
+        _require_choice("epoch_length", self.epoch_length, ("task", "reference"))
         self.milestones = tuple(self.milestones)
         for milestone in self.milestones:
             _require_int("milestones[]", milestone, 1)
@@ -296,7 +300,8 @@ def epoch_batches(data: TaskData, method: Method, config: TrainConfig, epoch: in
     if method.uses_replay and data.has_memory:
         memory_positions = np.arange(num_task, num_task + data.memory_indices.size, dtype=np.int64)
         if config.replay_sampling == "half_and_half":
-            batches: Iterator[np.ndarray] = half_and_half_batches(task_positions, memory_positions, config.batch_size, seed)
+            batches: Iterator[np.ndarray] = half_and_half_batches(task_positions, memory_positions, config.batch_size,
+                                                                  seed, epoch_length=config.epoch_length)
         else:
             order = np.random.default_rng(seed).permutation(np.concatenate([task_positions, memory_positions]))
             batches = iter(np.array_split(order, range(config.batch_size, order.size, config.batch_size)))

@@ -19,6 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor", choices=("local", "ray"), default="local", help="where stages run")
     parser.add_argument("--address", default=None, help="Ray address for --executor ray (auto | ray://... | http://...)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
+    parser.add_argument("--recompute", action="append", default=[], metavar="KEY",
+                        help="with --resume: compute this committed stage again (a unique prefix of its key, as "
+                             "printed by an integrity error); repeatable")
+    parser.add_argument("--experiment", default=None, metavar="NAME",
+                        help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME, else the scenario name); put "
+                             "runs you compare (e.g. ER and d-Simplex-HOC) in one experiment")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking: sqlite:///PATH or http(s)://HOST:PORT; 'none' disables it; default: "
                              "$MLFLOW_TRACKING_URI, else SQLite mlflow.db in a local run directory")
@@ -88,7 +94,16 @@ def make_tracker(args, run_dir: str):
         print(f"note: run directory {run_dir} is remote; MLflow tracking is off (give --tracking-uri to track)",
               file=sys.stderr)
         uri = "none"
-    return create_tracker(uri, run_dir=run_dir)
+    experiment = getattr(args, "experiment", None) or os.environ.get("MLFLOW_EXPERIMENT_NAME") or None
+    return create_tracker(uri, run_dir=run_dir, experiment=experiment)
+
+
+def preflight_data(config) -> None:
+    """Before any stage: every pool opens (missing data named by key) and no test class occurs in a training pool
+    of the same dataset (the data-level open-set guard), so a run never trains for hours and then stops."""
+    from pipelines.stages import check_pools_open_set
+
+    check_pools_open_set(config)
 
 
 def uses_object_storage(config, run_dir: str) -> bool:
@@ -101,6 +116,11 @@ def run(args) -> int:
     from pipelines.graph import compile_scenario
     from pipelines.store import RunStore
 
+    if any(str(value or "").startswith("s3://") for value in (args.resume, args.config, args.output)):
+        # configure before the first read (--resume reads the run's config.yaml from the bucket)
+        from cluster.storage import configure_object_storage
+
+        configure_object_storage()
     try:
         config, run_dir = resolve_run(args)
     except (ConfigError, ValueError, FileNotFoundError) as error:
@@ -110,13 +130,27 @@ def run(args) -> int:
         from cluster.storage import configure_object_storage
 
         configure_object_storage()  # S3 settings and credentials from the standard AWS chain, never from the YAML
-    try:
-        tracker = make_tracker(args, run_dir)
-    except ValueError as error:
-        print(f"error: --tracking-uri: {error}", file=sys.stderr)
-        return 2
-    summary = run_tracked(compile_scenario(config), RunStore(run_dir), tracker, args.executor, args.address,
-                          progress=not args.no_progress)
+    if not (args.address or "").startswith(("http://", "https://")):  # a submitted job checks on the cluster
+        try:
+            preflight_data(config)
+        except (FileNotFoundError, ValueError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    from pipelines.lease import run_lease
+
+    with run_lease(run_dir):  # one writer per run folder, taken before tracking or any stage
+        store = RunStore(run_dir)
+        for prefix in args.recompute:
+            key = store.resolve_key(prefix)
+            store.forget(key)
+            print(f"recompute: stage {key} uncommitted; it runs again", file=sys.stderr)
+        try:
+            tracker = make_tracker(args, run_dir)
+        except ValueError as error:
+            print(f"error: --tracking-uri: {error}", file=sys.stderr)
+            return 2
+        summary = run_tracked(compile_scenario(config), store, tracker, args.executor, args.address,
+                              progress=not args.no_progress)
     print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done)")
     if summary.matrix is not None:
         print_results(summary.matrix, summary.metrics)

@@ -31,8 +31,8 @@ MATRIX = [[0.5], [0.625, 0.75], [0.375, 0.875, 1.0]]
 # AA = (0.5+0.625+0.75+0.375+0.875+1.0)/6 = 4.125/6; ACA = (0.625+0.875)/3; BC = mean(0.375-0.5, 0.875-0.75) = 0;
 # FC = mean(0.625-0.75, 0.875-1.0) = -0.125; AC_tau = [undefined, 1, 2/3]; AA_tau = [0.5, 1.875/3, 4.125/6]
 EXPECTED = {"AC": 2 / 3, "AA": 4.125 / 6, "ACA": 1.5 / 3, "BC": 0.0, "FC": -0.125}
-EXPECTED_AC_TAU = {1: 1.0, 2: 2 / 3}
-EXPECTED_AA_TAU = {0: 0.5, 1: 1.875 / 3, 2: 4.125 / 6}
+EXPECTED_AC_TAU = {2: 1.0, 3: 2 / 3}  # step = tau, 1-based
+EXPECTED_AA_TAU = {1: 0.5, 2: 1.875 / 3, 3: 4.125 / 6}
 
 
 # ---- params and names ----------------------------------------------------------------------------------------------
@@ -56,7 +56,6 @@ def test_flatten_params_uses_dot_keys_and_excludes_secrets_by_key_and_by_value()
         "replacements.0.at_task": "3",
         "replacements.0.sha256": "ab" * 32,  # a lower-case hex digest is not a secret
         "increments": "[10, 15]",
-        "storage.note": "null",
         "empty": "{}",
     }
     assert sorted(excluded) == sorted([
@@ -274,14 +273,18 @@ def test_default_sqlite_run_holds_parent_nested_runs_metrics_and_tags(sqlite_run
     assert metric_history(client, replace.info.run_id, "train/loss/ce") == {1: 3.25, 2: 3.0}
     assert metric_history(client, replace.info.run_id, "train/lr") == {1: 0.01, 2: 0.005}
     assert metric_history(client, replace.info.run_id, "train/images_per_s") == {1: 100.0, 2: 200.0}
-    # per-task metrics on the parent, step = 0-based task
-    assert metric_history(client, parent.info.run_id, "task/seconds") == {0: 2.0, 1: 3.0, 2: 4.0}
-    # every compatibility entry, step = query task
+    # per-task metrics on the parent, step = 1-based task
+    assert metric_history(client, parent.info.run_id, "task/seconds") == {1: 2.0, 2: 3.0, 3: 4.0}
+    # the matrix once, as a table (rows: 1-based query task), not T(T+1)/2 single-dot metrics on the parent
+    assert not any(key.startswith("compat/q") for key in parent.data.metrics)
+    table_path = client.download_artifacts(parent.info.run_id, "results/matrix_table.json")
+    table = json.loads(Path(table_path).read_text())
+    rows = {row[0]: row[1:] for row in table["data"]}
     for t, row in enumerate(MATRIX):
         for k, value in enumerate(row):
-            assert metric_history(client, parent.info.run_id, f"compat/q{t}_g{k}") == {t: value}
+            assert rows[t + 1][k] == value
     for name, value in EXPECTED.items():
-        assert metric_history(client, parent.info.run_id, name) == pytest.approx({2: value}, abs=1e-12), name
+        assert metric_history(client, parent.info.run_id, name) == pytest.approx({3: value}, abs=1e-12), name
     assert metric_history(client, parent.info.run_id, "AC_tau") == pytest.approx(EXPECTED_AC_TAU, abs=1e-12)
     assert metric_history(client, parent.info.run_id, "AA_tau") == pytest.approx(EXPECTED_AA_TAU, abs=1e-12)
     artifacts = {f.path for f in client.list_artifacts(parent.info.run_id, "results")}

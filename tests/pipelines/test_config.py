@@ -97,3 +97,18 @@ def test_shipped_configs_validate_without_data(path):
     assert config.num_tasks == len(parse_increments(config.tasks.spec))
     for replacement in config.replacements:
         assert 2 <= replacement.at_task <= config.num_tasks
+
+
+def test_baseline_head_refuses_replacements_of_another_width():
+    """ER retrieves on the backbone output (model.head auto): a replacement with another architecture would give
+    features of another width, so the config is refused at load with the key and the fix."""
+    document = yaml.safe_load((CONFIGS / "demo-er.yaml").read_text())
+    document["replacements"][0]["backbone"] = "resnet18_cifar"
+    with pytest.raises(ConfigError, match=r"replacements\[0\]\.backbone: .*model.head: junction"):
+        validate_config(document)
+    document["model"]["head"] = "junction"
+    assert validate_config(document).model.head == "junction"
+    hoc = _demo()
+    hoc["model"]["head"] = "backbone"
+    with pytest.raises(ConfigError, match="model.head: 'backbone' needs a learnable-classifier method"):
+        validate_config(hoc)

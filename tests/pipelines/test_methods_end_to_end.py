@@ -99,6 +99,15 @@ def test_method_runs_end_to_end_and_matrix_matches_fp64_brute_force(tmp_path, me
             else:
                 expected = brute_force_entry(method, store, graph, row, column)
                 assert values[row][column] == pytest.approx(expected, abs=1e-12), (method, row, column)
+    if method not in ("psp", "lsp"):
+        # d-Simplex methods retrieve on the K-1 junction output; learnable-classifier baselines on the backbone
+        # output (m = cnn4's embedding width), as the papers' reference ER
+        from compat_core.models import create_backbone
+
+        width = (config.model.num_slots - 1 if METHODS.get(method).classifier == "simplex"
+                 else create_backbone("cnn4", in_chans=1, width=4).embed_dim)
+        dims = {store.load_record(graph.extract_stages[(t, "gallery")])["layout"]["dim"] for t in range(T)}
+        assert dims == {width}, method
     if method == "fan":
         # tasks 1 and 2 trained with an old model, so each stored an adapter; task 0 had none
         assert [bool(store.load_record(k)["extra_blobs"]) for k in graph.model_stages] == [False, True, True]
@@ -127,7 +136,7 @@ def test_herding_memory_matches_icarl_herding_on_the_trained_model(tmp_path):
     record = store.load_record(graph.model_stages[0])
     stored = store.read_array(graph.model_stages[0], record["memory"]["indices_blob"])
     pool = load_pool(config.data)
-    model = load_model(record["uri"]).eval()
+    model = load_model(store.uri(record["uri"])).eval()
     labels = np.asarray(pool.labels)
     expected = []
     for class_id in task_classes(config)[0]:
@@ -180,15 +189,26 @@ def test_compatibility_model_selection_keeps_the_best_qualifying_epoch(tmp_path)
 
 
 def test_data_level_open_set_guard_refuses_a_leaking_test_pool(tmp_path):
+    tiny.register()
+    document = scenario_for("er", tmp_path)
+    # another root of the same dataset: the config-level guard cannot see that the classes are the fine-tuning ones
+    document["evaluation"]["query_set"] = {"dataset": "tiny-synth", "root": "elsewhere", "split": "finetune"}
+    with pytest.raises(ValueError, match="open-set violation.*tiny-synth.*data.*evaluation.query_set"):
+        run_scenario(document)
+
+
+def test_open_set_guard_compares_ids_only_within_one_dataset(tmp_path):
+    """Class ids of different datasets live in different spaces (CIFAR-100 id 3 is not CIFAR-10 id 3): a test pool
+    of another dataset whose ids coincide with the training ids is not a violation."""
     from compat_core.data.registry import DATASETS
+    from pipelines.stages import check_pools_open_set
 
     tiny.register()
-    if "tiny-synth-copy" not in DATASETS:  # another name for the same data: the config-level guard cannot see it
-        DATASETS.register("tiny-synth-copy", tiny.make_source)
+    if "tiny-synth-other" not in DATASETS:  # same ids, another dataset (as CIFAR-10 next to CIFAR-100)
+        DATASETS.register("tiny-synth-other", tiny.make_source)
     document = scenario_for("er", tmp_path)
-    document["evaluation"]["query_set"] = {"dataset": "tiny-synth-copy", "split": "finetune"}
-    with pytest.raises(ValueError, match="open-set violation.*data.*evaluation.query_set"):
-        run_scenario(document)
+    document["evaluation"]["query_set"] = {"dataset": "tiny-synth-other", "split": "finetune"}
+    check_pools_open_set(validate_config(document))  # no error: ids 10..15 of two datasets are different classes
 
 
 def test_run_dispatches_to_the_ray_executor(tmp_path, monkeypatch):
