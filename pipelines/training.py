@@ -663,7 +663,9 @@ class _Window:
         count = max(self.count, 1)
         names = list(self.part_sums)
         # one transfer for the loss, the non-finite count and every part
-        values = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(())
+        device = self.loss_sum.device if isinstance(self.loss_sum, torch.Tensor) else None
+        # float parts (e.g. a schedule weight) join the device tensors, so one copy reads everything
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
                               for v in [self.loss_sum, self.nonfinite, *(self.part_sums[n] for n in names)]])
         host = values.cpu().tolist() if self.count else [math.nan, 0.0] + [0.0] * len(names)
         loss_sum, nonfinite, part_values = host[0], int(host[1]), host[2:]
