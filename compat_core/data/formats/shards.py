@@ -382,10 +382,23 @@ def open_shards(root: str, split: str, verify: str = "sha256", decoder: str = "p
                        decoder=decoder)
 
 
+def _known_splits() -> tuple[str, ...]:
+    """Every split name of the datasets registered so far (this module is imported last), plus common ones: an
+    ingested split keeps its source split's name."""
+    from ..registry import DATASETS, DatasetInfo
+
+    names = {"train", "test", "val", "valid", "pairs", "finetune", "pretrain", "query", "gallery", "all"}
+    for name in DATASETS.names():
+        entry = DATASETS.get(name)
+        if isinstance(entry, DatasetInfo):
+            names.update(entry.splits)
+    return tuple(sorted(names))
+
+
 @register_dataset(
     "shards",
     summary="a dataset split ingested by `compat ingest` into Parquet shards (verified against its manifest)",
-    splits=("train", "test", "val", "valid", "pairs", "finetune", "pretrain", "query", "gallery", "all"),
+    splits=_known_splits(),
     layout="<root>/<split>/manifest.json and part-NNNNN.parquet files written by `compat ingest`",
     options={"verify": "'sha256' (default: hash every part before use) or 'size' (sizes only, for huge splits)",
              "decoder": "'pil' (default: pixels identical to the published reader) or 'torchvision' (batched "
