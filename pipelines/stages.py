@@ -462,9 +462,15 @@ def _memory_images_from_record(store: RunStore, model_record: dict | None, memor
     shard = ((model_record or {}).get("memory") or {}).get("shard")
     if not shard:
         return None
+    from cluster.shards import CorruptShardError
     from pipelines.replay_shards import read_memory_shard
+    from pipelines.store import CorruptArtifactError
 
-    stored, images = read_memory_shard(store, shard)
+    try:
+        stored, images = read_memory_shard(store, shard)
+    except CorruptShardError as error:
+        # the stage that wrote the shard is the one to recompute (the CLI prints the --recompute fix)
+        raise CorruptArtifactError(str(error), stage_key=model_record["stage_key"]) from error
     if not np.array_equal(stored.indices, memory[0]) or not np.array_equal(stored.source_task, memory[2]):
         raise ValueError(f"replay shard {shard['folder']} (task {shard['task']}) does not hold the memory recorded "
                          f"with model stage {model_record['stage_key']}")

@@ -94,8 +94,9 @@ def test_old_tasks_source_is_never_read_and_the_matrix_is_unchanged(registered, 
 
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])
 def test_corrupt_or_missing_replay_shard_is_refused_before_training(registered, tmp_path, monkeypatch, damage):
-    from cluster.shards import CorruptShardError
     import pipelines.training as training
+    from cluster.shards import CorruptShardError
+    from pipelines.store import CorruptArtifactError
 
     run_dir = tmp_path / "run"
     _run(_scenario("tiny-synth", run_dir), run_dir, monkeypatch)
@@ -115,8 +116,12 @@ def test_corrupt_or_missing_replay_shard_is_refused_before_training(registered, 
     monkeypatch.setattr(training, "train_task", lambda *a, **k: pytest.fail("training started"))
     with pytest.raises(Exception) as info:
         _run(_scenario("tiny-synth", run_dir), run_dir, monkeypatch)
-    error = info.value
-    while error is not None and not isinstance(error, CorruptShardError):
+    chain, error = [], info.value
+    while error is not None:
+        chain.append(error)
         error = error.__cause__ or error.__context__
-    assert error is not None, info.value
-    assert str(parquet) in str(error) and shard["sha256"] in str(error)
+    shard_errors = [e for e in chain if isinstance(e, CorruptShardError)]
+    assert shard_errors, info.value
+    assert str(parquet) in str(shard_errors[0]) and shard["sha256"] in str(shard_errors[0])
+    # the CLI turns this into "recompute that stage with --recompute <the stage that wrote the shard>"
+    assert any(isinstance(e, CorruptArtifactError) and e.stage_key == first for e in chain)
