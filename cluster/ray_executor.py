@@ -66,8 +66,9 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         # inside a Ray Job (or a shell pointed at a cluster): join that cluster, do not start another
         ray.init(configure_logging=False)
     elif address is None:
-        # without this, some Ray ports bind to every interface even with a loopback node address
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        from cluster.ray_loopback import prepare_loopback
+
+        prepare_loopback()  # every port on 127.0.0.1, none on the machine's other interfaces
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
                  include_dashboard=False, _node_ip_address=LOOPBACK, configure_logging=False)
     else:

@@ -667,10 +667,12 @@ def _ensure_ray(address: str | None) -> None:
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if address:
         ray.init(address=address, configure_logging=False)
     else:
+        from cluster.ray_loopback import prepare_loopback
+
+        prepare_loopback()
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
                  object_store_memory=300 * 1024 * 1024)
 
