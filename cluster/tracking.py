@@ -310,6 +310,8 @@ class MlflowTracker(Tracker):
             self._on_train_record(record, stage_key)
 
     def _on_event(self, event: Any) -> None:
+        if event.kind == "entry":
+            return  # matrix entries are logged with their row (compat/q{t}_g{k}), not as T(T+1)/2 runs of their own
         if event.status == "started":
             self._open_stage(self.graph[event.stage_key])
         elif event.status == "done":

@@ -314,17 +314,6 @@ def read_spec(experiment_path: str) -> SearchSpec:
 
 
 # ---- the trainable ---------------------------------------------------------------------------------------------------
-def _ancestors(graph, key: str) -> set[str]:
-    needed, stack = set(), [key]
-    while stack:
-        current = stack.pop()
-        if current in needed:
-            continue
-        needed.add(current)
-        stack.extend(graph[current].parents)
-    return needed
-
-
 def _log_emit(record: Any) -> None:
     """Stage events of a trial go to the trial's log (its stdout is collected by Ray)."""
     status = getattr(record, "status", None)
@@ -341,9 +330,8 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
     a trial in-process.
     """
     from compat_core import io as cio
-    from pipelines.executor import LocalExecutor, prepare_run, record_invocation, RunSummary
+    from pipelines.executor import LocalExecutor, prepare_run
     from pipelines.graph import compile_scenario
-    from pipelines.stages import execute_stage
     from pipelines.store import RunStore
 
     run_dir = spec.run_dir(trial_id)
@@ -354,29 +342,18 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
     prepare_run(config, store)
     cio.write_bytes(cio.join(run_dir, TRIAL_FILE), json.dumps({"trial_id": trial_id, "params": sampled},
                                                                indent=1, sort_keys=True).encode("utf-8"))
-    emit = emit or _log_emit
+    engine = LocalExecutor(emit=emit or _log_emit, progress=False)
     strict = config.evaluation.strict
     first = first_reported_task(spec.objective)
     T = config.num_tasks
     last_metrics: dict = {}
     for task in range(T):
-        needed = _ancestors(graph, graph.evaluate_stages[task])
-        summary = RunSummary(run_id=f"{trial_id}-t{task:03d}")
-        for stage in graph:
-            if stage.key not in needed or store.has(stage.key):
-                continue
-            started = time.perf_counter()
-            execute_stage(stage, config, store, emit, code_version=graph.code_version)
-            summary.executed.append(stage.key)
-            summary.seconds[stage.key] = time.perf_counter() - started
-        if summary.executed:
-            record_invocation(store, summary)
+        # the engine up to row `task` (the last call completes the graph and writes matrix.json / metrics.json /
+        # reports before the last report: the driver logs them on completion)
+        engine.run(graph, store, until=graph.evaluate_stages[: task + 1])
         completed = task + 1
         if completed <= start_after or completed < first:
             continue
-        if completed == T:
-            # matrix.json / metrics.json / reports before the last report: the driver logs them on completion
-            LocalExecutor(emit=emit, progress=False).run(graph, store)
         values = np.full((completed, completed), np.nan)
         for row in range(completed):
             values[row, : row + 1] = store.load_record(graph.evaluate_stages[row])["values"]

@@ -97,7 +97,7 @@ class TrainingSpec(StrictModel):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     epochs: int = Field(1, ge=1)
-    batch_size: int = Field(128, ge=1)
+    batch_size: int = Field(128, ge=2, description="at least 2: batch norm needs two samples per batch")
     model_selection: Literal["last", "compatibility"] = Field(
         "last", description="last epoch, or CoReS Sec. 8.2 compatibility-based selection on a held-out split"
     )
@@ -147,7 +147,7 @@ class PretrainSpec(StrictModel):
     backbone_config: dict[str, Any] | None = None
     optimizer: OptimizerSpec | None = None
     schedule: ScheduleSpec | None = None
-    batch_size: int | None = Field(None, ge=1)
+    batch_size: int | None = Field(None, ge=2)
     seed: int | None = None
     init: str | None = Field(
         None, description="external weights pre-training starts from (path / s3:// URI of a safetensors file or a torch "
@@ -201,7 +201,8 @@ class ResourcesSpec(StrictModel):
     finetune: StageResources = Field(default_factory=StageResources)
     extract: StageResources = Field(default_factory=StageResources)
     evaluate: StageResources = Field(default_factory=lambda: StageResources(num_gpus=0))
-    evaluation_actors: int | None = Field(None, ge=1, description="parallel evaluation actors (None: from the cluster)")
+    evaluation_actors: int | None = Field(None, ge=1, description="most matrix-entry tasks running at once on Ray "
+                                                                   "(None: as many as Ray places)")
 
     def for_stage(self, kind: str) -> StageResources:
         return getattr(self, "finetune" if kind == "replace" else kind)
@@ -455,7 +456,52 @@ def validate_config(document: dict, source: str = "<config>") -> ScenarioConfig:
     except ValidationError as error:
         raise ConfigError(format_validation_error(error, source)) from None
     check_method(config, source)
+    check_names(config, source)
     return config
+
+
+_MODEL_URI = re.compile(r"^models:/[^/@\s]+(/(\d+|latest)|@[A-Za-z0-9_-]+)/?$")
+
+
+def check_names(config: ScenarioConfig, source: str = "<config>") -> None:
+    """Backbones, datasets, splits and dataset options against the registries, and ``models:/`` sources against the
+    MLflow URI grammar, so a typo fails at load time with its key path and the valid names (not when a stage runs)."""
+    from compat_core.data.registry import dataset_info, dataset_names
+    from compat_core.models.registry import BACKBONES
+
+    problems = []
+    backbones = {"model.backbone": config.model.backbone}
+    backbones.update({f"pretrain[{i}].backbone": p.backbone for i, p in enumerate(config.pretrain) if p.backbone})
+    backbones.update({f"replacements[{i}].backbone": r.backbone for i, r in enumerate(config.replacements)
+                      if r.backbone})
+    for key, name in backbones.items():
+        if name not in BACKBONES:
+            problems.append(f"{key}: unknown backbone {name!r}; valid: {', '.join(BACKBONES.names())}")
+    pools = {"data": config.data, "evaluation.query_set": config.evaluation.query_set,
+             "evaluation.gallery_set": config.evaluation.gallery_set}
+    pools.update({f"pretrain[{i}].pool": p.pool for i, p in enumerate(config.pretrain)})
+    known = dataset_names()
+    for key, pool in pools.items():
+        if pool.dataset not in known:
+            problems.append(f"{key}.dataset: unknown dataset {pool.dataset!r}; valid: {', '.join(known)}")
+            continue
+        info = dataset_info(pool.dataset)
+        if info.splits and pool.split not in info.splits:
+            problems.append(f"{key}.split: dataset {pool.dataset!r} has no split {pool.split!r}; valid: "
+                            f"{', '.join(info.splits)}")
+        unknown = sorted(set(pool.options) - set(info.options)) if info.options or info.splits else []
+        if unknown:
+            problems.append(f"{key}.options: {pool.dataset!r} has no option(s) {unknown}; valid: "
+                            f"{', '.join(sorted(info.options)) or 'none'}")
+    sources = {f"replacements[{i}].source": r.source for i, r in enumerate(config.replacements)}
+    if config.initial_model:
+        sources["initial_model"] = config.initial_model
+    for key, uri in sources.items():
+        if uri.startswith("models:") and not _MODEL_URI.match(uri):
+            problems.append(f"{key}: {uri!r} is not an MLflow model URI; expected models:/NAME@ALIAS (e.g. "
+                            f"models:/my-model@task-3), models:/NAME/VERSION or models:/NAME/latest")
+    if problems:
+        raise ConfigError(f"invalid scenario config {source}:\n  " + "\n  ".join(problems))
 
 
 def check_method(config: ScenarioConfig, source: str = "<config>") -> None:

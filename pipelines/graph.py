@@ -8,7 +8,9 @@ Stage kinds (``t`` is the 0-based task index):
 - ``replace`` (t): external weights loaded (a ``pretrain:<name>`` stage or a path/URI), then task ``t`` fine-tuned
   from them with the loaded model as the frozen "old" model (as the reference HOC does).
 - ``extract`` (t, split): features of model ``t`` on the query or gallery set (once per model and split).
-- ``evaluate`` (t): row ``t`` of the compatibility matrix, ``C[t, 0..t]`` (each entry committed on its own).
+- ``entry`` (t, k): one matrix entry ``C[t, k]`` (query features of model t against the gallery of model k, through
+  the FAN adapters of tasks k+1..t when the method has them), computed by :func:`pipelines.stages.entry_stage`.
+- ``evaluate`` (t): row ``t`` of the compatibility matrix, ``C[t, 0..t]``, assembled from its entry nodes.
 
 The key of a stage is ``<kind>-<label>-<16 hex>`` where the hex digest hashes (kind, config slice, parent keys,
 code version): a change to any input or to the source code gives new keys, so stale artifacts are never reused.
@@ -26,7 +28,7 @@ from typing import Any, Iterator
 
 from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig, StageResources, config_to_dict, stable_hash
 
-STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "evaluate")
+STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "entry", "evaluate")
 SPLITS = ("query", "gallery")
 # Source files that do not change what a stage produces (presentation, CLI, executors) stay out of the code hash,
 # so editing a report template does not invalidate trained models.
@@ -121,6 +123,19 @@ class StageGraph:
             return self._by_key[key]
         except KeyError:
             raise KeyError(f"no stage with key {key!r} in this graph") from None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._by_key
+
+    def ancestors(self, keys) -> set[str]:
+        """``keys`` and every node they depend on."""
+        needed, stack = set(), list(keys)
+        while stack:
+            current = stack.pop()
+            if current not in needed:
+                needed.add(current)
+                stack.extend(self[current].parents)
+        return needed
 
     def __iter__(self) -> Iterator[Stage]:
         return iter(self.stages)
@@ -229,16 +244,35 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
             graph.add(stage)
             graph.extract_stages[(task, split)] = stage.key
 
-    for task in range(config.num_tasks):
-        parents = (graph.extract_stages[(task, "query")],) + tuple(
-            graph.extract_stages[(k, "gallery")] for k in range(task + 1)
-        )
-        params = {"row": task, "protocol": protocol_params(document["evaluation"])}
-        stage = Stage(stage_key("evaluate", f"t{task:03d}", params, parents, version), "evaluate",
-                      f"evaluate[row={task}]", params, parents, resources.evaluate, task=task)
-        graph.add(stage)
-        graph.evaluate_stages.append(stage.key)
+    graph.evaluate_stages = add_evaluation(graph, document["evaluation"])
     return graph
+
+
+def add_evaluation(graph: StageGraph, evaluation: dict) -> list[str]:
+    """Add the matrix of ``evaluation`` (a protocol) to ``graph``: one ``entry`` node per C[t, k] and one
+    ``evaluate`` node per row t assembling its entries; returns the row keys (nodes already present are reused,
+    so the graph's own protocol adds nothing). ``compat eval`` calls this with another protocol."""
+    protocol = protocol_params(evaluation)
+    resources = graph.config.resources.evaluate
+    rows = []
+    for task in range(len(graph.model_stages)):
+        query = graph.extract_stages[(task, "query")]
+        galleries = tuple(graph.extract_stages[(k, "gallery")] for k in range(task + 1))
+        entries = []
+        for column in range(task + 1):
+            # the gallery extracts of the whole row are parents: FAN adapters of tasks column+1..row come from them
+            key = entry_key(query, galleries[column], protocol, task, column, galleries[column + 1:],
+                            stage_threads(resources))
+            if key not in graph:
+                graph.add(Stage(key, "entry", f"entry[{task},{column}]", {"row": task, "column": column,
+                                "protocol": protocol}, (query,) + galleries, resources, task=task))
+            entries.append(key)
+        params = {"row": task, "protocol": protocol}
+        key = stage_key("evaluate", f"t{task:03d}", params, tuple(entries), graph.code_version)
+        if key not in graph:
+            graph.add(Stage(key, "evaluate", f"evaluate[row={task}]", params, tuple(entries), resources, task=task))
+        rows.append(key)
+    return rows
 
 
 def protocol_params(evaluation: dict) -> dict:
@@ -246,9 +280,15 @@ def protocol_params(evaluation: dict) -> dict:
     return {key: evaluation[key] for key in ("metric", "gallery", "label_level", "far", "verification_pairs")}
 
 
-def entry_key(query_extract: str, gallery_extract: str, protocol: dict, row: int, column: int) -> str:
-    """Key of one matrix entry C[row, column] computed from two stored feature sets under ``protocol``."""
-    digest = stable_hash({"query": query_extract, "gallery": gallery_extract, "protocol": protocol})
+def entry_key(query_extract: str, gallery_extract: str, protocol: dict, row: int, column: int,
+              adapter_extracts: tuple[str, ...] = (), threads: int = 1) -> str:
+    """Key of one matrix entry C[row, column] computed from two stored feature sets under ``protocol``.
+
+    adapter_extracts: gallery extracts of columns column+1..row, whose models may carry FAN adapters applied to the
+    gallery features (hashed too, so entries computed before adapters were applied are never reused). threads: the
+    torch threads the entry computes with (see :func:`stage_threads`)."""
+    digest = stable_hash({"query": query_extract, "gallery": gallery_extract, "protocol": protocol,
+                          "adapters": list(adapter_extracts), "threads": threads})
     return f"entry-r{row:03d}-c{column:03d}-{digest[:16]}"
 
 
@@ -295,6 +335,8 @@ def describe(graph: StageGraph) -> str:
     lines.append("stages: " + ", ".join(f"{counts[k]} {k}" for k in STAGE_KINDS) + f" ({len(graph)} in all)")
     labels = {stage.key: stage.label for stage in graph}
     for stage in graph:
+        if stage.kind == "entry":
+            continue  # T(T+1)/2 of them: summarised on the matrix line
         res = stage.resources
         gpus = "auto" if res.num_gpus is None else f"{res.num_gpus:g}"
         memory = "-" if res.memory is None else _human_bytes(res.memory)

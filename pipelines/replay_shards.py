@@ -1,5 +1,5 @@
 """The replay memory of a model line as real shards under the run store (the Parquet format of
-:mod:`cluster.shards`): written after each task with the exemplars' images, read by the next task instead of the
+:mod:`compat_core.data.replay_shards`): written after each task with the exemplars' images, read by the next task instead of the
 old tasks' source data.
 
 Layout: ``<run>/replay/<stage key>/shards/replay/task-NNN.parquet`` + its manifest (one folder per stage, so lines
@@ -25,7 +25,7 @@ def shard_folder(stage_key: str) -> str:
 def write_memory_shard(store, stage_key: str, task: int, memory: ReplayMemory, source) -> dict:
     """Write the memory after 0-based ``task`` with its images read from ``source`` (uint8 HWC); returns the
     record stored in the model artifact."""
-    from cluster.shards import write_replay_shard
+    from compat_core.data.replay_shards import write_replay_shard
 
     folder = shard_folder(stage_key)
     manifest = write_replay_shard(cio.join(store.root, folder), task, memory, source)
@@ -35,7 +35,7 @@ def write_memory_shard(store, stage_key: str, task: int, memory: ReplayMemory, s
 def read_memory_shard(store, shard: dict) -> tuple[ReplayMemory, np.ndarray]:
     """(memory, images uint8 (M, H, W, C)) of a recorded shard; CorruptShardError naming bucket/key and the
     expected sha256 when the file is missing or differs from the record or its manifest."""
-    from cluster.shards import CorruptShardError, read_replay_shard, shard_uris
+    from compat_core.data.replay_shards import CorruptShardError, read_replay_shard, shard_uris
 
     root = cio.join(store.root, shard["folder"])
     parquet_uri, manifest_uri = shard_uris(root, int(shard["task"]))

@@ -13,6 +13,7 @@ number of classes the model line was pre-trained on (0 without pre-training).
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import tempfile
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from pipelines.config import PRETRAIN_PREFIX, PoolSpec, ScenarioConfig
-from pipelines.graph import Stage, entry_key, protocol_params
+from pipelines.graph import Stage, protocol_params
 from pipelines.progress import ProgressUpdate
 from pipelines.store import RunStore, decode_array, encode_array, feature_blobs, read_features
 
@@ -105,8 +106,6 @@ class MatrixRow:
     entry_keys: list[str]
     metric: str
     protocol: dict
-    computed_entries: int
-    reused_entries: int
 
 
 @dataclass
@@ -462,7 +461,7 @@ def _memory_images_from_record(store: RunStore, model_record: dict | None, memor
     shard = ((model_record or {}).get("memory") or {}).get("shard")
     if not shard:
         return None
-    from cluster.shards import CorruptShardError
+    from compat_core.data.replay_shards import CorruptShardError
     from pipelines.replay_shards import read_memory_shard
     from pipelines.store import CorruptArtifactError
 
@@ -846,37 +845,46 @@ def entry_adapters(store: RunStore, gallery_records: list[dict], row: int, colum
     return adapters
 
 
-def evaluate_stage(ctx: StageContext) -> StageResult:
-    """Row t of the matrix: entries C[t, k], k = 0..t, each committed on its own and reused when already stored."""
-    config = ctx.config
+_FEATURE_CACHE: "collections.OrderedDict[tuple[str, str], tuple]" = collections.OrderedDict()
+_FEATURE_CACHE_ITEMS = 4  # a row's query and a few galleries: entries of one row reuse them
+
+
+def cached_features(store: RunStore, key: str) -> tuple:
+    """read_features with a small per-process LRU cache. Safe because extract keys are content hashes (a key's
+    features never change); an in-process run and a reused Ray worker process both read a row's query once."""
+    cache_key = (store.root, key)
+    if cache_key in _FEATURE_CACHE:
+        _FEATURE_CACHE.move_to_end(cache_key)
+        return _FEATURE_CACHE[cache_key]
+    features = read_features(store, key)
+    _FEATURE_CACHE[cache_key] = features
+    while len(_FEATURE_CACHE) > _FEATURE_CACHE_ITEMS:
+        _FEATURE_CACHE.popitem(last=False)
+    return features
+
+
+def entry_stage(ctx: StageContext) -> StageResult:
+    """The one function computing a matrix-entry record C[row, column]; parents = (query extract, gallery extracts
+    of columns 0..row), so the FAN adapters of tasks column+1..row are applied to the gallery features."""
     stage = ctx.stage
-    row = int(stage.task)
+    row, column, protocol = int(stage.params["row"]), int(stage.params["column"]), stage.params["protocol"]
+    query_key, gallery_keys = stage.parents[0], stage.parents[1:]
+    gallery_key = gallery_keys[column]
+    adapters = entry_adapters(ctx.store, [ctx.parents[k] for k in gallery_keys], row, column)
+    value = compute_entry(cached_features(ctx.store, query_key), cached_features(ctx.store, gallery_key), protocol,
+                          ctx.config, ctx.parents[query_key].get("num_classes_model", 0),
+                          ctx.parents[gallery_key].get("num_classes_model", 0), adapters=adapters)
+    return StageResult({"type": "entry", "row": row, "column": column, "value": value, "query": query_key,
+                        "gallery": gallery_key, "protocol": protocol}, {})
+
+
+def evaluate_stage(ctx: StageContext) -> StageResult:
+    """Row t of the matrix, C[t, 0..t], from its committed entry nodes (its parents, in column order)."""
+    stage = ctx.stage
     protocol = stage.params["protocol"]
-    query_key = stage.parents[0]
-    gallery_keys = stage.parents[1:]
-    query = None
-    values: list[float] = []
-    keys: list[str] = []
-    computed = reused = 0
-    for column, gallery_key in enumerate(gallery_keys):
-        key = entry_key(query_key, gallery_key, protocol, row, column)
-        keys.append(key)
-        if ctx.store.has(key):
-            values.append(float(ctx.store.load_record(key)["value"]))
-            reused += 1
-            continue
-        if query is None:
-            query = read_features(ctx.store, query_key)
-        gallery = read_features(ctx.store, gallery_key)
-        adapters = entry_adapters(ctx.store, [ctx.parents[k] for k in gallery_keys], row, column)
-        value = compute_entry(query, gallery, protocol, config,
-                              ctx.parents[query_key].get("num_classes_model", 0),
-                              ctx.parents[gallery_key].get("num_classes_model", 0), adapters=adapters)
-        ctx.store.commit(key, {"type": "entry", "row": row, "column": column, "value": value,
-                               "query": query_key, "gallery": gallery_key, "protocol": protocol})
-        values.append(value)
-        computed += 1
-    record = MatrixRow("matrix_row", stage.key, row, values, keys, protocol["metric"], protocol, computed, reused)
+    values = [float(ctx.parents[key]["value"]) for key in stage.parents]
+    record = MatrixRow("matrix_row", stage.key, int(stage.task), values, list(stage.parents), protocol["metric"],
+                       protocol)
     return StageResult(asdict(record), {})
 
 
@@ -885,6 +893,7 @@ STAGE_FUNCTIONS: dict[str, Callable[[StageContext], StageResult]] = {
     "finetune": train_task_stage,
     "replace": train_task_stage,
     "extract": extract_stage,
+    "entry": entry_stage,
     "evaluate": evaluate_stage,
 }
 
@@ -925,7 +934,7 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
 
 __all__ = [
     "ModelArtifact", "MemoryArtifact", "FeatureArtifact", "MatrixRow", "StageResult", "StageContext",
-    "STAGE_FUNCTIONS", "execute_stage", "load_pool", "task_classes", "slot_of_positions", "compute_entry",
+    "STAGE_FUNCTIONS", "execute_stage", "entry_stage", "cached_features", "load_pool", "task_classes", "slot_of_positions", "compute_entry",
     "entry_adapters", "verification_pairs", "check_pools_open_set", "fine_labels", "ADAPTER_BLOB",
     "load_model_artifact", "SubsetSource", "decode_array", "protocol_params",
 ]

@@ -58,12 +58,21 @@ def test_unreachable_addresses_fail_fast_with_a_clear_message():
     import socket
 
     from cluster.jobs import job_client
-    from cluster.ray_executor import connect
 
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     with pytest.raises(ConnectionError, match=f"cannot reach the Ray job server at 127.0.0.1:{port}"):
         job_client(f"http://127.0.0.1:{port}")
-    with pytest.raises(ConnectionError, match=f"cannot reach the Ray cluster at 127.0.0.1:{port}.*check --address"):
-        connect(f"127.0.0.1:{port}")
+    # connect() in a fresh interpreter: this one may already hold the session's local Ray
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", f"from cluster.ray_executor import connect; connect('127.0.0.1:{port}')"],
+                          env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"ConnectionError: cannot reach the Ray cluster at 127.0.0.1:{port}" in done.stderr
+    assert "check --address" in done.stderr

@@ -4,6 +4,7 @@ older gallery; PSP/LSP: logits projected into the gallery model's class space). 
 selection ``compatibility``, the data-level open-set guard and ``--executor ray`` dispatch."""
 from __future__ import annotations
 
+import json
 import sys
 import types
 from pathlib import Path
@@ -61,7 +62,8 @@ def numpy_adapter(store: RunStore, model_key: str):
     return lambda x: np.maximum(x @ w1.T + b1, 0.0) @ w2.T + b2
 
 
-def brute_force_entry(method: str, store: RunStore, graph, row: int, column: int) -> float:
+def brute_force_entry(method: str, store: RunStore, graph, row: int, column: int, gallery_kind: str = "instances"
+                      ) -> float:
     query, query_labels, _ = read_features(store, graph.extract_stages[(row, "query")])
     gallery, gallery_labels, _ = read_features(store, graph.extract_stages[(column, "gallery")])
     query = query.astype(np.float64)
@@ -82,6 +84,10 @@ def brute_force_entry(method: str, store: RunStore, graph, row: int, column: int
     if method == "fan":
         for task in range(column + 1, row + 1):  # psi_{k+1} first, psi_t last
             gallery = unit_rows(numpy_adapter(store, graph.model_stages[task])(gallery))
+    if gallery_kind == "class_means":  # one template per class: the re-normalised mean of its unit features
+        classes = np.unique(gallery_labels)
+        gallery = unit_rows(np.stack([gallery[gallery_labels == c].mean(axis=0) for c in classes]))
+        gallery_labels = classes
     scores = unit_rows(query) @ gallery.T
     return float(np.mean(gallery_labels[np.argmax(scores, axis=1)] == query_labels))
 
@@ -99,6 +105,20 @@ def test_method_runs_end_to_end_and_matrix_matches_fp64_brute_force(tmp_path, me
             else:
                 expected = brute_force_entry(method, store, graph, row, column)
                 assert values[row][column] == pytest.approx(expected, abs=1e-12), (method, row, column)
+    # `compat eval` after `compat run`: the run's own protocol computes nothing and gives the same matrix; another
+    # protocol runs only its new entry nodes, through the same entry function (FAN: with the adapters)
+    from app.cli import main
+
+    before = set(store.stage_keys())
+    assert main(["eval", str(tmp_path)]) == 0
+    assert set(store.stage_keys()) == before
+    assert json.loads((tmp_path / "matrix.json").read_text())["values"] == values
+    assert main(["eval", str(tmp_path), "--gallery", "class_means"]) == 0
+    variant = json.loads((tmp_path / "eval-recall_at_1-class_means-fine" / "matrix.json").read_text())["values"]
+    for row in range(T):
+        for column in range(row + 1):
+            expected = brute_force_entry(method, store, graph, row, column, "class_means")
+            assert variant[row][column] == pytest.approx(expected, abs=1e-12), (method, row, column)
     if method not in ("psp", "lsp"):
         # d-Simplex methods retrieve on the K-1 junction output; learnable-classifier baselines on the backbone
         # output (m = cnn4's embedding width), as the papers' reference ER
@@ -212,11 +232,13 @@ def test_open_set_guard_compares_ids_only_within_one_dataset(tmp_path):
 
 
 def test_run_dispatches_to_the_ray_executor(tmp_path, monkeypatch):
+    tiny.register()
     calls = {}
 
     class FakeRayExecutor:
-        def __init__(self, address=None, emit=None, progress=True):
+        def __init__(self, address=None, emit=None, progress=True, setup=None):
             calls["address"], calls["progress"] = address, progress
+            assert setup is None  # no models:/ source in this config
 
         def run(self, graph, store):
             calls["stages"] = len(graph)
@@ -229,12 +251,12 @@ def test_run_dispatches_to_the_ray_executor(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "cluster.ray_executor", fake)
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(yaml.safe_dump(tiny.scenario("er", output=str(tmp_path / "run"))))
-    from pipelines.cli import main
+    from app.cli import main
 
     assert main(["run", str(config_path), "--executor", "ray", "--address", "ray://head:10001", "--no-progress",
                  "--tracking-uri", "none"]) == 0
     # 1 pretrain + 3 tasks + 6 extractions + 3 rows
-    assert calls == {"address": "ray://head:10001", "progress": False, "stages": 13}
+    assert calls == {"address": "ray://head:10001", "progress": False, "stages": 13 + 6}  # + the 6 entry nodes
 
 
 @pytest.mark.parametrize("method, anchored", [("dsimplex-hoc", True), ("er", False)])

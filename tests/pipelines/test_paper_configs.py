@@ -15,7 +15,7 @@ import torch
 import yaml
 
 import paper_fixtures as papers
-from pipelines.cli import main
+from app.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PAPER_CONFIGS = sorted(p.name for p in CONFIGS.glob("*.yaml") if not p.name.startswith("demo-"))

@@ -95,7 +95,7 @@ def test_old_tasks_source_is_never_read_and_the_matrix_is_unchanged(registered, 
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])
 def test_corrupt_or_missing_replay_shard_is_refused_before_training(registered, tmp_path, monkeypatch, damage):
     import pipelines.training as training
-    from cluster.shards import CorruptShardError
+    from compat_core.data.replay_shards import CorruptShardError
     from pipelines.store import CorruptArtifactError
 
     run_dir = tmp_path / "run"

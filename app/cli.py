@@ -1,4 +1,4 @@
-"""The ``compat`` command line: one sub-command per module in ``pipelines.commands``.
+"""The ``compat`` command line: one sub-command per module in ``app.commands``.
 
 Each command module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``.
 """
@@ -29,10 +29,10 @@ def _load_commands() -> dict[str, object]:
     commands = {}
     for name in COMMAND_MODULES:
         try:
-            module = importlib.import_module(f"pipelines.commands.{name}")
+            module = importlib.import_module(f"app.commands.{name}")
         except ModuleNotFoundError as error:
             # A command whose module is not part of this build is simply not offered.
-            if error.name == f"pipelines.commands.{name}":
+            if error.name == f"app.commands.{name}":
                 continue
             raise
         commands[name] = module

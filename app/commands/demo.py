@@ -75,7 +75,7 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
     import torch
 
     from cluster.tracking import create_tracker
-    from pipelines.commands.run import run_tracked
+    from app.commands.run import run_tracked
     from pipelines.config import load_config
     from pipelines.graph import compile_scenario
     from pipelines.store import RunStore
@@ -106,7 +106,7 @@ def _cpu_seconds() -> float:
 
 
 def run(args) -> int:
-    from pipelines.commands.run import print_results
+    from app.commands.run import print_results
     from pipelines.config import ConfigError, load_config
 
     cores = os.cpu_count() or 1

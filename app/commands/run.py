@@ -51,9 +51,10 @@ def resolve_run(args) -> tuple[object, str]:
 
 
 def make_executor(kind: str = "local", address: str | None = None, emit=None, progress: bool = True,
-                  num_cpus: int | None = None):
+                  num_cpus: int | None = None, setup=None):
     """LocalExecutor, or cluster.ray_executor.RayExecutor for kind "ray" (imported only then: pipelines never needs
-    ray at import time). ``emit`` receives every record; num_cpus: CPUs of an embedded Ray instance (Ray only)."""
+    ray at import time). ``emit`` receives every record; num_cpus: CPUs of an embedded Ray instance (Ray only);
+    setup: picklable callable run in a Ray worker before each node (e.g. MLflow URI resolvers)."""
     if kind == "ray":
         try:
             from cluster.ray_executor import RayExecutor
@@ -61,7 +62,7 @@ def make_executor(kind: str = "local", address: str | None = None, emit=None, pr
             raise SystemExit(f"--executor ray needs the cluster package and ray installed ({error}); "
                              f"install the project's cluster extras or use --executor local") from None
         kwargs = {"num_cpus": num_cpus} if num_cpus is not None else {}
-        return RayExecutor(address=address, emit=emit, progress=progress, **kwargs)
+        return RayExecutor(address=address, emit=emit, progress=progress, setup=setup, **kwargs)
     if address:
         raise SystemExit("--address applies to --executor ray only")
     from pipelines.executor import LocalExecutor
@@ -70,14 +71,40 @@ def make_executor(kind: str = "local", address: str | None = None, emit=None, pr
 
 
 def run_tracked(graph, store, tracker, kind: str = "local", address: str | None = None, progress: bool = True,
-                sinks: tuple = (), num_cpus: int | None = None):
+                sinks: tuple = (), num_cpus: int | None = None, setup=None):
     """Run ``graph`` on the chosen executor inside the tracker's pipeline scope; every record goes to the progress
     display (bars when ``progress``), the tracker and ``sinks``. Returns the executor's RunSummary."""
     from pipelines.progress import ProgressReporter
 
     emit = ProgressReporter(enabled=progress, sinks=[tracker, *sinks])
     with tracker.pipeline(graph, store):
-        return make_executor(kind, address, emit, progress, num_cpus).run(graph, store)
+        return make_executor(kind, address, emit, progress, num_cpus, setup).run(graph, store)
+
+
+def model_sources_setup(config, tracking_uri: str | None):
+    """When ``initial_model`` or a replacement source is an MLflow ``models:/`` or ``runs:/`` URI, register the MLflow
+    URI resolvers in this process and return the same registration as a setup callable for Ray workers; else None.
+
+    The registry is the one of ``--tracking-uri`` (else ``MLFLOW_TRACKING_URI``); a ConfigError names the source
+    when neither is given."""
+    import functools
+
+    from pipelines.config import ConfigError
+
+    sources = {f"replacements[{i}].source": r.source for i, r in enumerate(config.replacements)}
+    sources["initial_model"] = config.initial_model or ""
+    mlflow_sources = {key: uri for key, uri in sources.items() if uri.startswith(("models:/", "runs:/"))}
+    if not mlflow_sources:
+        return None
+    uri = tracking_uri if tracking_uri not in (None, "none") else os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        key, source = next(iter(mlflow_sources.items()))
+        raise ConfigError(f"{key}: {source!r} is read from an MLflow model registry; give --tracking-uri "
+                          f"http(s)://HOST:PORT (or set MLFLOW_TRACKING_URI) naming the server that holds it")
+    from cluster.registry import register_mlflow_resolvers
+
+    register_mlflow_resolvers(uri)
+    return functools.partial(register_mlflow_resolvers, uri)
 
 
 def make_tracker(args, run_dir: str):
@@ -123,6 +150,7 @@ def run(args) -> int:
         configure_object_storage()
     try:
         config, run_dir = resolve_run(args)
+        setup = model_sources_setup(config, args.tracking_uri)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -150,7 +178,7 @@ def run(args) -> int:
             print(f"error: --tracking-uri: {error}", file=sys.stderr)
             return 2
         summary = run_tracked(compile_scenario(config), store, tracker, args.executor, args.address,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, setup=setup)
     print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done)")
     if summary.matrix is not None:
         print_results(summary.matrix, summary.metrics)
