@@ -131,6 +131,8 @@ class RayBackend(Backend):
         self.setup = setup
         self.max_entries = max_entries
         self.cluster_has_gpus = float(ray.cluster_resources().get("GPU", 0.0)) > 0
+        self.nodes = ray.nodes()  # what each node has in total: a request none can hold never starts
+        self.checked: set[tuple] = set()
         self.remote = ray.remote(run_node)
         self.running: dict[Any, str] = {}
         self.running_entries = 0
@@ -144,11 +146,26 @@ class RayBackend(Backend):
                 return
             self.running_entries += 1
         options = task_options(stage.resources, graph.config.device, self.cluster_has_gpus)
+        self._check(stage, options, graph.config.resources.autoscaling)
         root = store.root if not store.is_local else store.base  # absolute: workers do not share the driver's cwd
-        ref = self.remote.options(**options, max_retries=self.max_retries).remote(
+        # tasks are named after their stage: `ray list tasks` and the dashboard show finetune[t=3], entry[...]
+        ref = self.remote.options(**options, max_retries=self.max_retries, name=stage.label).remote(
             root, stage, graph.config, graph.code_version, max(1, int(math.floor(options["num_cpus"]))), self.setup)
         self.running[ref] = stage.key
         self.stats["tasks"] += 1
+
+    def _check(self, stage: Stage, options: dict, autoscaling: bool) -> None:
+        """Refuse (or, with an autoscaler, log) a request no alive node can hold, once per distinct request."""
+        from cluster.resource_check import check_satisfiable
+
+        request = (stage.kind, tuple(sorted(options.items())))
+        if request in self.checked:
+            return
+        self.checked.add(request)
+        kind = {"replace": "finetune", "entry": "evaluate"}.get(stage.kind, stage.kind)
+        line = check_satisfiable(stage.label, f"resources.{kind}", options, self.nodes, autoscaling)
+        if line:
+            log.warning(line)
 
     def wait(self) -> tuple[str, list]:
         finished, _ = ray.wait(list(self.running), num_returns=1)

@@ -131,6 +131,20 @@ def ray_job_id() -> str | None:
         return None
 
 
+def ray_submission_id() -> str | None:
+    """The Ray Job *submission* id (what `compat submit`, `ray job status` and the dashboard show) when this
+    process is a submitted job's entrypoint: Ray passes it in the job config's metadata."""
+    text = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not text:
+        return None
+    try:
+        metadata = json.loads(text).get("metadata") or {}
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    value = metadata.get("job_submission_id")
+    return str(value) if value else None
+
+
 def default_tracking_uri(run_dir: str | os.PathLike) -> str:
     """``sqlite:///<absolute run dir>/mlflow.db``; a remote (s3://) run directory needs an explicit tracking URI."""
     text = os.fspath(run_dir)
@@ -249,6 +263,9 @@ class MlflowTracker(Tracker):
         job = ray_job_id()
         if job:
             base_tags["ray_job_id"] = job
+        submission = ray_submission_id()
+        if submission:
+            base_tags["ray_submission_id"] = submission
         self._base_tags = base_tags
         existing = self.client.search_runs(
             [self.experiment_id],
@@ -262,6 +279,8 @@ class MlflowTracker(Tracker):
             self.client.set_tag(self.parent_run_id, "resumes", str(resumes))
             if job:
                 self.client.set_tag(self.parent_run_id, "ray_job_id", job)
+            if submission:
+                self.client.set_tag(self.parent_run_id, "ray_submission_id", submission)
         else:
             run = self.client.create_run(self.experiment_id, tags={**base_tags, "run_role": "pipeline"},
                                          run_name=f"{config.name}-{self.pipeline_id[:8]}")

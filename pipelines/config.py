@@ -203,6 +203,8 @@ class ResourcesSpec(StrictModel):
     evaluate: StageResources = Field(default_factory=lambda: StageResources(num_gpus=0))
     evaluation_actors: int | None = Field(None, ge=1, description="most matrix-entry tasks running at once on Ray "
                                                                    "(None: as many as Ray places)")
+    autoscaling: bool = Field(False, description="the Ray cluster has an autoscaler: a stage no current node can "
+                              "hold waits for one (logged) instead of failing at once")
 
     def for_stage(self, kind: str) -> StageResources:
         return getattr(self, "finetune" if kind == "replace" else kind)

@@ -37,3 +37,23 @@ def test_against_the_real_local_ray(ray_local):
     assert check_satisfiable("extract[t=0,query]", "resources.extract", {"num_cpus": 1}, nodes, False) is None
     with pytest.raises(UnsatisfiableResourcesError, match="GPU=1 \\(largest node: 0\\)"):
         check_satisfiable("finetune[t=0]", "resources.finetune", {"num_cpus": 1, "num_gpus": 1}, nodes, False)
+
+
+def test_the_ray_engine_refuses_an_unsatisfiable_stage_before_it_hangs(ray_local, tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+    import tiny_scenario_helpers as tiny
+
+    from cluster.ray_executor import RayExecutor
+    from pipelines.config import validate_config
+    from pipelines.graph import compile_scenario
+    from pipelines.store import RunStore
+
+    tiny.register()
+    document = tiny.scenario("er", output=str(tmp_path / "run"))
+    document["resources"] = {"finetune": {"memory": 10 ** 15}}
+    graph = compile_scenario(validate_config(document))
+    with pytest.raises(UnsatisfiableResourcesError, match=r"stage finetune\[t=0\] asks for memory=931322\.6 GiB"):
+        RayExecutor(progress=False, setup=tiny.register).run(graph, RunStore(str(tmp_path / "run")))

@@ -349,12 +349,16 @@ def test_resumed_pipeline_reuses_runs_and_versions(sqlite_run, monkeypatch):
     before = {r.info.run_id for r in client.search_runs([experiment_id])}
     name = f"track-demo-{tracker.pipeline_id[:8]}"
     versions_before = len(client.search_model_versions(f"name = '{name}'"))
+    # resumed as a Ray Job: Ray hands the driver its submission id in the job config metadata
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(
+        {"runtime_env": {}, "metadata": {"job_submission_id": "compat-track-demo-0123456789ab"}}))
     _, _, again = run_tracked(run_dir, None, monkeypatch)
     after = client.search_runs([experiment_id])
     assert {r.info.run_id for r in after} == before
     assert len(client.search_model_versions(f"name = '{name}'")) == versions_before
     parent = next(r for r in after if r.data.tags.get("run_role") == "pipeline")
     assert parent.info.status == "FINISHED" and parent.data.tags["resumes"] == "1"
+    assert parent.data.tags["ray_submission_id"] == "compat-track-demo-0123456789ab"
     # the summary metrics were not logged a second time
     assert len(client.get_metric_history(parent.info.run_id, "AC")) == 1
 
