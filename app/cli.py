@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "status",
     "logs",
     "tune",
+    "ingest",
 )
 
 

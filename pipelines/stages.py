@@ -70,6 +70,7 @@ class MemoryArtifact:
     tasks_blob: str
     size: int
     per_class: int
+    shard: dict | None = None  # the exemplars' images as a replay shard (pipelines.replay_shards), when written
 
 
 @dataclass
@@ -369,6 +370,7 @@ def _train_config(config: ScenarioConfig, seed: int, device: torch.device, epoch
         device=str(device), model_selection=model_selection or training.model_selection,
         selection_strict=config.evaluation.strict, mixed_precision=training.autocast,
         eval_batch_size=config.evaluation.batch_size, epoch_length=config.replay.epoch_length,
+        input_workers=training.input_workers,
     )
 
 
@@ -453,6 +455,48 @@ def _memory_from_record(store: RunStore, model_record: dict | None) -> tuple[np.
             store.read_array(key, memory["tasks_blob"], manifest))
 
 
+def _memory_images_from_record(store: RunStore, model_record: dict | None, memory: tuple) -> np.ndarray | None:
+    """uint8 (M, H, W, C) images of the recorded replay shard, rows aligned with ``memory``; None when the record
+    has no shard (runs written before replay shards)."""
+    shard = ((model_record or {}).get("memory") or {}).get("shard")
+    if not shard:
+        return None
+    from compat_core.data.replay_shards import CorruptShardError
+    from pipelines.replay_shards import read_memory_shard
+    from pipelines.store import CorruptArtifactError
+
+    try:
+        stored, images = read_memory_shard(store, shard)
+    except CorruptShardError as error:
+        # the stage that wrote the shard is the one to recompute (the CLI prints the --recompute fix)
+        raise CorruptArtifactError(str(error), stage_key=model_record["stage_key"]) from error
+    if not np.array_equal(stored.indices, memory[0]) or not np.array_equal(stored.source_task, memory[2]):
+        raise ValueError(f"replay shard {shard['folder']} (task {shard['task']}) does not hold the memory recorded "
+                         f"with model stage {model_record['stage_key']}")
+    return images
+
+
+def _write_memory_shard(ctx: StageContext, task: int, memory: tuple, memory_images: np.ndarray | None, pool,
+                        indices: np.ndarray, positions: np.ndarray, tasks: np.ndarray) -> dict:
+    """Write the updated memory as this stage's replay shard: kept exemplars' images from the previous shard, new
+    ones from this task's source."""
+    from compat_core.data.replay import ReplayMemory
+    from pipelines.replay_shards import write_memory_shard
+
+    images = np.empty((indices.shape[0], *pool.image_shape), dtype=np.uint8)
+    from_previous = tasks != task
+    if from_previous.any():
+        if memory_images is None:
+            images[from_previous] = pool.read(indices[from_previous])  # a run started before replay shards
+        else:
+            row_of = {int(index): row for row, index in enumerate(memory[0])}
+            images[from_previous] = memory_images[[row_of[int(i)] for i in indices[from_previous]]]
+    if (~from_previous).any():
+        images[~from_previous] = pool.read(indices[~from_previous])
+    record = ReplayMemory(indices=indices, labels=positions, slots=positions, source_task=tasks)
+    return write_memory_shard(ctx.store, ctx.stage.key, task, record, images)
+
+
 def _update_memory(config: ScenarioConfig, memory: tuple, new_indices, new_positions, task: int,
                    features: np.ndarray | None = None) -> tuple:
     """Add ``per_class`` samples of each new class; old classes keep theirs (fixed quota per seen class).
@@ -510,6 +554,9 @@ def train_task_stage(ctx: StageContext) -> StageResult:
     seed = config.seed * 1000 + task
     previous = ctx.parents[stage.parents[0]] if task > 0 else None
     memory = _memory_from_record(ctx.store, previous)
+    # the previous task's exemplars come from its replay shard (verified now, before any training), never from
+    # the old tasks' source data
+    memory_images = _memory_images_from_record(ctx.store, previous, memory)
     replacement = config.replacement_at(task) if stage.kind == "replace" else None
     wants_old = method.needs_old_model or config.training.model_selection == "compatibility"
 
@@ -556,12 +603,18 @@ def train_task_stage(ctx: StageContext) -> StageResult:
     positions = np.asarray([position_of[int(c)] for c in pool_labels[indices]], dtype=np.int64)
     use_memory = method.uses_replay and config.replay.per_class > 0 and not method.retrain_from_scratch
     memory_indices = memory_slots = None
+    train_source = pool
     if use_memory and memory[0].size:
         memory_indices = memory[0]
         memory_slots = slot_of_positions(memory[1], classifier, K, pretrained)
+        if memory_images is not None:
+            from pipelines.replay_shards import WithMemory
+
+            train_source = WithMemory(pool, memory_images, np.concatenate(tasks)[memory[1]])
+            memory_indices = train_source.memory_indices()
     num_old = first_position if not method.retrain_from_scratch else 0
     data = TaskData(
-        source=pool, task=task, indices=indices, slots=slot_of_positions(positions, classifier, K, pretrained),
+        source=train_source, task=task, indices=indices, slots=slot_of_positions(positions, classifier, K, pretrained),
         num_old_classes=num_old + (pretrained if classifier == "learnable" else 0),
         num_new_classes=len(tasks[task]) + (first_position if method.retrain_from_scratch else 0),
         memory_indices=memory_indices, memory_slots=memory_slots, initial_state=initial_state, selection=selection,
@@ -596,7 +649,9 @@ def train_task_stage(ctx: StageContext) -> StageResult:
         blobs["memory-positions.npy"] = encode_array(new_positions)
         blobs["memory-tasks.npy"] = encode_array(new_tasks)
         memory_record = asdict(MemoryArtifact("memory-indices.npy", "memory-positions.npy", "memory-tasks.npy",
-                                              int(new_indices.shape[0]), config.replay.per_class))
+                                              int(new_indices.shape[0]), config.replay.per_class,
+                                              shard=_write_memory_shard(ctx, task, memory, memory_images, pool,
+                                                                        new_indices, new_positions, new_tasks)))
     num_active = int(trained.num_active_classes) if classifier == "learnable" else 0
     source = replacement.source if replacement is not None else (config.initial_model if task == 0 else None)
     record = ModelArtifact("model", stage.key, artifact_location(stage.key), task, line, pretrained,
@@ -636,8 +691,15 @@ def extract_stage(ctx: StageContext) -> StageResult:
     started = time.perf_counter()
     total = len(pool)
     batches = max(1, -(-total // batch_size))
-    for batch_index, start in enumerate(range(0, total, batch_size)):
-        images = torch.from_numpy(pool.read(np.arange(start, min(start + batch_size, total)))).to(ctx.device)
+    from compat_core.data.stream import stream_batches
+
+    # the next batches are decoded on CPU workers (training.input_workers) while the model runs on this one
+    stream = stream_batches(pool, np.arange(total), [np.arange(start, min(start + batch_size, total))
+                                                     for start in range(0, total, batch_size)],
+                            workers=config.training.input_workers, pin_memory=ctx.device.type == "cuda")
+    for batch_index, (positions, images) in enumerate(stream):
+        start = int(positions[0])
+        images = images.to(ctx.device, non_blocking=True)
         inputs = prepare_batch(transform(images), model)
         with precision_context(ctx.device, config.training.autocast):
             output = model(inputs)

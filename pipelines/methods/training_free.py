@@ -38,7 +38,7 @@ class _TrainingFree(Method):
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)
         ce = classification_cross_entropy(output.logits / self.hparams.temperature, batch.targets)
-        return ce, {"ce": float(ce.detach())}
+        return ce, {"ce": ce.detach()}
 
     def _top_k(self, top_k: int | None) -> int | None:
         value = self.hparams.top_k if top_k is None else top_k
