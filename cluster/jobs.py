@@ -1,9 +1,9 @@
 """Submission of pipelines to a Ray cluster as Ray Jobs (``compat submit`` / ``status`` / ``logs``).
 
 A pipeline job is the resolved scenario (``--set`` overrides applied) written to ``scenario.yaml`` in a staging
-folder that becomes the job's ``working_dir``; the project's packages (compat_core, pipelines, cluster) travel as
+folder that becomes the job's ``working_dir``; the project's packages (compat_core, pipelines, cluster, app) travel as
 ``py_modules`` (caches, ``.venv``, ``runs``, ``.git`` never do). The entrypoint is
-``python -m pipelines.cli run scenario.yaml --executor ray --address auto --output OUT`` (= ``compat run``).
+``python -m app.cli run scenario.yaml --executor ray --address auto --output OUT`` (= ``compat run``).
 
 Idempotent submission: the submission id is ``compat-<scenario name>-<12 hex>``, the hex hashing the config hash
 (results-relevant content), the output location and the entrypoint. Submitting again while the latest attempt with
@@ -32,7 +32,7 @@ from typing import Any, TextIO
 ID_PREFIX = "compat-"
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 REUSABLE_STATUSES = ("PENDING", "RUNNING", "SUCCEEDED")  # a resubmission is a no-op while the latest is one of these
-PACKAGES = ("compat_core", "pipelines", "cluster")
+PACKAGES = ("compat_core", "pipelines", "cluster", "app")
 # Patterns (gitignore syntax) kept out of what is uploaded to the cluster.
 RUNTIME_EXCLUDES = (".venv", ".git", "runs", "mlruns", "__pycache__", "*.pyc", "*.egg-info", ".pytest_cache",
                     "*.safetensors", "*.parquet")
@@ -62,6 +62,10 @@ def job_client(address: str | None):
 
     if address is not None and not address.startswith(("http://", "https://")):
         raise ValueError(f"--address {address!r}: expected the cluster's job server, http(s)://HOST:8265")
+    if address is not None:
+        from cluster.reach import require_reachable
+
+        require_reachable(address, "Ray job server", 8265)
     return JobSubmissionClient(address)
 
 
@@ -161,7 +165,7 @@ def pipeline_runtime_env(staging_dir: str | Path, root: Path | None = None) -> d
 def pipeline_entrypoint(output: str | None, config_file: str = "scenario.yaml", executor: str = "ray") -> str:
     """Shell command the job runs: ``compat run`` on the staged scenario (module form, so the uploaded packages are
     imported rather than whatever ``compat`` is installed on the node)."""
-    command = ["python", "-m", "pipelines.cli", "run", config_file, "--executor", executor, "--no-progress"]
+    command = ["python", "-m", "app.cli", "run", config_file, "--executor", executor, "--no-progress"]
     if executor == "ray":
         command += ["--address", "auto"]
     if output:

@@ -45,6 +45,12 @@ def _port_is_free(port: int) -> bool:
     return True
 
 
+def minimal_environment() -> dict[str, str]:
+    """PATH, HOME, TMPDIR and locale of this process: what a server binary needs, and no credentials."""
+    keep = ("PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "TZ")
+    return {name: os.environ[name] for name in keep if name in os.environ}
+
+
 def _wait_until(check, timeout_s: float, what: str, process: subprocess.Popen, log_path: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -161,7 +167,9 @@ class SeaweedS3Server:
         ]
         (self.data_dir / "data").mkdir(exist_ok=True)
         log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # Only what weed needs: given AWS_* variables it would add an identity of its own (and log it to /tmp).
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env=minimal_environment())
         log.close()
         _wait_until(self._ready, timeout_s, "SeaweedFS S3 server", self.process, self.log_path)
         return self

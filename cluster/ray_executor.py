@@ -1,43 +1,35 @@
-"""Ray executor: the stage graph run by Ray actors, with the same stage functions as the local executor.
+"""Ray backend of the engine: every node of the graph (stage or matrix entry) is one Ray task.
 
-- Every pretrain / finetune / replace / extract stage runs in a stage actor that reserves the stage's resources from
-  the config (``resources.<kind>``: ``num_cpus``, ``num_gpus`` - None means 1 when the cluster has GPUs, else 0 -
-  and ``memory`` in bytes) and limits torch to ``floor(num_cpus)`` threads. Idle actors with the same resource shape
-  are reused (a fresh process per stage would pay Python + torch start-up every time); idle actors of another shape
-  are killed when their resources are needed.
-- Stages are submitted as soon as all their parents are committed and waited on with ``ray.wait``, so independent
-  stages (third-party pre-training, extraction of model t while task t+1 trains, matrix entries) run concurrently.
-- Evaluate stages are split into matrix entries computed by evaluation actors (:mod:`cluster.eval_actors`), each
-  entry committed on its own; the row record (the same ``MatrixRow`` the local executor writes) is committed by the
-  driver when every entry of the row is stored.
-- Stages already committed in the store are skipped; actors set ``max_restarts`` / ``max_task_retries`` and restore
-  from storage, and a stage found committed when its (retried) call starts is not recomputed.
-- Only keys, small records and per-epoch training summaries travel through Ray; models and features move through
-  the run store (local folder or s3://) by URI. With a multi-node cluster the store must be reachable by every node
-  (s3://, or a shared filesystem path).
+- :func:`pipelines.executor.run_graph` (the same loop as in-process runs) submits a node as soon as its parents are
+  committed; this backend turns it into a Ray task with the node's ``resources.<kind>`` (``num_cpus``,
+  ``num_gpus``, ``memory`` in bytes) and lets Ray place and queue it. Ray reuses its worker processes between tasks,
+  so Python and torch start once per worker; torch is limited to ``floor(num_cpus)`` threads per task.
+- ``num_gpus`` None: 0 with ``device: cpu``, 1 with ``device: cuda[:N]`` (Ray queues the task until a GPU node
+  exists, e.g. one an autoscaler adds), and with ``device: auto`` 1 when the cluster lists GPUs when the run starts.
+- Matrix entries are tasks too; a worker process keeps the last feature sets it read
+  (:func:`pipelines.stages.cached_features`), so entries of one row read their query once per worker.
+- Tasks retry ``max_retries`` times after a worker or node failure; a node found committed when its (retried) task
+  starts is not recomputed. Only keys and per-epoch training summaries travel through Ray; models and features move
+  through the run store (local folder or s3://) by URI, so a multi-node cluster needs a store every node reaches.
 
 ``--address http(s)://HOST:8265`` (a dashboard / job server) runs the pipeline as a Ray Job instead
 (:func:`cluster.jobs.submit_pipeline`) and waits for it.
 """
 from __future__ import annotations
 
-import dataclasses
+import collections
 import json
 import logging
 import math
 import os
-import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import ray
 
-from cluster.eval_actors import (DEFAULT_MAX_RESTARTS, DEFAULT_MAX_TASK_RETRIES, EntrySpec, EvaluationWorker,
-                                 default_pool_size, entries_of_row)
-from pipelines.executor import Executor, RunSummary, finalize_run, prepare_run, read_invocations, record_invocation
+from pipelines.executor import Backend, Executor, RunSummary, close_emit, read_invocations, run_graph
 from pipelines.graph import Stage, StageGraph
-from pipelines.progress import ProgressReporter, ProgressUpdate, StageEvent, StageRecord
+from cluster.storage import installed_access
+from pipelines.progress import ProgressReporter, ProgressUpdate
 from pipelines.store import RunStore
 
 log = logging.getLogger(__name__)
@@ -66,328 +58,180 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         # inside a Ray Job (or a shell pointed at a cluster): join that cluster, do not start another
         ray.init(configure_logging=False)
     elif address is None:
-        # without this, some Ray ports bind to every interface even with a loopback node address
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        from cluster.ray_loopback import prepare_loopback
+
+        prepare_loopback()  # every port on 127.0.0.1, none on the machine's other interfaces
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
                  include_dashboard=False, _node_ip_address=LOOPBACK, configure_logging=False)
     else:
+        if address != "auto":
+            from cluster.reach import require_reachable
+
+            require_reachable(address, "Ray cluster", 10001 if address.startswith("ray://") else 6379)
         ray.init(address=address, configure_logging=False)
     return True
 
 
-# ---- actors -----------------------------------------------------------------------------------------------------
-class StageWorker:
-    """Body of a stage actor: runs one stage at a time with :func:`pipelines.stages.execute_stage`.
+# ---- the backend ------------------------------------------------------------------------------------------------
+DEFAULT_MAX_RETRIES = 3  # a transient failure (a node lost, an OOM kill): a few attempts, then the error surfaces
 
-    store_root: run directory (absolute local path or s3:// URI). num_threads: torch threads (the CPU share).
-    setup: optional callable run when the actor starts (register datasets that live outside the package...).
+
+def run_node(store_root: str, stage: Stage, config: Any, code_version: str, num_threads: int,
+             setup: Callable[[], None] | None = None, storage_access: Any = None) -> dict:
+    """Body of a node's Ray task: execute and commit ``stage``; returns {"key", "records", "pid", "computed"}.
+
+    records: the node's non-progress records (per-epoch training summaries), replayed by the driver to its emit
+    callback. computed: False when the node was already committed (a retried task after a failure).
     """
+    import torch
 
-    def __init__(self, store_root: str, num_threads: int = 1, setup: Callable[[], None] | None = None) -> None:
-        import torch
+    from pipelines.stages import execute_stage
 
-        torch.set_num_threads(max(1, int(num_threads)))
-        if setup is not None:
-            setup()
-        self.store = RunStore(store_root)
+    torch.set_num_threads(max(1, int(num_threads)))
+    if storage_access is not None:
+        # the driver's S3 settings (endpoint, region, style, profile: from its AWS chain, e.g. an AWS_PROFILE);
+        # an S3Access travels without secrets and resolves credentials from this worker's own chain
+        from cluster.storage import configure_object_storage
 
-    def run(self, stage: Stage, config: Any, code_version: str | None) -> dict:
-        """Execute and commit ``stage``; returns {"key", "seconds", "records", "pid", "computed"}.
+        configure_object_storage(storage_access)
+    if setup is not None:
+        setup()
+    store = RunStore(store_root)
+    if store.has(stage.key):
+        return {"key": stage.key, "records": [], "pid": os.getpid(), "computed": False}
+    records: list[Any] = []
 
-        records: the stage's non-progress records (per-epoch training summaries), replayed by the driver to its
-        emit callback. computed: False when the stage was already committed (a retried call after a restart).
-        """
-        from pipelines.stages import execute_stage
+    def emit(record: Any) -> None:
+        # per-step progress stays in the worker: only summaries are worth the trip to the driver
+        if not isinstance(record, ProgressUpdate):
+            records.append(record)
 
-        started = time.perf_counter()
-        if self.store.has(stage.key):
-            return {"key": stage.key, "seconds": 0.0, "records": [], "pid": os.getpid(), "computed": False}
-        records: list[Any] = []
-
-        def emit(record: Any) -> None:
-            # per-step progress stays in the actor: only summaries are worth the trip to the driver
-            if not isinstance(record, ProgressUpdate):
-                records.append(record)
-
-        execute_stage(stage, config, self.store, emit, code_version=code_version)
-        return {"key": stage.key, "seconds": time.perf_counter() - started, "records": records, "pid": os.getpid(),
-                "computed": True}
-
-    def pid(self) -> int:
-        return os.getpid()
+    execute_stage(stage, config, store, emit, code_version=code_version)
+    return {"key": stage.key, "records": records, "pid": os.getpid(), "computed": True}
 
 
-@dataclass(frozen=True)
-class Shape:
-    """Resources one actor reserves: CPUs, GPUs, memory in bytes (None: no reservation)."""
+class NodeFailed(RuntimeError):
+    """A node's task failed (after its retries); ``stage_key`` names the node."""
 
-    num_cpus: float
-    num_gpus: float
-    memory: int | None = None
-
-    def options(self) -> dict:
-        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
-        if self.memory:
-            options["memory"] = int(self.memory)
-        return options
+    def __init__(self, stage_key: str, error: BaseException) -> None:
+        super().__init__(f"node {stage_key} failed: {error}")
+        self.stage_key = stage_key
 
 
-@dataclass
-class _Worker:
-    kind: str  # "stage" | "entry"
-    shape: Shape
-    handle: Any
-    busy: bool = False
+def task_options(resources: Any, device: str, cluster_has_gpus: bool) -> dict:
+    """Ray options of a node: num_cpus, num_gpus (None resolved from ``device``, see the module docstring), memory."""
+    gpus = resources.num_gpus
+    if gpus is None:
+        gpus = 0.0 if device == "cpu" else 1.0 if device.startswith("cuda") else float(cluster_has_gpus)
+    options: dict[str, Any] = {"num_cpus": float(resources.num_cpus), "num_gpus": float(gpus)}
+    if resources.memory:
+        options["memory"] = int(resources.memory)
+    return options
 
 
-@dataclass
-class _Job:
-    kind: str  # "stage" | "entry"
-    stage: Stage | None = None
-    entry: EntrySpec | None = None
-    started: float = 0.0
+class RayBackend(Backend):
+    """One Ray task per node (see the module docstring); ``wait`` returns the first node to finish."""
 
-
-class _ActorScheduler:
-    """Places jobs on actors: reuse an idle actor of the same kind and shape, else create one when the cluster's
-    CPUs/GPUs (as counted by this executor) allow, killing idle actors of other shapes to make room."""
-
-    def __init__(self, capacity_cpus: float, capacity_gpus: float, store_root: str, config: Any,
-                 max_restarts: int, max_task_retries: int, setup: Callable[[], None] | None) -> None:
-        self.capacity_cpus = capacity_cpus
-        self.capacity_gpus = capacity_gpus
-        self.store_root = store_root
-        self.config = config
-        self.max_restarts = max_restarts
-        self.max_task_retries = max_task_retries
+    def __init__(self, max_retries: int = DEFAULT_MAX_RETRIES, setup: Callable[[], None] | None = None,
+                 max_entries: int | None = None) -> None:
+        self.max_retries = max_retries
         self.setup = setup
-        self.workers: list[_Worker] = []
-        self.created = {"stage": 0, "entry": 0}
-        self._stage_class = ray.remote(StageWorker)
-        self._entry_class = ray.remote(EvaluationWorker)
+        self.max_entries = max_entries
+        self.cluster_has_gpus = float(ray.cluster_resources().get("GPU", 0.0)) > 0
+        self.nodes = ray.nodes()  # what each node has in total: a request none can hold never starts
+        self.checked: set[tuple] = set()
+        self.remote = ray.remote(run_node)
+        self.running: dict[Any, str] = {}
+        self.running_entries = 0
+        self.deferred: collections.deque = collections.deque()
+        self.stats = {"tasks": 0, "computed": 0, "largest_result_bytes": 0, "pids": set()}
 
-    def _held(self) -> tuple[float, float]:
-        return (sum(w.shape.num_cpus for w in self.workers), sum(w.shape.num_gpus for w in self.workers))
+    def submit(self, stage: Stage, graph: StageGraph, store: RunStore) -> None:
+        if stage.kind == "entry" and self.max_entries is not None:
+            if self.running_entries >= self.max_entries:  # resources.evaluation_actors: a cap, not a placement
+                self.deferred.append((stage, graph, store))
+                return
+            self.running_entries += 1
+        options = task_options(stage.resources, graph.config.device, self.cluster_has_gpus)
+        self._check(stage, options, graph.config.resources.autoscaling)
+        root = store.root if not store.is_local else store.base  # absolute: workers do not share the driver's cwd
+        # tasks are named after their stage: `ray list tasks` and the dashboard show finetune[t=3], entry[...]
+        ref = self.remote.options(**options, max_retries=self.max_retries, name=stage.label).remote(
+            root, stage, graph.config, graph.code_version, max(1, int(math.floor(options["num_cpus"]))), self.setup,
+            installed_access())
+        self.running[ref] = stage.key
+        self.stats["tasks"] += 1
 
-    def _fits(self, shape: Shape) -> bool:
-        cpus, gpus = self._held()
-        return cpus + shape.num_cpus <= self.capacity_cpus + 1e-9 and gpus + shape.num_gpus <= self.capacity_gpus + 1e-9
+    def _check(self, stage: Stage, options: dict, autoscaling: bool) -> None:
+        """Refuse (or, with an autoscaler, log) a request no alive node can hold, once per distinct request."""
+        from cluster.resource_check import check_satisfiable
 
-    def place(self, kind: str, shape: Shape, limit: int | None = None) -> _Worker | None:
-        """An idle actor for a job of ``kind`` and ``shape`` (marked busy), or None when none can be had now."""
-        for worker in self.workers:
-            if not worker.busy and worker.kind == kind and worker.shape == shape:
-                worker.busy = True
-                return worker
-        if limit is not None and sum(w.kind == kind for w in self.workers) >= limit:
-            return None
-        alone_too_big = shape.num_cpus > self.capacity_cpus or shape.num_gpus > self.capacity_gpus
-        while not self._fits(shape):
-            idle = [w for w in self.workers if not w.busy]
-            if not idle:
-                if alone_too_big and not self.workers:
-                    break  # larger than the cluster now: let Ray queue it (an autoscaler may add a node)
-                return None
-            self.kill(idle[0])
-            if alone_too_big and not self.workers:
-                break
-        worker = _Worker(kind, shape, self._create(kind, shape), busy=True)
-        self.workers.append(worker)
-        self.created[kind] += 1
-        return worker
+        request = (stage.kind, tuple(sorted(options.items())))
+        if request in self.checked:
+            return
+        self.checked.add(request)
+        kind = {"replace": "finetune", "entry": "evaluate"}.get(stage.kind, stage.kind)
+        line = check_satisfiable(stage.label, f"resources.{kind}", options, self.nodes, autoscaling)
+        if line:
+            log.warning(line)
 
-    def _create(self, kind: str, shape: Shape):
-        options = {**shape.options(), "max_restarts": self.max_restarts, "max_task_retries": self.max_task_retries}
-        threads = max(1, int(math.floor(shape.num_cpus)))
-        if kind == "stage":
-            return self._stage_class.options(**options).remote(self.store_root, threads, self.setup)
-        return self._entry_class.options(**options).remote(self.store_root, self.config, threads, 4, self.setup)
+    def wait(self) -> tuple[str, list]:
+        finished, _ = ray.wait(list(self.running), num_returns=1)
+        key = self.running.pop(finished[0])
+        if key.startswith("entry-") and self.max_entries is not None:
+            self.running_entries -= 1
+            if self.deferred:
+                self.submit(*self.deferred.popleft())
+        try:
+            result = ray.get(finished[0])
+        except Exception as error:
+            raise NodeFailed(key, error) from error
+        self.stats["computed"] += int(result["computed"])
+        self.stats["pids"].add(result["pid"])
+        self.stats["largest_result_bytes"] = max(self.stats["largest_result_bytes"],
+                                                 len(ray.cloudpickle.dumps(result)))
+        return key, result["records"]
 
-    def kill(self, worker: _Worker) -> None:
-        ray.kill(worker.handle, no_restart=True)
-        self.workers.remove(worker)
-
-    def shutdown(self) -> None:
-        for worker in list(self.workers):
-            self.kill(worker)
-
-
-# ---- executor ---------------------------------------------------------------------------------------------------
-@dataclass
-class _RowState:
-    stage: Stage
-    specs: list[EntrySpec]
-    started: float
-    values: dict[int, float] = field(default_factory=dict)
-    computed: int = 0
+    def close(self) -> None:
+        for ref in self.running:
+            ray.cancel(ref)
+        self.running.clear()
 
 
 class RayExecutor(Executor):
-    """Runs a stage graph on Ray (see the module docstring).
+    """The engine on Ray (see the module docstring).
 
     address: None (embedded local instance), ``auto``, ``HOST:PORT``, ``ray://HOST:10001`` or ``http(s)://HOST:8265``
     (submit as a Ray Job and wait). emit: callback for stage events and training summaries (default: progress
-    bars). num_cpus: CPUs of the embedded instance (None: all). evaluation_actors: overrides
-    ``resources.evaluation_actors``. setup: callable run in every actor when it starts (must be picklable).
+    bars). num_cpus: CPUs of the embedded instance (None: all). setup: callable run in a worker before each node
+    (registers datasets that live outside the package...; must be picklable and idempotent).
     """
 
     def __init__(self, address: str | None = None, emit: Callable[[Any], None] | None = None, progress: bool = True,
                  num_cpus: int | None = None, object_store_memory: int = EMBEDDED_OBJECT_STORE_BYTES,
-                 evaluation_actors: int | None = None, max_restarts: int = DEFAULT_MAX_RESTARTS,
-                 max_task_retries: int = DEFAULT_MAX_TASK_RETRIES, setup: Callable[[], None] | None = None) -> None:
-        if evaluation_actors is not None and evaluation_actors < 1:
-            raise ValueError(f"evaluation_actors: expected >= 1 or None, got {evaluation_actors}")
+                 max_retries: int = DEFAULT_MAX_RETRIES, setup: Callable[[], None] | None = None) -> None:
         self.address = address
         self.emit = emit if emit is not None else ProgressReporter(enabled=progress)
         self.num_cpus = num_cpus
         self.object_store_memory = object_store_memory
-        self.evaluation_actors = evaluation_actors
-        self.max_restarts = max_restarts
-        self.max_task_retries = max_task_retries
+        self.max_retries = max_retries
         self.setup = setup
         self.last_stats: dict[str, Any] = {}
 
-    # -- public -------------------------------------------------------------------------------------------------
-    def run(self, graph: StageGraph, store: RunStore) -> RunSummary:
+    def run(self, graph: StageGraph, store: RunStore, until: Iterable[str] | None = None) -> RunSummary:
         if self.address is not None and self.address.startswith(("http://", "https://")):
             return self._run_as_job(graph, store)
-        prepare_run(graph.config, store)
         owns_ray = connect(self.address, self.num_cpus, object_store_memory=self.object_store_memory)
         try:
-            summary = self._run_graph(graph, store)
+            backend = RayBackend(self.max_retries, self.setup, graph.config.resources.evaluation_actors)
+            try:
+                return run_graph(graph, store, backend, self.emit, until)
+            finally:
+                self.last_stats = dict(backend.stats, pids=sorted(backend.stats["pids"]))
         finally:
-            close = getattr(self.emit, "close", None)
-            if callable(close):
-                close()
+            close_emit(self.emit)
             if owns_ray:
                 ray.shutdown()
-        return summary
-
-    # -- internals ----------------------------------------------------------------------------------------------
-    def _shape(self, resources: Any, cluster_gpus: float) -> Shape:
-        gpus = resources.num_gpus if resources.num_gpus is not None else (1.0 if cluster_gpus > 0 else 0.0)
-        return Shape(float(resources.num_cpus), float(gpus), resources.memory)
-
-    def _run_graph(self, graph: StageGraph, store: RunStore) -> RunSummary:
-        config = graph.config
-        summary = RunSummary(run_id=uuid.uuid4().hex[:12])
-        index_of = {stage.key: index for index, stage in enumerate(graph)}
-        total = len(graph)
-        done: set[str] = set()
-        pending: list[Stage] = []
-        for stage in graph:
-            if store.has(stage.key):
-                done.add(stage.key)
-                summary.skipped.append(stage.key)
-                self.emit(StageEvent(stage.key, stage.label, stage.kind, "skipped", index_of[stage.key], total))
-            else:
-                pending.append(stage)
-
-        resources = ray.cluster_resources()
-        capacity_cpus, capacity_gpus = float(resources.get("CPU", 0.0)), float(resources.get("GPU", 0.0))
-        root = store.root if not store.is_local else store.base  # absolute: actors do not share the driver's cwd
-        scheduler = _ActorScheduler(capacity_cpus, capacity_gpus, root, config, self.max_restarts,
-                                    self.max_task_retries, self.setup)
-        entry_shape = self._shape(config.resources.evaluate, capacity_gpus)
-        total_entries = sum(int(graph[key].task) + 1 for key in graph.evaluate_stages)
-        if self.evaluation_actors is not None:
-            pool_limit = self.evaluation_actors
-        else:
-            pool_limit = default_pool_size(config, total_entries, capacity_cpus, entry_shape.num_cpus)
-        rows: dict[str, _RowState] = {}
-        entry_queue: list[tuple[str, EntrySpec]] = []
-        running: dict[Any, tuple[_Worker, _Job]] = {}
-        largest_result = 0
-        try:
-            while pending or entry_queue or running:
-                # 1. stages whose parents are all committed: training/extraction first (the critical path)
-                for stage in [s for s in pending if all(p in done for p in s.parents)]:
-                    if stage.kind == "evaluate":
-                        pending.remove(stage)
-                        state = _RowState(stage, entries_of_row(stage, store), time.perf_counter())
-                        rows[stage.key] = state
-                        entry_queue.extend((stage.key, spec) for spec in state.specs)
-                        self.emit(StageEvent(stage.key, stage.label, stage.kind, "started", index_of[stage.key],
-                                             total))
-                        continue
-                    worker = scheduler.place("stage", self._shape(config.resources.for_stage(stage.kind),
-                                                                  capacity_gpus))
-                    if worker is None:
-                        continue
-                    pending.remove(stage)
-                    ref = worker.handle.run.remote(stage, config, graph.code_version)
-                    running[ref] = (worker, _Job("stage", stage=stage, started=time.perf_counter()))
-                    self.emit(StageEvent(stage.key, stage.label, stage.kind, "started", index_of[stage.key], total))
-                # 2. matrix entries on evaluation actors
-                while entry_queue:
-                    worker = scheduler.place("entry", entry_shape, limit=pool_limit)
-                    if worker is None:
-                        break
-                    row_key, spec = entry_queue.pop(0)
-                    ref = worker.handle.compute.remote(spec)
-                    running[ref] = (worker, _Job("entry", stage=rows[row_key].stage, entry=spec,
-                                                 started=time.perf_counter()))
-                if not running:
-                    waiting = ", ".join(s.label for s in pending[:5])
-                    raise RuntimeError(f"no stage can be placed on the cluster (CPU {capacity_cpus:g}, GPU "
-                                       f"{capacity_gpus:g}); waiting: {waiting}; check the config's resources")
-                finished, _ = ray.wait(list(running), num_returns=1)
-                ref = finished[0]
-                worker, job = running.pop(ref)
-                try:
-                    result = ray.get(ref)
-                except BaseException:
-                    stage = job.stage
-                    self.emit(StageEvent(stage.key, stage.label, stage.kind, "failed", index_of[stage.key], total))
-                    raise
-                worker.busy = False
-                largest_result = max(largest_result, len(ray.cloudpickle.dumps(result)))
-                if job.kind == "stage":
-                    stage = job.stage
-                    for record in result["records"]:
-                        self.emit(StageRecord(stage.key, record))
-                    seconds = time.perf_counter() - job.started
-                    done.add(stage.key)
-                    summary.executed.append(stage.key)
-                    summary.seconds[stage.key] = seconds
-                    self.emit(StageEvent(stage.key, stage.label, stage.kind, "done", index_of[stage.key], total,
-                                         seconds))
-                else:
-                    state = rows[job.stage.key]
-                    state.values[job.entry.column] = float(result["value"])
-                    state.computed += int(bool(result["computed"]))
-                    if len(state.values) == len(state.specs):
-                        self._commit_row(state, store, graph.code_version)
-                        key = state.stage.key
-                        done.add(key)
-                        summary.executed.append(key)
-                        summary.seconds[key] = time.perf_counter() - state.started
-                        self.emit(StageEvent(key, state.stage.label, state.stage.kind, "done", index_of[key], total,
-                                             summary.seconds[key]))
-        finally:
-            self.last_stats = {"stage_actors_created": scheduler.created["stage"],
-                               "evaluation_actors_created": scheduler.created["entry"],
-                               "evaluation_actor_limit": pool_limit, "largest_result_bytes": largest_result}
-            scheduler.shutdown()
-        record_invocation(store, summary)
-        if all(store.has(stage.key) for stage in graph):
-            summary.matrix, summary.metrics = finalize_run(graph, store)
-        return summary
-
-    @staticmethod
-    def _commit_row(state: _RowState, store: RunStore, code_version: str) -> None:
-        """Commit the row record exactly as the local executor's evaluate stage would (entries computed here)."""
-        from pipelines.stages import MatrixRow
-
-        stage = state.stage
-        protocol = stage.params["protocol"]
-        values = [state.values[column] for column in range(len(state.specs))]
-        record = dataclasses.asdict(MatrixRow("matrix_row", stage.key, int(stage.task), values,
-                                              [spec.key for spec in state.specs], protocol["metric"], protocol,
-                                              state.computed, len(state.specs) - state.computed))
-        record["kind"] = stage.kind
-        record["label"] = stage.label
-        store.commit(stage.key, record, {}, code_version=code_version)
 
     def _run_as_job(self, graph: StageGraph, store: RunStore) -> RunSummary:
         """Submit the pipeline as a Ray Job writing to ``store`` and wait; results are read back from the store."""
@@ -412,4 +256,4 @@ class RayExecutor(Executor):
         return summary
 
 
-__all__ = ["RayExecutor", "StageWorker", "Shape", "connect", "EMBEDDED_OBJECT_STORE_BYTES"]
+__all__ = ["RayExecutor", "RayBackend", "run_node", "task_options", "connect", "EMBEDDED_OBJECT_STORE_BYTES"]

@@ -103,8 +103,10 @@ def flatten_params(data: dict, prefix: str = "") -> tuple[dict[str, str], list[s
         elif looks_like_secret(value):
             excluded.append(key)
             return
+        elif value is None:
+            return  # unset options are not params (MLflow shows no "None" noise; defaults are in config.yaml)
         else:
-            text = "null" if value is None else str(value)
+            text = str(value)
         params[key] = text if len(text) <= MAX_PARAM_VALUE else text[: MAX_PARAM_VALUE - 3] + "..."
 
     visit(data, prefix)
@@ -127,6 +129,20 @@ def ray_job_id() -> str | None:
         return str(ray.get_runtime_context().get_job_id())
     except Exception:  # noqa: BLE001 - a runtime without a job context (e.g. shutting down) has no id to report
         return None
+
+
+def ray_submission_id() -> str | None:
+    """The Ray Job *submission* id (what `compat submit`, `ray job status` and the dashboard show) when this
+    process is a submitted job's entrypoint: Ray passes it in the job config's metadata."""
+    text = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not text:
+        return None
+    try:
+        metadata = json.loads(text).get("metadata") or {}
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    value = metadata.get("job_submission_id")
+    return str(value) if value else None
 
 
 def default_tracking_uri(run_dir: str | os.PathLike) -> str:
@@ -247,6 +263,9 @@ class MlflowTracker(Tracker):
         job = ray_job_id()
         if job:
             base_tags["ray_job_id"] = job
+        submission = ray_submission_id()
+        if submission:
+            base_tags["ray_submission_id"] = submission
         self._base_tags = base_tags
         existing = self.client.search_runs(
             [self.experiment_id],
@@ -260,6 +279,8 @@ class MlflowTracker(Tracker):
             self.client.set_tag(self.parent_run_id, "resumes", str(resumes))
             if job:
                 self.client.set_tag(self.parent_run_id, "ray_job_id", job)
+            if submission:
+                self.client.set_tag(self.parent_run_id, "ray_submission_id", submission)
         else:
             run = self.client.create_run(self.experiment_id, tags={**base_tags, "run_role": "pipeline"},
                                          run_name=f"{config.name}-{self.pipeline_id[:8]}")
@@ -308,6 +329,8 @@ class MlflowTracker(Tracker):
             self._on_train_record(record, stage_key)
 
     def _on_event(self, event: Any) -> None:
+        if event.kind == "entry":
+            return  # matrix entries are logged with their row (compat/q{t}_g{k}), not as T(T+1)/2 runs of their own
         if event.status == "started":
             self._open_stage(self.graph[event.stage_key])
         elif event.status == "done":
@@ -445,7 +468,7 @@ class MlflowTracker(Tracker):
             if stage.task is not None and training:
                 values = {f"task/{name}": training[name] for name in
                           ("final_loss", "images_per_s", "seconds", "selected_epoch") if training.get(name) is not None}
-                self._log_metrics(self.parent_run_id, values, step=int(stage.task))
+                self._log_metrics(self.parent_run_id, values, step=int(stage.task) + 1)  # 1-based task
         elif kind == "features":
             self._log_metrics(run_id, {"extract/images_per_s": record.get("images_per_second"),
                                        "extract/seconds": record.get("seconds"),
@@ -455,8 +478,8 @@ class MlflowTracker(Tracker):
         elif kind == "matrix_row":
             row = int(record["row"])
             entries = {entry_metric_key(row, column): value for column, value in enumerate(record["values"])}
-            self._log_metrics(run_id, entries, step=row)
-            self._log_metrics(self.parent_run_id, entries, step=row)
+            # on the row's own stage run only; the parent gets the whole matrix once, as a table and a figure
+            self._log_metrics(run_id, entries, step=row + 1)
 
     def _log_model(self, stage: Any, run_id: str, manifest: dict) -> None:
         from cluster.registry import (LATEST_ALIAS, MODEL_ARTIFACT_PATH, find_version, register_version, task_alias,
@@ -560,10 +583,11 @@ class MlflowTracker(Tracker):
         metrics = json.loads(metrics_text)
         last = int(metrics.get("num_tasks", 1)) - 1
         self._log_metrics(self.parent_run_id, {name: metrics.get(name) for name in ("AC", "AA", "ACA", "BC", "FC")},
-                          step=max(last, 0))
+                          step=max(last, 0) + 1)
         for name in ("AC_tau", "AA_tau"):
             for step, value in enumerate(metrics.get(name) or []):
-                self._log_metrics(self.parent_run_id, {name: value}, step=step)
+                self._log_metrics(self.parent_run_id, {name: value}, step=step + 1)  # tau is 1-based
+        self._log_matrix_table()
         with tempfile.TemporaryDirectory(prefix="compat-mlflow-results-") as folder:
             for name in ("matrix.json", "metrics.json", "matrix.csv", "report.md", "config.yaml"):
                 uri = self.store.uri(name)
@@ -580,6 +604,19 @@ class MlflowTracker(Tracker):
                     Path(folder, name).write_bytes(cio.read_bytes(self.store.uri(name)))
             self.client.log_artifacts(self.parent_run_id, folder, "results")
         self.client.set_tag(self.parent_run_id, "results_sha256", digest)
+
+    def _log_matrix_table(self) -> None:
+        """The compatibility matrix as one MLflow table (rows: query task, 1-based; a column per gallery task),
+        shown and compared in the UI's artifact view; the heatmap matrix.png goes with the results."""
+        try:
+            matrix = json.loads(self.store.read_text("matrix.json"))
+        except FileNotFoundError:
+            return
+        values = matrix["values"]
+        table = {"query_task": [row + 1 for row in range(len(values))]}
+        for column in range(len(values)):
+            table[f"gallery_task_{column + 1}"] = [row[column] for row in values]
+        self.client.log_table(self.parent_run_id, data=table, artifact_file="results/matrix_table.json")
 
     # ---- low level ---------------------------------------------------------------------------------------------
     def _experiment(self, name: str) -> str:

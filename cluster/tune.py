@@ -236,9 +236,11 @@ class SearchSpec:
 
     @property
     def num_tasks(self) -> int:
+        """Tasks of every trial: the base config's, after the space's ``fixed`` overrides (which may set tasks.spec)."""
         from pipelines.config import parse_increments
 
-        return len(parse_increments(self.base_config["tasks"]["spec"]))
+        document = apply_values(self.base_config, dict((self.space or {}).get("fixed") or {}))
+        return len(parse_increments(document["tasks"]["spec"]))
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1, sort_keys=True)
@@ -261,10 +263,44 @@ class SearchSpec:
         return cls(**data)
 
 
+MARKER_FILE = "compat-tune.json"
+
+
 def write_spec(spec: SearchSpec) -> str:
+    """Write ``search.json`` and the marker that says `compat tune` created this folder (with its sha256)."""
+    import hashlib
+
     from compat_core import io as cio
 
-    return cio.write_bytes(cio.join(spec.experiment_path, SEARCH_FILE), spec.to_json().encode("utf-8"))
+    data = spec.to_json().encode("utf-8")
+    uri = cio.write_bytes(cio.join(spec.experiment_path, SEARCH_FILE), data)
+    marker = {"created_by": "compat tune", "search_sha256": hashlib.sha256(data).hexdigest()}
+    cio.write_bytes(cio.join(spec.experiment_path, MARKER_FILE), json.dumps(marker).encode("utf-8"))
+    return uri
+
+
+def check_marker(experiment_path: str) -> None:
+    """Refuse a folder that `compat tune` did not create (or whose search.json changed since): ``--resume``
+    unpickles Ray Tune's experiment state from it, so only folders this tool wrote, from a trusted location, may
+    be resumed. Raises PermissionError naming the folder."""
+    import hashlib
+
+    from compat_core import io as cio
+
+    marker_uri = cio.join(str(experiment_path), MARKER_FILE)
+    search_uri = cio.join(str(experiment_path), SEARCH_FILE)
+    missing = [name for name, uri in ((MARKER_FILE, marker_uri), (SEARCH_FILE, search_uri)) if not cio.exists(uri)]
+    if missing:
+        raise PermissionError(f"--resume {experiment_path}: {' and '.join(missing)} missing there; only a folder "
+                              f"created by `compat tune` can be resumed (resuming unpickles its Tune state)")
+    try:
+        marker = json.loads(cio.read_bytes(marker_uri).decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        marker = {}
+    actual = hashlib.sha256(cio.read_bytes(search_uri)).hexdigest()
+    if marker.get("created_by") != "compat tune" or marker.get("search_sha256") != actual:
+        raise PermissionError(f"--resume {experiment_path}: {SEARCH_FILE} does not match {MARKER_FILE} (sha256 "
+                              f"{actual}); the folder was changed outside `compat tune` and is not resumed")
 
 
 def read_spec(experiment_path: str) -> SearchSpec:
@@ -278,17 +314,6 @@ def read_spec(experiment_path: str) -> SearchSpec:
 
 
 # ---- the trainable ---------------------------------------------------------------------------------------------------
-def _ancestors(graph, key: str) -> set[str]:
-    needed, stack = set(), [key]
-    while stack:
-        current = stack.pop()
-        if current in needed:
-            continue
-        needed.add(current)
-        stack.extend(graph[current].parents)
-    return needed
-
-
 def _log_emit(record: Any) -> None:
     """Stage events of a trial go to the trial's log (its stdout is collected by Ray)."""
     status = getattr(record, "status", None)
@@ -305,9 +330,8 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
     a trial in-process.
     """
     from compat_core import io as cio
-    from pipelines.executor import LocalExecutor, prepare_run, record_invocation, RunSummary
+    from pipelines.executor import LocalExecutor, prepare_run
     from pipelines.graph import compile_scenario
-    from pipelines.stages import execute_stage
     from pipelines.store import RunStore
 
     run_dir = spec.run_dir(trial_id)
@@ -318,29 +342,18 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
     prepare_run(config, store)
     cio.write_bytes(cio.join(run_dir, TRIAL_FILE), json.dumps({"trial_id": trial_id, "params": sampled},
                                                                indent=1, sort_keys=True).encode("utf-8"))
-    emit = emit or _log_emit
+    engine = LocalExecutor(emit=emit or _log_emit, progress=False)
     strict = config.evaluation.strict
     first = first_reported_task(spec.objective)
     T = config.num_tasks
     last_metrics: dict = {}
     for task in range(T):
-        needed = _ancestors(graph, graph.evaluate_stages[task])
-        summary = RunSummary(run_id=f"{trial_id}-t{task:03d}")
-        for stage in graph:
-            if stage.key not in needed or store.has(stage.key):
-                continue
-            started = time.perf_counter()
-            execute_stage(stage, config, store, emit, code_version=graph.code_version)
-            summary.executed.append(stage.key)
-            summary.seconds[stage.key] = time.perf_counter() - started
-        if summary.executed:
-            record_invocation(store, summary)
+        # the engine up to row `task` (the last call completes the graph and writes matrix.json / metrics.json /
+        # reports before the last report: the driver logs them on completion)
+        engine.run(graph, store, until=graph.evaluate_stages[: task + 1])
         completed = task + 1
         if completed <= start_after or completed < first:
             continue
-        if completed == T:
-            # matrix.json / metrics.json / reports before the last report: the driver logs them on completion
-            LocalExecutor(emit=emit, progress=False).run(graph, store)
         values = np.full((completed, completed), np.nan)
         for row in range(completed):
             values[row, : row + 1] = store.load_record(graph.evaluate_stages[row])["values"]
@@ -631,10 +644,12 @@ def _ensure_ray(address: str | None) -> None:
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if address:
         ray.init(address=address, configure_logging=False)
     else:
+        from cluster.ray_loopback import prepare_loopback
+
+        prepare_loopback()
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
                  object_store_memory=300 * 1024 * 1024)
 
@@ -653,6 +668,17 @@ def default_resources(config, concurrent: int) -> dict:
     if cluster.get("CPU"):
         cpus = min(cpus, float(cluster["CPU"]) / concurrent)
     return {"cpu": round(cpus, 3), "gpu": float(gpus)}
+
+
+def make_sampler(space, seed: int):
+    """Optuna sampler of a search: a seeded brute-force enumeration (every combination once, in a seeded random
+    order: no repeated trial) when every parameter is an unconditional categorical; seeded TPE otherwise."""
+    import optuna
+
+    parameters = list(getattr(space, "parameters", []))
+    if parameters and all(p.type == "categorical" and not p.when for p in parameters):
+        return optuna.samplers.BruteForceSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
 
 
 def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: list | None = None) -> SearchOutcome:
@@ -687,7 +713,8 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
     experiment_id, spec.parent_run_id = open_search_run(spec)
     write_spec(spec)
 
-    searcher = ConcurrencyLimiter(OptunaSearch(space=space, metric=OBJECTIVE_KEY, mode="max", seed=spec.seed),
+    searcher = ConcurrencyLimiter(OptunaSearch(space=space, metric=OBJECTIVE_KEY, mode="max",
+                                               sampler=make_sampler(space, spec.seed)),
                                   max_concurrent=spec.concurrent)
     scheduler = None
     if spec.scheduler == "asha":
@@ -696,8 +723,9 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
                                   reduction_factor=2)
     tuner = tune.Tuner(
         _trainable(spec),
+        # concurrency is the ConcurrencyLimiter's alone (also giving it to TuneConfig makes Tune wrap it twice)
         tune_config=tune.TuneConfig(metric=OBJECTIVE_KEY, mode="max", search_alg=searcher, scheduler=scheduler,
-                                    num_samples=spec.samples, max_concurrent_trials=spec.concurrent,
+                                    num_samples=spec.samples,
                                     trial_dirname_creator=trial_dirname, trial_name_creator=trial_dirname),
         run_config=tune.RunConfig(
             name=spec.name, storage_path=storage_path, storage_filesystem=filesystem,
@@ -723,6 +751,7 @@ def resume_search(experiment_path: str, address: str | None = None) -> SearchOut
         from cluster.storage import configure_object_storage
 
         configure_object_storage()
+    check_marker(experiment_path)
     spec = read_spec(experiment_path)
     if spec.plugins:
         load_plugins(spec.plugins)

@@ -91,11 +91,16 @@ def simplex_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.T
     _check_features("logits", logits)
     _check_labels(labels, logits.shape[0])
     num_slots = logits.shape[1]
-    if bool(((labels < 0) | (labels >= num_slots)).any()):
-        raise ValueError(
-            f"labels must be slot indices in [0, {num_slots}) (K = logits.shape[1]), got range "
-            f"[{int(labels.min())}, {int(labels.max())}]"
-        )
+    out_of_range = (labels < 0) | (labels >= num_slots)
+    if labels.device.type == "cpu":  # host memory: checking costs no device sync
+        if out_of_range.numpy().any():
+            values = labels.numpy()
+            raise ValueError(
+                f"labels must be slot indices in [0, {num_slots}) (K = logits.shape[1]), got range "
+                f"[{int(values.min())}, {int(values.max())}]"
+            )
+    else:  # on an accelerator the check runs asynchronously, so a training step never waits for it
+        torch._assert_async(~out_of_range.any(), f"labels must be slot indices in [0, {num_slots})")
     with _no_autocast(logits):
         return F.cross_entropy(_at_least_fp32(logits), labels.to(logits.device).long())
 

@@ -64,6 +64,10 @@ class ModelSpec(StrictModel):
     backbone: str = Field(description="name in compat_core.models.BACKBONES")
     backbone_config: dict[str, Any] = Field(default_factory=dict)
     num_slots: int = Field(ge=2, description="K: d-Simplex classes pre-allocated; feature dimension is K - 1")
+    head: Literal["auto", "junction", "backbone"] = Field(
+        "auto", description="retrieval feature: 'junction' = Linear(m, K-1) output (d-Simplex methods need it); "
+        "'backbone' = the backbone output with the classifier on it (the papers' learnable-classifier baselines); "
+        "'auto' = backbone for learnable classifiers, junction for the d-Simplex")
 
 
 class OptimizerSpec(StrictModel):
@@ -93,7 +97,7 @@ class TrainingSpec(StrictModel):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     epochs: int = Field(1, ge=1)
-    batch_size: int = Field(128, ge=1)
+    batch_size: int = Field(128, ge=2, description="at least 2: batch norm needs two samples per batch")
     model_selection: Literal["last", "compatibility"] = Field(
         "last", description="last epoch, or CoReS Sec. 8.2 compatibility-based selection on a held-out split"
     )
@@ -101,11 +105,16 @@ class TrainingSpec(StrictModel):
     autocast: bool | Literal["auto", "bf16", "fp16", "off"] = Field(
         True, description="true/auto: bf16/fp16 autocast where compat_core.device finds it faster; bf16/fp16: force "
         "that dtype (e.g. CPUs with avx512_bf16 but no AMX); false/off: fp32")
+    input_workers: int = Field(0, ge=0, description="CPU processes that read and decode the next batches while a "
+                               "step runs (0: in the training thread; about 1 per 250 images/s of 224 px JPEG)")
 
 
 class ReplaySpec(StrictModel):
     per_class: int = Field(20, ge=0, description="images kept per seen class (0 disables replay)")
     strategy: Literal["random", "herding"] = "random"
+    epoch_length: Literal["task", "reference"] = Field(
+        "task", description="half-memory/half-task epochs: 'task' = one pass over the task data (batch_size // 2 task "
+        "samples per batch); 'reference' = (task + memory) // batch_size batches, as the public CL2R / IAM-CL2R code")
 
 
 class MethodSpec(StrictModel):
@@ -116,6 +125,9 @@ class MethodSpec(StrictModel):
 class TaskSpec(StrictModel):
     spec: str = Field(description="initial classes + increments, e.g. '10+6x15' (7 tasks)")
     seed: int | None = Field(None, description="class-order seed (None: the scenario seed)")
+    order: Literal["seeded", "given"] = Field(
+        "seeded", description="'seeded': the sorted class ids shuffled with the seed; 'given': data.classes in the "
+        "order listed, else the classes in the dataset's id order (the reference codes' order)")
 
     @field_validator("spec")
     @classmethod
@@ -135,8 +147,19 @@ class PretrainSpec(StrictModel):
     backbone_config: dict[str, Any] | None = None
     optimizer: OptimizerSpec | None = None
     schedule: ScheduleSpec | None = None
-    batch_size: int | None = Field(None, ge=1)
+    batch_size: int | None = Field(None, ge=2)
     seed: int | None = None
+    init: str | None = Field(
+        None, description="external weights pre-training starts from (path / s3:// URI of a safetensors file or a torch "
+        "state dict read with weights_only=True, e.g. the published DINOv3 checkpoint); None: random initialisation")
+    init_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$",
+                                    description="expected sha256 of the init file (checked before loading)")
+
+    @model_validator(mode="after")
+    def _sha_needs_init(self) -> "PretrainSpec":
+        if self.init_sha256 is not None and self.init is None:
+            raise ValueError("init_sha256 is set but init is not: give the weights file the digest belongs to")
+        return self
 
 
 class ReplacementSpec(StrictModel):
@@ -185,10 +208,21 @@ class ResourcesSpec(StrictModel):
     finetune: StageResources = Field(default_factory=StageResources)
     extract: StageResources = Field(default_factory=StageResources)
     evaluate: StageResources = Field(default_factory=lambda: StageResources(num_gpus=0))
-    evaluation_actors: int | None = Field(None, ge=1, description="parallel evaluation actors (None: from the cluster)")
+    evaluation_actors: int | None = Field(None, ge=1, description="most matrix-entry tasks running at once on Ray "
+                                                                   "(None: as many as Ray places)")
+    autoscaling: bool = Field(False, description="the Ray cluster has an autoscaler: a stage no current node can "
+                              "hold waits for one (logged) instead of failing at once")
 
     def for_stage(self, kind: str) -> StageResources:
         return getattr(self, {"replace": "finetune", "adapt": "evaluate"}.get(kind, kind))
+
+
+class PaperSpec(StrictModel):
+    """What a shipped config reproduces and how it knowingly differs (printed by `compat plan`; not in the config hash)."""
+
+    reproduces: str = Field(description="paper and table/figure the scenario reproduces, e.g. 'CL2R (2026) Table II'")
+    divergences: list[str] = Field(default_factory=list, description="every deliberate difference from the paper")
+    choices: list[str] = Field(default_factory=list, description="settings the paper does not state, and our choice")
 
 
 class OutputSpec(StrictModel):
@@ -214,6 +248,7 @@ class ScenarioConfig(StrictModel):
     evaluation: EvaluationSpec
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     output: OutputSpec = Field(default_factory=OutputSpec)
+    paper: PaperSpec | None = Field(None, description="which paper table the config reproduces, and divergences")
 
     # ---- derived values -------------------------------------------------------------------------------------
     @property
@@ -430,7 +465,52 @@ def validate_config(document: dict, source: str = "<config>") -> ScenarioConfig:
     except ValidationError as error:
         raise ConfigError(format_validation_error(error, source)) from None
     check_method(config, source)
+    check_names(config, source)
     return config
+
+
+_MODEL_URI = re.compile(r"^models:/[^/@\s]+(/(\d+|latest)|@[A-Za-z0-9_-]+)/?$")
+
+
+def check_names(config: ScenarioConfig, source: str = "<config>") -> None:
+    """Backbones, datasets, splits and dataset options against the registries, and ``models:/`` sources against the
+    MLflow URI grammar, so a typo fails at load time with its key path and the valid names (not when a stage runs)."""
+    from compat_core.data.registry import dataset_info, dataset_names
+    from compat_core.models.registry import BACKBONES
+
+    problems = []
+    backbones = {"model.backbone": config.model.backbone}
+    backbones.update({f"pretrain[{i}].backbone": p.backbone for i, p in enumerate(config.pretrain) if p.backbone})
+    backbones.update({f"replacements[{i}].backbone": r.backbone for i, r in enumerate(config.replacements)
+                      if r.backbone})
+    for key, name in backbones.items():
+        if name not in BACKBONES:
+            problems.append(f"{key}: unknown backbone {name!r}; valid: {', '.join(BACKBONES.names())}")
+    pools = {"data": config.data, "evaluation.query_set": config.evaluation.query_set,
+             "evaluation.gallery_set": config.evaluation.gallery_set}
+    pools.update({f"pretrain[{i}].pool": p.pool for i, p in enumerate(config.pretrain)})
+    known = dataset_names()
+    for key, pool in pools.items():
+        if pool.dataset not in known:
+            problems.append(f"{key}.dataset: unknown dataset {pool.dataset!r}; valid: {', '.join(known)}")
+            continue
+        info = dataset_info(pool.dataset)
+        if info.splits and pool.split not in info.splits:
+            problems.append(f"{key}.split: dataset {pool.dataset!r} has no split {pool.split!r}; valid: "
+                            f"{', '.join(info.splits)}")
+        unknown = sorted(set(pool.options) - set(info.options)) if info.options or info.splits else []
+        if unknown:
+            problems.append(f"{key}.options: {pool.dataset!r} has no option(s) {unknown}; valid: "
+                            f"{', '.join(sorted(info.options)) or 'none'}")
+    sources = {f"replacements[{i}].source": r.source for i, r in enumerate(config.replacements)}
+    if config.initial_model:
+        sources["initial_model"] = config.initial_model
+    for key, uri in sources.items():
+        if uri.startswith("models:") and not _MODEL_URI.match(uri):
+            problems.append(f"{key}: {uri!r} is not an MLflow model URI; expected models:/NAME@ALIAS (e.g. "
+                            f"models:/my-model@task-3), models:/NAME/VERSION or models:/NAME/latest")
+    if problems:
+        raise ConfigError(f"invalid scenario config {source}:\n  " + "\n  ".join(problems))
 
 
 def check_method(config: ScenarioConfig, source: str = "<config>") -> None:
@@ -455,11 +535,33 @@ def check_method(config: ScenarioConfig, source: str = "<config>") -> None:
         method_class(**config.method.params)
     except (ValueError, TypeError) as error:
         raise ConfigError(f"invalid scenario config {source}:\n  method.params: {error}") from None
+    head = resolved_head(config, method_class.classifier)
+    if head == "backbone":
+        if method_class.classifier == "simplex":
+            raise ConfigError(f"invalid scenario config {source}:\n  model.head: 'backbone' needs a learnable-classifier "
+                              f"method; {config.method.name!r} uses the d-Simplex, which needs the junction")
+        others = [(f"pretrain[{i}]", p.backbone, p.backbone_config) for i, p in enumerate(config.pretrain)]
+        others += [(f"replacements[{i}]", r.backbone, r.backbone_config) for i, r in enumerate(config.replacements)]
+        for key, backbone, backbone_config in others:
+            if (backbone is not None and backbone != config.model.backbone) or (
+                    backbone_config is not None and backbone_config != config.model.backbone_config):
+                raise ConfigError(
+                    f"invalid scenario config {source}:\n  {key}.backbone: another architecture than model.backbone "
+                    f"with the backbone-output features of {config.method.name!r} gives features of another width "
+                    f"that no cross-model entry can compare; set model.head: junction (a shared K-1 junction)")
     if getattr(method_class, "retrain_from_scratch", False) and (config.replacements or config.initial_model):
         key = "replacements" if config.replacements else "initial_model"
         raise ConfigError(
             f"invalid scenario config {source}:\n  {key}: method {config.method.name!r} retrains every model from the "
             f"same initial weights, so it never starts from third-party weights; remove '{key}'")
+
+
+def resolved_head(config: ScenarioConfig, classifier: str) -> str:
+    """'junction' or 'backbone': the model head a scenario's models get (``model.head``, 'auto' resolved by the
+    method's classifier family: backbone output for learnable classifiers, as the papers' baselines)."""
+    if config.model.head != "auto":
+        return config.model.head
+    return "backbone" if classifier == "learnable" else "junction"
 
 
 def read_document(path: str | os.PathLike) -> dict:
@@ -505,12 +607,13 @@ def config_hash(config: ScenarioConfig) -> str:
     data.pop("output", None)
     data.pop("resources", None)
     data.pop("description", None)
+    data.pop("paper", None)
     return stable_hash(data)
 
 
 __all__ = [
     "ConfigError", "ScenarioConfig", "PoolSpec", "PretrainSpec", "ReplacementSpec", "EvaluationSpec",
     "TrainingSpec", "OptimizerSpec", "ScheduleSpec", "ReplaySpec", "MethodSpec", "ModelSpec", "TaskSpec",
-    "StageResources", "ResourcesSpec", "load_config", "validate_config", "apply_override", "parse_increments",
+    "StageResources", "ResourcesSpec", "PaperSpec", "load_config", "validate_config", "apply_override", "parse_increments",
     "config_to_dict", "dump_config", "stable_hash", "config_hash", "PRETRAIN_PREFIX",
 ]

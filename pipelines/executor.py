@@ -1,25 +1,27 @@
-"""Executors run a stage graph against a store; the local one runs it in-process in topological order.
+"""The engine: one scheduling loop (:func:`run_graph`) runs a graph of stage and matrix-entry nodes on a backend.
 
-``Executor.run(graph, store)`` is the interface the Ray executor (cluster package) implements with the same stage
-functions (:func:`pipelines.stages.execute_stage`). Stages whose manifest is already committed are skipped, so a
-killed run started again resumes where it stopped; after the last stage :func:`finalize_run` writes the run
-directory's contract files (config.yaml, matrix.json, metrics.json, then the reports when that module exists).
+Backends: :class:`InProcessBackend` (``LocalExecutor``, ``compat run``, Tune trials, ``compat eval``) and the Ray
+backend in :mod:`cluster.ray_executor` (one Ray task per node). Both run every node with
+:func:`pipelines.stages.execute_stage`. Nodes whose manifest is already committed are skipped, so a killed run
+started again resumes where it stopped; after the last node :func:`finalize_run` writes the run directory's
+contract files (config.yaml, matrix.json, metrics.json, then the reports when that module exists).
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from pipelines.config import ScenarioConfig, config_hash, dump_config
-from pipelines.graph import StageGraph
-from pipelines.progress import ProgressReporter, StageEvent
+from pipelines.graph import Stage, StageGraph
+from pipelines.progress import ProgressReporter, StageEvent, StageRecord
 from pipelines.stages import execute_stage
 from pipelines.store import RunStore
 
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RunSummary:
-    """What one executor invocation did: stage keys executed and skipped (already committed), seconds per stage."""
+    """What one engine invocation did: node keys executed and skipped (already committed), seconds per node."""
 
     run_id: str
     executed: list[str] = field(default_factory=list)
@@ -38,18 +40,116 @@ class RunSummary:
     metrics: dict | None = None
 
 
-class Executor:
-    """Runs every stage of ``graph`` whose manifest is missing from ``store``; returns a RunSummary."""
+class Backend:
+    """Where the engine's nodes run. ``submit`` starts one node (its parents are committed); ``wait`` blocks until
+    one submitted node is committed and returns ``(key, records)`` (records to replay to the emit callback), raising
+    that node's error. ``close`` releases what the backend holds. ``slots``: nodes it runs at once (None: as many
+    as are ready; Ray queues and places them)."""
 
-    def run(self, graph: StageGraph, store: RunStore) -> RunSummary:  # pragma: no cover - interface
+    slots: int | None = None
+
+    def submit(self, stage: Stage, graph: StageGraph, store: RunStore) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def wait(self) -> tuple[str, list]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class InProcessBackend(Backend):
+    """Runs nodes one at a time in this process, in the graph's order (records go straight to ``emit``)."""
+
+    slots = 1
+
+    def __init__(self, emit: Callable[[Any], None]) -> None:
+        self.emit = emit
+        self.queue: collections.deque = collections.deque()
+
+    def submit(self, stage: Stage, graph: StageGraph, store: RunStore) -> None:
+        self.queue.append((stage, graph, store))
+
+    def wait(self) -> tuple[str, list]:
+        stage, graph, store = self.queue.popleft()
+        execute_stage(stage, graph.config, store, self.emit, code_version=graph.code_version)
+        return stage.key, []
+
+
+def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callable[[Any], None],
+              until: Iterable[str] | None = None, stop_after: int | None = None) -> RunSummary:
+    """The one scheduling loop: submit every node whose parents are committed to ``backend``, wait for one, repeat.
+
+    until: node keys; only they and their ancestors run (Tune trials stop at a row, ``compat eval`` runs only the
+    entry nodes of another protocol). stop_after: submit at most this many nodes, then return (partial runs).
+    Committed nodes are skipped (a killed run resumes). When every node of the graph is committed, the run
+    directory's contract files are written (:func:`finalize_run`).
+    """
+    prepare_run(graph.config, store)
+    summary = RunSummary(run_id=uuid.uuid4().hex[:12])
+    needed = graph.ancestors(until) if until is not None else None
+    index_of = {stage.key: index for index, stage in enumerate(graph)}
+    total = len(graph)
+    done: set[str] = set()
+    pending: list[Stage] = []
+    for stage in graph:
+        if needed is not None and stage.key not in needed:
+            continue
+        if store.has(stage.key):
+            done.add(stage.key)
+            summary.skipped.append(stage.key)
+            emit(StageEvent(stage.key, stage.label, stage.kind, "skipped", index_of[stage.key], total))
+        else:
+            pending.append(stage)
+    started: dict[str, float] = {}
+    try:
+        while pending or started:
+            for stage in [s for s in pending if all(p in done for p in s.parents)]:
+                if stop_after is not None and len(summary.executed) + len(started) >= stop_after:
+                    break
+                if backend.slots is not None and len(started) >= backend.slots:
+                    break
+                pending.remove(stage)
+                emit(StageEvent(stage.key, stage.label, stage.kind, "started", index_of[stage.key], total))
+                started[stage.key] = time.perf_counter()
+                backend.submit(stage, graph, store)
+            if not started:
+                break  # stop_after reached
+            try:
+                key, records = backend.wait()
+            except BaseException as error:
+                failed = graph[getattr(error, "stage_key", None) or next(iter(started))]
+                emit(StageEvent(failed.key, failed.label, failed.kind, "failed", index_of[failed.key], total))
+                raise
+            for record in records:
+                emit(StageRecord(key, record))
+            seconds = time.perf_counter() - started.pop(key)
+            done.add(key)
+            summary.executed.append(key)
+            summary.seconds[key] = seconds
+            stage = graph[key]
+            emit(StageEvent(key, stage.label, stage.kind, "done", index_of[key], total, seconds))
+    finally:
+        backend.close()
+    if summary.executed:
+        record_invocation(store, summary)
+    if all(store.has(stage.key) for stage in graph):
+        summary.matrix, summary.metrics = finalize_run(graph, store)
+    return summary
+
+
+class Executor:
+    """Runs every node of ``graph`` whose manifest is missing from ``store``; returns a RunSummary."""
+
+    def run(self, graph: StageGraph, store: RunStore, until: Iterable[str] | None = None) -> RunSummary:
+        raise NotImplementedError  # pragma: no cover - interface
 
 
 class LocalExecutor(Executor):
-    """In-process, one stage at a time, in the graph's topological order, with progress bars.
+    """The engine with the in-process backend: one node at a time in this process, with progress bars.
 
     emit: callback receiving every record (stage events, training records, progress); defaults to a tqdm
-    ProgressReporter. stop_after: execute at most this many stages, then return (tests, partial runs).
+    ProgressReporter. stop_after: execute at most this many nodes, then return (tests, partial runs).
     """
 
     def __init__(self, emit: Callable[[Any], None] | None = None, progress: bool = True,
@@ -57,35 +157,17 @@ class LocalExecutor(Executor):
         self.emit = emit if emit is not None else ProgressReporter(enabled=progress)
         self.stop_after = stop_after
 
-    def run(self, graph: StageGraph, store: RunStore) -> RunSummary:
-        prepare_run(graph.config, store)
-        summary = RunSummary(run_id=uuid.uuid4().hex[:12])
-        total = len(graph)
-        for index, stage in enumerate(graph):
-            if store.has(stage.key):
-                summary.skipped.append(stage.key)
-                self.emit(StageEvent(stage.key, stage.label, stage.kind, "skipped", index, total))
-                continue
-            if self.stop_after is not None and len(summary.executed) >= self.stop_after:
-                break
-            self.emit(StageEvent(stage.key, stage.label, stage.kind, "started", index, total))
-            started = time.perf_counter()
-            try:
-                execute_stage(stage, graph.config, store, self.emit, code_version=graph.code_version)
-            except BaseException:
-                self.emit(StageEvent(stage.key, stage.label, stage.kind, "failed", index, total))
-                raise
-            seconds = time.perf_counter() - started
-            summary.executed.append(stage.key)
-            summary.seconds[stage.key] = seconds
-            self.emit(StageEvent(stage.key, stage.label, stage.kind, "done", index, total, seconds))
-        record_invocation(store, summary)
-        if all(store.has(stage.key) for stage in graph):
-            summary.matrix, summary.metrics = finalize_run(graph, store)
-        close = getattr(self.emit, "close", None)
-        if callable(close):
-            close()
-        return summary
+    def run(self, graph: StageGraph, store: RunStore, until: Iterable[str] | None = None) -> RunSummary:
+        try:
+            return run_graph(graph, store, InProcessBackend(self.emit), self.emit, until, self.stop_after)
+        finally:
+            close_emit(self.emit)
+
+
+def close_emit(emit: Any) -> None:
+    close = getattr(emit, "close", None)
+    if callable(close):
+        close()
 
 
 def prepare_run(config: ScenarioConfig, store: RunStore) -> None:
@@ -127,23 +209,26 @@ def read_invocations(store: RunStore) -> list[dict]:
     return [json.loads(store.read_text(f"executions/{name}")) for name in cio.list_dir(folder)]
 
 
-def assemble_matrix(graph: StageGraph, store: RunStore):
-    """CompatibilityMatrix (T x T fractions, NaN above the diagonal) from the committed row records."""
+def assemble_matrix(graph: StageGraph, store: RunStore, row_keys: list[str] | None = None, evaluation=None):
+    """CompatibilityMatrix (T x T fractions, NaN above the diagonal) from the committed row records.
+
+    row_keys / evaluation: another protocol's rows and EvaluationSpec (``compat eval``); default the graph's own."""
     from compat_core.metrics import CompatibilityMatrix
 
     config = graph.config
+    evaluation = evaluation or config.evaluation
     T = config.num_tasks
     values = np.full((T, T), np.nan)
-    for row, key in enumerate(graph.evaluate_stages):
+    for row, key in enumerate(row_keys or graph.evaluate_stages):
         record = store.load_record(key)
         values[row, : row + 1] = record["values"]
     protocol = {
-        "metric": config.evaluation.metric,
-        "gallery": config.evaluation.gallery,
-        "label_level": config.evaluation.label_level,
-        "strict": config.evaluation.strict,
-        "query_set": f"{config.evaluation.query_set.dataset}/{config.evaluation.query_set.split}",
-        "gallery_set": f"{config.evaluation.gallery_set.dataset}/{config.evaluation.gallery_set.split}",
+        "metric": evaluation.metric,
+        "gallery": evaluation.gallery,
+        "label_level": evaluation.label_level,
+        "strict": evaluation.strict,
+        "query_set": f"{evaluation.query_set.dataset}/{evaluation.query_set.split}",
+        "gallery_set": f"{evaluation.gallery_set.dataset}/{evaluation.gallery_set.split}",
         "replacements_at_task": [r.at_task for r in config.replacements],  # 1-based, as the papers
     }
     return CompatibilityMatrix(values, [f"task-{t + 1}" for t in range(T)], config.evaluation.metric, protocol)

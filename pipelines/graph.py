@@ -8,9 +8,11 @@ Stage kinds (``t`` is the 0-based task index):
 - ``replace`` (t): external weights loaded (a ``pretrain:<name>`` stage or a path/URI), then task ``t`` fine-tuned
   from them with the loaded model as the frozen "old" model (as the reference HOC does).
 - ``extract`` (t, split): features of model ``t`` on the query or gallery set (once per model and split).
-- ``evaluate`` (t): row ``t`` of the compatibility matrix, ``C[t, 0..t]`` (each entry committed on its own).
 - ``adapt`` (t): at a replacement with ``adapters``, adapters between models t-1 and t fitted on paired gallery
   features, their cross-tests and the partial-backfilling curves (pipelines/upgrades.py).
+- ``entry`` (t, k): one matrix entry ``C[t, k]`` (query features of model t against the gallery of model k, through
+  the FAN adapters of tasks k+1..t when the method has them), computed by :func:`pipelines.stages.entry_stage`.
+- ``evaluate`` (t): row ``t`` of the compatibility matrix, ``C[t, 0..t]``, assembled from its entry nodes.
 
 The key of a stage is ``<kind>-<label>-<16 hex>`` where the hex digest hashes (kind, config slice, parent keys,
 code version): a change to any input or to the source code gives new keys, so stale artifacts are never reused.
@@ -28,7 +30,7 @@ from typing import Any, Iterator
 
 from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig, StageResources, config_to_dict, stable_hash
 
-STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "evaluate", "adapt")
+STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "entry", "evaluate", "adapt")
 SPLITS = ("query", "gallery")
 # Source files that do not change what a stage produces (presentation, CLI, executors) stay out of the code hash,
 # so editing a report template does not invalidate trained models.
@@ -78,6 +80,15 @@ class Stage:
     name: str | None = None  # pretrain name
 
 
+def stage_threads(resources: StageResources) -> int:
+    """torch intra-op threads a stage computes with, on every backend: its ``num_cpus`` (at least 1).
+
+    Float reductions (GEMM, convolutions) are split by thread count, so results depend on it: it is fixed per stage
+    and part of the stage key, so the same key gives the same bytes in-process, on Ray and after a resume.
+    """
+    return max(1, int(resources.num_cpus))
+
+
 def stage_key(kind: str, label: str, params: dict, parents: tuple[str, ...], version: str) -> str:
     """Content key of a stage: ``<kind>-<label>-<first 16 hex of sha256(kind, params, parents, version)>``."""
     digest = stable_hash({"kind": kind, "params": params, "parents": list(parents), "code": version})
@@ -115,6 +126,19 @@ class StageGraph:
             return self._by_key[key]
         except KeyError:
             raise KeyError(f"no stage with key {key!r} in this graph") from None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._by_key
+
+    def ancestors(self, keys) -> set[str]:
+        """``keys`` and every node they depend on."""
+        needed, stack = set(), list(keys)
+        while stack:
+            current = stack.pop()
+            if current not in needed:
+                needed.add(current)
+                stack.extend(self[current].parents)
+        return needed
 
     def __iter__(self) -> Iterator[Stage]:
         return iter(self.stages)
@@ -168,6 +192,7 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
             "pretrain": entry,
             "defaults": {"model": model_section, "training": resolved_training, "seed": config.seed},
             "classifier": traits["classifier"],
+            "threads": stage_threads(resources.pretrain),
         }
         stage = Stage(stage_key("pretrain", spec.name, params, (), version), "pretrain", f"pretrain[{spec.name}]",
                       params, (), resources.pretrain, name=spec.name)
@@ -206,7 +231,7 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
             kind = "finetune"
             source = {"initial_model": config.initial_model} if task == 0 else None
             parents = ((previous,) if previous else ()) + (source_parents(config.initial_model) if task == 0 else ())
-        params = {"task": task, "shared": shared, "source": source}
+        params = {"task": task, "shared": shared, "source": source, "threads": stage_threads(resources.for_stage(kind))}
         stage = Stage(stage_key(kind, f"t{task:03d}", params, parents, version), kind, f"{kind}[t={task}]", params,
                       parents, resources.for_stage(kind), task=task)
         graph.add(stage)
@@ -218,22 +243,14 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
     for task, model_key in enumerate(graph.model_stages):
         for split in SPLITS:
             params = {"split": split, "pool": evaluation[f"{split}_set"], **extraction_params,
-                      "method": document["method"]}
+                      "method": document["method"], "threads": stage_threads(resources.extract)}
             stage = Stage(stage_key("extract", f"t{task:03d}-{split}", params, (model_key,), version), "extract",
                           f"extract[t={task},{split}]", params, (model_key,), resources.extract, task=task,
                           split=split)
             graph.add(stage)
             graph.extract_stages[(task, split)] = stage.key
 
-    for task in range(config.num_tasks):
-        parents = (graph.extract_stages[(task, "query")],) + tuple(
-            graph.extract_stages[(k, "gallery")] for k in range(task + 1)
-        )
-        params = {"row": task, "protocol": protocol_params(document["evaluation"])}
-        stage = Stage(stage_key("evaluate", f"t{task:03d}", params, parents, version), "evaluate",
-                      f"evaluate[row={task}]", params, parents, resources.evaluate, task=task)
-        graph.add(stage)
-        graph.evaluate_stages.append(stage.key)
+    graph.evaluate_stages = add_evaluation(graph, document["evaluation"])
 
     # Adapters at a replacement (issue 16): fitted on paired gallery features of the old (t-1) and new (t) models.
     for index, replacement in enumerate(config.replacements):
@@ -252,14 +269,47 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
     return graph
 
 
+def add_evaluation(graph: StageGraph, evaluation: dict) -> list[str]:
+    """Add the matrix of ``evaluation`` (a protocol) to ``graph``: one ``entry`` node per C[t, k] and one
+    ``evaluate`` node per row t assembling its entries; returns the row keys (nodes already present are reused,
+    so the graph's own protocol adds nothing). ``compat eval`` calls this with another protocol."""
+    protocol = protocol_params(evaluation)
+    resources = graph.config.resources.evaluate
+    rows = []
+    for task in range(len(graph.model_stages)):
+        query = graph.extract_stages[(task, "query")]
+        galleries = tuple(graph.extract_stages[(k, "gallery")] for k in range(task + 1))
+        entries = []
+        for column in range(task + 1):
+            # the gallery extracts of the whole row are parents: FAN adapters of tasks column+1..row come from them
+            key = entry_key(query, galleries[column], protocol, task, column, galleries[column + 1:],
+                            stage_threads(resources))
+            if key not in graph:
+                graph.add(Stage(key, "entry", f"entry[{task},{column}]", {"row": task, "column": column,
+                                "protocol": protocol}, (query,) + galleries, resources, task=task))
+            entries.append(key)
+        params = {"row": task, "protocol": protocol}
+        key = stage_key("evaluate", f"t{task:03d}", params, tuple(entries), graph.code_version)
+        if key not in graph:
+            graph.add(Stage(key, "evaluate", f"evaluate[row={task}]", params, tuple(entries), resources, task=task))
+        rows.append(key)
+    return rows
+
+
 def protocol_params(evaluation: dict) -> dict:
     """The evaluation settings that change a matrix entry (ECC strictness does not: it only changes metrics)."""
     return {key: evaluation[key] for key in ("metric", "gallery", "label_level", "far", "verification_pairs")}
 
 
-def entry_key(query_extract: str, gallery_extract: str, protocol: dict, row: int, column: int) -> str:
-    """Key of one matrix entry C[row, column] computed from two stored feature sets under ``protocol``."""
-    digest = stable_hash({"query": query_extract, "gallery": gallery_extract, "protocol": protocol})
+def entry_key(query_extract: str, gallery_extract: str, protocol: dict, row: int, column: int,
+              adapter_extracts: tuple[str, ...] = (), threads: int = 1) -> str:
+    """Key of one matrix entry C[row, column] computed from two stored feature sets under ``protocol``.
+
+    adapter_extracts: gallery extracts of columns column+1..row, whose models may carry FAN adapters applied to the
+    gallery features (hashed too, so entries computed before adapters were applied are never reused). threads: the
+    torch threads the entry computes with (see :func:`stage_threads`)."""
+    digest = stable_hash({"query": query_extract, "gallery": gallery_extract, "protocol": protocol,
+                          "adapters": list(adapter_extracts), "threads": threads})
     return f"entry-r{row:03d}-c{column:03d}-{digest[:16]}"
 
 
@@ -306,10 +356,14 @@ def describe(graph: StageGraph) -> str:
     lines.append("stages: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + f" ({len(graph)} in all)")
     labels = {stage.key: stage.label for stage in graph}
     for stage in graph:
+        if stage.kind == "entry":
+            continue  # T(T+1)/2 of them: summarised on the matrix line
         res = stage.resources
         gpus = "auto" if res.num_gpus is None else f"{res.num_gpus:g}"
         memory = "-" if res.memory is None else _human_bytes(res.memory)
         parents = ", ".join(labels[p] for p in stage.parents) or "-"
+        if stage.kind == "evaluate":  # its T entry nodes, one range instead of t+1 labels
+            parents = f"entry[{stage.task},0..{stage.task}]"
         lines.append(f"  {stage.label:<26} gpus={gpus:<4} cpus={res.num_cpus:<4g} mem={memory:<9} <- {parents}")
     plan = estimate(graph)
     if plan.feature_bytes is None:

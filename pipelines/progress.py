@@ -49,15 +49,25 @@ class StageRecord:
 
 
 class ProgressReporter:
-    """Shows stages as tqdm bars (stage label, epoch, images/s, ETA) on stderr; forwards records to ``sinks``."""
+    """Shows stages on stderr and forwards every record to ``sinks``.
 
-    def __init__(self, enabled: bool = True, sinks: list[Callable[[Any], None]] | None = None, stream=None) -> None:
-        self.enabled = enabled
+    On a terminal (and ``enabled``): one tqdm bar per stage (stage label, epoch, images/s, ETA). Otherwise (a log
+    file, CI, ``--no-progress``): flushed lines, one when a stage starts and ends and, inside long stages, one every
+    ``line_interval_s`` seconds with progress, images/s and ETA, never bars drawn into files.
+    """
+
+    def __init__(self, enabled: bool = True, sinks: list[Callable[[Any], None]] | None = None, stream=None,
+                 line_interval_s: float = 10.0) -> None:
         self.sinks = list(sinks or [])
         self.stream = stream or sys.stderr
+        isatty = getattr(self.stream, "isatty", None)
+        self.bars = bool(enabled and callable(isatty) and isatty())
+        self.enabled = enabled
+        self.line_interval_s = float(line_interval_s)
         self._bar: tqdm | None = None
         self._stage: StageEvent | None = None
         self._started = 0.0
+        self._last_line = 0.0
 
     def __call__(self, record: Any) -> None:
         for sink in self.sinks:
@@ -72,21 +82,25 @@ class ProgressReporter:
             self._on_training_record(record)
 
     def _on_stage(self, event: StageEvent) -> None:
-        if not self.enabled:
-            return
         prefix = f"[{event.index + 1}/{event.total}] {event.label}"
         if event.status == "started":
             self._close()
             self._stage = event
-            self._started = time.perf_counter()
-            self._bar = tqdm(total=None, desc=prefix, file=self.stream, leave=False, dynamic_ncols=True)
+            self._started = self._last_line = time.perf_counter()
+            if self.bars:
+                self._bar = tqdm(total=None, desc=prefix, file=self.stream, leave=False, dynamic_ncols=True)
+            else:
+                print(f"{prefix}: started", file=self.stream, flush=True)
         else:
             self._close()
             extra = f" in {event.seconds:.1f} s" if event.seconds is not None else ""
             print(f"{prefix}: {event.status}{extra}", file=self.stream, flush=True)
 
     def _on_progress(self, update: ProgressUpdate) -> None:
-        if not self.enabled or self._bar is None:
+        if not self.bars:
+            self._progress_line(update)
+            return
+        if self._bar is None:
             return
         if self._bar.total != update.total:
             self._bar.total = update.total
@@ -99,6 +113,18 @@ class ProgressReporter:
             postfix["loss"] = f"{update.loss:.3f}"
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.refresh()
+
+    def _progress_line(self, update: ProgressUpdate) -> None:
+        """A periodic flushed line for logs: done/total units, images/s, ETA from the stage's elapsed time."""
+        now = time.perf_counter()
+        if self._stage is None or now - self._last_line < self.line_interval_s or update.total <= 0:
+            return
+        self._last_line = now
+        elapsed = now - self._started
+        remaining = elapsed / max(update.done, 1) * max(update.total - update.done, 0)
+        speed = f", {update.images_per_second:.0f} img/s" if update.images_per_second is not None else ""
+        print(f"[{self._stage.index + 1}/{self._stage.total}] {self._stage.label}: {update.unit} {update.done}/"
+              f"{update.total}{speed}, {elapsed:.0f} s elapsed, ETA {remaining:.0f} s", file=self.stream, flush=True)
 
     def _on_training_record(self, record: Any) -> None:
         # TrainRecord of pipelines.training: epoch (0-based), epochs, images_per_second, loss

@@ -13,6 +13,7 @@ number of classes the model line was pre-trained on (0 without pre-training).
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import tempfile
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from pipelines.config import PRETRAIN_PREFIX, PoolSpec, ScenarioConfig
-from pipelines.graph import Stage, entry_key, protocol_params
+from pipelines.graph import Stage, protocol_params
 from pipelines.progress import ProgressUpdate
 from pipelines.store import RunStore, decode_array, encode_array, feature_blobs, read_features
 
@@ -69,6 +70,7 @@ class MemoryArtifact:
     tasks_blob: str
     size: int
     per_class: int
+    shard: dict | None = None  # the exemplars' images as a replay shard (pipelines.replay_shards), when written
 
 
 @dataclass
@@ -104,8 +106,6 @@ class MatrixRow:
     entry_keys: list[str]
     metric: str
     protocol: dict
-    computed_entries: int
-    reused_entries: int
 
 
 @dataclass
@@ -161,7 +161,11 @@ def load_pool(spec: PoolSpec, key: str = "pool") -> Any:
     """Open a pool (dataset + filters); cached in-process by its spec. Raises naming ``key`` when data is missing."""
     from compat_core.data.registry import load_dataset
 
-    cache_key = json.dumps(spec.model_dump(mode="json"), sort_keys=True)
+    # a relative local root means another folder after a chdir: the cache key holds the resolved location
+    root = spec.root
+    if root is not None and "://" not in root and not os.path.isabs(root):
+        root = os.path.abspath(root)
+    cache_key = json.dumps([spec.model_dump(mode="json"), root], sort_keys=True)
     if cache_key in _POOL_CACHE:
         return _POOL_CACHE[cache_key]
     try:
@@ -206,7 +210,10 @@ def task_classes(config: ScenarioConfig) -> list[np.ndarray]:
     total = sum(config.increments)
     if class_ids.shape[0] < total:
         raise ValueError(f"tasks.spec: {config.tasks.spec!r} needs {total} classes, data pool has {class_ids.shape[0]}")
-    sequence = build_task_sequence(class_ids, config.tasks.spec, config.task_seed)
+    if config.tasks.order == "given":
+        # the reference codes take classes in the dataset's id order (alphabetical for CIFAR) or a published list
+        class_ids = np.asarray(class_ids if config.data.classes is None else config.data.classes, dtype=np.int64)
+    sequence = build_task_sequence(class_ids, config.tasks.spec, config.task_seed, order=config.tasks.order)
     return [np.asarray(t, dtype=np.int64) for t in sequence.tasks]
 
 
@@ -216,28 +223,53 @@ def fine_labels(pool: Any) -> np.ndarray:
     return np.asarray(pool.labels if fine is None else fine)
 
 
+def class_identities(pool: Any) -> np.ndarray:
+    """Sorted unique class identities of a pool, comparable across splits of one dataset: the global fine ids when
+    the reader keeps them (glyphs), else the class names of the labels (readers such as CelebA renumber labels per
+    split, but their class names are the published identities / synsets / class names)."""
+    fine = getattr(pool, "fine_labels", None)
+    if fine is not None:
+        return np.unique(np.asarray(fine)).astype(str)
+    names = np.asarray(pool.class_names, dtype=object)
+    return np.unique(names[np.unique(np.asarray(pool.labels))].astype(str))
+
+
 _OPEN_SET_CHECKED: set[str] = set()
 
 
 def check_pools_open_set(config: ScenarioConfig) -> None:
     """Data-level open-set guard: no fine class of a training pool (fine-tuning data, every pre-training pool)
-    may occur in the query or gallery set. Raises ValueError naming both pools; checked once per process."""
-    from compat_core.data.tasks import check_open_set
+    may occur in the query or gallery set. Raises ValueError naming both pools; checked once per process.
+
+    Class ids are compared only between pools of the *same* dataset (same registry name), since ids of different
+    datasets live in different spaces (CIFAR-100 id 3 is not CIFAR-10 id 3; CUB180 and CUB20 renumber their
+    classes). Pools of different datasets are disjoint by the protocol that pairs them (CIFAR-100 -> CIFAR-10,
+    CUB180 -> CUB20, CASIA-WebFace -> CelebA, ...), which each shipped config states in its ``paper`` section.
+    """
     from pipelines.config import stable_hash
 
     key = stable_hash([config.data.model_dump(mode="json"), [p.pool.model_dump(mode="json") for p in config.pretrain],
                        config.evaluation.query_set.model_dump(mode="json"),
-                       config.evaluation.gallery_set.model_dump(mode="json")])
+                       config.evaluation.gallery_set.model_dump(mode="json"), os.getcwd()])
     if key in _OPEN_SET_CHECKED:
         return
     training = [("data", config.data)] + [(f"pretrain[{p.name}].pool", p.pool) for p in config.pretrain]
     tests = [("evaluation.query_set", config.evaluation.query_set),
              ("evaluation.gallery_set", config.evaluation.gallery_set)]
     for test_key, test_spec in tests:
-        test_classes = np.unique(fine_labels(load_pool(test_spec, test_key)))
-        for train_key, train_spec in training:
-            train_classes = np.unique(fine_labels(load_pool(train_spec, train_key)))
-            check_open_set(train_classes, test_classes, train_name=train_key, test_name=test_key)
+        same_dataset = [(k, s) for k, s in training if s.dataset == test_spec.dataset]
+        if not same_dataset:
+            continue
+        test_classes = class_identities(load_pool(test_spec, test_key))
+        for train_key, train_spec in same_dataset:
+            train_classes = class_identities(load_pool(train_spec, train_key))
+            overlap = np.intersect1d(train_classes, test_classes)
+            if overlap.size:
+                shown = overlap[:20].tolist()
+                raise ValueError(
+                    f"open-set violation: {overlap.size} class(es) of dataset {test_spec.dataset!r} appear in both "
+                    f"{train_key} and {test_key}: {shown}{' ...' if overlap.size > 20 else ''}; training and test "
+                    f"classes must be disjoint")
     _OPEN_SET_CHECKED.add(key)
 
 
@@ -259,15 +291,23 @@ def _model_blobs(model) -> dict[str, bytes]:
         return {name: Path(folder, name).read_bytes() for name in sorted(os.listdir(folder))}
 
 
+def artifact_location(stage_key: str) -> str:
+    """Where a stage's blobs live, relative to the run root (records never hold absolute paths, so a run folder
+    can be moved or copied; ``RunStore.uri(location)`` resolves it)."""
+    return f"{RunStore.ARTIFACTS}/{stage_key}"
+
+
 def load_model_artifact(store: RunStore, record: dict, device: torch.device):
     """Model of a model record, every blob verified against the manifest first."""
-    from compat_core.models.compat_model import load_model
+    from compat_core.models.compat_model import CONFIG_FILE, WEIGHTS_FILE, model_from_bytes
 
-    manifest = store.load_manifest(record["stage_key"])
-    for name in manifest["blobs"]:
-        if name in ("config.json", "model.safetensors"):
-            store.read_blob(record["stage_key"], name, manifest)
-    return load_model(record["uri"], map_location=device)
+    # The bytes that pass the manifest's sha256 are the bytes loaded, read from this run folder (never from the
+    # path the record was written under: a moved or copied run loads its own verified weights).
+    key = record["stage_key"]
+    manifest = store.load_manifest(key)
+    config_bytes = store.read_blob(key, CONFIG_FILE, manifest)
+    weights_bytes = store.read_blob(key, WEIGHTS_FILE, manifest)
+    return model_from_bytes(config_bytes, weights_bytes, store.uri(store.ARTIFACTS, key), map_location=device)
 
 
 def _method(config: ScenarioConfig):
@@ -285,10 +325,12 @@ def _initial_model(config: ScenarioConfig, classifier: str, seed: int, backbone:
                    backbone_config: dict | None = None, num_active: int = 0):
     from compat_core.models.compat_model import create_model
 
+    from pipelines.config import resolved_head
+
     _seed_everything(seed)
     return create_model(backbone or config.model.backbone, config.model.num_slots, classifier=classifier,
                         backbone_config=config.model.backbone_config if backbone_config is None else backbone_config,
-                        num_active_classes=num_active)
+                        num_active_classes=num_active, head=resolved_head(config, classifier))
 
 
 def _load_source(ctx: StageContext, source: str, classifier: str, backbone: str | None, backbone_config: dict | None,
@@ -327,7 +369,8 @@ def _train_config(config: ScenarioConfig, seed: int, device: torch.device, epoch
         schedule=schedule.name, milestones=tuple(schedule.milestones), gamma=schedule.gamma, seed=seed,
         device=str(device), model_selection=model_selection or training.model_selection,
         selection_strict=config.evaluation.strict, mixed_precision=training.autocast,
-        eval_batch_size=config.evaluation.batch_size,
+        eval_batch_size=config.evaluation.batch_size, epoch_length=config.replay.epoch_length,
+        input_workers=training.input_workers,
     )
 
 
@@ -370,13 +413,22 @@ def pretrain_stage(ctx: StageContext) -> StageResult:
                          f"are the slots, so they must be exactly 0..num_classes-1)")
     seed = spec.seed if spec.seed is not None else config.seed
     model = _initial_model(config, classifier, seed, spec.backbone, spec.backbone_config,
-                           num_active=spec.num_classes if classifier == "learnable" else 0).to(ctx.device)
+                           num_active=spec.num_classes if classifier == "learnable" else 0)
+    if spec.init is not None:
+        # fine-tune published weights (e.g. DINOv3) on the pool; the junction and classifier start fresh
+        from compat_core.models import load_external_weights
+
+        try:
+            load_external_weights(model, spec.init, sha256=spec.init_sha256)
+        except (ValueError, FileNotFoundError) as error:
+            raise type(error)(f"pretrain[{spec.name}].init: {error}") from error
+    model = model.to(ctx.device)
     model.config["pretrained_classes"] = spec.num_classes
     train_config = _train_config(config, seed, ctx.device, spec.epochs, spec.batch_size, spec.optimizer,
                                  spec.schedule, model_selection="last")
     result = pretrain_model(model, pool, np.arange(len(pool)), train_config, on_record=ctx.emit,
                             progress=_progress_hook(ctx))
-    record = ModelArtifact("model", ctx.stage.key, ctx.store.uri(ctx.store.ARTIFACTS, ctx.stage.key), None, 0,
+    record = ModelArtifact("model", ctx.stage.key, artifact_location(ctx.stage.key), None, 0,
                            spec.num_classes, 0, classifier, spec.num_classes if classifier == "learnable" else 0,
                            source=None, training=_summary(result))
     data = asdict(record)
@@ -401,6 +453,48 @@ def _memory_from_record(store: RunStore, model_record: dict | None) -> tuple[np.
     return (store.read_array(key, memory["indices_blob"], manifest),
             store.read_array(key, memory["positions_blob"], manifest),
             store.read_array(key, memory["tasks_blob"], manifest))
+
+
+def _memory_images_from_record(store: RunStore, model_record: dict | None, memory: tuple) -> np.ndarray | None:
+    """uint8 (M, H, W, C) images of the recorded replay shard, rows aligned with ``memory``; None when the record
+    has no shard (runs written before replay shards)."""
+    shard = ((model_record or {}).get("memory") or {}).get("shard")
+    if not shard:
+        return None
+    from compat_core.data.replay_shards import CorruptShardError
+    from pipelines.replay_shards import read_memory_shard
+    from pipelines.store import CorruptArtifactError
+
+    try:
+        stored, images = read_memory_shard(store, shard)
+    except CorruptShardError as error:
+        # the stage that wrote the shard is the one to recompute (the CLI prints the --recompute fix)
+        raise CorruptArtifactError(str(error), stage_key=model_record["stage_key"]) from error
+    if not np.array_equal(stored.indices, memory[0]) or not np.array_equal(stored.source_task, memory[2]):
+        raise ValueError(f"replay shard {shard['folder']} (task {shard['task']}) does not hold the memory recorded "
+                         f"with model stage {model_record['stage_key']}")
+    return images
+
+
+def _write_memory_shard(ctx: StageContext, task: int, memory: tuple, memory_images: np.ndarray | None, pool,
+                        indices: np.ndarray, positions: np.ndarray, tasks: np.ndarray) -> dict:
+    """Write the updated memory as this stage's replay shard: kept exemplars' images from the previous shard, new
+    ones from this task's source."""
+    from compat_core.data.replay import ReplayMemory
+    from pipelines.replay_shards import write_memory_shard
+
+    images = np.empty((indices.shape[0], *pool.image_shape), dtype=np.uint8)
+    from_previous = tasks != task
+    if from_previous.any():
+        if memory_images is None:
+            images[from_previous] = pool.read(indices[from_previous])  # a run started before replay shards
+        else:
+            row_of = {int(index): row for row, index in enumerate(memory[0])}
+            images[from_previous] = memory_images[[row_of[int(i)] for i in indices[from_previous]]]
+    if (~from_previous).any():
+        images[~from_previous] = pool.read(indices[~from_previous])
+    record = ReplayMemory(indices=indices, labels=positions, slots=positions, source_task=tasks)
+    return write_memory_shard(ctx.store, ctx.stage.key, task, record, images)
 
 
 def _update_memory(config: ScenarioConfig, memory: tuple, new_indices, new_positions, task: int,
@@ -460,14 +554,19 @@ def train_task_stage(ctx: StageContext) -> StageResult:
     seed = config.seed * 1000 + task
     previous = ctx.parents[stage.parents[0]] if task > 0 else None
     memory = _memory_from_record(ctx.store, previous)
+    # the previous task's exemplars come from its replay shard (verified now, before any training), never from
+    # the old tasks' source data
+    memory_images = _memory_images_from_record(ctx.store, previous, memory)
     replacement = config.replacement_at(task) if stage.kind == "replace" else None
     wants_old = method.needs_old_model or config.training.model_selection == "compatibility"
 
     initial_state = None
     old_model = None
     if method.retrain_from_scratch:
-        # CoReS / independent training: the same initial weights (seeded once) at every step, all data seen so far
-        model = _initial_model(config, classifier, config.seed).to(ctx.device)
+        # CoReS: the same initial weights (seeded once) at every step; PSP/LSP: independently trained models, each
+        # step with its own initial weights (the paper; CoReS Sec. 8.3 shows a shared start raises AC). All data so far.
+        init_seed = seed if getattr(method, "independent_init", False) else config.seed
+        model = _initial_model(config, classifier, init_seed).to(ctx.device)
         initial_state = _state_copy(model)
         pretrained, line = 0, 0
         if previous is not None and wants_old:
@@ -504,12 +603,18 @@ def train_task_stage(ctx: StageContext) -> StageResult:
     positions = np.asarray([position_of[int(c)] for c in pool_labels[indices]], dtype=np.int64)
     use_memory = method.uses_replay and config.replay.per_class > 0 and not method.retrain_from_scratch
     memory_indices = memory_slots = None
+    train_source = pool
     if use_memory and memory[0].size:
         memory_indices = memory[0]
         memory_slots = slot_of_positions(memory[1], classifier, K, pretrained)
+        if memory_images is not None:
+            from pipelines.replay_shards import WithMemory
+
+            train_source = WithMemory(pool, memory_images, np.concatenate(tasks)[memory[1]])
+            memory_indices = train_source.memory_indices()
     num_old = first_position if not method.retrain_from_scratch else 0
     data = TaskData(
-        source=pool, task=task, indices=indices, slots=slot_of_positions(positions, classifier, K, pretrained),
+        source=train_source, task=task, indices=indices, slots=slot_of_positions(positions, classifier, K, pretrained),
         num_old_classes=num_old + (pretrained if classifier == "learnable" else 0),
         num_new_classes=len(tasks[task]) + (first_position if method.retrain_from_scratch else 0),
         memory_indices=memory_indices, memory_slots=memory_slots, initial_state=initial_state, selection=selection,
@@ -544,10 +649,12 @@ def train_task_stage(ctx: StageContext) -> StageResult:
         blobs["memory-positions.npy"] = encode_array(new_positions)
         blobs["memory-tasks.npy"] = encode_array(new_tasks)
         memory_record = asdict(MemoryArtifact("memory-indices.npy", "memory-positions.npy", "memory-tasks.npy",
-                                              int(new_indices.shape[0]), config.replay.per_class))
+                                              int(new_indices.shape[0]), config.replay.per_class,
+                                              shard=_write_memory_shard(ctx, task, memory, memory_images, pool,
+                                                                        new_indices, new_positions, new_tasks)))
     num_active = int(trained.num_active_classes) if classifier == "learnable" else 0
     source = replacement.source if replacement is not None else (config.initial_model if task == 0 else None)
-    record = ModelArtifact("model", stage.key, ctx.store.uri(ctx.store.ARTIFACTS, stage.key), task, line, pretrained,
+    record = ModelArtifact("model", stage.key, artifact_location(stage.key), task, line, pretrained,
                            first_position + len(tasks[task]), classifier, num_active, source=source,
                            memory=memory_record, extra_blobs=extra, training=_summary(result))
     return StageResult(asdict(record), blobs)
@@ -560,6 +667,60 @@ def _frozen(model):
 
 
 # ---- extraction --------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def extract_stage(ctx: StageContext) -> StageResult:
+    """Features of the parent model on the query or gallery set, once, stored as fp16 (default) shards."""
+    from compat_core.data.transforms import make_transforms
+    from compat_core.models.precision import prepare_batch
+
+    config = ctx.config
+    split = ctx.stage.split
+    check_pools_open_set(config)
+    spec = config.evaluation.query_set if split == "query" else config.evaluation.gallery_set
+    pool = load_pool(spec, f"evaluation.{split}_set")
+    model_record = ctx.parents[ctx.stage.parents[0]]
+    from pipelines.training import precision_context, prepare_model
+
+    model = prepare_model(load_model_artifact(ctx.store, model_record, ctx.device), ctx.device,
+                          config.training.autocast)
+    model.eval()
+    method = _method(config)
+    transform = make_transforms(pool, train=False)
+    batch_size = config.evaluation.batch_size
+    outputs = []
+    started = time.perf_counter()
+    total = len(pool)
+    batches = max(1, -(-total // batch_size))
+    from compat_core.data.stream import stream_batches
+
+    # the next batches are decoded on CPU workers (training.input_workers) while the model runs on this one
+    stream = stream_batches(pool, np.arange(total), [np.arange(start, min(start + batch_size, total))
+                                                     for start in range(0, total, batch_size)],
+                            workers=config.training.input_workers, pin_memory=ctx.device.type == "cuda")
+    for batch_index, (positions, images) in enumerate(stream):
+        start = int(positions[0])
+        images = images.to(ctx.device, non_blocking=True)
+        inputs = prepare_batch(transform(images), model)
+        with precision_context(ctx.device, config.training.autocast):
+            output = model(inputs)
+        # training-free methods (PSP/LSP) map logits into the gallery model's class space at evaluation time
+        values = output.logits if getattr(method, "training_free", False) else output.features
+        outputs.append(values.float().cpu().numpy())
+        elapsed = time.perf_counter() - started
+        ctx.emit(ProgressUpdate(ctx.stage.key, batch_index + 1, batches, "batch",
+                                min(start + batch_size, total) / max(elapsed, 1e-9)))
+    features = np.concatenate(outputs, axis=0) if outputs else np.zeros((0, model.feature_dim), np.float32)
+    seconds = time.perf_counter() - started
+    coarse = getattr(pool, "coarse_labels", None)
+    blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse, dtype=config.evaluation.feature_dtype)
+    adapter = ADAPTER_BLOB if ADAPTER_BLOB in (model_record.get("extra_blobs") or []) else None
+    record = FeatureArtifact("features", ctx.stage.key, int(ctx.stage.task), split,
+                             artifact_location(ctx.stage.key), layout,
+                             int(model_record.get("num_active_classes") or 0), seconds, total / max(seconds, 1e-9),
+                             model_stage_key=model_record["stage_key"], adapter_blob=adapter)
+    return StageResult(asdict(record), blobs)
+
+
 @torch.no_grad()
 def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.device,
                           progress: Callable[[int, int, float], None] | None = None) -> np.ndarray:
@@ -594,50 +755,40 @@ def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.dev
     return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, config.model.num_slots - 1), np.float32)
 
 
-def extract_stage(ctx: StageContext) -> StageResult:
-    """Features of the parent model on the query or gallery set, once, stored as fp16 (default) shards."""
-    config = ctx.config
-    split = ctx.stage.split
-    check_pools_open_set(config)
-    spec = config.evaluation.query_set if split == "query" else config.evaluation.gallery_set
-    pool = load_pool(spec, f"evaluation.{split}_set")
-    model_record = ctx.parents[ctx.stage.parents[0]]
-    started = time.perf_counter()
-    total = len(pool)
-    features = extract_pool_features(
-        load_model_artifact(ctx.store, model_record, ctx.device), pool, config, ctx.device,
-        lambda batch, batches, rate: ctx.emit(ProgressUpdate(ctx.stage.key, batch, batches, "batch", rate)))
-    seconds = time.perf_counter() - started
-    coarse = getattr(pool, "coarse_labels", None)
-    blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse, dtype=config.evaluation.feature_dtype)
-    adapter = ADAPTER_BLOB if ADAPTER_BLOB in (model_record.get("extra_blobs") or []) else None
-    record = FeatureArtifact("features", ctx.stage.key, int(ctx.stage.task), split,
-                             ctx.store.uri(ctx.store.ARTIFACTS, ctx.stage.key), layout,
-                             int(model_record.get("num_active_classes") or 0), seconds, total / max(seconds, 1e-9),
-                             model_stage_key=model_record["stage_key"], adapter_blob=adapter)
-    return StageResult(asdict(record), blobs)
-
-
 # ---- evaluation --------------------------------------------------------------------------------------------------
 def verification_pairs(query_labels: np.ndarray, gallery_labels: np.ndarray, count: int,
-                       seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                       seed: int, same_pool: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Seeded cross-set 1:1 pairs: side a a query sample (model t), side b a gallery sample (model k).
 
     ``count`` positive (same label) and ``count`` negative pairs, each drawn uniformly among the pairs of its kind
-    (with replacement when fewer exist). Returns (query index (2n,), gallery index (2n,), same (2n,) bool), shuffled.
+    (with replacement when fewer exist). ``same_pool``: query and gallery are the same images (CoReS draws its 3,000
+    + 3,000 pairs from the CIFAR-10 test set), so a positive pair never pairs an image with itself.
+    Returns (query index (2n,), gallery index (2n,), same (2n,) bool), shuffled.
     """
     rng = np.random.default_rng(seed)
     query_labels = np.asarray(query_labels)
     gallery_labels = np.asarray(gallery_labels)
+    if same_pool and not np.array_equal(query_labels, gallery_labels):
+        raise ValueError("verification_pairs: same_pool needs identical query and gallery label arrays")
     classes = np.intersect1d(query_labels, gallery_labels)
     if classes.size == 0:
         raise ValueError("evaluation.metric: verification needs labels shared by the query and gallery sets")
     q_members = [np.flatnonzero(query_labels == c) for c in classes]
     g_members = [np.flatnonzero(gallery_labels == c) for c in classes]
-    weights = np.asarray([a.size * b.size for a, b in zip(q_members, g_members)], dtype=np.float64)
+    weights = np.asarray([a.size * (b.size - 1 if same_pool else b.size) for a, b in zip(q_members, g_members)],
+                         dtype=np.float64)
+    if weights.sum() == 0:
+        raise ValueError("evaluation.metric: verification needs a class with two images to form a positive pair")
     chosen = rng.choice(classes.size, size=count, p=weights / weights.sum())
     pos_a = np.asarray([q_members[c][rng.integers(q_members[c].size)] for c in chosen], dtype=np.int64)
-    pos_b = np.asarray([g_members[c][rng.integers(g_members[c].size)] for c in chosen], dtype=np.int64)
+    if same_pool:  # the partner is another image of the class: skip a's own position among the members
+        picks = []
+        for c, a in zip(chosen, pos_a):
+            others = g_members[c][g_members[c] != a]
+            picks.append(others[rng.integers(others.size)])
+        pos_b = np.asarray(picks, dtype=np.int64)
+    else:
+        pos_b = np.asarray([g_members[c][rng.integers(g_members[c].size)] for c in chosen], dtype=np.int64)
     neg_a, neg_b = [], []
     while len(neg_a) < count:
         a = rng.integers(query_labels.size, size=2 * count)
@@ -693,8 +844,9 @@ def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: Scenario
     elif metric == "map":
         value = retrieval.mean_average_precision(q, q_labels, g, g_labels)
     else:
+        same_pool = config.evaluation.query_set == config.evaluation.gallery_set
         index_a, index_b, same = verification_pairs(q_labels, g_labels, int(protocol["verification_pairs"]),
-                                                    config.seed)
+                                                    config.seed, same_pool=same_pool)
         if metric == "verification":
             value = retrieval.verification_accuracy(q[index_a], g[index_b], same)[0]
         else:
@@ -727,37 +879,46 @@ def entry_adapters(store: RunStore, gallery_records: list[dict], row: int, colum
     return adapters
 
 
-def evaluate_stage(ctx: StageContext) -> StageResult:
-    """Row t of the matrix: entries C[t, k], k = 0..t, each committed on its own and reused when already stored."""
-    config = ctx.config
+_FEATURE_CACHE: "collections.OrderedDict[tuple[str, str], tuple]" = collections.OrderedDict()
+_FEATURE_CACHE_ITEMS = 4  # a row's query and a few galleries: entries of one row reuse them
+
+
+def cached_features(store: RunStore, key: str) -> tuple:
+    """read_features with a small per-process LRU cache. Safe because extract keys are content hashes (a key's
+    features never change); an in-process run and a reused Ray worker process both read a row's query once."""
+    cache_key = (store.root, key)
+    if cache_key in _FEATURE_CACHE:
+        _FEATURE_CACHE.move_to_end(cache_key)
+        return _FEATURE_CACHE[cache_key]
+    features = read_features(store, key)
+    _FEATURE_CACHE[cache_key] = features
+    while len(_FEATURE_CACHE) > _FEATURE_CACHE_ITEMS:
+        _FEATURE_CACHE.popitem(last=False)
+    return features
+
+
+def entry_stage(ctx: StageContext) -> StageResult:
+    """The one function computing a matrix-entry record C[row, column]; parents = (query extract, gallery extracts
+    of columns 0..row), so the FAN adapters of tasks column+1..row are applied to the gallery features."""
     stage = ctx.stage
-    row = int(stage.task)
+    row, column, protocol = int(stage.params["row"]), int(stage.params["column"]), stage.params["protocol"]
+    query_key, gallery_keys = stage.parents[0], stage.parents[1:]
+    gallery_key = gallery_keys[column]
+    adapters = entry_adapters(ctx.store, [ctx.parents[k] for k in gallery_keys], row, column)
+    value = compute_entry(cached_features(ctx.store, query_key), cached_features(ctx.store, gallery_key), protocol,
+                          ctx.config, ctx.parents[query_key].get("num_classes_model", 0),
+                          ctx.parents[gallery_key].get("num_classes_model", 0), adapters=adapters)
+    return StageResult({"type": "entry", "row": row, "column": column, "value": value, "query": query_key,
+                        "gallery": gallery_key, "protocol": protocol}, {})
+
+
+def evaluate_stage(ctx: StageContext) -> StageResult:
+    """Row t of the matrix, C[t, 0..t], from its committed entry nodes (its parents, in column order)."""
+    stage = ctx.stage
     protocol = stage.params["protocol"]
-    query_key = stage.parents[0]
-    gallery_keys = stage.parents[1:]
-    query = None
-    values: list[float] = []
-    keys: list[str] = []
-    computed = reused = 0
-    for column, gallery_key in enumerate(gallery_keys):
-        key = entry_key(query_key, gallery_key, protocol, row, column)
-        keys.append(key)
-        if ctx.store.has(key):
-            values.append(float(ctx.store.load_record(key)["value"]))
-            reused += 1
-            continue
-        if query is None:
-            query = read_features(ctx.store, query_key)
-        gallery = read_features(ctx.store, gallery_key)
-        adapters = entry_adapters(ctx.store, [ctx.parents[k] for k in gallery_keys], row, column)
-        value = compute_entry(query, gallery, protocol, config,
-                              ctx.parents[query_key].get("num_classes_model", 0),
-                              ctx.parents[gallery_key].get("num_classes_model", 0), adapters=adapters)
-        ctx.store.commit(key, {"type": "entry", "row": row, "column": column, "value": value,
-                               "query": query_key, "gallery": gallery_key, "protocol": protocol})
-        values.append(value)
-        computed += 1
-    record = MatrixRow("matrix_row", stage.key, row, values, keys, protocol["metric"], protocol, computed, reused)
+    values = [float(ctx.parents[key]["value"]) for key in stage.parents]
+    record = MatrixRow("matrix_row", stage.key, int(stage.task), values, list(stage.parents), protocol["metric"],
+                       protocol)
     return StageResult(asdict(record), {})
 
 
@@ -766,6 +927,7 @@ STAGE_FUNCTIONS: dict[str, Callable[[StageContext], StageResult]] = {
     "finetune": train_task_stage,
     "replace": train_task_stage,
     "extract": extract_stage,
+    "entry": entry_stage,
     "evaluate": evaluate_stage,
 }
 
@@ -797,7 +959,14 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
             raise RuntimeError(f"stage {stage.label}: parent {key} is not committed; run the graph in order")
         parents[key] = store.load_record(key)
     ctx = StageContext(stage, config, store, parents, emit, resolve_device(config.device))
-    result = STAGE_FUNCTIONS[stage.kind](ctx)
+    from pipelines.graph import stage_threads
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(stage_threads(stage.resources))  # the count in the stage key, on every backend
+    try:
+        result = STAGE_FUNCTIONS[stage.kind](ctx)
+    finally:
+        torch.set_num_threads(threads_before)
     record = result.record if isinstance(result.record, dict) else asdict(result.record)
     record.setdefault("kind", stage.kind)
     record["kind"] = stage.kind
@@ -808,7 +977,7 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
 
 __all__ = [
     "ModelArtifact", "MemoryArtifact", "FeatureArtifact", "MatrixRow", "StageResult", "StageContext",
-    "STAGE_FUNCTIONS", "execute_stage", "load_pool", "task_classes", "slot_of_positions", "compute_entry",
+    "STAGE_FUNCTIONS", "execute_stage", "entry_stage", "cached_features", "load_pool", "task_classes", "slot_of_positions", "compute_entry",
     "entry_adapters", "verification_pairs", "check_pools_open_set", "fine_labels", "ADAPTER_BLOB",
     "load_model_artifact", "SubsetSource", "extract_pool_features", "decode_array", "protocol_params",
 ]

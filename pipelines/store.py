@@ -27,7 +27,14 @@ from compat_core import io as cio
 
 
 class CorruptArtifactError(IOError):
-    """A stored blob whose content does not match its manifest (message names path, expected and actual)."""
+    """A stored blob whose content does not match its manifest (message names path, expected and actual).
+
+    ``stage_key``: the committed stage the blob belongs to (``compat run --resume DIR --recompute KEY`` redoes it).
+    """
+
+    def __init__(self, message: str, stage_key: str | None = None) -> None:
+        super().__init__(message)
+        self.stage_key = stage_key
 
 
 @dataclass(frozen=True)
@@ -142,7 +149,8 @@ class RunStore:
         try:
             return json.loads(text)
         except json.JSONDecodeError as error:
-            raise CorruptArtifactError(f"manifest {self._display(path)} is not valid JSON: {error}") from None
+            raise CorruptArtifactError(f"manifest {self._display(path)} is not valid JSON: {error}",
+                                       stage_key) from None
 
     def load_record(self, stage_key: str) -> dict:
         """The record committed with the stage (raises FileNotFoundError when the stage is not done)."""
@@ -156,16 +164,35 @@ class RunStore:
         expected = manifest["blobs"][name]
         path = self.blob_path(stage_key, name)
         if self.fs.get_file_info(path).type != pafs.FileType.File:
-            raise CorruptArtifactError(f"{self._display(path)}: blob listed in the manifest is missing")
+            raise CorruptArtifactError(f"{self._display(path)}: blob listed in the manifest is missing", stage_key)
         with self.fs.open_input_stream(path, compression=None) as handle:
             data = handle.read()
         actual = sha256_bytes(data)
         if actual != expected["sha256"] or len(data) != expected["size"]:
             raise CorruptArtifactError(
                 f"{self._display(path)}: sha256 expected {expected['sha256']} ({expected['size']} bytes), "
-                f"actual {actual} ({len(data)} bytes)"
+                f"actual {actual} ({len(data)} bytes)", stage_key
             )
         return data
+
+    def forget(self, stage_key: str) -> bool:
+        """Uncommit a stage (delete its manifest) so the next run computes it again; its blobs are overwritten then.
+        Returns whether it was committed."""
+        _check_key(stage_key)
+        path = self.manifest_path(stage_key)
+        if self.fs.get_file_info(path).type != pafs.FileType.File:
+            return False
+        self.fs.delete_file(path)
+        return True
+
+    def resolve_key(self, prefix: str) -> str:
+        """The committed stage key that starts with ``prefix`` (keys are long; a unique prefix is enough)."""
+        matches = [key for key in self.stage_keys() if key.startswith(prefix)]
+        if len(matches) != 1:
+            shown = ", ".join(matches[:5]) or "none"
+            raise KeyError(f"--recompute {prefix}: {len(matches)} committed stage(s) of {self.root} start with it "
+                           f"({shown}); give a longer prefix of the stage key from the error message")
+        return matches[0]
 
     def stage_keys(self) -> list[str]:
         """Keys of every committed stage, sorted."""

@@ -22,6 +22,7 @@ from torch import nn
 
 from compat_core.data.base import ImageSource
 from compat_core.data.replay import half_and_half_batches
+from compat_core.data.stream import stream_batches
 from compat_core.data.transforms import make_transforms
 from compat_core.models.precision import autocast_context, has_convolutions, prepare_batch, prepare_for_speed
 from compat_core.retrieval import recall_at_1
@@ -93,10 +94,14 @@ class TrainConfig:
     "cosine" (to 0 over all steps after warm-up), "constant", or "step" (multiply by ``gamma`` at each epoch in
     ``milestones``, 0-based epoch counts, e.g. CoReS's 100 epochs with milestone 70). warmup_epochs: linear warm-up
     from lr/warmup_steps. replay_sampling: "half_and_half" (every batch half memory, half task: the public
-    reference) or "mixed" (memory and task samples shuffled together). model_selection: "last" or "compatibility"
+    reference) or "mixed" (memory and task samples shuffled together). epoch_length (half_and_half): "task" (one pass
+    over the task data, batch_size // 2 task samples per batch) or "reference" ((task + memory) // batch_size
+    batches, as the public CL2R/IAM-CL2R code's BalancedBatchSampler). model_selection: "last" or "compatibility"
     (CoReS Sec. 8.2; needs ``TaskData.selection``). mixed_precision: True / "auto" autocasts where the device has
     a fast half type (bf16 on CPUs with AMX), "bf16" / "fp16" force that autocast dtype, False / "off" runs fp32. steps_per_epoch: cap on steps per epoch (None: one pass).
     log_every_steps: also emit a record every N steps (0: per-epoch records only).
+    input_workers: CPU processes that read and decode the next batches while the current step runs
+    (compat_core.data.stream; 0: read in the training thread). prefetch_batches: batches read ahead per worker.
     """
 
     epochs: int = 1
@@ -112,6 +117,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     replay_sampling: str = "half_and_half"
+    epoch_length: str = "task"
     model_selection: str = "last"
     selection_strict: bool = True
     mixed_precision: bool | str = True
@@ -119,6 +125,8 @@ class TrainConfig:
     steps_per_epoch: int | None = None
     eval_batch_size: int = 256
     log_every_steps: int = 0
+    input_workers: int = 0
+    prefetch_batches: int = 2
 
     def __post_init__(self) -> None:
         _require_int("epochs", self.epochs, 1)
@@ -128,6 +136,7 @@ class TrainConfig:
         _require_number("momentum", self.momentum, 0.0)
         _require_number("weight_decay", self.weight_decay, 0.0)
         _require_choice("schedule", self.schedule, SCHEDULES)
+        _require_choice("epoch_length", self.epoch_length, ("task", "reference"))
         self.milestones = tuple(self.milestones)
         for milestone in self.milestones:
             _require_int("milestones[]", milestone, 1)
@@ -146,6 +155,8 @@ class TrainConfig:
             _require_int("steps_per_epoch", self.steps_per_epoch, 1)
         _require_int("eval_batch_size", self.eval_batch_size, 1)
         _require_int("log_every_steps", self.log_every_steps, 0)
+        _require_int("input_workers", self.input_workers, 0)
+        _require_int("prefetch_batches", self.prefetch_batches, 1)
         try:
             autocast_mode(self.mixed_precision)
         except ValueError as error:
@@ -289,7 +300,8 @@ def epoch_batches(data: TaskData, method: Method, config: TrainConfig, epoch: in
     if method.uses_replay and data.has_memory:
         memory_positions = np.arange(num_task, num_task + data.memory_indices.size, dtype=np.int64)
         if config.replay_sampling == "half_and_half":
-            batches: Iterator[np.ndarray] = half_and_half_batches(task_positions, memory_positions, config.batch_size, seed)
+            batches: Iterator[np.ndarray] = half_and_half_batches(task_positions, memory_positions, config.batch_size,
+                                                                  seed, epoch_length=config.epoch_length)
         else:
             order = np.random.default_rng(seed).permutation(np.concatenate([task_positions, memory_positions]))
             batches = iter(np.array_split(order, range(config.batch_size, order.size, config.batch_size)))
@@ -326,8 +338,10 @@ class _Loader:
             self.all_indices, self.all_slots = data.indices, data.slots
         self.num_task = data.indices.size
 
-    def batch(self, positions: np.ndarray) -> Batch:
-        images = torch.from_numpy(np.ascontiguousarray(self.data.source.read(self.all_indices[positions])))
+    def batch(self, positions: np.ndarray, images: torch.Tensor | None = None) -> Batch:
+        """The device batch of ``positions``; ``images`` (uint8, already read, e.g. by the stream) or read here."""
+        if images is None:
+            images = torch.from_numpy(np.ascontiguousarray(self.data.source.read(self.all_indices[positions])))
         images = prepare_batch(self.transform(images.to(self.device, non_blocking=True)), self.model)
         targets = torch.from_numpy(self.all_slots[positions]).to(self.device)
         is_memory = torch.from_numpy(positions >= self.num_task).to(self.device)
@@ -389,10 +403,12 @@ def _extract(model: nn.Module, source: ImageSource, indices: np.ndarray, device:
              feature_fn: Callable[[Any], torch.Tensor]) -> torch.Tensor:
     transform = make_transforms(source, train=False)
     chunks = []
-    for start in range(0, indices.size, config.eval_batch_size):
-        images = torch.from_numpy(np.ascontiguousarray(source.read(indices[start : start + config.eval_batch_size])))
+    batches = [np.arange(start, min(start + config.eval_batch_size, indices.size))
+               for start in range(0, indices.size, config.eval_batch_size)]
+    for _, images in stream_batches(source, indices, batches, workers=config.input_workers,
+                                    prefetch=config.prefetch_batches, pin_memory=device.type == "cuda"):
         with precision_context(device, config.mixed_precision):
-            output = model(prepare_batch(transform(images.to(device)), model))
+            output = model(prepare_batch(transform(images.to(device, non_blocking=True)), model))
         chunks.append(feature_fn(output).float().cpu())
     return torch.cat(chunks)
 
@@ -569,33 +585,34 @@ def train_task(
     for epoch in range(config.epochs):
         model.train()
         window = _Window()
-        for positions in epoch_batches(data, method, config, epoch):
-            started = time.perf_counter()
-            batch = loader.batch(positions)
+        # the next batches are read and decoded on CPU workers while this step runs (same order for a seed)
+        stream = stream_batches(data.source, loader.all_indices, list(epoch_batches(data, method, config, epoch)),
+                                workers=config.input_workers, prefetch=config.prefetch_batches,
+                                pin_memory=device.type == "cuda")
+        started = time.perf_counter()  # a step's time includes any wait for its batch
+        for positions, images in stream:
+            batch = loader.batch(positions, images)
             with precision_context(device, config.mixed_precision):
                 loss, parts = method.loss(batch, ctx)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(
-                    f"method {method.name!r}: non-finite loss {float(loss)} at task {data.task}, epoch {epoch}, step "
-                    f"{step} (parts {parts}); lower TrainConfig.lr"
-                )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             scheduler.step()
             step += 1
             seconds = time.perf_counter() - started
+            started = time.perf_counter()
             train_seconds += seconds
             train_images += int(positions.size)
-            window.add(float(loss.detach()), parts, int(positions.size), seconds)
+            # running sums stay on the device: the host reads them only when a record is emitted (no per-step sync)
+            window.add(loss.detach(), parts, int(positions.size), seconds)
             if progress is not None:
                 progress(epoch, step, total_steps, train_images / max(train_seconds, 1e-9))
             if config.log_every_steps and step % config.log_every_steps == 0:
-                emit(window.record(data.task, epoch, step, optimizer))
+                emit(window.record(data.task, epoch, step, optimizer, method_name=method.name))
                 window = _Window()
         metrics = selector.observe(epoch, model) if selector is not None else {}
         if window.count or metrics:
-            emit(window.record(data.task, epoch, step, optimizer, metrics))
+            emit(window.record(data.task, epoch, step, optimizer, metrics, method_name=method.name))
 
     selected_epoch = config.epochs - 1
     if selector is not None and selector.best_state is not None:
@@ -615,32 +632,55 @@ def train_task(
 
 
 class _Window:
-    """Running means of the loss and its parts between two records."""
+    """Running sums of the loss and its parts between two records, kept as device tensors.
+
+    ``add`` never reads a value back to the host; ``record`` does once (one device sync per record), and raises
+    FloatingPointError when any step of the window had a non-finite loss (checked there, not per step, so that the
+    training step does not wait for the accelerator).
+    """
 
     def __init__(self) -> None:
         self.count = 0
-        self.loss_sum = 0.0
-        self.part_sums: dict[str, float] = {}
+        self.loss_sum: torch.Tensor | float = 0.0
+        self.nonfinite: torch.Tensor | int = 0
+        self.part_sums: dict[str, torch.Tensor | float] = {}
         self.images = 0
         self.seconds = 0.0
 
-    def add(self, loss: float, parts: Mapping[str, float], images: int, seconds: float) -> None:
+    def add(self, loss: torch.Tensor, parts: Mapping[str, Any], images: int, seconds: float) -> None:
         self.count += 1
-        self.loss_sum += loss
+        loss = loss.detach().float()
+        self.loss_sum = self.loss_sum + loss
+        self.nonfinite = self.nonfinite + (~torch.isfinite(loss)).int()
         for key, value in parts.items():
-            self.part_sums[key] = self.part_sums.get(key, 0.0) + float(value)
+            value = value.detach().float() if isinstance(value, torch.Tensor) else float(value)
+            self.part_sums[key] = self.part_sums.get(key, 0.0) + value
         self.images += images
         self.seconds += seconds
 
     def record(self, task: int, epoch: int, step: int, optimizer: torch.optim.Optimizer,
-               metrics: Mapping[str, float] | None = None) -> TrainRecord:
+               metrics: Mapping[str, float] | None = None, method_name: str = "") -> TrainRecord:
         count = max(self.count, 1)
+        names = list(self.part_sums)
+        # one transfer for the loss, the non-finite count and every part
+        device = self.loss_sum.device if isinstance(self.loss_sum, torch.Tensor) else None
+        # float parts (e.g. a schedule weight) join the device tensors, so one copy reads everything
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
+                              for v in [self.loss_sum, self.nonfinite, *(self.part_sums[n] for n in names)]])
+        host = values.cpu().tolist() if self.count else [math.nan, 0.0] + [0.0] * len(names)
+        loss_sum, nonfinite, part_values = host[0], int(host[1]), host[2:]
+        parts = {name: value / count for name, value in zip(names, part_values)}
+        if nonfinite:
+            raise FloatingPointError(
+                f"method {method_name!r}: non-finite loss in {nonfinite} of the {self.count} steps ending at step "
+                f"{step} (task {task}, epoch {epoch}; mean {loss_sum / count}, parts {parts}); lower TrainConfig.lr"
+            )
         return TrainRecord(
             task=task,
             epoch=epoch,
             step=step,
-            loss=self.loss_sum / count if self.count else math.nan,
-            loss_parts={key: value / count for key, value in self.part_sums.items()},
+            loss=loss_sum / count if self.count else math.nan,
+            loss_parts=parts,
             lr=float(optimizer.param_groups[0]["lr"]),
             images_per_s=self.images / max(self.seconds, 1e-9),
             seconds=self.seconds,
@@ -669,7 +709,7 @@ class SupervisedPretraining(Method):
             value = simplex_cross_entropy(output.logits, batch.targets)
         else:
             value = classification_cross_entropy(output.logits, batch.targets)
-        return value, {"ce": float(value.detach())}
+        return value, {"ce": value.detach()}
 
 
 def pretrain_model(

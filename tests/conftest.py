@@ -61,8 +61,10 @@ def ray_local():
     """A local Ray instance (2 CPUs, small object store, no dashboard) shared by the session's Ray tests."""
     import ray
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    from cluster.ray_loopback import prepare_loopback
+
     if not ray.is_initialized():
+        prepare_loopback()
         ray.init(
             num_cpus=2,
             object_store_memory=200 * 1024 * 1024,

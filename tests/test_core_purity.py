@@ -102,3 +102,36 @@ def test_runtime_check_detects_an_indirect_import(tmp_path):
     report = _import_all_in_fresh_interpreter("purity_probe", ("colorsys", "wave"), tmp_path)
     assert "purity_probe.inner.user" in report["modules"]
     assert report["loaded"] == ["colorsys"]
+
+
+# ---- layers: compat_core < pipelines < cluster < app (the command line) ----------------------------------------------
+LAYER_RULES = {
+    "compat_core": ("pipelines", "cluster", "app"),
+    "pipelines": ("cluster", "app"),
+    "cluster": ("app",),
+}
+
+
+def _layer_offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
+    root = PACKAGE_DIR.parent
+    offenders = []
+    for source in sorted((root / package).rglob("*.py")):
+        tree = ast.parse(source.read_text(encoding="utf-8"), filename=str(source))
+        for line, name in _imported_top_level_names(tree):
+            if name in forbidden:
+                offenders.append(f"{source.relative_to(root)}:{line} imports {name}")
+    return offenders
+
+
+def test_lower_layers_never_import_higher_ones():
+    offenders = [found for package, forbidden in LAYER_RULES.items() for found in _layer_offenders(package, forbidden)]
+    assert not offenders, "a layer imports one above it:\n" + "\n".join(offenders)
+
+
+def test_layer_scan_would_catch_pipelines_importing_cluster(tmp_path, monkeypatch):
+    # guards the rule itself: a module of pipelines importing cluster is reported
+    fake_root = tmp_path / "pipelines"
+    fake_root.mkdir()
+    (fake_root / "bad.py").write_text("def f():\n    from cluster.tune import run_search\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE_DIR", tmp_path / "compat_core")
+    assert _layer_offenders("pipelines", ("cluster",)) == ["pipelines/bad.py:2 imports cluster"]

@@ -28,6 +28,7 @@ READER_MODULES = (
     "compat_core.data.formats.fashion_mnist",
     "compat_core.data.formats.digits",
     "compat_core.data.glyphs",
+    "compat_core.data.formats.shards",
 )
 _OPTIONAL_MODULES = frozenset({"compat_core.data.glyphs"})
 _imported = False

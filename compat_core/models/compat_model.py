@@ -4,10 +4,14 @@ Classifier kinds:
 - ``"simplex"``: the fixed d-Simplex prototypes ``(K, K-1)`` held in a non-persistent buffer (rebuilt from ``K``
   on load, so a K=22000 model does not carry a 1.9 GB matrix in every checkpoint); never a parameter, never trained.
   Logits are the *unnormalised* junction output times the prototypes: ``(B, K)``.
-- ``"learnable"``: a bias-free ``nn.Linear(K-1, n_active)`` for baselines (ER, BCT, ...) that grows with
+- ``"learnable"``: a bias-free ``nn.Linear(d, n_active)`` for baselines (ER, BCT, ...) that grows with
   ``expand_classes``; logits ``(B, n_active)``.
 
-The retrieval feature is the L2-normalised junction output. ``model.config`` holds everything ``create_model``
+Heads: ``"junction"`` puts the bias-free ``Linear(m, K-1)`` between backbone and classifier (d = K-1; required by
+the d-Simplex); ``"backbone"`` (learnable classifiers only) has no junction, so the feature is the backbone output
+(d = m) and the classifier sits on it, as the papers' and the public reference's ER / BCT baselines.
+
+The retrieval feature is the L2-normalised junction output (the backbone output with the ``"backbone"`` head). ``model.config`` holds everything ``create_model``
 needs to rebuild the model and travels with the weights (``save_model`` / ``load_model``).
 """
 from __future__ import annotations
@@ -27,6 +31,7 @@ from compat_core.models.registry import create_backbone
 from compat_core.validation import check_int
 
 CLASSIFIERS = ("simplex", "learnable")
+HEADS = ("junction", "backbone")
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 FORMAT_VERSION = 1
@@ -53,8 +58,14 @@ class CompatModel(nn.Module):
         config: dict | None = None,
         num_active_classes: int = 0,
         simplex_norm: str = "row",
+        head: str = "junction",
     ) -> None:
         super().__init__()
+        if head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+        if head == "backbone" and classifier == "simplex":
+            raise ValueError("head='backbone' needs classifier='learnable': the d-Simplex classifier needs the junction "
+                             "to K-1 dimensions")
         num_slots = check_int("num_slots (K)", num_slots, 2)
         if classifier not in CLASSIFIERS:
             raise ValueError(f"classifier must be one of {CLASSIFIERS}, got {classifier!r}")
@@ -68,8 +79,13 @@ class CompatModel(nn.Module):
         self.num_slots = num_slots
         self.classifier_kind = classifier
         self.embed_dim = embed_dim
-        self.feature_dim = num_slots - 1
-        self.junction = nn.Linear(embed_dim, self.feature_dim, bias=False)
+        self.head = head
+        if head == "junction":
+            self.feature_dim = num_slots - 1
+            self.junction: nn.Module = nn.Linear(embed_dim, self.feature_dim, bias=False)
+        else:
+            self.feature_dim = embed_dim
+            self.junction = nn.Identity()
         self.classifier: nn.Linear | None = None
         if classifier == "simplex":
             from compat_core.simplex import dsimplex
@@ -80,6 +96,8 @@ class CompatModel(nn.Module):
             self.classifier = nn.Linear(self.feature_dim, num_active_classes, bias=False)
         self.config: dict[str, Any] = dict(config or {})
         self.config.update(num_slots=num_slots, classifier=classifier, simplex_norm=simplex_norm)
+        if head != "junction":  # absent means junction: configs saved before heads existed load unchanged
+            self.config["head"] = head
         if classifier == "learnable":
             self.config["num_active_classes"] = num_active_classes
 
@@ -150,6 +168,7 @@ def create_model(
     backbone_config: dict | None = None,
     num_active_classes: int = 0,
     simplex_norm: str = "row",
+    head: str = "junction",
     **extra_config: Any,
 ) -> CompatModel:
     """Build a CompatModel with a registered backbone (random weights).
@@ -166,6 +185,7 @@ def create_model(
         config=config,
         num_active_classes=num_active_classes,
         simplex_norm=simplex_norm,
+        head=head,
     )
 
 
@@ -175,7 +195,7 @@ def model_from_config(config: dict) -> CompatModel:
         if field not in config:
             raise KeyError(f"model config lacks {field!r}; got fields {sorted(config)}")
     rest = {k: v for k, v in config.items() if k not in ("backbone", "num_slots", "classifier", "backbone_config",
-                                                         "num_active_classes", "simplex_norm", "format_version")}
+                                                         "num_active_classes", "simplex_norm", "format_version", "head")}
     return create_model(
         config["backbone"],
         int(config["num_slots"]),
@@ -183,6 +203,7 @@ def model_from_config(config: dict) -> CompatModel:
         backbone_config=config.get("backbone_config") or {},
         num_active_classes=int(config.get("num_active_classes", 0)),
         simplex_norm=config.get("simplex_norm", "row"),
+        head=config.get("head", "junction"),
         **rest,
     )
 
@@ -241,23 +262,32 @@ def save_model(model: CompatModel, uri: str) -> str:
 
 def load_model(uri: str, map_location: str | torch.device = "cpu") -> CompatModel:
     """Rebuild a model saved by ``save_model`` from the folder ``uri``; every saved tensor must match by name/shape."""
-    from safetensors.torch import load as load_safetensors
-
     config_uri = cio.join(str(uri), CONFIG_FILE)
     weights_uri = cio.join(str(uri), WEIGHTS_FILE)
     for needed in (config_uri, weights_uri):
         if not cio.exists(needed):
             raise FileNotFoundError(f"model folder {uri} lacks {needed.rsplit('/', 1)[-1]} (expected "
                                     f"{WEIGHTS_FILE} and {CONFIG_FILE}, as written by save_model)")
+    return model_from_bytes(cio.read_bytes(config_uri), cio.read_bytes(weights_uri), str(uri), map_location)
+
+
+def model_from_bytes(config_bytes: bytes, weights_bytes: bytes, where: str = "<bytes>",
+                     map_location: str | torch.device = "cpu") -> CompatModel:
+    """Rebuild a model from the contents of its config.json and model.safetensors (e.g. blobs already read and
+    verified by a run store); ``where`` names them in errors."""
+    from safetensors.torch import load as load_safetensors
+
+    config_uri = cio.join(where, CONFIG_FILE)
+    weights_uri = cio.join(where, WEIGHTS_FILE)
     try:
-        config = json.loads(cio.read_bytes(config_uri).decode("utf-8"))
-    except json.JSONDecodeError as error:
+        config = json.loads(config_bytes.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{config_uri} is not valid JSON: {error}") from error
     version = config.get("format_version", FORMAT_VERSION)
     if version > FORMAT_VERSION:
         raise ValueError(f"{config_uri} has format_version {version}; this code reads up to {FORMAT_VERSION}")
     model = model_from_config(config)
-    state = load_safetensors(cio.read_bytes(weights_uri))
+    state = load_safetensors(weights_bytes)
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
         raise ValueError(

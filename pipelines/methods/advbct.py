@@ -79,7 +79,7 @@ class AdvBCTER(Method):
         output = ctx.model(batch.images)
         ce = classification_cross_entropy(output.logits, batch.targets)
         if ctx.old_model is None or self.discriminator is None:
-            return ce, {"ce": float(ce.detach())}
+            return ce, {"ce": ce.detach()}
         hp = self.hparams
         old = old_outputs(ctx, batch.images)
         old_head = learnable_classifier(ctx.old_model, "old model of advbct-er")
@@ -96,9 +96,9 @@ class AdvBCTER(Method):
         )
         total = ce + hp.lam_influence * influence + hp.lam_adv * adversarial + hp.lam_boundary * boundary
         parts = {
-            "ce": float(ce.detach()),
-            "influence": float(influence.detach()),
-            "adversarial": float(adversarial.detach()),
-            "boundary": float(boundary.detach()),
+            "ce": ce.detach(),
+            "influence": influence.detach(),
+            "adversarial": adversarial.detach(),
+            "boundary": boundary.detach(),
         }
         return total, parts

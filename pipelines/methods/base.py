@@ -102,7 +102,8 @@ class Method:
     def setup(self, ctx: TaskContext) -> list[nn.Module]:
         return []
 
-    def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, torch.Tensor | float]]:
+        """(loss, parts): parts are detached 0-d tensors (or floats); the loop reads them at log intervals only."""
         raise NotImplementedError(f"method {self.name!r} does not implement loss()")
 
     def export_state(self) -> dict[str, dict[str, torch.Tensor]]:

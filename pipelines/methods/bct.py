@@ -42,8 +42,8 @@ class BCTER(Method):
         output = ctx.model(batch.images)
         ce = classification_cross_entropy(output.logits, batch.targets)
         if ctx.old_model is None:
-            return ce, {"ce": float(ce.detach())}
+            return ce, {"ce": ce.detach()}
         old_head = learnable_classifier(ctx.old_model, "old model of bct-er")
         influence = bct_influence_loss(classifier_input(output), batch.targets, old_head.weight, old_head.bias)
         total = ce + self.hparams.lam * influence
-        return total, {"ce": float(ce.detach()), "influence": float(influence.detach())}
+        return total, {"ce": ce.detach(), "influence": influence.detach()}

@@ -33,4 +33,4 @@ class CoReS(Method):
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)
         sce = simplex_cross_entropy(output.logits, batch.targets)
-        return sce, {"sce": float(sce.detach())}
+        return sce, {"sce": sce.detach()}

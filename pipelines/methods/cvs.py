@@ -50,7 +50,7 @@ class CVS(Method):
         output = ctx.model(batch.images)
         ce = classification_cross_entropy(output.logits, batch.targets)
         if ctx.old_model is None:
-            return ce, {"ce": float(ce.detach())}
+            return ce, {"ce": ce.detach()}
         hp = self.hparams
         old = old_outputs(ctx, batch.images)
         new_unit = F.normalize(output.features.float(), dim=1)
@@ -58,7 +58,7 @@ class CVS(Method):
         neighbour = (new_unit - old_unit).pow(2).sum(dim=1).mean()
         relation = relation_distillation(new_unit[batch.is_memory], old_unit[batch.is_memory], hp.tau)
         total = ce + hp.lam_neighbour * neighbour + hp.lam_relation * relation
-        return total, {"ce": float(ce.detach()), "neighbour": float(neighbour.detach()), "relation": float(relation.detach())}
+        return total, {"ce": ce.detach(), "neighbour": neighbour.detach(), "relation": relation.detach()}
 
 
 def relation_distillation(new_unit: torch.Tensor, old_unit: torch.Tensor, tau: float) -> torch.Tensor:

@@ -50,13 +50,13 @@ class DSimplexHOC(Method):
         output = ctx.model(batch.images)
         if ctx.old_model is None:
             sce = simplex_cross_entropy(output.logits, batch.targets)
-            return sce, {"sce": float(sce.detach())}
+            return sce, {"sce": sce.detach()}
         old = old_outputs(ctx, batch.images)
         hp = self.hparams
         sce = simplex_cross_entropy(output.logits, batch.targets)
         info_nce = compatibility_info_nce(output.features, old.features, batch.targets, rho=hp.rho, masking=hp.masking)
         total = hp.lam * sce + (1.0 - hp.lam) * info_nce
-        return total, {"sce": float(sce.detach()), "info_nce": float(info_nce.detach())}
+        return total, {"sce": sce.detach(), "info_nce": info_nce.detach()}
 
 
 class DSimplexFD(Method):
@@ -83,9 +83,9 @@ class DSimplexFD(Method):
         output = ctx.model(batch.images)
         sce = simplex_cross_entropy(output.logits, batch.targets)
         if ctx.old_model is None or ctx.num_old_classes <= 0:
-            return sce, {"sce": float(sce.detach())}
+            return sce, {"sce": sce.detach()}
         old = old_outputs(ctx, batch.images)
         distillation = feature_distillation_loss(output.features, old.features, batch.is_memory)
         weight = feature_distillation_weight(ctx.num_new_classes, ctx.num_old_classes, self.hparams.w_base)
         total = sce + weight * distillation
-        return total, {"sce": float(sce.detach()), "fd": float(distillation.detach()), "fd_weight": weight}
+        return total, {"sce": sce.detach(), "fd": distillation.detach(), "fd_weight": weight}

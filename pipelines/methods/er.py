@@ -27,4 +27,4 @@ class ER(Method):
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)
         ce = classification_cross_entropy(output.logits, batch.targets)
-        return ce, {"ce": float(ce.detach())}
+        return ce, {"ce": ce.detach()}

@@ -70,7 +70,7 @@ class FAN(Method):
         output = ctx.model(batch.images)
         ce = classification_cross_entropy(output.logits, batch.targets)
         if ctx.old_model is None or self.adapter is None:
-            return ce, {"ce": float(ce.detach())}
+            return ce, {"ce": ce.detach()}
         hp = self.hparams
         old = old_outputs(ctx, batch.images)
         new_unit = F.normalize(output.features.float(), dim=1)
@@ -79,7 +79,7 @@ class FAN(Method):
         adapted = self.adapter(old_unit).float()
         adapter_loss = (adapted - new_unit.detach()).pow(2).sum(dim=1).mean()
         total = ce + hp.lam_distill * distill + hp.lam_adapter * adapter_loss
-        return total, {"ce": float(ce.detach()), "distill": float(distill.detach()), "adapter": float(adapter_loss.detach())}
+        return total, {"ce": ce.detach(), "distill": distill.detach(), "adapter": adapter_loss.detach()}
 
     def export_state(self) -> dict[str, dict[str, torch.Tensor]]:
         if self.adapter is None:

@@ -63,7 +63,7 @@ class LCEER(Method):
         output = ctx.model(batch.images)
         ce = classification_cross_entropy(output.logits, batch.targets)
         if self.stats is None:
-            return ce, {"ce": float(ce.detach())}
+            return ce, {"ce": ce.detach()}
         stats = self.stats
         head = learnable_classifier(ctx.model, "model of lce-er")
         num_old = stats.centres.shape[0]
@@ -73,4 +73,4 @@ class LCEER(Method):
         boundary = boundary_hinge(output.features, batch.targets, stats)
         hp = self.hparams
         total = ce + hp.lam_align * align + hp.lam_boundary * boundary
-        return total, {"ce": float(ce.detach()), "align": float(align.detach()), "boundary": float(boundary.detach())}
+        return total, {"ce": ce.detach(), "align": align.detach(), "boundary": boundary.detach()}

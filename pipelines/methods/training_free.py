@@ -20,19 +20,25 @@ class _TrainingFree(Method):
     uses_replay = False
     needs_old_model = False
     retrain_from_scratch = True
+    independent_init = True  # every step draws its own initial weights (the paper trains independent models)
     training_free = True
 
     @dataclass(frozen=True)
     class Hparams:
         top_k: int = 0  # 0: no sparsification
+        # The paper (App. G) scales logits by "a temperature factor of 12" in the training cross-entropy without
+        # saying which way; we use the usual temperature convention, CE(z / T). 1 = plain cross-entropy.
+        temperature: float = 1.0
 
         def check(self, method: str) -> None:
             require_range(method, "top_k", self.top_k, 0)
+            if not self.temperature > 0:
+                raise ValueError(f"method {method!r}: hyper-parameter 'temperature' must be > 0, got {self.temperature}")
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)
-        ce = classification_cross_entropy(output.logits, batch.targets)
-        return ce, {"ce": float(ce.detach())}
+        ce = classification_cross_entropy(output.logits / self.hparams.temperature, batch.targets)
+        return ce, {"ce": ce.detach()}
 
     def _top_k(self, top_k: int | None) -> int | None:
         value = self.hparams.top_k if top_k is None else top_k
@@ -54,7 +60,8 @@ class PSP(_TrainingFree):
         num_classes_old: C_k, the class count of the gallery model (None: the model's own space). top_k: None uses
         the method's hyper-parameter (0 = off).
         """
-        return psp_from_logits(_logits(model_output), num_classes_old, self._top_k(top_k))
+        # the softmax the model was trained with: logits divided by the training temperature
+        return psp_from_logits(_logits(model_output) / self.hparams.temperature, num_classes_old, self._top_k(top_k))
 
 
 class LSP(_TrainingFree):

@@ -12,7 +12,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
-from pipelines.cli import main  # noqa: E402
+from app.cli import main  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

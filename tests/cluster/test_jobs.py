@@ -24,11 +24,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
+tiny.register()  # the tiny-synth dataset: configs naming it validate only once it is registered
+
 from cluster import jobs  # noqa: E402
 from pipelines.config import validate_config  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
-THEORY = "python -m pipelines.cli theory --samples 2000 --dims 3 10"
+THEORY = "python -m app.cli theory --samples 2000 --dims 3 10"
 
 
 def _free_port() -> int:
@@ -122,12 +124,12 @@ def test_submission_id_and_runtime_env_are_deterministic_and_secret_free(tmp_pat
 
     env = jobs.pipeline_runtime_env(tmp_path)
     assert env["working_dir"] == str(tmp_path)
-    assert [Path(p).name for p in env["py_modules"]] == ["compat_core", "pipelines", "cluster"]
+    assert [Path(p).name for p in env["py_modules"]] == ["compat_core", "pipelines", "cluster", "app"]
     assert "env_vars" not in env
     for pattern in (".venv", ".git", "runs", "__pycache__"):
         assert pattern in env["excludes"]
     assert "do-not-ship-this-secret" not in json.dumps(env)
-    assert jobs.pipeline_entrypoint("s3://b/r") == ("python -m pipelines.cli run scenario.yaml --executor ray "
+    assert jobs.pipeline_entrypoint("s3://b/r") == ("python -m app.cli run scenario.yaml --executor ray "
                                                     "--no-progress --address auto --output s3://b/r")
 
 
@@ -147,7 +149,7 @@ def test_job_round_trip_and_idempotent_resubmission(ray_head, tmp_path, capsys):
     assert not again.submitted and again.submission_id == base_id and again.status == "SUCCEEDED"
     assert len(client.list_jobs()) == jobs_before  # no new job
 
-    from pipelines.cli import main
+    from app.cli import main
 
     assert main(["status", base_id, "--address", ray_head]) == 0
     assert f"{base_id}: SUCCEEDED" in capsys.readouterr().out

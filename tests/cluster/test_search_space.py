@@ -115,6 +115,7 @@ def test_trial_config_applies_values_and_drops_params_of_another_method():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
     import tiny_scenario_helpers as tiny
 
+    tiny.register()  # the tiny-synth dataset: configs naming it validate only once it is registered
     base = tiny.scenario("dsimplex-hoc", {"lam": 0.1, "rho": 10.0})
     config = trial_config(base, {"training.epochs": 2}, {"method.params.rho": 5.0, "replay.per_class": 7}, "/tmp/x")
     assert config.method.params == {"lam": 0.1, "rho": 5.0}

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cluster import shards
-from cluster.shards import CorruptShardError, read_replay_shard, shard_uris, write_replay_shard
+from compat_core.data import replay_shards as shards
+from compat_core.data.replay_shards import CorruptShardError, read_replay_shard, shard_uris, write_replay_shard
 from compat_core.data.base import ArraySource
 from compat_core.data.replay import ReplayMemory
 from pipelines.store import RunStore

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from cluster import storage
-from cluster.shards import CorruptShardError, read_replay_shard, write_replay_shard
+from compat_core.data.replay_shards import CorruptShardError, read_replay_shard, write_replay_shard
 from cluster.storage import (BucketNotFoundError, S3Access, S3Settings, StorageAccessDeniedError,
                              StorageUnavailableError)
 from compat_core import io as cio

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -12,6 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+import tiny_scenario_helpers as tiny  # noqa: E402
+
+tiny.register()  # the scenario below names the tiny-synth dataset: configs validate only once it is registered
 
 from cluster.registry import parse_model_uri, registered_model_name, task_alias
 from cluster.tracking import (
@@ -31,8 +37,8 @@ MATRIX = [[0.5], [0.625, 0.75], [0.375, 0.875, 1.0]]
 # AA = (0.5+0.625+0.75+0.375+0.875+1.0)/6 = 4.125/6; ACA = (0.625+0.875)/3; BC = mean(0.375-0.5, 0.875-0.75) = 0;
 # FC = mean(0.625-0.75, 0.875-1.0) = -0.125; AC_tau = [undefined, 1, 2/3]; AA_tau = [0.5, 1.875/3, 4.125/6]
 EXPECTED = {"AC": 2 / 3, "AA": 4.125 / 6, "ACA": 1.5 / 3, "BC": 0.0, "FC": -0.125}
-EXPECTED_AC_TAU = {1: 1.0, 2: 2 / 3}
-EXPECTED_AA_TAU = {0: 0.5, 1: 1.875 / 3, 2: 4.125 / 6}
+EXPECTED_AC_TAU = {2: 1.0, 3: 2 / 3}  # step = tau, 1-based
+EXPECTED_AA_TAU = {1: 0.5, 2: 1.875 / 3, 3: 4.125 / 6}
 
 
 # ---- params and names ----------------------------------------------------------------------------------------------
@@ -56,7 +62,6 @@ def test_flatten_params_uses_dot_keys_and_excludes_secrets_by_key_and_by_value()
         "replacements.0.at_task": "3",
         "replacements.0.sha256": "ab" * 32,  # a lower-case hex digest is not a secret
         "increments": "[10, 15]",
-        "storage.note": "null",
         "empty": "{}",
     }
     assert sorted(excluded) == sorted([
@@ -196,11 +201,15 @@ def fake_stage_functions(fail_task: int | None = None) -> dict:
     def evaluate_stage(ctx):
         row = ctx.stage.task
         record = MatrixRow("matrix_row", ctx.stage.key, row, MATRIX[row], [f"e{row}{k}" for k in range(row + 1)],
-                           "recall_at_1", ctx.stage.params["protocol"], row + 1, 0)
+                           "recall_at_1", ctx.stage.params["protocol"])
         return StageResult(asdict(record))
 
+    def entry_stage(ctx):
+        row, column = ctx.stage.params["row"], ctx.stage.params["column"]
+        return StageResult({"type": "entry", "row": row, "column": column, "value": MATRIX[row][column]})
+
     return {"pretrain": model_stage, "finetune": model_stage, "replace": model_stage, "extract": extract_stage,
-            "evaluate": evaluate_stage}
+            "entry": entry_stage, "evaluate": evaluate_stage}
 
 
 def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task: int | None = None,
@@ -258,8 +267,9 @@ def test_default_sqlite_run_holds_parent_nested_runs_metrics_and_tags(sqlite_run
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     parent = parents[0]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(children) == len(graph) == 14
-    assert {r.data.tags["stage_key"] for r in children} == {s.key for s in graph}
+    # one nested run per stage; the 6 matrix entries are logged with their rows, not as runs of their own
+    assert len(children) == sum(stage.kind != "entry" for stage in graph) == 14
+    assert {r.data.tags["stage_key"] for r in children} == {s.key for s in graph if s.kind != "entry"}
     assert all(r.info.status == "FINISHED" for r in children)
     replace = next(r for r in children if r.data.tags["stage_kind"] == "replace")
     assert replace.data.tags["task_0based"] == "2" and replace.data.tags["task_1based"] == "3"
@@ -274,14 +284,18 @@ def test_default_sqlite_run_holds_parent_nested_runs_metrics_and_tags(sqlite_run
     assert metric_history(client, replace.info.run_id, "train/loss/ce") == {1: 3.25, 2: 3.0}
     assert metric_history(client, replace.info.run_id, "train/lr") == {1: 0.01, 2: 0.005}
     assert metric_history(client, replace.info.run_id, "train/images_per_s") == {1: 100.0, 2: 200.0}
-    # per-task metrics on the parent, step = 0-based task
-    assert metric_history(client, parent.info.run_id, "task/seconds") == {0: 2.0, 1: 3.0, 2: 4.0}
-    # every compatibility entry, step = query task
+    # per-task metrics on the parent, step = 1-based task
+    assert metric_history(client, parent.info.run_id, "task/seconds") == {1: 2.0, 2: 3.0, 3: 4.0}
+    # the matrix once, as a table (rows: 1-based query task), not T(T+1)/2 single-dot metrics on the parent
+    assert not any(key.startswith("compat/q") for key in parent.data.metrics)
+    table_path = client.download_artifacts(parent.info.run_id, "results/matrix_table.json")
+    table = json.loads(Path(table_path).read_text())
+    rows = {row[0]: row[1:] for row in table["data"]}
     for t, row in enumerate(MATRIX):
         for k, value in enumerate(row):
-            assert metric_history(client, parent.info.run_id, f"compat/q{t}_g{k}") == {t: value}
+            assert rows[t + 1][k] == value
     for name, value in EXPECTED.items():
-        assert metric_history(client, parent.info.run_id, name) == pytest.approx({2: value}, abs=1e-12), name
+        assert metric_history(client, parent.info.run_id, name) == pytest.approx({3: value}, abs=1e-12), name
     assert metric_history(client, parent.info.run_id, "AC_tau") == pytest.approx(EXPECTED_AC_TAU, abs=1e-12)
     assert metric_history(client, parent.info.run_id, "AA_tau") == pytest.approx(EXPECTED_AA_TAU, abs=1e-12)
     artifacts = {f.path for f in client.list_artifacts(parent.info.run_id, "results")}
@@ -335,12 +349,16 @@ def test_resumed_pipeline_reuses_runs_and_versions(sqlite_run, monkeypatch):
     before = {r.info.run_id for r in client.search_runs([experiment_id])}
     name = f"track-demo-{tracker.pipeline_id[:8]}"
     versions_before = len(client.search_model_versions(f"name = '{name}'"))
+    # resumed as a Ray Job: Ray hands the driver its submission id in the job config metadata
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(
+        {"runtime_env": {}, "metadata": {"job_submission_id": "compat-track-demo-0123456789ab"}}))
     _, _, again = run_tracked(run_dir, None, monkeypatch)
     after = client.search_runs([experiment_id])
     assert {r.info.run_id for r in after} == before
     assert len(client.search_model_versions(f"name = '{name}'")) == versions_before
     parent = next(r for r in after if r.data.tags.get("run_role") == "pipeline")
     assert parent.info.status == "FINISHED" and parent.data.tags["resumes"] == "1"
+    assert parent.data.tags["ray_submission_id"] == "compat-track-demo-0123456789ab"
     # the summary metrics were not logged a second time
     assert len(client.get_metric_history(parent.info.run_id, "AC")) == 1
 

@@ -50,7 +50,7 @@ def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, c
     from mlflow import MlflowClient
 
     from cluster.tune import SearchSpec, run_search
-    from pipelines.cli import main
+    from app.cli import main
 
     spec = SearchSpec(name="tiny-aa", base_config=_base_config(), space=SPACE, objective="AA", samples=3,
                       concurrent=2, scheduler="none", seed=1, storage=str(tmp_path / "searches"),
@@ -69,8 +69,8 @@ def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, c
         # every stage ran exactly once across the per-task invocations
         executed = [key for path in (run_dir / "executions").iterdir()
                     for key in json.loads(path.read_text())["executed"]]
-        stages = [path.stem for path in (run_dir / "manifests").glob("*.json") if not path.stem.startswith("entry-")]
-        assert len(stages) == 13  # 1 pretrain, 3 fine-tune/replace, 6 extract, 3 evaluate
+        stages = [path.stem for path in (run_dir / "manifests").glob("*.json")]
+        assert len(stages) == 19  # 1 pretrain, 3 fine-tune/replace, 6 extract, 6 matrix entries, 3 evaluate
         assert sorted(executed) == sorted(stages)
     best_id = max(expected, key=expected.get)
     assert outcome.best.trial_id == best_id
@@ -149,7 +149,7 @@ def test_interrupted_search_resumes_to_the_requested_total(search_storage, tmp_p
     runs_root = f"{experiment}/runs"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     tracking = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    command = [sys.executable, "-m", "pipelines.cli", "tune", str(config_path), "--space", str(space_path),
+    command = [sys.executable, "-m", "app.cli", "tune", str(config_path), "--space", str(space_path),
                "--samples", str(samples), "--concurrent", "1", "--objective", "aa", "--storage", search_storage,
                "--name", "resumable", "--plugin", PLUGIN, "--cpus-per-trial", "1", "--tracking-uri", tracking]
     log_path = tmp_path / "first.log"
@@ -173,7 +173,7 @@ def test_interrupted_search_resumes_to_the_requested_total(search_storage, tmp_p
     # Under load Tune may finish another trial or two while it handles Ctrl+C; 6 samples leave room for that.
     assert 2 <= len(finished_before) < samples
 
-    resumed = subprocess.run([sys.executable, "-m", "pipelines.cli", "tune", "--resume", experiment], cwd=ROOT,
+    resumed = subprocess.run([sys.executable, "-m", "app.cli", "tune", "--resume", experiment], cwd=ROOT,
                              env=env, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"search resumable: {samples} of {samples} trials" in resumed.stdout

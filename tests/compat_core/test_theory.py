@@ -13,7 +13,7 @@ from compat_core.theory import (
     simplex_vertex_pair,
     theorem1_monte_carlo,
 )
-from pipelines.cli import main
+from app.cli import main
 
 
 # --- exact mean cosine against hand-derived closed forms ------------------------------------------------------------

@@ -365,7 +365,7 @@ def _compat_invocations() -> list[tuple[str, list[str]]]:
 
 
 def test_every_compat_invocation_in_infra_parses_with_the_real_cli(monkeypatch):
-    from pipelines.cli import build_parser
+    from app.cli import build_parser
     from pipelines.config import load_config
 
     invocations = _compat_invocations()
@@ -377,7 +377,7 @@ def test_every_compat_invocation_in_infra_parses_with_the_real_cli(monkeypatch):
         try:
             parsed = parser.parse_args(args)
         except SystemExit as error:
-            pytest.fail(f"{where}: `compat {' '.join(args)}` is rejected by pipelines.cli ({error})")
+            pytest.fail(f"{where}: `compat {' '.join(args)}` is rejected by app.cli ({error})")
         config = getattr(parsed, "config", None)
         if parsed.command in ("run", "submit") and config and config.startswith("configs/"):
             # the config exists and every --set override names a real field (validation never reads data)

@@ -31,7 +31,7 @@ def test_replacement_with_another_backbone_runs_end_to_end(tmp_path):
     LocalExecutor(progress=False).run(graph, store)
 
     # tasks 1-2 train cnn4 models, task 3 on the replacement's LeNet++ (embedding 16); all share K - 1 features
-    models = [load_model(store.load_record(key)["uri"]) for key in graph.model_stages]
+    models = [load_model(store.uri(store.load_record(key)["uri"])) for key in graph.model_stages]
     assert [model.config["backbone"] for model in models] == ["cnn4", "cnn4", "lenetpp"]
     assert models[2].backbone.embed_dim == 16 and models[0].backbone.embed_dim != 16
     assert {model.feature_dim for model in models} == {config.model.num_slots - 1}

@@ -97,3 +97,59 @@ def test_shipped_configs_validate_without_data(path):
     assert config.num_tasks == len(parse_increments(config.tasks.spec))
     for replacement in config.replacements:
         assert 2 <= replacement.at_task <= config.num_tasks
+
+
+def _with(path: str, value) -> dict:
+    document = _demo()
+    apply_override(document, f"{path}={value}")
+    return document
+
+
+def test_batch_size_one_fails_at_load_with_its_key():
+    with pytest.raises(ConfigError, match=r"training\.batch_size.*greater than or equal to 2"):
+        validate_config(_with("training.batch_size", 1))
+    with pytest.raises(ConfigError, match=r"pretrain\[0\]\.batch_size.*greater than or equal to 2"):
+        validate_config(_with("pretrain.0.batch_size", 1))
+
+
+def test_unknown_backbone_fails_at_load_with_key_and_valid_names():
+    from compat_core.models.registry import BACKBONES
+
+    with pytest.raises(ConfigError, match=r"model\.backbone: unknown backbone 'resnet19'; valid: .*"
+                                          + BACKBONES.names()[0]):
+        validate_config(_with("model.backbone", "resnet19"))
+    with pytest.raises(ConfigError, match=r"replacements\[0\]\.backbone: unknown backbone 'vit_giant'"):
+        validate_config(_with("replacements.0.backbone", "vit_giant"))
+
+
+def test_unknown_dataset_split_and_option_fail_at_load():
+    with pytest.raises(ConfigError, match=r"evaluation\.gallery_set\.dataset: unknown dataset 'cifar1000'; valid: "
+                                          r".*cifar100"):
+        validate_config(_with("evaluation.gallery_set.dataset", "cifar1000"))
+    with pytest.raises(ConfigError, match=r"data\.split: dataset 'glyphs' has no split 'tset'; valid: "):
+        validate_config(_with("data.split", "tset"))
+    with pytest.raises(ConfigError, match=r"data\.options: 'glyphs' has no option\(s\) \['colour_depth'\]"):
+        validate_config(_with("data.options", "{colour_depth: 3}"))
+
+
+def test_bad_models_uri_fails_at_load_and_good_ones_pass():
+    with pytest.raises(ConfigError, match=r"replacements\[1\]\.source: 'models:/my-model:task-3' is not an MLflow "
+                                          r"model URI; expected models:/NAME@ALIAS"):
+        validate_config(_with("replacements.1.source", "models:/my-model:task-3"))
+    for uri in ("models:/my-model@task-3", "models:/my-model/4", "models:/my-model/latest"):
+        assert validate_config(_with("replacements.1.source", uri)).replacements[1].source == uri
+
+
+def test_baseline_head_refuses_replacements_of_another_width():
+    """ER retrieves on the backbone output (model.head auto): a replacement with another architecture would give
+    features of another width, so the config is refused at load with the key and the fix."""
+    document = yaml.safe_load((CONFIGS / "demo-er.yaml").read_text())
+    document["replacements"][0]["backbone"] = "resnet18_cifar"
+    with pytest.raises(ConfigError, match=r"replacements\[0\]\.backbone: .*model.head: junction"):
+        validate_config(document)
+    document["model"]["head"] = "junction"
+    assert validate_config(document).model.head == "junction"
+    hoc = _demo()
+    hoc["model"]["head"] = "backbone"
+    with pytest.raises(ConfigError, match="model.head: 'backbone' needs a learnable-classifier method"):
+        validate_config(hoc)

@@ -20,7 +20,7 @@ sys.path.insert(0, {here!r})
 torch.set_num_threads(1)
 import tiny_scenario_helpers as tiny
 tiny.register()
-from pipelines.cli import main
+from app.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -16,15 +16,21 @@ def demo():
 
 def test_demo_graph_shape(demo):
     graph = compile_scenario(demo, version="test")
-    # 3 third-party models; 7 tasks of which tasks 3 and 5 (1-based) are replacements; 2 splits x 7 models; 7 rows
-    assert graph.count_by_kind() == {"pretrain": 3, "finetune": 5, "replace": 2, "extract": 14, "evaluate": 7}
+    # 3 third-party models; 7 tasks of which tasks 3 and 5 (1-based) are replacements; 2 splits x 7 models;
+    # 7 * 8 / 2 = 28 matrix entries; 7 rows
+    assert graph.count_by_kind() == {"pretrain": 3, "finetune": 5, "replace": 2, "extract": 14, "entry": 28,
+                                     "evaluate": 7}
     kinds = [graph[key].kind for key in graph.model_stages]
     assert kinds == ["finetune", "finetune", "replace", "finetune", "replace", "finetune", "finetune"]
     replace_3 = graph[graph.model_stages[2]]
     assert replace_3.parents == (graph.model_stages[1], graph.pretrain_stages["p2"])
     assert graph[graph.model_stages[0]].parents == (graph.pretrain_stages["p1"],)
     row_6 = graph[graph.evaluate_stages[6]]
-    assert len(row_6.parents) == 1 + 7  # its query features + the galleries of models 0..6
+    assert [graph[key].kind for key in row_6.parents] == ["entry"] * 7  # C[6, 0..6]
+    entry_6_2 = graph[row_6.parents[2]]
+    # its query features + the galleries of models 0..6 (those of 3..6 carry the FAN adapters of C[6, 2])
+    assert entry_6_2.parents == (graph.extract_stages[(6, "query")],) + tuple(
+        graph.extract_stages[(k, "gallery")] for k in range(7))
     positions = {stage.key: i for i, stage in enumerate(graph)}
     for stage in graph:  # topological order
         assert all(positions[p] < positions[stage.key] for p in stage.parents)
@@ -49,11 +55,11 @@ def test_keys_are_stable_and_sensitive(demo):
     moved = compile_scenario(load_config(CONFIGS / "demo-dsimplex-hoc.yaml",
                                          ["output.dir=/elsewhere", "evaluation.strict=false"]), version="v1")
     assert [s.key for s in first] == [s.key for s in moved]
-    # the gallery protocol changes only the evaluation rows
+    # the gallery protocol changes only the matrix entries and rows
     protocol = compile_scenario(load_config(CONFIGS / "demo-dsimplex-hoc.yaml", ["evaluation.gallery=class_means"]),
                                 version="v1")
     changed = {s.kind for a, s in zip(first, protocol) if a.key != s.key}
-    assert changed == {"evaluate"}
+    assert changed == {"entry", "evaluate"}
 
 
 def test_plan_estimates_hand_worked():
@@ -68,7 +74,7 @@ def test_plan_estimates_hand_worked():
 
 
 def test_plan_command_refuses_invalid_config(tmp_path, capsys):
-    from pipelines.cli import main
+    from app.cli import main
 
     path = tmp_path / "bad.yaml"
     path.write_text((CONFIGS / "demo-er.yaml").read_text().replace("at_task: 5", "at_task: 8"))

@@ -125,7 +125,7 @@ def test_hoc_method_equals_hoc_loss(masking):
     new, old = ctx.model(batch.images), ctx.old_model(batch.images)
     expected = hoc_loss(new.logits, batch.targets, new.features, old.features, lam=0.3, rho=5.0, masking=masking)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
-    assert 0.3 * parts["sce"] + 0.7 * parts["info_nce"] == pytest.approx(expected.item(), rel=1e-5)
+    assert 0.3 * float(parts["sce"]) + 0.7 * float(parts["info_nce"]) == pytest.approx(expected.item(), rel=1e-5)
 
 
 def test_fd_distils_memory_samples_only():
@@ -141,13 +141,13 @@ def test_fd_distils_memory_samples_only():
     fd_memory = float(np.mean(1.0 - cosines[:4]))  # samples 0..3 are the memory
     weight = 2.0 * math.sqrt(NUM_NEW / NUM_OLD)
     sce = simplex_cross_entropy(new.logits, batch.targets).item()
-    assert parts["fd"] == pytest.approx(fd_memory, rel=1e-5)
-    assert parts["fd_weight"] == pytest.approx(weight)
+    assert float(parts["fd"]) == pytest.approx(fd_memory, rel=1e-5)
+    assert float(parts["fd_weight"]) == pytest.approx(weight)
     assert loss.item() == pytest.approx(sce + weight * fd_memory, rel=1e-5)
     # with no memory sample in the batch only the SCE remains
     no_memory = Batch(images=batch.images, targets=batch.targets, is_memory=torch.zeros(8, dtype=torch.bool))
     loss_without, parts_without = method.loss(no_memory, ctx)
-    assert parts_without["fd"] == 0.0 and loss_without.item() == pytest.approx(sce, rel=1e-6)
+    assert float(parts_without["fd"]) == 0.0 and loss_without.item() == pytest.approx(sce, rel=1e-6)
 
 
 def test_bct_influence_term_uses_old_head_on_new_features_for_old_classes():
@@ -162,8 +162,8 @@ def test_bct_influence_term_uses_old_head_on_new_features_for_old_classes():
     selected = targets < NUM_OLD
     log_probs = logits - np.log(np.exp(logits).sum(1, keepdims=True))
     influence = float(-log_probs[selected, targets[selected]].mean())
-    assert parts["influence"] == pytest.approx(influence, rel=1e-5)
-    assert loss.item() == pytest.approx(parts["ce"] + 0.5 * influence, rel=1e-5)
+    assert float(parts["influence"]) == pytest.approx(influence, rel=1e-5)
+    assert loss.item() == pytest.approx(float(parts["ce"]) + 0.5 * influence, rel=1e-5)
 
 
 def test_boundary_hinge_by_hand():

@@ -4,6 +4,7 @@ older gallery; PSP/LSP: logits projected into the gallery model's class space). 
 selection ``compatibility``, the data-level open-set guard and ``--executor ray`` dispatch."""
 from __future__ import annotations
 
+import json
 import sys
 import types
 from pathlib import Path
@@ -61,7 +62,8 @@ def numpy_adapter(store: RunStore, model_key: str):
     return lambda x: np.maximum(x @ w1.T + b1, 0.0) @ w2.T + b2
 
 
-def brute_force_entry(method: str, store: RunStore, graph, row: int, column: int) -> float:
+def brute_force_entry(method: str, store: RunStore, graph, row: int, column: int, gallery_kind: str = "instances"
+                      ) -> float:
     query, query_labels, _ = read_features(store, graph.extract_stages[(row, "query")])
     gallery, gallery_labels, _ = read_features(store, graph.extract_stages[(column, "gallery")])
     query = query.astype(np.float64)
@@ -82,6 +84,10 @@ def brute_force_entry(method: str, store: RunStore, graph, row: int, column: int
     if method == "fan":
         for task in range(column + 1, row + 1):  # psi_{k+1} first, psi_t last
             gallery = unit_rows(numpy_adapter(store, graph.model_stages[task])(gallery))
+    if gallery_kind == "class_means":  # one template per class: the re-normalised mean of its unit features
+        classes = np.unique(gallery_labels)
+        gallery = unit_rows(np.stack([gallery[gallery_labels == c].mean(axis=0) for c in classes]))
+        gallery_labels = classes
     scores = unit_rows(query) @ gallery.T
     return float(np.mean(gallery_labels[np.argmax(scores, axis=1)] == query_labels))
 
@@ -99,6 +105,29 @@ def test_method_runs_end_to_end_and_matrix_matches_fp64_brute_force(tmp_path, me
             else:
                 expected = brute_force_entry(method, store, graph, row, column)
                 assert values[row][column] == pytest.approx(expected, abs=1e-12), (method, row, column)
+    # `compat eval` after `compat run`: the run's own protocol computes nothing and gives the same matrix; another
+    # protocol runs only its new entry nodes, through the same entry function (FAN: with the adapters)
+    from app.cli import main
+
+    before = set(store.stage_keys())
+    assert main(["eval", str(tmp_path)]) == 0
+    assert set(store.stage_keys()) == before
+    assert json.loads((tmp_path / "matrix.json").read_text())["values"] == values
+    assert main(["eval", str(tmp_path), "--gallery", "class_means"]) == 0
+    variant = json.loads((tmp_path / "eval-recall_at_1-class_means-fine" / "matrix.json").read_text())["values"]
+    for row in range(T):
+        for column in range(row + 1):
+            expected = brute_force_entry(method, store, graph, row, column, "class_means")
+            assert variant[row][column] == pytest.approx(expected, abs=1e-12), (method, row, column)
+    if method not in ("psp", "lsp"):
+        # d-Simplex methods retrieve on the K-1 junction output; learnable-classifier baselines on the backbone
+        # output (m = cnn4's embedding width), as the papers' reference ER
+        from compat_core.models import create_backbone
+
+        width = (config.model.num_slots - 1 if METHODS.get(method).classifier == "simplex"
+                 else create_backbone("cnn4", in_chans=1, width=4).embed_dim)
+        dims = {store.load_record(graph.extract_stages[(t, "gallery")])["layout"]["dim"] for t in range(T)}
+        assert dims == {width}, method
     if method == "fan":
         # tasks 1 and 2 trained with an old model, so each stored an adapter; task 0 had none
         assert [bool(store.load_record(k)["extra_blobs"]) for k in graph.model_stages] == [False, True, True]
@@ -127,7 +156,7 @@ def test_herding_memory_matches_icarl_herding_on_the_trained_model(tmp_path):
     record = store.load_record(graph.model_stages[0])
     stored = store.read_array(graph.model_stages[0], record["memory"]["indices_blob"])
     pool = load_pool(config.data)
-    model = load_model(record["uri"]).eval()
+    model = load_model(store.uri(record["uri"])).eval()
     labels = np.asarray(pool.labels)
     expected = []
     for class_id in task_classes(config)[0]:
@@ -180,23 +209,36 @@ def test_compatibility_model_selection_keeps_the_best_qualifying_epoch(tmp_path)
 
 
 def test_data_level_open_set_guard_refuses_a_leaking_test_pool(tmp_path):
-    from compat_core.data.registry import DATASETS
-
     tiny.register()
-    if "tiny-synth-copy" not in DATASETS:  # another name for the same data: the config-level guard cannot see it
-        DATASETS.register("tiny-synth-copy", tiny.make_source)
     document = scenario_for("er", tmp_path)
-    document["evaluation"]["query_set"] = {"dataset": "tiny-synth-copy", "split": "finetune"}
-    with pytest.raises(ValueError, match="open-set violation.*data.*evaluation.query_set"):
+    # another root of the same dataset: the config-level guard cannot see that the classes are the fine-tuning ones
+    document["evaluation"]["query_set"] = {"dataset": "tiny-synth", "root": "elsewhere", "split": "finetune"}
+    with pytest.raises(ValueError, match="open-set violation.*tiny-synth.*data.*evaluation.query_set"):
         run_scenario(document)
 
 
+def test_open_set_guard_compares_ids_only_within_one_dataset(tmp_path):
+    """Class ids of different datasets live in different spaces (CIFAR-100 id 3 is not CIFAR-10 id 3): a test pool
+    of another dataset whose ids coincide with the training ids is not a violation."""
+    from compat_core.data.registry import DATASETS
+    from pipelines.stages import check_pools_open_set
+
+    tiny.register()
+    if "tiny-synth-other" not in DATASETS:  # same ids, another dataset (as CIFAR-10 next to CIFAR-100)
+        DATASETS.register("tiny-synth-other", tiny.make_source)
+    document = scenario_for("er", tmp_path)
+    document["evaluation"]["query_set"] = {"dataset": "tiny-synth-other", "split": "finetune"}
+    check_pools_open_set(validate_config(document))  # no error: ids 10..15 of two datasets are different classes
+
+
 def test_run_dispatches_to_the_ray_executor(tmp_path, monkeypatch):
+    tiny.register()
     calls = {}
 
     class FakeRayExecutor:
-        def __init__(self, address=None, emit=None, progress=True):
+        def __init__(self, address=None, emit=None, progress=True, setup=None):
             calls["address"], calls["progress"] = address, progress
+            assert setup is None  # no models:/ source in this config
 
         def run(self, graph, store):
             calls["stages"] = len(graph)
@@ -209,12 +251,12 @@ def test_run_dispatches_to_the_ray_executor(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "cluster.ray_executor", fake)
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(yaml.safe_dump(tiny.scenario("er", output=str(tmp_path / "run"))))
-    from pipelines.cli import main
+    from app.cli import main
 
     assert main(["run", str(config_path), "--executor", "ray", "--address", "ray://head:10001", "--no-progress",
                  "--tracking-uri", "none"]) == 0
     # 1 pretrain + 3 tasks + 6 extractions + 3 rows
-    assert calls == {"address": "ray://head:10001", "progress": False, "stages": 13}
+    assert calls == {"address": "ray://head:10001", "progress": False, "stages": 13 + 6}  # + the 6 entry nodes
 
 
 @pytest.mark.parametrize("method, anchored", [("dsimplex-hoc", True), ("er", False)])

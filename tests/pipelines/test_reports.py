@@ -20,7 +20,7 @@ import yaml  # noqa: E402
 
 from compat_core.metrics import CompatibilityMatrix  # noqa: E402
 from pipelines import reports  # noqa: E402
-from pipelines.cli import main  # noqa: E402
+from app.cli import main  # noqa: E402
 
 NAN = float("nan")
 

@@ -6,7 +6,7 @@ import json
 
 from test_reports import MATRIX_3, METRICS_3, make_run  # same folder: pytest puts it on sys.path
 
-from pipelines.cli import main
+from app.cli import main
 
 
 def _record(task_0based: int) -> dict:

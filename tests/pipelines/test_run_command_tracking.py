@@ -6,7 +6,7 @@ import json
 import yaml
 
 import tiny_scenario_helpers as tiny
-from pipelines.cli import main
+from app.cli import main
 
 
 def _write_config(tmp_path, method="dsimplex-hoc"):

@@ -34,8 +34,10 @@ def test_contract_files_and_counts(hoc_run):
     for split in ("query", "gallery"):
         assert sum(k.startswith("extract-") and f"-{split}-" in k for k in keys) == T
     assert sum(k.startswith("entry-") for k in keys) == T * (T + 1) // 2 == 6
+    # every entry is a node of the graph, computed once in this run; each row assembles its own entries
+    assert sum(k.startswith("entry-") for k in summary.executed) == 6
     rows = [store.load_record(k) for k in graph.evaluate_stages]
-    assert [r["computed_entries"] for r in rows] == [1, 2, 3]
+    assert [len(r["entry_keys"]) for r in rows] == [1, 2, 3]
     matrix = json.loads((run_dir / "matrix.json").read_text())
     assert matrix["metric"] == "recall_at_1" and matrix["protocol"]["gallery"] == "instances"
     assert matrix["values"][0][1] is None and matrix["values"][1][2] is None
@@ -67,13 +69,15 @@ def test_second_run_skips_everything_and_eval_variant_reuses_features(hoc_run, c
     config, graph, run_dir, _ = hoc_run
     again = LocalExecutor(progress=False).run(graph, RunStore(run_dir))
     assert again.executed == [] and len(again.skipped) == len(graph)
-    from pipelines.cli import main
+    from app.cli import main
 
     before = set(RunStore(run_dir).stage_keys())
     assert main(["eval", str(run_dir), "--gallery", "class_means"]) == 0
     after = set(RunStore(run_dir).stage_keys())
     added = after - before
-    assert added and all(k.startswith("entry-") for k in added) and len(added) == 6  # no new extraction
+    # only the new protocol's entry and row nodes ran: no new extraction
+    assert sum(k.startswith("entry-") for k in added) == 6 and sum(k.startswith("evaluate-") for k in added) == 3
+    assert len(added) == 9
     variant = json.loads((run_dir / "eval-recall_at_1-class_means-fine" / "matrix.json").read_text())
     assert variant["protocol"]["gallery"] == "class_means"
 

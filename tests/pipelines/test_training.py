@@ -231,3 +231,50 @@ def test_validation_names_the_field(source):
     with pytest.raises(ValueError, match="needs TaskData.selection"):
         train_task(tiny_model(), None, get_method("dsimplex-hoc"), task_data(source, "simplex"),
                    config(model_selection="compatibility"))
+
+
+def _host_reads_during_training(source, monkeypatch, steps: int) -> int:
+    """How many times a tensor value is read back to the host while training ``steps`` steps of one epoch."""
+    reads = {"count": 0}
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, **kwargs):
+            reads["count"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    data = task_data(source, "simplex")
+    train_task(tiny_model(), None, get_method("dsimplex-hoc"), data, config(epochs=1, batch_size=4, steps_per_epoch=steps))
+    monkeypatch.undo()
+    return reads["count"]
+
+
+def test_training_steps_do_not_read_values_back_to_the_host(source, monkeypatch):
+    # the loss, its parts and the finiteness check stay on the device; only the per-epoch record reads them
+    few = _host_reads_during_training(source, monkeypatch, steps=2)
+    many = _host_reads_during_training(source, monkeypatch, steps=6)
+    assert few == many
+
+
+def test_non_finite_loss_is_reported_at_the_record(source):
+    class Exploding(Method):
+        name = "exploding"
+        classifier = "simplex"
+
+        def loss(self, batch, ctx):
+            output = ctx.model(batch.images)
+            value = output.logits.sum() * float("inf")
+            return value, {"ce": value.detach()}
+
+    with pytest.raises(FloatingPointError, match=r"non-finite loss in 3 of the 3 steps ending at step 3.*lower TrainConfig.lr"):
+        train_task(tiny_model(), None, Exploding(), task_data(source, "simplex"),
+                   config(epochs=1, batch_size=4, steps_per_epoch=3))
+
+
+def test_streaming_workers_give_the_same_weights_as_reading_in_the_loop(source):
+    data = task_data(source, "simplex")
+    inline = train_task(tiny_model(), None, get_method("dsimplex-hoc"), data, config(input_workers=0)).model
+    streamed = train_task(tiny_model(), None, get_method("dsimplex-hoc"), data,
+                          config(input_workers=2, prefetch_batches=1)).model
+    assert weights_equal(inline, streamed)

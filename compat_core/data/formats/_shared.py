@@ -234,6 +234,10 @@ class EncodedImageSource:
                 self._cache.popitem(last=False)
         return image
 
+    def encoded_bytes(self, index: int) -> bytes:
+        """The stored (JPEG/PNG) bytes of sample ``index``, as published (used by ``compat ingest``)."""
+        return (self._fetch or io.read_bytes)(self.locations[int(index)])
+
     def read(self, indices: np.ndarray) -> np.ndarray:
         """uint8 images ``(n, image_size, image_size, 3)`` for 0-based sample ``indices``."""
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)

@@ -185,3 +185,22 @@ def test_prepare_for_speed_uses_channels_last_only_where_it_pays(monkeypatch):
     assert batch.is_contiguous(memory_format=torch.channels_last)
     vit = create_backbone("dinov3_vits16", img_size=32, depth=1, embed_dim=32, num_heads=2)
     assert not precision.has_convolutions(vit)  # a patch embedding alone does not make a conv net
+
+
+def test_backbone_head_retrieves_on_the_backbone_output(tmp_path):
+    """head='backbone' (the papers' ER/BCT baselines): no junction, feature = unit backbone output (d = m), the
+    learnable classifier sits on it; the head travels with the weights; the d-Simplex refuses it."""
+    model = _tiny_model("learnable", num_slots=6, num_active_classes=3, head="backbone")
+    images = torch.rand(5, 3, 16, 16)
+    output = model(images)
+    embedding = model.backbone(images)
+    assert model.feature_dim == embedding.shape[1] == output.features.shape[1]
+    expected = embedding.double() / embedding.double().norm(dim=1, keepdim=True)
+    assert torch.allclose(output.features.double(), expected, atol=1e-6)
+    assert torch.allclose(output.logits, embedding @ model.classifier.weight.T, atol=1e-6)
+    assert not any("junction" in name for name, _ in model.named_parameters())
+    save_model(model, str(tmp_path / "m"))
+    again = load_model(str(tmp_path / "m"))
+    assert again.head == "backbone" and torch.allclose(again(images).features, output.features, atol=1e-6)
+    with pytest.raises(ValueError, match="head='backbone' needs classifier='learnable'"):
+        _tiny_model("simplex", head="backbone")

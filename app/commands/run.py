@@ -19,6 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor", choices=("local", "ray"), default="local", help="where stages run")
     parser.add_argument("--address", default=None, help="Ray address for --executor ray (auto | ray://... | http://...)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
+    parser.add_argument("--recompute", action="append", default=[], metavar="KEY",
+                        help="with --resume: compute this committed stage again (a unique prefix of its key, as "
+                             "printed by an integrity error); repeatable")
+    parser.add_argument("--experiment", default=None, metavar="NAME",
+                        help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME, else the scenario name); put "
+                             "runs you compare (e.g. ER and d-Simplex-HOC) in one experiment")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking: sqlite:///PATH or http(s)://HOST:PORT; 'none' disables it; default: "
                              "$MLFLOW_TRACKING_URI, else SQLite mlflow.db in a local run directory")
@@ -45,9 +51,10 @@ def resolve_run(args) -> tuple[object, str]:
 
 
 def make_executor(kind: str = "local", address: str | None = None, emit=None, progress: bool = True,
-                  num_cpus: int | None = None):
+                  num_cpus: int | None = None, setup=None):
     """LocalExecutor, or cluster.ray_executor.RayExecutor for kind "ray" (imported only then: pipelines never needs
-    ray at import time). ``emit`` receives every record; num_cpus: CPUs of an embedded Ray instance (Ray only)."""
+    ray at import time). ``emit`` receives every record; num_cpus: CPUs of an embedded Ray instance (Ray only);
+    setup: picklable callable run in a Ray worker before each node (e.g. MLflow URI resolvers)."""
     if kind == "ray":
         try:
             from cluster.ray_executor import RayExecutor
@@ -55,7 +62,7 @@ def make_executor(kind: str = "local", address: str | None = None, emit=None, pr
             raise SystemExit(f"--executor ray needs the cluster package and ray installed ({error}); "
                              f"install the project's cluster extras or use --executor local") from None
         kwargs = {"num_cpus": num_cpus} if num_cpus is not None else {}
-        return RayExecutor(address=address, emit=emit, progress=progress, **kwargs)
+        return RayExecutor(address=address, emit=emit, progress=progress, setup=setup, **kwargs)
     if address:
         raise SystemExit("--address applies to --executor ray only")
     from pipelines.executor import LocalExecutor
@@ -64,14 +71,71 @@ def make_executor(kind: str = "local", address: str | None = None, emit=None, pr
 
 
 def run_tracked(graph, store, tracker, kind: str = "local", address: str | None = None, progress: bool = True,
-                sinks: tuple = (), num_cpus: int | None = None):
+                sinks: tuple = (), num_cpus: int | None = None, setup=None):
     """Run ``graph`` on the chosen executor inside the tracker's pipeline scope; every record goes to the progress
     display (bars when ``progress``), the tracker and ``sinks``. Returns the executor's RunSummary."""
     from pipelines.progress import ProgressReporter
 
     emit = ProgressReporter(enabled=progress, sinks=[tracker, *sinks])
     with tracker.pipeline(graph, store):
-        return make_executor(kind, address, emit, progress, num_cpus).run(graph, store)
+        return make_executor(kind, address, emit, progress, num_cpus, setup).run(graph, store)
+
+
+def model_sources_setup(config, tracking_uri: str | None):
+    """When ``initial_model`` or a replacement source is an MLflow ``models:/`` or ``runs:/`` URI, register the MLflow
+    URI resolvers in this process and return the same registration as a setup callable for Ray workers; else None.
+
+    The registry is the one of ``--tracking-uri`` (else ``MLFLOW_TRACKING_URI``); a ConfigError names the source
+    when neither is given."""
+    import functools
+
+    from pipelines.config import ConfigError
+
+    sources = {f"replacements[{i}].source": r.source for i, r in enumerate(config.replacements)}
+    sources["initial_model"] = config.initial_model or ""
+    mlflow_sources = {key: uri for key, uri in sources.items() if uri.startswith(("models:/", "runs:/"))}
+    if not mlflow_sources:
+        return None
+    uri = tracking_uri if tracking_uri not in (None, "none") else os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        key, source = next(iter(mlflow_sources.items()))
+        raise ConfigError(f"{key}: {source!r} is read from an MLflow model registry; give --tracking-uri "
+                          f"http(s)://HOST:PORT (or set MLFLOW_TRACKING_URI) naming the server that holds it")
+    from cluster.registry import register_mlflow_resolvers
+
+    register_mlflow_resolvers(uri)
+    return functools.partial(register_mlflow_resolvers, uri)
+
+
+def pin_model_aliases(config, tracking_uri: str | None):
+    """``models:/NAME@ALIAS`` sources rewritten as ``models:/NAME/VERSION`` (the version the alias names now), so
+    the stage keys hash immutable content: moving the alias later never reuses stages trained from the old
+    version, and config.yaml records which version was used. Other configs are returned unchanged."""
+    import re
+
+    pattern = re.compile(r"^models:/(?P<name>[^/@]+)@(?P<alias>[A-Za-z0-9_-]+)/?$")
+    if not any(pattern.match(r.source) for r in config.replacements) and not pattern.match(config.initial_model or ""):
+        return config
+    from mlflow import MlflowClient
+
+    from cluster.registry import version_by_alias
+
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+    def pinned(key: str, source: str) -> str:
+        match = pattern.match(source or "")
+        if match is None:
+            return source
+        found = version_by_alias(client, match["name"], match["alias"])
+        if found is None:
+            raise FileNotFoundError(f"{key}: registered model {match['name']!r} has no alias {match['alias']!r} "
+                                    f"on {tracking_uri}")
+        return f"models:/{match['name']}/{found.version}"
+
+    replacements = [r.model_copy(update={"source": pinned(f"replacements[{i}].source", r.source)})
+                    for i, r in enumerate(config.replacements)]
+    return config.model_copy(update={"replacements": replacements,
+                                     "initial_model": pinned("initial_model", config.initial_model)})
 
 
 def make_tracker(args, run_dir: str):
@@ -88,7 +152,16 @@ def make_tracker(args, run_dir: str):
         print(f"note: run directory {run_dir} is remote; MLflow tracking is off (give --tracking-uri to track)",
               file=sys.stderr)
         uri = "none"
-    return create_tracker(uri, run_dir=run_dir)
+    experiment = getattr(args, "experiment", None) or os.environ.get("MLFLOW_EXPERIMENT_NAME") or None
+    return create_tracker(uri, run_dir=run_dir, experiment=experiment)
+
+
+def preflight_data(config) -> None:
+    """Before any stage: every pool opens (missing data named by key) and no test class occurs in a training pool
+    of the same dataset (the data-level open-set guard), so a run never trains for hours and then stops."""
+    from pipelines.stages import check_pools_open_set
+
+    check_pools_open_set(config)
 
 
 def uses_object_storage(config, run_dir: str) -> bool:
@@ -101,8 +174,16 @@ def run(args) -> int:
     from pipelines.graph import compile_scenario
     from pipelines.store import RunStore
 
+    if any(str(value or "").startswith("s3://") for value in (args.resume, args.config, args.output)):
+        # configure before the first read (--resume reads the run's config.yaml from the bucket)
+        from cluster.storage import configure_object_storage
+
+        configure_object_storage()
     try:
         config, run_dir = resolve_run(args)
+        setup = model_sources_setup(config, args.tracking_uri)
+        if setup is not None:
+            config = pin_model_aliases(config, setup.args[0])
     except (ConfigError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -110,13 +191,27 @@ def run(args) -> int:
         from cluster.storage import configure_object_storage
 
         configure_object_storage()  # S3 settings and credentials from the standard AWS chain, never from the YAML
-    try:
-        tracker = make_tracker(args, run_dir)
-    except ValueError as error:
-        print(f"error: --tracking-uri: {error}", file=sys.stderr)
-        return 2
-    summary = run_tracked(compile_scenario(config), RunStore(run_dir), tracker, args.executor, args.address,
-                          progress=not args.no_progress)
+    if not (args.address or "").startswith(("http://", "https://")):  # a submitted job checks on the cluster
+        try:
+            preflight_data(config)
+        except (FileNotFoundError, ValueError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    from pipelines.lease import run_lease
+
+    with run_lease(run_dir):  # one writer per run folder, taken before tracking or any stage
+        store = RunStore(run_dir)
+        for prefix in args.recompute:
+            key = store.resolve_key(prefix)
+            store.forget(key)
+            print(f"recompute: stage {key} uncommitted; it runs again", file=sys.stderr)
+        try:
+            tracker = make_tracker(args, run_dir)
+        except ValueError as error:
+            print(f"error: --tracking-uri: {error}", file=sys.stderr)
+            return 2
+        summary = run_tracked(compile_scenario(config), store, tracker, args.executor, args.address,
+                              progress=not args.no_progress, setup=setup)
     print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done)")
     if summary.matrix is not None:
         print_results(summary.matrix, summary.metrics)

@@ -22,15 +22,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def evaluate_variant(run_dir: str, overrides: dict) -> tuple[dict, dict, str]:
-    """(matrix dict, metrics dict, output sub-folder or '') for the run under ``overrides`` of its evaluation."""
-    from compat_core.metrics import CompatibilityMatrix
-    from pipelines.config import validate_config
-    from pipelines.executor import compute_metrics
-    from pipelines.graph import compile_scenario, entry_key, protocol_params
-    from pipelines.stages import compute_entry
-    from pipelines.store import RunStore, read_features
+    """(matrix dict, metrics dict, output sub-folder or '') for the run under ``overrides`` of its evaluation.
 
-    import numpy as np
+    The run's graph is recompiled with the other protocol added (:func:`pipelines.graph.add_evaluation`) and the
+    engine runs only the new entry and row nodes (the same entry function as ``compat run``, FAN adapters included).
+    """
+    from pipelines.config import validate_config
+    from pipelines.executor import LocalExecutor, assemble_matrix, compute_metrics
+    from pipelines.graph import add_evaluation, compile_scenario, protocol_params
+    from pipelines.store import RunStore
+
     import yaml
 
     store = RunStore(run_dir)
@@ -43,35 +44,15 @@ def evaluate_variant(run_dir: str, overrides: dict) -> tuple[dict, dict, str]:
                                 f"finish the run first with `compat run --resume {run_dir}`")
     evaluation = config.evaluation.model_dump(mode="json")
     evaluation.update({k: v for k, v in overrides.items() if v is not None})
-    varied = validate_config({**document, "evaluation": evaluation}, "evaluation variant")
+    varied = validate_config({**document, "evaluation": evaluation}, "evaluation variant").evaluation
+    rows = add_evaluation(graph, evaluation)
+    LocalExecutor(progress=False).run(graph, store, until=rows)
+    matrix = assemble_matrix(graph, store, rows, varied)
+    metrics = compute_metrics(matrix, varied.strict)
     protocol = protocol_params(evaluation)
-    T = config.num_tasks
-    values = np.full((T, T), np.nan)
-    counts = {}
-    for row in range(T):
-        query_key = graph.extract_stages[(row, "query")]
-        query = None
-        for column in range(row + 1):
-            gallery_key = graph.extract_stages[(column, "gallery")]
-            key = entry_key(query_key, gallery_key, protocol, row, column)
-            if store.has(key):
-                values[row, column] = store.load_record(key)["value"]
-                continue
-            query = query if query is not None else read_features(store, query_key)
-            value = compute_entry(query, read_features(store, gallery_key), protocol, varied,
-                                  store.load_record(query_key).get("num_classes_model", 0),
-                                  store.load_record(gallery_key).get("num_classes_model", 0))
-            store.commit(key, {"type": "entry", "row": row, "column": column, "value": value, "query": query_key,
-                               "gallery": gallery_key, "protocol": protocol})
-            values[row, column] = value
-            counts["computed"] = counts.get("computed", 0) + 1
-    protocol_named = {**protocol, "strict": varied.evaluation.strict}
-    matrix = CompatibilityMatrix(values, [f"task-{t + 1}" for t in range(T)], protocol["metric"], protocol_named)
-    metrics = compute_metrics(matrix, varied.evaluation.strict)
-    same = protocol == protocol_params(config.evaluation.model_dump(mode="json")) and \
-        varied.evaluation.strict == config.evaluation.strict
+    same = rows == graph.evaluate_stages and varied.strict == config.evaluation.strict
     folder = "" if same else "eval-" + "-".join(f"{protocol[k]}" for k in ("metric", "gallery", "label_level")) + \
-        ("" if varied.evaluation.strict else "-nonstrict")
+        ("" if varied.strict else "-nonstrict")
     prefix = f"{folder}/" if folder else ""
     store.write_text(f"{prefix}matrix.json", matrix.to_json())
     store.write_text(f"{prefix}metrics.json", json.dumps(metrics, indent=2, allow_nan=False))
@@ -79,7 +60,7 @@ def evaluate_variant(run_dir: str, overrides: dict) -> tuple[dict, dict, str]:
 
 
 def run(args) -> int:
-    from pipelines.commands.run import print_results
+    from app.commands.run import print_results
 
     overrides = {"gallery": args.gallery, "metric": args.metric, "label_level": args.label_level,
                  "strict": None if args.strict is None else args.strict == "true"}

@@ -39,7 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--executor", choices=("ray", "local"), default="ray",
                         help="ray (default): stages as actors on an embedded local Ray instance; local: in-process")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
-                        help="MLflow tracking for both runs; default SQLite mlflow.db in each run folder; 'none' off")
+                        help="MLflow tracking for both runs; default: $MLFLOW_TRACKING_URI, else one SQLite "
+                             "mlflow.db in the --output folder; 'none' turns it off")
+    parser.add_argument("--experiment", default=None, metavar="NAME",
+                        help="MLflow experiment of both runs, compared side by side (default: "
+                             "$MLFLOW_EXPERIMENT_NAME, else compat-demo)")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -60,7 +64,8 @@ class _StageLines:
 
 
 def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, threads: int | None,
-            progress: str, executor: str = "local", tracking_uri: str | None = None) -> dict:
+            progress: str, executor: str = "local", tracking_uri: str | None = None,
+            experiment: str | None = None) -> dict:
     """Run one demo scenario from this process; returns matrix, metrics, wall and CPU seconds of the run.
 
     threads: torch intra-op threads (None: leave torch's default; with executor "ray": the CPUs of the embedded
@@ -70,7 +75,7 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
     import torch
 
     from cluster.tracking import create_tracker
-    from pipelines.commands.run import run_tracked
+    from app.commands.run import run_tracked
     from pipelines.config import load_config
     from pipelines.graph import compile_scenario
     from pipelines.store import RunStore
@@ -78,14 +83,17 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
     if threads is not None:
         torch.set_num_threads(threads)
     config = load_config(config_path, overrides)
-    tracker = create_tracker(tracking_uri, run_dir=run_dir)
-    graph, store = compile_scenario(config), RunStore(run_dir)
-    started = time.perf_counter()
-    cpu_before = _cpu_seconds()
-    summary = run_tracked(graph, store, tracker, executor,
-                          progress=progress == "bars",
-                          sinks=(_StageLines(name),) if progress == "lines" else (),
-                          num_cpus=(threads or 1) if executor == "ray" else None)
+    from pipelines.lease import run_lease
+
+    with run_lease(run_dir):
+        tracker = create_tracker(tracking_uri, run_dir=run_dir, experiment=experiment)
+        graph, store = compile_scenario(config), RunStore(run_dir)
+        started = time.perf_counter()
+        cpu_before = _cpu_seconds()
+        summary = run_tracked(graph, store, tracker, executor,
+                              progress=progress == "bars",
+                              sinks=(_StageLines(name),) if progress == "lines" else (),
+                              num_cpus=(threads or 1) if executor == "ray" else None)
     return {"name": name, "run_dir": run_dir, "matrix": summary.matrix, "metrics": summary.metrics,
             "wall_s": time.perf_counter() - started, "cpu_s": _cpu_seconds() - cpu_before,
             "executed": len(summary.executed), "skipped": len(summary.skipped)}
@@ -98,7 +106,7 @@ def _cpu_seconds() -> float:
 
 
 def run(args) -> int:
-    from pipelines.commands.run import print_results
+    from app.commands.run import print_results
     from pipelines.config import ConfigError, load_config
 
     cores = os.cpu_count() or 1
@@ -116,12 +124,22 @@ def run(args) -> int:
             return 2
         tasks.append((name, path, list(args.overrides), f"{args.output.rstrip('/')}/{name}"))
 
+    tracking_uri, experiment = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), None
+    if tracking_uri != "none":
+        from cluster.tracking import create_tracker, default_tracking_uri
+
+        # both scenarios in one store and one experiment, so the MLflow UI compares them side by side; created here
+        # once, before the workers start, so they never race on the database migration
+        os.makedirs(args.output, exist_ok=True)
+        tracking_uri = tracking_uri or default_tracking_uri(args.output)
+        experiment = args.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "compat-demo"
+        create_tracker(tracking_uri, experiment=experiment)._experiment(experiment)
     started = time.perf_counter()
     if jobs == 1:
         progress = "none" if args.no_progress else "bars"
         threads = cores if args.executor == "ray" else None
         results = [run_one(*task, threads=threads, progress=progress, executor=args.executor,
-                           tracking_uri=args.tracking_uri) for task in tasks]
+                           tracking_uri=tracking_uri, experiment=experiment) for task in tasks]
     else:
         import multiprocessing
 
@@ -130,7 +148,7 @@ def run(args) -> int:
         # spawn: a fresh interpreter per worker (fork would copy this process's torch thread pools)
         with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
                                  mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(run_one, *task, threads, progress, args.executor, args.tracking_uri)
+            futures = [pool.submit(run_one, *task, threads, progress, args.executor, tracking_uri, experiment)
                        for task in tasks]
             results = [future.result() for future in futures]
     wall = time.perf_counter() - started
@@ -150,5 +168,5 @@ def run(args) -> int:
     where = "Ray actors on embedded local Ray" if args.executor == "ray" else "in-process"
     cpu_note = "driver processes only" if args.executor == "ray" else "all processes"
     print(f"demo: {wall:.0f} s wall, {cpu:.0f} s CPU (user+sys, {cpu_note}), {jobs} job(s) on {cores} core(s), "
-          f"stages {where}; MLflow: {args.tracking_uri or 'mlflow.db in each run folder'}")
+          f"stages {where}; MLflow: {tracking_uri} (experiment {experiment})")
     return 0

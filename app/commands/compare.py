@@ -22,9 +22,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where compare.md, compare.csv and compare.png go; default: current directory")
 
 
+def register_run_sources() -> None:
+    """Sources the application layer adds to ``pipelines.reports.RUN_SOURCES``: a `compat tune` search directory
+    (when the cluster package is installed). Called when the command runs, never as an import side effect."""
+    try:
+        from cluster.tune import register_run_source
+    except ImportError:  # the cluster package is not installed: compare reads run directories only
+        return
+    register_run_source()
+
+
 def run(args: argparse.Namespace) -> int:
     from pipelines.reports import compare_table_markdown, load_runs, write_compare
 
+    register_run_sources()
     try:
         summaries = load_runs(args.run_dirs)
         paths = write_compare(summaries, args.output)

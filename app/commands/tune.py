@@ -103,11 +103,3 @@ def print_outcome(outcome, stream=None, top: int = 10) -> None:
               f"directory {outcome.best.run_dir}", file=stream)
     print(f"search directory: {spec.experiment_path}  (compat compare {spec.experiment_path}; resume with "
           f"compat tune --resume {spec.experiment_path})", file=stream)
-
-
-try:  # `compat compare SEARCH_DIR`: importing the command modules registers the run source (no Ray import)
-    from cluster.tune import register_run_source as _register_run_source
-except ImportError:  # the cluster package is not installed: compare reads run directories only
-    pass
-else:
-    _register_run_source()

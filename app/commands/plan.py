@@ -1,0 +1,90 @@
+"""`compat plan CONFIG [--set ...]`: print the stage graph, resources, feature storage and matrix cost."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "print a scenario's stage graph, resources per stage, feature storage and matrix cost (no compute)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="scenario YAML")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value (YAML-parsed; repeatable)")
+    parser.add_argument("--check-data", action="store_true",
+                        help="open every data pool (and pre-training init file) and list every one that is missing "
+                             "or unreadable, all at once; exit 1 when any is")
+
+
+def run(args) -> int:
+    from pipelines.config import ConfigError, load_config
+    from pipelines.graph import compile_scenario, describe
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        print(f"refused: {error}", file=sys.stderr)
+        return 2
+    print(describe(compile_scenario(config)))
+    print(describe_paper(config))
+    if args.check_data:
+        problems = check_data(config)
+        if problems:
+            print(f"data: {len(problems)} problem(s):")
+            for key, message in problems:
+                print(f"  {message}" if message.startswith(f"{key}:") else f"  {key}: {message}")
+            return 1
+        print("data: every pool opened")
+    return 0
+
+
+def check_data(config) -> list[tuple[str, str]]:
+    """(config key, problem) for every pool that cannot be opened and every init file that is missing: all of them,
+    not just the first, so a new machine is fixed in one pass."""
+    from compat_core import io as cio
+    from pipelines.stages import load_pool
+
+    if any("s3://" in str(v) for v in _roots(config)):
+        from cluster.storage import configure_object_storage
+
+        configure_object_storage()
+    pools = [("data", config.data)] + [(f"pretrain[{i}].pool", p.pool) for i, p in enumerate(config.pretrain)]
+    pools += [("evaluation.query_set", config.evaluation.query_set),
+              ("evaluation.gallery_set", config.evaluation.gallery_set)]
+    problems, seen = [], set()
+    for key, spec in pools:
+        identity = spec.model_dump_json()
+        if identity in seen:
+            continue
+        seen.add(identity)
+        try:
+            load_pool(spec, key)
+        except Exception as error:  # noqa: BLE001 - every reader failure is reported, none stops the listing
+            problems.append((key, str(error)))
+    for index, entry in enumerate(config.pretrain):
+        if entry.init is not None and not cio.exists(entry.init):
+            problems.append((f"pretrain[{index}].init", f"weights file {entry.init} not found"))
+    return problems
+
+
+def _roots(config):
+    yield config.data.root
+    for entry in config.pretrain:
+        yield entry.pool.root
+        yield entry.init
+    yield config.evaluation.query_set.root
+    yield config.evaluation.gallery_set.root
+
+
+def describe_paper(config) -> str:
+    """Which paper table the scenario reproduces, its deliberate divergences and the choices the paper leaves open."""
+    paper = config.paper
+    if paper is None:
+        return "paper: none (not a reproduction of a published table)"
+    lines = [f"paper: reproduces {paper.reproduces}"]
+    lines.append("  divergences:" if paper.divergences else "  divergences: none")
+    lines += [f"    - {item}" for item in paper.divergences]
+    if paper.choices:
+        lines.append("  choices where the paper is silent:")
+        lines += [f"    - {item}" for item in paper.choices]
+    return "\n".join(lines)

@@ -1,0 +1,28 @@
+"""Fail fast on an unreachable cluster address instead of hanging inside a client library."""
+from __future__ import annotations
+
+import socket
+from urllib.parse import urlparse
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+def host_port(address: str, default_port: int) -> tuple[str, int]:
+    """(host, port) of ``http(s)://HOST:PORT``, ``ray://HOST:PORT`` or ``HOST:PORT``."""
+    parsed = urlparse(address if "://" in address else f"tcp://{address}")
+    if not parsed.hostname:
+        raise ValueError(f"--address {address!r}: expected HOST:PORT or a URL with a host")
+    return parsed.hostname, parsed.port or default_port
+
+
+def require_reachable(address: str, what: str, default_port: int, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Open (and close) a TCP connection to ``address``; raises ConnectionError naming it, ``what`` is there, and
+    what to check, after at most ``timeout_s`` seconds."""
+    host, port = host_port(address, default_port)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return
+    except OSError as error:
+        raise ConnectionError(
+            f"cannot reach the {what} at {host}:{port} within {timeout_s:g} s ({error.strerror or error}); check "
+            f"--address, that the cluster is running and that this machine may connect to that port") from None

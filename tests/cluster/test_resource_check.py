@@ -1,0 +1,59 @@
+"""Unsatisfiable stage requests are refused naming the stage and the resource (unless an autoscaler may add a
+node); checked against node tables shaped like ray.nodes() and against the real local Ray instance."""
+from __future__ import annotations
+
+import pytest
+
+from cluster.resource_check import UnsatisfiableResourcesError, check_satisfiable
+
+NODES = [{"Alive": True, "Resources": {"CPU": 2.0, "memory": 20 * 1024 ** 3}},
+         {"Alive": True, "Resources": {"CPU": 8.0, "GPU": 1.0, "memory": 60 * 1024 ** 3}},
+         {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0, "memory": 500 * 1024 ** 3}}]
+
+
+def test_request_covered_by_one_node_passes():
+    assert check_satisfiable("finetune[t=0]", "resources.finetune", {"num_cpus": 4, "num_gpus": 1,
+                                                                      "memory": 50 * 1024 ** 3}, NODES, False) is None
+
+
+def test_request_no_node_covers_is_refused_with_stage_and_resource():
+    request = {"num_cpus": 1, "memory": 100 * 1000 ** 3}
+    with pytest.raises(UnsatisfiableResourcesError,
+                       match=r"stage finetune\[t=0\] asks for memory=93\.1 GiB \(largest node: 60\.0 GiB\).*lower "
+                             r"resources\.finetune"):
+        check_satisfiable("finetune[t=0]", "resources.finetune", request, NODES, False)
+    # GPUs and CPUs on different nodes do not add up: one node must hold the whole request
+    with pytest.raises(UnsatisfiableResourcesError, match="CPU=9"):
+        check_satisfiable("pretrain[p1]", "resources.pretrain", {"num_cpus": 9, "num_gpus": 1}, NODES, False)
+
+
+def test_with_an_autoscaler_the_stage_waits_and_says_for_what():
+    line = check_satisfiable("finetune[t=0]", "resources.finetune", {"num_gpus": 2}, NODES, True)
+    assert line == "stage finetune[t=0] waits for a node with GPU=2 (largest node: 1): the autoscaler may add one"
+
+
+def test_against_the_real_local_ray(ray_local):
+    nodes = ray_local.nodes()
+    assert check_satisfiable("extract[t=0,query]", "resources.extract", {"num_cpus": 1}, nodes, False) is None
+    with pytest.raises(UnsatisfiableResourcesError, match="GPU=1 \\(largest node: 0\\)"):
+        check_satisfiable("finetune[t=0]", "resources.finetune", {"num_cpus": 1, "num_gpus": 1}, nodes, False)
+
+
+def test_the_ray_engine_refuses_an_unsatisfiable_stage_before_it_hangs(ray_local, tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+    import tiny_scenario_helpers as tiny
+
+    from cluster.ray_executor import RayExecutor
+    from pipelines.config import validate_config
+    from pipelines.graph import compile_scenario
+    from pipelines.store import RunStore
+
+    tiny.register()
+    document = tiny.scenario("er", output=str(tmp_path / "run"))
+    document["resources"] = {"finetune": {"memory": 10 ** 15}}
+    graph = compile_scenario(validate_config(document))
+    with pytest.raises(UnsatisfiableResourcesError, match=r"stage finetune\[t=0\] asks for memory=931322\.6 GiB"):
+        RayExecutor(progress=False, setup=tiny.register).run(graph, RunStore(str(tmp_path / "run")))

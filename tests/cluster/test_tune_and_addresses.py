@@ -1,0 +1,78 @@
+"""`compat tune --resume` unpickles Ray Tune's experiment state, so it refuses any folder that `compat tune` did
+not create (no marker) or whose search.json was changed since (sha256 in the marker), before Ray starts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster import tune as tune_module
+
+
+def test_resume_refuses_foreign_and_modified_folders(tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "search.json").write_text("{}")
+    with pytest.raises(PermissionError, match="only a folder created by `compat tune` can be resumed"):
+        tune_module.resume_search(str(foreign))
+
+    spec = tune_module.SearchSpec(name="s", base_config={}, space={}, storage=str(tmp_path))
+    tune_module.write_spec(spec)
+    tune_module.check_marker(spec.experiment_path)  # written by compat tune: accepted
+    marker = json.loads((tmp_path / "s" / tune_module.MARKER_FILE).read_text())
+    import hashlib
+
+    assert marker["search_sha256"] == hashlib.sha256((tmp_path / "s" / "search.json").read_bytes()).hexdigest()
+    (tmp_path / "s" / "search.json").write_text(spec.to_json().replace('"samples": 8', '"samples": 9'))
+    with pytest.raises(PermissionError, match="does not match compat-tune.json"):
+        tune_module.resume_search(str(tmp_path / "s"))
+
+
+CONFIGS = __import__("pathlib").Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_shipped_demo_space_task_count_and_sampler_never_repeat():
+    """With configs/spaces/demo.yaml the trials have the 3 tasks of its fixed tasks.spec (not the base config's),
+    so finished trials count as FINISHED; its all-categorical grid is enumerated without repeats."""
+    import yaml
+    from ray.tune.search.optuna import OptunaSearch
+
+    from cluster.search_space import parse_space
+    from pipelines.config import config_to_dict, load_config
+
+    base = config_to_dict(load_config(CONFIGS / "demo-dsimplex-hoc.yaml"))
+    space_document = yaml.safe_load((CONFIGS / "spaces" / "demo.yaml").read_text())
+    spec = tune_module.SearchSpec(name="demo", base_config=base, space=space_document, storage="/tmp/unused")
+    assert base["tasks"]["spec"] != "10+2x15" and spec.num_tasks == 3
+    space = parse_space(space_document)
+    searcher = OptunaSearch(space=space, metric="objective", mode="max", sampler=tune_module.make_sampler(space, 0))
+    drawn = []
+    for index in range(8):
+        config = searcher.suggest(f"trial-{index}")
+        drawn.append((config["method.params.lam"], config["method.params.rho"]))
+        searcher.on_trial_complete(f"trial-{index}", {"objective": float(index)})
+    assert len(set(drawn)) == 8
+
+
+def test_unreachable_addresses_fail_fast_with_a_clear_message():
+    import socket
+
+    from cluster.jobs import job_client
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(ConnectionError, match=f"cannot reach the Ray job server at 127.0.0.1:{port}"):
+        job_client(f"http://127.0.0.1:{port}")
+    # connect() in a fresh interpreter: this one may already hold the session's local Ray
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", f"from cluster.ray_executor import connect; connect('127.0.0.1:{port}')"],
+                          env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"ConnectionError: cannot reach the Ray cluster at 127.0.0.1:{port}" in done.stderr
+    assert "check --address" in done.stderr
