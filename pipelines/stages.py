@@ -670,46 +670,20 @@ def _frozen(model):
 @torch.no_grad()
 def extract_stage(ctx: StageContext) -> StageResult:
     """Features of the parent model on the query or gallery set, once, stored as fp16 (default) shards."""
-    from compat_core.data.transforms import make_transforms
-    from compat_core.models.precision import prepare_batch
-
     config = ctx.config
     split = ctx.stage.split
     check_pools_open_set(config)
     spec = config.evaluation.query_set if split == "query" else config.evaluation.gallery_set
     pool = load_pool(spec, f"evaluation.{split}_set")
     model_record = ctx.parents[ctx.stage.parents[0]]
-    from pipelines.training import precision_context, prepare_model
-
-    model = prepare_model(load_model_artifact(ctx.store, model_record, ctx.device), ctx.device,
-                          config.training.autocast)
-    model.eval()
-    method = _method(config)
-    transform = make_transforms(pool, train=False)
-    batch_size = config.evaluation.batch_size
-    outputs = []
-    started = time.perf_counter()
+    model = load_model_artifact(ctx.store, model_record, ctx.device)
     total = len(pool)
-    batches = max(1, -(-total // batch_size))
-    from compat_core.data.stream import stream_batches
+    started = time.perf_counter()
 
-    # the next batches are decoded on CPU workers (training.input_workers) while the model runs on this one
-    stream = stream_batches(pool, np.arange(total), [np.arange(start, min(start + batch_size, total))
-                                                     for start in range(0, total, batch_size)],
-                            workers=config.training.input_workers, pin_memory=ctx.device.type == "cuda")
-    for batch_index, (positions, images) in enumerate(stream):
-        start = int(positions[0])
-        images = images.to(ctx.device, non_blocking=True)
-        inputs = prepare_batch(transform(images), model)
-        with precision_context(ctx.device, config.training.autocast):
-            output = model(inputs)
-        # training-free methods (PSP/LSP) map logits into the gallery model's class space at evaluation time
-        values = output.logits if getattr(method, "training_free", False) else output.features
-        outputs.append(values.float().cpu().numpy())
-        elapsed = time.perf_counter() - started
-        ctx.emit(ProgressUpdate(ctx.stage.key, batch_index + 1, batches, "batch",
-                                min(start + batch_size, total) / max(elapsed, 1e-9)))
-    features = np.concatenate(outputs, axis=0) if outputs else np.zeros((0, model.feature_dim), np.float32)
+    def progress(done: int, batches: int, images_per_second: float) -> None:
+        ctx.emit(ProgressUpdate(ctx.stage.key, done, batches, "batch", images_per_second))
+
+    features = extract_pool_features(model, pool, config, ctx.device, progress)
     seconds = time.perf_counter() - started
     coarse = getattr(pool, "coarse_labels", None)
     blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse, dtype=config.evaluation.feature_dtype)
@@ -726,8 +700,10 @@ def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.dev
                           progress: Callable[[int, int, float], None] | None = None) -> np.ndarray:
     """(N, D) float32 features of ``model`` on every image of ``pool`` (logits for training-free methods).
 
-    The one extraction path: extract stages and ``compat gate`` use it. progress(batch, batches, images per s).
+    The one extraction path: extract stages and ``compat gate`` use it. The next batches are decoded on CPU
+    workers (``training.input_workers``) while the model runs. progress(batch, batches, images per s).
     """
+    from compat_core.data.stream import stream_batches
     from compat_core.data.transforms import make_transforms
     from compat_core.models.precision import prepare_batch
     from pipelines.training import precision_context, prepare_model
@@ -741,18 +717,22 @@ def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.dev
     started = time.perf_counter()
     total = len(pool)
     batches = max(1, -(-total // batch_size))
-    for batch_index, start in enumerate(range(0, total, batch_size)):
-        images = torch.from_numpy(pool.read(np.arange(start, min(start + batch_size, total)))).to(device)
-        inputs = prepare_batch(transform(images), model)
-        with precision_context(device, config.training.autocast):
-            output = model(inputs)
-        # training-free methods (PSP/LSP) map logits into the gallery model's class space at evaluation time
-        values = output.logits if getattr(method, "training_free", False) else output.features
-        outputs.append(values.float().cpu().numpy())
-        if progress is not None:
-            progress(batch_index + 1, batches, min(start + batch_size, total) / max(time.perf_counter() - started,
-                                                                                     1e-9))
-    return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, config.model.num_slots - 1), np.float32)
+    stream = stream_batches(pool, np.arange(total), [np.arange(start, min(start + batch_size, total))
+                                                     for start in range(0, total, batch_size)],
+                            workers=config.training.input_workers, pin_memory=device.type == "cuda")
+    with torch.no_grad():
+        for batch_index, (positions, images) in enumerate(stream):
+            images = images.to(device, non_blocking=True)
+            inputs = prepare_batch(transform(images), model)
+            with precision_context(device, config.training.autocast):
+                output = model(inputs)
+            # training-free methods (PSP/LSP) map logits into the gallery model's class space at evaluation time
+            values = output.logits if getattr(method, "training_free", False) else output.features
+            outputs.append(values.float().cpu().numpy())
+            if progress is not None:
+                done = int(positions[-1]) + 1
+                progress(batch_index + 1, batches, done / max(time.perf_counter() - started, 1e-9))
+    return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, model.feature_dim), np.float32)
 
 
 # ---- evaluation --------------------------------------------------------------------------------------------------
