@@ -57,13 +57,15 @@ class ProgressReporter:
     """
 
     def __init__(self, enabled: bool = True, sinks: list[Callable[[Any], None]] | None = None, stream=None,
-                 line_interval_s: float = 10.0) -> None:
+                 line_interval_s: float = 10.0, label: str = "") -> None:
         self.sinks = list(sinks or [])
         self.stream = stream or sys.stderr
         isatty = getattr(self.stream, "isatty", None)
         self.bars = bool(enabled and callable(isatty) and isatty())
         self.enabled = enabled
         self.line_interval_s = float(line_interval_s)
+        # lines of several processes sharing one terminal (compat demo) carry the scenario they belong to
+        self.label = f"[{label}] " if label else ""
         self._bar: tqdm | None = None
         self._stage: StageEvent | None = None
         self._started = 0.0
@@ -82,7 +84,7 @@ class ProgressReporter:
             self._on_training_record(record)
 
     def _on_stage(self, event: StageEvent) -> None:
-        prefix = f"[{event.index + 1}/{event.total}] {event.label}"
+        prefix = f"{self.label}[{event.index + 1}/{event.total}] {event.label}"
         if event.status == "started":
             self._close()
             self._stage = event
@@ -123,7 +125,7 @@ class ProgressReporter:
         elapsed = now - self._started
         remaining = elapsed / max(update.done, 1) * max(update.total - update.done, 0)
         speed = f", {update.images_per_second:.0f} img/s" if update.images_per_second is not None else ""
-        print(f"[{self._stage.index + 1}/{self._stage.total}] {self._stage.label}: {update.unit} {update.done}/"
+        print(f"{self.label}[{self._stage.index + 1}/{self._stage.total}] {self._stage.label}: {update.unit} {update.done}/"
               f"{update.total}{speed}, {elapsed:.0f} s elapsed, ETA {remaining:.0f} s", file=self.stream, flush=True)
 
     def _on_training_record(self, record: Any) -> None:

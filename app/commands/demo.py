@@ -47,22 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-class _StageLines:
-    """Progress for a worker process: one line per finished stage, prefixed with the scenario (no tqdm bars,
-    which two processes would draw over each other)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __call__(self, record) -> None:
-        from pipelines.progress import StageEvent
-
-        if isinstance(record, StageEvent) and record.status in ("done", "failed"):
-            seconds = f" in {record.seconds:.1f} s" if record.seconds is not None else ""
-            print(f"[{self.name}] {record.index + 1}/{record.total} {record.label}: {record.status}{seconds}",
-                  file=sys.stderr, flush=True)
-
-
 def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, threads: int | None,
             progress: str, executor: str = "local", tracking_uri: str | None = None,
             experiment: str | None = None) -> dict:
@@ -91,8 +75,7 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
         started = time.perf_counter()
         cpu_before = _cpu_seconds()
         summary = run_tracked(graph, store, tracker, executor,
-                              progress=progress == "bars",
-                              sinks=(_StageLines(name),) if progress == "lines" else (),
+                              progress=progress == "bars", label=name if progress == "lines" else "",
                               num_cpus=(threads or 1) if executor == "ray" else None)
     return {"name": name, "run_dir": run_dir, "matrix": summary.matrix, "metrics": summary.metrics,
             "wall_s": time.perf_counter() - started, "cpu_s": _cpu_seconds() - cpu_before,

@@ -71,12 +71,13 @@ def make_executor(kind: str = "local", address: str | None = None, emit=None, pr
 
 
 def run_tracked(graph, store, tracker, kind: str = "local", address: str | None = None, progress: bool = True,
-                sinks: tuple = (), num_cpus: int | None = None, setup=None):
+                sinks: tuple = (), num_cpus: int | None = None, setup=None, label: str = ""):
     """Run ``graph`` on the chosen executor inside the tracker's pipeline scope; every record goes to the progress
-    display (bars when ``progress``), the tracker and ``sinks``. Returns the executor's RunSummary."""
+    display (bars when ``progress`` and on a terminal, else flushed lines, prefixed with ``label`` when given), the
+    tracker and ``sinks``. Returns the executor's RunSummary."""
     from pipelines.progress import ProgressReporter
 
-    emit = ProgressReporter(enabled=progress, sinks=[tracker, *sinks])
+    emit = ProgressReporter(enabled=progress, sinks=[tracker, *sinks], label=label)
     with tracker.pipeline(graph, store):
         return make_executor(kind, address, emit, progress, num_cpus, setup).run(graph, store)
 
