@@ -65,17 +65,9 @@ def _client(tracking_uri: str, registry_uri: str | None = None):
 
 
 def _experiment_id(client: Any, name: str) -> str:
-    from mlflow.exceptions import MlflowException
+    from cluster.tracking import ensure_experiment
 
-    found = client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    try:
-        return client.create_experiment(name)
-    except MlflowException as error:
-        if error.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-        return client.get_experiment_by_name(name).experiment_id
+    return ensure_experiment(client, name)
 
 
 def _version(client: Any, model: str, version: str) -> Any:

@@ -145,6 +145,28 @@ def ray_submission_id() -> str | None:
     return str(value) if value else None
 
 
+def ensure_experiment(client: Any, name: str) -> str:
+    """Id of experiment ``name``, created when missing (concurrent creation tolerated). With a SQLite store its
+    artifacts go to ``<db folder>/mlartifacts``, never to ./mlruns of whatever folder the command ran in."""
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        if found.lifecycle_stage == "deleted":
+            raise ValueError(f"experiment {name!r} is deleted on {client.tracking_uri}; restore it "
+                             f"(mlflow experiments restore) or choose another experiment name")
+        return found.experiment_id
+    location = None
+    if client.tracking_uri.startswith("sqlite:///"):
+        location = (Path(client.tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_ALREADY_EXISTS":  # created concurrently by another driver
+            raise
+        return client.get_experiment_by_name(name).experiment_id
+
+
 def default_tracking_uri(run_dir: str | os.PathLike) -> str:
     """``sqlite:///<absolute run dir>/mlflow.db``; a remote (s3://) run directory needs an explicit tracking URI."""
     text = os.fspath(run_dir)
@@ -620,23 +642,7 @@ class MlflowTracker(Tracker):
 
     # ---- low level ---------------------------------------------------------------------------------------------
     def _experiment(self, name: str) -> str:
-        from mlflow.exceptions import MlflowException
-
-        found = self.client.get_experiment_by_name(name)
-        if found is not None:
-            if found.lifecycle_stage == "deleted":
-                raise ValueError(f"experiment {name!r} is deleted on {self.tracking_uri}; restore it "
-                                 f"(mlflow experiments restore) or choose another experiment name")
-            return found.experiment_id
-        location = None
-        if self.tracking_uri.startswith("sqlite:///"):
-            location = (Path(self.tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
-        try:
-            return self.client.create_experiment(name, artifact_location=location)
-        except MlflowException as error:
-            if error.error_code != "RESOURCE_ALREADY_EXISTS":  # created concurrently by another driver
-                raise
-            return self.client.get_experiment_by_name(name).experiment_id
+        return ensure_experiment(self.client, name)
 
     def _log_params(self, run_id: str, params: dict[str, str]) -> None:
         from mlflow.entities import Param
