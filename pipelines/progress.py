@@ -62,7 +62,6 @@ class ProgressReporter:
         self.stream = stream or sys.stderr
         isatty = getattr(self.stream, "isatty", None)
         self.bars = bool(enabled and callable(isatty) and isatty())
-        self.enabled = enabled
         self.line_interval_s = float(line_interval_s)
         # lines of several processes sharing one terminal (compat demo) carry the scenario they belong to
         self.label = f"[{label}] " if label else ""

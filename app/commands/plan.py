@@ -44,7 +44,9 @@ def check_data(config) -> list[tuple[str, str]]:
     from compat_core import io as cio
     from pipelines.stages import load_pool
 
-    if any("s3://" in str(v) for v in _roots(config)):
+    from app.commands.run import uses_object_storage
+
+    if uses_object_storage(config, ""):
         from cluster.storage import configure_object_storage
 
         configure_object_storage()
@@ -66,14 +68,6 @@ def check_data(config) -> list[tuple[str, str]]:
             problems.append((f"pretrain[{index}].init", f"weights file {entry.init} not found"))
     return problems
 
-
-def _roots(config):
-    yield config.data.root
-    for entry in config.pretrain:
-        yield entry.pool.root
-        yield entry.init
-    yield config.evaluation.query_set.root
-    yield config.evaluation.gallery_set.root
 
 
 def describe_paper(config) -> str:

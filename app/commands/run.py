@@ -189,9 +189,10 @@ def run(args) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if uses_object_storage(config, run_dir):
-        from cluster.storage import configure_object_storage
+        from cluster.storage import configure_object_storage, installed_access
 
-        configure_object_storage()  # S3 settings and credentials from the standard AWS chain, never from the YAML
+        if installed_access() is None:  # not yet configured for an s3:// --resume / CONFIG / --output
+            configure_object_storage()  # S3 settings and credentials from the standard AWS chain, never the YAML
     if not (args.address or "").startswith(("http://", "https://")):  # a submitted job checks on the cluster
         try:
             preflight_data(config)

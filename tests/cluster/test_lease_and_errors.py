@@ -17,20 +17,13 @@ from pipelines.lease import RunFolderBusyError, run_lease
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-SCRIPT = """
-import sys, torch
-sys.path.insert(0, {here!r})
-torch.set_num_threads(1)
-import tiny_scenario_helpers as tiny
-tiny.register()
-from app.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+sys.path.insert(0, str(ROOT / "tests" / "pipelines"))
+import tiny_scenario_helpers as tiny  # noqa: E402
 
 
 def _compat(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     script = tmp_path / "compat_tiny.py"
-    script.write_text(SCRIPT.format(here=str(ROOT / "tests" / "pipelines")))
+    script.write_text(tiny.CLI_SCRIPT.format(here=str(ROOT / "tests" / "pipelines")))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
                           timeout=240)
@@ -44,9 +37,6 @@ def test_second_run_on_a_held_local_folder_is_refused(tmp_path):
          "time.sleep(60)", str(ROOT), str(run_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        sys.path.insert(0, str(ROOT / "tests" / "pipelines"))
-        import tiny_scenario_helpers as tiny
-
         config = tmp_path / "tiny.yaml"
         config.write_text(yaml.safe_dump(tiny.scenario("er")))
         done = _compat(tmp_path, "run", str(config), "--output", str(run_dir), "--no-progress",
@@ -95,9 +85,6 @@ def test_s3_lease_refuses_a_second_driver_and_is_released(s3_env, s3_bucket, mon
 
 
 def test_corrupt_blob_prints_the_fix_and_recompute_repairs_the_run(tmp_path):
-    sys.path.insert(0, str(ROOT / "tests" / "pipelines"))
-    import tiny_scenario_helpers as tiny
-
     config = tmp_path / "tiny.yaml"
     run_dir = tmp_path / "run"
     config.write_text(yaml.safe_dump(tiny.scenario("er")))
@@ -148,9 +135,6 @@ def test_resume_of_an_s3_run_uses_the_endpoint_of_the_aws_profile(s3_server, s3_
     of an s3:// run folder both reach the SeaweedFS server (before, --resume read config.yaml before configuring),
     in-process and on Ray, whose stage tasks get the driver's S3 settings (never its secrets) and resolve
     credentials from their own chain."""
-    sys.path.insert(0, str(ROOT / "tests" / "pipelines"))
-    import tiny_scenario_helpers as tiny
-
     config = tmp_path / "aws-config"
     config.write_text("[profile seaweed]\nregion = us-east-1\n"
                       f"endpoint_url = {s3_server.endpoint_url}\ns3 =\n    addressing_style = path\n")

@@ -3,6 +3,7 @@ not create (no marker) or whose search.json was changed since (sha256 in the mar
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +29,7 @@ def test_resume_refuses_foreign_and_modified_folders(tmp_path):
         tune_module.resume_search(str(tmp_path / "s"))
 
 
-CONFIGS = __import__("pathlib").Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_shipped_demo_space_task_count_and_sampler_never_repeat():
@@ -68,7 +69,6 @@ def test_unreachable_addresses_fail_fast_with_a_clear_message():
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", f"from cluster.ray_executor import connect; connect('127.0.0.1:{port}')"],

@@ -14,15 +14,6 @@ import tiny_scenario_helpers as tiny
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
-SCRIPT = """
-import sys, torch
-sys.path.insert(0, {here!r})
-torch.set_num_threads(1)
-import tiny_scenario_helpers as tiny
-tiny.register()
-from app.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
 
 
 def _run(args, script, wait=True):
@@ -35,7 +26,7 @@ def _run(args, script, wait=True):
 
 def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     script = tmp_path / "compat_tiny.py"
-    script.write_text(SCRIPT.format(here=str(HERE)))
+    script.write_text(tiny.CLI_SCRIPT.format(here=str(HERE)))
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(yaml.safe_dump(tiny.scenario("dsimplex-hoc")))
 

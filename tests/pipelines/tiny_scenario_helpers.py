@@ -59,3 +59,16 @@ def scenario(method: str = "dsimplex-hoc", params: dict | None = None, output: s
                        "batch_size": 16},
         "output": {"dir": output},
     }
+
+
+# A `compat` entry point for subprocess tests: the tiny dataset registered, one torch thread. Write it to a file with
+# CLI_SCRIPT.format(here=<folder of this module>) and run it with the project on PYTHONPATH.
+CLI_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {here!r})
+torch.set_num_threads(1)
+import tiny_scenario_helpers as tiny
+tiny.register()
+from app.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
