@@ -80,8 +80,8 @@ class Method:
 
     Subclasses set the class attributes and ``Hparams`` (a dataclass whose fields carry the SPEC defaults), and
     implement ``loss``. ``setup`` returns the extra trainable modules (adapters, discriminators), already on the
-    context's device. ``export_state`` returns state dicts of the extra modules that must outlive training (FAN's
-    adapters); the stage stores them next to the model.
+    context's device. ``export_state`` returns the adapters that must outlive training, by name
+    (:class:`compat_core.adapters.Adapter`; FAN's psi_t); the stage stores them next to the model.
     """
 
     name: ClassVar[str] = ""
@@ -106,7 +106,7 @@ class Method:
         """(loss, parts): parts are detached 0-d tensors (or floats); the loop reads them at log intervals only."""
         raise NotImplementedError(f"method {self.name!r} does not implement loss()")
 
-    def export_state(self) -> dict[str, dict[str, torch.Tensor]]:
+    def export_state(self) -> dict[str, Any]:
         return {}
 
     def __repr__(self) -> str:
