@@ -173,6 +173,10 @@ class ReplacementSpec(StrictModel):
     num_pretrain_classes: int | None = Field(
         None, ge=0, description="slots 0.. used by the external model's own classes (for the K check)"
     )
+    anchor: Literal["loaded", "replaced"] = Field(
+        "loaded", description="frozen old model of the replacement's first task: 'loaded' (the new model itself, as "
+        "the reference HOC) or 'replaced' (the fine-tuned model it replaces, so the new model is trained to be "
+        "compatible with the index it inherits; d-Simplex methods only)")
     adapters: list[Literal["procrustes", "affine", "mlp", "fct", "fan"]] = Field(
         default_factory=list,
         description="adapters fitted between the replaced (old) and the new model at this replacement, evaluated "

@@ -578,7 +578,11 @@ def train_task_stage(ctx: StageContext) -> StageResult:
                                              replacement.backbone_config, replacement.sha256, config.seed,
                                              replacement.num_pretrain_classes)
             line = int(previous["line"]) + 1
-            old_model = _frozen(model)  # the reference HOC anchors to the newly loaded model
+            if replacement.anchor == "replaced":
+                # trained to be compatible with the model it replaces (its features are what the index holds)
+                old_model = _frozen(load_model_artifact(ctx.store, previous, ctx.device))
+            else:
+                old_model = _frozen(model)  # the reference HOC anchors to the newly loaded model
         elif task == 0 and config.initial_model:
             model, pretrained = _load_source(ctx, config.initial_model, classifier, None, None, None, config.seed)
             line = 0
