@@ -107,6 +107,9 @@ class TrainingSpec(StrictModel):
         "that dtype (e.g. CPUs with avx512_bf16 but no AMX); false/off: fp32")
     input_workers: int = Field(0, ge=0, description="CPU processes that read and decode the next batches while a "
                                "step runs (0: in the training thread; about 1 per 250 images/s of 224 px JPEG)")
+    checkpoint_every_epochs: int = Field(
+        1, ge=0, description="pretrain / fine-tune stages save their training state to the run store every N epochs "
+        "(and on SIGTERM) and a restarted stage resumes from the latest one; 0: off. Not part of any stage key")
 
 
 class ReplaySpec(StrictModel):
@@ -608,6 +611,7 @@ def config_hash(config: ScenarioConfig) -> str:
     data.pop("resources", None)
     data.pop("description", None)
     data.pop("paper", None)
+    data.get("training", {}).pop("checkpoint_every_epochs", None)  # where work is saved, not what it computes
     return stable_hash(data)
 
 
