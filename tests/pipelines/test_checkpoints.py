@@ -185,3 +185,54 @@ def test_sigterm_mid_epoch_saves_and_the_restart_is_bit_identical(source, tmp_pa
     weights = load_file(str(tmp_path / "b.safetensors"))
     expected = reference.model.state_dict()
     assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
+
+
+# ---- through the engine ------------------------------------------------------------------------------------------
+def _tiny_graph(output: Path, every: int, epochs: int = 3):
+    import tiny_scenario_helpers as tiny
+
+    from pipelines.config import validate_config
+    from pipelines.graph import compile_scenario
+
+    tiny.register()
+    document = tiny.scenario("dsimplex-hoc", output=str(output))
+    document["training"].update(epochs=epochs, checkpoint_every_epochs=every)
+    return compile_scenario(validate_config(document))
+
+
+def test_stage_killed_after_a_checkpoint_resumes_to_the_same_matrix_and_checkpoints_are_collected(tmp_path,
+                                                                                                   monkeypatch):
+    """finetune[t=2] dies right after its epoch-2 checkpoint (of 3); the run started again restores it and ends
+    with the matrix of a run without checkpoints (same stage keys: the interval is not part of them); no checkpoint
+    is left once the stages are committed."""
+    import pipelines.checkpoints as checkpoints
+    from pipelines.executor import LocalExecutor
+
+    torch.set_num_threads(1)
+    reference_graph = _tiny_graph(tmp_path / "reference", every=0)
+    LocalExecutor(progress=False).run(reference_graph, RunStore(tmp_path / "reference"))
+    graph = _tiny_graph(tmp_path / "run", every=1)
+    assert [s.key for s in graph] == [s.key for s in reference_graph]
+    target = next(s for s in graph if s.kind == "finetune" and s.task == 1)
+    original = checkpoints.StoreCheckpointSink.save
+
+    def dying_save(self, checkpoint):
+        original(self, checkpoint)
+        if self.stage_key == target.key and checkpoint.epochs_done == 2:
+            raise Interrupted("stage killed after its epoch-2 checkpoint")
+
+    monkeypatch.setattr(checkpoints.StoreCheckpointSink, "save", dying_save)
+    store = RunStore(tmp_path / "run")
+    with pytest.raises(Interrupted):
+        LocalExecutor(progress=False).run(graph, store)
+    assert store.list_files(f"checkpoints/{target.key}") == ["epoch-00002.json", "epoch-00002.pt"]
+    monkeypatch.setattr(checkpoints.StoreCheckpointSink, "save", original)
+    LocalExecutor(progress=False).run(graph, store)
+    for name in ("matrix.json", "metrics.json"):
+        assert json.loads((tmp_path / "run" / name).read_text()) == json.loads(
+            (tmp_path / "reference" / name).read_text()), name
+    assert store.list_dirs("checkpoints") == []
+    resumed_record = store.load_record(target.key)
+    reference_record = RunStore(tmp_path / "reference").load_record(target.key)
+    assert resumed_record["training"]["final_loss"] == reference_record["training"]["final_loss"]
+    assert resumed_record["training"]["epochs_recorded"] == 3  # the restored records count too
