@@ -276,4 +276,7 @@ def plan_lines(config, query_rows: int | None, gallery_rows: int | None, entries
         bridge = 2.0 * 2 * d * m * m + 2.0 * gallery_rows * m * m + 2.0 * query_rows * gallery_rows * m
         lines.append(f"  similarity cost per entry: direct {direct:.3e} FLOPs, bridge {bridge:.3e} FLOPs "
                      f"({direct / bridge:.1f}x less); {entries} entries")
+    else:
+        lines.append(f"  similarity cost per entry: direct 2*Nq*Ng*{d} FLOPs, bridge 2*Nq*Ng*{m} + 2*Ng*{m}^2 + "
+                     f"{4.0 * d * m * m:.3e} (the m x m head products) FLOPs; {entries} entries")
     return lines
