@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig, StageResources, config_to_dict, stable_hash
+from pipelines.train_config import PRETRAIN_OVERRIDES
 
 STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "entry", "evaluate", "adapt")
 SPLITS = ("query", "gallery")
@@ -191,7 +192,7 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
         # only the training settings the pretrain stage falls back to (or always uses) enter its key, so tuning
         # the fine-tuning schedule keeps already trained third-party models
         resolved_training = {name: training[name] if entry.get(name) is None else entry[name]
-                             for name in ("epochs", "batch_size", "optimizer", "schedule")}
+                             for name in PRETRAIN_OVERRIDES}
         resolved_training["autocast"] = training["autocast"]
         params = {
             "pretrain": entry,

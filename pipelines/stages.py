@@ -355,25 +355,6 @@ def _load_source(ctx: StageContext, source: str, classifier: str, backbone: str 
 
 
 # ---- training ------------------------------------------------------------------------------------------------------
-def _train_config(config: ScenarioConfig, seed: int, device: torch.device, epochs: int | None = None,
-                  batch_size: int | None = None, optimizer=None, schedule=None, model_selection: str | None = None):
-    """pipelines.training.TrainConfig from the scenario's training section (pretrain entries may override parts)."""
-    from pipelines.training import TrainConfig
-
-    training = config.training
-    optimizer = optimizer or training.optimizer
-    schedule = schedule or training.schedule
-    return TrainConfig(
-        epochs=epochs or training.epochs, batch_size=batch_size or training.batch_size, lr=optimizer.lr,
-        optimizer=optimizer.name, momentum=optimizer.momentum, weight_decay=optimizer.weight_decay,
-        schedule=schedule.name, milestones=tuple(schedule.milestones), gamma=schedule.gamma, seed=seed,
-        device=str(device), model_selection=model_selection or training.model_selection,
-        selection_strict=config.evaluation.strict, mixed_precision=training.autocast,
-        eval_batch_size=config.evaluation.batch_size, epoch_length=config.replay.epoch_length,
-        input_workers=training.input_workers,
-    )
-
-
 def _progress_hook(ctx: StageContext):
     """train_task's per-step progress -> ProgressUpdate records (epoch bar with images/s and ETA)."""
     def hook(epoch: int, step: int, total_steps: int, images_per_s: float) -> None:
@@ -424,10 +405,8 @@ def pretrain_stage(ctx: StageContext) -> StageResult:
             raise type(error)(f"pretrain[{spec.name}].init: {error}") from error
     model = model.to(ctx.device)
     model.config["pretrained_classes"] = spec.num_classes
-    train_config = _train_config(config, seed, ctx.device, spec.epochs, spec.batch_size, spec.optimizer,
-                                 spec.schedule, model_selection="last")
-    result = pretrain_model(model, pool, np.arange(len(pool)), train_config, on_record=ctx.emit,
-                            progress=_progress_hook(ctx))
+    result = pretrain_model(model, pool, np.arange(len(pool)), config.train_config(seed, ctx.device, spec),
+                            on_record=ctx.emit, progress=_progress_hook(ctx))
     record = ModelArtifact("model", ctx.stage.key, artifact_location(ctx.stage.key), None, 0,
                            spec.num_classes, 0, classifier, spec.num_classes if classifier == "learnable" else 0,
                            source=None, training=_summary(result))
@@ -619,7 +598,7 @@ def train_task_stage(ctx: StageContext) -> StageResult:
         num_new_classes=len(tasks[task]) + (first_position if method.retrain_from_scratch else 0),
         memory_indices=memory_indices, memory_slots=memory_slots, initial_state=initial_state, selection=selection,
     )
-    result = train_task(model, old_model, method, data, _train_config(config, seed, ctx.device), on_record=ctx.emit,
+    result = train_task(model, old_model, method, data, config.train_config(seed, ctx.device), on_record=ctx.emit,
                         progress=_progress_hook(ctx))
     trained = result.model
     blobs = _model_blobs(trained)
@@ -642,7 +621,7 @@ def train_task_stage(ctx: StageContext) -> StageResult:
             from pipelines.training import compute_features
 
             herding_features = compute_features(trained, pool, task_indices,
-                                                _train_config(config, seed, ctx.device)).numpy()
+                                                config.train_config(seed, ctx.device)).numpy()
         new_indices, new_positions, new_tasks = _update_memory(config, memory, task_indices, task_positions, task,
                                                                herding_features)
         blobs["memory-indices.npy"] = encode_array(new_indices)
