@@ -19,15 +19,13 @@ import re
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from pipelines.train_config import (
+    BOUND_FIELDS, PRETRAIN_OVERRIDES, OptimizerSpec, ScheduleSpec, StrictModel, TrainConfig,
+)
 
 PRETRAIN_PREFIX = "pretrain:"
-
-
-class StrictModel(BaseModel):
-    """Base for every config section: unknown keys are errors, so a typo never silently keeps a default."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
 
 class Portion(StrictModel):
@@ -68,45 +66,6 @@ class ModelSpec(StrictModel):
         "auto", description="retrieval feature: 'junction' = Linear(m, K-1) output (d-Simplex methods need it); "
         "'backbone' = the backbone output with the classifier on it (the papers' learnable-classifier baselines); "
         "'auto' = backbone for learnable classifiers, junction for the d-Simplex")
-
-
-class OptimizerSpec(StrictModel):
-    name: Literal["sgd", "adamw"] = "sgd"
-    lr: float = Field(0.1, gt=0.0)
-    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum (ignored by adamw)")
-    weight_decay: float = Field(5e-4, ge=0.0)
-
-
-class ScheduleSpec(StrictModel):
-    name: Literal["cosine", "constant", "step"] = "constant"
-    milestones: list[int] = Field(default_factory=list, description="epochs (0-based) where step divides the lr")
-    gamma: float = Field(0.1, gt=0.0, description="lr multiplier at each milestone (step schedule)")
-
-    @model_validator(mode="after")
-    def _milestones_for_step(self) -> "ScheduleSpec":
-        if self.name == "step" and not self.milestones:
-            raise ValueError("schedule.milestones: the step schedule needs at least one epoch, e.g. [50, 64]")
-        if self.milestones != sorted(self.milestones):
-            raise ValueError(f"schedule.milestones must be increasing, got {self.milestones}")
-        return self
-
-
-class TrainingSpec(StrictModel):
-    """How every fine-tuning / replacement task is trained (pre-training stages may override parts)."""
-
-    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
-    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
-    epochs: int = Field(1, ge=1)
-    batch_size: int = Field(128, ge=2, description="at least 2: batch norm needs two samples per batch")
-    model_selection: Literal["last", "compatibility"] = Field(
-        "last", description="last epoch, or CoReS Sec. 8.2 compatibility-based selection on a held-out split"
-    )
-    selection_holdout: float = Field(0.1, gt=0.0, lt=1.0, description="fraction of task data held out for selection")
-    autocast: bool | Literal["auto", "bf16", "fp16", "off"] = Field(
-        True, description="true/auto: bf16/fp16 autocast where compat_core.device finds it faster; bf16/fp16: force "
-        "that dtype (e.g. CPUs with avx512_bf16 but no AMX); false/off: fp32")
-    input_workers: int = Field(0, ge=0, description="CPU processes that read and decode the next batches while a "
-                               "step runs (0: in the training thread; about 1 per 250 images/s of 224 px JPEG)")
 
 
 class ReplaySpec(StrictModel):
@@ -192,6 +151,9 @@ class EvaluationSpec(StrictModel):
     far: float = Field(1e-3, gt=0.0, lt=1.0, description="false-acceptance rate for tar_at_far")
     verification_pairs: int = Field(3000, ge=1, description="positive (and as many negative) pairs for verification")
     feature_dtype: Literal["float16", "float32"] = "float16"
+    features: Literal["auto", "direct", "bridge"] = Field(
+        "auto", description="what extract stores: d-dim features (direct) or m-dim embeddings for the exact "
+                            "linear-head bridge (bridge); auto: the bridge when d = K-1 > m (pipelines.bridge_features)")
     batch_size: int = Field(256, ge=1, description="extraction batch size")
 
 
@@ -242,7 +204,7 @@ class ScenarioConfig(StrictModel):
     tasks: TaskSpec
     model: ModelSpec
     method: MethodSpec
-    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    training: TrainConfig = Field(default_factory=TrainConfig)
     replay: ReplaySpec = Field(default_factory=ReplaySpec)
     pretrain: list[PretrainSpec] = Field(default_factory=list)
     initial_model: str | None = Field(
@@ -283,6 +245,17 @@ class ScenarioConfig(StrictModel):
     def output_dir(self) -> str:
         return self.output.dir.replace("{name}", self.name)
 
+    def train_config(self, seed: int, device: str, pretrain: PretrainSpec | None = None) -> TrainConfig:
+        """What a stage trains with: the ``training`` section (with ``pretrain``'s overrides for a pre-training
+        stage, which always keeps its last epoch) and the values other sections own (BOUND_FIELDS) bound in."""
+        values = {"seed": seed, "device": str(device), "epoch_length": self.replay.epoch_length,
+                  "selection_strict": self.evaluation.strict, "eval_batch_size": self.evaluation.batch_size}
+        if pretrain is not None:
+            values.update({name: getattr(pretrain, name) for name in PRETRAIN_OVERRIDES
+                           if getattr(pretrain, name) is not None})
+            values["model_selection"] = "last"
+        return self.training.bound(**values)
+
     # ---- cross-field validation -----------------------------------------------------------------------------
     @model_validator(mode="after")
     def _cross_checks(self) -> "ScenarioConfig":
@@ -290,6 +263,8 @@ class ScenarioConfig(StrictModel):
         num_tasks = self.num_tasks
         total_classes = sum(self.increments)
         pretrain_names = [p.name for p in self.pretrain]
+        for name in sorted(self.training.model_fields_set & set(BOUND_FIELDS)):
+            problems.append(f"training.{name}: set by {BOUND_FIELDS[name]}, not in the training section")
         duplicates = sorted({n for n in pretrain_names if pretrain_names.count(n) > 1})
         if duplicates:
             problems.append(f"pretrain: names must be unique, {duplicates} appear more than once")
@@ -617,7 +592,7 @@ def config_hash(config: ScenarioConfig) -> str:
 
 __all__ = [
     "ConfigError", "ScenarioConfig", "PoolSpec", "PretrainSpec", "ReplacementSpec", "EvaluationSpec",
-    "TrainingSpec", "OptimizerSpec", "ScheduleSpec", "ReplaySpec", "MethodSpec", "ModelSpec", "TaskSpec",
+    "TrainConfig", "OptimizerSpec", "ScheduleSpec", "ReplaySpec", "MethodSpec", "ModelSpec", "TaskSpec",
     "StageResources", "ResourcesSpec", "PaperSpec", "load_config", "validate_config", "apply_override", "parse_increments",
     "config_to_dict", "dump_config", "stable_hash", "config_hash", "PRETRAIN_PREFIX",
 ]

@@ -28,11 +28,8 @@ from compat_core.models.precision import autocast_context, has_convolutions, pre
 from compat_core.retrieval import recall_at_1
 from compat_core.simplex import pretrain_slot
 from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy
+from pipelines.train_config import TrainConfig
 
-OPTIMIZERS = ("sgd", "adamw")
-SCHEDULES = ("cosine", "constant", "step")
-REPLAY_SAMPLINGS = ("half_and_half", "mixed")
-MODEL_SELECTIONS = ("last", "compatibility")
 # "auto": the half type compat_core.device finds fast (bf16 on CPUs only with AMX); "bf16"/"fp16": forced (e.g. a
 # CPU with avx512_bf16 but no AMX, where bf16 convolutions measured ~1.8x faster than fp32); "off": fp32.
 AUTOCAST_MODES = ("auto", "bf16", "fp16", "off")
@@ -67,100 +64,6 @@ def prepare_model(model: nn.Module, device: torch.device | str, mode: Any) -> nn
     if autocast_mode(mode) in _FORCED_DTYPES and has_convolutions(model):
         model = model.to(memory_format=torch.channels_last)
     return model
-
-
-def _require_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"TrainConfig.{name} must be an int >= {low}, got {value!r}")
-
-
-def _require_number(name: str, value: Any, low: float, *, strict: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"TrainConfig.{name} must be a finite number, got {value!r}")
-    if value < low or (strict and value == low):
-        raise ValueError(f"TrainConfig.{name} must be {'>' if strict else '>='} {low}, got {value!r}")
-
-
-def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"TrainConfig.{name} must be one of {choices}, got {value!r}")
-
-
-@dataclass
-class TrainConfig:
-    """Optimisation settings of one task.
-
-    epochs: passes over the task data (or ``steps_per_epoch`` steps each). lr: peak learning rate. schedule:
-    "cosine" (to 0 over all steps after warm-up), "constant", or "step" (multiply by ``gamma`` at each epoch in
-    ``milestones``, 0-based epoch counts, e.g. CoReS's 100 epochs with milestone 70). warmup_epochs: linear warm-up
-    from lr/warmup_steps. replay_sampling: "half_and_half" (every batch half memory, half task: the public
-    reference) or "mixed" (memory and task samples shuffled together). epoch_length (half_and_half): "task" (one pass
-    over the task data, batch_size // 2 task samples per batch) or "reference" ((task + memory) // batch_size
-    batches, as the public CL2R/IAM-CL2R code's BalancedBatchSampler). model_selection: "last" or "compatibility"
-    (CoReS Sec. 8.2; needs ``TaskData.selection``). mixed_precision: True / "auto" autocasts where the device has
-    a fast half type (bf16 on CPUs with AMX), "bf16" / "fp16" force that autocast dtype, False / "off" runs fp32. steps_per_epoch: cap on steps per epoch (None: one pass).
-    log_every_steps: also emit a record every N steps (0: per-epoch records only).
-    input_workers: CPU processes that read and decode the next batches while the current step runs
-    (compat_core.data.stream; 0: read in the training thread). prefetch_batches: batches read ahead per worker.
-    """
-
-    epochs: int = 1
-    batch_size: int = 128
-    lr: float = 0.1
-    optimizer: str = "sgd"
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    schedule: str = "constant"
-    milestones: tuple[int, ...] = ()
-    gamma: float = 0.1
-    warmup_epochs: int = 0
-    seed: int = 0
-    device: str = "cpu"
-    replay_sampling: str = "half_and_half"
-    epoch_length: str = "task"
-    model_selection: str = "last"
-    selection_strict: bool = True
-    mixed_precision: bool | str = True
-    augment: bool = True
-    steps_per_epoch: int | None = None
-    eval_batch_size: int = 256
-    log_every_steps: int = 0
-    input_workers: int = 0
-    prefetch_batches: int = 2
-
-    def __post_init__(self) -> None:
-        _require_int("epochs", self.epochs, 1)
-        _require_int("batch_size", self.batch_size, 2)
-        _require_number("lr", self.lr, 0.0, strict=True)
-        _require_choice("optimizer", self.optimizer, OPTIMIZERS)
-        _require_number("momentum", self.momentum, 0.0)
-        _require_number("weight_decay", self.weight_decay, 0.0)
-        _require_choice("schedule", self.schedule, SCHEDULES)
-        _require_choice("epoch_length", self.epoch_length, ("task", "reference"))
-        self.milestones = tuple(self.milestones)
-        for milestone in self.milestones:
-            _require_int("milestones[]", milestone, 1)
-        _require_number("gamma", self.gamma, 0.0, strict=True)
-        _require_int("warmup_epochs", self.warmup_epochs, 0)
-        if self.warmup_epochs >= self.epochs:
-            raise ValueError(f"TrainConfig.warmup_epochs must be < epochs ({self.epochs}), got {self.warmup_epochs}")
-        _require_int("seed", self.seed, 0)
-        try:
-            torch.device(self.device)
-        except (RuntimeError, TypeError) as error:
-            raise ValueError(f"TrainConfig.device must be a torch device string such as 'cpu' or 'cuda:0', got {self.device!r}") from error
-        _require_choice("replay_sampling", self.replay_sampling, REPLAY_SAMPLINGS)
-        _require_choice("model_selection", self.model_selection, MODEL_SELECTIONS)
-        if self.steps_per_epoch is not None:
-            _require_int("steps_per_epoch", self.steps_per_epoch, 1)
-        _require_int("eval_batch_size", self.eval_batch_size, 1)
-        _require_int("log_every_steps", self.log_every_steps, 0)
-        _require_int("input_workers", self.input_workers, 0)
-        _require_int("prefetch_batches", self.prefetch_batches, 1)
-        try:
-            autocast_mode(self.mixed_precision)
-        except ValueError as error:
-            raise ValueError(f"TrainConfig.mixed_precision: {error}") from None
 
 
 @dataclass
@@ -360,21 +263,22 @@ def _lr_factor(config: TrainConfig, steps_per_epoch: int) -> Callable[[int], flo
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        if config.schedule == "cosine":
+        if config.schedule.name == "cosine":
             progress = (step - warmup) / max(1, total - warmup)
             return 0.5 * (1.0 + math.cos(math.pi * progress))
-        if config.schedule == "step":
+        if config.schedule.name == "step":
             epoch = step // steps_per_epoch
-            return config.gamma ** sum(1 for milestone in config.milestones if epoch >= milestone)
+            return config.schedule.gamma ** sum(1 for milestone in config.schedule.milestones if epoch >= milestone)
         return 1.0
 
     return factor
 
 
 def _make_optimizer(parameters: list[nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+    settings = config.optimizer
+    if settings.name == "sgd":
+        return torch.optim.SGD(parameters, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
+    return torch.optim.AdamW(parameters, lr=settings.lr, weight_decay=settings.weight_decay)
 
 
 def _check_model_for_method(model: nn.Module, method: Method, data: TaskData) -> None:
@@ -407,7 +311,7 @@ def _extract(model: nn.Module, source: ImageSource, indices: np.ndarray, device:
                for start in range(0, indices.size, config.eval_batch_size)]
     for _, images in stream_batches(source, indices, batches, workers=config.input_workers,
                                     prefetch=config.prefetch_batches, pin_memory=device.type == "cuda"):
-        with precision_context(device, config.mixed_precision):
+        with precision_context(device, config.autocast):
             output = model(prepare_batch(transform(images.to(device, non_blocking=True)), model))
         chunks.append(feature_fn(output).float().cpu())
     return torch.cat(chunks)
@@ -416,7 +320,7 @@ def _extract(model: nn.Module, source: ImageSource, indices: np.ndarray, device:
 def compute_features(model: nn.Module, source: ImageSource, indices: np.ndarray, config: TrainConfig) -> torch.Tensor:
     """L2-normalised features (n, K-1), float32 on the CPU, of ``source[indices]`` with evaluation transforms.
 
-    Batches of ``config.eval_batch_size`` on ``config.device`` under ``config.mixed_precision``; the model is put in
+    Batches of ``config.eval_batch_size`` on ``config.device`` under ``config.autocast``; the model is put in
     eval mode for the call and its previous mode restored (used for herding replay selection).
     """
     indices = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -530,9 +434,9 @@ def train_task(
             needed = max(needed, int(data.memory_slots.max()) + 1)
         if needed > model.num_active_classes:
             model.expand_classes(needed)
-    prepare_model(model, device, config.mixed_precision)
+    prepare_model(model, device, config.autocast)
     if old_model is not None:
-        prepare_model(old_model, device, config.mixed_precision)
+        prepare_model(old_model, device, config.autocast)
         old_model.eval()
         old_model.requires_grad_(False)
 
@@ -553,7 +457,7 @@ def train_task(
         iterate_memory=memory_iterator,
     )
     model.eval()  # setup statistics (e.g. old-class centres) must not update batch-norm buffers
-    with precision_context(device, config.mixed_precision):
+    with precision_context(device, config.autocast):
         extra_modules = method.setup(ctx)
     for module in extra_modules:
         module.to(device).train()
@@ -592,7 +496,7 @@ def train_task(
         started = time.perf_counter()  # a step's time includes any wait for its batch
         for positions, images in stream:
             batch = loader.batch(positions, images)
-            with precision_context(device, config.mixed_precision):
+            with precision_context(device, config.autocast):
                 loss, parts = method.loss(batch, ctx)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -673,7 +577,7 @@ class _Window:
         if nonfinite:
             raise FloatingPointError(
                 f"method {method_name!r}: non-finite loss in {nonfinite} of the {self.count} steps ending at step "
-                f"{step} (task {task}, epoch {epoch}; mean {loss_sum / count}, parts {parts}); lower TrainConfig.lr"
+                f"{step} (task {task}, epoch {epoch}; mean {loss_sum / count}, parts {parts}); lower training.optimizer.lr"
             )
         return TrainRecord(
             task=task,
@@ -736,10 +640,6 @@ def pretrain_model(
 
 __all__ = [
     "AUTOCAST_MODES",
-    "MODEL_SELECTIONS",
-    "OPTIMIZERS",
-    "REPLAY_SAMPLINGS",
-    "SCHEDULES",
     "SelectionSplit",
     "SupervisedPretraining",
     "TaskData",

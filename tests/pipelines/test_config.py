@@ -153,3 +153,29 @@ def test_baseline_head_refuses_replacements_of_another_width():
     hoc["model"]["head"] = "backbone"
     with pytest.raises(ConfigError, match="model.head: 'backbone' needs a learnable-classifier method"):
         validate_config(hoc)
+
+
+def test_stages_train_with_the_training_section_and_the_values_other_sections_own():
+    """One schema: the loop's TrainConfig is the config's training section, with seed/device/evaluation/replay
+    values bound in by the stage; those bound values are refused in the training section and never dumped."""
+    from pipelines.config import config_to_dict
+    from pipelines.training import TrainConfig
+
+    document = _with("training.model_selection", "compatibility")
+    document["evaluation"]["batch_size"] = 64
+    document["pretrain"][0]["epochs"] = 7
+    config = validate_config(document)
+    assert isinstance(config.training, TrainConfig)
+    task = config.train_config(1003, "cpu")
+    assert (task.seed, task.device, task.eval_batch_size, task.epoch_length) == (1003, "cpu", 64, "task")
+    assert task.epochs == config.training.epochs and task.model_selection == "compatibility"
+    assert task.optimizer == config.training.optimizer
+    pretrain = config.train_config(5, "cpu", config.pretrain[0])
+    assert (pretrain.epochs, pretrain.model_selection, pretrain.seed) == (7, "last", 5)
+    assert "seed" not in config_to_dict(config)["training"] and "device" not in config_to_dict(config)["training"]
+    with pytest.raises(ConfigError, match=r"training\.seed: set by 'seed'.*not in the training section"):
+        validate_config(_with("training.seed", 4))
+    with pytest.raises(ConfigError, match=r"training\.eval_batch_size: set by 'evaluation\.batch_size'"):
+        validate_config(_with("training.eval_batch_size", 4))
+    with pytest.raises(ValueError, match=r"device\n  Value error, must be a torch device string"):
+        config.train_config(0, "gpu0")

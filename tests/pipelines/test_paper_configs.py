@@ -156,9 +156,7 @@ def test_iam_cl2r_t7_sampler_steps_per_epoch_are_task_plus_memory_over_batch():
 
     config = load_config(CONFIGS / "iam-cl2r-cifar100r-10-t7.yaml")
     assert config.replay.epoch_length == "reference"
-    from pipelines.stages import _train_config
-
-    train = _train_config(config, 0, torch.device("cpu"))
+    train = config.train_config(0, "cpu")
     num_task, num_memory = 15 * 300, 25 * 20  # task 3: 15 classes x 300 images; memory: 25 classes x 20
     from compat_core.data.base import ArraySource
 
