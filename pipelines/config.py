@@ -187,6 +187,9 @@ class EvaluationSpec(StrictModel):
     far: float = Field(1e-3, gt=0.0, lt=1.0, description="false-acceptance rate for tar_at_far")
     verification_pairs: int = Field(3000, ge=1, description="positive (and as many negative) pairs for verification")
     feature_dtype: Literal["float16", "float32"] = "float16"
+    features: Literal["auto", "direct", "bridge"] = Field(
+        "auto", description="what extract stores: d-dim features (direct) or m-dim embeddings for the exact "
+                            "linear-head bridge (bridge); auto: the bridge when d = K-1 > m (pipelines.bridge_features)")
     batch_size: int = Field(256, ge=1, description="extraction batch size")
 
 

@@ -177,6 +177,11 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
     version = code_version() if version is None else version
     document = config_to_dict(config)
     traits = _method_traits(config.method.name)
+    if config.evaluation.features == "bridge":  # refuse an impossible bridge before anything trains
+        from pipelines.bridge_features import feature_way
+        from pipelines.config import resolved_head
+
+        feature_way(config, resolved_head(config, traits["classifier"]), 2, 1)
     graph = StageGraph(config=config, code_version=version)
     resources = config.resources
     model_section = document["model"]
@@ -240,7 +245,8 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
         previous = stage.key
 
     evaluation = document["evaluation"]
-    extraction_params = {"feature_dtype": evaluation["feature_dtype"], "batch_size": evaluation["batch_size"]}
+    extraction_params = {"feature_dtype": evaluation["feature_dtype"], "batch_size": evaluation["batch_size"],
+                         "features": evaluation["features"]}
     for task, model_key in enumerate(graph.model_stages):
         for split in SPLITS:
             params = {"split": split, "pool": evaluation[f"{split}_set"], **extraction_params,
@@ -378,6 +384,9 @@ def describe(graph: StageGraph) -> str:
     flops = "unknown" if plan.matrix_flops is None else f"{plan.matrix_flops:.3e} FLOPs"
     lines.append(f"matrix: {plan.matrix_entries} entries (T(T+1)/2, metric {config.evaluation.metric}, gallery "
                  f"{config.evaluation.gallery}), similarity cost {flops}")
+    from pipelines.bridge_features import plan_lines  # direct features vs the linear-head bridge (issue 14)
+
+    lines.extend(plan_lines(config, plan.query_rows, plan.gallery_rows, plan.matrix_entries))
     return "\n".join(lines)
 
 

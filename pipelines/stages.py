@@ -662,10 +662,20 @@ def extract_stage(ctx: StageContext) -> StageResult:
     def progress(done: int, batches: int, images_per_second: float) -> None:
         ctx.emit(ProgressUpdate(ctx.stage.key, done, batches, "batch", images_per_second))
 
-    features = extract_pool_features(model, pool, config, ctx.device, progress)
+    from pipelines.bridge_features import bridge_blobs, model_feature_way
+
+    way, reason = model_feature_way(config, model)  # bridge: store m-dim embeddings, entries use the exact bridge
+    features = extract_pool_features(model, pool, config, ctx.device, progress, embeddings=way == "bridge")
     seconds = time.perf_counter() - started
     coarse = getattr(pool, "coarse_labels", None)
-    blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse, dtype=config.evaluation.feature_dtype)
+    if way == "bridge":
+        blobs, layout = bridge_blobs(features, model_record["stage_key"], model.feature_dim, np.asarray(pool.labels),
+                                     coarse, config.evaluation.feature_dtype)
+    else:
+        blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse,
+                                      dtype=config.evaluation.feature_dtype)
+        layout["way"] = "direct"
+    layout["way_reason"] = reason
     adapter = ADAPTER_BLOB if ADAPTER_BLOB in (model_record.get("extra_blobs") or []) else None
     record = FeatureArtifact("features", ctx.stage.key, int(ctx.stage.task), split,
                              artifact_location(ctx.stage.key), layout,
@@ -676,8 +686,10 @@ def extract_stage(ctx: StageContext) -> StageResult:
 
 @torch.no_grad()
 def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.device,
-                          progress: Callable[[int, int, float], None] | None = None) -> np.ndarray:
-    """(N, D) float32 features of ``model`` on every image of ``pool`` (logits for training-free methods).
+                          progress: Callable[[int, int, float], None] | None = None,
+                          embeddings: bool = False) -> np.ndarray:
+    """(N, D) float32 features of ``model`` on every image of ``pool`` (logits for training-free methods; the
+    (N, m) backbone embeddings with ``embeddings``, for the linear-head bridge).
 
     The one extraction path: extract stages and ``compat gate`` use it. The next batches are decoded on CPU
     workers (``training.input_workers``) while the model runs. progress(batch, batches, images per s).
@@ -706,12 +718,14 @@ def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.dev
             with precision_context(device, config.training.autocast):
                 output = model(inputs)
             # training-free methods (PSP/LSP) map logits into the gallery model's class space at evaluation time
-            values = output.logits if getattr(method, "training_free", False) else output.features
+            values = (output.embedding if embeddings
+                      else output.logits if getattr(method, "training_free", False) else output.features)
             outputs.append(values.float().cpu().numpy())
             if progress is not None:
                 done = int(positions[-1]) + 1
                 progress(batch_index + 1, batches, done / max(time.perf_counter() - started, 1e-9))
-    return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, model.feature_dim), np.float32)
+    width = model.embed_dim if embeddings else model.feature_dim
+    return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, width), np.float32)
 
 
 # ---- evaluation --------------------------------------------------------------------------------------------------
@@ -864,11 +878,12 @@ def entry_stage(ctx: StageContext) -> StageResult:
     query_key, gallery_keys = stage.parents[0], stage.parents[1:]
     gallery_key = gallery_keys[column]
     adapters = entry_adapters(ctx.store, [ctx.parents[k] for k in gallery_keys], row, column)
-    value = compute_entry(cached_features(ctx.store, query_key), cached_features(ctx.store, gallery_key), protocol,
-                          ctx.config, ctx.parents[query_key].get("num_classes_model", 0),
-                          ctx.parents[gallery_key].get("num_classes_model", 0), adapters=adapters)
+    from pipelines.bridge_features import entry_value  # direct features or the exact linear-head bridge
+
+    value, features = entry_value(ctx.store, ctx.config, ctx.parents[query_key], ctx.parents[gallery_key], protocol,
+                                  adapters)
     return StageResult({"type": "entry", "row": row, "column": column, "value": value, "query": query_key,
-                        "gallery": gallery_key, "protocol": protocol}, {})
+                        "gallery": gallery_key, "protocol": protocol, "features": features}, {})
 
 
 def evaluate_stage(ctx: StageContext) -> StageResult:

@@ -211,8 +211,10 @@ class RunStore:
 
 
 def feature_blobs(features: np.ndarray, labels: np.ndarray, coarse_labels: np.ndarray | None = None,
-                  dtype: str = "float16", shard_rows: int = 65536) -> tuple[dict[str, bytes], dict]:
-    """Encode features ``(N, D)`` as .npy shards of ``dtype`` plus labels; returns (blobs, layout for the record)."""
+                  dtype: str = "float16", shard_rows: int = 65536,
+                  prefix: str = "features") -> tuple[dict[str, bytes], dict]:
+    """Encode features ``(N, D)`` as .npy shards ``<prefix>-NNNNN.npy`` of ``dtype`` plus labels; returns (blobs,
+    layout for the record)."""
     features = np.asarray(features)
     if features.ndim != 2:
         raise ValueError(f"features must be (N, D), got shape {features.shape}")
@@ -221,7 +223,7 @@ def feature_blobs(features: np.ndarray, labels: np.ndarray, coarse_labels: np.nd
     blobs: dict[str, bytes] = {}
     shards = []
     for index, start in enumerate(range(0, max(features.shape[0], 1), shard_rows)):
-        name = f"features-{index:05d}.npy"
+        name = f"{prefix}-{index:05d}.npy"
         blobs[name] = encode_array(features[start:start + shard_rows].astype(dtype))
         shards.append(name)
     blobs["labels.npy"] = encode_array(np.asarray(labels, dtype=np.int64))
@@ -233,9 +235,17 @@ def feature_blobs(features: np.ndarray, labels: np.ndarray, coarse_labels: np.nd
 
 
 def read_features(store: RunStore, stage_key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(features (N, D) in their stored dtype, labels (N,), coarse labels (N,) or None) of an extract stage."""
+    """(features (N, D) in their stored dtype, labels (N,), coarse labels (N,) or None) of an extract stage.
+
+    A bridge extract (layout way ``bridge``) stores embeddings: its d-dim features come back materialised (A h,
+    float32; see pipelines.bridge_features)."""
     manifest = store.load_manifest(stage_key)
     layout = manifest["record"]["layout"]
+    if layout.get("way") == "bridge":
+        from pipelines.bridge_features import materialize, read_embeddings
+
+        embeddings, labels, coarse, layout = read_embeddings(store, stage_key)
+        return materialize(store, layout, embeddings), labels, coarse
     parts = [store.read_array(stage_key, name, manifest) for name in layout["shards"]]
     features = np.concatenate(parts, axis=0) if parts else np.zeros((0, layout["dim"]), dtype=layout["dtype"])
     labels = store.read_array(stage_key, "labels.npy", manifest)
