@@ -313,7 +313,7 @@ def load_model_artifact(store: RunStore, record: dict, device: torch.device):
 def _method(config: ScenarioConfig):
     from pipelines.methods import get_method
 
-    return get_method(config.method.name, **config.method.params)
+    return get_method(config.method.name, **dict(config.method.params))
 
 
 def _seed_everything(seed: int) -> None:
