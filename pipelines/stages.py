@@ -313,7 +313,7 @@ def load_model_artifact(store: RunStore, record: dict, device: torch.device):
 def _method(config: ScenarioConfig):
     from pipelines.methods import get_method
 
-    return get_method(config.method.name, **config.method.params)
+    return get_method(config.method.name, **dict(config.method.params))
 
 
 def _seed_everything(seed: int) -> None:
@@ -355,25 +355,6 @@ def _load_source(ctx: StageContext, source: str, classifier: str, backbone: str 
 
 
 # ---- training ------------------------------------------------------------------------------------------------------
-def _train_config(config: ScenarioConfig, seed: int, device: torch.device, epochs: int | None = None,
-                  batch_size: int | None = None, optimizer=None, schedule=None, model_selection: str | None = None):
-    """pipelines.training.TrainConfig from the scenario's training section (pretrain entries may override parts)."""
-    from pipelines.training import TrainConfig
-
-    training = config.training
-    optimizer = optimizer or training.optimizer
-    schedule = schedule or training.schedule
-    return TrainConfig(
-        epochs=epochs or training.epochs, batch_size=batch_size or training.batch_size, lr=optimizer.lr,
-        optimizer=optimizer.name, momentum=optimizer.momentum, weight_decay=optimizer.weight_decay,
-        schedule=schedule.name, milestones=tuple(schedule.milestones), gamma=schedule.gamma, seed=seed,
-        device=str(device), model_selection=model_selection or training.model_selection,
-        selection_strict=config.evaluation.strict, mixed_precision=training.autocast,
-        eval_batch_size=config.evaluation.batch_size, epoch_length=config.replay.epoch_length,
-        input_workers=training.input_workers,
-    )
-
-
 def _progress_hook(ctx: StageContext):
     """train_task's per-step progress -> ProgressUpdate records (epoch bar with images/s and ETA)."""
     def hook(epoch: int, step: int, total_steps: int, images_per_s: float) -> None:
@@ -391,6 +372,14 @@ def _summary(result: Any) -> dict:
         "final_loss": float(records[-1].loss) if records else None,
         "epochs_recorded": len(records),
     }
+
+
+def _checkpoints(ctx: StageContext):
+    """The stage's epoch checkpoints in the run store (None with ``training.checkpoint_every_epochs: 0``)."""
+    from pipelines.checkpoints import StoreCheckpointSink
+
+    every = ctx.config.training.checkpoint_every_epochs
+    return StoreCheckpointSink(ctx.store, ctx.stage.key, every) if every else None
 
 
 def pretrain_stage(ctx: StageContext) -> StageResult:
@@ -424,10 +413,8 @@ def pretrain_stage(ctx: StageContext) -> StageResult:
             raise type(error)(f"pretrain[{spec.name}].init: {error}") from error
     model = model.to(ctx.device)
     model.config["pretrained_classes"] = spec.num_classes
-    train_config = _train_config(config, seed, ctx.device, spec.epochs, spec.batch_size, spec.optimizer,
-                                 spec.schedule, model_selection="last")
-    result = pretrain_model(model, pool, np.arange(len(pool)), train_config, on_record=ctx.emit,
-                            progress=_progress_hook(ctx))
+    result = pretrain_model(model, pool, np.arange(len(pool)), config.train_config(seed, ctx.device, spec),
+                            on_record=ctx.emit, progress=_progress_hook(ctx), checkpoints=_checkpoints(ctx))
     record = ModelArtifact("model", ctx.stage.key, artifact_location(ctx.stage.key), None, 0,
                            spec.num_classes, 0, classifier, spec.num_classes if classifier == "learnable" else 0,
                            source=None, training=_summary(result))
@@ -623,8 +610,8 @@ def train_task_stage(ctx: StageContext) -> StageResult:
         num_new_classes=len(tasks[task]) + (first_position if method.retrain_from_scratch else 0),
         memory_indices=memory_indices, memory_slots=memory_slots, initial_state=initial_state, selection=selection,
     )
-    result = train_task(model, old_model, method, data, _train_config(config, seed, ctx.device), on_record=ctx.emit,
-                        progress=_progress_hook(ctx))
+    result = train_task(model, old_model, method, data, config.train_config(seed, ctx.device), on_record=ctx.emit,
+                        progress=_progress_hook(ctx), checkpoints=_checkpoints(ctx))
     trained = result.model
     blobs = _model_blobs(trained)
     extra = []
@@ -646,7 +633,7 @@ def train_task_stage(ctx: StageContext) -> StageResult:
             from pipelines.training import compute_features
 
             herding_features = compute_features(trained, pool, task_indices,
-                                                _train_config(config, seed, ctx.device)).numpy()
+                                                config.train_config(seed, ctx.device)).numpy()
         new_indices, new_positions, new_tasks = _update_memory(config, memory, task_indices, task_positions, task,
                                                                herding_features)
         blobs["memory-indices.npy"] = encode_array(new_indices)
@@ -687,10 +674,20 @@ def extract_stage(ctx: StageContext) -> StageResult:
     def progress(done: int, batches: int, images_per_second: float) -> None:
         ctx.emit(ProgressUpdate(ctx.stage.key, done, batches, "batch", images_per_second))
 
-    features = extract_pool_features(model, pool, config, ctx.device, progress)
+    from pipelines.bridge_features import bridge_blobs, model_feature_way
+
+    way, reason = model_feature_way(config, model)  # bridge: store m-dim embeddings, entries use the exact bridge
+    features = extract_pool_features(model, pool, config, ctx.device, progress, embeddings=way == "bridge")
     seconds = time.perf_counter() - started
     coarse = getattr(pool, "coarse_labels", None)
-    blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse, dtype=config.evaluation.feature_dtype)
+    if way == "bridge":
+        blobs, layout = bridge_blobs(features, model_record["stage_key"], model.feature_dim, np.asarray(pool.labels),
+                                     coarse, config.evaluation.feature_dtype)
+    else:
+        blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse,
+                                      dtype=config.evaluation.feature_dtype)
+        layout["way"] = "direct"
+    layout["way_reason"] = reason
     adapter = ADAPTER_BLOB if ADAPTER_BLOB in (model_record.get("extra_blobs") or []) else None
     record = FeatureArtifact("features", ctx.stage.key, int(ctx.stage.task), split,
                              artifact_location(ctx.stage.key), layout,
@@ -701,8 +698,10 @@ def extract_stage(ctx: StageContext) -> StageResult:
 
 @torch.no_grad()
 def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.device,
-                          progress: Callable[[int, int, float], None] | None = None) -> np.ndarray:
-    """(N, D) float32 features of ``model`` on every image of ``pool`` (logits for training-free methods).
+                          progress: Callable[[int, int, float], None] | None = None,
+                          embeddings: bool = False) -> np.ndarray:
+    """(N, D) float32 features of ``model`` on every image of ``pool`` (logits for training-free methods; the
+    (N, m) backbone embeddings with ``embeddings``, for the linear-head bridge).
 
     The one extraction path: extract stages and ``compat gate`` use it. The next batches are decoded on CPU
     workers (``training.input_workers``) while the model runs. progress(batch, batches, images per s).
@@ -731,12 +730,14 @@ def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.dev
             with precision_context(device, config.training.autocast):
                 output = model(inputs)
             # training-free methods (PSP/LSP) map logits into the gallery model's class space at evaluation time
-            values = output.logits if getattr(method, "training_free", False) else output.features
+            values = (output.embedding if embeddings
+                      else output.logits if getattr(method, "training_free", False) else output.features)
             outputs.append(values.float().cpu().numpy())
             if progress is not None:
                 done = int(positions[-1]) + 1
                 progress(batch_index + 1, batches, done / max(time.perf_counter() - started, 1e-9))
-    return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, model.feature_dim), np.float32)
+    width = model.embed_dim if embeddings else model.feature_dim
+    return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, width), np.float32)
 
 
 # ---- evaluation --------------------------------------------------------------------------------------------------
@@ -887,11 +888,12 @@ def entry_stage(ctx: StageContext) -> StageResult:
     query_key, gallery_keys = stage.parents[0], stage.parents[1:]
     gallery_key = gallery_keys[column]
     adapters = entry_adapters(ctx.store, [ctx.parents[k] for k in gallery_keys], row, column)
-    value = compute_entry(cached_features(ctx.store, query_key), cached_features(ctx.store, gallery_key), protocol,
-                          ctx.config, ctx.parents[query_key].get("num_classes_model", 0),
-                          ctx.parents[gallery_key].get("num_classes_model", 0), adapters=adapters)
+    from pipelines.bridge_features import entry_value  # direct features or the exact linear-head bridge
+
+    value, features = entry_value(ctx.store, ctx.config, ctx.parents[query_key], ctx.parents[gallery_key], protocol,
+                                  adapters)
     return StageResult({"type": "entry", "row": row, "column": column, "value": value, "query": query_key,
-                        "gallery": gallery_key, "protocol": protocol}, {})
+                        "gallery": gallery_key, "protocol": protocol, "features": features}, {})
 
 
 def evaluate_stage(ctx: StageContext) -> StageResult:
@@ -954,6 +956,10 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
     record["kind"] = stage.kind
     record["label"] = stage.label
     manifest = store.commit(stage.key, record, result.blobs, code_version=code_version)
+    if stage.kind in ("pretrain", "finetune", "replace"):
+        from pipelines.checkpoints import collect_garbage
+
+        collect_garbage(store, stage.key)  # the committed model supersedes its epoch checkpoints
     return manifest["record"]
 
 

@@ -29,18 +29,10 @@ def get_method(name: str, **hparams: Any) -> Method:
     return METHODS.get(name)(**hparams)
 
 
-def method_hparam_names(name: str) -> list[str]:
-    """Hyper-parameter names the method accepts (for config validation and `compat plan`)."""
-    import dataclasses
-
-    return [f.name for f in dataclasses.fields(METHODS.get(name).Hparams)]
-
-
 __all__ = [
     "Batch",
     "METHODS",
     "Method",
     "TaskContext",
     "get_method",
-    "method_hparam_names",
 ]
