@@ -61,7 +61,9 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         from cluster.ray_loopback import prepare_loopback
 
         prepare_loopback()  # every port on 127.0.0.1, none on the machine's other interfaces
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
+        # address "local": always a new instance; without it ray.init joins the latest cluster another process
+        # started on this machine (/tmp/ray/ray_current_cluster) and then refuses num_cpus
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
                  include_dashboard=False, _node_ip_address=LOOPBACK, configure_logging=False)
     else:
         if address != "auto":
