@@ -82,9 +82,14 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
         summary = run_tracked(graph, store, tracker, executor, address=address,
                               progress=progress == "bars", label=name if progress == "lines" else "",
                               num_cpus=(threads or 1) if executor == "ray" and address is None else None)
+        ray_address = None
+        if executor == "ray":
+            import ray
+
+            ray_address = ray.get_runtime_context().gcs_address  # the instance this scenario's stages ran on
     return {"name": name, "run_dir": run_dir, "matrix": summary.matrix, "metrics": summary.metrics,
             "wall_s": time.perf_counter() - started, "cpu_s": _cpu_seconds() - cpu_before,
-            "executed": len(summary.executed), "skipped": len(summary.skipped)}
+            "executed": len(summary.executed), "skipped": len(summary.skipped), "ray_address": ray_address}
 
 
 def _cpu_seconds() -> float:
@@ -191,8 +196,9 @@ def run(args) -> int:
     cpu = _cpu_seconds() + children.ru_utime + children.ru_stime
 
     for result in results:
-        print(f"\n== {result['name']}: {result['run_dir']} ({result['wall_s']:.0f} s wall, {result['cpu_s']:.0f} s CPU; "
-              f"{result['executed']} stages run, {result['skipped']} already done) ==")
+        on_ray = f"; Ray instance {result['ray_address']}" if result.get("ray_address") else ""
+        print(f"\n== {result['name']}: {result['run_dir']} ({result['wall_s']:.0f} s wall, {result['cpu_s']:.0f} s CPU "
+              f"of its driver; {result['executed']} stages run, {result['skipped']} already done{on_ray}) ==")
         if result["matrix"] is not None:
             print_results(result["matrix"], result["metrics"])
     by_name = {result["name"]: result["metrics"] for result in results}
@@ -200,7 +206,7 @@ def run(args) -> int:
     if er and hoc and er.get("AA") and hoc.get("AA") is not None:
         print(f"\nd-Simplex-HOC vs ER: AC {hoc['AC']:.3f} vs {er['AC']:.3f}; AA {hoc['AA']:.3f} vs {er['AA']:.3f} "
               f"({hoc['AA'] / er['AA']:.2f}x)")
-    where = "Ray tasks on one embedded local Ray instance" if args.executor == "ray" else "in-process"
+    where = f"Ray tasks on one embedded local Ray instance ({address})" if address else "in-process"
     if tree_cpu is not None:
         cpu_text = f"{max(cpu, tree_cpu):.0f} s CPU (user+sys, whole process tree incl. Ray workers)"
     else:
