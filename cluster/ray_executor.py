@@ -224,12 +224,13 @@ class RayExecutor(Executor):
         if self.address is not None and self.address.startswith(("http://", "https://")):
             return self._run_as_job(graph, store)
         owns_ray = connect(self.address, self.num_cpus, object_store_memory=self.object_store_memory)
+        ray_address = ray.get_runtime_context().gcs_address
         try:
             backend = RayBackend(self.max_retries, self.setup, graph.config.resources.evaluation_actors)
             try:
                 return run_graph(graph, store, backend, self.emit, until)
             finally:
-                self.last_stats = dict(backend.stats, pids=sorted(backend.stats["pids"]))
+                self.last_stats = dict(backend.stats, pids=sorted(backend.stats["pids"]), ray_address=ray_address)
         finally:
             close_emit(self.emit)
             if owns_ray:

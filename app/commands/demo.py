@@ -79,14 +79,12 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
         graph, store = compile_scenario(config), RunStore(run_dir)
         started = time.perf_counter()
         cpu_before = _cpu_seconds()
+        stats: dict = {}
         summary = run_tracked(graph, store, tracker, executor, address=address,
                               progress=progress == "bars", label=name if progress == "lines" else "",
-                              num_cpus=(threads or 1) if executor == "ray" and address is None else None)
-        ray_address = None
-        if executor == "ray":
-            import ray
-
-            ray_address = ray.get_runtime_context().gcs_address  # the instance this scenario's stages ran on
+                              num_cpus=(threads or 1) if executor == "ray" and address is None else None,
+                              on_executor=lambda engine: stats.update(getattr(engine, "last_stats", {})))
+        ray_address = stats.get("ray_address")  # the instance this scenario's stages ran on (Ray only)
     return {"name": name, "run_dir": run_dir, "matrix": summary.matrix, "metrics": summary.metrics,
             "wall_s": time.perf_counter() - started, "cpu_s": _cpu_seconds() - cpu_before,
             "executed": len(summary.executed), "skipped": len(summary.skipped), "ray_address": ray_address}

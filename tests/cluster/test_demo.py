@@ -29,11 +29,11 @@ def _sets() -> list[str]:
 
 def _manifests(run_dir: Path) -> dict[str, dict]:
     """stage key -> {blob name: sha256} of every committed stage of a run folder."""
-    found = {}
-    for manifest in sorted((run_dir / "artifacts").glob("*/manifest.json")):
-        blobs = json.loads(manifest.read_text()).get("blobs", {})
-        found[manifest.parent.name] = {name: info.get("sha256") for name, info in blobs.items()}
-    return found
+    from pipelines.store import RunStore
+
+    store = RunStore(run_dir)
+    return {key: {name: info["sha256"] for name, info in store.load_manifest(key)["blobs"].items()}
+            for key in store.stage_keys()}
 
 
 @pytest.mark.timeout(900)
