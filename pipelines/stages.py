@@ -319,7 +319,7 @@ def load_model_artifact(store: RunStore, record: dict, device: torch.device):
 def _method(config: ScenarioConfig):
     from pipelines.methods import get_method
 
-    return get_method(config.method.name, **config.method.params)
+    return get_method(config.method.name, **dict(config.method.params))
 
 
 def _seed_everything(seed: int) -> None:
@@ -380,6 +380,14 @@ def _summary(result: Any) -> dict:
     }
 
 
+def _checkpoints(ctx: StageContext):
+    """The stage's epoch checkpoints in the run store (None with ``training.checkpoint_every_epochs: 0``)."""
+    from pipelines.checkpoints import StoreCheckpointSink
+
+    every = ctx.config.training.checkpoint_every_epochs
+    return StoreCheckpointSink(ctx.store, ctx.stage.key, every) if every else None
+
+
 def pretrain_stage(ctx: StageContext) -> StageResult:
     """Train a third-party model on its pool: class y takes slot y (0.., left to right) / output y (learnable).
 
@@ -412,7 +420,7 @@ def pretrain_stage(ctx: StageContext) -> StageResult:
     model = model.to(ctx.device)
     model.config["pretrained_classes"] = spec.num_classes
     result = pretrain_model(model, pool, np.arange(len(pool)), config.train_config(seed, ctx.device, spec),
-                            on_record=ctx.emit, progress=_progress_hook(ctx))
+                            on_record=ctx.emit, progress=_progress_hook(ctx), checkpoints=_checkpoints(ctx))
     record = ModelArtifact("model", ctx.stage.key, artifact_location(ctx.stage.key), None, 0,
                            spec.num_classes, 0, classifier, spec.num_classes if classifier == "learnable" else 0,
                            source=None, training=_summary(result))
@@ -617,7 +625,7 @@ def train_task_stage(ctx: StageContext) -> StageResult:
         memory_indices=memory_indices, memory_slots=memory_slots, initial_state=initial_state, selection=selection,
     )
     result = train_task(model, old_model, method, data, config.train_config(seed, ctx.device), on_record=ctx.emit,
-                        progress=_progress_hook(ctx))
+                        progress=_progress_hook(ctx), checkpoints=_checkpoints(ctx))
     trained = result.model
     blobs = _model_blobs(trained)
     extra = []
@@ -964,6 +972,10 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
     record["kind"] = stage.kind
     record["label"] = stage.label
     manifest = store.commit(stage.key, record, result.blobs, code_version=code_version)
+    if stage.kind in ("pretrain", "finetune", "replace"):
+        from pipelines.checkpoints import collect_garbage
+
+        collect_garbage(store, stage.key)  # the committed model supersedes its epoch checkpoints
     return manifest["record"]
 
 
