@@ -225,6 +225,10 @@ class PaperSpec(StrictModel):
 
 class OutputSpec(StrictModel):
     dir: str = Field("runs/{name}", description="run directory (local path or s3:// URI); {name} = scenario name")
+    registered_model: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="MLflow registered model that every run of this scenario adds its versions to (aliases task-N "
+        "move to the newest run); None = the scenario name")
 
 
 class ScenarioConfig(StrictModel):
@@ -643,6 +647,7 @@ def config_hash(config: ScenarioConfig) -> str:
     data.pop("resources", None)
     data.pop("description", None)
     data.pop("paper", None)
+    data.get("training", {}).pop("checkpoint_every_epochs", None)  # where work is saved, not what it computes
     return stable_hash(data)
 
 
