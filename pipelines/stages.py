@@ -371,6 +371,7 @@ def _summary(result: Any) -> dict:
         "seconds": float(result.seconds),
         "final_loss": float(records[-1].loss) if records else None,
         "epochs_recorded": len(records),
+        "resumed_from_epoch": getattr(result, "resumed_from_epoch", None),  # epoch checkpoint restored, if any
     }
 
 
@@ -930,10 +931,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: Emit,
-                  code_version: str | None = None) -> dict:
+                  code_version: str | None = None, placement: dict | None = None) -> dict:
     """Run one stage whose parents are committed, commit its artifacts (blobs, then manifest) and return the record.
 
-    This is the unit a Ray actor runs: everything it needs comes from the store by key.
+    This is the unit a Ray actor runs: everything it needs comes from the store by key. placement: where it ran
+    (the Ray backend gives node id, host, pid), kept in the record as ``placement``.
     """
     parents = {}
     for key in stage.parents:
@@ -953,6 +955,8 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
     record.setdefault("kind", stage.kind)
     record["kind"] = stage.kind
     record["label"] = stage.label
+    if placement is not None:
+        record["placement"] = dict(placement)
     manifest = store.commit(stage.key, record, result.blobs, code_version=code_version)
     if stage.kind in ("pretrain", "finetune", "replace"):
         from pipelines.checkpoints import collect_garbage
