@@ -6,7 +6,9 @@ checkpoint on the surviving node) or of a matrix entry."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -47,6 +49,7 @@ class Nodes:
 
         self.root = root
         self.count = 0
+        self.folders: dict[str, str] = {}
         self.cluster = Cluster(initialize_head=True, head_node_args=self._args("head", num_cpus=0))
         self.workers = [self.add_worker() for _ in range(2)]
 
@@ -58,16 +61,39 @@ class Nodes:
 
     def add_worker(self):
         self.count += 1
-        node = self.cluster.add_node(**self._args(f"worker{self.count}", num_cpus=1,
-                                                  resources={WORKER_RESOURCE: 1}))
+        name = f"worker{self.count}"
+        node = self.cluster.add_node(**self._args(name, num_cpus=1, resources={WORKER_RESOURCE: 1}))
         self.cluster.wait_for_nodes()
+        self.folders[node.node_id] = str(self.root / name)
         return node
+
+    def processes_of(self, node) -> list[int]:
+        """Every process of a node: those whose command line names the node's own temp dir (raylet, object
+        store, workers: their arguments hold the node's socket paths)."""
+        folder, pids = self.folders[node.node_id], []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if folder.encode() in (entry / "cmdline").read_bytes():
+                        pids.append(int(entry.name))
+                except OSError:
+                    continue
+        return pids
 
     def ensure_two_workers(self) -> None:
         while len(self.workers) < 2:
             self.workers.append(self.add_worker())
 
     def remove(self, node) -> None:
+        """The whole node dies at once (a preempted machine): SIGKILL to each of its processes, worker processes
+        included (ray.cluster_utils kills the node's services; its workers would otherwise finish their task)."""
+        pids = self.processes_of(node)
+        assert pids, "no process of the node found"
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.cluster.remove_node(node, allow_graceful=False)
         self.workers.remove(node)
 
@@ -143,3 +169,100 @@ def test_two_worker_nodes_with_only_s3_shared_give_the_local_matrix(nodes, refer
     print("\nnodes:", {n["NodeID"][:8]: n["Resources"] for n in alive})
     print("stage -> node:", {graph[key].label: node[:8] for key, node in placed.items()})
     assert store.list_dirs("checkpoints") == []  # every checkpoint collected after its stage committed
+
+
+def _slow_and_reporting_setup(marker_dir: str, finetune_key: str, entry_key: str):
+    """Worker setup of the node-loss test. The fine-tuning stage ``finetune_key`` reports each finished epoch
+    (``trained-<epochs>-<node>``) and takes 1.5 s to write each checkpoint (slow storage), so that the test can
+    remove its node between two checkpoints. The entry ``entry_key`` reports its node and takes 4 s. Neither
+    changes what is computed."""
+    def setup():
+        import os as _os
+        import time as _time
+
+        import ray as _ray
+
+        import pipelines.checkpoints as checkpoints
+        import pipelines.stages as stages
+
+        tiny.register()
+        if getattr(checkpoints.StoreCheckpointSink.save, "_reporting", False):
+            return
+        node = _ray.get_runtime_context().get_node_id()
+        original_save, original_entry = checkpoints.StoreCheckpointSink.save, stages.entry_stage
+
+        def save(self, checkpoint):
+            if self.stage_key == finetune_key:
+                open(_os.path.join(marker_dir, f"trained-{checkpoint.epochs_done}-{node}"), "w").close()
+                _time.sleep(1.5)
+            original_save(self, checkpoint)
+
+        def entry(ctx):
+            if ctx.stage.key == entry_key:
+                open(_os.path.join(marker_dir, f"entry-{node}"), "w").close()
+                _time.sleep(4)
+            return original_entry(ctx)
+
+        save._reporting = True
+        checkpoints.StoreCheckpointSink.save = save
+        stages.entry_stage = entry
+        stages.STAGE_FUNCTIONS["entry"] = entry
+    return setup
+
+
+def _wait_for(predicate, what: str, timeout: float = 120.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_worker_node_lost_mid_finetune_and_mid_entry_still_gives_the_local_matrix(nodes, reference, s3_bucket,
+                                                                                    tmp_path):
+    """The node running finetune[t=2] (1-based) is removed after its epoch-2 checkpoint; Ray retries the stage on
+    the surviving node, which resumes from that checkpoint. A replacement node joins (as an autoscaler would add
+    one), then the node running entry C[3, 1] (1-based) is removed mid-entry; Ray retries it on the other node. The
+    run ends with the matrix of the in-process backend."""
+    import threading
+
+    from cluster.ray_executor import RayExecutor
+
+    graph, matrix, metrics = reference
+    nodes.ensure_two_workers()
+    target = next(stage for stage in graph if stage.kind == "finetune" and stage.task == 1)
+    entry = next(stage for stage in graph if stage.kind == "entry" and stage.label == "entry[2,0]")
+    store = RunStore(f"s3://{s3_bucket}/run")
+    executor = RayExecutor(progress=False, setup=_slow_and_reporting_setup(str(tmp_path), target.key, entry.key))
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(summary=executor.run(graph, store)), daemon=True)
+    runner.start()
+
+    def marker(prefix: str) -> str | None:
+        found = [p.name for p in tmp_path.iterdir() if p.name.startswith(prefix)]
+        return found[0] if found else None
+
+    _wait_for(lambda: "epoch-00002.json" in store.list_files(f"checkpoints/{target.key}"), "the epoch-2 checkpoint")
+    first_node = marker("trained-2-").split("-", 2)[2]
+    nodes.remove(nodes.node_of(first_node))
+    trained_before_loss = max(int(p.name.split("-")[1]) for p in tmp_path.iterdir()
+                              if p.name.startswith("trained-") and p.name.endswith(first_node))
+    nodes.ensure_two_workers()
+    entry_node = _wait_for(lambda: marker("entry-"), "the slow entry").split("-", 1)[1]
+    nodes.remove(nodes.node_of(entry_node))
+    runner.join(timeout=240)
+    assert not runner.is_alive() and "summary" in outcome
+    assert json.loads(store.read_text("matrix.json")) == matrix
+    assert json.loads(store.read_text("metrics.json")) == metrics
+    record = store.load_record(target.key)
+    assert record["placement"]["node_id"] != first_node
+    assert record["training"]["resumed_from_epoch"] == 2
+    assert store.load_record(entry.key)["placement"]["node_id"] != entry_node
+    assert store.list_dirs("checkpoints") == []
+    recomputed = trained_before_loss - record["training"]["resumed_from_epoch"]
+    print(f"\nfinetune[t=1] lost on node {first_node[:8]} after {trained_before_loss} epoch(s) trained, resumed "
+          f"on {record['placement']['node_id'][:8]} from the epoch-2 checkpoint: {recomputed} full epoch(s) recomputed "
+          f"of {EPOCHS} (plus the part of the epoch in progress); entry[2,0] lost on {entry_node[:8]}, redone on "
+          f"{store.load_record(entry.key)['placement']['node_id'][:8]}")
