@@ -153,6 +153,12 @@ class SubsetSource:
     def read(self, indices: np.ndarray) -> np.ndarray:
         return self.source.read(self.indices[np.asarray(indices, dtype=np.int64)])
 
+    def encoded_images(self, indices: np.ndarray):
+        """The underlying source's encoded images of ``indices`` (replay shards store them), or None."""
+        from compat_core.data.replay_shards import encoded_images
+
+        return encoded_images(self.source, self.indices[np.asarray(indices, dtype=np.int64)])
+
 
 _POOL_CACHE: dict[str, Any] = {}
 
@@ -471,16 +477,28 @@ def _write_memory_shard(ctx: StageContext, task: int, memory: tuple, memory_imag
     from compat_core.data.replay import ReplayMemory
     from pipelines.replay_shards import write_memory_shard
 
-    images = np.empty((indices.shape[0], *pool.image_shape), dtype=np.uint8)
+    from compat_core.data.replay_shards import EncodedImages, concatenate_images, encoded_images
+
+    # kept exemplars come from the previous shard (its encoded bytes or pixels), new ones from this task's source
     from_previous = tasks != task
+    parts = []
     if from_previous.any():
         if memory_images is None:
-            images[from_previous] = pool.read(indices[from_previous])  # a run started before replay shards
+            parts.append(pool.read(indices[from_previous]))  # a run started before replay shards
         else:
             row_of = {int(index): row for row, index in enumerate(memory[0])}
-            images[from_previous] = memory_images[[row_of[int(i)] for i in indices[from_previous]]]
+            rows = np.asarray([row_of[int(i)] for i in indices[from_previous]], dtype=np.int64)
+            parts.append(memory_images.take(rows) if isinstance(memory_images, EncodedImages)
+                         else memory_images[rows])
     if (~from_previous).any():
-        images[~from_previous] = pool.read(indices[~from_previous])
+        new = encoded_images(pool, indices[~from_previous])
+        parts.append(pool.read(indices[~from_previous]) if new is None else new)
+    if parts:
+        joined = concatenate_images(parts)       # kept rows, then new rows: put them back in memory order
+        order = np.argsort(np.concatenate([np.flatnonzero(from_previous), np.flatnonzero(~from_previous)]))
+        images = joined.take(order) if isinstance(joined, EncodedImages) else joined[order]
+    else:
+        images = np.zeros((0, *pool.image_shape), dtype=np.uint8)
     record = ReplayMemory(indices=indices, labels=positions, slots=positions, source_task=tasks)
     return write_memory_shard(ctx.store, ctx.stage.key, task, record, images)
 
