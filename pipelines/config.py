@@ -647,6 +647,7 @@ def config_hash(config: ScenarioConfig) -> str:
     data.pop("resources", None)
     data.pop("description", None)
     data.pop("paper", None)
+    data.get("training", {}).pop("checkpoint_every_epochs", None)  # where work is saved, not what it computes
     return stable_hash(data)
 
 

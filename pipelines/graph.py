@@ -213,7 +213,8 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
         "model": model_section,
         "method": document["method"],
         "method_traits": traits,
-        "training": document["training"],
+        # how often a stage checkpoints does not change what it computes
+        "training": {k: v for k, v in document["training"].items() if k != "checkpoint_every_epochs"},
         "replay": document["replay"],
         "evaluation_for_selection": document["evaluation"] if config.training.model_selection == "compatibility"
         else None,

@@ -153,6 +153,12 @@ class SubsetSource:
     def read(self, indices: np.ndarray) -> np.ndarray:
         return self.source.read(self.indices[np.asarray(indices, dtype=np.int64)])
 
+    def encoded_images(self, indices: np.ndarray):
+        """The underlying source's encoded images of ``indices`` (replay shards store them), or None."""
+        from compat_core.data.replay_shards import encoded_images
+
+        return encoded_images(self.source, self.indices[np.asarray(indices, dtype=np.int64)])
+
 
 _POOL_CACHE: dict[str, Any] = {}
 
@@ -374,6 +380,14 @@ def _summary(result: Any) -> dict:
     }
 
 
+def _checkpoints(ctx: StageContext):
+    """The stage's epoch checkpoints in the run store (None with ``training.checkpoint_every_epochs: 0``)."""
+    from pipelines.checkpoints import StoreCheckpointSink
+
+    every = ctx.config.training.checkpoint_every_epochs
+    return StoreCheckpointSink(ctx.store, ctx.stage.key, every) if every else None
+
+
 def pretrain_stage(ctx: StageContext) -> StageResult:
     """Train a third-party model on its pool: class y takes slot y (0.., left to right) / output y (learnable).
 
@@ -406,7 +420,7 @@ def pretrain_stage(ctx: StageContext) -> StageResult:
     model = model.to(ctx.device)
     model.config["pretrained_classes"] = spec.num_classes
     result = pretrain_model(model, pool, np.arange(len(pool)), config.train_config(seed, ctx.device, spec),
-                            on_record=ctx.emit, progress=_progress_hook(ctx))
+                            on_record=ctx.emit, progress=_progress_hook(ctx), checkpoints=_checkpoints(ctx))
     record = ModelArtifact("model", ctx.stage.key, artifact_location(ctx.stage.key), None, 0,
                            spec.num_classes, 0, classifier, spec.num_classes if classifier == "learnable" else 0,
                            source=None, training=_summary(result))
@@ -462,16 +476,28 @@ def _write_memory_shard(ctx: StageContext, task: int, memory: tuple, memory_imag
     from compat_core.data.replay import ReplayMemory
     from pipelines.replay_shards import write_memory_shard
 
-    images = np.empty((indices.shape[0], *pool.image_shape), dtype=np.uint8)
+    from compat_core.data.replay_shards import EncodedImages, concatenate_images, encoded_images
+
+    # kept exemplars come from the previous shard (its encoded bytes or pixels), new ones from this task's source
     from_previous = tasks != task
+    parts = []
     if from_previous.any():
         if memory_images is None:
-            images[from_previous] = pool.read(indices[from_previous])  # a run started before replay shards
+            parts.append(pool.read(indices[from_previous]))  # a run started before replay shards
         else:
             row_of = {int(index): row for row, index in enumerate(memory[0])}
-            images[from_previous] = memory_images[[row_of[int(i)] for i in indices[from_previous]]]
+            rows = np.asarray([row_of[int(i)] for i in indices[from_previous]], dtype=np.int64)
+            parts.append(memory_images.take(rows) if isinstance(memory_images, EncodedImages)
+                         else memory_images[rows])
     if (~from_previous).any():
-        images[~from_previous] = pool.read(indices[~from_previous])
+        new = encoded_images(pool, indices[~from_previous])
+        parts.append(pool.read(indices[~from_previous]) if new is None else new)
+    if parts:
+        joined = concatenate_images(parts)       # kept rows, then new rows: put them back in memory order
+        order = np.argsort(np.concatenate([np.flatnonzero(from_previous), np.flatnonzero(~from_previous)]))
+        images = joined.take(order) if isinstance(joined, EncodedImages) else joined[order]
+    else:
+        images = np.zeros((0, *pool.image_shape), dtype=np.uint8)
     record = ReplayMemory(indices=indices, labels=positions, slots=positions, source_task=tasks)
     return write_memory_shard(ctx.store, ctx.stage.key, task, record, images)
 
@@ -599,7 +625,7 @@ def train_task_stage(ctx: StageContext) -> StageResult:
         memory_indices=memory_indices, memory_slots=memory_slots, initial_state=initial_state, selection=selection,
     )
     result = train_task(model, old_model, method, data, config.train_config(seed, ctx.device), on_record=ctx.emit,
-                        progress=_progress_hook(ctx))
+                        progress=_progress_hook(ctx), checkpoints=_checkpoints(ctx))
     trained = result.model
     blobs = _model_blobs(trained)
     extra = []
@@ -946,6 +972,10 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
     record["kind"] = stage.kind
     record["label"] = stage.label
     manifest = store.commit(stage.key, record, result.blobs, code_version=code_version)
+    if stage.kind in ("pretrain", "finetune", "replace"):
+        from pipelines.checkpoints import collect_garbage
+
+        collect_garbage(store, stage.key)  # the committed model supersedes its epoch checkpoints
     return manifest["record"]
 
 

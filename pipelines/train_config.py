@@ -84,6 +84,9 @@ class TrainConfig(StrictModel):
                                "step runs (0: in the training thread; about 1 per 250 images/s of 224 px JPEG)")
     prefetch_batches: int = Field(2, ge=1, description="batches read ahead per input worker")
     log_every_steps: int = Field(0, ge=0)
+    checkpoint_every_epochs: int = Field(
+        1, ge=0, description="pretrain / fine-tune stages save their training state to the run store every N epochs "
+        "(and on SIGTERM) and a restarted stage resumes from the latest one; 0: off. Not part of any stage key")
 
     # bound by the stage from other sections (BOUND_FIELDS); defaults serve direct calls of the loop
     seed: int = Field(0, ge=0, exclude=True)
