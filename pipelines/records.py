@@ -125,8 +125,8 @@ class AdaptersRecord:
 Record = Union[ModelRecord, FeatureRecord, EntryRecord, RowRecord, AdaptersRecord]
 RECORD_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (ModelRecord, FeatureRecord, EntryRecord, RowRecord,
                                                           AdaptersRecord)}
-# What the store adds next to a record in its manifest (the graph node it came from).
-_NODE_KEYS = ("type", "kind", "label")
+# What the store adds next to a record in its manifest (the graph node it came from, where it ran).
+_NODE_KEYS = ("type", "kind", "label", "placement")
 
 
 def record_to_json(record: Record, **node: Any) -> dict:

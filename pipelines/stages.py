@@ -307,6 +307,7 @@ def _summary(result: Any) -> dict:
         "seconds": float(result.seconds),
         "final_loss": float(records[-1].loss) if records else None,
         "epochs_recorded": len(records),
+        "resumed_from_epoch": getattr(result, "resumed_from_epoch", None),  # epoch checkpoint restored, if any
     }
 
 
@@ -875,10 +876,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: Emit,
-                  code_version: str | None = None) -> Record:
+                  code_version: str | None = None, placement: dict | None = None) -> Record:
     """Run one stage whose parents are committed, commit its artifacts (blobs, then manifest) and return the record.
 
-    This is the unit a Ray actor runs: everything it needs comes from the store by key.
+    This is the unit a Ray actor runs: everything it needs comes from the store by key. placement: where it ran
+    (the Ray backend gives node id, host, pid), kept in the record as ``placement``.
     """
     parents = {}
     for key in stage.parents:
@@ -894,8 +896,14 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
         result = STAGE_FUNCTIONS[stage.kind](ctx)
     finally:
         torch.set_num_threads(threads_before)
-    store.commit(stage.key, record_to_json(result.record, kind=stage.kind, label=stage.label), result.blobs,
-                 code_version=code_version)
+    node = {"kind": stage.kind, "label": stage.label}
+    if placement is not None:
+        node["placement"] = dict(placement)
+    store.commit(stage.key, record_to_json(result.record, **node), result.blobs, code_version=code_version)
+    if stage.kind in ("pretrain", "finetune", "replace"):
+        from pipelines.checkpoints import collect_garbage
+
+        collect_garbage(store, stage.key)  # the committed model supersedes its epoch checkpoints
     return result.record
 
 
