@@ -75,7 +75,7 @@ def run_tracked(graph, store, tracker, kind: str = "local", address: str | None 
     """Run ``graph`` on the chosen executor inside the tracker's pipeline scope; every record goes to the progress
     display (bars when ``progress`` and on a terminal, else flushed lines, prefixed with ``label`` when given), the
     tracker and ``sinks``. ``on_executor(executor)`` is called after the run (e.g. to read RayExecutor.last_stats).
-    Returns the executor's RunSummary."""
+    Returns the executor's Invocation."""
     from pipelines.progress import ProgressReporter
 
     emit = ProgressReporter(enabled=progress, sinks=[tracker, *sinks], label=label)
