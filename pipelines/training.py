@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import torch
 from torch import nn
 
+from compat_core.calibration import autocast_choice
 from compat_core.data.base import ImageSource
 from compat_core.data.replay import half_and_half_batches
 from compat_core.data.stream import stream_batches
@@ -33,8 +34,8 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant", "step")
 REPLAY_SAMPLINGS = ("half_and_half", "mixed")
 MODEL_SELECTIONS = ("last", "compatibility")
-# "auto": the half type compat_core.device finds fast (bf16 on CPUs only with AMX); "bf16"/"fp16": forced (e.g. a
-# CPU with avx512_bf16 but no AMX, where bf16 convolutions measured ~1.8x faster than fp32); "off": fp32.
+# "auto": bf16/fp16 autocast only where a measured step of this model is faster than fp32 (compat_core.calibration,
+# cached per machine); "bf16"/"fp16": forced; "off": fp32.
 AUTOCAST_MODES = ("auto", "bf16", "fp16", "off")
 _FORCED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -59,6 +60,25 @@ def precision_context(device: torch.device | str, mode: Any):
     if mode == "auto":
         return autocast_context(device, enabled=True)
     return torch.autocast(device_type=device.type, dtype=_FORCED_DTYPES[mode])
+
+
+def resolve_autocast(mode: Any, device: torch.device | str, model: nn.Module, example: torch.Tensor,
+                     train: bool = True) -> str:
+    """Turn "auto" into "bf16"/"fp16"/"off": the measured faster step of ``model`` on batches shaped like
+    ``example`` (``compat_core.calibration.autocast_choice``, cached per machine); other modes are returned as is."""
+    mode = autocast_mode(mode)
+    if mode != "auto":
+        return mode
+    dtype = autocast_choice(device, model, example, train=train)
+    return {None: "off", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def example_batch(source: ImageSource, indices: np.ndarray, batch_size: int, device: torch.device) -> torch.Tensor:
+    """A full batch of ``source`` images (the first ``indices``, cycled when fewer), transformed as for
+    evaluation: what calibration times a step on."""
+    picked = np.resize(np.asarray(indices, dtype=np.int64), batch_size)
+    images = torch.from_numpy(np.ascontiguousarray(source.read(picked)))
+    return make_transforms(source, train=False)(images.to(device))
 
 
 def prepare_model(model: nn.Module, device: torch.device | str, mode: Any) -> nn.Module:
@@ -97,8 +117,8 @@ class TrainConfig:
     reference) or "mixed" (memory and task samples shuffled together). epoch_length (half_and_half): "task" (one pass
     over the task data, batch_size // 2 task samples per batch) or "reference" ((task + memory) // batch_size
     batches, as the public CL2R/IAM-CL2R code's BalancedBatchSampler). model_selection: "last" or "compatibility"
-    (CoReS Sec. 8.2; needs ``TaskData.selection``). mixed_precision: True / "auto" autocasts where the device has
-    a fast half type (bf16 on CPUs with AMX), "bf16" / "fp16" force that autocast dtype, False / "off" runs fp32. steps_per_epoch: cap on steps per epoch (None: one pass).
+    (CoReS Sec. 8.2; needs ``TaskData.selection``). mixed_precision: True / "auto" autocasts where a measured step of
+    the model is faster in half precision (``resolve_autocast``), "bf16" / "fp16" force that autocast dtype, False / "off" runs fp32. steps_per_epoch: cap on steps per epoch (None: one pass).
     log_every_steps: also emit a record every N steps (0: per-epoch records only).
     input_workers: CPU processes that read and decode the next batches while the current step runs
     (compat_core.data.stream; 0: read in the training thread). prefetch_batches: batches read ahead per worker.
@@ -530,6 +550,9 @@ def train_task(
             needed = max(needed, int(data.memory_slots.max()) + 1)
         if needed > model.num_active_classes:
             model.expand_classes(needed)
+    if autocast_mode(config.mixed_precision) == "auto":
+        example = example_batch(data.source, data.indices, config.batch_size, device)
+        config = replace(config, mixed_precision=resolve_autocast("auto", device, model, example))
     prepare_model(model, device, config.mixed_precision)
     if old_model is not None:
         prepare_model(old_model, device, config.mixed_precision)
@@ -750,8 +773,10 @@ __all__ = [
     "compute_features",
     "epoch_batches",
     "precision_context",
+    "example_batch",
     "prepare_model",
     "pretrain_model",
+    "resolve_autocast",
     "snapshot_state",
     "train_task",
 ]
