@@ -155,3 +155,36 @@ def test_calibrate_command_measures_then_shows(calibrating, capsys):
     assert main(["calibrate", "--show"]) == 0
     assert capsys.readouterr().out == measured                        # shown from the cache, not re-measured
     assert main(["calibrate", "--threads", "0"]) == 2
+
+
+def test_training_auto_is_bit_identical_whether_measured_now_or_cached(calibrating):
+    # the first run measures inside train_task; the second reads the cache: same weights to the bit, and the same
+    # weights as the forced mode the calibration chose
+    import numpy as np
+
+    from compat_core.data.base import ArraySource
+    from compat_core.models import create_model
+    from pipelines.methods import get_method
+    from pipelines.training import TaskData, TrainConfig, train_task
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 255, size=(24, 16, 16, 1), dtype=np.uint8)
+    labels = np.repeat(np.arange(3), 8)
+    source = ArraySource(name="noise", images=images, labels=labels, class_names=["a", "b", "c"], hflip=False)
+
+    def run(autocast):
+        torch.manual_seed(0)
+        model = create_model("cnn4", 8, classifier="simplex", backbone_config={"width": 4, "in_chans": 1})
+        data = TaskData(source=source, task=0, indices=np.arange(24), slots=7 - labels, num_old_classes=0,
+                        num_new_classes=3)
+        config = TrainConfig(epochs=1, batch_size=8, optimizer={"lr": 0.05}, seed=3, autocast=autocast)
+        return train_task(model, None, get_method("dsimplex-hoc"), data, config).model.state_dict()
+
+    measured = run("auto")
+    entries = calibration.load("cpu")["workloads"]
+    assert len(entries) == 1
+    cached = run("auto")
+    forced = run({"fp32": "off"}.get(next(iter(entries.values()))["choice"], "bf16"))
+    for name, value in measured.items():
+        assert torch.equal(value, cached[name]), name
+        assert torch.equal(value, forced[name]), name
