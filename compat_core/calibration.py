@@ -272,14 +272,17 @@ def _gemm_rates_cached(device: str, threads: int, path: str, measure: bool) -> d
     return dict(document["gemm"]["gops"])
 
 
-def fastest_matmul(device: torch.device | str = "cpu") -> str:
+def fastest_matmul(device: torch.device | str = "cpu", exclude: tuple[str, ...] = ()) -> str:
     """The candidate-pass arithmetic of the retrieval kernel's ``precision="auto"``: "int8", "bf16", "fp16" or
-    "fp32", whichever measured fastest on ``device`` (a reduced precision must beat fp32 by 2 %); "fp32" when
-    calibration is off."""
+    "fp32", whichever measured fastest on ``device`` (a reduced precision must beat fp32 by 2 %), leaving out
+    ``exclude``; "fp32" when calibration is off."""
     rates = gemm_rates(device)
     if not rates:
         return "fp32"
-    best = max(("int8", "bf16", "fp16"), key=lambda name: rates.get(name, 0.0))
+    candidates = [name for name in ("int8", "bf16", "fp16") if name not in exclude]
+    if not candidates:
+        return "fp32"
+    best = max(candidates, key=lambda name: rates.get(name, 0.0))
     return best if rates.get(best, 0.0) > _HALF_MARGIN * rates.get("fp32", 0.0) else "fp32"
 
 

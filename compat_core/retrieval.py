@@ -81,6 +81,10 @@ __all__ = [
 PRECISIONS = ("auto", "int8", "half", "bf16", "fp16", "fp32", "fp64")
 _CANDIDATE_STAGES = ("auto", "int8", "half", "bf16", "fp16")   # precisions with a reduced-precision first pass
 _MAX_CANDIDATES = 256          # wider candidate sets are cheaper as a full fp32 row than as gathered rows
+_GATHER_VS_DENSE = 32          # a gathered candidate costs about as much as this many gallery rows of a dense product
+# "auto" with an int8 stage: when the first chunk leaves more than Ng / this many rows per query to re-scoring,
+# the int8 window (~7x bf16's) is too wide for these data and the rest runs on the next-fastest stage
+_INT8_DEMOTE_FRACTION = 64
 _GATHER_BUDGET = 1 << 22       # elements per gathered (rows x candidates x D) block: bounds re-scoring memory
 _SCORE_BUDGET = 1 << 26        # elements of one (query chunk x gallery) score block
 _U32 = 2.0 ** -24
@@ -573,8 +577,10 @@ class _Queries:
 
 
 def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: int, want_scores: bool,
-                  start_stage: str, result: _Result) -> None:
-    """Exact top-k of query rows start..stop-1; writes those rows of ``result``."""
+                  start_stage: str, result: _Result) -> float:
+    """Exact top-k of query rows start..stop-1; writes those rows of ``result``. Returns the mean number of
+    gallery rows per query that the candidate stage left to fp32 re-scoring (full rows count as Ng; 0 without
+    a candidate stage)."""
     if start_stage == "fp64":
         _full_fp64(space, queries, torch.arange(start, stop, device=result.index.device), k, result)
         return
@@ -604,8 +610,11 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
             scores, out_unit = _half_scores(qh, space.half_t)
             del qh, qh32
         del x32
-        rows, cand, fp32_rows = _select(scores, bound_h, k, _MAX_CANDIDATES + k, out_unit)
+        # wider candidate sets are cheaper as full fp32 rows (one dense product) than as gathered rows
+        cap = max(k + 1, min(_MAX_CANDIDATES, space.size // _GATHER_VS_DENSE)) + k
+        rows, cand, fp32_rows = _select(scores, bound_h, k, cap, out_unit)
         del scores
+        rescored = (int((cand >= 0).sum()) + fp32_rows.numel() * space.size) / max(1, stop - start)
         if single_ok:
             rows, cand = _take_singles(rows, cand, result, offset)
         if rows.numel():
@@ -618,6 +627,7 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
             _finish_exact(space, queries, cand, rows + offset, k, result)
     else:
         fp32_rows = torch.arange(stop - start, device=q32.device)
+        rescored = 0.0
     if fp32_rows.numel():
         # full fp32 rows against a transposed view: the fp32 BLAS takes it at near full speed
         scores = q32[fp32_rows] @ space.stage32.t()
@@ -628,6 +638,7 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
             rows, cand = _take_singles(rows, cand, result, offset)
         _finish_exact(space, queries, cand, rows + offset, k, result)
         _full_fp64(space, queries, fp32_rows[wide] + offset, k, result)
+    return rescored
 
 
 def _blocked_matmul(left: torch.Tensor, right: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -728,7 +739,9 @@ def _default_chunk(gallery_size: int) -> int:
 
 
 def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size: int | None,
-            want_scores: bool) -> _Result:
+            want_scores: bool, rebuild: Callable[[str], _Space] | None = None) -> _Result:
+    """Exact top-k of every query, chunk by chunk. ``rebuild(precision)``: the same gallery prepared for another
+    candidate stage, used when "auto" chose int8 and the first chunk shows its window re-scores too much."""
     if not 1 <= k <= space.size:
         raise ValueError(f"k: expected 1 <= k <= gallery size ({space.size}), got {k}")
     chunk = chunk_size if chunk_size is not None else _default_chunk(space.size)
@@ -737,7 +750,12 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
     stage = _start_stage(space, precision)
     result = _Result(queries.count, k, space.stage32.device, want_scores)
     for start in range(0, queries.count, chunk):
-        _search_chunk(space, queries, start, min(queries.count, start + chunk), k, want_scores, stage, result)
+        rescored = _search_chunk(space, queries, start, min(queries.count, start + chunk), k, want_scores, stage,
+                                 result)
+        if (start == 0 and precision == "auto" and rebuild is not None and space.half_dtype == torch.int8
+                and rescored * _INT8_DEMOTE_FRACTION > space.size):
+            space = rebuild(fastest_matmul(space.stage32.device, exclude=("int8",)))
+            stage = _start_stage(space, precision)
     return result
 
 
@@ -760,7 +778,8 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
     _check_same_dim(query, gallery)
     with torch.inference_mode():
         space = _direct_space(gallery, precision, query.shape[0])
-        result = _search(space, _Queries("query", query), k, precision, chunk_size, return_scores)
+        result = _search(space, _Queries("query", query), k, precision, chunk_size, return_scores,
+                         rebuild=lambda fallback: _direct_space(gallery, fallback, query.shape[0]))
     return result.index, result.score
 
 
@@ -918,7 +937,8 @@ def bridged_nearest_neighbours(query_embed, query_head, gallery_embed, gallery_h
     with torch.inference_mode():
         space = _bridge_space(gallery_embed, query_head, gallery_head, precision)
         # any positive per-query scale is allowed for the ranking; the Euclidean one keeps the stage bounds small
-        result = _search(space, _Queries("query_embed", query_embed), k, precision, chunk_size, return_scores)
+        result = _search(space, _Queries("query_embed", query_embed), k, precision, chunk_size, return_scores,
+                         rebuild=lambda fallback: _bridge_space(gallery_embed, query_head, gallery_head, fallback))
         if return_scores:
             head_t = query_head.double()
             gram_t = head_t.t() @ head_t

@@ -477,9 +477,28 @@ def test_int8_adversarial_near_ties_and_exact_ties_equal_fp64():
 
 @pytest.mark.parametrize("fastest, stage", [("int8", torch.int8), ("bf16", torch.bfloat16), ("fp32", None)])
 def test_auto_precision_follows_the_calibration(monkeypatch, fastest, stage):
-    monkeypatch.setattr(retrieval, "fastest_matmul", lambda device: fastest)
+    monkeypatch.setattr(retrieval, "fastest_matmul", lambda device, exclude=(): fastest)
     query, gallery = planted(30, 40, 16, seed=4)
     space = retrieval._direct_space(torch.from_numpy(gallery), "auto")
     assert space.half_dtype == stage
     index, _ = nearest_neighbours(query, gallery, k=1, precision="auto")
     np.testing.assert_array_equal(index.numpy(), brute_topk(query, gallery, 1)[0])
+
+
+def test_auto_int8_demotes_to_the_next_stage_when_its_window_rescores_too_much(monkeypatch):
+    # near-duplicate gallery: the int8 window holds most rows, so after the first chunk "auto" moves to the next
+    # fastest stage (here fp32); the answer stays exact throughout
+    monkeypatch.setattr(retrieval, "fastest_matmul",
+                        lambda device, exclude=(): "fp32" if "int8" in exclude else "int8")
+    calls = []
+    original = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape) or original(a, b))
+    query, gallery = adversarial_near_ties(400, 96, seed=22)
+    expected, _ = brute_topk(query, gallery, 1)
+    index, _ = nearest_neighbours(query, gallery, k=1, chunk_size=10, precision="auto", return_scores=False)
+    np.testing.assert_array_equal(index.numpy(), expected)
+    assert len(calls) == 1                                    # int8 ran on the first chunk only
+    calls.clear()
+    forced, _ = nearest_neighbours(query, gallery, k=1, chunk_size=10, precision="int8", return_scores=False)
+    np.testing.assert_array_equal(forced.numpy(), expected)
+    assert len(calls) == 4                                    # forced int8 never demotes
