@@ -201,6 +201,7 @@ class TrainResult:
     seconds: float
     extra_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     selection: list[dict[str, float]] = field(default_factory=list)
+    resumed_from_epoch: int | None = None  # completed epochs restored from an epoch checkpoint (None: fresh start)
 
 
 ProgressHook = Callable[[int, int, int, float], None]
@@ -603,6 +604,7 @@ def train_task(
         seconds=time.perf_counter() - task_start,
         extra_state=method.export_state(),
         selection=[] if selector is None else selector.history,
+        resumed_from_epoch=None if latest is None else latest.epochs_done,
     )
 
 
