@@ -51,14 +51,19 @@ def test_run_tracks_in_the_project_sqlite_store_by_default(tmp_path, monkeypatch
     versions = client.search_model_versions(f"name='{name}'")
     assert len(versions) == 4
     assert client.get_model_version_by_alias(name, "task-3").tags["external_source"] == "pretrain:p1"
-    # an ER run kept in the same folder lands in the same store: both are in one MLflow UI
+    # an ER run kept in the same folder lands in the same store: both are in one MLflow UI; MLFLOW_EXPERIMENT_NAME
+    # (like --experiment) names its experiment
     er_config = tmp_path / "er.yaml"
     er_config.write_text(yaml.safe_dump(tiny.scenario("er")))
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "tiny-compare")
     assert main(["run", str(er_config), "--output", str(tmp_path / "runs" / "er"), "--no-progress",
                  "--set", "tasks.spec=2+2", "--set", "replacements=[]"]) == 0
     scenarios = sorted(run.data.tags["scenario"] for run in client.search_runs(
         [e.experiment_id for e in client.search_experiments()], "tags.run_role = 'pipeline'"))
     assert scenarios == ["tiny-dsimplex-hoc", "tiny-er"]
+    er_parent = client.search_runs([client.get_experiment_by_name("tiny-compare").experiment_id],
+                                   "tags.run_role = 'pipeline'")
+    assert [run.data.tags["scenario"] for run in er_parent] == ["tiny-er"]
 
 
 def test_tracking_none_writes_no_database(tmp_path):
