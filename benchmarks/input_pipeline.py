@@ -113,7 +113,8 @@ def ray_data_rate(folder: Path, count: int, batch: int, cpus: int, repeats: int,
     A pass starts its actors (an epoch of a training job does too); the second figure leaves that start out."""
     import ray
 
-    ray.init(num_cpus=cpus, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=cpus, object_store_memory=200 * 2**20, include_dashboard=False,
+             log_to_driver=False,
              configure_logging=False)
     try:
         context = ray.data.DataContext.get_current()
@@ -122,7 +123,8 @@ def ray_data_rate(folder: Path, count: int, batch: int, cpus: int, repeats: int,
         paths = sorted(str(p) for p in folder.glob("*.parquet"))
         whole, steady = [], []
         for _ in range(repeats + 1):                           # the first pass is a warm-up (code shipped)
-            dataset = ray.data.read_parquet(paths, override_num_blocks=max(2, count // batch)) \
+            # reads reserve no CPU: with 1 CPU an actor holding it would otherwise starve the read tasks forever
+            dataset = ray.data.read_parquet(paths, override_num_blocks=max(2, count // batch), num_cpus=0) \
                 .select_columns(["image"]) \
                 .map_batches(_RayDecode, fn_constructor_args=(size,), batch_size=batch, batch_format="numpy",
                              num_cpus=1, compute=ray.data.ActorPoolStrategy(size=cpus))
