@@ -3,7 +3,7 @@
 Stages never call a tracker; they emit plain records (``StageEvent``, ``TrainRecord``, ``ProgressUpdate``) through
 the executor's ``emit`` callback. A :class:`Tracker` is such a callback::
 
-    tracker = create_tracker(None, run_dir)                 # SQLite in the run directory by default
+    tracker = create_tracker(None, run_dir)                 # SQLite next to the run directory by default
     with tracker.pipeline(graph, store):                    # parent run; FAILED (and re-raise) on an exception
         LocalExecutor(emit=ProgressReporter(sinks=[tracker])).run(graph, store)
 
@@ -176,6 +176,35 @@ def default_tracking_uri(run_dir: str | os.PathLike) -> str:
     return f"sqlite:///{Path(text).resolve() / 'mlflow.db'}"
 
 
+def project_tracking_uri(run_dir: str | os.PathLike) -> str:
+    """Default store of ``compat run``: ``mlflow.db`` in the folder that HOLDS the run directory (``runs/mlflow.db``
+    for the default ``runs/{name}``), shared by every run kept there, so runs of different scenarios (ER and
+    d-Simplex-HOC) are compared in one MLflow UI; ``compat demo`` uses the same place for its two runs."""
+    text = os.fspath(run_dir)
+    if re.match(r"^[a-z][a-z0-9+.-]*://", text):
+        default_tracking_uri(text)  # raises the error that names the remote folder
+    return default_tracking_uri(Path(text).resolve().parent)
+
+
+@contextlib.contextmanager
+def sqlite_store_lock(tracking_uri: str) -> Iterator[None]:
+    """Exclusive lock on ``<db>.lock`` next to a SQLite store (no-op for servers): two processes that open a new
+    shared store at once would both run MLflow's schema migration, and one of them dies in it."""
+    if not tracking_uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    database = Path(tracking_uri[len("sqlite:///"):])
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{database}.lock", "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
 def check_tracking_uri(uri: str) -> str:
     """Accept ``sqlite:///PATH``, ``http://`` and ``https://`` tracking URIs; raise ValueError otherwise."""
     if not isinstance(uri, str) or not re.match(r"^(sqlite:///.+|https?://[^/\s]+.*)$", uri):
@@ -222,14 +251,15 @@ class NullTracker(Tracker):
 
 
 def create_tracker(uri: str | None, run_dir: str | os.PathLike | None = None, **options: Any) -> Tracker:
-    """``"none"`` -> NullTracker; None -> MLFLOW_TRACKING_URI or SQLite in ``run_dir``; else that URI."""
+    """``"none"`` -> NullTracker; None -> MLFLOW_TRACKING_URI, else the project store next to ``run_dir``
+    (:func:`project_tracking_uri`); else that URI."""
     if uri == "none":
         return NullTracker()
     if uri is None:
         uri = os.environ.get("MLFLOW_TRACKING_URI") or None
     if uri is None and run_dir is None:
         raise ValueError("tracking URI: give a tracking URI or the run directory that holds the default SQLite db")
-    return MlflowTracker(uri or default_tracking_uri(run_dir), **options)
+    return MlflowTracker(uri or project_tracking_uri(run_dir), **options)
 
 
 # ---- MLflow --------------------------------------------------------------------------------------------------------
@@ -255,6 +285,9 @@ class MlflowTracker(Tracker):
         self.tracking_uri = check_tracking_uri(tracking_uri)
         self.registry_uri = check_tracking_uri(registry_uri) if registry_uri else self.tracking_uri
         self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.registry_uri)
+        if self.tracking_uri.startswith("sqlite:///"):  # a shared SQLite store is created (migrated) by one at a time
+            with sqlite_store_lock(self.tracking_uri):
+                self.client.search_experiments(max_results=1)
         self.experiment_name = experiment
         self.fixed_pipeline_id = pipeline_id
         self.register_models = register_models
@@ -481,32 +514,32 @@ class MlflowTracker(Tracker):
         return training[0].run_id if len(training) == 1 else None
 
     def _log_record(self, stage: Any, run_id: str, manifest: dict) -> None:
-        record = manifest["record"]
-        kind = record.get("type")
-        if kind == "model":
-            self._log_model(stage, run_id, manifest)
-            training = record.get("training") or {}
+        from pipelines.records import AdaptersRecord, FeatureRecord, ModelRecord, RowRecord, record_from_json
+
+        record = record_from_json(manifest["record"], stage.key)
+        if isinstance(record, ModelRecord):
+            self._log_model(stage, run_id, manifest, record)
+            training = record.training
             if stage.task is not None and training:
                 values = {f"task/{name}": training[name] for name in
                           ("final_loss", "images_per_s", "seconds", "selected_epoch") if training.get(name) is not None}
                 self._log_metrics(self.parent_run_id, values, step=int(stage.task) + 1)  # 1-based task
-        elif kind == "features":
-            self._log_metrics(run_id, {"extract/images_per_s": record.get("images_per_second"),
-                                       "extract/seconds": record.get("seconds"),
-                                       "extract/rows": (record.get("layout") or {}).get("rows")}, step=0)
-        elif kind == "adapters":
+        elif isinstance(record, FeatureRecord):
+            self._log_metrics(run_id, {"extract/images_per_s": record.images_per_second,
+                                       "extract/seconds": record.seconds,
+                                       "extract/rows": record.layout.get("rows")}, step=0)
+        elif isinstance(record, AdaptersRecord):
             self._log_adapters(stage, run_id, manifest)
-        elif kind == "matrix_row":
-            row = int(record["row"])
-            entries = {entry_metric_key(row, column): value for column, value in enumerate(record["values"])}
+        elif isinstance(record, RowRecord):
+            row = record.row
+            entries = {entry_metric_key(row, column): value for column, value in enumerate(record.values)}
             # on the row's own stage run only; the parent gets the whole matrix once, as a table and a figure
             self._log_metrics(run_id, entries, step=row + 1)
 
-    def _log_model(self, stage: Any, run_id: str, manifest: dict) -> None:
+    def _log_model(self, stage: Any, run_id: str, manifest: dict, record: Any) -> None:
         from cluster.registry import (LATEST_ALIAS, MODEL_ARTIFACT_PATH, find_version, register_version, task_alias,
                                       write_model_folder)
 
-        record = manifest["record"]
         missing = [name for name in ("model.safetensors", "config.json") if name not in manifest["blobs"]]
         if missing:
             raise ValueError(f"stage {stage.label}: model record without {', '.join(missing)} in its manifest "
@@ -520,7 +553,7 @@ class MlflowTracker(Tracker):
         self.client.set_tag(run_id, "model_sha256", sha256)
         if not self.register_models:
             return
-        tags = {"stage_kind": stage.kind, "line": record.get("line", 0), "sha256": sha256,
+        tags = {"stage_kind": stage.kind, "line": record.line, "sha256": sha256,
                 "pipeline_id": self.pipeline_id, "code_version": self.graph.code_version}
         aliases: list[str] = []
         if stage.kind == "pretrain":
@@ -533,7 +566,7 @@ class MlflowTracker(Tracker):
                 parent = find_version(self.client, self.model_name, self.graph.model_stages[task - 1])
                 if parent is not None:
                     tags["parent_version"] = parent.version
-            source = record.get("source")
+            source = record.source
             if source:
                 tags["external_source"] = source
                 if source.startswith("pretrain:") and source[len("pretrain:"):] in self.graph.pretrain_stages:
@@ -673,6 +706,7 @@ def _is_train_record(record: Any) -> bool:
 
 __all__ = [
     "Tracker", "NullTracker", "MlflowTracker", "StageRecord", "create_tracker", "flatten_params",
-    "looks_like_secret", "pipeline_id_of", "ray_job_id", "default_tracking_uri", "check_tracking_uri",
+    "looks_like_secret", "pipeline_id_of", "ray_job_id", "default_tracking_uri", "project_tracking_uri",
+    "sqlite_store_lock", "check_tracking_uri",
     "entry_metric_key", "SECRET_KEY_PATTERN",
 ]

@@ -199,6 +199,8 @@ class StageResources(StrictModel):
     num_gpus: float | None = Field(None, ge=0)
     num_cpus: float = Field(1, gt=0)
     memory: int | None = Field(None, ge=0, description="bytes")
+    custom: dict[str, float] = Field(default_factory=dict, description="Ray custom resources the stage needs, e.g. "
+                                     "{gpu_a100: 1} or {spot: 0.01}: it only runs on nodes that list them")
 
 
 class ResourcesSpec(StrictModel):

@@ -236,3 +236,5 @@ def test_stage_killed_after_a_checkpoint_resumes_to_the_same_matrix_and_checkpoi
     reference_record = RunStore(tmp_path / "reference").load_record(target.key)
     assert resumed_record["training"]["final_loss"] == reference_record["training"]["final_loss"]
     assert resumed_record["training"]["epochs_recorded"] == 3  # the restored records count too
+    assert resumed_record["training"]["resumed_from_epoch"] == 2
+    assert reference_record["training"]["resumed_from_epoch"] is None
