@@ -269,9 +269,9 @@ def test_replacement_anchored_to_the_replaced_model(tmp_path):
     """``replacements[].anchor: replaced`` trains the replacement's first task against the model it replaces: the
     tasks before it are the same stages (same keys, same bytes), the replacement's weights differ from the reference
     anchor's (the loaded model), and a learnable-classifier method is refused before any stage, naming the key."""
-    document = scenario_for("dsimplex-hoc", tmp_path / "loaded")
+    document = tiny.method_scenario("dsimplex-hoc", tmp_path / "loaded")
     _, loaded_graph, loaded_store, _ = run_scenario(document)
-    anchored_document = scenario_for("dsimplex-hoc", tmp_path / "replaced")
+    anchored_document = tiny.method_scenario("dsimplex-hoc", tmp_path / "replaced")
     anchored_document["replacements"] = [{**anchored_document["replacements"][0], "anchor": "replaced"}]
     _, graph, store, _ = run_scenario(anchored_document)
     task = anchored_document["replacements"][0]["at_task"] - 1
@@ -283,7 +283,7 @@ def test_replacement_anchored_to_the_replaced_model(tmp_path):
     assert replaced != reference
     assert store.read_blob(replaced, "model.safetensors") != loaded_store.read_blob(reference, "model.safetensors")
 
-    er = scenario_for("er", tmp_path / "er")
+    er = tiny.method_scenario("er", tmp_path / "er")
     er["replacements"] = [{**er["replacements"][0], "anchor": "replaced"}]
     with pytest.raises(ValueError, match=r"replacements\[0\]\.anchor: 'replaced' needs a d-Simplex method"):
         compile_scenario(validate_config(er))
