@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from pipelines.config import PRETRAIN_PREFIX, PoolSpec, ScenarioConfig
+from pipelines.distributed import is_leader
 from pipelines.graph import Stage, protocol_params
 from pipelines.progress import ProgressUpdate
 from pipelines.store import RunStore, decode_array, encode_array, feature_blobs, read_features
@@ -621,6 +622,8 @@ def train_task_stage(ctx: StageContext) -> StageResult:
     )
     result = train_task(model, old_model, method, data, _train_config(config, seed, ctx.device), on_record=ctx.emit,
                         progress=_progress_hook(ctx))
+    if not is_leader():  # data-parallel training: rank 0 builds and commits the artifacts, the other ranks nothing
+        return StageResult(None)
     trained = result.model
     blobs = _model_blobs(trained)
     extra = []
@@ -947,6 +950,8 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
         result = STAGE_FUNCTIONS[stage.kind](ctx)
     finally:
         torch.set_num_threads(threads_before)
+    if not is_leader():
+        return {}  # a data-parallel rank other than 0 (pipelines.distributed): rank 0 commits the stage
     record = result.record if isinstance(result.record, dict) else asdict(result.record)
     record.setdefault("kind", stage.kind)
     record["kind"] = stage.kind

@@ -1,0 +1,139 @@
+"""Data-parallel training through Ray Train (``resources.<stage>.num_workers``): 2 gloo CPU workers vs 1 process.
+
+Tolerance. Two workers compute the loss of exactly the same global batch (same samples, same augmentation draws,
+InfoNCE over the gathered features); what differs is float summation order: the convolutions run on 4-row instead
+of 8-row batches and the parameter gradient is the sum of two half-batch sums (DDP's all-reduce) instead of one.
+Each reordered fp32 sum differs by at most ~n * 2^-24 relative (n = 8 rows: ~5e-7), and the few SGD steps here
+(lr 0.05) do not amplify that by more than ~10x, so per-step losses must agree to 1e-5 relative and the weights to
+1e-5 absolute; measured differences are ~1e-7 (see docs/data_parallel.md). A wrong shard, a missing gather (local
+InfoNCE over 4 rows) or an un-averaged gradient changes the loss at the first step by > 1e-2.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+import tiny_scenario_helpers as tiny  # noqa: E402
+
+from pipelines.config import validate_config  # noqa: E402
+from pipelines.executor import LocalExecutor  # noqa: E402
+from pipelines.graph import compile_scenario  # noqa: E402
+from pipelines.store import RunStore  # noqa: E402
+
+RELATIVE_LOSS_TOLERANCE = 1e-5
+WEIGHT_TOLERANCE = 1e-5
+BACKBONE = {"backbone": "lenetpp", "backbone_config": {"in_chans": 1, "img_size": 16, "embed_dim": 8}}
+
+
+def _task():
+    """HOC task 2 of 2: a model and its frozen copy as the old model, a replay memory, crop augmentation on."""
+    from compat_core.models import create_model
+    from compat_core.models.compat_model import frozen_copy
+    from pipelines.methods import get_method
+    from pipelines.training import TaskData, TrainConfig
+
+    source = tiny.make_source("finetune")
+    torch.manual_seed(0)
+    model = create_model(BACKBONE["backbone"], num_slots=10, backbone_config=BACKBONE["backbone_config"])
+    old_model = frozen_copy(model)
+    labels = np.asarray(source.labels)
+    task = np.flatnonzero(np.isin(labels, [12, 13]))
+    memory = np.flatnonzero(np.isin(labels, [10, 11]))[::3]
+    data = TaskData(source=source, task=1, indices=task, slots=9 - (labels[task] - 10), num_old_classes=2,
+                    num_new_classes=2, memory_indices=memory, memory_slots=9 - (labels[memory] - 10))
+    config = TrainConfig(epochs=2, batch_size=8, lr=0.05, log_every_steps=1, mixed_precision="off", seed=3)
+    return model, old_model, get_method("dsimplex-hoc"), data, config
+
+
+def _train(_loop_config=None) -> dict:
+    """Train the task (in this process, or as one Ray Train worker); per-step losses and the final weights."""
+    from pipelines.training import train_task
+
+    torch.set_num_threads(1)
+    model, old_model, method, data, config = _task()
+    result = train_task(model, old_model, method, data, config)
+    return {"losses": [r.loss for r in result.records], "parts": [r.loss_parts for r in result.records],
+            "images_per_s": result.images_per_s,
+            "weights": {k: v.detach().numpy().copy() for k, v in result.model.state_dict().items()}}
+
+
+@pytest.fixture(scope="module")
+def ray_train(ray_local):
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(tiny)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return ray_local
+
+
+def test_two_workers_match_one_worker_step_by_step(ray_train, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    reference = _train()
+    trainer = TorchTrainer(_train, torch_config=TorchConfig(backend="gloo"),
+                           scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+                           run_config=RunConfig(name="ddp-step-test", storage_path=str(tmp_path)))
+    parallel = trainer.fit().return_value
+    # half-and-half batches of 4 task + 4 memory samples: 20 task samples give 5 steps per epoch
+    assert len(parallel["losses"]) == len(reference["losses"]) == 2 * 5
+    print("losses 1 worker ", reference["losses"], "\nlosses 2 workers", parallel["losses"])
+    np.testing.assert_allclose(parallel["losses"], reference["losses"], rtol=RELATIVE_LOSS_TOLERANCE)
+    for ours, theirs in zip(parallel["parts"], reference["parts"]):
+        assert set(ours) == {"sce", "info_nce"}
+        np.testing.assert_allclose([ours["sce"], ours["info_nce"]], [theirs["sce"], theirs["info_nce"]],
+                                   rtol=RELATIVE_LOSS_TOLERANCE)
+    for name, value in reference["weights"].items():
+        np.testing.assert_allclose(parallel["weights"][name], value, atol=WEIGHT_TOLERANCE, err_msg=name)
+    print(f"max relative loss difference {np.max(np.abs(np.subtract(parallel['losses'], reference['losses'])) / np.abs(reference['losses'])):.2e}; "
+          f"images/s: 1 worker {reference['images_per_s']:.1f}, 2 workers {parallel['images_per_s']:.1f} (stage)")
+
+
+def _scenario(tmp: Path, workers: int) -> dict:
+    config = tiny.scenario("dsimplex-hoc", output=str(tmp))
+    config["tasks"] = {"spec": "2+2"}
+    del config["pretrain"], config["replacements"]
+    config["model"].update(BACKBONE)
+    config["resources"] = {"finetune": {"num_cpus": 1, "num_workers": workers}}
+    return config
+
+
+def test_engine_trains_a_finetune_stage_on_two_ray_train_workers(ray_train, tmp_path):
+    from cluster.ray_executor import RayExecutor
+    from pipelines.progress import StageRecord
+
+    tiny.register()
+    torch.set_num_threads(1)
+    local = validate_config(_scenario(tmp_path / "local", 1))
+    LocalExecutor(progress=False).run(compile_scenario(local), RunStore(tmp_path / "local"))
+    config = validate_config(_scenario(tmp_path / "ray", 2))
+    graph = compile_scenario(config)
+    events = []
+    RayExecutor(emit=events.append, setup=tiny.register).run(graph, RunStore(tmp_path / "ray"))
+
+    ours = json.loads((tmp_path / "ray" / "matrix.json").read_text())
+    theirs = json.loads((tmp_path / "local" / "matrix.json").read_text())
+    assert ours["values"] == theirs["values"]  # Recall@1 counts: weights within 1e-5 give the same ranking
+    store = RunStore(tmp_path / "ray")
+    for key in graph.model_stages:
+        assert store.load_record(key)["training"]["epochs_recorded"] == 1
+        assert key.startswith("finetune-") and store.has(key)
+    records = [e.record for e in events if isinstance(e, StageRecord) and e.stage_key in graph.model_stages]
+    assert len(records) == len(graph.model_stages)  # rank 0's per-epoch summaries only, once per stage
+
+
+def test_in_process_backend_refuses_more_than_one_worker(tmp_path):
+    config = validate_config(_scenario(tmp_path, 2))
+    with pytest.raises(ValueError, match=r"resources\.finetune\.num_workers = 2"):
+        LocalExecutor(progress=False).run(compile_scenario(config), RunStore(tmp_path))
+    assert not (tmp_path / "manifests").exists()  # refused before any node ran
+    bad = _scenario(tmp_path, 1)
+    bad["resources"]["evaluate"] = {"num_workers": 2}
+    with pytest.raises(ValueError, match=r"resources\.evaluate\.num_workers must be 1"):
+        validate_config(bad)
