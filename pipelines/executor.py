@@ -71,6 +71,11 @@ class InProcessBackend(Backend):
         refuse_data_parallel([stage])
         self.queue.append((stage, graph, store))
 
+    def wait(self) -> tuple[str, list]:
+        stage, graph, store = self.queue.popleft()
+        execute_stage(stage, graph.config, store, self.emit, code_version=graph.code_version)
+        return stage.key, []
+
 
 def refuse_data_parallel(stages: Iterable[Stage]) -> None:
     """ValueError naming ``resources.<stage>.num_workers`` when a stage asks for more than one training worker."""
@@ -81,11 +86,6 @@ def refuse_data_parallel(stages: Iterable[Stage]) -> None:
             raise ValueError(f"resources.{kind}.num_workers = {workers}: data-parallel training runs on the Ray "
                              f"backend (compat run --executor ray); the in-process backend trains with one "
                              f"worker (set it to 1)")
-
-    def wait(self) -> tuple[str, list]:
-        stage, graph, store = self.queue.popleft()
-        execute_stage(stage, graph.config, store, self.emit, code_version=graph.code_version)
-        return stage.key, []
 
 
 def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callable[[Any], None],
