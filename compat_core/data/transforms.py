@@ -73,14 +73,14 @@ class BatchTransform:
             out = out.contiguous(memory_format=torch.channels_last)
         return out
 
-    def _augment(self, batch: torch.Tensor, rows: tuple[int, int, int] | None = None) -> torch.Tensor:
+    def _augment(self, batch: torch.Tensor, draws: tuple[int, int, int] | None = None) -> torch.Tensor:
         count, channels, height, width = batch.shape
         device = batch.device
         pad = self.crop_padding
         if pad > 0:
             padded = F.pad(batch, (pad, pad, pad, pad), value=0)
-            top = self._random(2 * pad + 1, count, device, rows)
-            left = self._random(2 * pad + 1, count, device, rows)
+            top = self._random(2 * pad + 1, count, device, draws)
+            left = self._random(2 * pad + 1, count, device, draws)
             rows = (top[:, None] + torch.arange(height, device=device)[None, :])  # (B, H)
             cols = (left[:, None] + torch.arange(width, device=device)[None, :])  # (B, W)
             row_index = rows[:, None, :, None].expand(count, channels, height, padded.shape[-1])
@@ -88,7 +88,7 @@ class BatchTransform:
             col_index = cols[:, None, None, :].expand(count, channels, height, width)
             batch = torch.gather(batch, 3, col_index)
         if self.hflip:
-            flip = self._random(2, count, device, rows).bool()
+            flip = self._random(2, count, device, draws).bool()
             batch = torch.where(flip[:, None, None, None], batch.flip(-1), batch)
         return batch
 

@@ -151,3 +151,18 @@ def test_in_process_backend_refuses_more_than_one_worker(tmp_path):
     bad["resources"]["evaluate"] = {"num_workers": 2}
     with pytest.raises(ValueError, match=r"resources\.evaluate\.num_workers must be 1"):
         validate_config(bad)
+
+
+def test_rank_rows_partition_each_global_batch_in_order():
+    from pipelines.distributed import DataParallel, shard_batches
+
+    for world in (2, 3):
+        for total in range(world, 10):
+            ranks = [DataParallel(rank, world) for rank in range(world)]
+            batch = np.arange(100, 100 + total)
+            pieces = [shard_batches(parallel, [batch])[0] for parallel in ranks]
+            assert np.array_equal(np.concatenate(pieces), batch)  # disjoint, complete, rank order
+            assert max(map(len, pieces)) - min(map(len, pieces)) <= 1
+    assert DataParallel(1, 2).rows(7) == (4, 7)
+    with pytest.raises(ValueError, match=r"resources\.finetune\.num_workers = 3"):
+        DataParallel(0, 3).check_batches([8, 2], "resources.finetune.num_workers")
