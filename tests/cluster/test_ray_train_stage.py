@@ -143,6 +143,7 @@ def test_engine_trains_a_finetune_stage_on_two_ray_train_workers(ray_train, tmp_
 
 
 def test_in_process_backend_refuses_more_than_one_worker(tmp_path):
+    tiny.register()
     config = validate_config(_scenario(tmp_path, 2))
     with pytest.raises(ValueError, match=r"resources\.finetune\.num_workers = 2"):
         LocalExecutor(progress=False).run(compile_scenario(config), RunStore(tmp_path))
