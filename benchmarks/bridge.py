@@ -1,9 +1,13 @@
-"""CelebA-shaped matrix entry: direct d-dim features against the exact linear-head bridge (m-dim embeddings + heads).
+"""CelebA-shaped matrix entry through the pipeline: direct d-dim features against the exact linear-head bridge.
 
-CelebA config shape: d = K - 1 = 21,999 feature dimensions, m = 768 embedding width (ViT-B/16). Both ways in one
-run on the same random embeddings and heads (features = A e, L2-normalised), fp16 storage as the run store keeps
-features. Prints storage per image per model, seconds per entry (median of ``--repeats``) and checks that both
-give the same Recall@1. Usage::
+CelebA config shape (configs/iam-cl2r-celeba-dinov3-t16.yaml): d = K - 1 = 21,999, m = 768 (ViT-B/16). Two model
+stages (their ``model.safetensors`` hold the junction weights A, as a trained model's do) and four extract stages
+are committed to a run store in a temporary folder: query/gallery features of the direct way (fp16, the default
+``feature_dtype``) and query/gallery embeddings of the bridge way (fp16), written by the pipeline's own helpers
+(``feature_blobs``, ``bridge_features.bridge_blobs``). Each entry is computed by ``pipelines.bridge_features
+.entry_value``, the function the entry stage calls, cold (its per-process caches cleared: the store is read and
+verified as a fresh entry worker does) and warm (a row's query and heads already read). Prints bytes stored per
+image per model, seconds per entry (median of ``--repeats``), both Recall@1 values and the ratios. Usage::
 
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks.bridge --query 2000 --gallery 2000
 """
@@ -11,57 +15,104 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
+
+
+def _commit_models(store, heads: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save
+
+    for key, head in heads.items():
+        store.commit(key, {"type": "model", "stage_key": key}, {"model.safetensors": save({"junction.weight": head})})
+
+
+def _commit_extract(store, key: str, model_key: str, blobs: dict, layout: dict) -> dict:
+    record = {"type": "features", "stage_key": key, "layout": layout, "model_stage_key": model_key,
+              "num_classes_model": 0}
+    store.commit(key, record, blobs)
+    return record
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--query", type=int, default=2000)
     parser.add_argument("--gallery", type=int, default=2000)
-    parser.add_argument("--dim", type=int, default=21999, help="d = K - 1")
-    parser.add_argument("--embed", type=int, default=768, help="m")
     parser.add_argument("--classes", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from compat_core.retrieval import bridged_recall_at_1, recall_at_1
+    from pipelines import bridge_features
+    from pipelines.config import load_config
+    from pipelines.stages import _FEATURE_CACHE
+    from pipelines.store import RunStore, feature_blobs
 
+    config = load_config(Path(__file__).parents[1] / "configs" / "iam-cl2r-celeba-dinov3-t16.yaml")
+    d = config.model.num_slots - 1
+    m = bridge_features.embedding_width(config.model.backbone, config.model.backbone_config)
+    protocol = {"metric": "recall_at_1", "gallery": "instances", "label_level": "fine", "far": 1e-3,
+                "verification_pairs": 3000}
     generator = torch.Generator().manual_seed(0)
-    d, m = args.dim, args.embed
     head_old = torch.randn(d, m, generator=generator) / m ** 0.5
     head_new = head_old + 0.1 * torch.randn(d, m, generator=generator) / m ** 0.5
     centres = torch.randn(args.classes, m, generator=generator)
     q_labels = np.arange(args.query) % args.classes
     g_labels = np.arange(args.gallery) % args.classes
-    query_embed = (centres[q_labels] + 3.0 * torch.randn(args.query, m, generator=generator)).half()
-    gallery_embed = (centres[g_labels] + 3.0 * torch.randn(args.gallery, m, generator=generator)).half()
-    # what the direct path stores: the normalised d-dim features, fp16
-    query_features = torch.nn.functional.normalize(query_embed.float() @ head_new.T, dim=1).half()
-    gallery_features = torch.nn.functional.normalize(gallery_embed.float() @ head_old.T, dim=1).half()
+    query_embed = (centres[q_labels] + 3.0 * torch.randn(args.query, m, generator=generator)).half().numpy()
+    gallery_embed = (centres[g_labels] + 3.0 * torch.randn(args.gallery, m, generator=generator)).half().numpy()
+    # what the direct extract stores: the model's d-dim features, here A h of the same embeddings
+    query_features = (torch.from_numpy(query_embed).float() @ head_new.T).numpy()
+    gallery_features = (torch.from_numpy(gallery_embed).float() @ head_old.T).numpy()
+    dtype = config.evaluation.feature_dtype
 
-    def timed(run) -> tuple[float, float]:
-        values, result = [], None
-        for _ in range(args.repeats):
-            started = time.perf_counter()
-            result = run()
-            values.append(time.perf_counter() - started)
-        return statistics.median(values), result
+    with tempfile.TemporaryDirectory(prefix="bridge-bench-") as folder:
+        store = RunStore(folder)
+        _commit_models(store, {"model-new": head_new, "model-old": head_old})
+        direct = [_commit_extract(store, "direct-q", "model-new", *feature_blobs(query_features, q_labels, None, dtype)),
+                  _commit_extract(store, "direct-g", "model-old",
+                                  *feature_blobs(gallery_features, g_labels, None, dtype))]
+        bridge = [_commit_extract(store, "bridge-q", "model-new",
+                                  *bridge_features.bridge_blobs(query_embed, "model-new", d, q_labels, None, dtype)),
+                  _commit_extract(store, "bridge-g", "model-old",
+                                  *bridge_features.bridge_blobs(gallery_embed, "model-old", d, g_labels, None,
+                                                                dtype))]
 
-    direct_s, direct = timed(lambda: recall_at_1(query_features.float(), q_labels, gallery_features.float(), g_labels))
-    bridge_s, bridged = timed(lambda: bridged_recall_at_1(query_embed.float(), head_new, gallery_embed.float(),
-                                                          head_old, q_labels, g_labels))
-    images = args.gallery
-    direct_bytes = d * 2
-    bridge_bytes = m * 2 + d * m * 4 / images  # embedding fp16 + the fp32 head shared by every image of the model
-    print(f"shape: {args.query} queries x {args.gallery} gallery, d={d}, m={m}; threads {torch.get_num_threads()}")
-    print(f"direct: {direct_bytes / 1024:.1f} KiB per image per model, {direct_s:.2f} s per entry, R@1 {direct:.4f}")
-    print(f"bridge: {bridge_bytes / 1024:.1f} KiB per image per model (head amortised over {images} images; "
-          f"{m * 2 / 1024:.1f} KiB + head {d * m * 4 / 2**20:.0f} MiB per model), {bridge_s:.2f} s per entry, "
-          f"R@1 {bridged:.4f}")
-    print(f"ratios direct/bridge: storage {direct_bytes / bridge_bytes:.1f}x (embeddings only "
-          f"{direct_bytes / (m * 2):.1f}x), time {direct_s / bridge_s:.1f}x")
+        def stored_bytes(key: str, rows: int) -> float:
+            blobs = store.load_manifest(key)["blobs"]
+            return sum(info["size"] for name, info in blobs.items() if name != "labels.npy") / rows
+
+        def timed(records: list[dict], cold: bool) -> tuple[float, float, dict]:
+            values, result = [], None
+            for _ in range(args.repeats):
+                if cold:
+                    _FEATURE_CACHE.clear()
+                    for cache in (bridge_features._HEADS, bridge_features._GRAMS, bridge_features._EMBEDDINGS):
+                        cache.clear()
+                started = time.perf_counter()
+                result = bridge_features.entry_value(store, config, records[0], records[1], protocol, [])
+                values.append(time.perf_counter() - started)
+            return statistics.median(values), result[0], result[1]
+
+        direct_cold, direct_value, direct_how = timed(direct, True)
+        bridge_cold, bridge_value, bridge_how = timed(bridge, True)
+        direct_warm, _, _ = timed(direct, False)
+        bridge_warm, _, _ = timed(bridge, False)
+        direct_bytes = stored_bytes("direct-g", args.gallery)
+        bridge_bytes = stored_bytes("bridge-g", args.gallery)
+    head_bytes = d * m * 4
+    print(f"shape: {args.query} queries x {args.gallery} gallery, d={d}, m={m}, {dtype}; torch threads "
+          f"{torch.get_num_threads()}; entries by pipelines.bridge_features.entry_value")
+    print(f"direct ({direct_how['way']}): {direct_bytes:.0f} B per image per model stored, entry {direct_cold:.2f} s "
+          f"cold / {direct_warm:.2f} s warm, R@1 {direct_value:.4f}")
+    print(f"bridge ({bridge_how['way']}, {bridge_how['kernel']}): {bridge_bytes:.0f} B per image per model stored "
+          f"(+ the head A, {head_bytes / 2**20:.1f} MiB, already in the model weights; "
+          f"{bridge_bytes + head_bytes / args.gallery:.0f} B if it were counted over these {args.gallery} images), "
+          f"entry {bridge_cold:.2f} s cold / {bridge_warm:.2f} s warm, R@1 {bridge_value:.4f}")
+    print(f"ratios direct/bridge: storage {direct_bytes / bridge_bytes:.1f}x, time cold "
+          f"{direct_cold / bridge_cold:.1f}x, warm {direct_warm / bridge_warm:.1f}x; same R@1: "
+          f"{direct_value == bridge_value}")
 
 
 if __name__ == "__main__":

@@ -6,12 +6,13 @@ layout, then measures in one run (medians of ``--repeats``):
 - today: ``load_dataset("celeba")`` -> ``EncodedImageSource.read`` (PIL decode + fit, one image at a time), 1 thread;
 - new: ``compat ingest`` shards read by ``compat_core.data.stream.stream_batches`` with the torchvision decoder,
   0 (in-thread), 1 and 2 worker processes, from a local folder and from SeaweedFS over S3 (``--s3``);
+- Ray Data (``--ray``): ``read_parquet`` + ``map_batches`` decode + ``iter_torch_batches`` over the same parts;
 - overlap: a training step of known cost (``time.sleep``, standing for an accelerator step) fed by 1 worker:
   measured step time against max(decode, compute) and decode + compute.
 
 Prints images/s and ratios to the baseline measured in the same run. Usage::
 
-    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.input_pipeline --images 768 --repeats 3 --s3
+    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.input_pipeline --images 768 --repeats 3 --s3 --ray
 """
 from __future__ import annotations
 
@@ -88,12 +89,45 @@ def overlap(source, count: int, batch: int, compute_s: float, repeats: int) -> f
     return statistics.median(values)
 
 
+def ray_data_rate(folder: Path, count: int, batch: int, cpus: int, repeats: int, size: int = 224) -> float:
+    """Images/s of Ray Data over the same ingested parts: ``read_parquet`` -> ``map_batches`` (torchvision decode
+    on ``cpus`` CPU tasks) -> ``iter_torch_batches`` with 2 batches prefetched, order preserved, on a local Ray
+    started with ``cpus`` CPUs and a 200 MB object store."""
+    import ray
+
+    from compat_core.data.formats.shards import decode_batch
+
+    def decode(rows: dict) -> dict:
+        return {"image": decode_batch(list(rows["image"]), size, "ray data")}
+
+    ray.init(num_cpus=cpus, object_store_memory=200 * 2**20, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    try:
+        context = ray.data.DataContext.get_current()
+        context.execution_options.preserve_order = True       # deterministic order, as the DataLoader path
+        context.enable_progress_bars = False
+        paths = sorted(str(p) for p in folder.glob("*.parquet"))
+
+        def run():
+            dataset = ray.data.read_parquet(paths, columns=["image"]).map_batches(
+                decode, batch_size=batch, batch_format="numpy", num_cpus=1, concurrency=cpus)
+            for _ in dataset.iter_torch_batches(batch_size=batch, prefetch_batches=2):
+                pass
+
+        run()  # warm-up: workers started, code shipped (a training job pays it once)
+        return rate(run, count, repeats)
+    finally:
+        ray.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--images", type=int, default=768)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--s3", action="store_true", help="also ingest to and read from a local SeaweedFS over S3")
+    parser.add_argument("--ray", action="store_true", help="also measure Ray Data (read_parquet + map_batches + "
+                        "iter_torch_batches) on the local shards with 1 and 2 CPUs")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -147,6 +181,11 @@ def main() -> None:
                   f"{step * 1e3:.0f} ms (max {max(decode_s, compute_s) * 1e3:.0f}, sum {(decode_s + compute_s) * 1e3:.0f})")
             print(f"CPUs (decode workers) per H100 at 1,200 images/s: {1200 / local1:.1f} at {local1:.0f} "
                   f"images/s per worker")
+            if args.ray:
+                for cpus in (1, 2):
+                    value = ray_data_rate(tmp / "shards" / "train", n, b, cpus, r)
+                    print(f"Ray Data local, {cpus} CPU(s): {value:.0f} images/s = {value / baseline:.2f}x today, "
+                          f"{value / results[('local', cpus)]:.2f}x the DataLoader with {cpus} worker(s)")
         finally:
             if server is not None:
                 server.stop()

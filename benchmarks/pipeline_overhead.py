@@ -112,7 +112,7 @@ def _train(model, old_model, source, indices, slots, memory_indices, memory_slot
                     with torch.no_grad():
                         old_features = old_model(images).features
                     loss = hoc_loss(output.logits, targets, output.features, old_features,
-                                    lam=config.method.params.get("lam", 0.1), rho=config.method.params.get("rho", 10.0))
+                                    lam=config.method.params.lam, rho=config.method.params.rho)
                 elif model.classifier_kind == "simplex":
                     loss = simplex_cross_entropy(output.logits, targets)
                 else:

@@ -3,7 +3,15 @@
 A pipeline job is the resolved scenario (``--set`` overrides applied) written to ``scenario.yaml`` in a staging
 folder that becomes the job's ``working_dir``; the project's packages (compat_core, pipelines, cluster, app) travel as
 ``py_modules`` (caches, ``.venv``, ``runs``, ``.git`` never do). The entrypoint is
-``python -m app.cli run scenario.yaml --executor ray --address auto --output OUT`` (= ``compat run``).
+``PYTHON -m app.cli run scenario.yaml --executor ray --address auto --output OUT`` (= ``compat run``).
+
+Interpreter (``compat submit --python``): Ray runs the entrypoint in a shell with the head's environment, so a bare
+``python`` is whatever comes first on the PATH of the process that started the head: the system Python when the head
+was started as ``.venv/bin/ray start`` without activating the venv. By default the job therefore runs the
+interpreter that submitted it (``sys.executable``) when that file exists on the node that runs the job (a head
+started from the same checkout or image), and otherwise falls back to ``python`` from the PATH with a line in the
+job log saying so; ``--python PATH`` names the interpreter explicitly (the job fails at once, saying why, when it
+does not exist there).
 
 Idempotent submission: the submission id is ``compat-<scenario name>-<12 hex>``, the hex hashing the config hash
 (results-relevant content), the output location and the entrypoint. Submitting again while the latest attempt with
@@ -162,25 +170,48 @@ def pipeline_runtime_env(staging_dir: str | Path, root: Path | None = None) -> d
     return {"working_dir": str(staging_dir), "py_modules": modules, "excludes": list(RUNTIME_EXCLUDES)}
 
 
-def pipeline_entrypoint(output: str | None, config_file: str = "scenario.yaml", executor: str = "ray") -> str:
+def python_command(arguments: list[str], python: str | None = None) -> str:
+    """Shell command running ``PYTHON arguments...`` on the node that runs the job (see the module doc).
+
+    python: None = the submitting interpreter (``sys.executable``) when it exists there, else ``python`` from the
+    node's PATH (said in the job log); a path = exactly that interpreter, failing with a message when it is not an
+    executable file there; a bare name (``python3``) = looked up on the node's PATH."""
+    tail = shlex.join(arguments)
+    if python is None:
+        chosen = shlex.quote(sys.executable)
+        note = shlex.quote(f"compat submit: {sys.executable} (the submitting interpreter) is not on this node; "
+                           f"running python from PATH (choose one with --python)")
+        return f'py={chosen}; [ -x "$py" ] || {{ echo {note} >&2; py=python; }}; exec "$py" {tail}'
+    if not python.strip():
+        raise ValueError("--python: expected an interpreter path or name, got an empty string")
+    if "/" not in python:
+        return f"exec {shlex.quote(python)} {tail}"
+    missing = shlex.quote(f"compat submit: --python {python} is not an executable file on this node")
+    return f"[ -x {shlex.quote(python)} ] || {{ echo {missing} >&2; exit 127; }}; exec {shlex.quote(python)} {tail}"
+
+
+def pipeline_entrypoint(output: str | None, config_file: str = "scenario.yaml", executor: str = "ray",
+                        python: str | None = None) -> str:
     """Shell command the job runs: ``compat run`` on the staged scenario (module form, so the uploaded packages are
-    imported rather than whatever ``compat`` is installed on the node)."""
-    command = ["python", "-m", "app.cli", "run", config_file, "--executor", executor, "--no-progress"]
+    imported rather than whatever ``compat`` is installed on the node), with the interpreter of
+    :func:`python_command`."""
+    command = ["-m", "app.cli", "run", config_file, "--executor", executor, "--no-progress"]
     if executor == "ray":
         command += ["--address", "auto"]
     if output:
         command += ["--output", output]
-    return shlex.join(command)
+    return python_command(command, python)
 
 
 def submit_pipeline(config: Any, address: str | None, output: str | None = None, wait: bool = False,
                     follow: bool = False, timeout_s: float | None = None, stream: TextIO | None = None,
-                    executor: str = "ray") -> SubmitOutcome:
+                    executor: str = "ray", python: str | None = None) -> SubmitOutcome:
     """Submit a validated scenario as a Ray Job (no-op when already pending/running/succeeded).
 
     output: run directory as seen from the cluster (s3://... for a multi-node cluster; default: the config's
     output.dir, relative to the job's working folder). wait: block until the job ends; follow: print its logs
-    meanwhile. Returns the outcome, with the final status when waiting.
+    meanwhile. python: the job's interpreter (None: the submitting one when the node has it, see
+    :func:`python_command`). Returns the outcome, with the final status when waiting.
     """
     from pipelines.config import config_hash, dump_config
 
@@ -191,7 +222,8 @@ def submit_pipeline(config: Any, address: str | None, output: str | None = None,
     with tempfile.TemporaryDirectory(prefix="compat-submit-") as staging:
         Path(staging, "scenario.yaml").write_text(dump_config(config))
         outcome = submit_entrypoint(
-            client, base_id, pipeline_entrypoint(output, executor=executor), pipeline_runtime_env(staging),
+            client, base_id, pipeline_entrypoint(output, executor=executor, python=python),
+            pipeline_runtime_env(staging),
             metadata={"compat_scenario": str(config.name), "compat_config_hash": config_hash(config)[:16],
                       "compat_output": str(output)},
         )
@@ -244,5 +276,5 @@ def list_pipeline_jobs(client) -> list[dict]:
 
 
 __all__ = ["SubmitOutcome", "job_client", "submission_id_for", "submit_entrypoint", "submit_pipeline",
-           "pipeline_runtime_env", "pipeline_entrypoint", "wait_for", "attempts", "list_pipeline_jobs",
-           "status_name", "TERMINAL_STATUSES", "REUSABLE_STATUSES", "RUNTIME_EXCLUDES"]
+           "pipeline_runtime_env", "pipeline_entrypoint", "python_command", "wait_for", "attempts",
+           "list_pipeline_jobs", "status_name", "TERMINAL_STATUSES", "REUSABLE_STATUSES", "RUNTIME_EXCLUDES"]

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import socket
 from typing import Any, Callable, Iterable
 
 import ray
@@ -100,8 +101,9 @@ def run_node(store_root: str, stage: Stage, config: Any, code_version: str, num_
     if setup is not None:
         setup()
     store = RunStore(store_root)
+    node_id = ray.get_runtime_context().get_node_id()
     if store.has(stage.key):
-        return {"key": stage.key, "records": [], "pid": os.getpid(), "computed": False}
+        return {"key": stage.key, "records": [], "pid": os.getpid(), "computed": False, "node_id": node_id}
     records: list[Any] = []
 
     def emit(record: Any) -> None:
@@ -109,8 +111,10 @@ def run_node(store_root: str, stage: Stage, config: Any, code_version: str, num_
         if not isinstance(record, ProgressUpdate):
             records.append(record)
 
-    execute_stage(stage, config, store, emit, code_version=code_version)
-    return {"key": stage.key, "records": records, "pid": os.getpid(), "computed": True}
+    # where the node ran goes into its manifest (a lost node's stage shows the survivor that redid it)
+    placement = {"node_id": node_id, "host": socket.gethostname(), "pid": os.getpid()}
+    execute_stage(stage, config, store, emit, code_version=code_version, placement=placement)
+    return {"key": stage.key, "records": records, "pid": os.getpid(), "computed": True, "node_id": node_id}
 
 
 class NodeFailed(RuntimeError):
@@ -129,6 +133,8 @@ def task_options(resources: Any, device: str, cluster_has_gpus: bool) -> dict:
     options: dict[str, Any] = {"num_cpus": float(resources.num_cpus), "num_gpus": float(gpus)}
     if resources.memory:
         options["memory"] = int(resources.memory)
+    if getattr(resources, "custom", None):
+        options["resources"] = {name: float(value) for name, value in resources.custom.items()}
     return options
 
 
@@ -149,6 +155,7 @@ class RayBackend(Backend):
         self.running_entries = 0
         self.deferred: collections.deque = collections.deque()
         self.stats = {"tasks": 0, "computed": 0, "largest_result_bytes": 0, "pids": set()}
+        self.placements: dict[str, str] = {}  # node key -> Ray node id that committed (or found) it
 
     def submit(self, stage: Stage, graph: StageGraph, store: RunStore) -> None:
         if stage.kind == "entry" and self.max_entries is not None:
@@ -177,7 +184,7 @@ class RayBackend(Backend):
         """Refuse (or, with an autoscaler, log) a request no alive node can hold, once per distinct request."""
         from cluster.resource_check import check_satisfiable
 
-        request = (stage.kind, tuple(sorted(options.items())))
+        request = (stage.kind, json.dumps(options, sort_keys=True))
         if request in self.checked:
             return
         self.checked.add(request)
@@ -198,6 +205,8 @@ class RayBackend(Backend):
         except Exception as error:
             raise NodeFailed(key, error) from error
         self.stats["computed"] += int(result["computed"])
+        self.placements[key] = result["node_id"]
+        log.info("node %s ran on Ray node %s", key, result["node_id"])
         self.stats["pids"].add(result["pid"])
         self.stats["largest_result_bytes"] = max(self.stats["largest_result_bytes"],
                                                  len(ray.cloudpickle.dumps(result)))
@@ -238,7 +247,8 @@ class RayExecutor(Executor):
             try:
                 return run_graph(graph, store, backend, self.emit, until)
             finally:
-                self.last_stats = dict(backend.stats, pids=sorted(backend.stats["pids"]))
+                self.last_stats = dict(backend.stats, pids=sorted(backend.stats["pids"]),
+                                       nodes=dict(backend.placements))
         finally:
             close_emit(self.emit)
             if owns_ray:

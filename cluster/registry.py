@@ -2,7 +2,10 @@
 
 Naming (user-facing, so task numbers are 1-based here as in the papers):
 
-- registered model: ``<scenario name>-<first 8 hex of the pipeline id>`` (see :func:`registered_model_name`);
+- registered model: one per scenario, stable across runs: ``output.registered_model`` when set (e.g.
+  ``--set output.registered_model=team-retrieval``), else the scenario ``name`` (see :func:`registered_model_name`).
+  Every run of the scenario adds its versions there; ``task-N`` aliases follow the newest run, and a version keeps
+  its run id, ``pipeline_id`` and ``stage_key`` tags, so older runs' models stay reachable as ``models:/NAME/V``;
 - alias ``task-<t+1>`` for the model of 0-based task ``t`` (``task-1`` is the first task), ``latest-task`` for the
   model of the highest task registered so far (MLflow 3 reserves the alias ``latest``: ``models:/NAME/latest``
   means the highest version number, which is the last task's model because stages register in graph order),
@@ -13,6 +16,10 @@ Naming (user-facing, so task numbers are 1-based here as in the papers):
 :func:`register_mlflow_resolvers` lets ``compat_core.models.load_external_weights`` read ``models:/NAME@ALIAS``,
 ``models:/NAME/VERSION``, ``models:/NAME/latest`` and ``runs:/RUN_ID/PATH`` URIs by downloading the artifacts into
 a local cache folder.
+
+What a version's folder (``runs:/RUN/model``) holds, see :func:`write_model_folder`: ``model.safetensors`` +
+``config.json`` (what this project reads back, never unpickling anything) and an MLflow ``pytorch`` flavour
+(``MLmodel``, ``data/model.pth``) so that ``mlflow.pytorch.load_model("models:/NAME@task-4")`` returns the model.
 """
 from __future__ import annotations
 
@@ -31,13 +38,13 @@ LATEST_ALIAS = "latest-task"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def registered_model_name(scenario: str, pipeline_id: str) -> str:
-    """``<scenario>-<pipeline_id[:8]>``: one registered model per pipeline (scenario names are already URL-safe)."""
-    if not isinstance(scenario, str) or not _NAME_PATTERN.match(scenario):
-        raise ValueError(f"scenario name {scenario!r}: expected letters, digits, '_', '.', '-' only")
-    if not isinstance(pipeline_id, str) or len(pipeline_id) < 8:
-        raise ValueError(f"pipeline_id {pipeline_id!r}: expected at least 8 hex characters")
-    return f"{scenario}-{pipeline_id[:8]}"
+def registered_model_name(scenario: str, override: str | None = None) -> str:
+    """The registered model of a scenario: ``override`` (the config's ``output.registered_model``) when given, else
+    the scenario name. Stable across runs, so a team finds a scenario's models under one name."""
+    name, what = (override, "output.registered_model") if override else (scenario, "scenario name")
+    if not isinstance(name, str) or not _NAME_PATTERN.match(name):
+        raise ValueError(f"{what} {name!r}: expected letters, digits, '_', '.', '-' only")
+    return name
 
 
 def task_alias(task: int) -> str:
@@ -85,6 +92,47 @@ def register_version(client: Any, name: str, run_id: str, stage_key: str, tags: 
     for alias in aliases:
         client.set_registered_model_alias(name, alias, version.version)
     return version
+
+
+def write_model_folder(folder: str | os.PathLike, config_bytes: bytes, weights_bytes: bytes) -> Path:
+    """Write the MLflow model folder of one pipeline model into the new folder ``folder``; returns its path.
+
+    It holds ``config.json`` + ``model.safetensors`` byte for byte (what ``models:/`` replacement sources and
+    :class:`MlflowModelResolver` read) and MLflow's ``pytorch`` flavour of the same model in its pickle format
+    (``MLmodel``, ``data/model.pth``), so ``mlflow.pytorch.load_model(uri)`` returns the ``CompatModel`` with its
+    ``features`` method; loading that needs the ``compat-learning`` package (the pickle names its classes).
+
+    Why pickle and not MLflow's default torch.export format: an exported program is specialised to the example's
+    batch size unless every dimension is declared, exporting takes seconds per model, and it returns a graph module
+    without ``features``. The pickle is written here from weights the pipeline itself produced and verified; this
+    project never loads it (it reads the safetensors file next to it).
+    """
+    import logging
+    from importlib.metadata import PackageNotFoundError, version
+
+    import mlflow.pytorch
+    import safetensors
+    import torch
+
+    from compat_core.models.compat_model import CONFIG_FILE, model_from_bytes
+
+    target = Path(folder)
+    model = model_from_bytes(config_bytes, weights_bytes, where=str(target)).eval()
+    try:
+        requirements = [f"compat-learning=={version('compat-learning')}"]
+    except PackageNotFoundError:  # a checkout that is not pip-installed
+        requirements = ["compat-learning"]
+    requirements += [f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}"]
+    flavour_log = logging.getLogger("mlflow.pytorch")
+    level = flavour_log.level
+    flavour_log.setLevel(logging.ERROR)  # its pickle warning is about loading untrusted files (see docstring)
+    try:
+        mlflow.pytorch.save_model(model, str(target), serialization_format="pickle", pip_requirements=requirements)
+    finally:
+        flavour_log.setLevel(level)
+    (target / WEIGHTS_FILE).write_bytes(weights_bytes)
+    (target / CONFIG_FILE).write_bytes(config_bytes)
+    return target
 
 
 def version_by_alias(client: Any, name: str, alias: str) -> Any | None:
@@ -188,5 +236,5 @@ def register_mlflow_resolvers(tracking_uri: str, registry_uri: str | None = None
 __all__ = [
     "registered_model_name", "task_alias", "ensure_registered_model", "find_version", "register_version",
     "version_by_alias", "parse_model_uri", "LATEST_ALIAS", "MlflowModelResolver", "register_mlflow_resolvers",
-    "MODEL_ARTIFACT_PATH",
+    "MODEL_ARTIFACT_PATH", "write_model_folder",
 ]

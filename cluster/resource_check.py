@@ -21,10 +21,12 @@ def _describe(name: str, value: float) -> str:
 
 def check_satisfiable(label: str, config_key: str, request: dict[str, float], nodes: Iterable[dict[str, Any]],
                       autoscaling: bool) -> str | None:
-    """None when some alive node's totals cover ``request`` (Ray option names: num_cpus, num_gpus, memory). With
+    """None when some alive node's totals cover ``request`` (Ray option names: num_cpus, num_gpus, memory,
+    resources = custom resources). With
     ``autoscaling`` returns a line saying what the stage waits for; otherwise raises UnsatisfiableResourcesError."""
     wanted = {"CPU": float(request.get("num_cpus") or 0), "GPU": float(request.get("num_gpus") or 0),
-              "memory": float(request.get("memory") or 0)}
+              "memory": float(request.get("memory") or 0),
+              **{name: float(value) for name, value in (request.get("resources") or {}).items()}}  # custom
     alive = [dict(node.get("Resources") or {}) for node in nodes if node.get("Alive", node.get("alive", True))]
     if any(all(node.get(name, 0.0) >= value for name, value in wanted.items() if value > 0) for node in alive):
         return None

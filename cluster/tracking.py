@@ -315,10 +315,9 @@ class MlflowTracker(Tracker):
         if self.register_models:
             from cluster.registry import ensure_registered_model, registered_model_name
 
-            self.model_name = registered_model_name(config.name, self.pipeline_id)
-            ensure_registered_model(self.client, self.model_name,
-                                    {"pipeline_id": self.pipeline_id, "config_hash": self.config_hash,
-                                     "scenario": config.name})
+            self.model_name = registered_model_name(config.name, config.output.registered_model)
+            ensure_registered_model(self.client, self.model_name, {"scenario": config.name})
+            self._latest_task = -1  # latest-task follows this run's highest task (stages register in task order)
 
     def finish(self, status: str | None = None) -> None:
         if status is not None and status not in _TERMINAL:
@@ -505,17 +504,18 @@ class MlflowTracker(Tracker):
 
     def _log_model(self, stage: Any, run_id: str, manifest: dict) -> None:
         from cluster.registry import (LATEST_ALIAS, MODEL_ARTIFACT_PATH, find_version, register_version, task_alias,
-                                      version_by_alias)
+                                      write_model_folder)
 
         record = manifest["record"]
-        names = [name for name in ("model.safetensors", "config.json") if name in manifest["blobs"]]
-        if "model.safetensors" not in names:
-            raise ValueError(f"stage {stage.label}: model record without model.safetensors in its manifest "
+        missing = [name for name in ("model.safetensors", "config.json") if name not in manifest["blobs"]]
+        if missing:
+            raise ValueError(f"stage {stage.label}: model record without {', '.join(missing)} in its manifest "
                              f"(blobs: {sorted(manifest['blobs'])})")
         with tempfile.TemporaryDirectory(prefix="compat-mlflow-model-") as folder:
-            for name in names:
-                Path(folder, name).write_bytes(self.store.read_blob(stage.key, name, manifest))
-            self.client.log_artifacts(run_id, folder, MODEL_ARTIFACT_PATH)
+            model_folder = write_model_folder(Path(folder, MODEL_ARTIFACT_PATH),
+                                              self.store.read_blob(stage.key, "config.json", manifest),
+                                              self.store.read_blob(stage.key, "model.safetensors", manifest))
+            self.client.log_artifacts(run_id, str(model_folder), MODEL_ARTIFACT_PATH)
         sha256 = manifest["blobs"]["model.safetensors"]["sha256"]
         self.client.set_tag(run_id, "model_sha256", sha256)
         if not self.register_models:
@@ -541,8 +541,8 @@ class MlflowTracker(Tracker):
                                           self.graph.pretrain_stages[source[len("pretrain:"):]])
                     if origin is not None:
                         tags["source_version"] = origin.version
-            latest = version_by_alias(self.client, self.model_name, LATEST_ALIAS)
-            if latest is None or int((latest.tags or {}).get("task_0based", -1)) <= task:
+            if task >= self._latest_task:  # this run's newest task model, even when an older run went further
+                self._latest_task = task
                 aliases.append(LATEST_ALIAS)
         version = register_version(self.client, self.model_name, run_id, stage.key, tags, aliases)
         self.client.set_tag(run_id, "registered_model", self.model_name)

@@ -558,7 +558,7 @@ def register_best_models(spec: SearchSpec, best_trial_id: str, trial_run_id: str
     """
     from mlflow import MlflowClient
 
-    from cluster.registry import ensure_registered_model, register_version
+    from cluster.registry import ensure_registered_model, register_version, write_model_folder
     from pipelines.store import RunStore
 
     client = MlflowClient(tracking_uri=spec.tracking_uri)
@@ -578,9 +578,9 @@ def register_best_models(spec: SearchSpec, best_trial_id: str, trial_run_id: str
         manifest = store.load_manifest(key)
         artifact_path = f"model/task-{task + 1}"
         with tempfile.TemporaryDirectory(prefix="compat-tune-model-") as folder:
-            for name in ("model.safetensors", "config.json"):
-                Path(folder, name).write_bytes(store.read_blob(key, name, manifest))
-            client.log_artifacts(trial_run_id, folder, artifact_path)
+            model_folder = write_model_folder(Path(folder, "model"), store.read_blob(key, "config.json", manifest),
+                                              store.read_blob(key, "model.safetensors", manifest))
+            client.log_artifacts(trial_run_id, str(model_folder), artifact_path)
         aliases = [f"best-task-{task + 1}"] + ([BEST_ALIAS] if task == spec.num_tasks - 1 else [])
         version = register_version(client, spec.name, trial_run_id, key, {
             "trial_id": best_trial_id, "task_0based": task, "task_1based": task + 1,

@@ -16,18 +16,17 @@ import hashlib
 import json
 import os
 import re
+import typing
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator, model_validator
+
+from pipelines.train_config import (
+    BOUND_FIELDS, PRETRAIN_OVERRIDES, OptimizerSpec, ScheduleSpec, StrictModel, TrainConfig,
+)
 
 PRETRAIN_PREFIX = "pretrain:"
-
-
-class StrictModel(BaseModel):
-    """Base for every config section: unknown keys are errors, so a typo never silently keeps a default."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
 
 
 class Portion(StrictModel):
@@ -70,45 +69,6 @@ class ModelSpec(StrictModel):
         "'auto' = backbone for learnable classifiers, junction for the d-Simplex")
 
 
-class OptimizerSpec(StrictModel):
-    name: Literal["sgd", "adamw"] = "sgd"
-    lr: float = Field(0.1, gt=0.0)
-    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum (ignored by adamw)")
-    weight_decay: float = Field(5e-4, ge=0.0)
-
-
-class ScheduleSpec(StrictModel):
-    name: Literal["cosine", "constant", "step"] = "constant"
-    milestones: list[int] = Field(default_factory=list, description="epochs (0-based) where step divides the lr")
-    gamma: float = Field(0.1, gt=0.0, description="lr multiplier at each milestone (step schedule)")
-
-    @model_validator(mode="after")
-    def _milestones_for_step(self) -> "ScheduleSpec":
-        if self.name == "step" and not self.milestones:
-            raise ValueError("schedule.milestones: the step schedule needs at least one epoch, e.g. [50, 64]")
-        if self.milestones != sorted(self.milestones):
-            raise ValueError(f"schedule.milestones must be increasing, got {self.milestones}")
-        return self
-
-
-class TrainingSpec(StrictModel):
-    """How every fine-tuning / replacement task is trained (pre-training stages may override parts)."""
-
-    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
-    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
-    epochs: int = Field(1, ge=1)
-    batch_size: int = Field(128, ge=2, description="at least 2: batch norm needs two samples per batch")
-    model_selection: Literal["last", "compatibility"] = Field(
-        "last", description="last epoch, or CoReS Sec. 8.2 compatibility-based selection on a held-out split"
-    )
-    selection_holdout: float = Field(0.1, gt=0.0, lt=1.0, description="fraction of task data held out for selection")
-    autocast: bool | Literal["auto", "bf16", "fp16", "off"] = Field(
-        True, description="true/auto: bf16/fp16 autocast where compat_core.device finds it faster; bf16/fp16: force "
-        "that dtype (e.g. CPUs with avx512_bf16 but no AMX); false/off: fp32")
-    input_workers: int = Field(0, ge=0, description="CPU processes that read and decode the next batches while a "
-                               "step runs (0: in the training thread; about 1 per 250 images/s of 224 px JPEG)")
-
-
 class ReplaySpec(StrictModel):
     per_class: int = Field(20, ge=0, description="images kept per seen class (0 disables replay)")
     strategy: Literal["random", "herding"] = "random"
@@ -117,9 +77,44 @@ class ReplaySpec(StrictModel):
         "samples per batch); 'reference' = (task + memory) // batch_size batches, as the public CL2R / IAM-CL2R code")
 
 
+class MethodParams(StrictModel):
+    """Base of every method's hyper-parameters: each method registers a subclass as its ``Params`` (defaults = the
+    papers' values), selected by ``method.name``; unknown names and out-of-range values fail at load time."""
+
+    # YAML gives native types: no "5" -> 5.0 or true -> 1 coercion, and no inf / nan
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+def method_params_model(name: str) -> type[MethodParams]:
+    """The params model registered by method ``name`` (KeyError naming the valid methods)."""
+    from pipelines.methods import METHODS
+
+    return METHODS.get(name).Params
+
+
 class MethodSpec(StrictModel):
     name: str = Field(description="name in pipelines.methods.METHODS (e.g. er, dsimplex-hoc)")
-    params: dict[str, Any] = Field(default_factory=dict, description="method hyper-parameters (method's own schema)")
+    params: SerializeAsAny[MethodParams] = Field(
+        default_factory=MethodParams, description="method hyper-parameters: the Params model of method.name")
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from pipelines.methods import METHODS
+
+        if value not in METHODS:
+            raise ValueError(f"unknown method {value!r}; valid: {', '.join(METHODS.names())}")
+        return value
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _select_params(cls, value: Any, info: ValidationInfo) -> MethodParams:
+        name = info.data.get("name")
+        if name is None:
+            return MethodParams()  # the unknown name is the error reported
+        if isinstance(value, BaseModel):
+            value = dict(value)
+        return method_params_model(name).model_validate({} if value is None else value)
 
 
 class TaskSpec(StrictModel):
@@ -192,6 +187,9 @@ class EvaluationSpec(StrictModel):
     far: float = Field(1e-3, gt=0.0, lt=1.0, description="false-acceptance rate for tar_at_far")
     verification_pairs: int = Field(3000, ge=1, description="positive (and as many negative) pairs for verification")
     feature_dtype: Literal["float16", "float32"] = "float16"
+    features: Literal["auto", "direct", "bridge"] = Field(
+        "auto", description="what extract stores: d-dim features (direct) or m-dim embeddings for the exact "
+                            "linear-head bridge (bridge); auto: the bridge when d = K-1 > m (pipelines.bridge_features)")
     batch_size: int = Field(256, ge=1, description="extraction batch size")
 
 
@@ -203,6 +201,8 @@ class StageResources(StrictModel):
     memory: int | None = Field(None, ge=0, description="bytes")
     num_workers: int = Field(1, ge=1, description="data-parallel training workers (Ray Train, DDP), each with "
                              "num_cpus / num_gpus / memory; > 1 only for pretrain and finetune, on the Ray backend")
+    custom: dict[str, float] = Field(default_factory=dict, description="Ray custom resources the stage needs, e.g. "
+                                     "{gpu_a100: 1} or {spot: 0.01}: it only runs on nodes that list them")
 
 
 class ResourcesSpec(StrictModel):
@@ -237,6 +237,10 @@ class PaperSpec(StrictModel):
 
 class OutputSpec(StrictModel):
     dir: str = Field("runs/{name}", description="run directory (local path or s3:// URI); {name} = scenario name")
+    registered_model: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="MLflow registered model that every run of this scenario adds its versions to (aliases task-N "
+        "move to the newest run); None = the scenario name")
 
 
 class ScenarioConfig(StrictModel):
@@ -248,7 +252,7 @@ class ScenarioConfig(StrictModel):
     tasks: TaskSpec
     model: ModelSpec
     method: MethodSpec
-    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    training: TrainConfig = Field(default_factory=TrainConfig)
     replay: ReplaySpec = Field(default_factory=ReplaySpec)
     pretrain: list[PretrainSpec] = Field(default_factory=list)
     initial_model: str | None = Field(
@@ -289,6 +293,17 @@ class ScenarioConfig(StrictModel):
     def output_dir(self) -> str:
         return self.output.dir.replace("{name}", self.name)
 
+    def train_config(self, seed: int, device: str, pretrain: PretrainSpec | None = None) -> TrainConfig:
+        """What a stage trains with: the ``training`` section (with ``pretrain``'s overrides for a pre-training
+        stage, which always keeps its last epoch) and the values other sections own (BOUND_FIELDS) bound in."""
+        values = {"seed": seed, "device": str(device), "epoch_length": self.replay.epoch_length,
+                  "selection_strict": self.evaluation.strict, "eval_batch_size": self.evaluation.batch_size}
+        if pretrain is not None:
+            values.update({name: getattr(pretrain, name) for name in PRETRAIN_OVERRIDES
+                           if getattr(pretrain, name) is not None})
+            values["model_selection"] = "last"
+        return self.training.bound(**values)
+
     # ---- cross-field validation -----------------------------------------------------------------------------
     @model_validator(mode="after")
     def _cross_checks(self) -> "ScenarioConfig":
@@ -296,6 +311,8 @@ class ScenarioConfig(StrictModel):
         num_tasks = self.num_tasks
         total_classes = sum(self.increments)
         pretrain_names = [p.name for p in self.pretrain]
+        for name in sorted(self.training.model_fields_set & set(BOUND_FIELDS)):
+            problems.append(f"training.{name}: set by {BOUND_FIELDS[name]}, not in the training section")
         duplicates = sorted({n for n in pretrain_names if pretrain_names.count(n) > 1})
         if duplicates:
             problems.append(f"pretrain: names must be unique, {duplicates} appear more than once")
@@ -444,8 +461,15 @@ def _format_location(location: tuple) -> str:
     return text
 
 
-def format_validation_error(error: ValidationError, source: str) -> str:
-    """One line per problem, each starting with the key path (``replacements[0].at_task: ...``)."""
+def format_validation_error(error: ValidationError, source: str, document: Any = None,
+                            root: type[BaseModel] | None = None) -> str:
+    """One line per problem, each starting with the key path (``replacements[0].at_task: ...``); an unknown key
+    lists the valid keys of its section (resolved in ``root``, default ScenarioConfig, along ``document``)."""
+    return f"invalid scenario config {source}:\n  " + "\n  ".join(error_lines(error, document, root))
+
+
+def error_lines(error: ValidationError, document: Any = None, root: type[BaseModel] | None = None) -> list[str]:
+    """``key.path: message`` per problem of ``error`` (see format_validation_error)."""
     lines = []
     for item in error.errors():
         location = _format_location(tuple(item["loc"]))
@@ -453,13 +477,47 @@ def format_validation_error(error: ValidationError, source: str) -> str:
         if message.startswith("Value error, "):
             message = message[len("Value error, "):]
         if item["type"] == "extra_forbidden":
-            message = "unknown key (check the spelling; see docs of the section for valid keys)"
+            valid = _valid_keys(root or ScenarioConfig, tuple(item["loc"])[:-1], document)
+            message = f"unknown key; valid: {', '.join(valid)}" if valid else "unknown key (check the spelling)"
         elif item["type"] == "missing":
             message = "required key is missing"
         elif "input" in item and item["type"] not in ("value_error",):
             message = f"{message} (got {item['input']!r})"
         lines.append(f"{location}: {message}" if location else message)
-    return f"invalid scenario config {source}:\n  " + "\n  ".join(lines)
+    return lines
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The config section model inside a field annotation (``X``, ``X | None``, ``list[X]``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for argument in typing.get_args(annotation):
+        found = _section_model(argument)
+        if found is not None:
+            return found
+    return None
+
+
+def _valid_keys(model: type[BaseModel] | None, location: tuple, document: Any) -> list[str]:
+    """Keys a section accepts: walk ``location`` through the models (method params by the method's name)."""
+    node = document
+    for part in location:
+        if isinstance(part, int):
+            node = node[part] if isinstance(node, list) and 0 <= part < len(node) else None
+            continue
+        if model is None or part not in model.model_fields:
+            return []
+        parent, node = node, node.get(part) if isinstance(node, dict) else None
+        model = _section_model(model.model_fields[part].annotation)
+        if model is MethodParams:
+            name = parent.get("name") if isinstance(parent, dict) else None
+            try:
+                model = method_params_model(name)
+            except KeyError:
+                return []
+    if model is None:
+        return []
+    return sorted(name for name, field in model.model_fields.items() if not field.exclude)
 
 
 class ConfigError(ValueError):
@@ -473,7 +531,7 @@ def validate_config(document: dict, source: str = "<config>") -> ScenarioConfig:
     try:
         config = ScenarioConfig.model_validate(document)
     except ValidationError as error:
-        raise ConfigError(format_validation_error(error, source)) from None
+        raise ConfigError(format_validation_error(error, source, document)) from None
     check_method(config, source)
     check_names(config, source)
     return config
@@ -524,27 +582,10 @@ def check_names(config: ScenarioConfig, source: str = "<config>") -> None:
 
 
 def check_method(config: ScenarioConfig, source: str = "<config>") -> None:
-    """Check ``method.name`` against the METHODS registry and ``method.params`` against the method's own schema.
+    """What the method's class needs of the rest of the config (its name and params are checked by MethodSpec)."""
+    from pipelines.methods import METHODS
 
-    The schema is the method's ``Hparams`` (built by the method's constructor, which raises ValueError on unknown
-    names, wrong types or out-of-range values).
-    """
-    try:
-        from pipelines.methods import METHODS
-    except ImportError as error:
-        if error.name and error.name.startswith("pipelines.methods"):
-            return  # the methods package is optional at validation time (e.g. a config-only install)
-        raise
-    if config.method.name not in METHODS:
-        raise ConfigError(
-            f"invalid scenario config {source}:\n  method.name: unknown method {config.method.name!r}; "
-            f"valid: {', '.join(METHODS.names())}"
-        )
     method_class = METHODS.get(config.method.name)
-    try:
-        method_class(**config.method.params)
-    except (ValueError, TypeError) as error:
-        raise ConfigError(f"invalid scenario config {source}:\n  method.params: {error}") from None
     head = resolved_head(config, method_class.classifier)
     if head == "backbone":
         if method_class.classifier == "simplex":
@@ -618,12 +659,13 @@ def config_hash(config: ScenarioConfig) -> str:
     data.pop("resources", None)
     data.pop("description", None)
     data.pop("paper", None)
+    data.get("training", {}).pop("checkpoint_every_epochs", None)  # where work is saved, not what it computes
     return stable_hash(data)
 
 
 __all__ = [
     "ConfigError", "ScenarioConfig", "PoolSpec", "PretrainSpec", "ReplacementSpec", "EvaluationSpec",
-    "TrainingSpec", "OptimizerSpec", "ScheduleSpec", "ReplaySpec", "MethodSpec", "ModelSpec", "TaskSpec",
+    "TrainConfig", "OptimizerSpec", "ScheduleSpec", "ReplaySpec", "MethodSpec", "MethodParams", "ModelSpec", "TaskSpec",
     "StageResources", "ResourcesSpec", "PaperSpec", "load_config", "validate_config", "apply_override", "parse_increments",
     "config_to_dict", "dump_config", "stable_hash", "config_hash", "PRETRAIN_PREFIX",
 ]

@@ -145,6 +145,9 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
         backend.close()
     if summary.executed:
         record_invocation(store, summary)
+        from pipelines.checkpoints import collect_committed
+
+        collect_committed(store)  # checkpoints of stages committed by a process that died before cleaning up
     if all(store.has(stage.key) for stage in graph):
         summary.matrix, summary.metrics = finalize_run(graph, store)
     return summary

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig, StageResources, config_to_dict, stable_hash
+from pipelines.train_config import PRETRAIN_OVERRIDES
 
 STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "entry", "evaluate", "adapt")
 SPLITS = ("query", "gallery")
@@ -182,6 +183,11 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
     version = code_version() if version is None else version
     document = config_to_dict(config)
     traits = _method_traits(config.method.name)
+    if config.evaluation.features == "bridge":  # refuse an impossible bridge before anything trains
+        from pipelines.bridge_features import feature_way
+        from pipelines.config import resolved_head
+
+        feature_way(config, resolved_head(config, traits["classifier"]), 2, 1)
     graph = StageGraph(config=config, code_version=version)
     resources = config.resources
     model_section = document["model"]
@@ -192,7 +198,7 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
         # only the training settings the pretrain stage falls back to (or always uses) enter its key, so tuning
         # the fine-tuning schedule keeps already trained third-party models
         resolved_training = {name: training[name] if entry.get(name) is None else entry[name]
-                             for name in ("epochs", "batch_size", "optimizer", "schedule")}
+                             for name in PRETRAIN_OVERRIDES}
         resolved_training["autocast"] = training["autocast"]
         params = {
             "pretrain": entry,
@@ -214,7 +220,8 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
         "model": model_section,
         "method": document["method"],
         "method_traits": traits,
-        "training": document["training"],
+        # how often a stage checkpoints does not change what it computes
+        "training": {k: v for k, v in document["training"].items() if k != "checkpoint_every_epochs"},
         "replay": document["replay"],
         "evaluation_for_selection": document["evaluation"] if config.training.model_selection == "compatibility"
         else None,
@@ -247,7 +254,8 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
         previous = stage.key
 
     evaluation = document["evaluation"]
-    extraction_params = {"feature_dtype": evaluation["feature_dtype"], "batch_size": evaluation["batch_size"]}
+    extraction_params = {"feature_dtype": evaluation["feature_dtype"], "batch_size": evaluation["batch_size"],
+                         "features": evaluation["features"]}
     for task, model_key in enumerate(graph.model_stages):
         for split in SPLITS:
             params = {"split": split, "pool": evaluation[f"{split}_set"], **extraction_params,
@@ -385,6 +393,9 @@ def describe(graph: StageGraph) -> str:
     flops = "unknown" if plan.matrix_flops is None else f"{plan.matrix_flops:.3e} FLOPs"
     lines.append(f"matrix: {plan.matrix_entries} entries (T(T+1)/2, metric {config.evaluation.metric}, gallery "
                  f"{config.evaluation.gallery}), similarity cost {flops}")
+    from pipelines.bridge_features import plan_lines  # direct features vs the linear-head bridge (issue 14)
+
+    lines.extend(plan_lines(config, plan.query_rows, plan.gallery_rows, plan.matrix_entries))
     return "\n".join(lines)
 
 

@@ -33,7 +33,8 @@ def write_memory_shard(store, stage_key: str, task: int, memory: ReplayMemory, s
 
 
 def read_memory_shard(store, shard: dict) -> tuple[ReplayMemory, np.ndarray]:
-    """(memory, images uint8 (M, H, W, C)) of a recorded shard; CorruptShardError naming bucket/key and the
+    """(memory, images uint8 (M, H, W, C) or EncodedImages decoded on indexing) of a recorded shard;
+    CorruptShardError naming bucket/key and the
     expected sha256 when the file is missing or differs from the record or its manifest."""
     from compat_core.data.replay_shards import CorruptShardError, read_replay_shard, shard_uris
 
@@ -56,9 +57,12 @@ class WithMemory:
     """An ImageSource: a task's source followed by the replay shard's images (rows ``len(source) + m``), so the
     training loop reads old exemplars from the shard and only the current task from the source."""
 
-    def __init__(self, source, images: np.ndarray, labels: np.ndarray) -> None:
+    def __init__(self, source, images, labels: np.ndarray) -> None:
+        from compat_core.data.replay_shards import EncodedImages
+
         self.source = source
-        self.images = np.asarray(images, dtype=np.uint8)
+        # encoded exemplars stay encoded and are decoded per batch (EncodedImages indexes like an array)
+        self.images = images if isinstance(images, EncodedImages) else np.asarray(images, dtype=np.uint8)
         self.base = len(source)
         self.name = getattr(source, "name", "pool")
         self.labels = np.concatenate([np.asarray(source.labels, dtype=np.int64), np.asarray(labels, np.int64)])

@@ -154,6 +154,12 @@ class SubsetSource:
     def read(self, indices: np.ndarray) -> np.ndarray:
         return self.source.read(self.indices[np.asarray(indices, dtype=np.int64)])
 
+    def encoded_images(self, indices: np.ndarray):
+        """The underlying source's encoded images of ``indices`` (replay shards store them), or None."""
+        from compat_core.data.replay_shards import encoded_images
+
+        return encoded_images(self.source, self.indices[np.asarray(indices, dtype=np.int64)])
+
 
 _POOL_CACHE: dict[str, Any] = {}
 
@@ -314,7 +320,7 @@ def load_model_artifact(store: RunStore, record: dict, device: torch.device):
 def _method(config: ScenarioConfig):
     from pipelines.methods import get_method
 
-    return get_method(config.method.name, **config.method.params)
+    return get_method(config.method.name, **dict(config.method.params))
 
 
 def _seed_everything(seed: int) -> None:
@@ -356,25 +362,6 @@ def _load_source(ctx: StageContext, source: str, classifier: str, backbone: str 
 
 
 # ---- training ------------------------------------------------------------------------------------------------------
-def _train_config(config: ScenarioConfig, seed: int, device: torch.device, epochs: int | None = None,
-                  batch_size: int | None = None, optimizer=None, schedule=None, model_selection: str | None = None):
-    """pipelines.training.TrainConfig from the scenario's training section (pretrain entries may override parts)."""
-    from pipelines.training import TrainConfig
-
-    training = config.training
-    optimizer = optimizer or training.optimizer
-    schedule = schedule or training.schedule
-    return TrainConfig(
-        epochs=epochs or training.epochs, batch_size=batch_size or training.batch_size, lr=optimizer.lr,
-        optimizer=optimizer.name, momentum=optimizer.momentum, weight_decay=optimizer.weight_decay,
-        schedule=schedule.name, milestones=tuple(schedule.milestones), gamma=schedule.gamma, seed=seed,
-        device=str(device), model_selection=model_selection or training.model_selection,
-        selection_strict=config.evaluation.strict, mixed_precision=training.autocast,
-        eval_batch_size=config.evaluation.batch_size, epoch_length=config.replay.epoch_length,
-        input_workers=training.input_workers,
-    )
-
-
 def _progress_hook(ctx: StageContext):
     """train_task's per-step progress -> ProgressUpdate records (epoch bar with images/s and ETA)."""
     def hook(epoch: int, step: int, total_steps: int, images_per_s: float) -> None:
@@ -391,7 +378,16 @@ def _summary(result: Any) -> dict:
         "seconds": float(result.seconds),
         "final_loss": float(records[-1].loss) if records else None,
         "epochs_recorded": len(records),
+        "resumed_from_epoch": getattr(result, "resumed_from_epoch", None),  # epoch checkpoint restored, if any
     }
+
+
+def _checkpoints(ctx: StageContext):
+    """The stage's epoch checkpoints in the run store (None with ``training.checkpoint_every_epochs: 0``)."""
+    from pipelines.checkpoints import StoreCheckpointSink
+
+    every = ctx.config.training.checkpoint_every_epochs
+    return StoreCheckpointSink(ctx.store, ctx.stage.key, every) if every else None
 
 
 def pretrain_stage(ctx: StageContext) -> StageResult:
@@ -425,10 +421,8 @@ def pretrain_stage(ctx: StageContext) -> StageResult:
             raise type(error)(f"pretrain[{spec.name}].init: {error}") from error
     model = model.to(ctx.device)
     model.config["pretrained_classes"] = spec.num_classes
-    train_config = _train_config(config, seed, ctx.device, spec.epochs, spec.batch_size, spec.optimizer,
-                                 spec.schedule, model_selection="last")
-    result = pretrain_model(model, pool, np.arange(len(pool)), train_config, on_record=ctx.emit,
-                            progress=_progress_hook(ctx))
+    result = pretrain_model(model, pool, np.arange(len(pool)), config.train_config(seed, ctx.device, spec),
+                            on_record=ctx.emit, progress=_progress_hook(ctx), checkpoints=_checkpoints(ctx))
     record = ModelArtifact("model", ctx.stage.key, artifact_location(ctx.stage.key), None, 0,
                            spec.num_classes, 0, classifier, spec.num_classes if classifier == "learnable" else 0,
                            source=None, training=_summary(result))
@@ -484,16 +478,28 @@ def _write_memory_shard(ctx: StageContext, task: int, memory: tuple, memory_imag
     from compat_core.data.replay import ReplayMemory
     from pipelines.replay_shards import write_memory_shard
 
-    images = np.empty((indices.shape[0], *pool.image_shape), dtype=np.uint8)
+    from compat_core.data.replay_shards import EncodedImages, concatenate_images, encoded_images
+
+    # kept exemplars come from the previous shard (its encoded bytes or pixels), new ones from this task's source
     from_previous = tasks != task
+    parts = []
     if from_previous.any():
         if memory_images is None:
-            images[from_previous] = pool.read(indices[from_previous])  # a run started before replay shards
+            parts.append(pool.read(indices[from_previous]))  # a run started before replay shards
         else:
             row_of = {int(index): row for row, index in enumerate(memory[0])}
-            images[from_previous] = memory_images[[row_of[int(i)] for i in indices[from_previous]]]
+            rows = np.asarray([row_of[int(i)] for i in indices[from_previous]], dtype=np.int64)
+            parts.append(memory_images.take(rows) if isinstance(memory_images, EncodedImages)
+                         else memory_images[rows])
     if (~from_previous).any():
-        images[~from_previous] = pool.read(indices[~from_previous])
+        new = encoded_images(pool, indices[~from_previous])
+        parts.append(pool.read(indices[~from_previous]) if new is None else new)
+    if parts:
+        joined = concatenate_images(parts)       # kept rows, then new rows: put them back in memory order
+        order = np.argsort(np.concatenate([np.flatnonzero(from_previous), np.flatnonzero(~from_previous)]))
+        images = joined.take(order) if isinstance(joined, EncodedImages) else joined[order]
+    else:
+        images = np.zeros((0, *pool.image_shape), dtype=np.uint8)
     record = ReplayMemory(indices=indices, labels=positions, slots=positions, source_task=tasks)
     return write_memory_shard(ctx.store, ctx.stage.key, task, record, images)
 
@@ -620,8 +626,8 @@ def train_task_stage(ctx: StageContext) -> StageResult:
         num_new_classes=len(tasks[task]) + (first_position if method.retrain_from_scratch else 0),
         memory_indices=memory_indices, memory_slots=memory_slots, initial_state=initial_state, selection=selection,
     )
-    result = train_task(model, old_model, method, data, _train_config(config, seed, ctx.device), on_record=ctx.emit,
-                        progress=_progress_hook(ctx))
+    result = train_task(model, old_model, method, data, config.train_config(seed, ctx.device), on_record=ctx.emit,
+                        progress=_progress_hook(ctx), checkpoints=_checkpoints(ctx))
     if not is_leader():  # data-parallel training: rank 0 builds and commits the artifacts, the other ranks nothing
         return StageResult(None)
     trained = result.model
@@ -645,7 +651,7 @@ def train_task_stage(ctx: StageContext) -> StageResult:
             from pipelines.training import compute_features
 
             herding_features = compute_features(trained, pool, task_indices,
-                                                _train_config(config, seed, ctx.device)).numpy()
+                                                config.train_config(seed, ctx.device)).numpy()
         new_indices, new_positions, new_tasks = _update_memory(config, memory, task_indices, task_positions, task,
                                                                herding_features)
         blobs["memory-indices.npy"] = encode_array(new_indices)
@@ -686,10 +692,20 @@ def extract_stage(ctx: StageContext) -> StageResult:
     def progress(done: int, batches: int, images_per_second: float) -> None:
         ctx.emit(ProgressUpdate(ctx.stage.key, done, batches, "batch", images_per_second))
 
-    features = extract_pool_features(model, pool, config, ctx.device, progress)
+    from pipelines.bridge_features import bridge_blobs, model_feature_way
+
+    way, reason = model_feature_way(config, model)  # bridge: store m-dim embeddings, entries use the exact bridge
+    features = extract_pool_features(model, pool, config, ctx.device, progress, embeddings=way == "bridge")
     seconds = time.perf_counter() - started
     coarse = getattr(pool, "coarse_labels", None)
-    blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse, dtype=config.evaluation.feature_dtype)
+    if way == "bridge":
+        blobs, layout = bridge_blobs(features, model_record["stage_key"], model.feature_dim, np.asarray(pool.labels),
+                                     coarse, config.evaluation.feature_dtype)
+    else:
+        blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse,
+                                      dtype=config.evaluation.feature_dtype)
+        layout["way"] = "direct"
+    layout["way_reason"] = reason
     adapter = ADAPTER_BLOB if ADAPTER_BLOB in (model_record.get("extra_blobs") or []) else None
     record = FeatureArtifact("features", ctx.stage.key, int(ctx.stage.task), split,
                              artifact_location(ctx.stage.key), layout,
@@ -700,8 +716,10 @@ def extract_stage(ctx: StageContext) -> StageResult:
 
 @torch.no_grad()
 def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.device,
-                          progress: Callable[[int, int, float], None] | None = None) -> np.ndarray:
-    """(N, D) float32 features of ``model`` on every image of ``pool`` (logits for training-free methods).
+                          progress: Callable[[int, int, float], None] | None = None,
+                          embeddings: bool = False) -> np.ndarray:
+    """(N, D) float32 features of ``model`` on every image of ``pool`` (logits for training-free methods; the
+    (N, m) backbone embeddings with ``embeddings``, for the linear-head bridge).
 
     The one extraction path: extract stages and ``compat gate`` use it. The next batches are decoded on CPU
     workers (``training.input_workers``) while the model runs. progress(batch, batches, images per s).
@@ -730,12 +748,14 @@ def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.dev
             with precision_context(device, config.training.autocast):
                 output = model(inputs)
             # training-free methods (PSP/LSP) map logits into the gallery model's class space at evaluation time
-            values = output.logits if getattr(method, "training_free", False) else output.features
+            values = (output.embedding if embeddings
+                      else output.logits if getattr(method, "training_free", False) else output.features)
             outputs.append(values.float().cpu().numpy())
             if progress is not None:
                 done = int(positions[-1]) + 1
                 progress(batch_index + 1, batches, done / max(time.perf_counter() - started, 1e-9))
-    return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, model.feature_dim), np.float32)
+    width = model.embed_dim if embeddings else model.feature_dim
+    return np.concatenate(outputs, axis=0) if outputs else np.zeros((0, width), np.float32)
 
 
 # ---- evaluation --------------------------------------------------------------------------------------------------
@@ -888,11 +908,12 @@ def entry_stage(ctx: StageContext) -> StageResult:
     query_key, gallery_keys = stage.parents[0], stage.parents[1:]
     gallery_key = gallery_keys[column]
     adapters = entry_adapters(ctx.store, [ctx.parents[k] for k in gallery_keys], row, column)
-    value = compute_entry(cached_features(ctx.store, query_key), cached_features(ctx.store, gallery_key), protocol,
-                          ctx.config, ctx.parents[query_key].get("num_classes_model", 0),
-                          ctx.parents[gallery_key].get("num_classes_model", 0), adapters=adapters)
+    from pipelines.bridge_features import entry_value  # direct features or the exact linear-head bridge
+
+    value, features = entry_value(ctx.store, ctx.config, ctx.parents[query_key], ctx.parents[gallery_key], protocol,
+                                  adapters)
     return StageResult({"type": "entry", "row": row, "column": column, "value": value, "query": query_key,
-                        "gallery": gallery_key, "protocol": protocol}, {})
+                        "gallery": gallery_key, "protocol": protocol, "features": features}, {})
 
 
 def evaluate_stage(ctx: StageContext) -> StageResult:
@@ -931,10 +952,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: Emit,
-                  code_version: str | None = None) -> dict:
+                  code_version: str | None = None, placement: dict | None = None) -> dict:
     """Run one stage whose parents are committed, commit its artifacts (blobs, then manifest) and return the record.
 
-    This is the unit a Ray actor runs: everything it needs comes from the store by key.
+    This is the unit a Ray actor runs: everything it needs comes from the store by key. placement: where it ran
+    (the Ray backend gives node id, host, pid), kept in the record as ``placement``.
     """
     parents = {}
     for key in stage.parents:
@@ -956,7 +978,13 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
     record.setdefault("kind", stage.kind)
     record["kind"] = stage.kind
     record["label"] = stage.label
+    if placement is not None:
+        record["placement"] = dict(placement)
     manifest = store.commit(stage.key, record, result.blobs, code_version=code_version)
+    if stage.kind in ("pretrain", "finetune", "replace"):
+        from pipelines.checkpoints import collect_garbage
+
+        collect_garbage(store, stage.key)  # the committed model supersedes its epoch checkpoints
     return manifest["record"]
 
 

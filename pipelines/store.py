@@ -115,6 +115,53 @@ class RunStore:
         with self.fs.open_input_stream(path, compression=None) as handle:
             return handle.read().decode("utf-8")
 
+    # ---- other files of the run (epoch checkpoints, ...) --------------------------------------------------------
+    def write_bytes(self, relative: str, data: bytes) -> str:
+        """Write a file under the run root atomically (rename locally, one PUT on S3); returns its URI."""
+        self._write(f"{self.base}/{relative}", bytes(data))
+        return self.uri(relative)
+
+    def read_bytes(self, relative: str) -> bytes:
+        path = f"{self.base}/{relative}"
+        if self.fs.get_file_info(path).type != pafs.FileType.File:
+            raise FileNotFoundError(f"no such file in run {self.root}: {relative}")
+        with self.fs.open_input_stream(path, compression=None) as handle:
+            return handle.read()
+
+    def _entries(self, relative: str, kind: pafs.FileType) -> list[pafs.FileInfo]:
+        directory = f"{self.base}/{relative}"
+        if self.fs.get_file_info(directory).type != pafs.FileType.Directory:
+            return []
+        infos = self.fs.get_file_info(pafs.FileSelector(directory, recursive=False))
+        return [info for info in infos if info.type == kind and not info.base_name.startswith(".tmp-")]
+
+    def list_files(self, relative: str) -> list[str]:
+        """Names of the files directly under a folder of the run (empty when it does not exist), sorted."""
+        return sorted(info.base_name for info in self._entries(relative, pafs.FileType.File))
+
+    def list_dirs(self, relative: str) -> list[str]:
+        """Names of the folders directly under a folder of the run (empty when it does not exist), sorted."""
+        return sorted(info.base_name for info in self._entries(relative, pafs.FileType.Directory))
+
+    def delete_file(self, relative: str) -> int:
+        """Delete one file of the run if it exists; returns its size in bytes (0 when there was none)."""
+        path = f"{self.base}/{relative}"
+        info = self.fs.get_file_info(path)
+        if info.type != pafs.FileType.File:
+            return 0
+        self.fs.delete_file(path)
+        return int(info.size or 0)
+
+    def delete_tree(self, relative: str) -> int:
+        """Delete a folder of the run and everything under it; returns the bytes freed (0 when there was none)."""
+        directory = f"{self.base}/{relative}"
+        if self.fs.get_file_info(directory).type != pafs.FileType.Directory:
+            return 0
+        infos = self.fs.get_file_info(pafs.FileSelector(directory, recursive=True))
+        freed = sum(int(info.size or 0) for info in infos if info.type == pafs.FileType.File)
+        self.fs.delete_dir(directory)
+        return freed
+
     # ---- stages ------------------------------------------------------------------------------------------------
     def has(self, stage_key: str) -> bool:
         """True when the stage's manifest is committed (the stage is done)."""
@@ -211,8 +258,10 @@ class RunStore:
 
 
 def feature_blobs(features: np.ndarray, labels: np.ndarray, coarse_labels: np.ndarray | None = None,
-                  dtype: str = "float16", shard_rows: int = 65536) -> tuple[dict[str, bytes], dict]:
-    """Encode features ``(N, D)`` as .npy shards of ``dtype`` plus labels; returns (blobs, layout for the record)."""
+                  dtype: str = "float16", shard_rows: int = 65536,
+                  prefix: str = "features") -> tuple[dict[str, bytes], dict]:
+    """Encode features ``(N, D)`` as .npy shards ``<prefix>-NNNNN.npy`` of ``dtype`` plus labels; returns (blobs,
+    layout for the record)."""
     features = np.asarray(features)
     if features.ndim != 2:
         raise ValueError(f"features must be (N, D), got shape {features.shape}")
@@ -221,7 +270,7 @@ def feature_blobs(features: np.ndarray, labels: np.ndarray, coarse_labels: np.nd
     blobs: dict[str, bytes] = {}
     shards = []
     for index, start in enumerate(range(0, max(features.shape[0], 1), shard_rows)):
-        name = f"features-{index:05d}.npy"
+        name = f"{prefix}-{index:05d}.npy"
         blobs[name] = encode_array(features[start:start + shard_rows].astype(dtype))
         shards.append(name)
     blobs["labels.npy"] = encode_array(np.asarray(labels, dtype=np.int64))
@@ -233,9 +282,17 @@ def feature_blobs(features: np.ndarray, labels: np.ndarray, coarse_labels: np.nd
 
 
 def read_features(store: RunStore, stage_key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(features (N, D) in their stored dtype, labels (N,), coarse labels (N,) or None) of an extract stage."""
+    """(features (N, D) in their stored dtype, labels (N,), coarse labels (N,) or None) of an extract stage.
+
+    A bridge extract (layout way ``bridge``) stores embeddings: its d-dim features come back materialised (A h,
+    float32; see pipelines.bridge_features)."""
     manifest = store.load_manifest(stage_key)
     layout = manifest["record"]["layout"]
+    if layout.get("way") == "bridge":
+        from pipelines.bridge_features import materialize, read_embeddings
+
+        embeddings, labels, coarse, layout = read_embeddings(store, stage_key)
+        return materialize(store, layout, embeddings), labels, coarse
     parts = [store.read_array(stage_key, name, manifest) for name in layout["shards"]]
     features = np.concatenate(parts, axis=0) if parts else np.zeros((0, layout["dim"]), dtype=layout["dtype"])
     labels = store.read_array(stage_key, "labels.npy", manifest)

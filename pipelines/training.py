@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -29,11 +30,11 @@ from compat_core.retrieval import recall_at_1
 from compat_core.simplex import pretrain_slot
 from pipelines import distributed
 from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy
+from pipelines.train_config import TrainConfig
 
-OPTIMIZERS = ("sgd", "adamw")
-SCHEDULES = ("cosine", "constant", "step")
-REPLAY_SAMPLINGS = ("half_and_half", "mixed")
-MODEL_SELECTIONS = ("last", "compatibility")
+if TYPE_CHECKING:
+    from pipelines.checkpoints import CheckpointSink
+
 # "auto": the half type compat_core.device finds fast (bf16 on CPUs only with AMX); "bf16"/"fp16": forced (e.g. a
 # CPU with avx512_bf16 but no AMX, where bf16 convolutions measured ~1.8x faster than fp32); "off": fp32.
 AUTOCAST_MODES = ("auto", "bf16", "fp16", "off")
@@ -68,100 +69,6 @@ def prepare_model(model: nn.Module, device: torch.device | str, mode: Any) -> nn
     if autocast_mode(mode) in _FORCED_DTYPES and has_convolutions(model):
         model = model.to(memory_format=torch.channels_last)
     return model
-
-
-def _require_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"TrainConfig.{name} must be an int >= {low}, got {value!r}")
-
-
-def _require_number(name: str, value: Any, low: float, *, strict: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"TrainConfig.{name} must be a finite number, got {value!r}")
-    if value < low or (strict and value == low):
-        raise ValueError(f"TrainConfig.{name} must be {'>' if strict else '>='} {low}, got {value!r}")
-
-
-def _require_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"TrainConfig.{name} must be one of {choices}, got {value!r}")
-
-
-@dataclass
-class TrainConfig:
-    """Optimisation settings of one task.
-
-    epochs: passes over the task data (or ``steps_per_epoch`` steps each). lr: peak learning rate. schedule:
-    "cosine" (to 0 over all steps after warm-up), "constant", or "step" (multiply by ``gamma`` at each epoch in
-    ``milestones``, 0-based epoch counts, e.g. CoReS's 100 epochs with milestone 70). warmup_epochs: linear warm-up
-    from lr/warmup_steps. replay_sampling: "half_and_half" (every batch half memory, half task: the public
-    reference) or "mixed" (memory and task samples shuffled together). epoch_length (half_and_half): "task" (one pass
-    over the task data, batch_size // 2 task samples per batch) or "reference" ((task + memory) // batch_size
-    batches, as the public CL2R/IAM-CL2R code's BalancedBatchSampler). model_selection: "last" or "compatibility"
-    (CoReS Sec. 8.2; needs ``TaskData.selection``). mixed_precision: True / "auto" autocasts where the device has
-    a fast half type (bf16 on CPUs with AMX), "bf16" / "fp16" force that autocast dtype, False / "off" runs fp32. steps_per_epoch: cap on steps per epoch (None: one pass).
-    log_every_steps: also emit a record every N steps (0: per-epoch records only).
-    input_workers: CPU processes that read and decode the next batches while the current step runs
-    (compat_core.data.stream; 0: read in the training thread). prefetch_batches: batches read ahead per worker.
-    """
-
-    epochs: int = 1
-    batch_size: int = 128
-    lr: float = 0.1
-    optimizer: str = "sgd"
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    schedule: str = "constant"
-    milestones: tuple[int, ...] = ()
-    gamma: float = 0.1
-    warmup_epochs: int = 0
-    seed: int = 0
-    device: str = "cpu"
-    replay_sampling: str = "half_and_half"
-    epoch_length: str = "task"
-    model_selection: str = "last"
-    selection_strict: bool = True
-    mixed_precision: bool | str = True
-    augment: bool = True
-    steps_per_epoch: int | None = None
-    eval_batch_size: int = 256
-    log_every_steps: int = 0
-    input_workers: int = 0
-    prefetch_batches: int = 2
-
-    def __post_init__(self) -> None:
-        _require_int("epochs", self.epochs, 1)
-        _require_int("batch_size", self.batch_size, 2)
-        _require_number("lr", self.lr, 0.0, strict=True)
-        _require_choice("optimizer", self.optimizer, OPTIMIZERS)
-        _require_number("momentum", self.momentum, 0.0)
-        _require_number("weight_decay", self.weight_decay, 0.0)
-        _require_choice("schedule", self.schedule, SCHEDULES)
-        _require_choice("epoch_length", self.epoch_length, ("task", "reference"))
-        self.milestones = tuple(self.milestones)
-        for milestone in self.milestones:
-            _require_int("milestones[]", milestone, 1)
-        _require_number("gamma", self.gamma, 0.0, strict=True)
-        _require_int("warmup_epochs", self.warmup_epochs, 0)
-        if self.warmup_epochs >= self.epochs:
-            raise ValueError(f"TrainConfig.warmup_epochs must be < epochs ({self.epochs}), got {self.warmup_epochs}")
-        _require_int("seed", self.seed, 0)
-        try:
-            torch.device(self.device)
-        except (RuntimeError, TypeError) as error:
-            raise ValueError(f"TrainConfig.device must be a torch device string such as 'cpu' or 'cuda:0', got {self.device!r}") from error
-        _require_choice("replay_sampling", self.replay_sampling, REPLAY_SAMPLINGS)
-        _require_choice("model_selection", self.model_selection, MODEL_SELECTIONS)
-        if self.steps_per_epoch is not None:
-            _require_int("steps_per_epoch", self.steps_per_epoch, 1)
-        _require_int("eval_batch_size", self.eval_batch_size, 1)
-        _require_int("log_every_steps", self.log_every_steps, 0)
-        _require_int("input_workers", self.input_workers, 0)
-        _require_int("prefetch_batches", self.prefetch_batches, 1)
-        try:
-            autocast_mode(self.mixed_precision)
-        except ValueError as error:
-            raise ValueError(f"TrainConfig.mixed_precision: {error}") from None
 
 
 @dataclass
@@ -275,6 +182,7 @@ class TrainResult:
     seconds: float
     extra_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     selection: list[dict[str, float]] = field(default_factory=list)
+    resumed_from_epoch: int | None = None  # completed epochs restored from an epoch checkpoint (None: fresh start)
 
 
 ProgressHook = Callable[[int, int, int, float], None]
@@ -366,21 +274,22 @@ def _lr_factor(config: TrainConfig, steps_per_epoch: int) -> Callable[[int], flo
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
-        if config.schedule == "cosine":
+        if config.schedule.name == "cosine":
             progress = (step - warmup) / max(1, total - warmup)
             return 0.5 * (1.0 + math.cos(math.pi * progress))
-        if config.schedule == "step":
+        if config.schedule.name == "step":
             epoch = step // steps_per_epoch
-            return config.gamma ** sum(1 for milestone in config.milestones if epoch >= milestone)
+            return config.schedule.gamma ** sum(1 for milestone in config.schedule.milestones if epoch >= milestone)
         return 1.0
 
     return factor
 
 
 def _make_optimizer(parameters: list[nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+    settings = config.optimizer
+    if settings.name == "sgd":
+        return torch.optim.SGD(parameters, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
+    return torch.optim.AdamW(parameters, lr=settings.lr, weight_decay=settings.weight_decay)
 
 
 def _check_model_for_method(model: nn.Module, method: Method, data: TaskData) -> None:
@@ -413,7 +322,7 @@ def _extract(model: nn.Module, source: ImageSource, indices: np.ndarray, device:
                for start in range(0, indices.size, config.eval_batch_size)]
     for _, images in stream_batches(source, indices, batches, workers=config.input_workers,
                                     prefetch=config.prefetch_batches, pin_memory=device.type == "cuda"):
-        with precision_context(device, config.mixed_precision):
+        with precision_context(device, config.autocast):
             output = model(prepare_batch(transform(images.to(device, non_blocking=True)), model))
         chunks.append(feature_fn(output).float().cpu())
     return torch.cat(chunks)
@@ -422,7 +331,7 @@ def _extract(model: nn.Module, source: ImageSource, indices: np.ndarray, device:
 def compute_features(model: nn.Module, source: ImageSource, indices: np.ndarray, config: TrainConfig) -> torch.Tensor:
     """L2-normalised features (n, K-1), float32 on the CPU, of ``source[indices]`` with evaluation transforms.
 
-    Batches of ``config.eval_batch_size`` on ``config.device`` under ``config.mixed_precision``; the model is put in
+    Batches of ``config.eval_batch_size`` on ``config.device`` under ``config.autocast``; the model is put in
     eval mode for the call and its previous mode restored (used for herding replay selection).
     """
     indices = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -510,6 +419,7 @@ def train_task(
     config: TrainConfig,
     on_record: Callable[[TrainRecord], None] | None = None,
     progress: ProgressHook | None = None,
+    checkpoints: "CheckpointSink | None" = None,
     parallel_key: str = "resources.finetune.num_workers",
 ) -> TrainResult:
     """Train ``model`` on one task with ``method``; returns the trained model and the training records.
@@ -519,6 +429,12 @@ def train_task(
     None; it is put in eval mode and never receives gradients. ``on_record`` receives a :class:`TrainRecord` per
     epoch (and every ``log_every_steps`` steps); ``progress(epoch, step, total_steps, images_per_s)`` is called after
     every step. Methods with ``retrain_from_scratch`` and an ``initial_state`` restart from those weights.
+
+    checkpoints: where epoch checkpoints go (:mod:`pipelines.checkpoints`). The latest one is restored before the
+    first epoch (after ``method.setup``, which sees the starting model as in an uninterrupted run), its records are
+    re-emitted to ``on_record``, and training continues bit-identically on the CPU in fp32. A checkpoint is saved
+    after every ``checkpoints.every_epochs`` epochs (not after the last: the stage commits then) and, when SIGTERM
+    arrives, at the next step boundary; the process then ends as SIGTERM ends it, so Ray retries the task.
     Inside an initialised torch.distributed group of N ranks every rank trains its rows of each global batch under
     DDP and the loss sees the global batch (:mod:`pipelines.distributed`); ``parallel_key`` names the setting that
     chose N in errors.
@@ -540,9 +456,9 @@ def train_task(
             needed = max(needed, int(data.memory_slots.max()) + 1)
         if needed > model.num_active_classes:
             model.expand_classes(needed)
-    prepare_model(model, device, config.mixed_precision)
+    prepare_model(model, device, config.autocast)
     if old_model is not None:
-        prepare_model(old_model, device, config.mixed_precision)
+        prepare_model(old_model, device, config.autocast)
         old_model.eval()
         old_model.requires_grad_(False)
 
@@ -563,7 +479,7 @@ def train_task(
         iterate_memory=memory_iterator,
     )
     model.eval()  # setup statistics (e.g. old-class centres) must not update batch-norm buffers
-    with precision_context(device, config.mixed_precision):
+    with precision_context(device, config.autocast):
         extra_modules = method.setup(ctx)
     for module in extra_modules:
         module.to(device).train()
@@ -598,46 +514,82 @@ def train_task(
         if on_record is not None:
             on_record(record)
 
-    for epoch in range(config.epochs):
-        model.train()
-        window = _Window()
-        # the next batches are read and decoded on CPU workers while this step runs (same order for a seed)
-        batches = list(epoch_batches(data, method, config, epoch))
-        stream = stream_batches(data.source, loader.all_indices,
-                                batches if parallel is None else distributed.shard_batches(parallel, batches),
-                                workers=config.input_workers, prefetch=config.prefetch_batches,
-                                pin_memory=device.type == "cuda")
-        started = time.perf_counter()  # a step's time includes any wait for its batch
-        for number, (positions, images) in enumerate(stream):
-            if parallel is None:
-                batch = loader.batch(positions, images)
-            else:  # this rank's images, the global batch's targets; the models return global outputs
-                positions = batches[number]
-                batch = loader.batch(positions, images, parallel.rows(positions.size))
-                for wrapper in (ctx.model, ctx.old_model):
-                    if wrapper is not None:
-                        wrapper.total = positions.size
-            with precision_context(device, config.mixed_precision):
-                loss, parts = method.loss(batch, ctx)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            seconds = time.perf_counter() - started
-            started = time.perf_counter()
-            train_seconds += seconds
-            train_images += int(positions.size)
-            # running sums stay on the device: the host reads them only when a record is emitted (no per-step sync)
-            window.add(loss.detach(), parts, int(positions.size), seconds)
-            if progress is not None:
-                progress(epoch, step, total_steps, train_images / max(train_seconds, 1e-9))
-            if config.log_every_steps and step % config.log_every_steps == 0:
-                emit(window.record(data.task, epoch, step, optimizer, method_name=method.name))
-                window = _Window()
-        metrics = selector.observe(epoch, model) if selector is not None else {}  # every rank: same weights
-        if window.count or metrics:
-            emit(window.record(data.task, epoch, step, optimizer, metrics, method_name=method.name))
+    start_epoch, skip_steps, window = 0, 0, _Window()
+    latest = checkpoints.load_latest() if checkpoints is not None else None
+    if latest is not None:
+        position = restore_training_state(latest.state, model, optimizer, scheduler, extra_modules=extra_modules,
+                                          augment_generator=loader.transform.generator, selector=selector)
+        start_epoch, skip_steps, step = position["epochs_done"], position["step_in_epoch"], position["step"]
+        train_seconds, train_images = position["extras"]["train_seconds"], position["extras"]["train_images"]
+        window = _Window.from_state(position["extras"]["window"], device)
+        for record in position["records"]:
+            emit(record)
+
+    def save(epochs_done: int, step_in_epoch: int, current: _Window) -> None:
+        state = training_state(model, optimizer, scheduler, epochs_done=epochs_done, step_in_epoch=step_in_epoch,
+                               step=step, extra_modules=extra_modules, augment_generator=loader.transform.generator,
+                               selector=selector, records=records,
+                               extras={"train_seconds": train_seconds, "train_images": train_images,
+                                       "window": current.state()})
+        from pipelines.checkpoints import EpochCheckpoint
+
+        checkpoints.save(EpochCheckpoint(epochs_done, state))
+
+    from pipelines.checkpoints import preemption_guard
+
+    with preemption_guard(enabled=checkpoints is not None) as preempted:
+        for epoch in range(start_epoch, config.epochs):
+            model.train()
+            batches = list(epoch_batches(data, method, config, epoch))
+            skip = skip_steps if epoch == start_epoch else 0  # steps of this epoch done before a SIGTERM checkpoint
+            # the next batches are read and decoded on CPU workers while this step runs (same order for a seed)
+            local = batches[skip:] if parallel is None else distributed.shard_batches(parallel, batches[skip:])
+            stream = stream_batches(data.source, loader.all_indices, local, workers=config.input_workers,
+                                    prefetch=config.prefetch_batches, pin_memory=device.type == "cuda")
+            started = time.perf_counter()  # a step's time includes any wait for its batch
+            for in_epoch, (positions, images) in enumerate(stream, start=skip + 1):
+                if parallel is None:
+                    batch = loader.batch(positions, images)
+                else:  # this rank's images, the global batch's targets; the models return global outputs
+                    positions = batches[in_epoch - 1]
+                    batch = loader.batch(positions, images, parallel.rows(positions.size))
+                    for wrapper in (ctx.model, ctx.old_model):
+                        if wrapper is not None:
+                            wrapper.total = positions.size
+                with precision_context(device, config.autocast):
+                    loss, parts = method.loss(batch, ctx)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                seconds = time.perf_counter() - started
+                started = time.perf_counter()
+                train_seconds += seconds
+                train_images += int(positions.size)
+                # running sums stay on the device: the host reads them only when a record is emitted (no step sync)
+                window.add(loss.detach(), parts, int(positions.size), seconds)
+                if progress is not None:
+                    progress(epoch, step, total_steps, train_images / max(train_seconds, 1e-9))
+                if config.log_every_steps and step % config.log_every_steps == 0:
+                    emit(window.record(data.task, epoch, step, optimizer, method_name=method.name))
+                    window = _Window()
+                if preempted and in_epoch < len(batches):  # preemption: save now, the grace period is short
+                    save(epoch, in_epoch, window)
+                    preempted.exit(f"task {data.task}: SIGTERM received; checkpoint at epoch {epoch} step "
+                                   f"{in_epoch} saved, exiting so that the stage is retried from it")
+            metrics = selector.observe(epoch, model) if selector is not None else {}  # every rank: same weights
+            if window.count or metrics:
+                emit(window.record(data.task, epoch, step, optimizer, metrics, method_name=method.name))
+            window = _Window()
+            done = epoch + 1
+            periodic = checkpoints is not None and checkpoints.every_epochs and done % checkpoints.every_epochs == 0
+            # no periodic save after the last epoch (the stage commits next), but one on SIGTERM
+            if checkpoints is not None and ((periodic and done < config.epochs) or preempted):
+                save(done, 0, window)
+            if preempted:
+                preempted.exit(f"task {data.task}: SIGTERM received; checkpoint after {done} epoch(s) saved, "
+                               f"exiting so that the stage is retried from it")
 
     selected_epoch = config.epochs - 1
     if selector is not None and selector.best_state is not None:
@@ -653,7 +605,90 @@ def train_task(
         seconds=time.perf_counter() - task_start,
         extra_state=method.export_state(),
         selection=[] if selector is None else selector.history,
+        resumed_from_epoch=None if latest is None else latest.epochs_done,
     )
+
+
+def _rng_states(augment_generator: torch.Generator | None) -> dict[str, Any]:
+    numpy_state = np.random.get_state()
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"name": numpy_state[0], "keys": torch.from_numpy(numpy_state[1].astype(np.int64)),
+                  "pos": int(numpy_state[2]), "has_gauss": int(numpy_state[3]), "cached": float(numpy_state[4])},
+        "python": random.getstate(),
+        "augment": augment_generator.get_state() if augment_generator is not None else None,
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: Mapping[str, Any], augment_generator: torch.Generator | None) -> None:
+    torch.set_rng_state(states["torch"])
+    numpy_state = states["numpy"]
+    np.random.set_state((numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                         numpy_state["has_gauss"], numpy_state["cached"]))
+    python = states["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    if augment_generator is not None and states.get("augment") is not None:
+        augment_generator.set_state(states["augment"])
+    if states.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *, epochs_done: int,
+                   step_in_epoch: int = 0, step: int = 0, extra_modules: Sequence[nn.Module] = (),
+                   augment_generator: torch.Generator | None = None, selector: Any = None,
+                   records: Sequence[TrainRecord] = (), extras: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The whole state of a training loop as a dict of tensors and plain data (``torch.load(weights_only=True)``
+    reads it back): model, optimiser, scheduler, the method's extra modules, RNG states (torch, numpy, python, the
+    augmentation generator, CUDA), sampler position (``epochs_done`` completed epochs + ``step_in_epoch`` steps of
+    the next; batch order is seeded per epoch, so the position is the sampler's whole state), optimiser steps so
+    far, model-selection state, the records emitted so far and loop ``extras`` (plain data or tensors)."""
+    selection = None
+    if selector is not None:
+        selection = {"best_state": selector.best_state, "best_epoch": selector.best_epoch,
+                     "best_self": float(selector.best_self), "history": list(selector.history)}
+    return {
+        "format": 1,
+        "epochs_done": int(epochs_done),
+        "step_in_epoch": int(step_in_epoch),
+        "step": int(step),
+        "model": model.state_dict(),
+        "extra_modules": [module.state_dict() for module in extra_modules],
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": _rng_states(augment_generator),
+        "selection": selection,
+        "records": [asdict(record) for record in records],
+        "extras": dict(extras or {}),
+    }
+
+
+def restore_training_state(state: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+                           scheduler: Any, *, extra_modules: Sequence[nn.Module] = (),
+                           augment_generator: torch.Generator | None = None, selector: Any = None) -> dict[str, Any]:
+    """Load a :func:`training_state` dict into the given objects (built as for a fresh start, ``method.setup``
+    done) and set the RNG states. Returns the position: ``epochs_done``, ``step_in_epoch``, ``step``, ``records``
+    (TrainRecord list) and ``extras``."""
+    if state.get("format") != 1:
+        raise ValueError(f"epoch checkpoint format {state.get('format')!r}: expected 1")
+    if len(state["extra_modules"]) != len(extra_modules):
+        raise ValueError(f"epoch checkpoint holds {len(state['extra_modules'])} extra module(s) of the method, "
+                         f"the method set up {len(extra_modules)}")
+    model.load_state_dict(state["model"])
+    for module, module_state in zip(extra_modules, state["extra_modules"]):
+        module.load_state_dict(module_state)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if selector is not None and state.get("selection") is not None:
+        selection = state["selection"]
+        selector.best_state, selector.best_epoch = selection["best_state"], selection["best_epoch"]
+        selector.best_self, selector.history = selection["best_self"], list(selection["history"])
+    _set_rng_states(state["rng"], augment_generator)
+    return {"epochs_done": int(state["epochs_done"]), "step_in_epoch": int(state["step_in_epoch"]),
+            "step": int(state["step"]), "records": [TrainRecord(**record) for record in state["records"]],
+            "extras": dict(state["extras"])}
 
 
 class _Window:
@@ -671,6 +706,22 @@ class _Window:
         self.part_sums: dict[str, torch.Tensor | float] = {}
         self.images = 0
         self.seconds = 0.0
+
+    def state(self) -> dict[str, Any]:
+        """The sums as plain data / CPU tensors (a checkpoint taken mid-epoch keeps the epoch's record exact)."""
+        cpu = lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return {"count": self.count, "loss_sum": cpu(self.loss_sum), "nonfinite": cpu(self.nonfinite),
+                "part_sums": {k: cpu(v) for k, v in self.part_sums.items()}, "images": self.images,
+                "seconds": self.seconds}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any], device: torch.device) -> "_Window":
+        window = cls()
+        on = lambda v: v.to(device) if isinstance(v, torch.Tensor) else v  # noqa: E731
+        window.count, window.images, window.seconds = int(state["count"]), int(state["images"]), state["seconds"]
+        window.loss_sum, window.nonfinite = on(state["loss_sum"]), on(state["nonfinite"])
+        window.part_sums = {k: on(v) for k, v in state["part_sums"].items()}
+        return window
 
     def add(self, loss: torch.Tensor, parts: Mapping[str, Any], images: int, seconds: float) -> None:
         self.count += 1
@@ -698,7 +749,7 @@ class _Window:
         if nonfinite:
             raise FloatingPointError(
                 f"method {method_name!r}: non-finite loss in {nonfinite} of the {self.count} steps ending at step "
-                f"{step} (task {task}, epoch {epoch}; mean {loss_sum / count}, parts {parts}); lower TrainConfig.lr"
+                f"{step} (task {task}, epoch {epoch}; mean {loss_sum / count}, parts {parts}); lower training.optimizer.lr"
             )
         return TrainRecord(
             task=task,
@@ -744,6 +795,7 @@ def pretrain_model(
     config: TrainConfig,
     on_record: Callable[[TrainRecord], None] | None = None,
     progress: ProgressHook | None = None,
+    checkpoints: "CheckpointSink | None" = None,
 ) -> TrainResult:
     """Pre-train a third-party model on its own class pool, class slots left to right (slot = dataset label).
 
@@ -757,15 +809,11 @@ def pretrain_model(
                     num_new_classes=int(np.unique(labels).size))
     method = SupervisedPretraining(getattr(model, "classifier_kind", "simplex"))
     return train_task(model, None, method, data, config, on_record=on_record, progress=progress,
-                      parallel_key="resources.pretrain.num_workers")
+                      checkpoints=checkpoints, parallel_key="resources.pretrain.num_workers")
 
 
 __all__ = [
     "AUTOCAST_MODES",
-    "MODEL_SELECTIONS",
-    "OPTIMIZERS",
-    "REPLAY_SAMPLINGS",
-    "SCHEDULES",
     "SelectionSplit",
     "SupervisedPretraining",
     "TaskData",
@@ -778,6 +826,8 @@ __all__ = [
     "precision_context",
     "prepare_model",
     "pretrain_model",
+    "restore_training_state",
     "snapshot_state",
     "train_task",
+    "training_state",
 ]

@@ -20,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                          "multi-node cluster); default: the config's output.dir")
     parser.add_argument("--executor", choices=("ray", "local"), default="ray",
                         help="executor inside the job (default ray: stages spread over the cluster)")
+    parser.add_argument("--python", default=None, metavar="PATH",
+                        help="interpreter that runs the job on the cluster (default: this command's own interpreter "
+                             "when the node has that file, e.g. a head started from the same .venv; else python "
+                             "from the node's PATH)")
     parser.add_argument("--wait", action="store_true", help="wait until the job ends; exit 0 only if it SUCCEEDED")
     parser.add_argument("--follow", action="store_true", help="with --wait: print the job's logs as they come")
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="with --wait: give up after S s")
@@ -32,7 +36,7 @@ def run(args) -> int:
     try:
         config = load_config(args.config, args.overrides)
         outcome = submit_pipeline(config, args.address, output=args.output, wait=args.wait, follow=args.follow,
-                                  timeout_s=args.timeout, executor=args.executor)
+                                  timeout_s=args.timeout, executor=args.executor, python=args.python)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -10,9 +10,14 @@ A shard exists exactly when its manifest exists: a crash after the Parquet file 
 shard, and writing again replaces the orphan. Readers verify size, sha256, row count, schema and every row's
 content hash, and raise :class:`CorruptShardError` naming bucket, key, expected and actual values.
 
-Images are stored raw: uint8 bytes in (H, W, C) order plus ``height``/``width``/``channels`` columns, not PNG.
-Raw bytes are lossless for any channel count, need no codec on the training path, and Parquet's zstd compression
-recovers most of what PNG would save on small images.
+Images of encoded sources (JPEG/PNG folders, CelebA, CASIA-WebFace, ingested encoded shards: any source with
+``encoded_images(indices)``) are stored as their original encoded bytes (``image_encoding`` ``encoded/<decoder>``)
+and decoded on read, batch by batch, exactly as the source decodes them (:class:`EncodedImages`): a CelebA exemplar
+is ~10 KB of JPEG instead of 147 KB of decoded 224 px pixels. Images of array sources (CIFAR pickles, glyphs) are
+stored raw: uint8 bytes in (H, W, C) order (``raw-uint8-hwc``) plus ``height``/``width``/``channels`` columns.
+Raw bytes are lossless for any channel count and need no codec on the training path; on 32 px CIFAR-like images
+zstd-compressed raw rows are about as small as PNG while PNG costs an encode per exemplar and a decode per read
+(``benchmarks/replay_encoding.py``).
 
 Feature shards are not duplicated here: :func:`pipelines.store.feature_blobs` already writes fp16 ``.npy`` shards
 inside a RunStore stage (sha256-verified on read), and RunStore works on ``s3://`` through the same filesystem.
@@ -37,6 +42,8 @@ from compat_core.data.replay import ReplayMemory
 
 SHARD_FORMAT = "compat-replay-shard/1"
 IMAGE_ENCODING = "raw-uint8-hwc"
+ENCODED_PREFIX = "encoded/"    # + the decoder: "encoded/pil", "encoded/torchvision"
+DECODERS = ("pil", "torchvision")
 REPLAY_PREFIX = "shards/replay"
 
 REPLAY_SCHEMA = pa.schema([
@@ -47,7 +54,7 @@ REPLAY_SCHEMA = pa.schema([
     pa.field("height", pa.int32(), nullable=False),
     pa.field("width", pa.int32(), nullable=False),
     pa.field("channels", pa.int32(), nullable=False),
-    pa.field("image", pa.large_binary(), nullable=False),  # uint8 bytes, (H, W, C) row-major
+    pa.field("image", pa.large_binary(), nullable=False),  # uint8 bytes (H, W, C) row-major, or encoded bytes
     pa.field("content_hash", pa.string(), nullable=False),  # sha256 hex of the row, see row_content_hash
 ])
 
@@ -105,13 +112,84 @@ class ShardManifest:
         return cls(**{**data, "image_shape": tuple(shape)})
 
 
+class EncodedImages:
+    """Encoded images (JPEG/PNG bytes) that index like a uint8 ``(M, H, W, C)`` array: ``images[rows]`` decodes
+    those rows, fitted to ``image_shape`` by ``decoder`` ("pil": ``decode_image``, the published readers' decoder;
+    "torchvision": ``decode_batch``, the ingested shards' opt-in decoder), so they read back exactly as the source
+    that produced the bytes reads them."""
+
+    dtype = np.dtype(np.uint8)
+    ndim = 4
+
+    def __init__(self, blobs: list[bytes], image_shape: tuple[int, int, int], decoder: str = "pil") -> None:
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
+        if len(image_shape) != 3 or image_shape[0] != image_shape[1] or image_shape[2] != 3:
+            raise ValueError(f"encoded images decode to square RGB (S, S, 3), got image_shape {image_shape}")
+        self.blobs = list(blobs)
+        self.image_shape = tuple(int(v) for v in image_shape)
+        self.decoder = decoder
+
+    @property
+    def encoding(self) -> str:
+        return ENCODED_PREFIX + self.decoder
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (len(self.blobs), *self.image_shape)
+
+    def __len__(self) -> int:
+        return len(self.blobs)
+
+    def take(self, rows) -> "EncodedImages":
+        """The encoded rows ``rows`` (no decoding)."""
+        return EncodedImages([self.blobs[int(r)] for r in np.arange(len(self))[rows].reshape(-1)],
+                             self.image_shape, self.decoder)
+
+    def __getitem__(self, rows) -> np.ndarray:
+        from compat_core.data.formats._shared import decode_image
+        from compat_core.data.formats.shards import decode_batch
+
+        single = isinstance(rows, (int, np.integer))
+        picked = self.take(rows).blobs
+        size = self.image_shape[0]
+        if self.decoder == "torchvision" and picked:
+            images = decode_batch(picked, size, "replay shard")
+        else:
+            images = np.empty((len(picked), *self.image_shape), dtype=np.uint8)
+            for row, data in enumerate(picked):
+                images[row] = decode_image(data, size, f"replay shard row {row}")
+        return images[0] if single else images
+
+    def __array__(self, dtype=None, copy=None):
+        images = self[:]
+        return images if dtype is None else images.astype(dtype)
+
+
+def encoded_images(source, indices) -> EncodedImages | None:
+    """The encoded bytes of samples ``indices`` of ``source`` when it has them (``source.encoded_images``), else
+    None (array sources)."""
+    method = getattr(source, "encoded_images", None)
+    return None if method is None else method(np.asarray(indices, dtype=np.int64))
+
+
+def concatenate_images(parts: list) -> "np.ndarray | EncodedImages":
+    """Rows of several uint8 arrays / EncodedImages in order: EncodedImages when every part is encoded the same
+    way, else a decoded uint8 array."""
+    if parts and all(isinstance(p, EncodedImages) for p in parts) and \
+            len({(p.image_shape, p.decoder) for p in parts}) == 1:
+        return EncodedImages([b for p in parts for b in p.blobs], parts[0].image_shape, parts[0].decoder)
+    return np.concatenate([np.asarray(p) if not isinstance(p, EncodedImages) else p[:] for p in parts], axis=0)
+
+
 @dataclass(frozen=True)
 class ReplayShard:
-    """A verified replay shard: the memory record, its images uint8 ``(M, H, W, C)`` in memory order, the per-row
-    content hashes (sha256 hex, ``(M,)``) and the manifest it was checked against."""
+    """A verified replay shard: the memory record, its images in memory order (uint8 ``(M, H, W, C)``, or
+    :class:`EncodedImages` decoded on indexing for an encoded shard), the per-row content hashes (sha256 hex,
+    ``(M,)``) and the manifest it was checked against."""
 
     memory: ReplayMemory
-    images: np.ndarray
+    images: "np.ndarray | EncodedImages"
     content_hashes: tuple[str, ...]
     manifest: ShardManifest
 
@@ -128,15 +206,23 @@ def row_content_hash(index: int, label: int, slot: int, source_task: int, image:
     """sha256 hex of one row: little-endian int64 index, label, slot, source_task, int32 H, W, C, then the image's
     uint8 bytes in (H, W, C) order. The same exemplar gets the same hash in every shard that holds it."""
     height, width, channels = image.shape
-    header = struct.pack("<qqqqiii", index, label, slot, source_task, height, width, channels)
-    return hashlib.sha256(header + np.ascontiguousarray(image, dtype=np.uint8).tobytes()).hexdigest()
+    return _row_hash(index, label, slot, source_task, (height, width, channels),
+                     np.ascontiguousarray(image, dtype=np.uint8).tobytes())
+
+
+def _row_hash(index: int, label: int, slot: int, source_task: int, shape: tuple, data: bytes) -> str:
+    """sha256 hex of one row: the header of :func:`row_content_hash`, then the stored image bytes (raw pixels,
+    or the encoded file for an encoded shard)."""
+    header = struct.pack("<qqqqiii", index, label, slot, source_task, *shape)
+    return hashlib.sha256(header + data).hexdigest()
 
 
 def write_replay_shard(store_or_root, task: int, memory: ReplayMemory, source) -> ShardManifest:
     """Write the replay memory after 0-based ``task`` with its images; the manifest is committed last.
 
     source: an image source with ``read(indices) -> uint8 (n, H, W, C)`` (the samples' dataset; ``memory.indices``
-    are its keys), or a uint8 array ``(M, H, W, C)`` aligned with the memory's rows.
+    are its keys; its encoded bytes are stored when it has ``encoded_images``), or a uint8 array / EncodedImages
+    ``(M, H, W, C)`` aligned with the memory's rows.
     Returns the committed manifest.
     """
     if not isinstance(memory, ReplayMemory):
@@ -163,7 +249,8 @@ def write_replay_shard(store_or_root, task: int, memory: ReplayMemory, source) -
             fs.delete_file(target)
     manifest = ShardManifest(task=int(task), parquet_file=parquet_uri.rsplit("/", 1)[1],
                              sha256=sink.sha256.hexdigest(), size=sink.size, rows=table.num_rows,
-                             schema=str(table.schema), image_shape=tuple(int(v) for v in images.shape[1:]))
+                             schema=str(table.schema), image_shape=tuple(int(v) for v in images.shape[1:]),
+                             image_encoding=images.encoding if isinstance(images, EncodedImages) else IMAGE_ENCODING)
     cio.write_bytes(manifest_uri, manifest.to_json().encode("utf-8"))
     return manifest
 
@@ -251,7 +338,15 @@ def _check_task(task) -> None:
         raise ValueError(f"task must be a 0-based integer index, got {task!r}")
 
 
-def _images_for(memory: ReplayMemory, source) -> np.ndarray:
+def _images_for(memory: ReplayMemory, source) -> "np.ndarray | EncodedImages":
+    encoded = source if isinstance(source, EncodedImages) else None
+    if encoded is None and not isinstance(source, np.ndarray) and len(memory):
+        encoded = encoded_images(source, memory.indices)
+    if encoded is not None:
+        if len(encoded) != len(memory):
+            raise ValueError(f"{type(source).__name__} gave {len(encoded)} encoded images but the memory has "
+                             f"{len(memory)} rows")
+        return encoded
     if isinstance(source, np.ndarray):
         images = source
         origin = "source array"
@@ -271,15 +366,20 @@ def _images_for(memory: ReplayMemory, source) -> np.ndarray:
     return np.ascontiguousarray(images)
 
 
-def _replay_table(memory: ReplayMemory, images: np.ndarray) -> pa.Table:
+def _replay_table(memory: ReplayMemory, images: "np.ndarray | EncodedImages") -> pa.Table:
     rows, height, width, channels = images.shape
-    row_bytes = height * width * channels
-    # one contiguous buffer + offsets: no per-row Python bytes objects for the image column
-    offsets = pa.py_buffer(np.arange(rows + 1, dtype=np.int64) * row_bytes)
-    image_column = pa.LargeBinaryArray.from_buffers(pa.large_binary(), rows, [None, offsets,
-                                                                               pa.py_buffer(images.reshape(-1))])
-    hashes = [row_content_hash(int(i), int(y), int(s), int(t), images[r])
-              for r, (i, y, s, t) in enumerate(zip(memory.indices, memory.labels, memory.slots, memory.source_task))]
+    keys = list(zip(memory.indices, memory.labels, memory.slots, memory.source_task))
+    if isinstance(images, EncodedImages):
+        image_column = pa.array(images.blobs, pa.large_binary())
+        hashes = [_row_hash(int(i), int(y), int(s), int(t), images.image_shape, images.blobs[r])
+                  for r, (i, y, s, t) in enumerate(keys)]
+    else:
+        row_bytes = height * width * channels
+        # one contiguous buffer + offsets: no per-row Python bytes objects for the image column
+        offsets = pa.py_buffer(np.arange(rows + 1, dtype=np.int64) * row_bytes)
+        image_column = pa.LargeBinaryArray.from_buffers(pa.large_binary(), rows,
+                                                        [None, offsets, pa.py_buffer(images.reshape(-1))])
+        hashes = [row_content_hash(int(i), int(y), int(s), int(t), images[r]) for r, (i, y, s, t) in enumerate(keys)]
     columns = {
         "index": pa.array(memory.indices, pa.int64()),
         "label": pa.array(memory.labels, pa.int64()),
@@ -295,20 +395,35 @@ def _replay_table(memory: ReplayMemory, images: np.ndarray) -> pa.Table:
 
 
 def _decode_table(table: pa.Table, manifest: ShardManifest, uri: str) -> ReplayShard:
-    if manifest.image_encoding != IMAGE_ENCODING:
-        raise CorruptShardError(uri, "image_encoding", IMAGE_ENCODING, manifest.image_encoding)
+    encodings = (IMAGE_ENCODING, *(ENCODED_PREFIX + d for d in DECODERS))
+    if manifest.image_encoding not in encodings:
+        raise CorruptShardError(uri, "image_encoding", f"one of {encodings}", manifest.image_encoding)
     ints = {name: table.column(name).to_numpy().astype(np.int64) for name in ("index", "label", "slot",
                                                                                 "source_task")}
     dims = [np.unique(table.column(name).to_numpy()) for name in ("height", "width", "channels")]
     rows = table.num_rows
     shape = tuple(manifest.image_shape)
+    encoded = manifest.image_encoding != IMAGE_ENCODING
+    if rows and (any(d.size != 1 for d in dims) or tuple(int(d[0]) for d in dims) != shape):
+        raise CorruptShardError(uri, "image shape", f"{shape} for every row",
+                                f"heights {dims[0][:5].tolist()}, widths {dims[1][:5].tolist()}, "
+                                f"channels {dims[2][:5].tolist()}")
+    if encoded:
+        # kept encoded: rows are decoded when a batch indexes them (EncodedImages), checked here by their bytes
+        blobs = table.column("image").to_pylist()
+        images = EncodedImages(blobs, shape, manifest.image_encoding[len(ENCODED_PREFIX):])
+        hashes = table.column("content_hash").to_pylist()
+        for row in range(rows):
+            actual = _row_hash(int(ints["index"][row]), int(ints["label"][row]), int(ints["slot"][row]),
+                               int(ints["source_task"][row]), shape, blobs[row])
+            if actual != hashes[row]:
+                raise CorruptShardError(uri, f"content hash of row {row}", hashes[row], actual)
+        memory = ReplayMemory(indices=ints["index"], labels=ints["label"], slots=ints["slot"],
+                              source_task=ints["source_task"])
+        return ReplayShard(memory=memory, images=images, content_hashes=tuple(hashes), manifest=manifest)
     if rows == 0:
         images = np.zeros((0, *shape), dtype=np.uint8)
     else:
-        if any(d.size != 1 for d in dims) or tuple(int(d[0]) for d in dims) != shape:
-            raise CorruptShardError(uri, "image shape", f"{shape} for every row",
-                                    f"heights {dims[0][:5].tolist()}, widths {dims[1][:5].tolist()}, "
-                                    f"channels {dims[2][:5].tolist()}")
         blobs = table.column("image").to_pylist()
         expected_bytes = shape[0] * shape[1] * shape[2]
         for row, blob in enumerate(blobs):

@@ -29,13 +29,6 @@ def get_method(name: str, **hparams: Any) -> Method:
     return METHODS.get(name)(**hparams)
 
 
-def method_hparam_names(name: str) -> list[str]:
-    """Hyper-parameter names the method accepts (for config validation and `compat plan`)."""
-    import dataclasses
-
-    return [f.name for f in dataclasses.fields(METHODS.get(name).Hparams)]
-
-
 __all__ = [
     "Batch",
     "METHODS",
@@ -44,5 +37,4 @@ __all__ = [
     "adapt_features",
     "get_method",
     "load_adapter",
-    "method_hparam_names",
 ]

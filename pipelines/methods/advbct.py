@@ -1,14 +1,14 @@
 """AdvBCT-ER: adversarial backward-compatible training (Pan et al., CVPR 2023) adapted to replay fine-tuning."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from pydantic import Field
 import torch.nn.functional as F
 from torch import nn
 
 from compat_core.losses import bct_influence_loss
 from pipelines.methods.base import (
+    MethodParams,
     Batch,
     ClassStatistics,
     Method,
@@ -19,7 +19,6 @@ from pipelines.methods.base import (
     learnable_classifier,
     old_class_statistics,
     old_outputs,
-    require_range,
     reverse_gradient,
 )
 
@@ -44,18 +43,12 @@ class AdvBCTER(Method):
     uses_replay = True
     needs_old_model = True
 
-    @dataclass(frozen=True)
-    class Hparams:
-        lam_influence: float = 1.0
-        lam_adv: float = 0.1
-        lam_boundary: float = 1.0
-        elasticity: float = 0.1
-        discriminator_hidden: int = 256
-
-        def check(self, method: str) -> None:
-            for key in ("lam_influence", "lam_adv", "lam_boundary", "elasticity"):
-                require_range(method, key, getattr(self, key), 0.0)
-            require_range(method, "discriminator_hidden", self.discriminator_hidden, 1)
+    class Params(MethodParams):
+        lam_influence: float = Field(1.0, ge=0.0)
+        lam_adv: float = Field(0.1, ge=0.0)
+        lam_boundary: float = Field(1.0, ge=0.0)
+        elasticity: float = Field(0.1, ge=0.0)
+        discriminator_hidden: int = Field(256, ge=1)
 
     def __init__(self, **hparams) -> None:
         super().__init__(**hparams)

@@ -19,14 +19,15 @@ Conventions shared by every method:
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 from torch import nn
+
+from pipelines.config import MethodParams, error_lines
 
 CLASSIFIERS = ("simplex", "learnable")
 
@@ -86,9 +87,10 @@ class TaskContext:
 class Method:
     """Base class of every training recipe; see the module docstring for the contract.
 
-    Subclasses set the class attributes and ``Hparams`` (a dataclass whose fields carry the SPEC defaults), and
-    implement ``loss``. ``setup`` returns the extra trainable modules (adapters, discriminators), already on the
-    context's device. ``export_state`` returns state dicts of the extra modules that must outlive training (FAN's
+    Subclasses set the class attributes and ``Params`` (a pydantic :class:`MethodParams` whose fields carry the SPEC
+    defaults and ranges; ``method.params`` of a config is validated against it at load time), and implement
+    ``loss``. ``setup`` returns the extra trainable modules (adapters, discriminators), already on the context's
+    device. ``export_state`` returns state dicts of the extra modules that must outlive training (FAN's
     adapters); the stage stores them next to the model.
     """
 
@@ -100,12 +102,13 @@ class Method:
     requires_initial_state: ClassVar[bool] = False
     training_free: ClassVar[bool] = False
 
-    @dataclass(frozen=True)
-    class Hparams:
-        pass
+    Params: ClassVar[type[MethodParams]] = MethodParams
 
     def __init__(self, **hparams: Any) -> None:
-        self.hparams = make_hparams(self.name, self.Hparams, hparams)
+        try:
+            self.hparams = self.Params.model_validate(hparams)
+        except ValidationError as error:
+            raise ValueError(f"method {self.name!r}: " + "; ".join(error_lines(error, hparams, self.Params))) from None
 
     def setup(self, ctx: TaskContext) -> list[nn.Module]:
         return []
@@ -119,57 +122,6 @@ class Method:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.hparams})"
-
-
-def make_hparams(method_name: str, hparams_type: type, values: Mapping[str, Any]):
-    """Build ``hparams_type`` from ``values``; unknown names and wrong types raise ``ValueError`` naming the method.
-
-    Ints are accepted for float fields (YAML writes ``5`` for ``5.0``); bools are never accepted as numbers.
-    """
-    valid = {f.name: f for f in dataclasses.fields(hparams_type)}
-    unknown = sorted(set(values) - set(valid))
-    if unknown:
-        names = ", ".join(sorted(valid)) or "(none)"
-        raise ValueError(f"method {method_name!r} has no hyper-parameter(s) {unknown}; valid names: {names}")
-    converted: dict[str, Any] = {}
-    for key, value in values.items():
-        expected = valid[key].type if isinstance(valid[key].type, type) else _resolve_annotation(valid[key].type)
-        if expected is float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"method {method_name!r}: hyper-parameter {key!r} must be a finite number, got {value!r}")
-            value = float(value)
-        elif expected is int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"method {method_name!r}: hyper-parameter {key!r} must be an int, got {value!r}")
-        elif expected is str:
-            if not isinstance(value, str):
-                raise ValueError(f"method {method_name!r}: hyper-parameter {key!r} must be a string, got {value!r}")
-        elif expected is bool:
-            if not isinstance(value, bool):
-                raise ValueError(f"method {method_name!r}: hyper-parameter {key!r} must be true or false, got {value!r}")
-        converted[key] = value
-    instance = hparams_type(**converted)
-    check = getattr(instance, "check", None)
-    if callable(check):
-        check(method_name)
-    return instance
-
-
-def _resolve_annotation(annotation: Any) -> Any:
-    # dataclasses under ``from __future__ import annotations`` store the annotation as a string
-    return {"float": float, "int": int, "str": str, "bool": bool}.get(str(annotation), object)
-
-
-def require_range(method_name: str, key: str, value: float, low: float, high: float | None = None) -> None:
-    """Raise ``ValueError`` naming the method and hyper-parameter when ``value`` is outside ``[low, high]``."""
-    if value < low or (high is not None and value > high):
-        upper = "inf" if high is None else f"{high}"
-        raise ValueError(f"method {method_name!r}: hyper-parameter {key!r} must lie in [{low}, {upper}], got {value}")
-
-
-def require_choice(method_name: str, key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"method {method_name!r}: hyper-parameter {key!r} must be one of {choices}, got {value!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -294,15 +246,13 @@ __all__ = [
     "CLASSIFIERS",
     "ClassStatistics",
     "Method",
+    "MethodParams",
     "TaskContext",
     "boundary_hinge",
     "classification_cross_entropy",
     "classifier_input",
     "learnable_classifier",
-    "make_hparams",
     "old_class_statistics",
     "old_outputs",
-    "require_choice",
-    "require_range",
     "reverse_gradient",
 ]

@@ -1,19 +1,18 @@
 """BCT-ER: Backward Compatible Training (Shen et al., CVPR 2020) adapted to replay fine-tuning (CL2R's l-BCT)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from pydantic import Field
 
 from compat_core.losses import bct_influence_loss
 from pipelines.methods.base import (
+    MethodParams,
     Batch,
     Method,
     TaskContext,
     classification_cross_entropy,
     classifier_input,
     learnable_classifier,
-    require_range,
 )
 
 
@@ -31,12 +30,8 @@ class BCTER(Method):
     uses_replay = True
     needs_old_model = True
 
-    @dataclass(frozen=True)
-    class Hparams:
-        lam: float = 1.0
-
-        def check(self, method: str) -> None:
-            require_range(method, "lam", self.lam, 0.0)
+    class Params(MethodParams):
+        lam: float = Field(1.0, ge=0.0)
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)

@@ -1,12 +1,10 @@
 """CoReS (Biondi et al., TPAMI 2023): retrain from the same initial weights at every step, d-Simplex SCE."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from compat_core.losses import simplex_cross_entropy
-from pipelines.methods.base import Batch, Method, TaskContext
+from pipelines.methods.base import Batch, Method, MethodParams, TaskContext
 
 
 class CoReS(Method):
@@ -26,9 +24,7 @@ class CoReS(Method):
     retrain_from_scratch = True
     requires_initial_state = True
 
-    @dataclass(frozen=True)
-    class Hparams:
-        pass
+    Params = MethodParams  # no hyper-parameters
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)

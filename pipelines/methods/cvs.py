@@ -1,18 +1,17 @@
 """CVS: continual learning for visual search with backward-consistent embeddings (Wan et al., CVPR 2022)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from pydantic import Field
 import torch.nn.functional as F
 
 from pipelines.methods.base import (
+    MethodParams,
     Batch,
     Method,
     TaskContext,
     classification_cross_entropy,
     old_outputs,
-    require_range,
 )
 
 
@@ -34,17 +33,10 @@ class CVS(Method):
     uses_replay = True
     needs_old_model = True
 
-    @dataclass(frozen=True)
-    class Hparams:
-        lam_neighbour: float = 1.0
-        lam_relation: float = 1.0
-        tau: float = 0.1
-
-        def check(self, method: str) -> None:
-            require_range(method, "lam_neighbour", self.lam_neighbour, 0.0)
-            require_range(method, "lam_relation", self.lam_relation, 0.0)
-            if self.tau <= 0:
-                raise ValueError(f"method {method!r}: hyper-parameter 'tau' must be > 0, got {self.tau}")
+    class Params(MethodParams):
+        lam_neighbour: float = Field(1.0, ge=0.0)
+        lam_relation: float = Field(1.0, ge=0.0)
+        tau: float = Field(0.1, gt=0.0)
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)

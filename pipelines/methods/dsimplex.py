@@ -1,9 +1,8 @@
 """d-Simplex methods: fixed d-Simplex classifier + HOC (IAM-CL2R) or + feature distillation on memory (CL2R)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from pydantic import Field, field_validator
 
 from compat_core.losses import (
     INFO_NCE_MASKINGS,
@@ -12,7 +11,7 @@ from compat_core.losses import (
     feature_distillation_weight,
     simplex_cross_entropy,
 )
-from pipelines.methods.base import Batch, Method, TaskContext, old_outputs, require_choice, require_range
+from pipelines.methods.base import Batch, Method, MethodParams, TaskContext, old_outputs
 
 
 class DSimplexHOC(Method):
@@ -34,17 +33,17 @@ class DSimplexHOC(Method):
     uses_replay = True
     needs_old_model = True
 
-    @dataclass(frozen=True)
-    class Hparams:
-        lam: float = 0.1
-        rho: float = 10.0
+    class Params(MethodParams):
+        lam: float = Field(0.1, ge=0.0, le=1.0)
+        rho: float = Field(10.0, gt=0.0)
         masking: str = "standard"
 
-        def check(self, method: str) -> None:
-            require_range(method, "lam", self.lam, 0.0, 1.0)
-            if self.rho <= 0:
-                raise ValueError(f"method {method!r}: hyper-parameter 'rho' must be > 0, got {self.rho}")
-            require_choice(method, "masking", self.masking, INFO_NCE_MASKINGS)
+        @field_validator("masking")
+        @classmethod
+        def _known_masking(cls, value: str) -> str:
+            if value not in INFO_NCE_MASKINGS:
+                raise ValueError(f"must be one of {INFO_NCE_MASKINGS}, got {value!r}")
+            return value
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)
@@ -72,12 +71,8 @@ class DSimplexFD(Method):
     uses_replay = True
     needs_old_model = True
 
-    @dataclass(frozen=True)
-    class Hparams:
-        w_base: float = 5.0
-
-        def check(self, method: str) -> None:
-            require_range(method, "w_base", self.w_base, 0.0)
+    class Params(MethodParams):
+        w_base: float = Field(5.0, ge=0.0)
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)

@@ -1,11 +1,9 @@
 """ER: experience-replay fine-tuning with a learnable, growing classifier (the baseline of every table)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy
+from pipelines.methods.base import Batch, Method, MethodParams, TaskContext, classification_cross_entropy
 
 
 class ER(Method):
@@ -20,9 +18,7 @@ class ER(Method):
     uses_replay = True
     needs_old_model = False
 
-    @dataclass(frozen=True)
-    class Hparams:
-        pass
+    Params = MethodParams  # no hyper-parameters
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)

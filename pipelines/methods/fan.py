@@ -5,16 +5,17 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from pydantic import Field
 import torch.nn.functional as F
 from torch import nn
 
 from pipelines.methods.base import (
+    MethodParams,
     Batch,
     Method,
     TaskContext,
     classification_cross_entropy,
     old_outputs,
-    require_range,
 )
 
 
@@ -41,16 +42,10 @@ class FAN(Method):
     uses_replay = True
     needs_old_model = True
 
-    @dataclass(frozen=True)
-    class Hparams:
-        lam_distill: float = 1.0
-        lam_adapter: float = 1.0
-        adapter_hidden: int = 512
-
-        def check(self, method: str) -> None:
-            require_range(method, "lam_distill", self.lam_distill, 0.0)
-            require_range(method, "lam_adapter", self.lam_adapter, 0.0)
-            require_range(method, "adapter_hidden", self.adapter_hidden, 1)
+    class Params(MethodParams):
+        lam_distill: float = Field(1.0, ge=0.0)
+        lam_adapter: float = Field(1.0, ge=0.0)
+        adapter_hidden: int = Field(512, ge=1)
 
     def __init__(self, **hparams) -> None:
         super().__init__(**hparams)

@@ -1,12 +1,12 @@
 """LCE-ER: Learning Compatible Embeddings (Meng et al., ICCV 2021) adapted to replay fine-tuning."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from pydantic import Field
 import torch.nn.functional as F
 
 from pipelines.methods.base import (
+    MethodParams,
     Batch,
     ClassStatistics,
     Method,
@@ -15,7 +15,6 @@ from pipelines.methods.base import (
     classification_cross_entropy,
     learnable_classifier,
     old_class_statistics,
-    require_range,
 )
 
 
@@ -39,14 +38,9 @@ class LCEER(Method):
     uses_replay = True
     needs_old_model = True
 
-    @dataclass(frozen=True)
-    class Hparams:
-        lam_align: float = 1.0
-        lam_boundary: float = 1.0
-
-        def check(self, method: str) -> None:
-            require_range(method, "lam_align", self.lam_align, 0.0)
-            require_range(method, "lam_boundary", self.lam_boundary, 0.0)
+    class Params(MethodParams):
+        lam_align: float = Field(1.0, ge=0.0)
+        lam_boundary: float = Field(1.0, ge=0.0)
 
     def __init__(self, **hparams) -> None:
         super().__init__(**hparams)

@@ -7,12 +7,11 @@ newer model's logits into an older model's class space (PSP: centred softmax, LS
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from pydantic import Field
 
 from compat_core.features import lsp, psp_from_logits
-from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy, require_range
+from pipelines.methods.base import Batch, Method, MethodParams, TaskContext, classification_cross_entropy
 
 
 class _TrainingFree(Method):
@@ -23,17 +22,11 @@ class _TrainingFree(Method):
     independent_init = True  # every step draws its own initial weights (the paper trains independent models)
     training_free = True
 
-    @dataclass(frozen=True)
-    class Hparams:
-        top_k: int = 0  # 0: no sparsification
+    class Params(MethodParams):
+        top_k: int = Field(0, ge=0, description="0: no sparsification")
         # The paper (App. G) scales logits by "a temperature factor of 12" in the training cross-entropy without
         # saying which way; we use the usual temperature convention, CE(z / T). 1 = plain cross-entropy.
-        temperature: float = 1.0
-
-        def check(self, method: str) -> None:
-            require_range(method, "top_k", self.top_k, 0)
-            if not self.temperature > 0:
-                raise ValueError(f"method {method!r}: hyper-parameter 'temperature' must be > 0, got {self.temperature}")
+        temperature: float = Field(1.0, gt=0.0)
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)

@@ -1,5 +1,9 @@
 """Ray Job submission against a real Ray head started by the test on 127.0.0.1 (own ports and temp dir).
 
+The head is started as ``.venv/bin/ray start`` WITHOUT the venv on its PATH (as a user who does not activate it):
+a bare ``python`` in an entrypoint is then the system interpreter, so jobs must name theirs (cluster.jobs
+python_command).
+
 The head is stopped by signalling its own process group and then any process whose command line holds this
 head's unique temp dir: never ``ray stop``, which would stop every Ray instance on the machine (the session's
 ``ray_local`` fixture and other users' clusters included).
@@ -9,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -30,7 +35,8 @@ from cluster import jobs  # noqa: E402
 from pipelines.config import validate_config  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
-THEORY = "python -m app.cli theory --samples 2000 --dims 3 10"
+THEORY = jobs.python_command(["-m", "app.cli", "theory", "--samples", "2000", "--dims", "3", "10"])
+PYTHON = shlex.quote(sys.executable)
 
 
 def _free_port() -> int:
@@ -61,9 +67,14 @@ def ray_head():
     extra_ports = [f"--{name}={_free_port()}" for name in (
         "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
         "ray-client-server-port", "node-manager-port", "object-manager-port")]
+    # the venv is NOT on the head's PATH (nor VIRTUAL_ENV set): `.venv/bin/ray start` from a shell that never
+    # activated it, the situation where a bare `python` entrypoint ran the system interpreter
+    path = [entry for entry in os.environ.get("PATH", "").split(os.pathsep)
+            if entry and Path(entry).resolve() != VENV_BIN.resolve()]
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
-               PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+               PATH=os.pathsep.join(path or ["/usr/bin", "/bin"]))
     env.pop("RAY_ADDRESS", None)
+    env.pop("VIRTUAL_ENV", None)
     log_path = Path(temp_dir) / "head.log"
     process = subprocess.Popen(
         [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
@@ -129,8 +140,12 @@ def test_submission_id_and_runtime_env_are_deterministic_and_secret_free(tmp_pat
     for pattern in (".venv", ".git", "runs", "__pycache__"):
         assert pattern in env["excludes"]
     assert "do-not-ship-this-secret" not in json.dumps(env)
-    assert jobs.pipeline_entrypoint("s3://b/r") == ("python -m app.cli run scenario.yaml --executor ray "
-                                                    "--no-progress --address auto --output s3://b/r")
+    entrypoint = jobs.pipeline_entrypoint("s3://b/r")
+    assert entrypoint.startswith(f"py={PYTHON}; ")
+    assert entrypoint.endswith('exec "$py" -m app.cli run scenario.yaml --executor ray --no-progress --address auto '
+                               '--output s3://b/r')
+    assert jobs.pipeline_entrypoint(None, python="python3") == ("exec python3 -m app.cli run scenario.yaml "
+                                                                "--executor ray --no-progress --address auto")
 
 
 def test_job_round_trip_and_idempotent_resubmission(ray_head, tmp_path, capsys):
@@ -163,13 +178,38 @@ def test_job_round_trip_and_idempotent_resubmission(ray_head, tmp_path, capsys):
 def test_failed_job_is_resubmitted_as_a_new_attempt(ray_head):
     client = jobs.job_client(ray_head)
     base_id = f"compat-failing-test-{os.getpid()}"
-    failing = "python -c 'import sys; print(\"stage exploded\"); sys.exit(3)'"
+    failing = f"{PYTHON} -c 'import sys; print(\"stage exploded\"); sys.exit(3)'"
     first = jobs.submit_entrypoint(client, base_id, failing)
     assert jobs.wait_for(client, first.submission_id, timeout_s=120, poll_s=0.5) == "FAILED"
-    second = jobs.submit_entrypoint(client, base_id, "python -c 'print(42)'")
+    second = jobs.submit_entrypoint(client, base_id, f"{PYTHON} -c 'print(42)'")
     assert second.submitted and second.attempt == 2 and second.submission_id == f"{base_id}-r2"
     assert jobs.wait_for(client, second.submission_id, timeout_s=120, poll_s=0.5) == "SUCCEEDED"
     assert [(n, s) for n, _, s in jobs.attempts(client, base_id)] == [(1, "FAILED"), (2, "SUCCEEDED")]
     # the latest attempt succeeded: a third submission is a no-op on attempt 2
-    third = jobs.submit_entrypoint(client, base_id, "python -c 'print(42)'")
+    third = jobs.submit_entrypoint(client, base_id, f"{PYTHON} -c 'print(42)'")
     assert not third.submitted and third.submission_id == f"{base_id}-r2"
+
+
+def test_jobs_run_with_the_submitting_interpreter_not_the_heads_path(ray_head, tmp_path):
+    """Issue 12: a head started from the venv without activating it ran the system `python` for the entrypoint."""
+    client = jobs.job_client(ray_head)
+    probe = ["-c", "import sys; print('interpreter:', sys.executable)"]
+    cases = {  # submission id -> (entrypoint, expected status, text the log must hold)
+        f"compat-python-default-{os.getpid()}": (jobs.python_command(probe), "SUCCEEDED",
+                                                 f"interpreter: {sys.executable}\n"),
+        f"compat-python-explicit-{os.getpid()}": (jobs.python_command(probe, str(VENV_BIN / "python3")),
+                                                  "SUCCEEDED", f"interpreter: {VENV_BIN / 'python3'}\n"),
+        f"compat-python-missing-{os.getpid()}": (jobs.python_command(probe, str(tmp_path / "no" / "python")),
+                                                 "FAILED", f"--python {tmp_path / 'no' / 'python'} is not an "
+                                                           f"executable file on this node"),
+    }
+    # what the head's shell finds as `python` is not the venv's (the bug's precondition on this machine)
+    bare = f"compat-python-bare-{os.getpid()}"
+    jobs.submit_entrypoint(client, bare, "command -v python || echo 'no python on PATH'")
+    assert jobs.wait_for(client, bare, timeout_s=120, poll_s=0.5) == "SUCCEEDED"
+    assert str(VENV_BIN) not in client.get_job_logs(bare)
+    for submission_id, (entrypoint, _, _) in cases.items():
+        jobs.submit_entrypoint(client, submission_id, entrypoint)
+    for submission_id, (_, status, text) in cases.items():
+        assert jobs.wait_for(client, submission_id, timeout_s=120, poll_s=0.5) == status
+        assert text in client.get_job_logs(submission_id), client.get_job_logs(submission_id)[-2000:]

@@ -5,6 +5,7 @@ column. A screenshot is written to the test's tmp folder and copied to tests/.ar
 """
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -97,3 +98,98 @@ def _close_side_panel(page) -> None:
     if buttons.count():
         buttons.last.click()  # the close (x) button ends the panel's header row
         page.wait_for_timeout(300)
+
+
+def test_mlflow_ui_compares_the_er_and_dsimplex_hoc_runs_of_one_experiment(mlflow_server, tmp_path, monkeypatch):
+    """Issue 12, item 10: both demo scenarios (shrunk: tiny data, 2 tasks, 1 epoch) run by `compat run --experiment`
+    into one experiment; in Chromium both runs are selected in the runs table and MLflow's compare view opened; the
+    AC and AA it shows for each run equal that run's metrics.json (the page rounds to 3 decimals)."""
+    if not CHROMIUM.exists():
+        pytest.fail("Debian's chromium is not installed (/usr/bin/chromium); the setup command installs it with "
+                    "`apt-get install -y chromium`")
+    import json
+
+    import torch
+    import yaml
+    from mlflow import MlflowClient
+    from playwright.sync_api import sync_playwright
+
+    from app.cli import main
+
+    tiny.register()
+    torch.set_num_threads(1)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    experiment = "ui-demo-compare"
+    metrics = {}
+    for method in ("er", "dsimplex-hoc"):  # the demo's two scenarios, shrunk like the other tiny tests
+        document = tiny.scenario(method, output=str(tmp_path / method))
+        document["name"] = f"demo-{method}"
+        document.pop("pretrain")
+        document["replacements"] = []
+        document["tasks"]["spec"] = "2+2"
+        config = tmp_path / f"{method}.yaml"
+        config.write_text(yaml.safe_dump(document))
+        assert main(["run", str(config), "--tracking-uri", mlflow_server.tracking_uri, "--experiment", experiment,
+                     "--no-progress"]) == 0
+        metrics[f"demo-{method}"] = json.loads((tmp_path / method / "metrics.json").read_text())
+    client = MlflowClient(tracking_uri=mlflow_server.tracking_uri)
+    experiment_id = client.get_experiment_by_name(experiment).experiment_id
+    parents = client.search_runs([experiment_id], "tags.run_role = 'pipeline'")
+    run_scenario = {run.info.run_id: run.data.tags["scenario"] for run in parents}
+    assert sorted(run_scenario.values()) == ["demo-dsimplex-hoc", "demo-er"]
+    assert metrics["demo-er"]["AA"] != metrics["demo-dsimplex-hoc"]["AA"]  # so a swapped column would be caught
+
+    screenshot = tmp_path / "mlflow-ui-compare-demo-runs.png"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
+            viewport={"width": 1600, "height": 1000})
+        try:
+            page = browser.new_page()
+            page.goto(f"{mlflow_server.tracking_uri}/#/experiments/{experiment_id}/runs", wait_until="load")
+            colours = []
+            for scenario in ("demo-er", "demo-dsimplex-hoc"):
+                row = page.get_by_role("row").filter(has_text=f"{scenario}-").first
+                row.wait_for(timeout=60_000)
+                colours += re.findall(r"#[0-9a-f]{6}", row.inner_text())
+                row.get_by_role("checkbox").first.check(force=True)  # ag-grid's row selection box
+            assert len(colours) == 2 and colours[0] != colours[1]  # distinct run colours in the charts
+            page.get_by_role("button", name="Compare").first.click()
+            page.locator('a[title="Plot chart"]').first.wait_for(timeout=60_000)
+            _close_side_panel(page)
+            shown = page.evaluate(_READ_COMPARE_VIEW)
+            # for the picture: fold the long Parameters section so run names and metrics are on one screen
+            page.get_by_text("Parameters", exact=True).first.click()
+            page.locator('a[title="Plot chart"]', has_text="FC").first.scroll_into_view_if_needed()
+            page.screenshot(path=str(screenshot))
+        finally:
+            browser.close()
+    assert sorted(shown["runs"]) == sorted(run_scenario)
+    for column, run_id in enumerate(shown["runs"]):
+        expected = metrics[run_scenario[run_id]]
+        for name in ("AC", "AA"):
+            value = float(shown["metrics"][name][column])
+            assert value == pytest.approx(expected[name], abs=5e-4), f"{run_scenario[run_id]} {name}: UI {value}"
+    stable = ROOT / "tests" / ".artifacts" / screenshot.name
+    stable.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(screenshot, stable)
+    print(f"MLflow compare view screenshot: {stable}")
+
+
+# The compare view's header row holds the run ids (column order); its metrics section is two virtualised grids side
+# by side, metric names (links titled "Plot chart") and values, aligned by their cells' pixel offsets.
+_READ_COMPARE_VIEW = """() => {
+  const runs = [...document.querySelectorAll('th.data-value a[href*="/runs/"]')].map(a => a.textContent.trim());
+  const links = [...document.querySelectorAll('a[title="Plot chart"]')];
+  const grids = [...document.querySelectorAll('.ReactVirtualized__Grid')];
+  const valueGrid = grids[grids.indexOf(links[0].closest('.ReactVirtualized__Grid')) + 1];
+  const rows = {};
+  for (const cell of valueGrid.querySelectorAll('.ReactVirtualized__Grid__innerScrollContainer > div')) {
+    const column = Math.round(parseFloat(cell.style.left) / parseFloat(cell.style.width));
+    (rows[cell.style.top] = rows[cell.style.top] || [])[column] = cell.textContent.trim();
+  }
+  const metrics = {};
+  for (const link of links) metrics[link.textContent.trim()] = rows[link.parentElement.style.top];
+  return {runs, metrics};
+}"""

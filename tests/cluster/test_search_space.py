@@ -118,10 +118,10 @@ def test_trial_config_applies_values_and_drops_params_of_another_method():
     tiny.register()  # the tiny-synth dataset: configs naming it validate only once it is registered
     base = tiny.scenario("dsimplex-hoc", {"lam": 0.1, "rho": 10.0})
     config = trial_config(base, {"training.epochs": 2}, {"method.params.rho": 5.0, "replay.per_class": 7}, "/tmp/x")
-    assert config.method.params == {"lam": 0.1, "rho": 5.0}
+    assert config.method.params.model_dump() == {"lam": 0.1, "rho": 5.0, "masking": "standard"}
     assert (config.training.epochs, config.replay.per_class, config.output.dir) == (2, 7, "/tmp/x")
     switched = trial_config(base, {}, {"method.name": "er"}, "/tmp/y")
-    assert switched.method.name == "er" and switched.method.params == {}
+    assert switched.method.name == "er" and switched.method.params.model_dump() == {}
     assert apply_values({"a": [{"b": 1}]}, {"a.0.b": 2.5}) == {"a": [{"b": 2.5}]}
     with pytest.raises(ValueError, match="method.params"):
         trial_config(base, {}, {"method.params.lamda": 0.3}, "/tmp/z")

@@ -86,9 +86,13 @@ def test_naming_helpers():
     assert entry_metric_key(2, 0) == "compat/q2_g0"
     with pytest.raises(ValueError, match="gallery <= query"):
         entry_metric_key(0, 1)
-    assert registered_model_name("demo-er", "0123456789abcdef") == "demo-er-01234567"
+    # one name per scenario, the same for every run of it; output.registered_model overrides it
+    assert registered_model_name("demo-er") == "demo-er"
+    assert registered_model_name("demo-er", "team-retrieval") == "team-retrieval"
     with pytest.raises(ValueError, match="scenario name"):
-        registered_model_name("demo er", "0123456789abcdef")
+        registered_model_name("demo er")
+    with pytest.raises(ValueError, match="output.registered_model"):
+        registered_model_name("demo-er", "team/retrieval")
     assert task_alias(2) == "task-3"  # 0-based task 2 is the papers' third task
     assert parse_model_uri("models:/demo-er-01234567@task-3") == ("demo-er-01234567", None, "task-3")
     assert parse_model_uri("models:/demo-er-01234567/4") == ("demo-er-01234567", "4", None)
@@ -308,7 +312,7 @@ def test_models_are_registered_with_aliases_lineage_and_load_by_uri(sqlite_run, 
 
     run_dir, graph, store, tracker = sqlite_run
     client = tracker.client
-    name = f"track-demo-{tracker.pipeline_id[:8]}"
+    name = "track-demo"  # the scenario name: stable across runs
     versions = {v.tags["stage_key"]: v for v in client.search_model_versions(f"name = '{name}'")}
     assert len(versions) == 5  # p1, p2, tasks 0..2
     by_alias = {alias: str(client.get_model_version_by_alias(name, alias).version)

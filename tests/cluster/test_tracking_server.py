@@ -91,15 +91,17 @@ def test_runs_metrics_and_artifacts_over_rest(mlflow_server, served_run):
     pngs = sorted(p for p in files if p.endswith(".png"))
     assert pngs == sorted(f"results/{p.name}" for p in run_dir.glob("*.png"))
     model_files = rest(mlflow_server, "GET", "artifacts/list", {"run_id": finetune["info"]["run_id"], "path": "model"})
-    sizes = {f["path"]: int(f["file_size"]) for f in model_files["files"]}
+    sizes = {f["path"]: int(f["file_size"]) for f in model_files["files"] if not f.get("is_dir")}
     weights = Path(store.blob_path(graph.model_stages[1], "model.safetensors"))
-    assert sizes == {"model/model.safetensors": weights.stat().st_size,
-                     "model/config.json": Path(weights.parent, "config.json").stat().st_size}
+    # the run's own files byte for byte next to MLflow's pytorch flavour of the same model (MLmodel + data/)
+    assert sizes["model/model.safetensors"] == weights.stat().st_size
+    assert sizes["model/config.json"] == Path(weights.parent, "config.json").stat().st_size
+    assert "model/MLmodel" in sizes and {"path": "model/data", "is_dir": True} in model_files["files"]
 
 
 def test_model_versions_and_aliases_over_rest(mlflow_server, served_run):
     run_dir, graph, store, tracker = served_run
-    name = f"track-demo-{tracker.pipeline_id[:8]}"
+    name = "track-demo"
     registered = rest(mlflow_server, "GET", "registered-models/get", {"name": name})["registered_model"]
     aliases = {a["alias"]: a["version"] for a in registered.get("aliases", [])}
     assert set(aliases) == {"task-1", "task-2", "task-3", "latest-task", "pretrain-p1", "pretrain-p2"}
@@ -127,7 +129,7 @@ def test_resume_against_server_creates_no_duplicates(mlflow_server, served_run, 
     run_dir, graph, store, tracker = served_run
     experiment_id = tracker.experiment_id
     before = sorted(r["info"]["run_id"] for r in search_runs(mlflow_server, experiment_id))
-    name = f"track-demo-{tracker.pipeline_id[:8]}"
+    name = "track-demo"
     versions = rest(mlflow_server, "GET", "model-versions/search", {"filter": f"name = '{name}'"})["model_versions"]
     run_tracked(run_dir, mlflow_server.tracking_uri, monkeypatch)
     assert sorted(r["info"]["run_id"] for r in search_runs(mlflow_server, experiment_id)) == before

@@ -67,8 +67,8 @@ def test_unknown_pretrain_source_and_method_params():
     with pytest.raises(ConfigError, match=r"replacements\[1\]\.source: 'pretrain:p9' names no pretrain entry"):
         validate_config(document)
     document = _demo()
-    document["method"]["params"]["lambda"] = 0.5
-    with pytest.raises(ConfigError, match=r"method\.params: .*'lambda'"):
+    document["method"]["params"]["lambda_"] = 0.5
+    with pytest.raises(ConfigError, match=r"method\.params\.lambda_: unknown key; valid: lam, masking, rho"):
         validate_config(document)
     document = _demo()
     document["method"]["name"] = "hoc"
@@ -153,3 +153,59 @@ def test_baseline_head_refuses_replacements_of_another_width():
     hoc["model"]["head"] = "backbone"
     with pytest.raises(ConfigError, match="model.head: 'backbone' needs a learnable-classifier method"):
         validate_config(hoc)
+
+
+def test_stages_train_with_the_training_section_and_the_values_other_sections_own():
+    """One schema: the loop's TrainConfig is the config's training section, with seed/device/evaluation/replay
+    values bound in by the stage; those bound values are refused in the training section and never dumped."""
+    from pipelines.config import config_to_dict
+    from pipelines.training import TrainConfig
+
+    document = _with("training.model_selection", "compatibility")
+    document["evaluation"]["batch_size"] = 64
+    document["pretrain"][0]["epochs"] = 7
+    config = validate_config(document)
+    assert isinstance(config.training, TrainConfig)
+    task = config.train_config(1003, "cpu")
+    assert (task.seed, task.device, task.eval_batch_size, task.epoch_length) == (1003, "cpu", 64, "task")
+    assert task.epochs == config.training.epochs and task.model_selection == "compatibility"
+    assert task.optimizer == config.training.optimizer
+    pretrain = config.train_config(5, "cpu", config.pretrain[0])
+    assert (pretrain.epochs, pretrain.model_selection, pretrain.seed) == (7, "last", 5)
+    assert "seed" not in config_to_dict(config)["training"] and "device" not in config_to_dict(config)["training"]
+    with pytest.raises(ConfigError, match=r"training\.seed: set by 'seed'.*not in the training section"):
+        validate_config(_with("training.seed", 4))
+    with pytest.raises(ConfigError, match=r"training\.eval_batch_size: set by 'evaluation\.batch_size'"):
+        validate_config(_with("training.eval_batch_size", 4))
+    with pytest.raises(ValueError, match=r"device\n  Value error, must be a torch device string"):
+        config.train_config(0, "gpu0")
+
+
+def test_method_params_are_the_methods_pydantic_model_checked_at_load():
+    """method.params is validated by the Params model the method registered: unknown names, wrong types and
+    out-of-range values fail at load with the key path; the loaded params carry the method's defaults."""
+    with pytest.raises(ConfigError, match=r"method\.params\.lam: Input should be less than or equal to 1 "
+                                          r"\(got 1\.5\)"):
+        validate_config(_with("method.params.lam", 1.5))
+    with pytest.raises(ConfigError, match=r"method\.params\.masking: must be one of \('standard', 'reference'\)"):
+        validate_config(_with("method.params.masking", "zero"))
+    with pytest.raises(ConfigError, match=r"method\.params\.rho: Input should be a valid number \(got '5'\)"):
+        validate_config(_with("method.params.rho", "'5'"))
+    document = _with("method.name", "fan")  # the demo's HOC params belong to another method
+    with pytest.raises(ConfigError, match=r"method\.params\.lam: unknown key; valid: adapter_hidden, lam_adapter, "
+                                          r"lam_distill"):
+        validate_config(document)
+    document["method"]["params"] = {"adapter_hidden": 8}
+    params = validate_config(document).method.params
+    assert params.model_dump() == {"lam_distill": 1.0, "lam_adapter": 1.0, "adapter_hidden": 8}
+    from pipelines.config import config_to_dict
+
+    assert config_to_dict(validate_config(document))["method"]["params"]["adapter_hidden"] == 8
+
+
+def test_unknown_key_lists_the_valid_keys_of_its_section():
+    with pytest.raises(ConfigError, match=r"training\.optimizer\.learning_rate: unknown key; valid: lr, momentum, "
+                                          r"name, weight_decay"):
+        validate_config(_with("training.optimizer.learning_rate", 0.1))
+    with pytest.raises(ConfigError, match=r"pretrain\[0\]\.pool\.root_dir: unknown key; valid: classes, dataset, "):
+        validate_config(_with("pretrain.0.pool.root_dir", "x"))

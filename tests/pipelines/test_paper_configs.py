@@ -139,7 +139,7 @@ def test_iam_cl2r_t7_hoc_uses_the_reference_masking_formula():
     from pipelines.config import load_config
 
     config = load_config(CONFIGS / "iam-cl2r-cifar100r-10-t7.yaml")
-    params = config.method.params
+    params = config.method.params.model_dump()
     assert params["masking"] == "reference"
     rng = np.random.default_rng(5)
     new, old = rng.normal(size=(12, 7)), rng.normal(size=(12, 7))
@@ -156,9 +156,7 @@ def test_iam_cl2r_t7_sampler_steps_per_epoch_are_task_plus_memory_over_batch():
 
     config = load_config(CONFIGS / "iam-cl2r-cifar100r-10-t7.yaml")
     assert config.replay.epoch_length == "reference"
-    from pipelines.stages import _train_config
-
-    train = _train_config(config, 0, torch.device("cpu"))
+    train = config.train_config(0, "cpu")
     num_task, num_memory = 15 * 300, 25 * 20  # task 3: 15 classes x 300 images; memory: 25 classes x 20
     from compat_core.data.base import ArraySource
 
@@ -167,7 +165,7 @@ def test_iam_cl2r_t7_sampler_steps_per_epoch_are_task_plus_memory_over_batch():
     data = TaskData(source=source, indices=np.arange(num_task), slots=np.zeros(num_task, dtype=np.int64), task=2,
                     num_old_classes=25, num_new_classes=15, memory_indices=np.arange(num_memory) + num_task,
                     memory_slots=np.zeros(num_memory, dtype=np.int64))
-    method = get_method(config.method.name, **config.method.params)
+    method = get_method(config.method.name, **dict(config.method.params))
     assert _steps_per_epoch(data, method, train) == (num_task + num_memory) // config.training.batch_size
 
 

@@ -36,16 +36,53 @@ class ForgettingSource:
     def num_classes(self) -> int:
         return self.source.num_classes
 
-    def read(self, indices):
+    def _guard(self, indices) -> None:
         tasks = [GUARD["task_of_class"][int(c)] for c in self.labels[np.asarray(indices, dtype=np.int64)]]
         if tasks and min(tasks) < self.newest:
             raise FileNotFoundError(f"source files of task {min(tasks)} were deleted (task {self.newest} started)")
         self.newest = max([self.newest, *tasks])
+
+    def read(self, indices):
+        self._guard(indices)
         return self.source.read(indices)
+
+    def encoded_images(self, indices):
+        """The encoded files of an encoded source (the replay shard stores them): old tasks' files are gone too."""
+        self._guard(indices)
+        return getattr(self.source, "encoded_images", lambda _: None)(indices)
 
 
 def forgetting(split: str = "finetune", root=None):
     source = tiny.make_source(split)
+    return ForgettingSource(source) if split == "finetune" else source
+
+
+JPEG_FILES: dict[str, bytes] = {}
+
+
+def jpeg_source(split: str = "finetune", root=None):
+    """The tiny pool as published JPEG files (RGB, 16 px), read through EncodedImageSource like CelebA's."""
+    import io
+
+    from PIL import Image
+
+    from compat_core.data.formats._shared import EncodedImageSource
+
+    source = tiny.make_source(split)
+    names = []
+    for i, image in enumerate(source.images):
+        name = f"{split}/{i:04d}.jpg"
+        if name not in JPEG_FILES:
+            buffer = io.BytesIO()
+            Image.fromarray(np.repeat(image, 3, axis=2)).save(buffer, format="JPEG", quality=90)
+            JPEG_FILES[name] = buffer.getvalue()
+        names.append(name)
+    return EncodedImageSource(f"tiny-jpeg/{split}", names, source.labels, source.class_names, image_size=16,
+                              hflip=False, fetch=JPEG_FILES.__getitem__, cache_size=0)
+
+
+def forgetting_jpeg(split: str = "finetune", root=None):
+    source = jpeg_source(split)
     return ForgettingSource(source) if split == "finetune" else source
 
 
@@ -60,14 +97,21 @@ def _scenario(dataset: str, output: Path, strategy: str = "random") -> dict:
     scenario = tiny.scenario("er", output=str(output))
     scenario["data"]["dataset"] = dataset
     scenario["replay"]["strategy"] = strategy
+    if "jpeg" in dataset:  # every pool from the JPEG files, RGB
+        scenario["model"]["backbone_config"]["in_chans"] = 3
+        for pool in [scenario["pretrain"][0]["pool"], scenario["evaluation"]["query_set"],
+                     scenario["evaluation"]["gallery_set"]]:
+            pool["dataset"] = "tiny-jpeg"
     return scenario
 
 
 @pytest.fixture()
 def registered(monkeypatch):
     tiny.register()
-    if "tiny-forgetting" not in DATASETS:
-        DATASETS.register("tiny-forgetting", forgetting)
+    for name, factory in (("tiny-forgetting", forgetting), ("tiny-jpeg", jpeg_source),
+                          ("tiny-forgetting-jpeg", forgetting_jpeg)):
+        if name not in DATASETS:
+            DATASETS.register(name, factory)
     config = validate_config(_scenario("tiny-synth", Path("unused")))
     GUARD["task_of_class"] = {int(c): t for t, classes in enumerate(stages.task_classes(config)) for c in classes}
     torch.set_num_threads(1)
@@ -79,17 +123,28 @@ def _index_replay(monkeypatch):
     monkeypatch.setattr(stages, "_write_memory_shard", lambda *args: None)
 
 
-@pytest.mark.parametrize("strategy", ["random", "herding"])
-def test_old_tasks_source_is_never_read_and_the_matrix_is_unchanged(registered, tmp_path, monkeypatch, strategy):
+@pytest.mark.parametrize("strategy,images", [("random", "arrays"), ("herding", "arrays"), ("random", "jpeg")])
+def test_old_tasks_source_is_never_read_and_the_matrix_is_unchanged(registered, tmp_path, monkeypatch, strategy,
+                                                                     images):
+    plain, guarded = ("tiny-synth", "tiny-forgetting") if images == "arrays" else ("tiny-jpeg", "tiny-forgetting-jpeg")
     with monkeypatch.context() as patch:
         _index_replay(patch)
-        before = _run(_scenario("tiny-synth", tmp_path / "before", strategy), tmp_path / "before", patch)
+        before = _run(_scenario(plain, tmp_path / "before", strategy), tmp_path / "before", patch)
         with pytest.raises(FileNotFoundError, match="were deleted"):  # the guard bites the index-based replay
-            _run(_scenario("tiny-forgetting", tmp_path / "guarded-old", strategy), tmp_path / "guarded-old", patch)
-    after = _run(_scenario("tiny-forgetting", tmp_path / "after", strategy), tmp_path / "after", monkeypatch)
+            _run(_scenario(guarded, tmp_path / "guarded-old", strategy), tmp_path / "guarded-old", patch)
+    after = _run(_scenario(guarded, tmp_path / "after", strategy), tmp_path / "after", monkeypatch)
     assert after == before
     shards = sorted((tmp_path / "after" / "replay").glob("*/shards/replay/*.manifest.json"))
     assert len(shards) == 3 and all(json.loads(p.read_text())["rows"] > 0 for p in shards)
+    manifests = [json.loads(p.read_text()) for p in shards]
+    assert {m["image_encoding"] for m in manifests} == {"raw-uint8-hwc" if images == "arrays" else "encoded/pil"}
+    if images == "jpeg":  # the shard rows are the published files' bytes, not decoded pixels
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(shards[-1].with_name(shards[-1].name.replace(".manifest.json", ".parquet")))
+        stored = table.column("image").to_pylist()
+        files = set(JPEG_FILES.values())
+        assert stored and all(blob[:2] == b"\xff\xd8" and blob in files for blob in stored)
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])

@@ -15,9 +15,9 @@ from pipelines.training import TrainConfig, precision_context
 
 
 def test_autocast_modes_validate_and_pick_the_dtype():
-    assert TrainConfig(mixed_precision="bf16").mixed_precision == "bf16"
-    with pytest.raises(ValueError, match="TrainConfig.mixed_precision"):
-        TrainConfig(mixed_precision="bf17")
+    assert TrainConfig(autocast="bf16").autocast == "bf16"
+    with pytest.raises(ValueError, match=r"TrainConfig\nautocast"):
+        TrainConfig(autocast="bf17")
     a, b = torch.randn(4, 8), torch.randn(8, 3)
     with precision_context("cpu", "bf16"):
         assert (a @ b).dtype == torch.bfloat16

@@ -238,6 +238,14 @@ class EncodedImageSource:
         """The stored (JPEG/PNG) bytes of sample ``index``, as published (used by ``compat ingest``)."""
         return (self._fetch or io.read_bytes)(self.locations[int(index)])
 
+    def encoded_images(self, indices: np.ndarray):
+        """The published bytes of samples ``indices`` as replay-shard images, decoded on read exactly as
+        :meth:`read` decodes them (PIL, ``image_size``)."""
+        from compat_core.data.replay_shards import EncodedImages
+
+        return EncodedImages([self.encoded_bytes(int(i)) for i in np.asarray(indices).reshape(-1)],
+                             self.image_shape, "pil")
+
     def read(self, indices: np.ndarray) -> np.ndarray:
         """uint8 images ``(n, image_size, image_size, 3)`` for 0-based sample ``indices``."""
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)

@@ -305,6 +305,15 @@ class ShardSource:
             out.append(self._group(part, group)[row])
         return out
 
+    def encoded_images(self, indices: np.ndarray):
+        """Encoded bytes of samples ``indices`` as replay-shard images decoded like :meth:`read` (None for a raw
+        split: its rows are pixels already)."""
+        from compat_core.data.replay_shards import EncodedImages
+
+        if self.manifest.encoding != ENCODED:
+            return None
+        return EncodedImages(self.encoded_rows(indices), self.image_shape, self.decoder)
+
     def read(self, indices: np.ndarray) -> np.ndarray:
         """uint8 images ``(n, H, W, C)`` for 0-based sample ``indices``, in that order."""
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
