@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -85,6 +85,24 @@ def is_leader() -> bool:
     """True outside data-parallel training and on rank 0 of it: the process that commits a stage."""
     parallel = current()
     return parallel is None or parallel.leader
+
+
+# Set by whoever starts the ranks (cluster.ray_train_stage): builds the epoch-checkpoint sink of a data-parallel
+# stage from its ``checkpoint_every_epochs`` (Ray Train's checkpoints instead of one store writer per rank).
+_checkpoint_sink_factory: Callable[[int], Any] | None = None
+
+
+def use_checkpoint_sink(factory: Callable[[int], Any] | None) -> None:
+    """Install (or with None remove) the checkpoint sink factory of this process's data-parallel stages."""
+    global _checkpoint_sink_factory
+    _checkpoint_sink_factory = factory
+
+
+def launcher_checkpoint_sink(every_epochs: int) -> Any | None:
+    """The launcher's checkpoint sink for a data-parallel stage, or None (then the stage uses the run store's)."""
+    if _checkpoint_sink_factory is None or current() is None:
+        return None
+    return _checkpoint_sink_factory(every_epochs)
 
 
 def _gather_rows(tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -161,5 +179,5 @@ def shard_batches(parallel: DataParallel, batches: list[np.ndarray]) -> list[np.
     return local
 
 
-__all__ = ["DataParallel", "GlobalBatchModel", "current", "has_batch_norm", "is_leader", "shard_batches",
-           "wrap_model"]
+__all__ = ["DataParallel", "GlobalBatchModel", "current", "has_batch_norm", "is_leader", "launcher_checkpoint_sink",
+           "shard_batches", "use_checkpoint_sink", "wrap_model"]

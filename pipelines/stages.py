@@ -386,8 +386,13 @@ def _checkpoints(ctx: StageContext):
     """The stage's epoch checkpoints in the run store (None with ``training.checkpoint_every_epochs: 0``)."""
     from pipelines.checkpoints import StoreCheckpointSink
 
+    from pipelines.distributed import launcher_checkpoint_sink
+
     every = ctx.config.training.checkpoint_every_epochs
-    return StoreCheckpointSink(ctx.store, ctx.stage.key, every) if every else None
+    if not every:
+        return None
+    # data-parallel ranks keep theirs through their launcher (Ray Train), written once, by rank 0
+    return launcher_checkpoint_sink(every) or StoreCheckpointSink(ctx.store, ctx.stage.key, every)
 
 
 def pretrain_stage(ctx: StageContext) -> StageResult:

@@ -47,7 +47,8 @@ def _task():
     memory = np.flatnonzero(np.isin(labels, [10, 11]))[::3]
     data = TaskData(source=source, task=1, indices=task, slots=9 - (labels[task] - 10), num_old_classes=2,
                     num_new_classes=2, memory_indices=memory, memory_slots=9 - (labels[memory] - 10))
-    config = TrainConfig(epochs=2, batch_size=8, lr=0.05, log_every_steps=1, mixed_precision="off", seed=3)
+    config = TrainConfig(epochs=2, batch_size=8, optimizer={"name": "sgd", "lr": 0.05}, log_every_steps=1,
+                         autocast="off", seed=3)
     return model, old_model, get_method("dsimplex-hoc"), data, config
 
 
