@@ -30,10 +30,12 @@ def _commit_models(store, heads: dict[str, torch.Tensor]) -> None:
         store.commit(key, {"type": "model", "stage_key": key}, {"model.safetensors": save({"junction.weight": head})})
 
 
-def _commit_extract(store, key: str, model_key: str, blobs: dict, layout: dict) -> dict:
-    record = {"type": "features", "stage_key": key, "layout": layout, "model_stage_key": model_key,
-              "num_classes_model": 0}
-    store.commit(key, record, blobs)
+def _commit_extract(store, key: str, model_key: str, blobs: dict, layout: dict):
+    from pipelines.records import FeatureRecord, record_to_json
+
+    record = FeatureRecord(key, 0, "query", key, layout, num_classes_model=0, seconds=0.0, images_per_second=0.0,
+                           model_stage_key=model_key)
+    store.commit(key, record_to_json(record), blobs)
     return record
 
 
@@ -83,7 +85,7 @@ def main() -> None:
             blobs = store.load_manifest(key)["blobs"]
             return sum(info["size"] for name, info in blobs.items() if name != "labels.npy") / rows
 
-        def timed(records: list[dict], cold: bool) -> tuple[float, float, dict]:
+        def timed(records: list, cold: bool) -> tuple[float, float, dict]:
             values, result = [], None
             for _ in range(args.repeats):
                 if cold:

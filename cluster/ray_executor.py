@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 
 import ray
 
-from pipelines.executor import Backend, Executor, RunSummary, close_emit, read_invocations, run_graph
+from pipelines.executor import Backend, Executor, Invocation, close_emit, read_invocations, run_graph
 from pipelines.graph import Stage, StageGraph
 from cluster.ray_train_stage import run_data_parallel_node
 from cluster.storage import installed_access
@@ -238,7 +238,7 @@ class RayExecutor(Executor):
         self.setup = setup
         self.last_stats: dict[str, Any] = {}
 
-    def run(self, graph: StageGraph, store: RunStore, until: Iterable[str] | None = None) -> RunSummary:
+    def run(self, graph: StageGraph, store: RunStore, until: Iterable[str] | None = None) -> Invocation:
         if self.address is not None and self.address.startswith(("http://", "https://")):
             return self._run_as_job(graph, store)
         owns_ray = connect(self.address, self.num_cpus, object_store_memory=self.object_store_memory)
@@ -254,7 +254,7 @@ class RayExecutor(Executor):
             if owns_ray:
                 ray.shutdown()
 
-    def _run_as_job(self, graph: StageGraph, store: RunStore) -> RunSummary:
+    def _run_as_job(self, graph: StageGraph, store: RunStore) -> Invocation:
         """Submit the pipeline as a Ray Job writing to ``store`` and wait; results are read back from the store."""
         from cluster.jobs import submit_pipeline
 
@@ -262,7 +262,7 @@ class RayExecutor(Executor):
         if outcome.status != "SUCCEEDED":
             raise RuntimeError(f"Ray job {outcome.submission_id} ended {outcome.status}; "
                                f"see `compat logs {outcome.submission_id} --address {self.address}`")
-        summary = RunSummary(run_id=outcome.submission_id)
+        summary = Invocation(run_id=outcome.submission_id)
         invocations = read_invocations(store)
         if invocations:
             summary.executed = list(invocations[-1]["executed"])

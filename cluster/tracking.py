@@ -481,32 +481,32 @@ class MlflowTracker(Tracker):
         return training[0].run_id if len(training) == 1 else None
 
     def _log_record(self, stage: Any, run_id: str, manifest: dict) -> None:
-        record = manifest["record"]
-        kind = record.get("type")
-        if kind == "model":
-            self._log_model(stage, run_id, manifest)
-            training = record.get("training") or {}
+        from pipelines.records import AdaptersRecord, FeatureRecord, ModelRecord, RowRecord, record_from_json
+
+        record = record_from_json(manifest["record"], stage.key)
+        if isinstance(record, ModelRecord):
+            self._log_model(stage, run_id, manifest, record)
+            training = record.training
             if stage.task is not None and training:
                 values = {f"task/{name}": training[name] for name in
                           ("final_loss", "images_per_s", "seconds", "selected_epoch") if training.get(name) is not None}
                 self._log_metrics(self.parent_run_id, values, step=int(stage.task) + 1)  # 1-based task
-        elif kind == "features":
-            self._log_metrics(run_id, {"extract/images_per_s": record.get("images_per_second"),
-                                       "extract/seconds": record.get("seconds"),
-                                       "extract/rows": (record.get("layout") or {}).get("rows")}, step=0)
-        elif kind == "adapters":
+        elif isinstance(record, FeatureRecord):
+            self._log_metrics(run_id, {"extract/images_per_s": record.images_per_second,
+                                       "extract/seconds": record.seconds,
+                                       "extract/rows": record.layout.get("rows")}, step=0)
+        elif isinstance(record, AdaptersRecord):
             self._log_adapters(stage, run_id, manifest)
-        elif kind == "matrix_row":
-            row = int(record["row"])
-            entries = {entry_metric_key(row, column): value for column, value in enumerate(record["values"])}
+        elif isinstance(record, RowRecord):
+            row = record.row
+            entries = {entry_metric_key(row, column): value for column, value in enumerate(record.values)}
             # on the row's own stage run only; the parent gets the whole matrix once, as a table and a figure
             self._log_metrics(run_id, entries, step=row + 1)
 
-    def _log_model(self, stage: Any, run_id: str, manifest: dict) -> None:
+    def _log_model(self, stage: Any, run_id: str, manifest: dict, record: Any) -> None:
         from cluster.registry import (LATEST_ALIAS, MODEL_ARTIFACT_PATH, find_version, register_version, task_alias,
                                       write_model_folder)
 
-        record = manifest["record"]
         missing = [name for name in ("model.safetensors", "config.json") if name not in manifest["blobs"]]
         if missing:
             raise ValueError(f"stage {stage.label}: model record without {', '.join(missing)} in its manifest "
@@ -520,7 +520,7 @@ class MlflowTracker(Tracker):
         self.client.set_tag(run_id, "model_sha256", sha256)
         if not self.register_models:
             return
-        tags = {"stage_kind": stage.kind, "line": record.get("line", 0), "sha256": sha256,
+        tags = {"stage_kind": stage.kind, "line": record.line, "sha256": sha256,
                 "pipeline_id": self.pipeline_id, "code_version": self.graph.code_version}
         aliases: list[str] = []
         if stage.kind == "pretrain":
@@ -533,7 +533,7 @@ class MlflowTracker(Tracker):
                 parent = find_version(self.client, self.model_name, self.graph.model_stages[task - 1])
                 if parent is not None:
                     tags["parent_version"] = parent.version
-            source = record.get("source")
+            source = record.source
             if source:
                 tags["external_source"] = source
                 if source.startswith("pretrain:") and source[len("pretrain:"):] in self.graph.pretrain_stages:

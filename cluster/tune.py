@@ -332,6 +332,7 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
     from compat_core import io as cio
     from pipelines.executor import LocalExecutor, prepare_run
     from pipelines.graph import compile_scenario
+    from pipelines.records import read_record
     from pipelines.store import RunStore
 
     run_dir = spec.run_dir(trial_id)
@@ -356,7 +357,7 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
             continue
         values = np.full((completed, completed), np.nan)
         for row in range(completed):
-            values[row, : row + 1] = store.load_record(graph.evaluate_stages[row])["values"]
+            values[row, : row + 1] = read_record(store, graph.evaluate_stages[row]).values
         metrics = prefix_metrics(values, strict)
         last_metrics = {OBJECTIVE_KEY: metrics[spec.objective], TIME_ATTR: completed, "num_tasks": T,
                         **metrics, "run_dir": run_dir,
@@ -559,6 +560,7 @@ def register_best_models(spec: SearchSpec, best_trial_id: str, trial_run_id: str
     from mlflow import MlflowClient
 
     from cluster.registry import ensure_registered_model, register_version, write_model_folder
+    from pipelines.records import read_record
     from pipelines.store import RunStore
 
     client = MlflowClient(tracking_uri=spec.tracking_uri)
@@ -568,7 +570,7 @@ def register_best_models(spec: SearchSpec, best_trial_id: str, trial_run_id: str
     model_keys: dict[int, str] = {}
     for key in store.stage_keys():
         if key.startswith(("finetune-", "replace-")):
-            model_keys[int(store.load_record(key)["task"])] = key
+            model_keys[read_record(store, key).task] = key
     if sorted(model_keys) != list(range(spec.num_tasks)):
         raise FileNotFoundError(f"{store.root}: expected models of tasks 0..{spec.num_tasks - 1} (0-based), "
                                 f"found {sorted(model_keys)}")

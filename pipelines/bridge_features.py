@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipelines.records import FeatureRecord
 from pipelines.store import RunStore, feature_blobs
 
 FEATURE_WAYS = ("auto", "direct", "bridge")
@@ -222,7 +223,7 @@ def bridge_entry(store: RunStore, query_key: str, gallery_key: str, protocol: di
     return float(value), f"isometric coordinates (r={to_query.shape[0]})"
 
 
-def entry_value(store: RunStore, config, query_record: dict, gallery_record: dict, protocol: dict,
+def entry_value(store: RunStore, config, query_record: FeatureRecord, gallery_record: FeatureRecord, protocol: dict,
                 adapters: list) -> tuple[float, dict]:
     """The value of one matrix entry and how its features were used: {"way": "bridge" | "direct" |
     "materialized", "kernel" or "reason", "seconds"}. Direct extracts (and fallbacks) go through
@@ -230,15 +231,15 @@ def entry_value(store: RunStore, config, query_record: dict, gallery_record: dic
     from pipelines.stages import cached_features, compute_entry
 
     started = time.perf_counter()
-    query_key, gallery_key = query_record["stage_key"], gallery_record["stage_key"]
-    ways = (query_record["layout"].get("way", "direct"), gallery_record["layout"].get("way", "direct"))
+    query_key, gallery_key = query_record.stage_key, gallery_record.stage_key
+    ways = (query_record.layout.get("way", "direct"), gallery_record.layout.get("way", "direct"))
     if ways == ("bridge", "bridge") and not adapters:
         value, kernel = bridge_entry(store, query_key, gallery_key, protocol, config)
         how = {"way": "bridge", "kernel": kernel}
     else:
         value = compute_entry(cached_features(store, query_key), cached_features(store, gallery_key), protocol,
-                              config, query_record.get("num_classes_model", 0),
-                              gallery_record.get("num_classes_model", 0), adapters=adapters)
+                              config, query_record.num_classes_model, gallery_record.num_classes_model,
+                              adapters=adapters)
         if "bridge" not in ways:
             how = {"way": "direct"}
         elif adapters:

@@ -22,6 +22,7 @@ import numpy as np
 from pipelines.config import ScenarioConfig, config_hash, dump_config
 from pipelines.graph import Stage, StageGraph
 from pipelines.progress import ProgressReporter, StageEvent, StageRecord
+from pipelines.records import read_record
 from pipelines.stages import execute_stage
 from pipelines.store import RunStore
 
@@ -29,8 +30,9 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class RunSummary:
-    """What one engine invocation did: node keys executed and skipped (already committed), seconds per node."""
+class Invocation:
+    """What one engine invocation did: node keys executed and skipped (already committed), seconds per node, and
+    the matrix and metrics once the graph is complete (a finished run's summary is ``reports.RunSummary``)."""
 
     run_id: str
     executed: list[str] = field(default_factory=list)
@@ -89,7 +91,7 @@ def refuse_data_parallel(stages: Iterable[Stage]) -> None:
 
 
 def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callable[[Any], None],
-              until: Iterable[str] | None = None, stop_after: int | None = None) -> RunSummary:
+              until: Iterable[str] | None = None, stop_after: int | None = None) -> Invocation:
     """The one scheduling loop: submit every node whose parents are committed to ``backend``, wait for one, repeat.
 
     until: node keys; only they and their ancestors run (Tune trials stop at a row, ``compat eval`` runs only the
@@ -98,7 +100,7 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
     directory's contract files are written (:func:`finalize_run`).
     """
     prepare_run(graph.config, store)
-    summary = RunSummary(run_id=uuid.uuid4().hex[:12])
+    summary = Invocation(run_id=uuid.uuid4().hex[:12])
     needed = graph.ancestors(until) if until is not None else None
     index_of = {stage.key: index for index, stage in enumerate(graph)}
     total = len(graph)
@@ -154,9 +156,9 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
 
 
 class Executor:
-    """Runs every node of ``graph`` whose manifest is missing from ``store``; returns a RunSummary."""
+    """Runs every node of ``graph`` whose manifest is missing from ``store``; returns an Invocation."""
 
-    def run(self, graph: StageGraph, store: RunStore, until: Iterable[str] | None = None) -> RunSummary:
+    def run(self, graph: StageGraph, store: RunStore, until: Iterable[str] | None = None) -> Invocation:
         raise NotImplementedError  # pragma: no cover - interface
 
 
@@ -172,7 +174,7 @@ class LocalExecutor(Executor):
         self.emit = emit if emit is not None else ProgressReporter(enabled=progress)
         self.stop_after = stop_after
 
-    def run(self, graph: StageGraph, store: RunStore, until: Iterable[str] | None = None) -> RunSummary:
+    def run(self, graph: StageGraph, store: RunStore, until: Iterable[str] | None = None) -> Invocation:
         try:
             refuse_data_parallel(graph)  # before any node computes
             return run_graph(graph, store, InProcessBackend(self.emit), self.emit, until, self.stop_after)
@@ -208,7 +210,7 @@ def prepare_run(config: ScenarioConfig, store: RunStore) -> None:
     store.write_text("config.yaml", text)
 
 
-def record_invocation(store: RunStore, summary: RunSummary) -> None:
+def record_invocation(store: RunStore, summary: Invocation) -> None:
     """One JSON file per executor invocation under executions/ (object stores cannot append to a log)."""
     store.write_text(f"executions/{time.strftime('%Y%m%dT%H%M%S')}-{summary.run_id}.json", json.dumps({
         "run_id": summary.run_id, "executed": summary.executed, "skipped": summary.skipped,
@@ -236,8 +238,7 @@ def assemble_matrix(graph: StageGraph, store: RunStore, row_keys: list[str] | No
     T = config.num_tasks
     values = np.full((T, T), np.nan)
     for row, key in enumerate(row_keys or graph.evaluate_stages):
-        record = store.load_record(key)
-        values[row, : row + 1] = record["values"]
+        values[row, : row + 1] = read_record(store, key).values
     protocol = {
         "metric": evaluation.metric,
         "gallery": evaluation.gallery,

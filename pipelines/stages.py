@@ -16,10 +16,8 @@ from __future__ import annotations
 import collections
 import json
 import os
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -29,6 +27,9 @@ from pipelines.config import PRETRAIN_PREFIX, PoolSpec, ScenarioConfig
 from pipelines.distributed import is_leader
 from pipelines.graph import Stage, protocol_params
 from pipelines.progress import ProgressUpdate
+from pipelines.records import (
+    EntryRecord, FeatureRecord, MemoryRecord, ModelRecord, Record, RowRecord, read_record, record_to_json,
+)
 from pipelines.store import RunStore, decode_array, encode_array, feature_blobs, read_features
 
 Emit = Callable[[Any], None]
@@ -37,81 +38,12 @@ Emit = Callable[[Any], None]
 ADAPTER_BLOB = "extra-adapter.safetensors"
 
 
-# ---- artifact records ---------------------------------------------------------------------------------------------
-@dataclass
-class ModelArtifact:
-    """A trained model: folder ``uri`` holding model.safetensors + config.json (save_model layout).
-
-    task: 0-based task (None for pretrain). line: 0-based model line (+1 at each replacement). pretrained_classes:
-    P, classes the line's starting model was pre-trained on (slots 0..P-1). positions_seen: fine-tuning classes
-    learned so far (positions 0..positions_seen-1). memory: replay memory record after this task, or None.
-    """
-
-    type: str
-    stage_key: str
-    uri: str
-    task: int | None
-    line: int
-    pretrained_classes: int
-    positions_seen: int
-    classifier: str
-    num_active_classes: int
-    source: str | None = None
-    memory: dict | None = None
-    extra_blobs: list[str] = field(default_factory=list)
-    training: dict = field(default_factory=dict)
-
-
-@dataclass
-class MemoryArtifact:
-    """Replay memory after a task: blob names of .npy arrays (pool indices, class positions, source task)."""
-
-    indices_blob: str
-    positions_blob: str
-    tasks_blob: str
-    size: int
-    per_class: int
-    shard: dict | None = None  # the exemplars' images as a replay shard (pipelines.replay_shards), when written
-
-
-@dataclass
-class FeatureArtifact:
-    """Features of one model on one evaluation split, fp16 (default) .npy shards + labels under the stage folder.
-
-    model_stage_key: the model stage the features come from. adapter_blob: name of that stage's FAN adapter blob
-    (maps features of the previous model into this model's space), or None when the model has none.
-    num_classes_model: classifier outputs of the model (learnable classifiers; PSP/LSP project into this space).
-    """
-
-    type: str
-    stage_key: str
-    task: int
-    split: str
-    uri: str
-    layout: dict
-    num_classes_model: int
-    seconds: float
-    images_per_second: float
-    model_stage_key: str = ""
-    adapter_blob: str | None = None
-
-
-@dataclass
-class MatrixRow:
-    """Row ``row`` of the compatibility matrix: ``values[k] = C[row, k]`` for k = 0..row (fractions)."""
-
-    type: str
-    stage_key: str
-    row: int
-    values: list[float]
-    entry_keys: list[str]
-    metric: str
-    protocol: dict
-
-
+# ---- stage results ------------------------------------------------------------------------------------------------
 @dataclass
 class StageResult:
-    record: Any
+    """A stage's typed record and the blobs (name -> bytes) committed with it."""
+
+    record: Record
     blobs: dict[str, bytes] = field(default_factory=dict)
 
 
@@ -120,7 +52,7 @@ class StageContext:
     stage: Stage
     config: ScenarioConfig
     store: RunStore
-    parents: dict[str, dict]
+    parents: dict[str, Record]
     emit: Emit
     device: torch.device
 
@@ -290,12 +222,10 @@ def slot_of_positions(positions: np.ndarray, classifier: str, num_slots: int, pr
 
 # ---- models --------------------------------------------------------------------------------------------------------
 def _model_blobs(model) -> dict[str, bytes]:
-    """save_model into a local temp folder, read the files back as blobs (the store commits them atomically)."""
-    from compat_core.models.compat_model import save_model
+    """The model's save_model files as blobs, serialised in memory once (the store commits them atomically)."""
+    from compat_core.models.compat_model import model_to_bytes
 
-    with tempfile.TemporaryDirectory(prefix="compat-model-") as folder:
-        save_model(model, folder)
-        return {name: Path(folder, name).read_bytes() for name in sorted(os.listdir(folder))}
+    return dict(sorted(model_to_bytes(model).items()))
 
 
 def artifact_location(stage_key: str) -> str:
@@ -304,13 +234,13 @@ def artifact_location(stage_key: str) -> str:
     return f"{RunStore.ARTIFACTS}/{stage_key}"
 
 
-def load_model_artifact(store: RunStore, record: dict, device: torch.device):
+def load_model_artifact(store: RunStore, record: ModelRecord, device: torch.device):
     """Model of a model record, every blob verified against the manifest first."""
     from compat_core.models.compat_model import CONFIG_FILE, WEIGHTS_FILE, model_from_bytes
 
     # The bytes that pass the manifest's sha256 are the bytes loaded, read from this run folder (never from the
     # path the record was written under: a moved or copied run loads its own verified weights).
-    key = record["stage_key"]
+    key = record.stage_key
     manifest = store.load_manifest(key)
     config_bytes = store.read_blob(key, CONFIG_FILE, manifest)
     weights_bytes = store.read_blob(key, WEIGHTS_FILE, manifest)
@@ -345,11 +275,11 @@ def _load_source(ctx: StageContext, source: str, classifier: str, backbone: str 
     """Model to start from, and P (classes it was pre-trained on): a pretrain stage's output or external weights."""
     if source.startswith(PRETRAIN_PREFIX):
         name = source[len(PRETRAIN_PREFIX):]
-        matches = [r for r in ctx.parents.values() if r.get("pretrain_name") == name]
+        matches = [r for r in ctx.parents.values() if isinstance(r, ModelRecord) and r.pretrain_name == name]
         if not matches:
             raise RuntimeError(f"stage {ctx.stage.label}: source {source!r} is not among its parents")
         record = matches[0]
-        return load_model_artifact(ctx.store, record, ctx.device), int(record["pretrained_classes"])
+        return load_model_artifact(ctx.store, record, ctx.device), record.pretrained_classes
     from compat_core.models import load_external_weights
 
     pretrained = int(num_pretrain_classes or 0)
@@ -428,12 +358,11 @@ def pretrain_stage(ctx: StageContext) -> StageResult:
     model.config["pretrained_classes"] = spec.num_classes
     result = pretrain_model(model, pool, np.arange(len(pool)), config.train_config(seed, ctx.device, spec),
                             on_record=ctx.emit, progress=_progress_hook(ctx), checkpoints=_checkpoints(ctx))
-    record = ModelArtifact("model", ctx.stage.key, artifact_location(ctx.stage.key), None, 0,
-                           spec.num_classes, 0, classifier, spec.num_classes if classifier == "learnable" else 0,
-                           source=None, training=_summary(result))
-    data = asdict(record)
-    data["pretrain_name"] = spec.name
-    return StageResult(data, _model_blobs(result.model))
+    record = ModelRecord(ctx.stage.key, artifact_location(ctx.stage.key), task=None, line=0,
+                         pretrained_classes=spec.num_classes, positions_seen=0, classifier=classifier,
+                         num_active_classes=spec.num_classes if classifier == "learnable" else 0,
+                         training=_summary(result), pretrain_name=spec.name)
+    return StageResult(record, _model_blobs(result.model))
 
 
 def _state_copy(model) -> dict:
@@ -443,22 +372,22 @@ def _state_copy(model) -> dict:
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-def _memory_from_record(store: RunStore, model_record: dict | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _memory_from_record(store: RunStore, model_record: ModelRecord | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(pool indices, class positions, source task) of the replay memory stored with a model record."""
-    memory = (model_record or {}).get("memory")
-    if not memory:
+    memory = model_record.memory if model_record is not None else None
+    if memory is None:
         return _EMPTY, _EMPTY, _EMPTY
-    key = model_record["stage_key"]
+    key = model_record.stage_key
     manifest = store.load_manifest(key)
-    return (store.read_array(key, memory["indices_blob"], manifest),
-            store.read_array(key, memory["positions_blob"], manifest),
-            store.read_array(key, memory["tasks_blob"], manifest))
+    return (store.read_array(key, memory.indices_blob, manifest),
+            store.read_array(key, memory.positions_blob, manifest),
+            store.read_array(key, memory.tasks_blob, manifest))
 
 
-def _memory_images_from_record(store: RunStore, model_record: dict | None, memory: tuple) -> np.ndarray | None:
+def _memory_images_from_record(store: RunStore, model_record: ModelRecord | None, memory: tuple) -> np.ndarray | None:
     """uint8 (M, H, W, C) images of the recorded replay shard, rows aligned with ``memory``; None when the record
     has no shard (runs written before replay shards)."""
-    shard = ((model_record or {}).get("memory") or {}).get("shard")
+    shard = model_record.memory.shard if model_record is not None and model_record.memory is not None else None
     if not shard:
         return None
     from compat_core.data.replay_shards import CorruptShardError
@@ -469,10 +398,10 @@ def _memory_images_from_record(store: RunStore, model_record: dict | None, memor
         stored, images = read_memory_shard(store, shard)
     except CorruptShardError as error:
         # the stage that wrote the shard is the one to recompute (the CLI prints the --recompute fix)
-        raise CorruptArtifactError(str(error), stage_key=model_record["stage_key"]) from error
+        raise CorruptArtifactError(str(error), stage_key=model_record.stage_key) from error
     if not np.array_equal(stored.indices, memory[0]) or not np.array_equal(stored.source_task, memory[2]):
         raise ValueError(f"replay shard {shard['folder']} (task {shard['task']}) does not hold the memory recorded "
-                         f"with model stage {model_record['stage_key']}")
+                         f"with model stage {model_record.stage_key}")
     return images
 
 
@@ -589,7 +518,7 @@ def train_task_stage(ctx: StageContext) -> StageResult:
             model, pretrained = _load_source(ctx, replacement.source, classifier, replacement.backbone,
                                              replacement.backbone_config, replacement.sha256, config.seed,
                                              replacement.num_pretrain_classes)
-            line = int(previous["line"]) + 1
+            line = previous.line + 1
             old_model = _frozen(model)  # the reference HOC anchors to the newly loaded model
         elif task == 0 and config.initial_model:
             model, pretrained = _load_source(ctx, config.initial_model, classifier, None, None, None, config.seed)
@@ -601,7 +530,7 @@ def train_task_stage(ctx: StageContext) -> StageResult:
             model, pretrained, line = _initial_model(config, classifier, config.seed).to(ctx.device), 0, 0
         else:
             model = load_model_artifact(ctx.store, previous, ctx.device)
-            pretrained, line = int(previous["pretrained_classes"]), int(previous["line"])
+            pretrained, line = previous.pretrained_classes, previous.line
             if wants_old:
                 old_model = _frozen(model)
         if classifier == "simplex" and model.num_slots != K:
@@ -662,16 +591,17 @@ def train_task_stage(ctx: StageContext) -> StageResult:
         blobs["memory-indices.npy"] = encode_array(new_indices)
         blobs["memory-positions.npy"] = encode_array(new_positions)
         blobs["memory-tasks.npy"] = encode_array(new_tasks)
-        memory_record = asdict(MemoryArtifact("memory-indices.npy", "memory-positions.npy", "memory-tasks.npy",
-                                              int(new_indices.shape[0]), config.replay.per_class,
-                                              shard=_write_memory_shard(ctx, task, memory, memory_images, pool,
-                                                                        new_indices, new_positions, new_tasks)))
+        memory_record = MemoryRecord("memory-indices.npy", "memory-positions.npy", "memory-tasks.npy",
+                                     int(new_indices.shape[0]), config.replay.per_class,
+                                     shard=_write_memory_shard(ctx, task, memory, memory_images, pool, new_indices,
+                                                               new_positions, new_tasks))
     num_active = int(trained.num_active_classes) if classifier == "learnable" else 0
     source = replacement.source if replacement is not None else (config.initial_model if task == 0 else None)
-    record = ModelArtifact("model", stage.key, artifact_location(stage.key), task, line, pretrained,
-                           first_position + len(tasks[task]), classifier, num_active, source=source,
-                           memory=memory_record, extra_blobs=extra, training=_summary(result))
-    return StageResult(asdict(record), blobs)
+    record = ModelRecord(stage.key, artifact_location(stage.key), task=task, line=line, pretrained_classes=pretrained,
+                         positions_seen=first_position + len(tasks[task]), classifier=classifier,
+                         num_active_classes=num_active, source=source, memory=memory_record, extra_blobs=extra,
+                         training=_summary(result))
+    return StageResult(record, blobs)
 
 
 def _frozen(model):
@@ -704,19 +634,19 @@ def extract_stage(ctx: StageContext) -> StageResult:
     seconds = time.perf_counter() - started
     coarse = getattr(pool, "coarse_labels", None)
     if way == "bridge":
-        blobs, layout = bridge_blobs(features, model_record["stage_key"], model.feature_dim, np.asarray(pool.labels),
+        blobs, layout = bridge_blobs(features, model_record.stage_key, model.feature_dim, np.asarray(pool.labels),
                                      coarse, config.evaluation.feature_dtype)
     else:
         blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse,
                                       dtype=config.evaluation.feature_dtype)
         layout["way"] = "direct"
     layout["way_reason"] = reason
-    adapter = ADAPTER_BLOB if ADAPTER_BLOB in (model_record.get("extra_blobs") or []) else None
-    record = FeatureArtifact("features", ctx.stage.key, int(ctx.stage.task), split,
-                             artifact_location(ctx.stage.key), layout,
-                             int(model_record.get("num_active_classes") or 0), seconds, total / max(seconds, 1e-9),
-                             model_stage_key=model_record["stage_key"], adapter_blob=adapter)
-    return StageResult(asdict(record), blobs)
+    adapter = ADAPTER_BLOB if ADAPTER_BLOB in model_record.extra_blobs else None
+    record = FeatureRecord(ctx.stage.key, int(ctx.stage.task), split, artifact_location(ctx.stage.key), layout,
+                           num_classes_model=model_record.num_active_classes, seconds=seconds,
+                           images_per_second=total / max(seconds, 1e-9), model_stage_key=model_record.stage_key,
+                           adapter_blob=adapter)
+    return StageResult(record, blobs)
 
 
 @torch.no_grad()
@@ -863,7 +793,7 @@ def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: Scenario
     return float(value)
 
 
-def entry_adapters(store: RunStore, gallery_records: list[dict], row: int, column: int) -> list:
+def entry_adapters(store: RunStore, gallery_records: list[FeatureRecord], row: int, column: int) -> list:
     """FAN adapters for entry C[row, column]: those stored with the models of tasks column+1..row, oldest first.
 
     gallery_records: the gallery extract records of columns 0..row (their ``model_stage_key`` / ``adapter_blob``).
@@ -874,15 +804,15 @@ def entry_adapters(store: RunStore, gallery_records: list[dict], row: int, colum
 
     from pipelines.methods.fan import load_adapter
 
-    if not any(record.get("adapter_blob") for record in gallery_records[column + 1: row + 1]):
+    if not any(record.adapter_blob for record in gallery_records[column + 1: row + 1]):
         return []
     adapters = []
     for task in range(column + 1, row + 1):
         record = gallery_records[task]
-        if not record.get("adapter_blob"):
+        if not record.adapter_blob:
             raise ValueError(f"entry C[{row}, {column}]: the model of task {task} has no FAN adapter "
                              f"({ADAPTER_BLOB}) although other models of the run have one")
-        state = load_safetensors(store.read_blob(record["model_stage_key"], record["adapter_blob"]))
+        state = load_safetensors(store.read_blob(record.model_stage_key, record.adapter_blob))
         adapters.append(load_adapter(state))
     return adapters
 
@@ -917,18 +847,15 @@ def entry_stage(ctx: StageContext) -> StageResult:
 
     value, features = entry_value(ctx.store, ctx.config, ctx.parents[query_key], ctx.parents[gallery_key], protocol,
                                   adapters)
-    return StageResult({"type": "entry", "row": row, "column": column, "value": value, "query": query_key,
-                        "gallery": gallery_key, "protocol": protocol, "features": features}, {})
+    return StageResult(EntryRecord(stage.key, row, column, value, query_key, gallery_key, protocol, features))
 
 
 def evaluate_stage(ctx: StageContext) -> StageResult:
     """Row t of the matrix, C[t, 0..t], from its committed entry nodes (its parents, in column order)."""
     stage = ctx.stage
     protocol = stage.params["protocol"]
-    values = [float(ctx.parents[key]["value"]) for key in stage.parents]
-    record = MatrixRow("matrix_row", stage.key, int(stage.task), values, list(stage.parents), protocol["metric"],
-                       protocol)
-    return StageResult(asdict(record), {})
+    values = [float(ctx.parents[key].value) for key in stage.parents]
+    return StageResult(RowRecord(stage.key, int(stage.task), values, list(stage.parents), protocol["metric"], protocol))
 
 
 STAGE_FUNCTIONS: dict[str, Callable[[StageContext], StageResult]] = {
@@ -957,7 +884,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: Emit,
-                  code_version: str | None = None, placement: dict | None = None) -> dict:
+                  code_version: str | None = None, placement: dict | None = None) -> Record:
     """Run one stage whose parents are committed, commit its artifacts (blobs, then manifest) and return the record.
 
     This is the unit a Ray actor runs: everything it needs comes from the store by key. placement: where it ran
@@ -967,7 +894,7 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
     for key in stage.parents:
         if not store.has(key):
             raise RuntimeError(f"stage {stage.label}: parent {key} is not committed; run the graph in order")
-        parents[key] = store.load_record(key)
+        parents[key] = read_record(store, key)
     ctx = StageContext(stage, config, store, parents, emit, resolve_device(config.device))
     from pipelines.graph import stage_threads
 
@@ -978,23 +905,20 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
     finally:
         torch.set_num_threads(threads_before)
     if not is_leader():
-        return {}  # a data-parallel rank other than 0 (pipelines.distributed): rank 0 commits the stage
-    record = result.record if isinstance(result.record, dict) else asdict(result.record)
-    record.setdefault("kind", stage.kind)
-    record["kind"] = stage.kind
-    record["label"] = stage.label
+        return None  # a data-parallel rank other than 0 (pipelines.distributed): rank 0 commits the stage
+    node = {"kind": stage.kind, "label": stage.label}
     if placement is not None:
-        record["placement"] = dict(placement)
-    manifest = store.commit(stage.key, record, result.blobs, code_version=code_version)
+        node["placement"] = dict(placement)
+    store.commit(stage.key, record_to_json(result.record, **node), result.blobs, code_version=code_version)
     if stage.kind in ("pretrain", "finetune", "replace"):
         from pipelines.checkpoints import collect_garbage
 
         collect_garbage(store, stage.key)  # the committed model supersedes its epoch checkpoints
-    return manifest["record"]
+    return result.record
 
 
 __all__ = [
-    "ModelArtifact", "MemoryArtifact", "FeatureArtifact", "MatrixRow", "StageResult", "StageContext",
+    "StageResult", "StageContext",
     "STAGE_FUNCTIONS", "execute_stage", "entry_stage", "cached_features", "load_pool", "task_classes", "slot_of_positions", "compute_entry",
     "entry_adapters", "verification_pairs", "check_pools_open_set", "fine_labels", "ADAPTER_BLOB",
     "load_model_artifact", "SubsetSource", "extract_pool_features", "decode_array", "protocol_params",

@@ -37,6 +37,7 @@ def adapt_stage(ctx: Any) -> Any:
     from compat_core.backfill import backfill_curve, backfill_order, uncertainty_scores
     from compat_core.metrics import upgrade_verdict
     from pipelines.progress import ProgressUpdate
+    from pipelines.records import AdaptersRecord
     from pipelines.stages import StageResult, compute_entry
     from pipelines.store import read_features
 
@@ -56,12 +57,9 @@ def adapt_stage(ctx: Any) -> Any:
     baseline = {name: {"self_old": entry(old_q, old_g, name), "self_new": entry(new_q, new_g, name),
                        "cross": entry(new_q, old_g, name)} for name in ("recall_at_1", "map")}
     strict = bool(params.get("strict", True))
-    record: dict[str, Any] = {"type": "adapters", "stage_key": stage.key, "task": int(stage.task),
-                              "old_task": int(stage.task) - 1, "metric": metric, "units": "fraction",
-                              "fit_on": "paired gallery features", "baseline": baseline,
-                              "verdict": upgrade_verdict(baseline[metric]["cross"], baseline[metric]["self_old"],
-                                                         baseline[metric]["self_new"], strict),
-                              "adapters": {}, "backfill": {}}
+    record = AdaptersRecord(stage.key, int(stage.task), int(stage.task) - 1, metric, baseline,
+                            upgrade_verdict(baseline[metric]["cross"], baseline[metric]["self_old"],
+                                            baseline[metric]["self_new"], strict))
     blobs: dict[str, bytes] = {}
     transformed_gallery = None
     kinds = list(params["adapters"])
@@ -87,7 +85,7 @@ def adapt_stage(ctx: Any) -> Any:
             transformed_gallery = adapter.apply(torch.from_numpy(as_float(old_g))).numpy()
         blob = adapter_blob_name(kind)
         blobs[blob] = save_adapter(adapter)
-        record["adapters"][kind] = {
+        record.adapters[kind] = {
             "direction": adapter.direction, "blob": blob, "params": settings, "fit_loss": adapter.fit_loss[-1],
             "seconds": time.perf_counter() - started, **{f"cross_{name}": value for name, value in values.items()},
             "verdict": upgrade_verdict(values[metric], baseline[metric]["self_old"], baseline[metric]["self_new"],
@@ -98,11 +96,11 @@ def adapt_stage(ctx: Any) -> Any:
     start_gallery = transformed_gallery if transformed_gallery is not None else as_float(old_g)
     labels = lambda part: part[2] if protocol["label_level"] == "coarse" else part[1]  # noqa: E731
     scores = uncertainty_scores(as_float(old_g), start_gallery, as_float(new_g))
-    record["backfill"]["start"] = "fct" if transformed_gallery is not None else "old features"
+    record.backfill["start"] = "fct" if transformed_gallery is not None else "old features"
     for step, order_name in enumerate(("random", "uncertainty")):
         order = backfill_order(start_gallery.shape[0], order_name, seed=int(params.get("seed", 0)),
                                scores=scores if order_name == "uncertainty" else None)
-        record["backfill"][order_name] = backfill_curve(as_float(new_q), labels(new_q), start_gallery,
+        record.backfill[order_name] = backfill_curve(as_float(new_q), labels(new_q), start_gallery,
                                                         as_float(new_g), labels(new_g), order)
         ctx.emit(ProgressUpdate(stage.key, len(kinds) + step + 1, len(kinds) + 2, "backfill curve", 0.0))
     return StageResult(record, blobs)

@@ -74,7 +74,7 @@ def run_tracked(graph, store, tracker, kind: str = "local", address: str | None 
                 sinks: tuple = (), num_cpus: int | None = None, setup=None, label: str = ""):
     """Run ``graph`` on the chosen executor inside the tracker's pipeline scope; every record goes to the progress
     display (bars when ``progress`` and on a terminal, else flushed lines, prefixed with ``label`` when given), the
-    tracker and ``sinks``. Returns the executor's RunSummary."""
+    tracker and ``sinks``. Returns the executor's Invocation."""
     from pipelines.progress import ProgressReporter
 
     emit = ProgressReporter(enabled=progress, sinks=[tracker, *sinks], label=label)

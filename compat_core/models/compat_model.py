@@ -239,6 +239,20 @@ def save_model(model: CompatModel, uri: str) -> str:
 
     Returns ``uri``. The d-Simplex prototypes are not stored: ``load_model`` rebuilds them from ``num_slots``.
     """
+    files = model_to_bytes(model)
+    fs, path = cio.resolve(uri)
+    if isinstance(fs, LocalFileSystem):
+        # Object stores have no folders (a prefix exists once an object is written under it).
+        fs.create_dir(path, recursive=True)
+    for name in (WEIGHTS_FILE, CONFIG_FILE):
+        with fs.open_output_stream(f"{path}/{name}") as handle:
+            handle.write(files[name])
+    return str(uri)
+
+
+def model_to_bytes(model: CompatModel) -> dict[str, bytes]:
+    """The files ``save_model`` writes, in memory: {config.json: ..., model.safetensors: ...} (a run store commits
+    them as blobs; ``model_from_bytes`` reads them back)."""
     from safetensors.torch import save as save_safetensors
 
     if not isinstance(model, CompatModel):
@@ -248,16 +262,8 @@ def save_model(model: CompatModel, uri: str) -> str:
         config_text = json.dumps(config, indent=2, sort_keys=True)
     except TypeError as error:
         raise ValueError(f"model.config must be JSON-serialisable to save it: {error}") from error
-    payload = save_safetensors(_state_for_saving(model), metadata={"format": "pt"})
-    fs, path = cio.resolve(uri)
-    if isinstance(fs, LocalFileSystem):
-        # Object stores have no folders (a prefix exists once an object is written under it).
-        fs.create_dir(path, recursive=True)
-    with fs.open_output_stream(f"{path}/{WEIGHTS_FILE}") as handle:
-        handle.write(payload)
-    with fs.open_output_stream(f"{path}/{CONFIG_FILE}") as handle:
-        handle.write(config_text.encode("utf-8"))
-    return str(uri)
+    return {CONFIG_FILE: config_text.encode("utf-8"),
+            WEIGHTS_FILE: save_safetensors(_state_for_saving(model), metadata={"format": "pt"})}
 
 
 def load_model(uri: str, map_location: str | torch.device = "cpu") -> CompatModel:

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -171,7 +171,8 @@ def model_blobs(seed: int) -> dict[str, bytes]:
 
 def fake_stage_functions(fail_task: int | None = None) -> dict:
     """Stage functions returning hand-made records (no data, no training); ``fail_task`` raises in that model stage."""
-    from pipelines.stages import FeatureArtifact, MatrixRow, ModelArtifact, StageResult
+    from pipelines.records import EntryRecord, FeatureRecord, ModelRecord, RowRecord
+    from pipelines.stages import StageResult
 
     def model_stage(ctx):
         stage, config = ctx.stage, ctx.config
@@ -188,29 +189,30 @@ def fake_stage_functions(fail_task: int | None = None) -> dict:
             source = config.replacement_at(task).source
         elif task == 0:
             source = config.initial_model
-        record = ModelArtifact("model", stage.key, ctx.store.uri(ctx.store.ARTIFACTS, stage.key), task,
-                               1 if stage.kind == "replace" else 0, 4, 0 if task is None else 2 * task + 2,
-                               "learnable", 4, source=source,
-                               training={"selected_epoch": 1, "images_per_s": 150.0, "seconds": 2.0 + (task or 0),
-                                         "final_loss": train_loss(task or 0, 2), "epochs_recorded": 2})
-        return StageResult(asdict(record), model_blobs(seed))
+        record = ModelRecord(stage.key, ctx.store.uri(ctx.store.ARTIFACTS, stage.key), task,
+                             1 if stage.kind == "replace" else 0, 4, 0 if task is None else 2 * task + 2,
+                             "learnable", 4, source=source,
+                             training={"selected_epoch": 1, "images_per_s": 150.0, "seconds": 2.0 + (task or 0),
+                                       "final_loss": train_loss(task or 0, 2), "epochs_recorded": 2})
+        return StageResult(record, model_blobs(seed))
 
     def extract_stage(ctx):
-        record = FeatureArtifact("features", ctx.stage.key, ctx.stage.task, ctx.stage.split,
-                                 ctx.store.uri(ctx.store.ARTIFACTS, ctx.stage.key),
-                                 {"shards": [], "rows": 30, "dim": 9, "dtype": "float16", "has_coarse": False},
-                                 4, 0.5, 60.0)
-        return StageResult(asdict(record))
+        record = FeatureRecord(ctx.stage.key, ctx.stage.task, ctx.stage.split,
+                               ctx.store.uri(ctx.store.ARTIFACTS, ctx.stage.key),
+                               {"shards": [], "rows": 30, "dim": 9, "dtype": "float16", "has_coarse": False},
+                               4, 0.5, 60.0)
+        return StageResult(record)
 
     def evaluate_stage(ctx):
         row = ctx.stage.task
-        record = MatrixRow("matrix_row", ctx.stage.key, row, MATRIX[row], [f"e{row}{k}" for k in range(row + 1)],
+        record = RowRecord(ctx.stage.key, row, MATRIX[row], [f"e{row}{k}" for k in range(row + 1)],
                            "recall_at_1", ctx.stage.params["protocol"])
-        return StageResult(asdict(record))
+        return StageResult(record)
 
     def entry_stage(ctx):
         row, column = ctx.stage.params["row"], ctx.stage.params["column"]
-        return StageResult({"type": "entry", "row": row, "column": column, "value": MATRIX[row][column]})
+        return StageResult(EntryRecord(ctx.stage.key, row, column, MATRIX[row][column], "", "",
+                                       ctx.stage.params["protocol"]))
 
     return {"pretrain": model_stage, "finetune": model_stage, "replace": model_stage, "extract": extract_stage,
             "entry": entry_stage, "evaluate": evaluate_stage}

@@ -242,9 +242,9 @@ def test_run_dispatches_to_the_ray_executor(tmp_path, monkeypatch):
 
         def run(self, graph, store):
             calls["stages"] = len(graph)
-            from pipelines.executor import RunSummary
+            from pipelines.executor import Invocation
 
-            return RunSummary(run_id="fake")
+            return Invocation(run_id="fake")
 
     fake = types.ModuleType("cluster.ray_executor")
     fake.RayExecutor = FakeRayExecutor
