@@ -141,6 +141,10 @@ def test_engine_trains_a_finetune_stage_on_two_ray_train_workers(ray_train, tmp_
     assert ours["values"] == theirs["values"]  # Recall@1 counts: weights within 1e-5 rank the gallery alike
     record = RunStore(tmp_path / "ray").load_record(finetune)
     assert record["training"]["epochs_recorded"] == 3  # committed once, by rank 0, with its summary
+    assert record["placement"]["workers"] == 2
+    # epoch checkpoints went through Ray Train (training.checkpoint_every_epochs: 1) and were deleted at the commit
+    assert not (tmp_path / "ray" / "ray-train" / finetune).exists()
+    assert not (tmp_path / "ray" / "checkpoints" / finetune).exists()
 
 
 def test_in_process_backend_refuses_more_than_one_worker(tmp_path):
