@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "tune",
     "ingest",
     "gate",
+    "calibrate",
 )
 
 

@@ -1,15 +1,21 @@
 """Retrieval kernel benchmark (a script, not a test): ``python benchmarks/retrieval.py [--quick]``.
 
+Side by side in one run, on the same data, each method interleaved ``--repeats`` times (medians): the exact kernel
+(``precision="auto"``: the candidate arithmetic this machine's calibration measured fastest), the kernel with its
+int8 / bf16 / fp32 candidate stages forced, the plain chunked fp32 torch loop, faiss ``IndexFlatIP`` (the reference
+code's kernel; optional: ``pip install -e '.[bench]'``, skipped with a message when absent) and scikit-learn brute
+force. Prints the machine's calibration (``compat calibrate --show``), the load average before and after, seconds
+per entry, the ratio of each method's time to the kernel's, and agreement of each top-1 with an fp64 brute force.
+
 Shapes: CIFAR-like 1:N Recall@1 (Nq=50,000 queries, Ng=10,000 gallery, d=1023) and the CelebA-shaped exact bridge
-(Nq=Ng=20,000 embeddings, m=768, heads d=21,999 x 768). One "entry" = one full Recall@1 evaluation (one cell of a
-compatibility matrix). Prints seconds per entry, GFLOP/s (2 Nq Ng d / s), this run's measured fp32/bf16 matmul peaks,
-speed-ups over a plain fp32 chunked baseline and scikit-learn brute force, agreement with an fp64 brute force and
-peak memory (ru_maxrss of a process that runs only the bridge); writes the table to benchmarks/results/retrieval.{json,csv}.
+(Nq=Ng=20,000 embeddings, m=768, heads d=21,999 x 768; its peak memory is measured in a child process). One
+"entry" = one full Recall@1 evaluation (one cell of a compatibility matrix). Writes
+benchmarks/results/retrieval.{json,csv}.
 
 Data are synthetic. The CIFAR-shaped case is built like real retrieval features, as junction outputs
 normalize(h @ A^T) of a bias-free linear junction A (1023 x 512, random) applied to 512-dim embeddings h of 10
 classes (close class centres, spread in a 32-dim latent subspace plus isotropic noise; Recall@1 about 0.85, not
-1.0), so the features have rank 512 < d and the kernel's exact low-rank path applies. A second line repeats the
+1.0), so the features have rank 512 < d and the kernel's exact low-rank path applies. A second case repeats the
 shape with full-rank class-clustered features (the kernel's full-d path), so neither figure is mistaken for the
 other.
 """
@@ -19,6 +25,7 @@ import argparse
 import csv
 import json
 import multiprocessing
+import os
 import pathlib
 import platform
 import resource
@@ -30,8 +37,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from compat_core import retrieval  # noqa: E402
-from compat_core.device import fast_matmul_dtype  # noqa: E402
+from compat_core import calibration, retrieval  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -68,14 +74,6 @@ def timed(fn, repeats: int = 1):
     return best, value
 
 
-def matmul_peak(dtype: torch.dtype, n: int) -> float:
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
-    a @ b
-    seconds, _ = timed(lambda: a @ b, 3)
-    return 2 * n ** 3 / seconds / 1e9
-
-
 def fp32_baseline_top1(query, gallery, chunk: int = 2048) -> np.ndarray:
     """Plain chunked fp32 cosine top-1 (max, first index), the obvious implementation."""
     q = torch.nn.functional.normalize(query, dim=1)
@@ -103,38 +101,64 @@ def sklearn_top1(query, gallery) -> np.ndarray:
     return model.kneighbors(query.numpy(), return_distance=False)[:, 0]
 
 
-def cifar_case(nq: int, ng: int, dim: int, with_sklearn: bool, junction: bool) -> dict:
+def faiss_module():
+    """faiss if installed (``pip install -e .[bench]``), else None."""
+    try:
+        import faiss
+    except ImportError:
+        return None
+    return faiss
+
+
+def faiss_top1(query, gallery) -> np.ndarray:
+    """faiss ``IndexFlatIP`` (exact inner product; the reference code's kernel) on L2-normalised fp32 rows."""
+    faiss = faiss_module()
+    faiss.omp_set_num_threads(torch.get_num_threads())
+    g = torch.nn.functional.normalize(gallery, dim=1).numpy()
+    q = torch.nn.functional.normalize(query, dim=1).numpy()
+    index = faiss.IndexFlatIP(g.shape[1])
+    index.add(g)
+    return index.search(q, 1)[1][:, 0]
+
+
+def kernel_top1(precision: str):
+    def run(query, gallery) -> np.ndarray:
+        index, _ = retrieval.nearest_neighbours(query, gallery, 1, precision=precision, return_scores=False)
+        return index[:, 0].numpy()
+    return run
+
+
+def cifar_case(nq: int, ng: int, dim: int, junction: bool, methods: dict, repeats: int) -> dict:
+    """Every method on the same data, interleaved ``repeats`` times; median seconds, ratios to the kernel (auto)."""
     if junction:
         query, q_labels = junction_clustered(nq, dim, 512, 0)
         gallery, g_labels = junction_clustered(ng, dim, 512, 1)
     else:
         query, q_labels, centres = clustered(nq, dim, 10, 1.0, 0)
         gallery, g_labels, _ = clustered(ng, dim, 10, 1.0, 1, centres)
-    flops = 2.0 * nq * ng * dim
-    seconds, recall = timed(lambda: retrieval.recall_at_1(query, q_labels, gallery, g_labels))
-    index, _ = retrieval.nearest_neighbours(query, gallery, 1, return_scores=False)
-    base_seconds, base_index = timed(lambda: fp32_baseline_top1(query, gallery))
     ref_index = fp64_top1(query, gallery)
-    ours = index[:, 0].numpy()
-    row = {
+    seconds: dict[str, list[float]] = {name: [] for name in methods}
+    agree: dict[str, int] = {}
+    recall: dict[str, float] = {}
+    for _ in range(repeats):
+        for name, method in methods.items():
+            start = time.perf_counter()
+            index = method(query, gallery)
+            seconds[name].append(time.perf_counter() - start)
+            agree[name] = int(np.sum(index == ref_index))
+            recall[name] = float(np.mean(g_labels[index] == q_labels))
+    medians = {name: float(np.median(values)) for name, values in seconds.items()}
+    kernel = medians["kernel auto"]
+    return {
         "case": (f"recall@1 Nq={nq} Ng={ng} d={dim} "
                  + ("junction features of rank 512 (realistic)" if junction else "full-rank features")),
-        "seconds_per_entry": seconds,
-        "gflops": flops / seconds / 1e9,
-        "recall_at_1": recall,
-        "recall_at_1_fp64": float(np.mean(g_labels[ref_index] == q_labels)),
-        "top1_equal_fp64": int(np.sum(ours == ref_index)),
         "queries": nq,
-        "fp32_baseline_seconds": base_seconds,
-        "fp32_baseline_top1_equal_fp64": int(np.sum(base_index == ref_index)),
-        "speedup_vs_fp32_baseline": base_seconds / seconds,
+        "gflop_nominal": 2.0 * nq * ng * dim / 1e9,
+        "recall_at_1_fp64": float(np.mean(g_labels[ref_index] == q_labels)),
+        "methods": {name: {"median_s": medians[name], "runs_s": seconds[name], "top1_equal_fp64": agree[name],
+                           "recall_at_1": recall[name], "kernel_speedup": medians[name] / kernel}
+                    for name in methods},
     }
-    if with_sklearn:
-        sk_seconds, sk_index = timed(lambda: sklearn_top1(query, gallery))
-        row["sklearn_seconds"] = sk_seconds
-        row["speedup_vs_sklearn"] = sk_seconds / seconds
-        row["sklearn_top1_equal_fp64"] = int(np.sum(sk_index == ref_index))
-    return row
 
 
 def bridge_case(nq: int, ng: int, dim: int, embed: int, check_queries: int) -> dict:
@@ -176,43 +200,72 @@ def _bridge_in_child(args, queue) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes for development")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per method; medians reported")
     parser.add_argument("--no-sklearn", action="store_true", help="skip the scikit-learn comparison")
+    parser.add_argument("--no-forced", action="store_true", help="skip the kernel with forced int8 / bf16 / fp32 stages")
+    parser.add_argument("--no-bridge", action="store_true", help="skip the CelebA-shaped bridge case")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     if args.quick:
-        cifar, bridge, peak_n = (8000, 4000, 1023), (3000, 3000, 4000, 768), 1024
+        cifar, bridge = (8000, 4000, 1023), (3000, 3000, 4000, 768)
     else:
-        cifar, bridge, peak_n = (50_000, 10_000, 1023), (20_000, 20_000, 21_999, 768), 4096
-    peaks = {"fp32_matmul_gflops": matmul_peak(torch.float32, peak_n),
-             "bf16_matmul_gflops": matmul_peak(torch.bfloat16, peak_n)}
-    # the bridge runs in its own process so that its peak resident memory is its own
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    child = context.Process(target=_bridge_in_child, args=((*bridge, 2000 if not args.quick else 500), queue))
-    child.start()
-    bridge_row = queue.get()
-    child.join()
-    rows = [cifar_case(*cifar, with_sklearn=not args.no_sklearn, junction=True),
-            cifar_case(*cifar, with_sklearn=False, junction=False), bridge_row]
+        cifar, bridge = (50_000, 10_000, 1023), (20_000, 20_000, 21_999, 768)
+    load_before = os.getloadavg()
+    rates = calibration.gemm_rates("cpu")       # measured now when this machine has no cached calibration
+    print(calibration.format_calibration(calibration.load("cpu"), calibration.cache_path("cpu")))
+    print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} "
+          f"({os.cpu_count()} CPUs); torch threads {torch.get_num_threads()}")
+    methods = {"kernel auto": kernel_top1("auto")}
+    if not args.no_forced:
+        methods.update({"kernel int8": kernel_top1("int8"), "kernel bf16": kernel_top1("bf16"),
+                        "kernel fp32": kernel_top1("fp32")})
+    methods["plain fp32 loop"] = fp32_baseline_top1
+    if faiss_module() is not None:
+        methods["faiss IndexFlatIP"] = faiss_top1
+    else:
+        print("faiss not installed: skipping faiss IndexFlatIP (pip install -e '.[bench]')")
+    if not args.no_sklearn:
+        methods["sklearn brute"] = sklearn_top1
+    rows = [cifar_case(*cifar, junction=True, methods=methods, repeats=args.repeats),
+            cifar_case(*cifar, junction=False, methods=methods, repeats=args.repeats)]
+    if not args.no_bridge:
+        # the bridge runs in its own process so that its peak resident memory is its own
+        context = multiprocessing.get_context("spawn")
+        queue = context.Queue()
+        child = context.Process(target=_bridge_in_child, args=((*bridge, 2000 if not args.quick else 500), queue))
+        child.start()
+        rows.append(queue.get())
+        child.join()
+    load_after = os.getloadavg()
     meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor(),
-            "half_dtype": str(fast_matmul_dtype("cpu")), "quick": args.quick, **peaks}
-    print(f"threads={meta['threads']} half={meta['half_dtype']} fp32 peak {peaks['fp32_matmul_gflops']:.0f} "
-          f"GFLOP/s, bf16 peak {peaks['bf16_matmul_gflops']:.0f} GFLOP/s ({peak_n}^3 matmul)")
+            "calibration_key": calibration.machine_key("cpu"), "gemm_gops": rates,
+            "auto_candidate_pass": calibration.fastest_matmul("cpu"), "quick": args.quick,
+            "repeats": args.repeats, "load_before": load_before, "load_after": load_after}
     for row in rows:
         print(f"\n{row['case']}")
-        for key, value in row.items():
-            if key != "case":
-                print(f"  {key:32s} {value:.4g}" if isinstance(value, float) else f"  {key:32s} {value}")
-        row["gflops_fraction_of_bf16_peak"] = row["gflops"] / peaks["bf16_matmul_gflops"]
+        if "methods" in row:
+            print(f"  fp64 Recall@1 {row['recall_at_1_fp64']:.4f}; {row['gflop_nominal']:.0f} GFLOP nominal")
+            print(f"  {'method':20s} {'median s':>9s} {'runs s':>22s} {'x kernel':>9s} {'top1=fp64':>12s}")
+            for name, result in row["methods"].items():
+                runs = " ".join(f"{value:.2f}" for value in result["runs_s"])
+                print(f"  {name:20s} {result['median_s']:9.2f} {runs:>22s} {result['kernel_speedup']:8.2f}x "
+                      f"{result['top1_equal_fp64']:>6d}/{row['queries']}")
+        else:
+            for key, value in row.items():
+                if key != "case":
+                    print(f"  {key:32s} {value:.4g}" if isinstance(value, float) else f"  {key:32s} {value}")
+    print(f"\nload average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     suffix = "_quick" if args.quick else ""
     (RESULTS / f"retrieval{suffix}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    keys = sorted({key for row in rows for key in row})
     with open(RESULTS / f"retrieval{suffix}.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"\nwrote {RESULTS}/retrieval{suffix}.json and .csv")
+        writer = csv.writer(handle)
+        writer.writerow(["case", "method", "median_s", "kernel_speedup", "top1_equal_fp64", "queries"])
+        for row in rows:
+            for name, result in row.get("methods", {}).items():
+                writer.writerow([row["case"], name, f"{result['median_s']:.4f}", f"{result['kernel_speedup']:.3f}",
+                                 result["top1_equal_fp64"], row["queries"]])
+    print(f"wrote {RESULTS}/retrieval{suffix}.json and .csv")
     return 0
 
 

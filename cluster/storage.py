@@ -27,13 +27,10 @@ from dataclasses import dataclass
 from typing import Iterator
 from urllib.parse import urlsplit
 
-import boto3
 import botocore.credentials
 import botocore.exceptions
 import botocore.session
 import pyarrow.fs as pafs
-from boto3.s3.transfer import TransferConfig
-from botocore.config import Config
 
 from compat_core import io as cio
 
@@ -42,7 +39,6 @@ log = logging.getLogger(__name__)
 ADDRESSING_STYLES = ("path", "virtual")
 ADDRESSING_STYLE_ENV = "COMPAT_S3_ADDRESSING_STYLE"
 DEFAULT_REGION = "us-east-1"
-MIB = 1024 * 1024
 
 
 class StorageError(OSError):
@@ -160,7 +156,7 @@ def mask_access_key(access_key: str | None) -> str:
 
 
 class S3Access:
-    """S3 settings plus credentials resolved through boto3's chain; builds the pyarrow filesystem and boto3 clients.
+    """S3 settings plus credentials resolved through boto3's chain; builds the pyarrow filesystem the store reads and writes through.
 
     The repr shows the endpoint and a masked access key id only. Pickling keeps the settings and drops the
     credentials (the receiving process resolves its own), so secrets never reach an object store or a log.
@@ -193,15 +189,6 @@ class S3Access:
     def for_settings(cls, settings: S3Settings) -> "S3Access":
         """Credentials for known settings, resolved in this process (used when unpickling)."""
         return cls(settings, _boto_session(settings.profile).get_credentials())
-
-    @classmethod
-    def with_keys(cls, settings: S3Settings, access_key: str, secret_key: str,
-                  session_token: str | None = None) -> "S3Access":
-        """Explicit keys (e.g. from a secret manager handled by the caller); never pass them from a config file."""
-        if not access_key or not secret_key:
-            raise StorageConfigError("with_keys needs a non-empty access_key and secret_key")
-        return cls(settings, botocore.credentials.Credentials(access_key, secret_key, session_token,
-                                                              method="explicit"))
 
     @property
     def access_key_hint(self) -> str:
@@ -254,48 +241,6 @@ class S3Access:
                 self._filesystem = pafs.PyFileSystem(_TranslatingS3Handler(inner, self))
                 self._filesystem_key = key
             return self._filesystem
-
-    def client(self, **config_overrides):
-        """A boto3 S3 client with the same endpoint, region, addressing style and credentials.
-
-        Checksums are computed only when the operation requires them (``when_required``): boto3 >= 1.36 adds
-        CRC checksums by default, which several S3-compatible stores reject.
-        """
-        s = self.settings
-        frozen = self._frozen()
-        options = dict(
-            request_checksum_calculation="when_required", response_checksum_validation="when_required",
-            s3={"addressing_style": s.addressing_style},
-            retries={"max_attempts": s.max_attempts, "mode": "standard"},
-            connect_timeout=s.connect_timeout_s, read_timeout=s.request_timeout_s,
-        )
-        options.update(config_overrides)
-        return boto3.client(
-            "s3", endpoint_url=s.endpoint_url, region_name=s.region, aws_access_key_id=frozen.access_key,
-            aws_secret_access_key=frozen.secret_key, aws_session_token=frozen.token, config=Config(**options),
-        )
-
-    def errors(self, operation: str, bucket: str | None = None, key: str | None = None):
-        """Context manager translating botocore errors of a boto3 call into this module's errors.
-
-        ``operation`` is a gerund phrase for messages ("reading", "uploading"); bucket/key name the object.
-        """
-        return translate_boto_errors(self.settings.endpoint_display, operation, bucket, key, self.access_key_hint)
-
-
-def transfer_config(multipart_threshold_bytes: int = 64 * MIB, multipart_chunksize_bytes: int = 16 * MIB,
-                    max_concurrency: int = 2) -> TransferConfig:
-    """boto3 TransferConfig for ``upload_fileobj``/``download_fileobj``: objects of at least the threshold (bytes)
-    go as multipart uploads in chunks of ``multipart_chunksize_bytes`` (S3 requires >= 5 MiB per part but the last).
-    """
-    if multipart_chunksize_bytes < 5 * MIB:
-        raise ValueError(f"multipart_chunksize_bytes must be >= 5 MiB (S3's minimum part size), "
-                         f"got {multipart_chunksize_bytes}")
-    if multipart_threshold_bytes < multipart_chunksize_bytes:
-        raise ValueError(f"multipart_threshold_bytes ({multipart_threshold_bytes}) must be >= "
-                         f"multipart_chunksize_bytes ({multipart_chunksize_bytes})")
-    return TransferConfig(multipart_threshold=multipart_threshold_bytes, multipart_chunksize=multipart_chunksize_bytes,
-                          max_concurrency=max_concurrency)
 
 
 # ---- installing into compat_core.io ---------------------------------------------------------------------------------
@@ -386,40 +331,6 @@ def storage_error_for(message: str, *, endpoint: str, operation: str, bucket: st
         return BucketNotFoundError(f"bucket {bucket!r} does not exist at S3 endpoint {endpoint} "
                                    f"(while {operation} {where})")
     return None
-
-
-@contextlib.contextmanager
-def translate_boto_errors(endpoint: str, operation: str, bucket: str | None = None, key: str | None = None,
-                          access_key_hint: str = "<unknown>") -> Iterator[None]:
-    """Re-raise botocore connection/auth/missing-bucket errors as this module's errors (others pass through)."""
-    try:
-        yield
-    except botocore.exceptions.EndpointConnectionError as error:
-        raise StorageUnavailableError(
-            f"S3 endpoint {endpoint} cannot be reached (connection refused or timed out) while {operation} "
-            f"{_where(bucket, key)}; is the object store running? [{error}]"
-        ) from None
-    except (botocore.exceptions.ConnectTimeoutError, botocore.exceptions.ReadTimeoutError) as error:
-        raise StorageUnavailableError(
-            f"S3 endpoint {endpoint} timed out while {operation} {_where(bucket, key)} [{error}]"
-        ) from None
-    except botocore.exceptions.ClientError as error:
-        code = str(error.response.get("Error", {}).get("Code", ""))
-        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if code in ("NoSuchBucket",):
-            raise BucketNotFoundError(f"bucket {bucket!r} does not exist at S3 endpoint {endpoint} "
-                                      f"(while {operation} {_where(bucket, key)})") from None
-        if code in ("NoSuchKey", "404") or status == 404:
-            raise FileNotFoundError(f"no object {_where(bucket, key)} at S3 endpoint {endpoint} "
-                                    f"(while {operation})") from None
-        translated = storage_error_for(code, endpoint=endpoint, operation=operation, bucket=bucket, key=key,
-                                       access_key_hint=access_key_hint)
-        if translated is None and status == 403:
-            translated = storage_error_for("AccessDenied", endpoint=endpoint, operation=operation, bucket=bucket,
-                                           key=key, access_key_hint=access_key_hint)
-        if translated is not None:
-            raise translated from None
-        raise
 
 
 class _TranslatingS3Handler(pafs.FileSystemHandler):

@@ -3,7 +3,7 @@
 Stages never call a tracker; they emit plain records (``StageEvent``, ``TrainRecord``, ``ProgressUpdate``) through
 the executor's ``emit`` callback. A :class:`Tracker` is such a callback::
 
-    tracker = create_tracker(None, run_dir)                 # SQLite in the run directory by default
+    tracker = create_tracker(None, run_dir)                 # SQLite next to the run directory by default
     with tracker.pipeline(graph, store):                    # parent run; FAILED (and re-raise) on an exception
         LocalExecutor(emit=ProgressReporter(sinks=[tracker])).run(graph, store)
 
@@ -176,6 +176,35 @@ def default_tracking_uri(run_dir: str | os.PathLike) -> str:
     return f"sqlite:///{Path(text).resolve() / 'mlflow.db'}"
 
 
+def project_tracking_uri(run_dir: str | os.PathLike) -> str:
+    """Default store of ``compat run``: ``mlflow.db`` in the folder that HOLDS the run directory (``runs/mlflow.db``
+    for the default ``runs/{name}``), shared by every run kept there, so runs of different scenarios (ER and
+    d-Simplex-HOC) are compared in one MLflow UI; ``compat demo`` uses the same place for its two runs."""
+    text = os.fspath(run_dir)
+    if re.match(r"^[a-z][a-z0-9+.-]*://", text):
+        default_tracking_uri(text)  # raises the error that names the remote folder
+    return default_tracking_uri(Path(text).resolve().parent)
+
+
+@contextlib.contextmanager
+def sqlite_store_lock(tracking_uri: str) -> Iterator[None]:
+    """Exclusive lock on ``<db>.lock`` next to a SQLite store (no-op for servers): two processes that open a new
+    shared store at once would both run MLflow's schema migration, and one of them dies in it."""
+    if not tracking_uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    database = Path(tracking_uri[len("sqlite:///"):])
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{database}.lock", "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
 def check_tracking_uri(uri: str) -> str:
     """Accept ``sqlite:///PATH``, ``http://`` and ``https://`` tracking URIs; raise ValueError otherwise."""
     if not isinstance(uri, str) or not re.match(r"^(sqlite:///.+|https?://[^/\s]+.*)$", uri):
@@ -222,14 +251,15 @@ class NullTracker(Tracker):
 
 
 def create_tracker(uri: str | None, run_dir: str | os.PathLike | None = None, **options: Any) -> Tracker:
-    """``"none"`` -> NullTracker; None -> MLFLOW_TRACKING_URI or SQLite in ``run_dir``; else that URI."""
+    """``"none"`` -> NullTracker; None -> MLFLOW_TRACKING_URI, else the project store next to ``run_dir``
+    (:func:`project_tracking_uri`); else that URI."""
     if uri == "none":
         return NullTracker()
     if uri is None:
         uri = os.environ.get("MLFLOW_TRACKING_URI") or None
     if uri is None and run_dir is None:
         raise ValueError("tracking URI: give a tracking URI or the run directory that holds the default SQLite db")
-    return MlflowTracker(uri or default_tracking_uri(run_dir), **options)
+    return MlflowTracker(uri or project_tracking_uri(run_dir), **options)
 
 
 # ---- MLflow --------------------------------------------------------------------------------------------------------
@@ -255,6 +285,9 @@ class MlflowTracker(Tracker):
         self.tracking_uri = check_tracking_uri(tracking_uri)
         self.registry_uri = check_tracking_uri(registry_uri) if registry_uri else self.tracking_uri
         self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.registry_uri)
+        if self.tracking_uri.startswith("sqlite:///"):  # a shared SQLite store is created (migrated) by one at a time
+            with sqlite_store_lock(self.tracking_uri):
+                self.client.search_experiments(max_results=1)
         self.experiment_name = experiment
         self.fixed_pipeline_id = pipeline_id
         self.register_models = register_models
@@ -673,6 +706,7 @@ def _is_train_record(record: Any) -> bool:
 
 __all__ = [
     "Tracker", "NullTracker", "MlflowTracker", "StageRecord", "create_tracker", "flatten_params",
-    "looks_like_secret", "pipeline_id_of", "ray_job_id", "default_tracking_uri", "check_tracking_uri",
+    "looks_like_secret", "pipeline_id_of", "ray_job_id", "default_tracking_uri", "project_tracking_uri",
+    "sqlite_store_lock", "check_tracking_uri",
     "entry_metric_key", "SECRET_KEY_PATTERN",
 ]

@@ -1,4 +1,5 @@
-"""What the hardware is good at: used to pick fast half-precision paths and to fall back where they are slow."""
+"""What the hardware has (CPU flags, CUDA capability). Speed is decided by measurement (compat_core.calibration);
+the flags only pick which half dtype a forced ``precision="half"`` uses and are shown for information."""
 from __future__ import annotations
 
 import functools
@@ -40,11 +41,13 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 def fast_half_dtype(device: torch.device | str) -> torch.dtype | None:
-    """The half-precision dtype whose matrix products are faster than fp32 on ``device``, or None.
+    """The autocast dtype assumed fast on ``device`` without measuring, or None (fp32).
 
-    CUDA with tensor cores (compute capability >= 7.0): fp16 (bf16 from 8.0). CPU: bf16 only with AMX; without
-    it half precision is slower than fp32 BLAS, so callers must fall back to fp32. (Used for training autocast,
-    where convolutions matter; matrix products alone: see ``fast_matmul_dtype``.)
+    CUDA with tensor cores (compute capability >= 7.0): fp16 (bf16 from 8.0). CPU: None. CPU flags do not predict
+    speed (AVX512-BF16 without AMX is 4x fp32 on one CPU and slower than fp32 on another), so on CPUs half precision
+    is chosen only by measurement: ``training.autocast: auto`` resolves through
+    ``compat_core.calibration.autocast_choice`` with the model and a batch at hand; this function serves the
+    unresolved case (no model to measure).
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -53,9 +56,6 @@ def fast_half_dtype(device: torch.device | str) -> torch.dtype | None:
             return torch.bfloat16
         if major >= 7:
             return torch.float16
-        return None
-    if device.type == "cpu" and cpu_has_amx():
-        return torch.bfloat16
     return None
 
 

@@ -24,6 +24,20 @@ full fp64 row. Every query gets the exact answer; speed depends only on how ofte
 The bound is worst case (Cauchy-Schwarz); bf16's 8-bit significand makes its window about 0.005-0.01 in cosine, so
 galleries with many items within that distance of the best re-score more of them.
 
+int8 candidate stage (``precision="int8"``, or "auto" where the calibration measured int8 products fastest).
+Gallery rows y_j (fp32 unit rows, or their low-rank coordinates) are quantised symmetrically per row,
+b_j = round(y_j / t_j) in [-127, 127] with t_j = max_i |y_ji| / 127, and query rows likewise (a = round(x / s)).
+The integer products P_j = a . b_j are exact in int32 (127^2 D < 2^31 for D <= 133,143), so the stage has no
+accumulation error; the real product z_j = (s a).(t_j b_j) = s t_j P_j obeys
+    |z_j - q.g_j| <= ||s a - q|| max_j ||t_j b_j|| + ||q|| max_j ||t_j b_j - g_j|| (+ the low-rank residual) =: E(q)
+with ||t_j b_j||, ||t_j b_j - g_j|| measured per gallery row in fp64 (t_j b_j is exact there) and ||s a - q|| per
+query row likewise. Rows are ranked by W_j = fl32(fl32(P_j) t_j), which is z_j / s up to two fp32 roundings
+(u_out = 2.0001 u32); s > 0 is common to a query's row, so the candidate set {W >= round_down(v - u_out|v| -
+2E/s)} is the same argument as above with every score divided by s: every gallery item whose upper bound
+W + E/s (+ rounding) reaches the best lower bound v - E/s survives, and nothing else can be the answer. The int8
+window (about ||quantisation error|| ~ 0.3 sqrt(D) t, i.e. ~0.01 for unit rows at D = 1023) is about 3x bf16's, so
+near-duplicate galleries re-score more candidates; survivors are re-scored exactly as for the half stages.
+
 Low-rank galleries (junction outputs A h have rank <= m < D): with enough queries, the half stage runs in the
 gallery's dominant r-dim subspace U (fp64 eigendecomposition of a sample Gram matrix, r <= 0.8 D): x = U^T q,
 y_j = U^T g_j in fp32, and q.g_j = x.y_j + q.(g_j - U y_j) exactly, so the measured max ||g_j - U y_j|| joins E(q)
@@ -47,6 +61,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from compat_core.calibration import fastest_matmul
 from compat_core.device import fast_matmul_dtype
 
 __all__ = [
@@ -63,8 +78,13 @@ __all__ = [
     "PRECISIONS",
 ]
 
-PRECISIONS = ("auto", "half", "bf16", "fp16", "fp32", "fp64")
+PRECISIONS = ("auto", "int8", "half", "bf16", "fp16", "fp32", "fp64")
+_CANDIDATE_STAGES = ("auto", "int8", "half", "bf16", "fp16")   # precisions with a reduced-precision first pass
 _MAX_CANDIDATES = 256          # wider candidate sets are cheaper as a full fp32 row than as gathered rows
+_GATHER_VS_DENSE = 32          # a gathered candidate costs about as much as this many gallery rows of a dense product
+# "auto" with an int8 stage: when the first chunk leaves more than Ng / this many rows per query to re-scoring,
+# the int8 window (~7x bf16's) is too wide for these data and the rest runs on the next-fastest stage
+_INT8_DEMOTE_FRACTION = 64
 _GATHER_BUDGET = 1 << 22       # elements per gathered (rows x candidates x D) block: bounds re-scoring memory
 _SCORE_BUDGET = 1 << 26        # elements of one (query chunk x gallery) score block
 _U32 = 2.0 ** -24
@@ -133,8 +153,11 @@ def _half_dtype_for(precision: str, device: torch.device) -> torch.dtype | None:
         return torch.float16
     if precision == "half":
         return fast_matmul_dtype(device) or torch.bfloat16
+    if precision == "int8":
+        return torch.int8
     if precision == "auto":
-        return fast_matmul_dtype(device)
+        # the arithmetic measured fastest on this machine (compat_core.calibration), fp32 when nothing beats it
+        return {"int8": torch.int8, "bf16": torch.bfloat16, "fp16": torch.float16}.get(fastest_matmul(device))
     return None
 
 
@@ -149,10 +172,11 @@ class _Space:
     norm32_max: float                # max ||stage32_j||
     dev32_max: float                 # max ||stage32_j - g_j||
     norm64_max: float                # max ||g_j||
-    half_t: torch.Tensor | None      # (D, Ng) half, contiguous (a transposed view halves AMX speed)
-    half_dtype: torch.dtype | None
-    norm_half_max: float
-    dev_half_max: float
+    half_t: torch.Tensor | None      # (D, Ng) half, contiguous (a transposed view halves AMX speed); int8: (Ng, D)
+    half_dtype: torch.dtype | None   # bf16 / fp16 / int8 (the candidate stage's arithmetic)
+    norm_half_max: float             # max ||stage row||: int8 rows as the real vectors t_j b_j
+    dev_half_max: float              # max ||stage row - g_j||
+    half_scale: torch.Tensor | None = None    # int8 only: (Ng,) fp32 per-row scales t_j
     projection: "_Projection | None" = None   # set: the half stage runs in a rank-r subspace (see _low_rank)
 
 
@@ -177,6 +201,8 @@ def _build_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float,
     g_j is at most ||half_j - stage32_j|| (evaluated in fp32, inflated by its own rounding bound) + dev32_max.
     """
     size, dim = stage32.shape
+    if half_dtype == torch.int8:
+        return _build_int8_space(stage32, dev32_max, norm64_max, exact_rows)
     norm32 = norm_half = dev_half = 0.0
     half = torch.empty((size, dim), dtype=half_dtype, device=stage32.device) if half_dtype is not None else None
     block = max(1, (1 << 22) // dim)
@@ -197,6 +223,77 @@ def _build_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float,
                   half_t, half_dtype, norm_half * _SLACK, (dev_half + dev32_max) * _SLACK)
 
 
+_INT8_LIMIT = 127
+_INT8_MAX_DIM = (2 ** 31 - 1) // (_INT8_LIMIT * _INT8_LIMIT)   # int32 accumulation of D products stays exact
+# stored int8-stage score W = fl32(fl32(P) * t_j): at most two fp32 roundings of z = t_j P, so |W - z| <= d|z| with
+# d = 2u + u^2, hence <= d/(1-d) |W| < 2.0001 u |W| (the docstring's u_out)
+_INT8_OUT_UNIT = 2.0001 * _U32
+
+
+def _quantize_rows(rows: torch.Tensor):
+    """Symmetric per-row int8 codes of fp32 ``rows``: b = round(y / t) in [-127, 127], t = max|y| / 127 (fp32;
+    all-zero rows get t = 1). Returns (b (n, D) int8, t (n,) fp32, upper bounds (fp64, (n,)) on ||t b|| and on
+    ||t b - y||). t b is exact in fp64 (8-bit integer times 24-bit significand); the difference and the norm are
+    evaluated in fp64 and inflated by 2 gamma_D(fp64) for their own rounding."""
+    amax = rows.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / _INT8_LIMIT, torch.ones_like(amax))
+    codes = torch.round(rows / scale[:, None]).clamp_(-_INT8_LIMIT, _INT8_LIMIT)
+    exact = codes.double() * scale.double()[:, None]
+    inflate = 1.0 + 2.0 * _gamma(rows.shape[1] + 1, 2.0 ** -53)
+    norm = torch.linalg.vector_norm(exact, dim=1) * inflate
+    deviation = torch.linalg.vector_norm(exact - rows.double(), dim=1) * inflate
+    return codes.to(torch.int8), scale, norm, deviation
+
+
+def _build_int8_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float,
+                      exact_rows: Callable[..., torch.Tensor]) -> _Space:
+    """The gallery with an int8 candidate stage: per-row codes b_j, scales t_j and the measured maxima of
+    ||t_j b_j|| and ||t_j b_j - g_j|| (<= ||t_j b_j - stage32_j|| + dev32_max). On CUDA the codes are zero-padded
+    to multiples of 8 (``torch._int_mm``'s shape rule; zero columns add nothing to the products)."""
+    size, dim = stage32.shape
+    device = stage32.device
+    pad = (lambda n: -(-n // 8) * 8) if device.type == "cuda" else (lambda n: n)
+    codes = torch.zeros((pad(size), pad(dim)), dtype=torch.int8, device=device)
+    scale = torch.empty(size, dtype=torch.float32, device=device)
+    norm32 = norm_int8 = dev_int8 = 0.0
+    block = max(1, (1 << 21) // dim)
+    for start in range(0, size, block):
+        rows = stage32[start:start + block]
+        norm32 = max(norm32, float(_norm32_upper(rows).max()))
+        part, part_scale, part_norm, part_dev = _quantize_rows(rows)
+        codes[start:start + block, :dim] = part
+        scale[start:start + block] = part_scale
+        norm_int8 = max(norm_int8, float(part_norm.max()))
+        dev_int8 = max(dev_int8, float(part_dev.max()))
+    usable = dim <= _INT8_MAX_DIM and math.isfinite(norm_int8) and math.isfinite(dev_int8)
+    return _Space(size, dim, exact_rows, stage32, norm32 * _SLACK, dev32_max * _SLACK, norm64_max * _SLACK,
+                  codes if usable else None, torch.int8 if usable else None, norm_int8 * _SLACK,
+                  (dev_int8 + dev32_max) * _SLACK, half_scale=scale if usable else None)
+
+
+def _int8_stage(x32: torch.Tensor, dev_x: torch.Tensor, space: _Space, ref_norm: float, residual: float):
+    """Candidate scores of fp32 query rows ``x32`` by int8 products, their bound and output unit roundoff.
+
+    Query rows are quantised like the gallery (a = round(x / s), per-row s); P = a . b_j is exact in int32, so
+    the stage has no accumulation error: with the reference query r (||r|| <= ref_norm, ||x - r|| <= dev_x) and
+    the exact stage product z_j = (s a).(t_j b_j), |z_j - r.g_j| <= ||s a - r|| max||t b|| + ref_norm
+    max||t b - g|| + residual =: E (``residual`` bounds the low-rank projection's r.(g - U y)). The rows are
+    ranked by W_j = fl32(fl32(P_j) t_j) ~ z_j / s (s > 0 is common to the row, so the order and the ties are
+    those of z_j), whence the returned bound E / s and unit roundoff 2.0001 u32 for the rounding of W.
+    Returns (W (n, Ng) fp32, bound (n,) fp64, out_unit).
+    """
+    codes, scale, _, deviation = _quantize_rows(x32)
+    bound = ((deviation + dev_x) * space.norm_half_max + ref_norm * space.dev_half_max + residual) * _SLACK
+    gallery_codes = space.half_t
+    if codes.device.type == "cuda":
+        codes = torch.nn.functional.pad(codes, (0, gallery_codes.shape[1] - codes.shape[1],
+                                                0, max(0, 17 - codes.shape[0])))
+    products = torch._int_mm(codes, gallery_codes.t())[:x32.shape[0], :space.size]
+    # int32 -> fp32 (exact while |P| <= 2^24) and the product with t_j: two roundings at most
+    scores = torch.mul(products, space.half_scale)
+    return scores, bound / scale.double() + 1e-30, _INT8_OUT_UNIT
+
+
 def _direct_space(gallery: torch.Tensor, precision: str, query_count: int = 0) -> _Space:
     """Gallery rows prepared for search; with at least ``_LOW_RANK_MIN_QUERIES_PER_DIM`` x D queries to amortise
     it, the half stage moves to the gallery's dominant subspace when that is small (``_low_rank``)."""
@@ -210,7 +307,7 @@ def _direct_space(gallery: torch.Tensor, precision: str, query_count: int = 0) -
     stage32 = (gallery.float() * inverse.float()[:, None]).contiguous()
     space = _build_space(stage32, 3.0 * _U32 * (1.0 + 1e-12), 1.0 + 1e-12, exact_rows,
                          _half_dtype_for(precision, gallery.device))
-    if (space.half_t is not None and precision in ("auto", "half", "bf16", "fp16")
+    if (space.half_t is not None and precision in _CANDIDATE_STAGES
             and query_count >= _LOW_RANK_MIN_QUERIES_PER_DIM * gallery.shape[1]):
         _low_rank(space, gallery, inverse)
     return space
@@ -273,6 +370,7 @@ def _low_rank(space: _Space, gallery: torch.Tensor, inverse: torch.Tensor) -> No
     if projected.half_t is None:
         return
     space.half_t = projected.half_t
+    space.half_scale = projected.half_scale
     space.norm_half_max = projected.norm_half_max
     space.dev_half_max = projected.dev_half_max        # ||y_h - y||: y (fp32) is the reference in r dims
     space.projection = _Projection(basis, basis_norm, frobenius, residual * _SLACK)
@@ -479,8 +577,10 @@ class _Queries:
 
 
 def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: int, want_scores: bool,
-                  start_stage: str, result: _Result) -> None:
-    """Exact top-k of query rows start..stop-1; writes those rows of ``result``."""
+                  start_stage: str, result: _Result) -> float:
+    """Exact top-k of query rows start..stop-1; writes those rows of ``result``. Returns the mean number of
+    gallery rows per query that the candidate stage left to fp32 re-scoring (full rows count as Ng; 0 without
+    a candidate stage)."""
     if start_stage == "fp64":
         _full_fp64(space, queries, torch.arange(start, stop, device=result.index.device), k, result)
         return
@@ -498,16 +598,23 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
             x32, dev_x = _project_queries(q32, norm32, dev32, space.projection)
             ref_norm, half_dim = space.projection.basis_norm, space.projection.basis.shape[1]
             residual = (1.0 + 1e-12) * space.projection.residual_max          # |q.(g - U y)| <= ||q|| ||res||
-        qh = x32.to(space.half_dtype)
-        qh32 = qh.float()
-        dev_h = _norm32_upper(qh32 - x32) + dev_x                     # the difference is exact in fp32
-        bound_h = _stage_bound(dev_h, _norm32_upper(qh32), space.norm_half_max, space.dev_half_max, half_dim,
-                               absolute=2.0 ** -24 + residual,        # subnormal outputs: absolute rounding
-                               ref_norm=ref_norm)
+        if space.half_dtype == torch.int8:
+            scores, bound_h, out_unit = _int8_stage(x32, dev_x, space, ref_norm, residual)
+        else:
+            qh = x32.to(space.half_dtype)
+            qh32 = qh.float()
+            dev_h = _norm32_upper(qh32 - x32) + dev_x                     # the difference is exact in fp32
+            bound_h = _stage_bound(dev_h, _norm32_upper(qh32), space.norm_half_max, space.dev_half_max, half_dim,
+                                   absolute=2.0 ** -24 + residual,        # subnormal outputs: absolute rounding
+                                   ref_norm=ref_norm)
+            scores, out_unit = _half_scores(qh, space.half_t)
+            del qh, qh32
         del x32
-        scores, out_unit = _half_scores(qh, space.half_t)
-        rows, cand, fp32_rows = _select(scores, bound_h, k, _MAX_CANDIDATES + k, out_unit)
-        del scores, qh, qh32
+        # wider candidate sets are cheaper as full fp32 rows (one dense product) than as gathered rows
+        cap = max(k + 1, min(_MAX_CANDIDATES, space.size // _GATHER_VS_DENSE)) + k
+        rows, cand, fp32_rows = _select(scores, bound_h, k, cap, out_unit)
+        del scores
+        rescored = (int((cand >= 0).sum()) + fp32_rows.numel() * space.size) / max(1, stop - start)
         if single_ok:
             rows, cand = _take_singles(rows, cand, result, offset)
         if rows.numel():
@@ -520,6 +627,7 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
             _finish_exact(space, queries, cand, rows + offset, k, result)
     else:
         fp32_rows = torch.arange(stop - start, device=q32.device)
+        rescored = 0.0
     if fp32_rows.numel():
         # full fp32 rows against a transposed view: the fp32 BLAS takes it at near full speed
         scores = q32[fp32_rows] @ space.stage32.t()
@@ -530,6 +638,7 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
             rows, cand = _take_singles(rows, cand, result, offset)
         _finish_exact(space, queries, cand, rows + offset, k, result)
         _full_fp64(space, queries, fp32_rows[wide] + offset, k, result)
+    return rescored
 
 
 def _blocked_matmul(left: torch.Tensor, right: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -630,7 +739,9 @@ def _default_chunk(gallery_size: int) -> int:
 
 
 def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size: int | None,
-            want_scores: bool) -> _Result:
+            want_scores: bool, rebuild: Callable[[str], _Space] | None = None) -> _Result:
+    """Exact top-k of every query, chunk by chunk. ``rebuild(precision)``: the same gallery prepared for another
+    candidate stage, used when "auto" chose int8 and the first chunk shows its window re-scores too much."""
     if not 1 <= k <= space.size:
         raise ValueError(f"k: expected 1 <= k <= gallery size ({space.size}), got {k}")
     chunk = chunk_size if chunk_size is not None else _default_chunk(space.size)
@@ -639,7 +750,12 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
     stage = _start_stage(space, precision)
     result = _Result(queries.count, k, space.stage32.device, want_scores)
     for start in range(0, queries.count, chunk):
-        _search_chunk(space, queries, start, min(queries.count, start + chunk), k, want_scores, stage, result)
+        rescored = _search_chunk(space, queries, start, min(queries.count, start + chunk), k, want_scores, stage,
+                                 result)
+        if (start == 0 and precision == "auto" and rebuild is not None and space.half_dtype == torch.int8
+                and rescored * _INT8_DEMOTE_FRACTION > space.size):
+            space = rebuild(fastest_matmul(space.stage32.device, exclude=("int8",)))
+            stage = _start_stage(space, precision)
     return result
 
 
@@ -651,8 +767,9 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
     rows are L2-normalised inside. Returns ``(indices, scores)``: indices (Nq, k) int64, 0-based gallery rows in
     descending similarity, exact ties broken by the lowest index; scores (Nq, k) float64 cosine similarities (None
     when ``return_scores`` is False, which skips the final fp64 scoring where it is not needed for k = 1).
-    ``precision``: "auto" (half precision where the hardware is fast at it, else fp32), "half"/"bf16"/"fp16"
-    (force that candidate stage), "fp32", "fp64" (brute force). The ranking is the same for every choice.
+    ``precision``: "auto" (the candidate-pass arithmetic measured fastest on this machine by
+    ``compat_core.calibration``: int8, bf16, fp16 or fp32), "int8"/"half"/"bf16"/"fp16" (force that candidate
+    stage), "fp32", "fp64" (brute force). The ranking is the same for every choice.
     ``chunk_size``: queries per block (default: a block of scores stays under 2**26 entries).
     """
     _check_precision(precision)
@@ -661,7 +778,8 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
     _check_same_dim(query, gallery)
     with torch.inference_mode():
         space = _direct_space(gallery, precision, query.shape[0])
-        result = _search(space, _Queries("query", query), k, precision, chunk_size, return_scores)
+        result = _search(space, _Queries("query", query), k, precision, chunk_size, return_scores,
+                         rebuild=lambda fallback: _direct_space(gallery, fallback, query.shape[0]))
     return result.index, result.score
 
 
@@ -819,7 +937,8 @@ def bridged_nearest_neighbours(query_embed, query_head, gallery_embed, gallery_h
     with torch.inference_mode():
         space = _bridge_space(gallery_embed, query_head, gallery_head, precision)
         # any positive per-query scale is allowed for the ranking; the Euclidean one keeps the stage bounds small
-        result = _search(space, _Queries("query_embed", query_embed), k, precision, chunk_size, return_scores)
+        result = _search(space, _Queries("query_embed", query_embed), k, precision, chunk_size, return_scores,
+                         rebuild=lambda fallback: _bridge_space(gallery_embed, query_head, gallery_head, fallback))
         if return_scores:
             head_t = query_head.double()
             gram_t = head_t.t() @ head_t

@@ -662,13 +662,18 @@ def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.dev
     from compat_core.data.stream import stream_batches
     from compat_core.data.transforms import make_transforms
     from compat_core.models.precision import prepare_batch
-    from pipelines.training import precision_context, prepare_model
+    from pipelines.training import example_batch, precision_context, prepare_model, resolve_autocast
 
-    model = prepare_model(model, device, config.training.autocast)
+    batch_size = config.evaluation.batch_size
+    mode = config.training.autocast
+    if len(pool):
+        # "auto": inference in half precision only where a measured forward pass of this model is faster
+        mode = resolve_autocast(mode, device, model, example_batch(pool, np.arange(min(len(pool), batch_size)),
+                                                                   batch_size, device), train=False)
+    model = prepare_model(model, device, mode)
     model.eval()
     method = _method(config)
     transform = make_transforms(pool, train=False)
-    batch_size = config.evaluation.batch_size
     outputs = []
     started = time.perf_counter()
     total = len(pool)
@@ -680,7 +685,7 @@ def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.dev
         for batch_index, (positions, images) in enumerate(stream):
             images = images.to(device, non_blocking=True)
             inputs = prepare_batch(transform(images), model)
-            with precision_context(device, config.training.autocast):
+            with precision_context(device, mode):
                 output = model(inputs)
             # training-free methods (PSP/LSP) map logits into the gallery model's class space at evaluation time
             values = (output.embedding if embeddings

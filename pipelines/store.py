@@ -17,7 +17,6 @@ import io as _stdio
 import json
 import os
 import uuid
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -35,12 +34,6 @@ class CorruptArtifactError(IOError):
     def __init__(self, message: str, stage_key: str | None = None) -> None:
         super().__init__(message)
         self.stage_key = stage_key
-
-
-@dataclass(frozen=True)
-class BlobInfo:
-    sha256: str
-    size: int  # bytes
 
 
 def sha256_bytes(data: bytes) -> str:

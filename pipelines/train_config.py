@@ -76,8 +76,8 @@ class TrainConfig(StrictModel):
     )
     selection_holdout: float = Field(0.1, gt=0.0, lt=1.0, description="fraction of task data held out for selection")
     autocast: bool | Literal["auto", "bf16", "fp16", "off"] = Field(
-        True, description="true/auto: bf16/fp16 autocast where compat_core.device finds it faster; bf16/fp16: force "
-        "that dtype (e.g. CPUs with avx512_bf16 but no AMX); false/off: fp32")
+        True, description="true/auto: bf16/fp16 autocast only where a measured step of the model is faster than fp32 "
+        "(compat_core.calibration, cached per machine); bf16/fp16: force that dtype; false/off: fp32")
     augment: bool = Field(True, description="training augmentation of the dataset's transforms")
     replay_sampling: Literal["half_and_half", "mixed"] = "half_and_half"
     input_workers: int = Field(0, ge=0, description="CPU processes that read and decode the next batches while a "

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from compat_core.calibration import autocast_choice
 from compat_core.data.base import ImageSource
 from compat_core.data.replay import half_and_half_batches
 from compat_core.data.stream import stream_batches
@@ -35,8 +36,8 @@ from pipelines.train_config import TrainConfig
 if TYPE_CHECKING:
     from pipelines.checkpoints import CheckpointSink
 
-# "auto": the half type compat_core.device finds fast (bf16 on CPUs only with AMX); "bf16"/"fp16": forced (e.g. a
-# CPU with avx512_bf16 but no AMX, where bf16 convolutions measured ~1.8x faster than fp32); "off": fp32.
+# "auto": bf16/fp16 autocast only where a measured step of this model is faster than fp32 (compat_core.calibration,
+# cached per machine); "bf16"/"fp16": forced; "off": fp32.
 AUTOCAST_MODES = ("auto", "bf16", "fp16", "off")
 _FORCED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -61,6 +62,25 @@ def precision_context(device: torch.device | str, mode: Any):
     if mode == "auto":
         return autocast_context(device, enabled=True)
     return torch.autocast(device_type=device.type, dtype=_FORCED_DTYPES[mode])
+
+
+def resolve_autocast(mode: Any, device: torch.device | str, model: nn.Module, example: torch.Tensor,
+                     train: bool = True) -> str:
+    """Turn "auto" into "bf16"/"fp16"/"off": the measured faster step of ``model`` on batches shaped like
+    ``example`` (``compat_core.calibration.autocast_choice``, cached per machine); other modes are returned as is."""
+    mode = autocast_mode(mode)
+    if mode != "auto":
+        return mode
+    dtype = autocast_choice(device, model, example, train=train)
+    return {None: "off", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def example_batch(source: ImageSource, indices: np.ndarray, batch_size: int, device: torch.device) -> torch.Tensor:
+    """A full batch of ``source`` images (the first ``indices``, cycled when fewer), transformed as for
+    evaluation: what calibration times a step on."""
+    picked = np.resize(np.asarray(indices, dtype=np.int64), batch_size)
+    images = torch.from_numpy(np.ascontiguousarray(source.read(picked)))
+    return make_transforms(source, train=False)(images.to(device))
 
 
 def prepare_model(model: nn.Module, device: torch.device | str, mode: Any) -> nn.Module:
@@ -456,6 +476,9 @@ def train_task(
             needed = max(needed, int(data.memory_slots.max()) + 1)
         if needed > model.num_active_classes:
             model.expand_classes(needed)
+    if autocast_mode(config.autocast) == "auto":
+        example = example_batch(data.source, data.indices, config.batch_size, device)
+        config = config.model_copy(update={"autocast": resolve_autocast("auto", device, model, example)})
     prepare_model(model, device, config.autocast)
     if old_model is not None:
         prepare_model(old_model, device, config.autocast)
@@ -824,6 +847,7 @@ __all__ = [
     "compute_features",
     "epoch_batches",
     "precision_context",
+    "example_batch",
     "prepare_model",
     "pretrain_model",
     "restore_training_state",

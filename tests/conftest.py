@@ -7,6 +7,11 @@ import pytest
 
 from cluster.local_services import MlflowServer, SeaweedS3Server
 
+# "auto" precisions time nothing inside tests of unrelated code: they mean fp32, identical on every machine (set
+# before any Ray node or CLI subprocess starts, so those inherit it). tests/compat_core/test_calibration.py switches
+# calibration on against a temporary cache folder.
+os.environ["COMPAT_CALIBRATION"] = "off"
+
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):

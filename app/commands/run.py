@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "runs you compare (e.g. ER and d-Simplex-HOC) in one experiment")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking: sqlite:///PATH or http(s)://HOST:PORT; 'none' disables it; default: "
-                             "$MLFLOW_TRACKING_URI, else SQLite mlflow.db in a local run directory")
+                             "$MLFLOW_TRACKING_URI, else SQLite mlflow.db in the folder holding a local run "
+                             "directory (runs/mlflow.db for runs/NAME), shared by the runs kept there")
 
 
 def resolve_run(args) -> tuple[object, str]:
@@ -215,6 +216,9 @@ def run(args) -> int:
         summary = run_tracked(compile_scenario(config), store, tracker, args.executor, args.address,
                               progress=not args.no_progress, setup=setup)
     print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done)")
+    if getattr(tracker, "tracking_uri", None):
+        print(f"MLflow: {tracker.tracking_uri} (experiment {tracker.experiment_name or config.name}, "
+              f"registered model {tracker.model_name or '-'})")
     if summary.matrix is not None:
         print_results(summary.matrix, summary.metrics)
     return 0

@@ -1,14 +1,16 @@
-"""Mixed precision and memory layout chosen from what the hardware is fast at (compat_core.device).
+"""Mixed precision and memory layout for a device.
 
-- ``autocast_context(device)``: bf16/fp16 autocast where half-precision matrix products beat fp32 (CUDA with tensor
-  cores; CPU only with AMX), otherwise a no-op so fp32 BLAS is used.
-- ``prepare_for_speed(model, device)``: moves the model and switches conv nets to channels_last on CUDA and on a CPU
-  whose half-precision path is enabled (oneDNN's bf16 convolutions are NHWC kernels).
+- ``autocast_context(device)``: the autocast assumed fast without measuring (CUDA with tensor cores; on CPUs a
+  no-op, fp32). Where a model and a batch are at hand, ``training.autocast: auto`` measures instead
+  (``compat_core.calibration.autocast_choice``, used by ``pipelines.training.resolve_autocast``), because CPU
+  flags do not predict whether bf16 pays.
+- ``prepare_for_speed(model, device)``: moves the model and switches conv nets to channels_last on CUDA and where
+  a half-precision path is enabled (oneDNN's bf16 convolutions are NHWC kernels).
 
 Measured (AMD EPYC, 2 threads, AVX-512 with avx512_bf16 but no AMX; CIFAR ResNet-18 + junction, batch 32, one SGD
 train step, interleaved runs, min of 6): fp32 NCHW 0.32 s, fp32 channels_last 0.30 s, bf16 autocast NCHW 0.18 s,
-bf16 autocast channels_last 0.17 s. channels_last alone gains ~6%; bf16 gains ~1.8x even without AMX. Because
-``compat_core.device`` enables bf16 on CPU only with AMX, neither is switched on for that CPU today.
+bf16 autocast channels_last 0.17 s. On a 2-core Xeon with the same flags a cnn4 step took the same time in fp32 and
+bf16 (issue 13): hence measurement, not flags.
 """
 from __future__ import annotations
 

@@ -208,8 +208,13 @@ def test_jobs_run_with_the_submitting_interpreter_not_the_heads_path(ray_head, t
     jobs.submit_entrypoint(client, bare, "command -v python || echo 'no python on PATH'")
     assert jobs.wait_for(client, bare, timeout_s=120, poll_s=0.5) == "SUCCEEDED"
     assert str(VENV_BIN) not in client.get_job_logs(bare)
+    # and the driver of a submitted job reads its submission id (what `compat status` shows; tagged in MLflow)
+    tagged = f"compat-python-submission-id-{os.getpid()}"
+    cases[tagged] = (jobs.python_command(["-c", "from cluster.tracking import ray_submission_id as s; "
+                                                "print('submission id:', s())"]), "SUCCEEDED",
+                     f"submission id: {tagged}\n")
     for submission_id, (entrypoint, _, _) in cases.items():
-        jobs.submit_entrypoint(client, submission_id, entrypoint)
+        jobs.submit_entrypoint(client, submission_id, entrypoint, jobs.pipeline_runtime_env(tmp_path))
     for submission_id, (_, status, text) in cases.items():
         assert jobs.wait_for(client, submission_id, timeout_s=120, poll_s=0.5) == status
         assert text in client.get_job_logs(submission_id), client.get_job_logs(submission_id)[-2000:]

@@ -41,6 +41,19 @@ def _crash_once_setup(marker: str):
     return setup
 
 
+def _naming_setup(folder: str):
+    """Worker setup that records the name Ray gives the running task (one file per task; issue 12, item 12)."""
+    def setup():
+        import uuid
+
+        import ray
+
+        tiny.register()
+        Path(folder, uuid.uuid4().hex).write_text(ray.get_runtime_context().get_task_name() or "")
+
+    return setup
+
+
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory, ray_local):
     """The tiny scenario run by the LocalExecutor (1 torch thread) and by the RayExecutor (1-CPU actors)."""
@@ -59,10 +72,17 @@ def tiny_runs(tmp_path_factory, ray_local):
     LocalExecutor(progress=False).run(graph, RunStore(local_dir))
     ray_dir = tmp_path_factory.mktemp("ray")
     events = []
-    executor = RayExecutor(emit=events.append, setup=tiny.register)
+    task_names = tmp_path_factory.mktemp("task-names")
+    executor = RayExecutor(emit=events.append, setup=_naming_setup(str(task_names)))
     summary = executor.run(graph, RunStore(ray_dir))
     return {"graph": graph, "config": config, "local": local_dir, "ray": ray_dir, "summary": summary,
-            "executor": executor, "events": events}
+            "executor": executor, "events": events, "task_names": task_names}
+
+
+def test_ray_tasks_are_named_after_their_stages(tiny_runs):
+    # what `ray list tasks` and the dashboard show: finetune[t=1], extract[t=0,query], entry[2,1], ...
+    names = sorted(path.read_text() for path in tiny_runs["task_names"].iterdir())
+    assert names == sorted(stage.label for stage in tiny_runs["graph"])
 
 
 def test_ray_executor_matches_local_executor(tiny_runs):

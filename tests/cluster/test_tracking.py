@@ -29,6 +29,7 @@ from cluster.tracking import (
     entry_metric_key,
     flatten_params,
     looks_like_secret,
+    project_tracking_uri,
 )
 
 # C[t, k] (0-based query t, gallery k); exact binary fractions so that hand arithmetic is exact
@@ -103,8 +104,11 @@ def test_naming_helpers():
 
 def test_tracking_uri_defaults_to_sqlite_in_run_dir(tmp_path):
     assert default_tracking_uri(tmp_path / "run") == f"sqlite:///{(tmp_path / 'run').resolve()}/mlflow.db"
+    assert project_tracking_uri(tmp_path / "runs" / "demo-er") == f"sqlite:///{(tmp_path / 'runs').resolve()}/mlflow.db"
     with pytest.raises(ValueError, match="not local"):
         default_tracking_uri("s3://bucket/run")
+    with pytest.raises(ValueError, match="not local"):
+        project_tracking_uri("s3://bucket/runs/run")
     assert check_tracking_uri("https://mlflow.example.com:5000") == "https://mlflow.example.com:5000"
     with pytest.raises(ValueError, match="tracking URI"):
         check_tracking_uri("ftp://host")
@@ -265,7 +269,9 @@ def sqlite_run(tmp_path_factory):
 
 def test_default_sqlite_run_holds_parent_nested_runs_metrics_and_tags(sqlite_run):
     run_dir, graph, store, tracker = sqlite_run
-    assert tracker.tracking_uri == f"sqlite:///{run_dir.resolve()}/mlflow.db" and (run_dir / "mlflow.db").is_file()
+    # the project store: mlflow.db in the folder holding the run directory, shared by the runs kept there
+    store_file = run_dir.resolve().parent / "mlflow.db"
+    assert tracker.tracking_uri == f"sqlite:///{store_file}" and store_file.is_file()
     client = tracker.client
     experiment = client.get_experiment_by_name("track-demo")
     runs = client.search_runs([experiment.experiment_id])

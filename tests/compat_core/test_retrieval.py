@@ -21,7 +21,7 @@ from compat_core.retrieval import (
     verification_accuracy,
 )
 
-PRECISIONS = ["auto", "half", "fp32", "fp64"]
+PRECISIONS = ["auto", "int8", "half", "fp32", "fp64"]
 
 
 def brute_topk(query: np.ndarray, gallery: np.ndarray, k: int):
@@ -288,7 +288,7 @@ def test_round_down_never_exceeds_the_value(dtype):
 def test_input_validation_names_the_field():
     gallery = np.ones((4, 3), np.float32)
     with pytest.raises(ValueError, match="precision"):
-        nearest_neighbours(gallery, gallery, precision="int8")
+        nearest_neighbours(gallery, gallery, precision="int4")
     with pytest.raises(ValueError, match="query/gallery"):
         nearest_neighbours(np.ones((2, 5)), gallery)
     with pytest.raises(ValueError, match="k:"):
@@ -320,7 +320,7 @@ def junction_features(count: int, dim: int, rank: int, seed: int, head=None):
     return (rng.standard_normal((count, rank)) @ head.T).astype(np.float32), head
 
 
-def low_rank_space_used(monkeypatch, query, gallery, precision="half"):
+def low_rank_space_used(monkeypatch, query, gallery):
     """Run with the query-count gate off and report whether the rank-r half stage was built."""
     monkeypatch.setattr(retrieval, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
     built = []
@@ -335,8 +335,9 @@ def low_rank_space_used(monkeypatch, query, gallery, precision="half"):
     return built
 
 
+@pytest.mark.parametrize("precision", ["half", "int8"])
 @pytest.mark.parametrize("k", [1, 3])
-def test_low_rank_path_equals_fp64_with_ties_and_queries_outside_the_span(monkeypatch, k):
+def test_low_rank_path_equals_fp64_with_ties_and_queries_outside_the_span(monkeypatch, k, precision):
     gallery, head = junction_features(400, 96, 20, seed=1)
     in_span, _ = junction_features(150, 96, 20, seed=2, head=head)
     outside = np.random.default_rng(3).standard_normal((150, 96)).astype(np.float32)   # not in the span
@@ -350,18 +351,19 @@ def test_low_rank_path_equals_fp64_with_ties_and_queries_outside_the_span(monkey
     query[1] = gallery[3] + np.float32(0.01) * gallery[6]
     built = low_rank_space_used(monkeypatch, query, gallery)
     expected, expected_scores = brute_topk(query, gallery, k)
-    index, scores = nearest_neighbours(query, gallery, k=k, chunk_size=64, precision="half")
+    index, scores = nearest_neighbours(query, gallery, k=k, chunk_size=64, precision=precision)
     assert built and built[0] is not None and built[0].basis.shape == (96, 20)
     assert built[0].residual_max < 1e-3
     np.testing.assert_array_equal(index.numpy(), expected)
     np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-12)
     assert int(index[0, 0]) == 7                          # lowest of the identical rows
     assert int(index[1, 0]) == int(expected[1, 0]) and int(expected[1, 0]) in (3, 11)
-    only, _ = nearest_neighbours(query, gallery, k=1, precision="half", return_scores=False)
+    only, _ = nearest_neighbours(query, gallery, k=1, precision=precision, return_scores=False)
     np.testing.assert_array_equal(only.numpy(), expected[:, :1])
 
 
-def test_low_rank_path_on_an_approximately_low_rank_gallery(monkeypatch):
+@pytest.mark.parametrize("precision", ["half", "int8"])
+def test_low_rank_path_on_an_approximately_low_rank_gallery(monkeypatch, precision):
     gallery, head = junction_features(300, 128, 16, seed=4)
     rng = np.random.default_rng(5)
     # tiny full-rank noise: still projected, the residual enters the bound
@@ -370,7 +372,7 @@ def test_low_rank_path_on_an_approximately_low_rank_gallery(monkeypatch):
     query, _ = junction_features(200, 128, 16, seed=6, head=head)
     query = query + np.float32(0.3) * rng.standard_normal(query.shape).astype(np.float32)
     built = low_rank_space_used(monkeypatch, query, noisy)
-    index, _ = nearest_neighbours(query, noisy, k=2, precision="half")
+    index, _ = nearest_neighbours(query, noisy, k=2, precision=precision)
     assert built[0] is not None and 0 < built[0].residual_max < 1e-4
     np.testing.assert_array_equal(index.numpy(), brute_topk(query, noisy, 2)[0])
 
@@ -397,3 +399,106 @@ def test_top_two_handles_negative_rows_and_ties(dtype):
     true_second = scores.double().topk(2, dim=1).values[:, 1]
     assert bool((second >= true_second).all())           # an upper bound: never settles a contested row
     assert second[0] == best[0] and second[1] == true_second[1] and second[3] == true_second[3]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# int8 candidate stage
+
+
+def test_int8_path_is_really_taken_when_forced(monkeypatch):
+    calls = []
+    original = torch._int_mm
+
+    def spy(left, right):
+        calls.append((left.dtype, right.dtype))
+        return original(left, right)
+
+    monkeypatch.setattr(torch, "_int_mm", spy)
+    query, gallery = planted(20, 30, 8, seed=2)
+    nearest_neighbours(query, gallery, precision="int8")
+    assert calls and calls[0] == (torch.int8, torch.int8)
+    calls.clear()
+    nearest_neighbours(query, gallery, precision="half")
+    assert calls == []
+
+
+def test_int8_stage_bound_holds_for_every_pair():
+    # the bound of _int8_stage, times the query scale, must cover |s * W_j - q.g_j| for every pair (fp64 reference)
+    rng = np.random.default_rng(12)
+    gallery = rng.standard_normal((500, 64)).astype(np.float32)
+    gallery[:50] *= np.float32(1e-3)                       # tiny rows: per-row scales differ by 1000x
+    query = rng.standard_normal((80, 64)).astype(np.float32)
+    space = retrieval._direct_space(torch.from_numpy(gallery), "int8")
+    queries = retrieval._Queries("query", torch.from_numpy(query))
+    q32 = queries.fp32(0, 80)
+    dev32 = torch.full((80,), 3.0 * 2.0 ** -24 * (1 + 1e-12), dtype=torch.float64)
+    scores, bound, out_unit = retrieval._int8_stage(q32, dev32, space, 1.0 + 1e-12, 0.0)
+    _, scale, _, _ = retrieval._quantize_rows(q32)
+    q64 = query / np.linalg.norm(query.astype(np.float64), axis=1, keepdims=True)
+    g64 = gallery / np.linalg.norm(gallery.astype(np.float64), axis=1, keepdims=True)
+    exact = q64 @ g64.T
+    stored = scores.double().numpy() * scale.double().numpy()[:, None]
+    allowed = (bound.numpy() + out_unit * np.abs(scores.double().numpy()).max(axis=1)) * scale.double().numpy()
+    error = np.abs(stored - exact)
+    assert bool((error <= allowed[:, None]).all())
+    assert error.max() > 1e-4                                # int8 really is coarse: the bound is doing work
+    assert allowed.max() < 0.1                               # and it stays a usable window
+
+
+def adversarial_near_ties(count: int, dim: int, seed: int):
+    """Gallery of many tiny perturbations of one row, so that true cosine gaps (~1e-5) are far inside the int8
+    quantisation error (~1e-2), plus exact duplicates of the best row; queries next to that row."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal(dim)
+    gallery = base + 1e-3 * rng.standard_normal((count, dim))
+    gallery[count // 2:] = rng.standard_normal((count - count // 2, dim))      # unrelated rows
+    query = base + 0.05 * rng.standard_normal((40, dim))
+    return query.astype(np.float32), gallery.astype(np.float32)
+
+
+def test_int8_adversarial_near_ties_and_exact_ties_equal_fp64():
+    query, gallery = adversarial_near_ties(400, 96, seed=21)
+    expected, _ = brute_topk(query, gallery, 1)
+    gallery[[0, 1]] = gallery[expected[0, 0]]                 # exact ties with query 0's answer: row 0 must win
+    expected, expected_scores = brute_topk(query, gallery, 3)
+    # the int8 ranking alone is wrong for some queries: exactness comes from the bound and re-scoring
+    space = retrieval._direct_space(torch.from_numpy(gallery), "int8")
+    q32 = retrieval._Queries("query", torch.from_numpy(query)).fp32(0, len(query))
+    scores, _, _ = retrieval._int8_stage(q32, torch.zeros(len(query), dtype=torch.float64), space, 1.0, 0.0)
+    assert bool((scores.argmax(dim=1).numpy() != expected[:, 0]).any())
+    for k in (1, 3):
+        index, scores64 = nearest_neighbours(query, gallery, k=k, chunk_size=16, precision="int8")
+        np.testing.assert_array_equal(index.numpy(), expected[:, :k])
+        np.testing.assert_allclose(scores64.numpy(), expected_scores[:, :k], rtol=0, atol=1e-12)
+    assert int(expected[0, 0]) == 0
+    only, _ = nearest_neighbours(query, gallery, k=1, precision="int8", return_scores=False)
+    np.testing.assert_array_equal(only.numpy(), expected[:, :1])
+
+
+@pytest.mark.parametrize("fastest, stage", [("int8", torch.int8), ("bf16", torch.bfloat16), ("fp32", None)])
+def test_auto_precision_follows_the_calibration(monkeypatch, fastest, stage):
+    monkeypatch.setattr(retrieval, "fastest_matmul", lambda device, exclude=(): fastest)
+    query, gallery = planted(30, 40, 16, seed=4)
+    space = retrieval._direct_space(torch.from_numpy(gallery), "auto")
+    assert space.half_dtype == stage
+    index, _ = nearest_neighbours(query, gallery, k=1, precision="auto")
+    np.testing.assert_array_equal(index.numpy(), brute_topk(query, gallery, 1)[0])
+
+
+def test_auto_int8_demotes_to_the_next_stage_when_its_window_rescores_too_much(monkeypatch):
+    # near-duplicate gallery: the int8 window holds most rows, so after the first chunk "auto" moves to the next
+    # fastest stage (here fp32); the answer stays exact throughout
+    monkeypatch.setattr(retrieval, "fastest_matmul",
+                        lambda device, exclude=(): "fp32" if "int8" in exclude else "int8")
+    calls = []
+    original = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape) or original(a, b))
+    query, gallery = adversarial_near_ties(400, 96, seed=22)
+    expected, _ = brute_topk(query, gallery, 1)
+    index, _ = nearest_neighbours(query, gallery, k=1, chunk_size=10, precision="auto", return_scores=False)
+    np.testing.assert_array_equal(index.numpy(), expected)
+    assert len(calls) == 1                                    # int8 ran on the first chunk only
+    calls.clear()
+    forced, _ = nearest_neighbours(query, gallery, k=1, chunk_size=10, precision="int8", return_scores=False)
+    np.testing.assert_array_equal(forced.numpy(), expected)
+    assert len(calls) == 4                                    # forced int8 never demotes

@@ -16,15 +16,19 @@ def _write_config(tmp_path, method="dsimplex-hoc"):
     return path
 
 
-def test_run_tracks_in_sqlite_in_the_run_directory_by_default(tmp_path):
+def test_run_tracks_in_the_project_sqlite_store_by_default(tmp_path, monkeypatch, capsys):
     from mlflow import MlflowClient
 
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
     config = _write_config(tmp_path)
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "runs" / "hoc"
     assert main(["run", str(config), "--output", str(run_dir), "--no-progress"]) == 0
 
-    database = run_dir / "mlflow.db"
-    assert database.exists()
+    # the project store: mlflow.db in the folder holding the run directory (runs/ for runs/NAME)
+    database = tmp_path / "runs" / "mlflow.db"
+    assert database.exists() and not (run_dir / "mlflow.db").exists()
+    assert f"MLflow: sqlite:///{database.resolve()} (experiment tiny-dsimplex-hoc" in capsys.readouterr().out
     client = MlflowClient(tracking_uri=f"sqlite:///{database}")
     experiment = client.get_experiment_by_name("tiny-dsimplex-hoc")
     runs = client.search_runs([experiment.experiment_id], max_results=200)
@@ -47,6 +51,19 @@ def test_run_tracks_in_sqlite_in_the_run_directory_by_default(tmp_path):
     versions = client.search_model_versions(f"name='{name}'")
     assert len(versions) == 4
     assert client.get_model_version_by_alias(name, "task-3").tags["external_source"] == "pretrain:p1"
+    # an ER run kept in the same folder lands in the same store: both are in one MLflow UI; MLFLOW_EXPERIMENT_NAME
+    # (like --experiment) names its experiment
+    er_config = tmp_path / "er.yaml"
+    er_config.write_text(yaml.safe_dump(tiny.scenario("er")))
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "tiny-compare")
+    assert main(["run", str(er_config), "--output", str(tmp_path / "runs" / "er"), "--no-progress",
+                 "--set", "tasks.spec=2+2", "--set", "replacements=[]"]) == 0
+    scenarios = sorted(run.data.tags["scenario"] for run in client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], "tags.run_role = 'pipeline'"))
+    assert scenarios == ["tiny-dsimplex-hoc", "tiny-er"]
+    er_parent = client.search_runs([client.get_experiment_by_name("tiny-compare").experiment_id],
+                                   "tags.run_role = 'pipeline'")
+    assert [run.data.tags["scenario"] for run in er_parent] == ["tiny-er"]
 
 
 def test_tracking_none_writes_no_database(tmp_path):
@@ -54,7 +71,7 @@ def test_tracking_none_writes_no_database(tmp_path):
     run_dir = tmp_path / "run"
     assert main(["run", str(config), "--output", str(run_dir), "--no-progress", "--tracking-uri", "none"]) == 0
     assert (run_dir / "metrics.json").exists()
-    assert not (run_dir / "mlflow.db").exists()
+    assert not (run_dir / "mlflow.db").exists() and not (tmp_path / "mlflow.db").exists()
 
 
 def test_bad_tracking_uri_is_refused_before_any_compute(tmp_path, capsys):

@@ -1,0 +1,440 @@
+"""Measured speed of the arithmetic paths this machine offers, instead of guessing from CPU flags (issue 13).
+
+Machines differ in ways flags do not predict: a CPU with AVX512-BF16 but no AMX may run bf16 matrix products 4x
+faster than fp32 (AMD Zen 4) or slower than fp32 (some Xeons), and int8 ``torch._int_mm`` may beat both. So the
+candidates are timed once per machine and device and the result is cached as JSON:
+
+- ``gemm``: GOP/s of one matrix product at a retrieval chunk shape (1024 queries x 1024 dims x 8192 gallery rows)
+  in fp32, bf16, fp16 and int8 (``torch._int_mm``, exact int32 accumulation). The retrieval kernel's
+  ``precision="auto"`` runs its candidate pass in the fastest (``fastest_matmul``).
+- ``workloads``: seconds per step of a given model on a given batch shape, fp32 against half-precision autocast
+  (bf16; fp16 on CUDA without bf16), for training (forward, backward, SGD step) or inference. ``training.autocast:
+  auto`` uses the faster (``autocast_choice``); the model is measured on a copy, so its weights, its batch-norm
+  statistics and the global RNG state are untouched (results do not depend on whether the cache existed).
+
+Cache: ``$COMPAT_CALIBRATION_DIR`` or ``$XDG_CACHE_HOME/compat/calibration`` (default ``~/.cache/compat/
+calibration``), one file per key (device name, core count, torch threads, torch version, CPU-flag digest). A file
+lock serialises measurements, so concurrent processes on one machine measure once and do not time each other.
+``COMPAT_CALIBRATION=off`` measures nothing: ``auto`` then means fp32 everywhere (bit-reproducible across
+machines; the test suite sets it). ``compat calibrate`` measures and prints; ``compat calibrate --show`` prints.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = [
+    "CACHE_ENV",
+    "MODE_ENV",
+    "GEMM_DTYPES",
+    "GEMM_SHAPE",
+    "cache_dir",
+    "cache_path",
+    "machine_key",
+    "load",
+    "gemm_rates",
+    "fastest_matmul",
+    "autocast_choice",
+    "workload_signature",
+    "measure_workload",
+    "calibration_enabled",
+    "format_calibration",
+]
+
+CACHE_ENV = "COMPAT_CALIBRATION_DIR"
+MODE_ENV = "COMPAT_CALIBRATION"
+GEMM_DTYPES = ("fp32", "bf16", "fp16", "int8")
+GEMM_SHAPE = (1024, 1024, 8192)          # (queries, dims, gallery rows): one chunk of a 50k x 10k x 1023 search
+_PROBE_SHAPE = (64, 1024, 512)           # small first try: a dtype far slower than fp32 never runs the full shape
+_ROUNDS = 3                              # interleaved timing rounds; the minimum per path is kept
+# a half path must beat fp32 by this factor to be chosen: a near-tie would flip between re-measurements and with
+# it the numerics of a run; 2 % keeps "auto" within 2 % of the better path
+_HALF_MARGIN = 1.02
+_WORKLOAD_BUDGET_S = 6.0                 # rough cap on one workload's timed steps
+_VERSION = 1
+
+
+def calibration_enabled() -> bool:
+    """False when ``COMPAT_CALIBRATION=off`` (auto precisions mean fp32 and nothing is measured)."""
+    value = os.environ.get(MODE_ENV, "on").strip().lower()
+    if value not in ("on", "off", ""):
+        raise ValueError(f"{MODE_ENV}: expected 'on' or 'off', got {value!r}")
+    return value != "off"
+
+
+def cache_dir() -> Path:
+    """The calibration cache folder (``$COMPAT_CALIBRATION_DIR``, else the user's cache folder)."""
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return Path(override).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "compat" / "calibration"
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_identity() -> tuple[str, str]:
+    """(CPU model name, 10-hex digest of its feature flags) from /proc/cpuinfo; platform values elsewhere."""
+    name, flags = "", ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as handle:
+            for line in handle:
+                if not name and line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                elif not flags and line.startswith("flags"):
+                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                if name and flags:
+                    break
+    except OSError:
+        pass
+    return name or platform.processor() or platform.machine(), hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+def machine_key(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """What a calibration is valid for: device type and name, cores (CPU) or multiprocessors (CUDA), torch threads,
+    torch version and (CPU) a digest of the feature flags."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        return {"device_type": "cuda", "device_name": properties.name, "cores": properties.multi_processor_count,
+                "threads": torch.get_num_threads(), "torch": torch.__version__, "flags": ""}
+    if device.type != "cpu":
+        raise ValueError(f"device: calibration supports cpu and cuda, got {device.type!r}")
+    name, flags = _cpu_identity()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return {"device_type": "cpu", "device_name": name, "cores": cores, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "flags": flags}
+
+
+def cache_path(device: torch.device | str = "cpu") -> Path:
+    """The JSON file holding the calibration of ``device`` under the current key."""
+    key = machine_key(device)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", key["device_name"]).strip("-").lower()[:40] or "unknown"
+    torch_version = re.sub(r"[^A-Za-z0-9.]+", "-", key["torch"])
+    return cache_dir() / (f"{key['device_type']}-{slug}-c{key['cores']}-t{key['threads']}-torch{torch_version}"
+                          f"{'-' + key['flags'] if key['flags'] else ''}.json")
+
+
+def load(device: torch.device | str = "cpu") -> dict[str, Any] | None:
+    """The cached calibration of ``device`` (None when there is none or it is unreadable/of another version)."""
+    path = cache_path(device)
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(document, dict) or document.get("version") != _VERSION:
+        return None
+    return document
+
+
+@contextlib.contextmanager
+def _locked(device: torch.device | str):
+    """Exclusive lock of this key's cache file (other processes wait instead of timing each other)."""
+    path = cache_path(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield path
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _update(device: torch.device | str, section: str, name: str | None, value: dict[str, Any]) -> None:
+    """Merge one measured section into the cache file (caller holds the lock); atomic replace."""
+    path = cache_path(device)
+    document = load(device) or {"version": _VERSION, "key": machine_key(device), "gemm": None, "workloads": {}}
+    if name is None:
+        document[section] = value
+    else:
+        document.setdefault(section, {})[name] = value
+    temporary = path.with_suffix(f".tmp{os.getpid()}")
+    temporary.write_text(json.dumps(document, indent=2, sort_keys=True))
+    os.replace(temporary, path)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# matrix products
+
+
+def _gemm_operands(name: str, shape: tuple[int, int, int], device: torch.device) -> Callable[[], Any]:
+    """A zero-argument product of ``shape`` in the layout the retrieval kernel uses for that dtype."""
+    m, k, n = shape
+    generator = torch.Generator().manual_seed(0)
+    left = torch.randn(m, k, generator=generator).to(device)
+    right = torch.randn(n, k, generator=generator).to(device)
+    if name == "fp32":
+        right_t = right.t()                                  # a transposed view: fp32 BLAS takes it at full speed
+        return lambda: left @ right_t
+    if name in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if name == "bf16" else torch.float16
+        left_h, right_h = left.to(dtype), right.t().contiguous().to(dtype)   # (k, n) contiguous, as the kernel
+        if device.type == "cuda":
+            return lambda: torch.mm(left_h, right_h, out_dtype=torch.float32)
+        return lambda: left_h @ right_h
+    if name == "int8":
+        left_i = (left * 40).round().clamp(-127, 127).to(torch.int8)
+        right_i = (right * 40).round().clamp(-127, 127).to(torch.int8)
+        right_t = right_i.t()                                 # (n, k) rows read transposed: the faster layout
+        return lambda: torch._int_mm(left_i, right_t)
+    raise ValueError(f"gemm dtype: expected one of {GEMM_DTYPES}, got {name!r}")
+
+
+def _time_rounds(functions: dict[str, Callable[[], Any]], device: torch.device, rounds: int) -> dict[str, float]:
+    """Minimum seconds per call of each function over ``rounds`` interleaved rounds (after one warm-up call)."""
+    best = {name: float("inf") for name in functions}
+    for round_index in range(rounds + 1):
+        for name, function in functions.items():
+            _synchronize(device)
+            start = time.perf_counter()
+            function()
+            _synchronize(device)
+            if round_index:
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def measure_gemm(device: torch.device | str = "cpu", shape: tuple[int, int, int] | None = None,
+                 rounds: int = _ROUNDS) -> dict[str, Any]:
+    """Time the candidate matrix products on ``device``; returns {"shape", "gops": {dtype: GOP/s}, "probe_only",
+    "seconds", "measured_at"}. A dtype slower than a quarter of the best on the small probe shape keeps its probe
+    rate (it cannot win; fp16 on CPUs without AMX-FP16 runs at ~1 GFLOP/s). Unsupported products get 0."""
+    device = torch.device(device)
+    shape = tuple(shape or GEMM_SHAPE)
+    probe_shape = tuple(min(a, b) for a, b in zip(_PROBE_SHAPE, shape))
+    started = time.perf_counter()
+    probe_flops = 2.0 * probe_shape[0] * probe_shape[1] * probe_shape[2]
+    runnable, gops = {}, {}
+    for name in GEMM_DTYPES:
+        try:
+            runnable[name] = _gemm_operands(name, probe_shape, device)
+            runnable[name]()
+        except (RuntimeError, TypeError, NotImplementedError):
+            runnable.pop(name, None)
+            gops[name] = 0.0
+    probe = _time_rounds(runnable, device, rounds)
+    probe_gops = {name: probe_flops / seconds / 1e9 for name, seconds in probe.items()}
+    leader = max(probe_gops.values())
+    full = [name for name, rate in probe_gops.items() if rate >= 0.25 * leader]
+    flops = 2.0 * shape[0] * shape[1] * shape[2]
+    timed = _time_rounds({name: _gemm_operands(name, shape, device) for name in full}, device, rounds)
+    for name in GEMM_DTYPES:
+        if name in timed:
+            gops[name] = flops / timed[name] / 1e9
+        elif name in probe_gops:
+            gops[name] = probe_gops[name]
+    return {"shape": list(shape), "gops": {name: float(f"{gops[name]:.4g}") for name in GEMM_DTYPES},
+            "probe_only": sorted(set(probe_gops) - set(full)), "seconds": round(time.perf_counter() - started, 3),
+            "measured_at": _now()}
+
+
+def gemm_rates(device: torch.device | str = "cpu", measure: bool = True) -> dict[str, float] | None:
+    """GOP/s per dtype of ``device`` from the cache, measured (and cached) on first use when ``measure``;
+    None when calibration is off or nothing is cached and ``measure`` is False."""
+    if not calibration_enabled():
+        return None
+    return _gemm_rates_cached(str(torch.device(device)), torch.get_num_threads(), str(cache_path(device)), measure)
+
+
+@functools.lru_cache(maxsize=16)
+def _gemm_rates_cached(device: str, threads: int, path: str, measure: bool) -> dict[str, float] | None:
+    document = load(device)
+    if document is None or not document.get("gemm"):
+        if not measure:
+            return None
+        with _locked(device):
+            document = load(device)          # another process may have measured while we waited
+            if document is None or not document.get("gemm"):
+                _update(device, "gemm", None, measure_gemm(device))
+                document = load(device)
+    return dict(document["gemm"]["gops"])
+
+
+def fastest_matmul(device: torch.device | str = "cpu", exclude: tuple[str, ...] = ()) -> str:
+    """The candidate-pass arithmetic of the retrieval kernel's ``precision="auto"``: "int8", "bf16", "fp16" or
+    "fp32", whichever measured fastest on ``device`` (a reduced precision must beat fp32 by 2 %), leaving out
+    ``exclude``; "fp32" when calibration is off."""
+    rates = gemm_rates(device)
+    if not rates:
+        return "fp32"
+    candidates = [name for name in ("int8", "bf16", "fp16") if name not in exclude]
+    if not candidates:
+        return "fp32"
+    best = max(candidates, key=lambda name: rates.get(name, 0.0))
+    return best if rates.get(best, 0.0) > _HALF_MARGIN * rates.get("fp32", 0.0) else "fp32"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# model steps (autocast)
+
+
+def _half_candidate(device: torch.device) -> torch.dtype:
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def workload_signature(model: nn.Module, example: torch.Tensor, train: bool) -> str:
+    """Cache name of a model step: train/infer, batch shape and a digest of the architecture (the backbone's, for
+    models with a ``backbone``: a classifier growing by a few classes does not change the step's cost)."""
+    body = getattr(model, "backbone", model)
+    digest = hashlib.sha256(repr(body).encode()).hexdigest()[:12]
+    shape = "x".join(str(size) for size in example.shape)
+    return f"{'train' if train else 'infer'}-{type(body).__name__}-{digest}-in{shape}"
+
+
+def _output_loss(output: Any) -> torch.Tensor:
+    """A scalar touching every tensor output of ``output`` (a tensor, a tuple, or an object with .features/.logits)."""
+    if isinstance(output, torch.Tensor):
+        return output.float().square().mean()
+    if isinstance(output, (tuple, list)):
+        parts = [_output_loss(item) for item in output if isinstance(item, torch.Tensor)]
+    else:
+        parts = [value.float().square().mean() for value in (getattr(output, "features", None),
+                                                             getattr(output, "logits", None))
+                 if isinstance(value, torch.Tensor)]
+    if not parts:
+        raise ValueError(f"model output of type {type(output).__name__} has no tensor to time a step on")
+    return sum(parts)
+
+
+def _has_conv(model: nn.Module) -> bool:
+    return any(isinstance(module, nn.Conv2d) for module in model.modules())
+
+
+def _step_function(model: nn.Module, example: torch.Tensor, dtype: torch.dtype | None, train: bool,
+                   device: torch.device) -> Callable[[], None]:
+    """One step of a private copy of ``model`` (channels_last with a half dtype for conv nets, as training does)."""
+    copy_ = copy.deepcopy(model).to(device)
+    inputs = example.to(device)
+    if dtype is not None and _has_conv(copy_) and inputs.ndim == 4:
+        copy_ = copy_.to(memory_format=torch.channels_last)
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    context = (lambda: torch.autocast(device_type=device.type, dtype=dtype)) if dtype is not None \
+        else contextlib.nullcontext
+    if train:
+        copy_.train()
+        parameters = [p for p in copy_.parameters() if p.requires_grad]
+        for parameter in parameters:
+            parameter.requires_grad_(True)
+        optimizer = torch.optim.SGD(parameters, lr=1e-6, momentum=0.9)
+
+        def step() -> None:
+            with context():
+                loss = _output_loss(copy_(inputs))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    else:
+        copy_.eval()
+
+        def step() -> None:
+            with torch.no_grad(), context():
+                _output_loss(copy_(inputs))
+    return step
+
+
+def measure_workload(model: nn.Module, example: torch.Tensor, device: torch.device | str, train: bool = True,
+                     rounds: int = _ROUNDS) -> dict[str, Any]:
+    """Seconds per step of ``model`` on ``example`` in fp32 and under half autocast (interleaved, min of rounds).
+
+    Runs on deep copies inside ``torch.random.fork_rng``: the caller's model, its buffers and the RNG state are
+    unchanged. Returns {"seconds_per_step": {"fp32": s, "bf16"|"fp16": s}, "choice", "measured_at"}.
+    """
+    device = torch.device(device)
+    half = _half_candidate(device)
+    half_name = "bf16" if half == torch.bfloat16 else "fp16"
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        steps = {"fp32": _step_function(model, example, None, train, device)}
+        try:
+            steps[half_name] = _step_function(model, example, half, train, device)
+            steps[half_name]()
+        except (RuntimeError, TypeError, NotImplementedError):
+            steps.pop(half_name, None)
+        first = _time_rounds(steps, device, 1)          # warm-up + one timed round
+        spare = max(0, min(rounds - 1, int(_WORKLOAD_BUDGET_S / max(sum(first.values()), 1e-9)) - 1))
+        more = _time_rounds(steps, device, spare) if spare else first
+        seconds = {name: min(first[name], more[name]) for name in steps}
+    choice = "fp32"
+    if half_name in seconds and seconds["fp32"] > _HALF_MARGIN * seconds[half_name]:
+        choice = half_name
+    return {"seconds_per_step": {name: float(f"{value:.4g}") for name, value in seconds.items()}, "choice": choice,
+            "measured_at": _now()}
+
+
+def autocast_choice(device: torch.device | str, model: nn.Module, example: torch.Tensor,
+                    train: bool = True) -> torch.dtype | None:
+    """The autocast dtype that ``training.autocast: auto`` uses for ``model`` on batches like ``example``: the
+    half dtype when its measured step is faster than fp32 (by 2 %), else None (fp32). Measured once per machine
+    key and workload signature and cached; None without measuring when calibration is off."""
+    if not calibration_enabled():
+        return None
+    device = torch.device(device)
+    name = workload_signature(model, example, train)
+    entry = _cached_workload(device, name)
+    if entry is None:
+        with _locked(device):
+            entry = _cached_workload(device, name)
+            if entry is None:
+                entry = measure_workload(model, example, device, train)
+                _update(device, "workloads", name, entry)
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[entry["choice"]]
+
+
+def _cached_workload(device: torch.device, name: str) -> dict[str, Any] | None:
+    document = load(device)
+    entry = (document or {}).get("workloads", {}).get(name)
+    return entry if isinstance(entry, dict) and entry.get("choice") in ("fp32", "bf16", "fp16") else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# showing it
+
+
+def format_calibration(document: dict[str, Any] | None, path: Path | None = None) -> str:
+    """Human-readable lines of a calibration document (what ``compat calibrate --show`` prints)."""
+    if document is None:
+        return f"no calibration cached{f' at {path}' if path else ''} (run `compat calibrate`)"
+    key = document["key"]
+    lines = [f"calibration of {key['device_type']} '{key['device_name']}', {key['cores']} cores, "
+             f"{key['threads']} torch threads, torch {key['torch']}" + (f" ({path})" if path else "")]
+    gemm = document.get("gemm")
+    if gemm:
+        rates = gemm["gops"]
+        fp32 = rates.get("fp32") or float("nan")
+        shape = "x".join(str(size) for size in gemm["shape"])
+        lines.append(f"  matrix product {shape} (measured {gemm['measured_at']}, {gemm['seconds']:.1f} s):")
+        for name in GEMM_DTYPES:
+            note = " (small probe only: far slower)" if name in gemm.get("probe_only", []) else ""
+            lines.append(f"    {name:5s} {rates.get(name, 0.0):9.1f} GOP/s  {rates.get(name, 0.0) / fp32:5.2f}x fp32{note}")
+        best = max(("int8", "bf16", "fp16"), key=lambda name: rates.get(name, 0.0))
+        pick = best if rates.get(best, 0.0) > _HALF_MARGIN * rates.get("fp32", 0.0) else "fp32"
+        lines.append(f"    retrieval precision=auto candidate pass: {pick}")
+    for name, entry in sorted((document.get("workloads") or {}).items()):
+        seconds = entry["seconds_per_step"]
+        timings = ", ".join(f"{dtype} {value * 1e3:.1f} ms" for dtype, value in seconds.items())
+        lines.append(f"  {name}: {timings} -> autocast auto = {entry['choice']}")
+    return "\n".join(lines)
