@@ -61,6 +61,12 @@ class DataParallel:
             raise ValueError(f"{key} = {self.world}: a global batch of {smallest} samples cannot give every worker "
                              f"a sample; raise training.batch_size or lower {key}")
 
+    def agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` (a small picklable setting, e.g. the autocast mode) on every rank."""
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
     def gather(self, tensor: torch.Tensor, total: int) -> torch.Tensor:
         """The global batch of ``tensor`` (this rank's rows of a batch of ``total``), rank order.
 

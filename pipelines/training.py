@@ -479,6 +479,9 @@ def train_task(
     if autocast_mode(config.autocast) == "auto":
         example = example_batch(data.source, data.indices, config.batch_size, device)
         config = config.model_copy(update={"autocast": resolve_autocast("auto", device, model, example)})
+    parallel = distributed.current()
+    if parallel is not None:  # every rank computes in rank 0's precision (its measured "auto" choice)
+        config = config.model_copy(update={"autocast": parallel.agree(config.autocast)})
     prepare_model(model, device, config.autocast)
     if old_model is not None:
         prepare_model(old_model, device, config.autocast)
@@ -515,7 +518,6 @@ def train_task(
         raise ValueError(f"task {data.task} yields no batch of >= 2 samples with batch_size {config.batch_size}")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, steps_per_epoch))
     total_steps = config.epochs * steps_per_epoch
-    parallel = distributed.current()
     if parallel is not None:
         parallel.check_batches([positions.size for positions in epoch_batches(data, method, config, 0)], parallel_key)
         ctx.model = distributed.GlobalBatchModel(distributed.wrap_model(model, device), model, parallel)
