@@ -251,21 +251,32 @@ def assemble_matrix(graph: StageGraph, store: RunStore, row_keys: list[str] | No
     return CompatibilityMatrix(values, [f"task-{t + 1}" for t in range(T)], config.evaluation.metric, protocol)
 
 
+def _defined(value: Any) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def headline_metrics(values: Any, strict: bool = True) -> dict[str, float | None]:
+    """AC, AA, ACA, BC, FC (fractions; None when undefined, e.g. pair metrics of one model) of a ``(tau, tau)``
+    matrix or leading block (NaN above the diagonal): metrics.json, and Tune's report after each row."""
+    from compat_core.metrics import summary_metrics
+
+    return {name: _defined(value) for name, value in
+            summary_metrics(np.asarray(values, dtype=np.float64), strict=strict).items()}
+
+
 def compute_metrics(matrix, strict: bool) -> dict:
     """metrics.json content: AC, AA, ACA, BC, FC (fractions; null when undefined) + AC_tau/AA_tau per task."""
     from compat_core.metrics import metrics_by_task
 
-    summary = matrix.summary()
     curves = metrics_by_task(matrix.values, strict=strict)
-    clean = lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)  # noqa: E731
     return {
         "units": "fraction",
         "metric": matrix.metric,
         "strict": strict,
         "num_tasks": matrix.num_models,
-        **{name: clean(summary[name]) for name in ("AC", "AA", "ACA", "BC", "FC")},
-        "AC_tau": [clean(v) for v in curves["AC_tau"]],
-        "AA_tau": [clean(v) for v in curves["AA_tau"]],
+        **headline_metrics(matrix.values, strict),
+        "AC_tau": [_defined(v) for v in curves["AC_tau"]],
+        "AA_tau": [_defined(v) for v in curves["AA_tau"]],
     }
 
 

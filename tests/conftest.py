@@ -71,6 +71,7 @@ def ray_local():
     if not ray.is_initialized():
         prepare_loopback()
         ray.init(
+            address="local",  # a fresh instance of this session, never another process' cluster on the machine
             num_cpus=2,
             object_store_memory=200 * 1024 * 1024,
             include_dashboard=False,
