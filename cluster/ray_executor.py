@@ -8,6 +8,8 @@
   exists, e.g. one an autoscaler adds), and with ``device: auto`` 1 when the cluster lists GPUs when the run starts.
 - Matrix entries are tasks too; a worker process keeps the last feature sets it read
   (:func:`pipelines.stages.cached_features`), so entries of one row read their query once per worker.
+- ``resources.<stage>.num_workers`` > 1 (pretrain, finetune): the node is a Ray Train run of that many workers,
+  each with the stage's resources (:mod:`cluster.ray_train_stage`); rank 0 commits the stage.
 - Tasks retry ``max_retries`` times after a worker or node failure; a node found committed when its (retried) task
   starts is not recomputed. Only keys and per-epoch training summaries travel through Ray; models and features move
   through the run store (local folder or s3://) by URI, so a multi-node cluster needs a store every node reaches.
@@ -29,6 +31,7 @@ import ray
 
 from pipelines.executor import Backend, Executor, Invocation, close_emit, read_invocations, run_graph
 from pipelines.graph import Stage, StageGraph
+from cluster.ray_train_stage import run_data_parallel_node
 from cluster.storage import installed_access
 from pipelines.progress import ProgressReporter, ProgressUpdate
 from pipelines.store import RunStore
@@ -149,6 +152,7 @@ class RayBackend(Backend):
         self.nodes = ray.nodes()  # what each node has in total: a request none can hold never starts
         self.checked: set[tuple] = set()
         self.remote = ray.remote(run_node)
+        self.remote_data_parallel = ray.remote(run_data_parallel_node)
         self.running: dict[Any, str] = {}
         self.running_entries = 0
         self.deferred: collections.deque = collections.deque()
@@ -165,9 +169,16 @@ class RayBackend(Backend):
         self._check(stage, options, graph.config.resources.autoscaling)
         root = store.root if not store.is_local else store.base  # absolute: workers do not share the driver's cwd
         # tasks are named after their stage: `ray list tasks` and the dashboard show finetune[t=3], entry[...]
-        ref = self.remote.options(**options, max_retries=self.max_retries, name=stage.label).remote(
-            root, stage, graph.config, graph.code_version, max(1, int(math.floor(options["num_cpus"]))), self.setup,
-            installed_access())
+        if stage.resources.num_workers > 1:
+            # a Ray Train run of num_workers workers, each with `options`; the task that fits it holds nothing
+            ref = self.remote_data_parallel.options(num_cpus=0, num_gpus=0, max_retries=self.max_retries,
+                                                    name=stage.label).remote(
+                root, stage, graph.config, graph.code_version, options, self.max_retries, self.setup,
+                installed_access())
+        else:
+            ref = self.remote.options(**options, max_retries=self.max_retries, name=stage.label).remote(
+                root, stage, graph.config, graph.code_version, max(1, int(math.floor(options["num_cpus"]))),
+                self.setup, installed_access())
         self.running[ref] = stage.key
         self.stats["tasks"] += 1
 

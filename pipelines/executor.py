@@ -70,12 +70,24 @@ class InProcessBackend(Backend):
         self.queue: collections.deque = collections.deque()
 
     def submit(self, stage: Stage, graph: StageGraph, store: RunStore) -> None:
+        refuse_data_parallel([stage])
         self.queue.append((stage, graph, store))
 
     def wait(self) -> tuple[str, list]:
         stage, graph, store = self.queue.popleft()
         execute_stage(stage, graph.config, store, self.emit, code_version=graph.code_version)
         return stage.key, []
+
+
+def refuse_data_parallel(stages: Iterable[Stage]) -> None:
+    """ValueError naming ``resources.<stage>.num_workers`` when a stage asks for more than one training worker."""
+    for stage in stages:
+        workers = stage.resources.num_workers
+        if workers > 1:
+            kind = {"replace": "finetune"}.get(stage.kind, stage.kind)
+            raise ValueError(f"resources.{kind}.num_workers = {workers}: data-parallel training runs on the Ray "
+                             f"backend (compat run --executor ray); the in-process backend trains with one "
+                             f"worker (set it to 1)")
 
 
 def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callable[[Any], None],
@@ -164,6 +176,7 @@ class LocalExecutor(Executor):
 
     def run(self, graph: StageGraph, store: RunStore, until: Iterable[str] | None = None) -> Invocation:
         try:
+            refuse_data_parallel(graph)  # before any node computes
             return run_graph(graph, store, InProcessBackend(self.emit), self.emit, until, self.stop_after)
         finally:
             close_emit(self.emit)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pipelines.config import PRETRAIN_PREFIX, PoolSpec, ScenarioConfig
+from pipelines.distributed import is_leader
 from pipelines.graph import Stage, protocol_params
 from pipelines.progress import ProgressUpdate
 from pipelines.records import (
@@ -315,8 +316,13 @@ def _checkpoints(ctx: StageContext):
     """The stage's epoch checkpoints in the run store (None with ``training.checkpoint_every_epochs: 0``)."""
     from pipelines.checkpoints import StoreCheckpointSink
 
+    from pipelines.distributed import launcher_checkpoint_sink
+
     every = ctx.config.training.checkpoint_every_epochs
-    return StoreCheckpointSink(ctx.store, ctx.stage.key, every) if every else None
+    if not every:
+        return None
+    # data-parallel ranks keep theirs through their launcher (Ray Train), written once, by rank 0
+    return launcher_checkpoint_sink(every) or StoreCheckpointSink(ctx.store, ctx.stage.key, every)
 
 
 def pretrain_stage(ctx: StageContext) -> StageResult:
@@ -560,6 +566,8 @@ def train_task_stage(ctx: StageContext) -> StageResult:
     )
     result = train_task(model, old_model, method, data, config.train_config(seed, ctx.device), on_record=ctx.emit,
                         progress=_progress_hook(ctx), checkpoints=_checkpoints(ctx))
+    if not is_leader():  # data-parallel training: rank 0 builds and commits the artifacts, the other ranks nothing
+        return StageResult(None)
     trained = result.model
     blobs = _model_blobs(trained)
     extra = []
@@ -903,6 +911,8 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
         result = STAGE_FUNCTIONS[stage.kind](ctx)
     finally:
         torch.set_num_threads(threads_before)
+    if not is_leader():
+        return None  # a data-parallel rank other than 0 (pipelines.distributed): rank 0 commits the stage
     node = {"kind": stage.kind, "label": stage.label}
     if placement is not None:
         node["placement"] = dict(placement)

@@ -37,18 +37,26 @@ CLASSIFIERS = ("simplex", "learnable")
 class Batch:
     """One training batch on the device.
 
-    images: float (B, C, H, W), already transformed and normalised. targets: (B,) int64 class slots (see module
+    images: float (B, C, H, W), already transformed and normalised (only ``rows`` of them under data-parallel
+    training, see the field's comment). targets: (B,) int64 class slots (see module
     docstring). is_memory: (B,) bool, True for samples drawn from the replay memory.
     """
 
     images: torch.Tensor
     targets: torch.Tensor
     is_memory: torch.Tensor
+    # data-parallel training (pipelines.distributed): images hold only rows [start, stop) of the batch, and the
+    # context's model and old model return the outputs of the whole batch, which targets/is_memory describe
+    rows: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.images, torch.Tensor) or self.images.ndim != 4 or not self.images.is_floating_point():
             raise ValueError("Batch.images must be a float tensor (B, C, H, W)")
         batch = self.images.shape[0]
+        if self.rows is not None:
+            if self.rows[1] - self.rows[0] != batch:
+                raise ValueError(f"Batch.rows {self.rows} must span the {batch} local images")
+            batch = int(getattr(self.targets, "shape", (batch,))[0])
         if not isinstance(self.targets, torch.Tensor) or self.targets.shape != (batch,):
             raise ValueError(f"Batch.targets must be an int tensor of shape ({batch},)")
         if not isinstance(self.is_memory, torch.Tensor) or self.is_memory.shape != (batch,) or self.is_memory.dtype != torch.bool:
