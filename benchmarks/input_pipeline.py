@@ -174,8 +174,12 @@ def main() -> None:
         if args.s3:
             import boto3
 
-            from cluster.local_services import SeaweedS3Server
             import os
+            import sys
+            from pathlib import Path
+
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the suite's server fixture
+            from local_services import SeaweedS3Server
 
             server = SeaweedS3Server(tmp / "weed")
             server.start()
