@@ -65,7 +65,9 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         from cluster.ray_loopback import prepare_loopback
 
         prepare_loopback()  # every port on 127.0.0.1, none on the machine's other interfaces
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
+        # address "local": always a new instance; without it ray.init joins the latest cluster another process
+        # started on this machine (/tmp/ray/ray_current_cluster) and then refuses num_cpus
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
                  include_dashboard=False, _node_ip_address=LOOPBACK, configure_logging=False)
     else:
         if address != "auto":
@@ -242,13 +244,14 @@ class RayExecutor(Executor):
         if self.address is not None and self.address.startswith(("http://", "https://")):
             return self._run_as_job(graph, store)
         owns_ray = connect(self.address, self.num_cpus, object_store_memory=self.object_store_memory)
+        ray_address = ray.get_runtime_context().gcs_address
         try:
             backend = RayBackend(self.max_retries, self.setup, graph.config.resources.evaluation_actors)
             try:
                 return run_graph(graph, store, backend, self.emit, until)
             finally:
                 self.last_stats = dict(backend.stats, pids=sorted(backend.stats["pids"]),
-                                       nodes=dict(backend.placements))
+                                       nodes=dict(backend.placements), ray_address=ray_address)
         finally:
             close_emit(self.emit)
             if owns_ray:

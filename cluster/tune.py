@@ -632,7 +632,8 @@ def _ensure_ray(address: str | None) -> None:
         from cluster.ray_loopback import prepare_loopback
 
         prepare_loopback()
-        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
+        # address "local": a new embedded instance, never another process's cluster on this machine
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
                  object_store_memory=300 * 1024 * 1024)
 
 

@@ -168,10 +168,15 @@ class ReplacementSpec(StrictModel):
     num_pretrain_classes: int | None = Field(
         None, ge=0, description="slots 0.. used by the external model's own classes (for the K check)"
     )
-    adapters: list[Literal["procrustes", "affine", "mlp", "fct"]] = Field(
+    anchor: Literal["loaded", "replaced"] = Field(
+        "loaded", description="frozen old model of the replacement's first task: 'loaded' (the new model itself, as "
+        "the reference HOC) or 'replaced' (the fine-tuned model it replaces, so the new model is trained to be "
+        "compatible with the index it inherits; d-Simplex methods only)")
+    adapters: list[Literal["procrustes", "affine", "mlp", "fct", "fan"]] = Field(
         default_factory=list,
         description="adapters fitted between the replaced (old) and the new model at this replacement, evaluated "
-                    "and stored by an 'adapt' stage: procrustes|affine|mlp (new->old queries), fct (old->new gallery)",
+                    "and stored by an 'adapt' stage: procrustes|affine|mlp (new->old queries), fct|fan (old->new "
+                    "gallery)",
     )
     adapter_params: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="per-adapter settings, e.g. {affine: {rank: 64}, mlp: {epochs: 30}}")

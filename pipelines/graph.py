@@ -236,6 +236,11 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
     for task in range(config.num_tasks):
         replacement = config.replacement_at(task)
         if replacement is not None:
+            if replacement.anchor == "replaced" and traits["classifier"] != "simplex":
+                index = config.replacements.index(replacement)
+                raise ValueError(f"replacements[{index}].anchor: 'replaced' needs a d-Simplex method (one fixed "
+                                 f"classifier shared by both lines); {config.method.name!r} has a "
+                                 f"{traits['classifier']} classifier whose outputs differ between the lines")
             kind = "replace"
             source = {name: value for name, value in
                       document["replacements"][config.replacements.index(replacement)].items()

@@ -191,8 +191,8 @@ class TrainResult:
     """What ``train_task`` returns.
 
     model: trained model (the selected epoch's weights, on ``config.device``, eval mode). selected_epoch: 0-based.
-    images_per_s: mean training throughput over the task. extra_state: state dicts the method exports (FAN
-    adapters). selection: per-epoch model-selection metrics (self / cross Recall@1 fractions), empty for "last".
+    images_per_s: mean training throughput over the task. extra_state: adapters the method exports by name
+    (compat_core.adapters.Adapter; FAN's psi_t). selection: per-epoch model-selection metrics (self / cross Recall@1 fractions), empty for "last".
     """
 
     model: nn.Module
@@ -200,7 +200,7 @@ class TrainResult:
     selected_epoch: int
     images_per_s: float
     seconds: float
-    extra_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    extra_state: dict[str, Any] = field(default_factory=dict)
     selection: list[dict[str, float]] = field(default_factory=list)
     resumed_from_epoch: int | None = None  # completed epochs restored from an epoch checkpoint (None: fresh start)
 
@@ -409,9 +409,9 @@ class _CompatibilitySelector:
             old_gallery = self.old_gallery
             adapter = getattr(self.method, "adapter", None)
             if adapter is not None:  # FAN compares a new query with the adapted old gallery
-                from pipelines.methods.fan import adapt_features
+                from compat_core.adapters import apply_chain
 
-                old_gallery = adapt_features(old_gallery.to(self.device), [adapter]).cpu()
+                old_gallery = apply_chain(old_gallery.to(self.device), [adapter]).cpu()
             cross_query = query
             if self.method.training_free:
                 cross_query = self._features(model, self.split.query_indices, self.old_classes)

@@ -13,7 +13,8 @@ Conventions shared by every method:
   method then reduces to its plain classification term, since its compatibility terms compare against something
   that does not exist yet.
 - At a replacement the stage passes the newly loaded model both as ``model`` (to fine-tune) and, frozen, as
-  ``old_model``: the reference anchors to the loaded model, not to the model it replaces. The first task of a
+  ``old_model``: the reference anchors to the loaded model, not to the model it replaces (``replacements[].anchor:
+  replaced`` passes the replaced model instead, for d-Simplex methods). The first task of a
   line that starts from ``initial_model`` is treated alike (anchored to the loaded third-party model); a line that
   starts from a random initialisation has no old model at its first task.
 """
@@ -90,8 +91,8 @@ class Method:
     Subclasses set the class attributes and ``Params`` (a pydantic :class:`MethodParams` whose fields carry the SPEC
     defaults and ranges; ``method.params`` of a config is validated against it at load time), and implement
     ``loss``. ``setup`` returns the extra trainable modules (adapters, discriminators), already on the context's
-    device. ``export_state`` returns state dicts of the extra modules that must outlive training (FAN's
-    adapters); the stage stores them next to the model.
+    device. ``export_state`` returns the adapters that must outlive training, by name
+    (:class:`compat_core.adapters.Adapter`; FAN's psi_t); the stage stores them next to the model.
     """
 
     name: ClassVar[str] = ""
@@ -117,7 +118,7 @@ class Method:
         """(loss, parts): parts are detached 0-d tensors (or floats); the loop reads them at log intervals only."""
         raise NotImplementedError(f"method {self.name!r} does not implement loss()")
 
-    def export_state(self) -> dict[str, dict[str, torch.Tensor]]:
+    def export_state(self) -> dict[str, Any]:
         return {}
 
     def __repr__(self) -> str:

@@ -263,3 +263,27 @@ def test_first_task_from_a_third_party_model_anchors_to_it(tmp_path, method, anc
     # HOC's InfoNCE term exists only when the stage handed it an old model (the loaded p1); ER never asks for one
     assert ("info_nce" in parts) is anchored
     assert ("sce" if method == "dsimplex-hoc" else "ce") in parts
+
+
+def test_replacement_anchored_to_the_replaced_model(tmp_path):
+    """``replacements[].anchor: replaced`` trains the replacement's first task against the model it replaces: the
+    tasks before it are the same stages (same keys, same bytes), the replacement's weights differ from the reference
+    anchor's (the loaded model), and a learnable-classifier method is refused before any stage, naming the key."""
+    document = tiny.method_scenario("dsimplex-hoc", tmp_path / "loaded")
+    _, loaded_graph, loaded_store, _ = run_scenario(document)
+    anchored_document = tiny.method_scenario("dsimplex-hoc", tmp_path / "replaced")
+    anchored_document["replacements"] = [{**anchored_document["replacements"][0], "anchor": "replaced"}]
+    _, graph, store, _ = run_scenario(anchored_document)
+    task = anchored_document["replacements"][0]["at_task"] - 1
+    for before in range(task):
+        assert graph.model_stages[before] == loaded_graph.model_stages[before]
+        assert store.load_manifest(graph.model_stages[before])["blobs"] == \
+            loaded_store.load_manifest(loaded_graph.model_stages[before])["blobs"]
+    replaced, reference = graph.model_stages[task], loaded_graph.model_stages[task]
+    assert replaced != reference
+    assert store.read_blob(replaced, "model.safetensors") != loaded_store.read_blob(reference, "model.safetensors")
+
+    er = tiny.method_scenario("er", tmp_path / "er")
+    er["replacements"] = [{**er["replacements"][0], "anchor": "replaced"}]
+    with pytest.raises(ValueError, match=r"replacements\[0\]\.anchor: 'replaced' needs a d-Simplex method"):
+        compile_scenario(validate_config(er))
