@@ -110,9 +110,9 @@ def _with_adapter(kind: str, old: dict, new: dict, seed: int) -> tuple[Any, dict
     """Fit ``kind`` on paired gallery features; returns (adapter, query features used, gallery features used)."""
     import torch
 
-    from compat_core.adapters import GALLERY_ADAPTERS, make_adapter
+    from compat_core.adapters import GALLERY_ADAPTERS, SEEDED_ADAPTERS, make_adapter
 
-    adapter = make_adapter(kind, **({"seed": seed} if kind in ("mlp", "fct") else {}))
+    adapter = make_adapter(kind, **({"seed": seed} if kind in SEEDED_ADAPTERS else {}))
     old_g = torch.from_numpy(np.asarray(old["gallery"][0], dtype=np.float32))
     new_g = torch.from_numpy(np.asarray(new["gallery"][0], dtype=np.float32))
     if kind in GALLERY_ADAPTERS:

@@ -8,6 +8,8 @@
   exists, e.g. one an autoscaler adds), and with ``device: auto`` 1 when the cluster lists GPUs when the run starts.
 - Matrix entries are tasks too; a worker process keeps the last feature sets it read
   (:func:`pipelines.stages.cached_features`), so entries of one row read their query once per worker.
+- ``resources.<stage>.num_workers`` > 1 (pretrain, finetune): the node is a Ray Train run of that many workers,
+  each with the stage's resources (:mod:`cluster.ray_train_stage`); rank 0 commits the stage.
 - Tasks retry ``max_retries`` times after a worker or node failure; a node found committed when its (retried) task
   starts is not recomputed. Only keys and per-epoch training summaries travel through Ray; models and features move
   through the run store (local folder or s3://) by URI, so a multi-node cluster needs a store every node reaches.
@@ -29,6 +31,7 @@ import ray
 
 from pipelines.executor import Backend, Executor, Invocation, close_emit, read_invocations, run_graph
 from pipelines.graph import Stage, StageGraph
+from cluster.ray_train_stage import run_data_parallel_node
 from cluster.storage import installed_access
 from pipelines.progress import ProgressReporter, ProgressUpdate
 from pipelines.store import RunStore
@@ -62,7 +65,9 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         from cluster.ray_loopback import prepare_loopback
 
         prepare_loopback()  # every port on 127.0.0.1, none on the machine's other interfaces
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
+        # address "local": always a new instance; without it ray.init joins the latest cluster another process
+        # started on this machine (/tmp/ray/ray_current_cluster) and then refuses num_cpus
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
                  include_dashboard=False, _node_ip_address=LOOPBACK, configure_logging=False)
     else:
         if address != "auto":
@@ -147,6 +152,7 @@ class RayBackend(Backend):
         self.nodes = ray.nodes()  # what each node has in total: a request none can hold never starts
         self.checked: set[tuple] = set()
         self.remote = ray.remote(run_node)
+        self.remote_data_parallel = ray.remote(run_data_parallel_node)
         self.running: dict[Any, str] = {}
         self.running_entries = 0
         self.deferred: collections.deque = collections.deque()
@@ -163,9 +169,16 @@ class RayBackend(Backend):
         self._check(stage, options, graph.config.resources.autoscaling)
         root = store.root if not store.is_local else store.base  # absolute: workers do not share the driver's cwd
         # tasks are named after their stage: `ray list tasks` and the dashboard show finetune[t=3], entry[...]
-        ref = self.remote.options(**options, max_retries=self.max_retries, name=stage.label).remote(
-            root, stage, graph.config, graph.code_version, max(1, int(math.floor(options["num_cpus"]))), self.setup,
-            installed_access())
+        if stage.resources.num_workers > 1:
+            # a Ray Train run of num_workers workers, each with `options`; the task that fits it holds nothing
+            ref = self.remote_data_parallel.options(num_cpus=0, num_gpus=0, max_retries=self.max_retries,
+                                                    name=stage.label).remote(
+                root, stage, graph.config, graph.code_version, options, self.max_retries, self.setup,
+                installed_access())
+        else:
+            ref = self.remote.options(**options, max_retries=self.max_retries, name=stage.label).remote(
+                root, stage, graph.config, graph.code_version, max(1, int(math.floor(options["num_cpus"]))),
+                self.setup, installed_access())
         self.running[ref] = stage.key
         self.stats["tasks"] += 1
 
@@ -231,13 +244,14 @@ class RayExecutor(Executor):
         if self.address is not None and self.address.startswith(("http://", "https://")):
             return self._run_as_job(graph, store)
         owns_ray = connect(self.address, self.num_cpus, object_store_memory=self.object_store_memory)
+        ray_address = ray.get_runtime_context().gcs_address
         try:
             backend = RayBackend(self.max_retries, self.setup, graph.config.resources.evaluation_actors)
             try:
                 return run_graph(graph, store, backend, self.emit, until)
             finally:
                 self.last_stats = dict(backend.stats, pids=sorted(backend.stats["pids"]),
-                                       nodes=dict(backend.placements))
+                                       nodes=dict(backend.placements), ray_address=ray_address)
         finally:
             close_emit(self.emit)
             if owns_ray:

@@ -21,7 +21,8 @@ What MLflow holds (one experiment per scenario name):
   steps done in the task; ``stage/seconds``; model stages log ``model/`` (model.safetensors + config.json) and
   register it (see cluster.registry); evaluate stages log their row's ``compat/q{t}_g{k}``.
 
-Resuming: the parent run is found by tags ``pipeline_id`` + ``config_hash`` and reopened; a stage whose run is
+Resuming: the parent run is found by tags ``pipeline_id`` + ``config_hash`` and reopened (when it was still
+RUNNING, its driver died: the stage runs it left RUNNING are ended KILLED first, tag ``ended_by``); a stage whose run is
 FINISHED is not logged again; an interrupted (RUNNING/KILLED) stage run is reused; a FAILED stage run stays FAILED
 as the record of that failure and the retry gets a new run with tag ``attempt`` incremented. A stage that was
 committed without tracking (skipped now) gets a run backfilled from its stored record (no per-step metrics).
@@ -345,6 +346,8 @@ class MlflowTracker(Tracker):
             if excluded:
                 self.client.set_tag(self.parent_run_id, "params_excluded_as_secret", ",".join(sorted(excluded)))
         self._stage_runs = self._load_stage_runs()
+        if existing and existing[0].info.status == "RUNNING":
+            self._reconcile_stale_runs()
         if self.register_models:
             from cluster.registry import ensure_registered_model, registered_model_name
 
@@ -409,6 +412,22 @@ class MlflowTracker(Tracker):
             self._failed = True
             raise
         self._complete_stage(stage.key, time.perf_counter() - started if seconds_hint is None else seconds_hint)
+
+    def _reconcile_stale_runs(self) -> None:
+        """The pipeline run was still RUNNING when this resume started: its driver died (the run-folder lease
+        allows one live driver). Stage runs it left RUNNING are ended KILLED now (tag ``ended_by``) instead of
+        staying RUNNING forever; the stages that run again reopen them, under the same parent run."""
+        stale = [runs[-1] for runs in self._stage_runs.values()
+                 if runs and runs[-1].info.status in ("RUNNING", "SCHEDULED")]
+        for run in stale:
+            self.client.set_tag(run.info.run_id, "ended_by", "resume: the driver that ran it is gone")
+            self.client.set_terminated(run.info.run_id, "KILLED")
+            self._refresh(run.data.tags["stage_key"], run.info.run_id)
+        previous = int(self.client.get_run(self.parent_run_id).data.tags.get("stale_runs_killed", "0"))
+        self.client.set_tag(self.parent_run_id, "stale_runs_killed", str(previous + len(stale)))
+        if stale:
+            log.warning("pipeline run %s: %d stage run(s) left RUNNING by a driver that died were marked KILLED",
+                        self.parent_run_id, len(stale))
 
     # ---- stage runs --------------------------------------------------------------------------------------------
     def _load_stage_runs(self) -> dict[str, list[Any]]:

@@ -56,26 +56,6 @@ COMPARE_TOP_TRIALS = 10
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
-# ---- metrics of a partial matrix -------------------------------------------------------------------------------------
-def prefix_metrics(values: np.ndarray, strict: bool = True) -> dict[str, float | None]:
-    """AC, AA, ACA, BC, FC (fractions) of a leading ``tau x tau`` block (rows/cols 0..tau-1, NaN above the diagonal).
-
-    Undefined metrics (pair metrics with tau = 1) are None.
-    """
-    from compat_core.metrics import (average_accuracy, average_compatibility, average_compatibility_accuracy,
-                                     backward_compatibility, forward_compatibility)
-
-    block = np.asarray(values, dtype=np.float64)
-    result = {
-        "AC": average_compatibility(block, strict=strict),
-        "AA": average_accuracy(block),
-        "ACA": average_compatibility_accuracy(block, strict=strict),
-        "BC": backward_compatibility(block),
-        "FC": forward_compatibility(block),
-    }
-    return {key: (None if value is None or math.isnan(value) else float(value)) for key, value in result.items()}
-
-
 def first_reported_task(metric: str) -> int:
     """1-based count of tasks after which ``metric`` is defined: 2 for pair metrics, 1 for AA."""
     return 2 if metric in PAIR_METRICS else 1
@@ -330,7 +310,7 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
     a trial in-process.
     """
     from compat_core import io as cio
-    from pipelines.executor import LocalExecutor, prepare_run
+    from pipelines.executor import LocalExecutor, headline_metrics, prepare_run
     from pipelines.graph import compile_scenario
     from pipelines.records import read_record
     from pipelines.store import RunStore
@@ -358,7 +338,7 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
         values = np.full((completed, completed), np.nan)
         for row in range(completed):
             values[row, : row + 1] = read_record(store, graph.evaluate_stages[row]).values
-        metrics = prefix_metrics(values, strict)
+        metrics = headline_metrics(values, strict)
         last_metrics = {OBJECTIVE_KEY: metrics[spec.objective], TIME_ATTR: completed, "num_tasks": T,
                         **metrics, "run_dir": run_dir,
                         "matrix_row": [float(v) for v in values[completed - 1, :completed]]}
@@ -652,7 +632,8 @@ def _ensure_ray(address: str | None) -> None:
         from cluster.ray_loopback import prepare_loopback
 
         prepare_loopback()
-        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
+        # address "local": a new embedded instance, never another process's cluster on this machine
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
                  object_store_memory=300 * 1024 * 1024)
 
 
@@ -847,7 +828,7 @@ def register_run_source() -> None:
 
 
 __all__ = [
-    "SearchSpec", "SearchOutcome", "TrialOutcome", "OBJECTIVES", "prefix_metrics",
+    "SearchSpec", "SearchOutcome", "TrialOutcome", "OBJECTIVES",
     "first_reported_task", "objective_metric", "load_plugins", "apply_values", "trial_config",
     "check_space_against_config", "run_trial_pipeline", "tune_trainable", "run_search", "resume_search",
     "register_best_models", "load_search_summaries", "register_run_source", "read_spec", "write_spec",

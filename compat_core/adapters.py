@@ -9,8 +9,12 @@ Directions (what ``source`` and ``target`` are):
 - query adapters map the **new** model's query features into the **old** model's space, so new queries search the
   old, un-re-indexed gallery: ``procrustes`` (orthogonal Procrustes), ``affine`` (low-rank affine, reduced-rank
   ridge regression), ``mlp`` (residual MLP);
-- the gallery transformation ``fct`` (FCT-style, Ramanujan et al. 2022) maps the **old** model's gallery features
-  into the **new** model's space, so the gallery is upgraded without re-running the new model on its images.
+- the gallery transformations map the **old** model's gallery features into the **new** model's space, so the
+  gallery is upgraded without re-running the new model on its images: ``fct`` (FCT-style, Ramanujan et al. 2022,
+  GELU MLP) and ``fan`` (FAN's psi, Iscen et al. 2020: Linear-ReLU-Linear). The FAN method trains its ``fan``
+  adapter jointly with the model (:meth:`TrainedAdapter.build` + :meth:`TrainedAdapter.objective`); every other
+  trained adapter is fitted offline by ``fit``. Adapters chain (:func:`apply_chain`): FAN maps a gallery of model
+  k into model t's space through psi_{k+1}, ..., psi_t.
 
 Features are L2-normalised before fitting and before applying (retrieval is by cosine similarity); outputs are not
 normalised (the retrieval code does that). MLP adapters minimise the mean squared L2 error
@@ -26,9 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ADAPTER_KINDS = ("procrustes", "affine", "mlp", "fct")
+ADAPTER_KINDS = ("procrustes", "affine", "mlp", "fct", "fan")
 QUERY_ADAPTERS = ("procrustes", "affine", "mlp")   # new -> old, applied to queries
-GALLERY_ADAPTERS = ("fct",)                         # old -> new, applied to the gallery
+GALLERY_ADAPTERS = ("fct", "fan")                   # old -> new, applied to the gallery
+SEEDED_ADAPTERS = ("mlp", "fct", "fan")             # trained by gradient descent: take a ``seed``
 _FORMAT = "compat-adapter/1"
 
 
@@ -180,8 +185,13 @@ class _MlpNet(nn.Module):
         return out
 
 
-class _MlpAdapter(Adapter):
-    residual = True
+class TrainedAdapter(Adapter):
+    """An adapter that is a small network trained by gradient descent on the mean squared L2 error.
+
+    ``build(d_in, d_out)`` creates the network (initial weights drawn from torch's global generator);
+    ``objective(x, y)`` is the differentiable loss on normalised paired features, shared by ``fit`` (Adam, seeded)
+    and by a method that trains the adapter jointly with its model (FAN).
+    """
 
     def __init__(self, hidden: int = 512, epochs: int = 30, lr: float = 1e-3, batch_size: int = 256,
                  weight_decay: float = 1e-4, seed: int = 0) -> None:
@@ -193,16 +203,30 @@ class _MlpAdapter(Adapter):
             raise ValueError(f"{self.kind} adapter lr: expected > 0, got {lr}")
         self.hidden, self.epochs, self.lr = int(hidden), int(epochs), float(lr)
         self.batch_size, self.weight_decay, self.seed = int(batch_size), float(weight_decay), int(seed)
-        self.net: _MlpNet | None = None
+        self.net: nn.Module | None = None
+        self.widths = (0, 0)
+
+    def _network(self, d_in: int, d_out: int) -> nn.Module:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def build(self, d_in: int, d_out: int) -> nn.Module:
+        """Create the (d_in -> d_out) network from torch's global generator; returns it for an optimizer."""
+        self.widths = (int(d_in), int(d_out))
+        self.net = self._network(int(d_in), int(d_out))
+        return self.net
+
+    def objective(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Differentiable ``(1/n) sum_i ||f(x_i) - y_i||^2`` (x, y: normalised rows; computed in float32)."""
+        return ((self.net(x).float() - y) ** 2).sum(dim=1).mean()
 
     def fit(self, source: Any, target: Any, progress: Callable[[int, int, float], None] | None = None
-            ) -> "_MlpAdapter":
-        """Adam on the mean squared L2 error; ``progress(epoch, epochs, epoch_loss)`` after each epoch."""
+            ) -> "TrainedAdapter":
+        """Adam on :meth:`objective`; ``progress(epoch, epochs, epoch_loss)`` after each epoch."""
         x, y = _paired(source, target)
         generator = torch.Generator().manual_seed(self.seed)
         torch_state = torch.random.get_rng_state()
         torch.manual_seed(self.seed)
-        self.net = _MlpNet(x.shape[1], y.shape[1], self.hidden, self.residual).to(x.device)
+        self.build(x.shape[1], y.shape[1]).to(x.device)
         torch.random.set_rng_state(torch_state)
         optimizer = torch.optim.Adam(self.net.parameters(), lr=self.lr, weight_decay=self.weight_decay)
         self.fit_loss = []
@@ -211,7 +235,7 @@ class _MlpAdapter(Adapter):
             total = 0.0
             for start in range(0, x.shape[0], self.batch_size):
                 index = order[start:start + self.batch_size]
-                loss = ((self.net(x[index]) - y[index]) ** 2).sum(dim=1).mean()
+                loss = self.objective(x[index], y[index])
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -226,33 +250,55 @@ class _MlpAdapter(Adapter):
         return self.net.to(x.device)(x)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        state = {name: value.detach().contiguous() for name, value in self.net.state_dict().items()}
-        state["shape"] = torch.tensor([self.net.fc1.in_features, self.net.fc2.out_features, self.hidden])
+        state = {name: value.detach().cpu().contiguous() for name, value in self.net.state_dict().items()}
+        state["shape"] = torch.tensor([self.widths[0], self.widths[1], self.hidden])
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         d_in, d_out, hidden = (int(v) for v in state["shape"])
         self.hidden = hidden
-        self.net = _MlpNet(d_in, d_out, hidden, self.residual)
+        self.build(d_in, d_out)
         self.net.load_state_dict({name: value for name, value in state.items() if name != "shape"})
         self.net.eval()
 
 
-class ResidualMlpAdapter(_MlpAdapter):
+class ResidualMlpAdapter(TrainedAdapter):
     """New -> old query adapter ``f(x) = x + W2 GELU(W1 x + b1) + b2`` (identity at initialisation)."""
 
     kind = "mlp"
 
+    def _network(self, d_in: int, d_out: int) -> nn.Module:
+        return _MlpNet(d_in, d_out, self.hidden, residual=True)
 
-class FctAdapter(_MlpAdapter):
+
+class FctAdapter(TrainedAdapter):
     """FCT-style old -> new gallery transformation ``h(x) = W2 GELU(W1 x + b1) + b2`` (no skip: the spaces differ)."""
 
     kind = "fct"
     direction = "gallery"
-    residual = False
+
+    def _network(self, d_in: int, d_out: int) -> nn.Module:
+        return _MlpNet(d_in, d_out, self.hidden, residual=False)
 
 
-_CLASSES = {"procrustes": ProcrustesAdapter, "affine": AffineAdapter, "mlp": ResidualMlpAdapter, "fct": FctAdapter}
+class FanAdapter(TrainedAdapter):
+    """FAN's adaptation network psi (Iscen et al., ECCV 2020), old -> new gallery: ``W2 ReLU(W1 x + b1) + b2``.
+
+    Tensor names are those of ``nn.Sequential(Linear, ReLU, Linear)`` (``0.weight`` ... ``2.bias``). The FAN
+    method trains it jointly with the model; ``fit`` trains it offline on paired features like the other MLPs.
+    """
+
+    kind = "fan"
+    direction = "gallery"
+
+    def _network(self, d_in: int, d_out: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(d_in, self.hidden), nn.ReLU(inplace=True), nn.Linear(self.hidden, d_out))
+
+
+_CLASSES = {"procrustes": ProcrustesAdapter, "affine": AffineAdapter, "mlp": ResidualMlpAdapter, "fct": FctAdapter,
+            "fan": FanAdapter}
+# FAN adapters stored before all adapters shared this format: bare Sequential tensors, no metadata
+_LEGACY_FAN_TENSORS = {"0.weight", "0.bias", "2.weight", "2.bias"}
 
 
 def make_adapter(kind: str, **params: Any) -> Adapter:
@@ -270,16 +316,32 @@ def save_adapter(adapter: Adapter) -> bytes:
 
 
 def adapter_from_state(state: dict[str, torch.Tensor], metadata: dict[str, str]) -> Adapter:
-    kind = (metadata or {}).get("kind")
-    if (metadata or {}).get("format") != _FORMAT or kind not in _CLASSES:
+    """Adapter from its tensors and metadata (kind, format); a legacy FAN file (bare psi tensors) is read as fan."""
+    metadata = dict(metadata or {})
+    if not metadata and set(state) == _LEGACY_FAN_TENSORS:
+        weight = state["0.weight"]
+        state = {**state, "shape": torch.tensor([weight.shape[1], state["2.weight"].shape[0], weight.shape[0]])}
+        metadata = {"format": _FORMAT, "kind": "fan"}
+    kind = metadata.get("kind")
+    if metadata.get("format") != _FORMAT or kind not in _CLASSES:
         raise ValueError(f"adapter file: expected metadata format {_FORMAT!r} and kind in {list(ADAPTER_KINDS)}, "
                          f"got {metadata!r}")
     adapter = _CLASSES[kind].__new__(_CLASSES[kind])
     Adapter.__init__(adapter)
-    if isinstance(adapter, _MlpAdapter):
-        adapter.residual = _CLASSES[kind].residual
     adapter.load_state_dict(state)
     return adapter
+
+
+def apply_chain(features: Any, adapters: list[Adapter]) -> torch.Tensor:
+    """Apply ``adapters`` in order (each normalises its input), then L2-normalise: (N, D) -> (N, D') float32.
+
+    FAN's gallery of model k seen from model t: ``adapters`` = psi_{k+1}, ..., psi_t (oldest first). With no
+    adapter the features are just normalised.
+    """
+    mapped = _as_float_matrix("features", features)
+    for adapter in adapters:
+        mapped = adapter.apply(mapped)
+    return F.normalize(mapped, dim=1)
 
 
 def load_adapter_bytes(data: bytes) -> Adapter:
@@ -293,6 +355,6 @@ def load_adapter_bytes(data: bytes) -> Adapter:
     return adapter_from_state(load(data), metadata)
 
 
-__all__ = ["ADAPTER_KINDS", "QUERY_ADAPTERS", "GALLERY_ADAPTERS", "Adapter", "ProcrustesAdapter", "AffineAdapter",
-           "ResidualMlpAdapter", "FctAdapter", "make_adapter", "save_adapter", "load_adapter_bytes",
-           "adapter_from_state"]
+__all__ = ["ADAPTER_KINDS", "QUERY_ADAPTERS", "GALLERY_ADAPTERS", "SEEDED_ADAPTERS", "Adapter", "ProcrustesAdapter",
+           "AffineAdapter", "TrainedAdapter", "ResidualMlpAdapter", "FctAdapter", "FanAdapter", "make_adapter",
+           "save_adapter", "load_adapter_bytes", "adapter_from_state", "apply_chain"]

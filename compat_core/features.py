@@ -100,16 +100,4 @@ def lsp(
     return _keep_top_k(F.normalize(kept, dim=-1), top_k)
 
 
-def psp_projection(num_classes_new: int, num_classes_old: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The explicit matrix ``P_{t,k} = [I - J/C_k | 0]``, shape (C_k, C_t); for inspection and tests only.
-
-    :func:`psp` never builds it (that would cost C_k * C_t memory at CelebA scale).
-    """
-    num_new = check_int("num_classes_new", num_classes_new, 2)
-    num_old = check_int("num_classes_old", num_classes_old, 2, num_new)
-    projection = torch.zeros(num_old, num_new, dtype=dtype)
-    projection[:, :num_old] = torch.eye(num_old, dtype=dtype) - 1.0 / num_old
-    return projection
-
-
-__all__ = ["lsp", "psp", "psp_from_logits", "psp_projection"]
+__all__ = ["lsp", "psp", "psp_from_logits"]

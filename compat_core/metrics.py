@@ -36,6 +36,7 @@ __all__ = [
     "empirical_compatibility",
     "forward_compatibility",
     "metrics_by_task",
+    "summary_metrics",
     "update_gain",
     "upgrade_verdict",
     "validate_matrix",
@@ -200,7 +201,8 @@ def update_gain(cross: float, self_old: float, self_upper: float) -> float:
     return (float(cross) - float(self_old)) / denominator
 
 
-def _summary(matrix: np.ndarray, strict: bool) -> dict[str, float]:
+def summary_metrics(matrix: np.ndarray, strict: bool = True) -> dict[str, float]:
+    """AC, AA, ACA, BC, FC of a ``(T, T)`` matrix (fractions, NaN above the diagonal; pair metrics NaN at T = 1)."""
     return {
         "AC": average_compatibility(matrix, strict=strict),
         "AA": average_accuracy(matrix),
@@ -270,7 +272,7 @@ class CompatibilityMatrix:
 
     def summary(self) -> dict[str, float]:
         """AC, AA, ACA, BC, FC of the whole matrix as fractions (NaN for the pair metrics when T == 1)."""
-        return _summary(self.values, self.strict)
+        return summary_metrics(self.values, self.strict)
 
     def with_row(self, row_values: Any, model_id: str) -> "CompatibilityMatrix":
         """Return a new ``(T+1, T+1)`` matrix for one more model.

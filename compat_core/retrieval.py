@@ -75,7 +75,6 @@ __all__ = [
     "class_mean_gallery",
     "bridged_nearest_neighbours",
     "bridged_recall_at_1",
-    "make_verification_pairs",
     "verification_accuracy",
     "tar_at_far",
     "PRECISIONS",
@@ -974,71 +973,6 @@ def bridged_recall_at_1(query_embed, query_head, gallery_embed, gallery_head, qu
 
 # ----------------------------------------------------------------------------------------------------------------
 # 1:1 verification
-
-
-def make_verification_pairs(labels, n_pos: int, n_neg: int, seed: int
-                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Seeded 1:1 verification pairs: ``n_pos`` same-label and ``n_neg`` different-label pairs.
-
-    Pairs are distinct unordered pairs of distinct samples (0-based indices into ``labels``; idx_a < idx_b), drawn
-    uniformly among all pairs of their kind, then shuffled together. Returns (idx_a (n,), idx_b (n,) int64,
-    same (n,) bool) with n = n_pos + n_neg. Raises ValueError when positives are asked for and no class has two
-    samples, or when fewer distinct pairs of a kind exist than requested.
-    """
-    labels = np.asarray(labels)
-    if labels.ndim != 1:
-        raise ValueError(f"labels: expected a 1-D array, got shape {labels.shape}")
-    if n_pos < 0 or n_neg < 0:
-        raise ValueError(f"n_pos/n_neg: expected non-negative counts, got {n_pos}, {n_neg}")
-    rng = np.random.default_rng(seed)
-    classes, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
-    members = [np.flatnonzero(inverse == c) for c in range(len(classes))]
-    pair_counts = counts.astype(np.float64) * (counts - 1) / 2
-    total_pos = int(pair_counts.sum())
-    total_neg = len(labels) * (len(labels) - 1) // 2 - total_pos
-    if n_pos > 0 and total_pos == 0:
-        raise ValueError("labels: no class has 2 or more samples, so no positive pair exists")
-    if n_pos > total_pos:
-        raise ValueError(f"n_pos: only {total_pos} distinct same-label pairs exist, {n_pos} requested")
-    if n_neg > total_neg:
-        raise ValueError(f"n_neg: only {total_neg} distinct different-label pairs exist, {n_neg} requested")
-
-    def draw_positive(count: int) -> np.ndarray:
-        cls = rng.choice(len(classes), size=count, p=pair_counts / pair_counts.sum())
-        size = counts[cls]
-        first = rng.integers(0, size)
-        second = (first + rng.integers(1, np.maximum(size, 2))) % size      # a different member of the class
-        return np.stack([[members[c][i] for c, i in zip(cls, first)],
-                         [members[c][i] for c, i in zip(cls, second)]], axis=1)
-
-    def draw_negative(count: int) -> np.ndarray:
-        pairs = rng.integers(0, len(labels), size=(count, 2))
-        return pairs[labels[pairs[:, 0]] != labels[pairs[:, 1]]]
-
-    def distinct(count: int, total: int, draw, same: bool) -> np.ndarray:
-        if count == 0:
-            return np.zeros((0, 2), dtype=np.int64)
-        if total <= 4 * count:
-            # few pairs exist: enumerate them all and pick without replacement
-            a, b = np.triu_indices(len(labels), k=1)
-            keep = (labels[a] == labels[b]) == same
-            pool = np.stack([a[keep], b[keep]], axis=1)
-            return pool[rng.choice(len(pool), size=count, replace=False)]
-        chosen: dict[tuple[int, int], None] = {}
-        while len(chosen) < count:
-            for x, y in draw(2 * (count - len(chosen)) + 16):
-                key = (min(int(x), int(y)), max(int(x), int(y)))
-                chosen.setdefault(key)
-                if len(chosen) == count:
-                    break
-        return np.array(list(chosen), dtype=np.int64)
-
-    positives = distinct(n_pos, total_pos, draw_positive, True)
-    negatives = distinct(n_neg, total_neg, draw_negative, False)
-    pairs = np.concatenate([positives, negatives]).astype(np.int64)
-    same = np.concatenate([np.ones(len(positives), bool), np.zeros(len(negatives), bool)])
-    order = rng.permutation(len(pairs))
-    return pairs[order, 0], pairs[order, 1], same[order]
 
 
 def _pair_cosines(feats_a, feats_b) -> np.ndarray:

@@ -103,11 +103,6 @@ def bridge_blobs(embeddings: np.ndarray, model_stage_key: str, feature_dim: int,
     return blobs, layout
 
 
-def storage_per_image(way: str, feature_dim: int, embed_dim: int, bytes_per_value: int) -> int:
-    """Bytes stored per image per model (the head lives in the model's weights, stored anyway)."""
-    return (embed_dim if way == "bridge" else feature_dim) * bytes_per_value
-
-
 # ---- reading (small per-process caches: extract and model keys are content hashes) -------------------------------
 _HEADS: "collections.OrderedDict[tuple[str, str], torch.Tensor]" = collections.OrderedDict()
 _GRAMS: "collections.OrderedDict[tuple[str, str], torch.Tensor]" = collections.OrderedDict()

@@ -168,10 +168,15 @@ class ReplacementSpec(StrictModel):
     num_pretrain_classes: int | None = Field(
         None, ge=0, description="slots 0.. used by the external model's own classes (for the K check)"
     )
-    adapters: list[Literal["procrustes", "affine", "mlp", "fct"]] = Field(
+    anchor: Literal["loaded", "replaced"] = Field(
+        "loaded", description="frozen old model of the replacement's first task: 'loaded' (the new model itself, as "
+        "the reference HOC) or 'replaced' (the fine-tuned model it replaces, so the new model is trained to be "
+        "compatible with the index it inherits; d-Simplex methods only)")
+    adapters: list[Literal["procrustes", "affine", "mlp", "fct", "fan"]] = Field(
         default_factory=list,
         description="adapters fitted between the replaced (old) and the new model at this replacement, evaluated "
-                    "and stored by an 'adapt' stage: procrustes|affine|mlp (new->old queries), fct (old->new gallery)",
+                    "and stored by an 'adapt' stage: procrustes|affine|mlp (new->old queries), fct|fan (old->new "
+                    "gallery)",
     )
     adapter_params: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="per-adapter settings, e.g. {affine: {rank: 64}, mlp: {epochs: 30}}")
@@ -199,6 +204,8 @@ class StageResources(StrictModel):
     num_gpus: float | None = Field(None, ge=0)
     num_cpus: float = Field(1, gt=0)
     memory: int | None = Field(None, ge=0, description="bytes")
+    num_workers: int = Field(1, ge=1, description="data-parallel training workers (Ray Train, DDP), each with "
+                             "num_cpus / num_gpus / memory; > 1 only for pretrain and finetune, on the Ray backend")
     custom: dict[str, float] = Field(default_factory=dict, description="Ray custom resources the stage needs, e.g. "
                                      "{gpu_a100: 1} or {spot: 0.01}: it only runs on nodes that list them")
 
@@ -212,6 +219,14 @@ class ResourcesSpec(StrictModel):
                                                                    "(None: as many as Ray places)")
     autoscaling: bool = Field(False, description="the Ray cluster has an autoscaler: a stage no current node can "
                               "hold waits for one (logged) instead of failing at once")
+
+    @model_validator(mode="after")
+    def _data_parallel_training_only(self) -> "ResourcesSpec":
+        for name in ("extract", "evaluate"):
+            if getattr(self, name).num_workers != 1:
+                raise ValueError(f"resources.{name}.num_workers must be 1 (only pretrain and finetune train "
+                                 f"data-parallel), got {getattr(self, name).num_workers}")
+        return self
 
     def for_stage(self, kind: str) -> StageResources:
         return getattr(self, {"replace": "finetune", "adapt": "evaluate"}.get(kind, kind))

@@ -70,12 +70,24 @@ class InProcessBackend(Backend):
         self.queue: collections.deque = collections.deque()
 
     def submit(self, stage: Stage, graph: StageGraph, store: RunStore) -> None:
+        refuse_data_parallel([stage])
         self.queue.append((stage, graph, store))
 
     def wait(self) -> tuple[str, list]:
         stage, graph, store = self.queue.popleft()
         execute_stage(stage, graph.config, store, self.emit, code_version=graph.code_version)
         return stage.key, []
+
+
+def refuse_data_parallel(stages: Iterable[Stage]) -> None:
+    """ValueError naming ``resources.<stage>.num_workers`` when a stage asks for more than one training worker."""
+    for stage in stages:
+        workers = stage.resources.num_workers
+        if workers > 1:
+            kind = {"replace": "finetune"}.get(stage.kind, stage.kind)
+            raise ValueError(f"resources.{kind}.num_workers = {workers}: data-parallel training runs on the Ray "
+                             f"backend (compat run --executor ray); the in-process backend trains with one "
+                             f"worker (set it to 1)")
 
 
 def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callable[[Any], None],
@@ -164,6 +176,7 @@ class LocalExecutor(Executor):
 
     def run(self, graph: StageGraph, store: RunStore, until: Iterable[str] | None = None) -> Invocation:
         try:
+            refuse_data_parallel(graph)  # before any node computes
             return run_graph(graph, store, InProcessBackend(self.emit), self.emit, until, self.stop_after)
         finally:
             close_emit(self.emit)
@@ -238,21 +251,32 @@ def assemble_matrix(graph: StageGraph, store: RunStore, row_keys: list[str] | No
     return CompatibilityMatrix(values, [f"task-{t + 1}" for t in range(T)], config.evaluation.metric, protocol)
 
 
+def _defined(value: Any) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def headline_metrics(values: Any, strict: bool = True) -> dict[str, float | None]:
+    """AC, AA, ACA, BC, FC (fractions; None when undefined, e.g. pair metrics of one model) of a ``(tau, tau)``
+    matrix or leading block (NaN above the diagonal): metrics.json, and Tune's report after each row."""
+    from compat_core.metrics import summary_metrics
+
+    return {name: _defined(value) for name, value in
+            summary_metrics(np.asarray(values, dtype=np.float64), strict=strict).items()}
+
+
 def compute_metrics(matrix, strict: bool) -> dict:
     """metrics.json content: AC, AA, ACA, BC, FC (fractions; null when undefined) + AC_tau/AA_tau per task."""
     from compat_core.metrics import metrics_by_task
 
-    summary = matrix.summary()
     curves = metrics_by_task(matrix.values, strict=strict)
-    clean = lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)  # noqa: E731
     return {
         "units": "fraction",
         "metric": matrix.metric,
         "strict": strict,
         "num_tasks": matrix.num_models,
-        **{name: clean(summary[name]) for name in ("AC", "AA", "ACA", "BC", "FC")},
-        "AC_tau": [clean(v) for v in curves["AC_tau"]],
-        "AA_tau": [clean(v) for v in curves["AA_tau"]],
+        **headline_metrics(matrix.values, strict),
+        "AC_tau": [_defined(v) for v in curves["AC_tau"]],
+        "AA_tau": [_defined(v) for v in curves["AA_tau"]],
     }
 
 

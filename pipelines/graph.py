@@ -90,6 +90,12 @@ def stage_threads(resources: StageResources) -> int:
     return max(1, int(resources.num_cpus))
 
 
+def parallel_params(resources: StageResources) -> dict[str, int]:
+    """Key parameters of data-parallel training: ``{"workers": N}`` for N > 1 workers, else nothing (keys of
+    one-worker stages stay as they were). N changes float reduction order, so it is part of the key."""
+    return {"workers": int(resources.num_workers)} if resources.num_workers > 1 else {}
+
+
 def stage_key(kind: str, label: str, params: dict, parents: tuple[str, ...], version: str) -> str:
     """Content key of a stage: ``<kind>-<label>-<first 16 hex of sha256(kind, params, parents, version)>``."""
     digest = stable_hash({"kind": kind, "params": params, "parents": list(parents), "code": version})
@@ -199,6 +205,7 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
             "defaults": {"model": model_section, "training": resolved_training, "seed": config.seed},
             "classifier": traits["classifier"],
             "threads": stage_threads(resources.pretrain),
+            **parallel_params(resources.pretrain),
         }
         stage = Stage(stage_key("pretrain", spec.name, params, (), version), "pretrain", f"pretrain[{spec.name}]",
                       params, (), resources.pretrain, name=spec.name)
@@ -229,6 +236,11 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
     for task in range(config.num_tasks):
         replacement = config.replacement_at(task)
         if replacement is not None:
+            if replacement.anchor == "replaced" and traits["classifier"] != "simplex":
+                index = config.replacements.index(replacement)
+                raise ValueError(f"replacements[{index}].anchor: 'replaced' needs a d-Simplex method (one fixed "
+                                 f"classifier shared by both lines); {config.method.name!r} has a "
+                                 f"{traits['classifier']} classifier whose outputs differ between the lines")
             kind = "replace"
             source = {name: value for name, value in
                       document["replacements"][config.replacements.index(replacement)].items()
@@ -238,7 +250,8 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
             kind = "finetune"
             source = {"initial_model": config.initial_model} if task == 0 else None
             parents = ((previous,) if previous else ()) + (source_parents(config.initial_model) if task == 0 else ())
-        params = {"task": task, "shared": shared, "source": source, "threads": stage_threads(resources.for_stage(kind))}
+        params = {"task": task, "shared": shared, "source": source, "threads": stage_threads(resources.for_stage(kind)),
+                  **parallel_params(resources.for_stage(kind))}
         stage = Stage(stage_key(kind, f"t{task:03d}", params, parents, version), kind, f"{kind}[t={task}]", params,
                       parents, resources.for_stage(kind), task=task)
         graph.add(stage)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from pipelines.config import PRETRAIN_PREFIX, PoolSpec, ScenarioConfig
+from pipelines.distributed import is_leader
 from pipelines.graph import Stage, protocol_params
 from pipelines.progress import ProgressUpdate
 from pipelines.records import (
@@ -32,8 +33,8 @@ from pipelines.records import (
 from pipelines.store import RunStore, decode_array, encode_array, feature_blobs, read_features
 
 Emit = Callable[[Any], None]
-# Extra modules a method exports (TrainResult.extra_state) are stored next to the model as extra-<name>.safetensors;
-# FAN's adapter psi_t is "adapter".
+# Adapters a method exports (TrainResult.extra_state) are stored next to the model as extra-<name>.safetensors
+# (compat_core.adapters.save_adapter); FAN's adapter psi_t is "adapter".
 ADAPTER_BLOB = "extra-adapter.safetensors"
 
 
@@ -315,8 +316,13 @@ def _checkpoints(ctx: StageContext):
     """The stage's epoch checkpoints in the run store (None with ``training.checkpoint_every_epochs: 0``)."""
     from pipelines.checkpoints import StoreCheckpointSink
 
+    from pipelines.distributed import launcher_checkpoint_sink
+
     every = ctx.config.training.checkpoint_every_epochs
-    return StoreCheckpointSink(ctx.store, ctx.stage.key, every) if every else None
+    if not every:
+        return None
+    # data-parallel ranks keep theirs through their launcher (Ray Train), written once, by rank 0
+    return launcher_checkpoint_sink(every) or StoreCheckpointSink(ctx.store, ctx.stage.key, every)
 
 
 def pretrain_stage(ctx: StageContext) -> StageResult:
@@ -513,7 +519,11 @@ def train_task_stage(ctx: StageContext) -> StageResult:
                                              replacement.backbone_config, replacement.sha256, config.seed,
                                              replacement.num_pretrain_classes)
             line = previous.line + 1
-            old_model = _frozen(model)  # the reference HOC anchors to the newly loaded model
+            if replacement.anchor == "replaced":
+                # trained to be compatible with the model it replaces (its features are what the index holds)
+                old_model = _frozen(load_model_artifact(ctx.store, previous, ctx.device))
+            else:
+                old_model = _frozen(model)  # the reference HOC anchors to the newly loaded model
         elif task == 0 and config.initial_model:
             model, pretrained = _load_source(ctx, config.initial_model, classifier, None, None, None, config.seed)
             line = 0
@@ -556,15 +566,17 @@ def train_task_stage(ctx: StageContext) -> StageResult:
     )
     result = train_task(model, old_model, method, data, config.train_config(seed, ctx.device), on_record=ctx.emit,
                         progress=_progress_hook(ctx), checkpoints=_checkpoints(ctx))
+    if not is_leader():  # data-parallel training: rank 0 builds and commits the artifacts, the other ranks nothing
+        return StageResult(None)
     trained = result.model
     blobs = _model_blobs(trained)
     extra = []
     if result.extra_state:
-        from safetensors.torch import save as save_safetensors
+        from compat_core.adapters import save_adapter
 
-        for module_name, state in result.extra_state.items():
+        for module_name, adapter in result.extra_state.items():  # FAN's psi_t: stored like every adapter
             name = f"extra-{module_name}.safetensors"
-            blobs[name] = save_safetensors({k: v.detach().cpu().contiguous() for k, v in state.items()})
+            blobs[name] = save_adapter(adapter)
             extra.append(name)
 
     memory_record = None
@@ -744,8 +756,9 @@ def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: Scenario
 
     protocol: metric (recall_at_1 | map | verification | tar_at_far), gallery (instances | class_means),
     label_level (fine | coarse), far, verification_pairs. query_classes / gallery_classes: classifier outputs of
-    the two models (PSP/LSP project the query into the gallery model's space). adapters: FAN adapters that map the
-    gallery model's features into the query model's space, oldest first (see :func:`entry_adapters`).
+    the two models (PSP/LSP project the query into the gallery model's space). adapters: gallery adapters
+    (compat_core.adapters, FAN's psi) that map the gallery model's features into the query model's space, oldest
+    first (see :func:`entry_adapters`), applied by :func:`compat_core.adapters.apply_chain`.
     Returns a fraction in [0, 1].
     """
     from compat_core import retrieval
@@ -764,9 +777,9 @@ def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: Scenario
         q = method.extract_features(q, num_classes_old=gallery_classes or None)
         g = method.extract_features(g, num_classes_old=gallery_classes or None)
     if adapters:
-        from pipelines.methods.fan import adapt_features
+        from compat_core.adapters import apply_chain
 
-        g = adapt_features(g, adapters)
+        g = apply_chain(g, adapters)
     q = torch.nn.functional.normalize(q.float(), dim=1)
     g = torch.nn.functional.normalize(g.float(), dim=1)
     q_labels = np.asarray(q_labels, dtype=np.int64)
@@ -797,9 +810,7 @@ def entry_adapters(store: RunStore, gallery_records: list[FeatureRecord], row: i
     Empty for methods without adapters. At a replacement FAN's adapter maps the newly loaded model's features (its
     old model there), so a chain crossing a replacement is an approximation the papers do not define.
     """
-    from safetensors.torch import load as load_safetensors
-
-    from pipelines.methods.fan import load_adapter
+    from compat_core.adapters import load_adapter_bytes
 
     if not any(record.adapter_blob for record in gallery_records[column + 1: row + 1]):
         return []
@@ -809,8 +820,7 @@ def entry_adapters(store: RunStore, gallery_records: list[FeatureRecord], row: i
         if not record.adapter_blob:
             raise ValueError(f"entry C[{row}, {column}]: the model of task {task} has no FAN adapter "
                              f"({ADAPTER_BLOB}) although other models of the run have one")
-        state = load_safetensors(store.read_blob(record.model_stage_key, record.adapter_blob))
-        adapters.append(load_adapter(state))
+        adapters.append(load_adapter_bytes(store.read_blob(record.model_stage_key, record.adapter_blob)))
     return adapters
 
 
@@ -901,6 +911,8 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
         result = STAGE_FUNCTIONS[stage.kind](ctx)
     finally:
         torch.set_num_threads(threads_before)
+    if not is_leader():
+        return None  # a data-parallel rank other than 0 (pipelines.distributed): rank 0 commits the stage
     node = {"kind": stage.kind, "label": stage.label}
     if placement is not None:
         node["placement"] = dict(placement)

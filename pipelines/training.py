@@ -29,6 +29,7 @@ from compat_core.data.transforms import make_transforms
 from compat_core.models.precision import autocast_context, has_convolutions, prepare_batch, prepare_for_speed
 from compat_core.retrieval import recall_at_1
 from compat_core.simplex import pretrain_slot
+from pipelines import distributed
 from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy
 from pipelines.train_config import TrainConfig
 
@@ -190,8 +191,8 @@ class TrainResult:
     """What ``train_task`` returns.
 
     model: trained model (the selected epoch's weights, on ``config.device``, eval mode). selected_epoch: 0-based.
-    images_per_s: mean training throughput over the task. extra_state: state dicts the method exports (FAN
-    adapters). selection: per-epoch model-selection metrics (self / cross Recall@1 fractions), empty for "last".
+    images_per_s: mean training throughput over the task. extra_state: adapters the method exports by name
+    (compat_core.adapters.Adapter; FAN's psi_t). selection: per-epoch model-selection metrics (self / cross Recall@1 fractions), empty for "last".
     """
 
     model: nn.Module
@@ -199,7 +200,7 @@ class TrainResult:
     selected_epoch: int
     images_per_s: float
     seconds: float
-    extra_state: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    extra_state: dict[str, Any] = field(default_factory=dict)
     selection: list[dict[str, float]] = field(default_factory=list)
     resumed_from_epoch: int | None = None  # completed epochs restored from an epoch checkpoint (None: fresh start)
 
@@ -266,14 +267,19 @@ class _Loader:
             self.all_indices, self.all_slots = data.indices, data.slots
         self.num_task = data.indices.size
 
-    def batch(self, positions: np.ndarray, images: torch.Tensor | None = None) -> Batch:
-        """The device batch of ``positions``; ``images`` (uint8, already read, e.g. by the stream) or read here."""
+    def batch(self, positions: np.ndarray, images: torch.Tensor | None = None,
+              rows: tuple[int, int] | None = None) -> Batch:
+        """The device batch of ``positions``; ``images`` (uint8, already read, e.g. by the stream) or read here.
+
+        rows: data-parallel training: ``images`` are rows [start, stop) of the global batch ``positions``."""
         if images is None:
-            images = torch.from_numpy(np.ascontiguousarray(self.data.source.read(self.all_indices[positions])))
-        images = prepare_batch(self.transform(images.to(self.device, non_blocking=True)), self.model)
+            local = positions if rows is None else positions[rows[0] : rows[1]]
+            images = torch.from_numpy(np.ascontiguousarray(self.data.source.read(self.all_indices[local])))
+        draws = None if rows is None else (*rows, positions.size)
+        images = prepare_batch(self.transform(images.to(self.device, non_blocking=True), draws), self.model)
         targets = torch.from_numpy(self.all_slots[positions]).to(self.device)
         is_memory = torch.from_numpy(positions >= self.num_task).to(self.device)
-        return Batch(images=images, targets=targets, is_memory=is_memory)
+        return Batch(images=images, targets=targets, is_memory=is_memory, rows=rows)
 
     def memory_batches(self, batch_size: int) -> Iterator[Batch]:
         positions = np.arange(self.num_task, self.all_indices.size, dtype=np.int64)
@@ -403,9 +409,9 @@ class _CompatibilitySelector:
             old_gallery = self.old_gallery
             adapter = getattr(self.method, "adapter", None)
             if adapter is not None:  # FAN compares a new query with the adapted old gallery
-                from pipelines.methods.fan import adapt_features
+                from compat_core.adapters import apply_chain
 
-                old_gallery = adapt_features(old_gallery.to(self.device), [adapter]).cpu()
+                old_gallery = apply_chain(old_gallery.to(self.device), [adapter]).cpu()
             cross_query = query
             if self.method.training_free:
                 cross_query = self._features(model, self.split.query_indices, self.old_classes)
@@ -434,6 +440,7 @@ def train_task(
     on_record: Callable[[TrainRecord], None] | None = None,
     progress: ProgressHook | None = None,
     checkpoints: "CheckpointSink | None" = None,
+    parallel_key: str = "resources.finetune.num_workers",
 ) -> TrainResult:
     """Train ``model`` on one task with ``method``; returns the trained model and the training records.
 
@@ -448,6 +455,9 @@ def train_task(
     re-emitted to ``on_record``, and training continues bit-identically on the CPU in fp32. A checkpoint is saved
     after every ``checkpoints.every_epochs`` epochs (not after the last: the stage commits then) and, when SIGTERM
     arrives, at the next step boundary; the process then ends as SIGTERM ends it, so Ray retries the task.
+    Inside an initialised torch.distributed group of N ranks every rank trains its rows of each global batch under
+    DDP and the loss sees the global batch (:mod:`pipelines.distributed`); ``parallel_key`` names the setting that
+    chose N in errors.
     """
     if not isinstance(method, Method):
         raise ValueError(f"method must be a pipelines.methods Method, got {type(method).__name__}")
@@ -469,6 +479,9 @@ def train_task(
     if autocast_mode(config.autocast) == "auto":
         example = example_batch(data.source, data.indices, config.batch_size, device)
         config = config.model_copy(update={"autocast": resolve_autocast("auto", device, model, example)})
+    parallel = distributed.current()
+    if parallel is not None:  # every rank computes in rank 0's precision (its measured "auto" choice)
+        config = config.model_copy(update={"autocast": parallel.agree(config.autocast)})
     prepare_model(model, device, config.autocast)
     if old_model is not None:
         prepare_model(old_model, device, config.autocast)
@@ -505,6 +518,11 @@ def train_task(
         raise ValueError(f"task {data.task} yields no batch of >= 2 samples with batch_size {config.batch_size}")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(config, steps_per_epoch))
     total_steps = config.epochs * steps_per_epoch
+    if parallel is not None:
+        parallel.check_batches([positions.size for positions in epoch_batches(data, method, config, 0)], parallel_key)
+        ctx.model = distributed.GlobalBatchModel(distributed.wrap_model(model, device), model, parallel)
+        if old_model is not None:
+            ctx.old_model = distributed.GlobalBatchModel(old_model, old_model, parallel)
 
     selector = None
     if config.model_selection == "compatibility":
@@ -550,11 +568,19 @@ def train_task(
             batches = list(epoch_batches(data, method, config, epoch))
             skip = skip_steps if epoch == start_epoch else 0  # steps of this epoch done before a SIGTERM checkpoint
             # the next batches are read and decoded on CPU workers while this step runs (same order for a seed)
-            stream = stream_batches(data.source, loader.all_indices, batches[skip:], workers=config.input_workers,
+            local = batches[skip:] if parallel is None else distributed.shard_batches(parallel, batches[skip:])
+            stream = stream_batches(data.source, loader.all_indices, local, workers=config.input_workers,
                                     prefetch=config.prefetch_batches, pin_memory=device.type == "cuda")
             started = time.perf_counter()  # a step's time includes any wait for its batch
             for in_epoch, (positions, images) in enumerate(stream, start=skip + 1):
-                batch = loader.batch(positions, images)
+                if parallel is None:
+                    batch = loader.batch(positions, images)
+                else:  # this rank's images, the global batch's targets; the models return global outputs
+                    positions = batches[in_epoch - 1]
+                    batch = loader.batch(positions, images, parallel.rows(positions.size))
+                    for wrapper in (ctx.model, ctx.old_model):
+                        if wrapper is not None:
+                            wrapper.total = positions.size
                 with precision_context(device, config.autocast):
                     loss, parts = method.loss(batch, ctx)
                 optimizer.zero_grad(set_to_none=True)
@@ -577,7 +603,7 @@ def train_task(
                     save(epoch, in_epoch, window)
                     preempted.exit(f"task {data.task}: SIGTERM received; checkpoint at epoch {epoch} step "
                                    f"{in_epoch} saved, exiting so that the stage is retried from it")
-            metrics = selector.observe(epoch, model) if selector is not None else {}
+            metrics = selector.observe(epoch, model) if selector is not None else {}  # every rank: same weights
             if window.count or metrics:
                 emit(window.record(data.task, epoch, step, optimizer, metrics, method_name=method.name))
             window = _Window()
@@ -808,7 +834,7 @@ def pretrain_model(
                     num_new_classes=int(np.unique(labels).size))
     method = SupervisedPretraining(getattr(model, "classifier_kind", "simplex"))
     return train_task(model, None, method, data, config, on_record=on_record, progress=progress,
-                      checkpoints=checkpoints)
+                      checkpoints=checkpoints, parallel_key="resources.pretrain.num_workers")
 
 
 __all__ = [

@@ -33,7 +33,7 @@ def _with_metric(protocol: dict, metric: str) -> dict:
 
 def adapt_stage(ctx: Any) -> Any:
     """Fit every adapter listed at the replacement of task ``ctx.stage.task``; evaluate; backfilling curves."""
-    from compat_core.adapters import GALLERY_ADAPTERS, make_adapter, save_adapter
+    from compat_core.adapters import GALLERY_ADAPTERS, SEEDED_ADAPTERS, make_adapter, save_adapter
     from compat_core.backfill import backfill_curve, backfill_order, uncertainty_scores
     from compat_core.metrics import upgrade_verdict
     from pipelines.progress import ProgressUpdate
@@ -65,7 +65,7 @@ def adapt_stage(ctx: Any) -> Any:
     kinds = list(params["adapters"])
     for index, kind in enumerate(kinds):
         settings = dict(params.get("adapter_params", {}).get(kind, {}))
-        if kind in ("mlp", "fct"):
+        if kind in SEEDED_ADAPTERS:
             settings.setdefault("seed", int(params.get("seed", 0)))
         started = time.perf_counter()
         adapter = make_adapter(kind, **settings)

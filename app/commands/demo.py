@@ -6,9 +6,14 @@ from a second intra-op thread, and two single-threaded processes keep both cores
 stalls that two threads per process suffer when other work shares the cores (measured ~10x slower steps then).
 ``--jobs 1`` runs them one after the other with every core. Runs are resumable like `compat run`.
 
-By default each scenario runs on the embedded defaults of the product: its stages execute as Ray actors on a local
-Ray instance (one per worker, sized to the worker's cores, bound to 127.0.0.1), artifacts go to the local run folder
-and every run is tracked in MLflow in ``<run>/mlflow.db``. ``--executor local`` runs the stages in-process instead.
+By default both scenarios run on the embedded defaults of the product: this process starts ONE local Ray instance
+(all cores, bound to 127.0.0.1) and both workers attach to it as drivers, so Ray schedules the stages of both
+scenarios on the machine's cores (a core one scenario leaves idle, e.g. while its other stages wait for a model,
+runs the other's work). Each scenario keeps its own run folder and store; both are tracked in one MLflow
+experiment in ``<output>/mlflow.db``. ``--executor local`` runs the stages in-process instead. The third-party
+models are not shared between the two runs: their stage keys include the classifier family the method pre-trains
+with (ER: learnable, d-Simplex-HOC: the fixed d-Simplex), as the reference pre-trains each method's models, so
+the two scenarios' models differ in key and in bytes.
 """
 from __future__ import annotations
 
@@ -49,12 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, threads: int | None,
             progress: str, executor: str = "local", tracking_uri: str | None = None,
-            experiment: str | None = None) -> dict:
+            experiment: str | None = None, address: str | None = None) -> dict:
     """Run one demo scenario from this process; returns matrix, metrics, wall and CPU seconds of the run.
 
-    threads: torch intra-op threads (None: leave torch's default; with executor "ray": the CPUs of the embedded
-    Ray instance, default 1). progress: "bars", "lines" or "none". tracking_uri: None = SQLite in the run folder.
-    CPU seconds count this process only (Ray actors are not its children).
+    threads: torch intra-op threads (None: leave torch's default; with executor "ray" and no ``address``: the CPUs
+    of an embedded Ray instance, default 1). progress: "bars", "lines" or "none". tracking_uri: None = SQLite in the
+    run folder. address: the Ray instance to attach to (the demo's shared one). CPU seconds count this process only.
     """
     import torch
 
@@ -74,18 +79,49 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
         graph, store = compile_scenario(config), RunStore(run_dir)
         started = time.perf_counter()
         cpu_before = _cpu_seconds()
-        summary = run_tracked(graph, store, tracker, executor,
+        stats: dict = {}
+        summary = run_tracked(graph, store, tracker, executor, address=address,
                               progress=progress == "bars", label=name if progress == "lines" else "",
-                              num_cpus=(threads or 1) if executor == "ray" else None)
+                              num_cpus=(threads or 1) if executor == "ray" and address is None else None,
+                              on_executor=lambda engine: stats.update(getattr(engine, "last_stats", {})))
+        ray_address = stats.get("ray_address")  # the instance this scenario's stages ran on (Ray only)
     return {"name": name, "run_dir": run_dir, "matrix": summary.matrix, "metrics": summary.metrics,
             "wall_s": time.perf_counter() - started, "cpu_s": _cpu_seconds() - cpu_before,
-            "executed": len(summary.executed), "skipped": len(summary.skipped)}
+            "executed": len(summary.executed), "skipped": len(summary.skipped), "ray_address": ray_address}
 
 
 def _cpu_seconds() -> float:
     """User + system CPU seconds of this process so far."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def _tree_cpu_seconds(root_pid: int) -> float | None:
+    """User + system CPU seconds of ``root_pid`` and every live descendant (with what they reaped), from /proc;
+    None where /proc is not available. Sampled before Ray shuts down, this includes the Ray workers."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        stats = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as handle:
+                        fields = handle.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue  # exited meanwhile
+                # after the command: state ppid ... utime(12) stime(13) cutime(14) cstime(15), 0-based from state
+                stats[int(entry)] = (int(fields[1]), sum(int(value) for value in fields[11:15]))
+    except OSError:
+        return None
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(pid)
+    total, stack = 0, [root_pid]
+    while stack:
+        pid = stack.pop()
+        total += stats.get(pid, (0, 0))[1]
+        stack.extend(children.get(pid, []))
+    return total / ticks
 
 
 def run(args) -> int:
@@ -118,29 +154,49 @@ def run(args) -> int:
         experiment = args.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "compat-demo"
         create_tracker(tracking_uri, experiment=experiment)._experiment(experiment)
     started = time.perf_counter()
-    if jobs == 1:
-        progress = "none" if args.no_progress else "bars"
-        threads = cores if args.executor == "ray" else None
-        results = [run_one(*task, threads=threads, progress=progress, executor=args.executor,
-                           tracking_uri=tracking_uri, experiment=experiment) for task in tasks]
-    else:
-        import multiprocessing
+    address = None
+    if args.executor == "ray":
+        # one Ray instance for both scenarios: their stages share the machine's cores through Ray's scheduler
+        import ray
 
-        threads = max(1, cores // min(jobs, len(tasks)))
-        progress = "none" if args.no_progress else "lines"
-        # spawn: a fresh interpreter per worker (fork would copy this process's torch thread pools)
-        with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
-                                 mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(run_one, *task, threads, progress, args.executor, tracking_uri, experiment)
-                       for task in tasks]
-            results = [future.result() for future in futures]
+        from cluster.ray_executor import connect
+
+        connect(None, num_cpus=cores)
+        address = ray.get_runtime_context().gcs_address
+    tree_cpu = None
+    try:
+        if jobs == 1:
+            progress = "none" if args.no_progress else "bars"
+            threads = cores if args.executor == "ray" else None
+            results = [run_one(*task, threads=threads, progress=progress, executor=args.executor,
+                               tracking_uri=tracking_uri, experiment=experiment, address=address) for task in tasks]
+        else:
+            import multiprocessing
+
+            threads = max(1, cores // min(jobs, len(tasks)))
+            progress = "none" if args.no_progress else "lines"
+            # spawn: a fresh interpreter per worker (fork would copy this process's torch thread pools)
+            with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
+                                     mp_context=multiprocessing.get_context("spawn")) as pool:
+                futures = [pool.submit(run_one, *task, threads, progress, args.executor, tracking_uri, experiment,
+                                       address) for task in tasks]
+                results = [future.result() for future in futures]
+                tree_cpu = _tree_cpu_seconds(os.getpid())  # workers and Ray still alive: their CPU counts
+        if tree_cpu is None:
+            tree_cpu = _tree_cpu_seconds(os.getpid())
+    finally:
+        if address is not None:
+            import ray
+
+            ray.shutdown()
     wall = time.perf_counter() - started
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = _cpu_seconds() + children.ru_utime + children.ru_stime
 
     for result in results:
-        print(f"\n== {result['name']}: {result['run_dir']} ({result['wall_s']:.0f} s wall, {result['cpu_s']:.0f} s CPU; "
-              f"{result['executed']} stages run, {result['skipped']} already done) ==")
+        on_ray = f"; Ray instance {result['ray_address']}" if result.get("ray_address") else ""
+        print(f"\n== {result['name']}: {result['run_dir']} ({result['wall_s']:.0f} s wall, {result['cpu_s']:.0f} s CPU "
+              f"of its driver; {result['executed']} stages run, {result['skipped']} already done{on_ray}) ==")
         if result["matrix"] is not None:
             print_results(result["matrix"], result["metrics"])
     by_name = {result["name"]: result["metrics"] for result in results}
@@ -148,8 +204,11 @@ def run(args) -> int:
     if er and hoc and er.get("AA") and hoc.get("AA") is not None:
         print(f"\nd-Simplex-HOC vs ER: AC {hoc['AC']:.3f} vs {er['AC']:.3f}; AA {hoc['AA']:.3f} vs {er['AA']:.3f} "
               f"({hoc['AA'] / er['AA']:.2f}x)")
-    where = "Ray actors on embedded local Ray" if args.executor == "ray" else "in-process"
-    cpu_note = "driver processes only" if args.executor == "ray" else "all processes"
-    print(f"demo: {wall:.0f} s wall, {cpu:.0f} s CPU (user+sys, {cpu_note}), {jobs} job(s) on {cores} core(s), "
-          f"stages {where}; MLflow: {tracking_uri} (experiment {experiment})")
+    where = f"Ray tasks on one embedded local Ray instance ({address})" if address else "in-process"
+    if tree_cpu is not None:
+        cpu_text = f"{max(cpu, tree_cpu):.0f} s CPU (user+sys, whole process tree incl. Ray workers)"
+    else:
+        cpu_text = f"{cpu:.0f} s CPU (user+sys, {'driver processes only' if args.executor == 'ray' else 'all'})"
+    print(f"demo: {wall:.0f} s wall, {cpu_text}, {jobs} job(s) on {cores} core(s), stages {where}; "
+          f"MLflow: {tracking_uri} (experiment {experiment})")
     return 0

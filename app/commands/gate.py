@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value (YAML-parsed; repeatable)")
     parser.add_argument("--alias", default="champion", help="registry alias to guard (default: champion)")
-    parser.add_argument("--adapter", choices=("procrustes", "affine", "mlp", "fct"),
+    parser.add_argument("--adapter", choices=("procrustes", "affine", "mlp", "fct", "fan"),
                         help="fit this adapter on paired gallery features and gate with it applied")
     parser.add_argument("--non-strict", action="store_true", help="criterion >= instead of > (default: the "
                         "config's evaluation.strict)")

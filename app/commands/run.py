@@ -72,15 +72,20 @@ def make_executor(kind: str = "local", address: str | None = None, emit=None, pr
 
 
 def run_tracked(graph, store, tracker, kind: str = "local", address: str | None = None, progress: bool = True,
-                sinks: tuple = (), num_cpus: int | None = None, setup=None, label: str = ""):
+                sinks: tuple = (), num_cpus: int | None = None, setup=None, label: str = "", on_executor=None):
     """Run ``graph`` on the chosen executor inside the tracker's pipeline scope; every record goes to the progress
     display (bars when ``progress`` and on a terminal, else flushed lines, prefixed with ``label`` when given), the
-    tracker and ``sinks``. Returns the executor's Invocation."""
+    tracker and ``sinks``. ``on_executor(executor)`` is called after the run (e.g. to read RayExecutor.last_stats).
+    Returns the executor's Invocation."""
     from pipelines.progress import ProgressReporter
 
     emit = ProgressReporter(enabled=progress, sinks=[tracker, *sinks], label=label)
+    executor = make_executor(kind, address, emit, progress, num_cpus, setup)
     with tracker.pipeline(graph, store):
-        return make_executor(kind, address, emit, progress, num_cpus, setup).run(graph, store)
+        summary = executor.run(graph, store)
+    if on_executor is not None:
+        on_executor(executor)
+    return summary
 
 
 def model_sources_setup(config, tracking_uri: str | None):

@@ -43,12 +43,18 @@ class BatchTransform:
         if isinstance(self.crop_padding, bool) or not isinstance(self.crop_padding, int) or self.crop_padding < 0:
             raise ValueError(f"crop_padding must be an integer >= 0 (pixels), got {self.crop_padding!r}")
 
-    def _random(self, high: int, count: int, device: torch.device) -> torch.Tensor:
+    def _random(self, high: int, count: int, device: torch.device, rows: tuple[int, int, int] | None = None
+                ) -> torch.Tensor:
         where = self.generator.device if self.generator is not None else device
-        values = torch.randint(0, high, (count,), generator=self.generator, device=where)
-        return values.to(device)
+        if rows is None:
+            return torch.randint(0, high, (count,), generator=self.generator, device=where).to(device)
+        start, stop, total = rows  # draw for the whole batch, keep these rows: the same draws as one process
+        values = torch.randint(0, high, (total,), generator=self.generator, device=where)
+        return values[start:stop].to(device)
 
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor, rows: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """Transform ``images``; ``rows=(start, stop, total)``: they are rows [start, stop) of a batch of ``total``
+        (data-parallel training), and the random draws are those of the whole batch."""
         if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.ndim != 4:
             got = f"{images.dtype} {tuple(images.shape)}" if isinstance(images, torch.Tensor) else type(images).__name__
             raise ValueError(f"transform input must be a uint8 tensor (B, H, W, C), got {got}")
@@ -57,22 +63,24 @@ class BatchTransform:
                 f"transform input has {images.shape[-1]} channels but mean/std have {len(self.mean)} values"
             )
         batch = images.permute(0, 3, 1, 2)  # (B, C, H, W) view; the gathers below make it contiguous
+        if rows is not None and (rows[1] - rows[0] != batch.shape[0] or not 0 <= rows[0] <= rows[1] <= rows[2]):
+            raise ValueError(f"transform rows {rows} do not describe {batch.shape[0]} rows of a batch")
         if self.train and batch.shape[0] > 0:
-            batch = self._augment(batch)
+            batch = self._augment(batch, rows)
         out = TF.to_dtype(batch.contiguous(), torch.float32, scale=True)
         out = TF.normalize(out, mean=list(self.mean), std=list(self.std))
         if self.channels_last:
             out = out.contiguous(memory_format=torch.channels_last)
         return out
 
-    def _augment(self, batch: torch.Tensor) -> torch.Tensor:
+    def _augment(self, batch: torch.Tensor, draws: tuple[int, int, int] | None = None) -> torch.Tensor:
         count, channels, height, width = batch.shape
         device = batch.device
         pad = self.crop_padding
         if pad > 0:
             padded = F.pad(batch, (pad, pad, pad, pad), value=0)
-            top = self._random(2 * pad + 1, count, device)
-            left = self._random(2 * pad + 1, count, device)
+            top = self._random(2 * pad + 1, count, device, draws)
+            left = self._random(2 * pad + 1, count, device, draws)
             rows = (top[:, None] + torch.arange(height, device=device)[None, :])  # (B, H)
             cols = (left[:, None] + torch.arange(width, device=device)[None, :])  # (B, W)
             row_index = rows[:, None, :, None].expand(count, channels, height, padded.shape[-1])
@@ -80,7 +88,7 @@ class BatchTransform:
             col_index = cols[:, None, None, :].expand(count, channels, height, width)
             batch = torch.gather(batch, 3, col_index)
         if self.hflip:
-            flip = self._random(2, count, device).bool()
+            flip = self._random(2, count, device, draws).bool()
             batch = torch.where(flip[:, None, None, None], batch.flip(-1), batch)
         return batch
 

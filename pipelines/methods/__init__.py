@@ -15,7 +15,7 @@ from pipelines.methods.cores import CoReS
 from pipelines.methods.cvs import CVS
 from pipelines.methods.dsimplex import DSimplexFD, DSimplexHOC
 from pipelines.methods.er import ER
-from pipelines.methods.fan import FAN, adapt_features, load_adapter
+from pipelines.methods.fan import FAN
 from pipelines.methods.lce import LCEER
 from pipelines.methods.training_free import LSP, PSP
 
@@ -34,7 +34,5 @@ __all__ = [
     "METHODS",
     "Method",
     "TaskContext",
-    "adapt_features",
     "get_method",
-    "load_adapter",
 ]

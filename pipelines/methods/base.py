@@ -13,7 +13,8 @@ Conventions shared by every method:
   method then reduces to its plain classification term, since its compatibility terms compare against something
   that does not exist yet.
 - At a replacement the stage passes the newly loaded model both as ``model`` (to fine-tune) and, frozen, as
-  ``old_model``: the reference anchors to the loaded model, not to the model it replaces. The first task of a
+  ``old_model``: the reference anchors to the loaded model, not to the model it replaces (``replacements[].anchor:
+  replaced`` passes the replaced model instead, for d-Simplex methods). The first task of a
   line that starts from ``initial_model`` is treated alike (anchored to the loaded third-party model); a line that
   starts from a random initialisation has no old model at its first task.
 """
@@ -36,18 +37,26 @@ CLASSIFIERS = ("simplex", "learnable")
 class Batch:
     """One training batch on the device.
 
-    images: float (B, C, H, W), already transformed and normalised. targets: (B,) int64 class slots (see module
+    images: float (B, C, H, W), already transformed and normalised (only ``rows`` of them under data-parallel
+    training, see the field's comment). targets: (B,) int64 class slots (see module
     docstring). is_memory: (B,) bool, True for samples drawn from the replay memory.
     """
 
     images: torch.Tensor
     targets: torch.Tensor
     is_memory: torch.Tensor
+    # data-parallel training (pipelines.distributed): images hold only rows [start, stop) of the batch, and the
+    # context's model and old model return the outputs of the whole batch, which targets/is_memory describe
+    rows: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.images, torch.Tensor) or self.images.ndim != 4 or not self.images.is_floating_point():
             raise ValueError("Batch.images must be a float tensor (B, C, H, W)")
         batch = self.images.shape[0]
+        if self.rows is not None:
+            if self.rows[1] - self.rows[0] != batch:
+                raise ValueError(f"Batch.rows {self.rows} must span the {batch} local images")
+            batch = int(getattr(self.targets, "shape", (batch,))[0])
         if not isinstance(self.targets, torch.Tensor) or self.targets.shape != (batch,):
             raise ValueError(f"Batch.targets must be an int tensor of shape ({batch},)")
         if not isinstance(self.is_memory, torch.Tensor) or self.is_memory.shape != (batch,) or self.is_memory.dtype != torch.bool:
@@ -82,8 +91,8 @@ class Method:
     Subclasses set the class attributes and ``Params`` (a pydantic :class:`MethodParams` whose fields carry the SPEC
     defaults and ranges; ``method.params`` of a config is validated against it at load time), and implement
     ``loss``. ``setup`` returns the extra trainable modules (adapters, discriminators), already on the context's
-    device. ``export_state`` returns state dicts of the extra modules that must outlive training (FAN's
-    adapters); the stage stores them next to the model.
+    device. ``export_state`` returns the adapters that must outlive training, by name
+    (:class:`compat_core.adapters.Adapter`; FAN's psi_t); the stage stores them next to the model.
     """
 
     name: ClassVar[str] = ""
@@ -109,7 +118,7 @@ class Method:
         """(loss, parts): parts are detached 0-d tensors (or floats); the loop reads them at log intervals only."""
         raise NotImplementedError(f"method {self.name!r} does not implement loss()")
 
-    def export_state(self) -> dict[str, dict[str, torch.Tensor]]:
+    def export_state(self) -> dict[str, Any]:
         return {}
 
     def __repr__(self) -> str:

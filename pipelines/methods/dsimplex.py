@@ -21,7 +21,9 @@ class DSimplexHOC(Method):
     in the denominator, same-class negatives dropped; "reference" multiplies them by zero as the public code does).
     Choices: the InfoNCE runs over the whole batch (task and memory samples); features are the model's
     L2-normalised junction output; without a previous model (first task) the loss is the SCE alone (weight 1, not
-    lam). At a replacement the old model is the newly loaded one (the stage passes it), as in the reference; so is
+    lam). At a replacement the old model is the newly loaded one (the stage passes it), as in the reference, or the
+    model it replaces with ``replacements[].anchor: replaced`` (InfoNCE then pulls the new model onto the features the
+    index holds: what the upgrade gate M(new, old) > M(old, old) asks for); so is
     the loaded ``initial_model`` at the first task (a choice: the papers do not say, and without it the first
     fine-tuned model drifted so far from its third-party start that no later model stayed compatible with it). The
     total equals ``compat_core.losses.hoc_loss`` on the same tensors; its two terms are computed once each so they

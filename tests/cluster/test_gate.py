@@ -74,7 +74,7 @@ def test_gate_promotes_refuses_records_and_rolls_back(tracked_run, mlflow_server
     assert result["verdict"]["margin"] == pytest.approx(cross - self_old, abs=1e-12)
     assert result["decision"] == ("promoted" if expected_pass else "refused")
     if not expected_pass:
-        assert set(result["options"]["adapters"]) == {"procrustes", "affine", "mlp", "fct"}
+        assert set(result["options"]["adapters"]) == {"procrustes", "affine", "mlp", "fct", "fan"}
         assert result["advice"]
     gate_run = client.get_run(result["run_id"])
     assert gate_run.data.tags["decision"] == result["decision"]

@@ -129,7 +129,7 @@ def nodes(s3_server, tmp_path_factory):
             cluster.cluster.shutdown()
             shutil.rmtree(root, ignore_errors=True)
     if was_initialized:
-        ray.init(num_cpus=2, object_store_memory=200 * 1024 * 1024, include_dashboard=False,
+        ray.init(address="local", num_cpus=2, object_store_memory=200 * 1024 * 1024, include_dashboard=False,
                  _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=False)
 
 
@@ -266,3 +266,41 @@ def test_a_worker_node_lost_mid_finetune_and_mid_entry_still_gives_the_local_mat
           f"on {record['placement']['node_id'][:8]} from the epoch-2 checkpoint: {recomputed} full epoch(s) recomputed "
           f"of {EPOCHS} (plus the part of the epoch in progress); entry[2,0] lost on {entry_node[:8]}, redone on "
           f"{store.load_record(entry.key)['placement']['node_id'][:8]}")
+
+
+def test_a_gpu_stage_waits_for_a_gpu_node_and_says_so(nodes, reference, s3_bucket, caplog):
+    """resources.pretrain.num_gpus: 1 on a cluster without GPUs, resources.autoscaling: true: the stage is neither
+    refused nor resized to 0 GPUs; the log says what it waits for; once a node with a GPU joins (what an autoscaler
+    would add) it runs there and the run ends with the in-process matrix (resources are not part of stage keys)."""
+    import logging
+    import threading
+
+    from cluster.ray_executor import RayExecutor
+
+    graph, matrix, _ = reference
+    document = _document(graph.config.output.dir)
+    document["resources"]["pretrain"]["num_gpus"] = 1
+    document["resources"]["autoscaling"] = True
+    gpu_graph = compile_scenario(validate_config(document))
+    assert [s.key for s in gpu_graph] == [s.key for s in graph]
+    nodes.ensure_two_workers()
+    store = RunStore(f"s3://{s3_bucket}/run")
+    caplog.set_level(logging.WARNING, logger="cluster.ray_executor")
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(summary=RayExecutor(progress=False, setup=tiny.register)
+                                                            .run(gpu_graph, store)), daemon=True)
+    runner.start()
+    line = _wait_for(lambda: next((r.getMessage() for r in caplog.records if "waits for a node" in r.getMessage()),
+                                  None), "the waiting log line", timeout=60)
+    assert line == "stage pretrain[p1] waits for a node with GPU=1 (largest node: 0): the autoscaler may add one"
+    time.sleep(2)
+    assert not store.has(graph.pretrain_stages["p1"])  # still waiting: no node has a GPU
+    gpu_node = nodes.cluster.add_node(**nodes._args("gpu", num_cpus=1, num_gpus=1, resources={WORKER_RESOURCE: 1}))
+    nodes.cluster.wait_for_nodes()
+    try:
+        runner.join(timeout=240)
+        assert not runner.is_alive() and "summary" in outcome
+        assert store.load_record(graph.pretrain_stages["p1"])["placement"]["node_id"] == gpu_node.node_id
+        assert json.loads(store.read_text("matrix.json")) == matrix
+    finally:
+        nodes.cluster.remove_node(gpu_node)

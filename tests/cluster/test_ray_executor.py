@@ -14,6 +14,7 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 from pipelines.config import validate_config  # noqa: E402
 from pipelines.executor import LocalExecutor  # noqa: E402
 from pipelines.graph import compile_scenario  # noqa: E402
+from pipelines.methods import METHODS  # noqa: E402
 from pipelines.store import RunStore  # noqa: E402
 
 
@@ -147,13 +148,16 @@ def test_killed_worker_is_retried_and_loses_nothing_committed(tiny_runs, tmp_pat
     assert executor.last_stats["largest_result_bytes"] < 1024  # entries return a key, never features
 
 
-@pytest.mark.parametrize("method", ["fan", "psp"])
-def test_local_ray_and_tune_backends_give_bit_identical_matrices(tmp_path, ray_local, method):
+@pytest.mark.parametrize("method", sorted(METHODS.names()))
+def test_every_method_gives_bit_identical_matrices_on_every_backend_and_in_compat_eval(tmp_path, ray_local, method):
     """The same graph through the in-process backend, the Ray backend and a Tune trial (the engine run row by row
-    with ``until=``): identical matrix.json. FAN maps older galleries through the adapters of later tasks; PSP
-    projects stored logits into the gallery model's class space."""
+    with ``until=``): identical matrix.json, for every registered method. ``compat eval`` then recomputes the Ray
+    run's entries (their manifests removed) through its own path: the same matrix again; and another protocol
+    (class-mean galleries) evaluated on each backend's run gives one matrix. FAN maps older galleries through the
+    adapters of later tasks; PSP/LSP project stored logits into the gallery model's class space."""
     import ray
 
+    from app.commands.eval import evaluate_variant
     from cluster.ray_executor import RayExecutor
     from cluster.tune import SearchSpec, run_trial_pipeline
     from pipelines.config import config_to_dict
@@ -161,22 +165,27 @@ def test_local_ray_and_tune_backends_give_bit_identical_matrices(tmp_path, ray_l
     tiny.register()
     ray.cloudpickle.register_pickle_by_value(tiny)
     torch.set_num_threads(1)
-    document = tiny.scenario(method, output=str(tmp_path / "local"))
-    if method == "psp":  # retrains from one initial state: no replacement; 4 classes first (2 would give ties)
-        document.pop("replacements")
-        document.pop("pretrain")
-        document["tasks"] = {"spec": "4+2x1"}
-    config = validate_config(document)
+    config = validate_config(tiny.method_scenario(method, tmp_path / "local"))
     graph = compile_scenario(config)
     LocalExecutor(progress=False).run(graph, RunStore(tmp_path / "local"))
     RayExecutor(progress=False, setup=tiny.register).run(graph, RunStore(tmp_path / "ray"))
     spec = SearchSpec(name="same", base_config=config_to_dict(config), space={}, storage=str(tmp_path / "tune"))
     reports = []
     run_trial_pipeline(spec, {}, "trial0", lambda metrics, completed: reports.append(completed))
-    local = json.loads((tmp_path / "local" / "matrix.json").read_text())
-    assert json.loads((tmp_path / "ray" / "matrix.json").read_text()) == local
-    assert json.loads((Path(spec.run_dir("trial0")) / "matrix.json").read_text()) == local
+    runs = {"local": tmp_path / "local", "ray": tmp_path / "ray", "tune": Path(spec.run_dir("trial0"))}
+    local = json.loads((runs["local"] / "matrix.json").read_text())
+    assert json.loads((runs["ray"] / "matrix.json").read_text()) == local
+    assert json.loads((runs["tune"] / "matrix.json").read_text()) == local
     assert reports == [1, 2, 3][-len(reports):] and reports[-1] == config.num_tasks
+
+    ray_store = RunStore(runs["ray"])
+    recomputed = [stage.key for stage in graph if stage.kind in ("entry", "evaluate")]
+    for key in recomputed:
+        assert ray_store.forget(key)
+    matrix, _, folder = evaluate_variant(str(runs["ray"]), {})
+    assert folder == "" and all(ray_store.has(key) for key in recomputed)
+    assert matrix["values"] == local["values"]
+    variants = [evaluate_variant(str(run), {"gallery": "class_means"})[0]["values"] for run in runs.values()]
+    assert variants[0] == variants[1] == variants[2]
     if method == "fan":  # the adapters really were used: at least one model carries one
-        assert any(RunStore(tmp_path / "ray").load_record(key).get("adapter_blob")
-                   for key in graph.extract_stages.values())
+        assert any(ray_store.load_record(key).get("adapter_blob") for key in graph.extract_stages.values())

@@ -8,7 +8,8 @@ import optuna
 import pytest
 
 from cluster.search_space import SearchSpaceError, parse_space
-from cluster.tune import apply_values, objective_metric, prefix_metrics, trial_config
+from cluster.tune import apply_values, objective_metric, trial_config
+from pipelines.executor import headline_metrics
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -127,21 +128,21 @@ def test_trial_config_applies_values_and_drops_params_of_another_method():
         trial_config(base, {}, {"method.params.lamda": 0.3}, "/tmp/z")
 
 
-def test_prefix_metrics_hand_worked():
+def test_headline_metrics_of_a_prefix_hand_worked():
     nan = float("nan")
     # C[1,0] = 0.6 > C[0,0] = 0.5: the one pair is compatible
     two = np.array([[0.5, nan], [0.6, 0.7]])
-    metrics = prefix_metrics(two)
+    metrics = headline_metrics(two)
     assert metrics["AC"] == 1.0
     assert math.isclose(metrics["AA"], (0.5 + 0.6 + 0.7) / 3)
     assert math.isclose(metrics["ACA"], 0.6)          # 0.6 summed over 1 pair
     assert math.isclose(metrics["BC"], 0.6 - 0.5)
     assert math.isclose(metrics["FC"], 0.6 - 0.7)
-    one = prefix_metrics(np.array([[0.5]]))
+    one = headline_metrics(np.array([[0.5]]))
     assert one == {"AC": None, "AA": 0.5, "ACA": None, "BC": None, "FC": None}
     # three models: pairs (1,0) 0.4 < 0.5 fails, (2,0) 0.55 > 0.5 ok, (2,1) 0.65 > 0.6 ok -> ACA = (0.55+0.65)/3
     three = np.array([[0.5, nan, nan], [0.4, 0.6, nan], [0.55, 0.65, 0.8]])
-    metrics = prefix_metrics(three)
+    metrics = headline_metrics(three)
     assert math.isclose(metrics["AC"], 2 / 3) and math.isclose(metrics["ACA"], (0.55 + 0.65) / 3)
     assert objective_metric("ACA") == "ACA" and objective_metric("aa") == "AA"
     with pytest.raises(ValueError, match="--objective: unknown objective 'acc'"):

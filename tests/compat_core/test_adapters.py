@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core.adapters import (ADAPTER_KINDS, AffineAdapter, FctAdapter, ProcrustesAdapter, ResidualMlpAdapter,
-                                  load_adapter_bytes, make_adapter, save_adapter)
+from compat_core.adapters import (ADAPTER_KINDS, AffineAdapter, FanAdapter, FctAdapter, ProcrustesAdapter,
+                                  ResidualMlpAdapter, apply_chain, load_adapter_bytes, make_adapter, save_adapter)
 
 
 def _unit_rows(rng, n, d):
@@ -42,14 +42,18 @@ def test_affine_recovers_an_exact_low_rank_map():
     assert np.abs(adapter.apply(torch.from_numpy(x)).double().numpy() - optimum).max() < 1e-4
 
 
-def _mlp_forward_numpy(state, x, residual):
-    hidden = x @ state["fc1.weight"].double().numpy().T + state["fc1.bias"].double().numpy()
-    hidden = 0.5 * hidden * (1.0 + np.vectorize(__import__("math").erf)(hidden / np.sqrt(2.0)))   # exact GELU
-    out = hidden @ state["fc2.weight"].double().numpy().T + state["fc2.bias"].double().numpy()
+def _mlp_forward_numpy(state, x, residual, relu=False):
+    first, second = ("0", "2") if relu else ("fc1", "fc2")   # FAN's psi keeps nn.Sequential's tensor names
+    hidden = x @ state[f"{first}.weight"].double().numpy().T + state[f"{first}.bias"].double().numpy()
+    if relu:
+        hidden = np.maximum(hidden, 0.0)
+    else:
+        hidden = 0.5 * hidden * (1.0 + np.vectorize(__import__("math").erf)(hidden / np.sqrt(2.0)))   # exact GELU
+    out = hidden @ state[f"{second}.weight"].double().numpy().T + state[f"{second}.bias"].double().numpy()
     return out + x if residual else out
 
 
-@pytest.mark.parametrize("cls,residual", [(ResidualMlpAdapter, True), (FctAdapter, False)])
+@pytest.mark.parametrize("cls,residual", [(ResidualMlpAdapter, True), (FctAdapter, False), (FanAdapter, False)])
 def test_mlp_adapter_loss_matches_formula_and_decreases(cls, residual):
     rng = np.random.default_rng(2)
     x = _unit_rows(rng, 300, 16)
@@ -57,7 +61,7 @@ def test_mlp_adapter_loss_matches_formula_and_decreases(cls, residual):
     adapter = cls(hidden=32, epochs=15, lr=3e-3, batch_size=64, seed=0)
     adapter.fit(torch.from_numpy(x), torch.from_numpy(y))
     yn = y / np.linalg.norm(y, axis=1, keepdims=True)
-    predicted = _mlp_forward_numpy(adapter.state_dict(), x, residual)
+    predicted = _mlp_forward_numpy(adapter.state_dict(), x, residual, relu=cls is FanAdapter)
     expected = float(np.mean(np.sum((predicted - yn) ** 2, axis=1)))   # (1/n) sum_i ||f(x_i) - y_i||^2
     assert adapter.loss(torch.from_numpy(x), torch.from_numpy(y)) == pytest.approx(expected, rel=1e-4)
     assert adapter.fit_loss[-1] < adapter.fit_loss[0]
@@ -81,3 +85,30 @@ def test_bad_input_is_refused_with_a_clear_message():
         ProcrustesAdapter().fit(torch.ones(3, 2), torch.ones(4, 2))
     with pytest.raises(ValueError, match="expected one of"):
         make_adapter("lora")
+
+
+def test_fan_adapter_trained_jointly_chains_and_reads_legacy_files():
+    """FAN's psi through the shared interface: objective = the loss formula, chain = psi_2(psi_1(x)) normalised at
+    each step, and a bare-Sequential file written before the shared format loads as the same ``fan`` adapter."""
+    from safetensors.torch import save
+
+    rng = np.random.default_rng(4)
+    x, y = torch.from_numpy(_unit_rows(rng, 40, 6)).float(), torch.from_numpy(_unit_rows(rng, 40, 6)).float()
+    torch.manual_seed(0)
+    first, second = FanAdapter(hidden=5), FanAdapter(hidden=7)
+    first.build(6, 6), second.build(6, 6)
+    predicted = _mlp_forward_numpy(first.state_dict(), x.double().numpy(), False, relu=True)
+    expected = float(np.mean(np.sum((predicted - y.double().numpy()) ** 2, axis=1)))
+    assert float(first.objective(x, y)) == pytest.approx(expected, rel=1e-5)
+    assert first.loss(x, y) == pytest.approx(expected, rel=1e-5)
+
+    def unit(a):
+        return a / np.linalg.norm(a, axis=1, keepdims=True)
+
+    chained = unit(_mlp_forward_numpy(second.state_dict(), unit(_mlp_forward_numpy(first.state_dict(),
+                                                                                    x.double().numpy(), False,
+                                                                                    relu=True)), False, relu=True))
+    assert np.abs(apply_chain(x, [first, second]).double().numpy() - chained).max() < 1e-5
+    legacy = {name: value for name, value in first.state_dict().items() if name != "shape"}
+    restored = load_adapter_bytes(save(legacy))
+    assert restored.kind == "fan" and torch.equal(restored.apply(x), first.apply(x))

@@ -12,7 +12,6 @@ from compat_core.retrieval import (
     bridged_nearest_neighbours,
     bridged_recall_at_1,
     class_mean_gallery,
-    make_verification_pairs,
     mean_average_precision,
     nearest_neighbours,
     recall_at_1,
@@ -206,25 +205,6 @@ def test_tar_at_far_ties_are_accepted_together():
     same = np.array([True, True, False, False])
     assert tar_at_far(scores, same, 0.5) == pytest.approx(1.0)       # threshold 0.5 accepts both 0.5 pairs
     assert tar_at_far(scores, same, 0.49) == pytest.approx(0.5)      # cannot split the tie: threshold 0.6
-
-
-def test_make_verification_pairs_is_seeded_distinct_and_labelled():
-    labels = np.repeat(np.arange(6), [1, 2, 3, 4, 5, 6])
-    idx_a, idx_b, same = make_verification_pairs(labels, 20, 30, seed=4)
-    again = make_verification_pairs(labels, 20, 30, seed=4)
-    for x, y in zip((idx_a, idx_b, same), again):
-        np.testing.assert_array_equal(x, y)
-    assert same.sum() == 20 and (~same).sum() == 30
-    assert np.all(idx_a < idx_b)                                    # no self pairs, canonical order
-    assert len({(int(x), int(y)) for x, y in zip(idx_a, idx_b)}) == 50
-    np.testing.assert_array_equal(labels[idx_a] == labels[idx_b], same)
-    # every same-label pair: 0 + 1 + 3 + 6 + 10 + 15 = 35; all of them on request
-    _, _, all_same = make_verification_pairs(labels, 35, 0, seed=1)
-    assert all_same.sum() == 35
-    with pytest.raises(ValueError, match="n_pos"):
-        make_verification_pairs(labels, 36, 0, seed=1)
-    with pytest.raises(ValueError, match="no class has 2"):
-        make_verification_pairs(np.arange(5), 1, 1, seed=1)
 
 
 def random_heads(seed: int, d: int = 40, m: int = 12):

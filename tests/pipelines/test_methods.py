@@ -9,10 +9,10 @@ import torch
 
 from compat_core.losses import hoc_loss, simplex_cross_entropy
 from compat_core.models import create_model, frozen_copy
-from pipelines.methods import METHODS, get_method, load_adapter
+from compat_core.adapters import FanAdapter, apply_chain, load_adapter_bytes, save_adapter
+from pipelines.methods import METHODS, get_method
 from pipelines.methods.base import Batch, ClassStatistics, TaskContext, boundary_hinge
 from pipelines.methods.cvs import relation_distillation
-from pipelines.methods.fan import adapt_features
 
 K = 16
 NUM_OLD, NUM_NEW = 3, 3
@@ -218,17 +218,22 @@ def test_cvs_relation_distillation_zero_iff_same_structure():
 
 
 def test_fan_adapters_compose_and_round_trip():
+    """FAN's psi is the ``fan`` kind of the common adapter interface: stored and reloaded as every adapter is."""
     method = get_method("fan", adapter_hidden=8)
     ctx, batch = make_context(method)
-    method.setup(ctx)
-    state = method.export_state()["adapter"]
-    rebuilt = load_adapter(state)
+    modules = method.setup(ctx)
+    exported = method.export_state()["adapter"]
+    assert isinstance(exported, FanAdapter) and modules == [exported.net]
+    rebuilt = load_adapter_bytes(save_adapter(exported))
+    assert (rebuilt.kind, rebuilt.direction) == ("fan", "gallery")
     features = torch.nn.functional.normalize(torch.randn(3, K - 1), dim=1)
-    once = adapt_features(features, [rebuilt])
+    once = apply_chain(features, [rebuilt])
     with torch.no_grad():
-        expected = torch.nn.functional.normalize(method.adapter(features), dim=1)
-    torch.testing.assert_close(once, expected)
-    twice = adapt_features(features, [rebuilt, rebuilt])
-    torch.testing.assert_close(twice, adapt_features(once, [rebuilt]))
-    with pytest.raises(KeyError, match="0.weight"):
-        load_adapter({})
+        w1, b1 = exported.net[0].weight.double(), exported.net[0].bias.double()
+        w2, b2 = exported.net[2].weight.double(), exported.net[2].bias.double()
+        expected = torch.nn.functional.normalize(torch.relu(features.double() @ w1.T + b1) @ w2.T + b2, dim=1)
+    torch.testing.assert_close(once.double(), expected, rtol=1e-5, atol=1e-6)
+    twice = apply_chain(features, [rebuilt, rebuilt])
+    torch.testing.assert_close(twice, apply_chain(once, [rebuilt]))
+    with pytest.raises(ValueError, match="expected metadata format"):
+        load_adapter_bytes(__import__("safetensors.torch", fromlist=["save"]).save({"w": torch.ones(2)}))

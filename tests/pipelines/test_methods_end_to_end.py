@@ -24,20 +24,6 @@ from pipelines.progress import StageEvent
 from pipelines.store import RunStore, read_features
 from pipelines.training import TrainRecord
 
-RETRAINING = {"cores", "psp", "lsp"}  # retrain from the same initial weights: no replacement, no third-party model
-
-
-def scenario_for(method: str, output: Path, **changes) -> dict:
-    document = tiny.scenario(method, output=str(output))
-    if method in RETRAINING:
-        document.pop("replacements")
-        document.pop("pretrain")
-    if method in ("psp", "lsp"):
-        # a 2-class PSP feature is always +-(1, -1)/sqrt(2): all ties; start with 4 classes instead
-        document["tasks"] = {"spec": "4+2x1"}
-    document.update(changes)
-    return document
-
 
 def run_scenario(document: dict, emit=None):
     tiny.register()
@@ -94,7 +80,7 @@ def brute_force_entry(method: str, store: RunStore, graph, row: int, column: int
 
 @pytest.mark.parametrize("method", sorted(METHODS.names()))
 def test_method_runs_end_to_end_and_matrix_matches_fp64_brute_force(tmp_path, method):
-    config, graph, store, summary = run_scenario(scenario_for(method, tmp_path))
+    config, graph, store, summary = run_scenario(tiny.method_scenario(method, tmp_path))
     T = config.num_tasks
     values = summary.matrix["values"]
     assert len(values) == T and all(len(row) == T for row in values)
@@ -151,7 +137,7 @@ def test_herding_memory_matches_icarl_herding_on_the_trained_model(tmp_path):
     from compat_core.models.compat_model import load_model
     from pipelines.stages import load_pool, task_classes
 
-    document = scenario_for("er", tmp_path, replay={"per_class": 3, "strategy": "herding"})
+    document = tiny.method_scenario("er", tmp_path, replay={"per_class": 3, "strategy": "herding"})
     config, graph, store, summary = run_scenario(document)
     record = store.load_record(graph.model_stages[0])
     stored = store.read_array(graph.model_stages[0], record["memory"]["indices_blob"])
@@ -187,7 +173,7 @@ def test_compatibility_model_selection_keeps_the_best_qualifying_epoch(tmp_path)
         elif isinstance(record, TrainRecord):
             records.setdefault(current["label"], []).append(record)
 
-    document = scenario_for("dsimplex-hoc", tmp_path)
+    document = tiny.method_scenario("dsimplex-hoc", tmp_path)
     document["training"] = {**document["training"], "epochs": 3, "model_selection": "compatibility",
                             "selection_holdout": 0.2}
     config, graph, store, summary = run_scenario(document, emit=emit)
@@ -210,7 +196,7 @@ def test_compatibility_model_selection_keeps_the_best_qualifying_epoch(tmp_path)
 
 def test_data_level_open_set_guard_refuses_a_leaking_test_pool(tmp_path):
     tiny.register()
-    document = scenario_for("er", tmp_path)
+    document = tiny.method_scenario("er", tmp_path)
     # another root of the same dataset: the config-level guard cannot see that the classes are the fine-tuning ones
     document["evaluation"]["query_set"] = {"dataset": "tiny-synth", "root": "elsewhere", "split": "finetune"}
     with pytest.raises(ValueError, match="open-set violation.*tiny-synth.*data.*evaluation.query_set"):
@@ -226,7 +212,7 @@ def test_open_set_guard_compares_ids_only_within_one_dataset(tmp_path):
     tiny.register()
     if "tiny-synth-other" not in DATASETS:  # same ids, another dataset (as CIFAR-10 next to CIFAR-100)
         DATASETS.register("tiny-synth-other", tiny.make_source)
-    document = scenario_for("er", tmp_path)
+    document = tiny.method_scenario("er", tmp_path)
     document["evaluation"]["query_set"] = {"dataset": "tiny-synth-other", "split": "finetune"}
     check_pools_open_set(validate_config(document))  # no error: ids 10..15 of two datasets are different classes
 
@@ -270,10 +256,34 @@ def test_first_task_from_a_third_party_model_anchors_to_it(tmp_path, method, anc
         elif isinstance(record, TrainRecord):
             records.setdefault(current["label"], []).append(record)
 
-    document = scenario_for(method, tmp_path)
+    document = tiny.method_scenario(method, tmp_path)
     document["initial_model"] = "pretrain:p1"
     run_scenario(document, emit=emit)
     parts = records["finetune[t=0]"][-1].loss_parts
     # HOC's InfoNCE term exists only when the stage handed it an old model (the loaded p1); ER never asks for one
     assert ("info_nce" in parts) is anchored
     assert ("sce" if method == "dsimplex-hoc" else "ce") in parts
+
+
+def test_replacement_anchored_to_the_replaced_model(tmp_path):
+    """``replacements[].anchor: replaced`` trains the replacement's first task against the model it replaces: the
+    tasks before it are the same stages (same keys, same bytes), the replacement's weights differ from the reference
+    anchor's (the loaded model), and a learnable-classifier method is refused before any stage, naming the key."""
+    document = tiny.method_scenario("dsimplex-hoc", tmp_path / "loaded")
+    _, loaded_graph, loaded_store, _ = run_scenario(document)
+    anchored_document = tiny.method_scenario("dsimplex-hoc", tmp_path / "replaced")
+    anchored_document["replacements"] = [{**anchored_document["replacements"][0], "anchor": "replaced"}]
+    _, graph, store, _ = run_scenario(anchored_document)
+    task = anchored_document["replacements"][0]["at_task"] - 1
+    for before in range(task):
+        assert graph.model_stages[before] == loaded_graph.model_stages[before]
+        assert store.load_manifest(graph.model_stages[before])["blobs"] == \
+            loaded_store.load_manifest(loaded_graph.model_stages[before])["blobs"]
+    replaced, reference = graph.model_stages[task], loaded_graph.model_stages[task]
+    assert replaced != reference
+    assert store.read_blob(replaced, "model.safetensors") != loaded_store.read_blob(reference, "model.safetensors")
+
+    er = tiny.method_scenario("er", tmp_path / "er")
+    er["replacements"] = [{**er["replacements"][0], "anchor": "replaced"}]
+    with pytest.raises(ValueError, match=r"replacements\[0\]\.anchor: 'replaced' needs a d-Simplex method"):
+        compile_scenario(validate_config(er))

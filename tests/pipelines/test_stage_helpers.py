@@ -67,11 +67,13 @@ def test_verification_and_tar_entries_on_separable_features():
 
 
 def test_fan_entry_applies_adapters_oldest_first():
-    from pipelines.methods.fan import make_adapter
+    from compat_core.adapters import FanAdapter
 
     config = validate_config(tiny.scenario("fan"))
     torch.manual_seed(0)
-    first, second = make_adapter(3, 5).eval(), make_adapter(3, 5).eval()
+    first, second = FanAdapter(hidden=5), FanAdapter(hidden=5)
+    first.build(3, 3).eval()
+    second.build(3, 3).eval()
     rng = np.random.default_rng(1)
     query, gallery = rng.normal(size=(6, 3)).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32)
     query_labels, gallery_labels = np.arange(6) % 3, np.arange(8) % 3
@@ -79,8 +81,8 @@ def test_fan_entry_applies_adapters_oldest_first():
                 "verification_pairs": 10}
 
     def numpy_psi(adapter, x):
-        w1, b1 = adapter[0].weight.detach().double().numpy(), adapter[0].bias.detach().double().numpy()
-        w2, b2 = adapter[2].weight.detach().double().numpy(), adapter[2].bias.detach().double().numpy()
+        w1, b1 = adapter.net[0].weight.detach().double().numpy(), adapter.net[0].bias.detach().double().numpy()
+        w2, b2 = adapter.net[2].weight.detach().double().numpy(), adapter.net[2].bias.detach().double().numpy()
         y = np.maximum(x @ w1.T + b1, 0) @ w2.T + b2
         return y / np.linalg.norm(y, axis=1, keepdims=True)
 

@@ -61,6 +61,23 @@ def scenario(method: str = "dsimplex-hoc", params: dict | None = None, output: s
     }
 
 
+RETRAINING = {"cores", "psp", "lsp"}  # retrain from the same initial weights: no replacement, no third-party model
+
+
+def method_scenario(method: str, output, **changes) -> dict:
+    """The tiny scenario as ``method`` can run it: no replacement or third-party model for the methods that
+    retrain from one initial state, 4 classes first for PSP/LSP (a 2-class PSP feature is always +-(1, -1)/sqrt(2):
+    all ties); ``changes`` replace top-level sections."""
+    document = scenario(method, output=str(output))
+    if method in RETRAINING:
+        document.pop("replacements")
+        document.pop("pretrain")
+    if method in ("psp", "lsp"):
+        document["tasks"] = {"spec": "4+2x1"}
+    document.update(changes)
+    return document
+
+
 # A `compat` entry point for subprocess tests: the tiny dataset registered, one torch thread. Write it to a file with
 # CLI_SCRIPT.format(here=<folder of this module>) and run it with the project on PYTHONPATH.
 CLI_SCRIPT = """

@@ -104,3 +104,16 @@ def test_channels_last_output_and_input_errors():
         make_transforms(((0.5,), (0.0,)), train=False)
     with pytest.raises(ValueError, match="ImageSource"):
         make_transforms("cifar", train=False)
+
+
+def test_rows_of_a_batch_get_the_whole_batch_draws():
+    """Data-parallel ranks transform their rows of a global batch with the draws one process makes for all of it."""
+    source = _identity_stats_source(hflip=True, image=IMAGE, copies=7)
+    batch = torch.from_numpy(source.images)
+    whole = make_transforms(source, train=True, seed=5)(batch)
+    parts = [make_transforms(source, train=True, seed=5)(batch[start:stop], rows=(start, stop, 7))
+             for start, stop in ((0, 4), (4, 7))]
+    assert torch.equal(torch.cat(parts), whole)
+    assert not torch.equal(parts[1], make_transforms(source, train=True, seed=5)(batch[4:7]))
+    with pytest.raises(ValueError, match="rows"):
+        make_transforms(source, train=True, seed=5)(batch[:3], rows=(0, 4, 7))

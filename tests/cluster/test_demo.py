@@ -1,0 +1,59 @@
+"""`compat demo` (shrunk): both scenarios run on ONE embedded Ray instance, and each run is identical (same stage
+keys, same artifact bytes, same matrix) to the scenario run on its own with `compat run`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.cli import main
+from app.commands.demo import DEMOS, configs_dir
+
+# 3 tasks of 2 classes, one epoch, a 4-wide cnn4, pools cut to a few images per class: the mechanism, not the claim
+SHRINK = [
+    "tasks.spec=2+2x2",
+    "training.epochs=1",
+    "model.backbone_config={in_chans: 1, width: 4}",
+    "pretrain=[{name: p1, pool: {dataset: glyphs, split: pretrain-1, options: {style: source}, per_class: 3}, "
+    "num_classes: 100, epochs: 1}]",
+    "replacements=[{at_task: 3, source: 'pretrain:p1'}]",
+    "evaluation.query_set.per_class=2",
+    "evaluation.gallery_set.per_class=2",
+]
+
+
+def _sets() -> list[str]:
+    return [argument for value in SHRINK for argument in ("--set", value)]
+
+
+def _manifests(run_dir: Path) -> dict[str, dict]:
+    """stage key -> {blob name: sha256} of every committed stage of a run folder."""
+    from pipelines.store import RunStore
+
+    store = RunStore(run_dir)
+    return {key: {name: info["sha256"] for name, info in store.load_manifest(key)["blobs"].items()}
+            for key in store.stage_keys()}
+
+
+@pytest.mark.timeout(900)
+def test_demo_runs_both_scenarios_on_one_ray_instance_identical_to_separate_runs(tmp_path, capsys):
+    import ray
+
+    output = tmp_path / "demo"
+    assert main(["demo", "--output", str(output), "--tracking-uri", "none", "--no-progress", *_sets()]) == 0
+    printed = capsys.readouterr().out
+    addresses = {line.rsplit("Ray instance ", 1)[1].rstrip(") =") for line in printed.splitlines()
+                 if line.startswith("== ") and "Ray instance " in line}
+    assert len(addresses) == 1, printed        # both scenarios' stages ran on the same instance
+    assert f"one embedded local Ray instance ({addresses.pop()})" in printed
+    assert not ray.is_initialized()           # the demo shut its instance down
+
+    for name, file_name in DEMOS:
+        alone = tmp_path / "alone" / name
+        assert main(["run", str(configs_dir() / file_name), "--output", str(alone), "--tracking-uri", "none",
+                     "--no-progress", *_sets()]) == 0
+        shared = output / name
+        assert json.loads((shared / "matrix.json").read_text()) == json.loads((alone / "matrix.json").read_text())
+        # the same stage keys with the same bytes: nothing depends on sharing the instance with the other scenario
+        assert _manifests(shared) == _manifests(alone) and _manifests(alone)

@@ -1,0 +1,68 @@
+"""The driver of a tracked run dies (SIGKILL) mid-run; `compat run --resume` marks the stage runs it left RUNNING
+KILLED, continues under the same MLflow parent run, and ends with no run RUNNING (SQLite tracking, the default in
+a local run folder). The matrix of a killed-and-resumed run is checked in test_executor_resume.py."""
+import json
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import yaml
+
+import tiny_scenario_helpers as tiny
+from test_executor_resume import HERE, _run
+
+
+def _statuses(database: Path) -> list[tuple[str, str, str]]:
+    """(run_uuid, status, run_role tag) of every run in an MLflow SQLite store (read-only, plain SQL)."""
+    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as connection:
+        return connection.execute(
+            "select r.run_uuid, r.status, coalesce(t.value, '') from runs r left join tags t "
+            "on t.run_uuid = r.run_uuid and t.key = 'run_role'").fetchall()
+
+
+def test_resume_after_driver_loss_leaves_no_run_running_and_keeps_the_parent(tmp_path):
+    script = tmp_path / "compat_tiny.py"
+    script.write_text(tiny.CLI_SCRIPT.format(here=str(HERE)))
+    config_path = tmp_path / "tiny.yaml"
+    config_path.write_text(yaml.safe_dump(tiny.scenario("dsimplex-hoc")))
+    run_dir = tmp_path / "run"
+    process = _run(["run", str(config_path), "--output", str(run_dir), "--no-progress"], script, wait=False)
+    manifests = run_dir / "manifests"
+    deadline = time.time() + 180
+    while time.time() < deadline and process.poll() is None:
+        if manifests.exists() and len(list(manifests.glob("*.json"))) >= 3:
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, "the run finished before its driver could be killed"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    database = run_dir / "mlflow.db"
+    stale = {uuid for uuid, status, _ in _statuses(database) if status == "RUNNING"}
+    parents = [uuid for uuid, _, role in _statuses(database) if role == "pipeline"]
+    assert len(parents) == 1 and parents[0] in stale and len(stale) >= 2  # the parent and the stage in progress
+
+    # a resume that stops before it reaches the interrupted stage (here: at once) still ends its run KILLED
+    from cluster.tracking import create_tracker
+    from pipelines.config import load_config
+    from pipelines.graph import compile_scenario
+    from pipelines.store import RunStore
+
+    tiny.register()
+    tracker = create_tracker(None, run_dir)
+    tracker.start(compile_scenario(load_config(str(run_dir / "config.yaml"))), RunStore(str(run_dir)))
+    tracker.finish("KILLED")
+    tracker.close()
+    early = dict((uuid, status) for uuid, status, _ in _statuses(database))
+    assert {early[uuid] for uuid in stale} == {"KILLED"}
+
+    resumed = _run(["run", "--resume", str(run_dir), "--no-progress"], script)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    after = _statuses(database)
+    assert [uuid for uuid, _, role in after if role == "pipeline"] == parents  # continued under the same parent
+    assert not [uuid for uuid, status, _ in after if status == "RUNNING"]
+    assert dict((uuid, status) for uuid, status, _ in after)[parents[0]] == "FINISHED"
+    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as connection:
+        killed = dict(connection.execute("select value, run_uuid from tags where key = 'stale_runs_killed'"))
+    assert killed and int(next(iter(killed))) == len(stale) - 1  # every stale stage run was ended KILLED first
+    assert json.loads((run_dir / "metrics.json").read_text())["num_tasks"] == 3
