@@ -109,11 +109,14 @@ def ray_data_rate(folder: Path, count: int, batch: int, cpus: int, repeats: int,
                   ) -> tuple[float, float]:
     """(images/s of a whole pass, images/s after the first batch) of Ray Data over the same ingested parts:
     ``read_parquet`` -> ``map_batches`` (torchvision decode on ``cpus`` CPU actors) -> ``iter_torch_batches`` with
-    2 batches prefetched, order preserved, on a local Ray started with ``cpus`` CPUs and a 200 MB object store.
+    2 batches prefetched, order preserved, on a local Ray started with ``cpus`` + 1 logical CPUs (the extra one for
+    the read tasks) and a 200 MB object store.
     A pass starts its actors (an epoch of a training job does too); the second figure leaves that start out."""
     import ray
 
-    ray.init(address="local", num_cpus=cpus, object_store_memory=200 * 2**20, include_dashboard=False,
+    # cpus decode actors plus one logical CPU for Ray Data's file listing and Parquet read tasks (with none left
+    # they starve behind the actors); the DataLoader's workers do their reads on their own CPU
+    ray.init(address="local", num_cpus=cpus + 1, object_store_memory=200 * 2**20, include_dashboard=False,
              log_to_driver=False,
              configure_logging=False)
     try:
@@ -123,9 +126,10 @@ def ray_data_rate(folder: Path, count: int, batch: int, cpus: int, repeats: int,
         paths = sorted(str(p) for p in folder.glob("*.parquet"))
         whole, steady = [], []
         for _ in range(repeats + 1):                           # the first pass is a warm-up (code shipped)
-            # reads reserve no CPU: with 1 CPU an actor holding it would otherwise starve the read tasks forever
-            dataset = ray.data.read_parquet(paths, override_num_blocks=max(2, count // batch), num_cpus=0) \
-                .select_columns(["image"]) \
+            # a part is one ~32 MB row group, i.e. one read block: split it into batch-sized blocks so the decode
+            # actors work in parallel and hand batches on as they finish (override_num_blocks cannot split a group)
+            dataset = ray.data.read_parquet(paths).select_columns(["image"]) \
+                .repartition(max(2, -(-count // batch))) \
                 .map_batches(_RayDecode, fn_constructor_args=(size,), batch_size=batch, batch_format="numpy",
                              num_cpus=1, compute=ray.data.ActorPoolStrategy(size=cpus))
             started = time.perf_counter()
@@ -170,8 +174,12 @@ def main() -> None:
         if args.s3:
             import boto3
 
-            from cluster.local_services import SeaweedS3Server
             import os
+            import sys
+            from pathlib import Path
+
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the suite's server fixture
+            from local_services import SeaweedS3Server
 
             server = SeaweedS3Server(tmp / "weed")
             server.start()

@@ -142,6 +142,7 @@ def cifar_case(nq: int, ng: int, dim: int, junction: bool, methods: dict, repeat
     recall: dict[str, float] = {}
     for _ in range(repeats):
         for name, method in methods.items():
+            print(f"  ... {name}", flush=True)
             start = time.perf_counter()
             index = method(query, gallery)
             seconds[name].append(time.perf_counter() - start)
@@ -204,12 +205,16 @@ def main(argv=None) -> int:
     parser.add_argument("--no-sklearn", action="store_true", help="skip the scikit-learn comparison")
     parser.add_argument("--no-forced", action="store_true", help="skip the kernel with forced int8 / bf16 / fp32 stages")
     parser.add_argument("--no-bridge", action="store_true", help="skip the CelebA-shaped bridge case")
+    parser.add_argument("--queries", type=int, default=None,
+                        help="Nq of the CIFAR-shaped cases (default 50,000; fewer on a busy machine, same Ng and d)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     if args.quick:
         cifar, bridge = (8000, 4000, 1023), (3000, 3000, 4000, 768)
     else:
         cifar, bridge = (50_000, 10_000, 1023), (20_000, 20_000, 21_999, 768)
+    if args.queries is not None:
+        cifar = (args.queries, *cifar[1:])
     load_before = os.getloadavg()
     rates = calibration.gemm_rates("cpu")       # measured now when this machine has no cached calibration
     print(calibration.format_calibration(calibration.load("cpu"), calibration.cache_path("cpu")))

@@ -78,14 +78,18 @@ class RayTrainCheckpointSink:
         name = f"epoch-{checkpoint.epochs_done:05d}"
         if ray.train.get_context().get_world_rank() != 0:
             ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
-            return
-        data = encode_state(checkpoint.state)
-        with tempfile.TemporaryDirectory() as folder:
-            (Path(folder) / STATE_FILE).write_bytes(data)
-            (Path(folder) / MANIFEST_FILE).write_text(json.dumps(
-                {"epochs_done": checkpoint.epochs_done, "sha256": sha256_bytes(data), "size": len(data)}))
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder), checkpoint_dir_name=name)
-        self.saved += 1
+        else:
+            data = encode_state(checkpoint.state)
+            with tempfile.TemporaryDirectory() as folder:
+                (Path(folder) / STATE_FILE).write_bytes(data)
+                (Path(folder) / MANIFEST_FILE).write_text(json.dumps(
+                    {"epochs_done": checkpoint.epochs_done, "sha256": sha256_bytes(data), "size": len(data)}))
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder),
+                                 checkpoint_dir_name=name)
+            self.saved += 1
+        # durable on return: the controller has registered it, so a group restarted from now on restores it (a
+        # worker dying before the controller's next poll would otherwise fall back to the previous checkpoint)
+        ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED)
 
 
 def worker_resources(options: dict) -> tuple[dict, bool]:

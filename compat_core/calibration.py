@@ -64,6 +64,7 @@ _ROUNDS = 3                              # interleaved timing rounds; the minimu
 # a half path must beat fp32 by this factor to be chosen: a near-tie would flip between re-measurements and with
 # it the numerics of a run; 2 % keeps "auto" within 2 % of the better path
 _HALF_MARGIN = 1.02
+_INT8_MARGIN = 1.5                       # int8 products must be this much faster than the best float path
 _WORKLOAD_BUDGET_S = 6.0                 # rough cap on one workload's timed steps
 _VERSION = 1
 
@@ -293,16 +294,24 @@ def _gemm_rates_cached(device: str, threads: int, path: str, measure: bool) -> d
 
 def fastest_matmul(device: torch.device | str = "cpu", exclude: tuple[str, ...] = ()) -> str:
     """The candidate-pass arithmetic of the retrieval kernel's ``precision="auto"``: "int8", "bf16", "fp16" or
-    "fp32", whichever measured fastest on ``device`` (a reduced precision must beat fp32 by 2 %), leaving out
-    ``exclude``; "fp32" when calibration is off."""
+    "fp32", whichever measured fastest on ``device`` (bf16/fp16 must beat fp32 by 2 %, int8 the best of those by
+    1.5x), leaving out ``exclude``; "fp32" when calibration is off."""
     rates = gemm_rates(device)
     if not rates:
         return "fp32"
-    candidates = [name for name in ("int8", "bf16", "fp16") if name not in exclude]
-    if not candidates:
-        return "fp32"
-    best = max(candidates, key=lambda name: rates.get(name, 0.0))
-    return best if rates.get(best, 0.0) > _HALF_MARGIN * rates.get("fp32", 0.0) else "fp32"
+    return _pick(rates, exclude)
+
+
+def _pick(rates: dict[str, float], exclude: tuple[str, ...] = ()) -> str:
+    floats = [name for name in ("bf16", "fp16") if name not in exclude]
+    best = max(floats, key=lambda name: rates.get(name, 0.0)) if floats else "fp32"
+    if rates.get(best, 0.0) <= _HALF_MARGIN * rates.get("fp32", 0.0):
+        best = "fp32"
+    # int8's candidate window is ~7x a bf16 one (8-bit codes on both sides), so it re-scores more: it must beat
+    # the best float product clearly
+    if "int8" not in exclude and rates.get("int8", 0.0) > _INT8_MARGIN * rates.get(best, 0.0):
+        return "int8"
+    return best
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -449,9 +458,7 @@ def format_calibration(document: dict[str, Any] | None, path: Path | None = None
         for name in GEMM_DTYPES:
             note = " (small probe only: far slower)" if name in gemm.get("probe_only", []) else ""
             lines.append(f"    {name:5s} {rates.get(name, 0.0):9.1f} GOP/s  {rates.get(name, 0.0) / fp32:5.2f}x fp32{note}")
-        best = max(("int8", "bf16", "fp16"), key=lambda name: rates.get(name, 0.0))
-        pick = best if rates.get(best, 0.0) > _HALF_MARGIN * rates.get("fp32", 0.0) else "fp32"
-        lines.append(f"    retrieval precision=auto candidate pass: {pick}")
+        lines.append(f"    retrieval precision=auto candidate pass: {_pick(rates)}")
     for name, entry in sorted((document.get("workloads") or {}).items()):
         seconds = entry["seconds_per_step"]
         timings = ", ".join(f"{dtype} {value * 1e3:.1f} ms" for dtype, value in seconds.items())

@@ -36,7 +36,10 @@ query row likewise. Rows are ranked by W_j = fl32(fl32(P_j) t_j), which is z_j /
 2E/s)} is the same argument as above with every score divided by s: every gallery item whose upper bound
 W + E/s (+ rounding) reaches the best lower bound v - E/s survives, and nothing else can be the answer. The int8
 window (about ||quantisation error|| ~ 0.3 sqrt(D) t, i.e. ~0.01 for unit rows at D = 1023) is about 3x bf16's, so
-near-duplicate galleries re-score more candidates; survivors are re-scored exactly as for the half stages.
+near-duplicate galleries re-score more candidates; survivors are re-scored exactly as for the half stages. So
+"auto" picks int8 only where it measured 1.5x the best float product (``calibration.fastest_matmul``), runs a
+first chunk of 512 queries, and moves to the next-fastest stage when that chunk re-scored more than Ng/64 rows
+per query.
 
 Low-rank galleries (junction outputs A h have rank <= m < D): with enough queries, the half stage runs in the
 gallery's dominant r-dim subspace U (fp64 eigendecomposition of a sample Gram matrix, r <= 0.8 D): x = U^T q,
@@ -84,6 +87,7 @@ _GATHER_VS_DENSE = 32          # a gathered candidate costs about as much as thi
 # "auto" with an int8 stage: when the first chunk leaves more than Ng / this many rows per query to re-scoring,
 # the int8 window (~7x bf16's) is too wide for these data and the rest runs on the next-fastest stage
 _INT8_DEMOTE_FRACTION = 64
+_INT8_PROBE_QUERIES = 512      # size of that first chunk
 _GATHER_BUDGET = 1 << 22       # elements per gathered (rows x candidates x D) block: bounds re-scoring memory
 _SCORE_BUDGET = 1 << 26        # elements of one (query chunk x gallery) score block
 _U32 = 2.0 ** -24
@@ -748,13 +752,17 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
     stage = _start_stage(space, precision)
     result = _Result(queries.count, k, space.stage32.device, want_scores)
-    for start in range(0, queries.count, chunk):
-        rescored = _search_chunk(space, queries, start, min(queries.count, start + chunk), k, want_scores, stage,
-                                 result)
-        if (start == 0 and precision == "auto" and rebuild is not None and space.half_dtype == torch.int8
-                and rescored * _INT8_DEMOTE_FRACTION > space.size):
+    # "auto" on int8: a small first chunk tells whether these data suit the int8 window before most work is done
+    probing = precision == "auto" and rebuild is not None and space.half_dtype == torch.int8
+    start = 0
+    while start < queries.count:
+        stop = min(queries.count, start + (min(chunk, _INT8_PROBE_QUERIES) if probing else chunk))
+        rescored = _search_chunk(space, queries, start, stop, k, want_scores, stage, result)
+        if probing and rescored * _INT8_DEMOTE_FRACTION > space.size:
             space = rebuild(fastest_matmul(space.stage32.device, exclude=("int8",)))
             stage = _start_stage(space, precision)
+        probing = False
+        start = stop
     return result
 
 

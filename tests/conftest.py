@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from cluster.local_services import MlflowServer, SeaweedS3Server
+from local_services import MlflowServer, SeaweedS3Server  # tests/ is on sys.path (this conftest's folder)
 
 # "auto" precisions time nothing inside tests of unrelated code: they mean fp32, identical on every machine (set
 # before any Ray node or CLI subprocess starts, so those inherit it). tests/compat_core/test_calibration.py switches

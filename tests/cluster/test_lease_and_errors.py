@@ -111,7 +111,7 @@ def test_corrupt_blob_prints_the_fix_and_recompute_repairs_the_run(tmp_path):
 
 def test_weed_gets_no_credentials_from_the_environment(tmp_path, monkeypatch):
     """Given AWS_* variables weed would add an identity of its own: the server starts with a minimal environment."""
-    from cluster.local_services import SeaweedS3Server
+    from local_services import SeaweedS3Server
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIASHOULDNOTLEAK")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "should-not-leak-secret")

@@ -129,7 +129,7 @@ def nodes(s3_server, tmp_path_factory):
             cluster.cluster.shutdown()
             shutil.rmtree(root, ignore_errors=True)
     if was_initialized:
-        ray.init(num_cpus=2, object_store_memory=200 * 1024 * 1024, include_dashboard=False,
+        ray.init(address="local", num_cpus=2, object_store_memory=200 * 1024 * 1024, include_dashboard=False,
                  _node_ip_address="127.0.0.1", configure_logging=False, log_to_driver=False)
 
 

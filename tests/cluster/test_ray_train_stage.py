@@ -172,3 +172,63 @@ def test_rank_rows_partition_each_global_batch_in_order():
     assert DataParallel(1, 2).rows(7) == (4, 7)
     with pytest.raises(ValueError, match=r"resources\.finetune\.num_workers = 3"):
         DataParallel(0, 3).check_batches([8, 2], "resources.finetune.num_workers")
+
+
+def _train_crashing_once(loop: dict) -> dict:
+    """Worker of the resume test: 2 epochs checkpointed through Ray Train, then rank 1 dies in epoch 3 (once)."""
+    import os
+
+    import ray.train
+
+    from cluster.ray_train_stage import RayTrainCheckpointSink
+    from pipelines.training import train_task
+
+    class Sink(RayTrainCheckpointSink):
+        restored = None
+
+        def load_latest(self):
+            latest = super().load_latest()
+            self.restored = None if latest is None else latest.epochs_done
+            return latest
+
+    torch.set_num_threads(1)
+    model, old_model, method, data, config = _task()
+    config = config.model_copy(update={"epochs": 3})
+    rank = ray.train.get_context().get_world_rank()
+    steps = []
+
+    def progress(epoch: int, step: int, total: int, images_per_s: float) -> None:
+        steps.append(step)
+        if rank == 1 and epoch == 2 and not os.path.exists(loop["marker"]):
+            open(loop["marker"], "w").close()
+            os._exit(1)  # the worker process dies: Ray Train restarts the group from the latest checkpoint
+
+    sink = Sink(every_epochs=1)
+    result = train_task(model, old_model, method, data, config, progress=progress, checkpoints=sink)
+    return {"losses": [r.loss for r in result.records], "restored": sink.restored, "steps_run": steps,
+            "saved": sink.saved, "weights": {k: v.detach().numpy().copy() for k, v in result.model.state_dict().items()}}
+
+
+@pytest.mark.slow
+def test_a_restarted_worker_group_resumes_from_the_ray_train_checkpoint(ray_train, tmp_path):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from pipelines.training import train_task
+
+    torch.set_num_threads(1)
+    model, old_model, method, data, config = _task()
+    reference = train_task(model, old_model, method, data, config.model_copy(update={"epochs": 3}))
+    trainer = TorchTrainer(_train_crashing_once, train_loop_config={"marker": str(tmp_path / "crashed")},
+                           torch_config=TorchConfig(backend="gloo"),
+                           scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+                           run_config=RunConfig(name="resume-test", storage_path=str(tmp_path / "ray-train"),
+                                                failure_config=FailureConfig(max_failures=1),
+                                                checkpoint_config=CheckpointConfig(num_to_keep=1)))
+    resumed = trainer.fit().return_value
+    assert (tmp_path / "crashed").exists()  # the first attempt died in epoch 3
+    assert resumed["restored"] == 2 and resumed["steps_run"] == [11, 12, 13, 14, 15]  # only epoch 3 recomputed
+    assert resumed["saved"] == 0  # no periodic save after the last epoch (the stage commits then)
+    np.testing.assert_allclose(resumed["losses"], [r.loss for r in reference.records], rtol=RELATIVE_LOSS_TOLERANCE)
+    for name, value in reference.model.state_dict().items():
+        np.testing.assert_allclose(resumed["weights"][name], value.numpy(), atol=WEIGHT_TOLERANCE, err_msg=name)

@@ -27,6 +27,24 @@ def test_request_no_node_covers_is_refused_with_stage_and_resource():
         check_satisfiable("pretrain[p1]", "resources.pretrain", {"num_cpus": 9, "num_gpus": 1}, NODES, False)
 
 
+def test_custom_resources_are_checked_and_named():
+    """resources.<kind>.custom (Ray custom resources) must be on the same node as the rest of the request."""
+    nodes = NODES + [{"Alive": True, "Resources": {"CPU": 1.0, "spot": 1.0}}]
+    from cluster.ray_executor import task_options
+    from pipelines.config import StageResources
+
+    options = task_options(StageResources(num_cpus=1, custom={"spot": 0.5}), "cpu", False)
+    assert options["resources"] == {"spot": 0.5}
+    assert check_satisfiable("finetune[t=0]", "resources.finetune", options, nodes, False) is None
+    # 2 CPUs and the spot resource exist, but on different nodes
+    with pytest.raises(UnsatisfiableResourcesError, match="asks for resources no single node has"):
+        check_satisfiable("finetune[t=0]", "resources.finetune", {"num_cpus": 2, "resources": {"spot": 1}}, nodes,
+                          False)
+    line = check_satisfiable("finetune[t=0]", "resources.finetune", {"num_cpus": 1, "resources": {"a100": 1}},
+                             nodes, True)
+    assert line == "stage finetune[t=0] waits for a node with a100=1 (largest node: 0): the autoscaler may add one"
+
+
 def test_with_an_autoscaler_the_stage_waits_and_says_for_what():
     line = check_satisfiable("finetune[t=0]", "resources.finetune", {"num_gpus": 2}, NODES, True)
     assert line == "stage finetune[t=0] waits for a node with GPU=2 (largest node: 1): the autoscaler may add one"

@@ -1,6 +1,6 @@
 """infra/ is consistent with the code, offline: manifests parse, pins match pyproject.toml, overlays apply, every
 Secret/ConfigMap/PVC/image reference resolves, every `compat` / `ray start` / `mlflow server` / `weed mini` command
-line parses with the real parsers, and the service definitions use the same settings as cluster/local_services.py.
+line parses with the real parsers, and the service definitions use the same settings as tests/local_services.py.
 """
 from __future__ import annotations
 
@@ -415,8 +415,8 @@ def test_cluster_launcher_config_validates_against_rays_schema_and_binds_the_das
 
 # ---- services: same settings as the test fixture ------------------------------------------------------------------
 def _fixture_commands(tmp_path, monkeypatch) -> dict[str, tuple[list[str], dict]]:
-    """The exact command lines and environments cluster/local_services.py starts (no process is started)."""
-    from cluster import local_services
+    """The exact command lines and environments tests/local_services.py starts (no process is started)."""
+    import local_services
 
     captured = {}
 

@@ -175,3 +175,16 @@ def test_plan_reports_both_ways_for_celeba():
     text = describe(compile_scenario(config))
     assert "features: bridge (d=21999 > m=768)" in text
     assert "storage per image per model: direct 43998 B (d=21999), bridge 1536 B (m=768" in text
+
+
+def test_plan_similarity_cost_both_ways_hand_computed():
+    """30 query x 30 gallery rows, d = 39, m = 32: direct 2*30*30*39 FLOPs; bridge 4*d*m^2 (two m x m head
+    products) + 2*Ng*m^2 (gallery map) + 2*Nq*Ng*m (search)."""
+    scenario = _scenario(Path("unused"), "auto")
+    scenario["evaluation"]["query_set"]["num_samples"] = 30
+    scenario["evaluation"]["gallery_set"]["num_samples"] = 30
+    text = describe(compile_scenario(validate_config(scenario)))
+    direct = 2 * 30 * 30 * 39
+    bridge = 4 * 39 * 32 * 32 + 2 * 30 * 32 * 32 + 2 * 30 * 30 * 32
+    assert f"similarity cost per entry: direct {direct:.3e} FLOPs, bridge {bridge:.3e} FLOPs" in text
+    assert "features: bridge (d=39 > m=32)" in text

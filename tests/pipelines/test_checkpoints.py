@@ -238,3 +238,47 @@ def test_stage_killed_after_a_checkpoint_resumes_to_the_same_matrix_and_checkpoi
     assert resumed_record["training"]["epochs_recorded"] == 3  # the restored records count too
     assert resumed_record["training"]["resumed_from_epoch"] == 2
     assert reference_record["training"]["resumed_from_epoch"] is None
+
+
+def test_sigterm_to_compat_run_saves_the_stage_and_resume_finishes_it_identically(tmp_path):
+    """`compat run` (in-process backend) gets SIGTERM while a stage trains: the stage saves a checkpoint at the next
+    step, the driver exits by SIGTERM, and `compat run --resume` continues that stage from the checkpoint and ends
+    with the matrix of an uninterrupted run."""
+    import time
+
+    import tiny_scenario_helpers as tiny
+    import yaml
+
+    from pipelines.executor import LocalExecutor
+    from test_executor_resume import HERE, _run
+
+    torch.set_num_threads(1)
+    graph = _tiny_graph(tmp_path / "reference", every=1)
+    LocalExecutor(progress=False).run(graph, RunStore(tmp_path / "reference"))
+    script = tmp_path / "compat_tiny.py"
+    script.write_text(tiny.CLI_SCRIPT.format(here=str(HERE)))
+    document = tiny.scenario("dsimplex-hoc")
+    document["training"].update(epochs=3, checkpoint_every_epochs=1)
+    config_path = tmp_path / "tiny.yaml"
+    config_path.write_text(yaml.safe_dump(document))
+    run_dir = tmp_path / "run"
+    process = _run(["run", str(config_path), "--output", str(run_dir), "--no-progress", "--tracking-uri", "none"],
+                   script, wait=False)
+    target = next(s for s in graph if s.kind == "finetune" and s.task == 1)
+    deadline = time.time() + 240
+    while time.time() < deadline and process.poll() is None:
+        if (run_dir / "checkpoints" / target.key).is_dir() and any((run_dir / "checkpoints" / target.key).iterdir()):
+            break
+        time.sleep(0.02)
+    assert process.poll() is None, "the run finished before it could be signalled"
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == -signal.SIGTERM
+    assert not RunStore(run_dir).has(target.key)
+    resumed = _run(["run", "--resume", str(run_dir), "--no-progress", "--tracking-uri", "none"], script)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    for name in ("matrix.json", "metrics.json"):
+        assert json.loads((run_dir / name).read_text()) == json.loads(
+            (tmp_path / "reference" / name).read_text()), name
+    resumed_from = RunStore(run_dir).load_record(target.key)["training"]["resumed_from_epoch"]
+    assert resumed_from in (1, 2, 3)  # the checkpoint seen (epoch 1) or a later one: the SIGTERM one (step boundary)
+    assert RunStore(run_dir).list_dirs("checkpoints") == []

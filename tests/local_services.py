@@ -1,4 +1,4 @@
-"""Real servers on 127.0.0.1 for local use and tests: a SeaweedFS S3 store and an MLflow tracking server.
+"""Real servers on 127.0.0.1 for the tests (fixtures in tests/conftest.py): SeaweedFS S3 and an MLflow server.
 
 Both are started as child processes, bound to loopback, and stopped (with their whole process tree) on exit.
 Credentials are passed to SeaweedFS through its config file, never on a command line or in a log line.
