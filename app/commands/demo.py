@@ -96,34 +96,6 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _tree_cpu_seconds(root_pid: int) -> float | None:
-    """User + system CPU seconds of ``root_pid`` and every live descendant (with what they reaped), from /proc;
-    None where /proc is not available. Sampled before Ray shuts down, this includes the Ray workers."""
-    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    try:
-        stats = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as handle:
-                        fields = handle.read().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue  # exited meanwhile
-                # after the command: state ppid ... utime(12) stime(13) cutime(14) cstime(15), 0-based from state
-                stats[int(entry)] = (int(fields[1]), sum(int(value) for value in fields[11:15]))
-    except OSError:
-        return None
-    children: dict[int, list[int]] = {}
-    for pid, (parent, _) in stats.items():
-        children.setdefault(parent, []).append(pid)
-    total, stack = 0, [root_pid]
-    while stack:
-        pid = stack.pop()
-        total += stats.get(pid, (0, 0))[1]
-        stack.extend(children.get(pid, []))
-    return total / ticks
-
-
 def run(args) -> int:
     from app.commands.run import print_results
     from pipelines.config import ConfigError, load_config
@@ -163,7 +135,6 @@ def run(args) -> int:
 
         connect(None, num_cpus=cores)
         address = ray.get_runtime_context().gcs_address
-    tree_cpu = None
     try:
         if jobs == 1:
             progress = "none" if args.no_progress else "bars"
@@ -181,9 +152,6 @@ def run(args) -> int:
                 futures = [pool.submit(run_one, *task, threads, progress, args.executor, tracking_uri, experiment,
                                        address) for task in tasks]
                 results = [future.result() for future in futures]
-                tree_cpu = _tree_cpu_seconds(os.getpid())  # workers and Ray still alive: their CPU counts
-        if tree_cpu is None:
-            tree_cpu = _tree_cpu_seconds(os.getpid())
     finally:
         if address is not None:
             import ray
@@ -205,10 +173,7 @@ def run(args) -> int:
         print(f"\nd-Simplex-HOC vs ER: AC {hoc['AC']:.3f} vs {er['AC']:.3f}; AA {hoc['AA']:.3f} vs {er['AA']:.3f} "
               f"({hoc['AA'] / er['AA']:.2f}x)")
     where = f"Ray tasks on one embedded local Ray instance ({address})" if address else "in-process"
-    if tree_cpu is not None:
-        cpu_text = f"{max(cpu, tree_cpu):.0f} s CPU (user+sys, whole process tree incl. Ray workers)"
-    else:
-        cpu_text = f"{cpu:.0f} s CPU (user+sys, {'driver processes only' if args.executor == 'ray' else 'all'})"
+    cpu_text = f"{cpu:.0f} s CPU (user+sys, {'driver processes only' if args.executor == 'ray' else 'all processes'})"
     print(f"demo: {wall:.0f} s wall, {cpu_text}, {jobs} job(s) on {cores} core(s), stages {where}; "
           f"MLflow: {tracking_uri} (experiment {experiment})")
     return 0
