@@ -173,9 +173,10 @@ def test_two_worker_nodes_with_only_s3_shared_give_the_local_matrix(nodes, refer
 
 def _slow_and_reporting_setup(marker_dir: str, finetune_key: str, entry_key: str):
     """Worker setup of the node-loss test. The fine-tuning stage ``finetune_key`` reports each finished epoch
-    (``trained-<epochs>-<node>``) and takes 1.5 s to write each checkpoint (slow storage), so that the test can
-    remove its node between two checkpoints. The entry ``entry_key`` reports its node and takes 4 s. Neither
-    changes what is computed."""
+    (``trained-<epochs>-<node>``); the first attempt to write its epoch-3 checkpoint hangs (slow storage), so the
+    test removes its node after the epoch-2 checkpoint and before the epoch-3 one, however loaded the machine is.
+    The entry ``entry_key`` reports its node; its first attempt hangs until the test removes that node. Retries do
+    not wait. Neither changes what is computed."""
     def setup():
         import os as _os
         import time as _time
@@ -191,16 +192,27 @@ def _slow_and_reporting_setup(marker_dir: str, finetune_key: str, entry_key: str
         node = _ray.get_runtime_context().get_node_id()
         original_save, original_entry = checkpoints.StoreCheckpointSink.save, stages.entry_stage
 
+        def first_attempt(prefix: str) -> bool:
+            return not any(name.startswith(prefix) for name in _os.listdir(marker_dir))
+
+        def hang() -> None:  # the test kills this process; bounded so that a broken test cannot hang forever
+            _time.sleep(300)
+
         def save(self, checkpoint):
             if self.stage_key == finetune_key:
-                open(_os.path.join(marker_dir, f"trained-{checkpoint.epochs_done}-{node}"), "w").close()
-                _time.sleep(1.5)
+                prefix = f"trained-{checkpoint.epochs_done}-"
+                first = first_attempt(prefix)
+                open(_os.path.join(marker_dir, f"{prefix}{node}"), "w").close()
+                if checkpoint.epochs_done == 3 and first:
+                    hang()
             original_save(self, checkpoint)
 
         def entry(ctx):
             if ctx.stage.key == entry_key:
+                first = first_attempt("entry-")
                 open(_os.path.join(marker_dir, f"entry-{node}"), "w").close()
-                _time.sleep(4)
+                if first:
+                    hang()
             return original_entry(ctx)
 
         save._reporting = True
@@ -244,13 +256,13 @@ def test_a_worker_node_lost_mid_finetune_and_mid_entry_still_gives_the_local_mat
         found = [p.name for p in tmp_path.iterdir() if p.name.startswith(prefix)]
         return found[0] if found else None
 
-    _wait_for(lambda: "epoch-00002.json" in store.list_files(f"checkpoints/{target.key}"), "the epoch-2 checkpoint")
-    first_node = marker("trained-2-").split("-", 2)[2]
+    first_node = _wait_for(lambda: marker("trained-3-"), "the epoch-3 checkpoint to start").split("-", 2)[2]
+    assert "epoch-00002.json" in store.list_files(f"checkpoints/{target.key}")
     nodes.remove(nodes.node_of(first_node))
     trained_before_loss = max(int(p.name.split("-")[1]) for p in tmp_path.iterdir()
                               if p.name.startswith("trained-") and p.name.endswith(first_node))
     nodes.ensure_two_workers()
-    entry_node = _wait_for(lambda: marker("entry-"), "the slow entry").split("-", 1)[1]
+    entry_node = _wait_for(lambda: marker("entry-"), "the hanging entry").split("-", 1)[1]
     nodes.remove(nodes.node_of(entry_node))
     runner.join(timeout=240)
     assert not runner.is_alive() and "summary" in outcome

@@ -200,7 +200,7 @@ def test_fan_exports_its_adapter(source):
     result = train_task(tiny_model("learnable", classes=6), frozen_copy(tiny_model("learnable", 1, 3)),
                         get_method("fan", adapter_hidden=8), task_data(source, "learnable"), config(epochs=1))
     assert set(result.extra_state) == {"adapter"}
-    assert result.extra_state["adapter"]["0.weight"].shape == (8, K - 1)
+    assert result.extra_state["adapter"].state_dict()["0.weight"].shape == (8, K - 1)
 
 
 def test_pretrain_model_uses_left_to_right_slots(source):
