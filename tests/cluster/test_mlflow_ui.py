@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,40 @@ sys.path.insert(0, str(ROOT / "tests" / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
 
-def test_mlflow_ui_shows_trials_nested_with_the_objective(ray_local, mlflow_server, tmp_path):
+def _require_chromium() -> None:
     if not CHROMIUM.exists():
         pytest.fail("Debian's chromium is not installed (/usr/bin/chromium); the setup command installs it with "
                     "`apt-get install -y chromium`")
-    from mlflow import MlflowClient
+
+
+@contextmanager
+def runs_page(tracking_uri: str, experiment_id: str, profile: Path, viewport: dict):
+    """Headless Chromium on the runs table of an experiment; ``profile`` is a fresh, empty folder (Playwright passes
+    it to Chromium as --user-data-dir). The browser is closed on exit."""
     from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch_persistent_context(
+            str(profile), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS, viewport=viewport)
+        try:
+            page = browser.new_page()
+            page.goto(f"{tracking_uri}/#/experiments/{experiment_id}/runs", wait_until="load")
+            yield page
+        finally:
+            browser.close()
+
+
+def keep_screenshot(screenshot: Path) -> Path:
+    """Copy a screenshot to tests/.artifacts/ (git-ignored) for people to look at; returns the copy's path."""
+    stable = ROOT / "tests" / ".artifacts" / screenshot.name
+    stable.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(screenshot, stable)
+    return stable
+
+
+def test_mlflow_ui_shows_trials_nested_with_the_objective(ray_local, mlflow_server, tmp_path):
+    _require_chromium()
+    from mlflow import MlflowClient
 
     from cluster.tune import SearchSpec, run_search
     from pipelines.config import config_to_dict, validate_config
@@ -48,42 +77,32 @@ def test_mlflow_ui_shows_trials_nested_with_the_objective(ray_local, mlflow_serv
     assert len(trial_runs) == 2
 
     screenshot = tmp_path / "mlflow-ui-search.png"
-    with sync_playwright() as playwright:
-        # a fresh, empty profile (Playwright passes it to Chromium as --user-data-dir)
-        browser = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
-            viewport={"width": 1920, "height": 900})
-        try:
-            page = browser.new_page()
-            page.goto(f"{mlflow_server.tracking_uri}/#/experiments/{experiment_id}/runs", wait_until="load")
-            parent_row = page.get_by_role("row").filter(has_text=spec.name)
-            parent_row.wait_for(timeout=60_000)
-            # before expanding, the table lists only the parent (trials are nested under it)
-            for name in trial_runs:
-                assert page.get_by_role("row").filter(has_text=name).count() == 0
-            page.get_by_role("button", name="Columns").click()
-            page.get_by_text("objective", exact=True).first.click()  # the metric's entry in the Columns menu
-            page.keyboard.press("Escape")
-            parent_row.locator("button").first.click()  # the expander in front of the parent's name
-            header = page.locator('[role="columnheader"][col-id="metrics.`objective`"]')
-            header.wait_for(timeout=30_000)
-            for name in trial_runs:
-                page.get_by_role("row").filter(has_text=name).first.wait_for(timeout=30_000)
-            _close_side_panel(page)  # MLflow 3's assistant panel would hide the objective column in the picture
-            header.scroll_into_view_if_needed()
-            page.screenshot(path=str(screenshot), full_page=True)
-            for name, run in trial_runs.items():
-                # ag-grid renders the pinned name column and the scrolling columns as separate rows sharing row-index
-                index = page.get_by_role("row").filter(has_text=name).first.get_attribute("row-index")
-                cell = page.locator(f'[role="row"][row-index="{index}"] [role="gridcell"][col-id="metrics.`objective`"]')
-                shown = float(cell.first.inner_text().strip())
-                value = run.data.metrics["objective"]
-                assert shown == pytest.approx(value, abs=5e-3), f"{name}: UI shows {shown}, MLflow has {value}"
-        finally:
-            browser.close()
-    stable = ROOT / "tests" / ".artifacts" / screenshot.name
-    stable.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(screenshot, stable)
+    viewport = {"width": 1920, "height": 900}
+    with runs_page(mlflow_server.tracking_uri, experiment_id, tmp_path / "profile", viewport) as page:
+        parent_row = page.get_by_role("row").filter(has_text=spec.name)
+        parent_row.wait_for(timeout=60_000)
+        # before expanding, the table lists only the parent (trials are nested under it)
+        for name in trial_runs:
+            assert page.get_by_role("row").filter(has_text=name).count() == 0
+        page.get_by_role("button", name="Columns").click()
+        page.get_by_text("objective", exact=True).first.click()  # the metric's entry in the Columns menu
+        page.keyboard.press("Escape")
+        parent_row.locator("button").first.click()  # the expander in front of the parent's name
+        header = page.locator('[role="columnheader"][col-id="metrics.`objective`"]')
+        header.wait_for(timeout=30_000)
+        for name in trial_runs:
+            page.get_by_role("row").filter(has_text=name).first.wait_for(timeout=30_000)
+        _close_side_panel(page)  # MLflow 3's assistant panel would hide the objective column in the picture
+        header.scroll_into_view_if_needed()
+        page.screenshot(path=str(screenshot), full_page=True)
+        for name, run in trial_runs.items():
+            # ag-grid renders the pinned name column and the scrolling columns as separate rows sharing row-index
+            index = page.get_by_role("row").filter(has_text=name).first.get_attribute("row-index")
+            cell = page.locator(f'[role="row"][row-index="{index}"] [role="gridcell"][col-id="metrics.`objective`"]')
+            shown = float(cell.first.inner_text().strip())
+            value = run.data.metrics["objective"]
+            assert shown == pytest.approx(value, abs=5e-3), f"{name}: UI shows {shown}, MLflow has {value}"
+    stable = keep_screenshot(screenshot)
     print(f"MLflow UI screenshot: {stable}")
     assert screenshot.stat().st_size > 10_000
 
@@ -104,15 +123,12 @@ def test_mlflow_ui_compares_the_er_and_dsimplex_hoc_runs_of_one_experiment(mlflo
     """Issue 12, item 10: both demo scenarios (shrunk: tiny data, 2 tasks, 1 epoch) run by `compat run --experiment`
     into one experiment; in Chromium both runs are selected in the runs table and MLflow's compare view opened; the
     AC and AA it shows for each run equal that run's metrics.json (the page rounds to 3 decimals)."""
-    if not CHROMIUM.exists():
-        pytest.fail("Debian's chromium is not installed (/usr/bin/chromium); the setup command installs it with "
-                    "`apt-get install -y chromium`")
+    _require_chromium()
     import json
 
     import torch
     import yaml
     from mlflow import MlflowClient
-    from playwright.sync_api import sync_playwright
 
     from app.cli import main
 
@@ -141,39 +157,30 @@ def test_mlflow_ui_compares_the_er_and_dsimplex_hoc_runs_of_one_experiment(mlflo
     assert metrics["demo-er"]["AA"] != metrics["demo-dsimplex-hoc"]["AA"]  # so a swapped column would be caught
 
     screenshot = tmp_path / "mlflow-ui-compare-demo-runs.png"
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS,
-            viewport={"width": 1600, "height": 1000})
-        try:
-            page = browser.new_page()
-            page.goto(f"{mlflow_server.tracking_uri}/#/experiments/{experiment_id}/runs", wait_until="load")
-            colours = []
-            for scenario in ("demo-er", "demo-dsimplex-hoc"):
-                row = page.get_by_role("row").filter(has_text=f"{scenario}-").first
-                row.wait_for(timeout=60_000)
-                colours += re.findall(r"#[0-9a-f]{6}", row.inner_text())
-                row.get_by_role("checkbox").first.check(force=True)  # ag-grid's row selection box
-            assert len(colours) == 2 and colours[0] != colours[1]  # distinct run colours in the charts
-            page.get_by_role("button", name="Compare").first.click()
-            page.locator('a[title="Plot chart"]').first.wait_for(timeout=60_000)
-            _close_side_panel(page)
-            shown = page.evaluate(_READ_COMPARE_VIEW)
-            # for the picture: fold the long Parameters section so run names and metrics are on one screen
-            page.get_by_text("Parameters", exact=True).first.click()
-            page.locator('a[title="Plot chart"]', has_text="FC").first.scroll_into_view_if_needed()
-            page.screenshot(path=str(screenshot))
-        finally:
-            browser.close()
+    viewport = {"width": 1600, "height": 1000}
+    with runs_page(mlflow_server.tracking_uri, experiment_id, tmp_path / "profile", viewport) as page:
+        colours = []
+        for scenario in ("demo-er", "demo-dsimplex-hoc"):
+            row = page.get_by_role("row").filter(has_text=f"{scenario}-").first
+            row.wait_for(timeout=60_000)
+            colours += re.findall(r"#[0-9a-f]{6}", row.inner_text())
+            row.get_by_role("checkbox").first.check(force=True)  # ag-grid's row selection box
+        assert len(colours) == 2 and colours[0] != colours[1]  # distinct run colours in the charts
+        page.get_by_role("button", name="Compare").first.click()
+        page.locator('a[title="Plot chart"]').first.wait_for(timeout=60_000)
+        _close_side_panel(page)
+        shown = page.evaluate(_READ_COMPARE_VIEW)
+        # for the picture: fold the long Parameters section so run names and metrics are on one screen
+        page.get_by_text("Parameters", exact=True).first.click()
+        page.locator('a[title="Plot chart"]', has_text="FC").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(screenshot))
     assert sorted(shown["runs"]) == sorted(run_scenario)
     for column, run_id in enumerate(shown["runs"]):
         expected = metrics[run_scenario[run_id]]
         for name in ("AC", "AA"):
             value = float(shown["metrics"][name][column])
             assert value == pytest.approx(expected[name], abs=5e-4), f"{run_scenario[run_id]} {name}: UI {value}"
-    stable = ROOT / "tests" / ".artifacts" / screenshot.name
-    stable.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(screenshot, stable)
+    stable = keep_screenshot(screenshot)
     print(f"MLflow compare view screenshot: {stable}")
 
 
