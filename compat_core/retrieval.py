@@ -194,6 +194,19 @@ class _Projection:
     basis_norm: float                # upper bound on ||U||_2 (so ||U^T q|| <= basis_norm for unit q)
     basis_frobenius: float           # upper bound on ||U||_F
     residual_max: float              # upper bound on max_j ||g_j - U y_j|| (exact arithmetic)
+    coords: torch.Tensor             # (Ng, r) fp32 y_j, kept so that another candidate stage can be built from them
+
+
+def _with_stage(space: _Space, half_dtype: torch.dtype | None) -> _Space:
+    """The same gallery with another candidate stage (``half_dtype``; None: fp32 only), reusing its fp32 copy and,
+    where it has one, its low-rank basis and coordinates (used when "auto" leaves the int8 stage)."""
+    if space.projection is not None and half_dtype is not None:
+        projected = _build_space(space.projection.coords, 0.0, 1.0, space.exact_rows, half_dtype)
+        if projected.half_t is not None:
+            return _Space(space.size, space.dim, space.exact_rows, space.stage32, space.norm32_max,
+                          space.dev32_max, space.norm64_max, projected.half_t, projected.half_dtype,
+                          projected.norm_half_max, projected.dev_half_max, projected.half_scale, space.projection)
+    return _build_space(space.stage32, space.dev32_max, space.norm64_max, space.exact_rows, half_dtype)
 
 
 def _build_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float,
@@ -362,14 +375,14 @@ def _low_rank(space: _Space, gallery: torch.Tensor, inverse: torch.Tensor, half_
     if basis64 is None:
         return
     rank = basis64.shape[1]
-    if half_dtype == torch.int8:
-        # coordinates in a greedy basis put most of a row's energy in its first few components, which would set
-        # the int8 scale; a fixed random rotation of the basis spreads it evenly (a smaller scale, a smaller
-        # quantisation error); the bound below measures whatever basis results
-        generator = torch.Generator(device="cpu").manual_seed(_ROTATION_SEED)
-        mixing = torch.randn(rank, rank, generator=generator, dtype=torch.float64).to(basis64.device)
-        with _one_thread():
-            basis64 = basis64 @ torch.linalg.qr(mixing).Q
+    # coordinates in a greedy basis put most of a row's energy in its first few components, which would set
+    # the int8 scale; a fixed random rotation of the basis spreads it evenly (a smaller scale, a smaller
+    # quantisation error; float stages do not care, and one basis for all lets "auto" change stage without
+    # recomputing it); the bound below measures whatever basis results
+    generator = torch.Generator(device="cpu").manual_seed(_ROTATION_SEED)
+    mixing = torch.randn(rank, rank, generator=generator, dtype=torch.float64).to(basis64.device)
+    with _one_thread():
+        basis64 = basis64 @ torch.linalg.qr(mixing).Q
     basis = basis64.float().contiguous()                                      # (D, r)
     basis64 = basis.double()
     # ||U||_2^2 = ||U^T U||_2 <= 1 + ||U^T U - I||_F; the fp64 evaluation errs by <= gamma_D(fp64) ||U||_F^2
@@ -401,7 +414,7 @@ def _low_rank(space: _Space, gallery: torch.Tensor, inverse: torch.Tensor, half_
     space.half_scale = projected.half_scale
     space.norm_half_max = projected.norm_half_max
     space.dev_half_max = projected.dev_half_max        # ||y_h - y||: y (fp32) is the reference in r dims
-    space.projection = _Projection(basis, basis_norm, frobenius, residual * _SLACK)
+    space.projection = _Projection(basis, basis_norm, frobenius, residual * _SLACK, coords)
 
 
 def _dominant_basis(sample: torch.Tensor, max_rank: int) -> torch.Tensor | None:
@@ -512,118 +525,49 @@ _ORDERED_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.f
                 torch.float64: torch.int64}
 
 
-def _top_two(scores: torch.Tensor):
-    """(best value, its first index, an upper bound on the second-best value) of each row.
-
-    Non-negative floats order like their bit patterns read as signed integers, and an integer max/amax is several
-    times faster than a float max with indices (bf16 especially), so the block is read as integers: rows whose
-    best is non-negative get their answer from two integer passes; if no other non-negative value is left in the
-    row, the second best is <= 0. The rest (best < 0, rare for cosine top-1) take a float topk.
-    """
-    if not scores.dtype.is_floating_point:
-        return _top_two_integer(scores)
-    ints = scores.view(_ORDERED_INT[scores.dtype])
-    best_bits, best_index = ints.max(dim=1)
-    every_row = torch.arange(scores.shape[0], device=scores.device)
-    ints[every_row, best_index] = torch.iinfo(ints.dtype).min           # index_put: scatter_ is far slower here
-    second_bits = ints.amax(dim=1)
-    ints[every_row, best_index] = best_bits
-    best = best_bits.view(scores.dtype).double()
-    second = torch.where(second_bits >= 0, second_bits.view(scores.dtype).double(), torch.zeros_like(best))
-    negative = torch.nonzero(best_bits < 0).squeeze(1)
-    if negative.numel():
-        if scores.shape[1] > 1:
-            top = scores[negative].topk(2, dim=1, sorted=True)
-            best[negative] = top.values[:, 0].double()
-            best_index[negative] = top.indices[:, 0]
-            second[negative] = top.values[:, 1].double()
-        else:
-            best[negative] = scores[negative, 0].double()
-            best_index[negative] = 0
-    if scores.shape[1] == 1:
-        second.fill_(-math.inf)
-    return best, best_index, second
-
-
-def _top_two_integer(scores: torch.Tensor):
-    """``_top_two`` of an integer block (exact int8 products): integers order naturally, negatives included."""
-    best, best_index = scores.max(dim=1)
-    every_row = torch.arange(scores.shape[0], device=scores.device)
-    scores[every_row, best_index] = torch.iinfo(scores.dtype).min
-    second = scores.amax(dim=1).double()
-    scores[every_row, best_index] = best
-    if scores.shape[1] == 1:
-        second.fill_(-math.inf)
-    return best.double(), best_index, second
+_TOP_PROBE = 16                # rows whose candidates all lie in their top 16 skip the threshold pass
 
 
 def _select(scores: torch.Tensor, bound: torch.Tensor, k: int, cap: int | None, out_unit: float = 0.0):
     """Candidates {S >= v_k - u|v_k| - 2E} of each row; rows with more than ``cap`` come back separately.
 
     ``out_unit`` is the unit roundoff of the stored scores (rounding is monotone, so it costs u|v_k| once; see
-    the module docstring). Returns (rows_ok, candidates (n_ok, w) int64 padded with -1, ascending index order,
-    rows_wide).
+    the module docstring; 0 for exact integer scores). Returns (rows_ok, candidates (n_ok, w) int64 padded with
+    -1, ascending index order, rows_wide).
 
-    Comparing the whole block against the threshold costs more than finding the top entries, so the common case
-    is settled from the top k+1 alone: when the (k+1)-th score (or an upper bound on it) is below the threshold,
-    the top k are the only candidates. Only the remaining rows are compared with their threshold.
+    Comparing the whole block against the threshold costs more than finding the top entries, so one top-16 pass
+    (about the cost of a top-2) settles every row whose 16th score is already below its threshold: its candidates
+    are its top entries at or above it. Only the other rows are compared with their threshold over the whole row.
+    Floats are ranked through their bits read as integers (non-negative floats order like them, and an integer
+    top-k is several times faster, bf16 especially); rows whose top entries include a negative value (or -0) take
+    a float top-k instead.
     """
-    if not scores.dtype.is_floating_point:
-        return _select_integer(scores, bound, k, cap)
-    if k == 1:
-        kth, best_index, next_score = _top_two(scores)
-        top_index = best_index.unsqueeze(1)
-    else:
-        top = scores.topk(min(k + 1, scores.shape[1]), dim=1, sorted=True)
-        top_index = top.indices[:, :k]
-        kth = top.values[:, k - 1].double()
-        next_score = (top.values[:, k].double() if scores.shape[1] > k
-                      else torch.full_like(kth, -math.inf))
+    width = scores.shape[1]
+    probe = min(width, max(k + 1, _TOP_PROBE))
+    floating = scores.dtype.is_floating_point
+    keys = scores.view(_ORDERED_INT[scores.dtype]) if floating else scores
+    top = keys.topk(probe, dim=1, sorted=True)
+    values, indices = top.values, top.indices
+    if floating:
+        misordered = torch.nonzero(values[:, -1] < 0).squeeze(1)      # a negative float among the top entries
+        values = values.view(scores.dtype)
+        if misordered.numel():
+            exact = scores[misordered].topk(probe, dim=1, sorted=True)
+            values[misordered] = exact.values
+            indices[misordered] = exact.indices
+    kth = values[:, k - 1].double()
     # the 1e-12 term absorbs the fp64 rounding of this expression itself
     threshold64 = kth - out_unit * kth.abs() - 2.0 * bound - 1e-12 * (1.0 + kth.abs())
     threshold = _round_down(threshold64, scores.dtype)
-    settled = next_score < threshold.double()
-    rows_settled = torch.nonzero(settled).squeeze(1)
-    rows_open = torch.nonzero(~settled).squeeze(1)
-    settled_cand = torch.sort(top_index[rows_settled], dim=1).values
-    mask = scores[rows_open] >= threshold[rows_open].unsqueeze(1)
-    row, column = torch.nonzero(mask, as_tuple=True)
-    counts = torch.bincount(row, minlength=rows_open.numel())
-    fits = torch.ones_like(counts, dtype=torch.bool) if cap is None else counts <= cap
-    keep = fits[row]
-    open_cand = _pad_candidates(row[keep], column[keep], counts.masked_fill(~fits, 0))[fits]
-    rows_open_ok = rows_open[fits]
-    width = max(k, open_cand.shape[1])
-    candidates = torch.full((rows_settled.numel() + rows_open_ok.numel(), width), -1, dtype=torch.long,
-                            device=scores.device)
-    candidates[:rows_settled.numel(), :k] = settled_cand
-    candidates[rows_settled.numel():, :open_cand.shape[1]] = open_cand
-    rows_ok = torch.cat([rows_settled, rows_open_ok])
-    return rows_ok, candidates, rows_open[~fits]
-
-
-_TOP_PROBE = 8                 # integer stage: rows whose candidates all lie in their top 8 skip the threshold pass
-
-
-def _select_integer(scores: torch.Tensor, bound: torch.Tensor, k: int, cap: int | None):
-    """``_select`` for exact integer scores (the int8 stage, no output rounding), whose window holds a few
-    candidates per row more often than the half stages': one top-8 pass (about the cost of a top-2) settles every
-    row whose 8th score is already below its threshold, the candidates being its top entries at or above it; only
-    the other rows are compared with their threshold over the whole row."""
-    width = scores.shape[1]
-    probe = min(width, max(k + 1, _TOP_PROBE))
-    top = scores.topk(probe, dim=1, sorted=True)
-    kth = top.values[:, k - 1].double()
-    threshold = _round_down(kth - 2.0 * bound - 1e-12 * (1.0 + kth.abs()), scores.dtype)
     if probe == width:
         complete = torch.ones_like(kth, dtype=torch.bool)
     else:
-        complete = top.values[:, -1] < threshold
+        complete = values[:, -1] < threshold
     rows_settled = torch.nonzero(complete).squeeze(1)
     rows_open = torch.nonzero(~complete).squeeze(1)
-    inside = top.values[rows_settled] >= threshold[rows_settled].unsqueeze(1)
+    inside = values[rows_settled] >= threshold[rows_settled].unsqueeze(1)
     beyond = torch.iinfo(torch.long).max
-    settled_cand = torch.where(inside, top.indices[rows_settled], torch.full_like(top.indices[rows_settled], beyond))
+    settled_cand = torch.where(inside, indices[rows_settled], torch.full_like(indices[rows_settled], beyond))
     settled_cand = torch.sort(settled_cand, dim=1).values
     settled_cand = settled_cand[:, :max(k, int(inside.sum(dim=1).max()) if inside.numel() else k)]
     settled_cand = settled_cand.masked_fill(settled_cand == beyond, -1)
@@ -956,7 +900,7 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
     with torch.inference_mode():
         space = _direct_space(gallery, precision, query.shape[0])
         result = _search(space, _Queries("query", query), k, precision, chunk_size, return_scores,
-                         rebuild=lambda fallback: _direct_space(gallery, fallback, query.shape[0]))
+                         rebuild=lambda fallback: _with_stage(space, _half_dtype_for(fallback, gallery.device)))
     return result.index, result.score
 
 
@@ -1115,7 +1059,7 @@ def bridged_nearest_neighbours(query_embed, query_head, gallery_embed, gallery_h
         space = _bridge_space(gallery_embed, query_head, gallery_head, precision)
         # any positive per-query scale is allowed for the ranking; the Euclidean one keeps the stage bounds small
         result = _search(space, _Queries("query_embed", query_embed), k, precision, chunk_size, return_scores,
-                         rebuild=lambda fallback: _bridge_space(gallery_embed, query_head, gallery_head, fallback))
+                         rebuild=lambda fallback: _with_stage(space, _half_dtype_for(fallback, device)))
         if return_scores:
             head_t = query_head.double()
             gram_t = head_t.t() @ head_t

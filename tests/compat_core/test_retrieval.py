@@ -367,18 +367,33 @@ def test_full_rank_gallery_keeps_the_full_half_stage(monkeypatch):
     np.testing.assert_array_equal(index.numpy(), brute_topk(query, gallery, 1)[0])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-def test_top_two_handles_negative_rows_and_ties(dtype):
-    scores = torch.tensor([[0.5, 0.7, 0.7, -0.1],       # tie at the top: first index, second equals best
-                           [-0.3, -0.2, -0.9, -0.25],   # all negative: float fallback
-                           [0.4, -0.5, -0.6, -0.7],     # one non-negative: second bounded by 0
-                           [0.0, -0.0, 0.1, 0.05]], dtype=dtype)
-    best, index, second = retrieval._top_two(scores.clone())
-    assert index.tolist() == [1, 1, 0, 2]
-    np.testing.assert_allclose(best.numpy(), scores.double().max(dim=1).values.numpy())
-    true_second = scores.double().topk(2, dim=1).values[:, 1]
-    assert bool((second >= true_second).all())           # an upper bound: never settles a contested row
-    assert second[0] == best[0] and second[1] == true_second[1] and second[3] == true_second[3]
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int32])
+@pytest.mark.parametrize("k", [1, 3])
+def test_select_candidates_equal_a_full_threshold_comparison(dtype, k):
+    # _select settles most rows from their top 16 (floats through their bits as integers); its candidates must be
+    # exactly the entries at or above each row's threshold, found here by comparing every entry
+    rng = np.random.default_rng(31)
+    raw = rng.standard_normal((12, 300))
+    raw[0] = -np.abs(raw[0])                 # all negative: the float fallback
+    raw[1, [4, 9, 200]] = raw[1].max() + 1   # exact ties at the top
+    raw[2, 10:40] = raw[2].max() + 1         # 30 tied entries: more candidates than the top-16 probe
+    raw[3] = 0.0                             # zeros and a negative zero
+    raw[3, 7] = -0.0
+    raw[3, 8] = 0.25
+    raw[4, :3] = [5.0, -1.0, 4.99]           # one clear winner, a near one
+    scale = 1000.0 if dtype == torch.int32 else 1.0
+    scores = torch.tensor(np.round(raw * scale) if dtype == torch.int32 else raw).to(dtype)
+    bound = torch.tensor(np.linspace(0.0, 0.6, 12) * scale, dtype=torch.float64)
+    out_unit = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}.get(dtype, 0.0)
+    rows, cand, wide = retrieval._select(scores.clone(), bound, k, None, out_unit)
+    assert wide.numel() == 0 and sorted(rows.tolist()) == list(range(12))
+    kth = scores.double().topk(k, dim=1).values[:, k - 1]
+    threshold = retrieval._round_down(kth - out_unit * kth.abs() - 2.0 * bound - 1e-12 * (1.0 + kth.abs()), dtype)
+    for position, row in enumerate(rows.tolist()):
+        expected = torch.nonzero(scores[row] >= threshold[row]).squeeze(1).tolist()
+        got = [c for c in cand[position].tolist() if c >= 0]
+        assert got == expected, (row, got, expected)
+    assert len([c for c in cand[rows.tolist().index(2)].tolist() if c >= 0]) >= 30
 
 
 # ----------------------------------------------------------------------------------------------------------------
