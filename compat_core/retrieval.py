@@ -25,24 +25,26 @@ The bound is worst case (Cauchy-Schwarz); bf16's 8-bit significand makes its win
 galleries with many items within that distance of the best re-score more of them.
 
 int8 candidate stage (``precision="int8"``, or "auto" where the calibration measured int8 products fastest).
-Gallery rows y_j (fp32 unit rows, or their low-rank coordinates) are quantised symmetrically per row,
-b_j = round(y_j / t_j) in [-127, 127] with t_j = max_i |y_ji| / 127, and query rows likewise (a = round(x / s)).
-The integer products P_j = a . b_j are exact in int32 (127^2 D < 2^31 for D <= 133,143), so the stage has no
-accumulation error; the real product z_j = (s a).(t_j b_j) = s t_j P_j obeys
-    |z_j - q.g_j| <= ||s a - q|| max_j ||t_j b_j|| + ||q|| max_j ||t_j b_j - g_j|| (+ the low-rank residual) =: E(q)
-with ||t_j b_j||, ||t_j b_j - g_j|| measured per gallery row in fp64 (t_j b_j is exact there) and ||s a - q|| per
-query row likewise. Rows are ranked by W_j = fl32(fl32(P_j) t_j), which is z_j / s up to two fp32 roundings
-(u_out = 2.0001 u32); s > 0 is common to a query's row, so the candidate set {W >= round_down(v - u_out|v| -
-2E/s)} is the same argument as above with every score divided by s: every gallery item whose upper bound
-W + E/s (+ rounding) reaches the best lower bound v - E/s survives, and nothing else can be the answer. The int8
-window (about ||quantisation error|| ~ 0.3 sqrt(D) t, i.e. ~0.01 for unit rows at D = 1023) is about 3x bf16's, so
-near-duplicate galleries re-score more candidates; survivors are re-scored exactly as for the half stages. So
-"auto" picks int8 only where it measured 1.5x the best float product (``calibration.fastest_matmul``), runs a
-first chunk of 512 queries, and moves to the next-fastest stage when that chunk re-scored more than Ng/64 rows
-per query.
+Gallery rows y_j (fp32 unit rows, or their low-rank coordinates) are quantised symmetrically under one common
+scale, b_j = round(y_j / t) in [-127, 127] with t = max_ji |y_ji| / 127, query rows per row (a = round(x / s)).
+The integer products P_j = a . b_j are exact in int32 (127^2 D < 2^31 for D <= 133,143), so the stage has neither
+accumulation nor output rounding; the real product z_j = (s a).(t b_j) = s t P_j obeys
+    |z_j - q.g_j| <= ||s a - q|| max_j ||t b_j|| + ||q|| max_j ||t b_j - g_j|| (+ the low-rank residual) =: E(q)
+with ||t b_j - y_j|| and ||s a - x|| bounded from their fp32 evaluation (``_quantize_queries``: the rounding of
+s a and of the difference is accounted for, so no fp64 pass is needed). s t > 0 is common to a query's row, so P
+itself orders the row like z, ties included, and the candidate set {P >= ceil(v - 2E/(s t))} is the argument
+above in units of s t: every gallery item whose upper bound reaches the best lower bound survives, and nothing
+else can be the answer. Ranking the exact integers directly saves a rescaling pass over the score block (which
+cost about half the int8 product). The int8 window (the quantisation error ~ 0.3 sqrt(D) t, ~0.0075 per side for
+unit rows) is several times bf16's, so clustered galleries re-score more candidates; survivors are re-scored like
+the half stages' (one sampled fp32 product over the (query, candidate) pairs, ``_candidate_scores32``). "auto"
+picks int8 only where it measured 1.5x the best float product (``calibration.fastest_matmul``), runs a first
+chunk of 512 queries, and moves to the next-fastest stage (same fp32 copy and basis) when that chunk re-scored
+more than Ng/64 rows per query.
 
 Low-rank galleries (junction outputs A h have rank <= m < D): with enough queries, the half stage runs in the
-gallery's dominant r-dim subspace U (fp64 eigendecomposition of a sample Gram matrix, r <= 0.8 D): x = U^T q,
+gallery's dominant r-dim subspace U (pivoted block Gram-Schmidt of a sample of gallery rows in fp64, r <= 0.8 D,
+then a fixed random rotation that spreads each row's energy over its coordinates for int8): x = U^T q,
 y_j = U^T g_j in fp32, and q.g_j = x.y_j + q.(g_j - U y_j) exactly, so the measured max ||g_j - U y_j|| joins E(q)
 together with the projection's own rounding (``_Projection``, ``_blocked_matmul``). Queries outside the span
 (another model's features) stay exact: the term is bounded with ||q|| = 1. The fp32 and fp64 re-scoring use the
@@ -555,6 +557,14 @@ def _select(scores: torch.Tensor, bound: torch.Tensor, k: int, cap: int | None, 
             exact = scores[misordered].topk(probe, dim=1, sorted=True)
             values[misordered] = exact.values
             indices[misordered] = exact.indices
+    with _one_thread():        # below: per-row vectors and the few open rows, small operations
+        return _select_from_top(scores, values, indices, probe, bound, k, cap, out_unit)
+
+
+def _select_from_top(scores: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, probe: int,
+                     bound: torch.Tensor, k: int, cap: int | None, out_unit: float):
+    """``_select`` after its top-``probe`` pass: thresholds, settled rows, and the full comparison of open rows."""
+    width = scores.shape[1]
     kth = values[:, k - 1].double()
     # the 1e-12 term absorbs the fp64 rounding of this expression itself
     threshold64 = kth - out_unit * kth.abs() - 2.0 * bound - 1e-12 * (1.0 + kth.abs())
@@ -733,15 +743,16 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
         rows, cand, fp32_rows = _select(scores, bound_h, k, cap, out_unit)
         del scores
         rescored = (int((cand >= 0).sum()) + fp32_rows.numel() * space.size) / max(1, stop - start)
-        if single_ok:
-            rows, cand = _take_singles(rows, cand, result, offset)
-        if rows.numel():
-            # half-precision candidates: re-score in fp32 and narrow them with the fp32 bound
-            s32 = _candidate_scores32(q32[rows], cand, space.stage32)
-            cand = _filter(s32, cand, bound32[rows], k)
+        with _one_thread():    # a few candidates per row: many small operations
             if single_ok:
                 rows, cand = _take_singles(rows, cand, result, offset)
-            _finish_exact(space, queries, cand, rows + offset, k, result)
+            if rows.numel():
+                # half-precision candidates: re-score in fp32 and narrow them with the fp32 bound
+                s32 = _candidate_scores32(q32[rows], cand, space.stage32)
+                cand = _filter(s32, cand, bound32[rows], k)
+                if single_ok:
+                    rows, cand = _take_singles(rows, cand, result, offset)
+                _finish_exact(space, queries, cand, rows + offset, k, result)
     else:
         fp32_rows = torch.arange(stop - start, device=q32.device)
         rescored = 0.0

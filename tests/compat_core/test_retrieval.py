@@ -506,3 +506,59 @@ def test_auto_int8_demotes_to_the_next_stage_when_its_window_rescores_too_much(m
     forced, _ = nearest_neighbours(query, gallery, k=1, chunk_size=10, precision="int8", return_scores=False)
     np.testing.assert_array_equal(forced.numpy(), expected)
     assert len(calls) == 4                                    # forced int8 never demotes
+
+
+def test_candidate_scores32_equal_fp32_products_with_gaps_in_the_padding():
+    # the sampled product scores exactly the listed (query, candidate) pairs; -1 entries (anywhere) stay -inf
+    rng = np.random.default_rng(41)
+    gallery = torch.from_numpy(rng.standard_normal((200, 33)).astype(np.float32))
+    query = torch.from_numpy(rng.standard_normal((5, 33)).astype(np.float32))
+    candidates = torch.tensor([[3, 17, 150, -1], [-1, -1, -1, -1], [0, -1, 199, -1], [5, 6, 7, 8],
+                               [42, -1, -1, -1]])
+    scores = retrieval._candidate_scores32(query, candidates, gallery)
+    exact = query.double() @ gallery.double().t()
+    gamma = 33 * 2.0 ** -24 / (1 - 33 * 2.0 ** -24)
+    for row in range(5):
+        for position, column in enumerate(candidates[row].tolist()):
+            value = float(scores[row, position])
+            if column < 0:
+                assert value == -math.inf
+            else:
+                magnitude = float(query[row].double().abs() @ gallery[column].double().abs())
+                assert abs(value - float(exact[row, column])) <= gamma * magnitude
+
+
+def test_auto_demotion_keeps_the_low_rank_basis_and_stays_exact(monkeypatch):
+    # a low-rank gallery of near-duplicates: int8's window holds most rows, "auto" moves to the next stage on the
+    # same basis and coordinates (no second basis search) and the answers equal fp64, exact ties included
+    monkeypatch.setattr(retrieval, "fastest_matmul",
+                        lambda device, exclude=(): "bf16" if "int8" in exclude else "int8")
+    monkeypatch.setattr(retrieval, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
+    monkeypatch.setattr(retrieval, "_INT8_PROBE_QUERIES", 16)
+    rng = np.random.default_rng(43)
+    head = rng.standard_normal((96, 24))
+    base = rng.standard_normal(24)
+    embed = base + 1e-3 * rng.standard_normal((300, 24))
+    gallery = (embed @ head.T).astype(np.float32)
+    gallery[[0, 1]] = gallery[150]                          # exact ties: the lowest index must win
+    query = ((base + 0.05 * rng.standard_normal((60, 24))) @ head.T).astype(np.float32)
+    searches = []
+    monkeypatch.setattr(retrieval, "_dominant_basis",
+                        lambda *args, original=retrieval._dominant_basis: searches.append(1) or original(*args))
+    stages = []
+    original_with_stage = retrieval._with_stage
+
+    def spy(space, half_dtype):
+        stages.append((space.projection, half_dtype))
+        rebuilt = original_with_stage(space, half_dtype)
+        stages.append((rebuilt.projection, rebuilt.half_dtype))
+        return rebuilt
+
+    monkeypatch.setattr(retrieval, "_with_stage", spy)
+    expected, expected_scores = brute_topk(query, gallery, 2)
+    index, scores = nearest_neighbours(query, gallery, k=2, chunk_size=16, precision="auto")
+    np.testing.assert_array_equal(index.numpy(), expected)
+    np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-12)
+    assert len(searches) == 1                                # one basis search, reused after the demotion
+    assert len(stages) == 2 and stages[0][0] is not None and stages[1][0] is stages[0][0]
+    assert stages[1][1] == torch.bfloat16
