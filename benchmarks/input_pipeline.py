@@ -176,7 +176,6 @@ def main() -> None:
 
             import os
             import sys
-            from pathlib import Path
 
             sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the suite's server fixture
             from local_services import SeaweedS3Server

@@ -24,7 +24,7 @@ from torch import nn
 from compat_core.calibration import autocast_choice
 from compat_core.data.base import ImageSource
 from compat_core.data.replay import half_and_half_batches
-from compat_core.data.stream import stream_batches
+from compat_core.data.stream import keep_rows, stream_batches
 from compat_core.data.transforms import make_transforms
 from compat_core.models.precision import autocast_context, has_convolutions, prepare_batch, prepare_for_speed
 from compat_core.retrieval import recall_at_1
@@ -489,6 +489,9 @@ def train_task(
         old_model.requires_grad_(False)
 
     loader = _Loader(data, model, device, train=True, augment=config.augment, seed=_augment_seed(config.seed, data.task))
+    # every epoch reads these rows in a new random order: sources over row-group storage keep them in memory (read
+    # once, in storage order) before the input workers fork
+    keep_rows(data.source, loader.all_indices)
     memory_iterator = None
     if data.has_memory:
         # summaries of the memory taken in setup (old-class centres) see un-augmented images
