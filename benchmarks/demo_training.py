@@ -16,8 +16,9 @@ in each of ``--repeats`` rounds (order rotated; one warm-up round first, not cou
   the exemplars from the replay shard written and read back as the stage does (``WithMemory``);
 - new with ``input_workers: 1``: one decode process forked on the same core (what a worker costs on this budget).
 
-Prints seconds per epoch (median over rounds; the train loop's own time, ``train_seconds``), the ratio to previous,
-whether every case ended with bit-identical weights, and the load average.
+Prints wall seconds and CPU seconds per epoch (medians over rounds) with their ratios to previous (CPU seconds count
+this process and its reaped input workers, so they hold under other programs' load), whether every case ended with
+bit-identical weights, and the load average.
 """
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and its reaped children (input workers of finished epochs)."""
+    import resource
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def previous_reads(source, indices, batches, *, workers=0, prefetch=2, pin_memory=False):
@@ -107,33 +116,49 @@ def main() -> None:
     print(f"{args.config}: task {args.task} (0-based), {data.indices.size} task images + {data.memory_indices.size} "
           f"replay exemplars, batch {train_config.batch_size}, autocast {train_config.autocast}, "
           f"{args.epochs} epoch(s) per case")
-    initial = copy.deepcopy(model.state_dict())
+    initial = copy.deepcopy(model)  # a learnable classifier grows during a task: each run starts from a copy
     streamed = training.stream_batches
-    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}  # (wall s, CPU s) per run
     weights: dict[str, dict] = {}
     names = list(cases)
     for round_ in range(args.repeats + 1):  # round 0 warms up (first-call costs, page cache) and is not counted
         for name in names[round_ % len(names):] + names[: round_ % len(names)]:  # rotated: no case always first
             task_data = cases[name]
-            model.load_state_dict(initial)
+            model = copy.deepcopy(initial)
             workers = 1 if name.endswith("input_workers 1") else 0
             settings = train_config.model_copy(update={"epochs": args.epochs, "input_workers": workers})
             training.stream_batches = previous_reads if name == "previous" else streamed
             try:
+                cpu = cpu_seconds()
                 started = time.perf_counter()
                 result = training.train_task(model, old, method, task_data, settings)
                 wall = time.perf_counter() - started
+                cpu = cpu_seconds() - cpu
             finally:
                 training.stream_batches = streamed
             if round_:
-                runs[name].append((wall, result.images_per_s))
+                runs[name].append((wall, cpu))
             weights[name] = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
     base = statistics.median(w for w, _ in runs["previous"]) / args.epochs
+    base_cpu = statistics.median(c for _, c in runs["previous"]) / args.epochs
     for name, measured in runs.items():
         per_epoch = statistics.median(w for w, _ in measured) / args.epochs
-        rate = statistics.median(r for _, r in measured)
-        print(f"{name}: {per_epoch:.2f} s per epoch (train_task wall / epochs), {rate:.0f} images/s in the loop, "
-              f"{per_epoch / base:.3f}x previous")
+        cpu_epoch = statistics.median(c for _, c in measured) / args.epochs
+        print(f"{name}: {per_epoch:.2f} s per epoch = {per_epoch / base:.3f}x previous (wall: train_task / epochs); "
+              f"{cpu_epoch:.2f} CPU-s per epoch = {cpu_epoch / base_cpu:.3f}x previous (this process and its input "
+              f"workers: does not depend on other programs' load)")
+    # the input path alone, same batches, no model: what the loaders themselves cost per batch
+    batches = list(training.epoch_batches(data, method, train_config, 0))
+    for name, reader in (("previous", previous_reads), ("new, input_workers 0", streamed)):
+        task_data = cases[name]
+        rows = np.concatenate([task_data.indices, task_data.memory_indices])
+        cpu = cpu_seconds()
+        for _ in range(20):
+            training.keep_rows(task_data.source, rows)
+            for _ in reader(task_data.source, rows, batches, workers=0):
+                pass
+        print(f"input path alone, {name}: {(cpu_seconds() - cpu) / 20 / len(batches) * 1e3:.3f} ms CPU per batch "
+              f"(of {base_cpu / len(batches) * 1e3:.1f} ms per training step)")
     same = all(all(torch.equal(weights["previous"][k], w[k]) for k in w) for w in weights.values())
     print(f"bit-identical final weights in every case: {same}")
     print(f"end: load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
