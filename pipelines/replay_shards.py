@@ -86,6 +86,13 @@ class WithMemory:
         """Sample indices of the replay rows."""
         return np.arange(self.base, len(self), dtype=np.int64)
 
+    def keep_rows(self, indices: np.ndarray) -> None:
+        """Keep the task rows among ``indices`` resident in the task's source (the replay rows are in memory)."""
+        from compat_core.data.stream import keep_rows
+
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        keep_rows(self.source, indices[indices < self.base])
+
     def read(self, indices: np.ndarray) -> np.ndarray:
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         out = np.empty((indices.size, *self.image_shape), dtype=np.uint8)

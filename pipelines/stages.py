@@ -86,6 +86,12 @@ class SubsetSource:
     def read(self, indices: np.ndarray) -> np.ndarray:
         return self.source.read(self.indices[np.asarray(indices, dtype=np.int64)])
 
+    def keep_rows(self, indices: np.ndarray) -> None:
+        """Keep rows ``indices`` resident in the underlying source (see ``compat_core.data.stream.keep_rows``)."""
+        from compat_core.data.stream import keep_rows
+
+        keep_rows(self.source, self.indices[np.asarray(indices, dtype=np.int64)])
+
     def encoded_images(self, indices: np.ndarray):
         """The underlying source's encoded images of ``indices`` (replay shards store them), or None."""
         from compat_core.data.replay_shards import encoded_images

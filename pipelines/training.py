@@ -24,7 +24,7 @@ from torch import nn
 from compat_core.calibration import autocast_choice
 from compat_core.data.base import ImageSource
 from compat_core.data.replay import half_and_half_batches
-from compat_core.data.stream import stream_batches
+from compat_core.data.stream import keep_rows, stream_batches, to_device
 from compat_core.data.transforms import make_transforms
 from compat_core.models.precision import autocast_context, has_convolutions, prepare_batch, prepare_for_speed
 from compat_core.retrieval import recall_at_1
@@ -277,8 +277,9 @@ class _Loader:
             images = torch.from_numpy(np.ascontiguousarray(self.data.source.read(self.all_indices[local])))
         draws = None if rows is None else (*rows, positions.size)
         images = prepare_batch(self.transform(images.to(self.device, non_blocking=True), draws), self.model)
-        targets = torch.from_numpy(self.all_slots[positions]).to(self.device)
-        is_memory = torch.from_numpy(positions >= self.num_task).to(self.device)
+        # pinned + non_blocking on CUDA: the host prepares the next step while this one runs (no sync per step)
+        targets = to_device(torch.from_numpy(self.all_slots[positions]), self.device)
+        is_memory = to_device(torch.from_numpy(positions >= self.num_task), self.device)
         return Batch(images=images, targets=targets, is_memory=is_memory, rows=rows)
 
     def memory_batches(self, batch_size: int) -> Iterator[Batch]:
@@ -489,6 +490,9 @@ def train_task(
         old_model.requires_grad_(False)
 
     loader = _Loader(data, model, device, train=True, augment=config.augment, seed=_augment_seed(config.seed, data.task))
+    # every epoch reads these rows in a new random order: sources over row-group storage keep them in memory (read
+    # once, in storage order) before the input workers fork
+    keep_rows(data.source, loader.all_indices)
     memory_iterator = None
     if data.has_memory:
         # summaries of the memory taken in setup (old-class centres) see un-augmented images

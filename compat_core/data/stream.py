@@ -34,6 +34,25 @@ class _BatchReads(torch.utils.data.Dataset):
         return torch.from_numpy(positions), torch.from_numpy(images)
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A CPU ``tensor`` on ``device`` without a host-device sync on CUDA: pinned, then copied ``non_blocking``. A
+    plain copy from pageable memory waits for every kernel already queued, so the host could not prepare the next
+    step (receive its batch, launch its transforms) while the accelerator runs this one. Elsewhere: ``.to``."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def keep_rows(source, indices: np.ndarray) -> None:
+    """Before a training task reads ``source[indices]`` in shuffled orders: let a source over row-group storage
+    (``keep_rows`` method: ingested shards, views of them) keep those rows' stored bytes in memory, so that random
+    batches decode from memory instead of re-reading whole row groups. Other sources: nothing to do."""
+    method = getattr(source, "keep_rows", None)
+    if method is not None:
+        method(np.asarray(indices, dtype=np.int64))
+
+
 def _worker_init(_: int) -> None:
     torch.set_num_threads(1)  # each worker decodes on one core; the workers are the parallelism
 
@@ -65,4 +84,4 @@ def stream_batches(source, indices: np.ndarray, batches: Iterable[np.ndarray] | 
         yield positions.numpy(), images
 
 
-__all__ = ["stream_batches"]
+__all__ = ["keep_rows", "stream_batches", "to_device"]

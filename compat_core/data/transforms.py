@@ -10,7 +10,7 @@ parts (dtype conversion with scaling, normalisation) are torchvision v2's functi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -34,6 +34,7 @@ class BatchTransform:
     hflip: bool = False
     generator: torch.Generator | None = None
     channels_last: bool = False
+    _device_stats: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.mean) != len(self.std) or not self.mean:
@@ -45,12 +46,25 @@ class BatchTransform:
 
     def _random(self, high: int, count: int, device: torch.device, rows: tuple[int, int, int] | None = None
                 ) -> torch.Tensor:
+        from compat_core.data.stream import to_device
+
         where = self.generator.device if self.generator is not None else device
         if rows is None:
-            return torch.randint(0, high, (count,), generator=self.generator, device=where).to(device)
+            return to_device(torch.randint(0, high, (count,), generator=self.generator, device=where), device)
         start, stop, total = rows  # draw for the whole batch, keep these rows: the same draws as one process
         values = torch.randint(0, high, (total,), generator=self.generator, device=where)
-        return values[start:stop].to(device)
+        return to_device(values[start:stop], device)
+
+    def _stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """mean and std as float32 tensors on ``device``, made once per device (a list passed to normalize is
+        copied to the device on every call, a host-device sync per batch on CUDA)."""
+        from compat_core.data.stream import to_device
+
+        key = str(device)
+        if key not in self._device_stats:
+            self._device_stats[key] = tuple(to_device(torch.tensor(v, dtype=torch.float32), device)
+                                            for v in (self.mean, self.std))
+        return self._device_stats[key]
 
     def __call__(self, images: torch.Tensor, rows: tuple[int, int, int] | None = None) -> torch.Tensor:
         """Transform ``images``; ``rows=(start, stop, total)``: they are rows [start, stop) of a batch of ``total``
@@ -68,7 +82,8 @@ class BatchTransform:
         if self.train and batch.shape[0] > 0:
             batch = self._augment(batch, rows)
         out = TF.to_dtype(batch.contiguous(), torch.float32, scale=True)
-        out = TF.normalize(out, mean=list(self.mean), std=list(self.std))
+        mean, std = self._stats(out.device)
+        out = TF.normalize(out, mean=mean, std=std)
         if self.channels_last:
             out = out.contiguous(memory_format=torch.channels_last)
         return out

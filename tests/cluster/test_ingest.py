@@ -160,3 +160,31 @@ def test_published_jpegs_keep_their_bytes_and_both_decoders_agree(tmp_path):
     fast = load_dataset("shards", root=str(tmp_path / "shards"), split="train", decoder="torchvision")
     difference = np.abs(fast.read(np.arange(6)).astype(float) - published.read(np.arange(6)).astype(float))
     assert fast.read(np.arange(6)).shape == (6, 64, 64, 3) and difference.mean() < 4.0
+
+
+def test_kept_rows_read_from_memory_in_any_order_through_task_views(shards_root):
+    """keep_rows (called by train_task before its epochs) reads a task's rows once; shuffled batches then never go
+    back to the files: the parts are deleted and the reads still equal the source's, through the views a training
+    task uses (a filtered pool, the pool followed by replay images)."""
+    from compat_core.data.stream import keep_rows
+    from pipelines.replay_shards import WithMemory
+    from pipelines.stages import SubsetSource
+
+    original = load_dataset("tiny-synth", split="finetune")
+    shards = load_dataset("shards", root=str(shards_root), split="finetune")
+    pool = SubsetSource(shards, np.arange(7, 60))                  # parts 1..8 (rows of 7)
+    replay = original.read(np.array([0, 1, 2]))
+    task = WithMemory(pool, replay, original.labels[:3])
+    task_rows = np.array([30, 2, 5, 16, 40, 11, 52])               # pool positions -> samples 37, 9, 12, 23, 47, 18, 59
+    keep_rows(task, np.concatenate([task_rows, task.memory_indices()]))
+    for part in shards_root.glob("finetune/part-*.parquet"):
+        part.unlink()
+    order = np.random.default_rng(0).permutation(np.concatenate([task_rows, task.memory_indices()]))
+    expected = np.concatenate([original.read(7 + task_rows), replay])
+    position = {int(p): i for i, p in enumerate(np.concatenate([task_rows, task.memory_indices()]))}
+    np.testing.assert_array_equal(task.read(order), expected[[position[int(p)] for p in order]])
+    with pytest.raises(OSError):                                  # a row not kept needs its (deleted) file
+        pool.read(np.array([0]))
+    shards.keep_rows(np.array([], dtype=np.int64))                # the next task's call replaces the kept rows
+    with pytest.raises(OSError):
+        task.read(task_rows[:1])

@@ -117,3 +117,26 @@ def test_rows_of_a_batch_get_the_whole_batch_draws():
     assert not torch.equal(parts[1], make_transforms(source, train=True, seed=5)(batch[4:7]))
     with pytest.raises(ValueError, match="rows"):
         make_transforms(source, train=True, seed=5)(batch[:3], rows=(0, 4, 7))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_training_batch_reaches_cuda_without_a_host_sync():
+    """The step's input path (pinned batch, targets, augmentation draws, normalisation statistics) queues its
+    copies without waiting for the device, so the host prepares the next step while the accelerator runs this one;
+    the values equal the CPU transform's with the same seed."""
+    from compat_core.data.stream import to_device
+
+    images = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (8, 12, 12, 3), dtype=np.uint8))
+    expected = make_transforms(((0.5, 0.4, 0.3), (0.2, 0.25, 0.3)), train=True, hflip=True, seed=3)(images)
+    transform = make_transforms(((0.5, 0.4, 0.3), (0.2, 0.25, 0.3)), train=True, hflip=True, seed=3)
+    device = torch.device("cuda")
+    transform(to_device(images[:1], device))  # per-device statistics made once, outside the checked step
+    transform.generator.manual_seed(3)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = transform(to_device(images.pin_memory(), device))
+        targets = to_device(torch.arange(8), device)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.allclose(out.cpu(), expected, atol=1e-6) and targets.cpu().tolist() == list(range(8))
