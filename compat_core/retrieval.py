@@ -346,9 +346,9 @@ def _direct_space(gallery: torch.Tensor, precision: str, query_count: int = 0) -
     return _build_space(stage32, dev32, 1.0 + 1e-12, exact_rows, half_dtype)
 
 
-_LOW_RANK_MAX_FRACTION = 0.8   # above r = 0.8 D the projection, residual and eigh cost more than they save
+_LOW_RANK_MAX_FRACTION = 0.8   # above r = 0.8 D the projection and residual cost more than they save
 _LOW_RANK_MIN_DIM = 64         # tiny D: nothing to save
-_LOW_RANK_MIN_QUERIES_PER_DIM = 32  # fewer queries do not repay the D x D eigendecomposition and gallery pass
+_LOW_RANK_MIN_QUERIES_PER_DIM = 32  # fewer queries do not repay the basis search and the gallery pass
 _LOW_RANK_RMS_RESIDUAL = 2.0 ** -14   # target rms ||g - U y||: far inside bf16's ~2^-8 candidate window
 _LOW_RANK_MAX_RESIDUAL = 2.0 ** -10   # measured worst row above this: the bound would widen the window, skip
 _BASIS_BLOCK = 32             # sample rows orthogonalised per step of ``_dominant_basis``
