@@ -38,7 +38,7 @@ else can be the answer. Ranking the exact integers directly saves a rescaling pa
 cost about half the int8 product). The int8 window (the quantisation error ~ 0.3 sqrt(D) t, ~0.0075 per side for
 unit rows) is several times bf16's, so clustered galleries re-score more candidates; survivors are re-scored like
 the half stages' (one sampled fp32 product over the (query, candidate) pairs, ``_candidate_scores32``). "auto"
-picks int8 only where it measured 1.5x the best float product (``calibration.fastest_matmul``), runs a first
+picks int8 only where it measured 1.25x the best float product (``calibration.fastest_matmul``), runs a first
 chunk of 512 queries, and moves to the next-fastest stage (same fp32 copy and basis) when that chunk re-scored
 more than Ng/64 rows per query.
 
