@@ -25,24 +25,26 @@ The bound is worst case (Cauchy-Schwarz); bf16's 8-bit significand makes its win
 galleries with many items within that distance of the best re-score more of them.
 
 int8 candidate stage (``precision="int8"``, or "auto" where the calibration measured int8 products fastest).
-Gallery rows y_j (fp32 unit rows, or their low-rank coordinates) are quantised symmetrically per row,
-b_j = round(y_j / t_j) in [-127, 127] with t_j = max_i |y_ji| / 127, and query rows likewise (a = round(x / s)).
-The integer products P_j = a . b_j are exact in int32 (127^2 D < 2^31 for D <= 133,143), so the stage has no
-accumulation error; the real product z_j = (s a).(t_j b_j) = s t_j P_j obeys
-    |z_j - q.g_j| <= ||s a - q|| max_j ||t_j b_j|| + ||q|| max_j ||t_j b_j - g_j|| (+ the low-rank residual) =: E(q)
-with ||t_j b_j||, ||t_j b_j - g_j|| measured per gallery row in fp64 (t_j b_j is exact there) and ||s a - q|| per
-query row likewise. Rows are ranked by W_j = fl32(fl32(P_j) t_j), which is z_j / s up to two fp32 roundings
-(u_out = 2.0001 u32); s > 0 is common to a query's row, so the candidate set {W >= round_down(v - u_out|v| -
-2E/s)} is the same argument as above with every score divided by s: every gallery item whose upper bound
-W + E/s (+ rounding) reaches the best lower bound v - E/s survives, and nothing else can be the answer. The int8
-window (about ||quantisation error|| ~ 0.3 sqrt(D) t, i.e. ~0.01 for unit rows at D = 1023) is about 3x bf16's, so
-near-duplicate galleries re-score more candidates; survivors are re-scored exactly as for the half stages. So
-"auto" picks int8 only where it measured 1.5x the best float product (``calibration.fastest_matmul``), runs a
-first chunk of 512 queries, and moves to the next-fastest stage when that chunk re-scored more than Ng/64 rows
-per query.
+Gallery rows y_j (fp32 unit rows, or their low-rank coordinates) are quantised symmetrically under one common
+scale, b_j = round(y_j / t) in [-127, 127] with t = max_ji |y_ji| / 127, query rows per row (a = round(x / s)).
+The integer products P_j = a . b_j are exact in int32 (127^2 D < 2^31 for D <= 133,143), so the stage has neither
+accumulation nor output rounding; the real product z_j = (s a).(t b_j) = s t P_j obeys
+    |z_j - q.g_j| <= ||s a - q|| max_j ||t b_j|| + ||q|| max_j ||t b_j - g_j|| (+ the low-rank residual) =: E(q)
+with ||t b_j - y_j|| and ||s a - x|| bounded from their fp32 evaluation (``_quantize_queries``: the rounding of
+s a and of the difference is accounted for, so no fp64 pass is needed). s t > 0 is common to a query's row, so P
+itself orders the row like z, ties included, and the candidate set {P >= ceil(v - 2E/(s t))} is the argument
+above in units of s t: every gallery item whose upper bound reaches the best lower bound survives, and nothing
+else can be the answer. Ranking the exact integers directly saves a rescaling pass over the score block (which
+cost about half the int8 product). The int8 window (the quantisation error ~ 0.3 sqrt(D) t, ~0.0075 per side for
+unit rows) is several times bf16's, so clustered galleries re-score more candidates; survivors are re-scored like
+the half stages' (one sampled fp32 product over the (query, candidate) pairs, ``_candidate_scores32``). "auto"
+picks int8 only where it measured 1.5x the best float product (``calibration.fastest_matmul``), runs a first
+chunk of 512 queries, and moves to the next-fastest stage (same fp32 copy and basis) when that chunk re-scored
+more than Ng/64 rows per query.
 
 Low-rank galleries (junction outputs A h have rank <= m < D): with enough queries, the half stage runs in the
-gallery's dominant r-dim subspace U (fp64 eigendecomposition of a sample Gram matrix, r <= 0.8 D): x = U^T q,
+gallery's dominant r-dim subspace U (pivoted block Gram-Schmidt of a sample of gallery rows in fp64, r <= 0.8 D,
+then a fixed random rotation that spreads each row's energy over its coordinates for int8): x = U^T q,
 y_j = U^T g_j in fp32, and q.g_j = x.y_j + q.(g_j - U y_j) exactly, so the measured max ||g_j - U y_j|| joins E(q)
 together with the projection's own rounding (``_Projection``, ``_blocked_matmul``). Queries outside the span
 (another model's features) stay exact: the term is bounded with ||q|| = 1. The fp32 and fp64 re-scoring use the
@@ -57,6 +59,7 @@ cuBLAS with fp32 output, which is requested on CUDA).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -179,7 +182,7 @@ class _Space:
     half_dtype: torch.dtype | None   # bf16 / fp16 / int8 (the candidate stage's arithmetic)
     norm_half_max: float             # max ||stage row||: int8 rows as the real vectors t_j b_j
     dev_half_max: float              # max ||stage row - g_j||
-    half_scale: torch.Tensor | None = None    # int8 only: (Ng,) fp32 per-row scales t_j
+    half_scale: torch.Tensor | None = None    # int8 only: 0-dim fp32 common scale t of the codes
     projection: "_Projection | None" = None   # set: the half stage runs in a rank-r subspace (see _low_rank)
 
 
@@ -193,6 +196,19 @@ class _Projection:
     basis_norm: float                # upper bound on ||U||_2 (so ||U^T q|| <= basis_norm for unit q)
     basis_frobenius: float           # upper bound on ||U||_F
     residual_max: float              # upper bound on max_j ||g_j - U y_j|| (exact arithmetic)
+    coords: torch.Tensor             # (Ng, r) fp32 y_j, kept so that another candidate stage can be built from them
+
+
+def _with_stage(space: _Space, half_dtype: torch.dtype | None) -> _Space:
+    """The same gallery with another candidate stage (``half_dtype``; None: fp32 only), reusing its fp32 copy and,
+    where it has one, its low-rank basis and coordinates (used when "auto" leaves the int8 stage)."""
+    if space.projection is not None and half_dtype is not None:
+        projected = _build_space(space.projection.coords, 0.0, 1.0, space.exact_rows, half_dtype)
+        if projected.half_t is not None:
+            return _Space(space.size, space.dim, space.exact_rows, space.stage32, space.norm32_max,
+                          space.dev32_max, space.norm64_max, projected.half_t, projected.half_dtype,
+                          projected.norm_half_max, projected.dev_half_max, projected.half_scale, space.projection)
+    return _build_space(space.stage32, space.dev32_max, space.norm64_max, space.exact_rows, half_dtype)
 
 
 def _build_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float,
@@ -233,40 +249,52 @@ _INT8_MAX_DIM = (2 ** 31 - 1) // (_INT8_LIMIT * _INT8_LIMIT)   # int32 accumulat
 _INT8_OUT_UNIT = 2.0001 * _U32
 
 
-def _quantize_rows(rows: torch.Tensor):
-    """Symmetric per-row int8 codes of fp32 ``rows``: b = round(y / t) in [-127, 127], t = max|y| / 127 (fp32;
-    all-zero rows get t = 1). Returns (b (n, D) int8, t (n,) fp32, upper bounds (fp64, (n,)) on ||t b|| and on
-    ||t b - y||). t b is exact in fp64 (8-bit integer times 24-bit significand); the difference and the norm are
-    evaluated in fp64 and inflated by 2 gamma_D(fp64) for their own rounding."""
-    amax = rows.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / _INT8_LIMIT, torch.ones_like(amax))
-    codes = torch.round(rows / scale[:, None]).clamp_(-_INT8_LIMIT, _INT8_LIMIT)
-    exact = codes.double() * scale.double()[:, None]
-    inflate = 1.0 + 2.0 * _gamma(rows.shape[1] + 1, 2.0 ** -53)
-    norm = torch.linalg.vector_norm(exact, dim=1) * inflate
-    deviation = torch.linalg.vector_norm(exact - rows.double(), dim=1) * inflate
-    return codes.to(torch.int8), scale, norm, deviation
+def _quantize_queries(rows: torch.Tensor, common_max: float | None = None):
+    """Symmetric int8 codes a = round(x / s) of fp32 rows, s = max|x| / 127 per row (or ``common_max`` / 127 for
+    every row: the gallery's common scale), and an upper bound (fp64, (n,)) on ||s a - x|| from fp32 arithmetic
+    only (fp64 here would cost more than the int8 product). Returns (codes int8, s (n,) fp32, bound).
+
+    With p = fl32(s a) and e = fl32(x - p) (what is computed): |p - s a| <= u|s a| and |e - (x - p)| <= u|x - p|
+    per component, so ||x - p|| <= ||e|| / (1 - u) and, with d = x - s a, ||d|| <= ||x - p|| + u ||s a||
+    <= ||x - p|| + u (||x|| + ||d||), i.e. ||d|| <= (||e|| / (1 - u) + u ||x||) / (1 - u); both norms are upper
+    bounds of their fp32 evaluation (``_norm32_upper``)."""
+    if common_max is None:
+        amax = torch.linalg.vector_norm(rows, ord=math.inf, dim=1)
+        amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    else:
+        amax = torch.full((rows.shape[0],), common_max if common_max > 0 else 1.0, dtype=torch.float32,
+                          device=rows.device)
+    scale = amax / _INT8_LIMIT
+    # |x| * fl(127 / amax) <= 127 (1 + u)^2 < 127.5, so the rounded codes need no clamp; s a is what the bound
+    # measures, whatever codes result
+    codes = torch.round(rows * (_INT8_LIMIT / amax)[:, None])
+    error = torch.addcmul(rows, codes, scale[:, None], value=-1.0)       # fl(x - s a), fused or not
+    deviation = (_norm32_upper(error) / (1.0 - _U32) + _U32 * _norm32_upper(rows)) / (1.0 - _U32)
+    return codes.to(torch.int8), scale, deviation
 
 
 def _build_int8_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float,
                       exact_rows: Callable[..., torch.Tensor]) -> _Space:
-    """The gallery with an int8 candidate stage: per-row codes b_j, scales t_j and the measured maxima of
-    ||t_j b_j|| and ||t_j b_j - g_j|| (<= ||t_j b_j - stage32_j|| + dev32_max). On CUDA the codes are zero-padded
-    to multiples of 8 (``torch._int_mm``'s shape rule; zero columns add nothing to the products)."""
+    """The gallery with an int8 candidate stage: codes b_j under one common scale t (so that the exact int32
+    products P_j = a . b_j rank a query's row by themselves: no per-row rescaling pass over the score block) and
+    the measured maxima of ||t b_j|| and ||t b_j - g_j|| (<= ||t b_j - stage32_j|| + dev32_max). On CUDA the codes
+    are zero-padded to multiples of 8 (``torch._int_mm``'s shape rule; zero columns add nothing to the products)."""
     size, dim = stage32.shape
     device = stage32.device
     pad = (lambda n: -(-n // 8) * 8) if device.type == "cuda" else (lambda n: n)
     codes = torch.zeros((pad(size), pad(dim)), dtype=torch.int8, device=device)
-    scale = torch.empty(size, dtype=torch.float32, device=device)
+    amax = float(stage32.abs().amax())
+    scale = None
     norm32 = norm_int8 = dev_int8 = 0.0
     block = max(1, (1 << 21) // dim)
     for start in range(0, size, block):
         rows = stage32[start:start + block]
-        norm32 = max(norm32, float(_norm32_upper(rows).max()))
-        part, part_scale, part_norm, part_dev = _quantize_rows(rows)
+        row_norm = _norm32_upper(rows)
+        norm32 = max(norm32, float(row_norm.max()))
+        part, part_scale, part_dev = _quantize_queries(rows, amax)
         codes[start:start + block, :dim] = part
-        scale[start:start + block] = part_scale
-        norm_int8 = max(norm_int8, float(part_norm.max()))
+        scale = part_scale[0]
+        norm_int8 = max(norm_int8, float((row_norm + part_dev).max()))      # ||t b|| <= ||y|| + ||t b - y||
         dev_int8 = max(dev_int8, float(part_dev.max()))
     usable = dim <= _INT8_MAX_DIM and math.isfinite(norm_int8) and math.isfinite(dev_int8)
     return _Space(size, dim, exact_rows, stage32, norm32 * _SLACK, dev32_max * _SLACK, norm64_max * _SLACK,
@@ -275,26 +303,24 @@ def _build_int8_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float
 
 
 def _int8_stage(x32: torch.Tensor, dev_x: torch.Tensor, space: _Space, ref_norm: float, residual: float):
-    """Candidate scores of fp32 query rows ``x32`` by int8 products, their bound and output unit roundoff.
+    """Candidate scores of fp32 query rows ``x32`` by int8 products, and their bound in the same units.
 
-    Query rows are quantised like the gallery (a = round(x / s), per-row s); P = a . b_j is exact in int32, so
-    the stage has no accumulation error: with the reference query r (||r|| <= ref_norm, ||x - r|| <= dev_x) and
-    the exact stage product z_j = (s a).(t_j b_j), |z_j - r.g_j| <= ||s a - r|| max||t b|| + ref_norm
-    max||t b - g|| + residual =: E (``residual`` bounds the low-rank projection's r.(g - U y)). The rows are
-    ranked by W_j = fl32(fl32(P_j) t_j) ~ z_j / s (s > 0 is common to the row, so the order and the ties are
-    those of z_j), whence the returned bound E / s and unit roundoff 2.0001 u32 for the rounding of W.
-    Returns (W (n, Ng) fp32, bound (n,) fp64, out_unit).
+    Query rows are quantised per row (a = round(x / s)); P_j = a . b_j is exact in int32, so the stage has no
+    accumulation and no output rounding: with the reference query r (||r|| <= ref_norm, ||x - r|| <= dev_x) and
+    the exact stage product z_j = (s a).(t b_j) = s t P_j, |z_j - r.g_j| <= ||s a - r|| max||t b|| + ref_norm
+    max||t b - g|| + residual =: E (``residual`` bounds the low-rank projection's r.(g - U y)). s t > 0 is common
+    to the row, so P orders the row like z (ties included) and the bound in P units is E / (s t).
+    Returns (P (n, Ng) int32, bound (n,) fp64 in P units, out_unit 0.0).
     """
-    codes, scale, _, deviation = _quantize_rows(x32)
+    codes, scale, deviation = _quantize_queries(x32)
     bound = ((deviation + dev_x) * space.norm_half_max + ref_norm * space.dev_half_max + residual) * _SLACK
     gallery_codes = space.half_t
     if codes.device.type == "cuda":
         codes = torch.nn.functional.pad(codes, (0, gallery_codes.shape[1] - codes.shape[1],
                                                 0, max(0, 17 - codes.shape[0])))
     products = torch._int_mm(codes, gallery_codes.t())[:x32.shape[0], :space.size]
-    # int32 -> fp32 (exact while |P| <= 2^24) and the product with t_j: two roundings at most
-    scores = torch.mul(products, space.half_scale)
-    return scores, bound / scale.double() + 1e-30, _INT8_OUT_UNIT
+    unit = scale.double() * float(space.half_scale)
+    return products, bound / unit * _SLACK, 0.0
 
 
 def _direct_space(gallery: torch.Tensor, precision: str, query_count: int = 0) -> _Space:
@@ -308,12 +334,16 @@ def _direct_space(gallery: torch.Tensor, precision: str, query_count: int = 0) -
 
     # per component the fp32 copy rounds three times (input conversion, fp32 inverse norm, product): <= 3 u32
     stage32 = (gallery.float() * inverse.float()[:, None]).contiguous()
-    space = _build_space(stage32, 3.0 * _U32 * (1.0 + 1e-12), 1.0 + 1e-12, exact_rows,
-                         _half_dtype_for(precision, gallery.device))
-    if (space.half_t is not None and precision in _CANDIDATE_STAGES
+    half_dtype = _half_dtype_for(precision, gallery.device)
+    dev32 = 3.0 * _U32 * (1.0 + 1e-12)
+    if (half_dtype is not None and precision in _CANDIDATE_STAGES
             and query_count >= _LOW_RANK_MIN_QUERIES_PER_DIM * gallery.shape[1]):
-        _low_rank(space, gallery, inverse)
-    return space
+        # the full-D half copy is made only if the low-rank stage does not apply
+        space = _build_space(stage32, dev32, 1.0 + 1e-12, exact_rows, None)
+        _low_rank(space, gallery, inverse, half_dtype)
+        if space.projection is not None:
+            return space
+    return _build_space(stage32, dev32, 1.0 + 1e-12, exact_rows, half_dtype)
 
 
 _LOW_RANK_MAX_FRACTION = 0.8   # above r = 0.8 D the projection, residual and eigh cost more than they save
@@ -321,32 +351,41 @@ _LOW_RANK_MIN_DIM = 64         # tiny D: nothing to save
 _LOW_RANK_MIN_QUERIES_PER_DIM = 32  # fewer queries do not repay the D x D eigendecomposition and gallery pass
 _LOW_RANK_RMS_RESIDUAL = 2.0 ** -14   # target rms ||g - U y||: far inside bf16's ~2^-8 candidate window
 _LOW_RANK_MAX_RESIDUAL = 2.0 ** -10   # measured worst row above this: the bound would widen the window, skip
-_PROJECTION_BLOCK = 128        # fp32 accumulation length per partial product of U^T q (error gamma_128, not gamma_D)
+_BASIS_BLOCK = 32             # sample rows orthogonalised per step of ``_dominant_basis``
+_ROTATION_SEED = 20261124      # fixed: the same gallery always gets the same int8 coordinates
+_PROJECTION_BLOCK = 512        # fp32 accumulation length per partial product of U^T q (error gamma_512, not gamma_D)
 
 
-def _low_rank(space: _Space, gallery: torch.Tensor, inverse: torch.Tensor) -> None:
+def _low_rank(space: _Space, gallery: torch.Tensor, inverse: torch.Tensor, half_dtype: torch.dtype) -> None:
     """Switch the half stage of ``space`` to the gallery's dominant r-dim subspace when r <= 0.8 D.
 
     Junction features f = A h (A: D x m, bias-free) have rank <= m < D, so the half product can run in r dims.
-    U comes from an fp64 eigendecomposition of the Gram matrix of (a stride subset of) the unit gallery rows; r is
-    the smallest rank whose rms residual is <= 2^-14. Exactness does not depend on U being good: the residuals of
+    U comes from a pivoted block Gram-Schmidt of (a stride subset of) the unit gallery rows in fp64
+    (``_dominant_basis``: ~0.2 s at D = 1023, where an eigendecomposition took ~2 s); r is where the rms residual
+    of the sample falls to <= 2^-14. Exactness does not depend on U being good: the residuals of
     all gallery rows are measured in fp64 and enter the candidate bound (``_Projection``).
     """
     size, dim = space.size, space.dim
     if dim < _LOW_RANK_MIN_DIM:
         return
-    sample_rows = min(size, dim + 256)
+    max_rank = int(_LOW_RANK_MAX_FRACTION * dim)
+    sample_rows = min(size, max_rank + 64)       # more rows than any accepted rank, so the sample spans it
     pick = torch.linspace(0, size - 1, sample_rows, device=gallery.device).round().long()
     sample = gallery[pick].double() * inverse[pick, None]
-    eigenvalues, eigenvectors = torch.linalg.eigh(sample.t() @ sample)     # ascending
+    basis64 = _dominant_basis(sample, max_rank)
     del sample
-    # tail[i] = energy outside the top-i eigenvectors, per sample row
-    tail = torch.flip(torch.cumsum(eigenvalues.clamp(min=0), 0), (0,)) / sample_rows
-    tail = torch.cat([tail, tail.new_zeros(1)])                             # tail[dim] = 0
-    rank = int(torch.nonzero(tail <= _LOW_RANK_RMS_RESIDUAL ** 2)[0, 0])
-    if rank < 1 or rank > _LOW_RANK_MAX_FRACTION * dim:
+    if basis64 is None:
         return
-    basis = torch.flip(eigenvectors[:, dim - rank:], (1,)).float().contiguous()   # (D, r), largest first
+    rank = basis64.shape[1]
+    # coordinates in a greedy basis put most of a row's energy in its first few components, which would set
+    # the int8 scale; a fixed random rotation of the basis spreads it evenly (a smaller scale, a smaller
+    # quantisation error; float stages do not care, and one basis for all lets "auto" change stage without
+    # recomputing it); the bound below measures whatever basis results
+    generator = torch.Generator(device="cpu").manual_seed(_ROTATION_SEED)
+    mixing = torch.randn(rank, rank, generator=generator, dtype=torch.float64).to(basis64.device)
+    with _one_thread():
+        basis64 = basis64 @ torch.linalg.qr(mixing).Q
+    basis = basis64.float().contiguous()                                      # (D, r)
     basis64 = basis.double()
     # ||U||_2^2 = ||U^T U||_2 <= 1 + ||U^T U - I||_F; the fp64 evaluation errs by <= gamma_D(fp64) ||U||_F^2
     frobenius = float(torch.linalg.vector_norm(basis64)) * (1.0 + 1e-12)
@@ -369,14 +408,75 @@ def _low_rank(space: _Space, gallery: torch.Tensor, inverse: torch.Tensor) -> No
         residual = max(residual, float(bound.max()))
         if residual > _LOW_RANK_MAX_RESIDUAL:
             return
-    projected = _build_space(coords, 0.0, 1.0, space.exact_rows, space.half_dtype)
+    projected = _build_space(coords, 0.0, 1.0, space.exact_rows, half_dtype)
     if projected.half_t is None:
         return
+    space.half_dtype = projected.half_dtype
     space.half_t = projected.half_t
     space.half_scale = projected.half_scale
     space.norm_half_max = projected.norm_half_max
     space.dev_half_max = projected.dev_half_max        # ||y_h - y||: y (fp32) is the reference in r dims
-    space.projection = _Projection(basis, basis_norm, frobenius, residual * _SLACK)
+    space.projection = _Projection(basis, basis_norm, frobenius, residual * _SLACK, coords)
+
+
+def _dominant_basis(sample: torch.Tensor, max_rank: int) -> torch.Tensor | None:
+    """Orthonormal basis (D, r) fp64 of the span of the unit fp64 rows ``sample`` (n, D) up to an rms residual of
+    ``_LOW_RANK_RMS_RESIDUAL``, or None when that needs more than ``max_rank`` directions.
+
+    Pivoted block Gram-Schmidt: each step takes the ``_BASIS_BLOCK`` rows of largest residual, orthonormalises
+    their residuals through the eigendecomposition of their small Gram matrix (directions of negligible energy
+    dropped), orthogonalises them once more against the basis so far ("twice is enough"), and removes them from
+    every residual. Only speed depends on its quality: the kernel measures the residual of every gallery row.
+    """
+    with _one_thread():
+        return _dominant_basis_serial(sample, max_rank)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Run many small operations on one thread: below ~1 ms per operation the thread pool's hand-offs cost more
+    than they save, and on a loaded machine each waits for a descheduled worker (measured: a 32 x 32 eigh 0.07 ms
+    on one thread, 50 ms on two at load 3 on 2 cores). CPU only; the previous setting is restored."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _dominant_basis_serial(sample: torch.Tensor, max_rank: int) -> torch.Tensor | None:
+    count = sample.shape[0]
+    residual = sample.clone()
+    energy = (residual * residual).sum(dim=1)
+    target = count * _LOW_RANK_RMS_RESIDUAL ** 2
+    negligible = _LOW_RANK_RMS_RESIDUAL ** 2 / 4.0
+    blocks: list[torch.Tensor] = []
+    rank = 0
+    while float(energy.sum()) > target:
+        pick = torch.topk(energy, min(_BASIS_BLOCK, count)).indices
+        rows = residual[pick]
+        values, vectors = torch.linalg.eigh(rows @ rows.t())
+        keep = values > negligible
+        if not bool(keep.any()):
+            break
+        directions = (vectors[:, keep].t() @ rows) / torch.sqrt(values[keep])[:, None]       # (b, D)
+        if blocks:
+            basis = torch.cat(blocks)
+            directions = directions - (directions @ basis.t()) @ basis
+        # re-normalise (and re-orthogonalise within the block) after the projection
+        values, vectors = torch.linalg.eigh(directions @ directions.t())
+        keep = values > 0.5
+        directions = (vectors[:, keep].t() @ directions) / torch.sqrt(values[keep])[:, None]
+        rank += directions.shape[0]
+        if rank > max_rank:
+            return None
+        blocks.append(directions)
+        residual -= (residual @ directions.t()) @ directions
+        energy = (residual * residual).sum(dim=1)
+    if not blocks:
+        return None
+    return torch.cat(blocks).t().contiguous()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -406,6 +506,9 @@ def _round_down(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Largest ``dtype`` value <= each fp64 value, so a comparison in ``dtype`` never drops a candidate."""
     if dtype == torch.float64:
         return values
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        return torch.floor(values).clamp(info.min, info.max).to(dtype)
     rounded = values.to(dtype)
     too_big = rounded.double() > values
     if bool(too_big.any()):
@@ -424,64 +527,60 @@ _ORDERED_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.f
                 torch.float64: torch.int64}
 
 
-def _top_two(scores: torch.Tensor):
-    """(best value, its first index, an upper bound on the second-best value) of each row.
-
-    Non-negative floats order like their bit patterns read as signed integers, and an integer max/amax is several
-    times faster than a float max with indices (bf16 especially), so the block is read as integers: rows whose
-    best is non-negative get their answer from two integer passes; if no other non-negative value is left in the
-    row, the second best is <= 0. The rest (best < 0, rare for cosine top-1) take a float topk.
-    """
-    ints = scores.view(_ORDERED_INT[scores.dtype])
-    best_bits, best_index = ints.max(dim=1)
-    every_row = torch.arange(scores.shape[0], device=scores.device)
-    ints[every_row, best_index] = torch.iinfo(ints.dtype).min           # index_put: scatter_ is far slower here
-    second_bits = ints.amax(dim=1)
-    ints[every_row, best_index] = best_bits
-    best = best_bits.view(scores.dtype).double()
-    second = torch.where(second_bits >= 0, second_bits.view(scores.dtype).double(), torch.zeros_like(best))
-    negative = torch.nonzero(best_bits < 0).squeeze(1)
-    if negative.numel():
-        if scores.shape[1] > 1:
-            top = scores[negative].topk(2, dim=1, sorted=True)
-            best[negative] = top.values[:, 0].double()
-            best_index[negative] = top.indices[:, 0]
-            second[negative] = top.values[:, 1].double()
-        else:
-            best[negative] = scores[negative, 0].double()
-            best_index[negative] = 0
-    if scores.shape[1] == 1:
-        second.fill_(-math.inf)
-    return best, best_index, second
+_TOP_PROBE = 16                # rows whose candidates all lie in their top 16 skip the threshold pass
 
 
 def _select(scores: torch.Tensor, bound: torch.Tensor, k: int, cap: int | None, out_unit: float = 0.0):
     """Candidates {S >= v_k - u|v_k| - 2E} of each row; rows with more than ``cap`` come back separately.
 
     ``out_unit`` is the unit roundoff of the stored scores (rounding is monotone, so it costs u|v_k| once; see
-    the module docstring). Returns (rows_ok, candidates (n_ok, w) int64 padded with -1, ascending index order,
-    rows_wide).
+    the module docstring; 0 for exact integer scores). Returns (rows_ok, candidates (n_ok, w) int64 padded with
+    -1, ascending index order, rows_wide).
 
-    Comparing the whole block against the threshold costs more than finding the top entries, so the common case
-    is settled from the top k+1 alone: when the (k+1)-th score (or an upper bound on it) is below the threshold,
-    the top k are the only candidates. Only the remaining rows are compared with their threshold.
+    Comparing the whole block against the threshold costs more than finding the top entries, so one top-16 pass
+    (about the cost of a top-2) settles every row whose 16th score is already below its threshold: its candidates
+    are its top entries at or above it. Only the other rows are compared with their threshold over the whole row.
+    Floats are ranked through their bits read as integers (non-negative floats order like them, and an integer
+    top-k is several times faster, bf16 especially); rows whose top entries include a negative value (or -0) take
+    a float top-k instead.
     """
-    if k == 1:
-        kth, best_index, next_score = _top_two(scores)
-        top_index = best_index.unsqueeze(1)
-    else:
-        top = scores.topk(min(k + 1, scores.shape[1]), dim=1, sorted=True)
-        top_index = top.indices[:, :k]
-        kth = top.values[:, k - 1].double()
-        next_score = (top.values[:, k].double() if scores.shape[1] > k
-                      else torch.full_like(kth, -math.inf))
+    width = scores.shape[1]
+    probe = min(width, max(k + 1, _TOP_PROBE))
+    floating = scores.dtype.is_floating_point
+    keys = scores.view(_ORDERED_INT[scores.dtype]) if floating else scores
+    top = keys.topk(probe, dim=1, sorted=True)
+    values, indices = top.values, top.indices
+    if floating:
+        misordered = torch.nonzero(values[:, -1] < 0).squeeze(1)      # a negative float among the top entries
+        values = values.view(scores.dtype)
+        if misordered.numel():
+            exact = scores[misordered].topk(probe, dim=1, sorted=True)
+            values[misordered] = exact.values
+            indices[misordered] = exact.indices
+    with _one_thread():        # below: per-row vectors and the few open rows, small operations
+        return _select_from_top(scores, values, indices, probe, bound, k, cap, out_unit)
+
+
+def _select_from_top(scores: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, probe: int,
+                     bound: torch.Tensor, k: int, cap: int | None, out_unit: float):
+    """``_select`` after its top-``probe`` pass: thresholds, settled rows, and the full comparison of open rows."""
+    width = scores.shape[1]
+    kth = values[:, k - 1].double()
     # the 1e-12 term absorbs the fp64 rounding of this expression itself
     threshold64 = kth - out_unit * kth.abs() - 2.0 * bound - 1e-12 * (1.0 + kth.abs())
     threshold = _round_down(threshold64, scores.dtype)
-    settled = next_score < threshold.double()
-    rows_settled = torch.nonzero(settled).squeeze(1)
-    rows_open = torch.nonzero(~settled).squeeze(1)
-    settled_cand = torch.sort(top_index[rows_settled], dim=1).values
+    if probe == width:
+        complete = torch.ones_like(kth, dtype=torch.bool)
+    else:
+        complete = values[:, -1] < threshold
+    rows_settled = torch.nonzero(complete).squeeze(1)
+    rows_open = torch.nonzero(~complete).squeeze(1)
+    inside = values[rows_settled] >= threshold[rows_settled].unsqueeze(1)
+    beyond = torch.iinfo(torch.long).max
+    settled_cand = torch.where(inside, indices[rows_settled], torch.full_like(indices[rows_settled], beyond))
+    settled_cand = torch.sort(settled_cand, dim=1).values
+    settled_cand = settled_cand[:, :max(k, int(inside.sum(dim=1).max()) if inside.numel() else k)]
+    settled_cand = settled_cand.masked_fill(settled_cand == beyond, -1)
     mask = scores[rows_open] >= threshold[rows_open].unsqueeze(1)
     row, column = torch.nonzero(mask, as_tuple=True)
     counts = torch.bincount(row, minlength=rows_open.numel())
@@ -489,13 +588,12 @@ def _select(scores: torch.Tensor, bound: torch.Tensor, k: int, cap: int | None, 
     keep = fits[row]
     open_cand = _pad_candidates(row[keep], column[keep], counts.masked_fill(~fits, 0))[fits]
     rows_open_ok = rows_open[fits]
-    width = max(k, open_cand.shape[1])
-    candidates = torch.full((rows_settled.numel() + rows_open_ok.numel(), width), -1, dtype=torch.long,
+    width_out = max(settled_cand.shape[1], open_cand.shape[1])
+    candidates = torch.full((rows_settled.numel() + rows_open_ok.numel(), width_out), -1, dtype=torch.long,
                             device=scores.device)
-    candidates[:rows_settled.numel(), :k] = settled_cand
+    candidates[:rows_settled.numel(), :settled_cand.shape[1]] = settled_cand
     candidates[rows_settled.numel():, :open_cand.shape[1]] = open_cand
-    rows_ok = torch.cat([rows_settled, rows_open_ok])
-    return rows_ok, candidates, rows_open[~fits]
+    return torch.cat([rows_settled, rows_open_ok]), candidates, rows_open[~fits]
 
 
 def _pad_candidates(row: torch.Tensor, column: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -546,6 +644,33 @@ def _gathered_scores(query_rows: torch.Tensor, candidates: torch.Tensor, rows_of
             scores = torch.bmm(vectors, query_rows[rows].unsqueeze(2)).squeeze(2)
         out[rows, :block_width] = scores.masked_fill(block < 0, -math.inf)
         start = stop
+    return out
+
+
+def _candidate_scores32(query_rows: torch.Tensor, candidates: torch.Tensor, gallery32: torch.Tensor) -> torch.Tensor:
+    """fp32 scores of each query row against its padded candidates (-inf on padding) as one sampled product:
+    only the (row, candidate) entries of query_rows @ gallery32^T are computed, each an fp32 dot product (the
+    fp32 bound holds in any summation order), without copying candidate rows; about 1 us per candidate on a
+    CPU core, against ~3 us for gathered rows and a batched product."""
+    count, width = candidates.shape
+    valid = candidates >= 0
+    counts = valid.sum(dim=1)
+    if count == 0 or width == 0 or int(counts.sum()) == 0:
+        return torch.full((count, width), -math.inf, dtype=torch.float32, device=query_rows.device)
+    try:
+        crow = torch.zeros(count + 1, dtype=torch.long, device=candidates.device)
+        torch.cumsum(counts, 0, out=crow[1:])
+        columns = candidates[valid]                        # row-major: ascending within each row
+        pattern = torch.sparse_csr_tensor(crow, columns, torch.zeros(columns.numel(), dtype=torch.float32,
+                                                                     device=candidates.device),
+                                          size=(count, gallery32.shape[0]))
+        values = torch.sparse.sampled_addmm(pattern, query_rows, gallery32.t(), beta=0.0).values()
+    except (RuntimeError, NotImplementedError):   # a backend without sampled products: gathered rows
+        return _gathered_scores(query_rows, candidates,
+                                lambda index, out: torch.index_select(gallery32, 0, index, out=out),
+                                same_reduction=False)
+    out = torch.full((count, width), -math.inf, dtype=torch.float32, device=query_rows.device)
+    out[valid] = values
     return out
 
 
@@ -618,16 +743,16 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
         rows, cand, fp32_rows = _select(scores, bound_h, k, cap, out_unit)
         del scores
         rescored = (int((cand >= 0).sum()) + fp32_rows.numel() * space.size) / max(1, stop - start)
-        if single_ok:
-            rows, cand = _take_singles(rows, cand, result, offset)
-        if rows.numel():
-            # half-precision candidates: re-score in fp32 and narrow them with the fp32 bound
-            s32 = _gathered_scores(q32[rows], cand, lambda index, out: torch.index_select(space.stage32, 0, index, out=out),
-                                   same_reduction=False)
-            cand = _filter(s32, cand, bound32[rows], k)
+        with _one_thread():    # a few candidates per row: many small operations
             if single_ok:
                 rows, cand = _take_singles(rows, cand, result, offset)
-            _finish_exact(space, queries, cand, rows + offset, k, result)
+            if rows.numel():
+                # half-precision candidates: re-score in fp32 and narrow them with the fp32 bound
+                s32 = _candidate_scores32(q32[rows], cand, space.stage32)
+                cand = _filter(s32, cand, bound32[rows], k)
+                if single_ok:
+                    rows, cand = _take_singles(rows, cand, result, offset)
+                _finish_exact(space, queries, cand, rows + offset, k, result)
     else:
         fp32_rows = torch.arange(stop - start, device=q32.device)
         rescored = 0.0
@@ -786,7 +911,7 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
     with torch.inference_mode():
         space = _direct_space(gallery, precision, query.shape[0])
         result = _search(space, _Queries("query", query), k, precision, chunk_size, return_scores,
-                         rebuild=lambda fallback: _direct_space(gallery, fallback, query.shape[0]))
+                         rebuild=lambda fallback: _with_stage(space, _half_dtype_for(fallback, gallery.device)))
     return result.index, result.score
 
 
@@ -945,7 +1070,7 @@ def bridged_nearest_neighbours(query_embed, query_head, gallery_embed, gallery_h
         space = _bridge_space(gallery_embed, query_head, gallery_head, precision)
         # any positive per-query scale is allowed for the ranking; the Euclidean one keeps the stage bounds small
         result = _search(space, _Queries("query_embed", query_embed), k, precision, chunk_size, return_scores,
-                         rebuild=lambda fallback: _bridge_space(gallery_embed, query_head, gallery_head, fallback))
+                         rebuild=lambda fallback: _with_stage(space, _half_dtype_for(fallback, device)))
         if return_scores:
             head_t = query_head.double()
             gram_t = head_t.t() @ head_t

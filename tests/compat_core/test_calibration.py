@@ -189,3 +189,23 @@ def test_training_auto_is_bit_identical_whether_measured_now_or_cached(calibrati
     for name, value in measured.items():
         assert torch.equal(value, cached[name]), name
         assert torch.equal(value, forced[name]), name
+
+
+def test_probe_only_drops_paths_far_slower_than_fp32(calibrating, monkeypatch):
+    # the 64-row probe is no ranking: a half product there pays mostly for re-packing its operand, so bf16 at
+    # 0.3x fp32 on the probe must still be timed at the full shape; fp16 at 0.03x is not
+    probe_seconds = {"fp32": 1.0, "bf16": 1.0 / 0.3, "fp16": 1.0 / 0.03, "int8": 0.5}
+    order = iter(calibration.GEMM_DTYPES)
+    monkeypatch.setattr(calibration, "_min_call_time", lambda function, device: probe_seconds[next(order)])
+    timed = []
+    original = calibration._time_rounds
+
+    def record(functions, device, rounds):
+        timed.extend(functions)
+        return original(functions, device, rounds)
+
+    monkeypatch.setattr(calibration, "_time_rounds", record)
+    result = calibration.measure_gemm("cpu")
+    assert sorted(timed) == ["bf16", "fp32", "int8"]
+    assert result["probe_only"] == ["fp16"]
+    assert result["gops"]["fp16"] == pytest.approx(2.0 * 32 * 64 * 64 / (1.0 / 0.03) / 1e9, rel=1e-3)

@@ -367,18 +367,33 @@ def test_full_rank_gallery_keeps_the_full_half_stage(monkeypatch):
     np.testing.assert_array_equal(index.numpy(), brute_topk(query, gallery, 1)[0])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-def test_top_two_handles_negative_rows_and_ties(dtype):
-    scores = torch.tensor([[0.5, 0.7, 0.7, -0.1],       # tie at the top: first index, second equals best
-                           [-0.3, -0.2, -0.9, -0.25],   # all negative: float fallback
-                           [0.4, -0.5, -0.6, -0.7],     # one non-negative: second bounded by 0
-                           [0.0, -0.0, 0.1, 0.05]], dtype=dtype)
-    best, index, second = retrieval._top_two(scores.clone())
-    assert index.tolist() == [1, 1, 0, 2]
-    np.testing.assert_allclose(best.numpy(), scores.double().max(dim=1).values.numpy())
-    true_second = scores.double().topk(2, dim=1).values[:, 1]
-    assert bool((second >= true_second).all())           # an upper bound: never settles a contested row
-    assert second[0] == best[0] and second[1] == true_second[1] and second[3] == true_second[3]
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int32])
+@pytest.mark.parametrize("k", [1, 3])
+def test_select_candidates_equal_a_full_threshold_comparison(dtype, k):
+    # _select settles most rows from their top 16 (floats through their bits as integers); its candidates must be
+    # exactly the entries at or above each row's threshold, found here by comparing every entry
+    rng = np.random.default_rng(31)
+    raw = rng.standard_normal((12, 300))
+    raw[0] = -np.abs(raw[0])                 # all negative: the float fallback
+    raw[1, [4, 9, 200]] = raw[1].max() + 1   # exact ties at the top
+    raw[2, 10:40] = raw[2].max() + 1         # 30 tied entries: more candidates than the top-16 probe
+    raw[3] = 0.0                             # zeros and a negative zero
+    raw[3, 7] = -0.0
+    raw[3, 8] = 0.25
+    raw[4, :3] = [5.0, -1.0, 4.99]           # one clear winner, a near one
+    scale = 1000.0 if dtype == torch.int32 else 1.0
+    scores = torch.tensor(np.round(raw * scale) if dtype == torch.int32 else raw).to(dtype)
+    bound = torch.tensor(np.linspace(0.0, 0.6, 12) * scale, dtype=torch.float64)
+    out_unit = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}.get(dtype, 0.0)
+    rows, cand, wide = retrieval._select(scores.clone(), bound, k, None, out_unit)
+    assert wide.numel() == 0 and sorted(rows.tolist()) == list(range(12))
+    kth = scores.double().topk(k, dim=1).values[:, k - 1]
+    threshold = retrieval._round_down(kth - out_unit * kth.abs() - 2.0 * bound - 1e-12 * (1.0 + kth.abs()), dtype)
+    for position, row in enumerate(rows.tolist()):
+        expected = torch.nonzero(scores[row] >= threshold[row]).squeeze(1).tolist()
+        got = [c for c in cand[position].tolist() if c >= 0]
+        assert got == expected, (row, got, expected)
+    assert len([c for c in cand[rows.tolist().index(2)].tolist() if c >= 0]) >= 30
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -403,26 +418,35 @@ def test_int8_path_is_really_taken_when_forced(monkeypatch):
 
 
 def test_int8_stage_bound_holds_for_every_pair():
-    # the bound of _int8_stage, times the query scale, must cover |s * W_j - q.g_j| for every pair (fp64 reference)
+    # the bound of _int8_stage is in units of the exact product P_j = a.b_j: s t P_j must lie within s t bound of
+    # q.g_j for every pair (fp64 reference), s the query's scale and t the gallery's common scale
     rng = np.random.default_rng(12)
     gallery = rng.standard_normal((500, 64)).astype(np.float32)
-    gallery[:50] *= np.float32(1e-3)                       # tiny rows: per-row scales differ by 1000x
+    gallery[:50] *= np.float32(1e-3)                       # tiny rows: norms differ by 1000x before normalising
+    gallery[50:60, 0] *= np.float32(40.0)                  # spiky rows set the common scale
     query = rng.standard_normal((80, 64)).astype(np.float32)
     space = retrieval._direct_space(torch.from_numpy(gallery), "int8")
     queries = retrieval._Queries("query", torch.from_numpy(query))
     q32 = queries.fp32(0, 80)
     dev32 = torch.full((80,), 3.0 * 2.0 ** -24 * (1 + 1e-12), dtype=torch.float64)
-    scores, bound, out_unit = retrieval._int8_stage(q32, dev32, space, 1.0 + 1e-12, 0.0)
-    _, scale, _, _ = retrieval._quantize_rows(q32)
+    products, bound, out_unit = retrieval._int8_stage(q32, dev32, space, 1.0 + 1e-12, 0.0)
+    assert products.dtype == torch.int32 and out_unit == 0.0
+    _, scale, deviation = retrieval._quantize_queries(q32)
+    unit = scale.double().numpy() * float(space.half_scale)
     q64 = query / np.linalg.norm(query.astype(np.float64), axis=1, keepdims=True)
     g64 = gallery / np.linalg.norm(gallery.astype(np.float64), axis=1, keepdims=True)
     exact = q64 @ g64.T
-    stored = scores.double().numpy() * scale.double().numpy()[:, None]
-    allowed = (bound.numpy() + out_unit * np.abs(scores.double().numpy()).max(axis=1)) * scale.double().numpy()
+    stored = products.double().numpy() * unit[:, None]
+    allowed = bound.numpy() * unit
     error = np.abs(stored - exact)
     assert bool((error <= allowed[:, None]).all())
     assert error.max() > 1e-4                                # int8 really is coarse: the bound is doing work
-    assert allowed.max() < 0.1                               # and it stays a usable window
+    assert allowed.max() < 0.2                               # and it stays a usable window
+    # the fp32-only query deviation bound covers the exact ||s a - x|| (fp64 evaluation, t a exact there)
+    codes, _, _ = retrieval._quantize_queries(q32)
+    true_dev = np.linalg.norm(codes.double().numpy() * scale.double().numpy()[:, None] - q32.double().numpy(),
+                              axis=1)
+    assert bool((true_dev <= deviation.numpy()).all()) and bool((deviation.numpy() < 1.001 * true_dev + 1e-9).all())
 
 
 def adversarial_near_ties(count: int, dim: int, seed: int):
@@ -444,8 +468,8 @@ def test_int8_adversarial_near_ties_and_exact_ties_equal_fp64():
     # the int8 ranking alone is wrong for some queries: exactness comes from the bound and re-scoring
     space = retrieval._direct_space(torch.from_numpy(gallery), "int8")
     q32 = retrieval._Queries("query", torch.from_numpy(query)).fp32(0, len(query))
-    scores, _, _ = retrieval._int8_stage(q32, torch.zeros(len(query), dtype=torch.float64), space, 1.0, 0.0)
-    assert bool((scores.argmax(dim=1).numpy() != expected[:, 0]).any())
+    products, _, _ = retrieval._int8_stage(q32, torch.zeros(len(query), dtype=torch.float64), space, 1.0, 0.0)
+    assert bool((products.argmax(dim=1).numpy() != expected[:, 0]).any())
     for k in (1, 3):
         index, scores64 = nearest_neighbours(query, gallery, k=k, chunk_size=16, precision="int8")
         np.testing.assert_array_equal(index.numpy(), expected[:, :k])
@@ -482,3 +506,59 @@ def test_auto_int8_demotes_to_the_next_stage_when_its_window_rescores_too_much(m
     forced, _ = nearest_neighbours(query, gallery, k=1, chunk_size=10, precision="int8", return_scores=False)
     np.testing.assert_array_equal(forced.numpy(), expected)
     assert len(calls) == 4                                    # forced int8 never demotes
+
+
+def test_candidate_scores32_equal_fp32_products_with_gaps_in_the_padding():
+    # the sampled product scores exactly the listed (query, candidate) pairs; -1 entries (anywhere) stay -inf
+    rng = np.random.default_rng(41)
+    gallery = torch.from_numpy(rng.standard_normal((200, 33)).astype(np.float32))
+    query = torch.from_numpy(rng.standard_normal((5, 33)).astype(np.float32))
+    candidates = torch.tensor([[3, 17, 150, -1], [-1, -1, -1, -1], [0, -1, 199, -1], [5, 6, 7, 8],
+                               [42, -1, -1, -1]])
+    scores = retrieval._candidate_scores32(query, candidates, gallery)
+    exact = query.double() @ gallery.double().t()
+    gamma = 33 * 2.0 ** -24 / (1 - 33 * 2.0 ** -24)
+    for row in range(5):
+        for position, column in enumerate(candidates[row].tolist()):
+            value = float(scores[row, position])
+            if column < 0:
+                assert value == -math.inf
+            else:
+                magnitude = float(query[row].double().abs() @ gallery[column].double().abs())
+                assert abs(value - float(exact[row, column])) <= gamma * magnitude
+
+
+def test_auto_demotion_keeps_the_low_rank_basis_and_stays_exact(monkeypatch):
+    # a low-rank gallery of near-duplicates: int8's window holds most rows, "auto" moves to the next stage on the
+    # same basis and coordinates (no second basis search) and the answers equal fp64, exact ties included
+    monkeypatch.setattr(retrieval, "fastest_matmul",
+                        lambda device, exclude=(): "bf16" if "int8" in exclude else "int8")
+    monkeypatch.setattr(retrieval, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
+    monkeypatch.setattr(retrieval, "_INT8_PROBE_QUERIES", 16)
+    rng = np.random.default_rng(43)
+    head = rng.standard_normal((96, 24))
+    base = rng.standard_normal(24)
+    embed = base + 1e-3 * rng.standard_normal((300, 24))
+    gallery = (embed @ head.T).astype(np.float32)
+    gallery[[0, 1]] = gallery[150]                          # exact ties: the lowest index must win
+    query = ((base + 0.05 * rng.standard_normal((60, 24))) @ head.T).astype(np.float32)
+    searches = []
+    monkeypatch.setattr(retrieval, "_dominant_basis",
+                        lambda *args, original=retrieval._dominant_basis: searches.append(1) or original(*args))
+    stages = []
+    original_with_stage = retrieval._with_stage
+
+    def spy(space, half_dtype):
+        stages.append((space.projection, half_dtype))
+        rebuilt = original_with_stage(space, half_dtype)
+        stages.append((rebuilt.projection, rebuilt.half_dtype))
+        return rebuilt
+
+    monkeypatch.setattr(retrieval, "_with_stage", spy)
+    expected, expected_scores = brute_topk(query, gallery, 2)
+    index, scores = nearest_neighbours(query, gallery, k=2, chunk_size=16, precision="auto")
+    np.testing.assert_array_equal(index.numpy(), expected)
+    np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-12)
+    assert len(searches) == 1                                # one basis search, reused after the demotion
+    assert len(stages) == 2 and stages[0][0] is not None and stages[1][0] is stages[0][0]
+    assert stages[1][1] == torch.bfloat16
