@@ -461,11 +461,13 @@ def main() -> None:
                 compute_in_run = median_of(overlap_runs[name], "compute_s")
                 wait = median_of(overlap_runs[name], "wait_s")
                 high, total = max(decode_in_run, compute_in_run), decode_in_run + compute_in_run
+                delivered = max(decode_s, compute_in_run)  # the worker's whole cycle: read + hand-over to the loop
                 print(f"overlap, {name}: decode {decode_in_run * 1e3:.1f} ms/batch in the worker during the pass "
                       f"({decode_s * 1e3:.1f} per batch delivered by 1 worker on its own core), compute "
                       f"{compute_in_run * 1e3:.1f} ms (nominal {compute_s * 1e3:.1f}) -> step {step_s * 1e3:.1f} ms "
                       f"(wait for the batch {wait * 1e3:.1f}) = {step_s / high:.3f} x max(decode, compute), "
-                      f"{step_s / total:.3f} x (decode + compute)")
+                      f"{step_s / total:.3f} x (decode + compute); {step_s / delivered:.3f} x max(delivered, "
+                      f"compute)")
             if args.ray:
                 for cpus in (1, 2):
                     value, steady = ray_data_rate(tmp / "shards" / "train", n, b, cpus, r)

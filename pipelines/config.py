@@ -664,8 +664,14 @@ def config_hash(config: ScenarioConfig) -> str:
     data.pop("resources", None)
     data.pop("description", None)
     data.pop("paper", None)
-    data.get("training", {}).pop("checkpoint_every_epochs", None)  # where work is saved, not what it computes
+    for key in HOW_NOT_WHAT:  # where work is saved and how the input is read, not what it computes
+        data.get("training", {}).pop(key, None)
     return stable_hash(data)
+
+
+# training keys that change how a stage runs, never its results (the input stream yields the same batches in the
+# same order for any number of workers): left out of stage keys and config hashes
+HOW_NOT_WHAT = ("checkpoint_every_epochs", "input_workers", "prefetch_batches")
 
 
 __all__ = [

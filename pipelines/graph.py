@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig, StageResources, config_to_dict, stable_hash
+from pipelines.config import HOW_NOT_WHAT, PRETRAIN_PREFIX, ScenarioConfig, StageResources, config_to_dict, stable_hash
 from pipelines.train_config import PRETRAIN_OVERRIDES
 
 STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "entry", "evaluate", "adapt")
@@ -220,8 +220,8 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
         "model": model_section,
         "method": document["method"],
         "method_traits": traits,
-        # how often a stage checkpoints does not change what it computes
-        "training": {k: v for k, v in document["training"].items() if k != "checkpoint_every_epochs"},
+        # how often a stage checkpoints and how many processes decode its input do not change what it computes
+        "training": {k: v for k, v in document["training"].items() if k not in HOW_NOT_WHAT},
         "replay": document["replay"],
         "evaluation_for_selection": document["evaluation"] if config.training.model_selection == "compatibility"
         else None,

@@ -55,6 +55,13 @@ def test_keys_are_stable_and_sensitive(demo):
     moved = compile_scenario(load_config(CONFIGS / "demo-dsimplex-hoc.yaml",
                                          ["output.dir=/elsewhere", "evaluation.strict=false"]), version="v1")
     assert [s.key for s in first] == [s.key for s in moved]
+    # nor how many processes decode the input (the same batches in the same order: bit-identical training)
+    streamed = load_config(CONFIGS / "demo-dsimplex-hoc.yaml",
+                           ["training.input_workers=3", "training.prefetch_batches=4"])
+    assert [s.key for s in first] == [s.key for s in compile_scenario(streamed, version="v1")]
+    from pipelines.config import config_hash
+
+    assert config_hash(streamed) == config_hash(demo)
     # the gallery protocol changes only the matrix entries and rows
     protocol = compile_scenario(load_config(CONFIGS / "demo-dsimplex-hoc.yaml", ["evaluation.gallery=class_means"]),
                                 version="v1")
