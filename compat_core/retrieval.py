@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -661,9 +662,11 @@ def _candidate_scores32(query_rows: torch.Tensor, candidates: torch.Tensor, gall
         crow = torch.zeros(count + 1, dtype=torch.long, device=candidates.device)
         torch.cumsum(counts, 0, out=crow[1:])
         columns = candidates[valid]                        # row-major: ascending within each row
-        pattern = torch.sparse_csr_tensor(crow, columns, torch.zeros(columns.numel(), dtype=torch.float32,
-                                                                     device=candidates.device),
-                                          size=(count, gallery32.shape[0]))
+        with warnings.catch_warnings():   # "CSR support is in beta": the sampled product is what is used of it
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
+            pattern = torch.sparse_csr_tensor(crow, columns, torch.zeros(columns.numel(), dtype=torch.float32,
+                                                                         device=candidates.device),
+                                              size=(count, gallery32.shape[0]), check_invariants=False)
         values = torch.sparse.sampled_addmm(pattern, query_rows, gallery32.t(), beta=0.0).values()
     except (RuntimeError, NotImplementedError):   # a backend without sampled products: gathered rows
         return _gathered_scores(query_rows, candidates,
