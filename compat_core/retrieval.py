@@ -42,6 +42,12 @@ picks int8 only where it measured 1.25x the best float product (``calibration.fa
 chunk of 512 queries, and moves to the next-fastest stage (same fp32 copy and basis) when that chunk re-scored
 more than Ng/64 rows per query.
 
+Where int8 does not pay: on the benchmark's full-rank clustered features (benchmarks/retrieval.py) the int8
+window, two quantisation errors of ~0.0075 in cosine bounded by Cauchy-Schwarz, holds ~175 candidates per query
+(bf16: ~10; measured with ``_select``), and re-scoring them costs more than the product saves, so "auto" demotes
+int8 after its first chunk and the kernel is bound by the bf16 product. A tighter rigorous bound would need the
+products of the quantisation errors themselves, i.e. more int8 products.
+
 Low-rank galleries (junction outputs A h have rank <= m < D): with enough queries, the half stage runs in the
 gallery's dominant r-dim subspace U (pivoted block Gram-Schmidt of a sample of gallery rows in fp64, r <= 0.8 D,
 then a fixed random rotation that spreads each row's energy over its coordinates for int8): x = U^T q,
