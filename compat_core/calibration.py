@@ -59,13 +59,17 @@ CACHE_ENV = "COMPAT_CALIBRATION_DIR"
 MODE_ENV = "COMPAT_CALIBRATION"
 GEMM_DTYPES = ("fp32", "bf16", "fp16", "int8")
 GEMM_SHAPE = (1024, 1024, 8192)          # (queries, dims, gallery rows): one chunk of a 50k x 10k x 1023 search
-_PROBE_SHAPE = (64, 1024, 512)           # small first try: a dtype far slower than fp32 never runs the full shape
+# first try, 1/16 of the full shape: a dtype far slower than fp32 never runs the full shape. Large enough that a
+# loaded machine's thread hand-offs do not decide it (at 64 x 1024 x 512, load 4 on 2 cores, bf16 and int8
+# measured 8.5 GOP/s, against 100-200 at the full shape)
+_PROBE_SHAPE = (256, 1024, 2048)
 _PROBE_KEEP = 0.1                        # on the small probe, paths below this fraction of fp32 are not timed further
+_FULL_CALL_MAX_S = 1.5                   # nor paths whose probe rate predicts a longer call at the full shape
 _ROUNDS = 3                              # interleaved timing rounds; the minimum per path is kept
 # a half path must beat fp32 by this factor to be chosen: a near-tie would flip between re-measurements and with
 # it the numerics of a run; 2 % keeps "auto" within 2 % of the better path
 _HALF_MARGIN = 1.02
-_INT8_MARGIN = 1.5                       # int8 products must be this much faster than the best float path
+_INT8_MARGIN = 1.25                      # int8 products must be this much faster than the best float path
 _WORKLOAD_BUDGET_S = 6.0                 # rough cap on one workload's timed steps
 _VERSION = 1
 
@@ -222,11 +226,11 @@ def _time_rounds(functions: dict[str, Callable[[], Any]], device: torch.device, 
 
 def _min_call_time(function: Callable[[], Any], device: torch.device, budget_s: float = 0.05,
                    max_calls: int = 50) -> float:
-    """Fastest single call among as many as fit in ``budget_s`` (at least 2): on a shared machine most calls of a
-    sub-millisecond product are preempted, the fastest one is the product's own speed."""
+    """Fastest single call among as many as fit in ``budget_s`` (at least one after a warm-up call): on a shared
+    machine many calls of a short product are preempted, the fastest one is the product's own speed."""
     function()
     best, spent, calls = float("inf"), 0.0, 0
-    while calls < 2 or (spent < budget_s and calls < max_calls):
+    while calls < 1 or (spent < budget_s and calls < max_calls):
         _synchronize(device)
         start = time.perf_counter()
         function()
@@ -239,8 +243,9 @@ def _min_call_time(function: Callable[[], Any], device: torch.device, budget_s: 
 def measure_gemm(device: torch.device | str = "cpu", shape: tuple[int, int, int] | None = None,
                  rounds: int = _ROUNDS) -> dict[str, Any]:
     """Time the candidate matrix products on ``device``; returns {"shape", "gops": {dtype: GOP/s}, "probe_only",
-    "seconds", "measured_at"}. A dtype slower than a tenth of fp32 on the small probe shape keeps its probe rate
-    (it cannot win; fp16 on CPUs without AMX-FP16 runs at ~1 GFLOP/s). Unsupported products get 0."""
+    "seconds", "measured_at"}. A dtype slower than a tenth of fp32 on the small probe shape, or whose probe rate
+    predicts more than 1.5 s per full-shape call, keeps its probe rate (it cannot win; fp16 on CPUs without
+    AMX-FP16 runs at ~1 GFLOP/s). Unsupported products get 0."""
     device = torch.device(device)
     shape = tuple(shape or GEMM_SHAPE)
     probe_shape = tuple(min(a, b) for a, b in zip(_PROBE_SHAPE, shape))
@@ -257,12 +262,13 @@ def measure_gemm(device: torch.device | str = "cpu", shape: tuple[int, int, int]
     probe = {name: _min_call_time(function, device) for name, function in runnable.items()}
     probe_gops = {name: probe_flops / seconds / 1e9 for name, seconds in probe.items()}
     # fp32 is the baseline every other path is compared with: always timed at the full shape. The probe only
-    # weeds out paths far slower than fp32 (fp16 without hardware support: ~0.03x); it is no ranking, since at
-    # 64 rows a half or int8 product is dominated by re-packing its right operand (bf16 measured 0.3x fp32 on
-    # the probe and 2x at the full shape on the same machine)
+    # weeds out paths far slower than fp32 (fp16 without hardware support: ~0.03x); it is no ranking (small
+    # products pay relatively more for re-packing operands and for thread hand-offs)
+    # and a path whose probe rate predicts seconds per full-shape call is not timed there either
     baseline = probe_gops.get("fp32", max(probe_gops.values()))
-    full = [name for name, rate in probe_gops.items() if rate >= _PROBE_KEEP * baseline or name == "fp32"]
     flops = 2.0 * shape[0] * shape[1] * shape[2]
+    full = [name for name, rate in probe_gops.items()
+            if name == "fp32" or (rate >= _PROBE_KEEP * baseline and flops / (rate * 1e9) <= _FULL_CALL_MAX_S)]
     timed = _time_rounds({name: _gemm_operands(name, shape, device) for name in full}, device, rounds)
     for name in GEMM_DTYPES:
         if name in timed:
@@ -299,7 +305,7 @@ def _gemm_rates_cached(device: str, threads: int, path: str, measure: bool) -> d
 def fastest_matmul(device: torch.device | str = "cpu", exclude: tuple[str, ...] = ()) -> str:
     """The candidate-pass arithmetic of the retrieval kernel's ``precision="auto"``: "int8", "bf16", "fp16" or
     "fp32", whichever measured fastest on ``device`` (bf16/fp16 must beat fp32 by 2 %, int8 the best of those by
-    1.5x), leaving out ``exclude``; "fp32" when calibration is off."""
+    1.25x), leaving out ``exclude``; "fp32" when calibration is off."""
     rates = gemm_rates(device)
     if not rates:
         return "fp32"
@@ -311,8 +317,9 @@ def _pick(rates: dict[str, float], exclude: tuple[str, ...] = ()) -> str:
     best = max(floats, key=lambda name: rates.get(name, 0.0)) if floats else "fp32"
     if rates.get(best, 0.0) <= _HALF_MARGIN * rates.get("fp32", 0.0):
         best = "fp32"
-    # int8's candidate window is ~7x a bf16 one (8-bit codes on both sides), so it re-scores more: it must beat
-    # the best float product clearly
+    # int8's candidate window is several times a bf16 one (8-bit codes on both sides), so it re-scores more
+    # candidates (~1 us each against ~50-100 us per query for the product): it must beat the best float product
+    # clearly; where the data make its window far too wide, the retrieval kernel's first chunk demotes it
     if "int8" not in exclude and rates.get("int8", 0.0) > _INT8_MARGIN * rates.get(best, 0.0):
         return "int8"
     return best

@@ -38,7 +38,7 @@ else can be the answer. Ranking the exact integers directly saves a rescaling pa
 cost about half the int8 product). The int8 window (the quantisation error ~ 0.3 sqrt(D) t, ~0.0075 per side for
 unit rows) is several times bf16's, so clustered galleries re-score more candidates; survivors are re-scored like
 the half stages' (one sampled fp32 product over the (query, candidate) pairs, ``_candidate_scores32``). "auto"
-picks int8 only where it measured 1.5x the best float product (``calibration.fastest_matmul``), runs a first
+picks int8 only where it measured 1.25x the best float product (``calibration.fastest_matmul``), runs a first
 chunk of 512 queries, and moves to the next-fastest stage (same fp32 copy and basis) when that chunk re-scored
 more than Ng/64 rows per query.
 
@@ -346,9 +346,9 @@ def _direct_space(gallery: torch.Tensor, precision: str, query_count: int = 0) -
     return _build_space(stage32, dev32, 1.0 + 1e-12, exact_rows, half_dtype)
 
 
-_LOW_RANK_MAX_FRACTION = 0.8   # above r = 0.8 D the projection, residual and eigh cost more than they save
+_LOW_RANK_MAX_FRACTION = 0.8   # above r = 0.8 D the projection and residual cost more than they save
 _LOW_RANK_MIN_DIM = 64         # tiny D: nothing to save
-_LOW_RANK_MIN_QUERIES_PER_DIM = 32  # fewer queries do not repay the D x D eigendecomposition and gallery pass
+_LOW_RANK_MIN_QUERIES_PER_DIM = 32  # fewer queries do not repay the basis search and the gallery pass
 _LOW_RANK_RMS_RESIDUAL = 2.0 ** -14   # target rms ||g - U y||: far inside bf16's ~2^-8 candidate window
 _LOW_RANK_MAX_RESIDUAL = 2.0 ** -10   # measured worst row above this: the bound would widen the window, skip
 _BASIS_BLOCK = 32             # sample rows orthogonalised per step of ``_dominant_basis``

@@ -63,7 +63,8 @@ def test_gemm_is_measured_once_and_cached_under_the_machine_key(calibrating, mon
 
 @pytest.mark.parametrize("rates, expected", [
     ({"fp32": 100.0, "bf16": 90.0, "fp16": 1.0, "int8": 300.0}, "int8"),
-    ({"fp32": 100.0, "bf16": 250.0, "fp16": 1.0, "int8": 350.0}, "bf16"),     # int8 needs 1.5x the best float
+    ({"fp32": 100.0, "bf16": 250.0, "fp16": 1.0, "int8": 300.0}, "bf16"),     # int8 needs 1.25x the best float
+    ({"fp32": 100.0, "bf16": 250.0, "fp16": 1.0, "int8": 320.0}, "int8"),
     ({"fp32": 100.0, "bf16": 250.0, "fp16": 1.0, "int8": 200.0}, "bf16"),
     ({"fp32": 100.0, "bf16": 101.0, "fp16": 1.0, "int8": 50.0}, "fp32"),     # within the 2 % margin: fp32
     ({"fp32": 100.0, "bf16": 50.0, "fp16": 400.0, "int8": 0.0}, "fp16"),
@@ -194,7 +195,7 @@ def test_training_auto_is_bit_identical_whether_measured_now_or_cached(calibrati
 def test_probe_only_drops_paths_far_slower_than_fp32(calibrating, monkeypatch):
     # the 64-row probe is no ranking: a half product there pays mostly for re-packing its operand, so bf16 at
     # 0.3x fp32 on the probe must still be timed at the full shape; fp16 at 0.03x is not
-    probe_seconds = {"fp32": 1.0, "bf16": 1.0 / 0.3, "fp16": 1.0 / 0.03, "int8": 0.5}
+    probe_seconds = {"fp32": 1e-5, "bf16": 1e-5 / 0.3, "fp16": 1e-5 / 0.03, "int8": 0.5e-5}
     order = iter(calibration.GEMM_DTYPES)
     monkeypatch.setattr(calibration, "_min_call_time", lambda function, device: probe_seconds[next(order)])
     timed = []
@@ -208,4 +209,10 @@ def test_probe_only_drops_paths_far_slower_than_fp32(calibrating, monkeypatch):
     result = calibration.measure_gemm("cpu")
     assert sorted(timed) == ["bf16", "fp32", "int8"]
     assert result["probe_only"] == ["fp16"]
-    assert result["gops"]["fp16"] == pytest.approx(2.0 * 32 * 64 * 64 / (1.0 / 0.03) / 1e9, rel=1e-3)
+    assert result["gops"]["fp16"] == pytest.approx(2.0 * 32 * 64 * 64 / (1e-5 / 0.03) / 1e9, rel=1e-3)
+    # a path that passes the fp32 fraction but would take seconds per full-shape call keeps its probe rate
+    monkeypatch.setattr(calibration, "_FULL_CALL_MAX_S", 1e-9)
+    order = iter(calibration.GEMM_DTYPES)
+    timed.clear()
+    result = calibration.measure_gemm("cpu")
+    assert timed == ["fp32"] and result["probe_only"] == ["bf16", "fp16", "int8"]
