@@ -33,13 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
-def cpu_seconds() -> float:
-    """CPU seconds (user + system) of this process and its reaped children (input workers of finished epochs)."""
-    import resource
-
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + children.ru_utime + children.ru_stime
+from benchmarks.input_pipeline import cpu_seconds
 
 
 def previous_reads(source, indices, batches, *, workers=0, prefetch=2, pin_memory=False):

@@ -11,6 +11,7 @@ module initialisation use the torch generator seeded at the start of the task).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import random
 import time
@@ -566,17 +567,22 @@ def train_task(
 
     from pipelines.checkpoints import preemption_guard
 
-    with preemption_guard(enabled=checkpoints is not None) as preempted:
-        for epoch in range(start_epoch, config.epochs):
+    plan = []  # (epoch, its batches, steps done before a SIGTERM checkpoint, this rank's batches still to run)
+    for epoch in range(start_epoch, config.epochs):
+        batches = list(epoch_batches(data, method, config, epoch))
+        skip = skip_steps if epoch == start_epoch else 0
+        plan.append((epoch, batches, skip,
+                     batches[skip:] if parallel is None else distributed.shard_batches(parallel, batches[skip:])))
+    # the next batches are read and decoded on CPU workers while this step runs (same order for a seed): one
+    # stream over every epoch, so the workers start once and read the next epoch's first batches while this one ends
+    stream = stream_batches(data.source, loader.all_indices, [b for *_, local in plan for b in local],
+                            workers=config.input_workers, prefetch=config.prefetch_batches,
+                            pin_memory=device.type == "cuda")
+    with preemption_guard(enabled=checkpoints is not None) as preempted, contextlib.closing(stream):
+        for epoch, batches, skip, local in plan:
             model.train()
-            batches = list(epoch_batches(data, method, config, epoch))
-            skip = skip_steps if epoch == start_epoch else 0  # steps of this epoch done before a SIGTERM checkpoint
-            # the next batches are read and decoded on CPU workers while this step runs (same order for a seed)
-            local = batches[skip:] if parallel is None else distributed.shard_batches(parallel, batches[skip:])
-            stream = stream_batches(data.source, loader.all_indices, local, workers=config.input_workers,
-                                    prefetch=config.prefetch_batches, pin_memory=device.type == "cuda")
             started = time.perf_counter()  # a step's time includes any wait for its batch
-            for in_epoch, (positions, images) in enumerate(stream, start=skip + 1):
+            for in_epoch, (positions, images) in enumerate(itertools.islice(stream, len(local)), start=skip + 1):
                 if parallel is None:
                     batch = loader.batch(positions, images)
                 else:  # this rank's images, the global batch's targets; the models return global outputs

@@ -279,3 +279,40 @@ def test_streaming_workers_give_the_same_weights_as_reading_in_the_loop(source):
     streamed = train_task(tiny_model(), None, get_method("dsimplex-hoc"), data,
                           config(input_workers=2, prefetch_batches=1)).model
     assert weights_equal(inline, streamed)
+
+
+class _PidRecordingSource:
+    """``source`` whose reads record the reading process id in shared memory (one slot per read)."""
+
+    def __init__(self, source, slots: int = 64) -> None:
+        self.source, self.count = source, 0
+        self.pids = torch.zeros(slots, dtype=torch.int64).share_memory_()
+        for name in ("labels", "class_names", "image_shape", "mean", "std", "hflip", "name"):
+            setattr(self, name, getattr(source, name))
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def read(self, indices):
+        import os
+
+        self.pids[self.count] = os.getpid()  # each worker counts its own reads: 1 worker -> slots in read order
+        self.count += 1
+        return self.source.read(indices)
+
+
+def test_input_workers_start_once_for_all_epochs_and_read_every_batch(source):
+    """One input stream over the task's epochs: the worker process is forked once (not per epoch), it reads
+    every batch of every epoch, and the weights equal reading in the loop."""
+    import os
+
+    data = task_data(source, "simplex")
+    watched = _PidRecordingSource(source)
+    streamed = train_task(tiny_model(), None, get_method("dsimplex-hoc"), task_data(watched, "simplex"),
+                          config(epochs=3, input_workers=1)).model
+    steps = 3 * sum(1 for _ in training.epoch_batches(data, get_method("dsimplex-hoc"), config(epochs=3), 0))
+    pids = watched.pids[: steps + 1].tolist()
+    assert pids[steps] == 0 and 0 not in pids[:steps]           # every step's batch read, nothing more
+    assert len(set(pids[:steps])) == 1 and pids[0] != os.getpid()  # by one worker process, forked once
+    inline = train_task(tiny_model(), None, get_method("dsimplex-hoc"), data, config(epochs=3)).model
+    assert weights_equal(inline, streamed)

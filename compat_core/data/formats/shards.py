@@ -259,7 +259,10 @@ class ShardSource:
         self.decoder = decoder
         self._groups: OrderedDict[tuple[int, int], tuple[int, list]] = OrderedDict()
         self._group_starts: dict[int, np.ndarray] = {}
-        self._kept: dict[int, bytes] = {}  # sample index -> stored bytes of the rows a training task reads
+        # the rows a training task reads: sorted sample indices and their stored bytes in one Arrow array (one
+        # buffer: forked input workers read it without copying pages, as touching per-row bytes objects would)
+        self._kept_index = np.zeros(0, dtype=np.int64)
+        self._kept_rows = pa.array([], type=pa.large_binary())
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -271,7 +274,8 @@ class ShardSource:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_groups"] = OrderedDict()  # row groups and kept rows stay behind when shipped to a Ray worker
-        state["_kept"] = {}
+        state["_kept_index"] = np.zeros(0, dtype=np.int64)
+        state["_kept_rows"] = pa.array([], type=pa.large_binary())
         return state
 
     def _part_file(self, part: int) -> pq.ParquetFile:
@@ -311,25 +315,29 @@ class ShardSource:
         if wanted.size and (wanted[0] < 0 or wanted[-1] >= len(self)):
             raise IndexError(f"{self.name}: sample indices must lie in [0, {len(self)}), got "
                              f"[{wanted[0]}, {wanted[-1]}]")
-        self._kept = {}
-        by_group: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for index in wanted:
+        self._kept_index, self._kept_rows = np.zeros(0, dtype=np.int64), pa.array([], type=pa.large_binary())
+        by_group: dict[tuple[int, int], list[int]] = {}
+        for index in wanted:  # sorted: groups come in storage order, each row after the previous one
             part, group, row = self._locate(int(index))
-            by_group.setdefault((part, group), []).append((row, int(index)))
-        for (part, group), rows in by_group.items():
-            column = self._part_file(part).read_row_group(group, columns=["image"]).column("image")
-            picked = column.take(pa.array([row for row, _ in rows], type=pa.int64())).to_pylist()
-            self._kept.update(zip((index for _, index in rows), picked))
+            by_group.setdefault((part, group), []).append(row)
+        chunks = [self._part_file(part).read_row_group(group, columns=["image"]).column("image")
+                  .take(pa.array(rows, type=pa.int64())) for (part, group), rows in by_group.items()]
+        rows = pa.chunked_array(chunks, type=pa.large_binary()).combine_chunks() if chunks else self._kept_rows
+        self._kept_index, self._kept_rows = wanted, rows
 
     def encoded_rows(self, indices: Sequence[int]) -> list[bytes]:
         """The stored bytes of samples ``indices`` (encoded files or raw uint8 HWC)."""
-        out = []
-        for index in np.asarray(indices, dtype=np.int64).reshape(-1):
-            kept = self._kept.get(int(index))
-            if kept is None:
-                part, group, row = self._locate(int(index))
-                kept = self._group(part, group)[row]
-            out.append(kept)
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        out: list = [None] * indices.size
+        if self._kept_index.size and indices.size:
+            at = np.minimum(np.searchsorted(self._kept_index, indices), self._kept_index.size - 1)
+            hit = np.flatnonzero(self._kept_index[at] == indices)
+            for row, blob in zip(hit, self._kept_rows.take(pa.array(at[hit], type=pa.int64())).to_pylist()):
+                out[row] = blob
+        for row, index in enumerate(indices):
+            if out[row] is None:
+                part, group, offset = self._locate(int(index))
+                out[row] = self._group(part, group)[offset]
         return out
 
     def encoded_images(self, indices: np.ndarray):
