@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -439,17 +440,31 @@ def _dominant_basis(sample: torch.Tensor, max_rank: int) -> torch.Tensor | None:
         return _dominant_basis_serial(sample, max_rank)
 
 
+_ONE_THREAD_LOCK = threading.Lock()
+_ONE_THREAD_DEPTH = 0
+_ONE_THREAD_SAVED = 1
+
+
 @contextlib.contextmanager
 def _one_thread():
     """Run many small operations on one thread: below ~1 ms per operation the thread pool's hand-offs cost more
     than they save, and on a loaded machine each waits for a descheduled worker (measured: a 32 x 32 eigh 0.07 ms
     on one thread, 50 ms on two at load 3 on 2 cores). CPU only; the previous setting is restored."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    global _ONE_THREAD_DEPTH, _ONE_THREAD_SAVED
+    with _ONE_THREAD_LOCK:
+        # the setting is per process: nested or concurrent users (two searches in two Python threads) share one
+        # saved value, restored when the last of them leaves
+        if _ONE_THREAD_DEPTH == 0:
+            _ONE_THREAD_SAVED = torch.get_num_threads()
+            torch.set_num_threads(1)
+        _ONE_THREAD_DEPTH += 1
     try:
         yield
     finally:
-        torch.set_num_threads(previous)
+        with _ONE_THREAD_LOCK:
+            _ONE_THREAD_DEPTH -= 1
+            if _ONE_THREAD_DEPTH == 0:
+                torch.set_num_threads(_ONE_THREAD_SAVED)
 
 
 def _dominant_basis_serial(sample: torch.Tensor, max_rank: int) -> torch.Tensor | None:

@@ -562,3 +562,31 @@ def test_auto_demotion_keeps_the_low_rank_basis_and_stays_exact(monkeypatch):
     assert len(searches) == 1                                # one basis search, reused after the demotion
     assert len(stages) == 2 and stages[0][0] is not None and stages[1][0] is stages[0][0]
     assert stages[1][1] == torch.bfloat16
+
+
+def test_one_thread_sections_restore_the_thread_count_when_nested_and_concurrent():
+    # two searches in two Python threads overlap their one-thread sections: the process keeps its setting
+    import threading
+
+    before = torch.get_num_threads()
+    query, gallery = planted(200, 300, 40, seed=13)
+    expected, _ = brute_topk(query, gallery, 1)
+    results = []
+
+    def search():
+        index, _ = nearest_neighbours(query, gallery, k=1, chunk_size=16, precision="int8", return_scores=False)
+        results.append(index.numpy())
+
+    workers = [threading.Thread(target=search) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    with retrieval._one_thread():
+        with retrieval._one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 1
+    for worker in workers:
+        worker.join()
+    assert torch.get_num_threads() == before
+    assert len(results) == 2
+    for index in results:
+        np.testing.assert_array_equal(index, expected)
