@@ -176,4 +176,32 @@ def run(args) -> int:
     cpu_text = f"{cpu:.0f} s CPU (user+sys, {'driver processes only' if args.executor == 'ray' else 'all processes'})"
     print(f"demo: {wall:.0f} s wall, {cpu_text}, {jobs} job(s) on {cores} core(s), stages {where}; "
           f"MLflow: {tracking_uri} (experiment {experiment})")
+    print(_calibration_used(_training_threads(tasks[0][1], args.overrides)))
     return 0
+
+
+def _training_threads(config_path: str, overrides: list[str]) -> int:
+    """torch threads of the scenario's first model stage (``pipelines.graph.stage_threads``: its CPU count)."""
+    from pipelines.config import load_config
+    from pipelines.graph import compile_scenario, stage_threads
+
+    graph = compile_scenario(load_config(config_path, overrides))
+    return stage_threads(graph[graph.model_stages[0]].resources)
+
+
+def _calibration_used(threads: int) -> str:
+    """The calibration the stages chose their precisions from (``autocast: auto``, retrieval ``precision="auto"``):
+    the cached document of this machine's device at the stages' torch thread count."""
+    import torch
+
+    from compat_core import calibration
+
+    if not calibration.calibration_enabled():
+        return f"calibration: off ({calibration.MODE_ENV}=off), so every auto precision was fp32"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the cache is keyed by the thread count the stages ran with
+    try:
+        return "stages' " + calibration.format_calibration(calibration.load(device), calibration.cache_path(device))
+    finally:
+        torch.set_num_threads(before)

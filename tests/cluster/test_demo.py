@@ -48,6 +48,7 @@ def test_demo_runs_both_scenarios_on_one_ray_instance_identical_to_separate_runs
     assert len(addresses) == 1, printed        # both scenarios' stages ran on the same instance
     assert f"one embedded local Ray instance ({addresses.pop()})" in printed
     assert not ray.is_initialized()           # the demo shut its instance down
+    assert "calibration: off (COMPAT_CALIBRATION=off), so every auto precision was fp32" in printed
 
     for name, file_name in DEMOS:
         alone = tmp_path / "alone" / name
@@ -57,3 +58,19 @@ def test_demo_runs_both_scenarios_on_one_ray_instance_identical_to_separate_runs
         assert json.loads((shared / "matrix.json").read_text()) == json.loads((alone / "matrix.json").read_text())
         # the same stage keys with the same bytes: nothing depends on sharing the instance with the other scenario
         assert _manifests(shared) == _manifests(alone) and _manifests(alone)
+
+
+def test_demo_prints_the_calibration_its_stages_used(tmp_path, monkeypatch):
+    """The stages' cached calibration (one torch thread each, from the config), or where none is cached yet."""
+    import torch
+
+    from app.commands.demo import _calibration_used, _training_threads
+    from compat_core import calibration
+
+    assert _training_threads(str(configs_dir() / "demo-er.yaml"), []) == 1
+    monkeypatch.setenv(calibration.MODE_ENV, "on")
+    monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path))
+    threads = torch.get_num_threads()
+    text = _calibration_used(1)
+    assert torch.get_num_threads() == threads  # restored
+    assert text.startswith("stages' no calibration cached at ") and "-t1-" in text and str(tmp_path) in text
