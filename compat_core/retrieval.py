@@ -30,7 +30,7 @@ scale, b_j = round(y_j / t) in [-127, 127] with t = max_ji |y_ji| / 127, query r
 The integer products P_j = a . b_j are exact in int32 (127^2 D < 2^31 for D <= 133,143), so the stage has neither
 accumulation nor output rounding; the real product z_j = (s a).(t b_j) = s t P_j obeys
     |z_j - q.g_j| <= ||s a - q|| max_j ||t b_j|| + ||q|| max_j ||t b_j - g_j|| (+ the low-rank residual) =: E(q)
-with ||t b_j - y_j|| and ||s a - x|| bounded from their fp32 evaluation (``_quantize_queries``: the rounding of
+with ||t b_j - y_j|| and ||s a - x|| bounded from their fp32 evaluation (``_quantize_rows``: the rounding of
 s a and of the difference is accounted for, so no fp64 pass is needed). s t > 0 is common to a query's row, so P
 itself orders the row like z, ties included, and the candidate set {P >= ceil(v - 2E/(s t))} is the argument
 above in units of s t: every gallery item whose upper bound reaches the best lower bound survives, and nothing
@@ -69,7 +69,7 @@ import contextlib
 import math
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -213,10 +213,15 @@ def _with_stage(space: _Space, half_dtype: torch.dtype | None) -> _Space:
     if space.projection is not None and half_dtype is not None:
         projected = _build_space(space.projection.coords, 0.0, 1.0, space.exact_rows, half_dtype)
         if projected.half_t is not None:
-            return _Space(space.size, space.dim, space.exact_rows, space.stage32, space.norm32_max,
-                          space.dev32_max, space.norm64_max, projected.half_t, projected.half_dtype,
-                          projected.norm_half_max, projected.dev_half_max, projected.half_scale, space.projection)
+            return replace(space, **_stage_fields(projected))
     return _build_space(space.stage32, space.dev32_max, space.norm64_max, space.exact_rows, half_dtype)
+
+
+def _stage_fields(projected: _Space) -> dict:
+    """The candidate-stage fields of a space built on low-rank coordinates, for the full gallery's space (its
+    ||y_h - y|| is measured against the fp32 coordinates y, the reference in r dims)."""
+    return {"half_t": projected.half_t, "half_dtype": projected.half_dtype, "half_scale": projected.half_scale,
+            "norm_half_max": projected.norm_half_max, "dev_half_max": projected.dev_half_max}
 
 
 def _build_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float,
@@ -252,12 +257,9 @@ def _build_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float,
 
 _INT8_LIMIT = 127
 _INT8_MAX_DIM = (2 ** 31 - 1) // (_INT8_LIMIT * _INT8_LIMIT)   # int32 accumulation of D products stays exact
-# stored int8-stage score W = fl32(fl32(P) * t_j): at most two fp32 roundings of z = t_j P, so |W - z| <= d|z| with
-# d = 2u + u^2, hence <= d/(1-d) |W| < 2.0001 u |W| (the docstring's u_out)
-_INT8_OUT_UNIT = 2.0001 * _U32
 
 
-def _quantize_queries(rows: torch.Tensor, common_max: float | None = None):
+def _quantize_rows(rows: torch.Tensor, common_max: float | None = None):
     """Symmetric int8 codes a = round(x / s) of fp32 rows, s = max|x| / 127 per row (or ``common_max`` / 127 for
     every row: the gallery's common scale), and an upper bound (fp64, (n,)) on ||s a - x|| from fp32 arithmetic
     only (fp64 here would cost more than the int8 product). Returns (codes int8, s (n,) fp32, bound).
@@ -299,7 +301,7 @@ def _build_int8_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float
         rows = stage32[start:start + block]
         row_norm = _norm32_upper(rows)
         norm32 = max(norm32, float(row_norm.max()))
-        part, part_scale, part_dev = _quantize_queries(rows, amax)
+        part, part_scale, part_dev = _quantize_rows(rows, amax)
         codes[start:start + block, :dim] = part
         scale = part_scale[0]
         norm_int8 = max(norm_int8, float((row_norm + part_dev).max()))      # ||t b|| <= ||y|| + ||t b - y||
@@ -320,7 +322,7 @@ def _int8_stage(x32: torch.Tensor, dev_x: torch.Tensor, space: _Space, ref_norm:
     to the row, so P orders the row like z (ties included) and the bound in P units is E / (s t).
     Returns (P (n, Ng) int32, bound (n,) fp64 in P units, out_unit 0.0).
     """
-    codes, scale, deviation = _quantize_queries(x32)
+    codes, scale, deviation = _quantize_rows(x32)
     bound = ((deviation + dev_x) * space.norm_half_max + ref_norm * space.dev_half_max + residual) * _SLACK
     gallery_codes = space.half_t
     if codes.device.type == "cuda":
@@ -419,11 +421,8 @@ def _low_rank(space: _Space, gallery: torch.Tensor, inverse: torch.Tensor, half_
     projected = _build_space(coords, 0.0, 1.0, space.exact_rows, half_dtype)
     if projected.half_t is None:
         return
-    space.half_dtype = projected.half_dtype
-    space.half_t = projected.half_t
-    space.half_scale = projected.half_scale
-    space.norm_half_max = projected.norm_half_max
-    space.dev_half_max = projected.dev_half_max        # ||y_h - y||: y (fp32) is the reference in r dims
+    for name, value in _stage_fields(projected).items():
+        setattr(space, name, value)
     space.projection = _Projection(basis, basis_norm, frobenius, residual * _SLACK, coords)
 
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms.v2 import functional as TF
 
+from compat_core.data.stream import to_device
+
 
 @dataclass
 class BatchTransform:
@@ -46,8 +48,6 @@ class BatchTransform:
 
     def _random(self, high: int, count: int, device: torch.device, rows: tuple[int, int, int] | None = None
                 ) -> torch.Tensor:
-        from compat_core.data.stream import to_device
-
         where = self.generator.device if self.generator is not None else device
         if rows is None:
             return to_device(torch.randint(0, high, (count,), generator=self.generator, device=where), device)
@@ -58,8 +58,6 @@ class BatchTransform:
     def _stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """mean and std as float32 tensors on ``device``, made once per device (a list passed to normalize is
         copied to the device on every call, a host-device sync per batch on CUDA)."""
-        from compat_core.data.stream import to_device
-
         key = str(device)
         if key not in self._device_stats:
             self._device_stats[key] = tuple(to_device(torch.tensor(v, dtype=torch.float32), device)

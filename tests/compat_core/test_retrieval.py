@@ -431,7 +431,7 @@ def test_int8_stage_bound_holds_for_every_pair():
     dev32 = torch.full((80,), 3.0 * 2.0 ** -24 * (1 + 1e-12), dtype=torch.float64)
     products, bound, out_unit = retrieval._int8_stage(q32, dev32, space, 1.0 + 1e-12, 0.0)
     assert products.dtype == torch.int32 and out_unit == 0.0
-    _, scale, deviation = retrieval._quantize_queries(q32)
+    _, scale, deviation = retrieval._quantize_rows(q32)
     unit = scale.double().numpy() * float(space.half_scale)
     q64 = query / np.linalg.norm(query.astype(np.float64), axis=1, keepdims=True)
     g64 = gallery / np.linalg.norm(gallery.astype(np.float64), axis=1, keepdims=True)
@@ -443,7 +443,7 @@ def test_int8_stage_bound_holds_for_every_pair():
     assert error.max() > 1e-4                                # int8 really is coarse: the bound is doing work
     assert allowed.max() < 0.2                               # and it stays a usable window
     # the fp32-only query deviation bound covers the exact ||s a - x|| (fp64 evaluation, t a exact there)
-    codes, _, _ = retrieval._quantize_queries(q32)
+    codes, _, _ = retrieval._quantize_rows(q32)
     true_dev = np.linalg.norm(codes.double().numpy() * scale.double().numpy()[:, None] - q32.double().numpy(),
                               axis=1)
     assert bool((true_dev <= deviation.numpy()).all()) and bool((deviation.numpy() < 1.001 * true_dev + 1e-9).all())

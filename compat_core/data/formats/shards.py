@@ -236,6 +236,11 @@ def read_manifest(root: str, split: str) -> DatasetManifest:
     return DatasetManifest.from_json(cio.read_bytes(uri).decode("utf-8"), uri)
 
 
+def _nothing_kept() -> tuple[np.ndarray, pa.Array]:
+    """``ShardSource``'s kept rows when none are kept: no sample index, no stored bytes."""
+    return np.zeros(0, dtype=np.int64), pa.array([], type=pa.large_binary())
+
+
 class ShardSource:
     """An ImageSource over an ingested split. Labels come from the manifest's parts; images are read per Parquet
     row group (one ranged read each, an LRU of ``cache_groups`` groups) and decoded like the source reader."""
@@ -261,8 +266,7 @@ class ShardSource:
         self._group_starts: dict[int, np.ndarray] = {}
         # the rows a training task reads: sorted sample indices and their stored bytes in one Arrow array (one
         # buffer: forked input workers read it without copying pages, as touching per-row bytes objects would)
-        self._kept_index = np.zeros(0, dtype=np.int64)
-        self._kept_rows = pa.array([], type=pa.large_binary())
+        self._kept_index, self._kept_rows = _nothing_kept()
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -274,8 +278,7 @@ class ShardSource:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_groups"] = OrderedDict()  # row groups and kept rows stay behind when shipped to a Ray worker
-        state["_kept_index"] = np.zeros(0, dtype=np.int64)
-        state["_kept_rows"] = pa.array([], type=pa.large_binary())
+        state["_kept_index"], state["_kept_rows"] = _nothing_kept()
         return state
 
     def _part_file(self, part: int) -> pq.ParquetFile:
@@ -315,7 +318,7 @@ class ShardSource:
         if wanted.size and (wanted[0] < 0 or wanted[-1] >= len(self)):
             raise IndexError(f"{self.name}: sample indices must lie in [0, {len(self)}), got "
                              f"[{wanted[0]}, {wanted[-1]}]")
-        self._kept_index, self._kept_rows = np.zeros(0, dtype=np.int64), pa.array([], type=pa.large_binary())
+        self._kept_index, self._kept_rows = _nothing_kept()
         by_group: dict[tuple[int, int], list[int]] = {}
         for index in wanted:  # sorted: groups come in storage order, each row after the previous one
             part, group, row = self._locate(int(index))
