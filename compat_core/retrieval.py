@@ -439,31 +439,30 @@ def _dominant_basis(sample: torch.Tensor, max_rank: int) -> torch.Tensor | None:
         return _dominant_basis_serial(sample, max_rank)
 
 
-_ONE_THREAD_LOCK = threading.Lock()
-_ONE_THREAD_DEPTH = 0
-_ONE_THREAD_SAVED = 1
+_ONE_THREAD = threading.local()   # per Python thread: depth of nested sections and the setting to restore
 
 
 @contextlib.contextmanager
 def _one_thread():
     """Run many small operations on one thread: below ~1 ms per operation the thread pool's hand-offs cost more
     than they save, and on a loaded machine each waits for a descheduled worker (measured: a 32 x 32 eigh 0.07 ms
-    on one thread, 50 ms on two at load 3 on 2 cores). CPU only; the previous setting is restored."""
-    global _ONE_THREAD_DEPTH, _ONE_THREAD_SAVED
-    with _ONE_THREAD_LOCK:
-        # the setting is per process: nested or concurrent users (two searches in two Python threads) share one
-        # saved value, restored when the last of them leaves
-        if _ONE_THREAD_DEPTH == 0:
-            _ONE_THREAD_SAVED = torch.get_num_threads()
-            torch.set_num_threads(1)
-        _ONE_THREAD_DEPTH += 1
+    on one thread, 50 ms on two at load 3 on 2 cores). CPU only; the previous setting is restored.
+
+    torch's thread count belongs to the calling thread (``set_num_threads`` in one Python thread leaves another
+    running thread's count as it was), so each thread sets and restores its own, and nested sections of one
+    thread restore only when the outermost one leaves."""
+    state = _ONE_THREAD
+    depth = getattr(state, "depth", 0)
+    if depth == 0:
+        state.saved = torch.get_num_threads()
+        torch.set_num_threads(1)
+    state.depth = depth + 1
     try:
         yield
     finally:
-        with _ONE_THREAD_LOCK:
-            _ONE_THREAD_DEPTH -= 1
-            if _ONE_THREAD_DEPTH == 0:
-                torch.set_num_threads(_ONE_THREAD_SAVED)
+        state.depth -= 1
+        if state.depth == 0:
+            torch.set_num_threads(state.saved)
 
 
 def _dominant_basis_serial(sample: torch.Tensor, max_rank: int) -> torch.Tensor | None:
