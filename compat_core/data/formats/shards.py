@@ -375,7 +375,10 @@ class ShardSource:
 
 def decode_batch(blobs: Sequence[bytes], size: int, where: str) -> np.ndarray:
     """JPEG/PNG bytes -> uint8 RGB ``(n, size, size, 3)`` with torchvision's libjpeg-turbo decoder (one batched call
-    for the JPEGs), shorter side resized to ``size`` (bilinear, antialiased) and centre-cropped.
+    for the JPEGs): the centred square of side min(H, W) is cut out and resized to ``size`` (bilinear, antialiased),
+    the geometry of the published readers' ``ImageOps.fit`` (crop box first, then resize). Cropping before
+    resizing computes only the kept pixels: a 178x218 CelebA image resized whole to 224x274 and then cropped spends
+    18 % of its resize on rows it drops.
 
     Pixel values differ slightly from PIL's (a different resampling filter), so it is an opt-in reader option."""
     import torch
@@ -397,11 +400,9 @@ def decode_batch(blobs: Sequence[bytes], size: int, where: str) -> np.ndarray:
     for row, image in enumerate(decoded):
         height, width = image.shape[-2:]
         if (height, width) != (size, size):
-            scale = size / min(height, width)
-            new = (max(size, round(height * scale)), max(size, round(width * scale)))
-            image = resize(image, list(new), antialias=True)
-            top, left = (new[0] - size) // 2, (new[1] - size) // 2
-            image = image[:, top:top + size, left:left + size]
+            side = min(height, width)
+            top, left = (height - side) // 2, (width - side) // 2
+            image = resize(image[:, top:top + side, left:left + side], [size, size], antialias=True)
         out[row] = image.permute(1, 2, 0).numpy()
     return out
 
