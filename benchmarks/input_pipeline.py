@@ -79,6 +79,7 @@ class PinnedReads:
 
     def __init__(self, source, cores: list[int]) -> None:
         self.source, self.cores, self._pinned, self._count = source, list(cores), False, 0
+        self.image_shape = source.image_shape
         self.seconds = torch.full((len(self.cores) * self.stride,), float("nan"), dtype=torch.float64)
         self.seconds.share_memory_()
 

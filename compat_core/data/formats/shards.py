@@ -374,16 +374,18 @@ class ShardSource:
 
 
 def decode_batch(blobs: Sequence[bytes], size: int, where: str) -> np.ndarray:
-    """JPEG/PNG bytes -> uint8 RGB ``(n, size, size, 3)`` with torchvision's libjpeg-turbo decoder (one batched call
-    for the JPEGs): the centred square of side min(H, W) is cut out and resized to ``size`` (bilinear, antialiased),
-    the geometry of the published readers' ``ImageOps.fit`` (crop box first, then resize). Cropping before
-    resizing computes only the kept pixels: a 178x218 CelebA image resized whole to 224x274 and then cropped spends
-    18 % of its resize on rows it drops.
+    """JPEG/PNG bytes -> uint8 RGB ``(n, size, size, 3)``: torchvision's libjpeg-turbo decoder (one batched call
+    for the JPEGs), then the centred square of side min(H, W) resized to ``size`` x ``size`` straight into the
+    output (OpenCV: bilinear when enlarging, pixel-area averaging, i.e. antialiased, when shrinking), the geometry of
+    the published readers' ``ImageOps.fit`` (crop box first, then resize).
 
-    Pixel values differ slightly from PIL's (a different resampling filter), so it is an opt-in reader option."""
+    Why these parts (measured on 178x218 CelebA-sized JPEGs to 224 px, one thread): decode ~135 us per image;
+    OpenCV's fixed-point resize ~75 us against ~130 us for torch's uint8 antialiased interpolate, and it writes
+    into the batch array, saving the ~20 us copy; cropping first spends no resize work on dropped rows.
+    Pixel values differ slightly from PIL's (other resampling code), so it is an opt-in reader option."""
+    import cv2
     import torch
     from torchvision.io import ImageReadMode, decode_image, decode_jpeg
-    from torchvision.transforms.v2.functional import resize
 
     tensors = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
     jpeg = [i for i, blob in enumerate(blobs) if blob[:2] == b"\xff\xd8"]
@@ -398,12 +400,16 @@ def decode_batch(blobs: Sequence[bytes], size: int, where: str) -> np.ndarray:
         raise ValueError(f"cannot decode an image of {where}: {error} (expected JPEG or PNG bytes)") from None
     out = np.empty((len(blobs), size, size, 3), dtype=np.uint8)
     for row, image in enumerate(decoded):
-        height, width = image.shape[-2:]
-        if (height, width) != (size, size):
-            side = min(height, width)
-            top, left = (height - side) // 2, (width - side) // 2
-            image = resize(image[:, top:top + side, left:left + side], [size, size], antialias=True)
-        out[row] = image.permute(1, 2, 0).numpy()
+        pixels = image.permute(1, 2, 0).numpy()  # (H, W, 3) view: the decoders' memory is HWC already
+        height, width = pixels.shape[:2]
+        if (height, width) == (size, size):
+            out[row] = pixels
+            continue
+        side = min(height, width)
+        top, left = (height - side) // 2, (width - side) // 2
+        square = np.ascontiguousarray(pixels[top:top + side, left:left + side])
+        cv2.resize(square, (size, size), dst=out[row],
+                   interpolation=cv2.INTER_LINEAR if side < size else cv2.INTER_AREA)
     return out
 
 
@@ -450,7 +456,7 @@ def _known_splits() -> tuple[str, ...]:
     layout="<root>/<split>/manifest.json and part-NNNNN.parquet files written by `compat ingest`",
     options={"verify": "'sha256' (default: hash every part before use) or 'size' (sizes only, for huge splits)",
              "decoder": "'pil' (default: pixels identical to the published reader) or 'torchvision' (batched "
-                        "libjpeg-turbo decode + antialiased resize, ~3x faster, slightly different pixels)"},
+                        "torchvision libjpeg-turbo decode + OpenCV resize, ~3x faster, slightly different pixels)"},
 )
 def load_shards(root: str | None, split: str, verify: str = "sha256", decoder: str = "pil") -> ShardSource:
     if root is None:

@@ -12,6 +12,8 @@ from compat_core.data.stream import stream_batches
 class _IndexImages:
     """Image ``i`` is a (3, 2, 1) uint8 array filled with ``i % 251``: each batch's content is known exactly."""
 
+    image_shape = (3, 2, 1)
+
     def __init__(self, count: int) -> None:
         self.count = count
 
