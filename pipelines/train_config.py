@@ -81,7 +81,9 @@ class TrainConfig(StrictModel):
     augment: bool = Field(True, description="training augmentation of the dataset's transforms")
     replay_sampling: Literal["half_and_half", "mixed"] = "half_and_half"
     input_workers: int = Field(0, ge=0, description="CPU processes that read and decode the next batches while a "
-                               "step runs (0: in the training thread; one delivers ~3,000-3,800 images/s of 224 px CelebA-sized JPEG from ingested shards with decoder torchvision, ~1,200 with PIL, on one 2-core AMD EPYC core: benchmarks/input_pipeline.py)")
+                               "step runs (0: in the training thread). One worker delivers ~3,000-3,800 images/s "
+                               "of 224 px CelebA-sized JPEG from ingested shards with decoder torchvision, ~1,200 "
+                               "with PIL, on one AMD EPYC core (benchmarks/input_pipeline.py)")
     prefetch_batches: int = Field(2, ge=1, description="batches read ahead per input worker")
     log_every_steps: int = Field(0, ge=0)
     checkpoint_every_epochs: int = Field(
