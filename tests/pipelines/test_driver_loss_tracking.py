@@ -14,8 +14,12 @@ from test_executor_resume import HERE, _run
 
 
 def _statuses(database: Path) -> list[tuple[str, str, str]]:
-    """(run_uuid, status, run_role tag) of every run in an MLflow SQLite store (read-only, plain SQL)."""
-    with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as connection:
+    """(run_uuid, status, run_role tag) of every run in an MLflow SQLite store (plain SQL, no write of ours).
+
+    Not a read-only connection: a driver killed inside a write transaction leaves a hot journal that the next
+    connection must roll back, which a read-only one cannot do ("attempt to write a readonly database"; it
+    happened under load). Rolling it back is what MLflow's own next connection does too."""
+    with sqlite3.connect(str(database)) as connection:
         return connection.execute(
             "select r.run_uuid, r.status, coalesce(t.value, '') from runs r left join tags t "
             "on t.run_uuid = r.run_uuid and t.key = 'run_role'").fetchall()
