@@ -61,3 +61,13 @@ def test_workers_reuse_their_shared_buffers():
         descriptor, _ = images.untyped_storage()._share_fd_cpu_()  # the received storage's own shared file
         files.add(os.fstat(descriptor).st_ino)
     assert len(files) == 6
+
+
+def test_a_read_of_another_shape_than_image_shape_names_both():
+    """The workers' buffers are shaped by ``image_shape``: a source whose reads disagree gets a clear error."""
+
+    class Mislabelled(_IndexImages):
+        image_shape = (4, 4, 1)
+
+    with pytest.raises(ValueError, match=r"read returned images of shape \(5, 3, 2, 1\).*image_shape \(4, 4, 1\)"):
+        list(stream_batches(Mislabelled(20), np.arange(20), [np.arange(5)], workers=1, prefetch=1))
