@@ -149,6 +149,15 @@ class PretrainSpec(StrictModel):
         "state dict read with weights_only=True, e.g. the published DINOv3 checkpoint); None: random initialisation")
     init_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$",
                                     description="expected sha256 of the init file (checked before loading)")
+    classifier: Literal["method", "simplex", "learnable"] = Field(
+        "method", description="classifier family the third-party model is trained with: 'method' (the method under "
+        "test's: d-Simplex or learnable, as the reference pre-trains each method's models) or one fixed family, so "
+        "that runs of different methods share the same third-party models (a learnable-classifier method adopts a "
+        "d-Simplex model with exactly its logits, see compat_core.models.learnable_from_simplex)")
+
+    def resolved_classifier(self, method_classifier: str) -> str:
+        """The classifier family this entry trains with, given the method's ('simplex' or 'learnable')."""
+        return method_classifier if self.classifier == "method" else self.classifier
 
     @model_validator(mode="after")
     def _sha_needs_init(self) -> "PretrainSpec":
@@ -242,6 +251,11 @@ class PaperSpec(StrictModel):
 
 class OutputSpec(StrictModel):
     dir: str = Field("runs/{name}", description="run directory (local path or s3:// URI); {name} = scenario name")
+    shared_store: str | None = Field(
+        None, description="store (local folder or s3:// URI) of third-party models shared by runs: a pretrain stage "
+        "whose key is committed there is copied into the run instead of trained, and one this run trains is "
+        "published there; stage keys are content hashes, so only identical models are shared. Runs that train the "
+        "same model at once take turns (a claim per stage key); None: every run trains its own")
     registered_model: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_.-]+$",
         description="MLflow registered model that every run of this scenario adds its versions to (aliases task-N "

@@ -23,10 +23,13 @@ from pipelines.config import ScenarioConfig, config_hash, dump_config
 from pipelines.graph import Stage, StageGraph
 from pipelines.progress import ProgressReporter, StageEvent, StageRecord
 from pipelines.records import read_record
+from pipelines.shared_store import SharedStore
 from pipelines.stages import execute_stage
 from pipelines.store import RunStore
 
 log = logging.getLogger(__name__)
+
+SHARED_POLL_S = 2.0  # how often a run waiting for another run's third-party model looks for it (seconds)
 
 
 @dataclass
@@ -36,7 +39,9 @@ class Invocation:
 
     run_id: str
     executed: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # includes the adopted ones
+    adopted: list[str] = field(default_factory=list)  # copied from output.shared_store instead of computed
+    published: list[str] = field(default_factory=list)  # computed here and published to output.shared_store
     seconds: dict[str, float] = field(default_factory=dict)
     matrix: dict | None = None
     metrics: dict | None = None
@@ -106,28 +111,54 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
     total = len(graph)
     done: set[str] = set()
     pending: list[Stage] = []
+    shared_root = graph.config.output.shared_store
+    shared = SharedStore(shared_root) if shared_root else None
+
+    def skip(stage: Stage) -> None:
+        done.add(stage.key)
+        summary.skipped.append(stage.key)
+        emit(StageEvent(stage.key, stage.label, stage.kind, "skipped", index_of[stage.key], total))
+
+    def adopted(stage: Stage) -> bool:
+        if shared is None or not shared.covers(stage.kind) or not shared.adopt(stage.key, store):
+            return False
+        summary.adopted.append(stage.key)
+        return True
+
     for stage in graph:
         if needed is not None and stage.key not in needed:
             continue
-        if store.has(stage.key):
-            done.add(stage.key)
-            summary.skipped.append(stage.key)
-            emit(StageEvent(stage.key, stage.label, stage.kind, "skipped", index_of[stage.key], total))
+        if store.has(stage.key) or adopted(stage):
+            skip(stage)
         else:
             pending.append(stage)
     started: dict[str, float] = {}
     try:
         while pending or started:
+            progressed = waiting_elsewhere = False
             for stage in [s for s in pending if all(p in done for p in s.parents)]:
                 if stop_after is not None and len(summary.executed) + len(started) >= stop_after:
                     break
                 if backend.slots is not None and len(started) >= backend.slots:
                     break
+                if shared is not None and shared.covers(stage.kind):
+                    if adopted(stage):  # another run published it since the scan
+                        pending.remove(stage)
+                        skip(stage)
+                        progressed = True
+                        continue
+                    if not shared.claim(stage.key):  # another run is training it: adopt it when published
+                        waiting_elsewhere = True
+                        continue
                 pending.remove(stage)
                 emit(StageEvent(stage.key, stage.label, stage.kind, "started", index_of[stage.key], total))
                 started[stage.key] = time.perf_counter()
                 backend.submit(stage, graph, store)
             if not started:
+                if waiting_elsewhere:
+                    time.sleep(SHARED_POLL_S)
+                if waiting_elsewhere or progressed:
+                    continue
                 break  # stop_after reached
             try:
                 key, records = backend.wait()
@@ -143,8 +174,17 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
             summary.seconds[key] = seconds
             stage = graph[key]
             emit(StageEvent(key, stage.label, stage.kind, "done", index_of[key], total, seconds))
+            if shared is not None and shared.covers(stage.kind):
+                try:
+                    if shared.publish(key, store):
+                        summary.published.append(key)
+                except Exception as error:  # the run keeps its own copy; another run then trains it itself
+                    log.warning("stage %s could not be published to the shared store %s: %s", key, shared_root,
+                                error)
     finally:
         backend.close()
+        if shared is not None:
+            shared.close()
     if summary.executed:
         record_invocation(store, summary)
         from pipelines.checkpoints import collect_committed

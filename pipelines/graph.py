@@ -178,6 +178,18 @@ def _method_traits(name: str) -> dict[str, Any]:
     }
 
 
+def pretrain_classifier(config: ScenarioConfig, index: int, method_classifier: str) -> str:
+    """Classifier family of ``config.pretrain[index]`` (its ``classifier``, 'method' resolved); ValueError naming the
+    key when the method cannot start from such a model."""
+    spec = config.pretrain[index]
+    classifier = spec.resolved_classifier(method_classifier)
+    key = f"pretrain[{index}].classifier"
+    if classifier == "learnable" and method_classifier == "simplex":
+        raise ValueError(f"{key}: 'learnable' cannot feed method {config.method.name!r}, whose d-Simplex classifier "
+                         f"needs a d-Simplex model; use 'simplex' or 'method'")
+    return classifier
+
+
 def compile_scenario(config: ScenarioConfig, version: str | None = None) -> StageGraph:
     """Compile a validated scenario into its stage graph (no data is read)."""
     version = code_version() if version is None else version
@@ -193,7 +205,10 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
     model_section = document["model"]
 
     for index, spec in enumerate(config.pretrain):
-        entry = document["pretrain"][index]
+        classifier = pretrain_classifier(config, index, traits["classifier"])
+        # the resolved family, never "method": an ER run and a d-Simplex run that both pre-train d-Simplex models
+        # get the same keys, so a shared store (output.shared_store) trains each third-party model once
+        entry = {**document["pretrain"][index], "classifier": classifier}
         training = document["training"]
         # only the training settings the pretrain stage falls back to (or always uses) enter its key, so tuning
         # the fine-tuning schedule keeps already trained third-party models
@@ -203,7 +218,7 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
         params = {
             "pretrain": entry,
             "defaults": {"model": model_section, "training": resolved_training, "seed": config.seed},
-            "classifier": traits["classifier"],
+            "classifier": classifier,
             "threads": stage_threads(resources.pretrain),
             **parallel_params(resources.pretrain),
         }

@@ -271,9 +271,12 @@ def _initial_model(config: ScenarioConfig, classifier: str, seed: int, backbone:
     from pipelines.config import resolved_head
 
     _seed_everything(seed)
+    # a d-Simplex model always has the junction (a third-party d-Simplex model of a scenario whose learnable
+    # method uses the backbone head is converted exactly when adopted, see _load_source)
+    head = "junction" if classifier == "simplex" else resolved_head(config, classifier)
     return create_model(backbone or config.model.backbone, config.model.num_slots, classifier=classifier,
                         backbone_config=config.model.backbone_config if backbone_config is None else backbone_config,
-                        num_active_classes=num_active, head=resolved_head(config, classifier))
+                        num_active_classes=num_active, head=head)
 
 
 def _load_source(ctx: StageContext, source: str, classifier: str, backbone: str | None, backbone_config: dict | None,
@@ -285,7 +288,18 @@ def _load_source(ctx: StageContext, source: str, classifier: str, backbone: str 
         if not matches:
             raise RuntimeError(f"stage {ctx.stage.label}: source {source!r} is not among its parents")
         record = matches[0]
-        return load_model_artifact(ctx.store, record, ctx.device), record.pretrained_classes
+        model = load_model_artifact(ctx.store, record, ctx.device)
+        if record.classifier == "simplex" and classifier == "learnable":
+            # a third-party model shared with d-Simplex runs (pretrain classifier: simplex): the same logits on
+            # its classes, as this method's learnable head
+            from compat_core.models import learnable_from_simplex
+            from pipelines.config import resolved_head
+
+            model = learnable_from_simplex(model, record.pretrained_classes, resolved_head(ctx.config, classifier))
+        elif record.classifier != classifier:
+            raise ValueError(f"stage {ctx.stage.label}: {source!r} has a {record.classifier} classifier; method "
+                             f"{ctx.config.method.name!r} needs a {classifier} one (see pretrain classifier)")
+        return model, record.pretrained_classes
     from compat_core.models import load_external_weights
 
     pretrained = int(num_pretrain_classes or 0)
@@ -334,14 +348,15 @@ def _checkpoints(ctx: StageContext):
 def pretrain_stage(ctx: StageContext) -> StageResult:
     """Train a third-party model on its pool: class y takes slot y (0.., left to right) / output y (learnable).
 
-    The model has the classifier family of the method under test (shared d-Simplex with the same K, or a learnable
-    classifier), as the reference pre-trains third-party models.
+    The model has the entry's classifier family: by default the method under test's (shared d-Simplex with the
+    same K, or a learnable classifier), as the reference pre-trains third-party models; ``classifier: simplex``
+    trains one d-Simplex model that runs of every method share.
     """
     from pipelines.training import pretrain_model
 
     config = ctx.config
     spec = config.pretrain_spec(ctx.stage.name)
-    classifier = _method(config).classifier
+    classifier = ctx.stage.params["classifier"]  # the entry's family, resolved by the graph
     pool = load_pool(spec.pool, f"pretrain[{spec.name}].pool")
     labels = np.asarray(pool.labels)
     occupied = int(labels.max()) + 1 if labels.size else 0

@@ -10,10 +10,13 @@ By default both scenarios run on the embedded defaults of the product: this proc
 (all cores, bound to 127.0.0.1) and both workers attach to it as drivers, so Ray schedules the stages of both
 scenarios on the machine's cores (a core one scenario leaves idle, e.g. while its other stages wait for a model,
 runs the other's work). Each scenario keeps its own run folder and store; both are tracked in one MLflow
-experiment in ``<output>/mlflow.db``. ``--executor local`` runs the stages in-process instead. The third-party
-models are not shared between the two runs: their stage keys include the classifier family the method pre-trains
-with (ER: learnable, d-Simplex-HOC: the fixed d-Simplex), as the reference pre-trains each method's models, so
-the two scenarios' models differ in key and in bytes.
+experiment in ``<output>/mlflow.db``. ``--executor local`` runs the stages in-process instead.
+
+The three third-party models are trained once for both scenarios: both configs pre-train d-Simplex models
+(ER's entries say ``classifier: simplex``; ER adopts each with exactly its logits as a learnable head), so their
+pretrain stages have the same keys, and both runs share ``<output>/third-party`` as ``output.shared_store``: the
+first run to need a model claims and trains it, publishes it there, and the other run copies it instead of
+training it (``pipelines.shared_store``).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from pathlib import Path
 HELP = "run the glyph demo (ER and d-Simplex-HOC, 7 tasks, replacements at tasks 3 and 5) and print the results"
 
 DEMOS = (("er", "demo-er.yaml"), ("dsimplex-hoc", "demo-dsimplex-hoc.yaml"))
+SHARED_FOLDER = "third-party"  # <output>/third-party: the shared store of both scenarios' third-party models
 
 
 def configs_dir() -> Path:
@@ -87,7 +91,8 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
         ray_address = stats.get("ray_address")  # the instance this scenario's stages ran on (Ray only)
     return {"name": name, "run_dir": run_dir, "matrix": summary.matrix, "metrics": summary.metrics,
             "wall_s": time.perf_counter() - started, "cpu_s": _cpu_seconds() - cpu_before,
-            "executed": len(summary.executed), "skipped": len(summary.skipped), "ray_address": ray_address}
+            "executed": len(summary.executed), "skipped": len(summary.skipped), "ray_address": ray_address,
+            "adopted": len(getattr(summary, "adopted", ())), "published": len(getattr(summary, "published", ()))}
 
 
 def _cpu_seconds() -> float:
@@ -113,7 +118,11 @@ def run(args) -> int:
         except (ConfigError, ValueError, FileNotFoundError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-        tasks.append((name, path, list(args.overrides), f"{args.output.rstrip('/')}/{name}"))
+        overrides = list(args.overrides)
+        if not any(item.startswith("output.shared_store=") for item in overrides):
+            # one store of third-party models for both scenarios, next to their run folders
+            overrides.append(f"output.shared_store={args.output.rstrip('/')}/{SHARED_FOLDER}")
+        tasks.append((name, path, overrides, f"{args.output.rstrip('/')}/{name}"))
 
     tracking_uri, experiment = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), None
     if tracking_uri != "none":
@@ -163,8 +172,10 @@ def run(args) -> int:
 
     for result in results:
         on_ray = f"; Ray instance {result['ray_address']}" if result.get("ray_address") else ""
+        shared = (f", {result['published']} third-party model(s) trained and shared, {result['adopted']} taken "
+                  f"from the shared store" if result.get("adopted") or result.get("published") else "")
         print(f"\n== {result['name']}: {result['run_dir']} ({result['wall_s']:.0f} s wall, {result['cpu_s']:.0f} s CPU "
-              f"of its driver; {result['executed']} stages run, {result['skipped']} already done{on_ray}) ==")
+              f"of its driver; {result['executed']} stages run, {result['skipped']} already done{shared}{on_ray}) ==")
         if result["matrix"] is not None:
             print_results(result["matrix"], result["metrics"])
     by_name = {result["name"]: result["metrics"] for result in results}

@@ -208,6 +208,38 @@ def model_from_config(config: dict) -> CompatModel:
     )
 
 
+def learnable_from_simplex(model: CompatModel, num_classes: int, head: str = "backbone") -> CompatModel:
+    """A learnable-classifier model computing exactly the logits of a d-Simplex model on its first ``num_classes``
+    slots: the third-party model published once (d-Simplex head), adopted by a learnable-classifier method.
+
+    The backbone is copied. head "junction": the junction is copied and the classifier rows are the prototypes of
+    slots 0..num_classes-1, shape (num_classes, K-1). head "backbone": no junction; the rows are those prototypes
+    composed with the junction, ``P[:n] @ J`` of shape (num_classes, m), since ``(x J^T) P^T = x (P J)^T``. The result
+    is a new model on the same device; ``model`` is left unchanged.
+    """
+    if not isinstance(model, CompatModel) or model.classifier_kind != "simplex":
+        kind = getattr(model, "classifier_kind", type(model).__name__)
+        raise ValueError(f"learnable_from_simplex needs a d-Simplex CompatModel, got classifier {kind!r}")
+    num_classes = check_int("num_classes (pre-trained slots to keep)", num_classes, 1)
+    if num_classes > model.num_slots:
+        raise ValueError(f"num_classes {num_classes} exceeds the model's K={model.num_slots} slots")
+    keep = {k: v for k, v in model.config.items()
+            if k not in ("num_slots", "classifier", "simplex_norm", "num_active_classes", "head")}
+    converted = CompatModel(copy.deepcopy(model.backbone), model.num_slots, classifier="learnable", config=keep,
+                            num_active_classes=num_classes, simplex_norm=model.config.get("simplex_norm", "row"),
+                            head=head)
+    prototypes = model.prototypes[:num_classes].double()
+    junction = model.junction.weight.detach().double()
+    with torch.no_grad():
+        if head == "junction":
+            converted.junction.weight.copy_(junction)
+            rows = prototypes
+        else:
+            rows = prototypes @ junction
+        converted.classifier.weight.copy_(rows.to(converted.classifier.weight.dtype))
+    return converted.to(junction.device)
+
+
 def frozen_copy(model: nn.Module) -> nn.Module:
     """Deep copy in eval mode with every parameter ``requires_grad=False`` (the "old model" of a training step)."""
     # The fixed prototypes never change, so both models can share them (1.9 GB at K=22000).

@@ -1,5 +1,6 @@
-"""`compat demo` (shrunk): both scenarios run on ONE embedded Ray instance, and each run is identical (same stage
-keys, same artifact bytes, same matrix) to the scenario run on its own with `compat run`."""
+"""`compat demo` (shrunk): both scenarios run on ONE embedded Ray instance, the third-party model is trained once
+for both (a shared store), and each run is identical (same stage keys, same artifact bytes, same matrix) to the
+scenario run on its own with `compat run`, which trains its own copy."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ SHRINK = [
     "training.epochs=1",
     "model.backbone_config={in_chans: 1, width: 4}",
     "pretrain=[{name: p1, pool: {dataset: glyphs, split: pretrain-1, options: {style: source}, per_class: 3}, "
-    "num_classes: 100, epochs: 1}]",
+    "num_classes: 100, epochs: 1, classifier: simplex}]",
     "replacements=[{at_task: 3, source: 'pretrain:p1'}]",
     "evaluation.query_set.per_class=2",
     "evaluation.gallery_set.per_class=2",
@@ -50,13 +51,26 @@ def test_demo_runs_both_scenarios_on_one_ray_instance_identical_to_separate_runs
     assert not ray.is_initialized()           # the demo shut its instance down
     assert "calibration: off (COMPAT_CALIBRATION=off), so every auto precision was fp32" in printed
 
+    # the third-party model: one key in both runs, trained by one of them, copied by the other
+    lines = {name: next(line for line in printed.splitlines() if line.startswith(f"== {name}: "))
+             for name, _ in DEMOS}
+    roles = sorted("1 third-party model(s) trained and shared, 0 taken" in line for line in lines.values())
+    assert roles == [False, True], lines
+    assert any("0 third-party model(s) trained and shared, 1 taken from the shared store" in line
+               for line in lines.values()), lines
+    pretrain_keys = {name: [key for key in _manifests(output / name) if key.startswith("pretrain-")]
+                     for name, _ in DEMOS}
+    assert pretrain_keys["er"] == pretrain_keys["dsimplex-hoc"] and len(pretrain_keys["er"]) == 1
+    assert list(_manifests(output / "third-party")) == pretrain_keys["er"]
+
     for name, file_name in DEMOS:
         alone = tmp_path / "alone" / name
         assert main(["run", str(configs_dir() / file_name), "--output", str(alone), "--tracking-uri", "none",
-                     "--no-progress", *_sets()]) == 0
+                     "--no-progress", *_sets(), "--set", "output.shared_store=null"]) == 0
         shared = output / name
         assert json.loads((shared / "matrix.json").read_text()) == json.loads((alone / "matrix.json").read_text())
-        # the same stage keys with the same bytes: nothing depends on sharing the instance with the other scenario
+        # the same stage keys with the same bytes: nothing depends on sharing the instance or the third-party
+        # model with the other scenario (each alone run trained its own, bit for bit the shared one)
         assert _manifests(shared) == _manifests(alone) and _manifests(alone)
 
 

@@ -204,3 +204,38 @@ def test_backbone_head_retrieves_on_the_backbone_output(tmp_path):
     assert again.head == "backbone" and torch.allclose(again(images).features, output.features, atol=1e-6)
     with pytest.raises(ValueError, match="head='backbone' needs classifier='learnable'"):
         _tiny_model("simplex", head="backbone")
+
+
+@pytest.mark.parametrize("head", ["backbone", "junction"])
+def test_learnable_from_simplex_keeps_the_logits_of_the_pretrained_slots(head):
+    """fp64 reference built by hand: logits of slot c = <J e, p_c> with p_c the d-Simplex prototype (SPEC §3)."""
+    from compat_core.models import learnable_from_simplex
+    from compat_core.simplex import dsimplex
+
+    torch.manual_seed(3)
+    model = create_model("cnn4", 12, backbone_config={"in_chans": 1, "width": 4})
+    model.config["pretrained_classes"] = 5
+    images = torch.randn(6, 1, 16, 16)
+    converted = learnable_from_simplex(model, 5, head)
+    with torch.no_grad():
+        embedding = model.embed(images).double()
+        expected = embedding @ model.junction.weight.double().T @ dsimplex(12).double()[:5].T
+        actual = converted.logits(images).double()
+    assert converted.classifier_kind == "learnable" and converted.num_active_classes == 5
+    assert converted.head == head and converted.config["pretrained_classes"] == 5
+    assert torch.allclose(actual, expected, atol=1e-5, rtol=1e-5)
+    # the backbone is copied, not shared: training the converted model leaves the source unchanged
+    first = next(converted.backbone.parameters())
+    assert first.data_ptr() != next(model.backbone.parameters()).data_ptr()
+
+
+def test_learnable_from_simplex_refuses_other_models():
+    from compat_core.models import learnable_from_simplex
+
+    learnable = create_model("cnn4", 12, classifier="learnable", num_active_classes=3,
+                             backbone_config={"in_chans": 1, "width": 4})
+    with pytest.raises(ValueError, match="needs a d-Simplex CompatModel, got classifier 'learnable'"):
+        learnable_from_simplex(learnable, 3)
+    simplex = create_model("cnn4", 12, backbone_config={"in_chans": 1, "width": 4})
+    with pytest.raises(ValueError, match="num_classes 13 exceeds the model's K=12 slots"):
+        learnable_from_simplex(simplex, 13)
