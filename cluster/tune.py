@@ -11,6 +11,9 @@ Layout of a search (``<storage>/<name>``, a local folder or ``s3://bucket/prefix
     search.json               what the search is (base config, space, objective, MLflow ids, plugins): resume reads it
     runs/<trial_id>/          the trial's pipeline run directory (RunStore: config.yaml, matrix.json, metrics.json, ...)
     runs/<trial_id>/trial.json  trial id and sampled parameters
+    third-party/              third-party models shared by the trials (``output.shared_store``, unless the base
+                              config names one): a sampled value that leaves a pretrain stage's key unchanged (a
+                              method parameter, the fine-tuning schedule) reuses the model another trial trained
     <Tune's files>            experiment state, searcher state, trial folders with checkpoints
 
 Pipelines' stages are committed to the trial's run directory, so a resumed trial re-runs nothing that was committed;
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 
 SEARCH_FILE = "search.json"
 RUNS_FOLDER = "runs"
+SHARED_FOLDER = "third-party"  # <experiment>/third-party: the trials' shared third-party models
 TRIAL_FILE = "trial.json"
 TIME_ATTR = "tasks_completed"
 OBJECTIVE_KEY = "objective"
@@ -121,8 +125,11 @@ def apply_values(document: dict, values: dict[str, Any]) -> dict:
 
 
 def trial_config(base: dict, space_fixed: dict[str, Any], sampled: dict[str, Any], run_dir: str,
-                 source: str = "<trial>"):
+                 source: str = "<trial>", shared_store: str | None = None):
     """Validated ScenarioConfig of one trial: base config, then the space's fixed values, then the sampled ones.
+
+    shared_store: ``output.shared_store`` of the trial when the config names none (the search's third-party folder:
+    trials whose sampled values leave a third-party model's key unchanged train it once).
 
     When the trial's ``method.name`` differs from the base config's, the base ``method.params`` are dropped first
     (they belong to the base method; the space supplies the new method's own, e.g. through ``when`` conditions).
@@ -133,7 +140,10 @@ def trial_config(base: dict, space_fixed: dict[str, Any], sampled: dict[str, Any
     if "method.name" in values and values["method.name"] != base.get("method", {}).get("name"):
         base = {**base, "method": {**base.get("method", {}), "params": {}}}
     document = apply_values(base, values)
-    document.setdefault("output", {})["dir"] = run_dir
+    output = document.setdefault("output", {})
+    output["dir"] = run_dir
+    if shared_store and not output.get("shared_store"):
+        output["shared_store"] = shared_store
     return validate_config(document, source)
 
 
@@ -208,6 +218,13 @@ class SearchSpec:
         from compat_core import io as cio
 
         return cio.join(self.experiment_path, RUNS_FOLDER)
+
+    @property
+    def shared_store(self) -> str:
+        """``<experiment>/third-party``: the store of third-party models the trials share (``output.shared_store``)."""
+        from compat_core import io as cio
+
+        return cio.join(self.experiment_path, SHARED_FOLDER)
 
     def run_dir(self, trial_id: str) -> str:
         from compat_core import io as cio
@@ -317,7 +334,7 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
 
     run_dir = spec.run_dir(trial_id)
     config = trial_config(spec.base_config, spec.space.get("fixed") or {}, sampled, run_dir,
-                          source=f"trial {trial_id}")
+                          source=f"trial {trial_id}", shared_store=spec.shared_store)
     graph = compile_scenario(config)
     store = RunStore(run_dir)
     prepare_run(config, store)

@@ -198,3 +198,34 @@ def test_interrupted_search_resumes_to_the_requested_total(search_storage, tmp_p
         assert len(executed) == len(set(executed)), f"trial {name} ran a stage twice"
     for name in finished_before:  # completed before the interruption: none of their stages ran again
         assert _executed(runs_root, name) == executed_before[name]
+
+
+def test_trials_share_third_party_models_whose_key_the_sampled_values_leave_alone(tmp_path):
+    """Two trials that differ only in a method parameter need the same third-party model: the first trains and
+    publishes it in <experiment>/third-party, the second copies it (no pretrain stage executed) and computes the
+    matrix a trial training its own copy computes."""
+    from cluster.tune import SearchSpec, run_trial_pipeline
+    from pipelines.store import RunStore
+
+    spec = SearchSpec(name="shared", base_config=_base_config(), space=SPACE, objective="AA", samples=2,
+                      scheduler="none", storage=str(tmp_path / "searches"), plugins=[PLUGIN])
+    runs = tmp_path / "searches" / "shared" / "runs"
+    for trial_id, lam in (("t1", 0.0), ("t2", 1.0)):
+        run_trial_pipeline(spec, {"method.params.lam": lam, "training.optimizer.lr": 0.01}, trial_id,
+                           report=lambda metrics, tasks: None)
+    pretrain = {name: sorted(p.stem for p in (runs / name / "manifests").glob("pretrain-*.json"))
+                for name in ("t1", "t2")}
+    assert pretrain["t1"] == pretrain["t2"] and len(pretrain["t1"]) == 1
+    assert RunStore(tmp_path / "searches" / "shared" / "third-party").stage_keys() == pretrain["t1"]
+    assert pretrain["t1"][0] in _executed(str(runs), "t1")
+    assert pretrain["t1"][0] not in _executed(str(runs), "t2")
+    # a search without the shared folder (its base config names another store) trains its own: same matrix
+    base = _base_config()
+    base["output"]["shared_store"] = str(tmp_path / "elsewhere")
+    alone = SearchSpec(name="alone", base_config=base, space=SPACE, objective="AA", samples=1,
+                       scheduler="none", storage=str(tmp_path / "searches"), plugins=[PLUGIN])
+    run_trial_pipeline(alone, {"method.params.lam": 1.0, "training.optimizer.lr": 0.01}, "t2",
+                       report=lambda metrics, tasks: None)
+    assert RunStore(tmp_path / "elsewhere").stage_keys() == pretrain["t1"]
+    assert not (tmp_path / "searches" / "alone" / "third-party").exists()
+    np.testing.assert_array_equal(_matrix(tmp_path / "searches" / "alone" / "runs" / "t2"), _matrix(runs / "t2"))
