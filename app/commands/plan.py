@@ -25,8 +25,11 @@ def run(args) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as error:
         print(f"refused: {error}", file=sys.stderr)
         return 2
-    print(describe(compile_scenario(config)))
+    graph = compile_scenario(config)
+    print(describe(graph))
     print(describe_paper(config))
+    if config.output.shared_store and graph.pretrain_stages:
+        print(describe_shared(config.output.shared_store, graph.pretrain_stages))
     if args.check_data:
         problems = check_data(config)
         if problems:
@@ -36,6 +39,22 @@ def run(args) -> int:
             return 1
         print("data: every pool opened")
     return 0
+
+
+def describe_shared(root: str, pretrain_stages: dict[str, str]) -> str:
+    """One line: which third-party models the shared store already holds (copied, not trained, by a run)."""
+    from pipelines.store import RunStore
+
+    try:
+        held = set(RunStore(root).stage_keys())
+    except OSError as error:  # an unreachable bucket is a plan detail, not a refusal
+        return f"third-party models: shared store {root} not readable ({error})"
+    there = [name for name, key in pretrain_stages.items() if key in held]
+    missing = [name for name in pretrain_stages if name not in there]
+    parts = ([f"{', '.join(there)} copied, not trained"] if there else []) + \
+        ([f"{', '.join(missing)} trained by the first run that needs them, then published"] if missing else [])
+    return (f"third-party models: shared store {root} holds {len(there)} of {len(pretrain_stages)} "
+            f"({'; '.join(parts)})")
 
 
 def check_data(config) -> list[tuple[str, str]]:

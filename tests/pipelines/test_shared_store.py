@@ -131,3 +131,14 @@ def test_copy_stage_refuses_a_corrupt_blob(tmp_path):
     with pytest.raises(CorruptArtifactError, match="model.safetensors: sha256 expected"):
         copy_stage(source, RunStore(tmp_path / "b"), "pretrain-p1-0123456789abcdef")
     assert not RunStore(tmp_path / "b").has("pretrain-p1-0123456789abcdef")
+
+
+def test_plan_says_which_third_party_models_the_shared_store_holds(tmp_path):
+    from app.commands.plan import describe_shared
+
+    shared = RunStore(tmp_path / "shared")
+    shared.commit("pretrain-p1-0123456789abcdef", {"x": 1})
+    line = describe_shared(str(tmp_path / "shared"), {"p1": "pretrain-p1-0123456789abcdef",
+                                                      "p2": "pretrain-p2-0123456789abcdef"})
+    assert line == (f"third-party models: shared store {tmp_path / 'shared'} holds 1 of 2 (p1 copied, not trained; "
+                    f"p2 trained by the first run that needs them, then published)")
