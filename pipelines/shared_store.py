@@ -5,7 +5,8 @@ classifier family, code version), so two runs whose graphs hold the same key nee
 store is an ordinary :class:`~pipelines.store.RunStore` (local folder or ``s3://`` URI):
 
 - ``adopt``: the stage is committed there, so its verified blobs and manifest are copied into the run's own store
-  (the run folder stays self-contained: moved or copied, it loads its own weights).
+  (the run folder stays self-contained: moved or copied, it loads its own weights). A copy that fails its sha256
+  is uncommitted in the shared store (with a warning) and the run trains and publishes the model again.
 - ``claim``: nobody has it yet, so the run takes a claim on the key before training it; a second run that needs
   the same key while the claim is held waits for it instead of training it again. Claims are
   :func:`pipelines.lease.run_lease` leases on ``claims/<key>`` (an fcntl lock locally, a heartbeat object on S3), so
@@ -19,7 +20,7 @@ import contextlib
 import logging
 from typing import Iterable
 
-from pipelines.store import RunStore
+from pipelines.store import CorruptArtifactError, RunStore
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,15 @@ class SharedStore:
         """Copy the stage into ``store`` when the shared store has it; returns whether it did."""
         if not self.store.has(stage_key):
             return False
-        size = copy_stage(self.store, store, stage_key)
+        try:
+            size = copy_stage(self.store, store, stage_key)
+        except CorruptArtifactError as error:
+            # nothing was written to the run (every blob is verified before the first write); the bad copy is
+            # uncommitted so that this run trains the model and publishes it again
+            log.warning("shared store %s: %s; stage %s is uncommitted there and trained again", self.store.root,
+                        error, stage_key)
+            self.store.forget(stage_key)
+            return False
         log.info("stage %s adopted from the shared store %s (%d bytes)", stage_key, self.store.root, size)
         return True
 

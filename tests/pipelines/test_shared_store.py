@@ -142,3 +142,19 @@ def test_plan_says_which_third_party_models_the_shared_store_holds(tmp_path):
                                                       "p2": "pretrain-p2-0123456789abcdef"})
     assert line == (f"third-party models: shared store {tmp_path / 'shared'} holds 1 of 2 (p1 copied, not trained; "
                     f"p2 trained by the first run that needs them, then published)")
+
+
+def test_a_corrupt_shared_copy_is_trained_again_and_republished(tmp_path, caplog):
+    shared = tmp_path / "shared"
+    config = _config("dsimplex-hoc", tmp_path / "first", shared)
+    key = compile_scenario(config).pretrain_stages["p1"]
+    LocalExecutor(progress=False).run(compile_scenario(config), RunStore(tmp_path / "first"))
+    good = _blobs(RunStore(shared), key)
+    (shared / "artifacts" / key / "model.safetensors").write_bytes(b"tampered")
+    second = _config("dsimplex-hoc", tmp_path / "second", shared)
+    with caplog.at_level("WARNING", logger="pipelines.shared_store"):
+        summary = LocalExecutor(progress=False).run(compile_scenario(second), RunStore(tmp_path / "second"))
+    assert f"stage {key} is uncommitted there and trained again" in caplog.text
+    assert key in summary.executed and summary.published == [key] and summary.adopted == []
+    assert _blobs(RunStore(shared), key) == good == _blobs(RunStore(tmp_path / "second"), key)
+    RunStore(shared).read_blob(key, "model.safetensors")  # verified again
