@@ -77,6 +77,15 @@ import torch
 
 from compat_core.calibration import fastest_matmul
 from compat_core.device import fast_matmul_dtype
+from compat_core.retrieval_int8 import INT8_MAX_DIM as _INT8_MAX_DIM
+from compat_core.retrieval_int8 import SLACK as _SLACK
+from compat_core.retrieval_int8 import U32 as _U32
+from compat_core.retrieval_int8 import gamma as _gamma
+from compat_core.retrieval_int8 import int8_stage as _int8_stage
+from compat_core.retrieval_int8 import norm32_upper as _norm32_upper
+from compat_core.retrieval_int8 import pad_candidates as _pad_candidates
+from compat_core.retrieval_int8 import quantize_rows as _quantize_rows
+from compat_core.retrieval_int8 import select_top1 as _select_top1
 
 __all__ = [
     "nearest_neighbours",
@@ -101,9 +110,12 @@ _INT8_DEMOTE_FRACTION = 64
 _INT8_PROBE_QUERIES = 512      # size of that first chunk
 _GATHER_BUDGET = 1 << 22       # elements per gathered (rows x candidates x D) block: bounds re-scoring memory
 _SCORE_BUDGET = 1 << 26        # elements of one (query chunk x gallery) score block
-_U32 = 2.0 ** -24
+# int8 score blocks: smaller, so that the block stays in cache between the product and the selection (and under
+# glibc's 32 MiB mmap threshold, so that its memory is reused instead of page-faulted in anew for every chunk);
+# measured on one core at Ng = 10,000, r = 512: 512-query chunks take the int8 product from 2.3 s to 1.3 s per
+# 50,000 queries and the whole search from 4.0 s to 3.2 s of CPU time
+_INT8_SCORE_BUDGET = 5 << 20
 _UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 0.0}
-_SLACK = 1.0 + 1e-9            # covers the fp64 rounding in evaluating the bound itself
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -255,34 +267,6 @@ def _build_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float,
                   half_t, half_dtype, norm_half * _SLACK, (dev_half + dev32_max) * _SLACK)
 
 
-_INT8_LIMIT = 127
-_INT8_MAX_DIM = (2 ** 31 - 1) // (_INT8_LIMIT * _INT8_LIMIT)   # int32 accumulation of D products stays exact
-
-
-def _quantize_rows(rows: torch.Tensor, common_max: float | None = None):
-    """Symmetric int8 codes a = round(x / s) of fp32 rows, s = max|x| / 127 per row (or ``common_max`` / 127 for
-    every row: the gallery's common scale), and an upper bound (fp64, (n,)) on ||s a - x|| from fp32 arithmetic
-    only (fp64 here would cost more than the int8 product). Returns (codes int8, s (n,) fp32, bound).
-
-    With p = fl32(s a) and e = fl32(x - p) (what is computed): |p - s a| <= u|s a| and |e - (x - p)| <= u|x - p|
-    per component, so ||x - p|| <= ||e|| / (1 - u) and, with d = x - s a, ||d|| <= ||x - p|| + u ||s a||
-    <= ||x - p|| + u (||x|| + ||d||), i.e. ||d|| <= (||e|| / (1 - u) + u ||x||) / (1 - u); both norms are upper
-    bounds of their fp32 evaluation (``_norm32_upper``)."""
-    if common_max is None:
-        amax = torch.linalg.vector_norm(rows, ord=math.inf, dim=1)
-        amax = torch.where(amax > 0, amax, torch.ones_like(amax))
-    else:
-        amax = torch.full((rows.shape[0],), common_max if common_max > 0 else 1.0, dtype=torch.float32,
-                          device=rows.device)
-    scale = amax / _INT8_LIMIT
-    # |x| * fl(127 / amax) <= 127 (1 + u)^2 < 127.5, so the rounded codes need no clamp; s a is what the bound
-    # measures, whatever codes result
-    codes = torch.round(rows * (_INT8_LIMIT / amax)[:, None])
-    error = torch.addcmul(rows, codes, scale[:, None], value=-1.0)       # fl(x - s a), fused or not
-    deviation = (_norm32_upper(error) / (1.0 - _U32) + _U32 * _norm32_upper(rows)) / (1.0 - _U32)
-    return codes.to(torch.int8), scale, deviation
-
-
 def _build_int8_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float,
                       exact_rows: Callable[..., torch.Tensor]) -> _Space:
     """The gallery with an int8 candidate stage: codes b_j under one common scale t (so that the exact int32
@@ -310,27 +294,6 @@ def _build_int8_space(stage32: torch.Tensor, dev32_max: float, norm64_max: float
     return _Space(size, dim, exact_rows, stage32, norm32 * _SLACK, dev32_max * _SLACK, norm64_max * _SLACK,
                   codes if usable else None, torch.int8 if usable else None, norm_int8 * _SLACK,
                   (dev_int8 + dev32_max) * _SLACK, half_scale=scale if usable else None)
-
-
-def _int8_stage(x32: torch.Tensor, dev_x: torch.Tensor, space: _Space, ref_norm: float, residual: float):
-    """Candidate scores of fp32 query rows ``x32`` by int8 products, and their bound in the same units.
-
-    Query rows are quantised per row (a = round(x / s)); P_j = a . b_j is exact in int32, so the stage has no
-    accumulation and no output rounding: with the reference query r (||r|| <= ref_norm, ||x - r|| <= dev_x) and
-    the exact stage product z_j = (s a).(t b_j) = s t P_j, |z_j - r.g_j| <= ||s a - r|| max||t b|| + ref_norm
-    max||t b - g|| + residual =: E (``residual`` bounds the low-rank projection's r.(g - U y)). s t > 0 is common
-    to the row, so P orders the row like z (ties included) and the bound in P units is E / (s t).
-    Returns (P (n, Ng) int32, bound (n,) fp64 in P units, out_unit 0.0).
-    """
-    codes, scale, deviation = _quantize_rows(x32)
-    bound = ((deviation + dev_x) * space.norm_half_max + ref_norm * space.dev_half_max + residual) * _SLACK
-    gallery_codes = space.half_t
-    if codes.device.type == "cuda":
-        codes = torch.nn.functional.pad(codes, (0, gallery_codes.shape[1] - codes.shape[1],
-                                                0, max(0, 17 - codes.shape[0])))
-    products = torch._int_mm(codes, gallery_codes.t())[:x32.shape[0], :space.size]
-    unit = scale.double() * float(space.half_scale)
-    return products, bound / unit * _SLACK, 0.0
 
 
 def _direct_space(gallery: torch.Tensor, precision: str, query_count: int = 0) -> _Space:
@@ -503,10 +466,6 @@ def _dominant_basis_serial(sample: torch.Tensor, max_rank: int) -> torch.Tensor 
 # the kernel
 
 
-def _gamma(dim: int, unit: float) -> float:
-    return dim * unit / (1.0 - dim * unit)
-
-
 def _stage_bound(dev_x: torch.Tensor, norm_x: torch.Tensor, y_norm: float, y_dev: float, dim: int,
                  absolute: float = 0.0, ref_norm: float = 1.0 + 1e-12) -> torch.Tensor:
     """Input-rounding + fp32-accumulation part of E(q) (module docstring), fp64 (n,); ``ref_norm`` bounds the
@@ -514,12 +473,6 @@ def _stage_bound(dev_x: torch.Tensor, norm_x: torch.Tensor, y_norm: float, y_dev
     gamma = _gamma(dim, _U32)
     bound = dev_x * y_norm + ref_norm * y_dev + gamma * norm_x * y_norm + absolute
     return bound * _SLACK
-
-
-def _norm32_upper(rows: torch.Tensor) -> torch.Tensor:
-    """Upper bound (fp64) on the exact L2 norms of fp32 rows, from an fp32 evaluation (sum of squares: gamma_D
-    relative error; the square root halves it and rounds once more)."""
-    return torch.linalg.vector_norm(rows, dim=1).double() * (1.0 + 2.0 * _gamma(rows.shape[1], _U32))
 
 
 def _round_down(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -616,18 +569,6 @@ def _select_from_top(scores: torch.Tensor, values: torch.Tensor, indices: torch.
     return torch.cat([rows_settled, rows_open_ok]), candidates, rows_open[~fits]
 
 
-def _pad_candidates(row: torch.Tensor, column: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """(n, max count) table of the columns of each row (row-major order: ascending), padded with -1."""
-    width = int(counts.max()) if counts.numel() else 0
-    padded = torch.full((counts.shape[0], width), -1, dtype=torch.long, device=counts.device)
-    if width == 0:
-        return padded
-    starts = torch.cumsum(counts, 0) - counts
-    position = torch.arange(row.numel(), device=row.device) - starts[row]
-    padded[row, position] = column
-    return padded
-
-
 def _gathered_scores(query_rows: torch.Tensor, candidates: torch.Tensor, rows_of: Callable,
                      same_reduction: bool) -> torch.Tensor:
     """Scores of each query row against its padded candidates (-inf on padding), in blocks of bounded memory.
@@ -710,20 +651,57 @@ class _Result:
 
 
 class _Queries:
-    """Query rows as the stages need them: fp32 unit rows for the fast stages, fp64 reference rows on demand."""
+    """Query rows as the stages need them: fp32 unit rows for the fast stages, fp64 reference rows on demand.
 
-    def __init__(self, name: str, rows: torch.Tensor) -> None:
+    ``raw``: the int8 stage will take the raw fp32 rows (``raw_rows``), so the rows are checked by one fp32 norm
+    pass (fp64 only for rows it cannot vouch for) and the fp64 inverse norms are computed per chunk or per
+    re-scored row, when a stage asks for them, instead of in a pass over every row (it cost about as much as a
+    tenth of the int8 product)."""
+
+    _RAW_RANGE = (2.0 ** -20, 2.0 ** 20)   # raw fp32 rows with norms in here neither overflow nor lose accuracy
+                                            # to subnormals in the stage's products
+
+    def __init__(self, name: str, rows: torch.Tensor, raw: bool = False) -> None:
         self.rows = rows
-        self.inverse64 = _inverse_norms(name, rows)
-        self.inverse32 = self.inverse64.float()
         self.count = rows.shape[0]
+        self.inverse64 = None
+        self.norm32 = None          # fp64 upper bounds on the fp32 rows' norms (raw mode)
+        self.raw_ok = None          # per row: usable raw (raw mode)
+        if not (raw and rows.dtype == torch.float32):
+            self.inverse64 = _inverse_norms(name, rows)
+            return
+        norms = torch.linalg.vector_norm(rows, dim=1)
+        low, high = self._RAW_RANGE
+        self.raw_ok = (norms >= low) & (norms <= high)
+        doubtful = torch.nonzero(~self.raw_ok).squeeze(1)
+        if doubtful.numel():
+            # zero, non-finite, or merely out of the fp32 range: the fp64 norms decide (and name the first bad row)
+            try:
+                _inverse_norms(name, rows[doubtful])
+            except ValueError:
+                norms64 = torch.linalg.vector_norm(rows[doubtful], dim=1, dtype=torch.float64)
+                first = int(doubtful[torch.nonzero(~(norms64 > 0) | ~torch.isfinite(norms64))[0, 0]])
+                raise ValueError(f"{name}: row {first} has zero or non-finite norm; cosine similarity is undefined")
+        self.norm32 = norms.double() * (1.0 + 2.0 * _gamma(rows.shape[1], _U32))
+
+    def raw_rows(self, start: int, stop: int) -> torch.Tensor | None:
+        """The fp32 rows start..stop-1 as given (not normalised), or None when some row's norm is out of range."""
+        if self.raw_ok is None or not bool(self.raw_ok[start:stop].all()):
+            return None
+        return self.rows[start:stop].contiguous()
+
+    def _inverse(self, rows: torch.Tensor) -> torch.Tensor:
+        return 1.0 / torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
 
     def fp32(self, start: int, stop: int) -> torch.Tensor:
         # per component: input conversion, the fp32 inverse norm and the product each round once (<= 3 u32)
-        return self.rows[start:stop].float() * self.inverse32[start:stop, None]
+        inverse = self.inverse64[start:stop] if self.inverse64 is not None else self._inverse(self.rows[start:stop])
+        return self.rows[start:stop].float() * inverse.float()[:, None]
 
     def fp64(self, index: torch.Tensor) -> torch.Tensor:
-        return self.rows[index].double() * self.inverse64[index, None]
+        rows = self.rows[index]
+        inverse = self.inverse64[index] if self.inverse64 is not None else self._inverse(rows)
+        return rows.double() * inverse[:, None]
 
 
 def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: int, want_scores: bool,
@@ -735,19 +713,30 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
         _full_fp64(space, queries, torch.arange(start, stop, device=result.index.device), k, result)
         return
     dim = space.dim
-    q32 = queries.fp32(start, stop)
-    norm32 = _norm32_upper(q32)
-    dev32 = 3.0 * _U32 * (1.0 + 1e-12) * torch.ones_like(norm32)      # ||q32 - q||, q the fp64 unit row
-    bound32 = _stage_bound(dev32, norm32, space.norm32_max, space.dev32_max, dim)
+    int8 = start_stage == "half" and space.half_dtype == torch.int8
+    q32 = queries.raw_rows(start, stop) if int8 else None
+    if q32 is not None:
+        # the int8 stage ranks the raw fp32 rows r: a positive factor per row changes neither the order nor the
+        # ties of a row, and every bound below holds for r with ||r|| <= norm32 (the unit-row bounds scaled by
+        # ||r||; r is the exact input, so no input deviation); the fp64 stage still scores unit rows
+        norm32 = queries.norm32[start:stop]
+        dev32 = torch.zeros_like(norm32)
+        ref = norm32
+    else:
+        q32 = queries.fp32(start, stop)
+        norm32 = _norm32_upper(q32)
+        dev32 = 3.0 * _U32 * (1.0 + 1e-12) * torch.ones_like(norm32)      # ||q32 - q||, q the fp64 unit row
+        ref = 1.0 + 1e-12
+    bound32 = _stage_bound(dev32, norm32, space.norm32_max, space.dev32_max, dim, ref_norm=ref)
     single_ok = k == 1 and not want_scores
     offset = start
     if start_stage == "half":
         if space.projection is None:
-            x32, dev_x, ref_norm, half_dim, residual = q32, dev32, 1.0 + 1e-12, dim, 0.0
+            x32, dev_x, ref_norm, half_dim, residual = q32, dev32, ref, dim, 0.0
         else:
             x32, dev_x = _project_queries(q32, norm32, dev32, space.projection)
-            ref_norm, half_dim = space.projection.basis_norm, space.projection.basis.shape[1]
-            residual = (1.0 + 1e-12) * space.projection.residual_max          # |q.(g - U y)| <= ||q|| ||res||
+            ref_norm, half_dim = space.projection.basis_norm * ref, space.projection.basis.shape[1]
+            residual = ref * space.projection.residual_max          # |q.(g - U y)| <= ||q|| ||res||
         if space.half_dtype == torch.int8:
             scores, bound_h, out_unit = _int8_stage(x32, dev_x, space, ref_norm, residual)
         else:
@@ -762,7 +751,10 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
         del x32
         # wider candidate sets are cheaper as full fp32 rows (one dense product) than as gathered rows
         cap = max(k + 1, min(_MAX_CANDIDATES, space.size // _GATHER_VS_DENSE)) + k
-        rows, cand, fp32_rows = _select(scores, bound_h, k, cap, out_unit)
+        if int8 and k == 1:
+            rows, cand, fp32_rows = _select_top1(scores, bound_h, cap)
+        else:
+            rows, cand, fp32_rows = _select(scores, bound_h, k, cap, out_unit)
         del scores
         rescored = (int((cand >= 0).sum()) + fp32_rows.numel() * space.size) / max(1, stop - start)
         with _one_thread():    # a few candidates per row: many small operations
@@ -884,8 +876,9 @@ def _start_stage(space: _Space, precision: str) -> str:
     return "fp32"
 
 
-def _default_chunk(gallery_size: int) -> int:
-    return int(max(16, min(4096, _SCORE_BUDGET // max(1, gallery_size))))
+def _default_chunk(gallery_size: int, int8: bool = False) -> int:
+    budget = _INT8_SCORE_BUDGET if int8 else _SCORE_BUDGET
+    return int(max(16, min(4096, budget // max(1, gallery_size))))
 
 
 def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size: int | None,
@@ -894,7 +887,7 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
     candidate stage, used when "auto" chose int8 and the first chunk shows its window re-scores too much."""
     if not 1 <= k <= space.size:
         raise ValueError(f"k: expected 1 <= k <= gallery size ({space.size}), got {k}")
-    chunk = chunk_size if chunk_size is not None else _default_chunk(space.size)
+    chunk = chunk_size if chunk_size is not None else _default_chunk(space.size, space.half_dtype == torch.int8)
     if chunk < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
     stage = _start_stage(space, precision)
@@ -908,6 +901,8 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
         if probing and rescored * _INT8_DEMOTE_FRACTION > space.size:
             space = rebuild(fastest_matmul(space.stage32.device, exclude=("int8",)))
             stage = _start_stage(space, precision)
+            if chunk_size is None:
+                chunk = _default_chunk(space.size, space.half_dtype == torch.int8)
         probing = False
         start = stop
     return result
@@ -932,7 +927,8 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
     _check_same_dim(query, gallery)
     with torch.inference_mode():
         space = _direct_space(gallery, precision, query.shape[0])
-        result = _search(space, _Queries("query", query), k, precision, chunk_size, return_scores,
+        queries = _Queries("query", query, raw=space.half_dtype == torch.int8)
+        result = _search(space, queries, k, precision, chunk_size, return_scores,
                          rebuild=lambda fallback: _with_stage(space, _half_dtype_for(fallback, gallery.device)))
     return result.index, result.score
 
@@ -1091,7 +1087,8 @@ def bridged_nearest_neighbours(query_embed, query_head, gallery_embed, gallery_h
     with torch.inference_mode():
         space = _bridge_space(gallery_embed, query_head, gallery_head, precision)
         # any positive per-query scale is allowed for the ranking; the Euclidean one keeps the stage bounds small
-        result = _search(space, _Queries("query_embed", query_embed), k, precision, chunk_size, return_scores,
+        queries = _Queries("query_embed", query_embed, raw=space.half_dtype == torch.int8)
+        result = _search(space, queries, k, precision, chunk_size, return_scores,
                          rebuild=lambda fallback: _with_stage(space, _half_dtype_for(fallback, device)))
         if return_scores:
             head_t = query_head.double()

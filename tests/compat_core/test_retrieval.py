@@ -590,3 +590,108 @@ def test_one_thread_sections_restore_the_thread_count_when_nested_and_concurrent
     assert len(results) == 2
     for index in results:
         np.testing.assert_array_equal(index, expected)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# int8 top-1 selection by block maxima, raw (unnormalised) query rows
+
+
+@pytest.mark.parametrize("width", [10, 64, 300, 1000])
+@pytest.mark.parametrize("cap", [None, 5])
+def test_select_top1_equals_a_full_threshold_comparison(width, cap):
+    # the int8 top-1 selection (block maxima, then the open blocks) must return exactly the entries at or above
+    # each row's threshold, in ascending order, like _select with k = 1; rows over the cap come back as wide
+    rng = np.random.default_rng(width)
+    scores = torch.tensor(rng.integers(-20000, 20000, (40, width)), dtype=torch.int32)
+    scores[0, [1, width // 2, width - 1]] = 30000           # exact ties at the top, spread over blocks
+    scores[1] = 7                                            # a constant row: everything ties
+    scores[2, -1] = 40000                                    # the maximum in the last (narrow) block
+    scores[3, :] = -(2 ** 31) + 5                            # near the int32 floor: the threshold is clamped
+    scores[4, : min(width, 70)] = 25000                      # a run of ties crossing a block boundary
+    bound = torch.tensor(rng.uniform(0.0, 3000.0, 40), dtype=torch.float64)
+    bound[5] = 0.0
+    rows, cand, wide = retrieval._select_top1(scores, bound, cap)
+    got = {r: [c for c in row if c >= 0] for r, row in zip(rows.tolist(), cand.tolist())}
+    if cap is None:          # (_select applies the cap only to rows its top-16 probe leaves open)
+        ref_rows, ref_cand, ref_wide = retrieval._select(scores.clone(), bound, 1, cap, 0.0)
+        assert wide.numel() == 0 and ref_wide.numel() == 0
+        assert got == {r: [c for c in row if c >= 0] for r, row in zip(ref_rows.tolist(), ref_cand.tolist())}
+    assert sorted(list(got) + wide.tolist()) == list(range(40))
+    best = scores.double().max(dim=1).values
+    threshold = torch.floor(best - 2.0 * bound - 1e-12 * (1.0 + best.abs()))
+    for row in range(40):
+        full = torch.nonzero(scores[row].double() >= threshold[row]).squeeze(1).tolist()
+        if row in got:
+            assert got[row] == full
+        else:
+            assert cap is not None and len(full) > cap
+
+
+@pytest.mark.parametrize("low_rank", [False, True])
+def test_int8_raw_query_rows_of_any_norm_equal_fp64(monkeypatch, low_rank):
+    # the int8 stage ranks raw fp32 query rows (no normalisation): rows of huge, tiny and ordinary norms, and
+    # rows out of the raw range (their chunk falls back to unit rows), must all give the fp64 answer, ties included
+    if low_rank:
+        gallery, head = junction_features(300, 96, 24, seed=8)
+        query, _ = junction_features(120, 96, 24, seed=9, head=head)
+        monkeypatch.setattr(retrieval, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
+    else:
+        query, gallery = planted(120, 300, 96, seed=10)
+    gallery[20] = gallery[250]                               # exact tie with query 2's answer: row 20 must win
+    query[2] = gallery[250] + np.float32(1e-3) * gallery[4]
+    scale = np.ones((120, 1), np.float32)
+    scale[10:20] = 1e4
+    scale[20:30] = 1e-3
+    scale[30:40] = 3e3
+    scale[112] = 1e12                                        # out of the raw range: its chunk uses unit rows
+    scale[115] = 1e-30
+    query = (query * scale).astype(np.float32)
+    expected, expected_scores = brute_topk(query, gallery, 1)
+    assert int(expected[2, 0]) == 20
+    raw_chunks = []
+    original = retrieval._Queries.raw_rows
+    monkeypatch.setattr(retrieval._Queries, "raw_rows",
+                        lambda self, a, b: raw_chunks.append(original(self, a, b) is not None) or original(self, a, b))
+    for chunk in (None, 16):
+        index, scores = nearest_neighbours(query, gallery, k=1, chunk_size=chunk, precision="int8")
+        np.testing.assert_array_equal(index.numpy(), expected)
+        np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-12)
+        only, _ = nearest_neighbours(query, gallery, k=1, chunk_size=chunk, precision="int8", return_scores=False)
+        np.testing.assert_array_equal(only.numpy(), expected)
+    index3, _ = nearest_neighbours(query, gallery, k=3, precision="int8")
+    np.testing.assert_array_equal(index3.numpy(), brute_topk(query, gallery, 3)[0])
+    assert True in raw_chunks and False in raw_chunks        # both the raw rows and the fallback were used
+
+
+def test_int8_raw_query_bound_holds_for_every_pair():
+    # raw rows r (not unit): s t P_j must lie within s t bound of r.g_j (g_j the fp64 unit gallery rows)
+    rng = np.random.default_rng(14)
+    gallery = rng.standard_normal((400, 64)).astype(np.float32)
+    query = (rng.standard_normal((60, 64)) * rng.uniform(1e-3, 1e3, (60, 1))).astype(np.float32)
+    space = retrieval._direct_space(torch.from_numpy(gallery), "int8")
+    queries = retrieval._Queries("query", torch.from_numpy(query), raw=True)
+    rows = queries.raw_rows(0, 60)
+    assert rows is not None
+    norm = queries.norm32
+    products, bound, _ = retrieval._int8_stage(rows, torch.zeros(60, dtype=torch.float64), space, norm, 0.0)
+    _, scale, _ = retrieval._quantize_rows(rows)
+    unit = scale.double().numpy() * float(space.half_scale)
+    g64 = gallery / np.linalg.norm(gallery.astype(np.float64), axis=1, keepdims=True)
+    exact = query.astype(np.float64) @ g64.T
+    error = np.abs(products.double().numpy() * unit[:, None] - exact)
+    assert bool((error <= (bound.numpy() * unit)[:, None]).all())
+    assert bool((norm.numpy() >= np.linalg.norm(query.astype(np.float64), axis=1)).all())
+
+
+def test_raw_query_validation_names_the_first_bad_row():
+    rng = np.random.default_rng(15)
+    gallery = rng.standard_normal((50, 16)).astype(np.float32)
+    query = rng.standard_normal((30, 16)).astype(np.float32)
+    query[5] = 1e-30                                         # tiny but valid
+    query[17] = 0.0
+    query[23, 2] = np.inf
+    with pytest.raises(ValueError, match="query: row 17"):
+        nearest_neighbours(query, gallery, precision="int8")
+    query[17] = 1.0
+    with pytest.raises(ValueError, match="query: row 23"):
+        nearest_neighbours(query, gallery, precision="int8")
