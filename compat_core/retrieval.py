@@ -85,7 +85,7 @@ from compat_core.retrieval_int8 import int8_stage as _int8_stage
 from compat_core.retrieval_int8 import norm32_upper as _norm32_upper
 from compat_core.retrieval_int8 import pad_candidates as _pad_candidates
 from compat_core.retrieval_int8 import quantize_rows as _quantize_rows
-from compat_core.retrieval_int8 import select_top1 as _select_top1
+from compat_core.retrieval_int8 import select_top1
 
 __all__ = [
     "nearest_neighbours",
@@ -115,6 +115,8 @@ _SCORE_BUDGET = 1 << 26        # elements of one (query chunk x gallery) score b
 # measured on one core at Ng = 10,000, r = 512: 512-query chunks take the int8 product from 2.3 s to 1.3 s per
 # 50,000 queries and the whole search from 4.0 s to 3.2 s of CPU time
 _INT8_SCORE_BUDGET = 5 << 20
+_HALF_SCORE_BUDGET = 10 << 20   # bf16 / fp16 score blocks, for the same reasons: measured on one core at Ng = 10,000,
+                                # D = 1023, 1024-query chunks take the bf16 product from 6.1 s to 5.0 s per 50,000
 _UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 0.0}
 
 
@@ -569,6 +571,21 @@ def _select_from_top(scores: torch.Tensor, values: torch.Tensor, indices: torch.
     return torch.cat([rows_settled, rows_open_ok]), candidates, rows_open[~fits]
 
 
+def _select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_unit: float = 0.0):
+    """``_select`` for k = 1 by block maxima (``retrieval_int8.select_top1``); the rows it leaves over (float
+    scores whose threshold is <= 0) go through ``_select``. Same return value as ``_select``."""
+    rows, cand, wide, other = select_top1(scores, bound, cap, out_unit, _round_down)
+    if other.numel() == 0:
+        return rows, cand, wide
+    with _one_thread():
+        rows2, cand2, wide2 = _select(scores[other], bound[other], 1, cap, out_unit)
+        width = max(cand.shape[1], cand2.shape[1])
+        merged = torch.full((rows.numel() + rows2.numel(), width), -1, dtype=torch.long, device=cand.device)
+        merged[:rows.numel(), :cand.shape[1]] = cand
+        merged[rows.numel():, :cand2.shape[1]] = cand2
+        return torch.cat([rows, other[rows2]]), merged, torch.cat([wide, other[wide2]])
+
+
 def _gathered_scores(query_rows: torch.Tensor, candidates: torch.Tensor, rows_of: Callable,
                      same_reduction: bool) -> torch.Tensor:
     """Scores of each query row against its padded candidates (-inf on padding), in blocks of bounded memory.
@@ -751,8 +768,8 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
         del x32
         # wider candidate sets are cheaper as full fp32 rows (one dense product) than as gathered rows
         cap = max(k + 1, min(_MAX_CANDIDATES, space.size // _GATHER_VS_DENSE)) + k
-        if int8 and k == 1:
-            rows, cand, fp32_rows = _select_top1(scores, bound_h, cap)
+        if k == 1:
+            rows, cand, fp32_rows = _select_top1(scores, bound_h, cap, out_unit)
         else:
             rows, cand, fp32_rows = _select(scores, bound_h, k, cap, out_unit)
         del scores
@@ -773,7 +790,10 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
     if fp32_rows.numel():
         # full fp32 rows against a transposed view: the fp32 BLAS takes it at near full speed
         scores = q32[fp32_rows] @ space.stage32.t()
-        local, cand, wide = _select(scores, bound32[fp32_rows], k, _MAX_CANDIDATES + k)
+        if k == 1:
+            local, cand, wide = _select_top1(scores, bound32[fp32_rows], _MAX_CANDIDATES + k)
+        else:
+            local, cand, wide = _select(scores, bound32[fp32_rows], k, _MAX_CANDIDATES + k)
         del scores
         rows = fp32_rows[local]
         if single_ok:
@@ -876,8 +896,9 @@ def _start_stage(space: _Space, precision: str) -> str:
     return "fp32"
 
 
-def _default_chunk(gallery_size: int, int8: bool = False) -> int:
-    budget = _INT8_SCORE_BUDGET if int8 else _SCORE_BUDGET
+def _default_chunk(gallery_size: int, stage: torch.dtype | None = None) -> int:
+    """Queries per chunk: the score block of the candidate stage ``stage`` (None: fp32 rows) within its budget."""
+    budget = {torch.int8: _INT8_SCORE_BUDGET, None: _SCORE_BUDGET}.get(stage, _HALF_SCORE_BUDGET)
     return int(max(16, min(4096, budget // max(1, gallery_size))))
 
 
@@ -887,7 +908,7 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
     candidate stage, used when "auto" chose int8 and the first chunk shows its window re-scores too much."""
     if not 1 <= k <= space.size:
         raise ValueError(f"k: expected 1 <= k <= gallery size ({space.size}), got {k}")
-    chunk = chunk_size if chunk_size is not None else _default_chunk(space.size, space.half_dtype == torch.int8)
+    chunk = chunk_size if chunk_size is not None else _default_chunk(space.size, space.half_dtype)
     if chunk < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
     stage = _start_stage(space, precision)
@@ -902,7 +923,7 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
             space = rebuild(fastest_matmul(space.stage32.device, exclude=("int8",)))
             stage = _start_stage(space, precision)
             if chunk_size is None:
-                chunk = _default_chunk(space.size, space.half_dtype == torch.int8)
+                chunk = _default_chunk(space.size, space.half_dtype)
         probing = False
         start = stop
     return result

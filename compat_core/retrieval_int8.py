@@ -13,6 +13,7 @@ row like s t P, and every item that can hold the top-1 has P_j >= max P - 2E / (
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -80,51 +81,78 @@ def int8_stage(x32: torch.Tensor, dev_x: torch.Tensor, space, ref_norm, residual
 
 
 SELECT_BLOCK = 64              # columns per block maximum in ``select_top1``
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
-def select_top1(products: torch.Tensor, bound: torch.Tensor, cap: int | None):
-    """Top-1 candidates {P_j >= max P - 2 bound} of each row of exact int32 scores (``bound`` fp64 (n,) in P units).
+def select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_unit: float,
+                round_down: Callable[[torch.Tensor, torch.dtype], torch.Tensor]):
+    """Top-1 candidates {S_j >= T} of each row, T = v - u|v| - 2 bound - 1e-12 (1 + |v|) rounded down to the
+    scores' type (v the row maximum, u = ``out_unit``; ``bound`` fp64 (n,) in score units): the threshold of
+    ``retrieval._select`` with k = 1, so the candidate sets are identical; only the way they are found differs.
 
-    Same contract as ``retrieval._select`` with k = 1: returns (rows_ok, candidates (n_ok, w) int64 padded with
-    -1, ascending index order, rows_wide: rows with more than ``cap`` candidates). The threshold is the one
-    ``_select`` uses (including its 1e-12 relative slack), rounded down to an integer, so the candidate sets are
-    identical; only the way they are found differs.
+    Returns (rows_ok, candidates (n_ok, w) int64 padded with -1, ascending index order, rows_wide: rows with more
+    than ``cap`` candidates, rows_other: rows left to ``_select``). Exact int32 scores are compared directly.
+    Float scores are compared through their bits read as integers, which order non-negative floats like the
+    floats and put every negative float (and -0) below them; so a row is handled here only when its threshold is
+    > +0 (then no negative entry can be a candidate, and no entry equal to T is missed), else it is left over.
 
     Why not a top-k: one pass takes the maximum of every block of ``SELECT_BLOCK`` columns (the row maximum is
     the maximum of its blocks); only blocks whose maximum reaches the threshold can hold candidates, and those few
-    are gathered and compared entry by entry. Measured on one CPU core per 50,000 x 10,000 scores: block maxima
-    0.045 s, a top-16 0.78 s, a full comparison pass 0.24 s.
+    are gathered and compared entry by entry. Measured on one CPU core per 50,000 x 10,000 int32 scores: block
+    maxima 0.045 s, a top-16 0.78 s, a full comparison pass 0.24 s.
     """
-    count, size = products.shape
-    device = products.device
+    count, size = scores.shape
+    device = scores.device
+    floating = scores.dtype.is_floating_point
+    keys = scores.view(_BITS[scores.dtype]) if floating else scores
     main = size // SELECT_BLOCK * SELECT_BLOCK
     parts = []
     if main:
-        blocks = products[:, :main].unflatten(1, (main // SELECT_BLOCK, SELECT_BLOCK)).amax(dim=2)
-        parts.append(blocks)
+        parts.append(keys[:, :main].unflatten(1, (main // SELECT_BLOCK, SELECT_BLOCK)).amax(dim=2))
     if main < size:
-        parts.append(products[:, main:].amax(dim=1, keepdim=True))       # the last, narrower block
+        parts.append(keys[:, main:].amax(dim=1, keepdim=True))          # the last, narrower block
     block_max = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-    best = block_max.amax(dim=1).double()
-    threshold64 = best - 2.0 * bound - 1e-12 * (1.0 + best.abs())
-    info = torch.iinfo(torch.int32)
-    threshold = torch.floor(threshold64).clamp(info.min, info.max).to(torch.int32)
-    block_row, block = torch.nonzero(block_max >= threshold.unsqueeze(1), as_tuple=True)   # row-major
-    # gather each open block's columns (the last block is clipped to the row: positions past it are masked)
+    best_key = block_max.amax(dim=1)
+    if floating:
+        # a row whose largest key is negative holds only negative floats (or -0): its maximum is not best_key
+        best = torch.where(best_key >= 0, best_key, torch.zeros_like(best_key)).view(scores.dtype).double()
+    else:
+        best = best_key.double()
+    threshold64 = best - out_unit * best.abs() - 2.0 * bound - 1e-12 * (1.0 + best.abs())
+    threshold = round_down(threshold64, scores.dtype)
+    if floating:
+        threshold = threshold.view(keys.dtype)
+        handled = (best_key >= 0) & (threshold > 0)                    # bits > 0: a float > +0
+        threshold = torch.where(handled, threshold, torch.full_like(threshold, torch.iinfo(keys.dtype).max))
+    else:
+        handled = torch.ones_like(best_key, dtype=torch.bool)
+    block_row, block = torch.nonzero((block_max >= threshold.unsqueeze(1)) & handled.unsqueeze(1), as_tuple=True)
+    # gather each open block's columns: full blocks as contiguous slices of the block view (several times faster
+    # than gathering single entries), the narrower last block padded with the smallest key
     offsets = torch.arange(SELECT_BLOCK, device=device)
     columns = block.unsqueeze(1) * SELECT_BLOCK + offsets                      # (n_blocks, B)
-    inside = columns < size
-    values = products[block_row.unsqueeze(1), columns.clamp(max=size - 1)]
-    hit = (values >= threshold[block_row].unsqueeze(1)) & inside
+    floor = torch.iinfo(keys.dtype).min
+    if main == size:
+        values = keys.unflatten(1, (size // SELECT_BLOCK, SELECT_BLOCK))[block_row, block]
+    else:
+        values = torch.full((block.numel(), SELECT_BLOCK), floor, dtype=keys.dtype, device=device)
+        full = block < main // SELECT_BLOCK
+        if main:
+            values[full] = keys[:, :main].unflatten(1, (main // SELECT_BLOCK, SELECT_BLOCK))[block_row[full],
+                                                                                              block[full]]
+        values[~full, :size - main] = keys[block_row[~full], main:]
+    hit = values >= threshold[block_row].unsqueeze(1)
+    if bool(threshold.min() <= floor):
+        hit &= columns < size              # padding could only pass a threshold at the smallest key
     which, _ = torch.nonzero(hit, as_tuple=True)
     row = block_row[which]
     column = columns[hit]                        # row-major over (block, offset): columns ascend within a row
     counts = torch.bincount(row, minlength=count)
-    fits = torch.ones_like(counts, dtype=torch.bool) if cap is None else counts <= cap
+    fits = handled if cap is None else handled & (counts <= cap)
     keep = fits[row]
     candidates = pad_candidates(row[keep], column[keep], counts.masked_fill(~fits, 0))[fits]
     every = torch.arange(count, device=device)
-    return every[fits], candidates, every[~fits]
+    return every[fits], candidates, every[handled & ~fits], every[~handled]
 
 
 def pad_candidates(row: torch.Tensor, column: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

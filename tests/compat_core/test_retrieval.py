@@ -695,3 +695,30 @@ def test_raw_query_validation_names_the_first_bad_row():
     query[17] = 1.0
     with pytest.raises(ValueError, match="query: row 23"):
         nearest_neighbours(query, gallery, precision="int8")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("width", [10, 300])
+def test_select_top1_on_float_scores_equals_a_full_threshold_comparison(dtype, width):
+    # float scores are compared through their bits as integers; rows whose threshold is <= 0 (negative entries,
+    # -0) must still get every entry >= the threshold, as _select finds them
+    rng = np.random.default_rng(40 + width)
+    raw = rng.uniform(-0.2, 0.9, (16, width))
+    raw[0] = -np.abs(raw[0])                                 # all negative
+    raw[1] = 0.0                                             # zeros and a negative zero: threshold <= 0
+    raw[1, 3] = -0.0
+    raw[1, 5] = 0.004
+    raw[2, [1, width - 1]] = 0.95                            # exact ties at the top
+    raw[3, :4] = [0.5, 0.499, -0.3, 0.4995]                  # near ties
+    raw[4] = rng.uniform(-0.01, 0.01, width)                 # threshold crosses zero
+    scores = torch.tensor(raw).to(dtype)
+    bound = torch.tensor(rng.uniform(0.0, 0.01, 16), dtype=torch.float64)
+    out_unit = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}.get(dtype, 0.0)
+    rows, cand, wide = retrieval._select_top1(scores, bound, None, out_unit)
+    assert wide.numel() == 0 and sorted(rows.tolist()) == list(range(16))
+    best = scores.double().max(dim=1).values
+    threshold = retrieval._round_down(best - out_unit * best.abs() - 2.0 * bound - 1e-12 * (1.0 + best.abs()), dtype)
+    for position, row in enumerate(rows.tolist()):
+        expected = torch.nonzero(scores[row] >= threshold[row]).squeeze(1).tolist()
+        assert [c for c in cand[position].tolist() if c >= 0] == expected, row
+    assert 3 in [c for c in cand[rows.tolist().index(1)].tolist() if c >= 0]      # -0 >= a threshold of 0
