@@ -82,6 +82,7 @@ from compat_core.retrieval_int8 import SLACK as _SLACK
 from compat_core.retrieval_int8 import U32 as _U32
 from compat_core.retrieval_int8 import gamma as _gamma
 from compat_core.retrieval_int8 import int8_stage as _int8_stage
+from compat_core.retrieval_int8 import int8_top1_candidates
 from compat_core.retrieval_int8 import norm32_upper as _norm32_upper
 from compat_core.retrieval_int8 import pad_candidates as _pad_candidates
 from compat_core.retrieval_int8 import quantize_rows as _quantize_rows
@@ -110,11 +111,10 @@ _INT8_DEMOTE_FRACTION = 64
 _INT8_PROBE_QUERIES = 512      # size of that first chunk
 _GATHER_BUDGET = 1 << 22       # elements per gathered (rows x candidates x D) block: bounds re-scoring memory
 _SCORE_BUDGET = 1 << 26        # elements of one (query chunk x gallery) score block
-# int8 score blocks: smaller, so that the block stays in cache between the product and the selection (and under
-# glibc's 32 MiB mmap threshold, so that its memory is reused instead of page-faulted in anew for every chunk);
-# measured on one core at Ng = 10,000, r = 512: 512-query chunks take the int8 product from 2.3 s to 1.3 s per
-# 50,000 queries and the whole search from 4.0 s to 3.2 s of CPU time
+# int8 with k = 1: the query chunk is projected and quantised at once, its products and selection run in smaller
+# blocks (``retrieval_int8.int8_top1_candidates``); k > 1 keeps int8 score blocks of that smaller size
 _INT8_SCORE_BUDGET = 5 << 20
+_INT8_TOP1_SCORE_BUDGET = 1 << 25
 _HALF_SCORE_BUDGET = 10 << 20   # bf16 / fp16 score blocks, for the same reasons: measured on one core at Ng = 10,000,
                                 # D = 1023, 1024-query chunks take the bf16 product from 6.1 s to 5.0 s per 50,000
 _UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 0.0}
@@ -754,7 +754,11 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
             x32, dev_x = _project_queries(q32, norm32, dev32, space.projection)
             ref_norm, half_dim = space.projection.basis_norm * ref, space.projection.basis.shape[1]
             residual = ref * space.projection.residual_max          # |q.(g - U y)| <= ||q|| ||res||
-        if space.half_dtype == torch.int8:
+        cap = max(k + 1, min(_MAX_CANDIDATES, space.size // _GATHER_VS_DENSE)) + k
+        if space.half_dtype == torch.int8 and k == 1:
+            scores = None
+            rows, cand, fp32_rows = int8_top1_candidates(x32, dev_x, space, ref_norm, residual, cap, _round_down)
+        elif space.half_dtype == torch.int8:
             scores, bound_h, out_unit = _int8_stage(x32, dev_x, space, ref_norm, residual)
         else:
             qh = x32.to(space.half_dtype)
@@ -766,11 +770,10 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
             scores, out_unit = _half_scores(qh, space.half_t)
             del qh, qh32
         del x32
-        # wider candidate sets are cheaper as full fp32 rows (one dense product) than as gathered rows
-        cap = max(k + 1, min(_MAX_CANDIDATES, space.size // _GATHER_VS_DENSE)) + k
-        if k == 1:
+        # (cap: wider candidate sets are cheaper as full fp32 rows, one dense product, than as gathered rows)
+        if scores is not None and k == 1:
             rows, cand, fp32_rows = _select_top1(scores, bound_h, cap, out_unit)
-        else:
+        elif scores is not None:
             rows, cand, fp32_rows = _select(scores, bound_h, k, cap, out_unit)
         del scores
         rescored = (int((cand >= 0).sum()) + fp32_rows.numel() * space.size) / max(1, stop - start)
@@ -896,9 +899,10 @@ def _start_stage(space: _Space, precision: str) -> str:
     return "fp32"
 
 
-def _default_chunk(gallery_size: int, stage: torch.dtype | None = None) -> int:
+def _default_chunk(gallery_size: int, stage: torch.dtype | None = None, k: int = 1) -> int:
     """Queries per chunk: the score block of the candidate stage ``stage`` (None: fp32 rows) within its budget."""
-    budget = {torch.int8: _INT8_SCORE_BUDGET, None: _SCORE_BUDGET}.get(stage, _HALF_SCORE_BUDGET)
+    int8 = _INT8_TOP1_SCORE_BUDGET if k == 1 else _INT8_SCORE_BUDGET
+    budget = {torch.int8: int8, None: _SCORE_BUDGET}.get(stage, _HALF_SCORE_BUDGET)
     return int(max(16, min(4096, budget // max(1, gallery_size))))
 
 
@@ -908,7 +912,7 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
     candidate stage, used when "auto" chose int8 and the first chunk shows its window re-scores too much."""
     if not 1 <= k <= space.size:
         raise ValueError(f"k: expected 1 <= k <= gallery size ({space.size}), got {k}")
-    chunk = chunk_size if chunk_size is not None else _default_chunk(space.size, space.half_dtype)
+    chunk = chunk_size if chunk_size is not None else _default_chunk(space.size, space.half_dtype, k)
     if chunk < 1:
         raise ValueError(f"chunk_size: expected a positive integer, got {chunk_size}")
     stage = _start_stage(space, precision)
@@ -923,7 +927,7 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
             space = rebuild(fastest_matmul(space.stage32.device, exclude=("int8",)))
             stage = _start_stage(space, precision)
             if chunk_size is None:
-                chunk = _default_chunk(space.size, space.half_dtype)
+                chunk = _default_chunk(space.size, space.half_dtype, k)
         probing = False
         start = stop
     return result

@@ -80,6 +80,53 @@ def int8_stage(x32: torch.Tensor, dev_x: torch.Tensor, space, ref_norm, residual
     return products, bound / unit * SLACK, 0.0
 
 
+INT8_BLOCK_SCORES = 5 << 20    # int32 scores per product block of ``int8_top1_candidates``
+
+
+def int8_top1_candidates(x32: torch.Tensor, dev_x: torch.Tensor, space, ref_norm, residual, cap: int | None,
+                         round_down: Callable[[torch.Tensor, torch.dtype], torch.Tensor]):
+    """``int8_stage`` then ``select_top1`` on blocks of query rows: the rows are quantised (and bounded) in one
+    pass, the products and the selection run per block of at most ``INT8_BLOCK_SCORES`` scores, so that each
+    block stays in cache between the product and the selection (and under glibc's 32 MiB mmap threshold, so its
+    memory is reused rather than page-faulted in anew). Measured on one core at Ng = 10,000, r = 512: the int8
+    product takes 1.3 s per 50,000 queries in 512-row blocks, 2.3 s in blocks of 1,024 rows or more.
+    Returns (rows_ok, candidates, rows_wide) as ``select_top1``."""
+    count = x32.shape[0]
+    step = max(16, INT8_BLOCK_SCORES // max(1, space.size))
+    if step >= count:
+        products, bound, _ = int8_stage(x32, dev_x, space, ref_norm, residual)
+        rows, cand, wide, other = select_top1(products, bound, cap, 0.0, round_down)
+        return rows, cand, wide
+    codes, scale, deviation = quantize_rows(x32)
+    bound = ((deviation + dev_x) * space.norm_half_max + ref_norm * space.dev_half_max + residual) * SLACK
+    bound = bound / (scale.double() * float(space.half_scale)) * SLACK
+    found_rows, found_cand, found_wide = [], [], []
+    # one product buffer for all blocks: a fresh one per block was measured to cost up to half the product
+    # (page faults when the allocator returns it to the system)
+    buffer = None
+    for start in range(0, count, step):
+        stop = min(count, start + step)
+        block = codes[start:stop]
+        if block.device.type == "cuda":
+            block = torch.nn.functional.pad(block, (0, space.half_t.shape[1] - block.shape[1],
+                                                    0, max(0, 17 - block.shape[0])))
+        if buffer is None:
+            buffer = torch.empty((block.shape[0], space.half_t.shape[0]), dtype=torch.int32, device=block.device)
+        out = buffer[:block.shape[0]]
+        products = torch._int_mm(block, space.half_t.t(), out=out)[:stop - start, :space.size]
+        rows, cand, wide, _ = select_top1(products, bound[start:stop], cap, 0.0, round_down)
+        found_rows.append(rows + start)
+        found_cand.append(cand)
+        found_wide.append(wide + start)
+    width = max(c.shape[1] for c in found_cand)
+    candidates = torch.full((sum(c.shape[0] for c in found_cand), width), -1, dtype=torch.long, device=x32.device)
+    at = 0
+    for cand in found_cand:
+        candidates[at:at + cand.shape[0], :cand.shape[1]] = cand
+        at += cand.shape[0]
+    return torch.cat(found_rows), candidates, torch.cat(found_wide)
+
+
 SELECT_BLOCK = 64              # columns per block maximum in ``select_top1``
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 

@@ -722,3 +722,28 @@ def test_select_top1_on_float_scores_equals_a_full_threshold_comparison(dtype, w
         expected = torch.nonzero(scores[row] >= threshold[row]).squeeze(1).tolist()
         assert [c for c in cand[position].tolist() if c >= 0] == expected, row
     assert 3 in [c for c in cand[rows.tolist().index(1)].tolist() if c >= 0]      # -0 >= a threshold of 0
+
+
+@pytest.mark.parametrize("low_rank", [False, True])
+def test_int8_top1_in_small_product_blocks_equals_fp64(monkeypatch, low_rank):
+    # int8 with k = 1 quantises a query chunk at once and runs products and selection in blocks of rows; tiny
+    # blocks (16 rows, more than one per chunk) must still give the fp64 answer, exact ties to the lowest index
+    from compat_core import retrieval_int8
+    monkeypatch.setattr(retrieval_int8, "INT8_BLOCK_SCORES", 16 * 300)
+    if low_rank:
+        gallery, head = junction_features(300, 96, 24, seed=11)
+        query, _ = junction_features(100, 96, 24, seed=12, head=head)
+        monkeypatch.setattr(retrieval, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
+    else:
+        query, gallery = adversarial_near_ties(300, 96, seed=13)
+        query = np.concatenate([query, planted(60, 300, 96, seed=14)[0]])
+    gallery[30] = gallery[290]
+    query[17] = gallery[290] + np.float32(1e-3) * gallery[2]
+    expected, expected_scores = brute_topk(query, gallery, 1)
+    assert int(expected[17, 0]) == 30
+    for chunk in (None, 40):
+        index, scores = nearest_neighbours(query, gallery, k=1, chunk_size=chunk, precision="int8")
+        np.testing.assert_array_equal(index.numpy(), expected)
+        np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-12)
+        only, _ = nearest_neighbours(query, gallery, k=1, chunk_size=chunk, precision="int8", return_scores=False)
+        np.testing.assert_array_equal(only.numpy(), expected)
