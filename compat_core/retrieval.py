@@ -40,7 +40,20 @@ unit rows) is several times bf16's, so clustered galleries re-score more candida
 the half stages' (one sampled fp32 product over the (query, candidate) pairs, ``_candidate_scores32``). "auto"
 picks int8 only where it measured 1.25x the best float product (``calibration.fastest_matmul``), runs a first
 chunk of 512 queries, and moves to the next-fastest stage (same fp32 copy and basis) when that chunk re-scored
-more than Ng/64 rows per query.
+more than Ng/64 rows per query. The int8 code (quantisation, products, top-1 selection) is in
+``compat_core.retrieval_int8``.
+
+Raw query rows (int8 stage, fp32 input): the stage ranks the query rows as given, r = ||r|| q, instead of unit
+rows. A positive factor per row changes neither the order nor the ties of its scores, and every bound above is
+linear in the query, so it holds for r with ||q|| replaced by an upper bound on ||r|| (its fp32 norm inflated by
+gamma_D) and no input deviation (r is the input itself); this saves an fp64 norm pass and a normalising pass over
+the query matrix. Rows whose fp32 norm lies outside [2^-20, 2^20] (where fp32 products could overflow or lose
+accuracy to subnormals) send their chunk to the unit-row path; the fp64 stage always scores unit rows.
+
+Top-1 selection (k = 1, every stage): instead of a top-k, one pass takes the maximum of each block of 64 scores;
+the row maximum v is the largest of them, and only the blocks whose maximum reaches the threshold T above are
+read entry by entry (``retrieval_int8.select_top1``; floats compared through their bits as integers, rows with
+T <= 0 left to ``_select``). The candidate set is the same {S >= T}.
 
 Where int8 does not pay: on the benchmark's full-rank clustered features (benchmarks/retrieval.py) the int8
 window, two quantisation errors of ~0.0075 in cosine bounded by Cauchy-Schwarz, holds ~175 candidates per query
