@@ -195,8 +195,10 @@ class RayBackend(Backend):
         if line:
             log.warning(line)
 
-    def wait(self) -> tuple[str, list]:
-        finished, _ = ray.wait(list(self.running), num_returns=1)
+    def wait(self, timeout: float | None = None) -> tuple[str, list] | None:
+        finished, _ = ray.wait(list(self.running), num_returns=1, timeout=timeout)
+        if not finished:
+            return None
         key = self.running.pop(finished[0])
         if key.startswith("entry-") and self.max_entries is not None:
             self.running_entries -= 1

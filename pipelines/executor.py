@@ -50,15 +50,16 @@ class Invocation:
 class Backend:
     """Where the engine's nodes run. ``submit`` starts one node (its parents are committed); ``wait`` blocks until
     one submitted node is committed and returns ``(key, records)`` (records to replay to the emit callback), raising
-    that node's error. ``close`` releases what the backend holds. ``slots``: nodes it runs at once (None: as many
-    as are ready; Ray queues and places them)."""
+    that node's error; with ``timeout`` (seconds) it may return None when none finished by then (backends that run
+    nodes synchronously ignore it). ``close`` releases what the backend holds. ``slots``: nodes it runs at once
+    (None: as many as are ready; Ray queues and places them)."""
 
     slots: int | None = None
 
     def submit(self, stage: Stage, graph: StageGraph, store: RunStore) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def wait(self) -> tuple[str, list]:  # pragma: no cover - interface
+    def wait(self, timeout: float | None = None) -> tuple[str, list] | None:  # pragma: no cover - interface
         raise NotImplementedError
 
     def close(self) -> None:
@@ -78,7 +79,7 @@ class InProcessBackend(Backend):
         refuse_data_parallel([stage])
         self.queue.append((stage, graph, store))
 
-    def wait(self) -> tuple[str, list]:
+    def wait(self, timeout: float | None = None) -> tuple[str, list]:
         stage, graph, store = self.queue.popleft()
         execute_stage(stage, graph.config, store, self.emit, code_version=graph.code_version)
         return stage.key, []
@@ -161,7 +162,12 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
                     continue
                 break  # stop_after reached
             try:
-                key, records = backend.wait()
+                # while another run trains a model this run needs, look for it every SHARED_POLL_S seconds
+                # instead of only when one of this run's own nodes finishes
+                outcome = backend.wait(timeout=SHARED_POLL_S if waiting_elsewhere else None)
+                if outcome is None:
+                    continue
+                key, records = outcome
             except BaseException as error:
                 failed = graph[getattr(error, "stage_key", None) or next(iter(started))]
                 emit(StageEvent(failed.key, failed.label, failed.kind, "failed", index_of[failed.key], total))
