@@ -137,7 +137,8 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
     try:
         while pending or started:
             progressed = waiting_elsewhere = False
-            for stage in [s for s in pending if all(p in done for p in s.parents)]:
+            ready = [s for s in pending if all(p in done for p in s.parents)]
+            for stage in sorted(ready, key=lambda s: not s.first):  # stable: graph order otherwise
                 if stop_after is not None and len(summary.executed) + len(started) >= stop_after:
                     break
                 if backend.slots is not None and len(started) >= backend.slots:

@@ -79,6 +79,7 @@ class Stage:
     task: int | None = None
     split: str | None = None
     name: str | None = None  # pretrain name
+    first: bool = False  # submitted before the other ready stages (see compile_scenario: the longest pre-training)
 
 
 def stage_threads(resources: StageResources) -> int:
@@ -204,6 +205,12 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
     resources = config.resources
     model_section = document["model"]
 
+    # The pre-training of the most images-epochs (classes x epochs: pools hold about as many images per class) is
+    # submitted first: it is the stage the last replacement waits for, and started after the others it ends the
+    # run late (measured on the demo: 278 s from the start vs a start at 221 s when queued behind p1 and p2); the
+    # others follow in the order they are needed.
+    costs = [spec.num_classes * (spec.epochs or config.training.epochs) for spec in config.pretrain]
+    longest = costs.index(max(costs)) if len(costs) > 1 else None
     for index, spec in enumerate(config.pretrain):
         classifier = pretrain_classifier(config, index, traits["classifier"])
         # the resolved family, never "method": an ER run and a d-Simplex run that both pre-train d-Simplex models
@@ -223,7 +230,7 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
             **parallel_params(resources.pretrain),
         }
         stage = Stage(stage_key("pretrain", spec.name, params, (), version), "pretrain", f"pretrain[{spec.name}]",
-                      params, (), resources.pretrain, name=spec.name)
+                      params, (), resources.pretrain, name=spec.name, first=index == longest)
         graph.add(stage)
         graph.pretrain_stages[spec.name] = stage.key
 

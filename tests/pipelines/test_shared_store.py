@@ -158,3 +158,31 @@ def test_a_corrupt_shared_copy_is_trained_again_and_republished(tmp_path, caplog
     assert key in summary.executed and summary.published == [key] and summary.adopted == []
     assert _blobs(RunStore(shared), key) == good == _blobs(RunStore(tmp_path / "second"), key)
     RunStore(shared).read_blob(key, "model.safetensors")  # verified again
+
+
+def test_the_longest_pretraining_is_submitted_first(tmp_path):
+    """Classes x epochs decides (p2: 4 x 3 = 12 > p1: 4 x 1); then graph order."""
+    from pipelines.executor import Backend, run_graph
+
+    document = tiny.scenario("dsimplex-hoc", output=str(tmp_path))
+    document["pretrain"].append({"name": "p2", "pool": {"dataset": "tiny-synth", "split": "pretrain"},
+                                 "num_classes": 4, "epochs": 3})
+    document["replacements"] = [{"at_task": 3, "source": "pretrain:p2"}]
+    graph = compile_scenario(validate_config(document))
+    assert [stage.label for stage in graph if stage.first] == ["pretrain[p2]"]
+
+    class Recorder(Backend):
+        def __init__(self):
+            self.order = []
+
+        def submit(self, stage, graph, store):
+            self.order.append(stage.label)
+
+        def wait(self, timeout=None):
+            raise KeyboardInterrupt  # stop after the first round of submissions
+
+    backend = Recorder()
+    with pytest.raises(KeyboardInterrupt):
+        run_graph(graph, RunStore(tmp_path), backend, emit=lambda record: None)
+    # the tiny scenario's first task starts from random weights, so it is ready at once too
+    assert backend.order == ["pretrain[p2]", "pretrain[p1]", "finetune[t=0]"]
