@@ -164,6 +164,11 @@ class SeaweedS3Server:
             f"-s3.port={self.ports['s3']}", f"-master.port={self.ports['master']}",
             f"-volume.port={self.ports['volume']}", f"-filer.port={self.ports['filer']}",
             f"-s3.config={config_path}", "-admin.ui=false", "-webdav=false",
+            # every bucket is a collection with volumes of its own; left at 0, weed caps the volumes at the
+            # host's free disk / 128 MB, and on a host with ~16 GB free the suite's buckets ran out of volumes
+            # ("No writable volumes and no free volumes left"); volumes are created lazily, so a high cap costs
+            # nothing
+            "-volume.max=1000",
         ]
         (self.data_dir / "data").mkdir(exist_ok=True)
         log = open(self.log_path, "ab")
