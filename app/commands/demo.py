@@ -92,7 +92,7 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
     return {"name": name, "run_dir": run_dir, "matrix": summary.matrix, "metrics": summary.metrics,
             "wall_s": time.perf_counter() - started, "cpu_s": _cpu_seconds() - cpu_before,
             "executed": len(summary.executed), "skipped": len(summary.skipped), "ray_address": ray_address,
-            "adopted": len(getattr(summary, "adopted", ())), "published": len(getattr(summary, "published", ()))}
+            "adopted": len(summary.adopted), "published": len(summary.published)}
 
 
 def _cpu_seconds() -> float:

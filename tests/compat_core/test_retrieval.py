@@ -652,12 +652,7 @@ def test_int8_raw_query_rows_of_any_norm_equal_fp64(monkeypatch, low_rank):
     original = retrieval._Queries.raw_rows
     monkeypatch.setattr(retrieval._Queries, "raw_rows",
                         lambda self, a, b: raw_chunks.append(original(self, a, b) is not None) or original(self, a, b))
-    for chunk in (None, 16):
-        index, scores = nearest_neighbours(query, gallery, k=1, chunk_size=chunk, precision="int8")
-        np.testing.assert_array_equal(index.numpy(), expected)
-        np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-12)
-        only, _ = nearest_neighbours(query, gallery, k=1, chunk_size=chunk, precision="int8", return_scores=False)
-        np.testing.assert_array_equal(only.numpy(), expected)
+    _assert_int8_top1(query, gallery, expected, expected_scores, (None, 16))
     index3, _ = nearest_neighbours(query, gallery, k=3, precision="int8")
     np.testing.assert_array_equal(index3.numpy(), brute_topk(query, gallery, 3)[0])
     assert True in raw_chunks and False in raw_chunks        # both the raw rows and the fallback were used
@@ -741,7 +736,13 @@ def test_int8_top1_in_small_product_blocks_equals_fp64(monkeypatch, low_rank):
     query[17] = gallery[290] + np.float32(1e-3) * gallery[2]
     expected, expected_scores = brute_topk(query, gallery, 1)
     assert int(expected[17, 0]) == 30
-    for chunk in (None, 40):
+    _assert_int8_top1(query, gallery, expected, expected_scores, (None, 40))
+
+
+def _assert_int8_top1(query, gallery, expected, expected_scores, chunks) -> None:
+    """int8 top-1 indices equal ``expected`` (and scores ``expected_scores``) at every chunk size, with and without
+    scores returned."""
+    for chunk in chunks:
         index, scores = nearest_neighbours(query, gallery, k=1, chunk_size=chunk, precision="int8")
         np.testing.assert_array_equal(index.numpy(), expected)
         np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-12)
