@@ -55,11 +55,13 @@ the row maximum v is the largest of them, and only the blocks whose maximum reac
 read entry by entry (``retrieval_int8.select_top1``; floats compared through their bits as integers, rows with
 T <= 0 left to ``_select``). The candidate set is the same {S >= T}.
 
-Where int8 does not pay: on the benchmark's full-rank clustered features (benchmarks/retrieval.py) the int8
-window, two quantisation errors of ~0.0075 in cosine bounded by Cauchy-Schwarz, holds ~175 candidates per query
-(bf16: ~10; measured with ``_select``), and re-scoring them costs more than the product saves, so "auto" demotes
-int8 after its first chunk and the kernel is bound by the bf16 product. A tighter rigorous bound would need the
-products of the quantisation errors themselves, i.e. more int8 products.
+The top-1's own score narrows every window (k = 1): the column holding a row's maximum stage score is scored
+in fp32 at once, and its score minus the fp32 bound, L, is a lower bound on the top-1's reference score; an item
+whose upper bound S_j + E stays below L cannot hold the top-1, so T becomes the larger of v - 2E and L - E. The
+stage's error is mostly quantisation noise, not a shift of the whole row, so L lies near v and the window is about
+halved. On the benchmark's full-rank clustered features (benchmarks/retrieval.py, 4,096 queries) this took the
+int8 stage from ~175 candidates per query (most rows over the cap, sent to full fp32 rows, so "auto" demoted int8)
+to 32, and bf16 from 10 to 4.3; int8 then stays and is the faster stage there too.
 
 Low-rank galleries (junction outputs A h have rank <= m < D): with enough queries, the half stage runs in the
 gallery's dominant r-dim subspace U (pivoted block Gram-Schmidt of a sample of gallery rows in fp64, r <= 0.8 D,
@@ -584,10 +586,15 @@ def _select_from_top(scores: torch.Tensor, values: torch.Tensor, indices: torch.
     return torch.cat([rows_settled, rows_open_ok]), candidates, rows_open[~fits]
 
 
-def _select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_unit: float = 0.0):
+def _select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_unit: float = 0.0,
+                 lower: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
     """``_select`` for k = 1 by block maxima (``retrieval_int8.select_top1``); the rows it leaves over (float
-    scores whose threshold is <= 0) go through ``_select``. Same return value as ``_select``."""
-    rows, cand, wide, other = select_top1(scores, bound, cap, out_unit, _round_down)
+    scores whose threshold is <= 0) go through ``_select``. Same return value as ``_select``.
+    ``lower(rows, columns)``: lower bounds on reference scores (``_exact_lower``) that narrow the threshold."""
+    row_lower = None
+    if lower is not None:
+        row_lower = lambda columns: lower(slice(None), columns)          # noqa: E731
+    rows, cand, wide, other = select_top1(scores, bound, cap, out_unit, _round_down, row_lower)
     if other.numel() == 0:
         return rows, cand, wide
     with _one_thread():
@@ -640,38 +647,52 @@ def _gathered_scores(query_rows: torch.Tensor, candidates: torch.Tensor, rows_of
 
 def _candidate_scores32(query_rows: torch.Tensor, candidates: torch.Tensor, gallery32: torch.Tensor) -> torch.Tensor:
     """fp32 scores of each query row against its padded candidates (-inf on padding) as one sampled product:
-    only the (row, candidate) entries of query_rows @ gallery32^T are computed, each an fp32 dot product (the
-    fp32 bound holds in any summation order), without copying candidate rows; about 1 us per candidate on a
-    CPU core, against ~3 us for gathered rows and a batched product."""
+    only the (candidate, row) entries of gallery32 @ query_rows^T are computed, each an fp32 dot product (the
+    fp32 bound holds in any summation order), without copying candidate rows.
+
+    The pattern is gallery-major (CSR rows = gallery items): the pairs that share a gallery row are computed
+    one after another, so each gallery row is read from memory once per call while the chunk's query rows stay
+    in cache; query-major order read a random gallery row per pair. Measured on the benchmark's full-rank data
+    (int8 stage, ~32 candidates per query, 50,000 queries, 2 threads): 0.45 s query-major, 0.22 s gallery-major."""
     count, width = candidates.shape
     valid = candidates >= 0
-    counts = valid.sum(dim=1)
-    if count == 0 or width == 0 or int(counts.sum()) == 0:
+    if count == 0 or width == 0 or not bool(valid.any()):
         return torch.full((count, width), -math.inf, dtype=torch.float32, device=query_rows.device)
+    size = gallery32.shape[0]
+    row, position = torch.nonzero(valid, as_tuple=True)
+    column = candidates[row, position]
+    order = torch.argsort(column * count + row)                 # gallery-major, queries ascending within
     try:
-        crow = torch.zeros(count + 1, dtype=torch.long, device=candidates.device)
-        torch.cumsum(counts, 0, out=crow[1:])
-        columns = candidates[valid]                        # row-major: ascending within each row
+        crow = torch.zeros(size + 1, dtype=torch.long, device=candidates.device)
+        torch.cumsum(torch.bincount(column, minlength=size), 0, out=crow[1:])
         with warnings.catch_warnings():   # "CSR support is in beta": the sampled product is what is used of it
             warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
-            pattern = torch.sparse_csr_tensor(crow, columns, torch.zeros(columns.numel(), dtype=torch.float32,
-                                                                         device=candidates.device),
-                                              size=(count, gallery32.shape[0]), check_invariants=False)
-        values = torch.sparse.sampled_addmm(pattern, query_rows, gallery32.t(), beta=0.0).values()
+            pattern = torch.sparse_csr_tensor(crow, row[order], torch.zeros(order.numel(), dtype=torch.float32,
+                                                                           device=candidates.device),
+                                              size=(size, count), check_invariants=False)
+        values = torch.sparse.sampled_addmm(pattern, gallery32, query_rows.t(), beta=0.0).values()
     except (RuntimeError, NotImplementedError):   # a backend without sampled products: gathered rows
         return _gathered_scores(query_rows, candidates,
                                 lambda index, out: torch.index_select(gallery32, 0, index, out=out),
                                 same_reduction=False)
     out = torch.full((count, width), -math.inf, dtype=torch.float32, device=query_rows.device)
-    out[valid] = values
+    out[row[order], position[order]] = values
     return out
 
 
 def _filter(scores: torch.Tensor, candidates: torch.Tensor, bound: torch.Tensor, k: int) -> torch.Tensor:
-    """Drop candidates that cannot reach the top-k given scores within ``bound``; keeps positions (pads -1)."""
+    """Drop candidates that cannot reach the top-k given scores within ``bound``. The survivors are moved to the
+    front of their row in ascending index order, padded with -1 to the widest row: the fp64 stage gathers every
+    position up to a row's last survivor, so leaving the gaps cost it ~17x more rows on wide int8 windows."""
     kth = scores.topk(k, dim=1).values[:, k - 1] if k > 1 else scores.max(dim=1).values
     keep = (scores.double() >= (kth.double() - 2.0 * bound).unsqueeze(1)) & (candidates >= 0)
-    return torch.where(keep, candidates, torch.full_like(candidates, -1))
+    if keep.numel() == 0:
+        return candidates
+    # a stable sort of "dropped" flags moves the kept entries forward without reordering them
+    order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices
+    width = max(k, int(keep.sum(dim=1).max()))
+    kept = torch.gather(torch.where(keep, candidates, torch.full_like(candidates, -1)), 1, order[:, :width])
+    return kept
 
 
 class _Result:
@@ -758,6 +779,7 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
         dev32 = 3.0 * _U32 * (1.0 + 1e-12) * torch.ones_like(norm32)      # ||q32 - q||, q the fp64 unit row
         ref = 1.0 + 1e-12
     bound32 = _stage_bound(dev32, norm32, space.norm32_max, space.dev32_max, dim, ref_norm=ref)
+    lower = _exact_lower(q32, space.stage32, bound32)
     single_ok = k == 1 and not want_scores
     offset = start
     if start_stage == "half":
@@ -770,7 +792,8 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
         cap = max(k + 1, min(_MAX_CANDIDATES, space.size // _GATHER_VS_DENSE)) + k
         if space.half_dtype == torch.int8 and k == 1:
             scores = None
-            rows, cand, fp32_rows = int8_top1_candidates(x32, dev_x, space, ref_norm, residual, cap, _round_down)
+            rows, cand, fp32_rows = int8_top1_candidates(x32, dev_x, space, ref_norm, residual, cap, _round_down,
+                                                         lower)
         elif space.half_dtype == torch.int8:
             scores, bound_h, out_unit = _int8_stage(x32, dev_x, space, ref_norm, residual)
         else:
@@ -785,7 +808,7 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
         del x32
         # (cap: wider candidate sets are cheaper as full fp32 rows, one dense product, than as gathered rows)
         if scores is not None and k == 1:
-            rows, cand, fp32_rows = _select_top1(scores, bound_h, cap, out_unit)
+            rows, cand, fp32_rows = _select_top1(scores, bound_h, cap, out_unit, lower)
         elif scores is not None:
             rows, cand, fp32_rows = _select(scores, bound_h, k, cap, out_unit)
         del scores
@@ -817,6 +840,16 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
         _finish_exact(space, queries, cand, rows + offset, k, result)
         _full_fp64(space, queries, fp32_rows[wide] + offset, k, result)
     return rescored
+
+
+def _exact_lower(q32: torch.Tensor, stage32: torch.Tensor, bound32: torch.Tensor):
+    """``lower(rows, columns)``: fp64 lower bounds on the reference scores of the pairs (q32 row, gallery column):
+    their fp32 dot products minus the fp32 bound ``bound32`` of each row (any summation order; gamma_D)."""
+    def lower(rows: torch.Tensor | slice, columns: torch.Tensor) -> torch.Tensor:
+        query = q32[rows]
+        scores = torch.bmm(query.unsqueeze(1), torch.index_select(stage32, 0, columns).unsqueeze(2))
+        return scores.view(-1).double() - bound32[rows]
+    return lower
 
 
 def _blocked_matmul(left: torch.Tensor, right: torch.Tensor) -> tuple[torch.Tensor, float]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from compat_core import retrieval
+from compat_core.retrieval_int8 import select_top1
 from compat_core.retrieval import (
     bridged_nearest_neighbours,
     bridged_recall_at_1,
@@ -404,9 +405,9 @@ def test_int8_path_is_really_taken_when_forced(monkeypatch):
     calls = []
     original = torch._int_mm
 
-    def spy(left, right):
+    def spy(left, right, **kwargs):
         calls.append((left.dtype, right.dtype))
-        return original(left, right)
+        return original(left, right, **kwargs)
 
     monkeypatch.setattr(torch, "_int_mm", spy)
     query, gallery = planted(20, 30, 8, seed=2)
@@ -496,7 +497,7 @@ def test_auto_int8_demotes_to_the_next_stage_when_its_window_rescores_too_much(m
                         lambda device, exclude=(): "fp32" if "int8" in exclude else "int8")
     calls = []
     original = torch._int_mm
-    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape) or original(a, b))
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b, **kw: calls.append(a.shape) or original(a, b, **kw))
     query, gallery = adversarial_near_ties(400, 96, seed=22)
     expected, _ = brute_topk(query, gallery, 1)
     index, _ = nearest_neighbours(query, gallery, k=1, chunk_size=10, precision="auto", return_scores=False)
@@ -625,6 +626,55 @@ def test_select_top1_equals_a_full_threshold_comparison(width, cap):
             assert got[row] == full
         else:
             assert cap is not None and len(full) > cap
+
+
+@pytest.mark.parametrize("width", [10, 64, 300, 1000])
+def test_select_top1_with_a_lower_bound_keeps_exactly_the_items_that_can_reach_it(width):
+    # reference scores R, stage scores S with |S - R| <= bound; lower(columns) = R of the column handed over.
+    # The candidates must be {S >= floor(max(v - 2 bound, L - bound))} (brute force here), the column handed to
+    # lower must hold its row's maximum S, and the top-1 of R (lowest index among ties) must always survive
+    rng = np.random.default_rng(100 + width)
+    reference = rng.uniform(-1000.0, 1000.0, (30, width))
+    reference[0, [2, width - 1]] = 5000.0                   # an exact tie of the reference top-1
+    bound = rng.uniform(0.0, 400.0, 30)
+    bound[1] = 0.0
+    noise = rng.uniform(-1.0, 1.0, (30, width)) * bound[:, None]
+    scores = torch.tensor(np.floor(reference + noise), dtype=torch.int32)
+    # the stage rounds down: |S - R| <= bound + 1
+    bound_t = torch.tensor(bound + 1.0, dtype=torch.float64)
+    handed = []
+
+    def lower(columns):
+        handed.append(columns.clone())
+        return torch.tensor(reference[np.arange(30), columns.numpy()], dtype=torch.float64)
+
+    rows, cand, wide, _ = select_top1(scores, bound_t, None, 0.0, retrieval._round_down, lower)
+    assert wide.numel() == 0 and sorted(rows.tolist()) == list(range(30))
+    best = scores.double().max(dim=1).values
+    argmax = handed[0].numpy()
+    assert bool((scores[np.arange(30), argmax].double() == best).all())
+    low = torch.tensor(reference[np.arange(30), argmax])
+    threshold = torch.floor(torch.maximum(best - 2.0 * bound_t, low - bound_t) - 1e-12 * (1.0 + best.abs()))
+    plain_count = narrowed_count = 0
+    for position, row in enumerate(rows.tolist()):
+        got = [c for c in cand[position].tolist() if c >= 0]
+        assert got == torch.nonzero(scores[row].double() >= threshold[row]).squeeze(1).tolist(), row
+        assert int(np.argmax(reference[row])) in got, row
+        narrowed_count += len(got)
+        plain_count += int((scores[row].double() >= torch.floor(best[row] - 2.0 * bound_t[row]
+                                                                 - 1e-12 * (1.0 + best[row].abs()))).sum())
+    assert narrowed_count <= plain_count
+    if width >= 300:
+        assert narrowed_count < plain_count                  # the lower bound really narrows wide windows
+
+
+def test_filter_moves_survivors_forward_in_index_order():
+    # hand-worked: row 0 keeps 3 and 9 (score 0.5 within 2 x 0.05 of the best 0.58), row 1 keeps only 7
+    candidates = torch.tensor([[1, 3, 5, 9], [2, 7, -1, -1]])
+    scores = torch.tensor([[0.1, 0.5, 0.2, 0.58], [0.3, 0.9, -math.inf, -math.inf]])
+    bound = torch.tensor([0.05, 0.05], dtype=torch.float64)
+    kept = retrieval._filter(scores, candidates, bound, 1)
+    assert kept.tolist() == [[3, 9], [7, -1]]
 
 
 @pytest.mark.parametrize("low_rank", [False, True])
