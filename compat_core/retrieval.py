@@ -414,9 +414,42 @@ def _dominant_basis(sample: torch.Tensor, max_rank: int) -> torch.Tensor | None:
     their residuals through the eigendecomposition of their small Gram matrix (directions of negligible energy
     dropped), orthogonalises them once more against the basis so far ("twice is enough"), and removes them from
     every residual. Only speed depends on its quality: the kernel measures the residual of every gallery row.
+    The (n, D) residual updates use the thread pool, the small per-block eigendecompositions one thread
+    (measured at n = 882, D = 1023, 2 threads: 0.19 s all on one thread, 0.12 s so, on full-rank rows).
     """
-    with _one_thread():
-        return _dominant_basis_serial(sample, max_rank)
+    count = sample.shape[0]
+    residual = sample.clone()
+    energy = (residual * residual).sum(dim=1)
+    target = count * _LOW_RANK_RMS_RESIDUAL ** 2
+    negligible = _LOW_RANK_RMS_RESIDUAL ** 2 / 4.0
+    blocks: list[torch.Tensor] = []
+    rank = 0
+    while float(energy.sum()) > target:
+        with _one_thread():
+            pick = torch.topk(energy, min(_BASIS_BLOCK, count)).indices
+            rows = residual[pick]
+            values, vectors = torch.linalg.eigh(rows @ rows.t())
+            keep = values > negligible
+            if not bool(keep.any()):
+                break
+            directions = (vectors[:, keep].t() @ rows) / torch.sqrt(values[keep])[:, None]       # (b, D)
+        if blocks:
+            basis = torch.cat(blocks)
+            directions = directions - (directions @ basis.t()) @ basis
+        with _one_thread():
+            # re-normalise (and re-orthogonalise within the block) after the projection
+            values, vectors = torch.linalg.eigh(directions @ directions.t())
+            keep = values > 0.5
+            directions = (vectors[:, keep].t() @ directions) / torch.sqrt(values[keep])[:, None]
+        rank += directions.shape[0]
+        if rank > max_rank:
+            return None
+        blocks.append(directions)
+        residual -= (residual @ directions.t()) @ directions
+        energy = (residual * residual).sum(dim=1)
+    if not blocks:
+        return None
+    return torch.cat(blocks).t().contiguous()
 
 
 _ONE_THREAD = threading.local()   # per Python thread: depth of nested sections and the setting to restore
@@ -443,40 +476,6 @@ def _one_thread():
         state.depth -= 1
         if state.depth == 0:
             torch.set_num_threads(state.saved)
-
-
-def _dominant_basis_serial(sample: torch.Tensor, max_rank: int) -> torch.Tensor | None:
-    count = sample.shape[0]
-    residual = sample.clone()
-    energy = (residual * residual).sum(dim=1)
-    target = count * _LOW_RANK_RMS_RESIDUAL ** 2
-    negligible = _LOW_RANK_RMS_RESIDUAL ** 2 / 4.0
-    blocks: list[torch.Tensor] = []
-    rank = 0
-    while float(energy.sum()) > target:
-        pick = torch.topk(energy, min(_BASIS_BLOCK, count)).indices
-        rows = residual[pick]
-        values, vectors = torch.linalg.eigh(rows @ rows.t())
-        keep = values > negligible
-        if not bool(keep.any()):
-            break
-        directions = (vectors[:, keep].t() @ rows) / torch.sqrt(values[keep])[:, None]       # (b, D)
-        if blocks:
-            basis = torch.cat(blocks)
-            directions = directions - (directions @ basis.t()) @ basis
-        # re-normalise (and re-orthogonalise within the block) after the projection
-        values, vectors = torch.linalg.eigh(directions @ directions.t())
-        keep = values > 0.5
-        directions = (vectors[:, keep].t() @ directions) / torch.sqrt(values[keep])[:, None]
-        rank += directions.shape[0]
-        if rank > max_rank:
-            return None
-        blocks.append(directions)
-        residual -= (residual @ directions.t()) @ directions
-        energy = (residual * residual).sum(dim=1)
-    if not blocks:
-        return None
-    return torch.cat(blocks).t().contiguous()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -591,10 +590,7 @@ def _select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out
     """``_select`` for k = 1 by block maxima (``retrieval_int8.select_top1``); the rows it leaves over (float
     scores whose threshold is <= 0) go through ``_select``. Same return value as ``_select``.
     ``lower(rows, columns)``: lower bounds on reference scores (``_exact_lower``) that narrow the threshold."""
-    row_lower = None
-    if lower is not None:
-        row_lower = lambda columns: lower(slice(None), columns)          # noqa: E731
-    rows, cand, wide, other = select_top1(scores, bound, cap, out_unit, _round_down, row_lower)
+    rows, cand, wide, other = select_top1(scores, bound, cap, out_unit, _round_down, lower)
     if other.numel() == 0:
         return rows, cand, wide
     with _one_thread():
@@ -845,7 +841,7 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
 def _exact_lower(q32: torch.Tensor, stage32: torch.Tensor, bound32: torch.Tensor):
     """``lower(rows, columns)``: fp64 lower bounds on the reference scores of the pairs (q32 row, gallery column):
     their fp32 dot products minus the fp32 bound ``bound32`` of each row (any summation order; gamma_D)."""
-    def lower(rows: torch.Tensor | slice, columns: torch.Tensor) -> torch.Tensor:
+    def lower(rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
         query = q32[rows]
         scores = torch.bmm(query.unsqueeze(1), torch.index_select(stage32, 0, columns).unsqueeze(2))
         return scores.view(-1).double() - bound32[rows]

@@ -91,8 +91,8 @@ def int8_top1_candidates(x32: torch.Tensor, dev_x: torch.Tensor, space, ref_norm
     block stays in cache between the product and the selection (and under glibc's 32 MiB mmap threshold, so its
     memory is reused rather than page-faulted in anew). Measured on one core at Ng = 10,000, r = 512: the int8
     product takes 1.3 s per 50,000 queries in 512-row blocks, 2.3 s in blocks of 1,024 rows or more.
-    ``lower(rows, columns)``: fp64 lower bounds on the reference scores of the pairs (row of the slice ``rows``,
-    column) in real units (``select_top1``'s ``lower`` before the conversion to P units done here).
+    ``lower(rows, columns)``: fp64 lower bounds on the reference scores of the pairs (row of ``x32``, column) in
+    real units (``select_top1``'s ``lower`` before the conversion to P units done here).
     Returns (rows_ok, candidates, rows_wide) as ``select_top1``."""
     count = x32.shape[0]
     step = max(16, INT8_BLOCK_SCORES // max(1, space.size))
@@ -104,7 +104,7 @@ def int8_top1_candidates(x32: torch.Tensor, dev_x: torch.Tensor, space, ref_norm
     def lower_in_units(start: int, stop: int):
         if lower is None:
             return None
-        return lambda columns: lower(slice(start, stop), columns) / unit[start:stop]
+        return lambda rows, columns: lower(rows + start, columns) / unit[rows + start]
 
     found_rows, found_cand, found_wide = [], [], []
     # one product buffer for all blocks: a fresh one per block was measured to cost up to half the product
@@ -135,12 +135,13 @@ def int8_top1_candidates(x32: torch.Tensor, dev_x: torch.Tensor, space, ref_norm
 
 
 SELECT_BLOCK = 64              # columns per block maximum in ``select_top1``
+LOWER_MIN_OPEN_BLOCKS = 8      # ``select_top1`` asks for the lower bound L of rows with at least this many open blocks
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
 def select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_unit: float,
                 round_down: Callable[[torch.Tensor, torch.dtype], torch.Tensor],
-                lower: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                lower: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
     """Top-1 candidates {S_j >= T} of each row, T = v - u|v| - 2 bound - 1e-12 (1 + |v|) rounded down to the
     scores' type (v the row maximum, u = ``out_unit``; ``bound`` fp64 (n,) in score units): the threshold of
     ``retrieval._select`` with k = 1, so the candidate sets are identical; only the way they are found differs.
@@ -151,12 +152,13 @@ def select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_
     floats and put every negative float (and -0) below them; so a row is handled here only when its threshold is
     > +0 (then no negative entry can be a candidate, and no entry equal to T is missed), else it is left over.
 
-    ``lower(columns)``: with the column of each row's maximum (n,), fp64 (n,) lower bounds on the reference score
-    of that item in score units (its exact score minus its fp32 error; -inf where unknown). The top-1's reference
+    ``lower(rows, columns)``: for rows (m,) and the column of each one's maximum (m,), fp64 (m,) lower bounds on
+    the reference score of that item in score units (its exact score minus its fp32 error). The top-1's reference
     score is at least L, and item j's is at most S_j + bound (plus output rounding: S_j = round(z_j) is monotone in
     z_j), so only {S_j >= round_down(L - bound)} can hold it; T becomes the larger of the two thresholds. Where the
     stage's error is mostly quantisation rather than a shift of the whole row, L sits near v and the window is
     about halved (measured on the benchmark's full-rank data: the int8 stage's candidates per query 175 -> 32).
+    It is asked for only where the window with v - 2 bound opens ``LOWER_MIN_OPEN_BLOCKS`` blocks or more.
 
     Why not a top-k: one pass takes the maximum of every block of ``SELECT_BLOCK`` columns (the row maximum is
     the maximum of its blocks); only blocks whose maximum reaches the threshold can hold candidates, and those few
@@ -182,7 +184,14 @@ def select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_
         best = best_key.double()
     threshold64 = best - out_unit * best.abs() - 2.0 * bound
     if lower is not None:
-        threshold64 = torch.maximum(threshold64, lower(_row_argmax(keys, block_max, size)) - bound)
+        # only rows with a wide window: scoring a row's best item (a random gallery row read) costs about as much
+        # as re-scoring ~25 candidates, so narrow windows (junction features: ~3 candidates) are left as they are
+        plain = round_down(threshold64 - 1e-12 * (1.0 + best.abs()), scores.dtype)
+        plain = plain.view(keys.dtype) if floating else plain
+        wide = torch.nonzero((block_max >= plain.unsqueeze(1)).sum(dim=1) >= LOWER_MIN_OPEN_BLOCKS).squeeze(1)
+        if wide.numel():
+            columns = _row_argmax(keys, block_max, wide, size)
+            threshold64[wide] = torch.maximum(threshold64[wide], lower(wide, columns) - bound[wide])
     threshold64 = threshold64 - 1e-12 * (1.0 + best.abs())
     threshold = round_down(threshold64, scores.dtype)
     if floating:
@@ -220,11 +229,12 @@ def select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_
     return every[fits], candidates, every[handled & ~fits], every[~handled]
 
 
-def _row_argmax(keys: torch.Tensor, block_max: torch.Tensor, size: int) -> torch.Tensor:
-    """Column of a maximum of each row (n,) from its block maxima: the first best block, read entry by entry."""
-    block = block_max.argmax(dim=1)
+def _row_argmax(keys: torch.Tensor, block_max: torch.Tensor, rows: torch.Tensor, size: int) -> torch.Tensor:
+    """Column of a maximum of each of ``rows`` (m,) from its block maxima: its first best block, read entry by
+    entry."""
+    block = block_max[rows].argmax(dim=1)
     columns = (block.unsqueeze(1) * SELECT_BLOCK + torch.arange(SELECT_BLOCK, device=keys.device)).clamp(max=size - 1)
-    offset = keys.gather(1, columns).argmax(dim=1, keepdim=True)
+    offset = keys[rows.unsqueeze(1), columns].argmax(dim=1, keepdim=True)
     return columns.gather(1, offset).squeeze(1)
 
 

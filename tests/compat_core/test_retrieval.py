@@ -629,10 +629,14 @@ def test_select_top1_equals_a_full_threshold_comparison(width, cap):
 
 
 @pytest.mark.parametrize("width", [10, 64, 300, 1000])
-def test_select_top1_with_a_lower_bound_keeps_exactly_the_items_that_can_reach_it(width):
-    # reference scores R, stage scores S with |S - R| <= bound; lower(columns) = R of the column handed over.
-    # The candidates must be {S >= floor(max(v - 2 bound, L - bound))} (brute force here), the column handed to
-    # lower must hold its row's maximum S, and the top-1 of R (lowest index among ties) must always survive
+@pytest.mark.parametrize("min_open", [0, 8])
+def test_select_top1_with_a_lower_bound_keeps_exactly_the_items_that_can_reach_it(monkeypatch, width, min_open):
+    # reference scores R, stage scores S with |S - R| <= bound; lower(rows, columns) = R of the pairs handed over.
+    # A row asks for L when its plain window (v - 2 bound) opens >= min_open blocks of 64 columns; its candidates
+    # must then be {S >= floor(max(v - 2 bound, L - bound))}, else {S >= floor(v - 2 bound)} (brute force here);
+    # the column handed over must hold its row's maximum S, and the top-1 of R must always survive
+    from compat_core import retrieval_int8
+    monkeypatch.setattr(retrieval_int8, "LOWER_MIN_OPEN_BLOCKS", min_open)
     rng = np.random.default_rng(100 + width)
     reference = rng.uniform(-1000.0, 1000.0, (30, width))
     reference[0, [2, width - 1]] = 5000.0                   # an exact tie of the reference top-1
@@ -640,32 +644,35 @@ def test_select_top1_with_a_lower_bound_keeps_exactly_the_items_that_can_reach_i
     bound[1] = 0.0
     noise = rng.uniform(-1.0, 1.0, (30, width)) * bound[:, None]
     scores = torch.tensor(np.floor(reference + noise), dtype=torch.int32)
-    # the stage rounds down: |S - R| <= bound + 1
-    bound_t = torch.tensor(bound + 1.0, dtype=torch.float64)
-    handed = []
+    bound_t = torch.tensor(bound + 1.0, dtype=torch.float64)          # flooring: |S - R| <= bound + 1
+    handed = {}
 
-    def lower(columns):
-        handed.append(columns.clone())
-        return torch.tensor(reference[np.arange(30), columns.numpy()], dtype=torch.float64)
+    def lower(rows, columns):
+        handed.update(zip(rows.tolist(), columns.tolist()))
+        return torch.tensor(reference[rows.numpy(), columns.numpy()], dtype=torch.float64)
 
     rows, cand, wide, _ = select_top1(scores, bound_t, None, 0.0, retrieval._round_down, lower)
     assert wide.numel() == 0 and sorted(rows.tolist()) == list(range(30))
     best = scores.double().max(dim=1).values
-    argmax = handed[0].numpy()
-    assert bool((scores[np.arange(30), argmax].double() == best).all())
-    low = torch.tensor(reference[np.arange(30), argmax])
-    threshold = torch.floor(torch.maximum(best - 2.0 * bound_t, low - bound_t) - 1e-12 * (1.0 + best.abs()))
+    margin = 1e-12 * (1.0 + best.abs())
+    plain = torch.floor(best - 2.0 * bound_t - margin)
     plain_count = narrowed_count = 0
     for position, row in enumerate(rows.tolist()):
         got = [c for c in cand[position].tolist() if c >= 0]
-        assert got == torch.nonzero(scores[row].double() >= threshold[row]).squeeze(1).tolist(), row
+        blocks = [scores[row, b:b + 64].max() >= plain[row] for b in range(0, width, 64)]
+        assert (row in handed) == (sum(blocks) >= min_open), row
+        threshold = plain[row]
+        if row in handed:
+            assert scores[row, handed[row]] == best[row]
+            low = reference[row, handed[row]]
+            threshold = math.floor(max(best[row] - 2.0 * bound_t[row], low - bound_t[row]) - margin[row])
+        assert got == torch.nonzero(scores[row].double() >= threshold).squeeze(1).tolist(), row
         assert int(np.argmax(reference[row])) in got, row
         narrowed_count += len(got)
-        plain_count += int((scores[row].double() >= torch.floor(best[row] - 2.0 * bound_t[row]
-                                                                 - 1e-12 * (1.0 + best[row].abs()))).sum())
+        plain_count += int((scores[row].double() >= plain[row]).sum())
     assert narrowed_count <= plain_count
-    if width >= 300:
-        assert narrowed_count < plain_count                  # the lower bound really narrows wide windows
+    if width >= max(300, 64 * min_open):                    # enough blocks for rows to ask for L
+        assert handed and narrowed_count < plain_count       # the lower bound really narrows wide windows
 
 
 def test_filter_moves_survivors_forward_in_index_order():
