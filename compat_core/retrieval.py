@@ -841,7 +841,7 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
 def _exact_lower(q32: torch.Tensor, stage32: torch.Tensor, bound32: torch.Tensor):
     """``lower(rows, columns)``: fp64 lower bounds on the reference scores of the pairs (q32 row, gallery column):
     their fp32 dot products minus the fp32 bound ``bound32`` of each row (any summation order; gamma_D)."""
-    def lower(rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    def lower(rows: torch.Tensor | slice, columns: torch.Tensor) -> torch.Tensor:
         query = q32[rows]
         scores = torch.bmm(query.unsqueeze(1), torch.index_select(stage32, 0, columns).unsqueeze(2))
         return scores.view(-1).double() - bound32[rows]

@@ -41,8 +41,9 @@ def quantize_rows(rows: torch.Tensor, common_max: float | None = None):
 
     With p = fl32(s a) and e = fl32(x - p) (what is computed): |p - s a| <= u|s a| and |e - (x - p)| <= u|x - p|
     per component, so ||x - p|| <= ||e|| / (1 - u) and, with d = x - s a, ||d|| <= ||x - p|| + u ||s a||
-    <= ||x - p|| + u (||x|| + ||d||), i.e. ||d|| <= (||e|| / (1 - u) + u ||x||) / (1 - u); both norms are upper
-    bounds of their fp32 evaluation (``norm32_upper``)."""
+    <= ||x - p|| + u (||x|| + ||d||), i.e. ||d|| <= (||e|| / (1 - u) + u ||x||) / (1 - u); ||e|| is bounded from
+    its fp32 evaluation (``norm32_upper``), ||x|| by sqrt(D) max|x| (u ||x|| is ~1e-7 of the bound: a norm pass
+    over the rows for it cost ~1/3 of the quantisation)."""
     if common_max is None:
         amax = torch.linalg.vector_norm(rows, ord=math.inf, dim=1)
         amax = torch.where(amax > 0, amax, torch.ones_like(amax))
@@ -54,7 +55,8 @@ def quantize_rows(rows: torch.Tensor, common_max: float | None = None):
     # measures, whatever codes result
     codes = torch.round(rows * (INT8_LIMIT / amax)[:, None])
     error = torch.addcmul(rows, codes, scale[:, None], value=-1.0)       # fl(x - s a), fused or not
-    deviation = (norm32_upper(error) / (1.0 - U32) + U32 * norm32_upper(rows)) / (1.0 - U32)
+    norm_upper = amax.double() * (math.sqrt(rows.shape[1]) * (1.0 + 1e-12))             # >= ||x||
+    deviation = (norm32_upper(error) / (1.0 - U32) + U32 * norm_upper) / (1.0 - U32)
     return codes.to(torch.int8), scale, deviation
 
 
@@ -104,7 +106,10 @@ def int8_top1_candidates(x32: torch.Tensor, dev_x: torch.Tensor, space, ref_norm
     def lower_in_units(start: int, stop: int):
         if lower is None:
             return None
-        return lambda rows, columns: lower(rows + start, columns) / unit[rows + start]
+        def in_units(rows, columns):
+            absolute = slice(start, stop) if isinstance(rows, slice) else rows + start
+            return lower(absolute, columns) / unit[absolute]
+        return in_units
 
     found_rows, found_cand, found_wide = [], [], []
     # one product buffer for all blocks: a fresh one per block was measured to cost up to half the product
@@ -152,10 +157,11 @@ def select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_
     floats and put every negative float (and -0) below them; so a row is handled here only when its threshold is
     > +0 (then no negative entry can be a candidate, and no entry equal to T is missed), else it is left over.
 
-    ``lower(rows, columns)``: for rows (m,) and the column of each one's maximum (m,), fp64 (m,) lower bounds on
-    the reference score of that item in score units (its exact score minus its fp32 error). The top-1's reference
-    score is at least L, and item j's is at most S_j + bound (plus output rounding: S_j = round(z_j) is monotone in
-    z_j), so only {S_j >= round_down(L - bound)} can hold it; T becomes the larger of the two thresholds. Where the
+    ``lower(rows, columns)``: for rows (m,) (or ``slice(None)``: all) and the column of each one's maximum (m,),
+    fp64 (m,) lower bounds on the reference score of that item in score units (its exact score minus its fp32
+    error). The top-1's reference score is at least L, and item j's is at most S_j + bound (plus output rounding:
+    S_j = round(z_j) is monotone in z_j), so only {S_j >= round_down(L - bound)} can hold it; T becomes the larger
+    of the two thresholds. Where the
     stage's error is mostly quantisation rather than a shift of the whole row, L sits near v and the window is
     about halved (measured on the benchmark's full-rank data: the int8 stage's candidates per query 175 -> 32).
     It is asked for only where the window with v - 2 bound opens ``LOWER_MIN_OPEN_BLOCKS`` blocks or more.
@@ -191,7 +197,9 @@ def select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_
         wide = torch.nonzero((block_max >= plain.unsqueeze(1)).sum(dim=1) >= LOWER_MIN_OPEN_BLOCKS).squeeze(1)
         if wide.numel():
             columns = _row_argmax(keys, block_max, wide, size)
-            threshold64[wide] = torch.maximum(threshold64[wide], lower(wide, columns) - bound[wide])
+            # every row: a slice, so that the query rows need no gather
+            low = lower(slice(None) if wide.numel() == count else wide, columns)
+            threshold64[wide] = torch.maximum(threshold64[wide], low - bound[wide])
     threshold64 = threshold64 - 1e-12 * (1.0 + best.abs())
     threshold = round_down(threshold64, scores.dtype)
     if floating:

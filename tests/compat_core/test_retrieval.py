@@ -648,6 +648,7 @@ def test_select_top1_with_a_lower_bound_keeps_exactly_the_items_that_can_reach_i
     handed = {}
 
     def lower(rows, columns):
+        rows = torch.arange(30)[rows]                            # a tensor of rows, or slice(None): all of them
         handed.update(zip(rows.tolist(), columns.tolist()))
         return torch.tensor(reference[rows.numpy(), columns.numpy()], dtype=torch.float64)
 
