@@ -113,6 +113,33 @@ def absolute_plugin(spec: str) -> str:
     return spec
 
 
+# config keys whose values may be local paths (data roots, external weights, the shared third-party store)
+PATH_KEYS = frozenset({"root", "init", "source", "shared_store", "initial_model"})
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")   # s3://, file://, models:/, runs:/, pretrain:<name>
+
+
+def absolute_local_paths(value: Any, cwd: Path, key: str | None = None) -> Any:
+    """A copy of a config document (or of one value under ``key``) whose relative local paths under ``PATH_KEYS``
+    are made absolute against ``cwd``; URIs and ``pretrain:<name>`` stay as they are.
+
+    Tune runs each trial in its own working folder, so a relative ``output.shared_store: runs/demo/third-party``
+    named a different folder per trial (measured: the demo search's 8 trials each trained its third-party model,
+    under Ray's session folder) and a relative data root would not be found at all."""
+    if isinstance(value, dict):
+        return {k: absolute_local_paths(v, cwd, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [absolute_local_paths(v, cwd, key) for v in value]
+    if (key in PATH_KEYS and isinstance(value, str) and value and not _SCHEME.match(value)
+            and not Path(value).is_absolute()):
+        return str((cwd / value).resolve())
+    return value
+
+
+def absolute_fixed_values(fixed: dict[str, Any], cwd: Path) -> dict[str, Any]:
+    """``absolute_local_paths`` for a search space's ``fixed`` mapping (dotted keys: the last part names the field)."""
+    return {dotted: absolute_local_paths(value, cwd, dotted.rsplit(".", 1)[-1]) for dotted, value in fixed.items()}
+
+
 # ---- configs of trials -----------------------------------------------------------------------------------------------
 def apply_values(document: dict, values: dict[str, Any]) -> dict:
     """A copy of ``document`` with each ``dotted.key -> value`` set (same addressing as ``--set``)."""

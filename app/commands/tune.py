@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 HELP = "hyper-parameter search over whole pipelines (Ray Tune + Optuna, ASHA), every trial tracked in MLflow"
 
@@ -47,7 +48,8 @@ def build_spec(args):
     """SearchSpec from the command line (validates config, space and objective)."""
     from compat_core import io as cio
     from cluster.search_space import load_space
-    from cluster.tune import SearchSpec, absolute_plugin, default_resources, load_plugins, objective_metric
+    from cluster.tune import (SearchSpec, absolute_fixed_values, absolute_local_paths, absolute_plugin,
+                              default_resources, load_plugins, objective_metric)
     from pipelines.config import config_to_dict, load_config
 
     if not args.config or not args.space:
@@ -55,8 +57,12 @@ def build_spec(args):
     plugins = [absolute_plugin(p) for p in args.plugins]
     load_plugins(plugins)
     config = load_config(args.config, args.overrides)
-    space = load_space(args.space)
-    storage = args.storage if cio.is_remote(args.storage) else str(__import__("pathlib").Path(args.storage).resolve())
+    space = load_space(args.space).to_dict()
+    # trials run in their own working folders: relative paths (data roots, the shared store) are the driver's
+    cwd = Path.cwd()
+    if space.get("fixed"):
+        space["fixed"] = absolute_fixed_values(space["fixed"], cwd)
+    storage = args.storage if cio.is_remote(args.storage) else str(Path(args.storage).resolve())
     resources = default_resources(config, args.concurrent)
     if args.cpus_per_trial is not None:
         resources["cpu"] = args.cpus_per_trial
@@ -64,7 +70,8 @@ def build_spec(args):
         resources["gpu"] = args.gpus_per_trial
     return SearchSpec(
         name=args.name or f"tune-{config.name}-{time.strftime('%Y%m%d-%H%M%S')}",
-        base_config=config_to_dict(config), space=space.to_dict(), objective=objective_metric(args.objective),
+        base_config=absolute_local_paths(config_to_dict(config), cwd), space=space,
+        objective=objective_metric(args.objective),
         samples=args.samples, concurrent=args.concurrent, scheduler=args.scheduler, seed=args.seed, storage=storage,
         resources=resources, plugins=plugins, tracking_uri=args.tracking_uri,
         mlflow_experiment=args.mlflow_experiment)

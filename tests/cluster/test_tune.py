@@ -229,3 +229,44 @@ def test_trials_share_third_party_models_whose_key_the_sampled_values_leave_alon
     assert RunStore(tmp_path / "elsewhere").stage_keys() == pretrain["t1"]
     assert not (tmp_path / "searches" / "alone" / "third-party").exists()
     np.testing.assert_array_equal(_matrix(tmp_path / "searches" / "alone" / "runs" / "t2"), _matrix(runs / "t2"))
+
+
+def test_search_spec_names_the_drivers_folders_for_relative_paths(tmp_path, monkeypatch):
+    """Tune runs each trial in its own working folder: a relative shared store or data root in the config (or in the
+    space's fixed values) must name the folder under the directory `compat tune` was started in, in every trial;
+    URIs and pretrain references stay as written."""
+    import argparse
+
+    from app.commands.tune import build_spec
+    from cluster.tune import absolute_local_paths, trial_config
+
+    base = _base_config()
+    base["output"]["shared_store"] = "runs/demo/third-party"
+    base["evaluation"]["query_set"]["root"] = "data/glyphs"
+    base["initial_model"] = "pretrain:p1"
+    (tmp_path / "scenario.yaml").write_text(yaml.safe_dump(base))
+    space = {**SPACE, "fixed": {"pretrain": [{"name": "q1", "pool": {"dataset": "glyphs", "root": "data/other",
+                                                                    "split": "pretrain-1"}}],
+                                "evaluation.gallery_set.root": "s3://bucket/gallery"}}
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(space))
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(config="scenario.yaml", space="space.yaml", overrides=[], plugins=[PLUGIN],
+                              storage="runs/tune", concurrent=1, cpus_per_trial=None, gpus_per_trial=None,
+                              name="paths", objective="AA", samples=1, scheduler="none", seed=0, tracking_uri=None,
+                              mlflow_experiment=None)
+    spec = build_spec(args)
+    assert spec.base_config["output"]["shared_store"] == str(tmp_path / "runs" / "demo" / "third-party")
+    assert spec.base_config["evaluation"]["query_set"]["root"] == str(tmp_path / "data" / "glyphs")
+    assert spec.base_config["initial_model"] == "pretrain:p1"
+    assert spec.space["fixed"]["pretrain"][0]["pool"]["root"] == str(tmp_path / "data" / "other")
+    assert spec.space["fixed"]["evaluation.gallery_set.root"] == "s3://bucket/gallery"
+    # a trial elsewhere (its own working folder) sees the driver's folders
+    elsewhere = tmp_path / "trial-folder"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = trial_config(spec.base_config, {}, {"method.params.lam": 0.1}, str(tmp_path / "runs" / "t1"))
+    assert config.output.shared_store == str(tmp_path / "runs" / "demo" / "third-party")
+    # the helper itself: URIs, MLflow references and pretrain references are left alone
+    document = {"source": "models:/name/1", "init": "s3://b/w.safetensors", "initial_model": "pretrain:p2",
+                "root": "/abs/data", "dir": "runs/x", "shared_store": "file:///tmp/x"}
+    assert absolute_local_paths(document, tmp_path) == document
