@@ -456,6 +456,19 @@ _ONE_THREAD = threading.local()   # per Python thread: depth of nested sections 
 
 
 @contextlib.contextmanager
+def _ieee_fp32():
+    """fp32 products in full fp32 for the kernel's duration: every fp32 bound (gamma_D u32) assumes it, and
+    ``torch.set_float32_matmul_precision("high" / "medium")``, common in training scripts, lets fp32 products use
+    TF32 on CUDA or bf16 passes on CPUs with AMX, ~2^-11 relative, far outside the bounds. The setting is restored."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
+@contextlib.contextmanager
 def _one_thread():
     """Run many small operations on one thread: below ~1 ms per operation the thread pool's hand-offs cost more
     than they save, and on a loaded machine each waits for a descheduled worker (measured: a 32 x 32 eigh 0.07 ms
@@ -992,7 +1005,7 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
     gallery = _as_matrix("gallery", gallery)
     query = _as_matrix("query", query, gallery.device)
     _check_same_dim(query, gallery)
-    with torch.inference_mode():
+    with torch.inference_mode(), _ieee_fp32():
         space = _direct_space(gallery, precision, query.shape[0])
         queries = _Queries("query", query, raw=space.half_dtype == torch.int8)
         result = _search(space, queries, k, precision, chunk_size, return_scores,
@@ -1151,7 +1164,7 @@ def bridged_nearest_neighbours(query_embed, query_head, gallery_embed, gallery_h
     if query_head.shape[0] != gallery_head.shape[0]:
         raise ValueError(f"query_head/gallery_head: feature dimensions d differ "
                          f"({query_head.shape[0]} vs {gallery_head.shape[0]})")
-    with torch.inference_mode():
+    with torch.inference_mode(), _ieee_fp32():
         space = _bridge_space(gallery_embed, query_head, gallery_head, precision)
         # any positive per-query scale is allowed for the ranking; the Euclidean one keeps the stage bounds small
         queries = _Queries("query_embed", query_embed, raw=space.half_dtype == torch.int8)

@@ -806,3 +806,23 @@ def _assert_int8_top1(query, gallery, expected, expected_scores, chunks) -> None
         np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-12)
         only, _ = nearest_neighbours(query, gallery, k=1, chunk_size=chunk, precision="int8", return_scores=False)
         np.testing.assert_array_equal(only.numpy(), expected)
+
+
+def test_fp32_products_run_in_full_fp32_whatever_the_global_matmul_precision(monkeypatch):
+    # a training script's torch.set_float32_matmul_precision("medium") would let fp32 products use TF32 / bf16
+    # passes, outside the fp32 bounds: the kernel runs them at "highest" and restores the caller's setting
+    seen = []
+    original = retrieval._search_chunk
+    monkeypatch.setattr(retrieval, "_search_chunk",
+                        lambda *args: seen.append(torch.get_float32_matmul_precision()) or original(*args))
+    query, gallery = planted(40, 60, 16, seed=31)
+    expected, _ = brute_topk(query, gallery, 1)
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        index, _ = nearest_neighbours(query, gallery, precision="fp32", return_scores=False)
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    np.testing.assert_array_equal(index.numpy(), expected)
+    assert seen and set(seen) == {"highest"}
