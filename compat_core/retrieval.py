@@ -132,6 +132,7 @@ _INT8_SCORE_BUDGET = 5 << 20
 _INT8_TOP1_SCORE_BUDGET = 1 << 25
 _HALF_SCORE_BUDGET = 10 << 20   # bf16 / fp16 score blocks, for the same reasons: measured on one core at Ng = 10,000,
                                 # D = 1023, 1024-query chunks take the bf16 product from 6.1 s to 5.0 s per 50,000
+_PARALLEL_PAIRS = 1 << 16      # candidate pairs per chunk from which re-scoring uses the thread pool
 _UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 0.0}
 
 
@@ -821,8 +822,12 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
         elif scores is not None:
             rows, cand, fp32_rows = _select(scores, bound_h, k, cap, out_unit)
         del scores
-        rescored = (int((cand >= 0).sum()) + fp32_rows.numel() * space.size) / max(1, stop - start)
-        with _one_thread():    # a few candidates per row: many small operations
+        pairs = int((cand >= 0).sum())
+        rescored = (pairs + fp32_rows.numel() * space.size) / max(1, stop - start)
+        # a few candidates per row: many small operations, on one thread; wide windows (int8 on full-rank rows,
+        # ~100,000 pairs per chunk) give each operation enough work for the thread pool
+        serial = _one_thread() if pairs < _PARALLEL_PAIRS else contextlib.nullcontext()
+        with serial:
             if single_ok:
                 rows, cand = _take_singles(rows, cand, result, offset)
             if rows.numel():
