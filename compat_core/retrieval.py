@@ -456,17 +456,29 @@ def _dominant_basis(sample: torch.Tensor, max_rank: int) -> torch.Tensor | None:
 _ONE_THREAD = threading.local()   # per Python thread: depth of nested sections and the setting to restore
 
 
+_FP32_LOCK = threading.Lock()
+_FP32_STATE = {"depth": 0, "saved": "highest"}   # kernels running in this process, and the setting to restore
+
+
 @contextlib.contextmanager
 def _ieee_fp32():
     """fp32 products in full fp32 for the kernel's duration: every fp32 bound (gamma_D u32) assumes it, and
     ``torch.set_float32_matmul_precision("high" / "medium")``, common in training scripts, lets fp32 products use
-    TF32 on CUDA or bf16 passes on CPUs with AMX, ~2^-11 relative, far outside the bounds. The setting is restored."""
-    saved = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
+    TF32 on CUDA or bf16 passes on CPUs with AMX, ~2^-11 relative, far outside the bounds. The setting is
+    process-wide, so kernels running at once in several threads share one section: the first sets "highest", the
+    last restores the caller's setting."""
+    with _FP32_LOCK:
+        if _FP32_STATE["depth"] == 0:
+            _FP32_STATE["saved"] = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision("highest")
+        _FP32_STATE["depth"] += 1
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(saved)
+        with _FP32_LOCK:
+            _FP32_STATE["depth"] -= 1
+            if _FP32_STATE["depth"] == 0:
+                torch.set_float32_matmul_precision(_FP32_STATE["saved"])
 
 
 @contextlib.contextmanager
