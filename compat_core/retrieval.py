@@ -55,13 +55,14 @@ the row maximum v is the largest of them, and only the blocks whose maximum reac
 read entry by entry (``retrieval_int8.select_top1``; floats compared through their bits as integers, rows with
 T <= 0 left to ``_select``). The candidate set is the same {S >= T}.
 
-The top-1's own score narrows every window (k = 1): the column holding a row's maximum stage score is scored
-in fp32 at once, and its score minus the fp32 bound, L, is a lower bound on the top-1's reference score; an item
-whose upper bound S_j + E stays below L cannot hold the top-1, so T becomes the larger of v - 2E and L - E. The
-stage's error is mostly quantisation noise, not a shift of the whole row, so L lies near v and the window is about
-halved. On the benchmark's full-rank clustered features (benchmarks/retrieval.py, 4,096 queries) this took the
-int8 stage from ~175 candidates per query (most rows over the cap, sent to full fp32 rows, so "auto" demoted int8)
-to 32, and bf16 from 10 to 4.3; int8 then stays and is the faster stage there too.
+The top-1's own score narrows wide windows (k = 1; rows whose window opens 8 or more blocks of 64): the column
+holding a row's maximum stage score is scored in fp32, and its score minus the fp32 bound, L, is a lower bound on
+the top-1's reference score; an item whose upper bound S_j + E stays below L cannot hold the top-1, so T becomes
+the larger of v - 2E and L - E. The stage's error is mostly quantisation noise, not a shift of the whole row, so L
+lies near v and the window is about halved. On the benchmark's full-rank clustered features
+(benchmarks/retrieval.py, 4,096 queries) this took the int8 stage from ~175 candidates per query (most rows over
+the cap, sent to full fp32 rows, so "auto" demoted int8) to 32, and bf16 from 10 to 5.2 (4.3 with L asked for by
+every row); int8 then stays and is the faster stage there too.
 
 Low-rank galleries (junction outputs A h have rank <= m < D): with enough queries, the half stage runs in the
 gallery's dominant r-dim subspace U (pivoted block Gram-Schmidt of a sample of gallery rows in fp64, r <= 0.8 D,

@@ -71,15 +71,28 @@ def int8_stage(x32: torch.Tensor, dev_x: torch.Tensor, space, ref_norm, residual
     ``ref_norm`` and ``residual``: floats or fp64 (n,) per-row bounds (raw, unnormalised query rows).
     Returns (P (n, Ng) int32, bound (n,) fp64 in P units, out_unit 0.0).
     """
+    codes, unit, bound = _query_codes(x32, dev_x, space, ref_norm, residual)
+    return _products(codes, space), bound, 0.0
+
+
+def _query_codes(x32: torch.Tensor, dev_x: torch.Tensor, space, ref_norm, residual):
+    """int8 codes of the query rows, the unit s t of their products (fp64 (n,)) and the bound E / (s t) in P units
+    (``int8_stage``'s docstring)."""
     codes, scale, deviation = quantize_rows(x32)
     bound = ((deviation + dev_x) * space.norm_half_max + ref_norm * space.dev_half_max + residual) * SLACK
-    gallery_codes = space.half_t
-    if codes.device.type == "cuda":
-        codes = torch.nn.functional.pad(codes, (0, gallery_codes.shape[1] - codes.shape[1],
-                                                0, max(0, 17 - codes.shape[0])))
-    products = torch._int_mm(codes, gallery_codes.t())[:x32.shape[0], :space.size]
     unit = scale.double() * float(space.half_scale)
-    return products, bound / unit * SLACK, 0.0
+    return codes, unit, bound / unit * SLACK
+
+
+def _products(codes: torch.Tensor, space, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact int32 products P (n, Ng) of query codes with the gallery codes. On CUDA the codes are zero-padded to
+    ``torch._int_mm``'s shape rules (columns to the gallery's padded width, at least 17 rows); zeros add nothing."""
+    count = codes.shape[0]
+    if codes.device.type == "cuda":
+        codes = torch.nn.functional.pad(codes, (0, space.half_t.shape[1] - codes.shape[1], 0, max(0, 17 - count)))
+    if out is not None:
+        out = out[:codes.shape[0]]
+    return torch._int_mm(codes, space.half_t.t(), out=out)[:count, :space.size]
 
 
 INT8_BLOCK_SCORES = 5 << 20    # int32 scores per product block of ``int8_top1_candidates``
@@ -98,10 +111,7 @@ def int8_top1_candidates(x32: torch.Tensor, dev_x: torch.Tensor, space, ref_norm
     Returns (rows_ok, candidates, rows_wide) as ``select_top1``."""
     count = x32.shape[0]
     step = max(16, INT8_BLOCK_SCORES // max(1, space.size))
-    codes, scale, deviation = quantize_rows(x32)
-    bound = ((deviation + dev_x) * space.norm_half_max + ref_norm * space.dev_half_max + residual) * SLACK
-    unit = scale.double() * float(space.half_scale)
-    bound = bound / unit * SLACK
+    codes, unit, bound = _query_codes(x32, dev_x, space, ref_norm, residual)
 
     def lower_in_units(start: int, stop: int):
         if lower is None:
@@ -114,17 +124,11 @@ def int8_top1_candidates(x32: torch.Tensor, dev_x: torch.Tensor, space, ref_norm
     found_rows, found_cand, found_wide = [], [], []
     # one product buffer for all blocks: a fresh one per block was measured to cost up to half the product
     # (page faults when the allocator returns it to the system)
-    buffer = None
+    buffer_rows = max(min(step, count), 17 if codes.device.type == "cuda" else 0)
+    buffer = torch.empty((buffer_rows, space.half_t.shape[0]), dtype=torch.int32, device=codes.device)
     for start in range(0, count, step):
         stop = min(count, start + step)
-        block = codes[start:stop]
-        if block.device.type == "cuda":
-            block = torch.nn.functional.pad(block, (0, space.half_t.shape[1] - block.shape[1],
-                                                    0, max(0, 17 - block.shape[0])))
-        if buffer is None:
-            buffer = torch.empty((block.shape[0], space.half_t.shape[0]), dtype=torch.int32, device=block.device)
-        out = buffer[:block.shape[0]]
-        products = torch._int_mm(block, space.half_t.t(), out=out)[:stop - start, :space.size]
+        products = _products(codes[start:stop], space, out=buffer)
         rows, cand, wide, _ = select_top1(products, bound[start:stop], cap, 0.0, round_down,
                                           lower_in_units(start, stop))
         found_rows.append(rows + start)
@@ -161,9 +165,9 @@ def select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_
     fp64 (m,) lower bounds on the reference score of that item in score units (its exact score minus its fp32
     error). The top-1's reference score is at least L, and item j's is at most S_j + bound (plus output rounding:
     S_j = round(z_j) is monotone in z_j), so only {S_j >= round_down(L - bound)} can hold it; T becomes the larger
-    of the two thresholds. Where the
-    stage's error is mostly quantisation rather than a shift of the whole row, L sits near v and the window is
-    about halved (measured on the benchmark's full-rank data: the int8 stage's candidates per query 175 -> 32).
+    of the two thresholds. Where the stage's error is mostly quantisation rather than a shift of the whole row, L
+    sits near v and the window is about halved (measured on the benchmark's full-rank data: the int8 stage's
+    candidates per query 175 -> 32).
     It is asked for only where the window with v - 2 bound opens ``LOWER_MIN_OPEN_BLOCKS`` blocks or more.
 
     Why not a top-k: one pass takes the maximum of every block of ``SELECT_BLOCK`` columns (the row maximum is
@@ -188,11 +192,12 @@ def select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_
         best = torch.where(best_key >= 0, best_key, torch.zeros_like(best_key)).view(scores.dtype).double()
     else:
         best = best_key.double()
+    margin = 1e-12 * (1.0 + best.abs())          # absorbs the fp64 rounding of the threshold expressions
     threshold64 = best - out_unit * best.abs() - 2.0 * bound
     if lower is not None:
         # only rows with a wide window: scoring a row's best item (a random gallery row read) costs about as much
         # as re-scoring ~25 candidates, so narrow windows (junction features: ~3 candidates) are left as they are
-        plain = round_down(threshold64 - 1e-12 * (1.0 + best.abs()), scores.dtype)
+        plain = round_down(threshold64 - margin, scores.dtype)
         plain = plain.view(keys.dtype) if floating else plain
         wide = torch.nonzero((block_max >= plain.unsqueeze(1)).sum(dim=1) >= LOWER_MIN_OPEN_BLOCKS).squeeze(1)
         if wide.numel():
@@ -200,8 +205,7 @@ def select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_
             # every row: a slice, so that the query rows need no gather
             low = lower(slice(None) if wide.numel() == count else wide, columns)
             threshold64[wide] = torch.maximum(threshold64[wide], low - bound[wide])
-    threshold64 = threshold64 - 1e-12 * (1.0 + best.abs())
-    threshold = round_down(threshold64, scores.dtype)
+    threshold = round_down(threshold64 - margin, scores.dtype)
     if floating:
         threshold = threshold.view(keys.dtype)
         handled = (best_key >= 0) & (threshold > 0)                    # bits > 0: a float > +0
