@@ -165,7 +165,9 @@ def test_mlflow_ui_compares_the_er_and_dsimplex_hoc_runs_of_one_experiment(mlflo
             row.wait_for(timeout=60_000)
             colours += re.findall(r"#[0-9a-f]{6}", row.inner_text())
             row.get_by_role("checkbox").first.check(force=True)  # ag-grid's row selection box
-        assert len(colours) == 2 and colours[0] != colours[1]  # distinct run colours in the charts
+        # each run shows its chart colour; MLflow picks it by hashing the run id into a palette of 29, so two runs
+        # share one about once in 29 searches (seen in CI: both '#f2be88') - distinctness is not MLflow's promise
+        assert len(colours) == 2
         page.get_by_role("button", name="Compare").first.click()
         page.locator('a[title="Plot chart"]').first.wait_for(timeout=60_000)
         _close_side_panel(page)
