@@ -873,9 +873,10 @@ def _exact_lower(q32: torch.Tensor, stage32: torch.Tensor, bound32: torch.Tensor
     """``lower(rows, columns)``: fp64 lower bounds on the reference scores of the pairs (q32 row, gallery column):
     their fp32 dot products minus the fp32 bound ``bound32`` of each row (any summation order; gamma_D)."""
     def lower(rows: torch.Tensor | slice, columns: torch.Tensor) -> torch.Tensor:
-        query = q32[rows]
-        scores = torch.bmm(query.unsqueeze(1), torch.index_select(stage32, 0, columns).unsqueeze(2))
-        return scores.view(-1).double() - bound32[rows]
+        # row-wise dot products as a product and a sum (gamma_D like any order; measured ~1.5x faster than bmm
+        # of 1 x D by D x 1 matrices)
+        scores = (q32[rows] * torch.index_select(stage32, 0, columns)).sum(dim=1)
+        return scores.double() - bound32[rows]
     return lower
 
 

@@ -212,31 +212,33 @@ def select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_
         threshold = torch.where(handled, threshold, torch.full_like(threshold, torch.iinfo(keys.dtype).max))
     else:
         handled = torch.ones_like(best_key, dtype=torch.bool)
-    block_row, block = torch.nonzero((block_max >= threshold.unsqueeze(1)) & handled.unsqueeze(1), as_tuple=True)
-    # gather each open block's columns: full blocks as contiguous slices of the block view (several times faster
-    # than gathering single entries), the narrower last block padded with the smallest key
-    offsets = torch.arange(SELECT_BLOCK, device=device)
-    columns = block.unsqueeze(1) * SELECT_BLOCK + offsets                      # (n_blocks, B)
-    floor = torch.iinfo(keys.dtype).min
-    if main == size:
-        values = keys.unflatten(1, (size // SELECT_BLOCK, SELECT_BLOCK))[block_row, block]
-    else:
-        values = torch.full((block.numel(), SELECT_BLOCK), floor, dtype=keys.dtype, device=device)
-        full = block < main // SELECT_BLOCK
-        if main:
-            values[full] = keys[:, :main].unflatten(1, (main // SELECT_BLOCK, SELECT_BLOCK))[block_row[full],
-                                                                                              block[full]]
-        values[~full, :size - main] = keys[block_row[~full], main:]
-    hit = values >= threshold[block_row].unsqueeze(1)
-    if bool(threshold.min() <= floor):
-        hit &= columns < size              # padding could only pass a threshold at the smallest key
-    which, _ = torch.nonzero(hit, as_tuple=True)
+    # the open full blocks (the narrower last one is compared whole below); each one's columns are gathered as a
+    # contiguous slice of the block view (several times faster than single entries), and one pass over the hits
+    # gives both row and column
+    block_row, block = torch.nonzero((block_max[:, :main // SELECT_BLOCK] >= threshold.unsqueeze(1))
+                                     & handled.unsqueeze(1), as_tuple=True)
+    values = keys[:, :main].unflatten(1, (main // SELECT_BLOCK, SELECT_BLOCK))[block_row, block]
+    which, offset = torch.nonzero(values >= threshold[block_row].unsqueeze(1), as_tuple=True)
     row = block_row[which]
-    column = columns[hit]                        # row-major over (block, offset): columns ascend within a row
+    column = block[which] * SELECT_BLOCK + offset        # row-major over (block, offset): columns ascend in a row
+    position = None
+    if main < size:
+        # the narrower last block: compared whole (fewer than SELECT_BLOCK columns per row), its hits placed
+        # after the row's others (their columns are larger)
+        tail_row, tail_offset = torch.nonzero((keys[:, main:] >= threshold.unsqueeze(1)) & handled.unsqueeze(1),
+                                              as_tuple=True)
+        before = torch.bincount(row, minlength=count)
+        position = torch.cat([_ranks(row, before), before[tail_row] + _ranks(tail_row, None, count)])
+        row = torch.cat([row, tail_row])
+        column = torch.cat([column, tail_offset + main])
     counts = torch.bincount(row, minlength=count)
     fits = handled if cap is None else handled & (counts <= cap)
-    keep = fits[row]
-    candidates = pad_candidates(row[keep], column[keep], counts.masked_fill(~fits, 0))[fits]
+    if bool(fits.all()):             # the usual case: no boolean selections (each a pass of its own)
+        candidates = pad_candidates(row, column, counts, position)
+    else:
+        keep = fits[row]
+        candidates = pad_candidates(row[keep], column[keep], counts.masked_fill(~fits, 0),
+                                    None if position is None else position[keep])[fits]
     every = torch.arange(count, device=device)
     return every[fits], candidates, every[handled & ~fits], every[~handled]
 
@@ -250,13 +252,22 @@ def _row_argmax(keys: torch.Tensor, block_max: torch.Tensor, rows: torch.Tensor,
     return columns.gather(1, offset).squeeze(1)
 
 
-def pad_candidates(row: torch.Tensor, column: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """(n, max count) table of the columns of each row (row-major order: ascending), padded with -1."""
+def _ranks(row: torch.Tensor, counts: torch.Tensor | None, size: int = 0) -> torch.Tensor:
+    """Rank of each entry among the entries of its row, for ``row`` (m,) sorted ascending; ``counts``: the
+    entries per row (``bincount(row, minlength=size)`` when None)."""
+    if counts is None:
+        counts = torch.bincount(row, minlength=size)
+    starts = torch.cumsum(counts, 0) - counts
+    return torch.arange(row.numel(), device=row.device) - starts[row]
+
+
+def pad_candidates(row: torch.Tensor, column: torch.Tensor, counts: torch.Tensor,
+                   position: torch.Tensor | None = None) -> torch.Tensor:
+    """(n, max count) table of the columns of each row, padded with -1: entry i at ``position[i]`` of its row
+    (default: ``row`` sorted ascending, entries in order)."""
     width = int(counts.max()) if counts.numel() else 0
     padded = torch.full((counts.shape[0], width), -1, dtype=torch.long, device=counts.device)
     if width == 0:
         return padded
-    starts = torch.cumsum(counts, 0) - counts
-    position = torch.arange(row.numel(), device=row.device) - starts[row]
-    padded[row, position] = column
+    padded[row, _ranks(row, counts) if position is None else position] = column
     return padded
