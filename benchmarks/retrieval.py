@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from compat_core import calibration, retrieval  # noqa: E402
+from compat_core import calibration, retrieval, retrieval_bridge  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -170,10 +170,10 @@ def bridge_case(nq: int, ng: int, dim: int, embed: int, check_queries: int) -> d
     head_t = torch.randn(dim, embed, generator=gen) / embed ** 0.5
     head_k = head_t + 0.3 * torch.randn(dim, embed, generator=gen) / embed ** 0.5
     rss_inputs = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    seconds, recall = timed(lambda: retrieval.bridged_recall_at_1(q_embed, head_t, g_embed, head_k,
+    seconds, recall = timed(lambda: retrieval_bridge.bridged_recall_at_1(q_embed, head_t, g_embed, head_k,
                                                                    q_labels, g_labels))
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    index, _ = retrieval.bridged_nearest_neighbours(q_embed, head_t, g_embed, head_k, 1, return_scores=False)
+    index, _ = retrieval_bridge.bridged_nearest_neighbours(q_embed, head_t, g_embed, head_k, 1, return_scores=False)
     # reference: fp64 bridged scores for a subset of queries (the d-dim direct product is what the bridge avoids)
     a_t, a_k = head_t.double(), head_k.double()
     q = q_embed[:check_queries].double()

@@ -10,7 +10,7 @@ the bridge where it is exact and cheaper (:func:`feature_way`). The extract reco
 record's ``features`` say which way was used.
 
 Entries from two bridge extracts, by metric:
-- ``recall_at_1`` (gallery ``instances``): ``compat_core.retrieval.bridged_recall_at_1``, the exact top-1 kernel.
+- ``recall_at_1`` (gallery ``instances``): ``compat_core.retrieval_bridge.bridged_recall_at_1``, the exact top-1 kernel.
 - every other metric/gallery (``map``, ``verification``, ``tar_at_far``, ``class_means``): isometric coordinates.
   With B = [A_t A_k] and its Gram G = B^T B = V diag(w) V^T (fp64, (m_t + m_k) square), L = diag(sqrt(w)) V^T
   satisfies (L x).(L y) = (B x).(B y) for all x, y, so q' = L [q; 0] and g' = L [0; g] have exactly the cosines
@@ -193,7 +193,7 @@ def isometric_coordinates(store: RunStore, query_head: dict, gallery_head: dict)
 
 def bridge_entry(store: RunStore, query_key: str, gallery_key: str, protocol: dict, config) -> tuple[float, str]:
     """Entry M(Q, G) of two bridge extracts (no adapter applies): (value, kernel used)."""
-    from compat_core.retrieval import bridged_recall_at_1
+    from compat_core.retrieval_bridge import bridged_recall_at_1
 
     from pipelines.stages import compute_entry
 

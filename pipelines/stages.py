@@ -782,7 +782,7 @@ def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: Scenario
     first (see :func:`entry_adapters`), applied by :func:`compat_core.adapters.apply_chain`.
     Returns a fraction in [0, 1].
     """
-    from compat_core import retrieval
+    from compat_core import retrieval, verification
 
     q_features, q_labels, q_coarse = query
     g_features, g_labels, g_coarse = gallery
@@ -817,10 +817,10 @@ def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: Scenario
         index_a, index_b, same = verification_pairs(q_labels, g_labels, int(protocol["verification_pairs"]),
                                                     config.seed, same_pool=same_pool)
         if metric == "verification":
-            value = retrieval.verification_accuracy(q[index_a], g[index_b], same)[0]
+            value = verification.verification_accuracy(q[index_a], g[index_b], same)[0]
         else:
             scores = (q[index_a].double() * g[index_b].double()).sum(dim=1).numpy()
-            value = retrieval.tar_at_far(scores, same, far=protocol["far"])
+            value = verification.tar_at_far(scores, same, far=protocol["far"])
     return float(value)
 
 
