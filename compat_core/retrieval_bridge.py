@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from compat_core.retrieval import (_U32, _as_labels, _as_matrix, _build_space, _check_precision, _half_dtype_for,
-                                   _ieee_fp32, _Queries, _search, _Space, _with_stage)
+from compat_core.retrieval import _as_labels, _as_matrix, _check_precision, _Queries, _search
+from compat_core.retrieval_int8 import U32 as _U32
+from compat_core.retrieval_space import _build_space, _half_dtype_for, _Space, _with_stage
+from compat_core.torch_settings import ieee_fp32 as _ieee_fp32
 
 
 def _check_head(name: str, head: torch.Tensor, embed_dim: int) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from compat_core.retrieval import _as_labels, _as_matrix, _inverse_norms
+from compat_core.retrieval import _as_labels, _as_matrix
+from compat_core.retrieval_space import _inverse_norms
 
 
 def _pair_cosines(feats_a, feats_b) -> np.ndarray:

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core import retrieval
-from compat_core.retrieval_int8 import select_top1
+from compat_core import retrieval, retrieval_space
+from compat_core.retrieval_int8 import quantize_rows, select_top1
 from compat_core.retrieval import (
     class_mean_gallery,
     mean_average_precision,
@@ -20,6 +20,12 @@ from compat_core.retrieval_bridge import bridged_nearest_neighbours, bridged_rec
 from compat_core.verification import tar_at_far
 
 PRECISIONS = ["auto", "int8", "half", "fp32", "fp64"]
+
+
+def patch_fastest_matmul(monkeypatch, fastest) -> None:
+    """The calibration's answer, as seen by the gallery preparation ("auto") and by the kernel's demotion."""
+    monkeypatch.setattr(retrieval_space, "fastest_matmul", fastest)
+    monkeypatch.setattr(retrieval, "fastest_matmul", fastest)
 
 
 def brute_topk(query: np.ndarray, gallery: np.ndarray, k: int):
@@ -258,7 +264,7 @@ def junction_features(count: int, dim: int, rank: int, seed: int, head=None):
 
 def low_rank_space_used(monkeypatch, query, gallery):
     """Run with the query-count gate off and report whether the rank-r half stage was built."""
-    monkeypatch.setattr(retrieval, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
+    monkeypatch.setattr(retrieval_space, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
     built = []
     original = retrieval._direct_space
 
@@ -387,7 +393,7 @@ def test_int8_stage_bound_holds_for_every_pair():
     dev32 = torch.full((80,), 3.0 * 2.0 ** -24 * (1 + 1e-12), dtype=torch.float64)
     products, bound, out_unit = retrieval._int8_stage(q32, dev32, space, 1.0 + 1e-12, 0.0)
     assert products.dtype == torch.int32 and out_unit == 0.0
-    _, scale, deviation = retrieval._quantize_rows(q32)
+    _, scale, deviation = quantize_rows(q32)
     unit = scale.double().numpy() * float(space.half_scale)
     q64 = query / np.linalg.norm(query.astype(np.float64), axis=1, keepdims=True)
     g64 = gallery / np.linalg.norm(gallery.astype(np.float64), axis=1, keepdims=True)
@@ -399,7 +405,7 @@ def test_int8_stage_bound_holds_for_every_pair():
     assert error.max() > 1e-4                                # int8 really is coarse: the bound is doing work
     assert allowed.max() < 0.2                               # and it stays a usable window
     # the fp32-only query deviation bound covers the exact ||s a - x|| (fp64 evaluation, t a exact there)
-    codes, _, _ = retrieval._quantize_rows(q32)
+    codes, _, _ = quantize_rows(q32)
     true_dev = np.linalg.norm(codes.double().numpy() * scale.double().numpy()[:, None] - q32.double().numpy(),
                               axis=1)
     assert bool((true_dev <= deviation.numpy()).all()) and bool((deviation.numpy() < 1.001 * true_dev + 1e-9).all())
@@ -437,7 +443,7 @@ def test_int8_adversarial_near_ties_and_exact_ties_equal_fp64():
 
 @pytest.mark.parametrize("fastest, stage", [("int8", torch.int8), ("bf16", torch.bfloat16), ("fp32", None)])
 def test_auto_precision_follows_the_calibration(monkeypatch, fastest, stage):
-    monkeypatch.setattr(retrieval, "fastest_matmul", lambda device, exclude=(): fastest)
+    patch_fastest_matmul(monkeypatch, lambda device, exclude=(): fastest)
     query, gallery = planted(30, 40, 16, seed=4)
     space = retrieval._direct_space(torch.from_numpy(gallery), "auto")
     assert space.half_dtype == stage
@@ -448,8 +454,7 @@ def test_auto_precision_follows_the_calibration(monkeypatch, fastest, stage):
 def test_auto_int8_demotes_to_the_next_stage_when_its_window_rescores_too_much(monkeypatch):
     # near-duplicate gallery: the int8 window holds most rows, so after the first chunk "auto" moves to the next
     # fastest stage (here fp32); the answer stays exact throughout
-    monkeypatch.setattr(retrieval, "fastest_matmul",
-                        lambda device, exclude=(): "fp32" if "int8" in exclude else "int8")
+    patch_fastest_matmul(monkeypatch, lambda device, exclude=(): "fp32" if "int8" in exclude else "int8")
     calls = []
     original = torch._int_mm
     monkeypatch.setattr(torch, "_int_mm", lambda a, b, **kw: calls.append(a.shape) or original(a, b, **kw))
@@ -487,9 +492,8 @@ def test_candidate_scores32_equal_fp32_products_with_gaps_in_the_padding():
 def test_auto_demotion_keeps_the_low_rank_basis_and_stays_exact(monkeypatch):
     # a low-rank gallery of near-duplicates: int8's window holds most rows, "auto" moves to the next stage on the
     # same basis and coordinates (no second basis search) and the answers equal fp64, exact ties included
-    monkeypatch.setattr(retrieval, "fastest_matmul",
-                        lambda device, exclude=(): "bf16" if "int8" in exclude else "int8")
-    monkeypatch.setattr(retrieval, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
+    patch_fastest_matmul(monkeypatch, lambda device, exclude=(): "bf16" if "int8" in exclude else "int8")
+    monkeypatch.setattr(retrieval_space, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
     monkeypatch.setattr(retrieval, "_INT8_PROBE_QUERIES", 16)
     rng = np.random.default_rng(43)
     head = rng.standard_normal((96, 24))
@@ -499,8 +503,8 @@ def test_auto_demotion_keeps_the_low_rank_basis_and_stays_exact(monkeypatch):
     gallery[[0, 1]] = gallery[150]                          # exact ties: the lowest index must win
     query = ((base + 0.05 * rng.standard_normal((60, 24))) @ head.T).astype(np.float32)
     searches = []
-    monkeypatch.setattr(retrieval, "_dominant_basis",
-                        lambda *args, original=retrieval._dominant_basis: searches.append(1) or original(*args))
+    monkeypatch.setattr(retrieval_space, "_dominant_basis",
+                        lambda *args, original=retrieval_space._dominant_basis: searches.append(1) or original(*args))
     stages = []
     original_with_stage = retrieval._with_stage
 
@@ -647,7 +651,7 @@ def test_int8_raw_query_rows_of_any_norm_equal_fp64(monkeypatch, low_rank):
     if low_rank:
         gallery, head = junction_features(300, 96, 24, seed=8)
         query, _ = junction_features(120, 96, 24, seed=9, head=head)
-        monkeypatch.setattr(retrieval, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
+        monkeypatch.setattr(retrieval_space, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
     else:
         query, gallery = planted(120, 300, 96, seed=10)
     gallery[20] = gallery[250]                               # exact tie with query 2's answer: row 20 must win
@@ -682,7 +686,7 @@ def test_int8_raw_query_bound_holds_for_every_pair():
     assert rows is not None
     norm = queries.norm32
     products, bound, _ = retrieval._int8_stage(rows, torch.zeros(60, dtype=torch.float64), space, norm, 0.0)
-    _, scale, _ = retrieval._quantize_rows(rows)
+    _, scale, _ = quantize_rows(rows)
     unit = scale.double().numpy() * float(space.half_scale)
     g64 = gallery / np.linalg.norm(gallery.astype(np.float64), axis=1, keepdims=True)
     exact = query.astype(np.float64) @ g64.T
@@ -741,7 +745,7 @@ def test_int8_top1_in_small_product_blocks_equals_fp64(monkeypatch, low_rank):
     if low_rank:
         gallery, head = junction_features(300, 96, 24, seed=11)
         query, _ = junction_features(100, 96, 24, seed=12, head=head)
-        monkeypatch.setattr(retrieval, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
+        monkeypatch.setattr(retrieval_space, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
     else:
         query, gallery = adversarial_near_ties(300, 96, seed=13)
         query = np.concatenate([query, planted(60, 300, 96, seed=14)[0]])
