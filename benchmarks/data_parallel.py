@@ -30,7 +30,8 @@ def make_task(options: dict):
     from compat_core.models import create_model
     from compat_core.models.compat_model import frozen_copy
     from pipelines.methods import get_method
-    from pipelines.training import TaskData, TrainConfig
+    from pipelines.task_data import TaskData
+    from pipelines.train_config import TrainConfig
 
     rng = np.random.default_rng(7)
     per_class = options["per_class"]

@@ -49,7 +49,7 @@ def build_task(config, task: int, folder: Path):
     from compat_core.data.replay_shards import read_replay_shard, write_replay_shard
     from pipelines.replay_shards import WithMemory
     from pipelines.stages import _initial_model, _method, load_pool, slot_of_positions, task_classes
-    from pipelines.training import TaskData
+    from pipelines.task_data import TaskData
 
     method = _method(config)
     classifier = method.classifier

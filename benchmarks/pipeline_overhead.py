@@ -62,7 +62,7 @@ def run_pipeline(config) -> dict:
 
 # ---- the bare side -------------------------------------------------------------------------------------------------
 def _autocast(config):
-    from pipelines.training import precision_context
+    from pipelines.autocast import precision_context
 
     return precision_context("cpu", config.training.autocast)
 
@@ -74,7 +74,7 @@ def _train(model, old_model, source, indices, slots, memory_indices, memory_slot
     from compat_core.data.transforms import make_transforms
     from compat_core.losses import hoc_loss, simplex_cross_entropy
     from compat_core.models.precision import prepare_batch
-    from pipelines.training import prepare_model
+    from pipelines.autocast import prepare_model
 
     torch.manual_seed(seed)
     if model.classifier_kind == "learnable":

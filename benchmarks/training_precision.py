@@ -27,7 +27,10 @@ from compat_core import calibration  # noqa: E402
 from compat_core.data.base import ArraySource  # noqa: E402
 from compat_core.models import create_model  # noqa: E402
 from pipelines.methods import get_method  # noqa: E402
-from pipelines.training import TaskData, TrainConfig, example_batch, resolve_autocast, train_task  # noqa: E402
+from pipelines.autocast import example_batch, resolve_autocast  # noqa: E402
+from pipelines.task_data import TaskData  # noqa: E402
+from pipelines.train_config import TrainConfig  # noqa: E402
+from pipelines.training import train_task  # noqa: E402
 
 K = 1024
 CLASSES = 20

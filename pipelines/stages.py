@@ -478,7 +478,7 @@ def _update_memory(config: ScenarioConfig, memory: tuple, new_indices, new_posit
 def _selection_split(config: ScenarioConfig, pool, indices: np.ndarray, seed: int):
     """CoReS Sec. 8.2 held-out split: ``selection_holdout`` of the task's samples per class, halved into query and
     gallery; returns (training indices without them, SelectionSplit)."""
-    from pipelines.training import SelectionSplit
+    from pipelines.task_data import SelectionSplit
 
     rng = np.random.default_rng(seed)
     labels = np.asarray(pool.labels)[indices]
@@ -500,7 +500,8 @@ def _selection_split(config: ScenarioConfig, pool, indices: np.ndarray, seed: in
 
 def train_task_stage(ctx: StageContext) -> StageResult:
     """finetune(t) / replace(t): one task of the scenario, then the replay memory update."""
-    from pipelines.training import TaskData, train_task
+    from pipelines.task_data import TaskData
+    from pipelines.training import train_task
 
     config = ctx.config
     stage = ctx.stage
@@ -687,7 +688,7 @@ def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.dev
     from compat_core.data.stream import stream_batches
     from compat_core.data.transforms import make_transforms
     from compat_core.models.precision import prepare_batch
-    from pipelines.training import example_batch, precision_context, prepare_model, resolve_autocast
+    from pipelines.autocast import example_batch, precision_context, prepare_model, resolve_autocast
 
     batch_size = config.evaluation.batch_size
     mode = config.training.autocast

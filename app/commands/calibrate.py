@@ -57,7 +57,7 @@ def _calibrate_config(path: str, device) -> None:
     from pipelines.config import load_config, resolved_head
     from pipelines.methods import get_method
     from pipelines.stages import load_pool
-    from pipelines.training import example_batch, resolve_autocast
+    from pipelines.autocast import example_batch, resolve_autocast
 
     config = load_config(path)
     pool = load_pool(config.data, "data")

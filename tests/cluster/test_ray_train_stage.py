@@ -36,7 +36,8 @@ def _task():
     from compat_core.models import create_model
     from compat_core.models.compat_model import frozen_copy
     from pipelines.methods import get_method
-    from pipelines.training import TaskData, TrainConfig
+    from pipelines.task_data import TaskData
+    from pipelines.train_config import TrainConfig
 
     source = tiny.make_source("finetune")
     torch.manual_seed(0)
@@ -117,7 +118,7 @@ def _training_records(events: list, key: str) -> list:
 
 def test_engine_trains_a_finetune_stage_on_two_ray_train_workers(ray_train, tmp_path):
     from cluster.ray_executor import RayExecutor
-    from pipelines.training import TrainRecord
+    from pipelines.train_records import TrainRecord
 
     tiny.register()
     torch.set_num_threads(1)

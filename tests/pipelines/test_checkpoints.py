@@ -24,7 +24,8 @@ from pipelines.checkpoints import (
 )
 from pipelines.methods import get_method
 from pipelines.store import RunStore
-from pipelines.training import SelectionSplit, train_task
+from pipelines.task_data import SelectionSplit
+from pipelines.training import train_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_training import config, source, task_data, tiny_model, weights_equal  # noqa: E402,F401

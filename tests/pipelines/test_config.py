@@ -159,7 +159,7 @@ def test_stages_train_with_the_training_section_and_the_values_other_sections_ow
     """One schema: the loop's TrainConfig is the config's training section, with seed/device/evaluation/replay
     values bound in by the stage; those bound values are refused in the training section and never dumped."""
     from pipelines.config import config_to_dict
-    from pipelines.training import TrainConfig
+    from pipelines.train_config import TrainConfig
 
     document = _with("training.model_selection", "compatibility")
     document["evaluation"]["batch_size"] = 64

@@ -22,7 +22,7 @@ from pipelines.graph import compile_scenario
 from pipelines.methods import METHODS
 from pipelines.progress import StageEvent
 from pipelines.store import RunStore, read_features
-from pipelines.training import TrainRecord
+from pipelines.train_records import TrainRecord
 
 
 def run_scenario(document: dict, emit=None):

@@ -152,7 +152,7 @@ def test_iam_cl2r_t7_hoc_uses_the_reference_masking_formula():
 def test_iam_cl2r_t7_sampler_steps_per_epoch_are_task_plus_memory_over_batch():
     from pipelines.config import load_config
     from pipelines.methods import get_method
-    from pipelines.training import TaskData, _steps_per_epoch
+    from pipelines.task_data import TaskData, _steps_per_epoch
 
     config = load_config(CONFIGS / "iam-cl2r-cifar100r-10-t7.yaml")
     assert config.replay.epoch_length == "reference"

@@ -11,7 +11,8 @@ tiny.register()  # the tiny-synth dataset: configs naming it validate only once 
 from pipelines.config import validate_config
 from pipelines.graph import compile_scenario
 from pipelines.stages import compute_entry, verification_pairs
-from pipelines.training import TrainConfig, precision_context
+from pipelines.autocast import precision_context
+from pipelines.train_config import TrainConfig
 
 
 def test_autocast_modes_validate_and_pick_the_dtype():

@@ -12,15 +12,9 @@ from compat_core.data.base import ArraySource
 from compat_core.models import create_model, frozen_copy
 from pipelines.methods import get_method
 from pipelines.methods.base import Batch, Method, TaskContext
-from pipelines.training import (
-    SelectionSplit,
-    TaskData,
-    TrainConfig,
-    epoch_batches,
-    pretrain_model,
-    snapshot_state,
-    train_task,
-)
+from pipelines.task_data import SelectionSplit, TaskData, epoch_batches
+from pipelines.train_config import TrainConfig
+from pipelines.training import pretrain_model, snapshot_state, train_task
 
 K = 16
 CLASSES = 6
