@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     from pipelines import bridge_features
-    from pipelines.config import load_config
+    from pipelines.config_load import load_config
     from pipelines.stages import _FEATURE_CACHE
     from pipelines.store import RunStore, feature_blobs
 

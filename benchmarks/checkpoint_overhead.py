@@ -28,7 +28,7 @@ def one_run(config_path: str, every: int, epochs: int, folder: Path) -> dict:
     import torch
 
     import pipelines.checkpoints as checkpoints
-    from pipelines.config import load_config
+    from pipelines.config_load import load_config
     from pipelines.executor import LocalExecutor
     from pipelines.graph import compile_scenario
     from pipelines.store import RunStore

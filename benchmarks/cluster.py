@@ -44,7 +44,7 @@ def run_demo(quick: bool, stage_cpus: int, workdir: pathlib.Path) -> dict:
     import torch
 
     from cluster.ray_executor import RayExecutor
-    from pipelines.config import load_config
+    from pipelines.config_load import load_config
     from pipelines.executor import LocalExecutor
     from pipelines.graph import compile_scenario
     from pipelines.store import RunStore
@@ -109,7 +109,7 @@ def run_matrix(quick: bool, workdir: pathlib.Path) -> dict:
     import ray
 
     from cluster.ray_executor import RayExecutor, connect
-    from pipelines.config import load_config
+    from pipelines.config_load import load_config
 
     T = 7
     rows, dim, classes = (3000, 255, 300) if quick else (6000, 511, 600)

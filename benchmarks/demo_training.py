@@ -97,7 +97,7 @@ def main() -> None:
         raise SystemExit("--task must be >= 1 (task 0 has no replay memory)")
 
     import pipelines.training as training
-    from pipelines.config import load_config
+    from pipelines.config_load import load_config
 
     core = sorted(os.sched_getaffinity(0))[0]
     os.sched_setaffinity(0, {core})

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
 
-    from pipelines.config import load_config
+    from pipelines.config_load import load_config
 
     torch.set_num_threads(args.threads)
     overrides = (QUICK_OVERRIDES if args.quick else []) + list(args.overrides)

@@ -84,7 +84,7 @@ def status_name(status: Any) -> str:
 
 def submission_id_for(config: Any, output: str | None, entrypoint_kind: str = "run") -> str:
     """``compat-<name>-<12 hex>`` from the config hash, the output location and the entrypoint kind."""
-    from pipelines.config import config_hash, stable_hash
+    from pipelines.config_load import config_hash, stable_hash
 
     name = re.sub(r"[^a-z0-9-]+", "-", str(config.name).lower()).strip("-")[:40] or "scenario"
     digest = stable_hash({"config": config_hash(config), "output": output, "entrypoint": entrypoint_kind})
@@ -213,7 +213,7 @@ def submit_pipeline(config: Any, address: str | None, output: str | None = None,
     meanwhile. python: the job's interpreter (None: the submitting one when the node has it, see
     :func:`python_command`). Returns the outcome, with the final status when waiting.
     """
-    from pipelines.config import config_hash, dump_config
+    from pipelines.config_load import config_hash, dump_config
 
     stream = stream or sys.stdout
     output = output or config.output_dir()

@@ -116,7 +116,7 @@ def flatten_params(data: dict, prefix: str = "") -> tuple[dict[str, str], list[s
 
 def pipeline_id_of(config_hash: str, run_root: str) -> str:
     """Stable id of a pipeline = sha256 of (config hash, run root), 16 hex: the same run directory resumed keeps it."""
-    from pipelines.config import stable_hash
+    from pipelines.config_load import stable_hash
 
     return stable_hash({"config_hash": config_hash, "run_root": run_root})[:16]
 
@@ -305,7 +305,7 @@ class MlflowTracker(Tracker):
 
     # ---- pipeline scope ----------------------------------------------------------------------------------------
     def start(self, graph: Any, store: Any) -> None:
-        from pipelines.config import config_hash, config_to_dict
+        from pipelines.config_load import config_hash, config_to_dict
 
         config = graph.config
         self.graph, self.store = graph, store

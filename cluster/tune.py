@@ -143,7 +143,7 @@ def absolute_fixed_values(fixed: dict[str, Any], cwd: Path) -> dict[str, Any]:
 # ---- configs of trials -----------------------------------------------------------------------------------------------
 def apply_values(document: dict, values: dict[str, Any]) -> dict:
     """A copy of ``document`` with each ``dotted.key -> value`` set (same addressing as ``--set``)."""
-    from pipelines.config import apply_override
+    from pipelines.config_load import apply_override
 
     result = copy.deepcopy(document)
     for key, value in values.items():
@@ -161,7 +161,7 @@ def trial_config(base: dict, space_fixed: dict[str, Any], sampled: dict[str, Any
     When the trial's ``method.name`` differs from the base config's, the base ``method.params`` are dropped first
     (they belong to the base method; the space supplies the new method's own, e.g. through ``when`` conditions).
     """
-    from pipelines.config import validate_config
+    from pipelines.config_load import validate_config
 
     values = {**space_fixed, **sampled}
     if "method.name" in values and values["method.name"] != base.get("method", {}).get("name"):
@@ -179,7 +179,7 @@ def check_space_against_config(base: dict, space) -> int:
 
     Returns the number of points checked. Raises ConfigError naming the space point and the bad key.
     """
-    from pipelines.config import ConfigError
+    from pipelines.config_load import ConfigError
 
     points = space.representative_points()
     for point in points:

@@ -1,4 +1,5 @@
-"""Scenario configuration: the YAML schema, ``--set`` overrides and cross-field validation before any compute.
+"""Scenario configuration: the YAML schema and its cross-field validation before any compute (loading files,
+``--set`` overrides, error messages and the config hash: ``pipelines.config_load``).
 
 A scenario says which data make up the pre-training pools, the fine-tuning pool and the open-set query/gallery
 sets, how the fine-tuning classes are split into tasks, which backbone and how many d-Simplex slots (K) the models
@@ -11,16 +12,11 @@ the papers. Learning rates are plain numbers; metrics are fractions in [0, 1].
 """
 from __future__ import annotations
 
-import copy
-import hashlib
 import json
-import os
 import re
-import typing
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from pipelines.train_config import (
     BOUND_FIELDS, PRETRAIN_OVERRIDES, OptimizerSpec, ScheduleSpec, StrictModel, TrainConfig,
@@ -430,202 +426,6 @@ def parse_increments(spec: str) -> list[int]:
     return counts
 
 
-# ---- loading, overrides, errors -------------------------------------------------------------------------------
-def apply_override(document: dict, assignment: str) -> None:
-    """Apply one ``key.sub=value`` override in place; list items are addressed by index (``replacements.0.at_task``).
-
-    The value is parsed as YAML (``3`` -> int, ``[1, 2]`` -> list, ``null`` -> None, ``a`` -> str).
-    """
-    if "=" not in assignment:
-        raise ValueError(f"--set {assignment!r}: expected KEY=VALUE, e.g. training.epochs=5")
-    key, raw_value = assignment.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise ValueError(f"--set {assignment!r}: empty key")
-    try:
-        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
-    except yaml.YAMLError as error:
-        raise ValueError(f"--set {key}: value {raw_value!r} is not valid YAML ({error})") from None
-    parts = re.split(r"\.|\[(\d+)\]", key)
-    parts = [p for p in parts if p]
-    node: Any = document
-    for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        where = ".".join(parts[: depth + 1])
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise ValueError(f"--set {key}: {where!r} must be an index below {len(node)}")
-            if last:
-                node[int(part)] = value
-            else:
-                node = node[int(part)]
-        elif isinstance(node, dict):
-            if last:
-                node[part] = value
-            else:
-                if node.get(part) is None:
-                    node[part] = {}
-                node = node[part]
-        else:
-            raise ValueError(f"--set {key}: {'.'.join(parts[:depth])!r} is a value, not a section")
-
-
-def _format_location(location: tuple) -> str:
-    text = ""
-    for part in location:
-        if isinstance(part, int):
-            text += f"[{part}]"
-        else:
-            text += f".{part}" if text else str(part)
-    return text
-
-
-def format_validation_error(error: ValidationError, source: str, document: Any = None,
-                            root: type[BaseModel] | None = None) -> str:
-    """One line per problem, each starting with the key path (``replacements[0].at_task: ...``); an unknown key
-    lists the valid keys of its section (resolved in ``root``, default ScenarioConfig, along ``document``)."""
-    return f"invalid scenario config {source}:\n  " + "\n  ".join(error_lines(error, document, root))
-
-
-def error_lines(error: ValidationError, document: Any = None, root: type[BaseModel] | None = None) -> list[str]:
-    """``key.path: message`` per problem of ``error`` (see format_validation_error)."""
-    lines = []
-    for item in error.errors():
-        location = _format_location(tuple(item["loc"]))
-        message = item["msg"]
-        if message.startswith("Value error, "):
-            message = message[len("Value error, "):]
-        if item["type"] == "extra_forbidden":
-            valid = _valid_keys(root or ScenarioConfig, tuple(item["loc"])[:-1], document)
-            message = f"unknown key; valid: {', '.join(valid)}" if valid else "unknown key (check the spelling)"
-        elif item["type"] == "missing":
-            message = "required key is missing"
-        elif "input" in item and item["type"] not in ("value_error",):
-            message = f"{message} (got {item['input']!r})"
-        lines.append(f"{location}: {message}" if location else message)
-    return lines
-
-
-def _section_model(annotation: Any) -> type[BaseModel] | None:
-    """The config section model inside a field annotation (``X``, ``X | None``, ``list[X]``), if any."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for argument in typing.get_args(annotation):
-        found = _section_model(argument)
-        if found is not None:
-            return found
-    return None
-
-
-def _valid_keys(model: type[BaseModel] | None, location: tuple, document: Any) -> list[str]:
-    """Keys a section accepts: walk ``location`` through the models (method params by the method's name)."""
-    node = document
-    for part in location:
-        if isinstance(part, int):
-            node = node[part] if isinstance(node, list) and 0 <= part < len(node) else None
-            continue
-        if model is None or part not in model.model_fields:
-            return []
-        parent, node = node, node.get(part) if isinstance(node, dict) else None
-        model = _section_model(model.model_fields[part].annotation)
-        if model is MethodParams:
-            name = parent.get("name") if isinstance(parent, dict) else None
-            try:
-                model = method_params_model(name)
-            except KeyError:
-                return []
-    if model is None:
-        return []
-    return sorted(name for name, field in model.model_fields.items() if not field.exclude)
-
-
-class ConfigError(ValueError):
-    """A scenario config that cannot run; the message lists every problem with its key path."""
-
-
-def validate_config(document: dict, source: str = "<config>") -> ScenarioConfig:
-    """Validate a plain dict into a :class:`ScenarioConfig` (and the method's own parameter schema)."""
-    if not isinstance(document, dict):
-        raise ConfigError(f"invalid scenario config {source}: expected a mapping at the top level")
-    try:
-        config = ScenarioConfig.model_validate(document)
-    except ValidationError as error:
-        raise ConfigError(format_validation_error(error, source, document)) from None
-    check_method(config, source)
-    check_names(config, source)
-    return config
-
-
-_MODEL_URI = re.compile(r"^models:/[^/@\s]+(/(\d+|latest)|@[A-Za-z0-9_-]+)/?$")
-
-
-def check_names(config: ScenarioConfig, source: str = "<config>") -> None:
-    """Backbones, datasets, splits and dataset options against the registries, and ``models:/`` sources against the
-    MLflow URI grammar, so a typo fails at load time with its key path and the valid names (not when a stage runs)."""
-    from compat_core.data.registry import dataset_info, dataset_names
-    from compat_core.models.registry import BACKBONES
-
-    problems = []
-    backbones = {"model.backbone": config.model.backbone}
-    backbones.update({f"pretrain[{i}].backbone": p.backbone for i, p in enumerate(config.pretrain) if p.backbone})
-    backbones.update({f"replacements[{i}].backbone": r.backbone for i, r in enumerate(config.replacements)
-                      if r.backbone})
-    for key, name in backbones.items():
-        if name not in BACKBONES:
-            problems.append(f"{key}: unknown backbone {name!r}; valid: {', '.join(BACKBONES.names())}")
-    pools = {"data": config.data, "evaluation.query_set": config.evaluation.query_set,
-             "evaluation.gallery_set": config.evaluation.gallery_set}
-    pools.update({f"pretrain[{i}].pool": p.pool for i, p in enumerate(config.pretrain)})
-    known = dataset_names()
-    for key, pool in pools.items():
-        if pool.dataset not in known:
-            problems.append(f"{key}.dataset: unknown dataset {pool.dataset!r}; valid: {', '.join(known)}")
-            continue
-        info = dataset_info(pool.dataset)
-        if info.splits and pool.split not in info.splits:
-            problems.append(f"{key}.split: dataset {pool.dataset!r} has no split {pool.split!r}; valid: "
-                            f"{', '.join(info.splits)}")
-        unknown = sorted(set(pool.options) - set(info.options)) if info.options or info.splits else []
-        if unknown:
-            problems.append(f"{key}.options: {pool.dataset!r} has no option(s) {unknown}; valid: "
-                            f"{', '.join(sorted(info.options)) or 'none'}")
-    sources = {f"replacements[{i}].source": r.source for i, r in enumerate(config.replacements)}
-    if config.initial_model:
-        sources["initial_model"] = config.initial_model
-    for key, uri in sources.items():
-        if uri.startswith("models:") and not _MODEL_URI.match(uri):
-            problems.append(f"{key}: {uri!r} is not an MLflow model URI; expected models:/NAME@ALIAS (e.g. "
-                            f"models:/my-model@task-3), models:/NAME/VERSION or models:/NAME/latest")
-    if problems:
-        raise ConfigError(f"invalid scenario config {source}:\n  " + "\n  ".join(problems))
-
-
-def check_method(config: ScenarioConfig, source: str = "<config>") -> None:
-    """What the method's class needs of the rest of the config (its name and params are checked by MethodSpec)."""
-    from pipelines.methods import METHODS
-
-    method_class = METHODS.get(config.method.name)
-    head = resolved_head(config, method_class.classifier)
-    if head == "backbone":
-        if method_class.classifier == "simplex":
-            raise ConfigError(f"invalid scenario config {source}:\n  model.head: 'backbone' needs a learnable-classifier "
-                              f"method; {config.method.name!r} uses the d-Simplex, which needs the junction")
-        others = [(f"pretrain[{i}]", p.backbone, p.backbone_config) for i, p in enumerate(config.pretrain)]
-        others += [(f"replacements[{i}]", r.backbone, r.backbone_config) for i, r in enumerate(config.replacements)]
-        for key, backbone, backbone_config in others:
-            if (backbone is not None and backbone != config.model.backbone) or (
-                    backbone_config is not None and backbone_config != config.model.backbone_config):
-                raise ConfigError(
-                    f"invalid scenario config {source}:\n  {key}.backbone: another architecture than model.backbone "
-                    f"with the backbone-output features of {config.method.name!r} gives features of another width "
-                    f"that no cross-model entry can compare; set model.head: junction (a shared K-1 junction)")
-    if getattr(method_class, "retrain_from_scratch", False) and (config.replacements or config.initial_model):
-        key = "replacements" if config.replacements else "initial_model"
-        raise ConfigError(
-            f"invalid scenario config {source}:\n  {key}: method {config.method.name!r} retrains every model from the "
-            f"same initial weights, so it never starts from third-party weights; remove '{key}'")
-
-
 def resolved_head(config: ScenarioConfig, classifier: str) -> str:
     """'junction' or 'backbone': the model head a scenario's models get (``model.head``, 'auto' resolved by the
     method's classifier family: backbone output for learnable classifiers, as the papers' baselines)."""
@@ -634,63 +434,8 @@ def resolved_head(config: ScenarioConfig, classifier: str) -> str:
     return "backbone" if classifier == "learnable" else "junction"
 
 
-def read_document(path: str | os.PathLike) -> dict:
-    """Read a YAML config file into a dict (local path or URI)."""
-    from compat_core import io
-
-    text = io.read_bytes(path).decode("utf-8")
-    try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML ({error})") from None
-    if not isinstance(document, dict):
-        raise ConfigError(f"{path}: expected a mapping of config sections at the top level")
-    return document
-
-
-def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> ScenarioConfig:
-    """Load, override (``key.sub=value``) and validate a scenario YAML; raises ConfigError listing every problem."""
-    document = read_document(path)
-    for assignment in overrides or []:
-        apply_override(document, assignment)
-    return validate_config(document, source=os.fspath(path))
-
-
-def config_to_dict(config: ScenarioConfig) -> dict:
-    """The resolved config as plain JSON-compatible data (defaults filled in)."""
-    return config.model_dump(mode="json")
-
-
-def dump_config(config: ScenarioConfig) -> str:
-    return yaml.safe_dump(config_to_dict(config), sort_keys=False)
-
-
-def stable_hash(value: Any) -> str:
-    """sha256 hex digest of a JSON-serialisable value with sorted keys (stage keys, config hashes)."""
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def config_hash(config: ScenarioConfig) -> str:
-    """Hash of everything that changes results (the output location excluded)."""
-    data = copy.deepcopy(config_to_dict(config))
-    data.pop("output", None)
-    data.pop("resources", None)
-    data.pop("description", None)
-    data.pop("paper", None)
-    for key in HOW_NOT_WHAT:  # where work is saved and how the input is read, not what it computes
-        data.get("training", {}).pop(key, None)
-    return stable_hash(data)
-
-
-# training keys that change how a stage runs, never its results (the input stream yields the same batches in the
-# same order for any number of workers): left out of stage keys and config hashes
-HOW_NOT_WHAT = ("checkpoint_every_epochs", "input_workers", "prefetch_batches")
-
-
 __all__ = [
-    "ConfigError", "ScenarioConfig", "PoolSpec", "PretrainSpec", "ReplacementSpec", "EvaluationSpec",
-    "TrainConfig", "OptimizerSpec", "ScheduleSpec", "ReplaySpec", "MethodSpec", "MethodParams", "ModelSpec", "TaskSpec",
-    "StageResources", "ResourcesSpec", "PaperSpec", "load_config", "validate_config", "apply_override", "parse_increments",
-    "config_to_dict", "dump_config", "stable_hash", "config_hash", "PRETRAIN_PREFIX",
+    "ScenarioConfig", "PoolSpec", "PretrainSpec", "ReplacementSpec", "EvaluationSpec", "ReplaySpec", "MethodSpec",
+    "MethodParams", "ModelSpec", "TaskSpec", "StageResources", "ResourcesSpec", "PaperSpec", "parse_increments",
+    "resolved_head", "PRETRAIN_PREFIX",
 ]

@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from pipelines.config import ScenarioConfig, config_hash, dump_config
+from pipelines.config import ScenarioConfig
+from pipelines.config_load import config_hash, dump_config
 from pipelines.graph import Stage, StageGraph
 from pipelines.progress import ProgressReporter, StageEvent, StageRecord
 from pipelines.records import read_record
@@ -245,7 +246,7 @@ def prepare_run(config: ScenarioConfig, store: RunStore) -> None:
     if existing is not None and existing != text:
         import yaml
 
-        from pipelines.config import validate_config
+        from pipelines.config_load import validate_config
 
         try:
             same = config_hash(validate_config(yaml.safe_load(existing), "config.yaml")) == config_hash(config)

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipelines.config import HOW_NOT_WHAT, PRETRAIN_PREFIX, ScenarioConfig, StageResources, config_to_dict, stable_hash
+from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig, StageResources
+from pipelines.config_load import HOW_NOT_WHAT, config_to_dict, stable_hash
 from pipelines.train_config import PRETRAIN_OVERRIDES
 
 STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "entry", "evaluate", "adapt")

@@ -191,7 +191,7 @@ def check_pools_open_set(config: ScenarioConfig) -> None:
     classes). Pools of different datasets are disjoint by the protocol that pairs them (CIFAR-100 -> CIFAR-10,
     CUB180 -> CUB20, CASIA-WebFace -> CelebA, ...), which each shipped config states in its ``paper`` section.
     """
-    from pipelines.config import stable_hash
+    from pipelines.config_load import stable_hash
 
     key = stable_hash([config.data.model_dump(mode="json"), [p.pool.model_dump(mode="json") for p in config.pretrain],
                        config.evaluation.query_set.model_dump(mode="json"),

@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
 def _calibrate_config(path: str, device) -> None:
     """Time the config's model on a training batch and an evaluation batch of its fine-tuning pool."""
     from compat_core.models.compat_model import create_model
-    from pipelines.config import load_config, resolved_head
+    from pipelines.config import resolved_head
+    from pipelines.config_load import load_config
     from pipelines.methods import get_method
     from pipelines.stages import load_pool
     from pipelines.autocast import example_batch, resolve_autocast

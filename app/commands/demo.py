@@ -69,7 +69,7 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
 
     from cluster.tracking import create_tracker
     from app.commands.run import run_tracked
-    from pipelines.config import load_config
+    from pipelines.config_load import load_config
     from pipelines.graph import compile_scenario
     from pipelines.store import RunStore
 
@@ -103,7 +103,7 @@ def _cpu_seconds() -> float:
 
 def run(args) -> int:
     from app.commands.run import print_results
-    from pipelines.config import ConfigError, load_config
+    from pipelines.config_load import ConfigError, load_config
 
     cores = os.cpu_count() or 1
     jobs = args.jobs if args.jobs is not None else (2 if cores >= 2 else 1)
@@ -193,7 +193,7 @@ def run(args) -> int:
 
 def _training_threads(config_path: str, overrides: list[str]) -> int:
     """torch threads of the scenario's first model stage (``pipelines.graph.stage_threads``: its CPU count)."""
-    from pipelines.config import load_config
+    from pipelines.config_load import load_config
     from pipelines.graph import compile_scenario, stage_threads
 
     graph = compile_scenario(load_config(config_path, overrides))

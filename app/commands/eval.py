@@ -27,7 +27,7 @@ def evaluate_variant(run_dir: str, overrides: dict) -> tuple[dict, dict, str]:
     The run's graph is recompiled with the other protocol added (:func:`pipelines.graph.add_evaluation`) and the
     engine runs only the new entry and row nodes (the same entry function as ``compat run``, FAN adapters included).
     """
-    from pipelines.config import validate_config
+    from pipelines.config_load import validate_config
     from pipelines.executor import LocalExecutor, assemble_matrix, compute_metrics
     from pipelines.graph import add_evaluation, compile_scenario, protocol_params
     from pipelines.store import RunStore

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if not args.candidate or not args.config:
             return _fail("a gate needs --candidate VERSION and --config YAML (the held-out evaluation sets)")
-        from pipelines.config import load_config
+        from pipelines.config_load import load_config
 
         config = load_config(args.config, args.overrides)
         result = gate.run_gate(tracking_uri, model, args.candidate, config, args.alias, args.adapter,

@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from pipelines.config import ConfigError, load_config
+    from pipelines.config_load import ConfigError, load_config
     from pipelines.graph import compile_scenario, describe
 
     try:

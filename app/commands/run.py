@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_run(args) -> tuple[object, str]:
     """(validated config, run directory) from CONFIG / --resume / --output / --set."""
     from compat_core import io as cio
-    from pipelines.config import ConfigError, load_config
+    from pipelines.config_load import ConfigError, load_config
 
     if args.resume:
         config_path = args.config or cio.join(args.resume, "config.yaml")
@@ -96,7 +96,7 @@ def model_sources_setup(config, tracking_uri: str | None):
     when neither is given."""
     import functools
 
-    from pipelines.config import ConfigError
+    from pipelines.config_load import ConfigError
 
     sources = {f"replacements[{i}].source": r.source for i, r in enumerate(config.replacements)}
     sources["initial_model"] = config.initial_model or ""
@@ -177,7 +177,7 @@ def uses_object_storage(config, run_dir: str) -> bool:
 
 
 def run(args) -> int:
-    from pipelines.config import ConfigError
+    from pipelines.config_load import ConfigError
     from pipelines.graph import compile_scenario
     from pipelines.store import RunStore
 

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from cluster.jobs import submit_pipeline
-    from pipelines.config import ConfigError, load_config
+    from pipelines.config_load import ConfigError, load_config
 
     try:
         config = load_config(args.config, args.overrides)

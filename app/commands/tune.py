@@ -50,7 +50,7 @@ def build_spec(args):
     from cluster.search_space import load_space
     from cluster.tune import (SearchSpec, absolute_fixed_values, absolute_local_paths, absolute_plugin,
                               default_resources, load_plugins, objective_metric)
-    from pipelines.config import config_to_dict, load_config
+    from pipelines.config_load import config_to_dict, load_config
 
     if not args.config or not args.space:
         raise ValueError("CONFIG and --space SPACE.yaml are required (or --resume SEARCH_DIR)")

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch import nn
 
-from pipelines.config import MethodParams, error_lines
+from pipelines.config import MethodParams
+from pipelines.config_load import error_lines
 
 CLASSIFIERS = ("simplex", "learnable")
 

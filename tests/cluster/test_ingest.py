@@ -103,7 +103,7 @@ def test_ingest_to_s3_and_corrupt_object_names_bucket_and_key(s3_bucket):
 
 
 def _run_matrix(scenario: dict, run_dir: Path) -> list:
-    from pipelines.config import validate_config
+    from pipelines.config_load import validate_config
     from pipelines.executor import LocalExecutor
     from pipelines.graph import compile_scenario
     from pipelines.store import RunStore

@@ -32,7 +32,7 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 tiny.register()  # the tiny-synth dataset: configs naming it validate only once it is registered
 
 from cluster import jobs  # noqa: E402
-from pipelines.config import validate_config  # noqa: E402
+from pipelines.config_load import validate_config  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 THEORY = jobs.python_command(["-m", "app.cli", "theory", "--samples", "2000", "--dims", "3", "10"])

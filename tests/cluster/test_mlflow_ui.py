@@ -58,7 +58,7 @@ def test_mlflow_ui_shows_trials_nested_with_the_objective(ray_local, mlflow_serv
     from mlflow import MlflowClient
 
     from cluster.tune import SearchSpec, run_search
-    from pipelines.config import config_to_dict, validate_config
+    from pipelines.config_load import config_to_dict, validate_config
 
     tiny.register()
     base = config_to_dict(validate_config(tiny.scenario("dsimplex-hoc", {"lam": 0.1, "rho": 10.0})))

@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
-from pipelines.config import validate_config  # noqa: E402
+from pipelines.config_load import validate_config  # noqa: E402
 from pipelines.executor import LocalExecutor  # noqa: E402
 from pipelines.graph import compile_scenario  # noqa: E402
 from pipelines.methods import METHODS  # noqa: E402
@@ -160,7 +160,7 @@ def test_every_method_gives_bit_identical_matrices_on_every_backend_and_in_compa
     from app.commands.eval import evaluate_variant
     from cluster.ray_executor import RayExecutor
     from cluster.tune import SearchSpec, run_trial_pipeline
-    from pipelines.config import config_to_dict
+    from pipelines.config_load import config_to_dict
 
     tiny.register()
     ray.cloudpickle.register_pickle_by_value(tiny)

@@ -45,7 +45,7 @@ def test_one_registered_model_per_scenario_and_pytorch_flavour_loads_by_alias(ml
     from mlflow import MlflowClient
     from safetensors.torch import load_file
 
-    from pipelines.config import load_config
+    from pipelines.config_load import load_config
     from pipelines.stages import extract_pool_features, load_pool
     from pipelines.store import RunStore, read_features
 

@@ -65,7 +65,7 @@ def test_the_ray_engine_refuses_an_unsatisfiable_stage_before_it_hangs(ray_local
     import tiny_scenario_helpers as tiny
 
     from cluster.ray_executor import RayExecutor
-    from pipelines.config import validate_config
+    from pipelines.config_load import validate_config
     from pipelines.graph import compile_scenario
     from pipelines.store import RunStore
 

@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
-from pipelines.config import validate_config  # noqa: E402
+from pipelines.config_load import validate_config  # noqa: E402
 from pipelines.executor import LocalExecutor  # noqa: E402
 from pipelines.graph import compile_scenario  # noqa: E402
 from pipelines.store import RunStore  # noqa: E402

@@ -229,7 +229,7 @@ def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task:
     Returns (graph, store, tracker). Re-raises a stage failure after the tracker has closed the runs.
     """
     from pipelines import stages
-    from pipelines.config import validate_config
+    from pipelines.config_load import validate_config
     from pipelines.executor import LocalExecutor
     from pipelines.graph import compile_scenario
     from pipelines.progress import ProgressReporter

@@ -29,7 +29,7 @@ SPACE = {"parameters": {
 
 
 def _base_config() -> dict:
-    from pipelines.config import config_to_dict, validate_config
+    from pipelines.config_load import config_to_dict, validate_config
 
     tiny.register()
     return config_to_dict(validate_config(tiny.scenario("dsimplex-hoc", {"lam": 0.1, "rho": 10.0})))

@@ -39,7 +39,7 @@ def test_shipped_demo_space_task_count_and_sampler_never_repeat():
     from ray.tune.search.optuna import OptunaSearch
 
     from cluster.search_space import parse_space
-    from pipelines.config import config_to_dict, load_config
+    from pipelines.config_load import config_to_dict, load_config
 
     base = config_to_dict(load_config(CONFIGS / "demo-dsimplex-hoc.yaml"))
     space_document = yaml.safe_load((CONFIGS / "spaces" / "demo.yaml").read_text())

@@ -366,7 +366,7 @@ def _compat_invocations() -> list[tuple[str, list[str]]]:
 
 def test_every_compat_invocation_in_infra_parses_with_the_real_cli(monkeypatch):
     from app.cli import build_parser
-    from pipelines.config import load_config
+    from pipelines.config_load import load_config
 
     invocations = _compat_invocations()
     commands = {args[0] for _, args in invocations if args and not args[0].startswith("-")}

@@ -10,7 +10,7 @@ import torch
 import tiny_scenario_helpers as tiny
 from compat_core.models import load_model
 from compat_core.retrieval import recall_at_1
-from pipelines.config import validate_config
+from pipelines.config_load import validate_config
 from pipelines.executor import LocalExecutor
 from pipelines.graph import compile_scenario
 from pipelines.store import RunStore, read_features

@@ -12,7 +12,7 @@ import torch
 import pipelines.stages as stages
 import tiny_scenario_helpers as tiny
 from pipelines import bridge_features
-from pipelines.config import validate_config
+from pipelines.config_load import validate_config
 from pipelines.executor import LocalExecutor
 from pipelines.graph import compile_scenario, describe
 from pipelines.store import RunStore, read_features
@@ -169,7 +169,7 @@ def test_feature_way_rules():
 
 
 def test_plan_reports_both_ways_for_celeba():
-    from pipelines.config import load_config
+    from pipelines.config_load import load_config
 
     config = load_config(Path(__file__).parents[2] / "configs" / "iam-cl2r-celeba-dinov3-t16.yaml")
     text = describe(compile_scenario(config))

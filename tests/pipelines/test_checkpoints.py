@@ -193,7 +193,7 @@ def test_sigterm_mid_epoch_saves_and_the_restart_is_bit_identical(source, tmp_pa
 def _tiny_graph(output: Path, every: int, epochs: int = 3):
     import tiny_scenario_helpers as tiny
 
-    from pipelines.config import validate_config
+    from pipelines.config_load import validate_config
     from pipelines.graph import compile_scenario
 
     tiny.register()

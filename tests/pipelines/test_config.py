@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config import ConfigError, apply_override, load_config, parse_increments, validate_config
+from pipelines.config import parse_increments
+from pipelines.config_load import ConfigError, apply_override, load_config, validate_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -158,7 +159,7 @@ def test_baseline_head_refuses_replacements_of_another_width():
 def test_stages_train_with_the_training_section_and_the_values_other_sections_own():
     """One schema: the loop's TrainConfig is the config's training section, with seed/device/evaluation/replay
     values bound in by the stage; those bound values are refused in the training section and never dumped."""
-    from pipelines.config import config_to_dict
+    from pipelines.config_load import config_to_dict
     from pipelines.train_config import TrainConfig
 
     document = _with("training.model_selection", "compatibility")
@@ -198,7 +199,7 @@ def test_method_params_are_the_methods_pydantic_model_checked_at_load():
     document["method"]["params"] = {"adapter_hidden": 8}
     params = validate_config(document).method.params
     assert params.model_dump() == {"lam_distill": 1.0, "lam_adapter": 1.0, "adapter_hidden": 8}
-    from pipelines.config import config_to_dict
+    from pipelines.config_load import config_to_dict
 
     assert config_to_dict(validate_config(document))["method"]["params"]["adapter_hidden"] == 8
 

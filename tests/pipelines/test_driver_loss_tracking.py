@@ -48,7 +48,7 @@ def test_resume_after_driver_loss_leaves_no_run_running_and_keeps_the_parent(tmp
 
     # a resume that stops before it reaches the interrupted stage (here: at once) still ends its run KILLED
     from cluster.tracking import create_tracker
-    from pipelines.config import load_config
+    from pipelines.config_load import load_config
     from pipelines.graph import compile_scenario
     from pipelines.store import RunStore
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 import tiny_scenario_helpers as tiny
-from pipelines.config import validate_config
+from pipelines.config_load import validate_config
 from pipelines.executor import LocalExecutor
 from pipelines.graph import compile_scenario
 from pipelines.store import RunStore, read_features

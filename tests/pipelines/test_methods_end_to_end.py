@@ -16,7 +16,7 @@ import yaml
 from safetensors.numpy import load_file
 
 import tiny_scenario_helpers as tiny
-from pipelines.config import ConfigError, validate_config
+from pipelines.config_load import ConfigError, validate_config
 from pipelines.executor import LocalExecutor
 from pipelines.graph import compile_scenario
 from pipelines.methods import METHODS

@@ -87,7 +87,7 @@ def test_celeba_replacements_follow_figure_8_and_pretraining_starts_from_dinov3(
 def test_pretrain_init_is_loaded_and_its_digest_checked(data_dir, tmp_path, monkeypatch):
     """The pre-training stage starts from the init checkpoint (its backbone weights, not a random draw), and a
     wrong sha256 stops the stage naming the config key."""
-    from pipelines.config import validate_config
+    from pipelines.config_load import validate_config
     from pipelines.executor import LocalExecutor
     from pipelines.graph import compile_scenario
     from pipelines.store import RunStore
@@ -136,7 +136,7 @@ def reference_hoc_info_nce(new: np.ndarray, old: np.ndarray, labels: np.ndarray,
 
 def test_iam_cl2r_t7_hoc_uses_the_reference_masking_formula():
     from compat_core.losses import compatibility_info_nce
-    from pipelines.config import load_config
+    from pipelines.config_load import load_config
 
     config = load_config(CONFIGS / "iam-cl2r-cifar100r-10-t7.yaml")
     params = config.method.params.model_dump()
@@ -150,7 +150,7 @@ def test_iam_cl2r_t7_hoc_uses_the_reference_masking_formula():
 
 
 def test_iam_cl2r_t7_sampler_steps_per_epoch_are_task_plus_memory_over_batch():
-    from pipelines.config import load_config
+    from pipelines.config_load import load_config
     from pipelines.methods import get_method
     from pipelines.task_data import TaskData, _steps_per_epoch
 

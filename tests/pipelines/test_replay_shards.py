@@ -11,7 +11,7 @@ import torch
 import pipelines.stages as stages
 import tiny_scenario_helpers as tiny
 from compat_core.data.registry import DATASETS
-from pipelines.config import validate_config
+from pipelines.config_load import validate_config
 from pipelines.executor import LocalExecutor
 from pipelines.graph import compile_scenario
 from pipelines.store import RunStore

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tiny_scenario_helpers as tiny
-from pipelines.config import validate_config
+from pipelines.config_load import validate_config
 from pipelines.executor import LocalExecutor
 from pipelines.graph import compile_scenario
 from pipelines.shared_store import SharedStore, copy_stage
