@@ -225,17 +225,18 @@ def select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_
     which, offset = torch.nonzero(values >= threshold[block_row].unsqueeze(1), as_tuple=True)
     row = block_row[which]
     column = block[which] * SELECT_BLOCK + offset        # row-major over (block, offset): columns ascend in a row
+    counts = torch.bincount(row, minlength=count)
     position = None
     if main < size:
         # the narrower last block: compared whole (fewer than SELECT_BLOCK columns per row), its hits placed
         # after the row's others (their columns are larger)
         tail_row, tail_offset = torch.nonzero((keys[:, main:] >= threshold.unsqueeze(1)) & handled.unsqueeze(1),
                                               as_tuple=True)
-        before = torch.bincount(row, minlength=count)
-        position = torch.cat([_ranks(row, before), before[tail_row] + _ranks(tail_row, None, count)])
+        tail_counts = torch.bincount(tail_row, minlength=count)
+        position = torch.cat([_ranks(row, counts), counts[tail_row] + _ranks(tail_row, tail_counts)])
         row = torch.cat([row, tail_row])
         column = torch.cat([column, tail_offset + main])
-    counts = torch.bincount(row, minlength=count)
+        counts = counts + tail_counts
     fits = handled if cap is None else handled & (counts <= cap)
     if bool(fits.all()):             # the usual case: no boolean selections (each a pass of its own)
         candidates = pad_candidates(row, column, counts, position)
@@ -256,11 +257,9 @@ def _row_argmax(keys: torch.Tensor, block_max: torch.Tensor, rows: torch.Tensor,
     return columns.gather(1, offset).squeeze(1)
 
 
-def _ranks(row: torch.Tensor, counts: torch.Tensor | None, size: int = 0) -> torch.Tensor:
-    """Rank of each entry among the entries of its row, for ``row`` (m,) sorted ascending; ``counts``: the
-    entries per row (``bincount(row, minlength=size)`` when None)."""
-    if counts is None:
-        counts = torch.bincount(row, minlength=size)
+def _ranks(row: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rank of each entry among the entries of its row, for ``row`` (m,) sorted ascending and ``counts`` the
+    entries per row (``bincount(row)``)."""
     starts = torch.cumsum(counts, 0) - counts
     return torch.arange(row.numel(), device=row.device) - starts[row]
 
