@@ -155,6 +155,10 @@ class GlobalBatchModel:
                                                                                   self.total)
                                               for field in dataclasses.fields(output)})
 
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        """The global batch's L2-normalised features (what the frozen old model contributes to a loss)."""
+        return self._parallel.gather(self._model.features(images), self.total)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 

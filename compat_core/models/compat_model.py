@@ -1,9 +1,11 @@
 """The compatible model: backbone -> bias-free junction Linear(m, K-1) -> classifier (SPEC §3).
 
 Classifier kinds:
-- ``"simplex"``: the fixed d-Simplex prototypes ``(K, K-1)`` held in a non-persistent buffer (rebuilt from ``K``
-  on load, so a K=22000 model does not carry a 1.9 GB matrix in every checkpoint); never a parameter, never trained.
-  Logits are the *unnormalised* junction output times the prototypes: ``(B, K)``.
+- ``"simplex"``: the fixed d-Simplex prototypes ``(K, K-1)``. They are never built: the logits
+  ``projection @ prototypes.T`` are computed in closed form (``compat_core.simplex.dsimplex_logits``, O(B*K)), so a
+  K=22000 model holds no 1.9 GB matrix in memory, in a checkpoint, in a registered model or in a pickle, and its
+  forward/backward costs O(B*K) instead of O(B*K^2). Logits are fp32 ``(B, K)`` of the *unnormalised* junction
+  output; ``prototype_rows`` gives individual prototypes.
 - ``"learnable"``: a bias-free ``nn.Linear(d, n_active)`` for baselines (ER, BCT, ...) that grows with
   ``expand_classes``; logits ``(B, n_active)``.
 
@@ -21,6 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pyarrow.fs import LocalFileSystem
@@ -28,6 +31,8 @@ from torch import nn
 
 from compat_core import io as cio
 from compat_core.models.registry import create_backbone
+from compat_core.simplex import NORMS as SIMPLEX_NORMS
+from compat_core.simplex import dsimplex_logits, dsimplex_rows
 from compat_core.validation import check_int
 
 CLASSIFIERS = ("simplex", "learnable")
@@ -87,12 +92,10 @@ class CompatModel(nn.Module):
             self.feature_dim = embed_dim
             self.junction = nn.Identity()
         self.classifier: nn.Linear | None = None
-        if classifier == "simplex":
-            from compat_core.simplex import dsimplex
-
-            self.register_buffer("prototypes", dsimplex(num_slots, norm=simplex_norm), persistent=False)
-        else:
-            self.prototypes = None
+        self.simplex_norm = simplex_norm
+        if simplex_norm not in SIMPLEX_NORMS:
+            raise ValueError(f"simplex_norm must be one of {SIMPLEX_NORMS}, got {simplex_norm!r}")
+        if classifier == "learnable":
             self.classifier = nn.Linear(self.feature_dim, num_active_classes, bias=False)
         self.config: dict[str, Any] = dict(config or {})
         self.config.update(num_slots=num_slots, classifier=classifier, simplex_norm=simplex_norm)
@@ -122,11 +125,16 @@ class CompatModel(nn.Module):
         """Logits for a given junction output ``(B, K-1)``: ``(B, K)`` simplex or ``(B, n_active)`` learnable."""
         if self.classifier is not None:
             return self.classifier(projection)
-        prototypes = self.prototypes
-        if prototypes.dtype != projection.dtype:
-            # Under autocast the projection may be bf16/fp16; a matching cast keeps one fused matmul.
-            prototypes = prototypes.to(projection.dtype)
-        return projection @ prototypes.T
+        # fp32 whatever the autocast dtype: the closed form sums K-1 entries per row, and the losses read fp32
+        return dsimplex_logits(projection.float(), self.num_slots, norm=self.simplex_norm)
+
+    def prototype_rows(self, rows) -> torch.Tensor:
+        """Prototypes of the slots ``rows`` (0-based), fp32 ``(len(rows), K-1)`` on the junction's device, built
+        from their closed form (d-Simplex classifier only)."""
+        if self.classifier_kind != "simplex":
+            raise ValueError("prototype_rows needs classifier='simplex'; a learnable classifier has weights instead")
+        device = self.junction.weight.device if isinstance(self.junction, nn.Linear) else None
+        return dsimplex_rows(self.num_slots, rows, norm=self.simplex_norm, device=device)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Class scores of images ``(B, C, H, W)``; see ``logits_from_projection`` for the shape."""
@@ -228,7 +236,7 @@ def learnable_from_simplex(model: CompatModel, num_classes: int, head: str = "ba
     converted = CompatModel(copy.deepcopy(model.backbone), model.num_slots, classifier="learnable", config=keep,
                             num_active_classes=num_classes, simplex_norm=model.config.get("simplex_norm", "row"),
                             head=head)
-    prototypes = model.prototypes[:num_classes].double()
+    prototypes = model.prototype_rows(np.arange(num_classes)).double()
     junction = model.junction.weight.detach().double()
     with torch.no_grad():
         if head == "junction":
@@ -242,10 +250,7 @@ def learnable_from_simplex(model: CompatModel, num_classes: int, head: str = "ba
 
 def frozen_copy(model: nn.Module) -> nn.Module:
     """Deep copy in eval mode with every parameter ``requires_grad=False`` (the "old model" of a training step)."""
-    # The fixed prototypes never change, so both models can share them (1.9 GB at K=22000).
-    prototypes = getattr(model, "prototypes", None)
-    memo = {id(prototypes): prototypes} if isinstance(prototypes, torch.Tensor) else {}
-    old = copy.deepcopy(model, memo)
+    old = copy.deepcopy(model)
     old.eval()
     old.requires_grad_(False)
     return old

@@ -18,7 +18,7 @@ from pipelines.methods.base import (
     classifier_input,
     learnable_classifier,
     old_class_statistics,
-    old_outputs,
+    old_features,
     reverse_gradient,
 )
 
@@ -74,11 +74,11 @@ class AdvBCTER(Method):
         if ctx.old_model is None or self.discriminator is None:
             return ce, {"ce": ce.detach()}
         hp = self.hparams
-        old = old_outputs(ctx, batch.images)
+        previous_features = old_features(ctx, batch.images)
         old_head = learnable_classifier(ctx.old_model, "old model of advbct-er")
         influence = bct_influence_loss(classifier_input(output), batch.targets, old_head.weight, old_head.bias)
         new_unit = F.normalize(output.features.float(), dim=1)
-        old_unit = F.normalize(old.features.float(), dim=1)
+        old_unit = F.normalize(previous_features.float(), dim=1)
         scores = self.discriminator(torch.cat([old_unit, reverse_gradient(new_unit)], dim=0)).squeeze(1)
         labels = torch.cat([torch.ones(old_unit.shape[0]), torch.zeros(new_unit.shape[0])]).to(scores.device)
         adversarial = F.binary_cross_entropy_with_logits(scores, labels)

@@ -153,11 +153,12 @@ def classification_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) ->
 
 
 @torch.no_grad()
-def old_outputs(ctx: TaskContext, images: torch.Tensor):
-    """Forward of the frozen old model (no graph): its ``ModelOutput`` for ``images``."""
+def old_features(ctx: TaskContext, images: torch.Tensor) -> torch.Tensor:
+    """The frozen old model's L2-normalised features ``(B, d)`` of ``images`` (no graph). Only the backbone and the
+    junction run: no method reads the old model's logits, which cost O(B*K) more at K=22000."""
     if ctx.old_model is None:
         raise ValueError("this method needs the previous model (ctx.old_model) but none was given")
-    return ctx.old_model(images)
+    return ctx.old_model.features(images)
 
 
 @dataclass
@@ -255,6 +256,6 @@ __all__ = [
     "classifier_input",
     "learnable_classifier",
     "old_class_statistics",
-    "old_outputs",
+    "old_features",
     "reverse_gradient",
 ]

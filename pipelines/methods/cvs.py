@@ -11,7 +11,7 @@ from pipelines.methods.base import (
     Method,
     TaskContext,
     classification_cross_entropy,
-    old_outputs,
+    old_features,
 )
 
 
@@ -44,9 +44,9 @@ class CVS(Method):
         if ctx.old_model is None:
             return ce, {"ce": ce.detach()}
         hp = self.hparams
-        old = old_outputs(ctx, batch.images)
+        previous_features = old_features(ctx, batch.images)
         new_unit = F.normalize(output.features.float(), dim=1)
-        old_unit = F.normalize(old.features.float(), dim=1)
+        old_unit = F.normalize(previous_features.float(), dim=1)
         neighbour = (new_unit - old_unit).pow(2).sum(dim=1).mean()
         relation = relation_distillation(new_unit[batch.is_memory], old_unit[batch.is_memory], hp.tau)
         total = ce + hp.lam_neighbour * neighbour + hp.lam_relation * relation

@@ -11,7 +11,7 @@ from compat_core.losses import (
     feature_distillation_weight,
     simplex_cross_entropy,
 )
-from pipelines.methods.base import Batch, Method, MethodParams, TaskContext, old_outputs
+from pipelines.methods.base import Batch, Method, MethodParams, TaskContext, old_features
 
 
 class DSimplexHOC(Method):
@@ -52,10 +52,10 @@ class DSimplexHOC(Method):
         if ctx.old_model is None:
             sce = simplex_cross_entropy(output.logits, batch.targets)
             return sce, {"sce": sce.detach()}
-        old = old_outputs(ctx, batch.images)
+        previous_features = old_features(ctx, batch.images)
         hp = self.hparams
         sce = simplex_cross_entropy(output.logits, batch.targets)
-        info_nce = compatibility_info_nce(output.features, old.features, batch.targets, rho=hp.rho, masking=hp.masking)
+        info_nce = compatibility_info_nce(output.features, previous_features, batch.targets, rho=hp.rho, masking=hp.masking)
         total = hp.lam * sce + (1.0 - hp.lam) * info_nce
         return total, {"sce": sce.detach(), "info_nce": info_nce.detach()}
 
@@ -81,8 +81,8 @@ class DSimplexFD(Method):
         sce = simplex_cross_entropy(output.logits, batch.targets)
         if ctx.old_model is None or ctx.num_old_classes <= 0:
             return sce, {"sce": sce.detach()}
-        old = old_outputs(ctx, batch.images)
-        distillation = feature_distillation_loss(output.features, old.features, batch.is_memory)
+        previous_features = old_features(ctx, batch.images)
+        distillation = feature_distillation_loss(output.features, previous_features, batch.is_memory)
         weight = feature_distillation_weight(ctx.num_new_classes, ctx.num_old_classes, self.hparams.w_base)
         total = sce + weight * distillation
         return total, {"sce": sce.detach(), "fd": distillation.detach(), "fd_weight": weight}

@@ -13,7 +13,7 @@ from pipelines.methods.base import (
     MethodParams,
     TaskContext,
     classification_cross_entropy,
-    old_outputs,
+    old_features,
 )
 
 
@@ -62,9 +62,9 @@ class FAN(Method):
         if ctx.old_model is None or self.adapter is None:
             return ce, {"ce": ce.detach()}
         hp = self.hparams
-        old = old_outputs(ctx, batch.images)
+        previous_features = old_features(ctx, batch.images)
         new_unit = F.normalize(output.features.float(), dim=1)
-        old_unit = F.normalize(old.features.float(), dim=1)
+        old_unit = F.normalize(previous_features.float(), dim=1)
         distill = (1.0 - (new_unit * old_unit).sum(dim=1)).mean()
         adapter_loss = self.adapter.objective(old_unit, new_unit.detach())
         total = ce + hp.lam_distill * distill + hp.lam_adapter * adapter_loss

@@ -1,6 +1,7 @@
 """Contract tests for every registered backbone, plus published sizes of the reference architectures."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -101,7 +102,7 @@ def test_backward_through_the_junction(name):
     assert any(p.grad.abs().sum() > 0 for p in model.backbone.parameters())
     # Junction gradient by hand in fp64: logits = (E W^T) P^T, so dL/dW = ((softmax - onehot) P)^T E / B.
     embedding = out.embedding.detach().double()
-    prototypes = model.prototypes.double()
+    prototypes = model.prototype_rows(np.arange(num_slots)).double()
     probs = torch.softmax(out.logits.detach().double(), dim=1)
     residual = probs - torch.nn.functional.one_hot(labels, num_slots).double()
     expected = (residual @ prototypes).T @ embedding / len(labels)

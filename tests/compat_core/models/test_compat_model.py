@@ -20,6 +20,7 @@ from compat_core.models import (
     save_model,
 )
 from compat_core.models import precision
+from compat_core.simplex import dsimplex
 
 
 def _numpy_dsimplex(K: int) -> np.ndarray:
@@ -48,7 +49,7 @@ def test_simplex_logits_equal_projection_times_prototypes():
     expected = out.projection.double().numpy() @ W.T
     assert out.logits.shape == (3, K)
     assert np.allclose(out.logits.double().numpy(), expected, atol=1e-5)
-    assert np.allclose(model.prototypes.double().numpy(), W, atol=1e-6)
+    assert np.allclose(model.prototype_rows(np.arange(K)).double().numpy(), W, atol=1e-6)
 
 
 def test_junction_is_bias_free_and_features_are_unit_projection():
@@ -74,15 +75,41 @@ def test_prototypes_are_fixed_and_never_trained():
     model = _tiny_model(num_slots=5)
     names = {name for name, _ in model.named_parameters()}
     assert not any("prototype" in name for name in names)
-    assert "prototypes" not in model.state_dict()  # rebuilt from K on load instead of stored
-    before = model.prototypes.clone()
+    # nothing of size K x (K-1) anywhere: not a parameter, not a buffer, not in the state dict
+    assert [name for name in model.state_dict() if not name.startswith("backbone.")] == ["junction.weight"]
+    assert not any("prototype" in name for name, _ in model.named_buffers())
+    before = model.prototype_rows(np.arange(5)).clone()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     loss = torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 32, 32)).logits, torch.tensor([0, 1, 2, 4]))
     loss.backward()
-    assert model.prototypes.grad is None and not model.prototypes.requires_grad
     assert model.junction.weight.grad is not None
     optimizer.step()
-    assert torch.equal(model.prototypes, before)
+    assert torch.equal(model.prototype_rows(np.arange(5)), before)
+
+
+@pytest.mark.parametrize("K", [2, 3, 17, 1000, 4097])
+@pytest.mark.parametrize("norm", ["row", "frobenius"])
+def test_closed_form_head_equals_the_explicit_product(K, norm):
+    """Logits and the junction's gradient of the closed-form head equal the fp64 product with the prototype matrix."""
+    torch.manual_seed(K)
+    backbone = create_backbone("cnn4", width=4)
+    model = CompatModel(backbone, K, simplex_norm=norm)
+    images = torch.randn(6, 3, 32, 32)
+    labels = torch.randint(0, K, (6,))
+    output = model(images)
+    loss = torch.nn.functional.cross_entropy(output.logits, labels)
+    loss.backward()
+    prototypes = dsimplex(K, norm=norm, dtype=torch.float64)
+    projection = output.projection.detach().double()
+    expected = projection @ prototypes.T
+    assert output.logits.dtype == torch.float32 and output.logits.shape == (6, K)
+    scale = expected.abs().max().item()
+    assert (output.logits.double() - expected).abs().max().item() <= 1e-5 * max(scale, 1.0)
+    probs = torch.softmax(expected, dim=1)
+    residual = (probs - torch.nn.functional.one_hot(labels, K).double()) / len(labels)
+    embedding = output.embedding.detach().double()
+    expected_grad = (residual @ prototypes).T @ embedding
+    assert torch.allclose(model.junction.weight.grad.double(), expected_grad, rtol=1e-4, atol=1e-7)
 
 
 def test_learnable_classifier_grows_and_keeps_old_rows():
@@ -116,7 +143,6 @@ def test_frozen_copy_is_independent_and_frozen():
     assert not old.training
     assert all(not p.requires_grad for p in old.parameters())
     assert all(p.requires_grad for p in model.parameters())
-    assert old.prototypes.data_ptr() == model.prototypes.data_ptr()  # fixed, so shared rather than copied
     images = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         reference = old.features(images)
@@ -165,12 +191,15 @@ def test_autocast_context_follows_device_capability(monkeypatch):
         assert layer(x).dtype == torch.float32
 
 
-def test_simplex_logits_under_autocast_keep_shape(monkeypatch):
+def test_simplex_logits_under_autocast_are_fp32_of_the_half_projection(monkeypatch):
     monkeypatch.setattr(precision, "autocast_dtype", lambda device: torch.bfloat16)
     model = _tiny_model(num_slots=5).eval()
     with torch.no_grad(), autocast_context("cpu"):
         out = model(torch.randn(2, 3, 32, 32))
-    assert out.logits.shape == (2, 5) and out.logits.dtype == torch.bfloat16
+    assert out.projection.dtype == torch.bfloat16
+    assert out.logits.shape == (2, 5) and out.logits.dtype == torch.float32
+    expected = out.projection.double() @ dsimplex(5, dtype=torch.float64).T
+    assert torch.allclose(out.logits.double(), expected, atol=1e-6)
 
 
 def test_prepare_for_speed_uses_channels_last_only_where_it_pays(monkeypatch):
