@@ -51,6 +51,7 @@ __all__ = [
     "autocast_choice",
     "workload_signature",
     "measure_workload",
+    "PROBE_BATCH",
     "calibration_enabled",
     "format_calibration",
 ]
@@ -71,6 +72,10 @@ _ROUNDS = 3                              # interleaved timing rounds; the minimu
 _HALF_MARGIN = 1.02
 _INT8_MARGIN = 1.25                      # int8 products must be this much faster than the best float path
 _WORKLOAD_BUDGET_S = 6.0                 # rough cap on one workload's timed steps
+# Images per timed training step: the choice between fp32 and half is a property of the model's kernels, measured
+# in seconds on a small batch; the training batch (320 ViT-B images at 224 px: ~60 GB of fp32 activations on a GPU)
+# would cost minutes and its own memory before the first real step.
+PROBE_BATCH = 16
 _VERSION = 1
 
 
@@ -208,13 +213,18 @@ def _gemm_operands(name: str, shape: tuple[int, int, int], device: torch.device)
     raise ValueError(f"gemm dtype: expected one of {GEMM_DTYPES}, got {name!r}")
 
 
-def _time_rounds(functions: dict[str, Callable[[], Any]], device: torch.device, rounds: int) -> dict[str, float]:
-    """Minimum seconds per call of each function over ``rounds`` interleaved rounds (after one warm-up call)."""
+def _time_rounds(functions: dict[str, Callable[[], Any]], device: torch.device, rounds: int,
+                 prepare: dict[str, Callable[[], Any]] | None = None) -> dict[str, float]:
+    """Minimum seconds per call of each function over ``rounds`` interleaved rounds (after one warm-up call);
+    ``prepare[name]``, when given, runs untimed before each call of ``functions[name]``."""
+    prepare = prepare or {}
     best = {name: float("inf") for name in functions}
-    for function in functions.values():       # first calls pay for thread start-up and kernel selection
+    for name, function in functions.items():       # first calls pay for thread start-up and kernel selection
+        prepare.get(name, _nothing)()
         function()
     for round_index in range(rounds + 1):
         for name, function in functions.items():
+            prepare.get(name, _nothing)()
             _synchronize(device)
             start = time.perf_counter()
             function()
@@ -222,6 +232,10 @@ def _time_rounds(functions: dict[str, Callable[[], Any]], device: torch.device, 
             if round_index:
                 best[name] = min(best[name], time.perf_counter() - start)
     return best
+
+
+def _nothing() -> None:
+    return None
 
 
 def _min_call_time(function: Callable[[], Any], device: torch.device, budget_s: float = 0.05,
@@ -363,65 +377,76 @@ def _has_conv(model: nn.Module) -> bool:
     return any(isinstance(module, nn.Conv2d) for module in model.modules())
 
 
-def _step_function(model: nn.Module, example: torch.Tensor, dtype: torch.dtype | None, train: bool,
-                   device: torch.device) -> Callable[[], None]:
-    """One step of a private copy of ``model`` (channels_last with a half dtype for conv nets, as training does)."""
-    copy_ = copy.deepcopy(model).to(device)
-    inputs = example.to(device)
-    if dtype is not None and _has_conv(copy_) and inputs.ndim == 4:
-        copy_ = copy_.to(memory_format=torch.channels_last)
-        inputs = inputs.contiguous(memory_format=torch.channels_last)
+def _step_function(model: nn.Module, inputs: torch.Tensor, dtype: torch.dtype | None, train: bool,
+                   device: torch.device) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One step of ``model`` (the calibration's private copy) and the untimed preparation that puts the copy and the
+    inputs in the step's memory layout: channels_last with a half dtype for conv nets, as training does."""
+    channels_last = dtype is not None and _has_conv(model) and inputs.ndim == 4
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    batch = inputs.contiguous(memory_format=layout)
+
+    def prepare() -> None:
+        model.to(memory_format=layout)
+
     context = (lambda: torch.autocast(device_type=device.type, dtype=dtype)) if dtype is not None \
         else contextlib.nullcontext
     if train:
-        copy_.train()
-        parameters = [p for p in copy_.parameters() if p.requires_grad]
-        for parameter in parameters:
-            parameter.requires_grad_(True)
-        optimizer = torch.optim.SGD(parameters, lr=1e-6, momentum=0.9)
+        model.train()
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        # plain SGD keeps no state: the calibration's memory is one copy of the model, its gradients and a probe batch
+        optimizer = torch.optim.SGD(parameters, lr=1e-6)
 
         def step() -> None:
             with context():
-                loss = _output_loss(copy_(inputs))
+                loss = _output_loss(model(batch))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
     else:
-        copy_.eval()
+        model.eval()
 
         def step() -> None:
             with torch.no_grad(), context():
-                _output_loss(copy_(inputs))
-    return step
+                _output_loss(model(batch))
+    return step, prepare
 
 
 def measure_workload(model: nn.Module, example: torch.Tensor, device: torch.device | str, train: bool = True,
                      rounds: int = _ROUNDS) -> dict[str, Any]:
     """Seconds per step of ``model`` on ``example`` in fp32 and under half autocast (interleaved, min of rounds).
 
-    Runs on deep copies inside ``torch.random.fork_rng``: the caller's model, its buffers and the RNG state are
-    unchanged. Returns {"seconds_per_step": {"fp32": s, "bf16"|"fp16": s}, "choice", "measured_at"}.
+    ``example`` is cut to its first ``PROBE_BATCH`` rows, and both paths step ONE private copy of the model (plain
+    SGD, no optimiser state), so memory stays bounded by the model, its gradients and the probe's activations whatever
+    the training batch. Runs inside ``torch.random.fork_rng``: the caller's model and RNG state are unchanged.
+    Returns {"seconds_per_step": {"fp32": s, "bf16"|"fp16": s}, "choice", "measured_at", "probe_batch"}.
     """
     device = torch.device(device)
     half = _half_candidate(device)
     half_name = "bf16" if half == torch.bfloat16 else "fp16"
     devices = [device.index or 0] if device.type == "cuda" else []
+    probe = example[:PROBE_BATCH].to(device)
     with torch.random.fork_rng(devices=devices):
-        steps = {"fp32": _step_function(model, example, None, train, device)}
+        private = copy.deepcopy(model).to(device)
+        for parameter in private.parameters():
+            parameter.requires_grad_(True)
+        steps, layouts = {}, {}
+        steps["fp32"], layouts["fp32"] = _step_function(private, probe, None, train, device)
         try:
-            steps[half_name] = _step_function(model, example, half, train, device)
+            steps[half_name], layouts[half_name] = _step_function(private, probe, half, train, device)
+            layouts[half_name]()
             steps[half_name]()
         except (RuntimeError, TypeError, NotImplementedError):
             steps.pop(half_name, None)
-        first = _time_rounds(steps, device, 1)          # warm-up + one timed round
+        first = _time_rounds(steps, device, 1, prepare=layouts)          # warm-up + one timed round
         spare = max(0, min(rounds - 1, int(_WORKLOAD_BUDGET_S / max(sum(first.values()), 1e-9)) - 1))
-        more = _time_rounds(steps, device, spare) if spare else first
+        more = _time_rounds(steps, device, spare, prepare=layouts) if spare else first
         seconds = {name: min(first[name], more[name]) for name in steps}
+        del private, steps, layouts
     choice = "fp32"
     if half_name in seconds and seconds["fp32"] > _HALF_MARGIN * seconds[half_name]:
         choice = half_name
     return {"seconds_per_step": {name: float(f"{value:.4g}") for name, value in seconds.items()}, "choice": choice,
-            "measured_at": _now()}
+            "measured_at": _now(), "probe_batch": int(probe.shape[0])}
 
 
 def autocast_choice(device: torch.device | str, model: nn.Module, example: torch.Tensor,
@@ -432,6 +457,7 @@ def autocast_choice(device: torch.device | str, model: nn.Module, example: torch
     if not calibration_enabled():
         return None
     device = torch.device(device)
+    example = example[:PROBE_BATCH]  # the cache name, like the measurement, is that of the probe batch
     name = workload_signature(model, example, train)
     entry = _cached_workload(device, name)
     if entry is None:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compat_core.calibration import autocast_choice
+from compat_core.calibration import PROBE_BATCH, autocast_choice
 from compat_core.data.base import ImageSource
 from compat_core.data.transforms import make_transforms
 from compat_core.models.precision import autocast_context, has_convolutions, prepare_for_speed
@@ -54,9 +54,9 @@ def resolve_autocast(mode: Any, device: torch.device | str, model: nn.Module, ex
 
 
 def example_batch(source: ImageSource, indices: np.ndarray, batch_size: int, device: torch.device) -> torch.Tensor:
-    """A full batch of ``source`` images (the first ``indices``, cycled when fewer), transformed as for
-    evaluation: what calibration times a step on."""
-    picked = np.resize(np.asarray(indices, dtype=np.int64), batch_size)
+    """The calibration's probe batch: ``min(batch_size, PROBE_BATCH)`` images of ``source`` (the first ``indices``,
+    cycled when fewer), transformed as for evaluation. Only these images are read and decoded."""
+    picked = np.resize(np.asarray(indices, dtype=np.int64), min(int(batch_size), PROBE_BATCH))
     images = torch.from_numpy(np.ascontiguousarray(source.read(picked)))
     return make_transforms(source, train=False)(images.to(device))
 

@@ -218,3 +218,38 @@ def test_probe_only_drops_paths_far_slower_than_fp32(calibrating, monkeypatch):
     timed.clear()
     result = calibration.measure_gemm("cpu")
     assert timed == ["fp32"] and result["probe_only"] == ["bf16", "fp16", "int8"]
+
+
+def test_workload_is_timed_on_a_probe_batch_of_one_copy(calibrating, monkeypatch):
+    """A training batch of 320 is cut to PROBE_BATCH rows before any step, and one private copy serves both paths."""
+    seen_rows: list[int] = []
+
+    class Recording(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(8, 4)
+
+        def forward(self, x):
+            seen_rows.append(int(x.shape[0]))
+            return self.linear(x)
+
+    copies: list[int] = []
+    real_deepcopy = calibration.copy.deepcopy
+
+    def counting_deepcopy(value, *args, **kwargs):
+        if isinstance(value, Recording):
+            copies.append(1)
+        return real_deepcopy(value, *args, **kwargs)
+
+    monkeypatch.setattr(calibration.copy, "deepcopy", counting_deepcopy)
+    model = Recording()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    choice = calibration.autocast_choice("cpu", model, torch.randn(320, 8), train=True)
+    assert choice in (None, torch.bfloat16, torch.float16)
+    assert seen_rows and set(seen_rows) == {calibration.PROBE_BATCH}
+    assert len(copies) == 1
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+    document = calibration.load(torch.device("cpu"))
+    entries = list(document["workloads"].values())
+    assert len(entries) == 1 and entries[0]["probe_batch"] == calibration.PROBE_BATCH
+    assert next(iter(document["workloads"])).endswith(f"in{calibration.PROBE_BATCH}x8")
