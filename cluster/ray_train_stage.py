@@ -9,7 +9,7 @@ training records (the Result's return value); the other ranks write nothing. Ray
 ``ray-train/<stage key>`` of the run store (a local folder or ``s3://``), so nothing needs a shared filesystem.
 Worker failures restart the worker group up to ``max_failures`` times; a stage found committed is not retrained.
 
-Epoch checkpoints (``training.checkpoint_every_epochs``) go through Ray Train (:class:`RayTrainCheckpointSink`):
+Epoch checkpoints (the stage's checkpoint policy) go through Ray Train (:class:`RayTrainCheckpointSink`):
 rank 0 reports the training state with ``ray.train.report(checkpoint=...)`` into that folder (the latest one kept),
 and a restarted worker group (or a new fit of the same stage after the fitting task was retried: Ray Train reloads
 its run state from the storage path) restores it from ``ray.train.get_checkpoint()``. The stage's Ray Train folder
@@ -42,8 +42,8 @@ class RayTrainCheckpointSink:
     Saves outside the periodic schedule (SIGTERM, which only one rank may see) are skipped: a preempted group
     resumes from its last periodic checkpoint."""
 
-    def __init__(self, every_epochs: int) -> None:
-        self.every_epochs = every_epochs
+    def __init__(self, policy) -> None:
+        self.policy = policy
         self.saved = 0
 
     def load_latest(self):
@@ -70,7 +70,7 @@ class RayTrainCheckpointSink:
         from pipelines.store import sha256_bytes
 
         step = int(checkpoint.state.get("step_in_epoch", 0) or 0)
-        if step or not self.every_epochs or checkpoint.epochs_done % self.every_epochs:
+        if step:
             log.warning("data-parallel stage: checkpoint after epoch %d step %d skipped (only periodic checkpoints "
                         "are taken by every rank at once)", checkpoint.epochs_done, step)
             return

@@ -94,21 +94,21 @@ def is_leader() -> bool:
 
 
 # Set by whoever starts the ranks (cluster.ray_train_stage): builds the epoch-checkpoint sink of a data-parallel
-# stage from its ``checkpoint_every_epochs`` (Ray Train's checkpoints instead of one store writer per rank).
-_checkpoint_sink_factory: Callable[[int], Any] | None = None
+# stage from its checkpoint policy (Ray Train's checkpoints instead of one store writer per rank).
+_checkpoint_sink_factory: Callable[[Any], Any] | None = None
 
 
-def use_checkpoint_sink(factory: Callable[[int], Any] | None) -> None:
+def use_checkpoint_sink(factory: Callable[[Any], Any] | None) -> None:
     """Install (or with None remove) the checkpoint sink factory of this process's data-parallel stages."""
     global _checkpoint_sink_factory
     _checkpoint_sink_factory = factory
 
 
-def launcher_checkpoint_sink(every_epochs: int) -> Any | None:
+def launcher_checkpoint_sink(policy: Any) -> Any | None:
     """The launcher's checkpoint sink for a data-parallel stage, or None (then the stage uses the run store's)."""
     if _checkpoint_sink_factory is None or current() is None:
         return None
-    return _checkpoint_sink_factory(every_epochs)
+    return _checkpoint_sink_factory(policy)
 
 
 def _gather_rows(tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:

@@ -334,15 +334,16 @@ def _summary(result: Any) -> dict:
 
 def _checkpoints(ctx: StageContext):
     """The stage's epoch checkpoints in the run store (None with ``training.checkpoint_every_epochs: 0``)."""
-    from pipelines.checkpoints import StoreCheckpointSink
+    from pipelines.checkpoints import StoreCheckpointSink, policy_from_settings
 
     from pipelines.distributed import launcher_checkpoint_sink
 
-    every = ctx.config.training.checkpoint_every_epochs
-    if not every:
+    training = ctx.config.training
+    policy = policy_from_settings(training.checkpoint_every_epochs, training.checkpoint_every_minutes)
+    if policy is None:
         return None
     # data-parallel ranks keep theirs through their launcher (Ray Train), written once, by rank 0
-    return launcher_checkpoint_sink(every) or StoreCheckpointSink(ctx.store, ctx.stage.key, every)
+    return launcher_checkpoint_sink(policy) or StoreCheckpointSink(ctx.store, ctx.stage.key, policy)
 
 
 def pretrain_stage(ctx: StageContext) -> StageResult:

@@ -86,9 +86,14 @@ class TrainConfig(StrictModel):
                                "with PIL, on one AMD EPYC core (benchmarks/input_pipeline.py)")
     prefetch_batches: int = Field(2, ge=1, description="batches read ahead per input worker")
     log_every_steps: int = Field(0, ge=0)
-    checkpoint_every_epochs: int = Field(
-        1, ge=0, description="pretrain / fine-tune stages save their training state to the run store every N epochs "
-        "(and on SIGTERM) and a restarted stage resumes from the latest one; 0: off. Not part of any stage key")
+    checkpoint_every_epochs: int | None = Field(
+        None, ge=0, description="pretrain / fine-tune stages save their training state to the run store at epoch "
+        "ends (and on SIGTERM) and a restarted stage resumes from the latest one. null (default): by time, see "
+        "checkpoint_every_minutes; N: after every N epochs; 0: off. Not part of any stage key")
+    checkpoint_every_minutes: float = Field(
+        10.0, ge=0.0, le=1e6, allow_inf_nan=False, description="with checkpoint_every_epochs null: save at the first "
+        "epoch end at least this long after the previous save, and at least 50x the previous write's time after it "
+        "(writes <= 2 % of training time). Not part of any stage key")
 
     # bound by the stage from other sections (BOUND_FIELDS); defaults serve direct calls of the loop
     seed: int = Field(0, ge=0, exclude=True)

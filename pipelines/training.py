@@ -204,7 +204,7 @@ def train_task(
     checkpoints: where epoch checkpoints go (:mod:`pipelines.checkpoints`). The latest one is restored before the
     first epoch (after ``method.setup``, which sees the starting model as in an uninterrupted run), its records are
     re-emitted to ``on_record``, and training continues bit-identically on the CPU in fp32. A checkpoint is saved
-    after every ``checkpoints.every_epochs`` epochs (not after the last: the stage commits then) and, when SIGTERM
+    at the epoch ends ``checkpoints.policy`` picks (not after the last: the stage commits then) and, when SIGTERM
     arrives, at the next step boundary; the process then ends as SIGTERM ends it, so Ray retries the task.
     Inside an initialised torch.distributed group of N ranks every rank trains its rows of each global batch under
     DDP and the loss sees the global batch (:mod:`pipelines.distributed`); ``parallel_key`` names the setting that
@@ -305,6 +305,7 @@ def train_task(
             emit(record)
 
     def save(epochs_done: int, step_in_epoch: int, current: _Window) -> None:
+        write_started = time.perf_counter()
         state = training_state(model, optimizer, scheduler, epochs_done=epochs_done, step_in_epoch=step_in_epoch,
                                step=step, extra_modules=extra_modules, augment_generator=loader.transform.generator,
                                selector=selector, records=records,
@@ -313,6 +314,7 @@ def train_task(
         from pipelines.checkpoints import EpochCheckpoint
 
         checkpoints.save(EpochCheckpoint(epochs_done, state))
+        checkpoints.policy.wrote(time.perf_counter() - write_started)
 
     from pipelines.checkpoints import preemption_guard
 
@@ -367,7 +369,9 @@ def train_task(
                 emit(window.record(data.task, epoch, step, optimizer, metrics, method_name=method.name))
             window = _Window()
             done = epoch + 1
-            periodic = checkpoints is not None and checkpoints.every_epochs and done % checkpoints.every_epochs == 0
+            periodic = checkpoints is not None and done < config.epochs and checkpoints.policy.due(done)
+            if parallel is not None and checkpoints is not None:
+                periodic = parallel.agree(periodic)  # every rank saves at the same epoch ends (a barrier in Ray Train)
             # no periodic save after the last epoch (the stage commits next), but one on SIGTERM
             if checkpoints is not None and ((periodic and done < config.epochs) or preempted):
                 save(done, 0, window)

@@ -16,6 +16,8 @@ import torch
 
 from compat_core.models import frozen_copy
 from pipelines.checkpoints import (
+    MAX_WRITE_FRACTION,
+    CheckpointPolicy,
     EpochCheckpoint,
     StoreCheckpointSink,
     collect_garbage,
@@ -41,7 +43,7 @@ class CrashAfterSaves(StoreCheckpointSink):
     """A sink that dies (raises) right after its ``crash_after``-th save: a stage killed just after a checkpoint."""
 
     def __init__(self, store, key, every, crash_after):
-        super().__init__(store, key, every)
+        super().__init__(store, key, CheckpointPolicy(every))
         self.crash_after = crash_after
 
     def save(self, checkpoint):
@@ -81,7 +83,7 @@ def test_training_killed_after_epoch_2_resumes_bit_identically(source, tmp_path,
                    checkpoints=CrashAfterSaves(store, "finetune-x", 2, crash_after=1))
     assert store.list_files("checkpoints/finetune-x") == ["epoch-00002.json", "epoch-00002.pt"]
     steps_after_restart = []
-    sink = StoreCheckpointSink(store, "finetune-x", 2)
+    sink = StoreCheckpointSink(store, "finetune-x", CheckpointPolicy(2))
     resumed = train_task(tiny_model(classifier, classes=classes), old, get_method(method_name), data,
                          config(**settings), checkpoints=sink,
                          progress=lambda epoch, step, total, speed: steps_after_restart.append(epoch))
@@ -100,7 +102,7 @@ def test_training_killed_after_epoch_2_resumes_bit_identically(source, tmp_path,
 
 def test_checkpoint_bytes_are_verified_and_read_without_pickle(tmp_path):
     store = RunStore(tmp_path / "run")
-    sink = StoreCheckpointSink(store, "pretrain-p", 1)
+    sink = StoreCheckpointSink(store, "pretrain-p", CheckpointPolicy(1))
     sink.save(EpochCheckpoint(1, {"format": 1, "w": torch.arange(3.0), "python": (3, (1, 2), None)}))
     sink.save(EpochCheckpoint(2, {"format": 1, "w": torch.arange(4.0)}))
     assert store.list_files("checkpoints/pretrain-p") == ["epoch-00002.json", "epoch-00002.pt"]  # older deleted
@@ -122,7 +124,34 @@ def test_checkpoint_bytes_are_verified_and_read_without_pickle(tmp_path):
 
 def test_bad_checkpoint_interval_is_refused(tmp_path):
     with pytest.raises(ValueError, match="checkpoint_every_epochs"):
-        StoreCheckpointSink(RunStore(tmp_path), "k", -1)
+        CheckpointPolicy(-1)
+    with pytest.raises(ValueError, match="checkpoint_every_minutes"):
+        CheckpointPolicy(None, float("nan"))
+    with pytest.raises(TypeError, match="CheckpointPolicy"):
+        StoreCheckpointSink(RunStore(tmp_path), "k", 1)
+
+
+def test_time_policy_bounds_the_write_share():
+    """By time: no save before every_minutes, and never sooner than 50x the last write (writes <= 2 %)."""
+    policy = CheckpointPolicy(None, every_minutes=1.0, last_save=100.0)
+    assert not policy.due(1, now=159.0) and policy.due(1, now=160.0)
+    policy.wrote(6.0, now=170.0)  # a slow store: a 6 s write
+    assert 6.0 / MAX_WRITE_FRACTION == 300.0
+    assert not policy.due(2, now=170.0 + 299.0) and policy.due(2, now=170.0 + 300.0)
+    epochs = CheckpointPolicy(3)
+    assert [epochs.due(n) for n in range(1, 7)] == [False, False, True, False, False, True]
+
+
+def test_default_policy_saves_by_time_during_training(source, tmp_path):
+    """The default (by time) writes no checkpoint in a short stage, and one per epoch when the interval is 0."""
+    data = task_data(source, "simplex")
+    old = frozen_copy(tiny_model(seed=1))
+    default = StoreCheckpointSink(RunStore(tmp_path / "a"), "finetune-x", CheckpointPolicy())
+    train_task(tiny_model(seed=0), old, get_method("dsimplex-hoc"), data, config(epochs=3), checkpoints=default)
+    assert default.saved == 0
+    eager = StoreCheckpointSink(RunStore(tmp_path / "b"), "finetune-x", CheckpointPolicy(None, every_minutes=0.0))
+    train_task(tiny_model(seed=0), old, get_method("dsimplex-hoc"), data, config(epochs=3), checkpoints=eager)
+    assert eager.saved >= 1 and eager.policy.write_seconds > 0
 
 
 SIGTERM_SCRIPT = """
@@ -133,7 +162,7 @@ import numpy as np
 from test_training import config, task_data, tiny_model
 from compat_core.data.base import ArraySource
 from compat_core.models import frozen_copy
-from pipelines.checkpoints import StoreCheckpointSink
+from pipelines.checkpoints import CheckpointPolicy, StoreCheckpointSink
 from pipelines.methods import get_method
 from pipelines.store import RunStore
 from pipelines.training import train_task
@@ -154,7 +183,7 @@ def progress(epoch, step, total, speed):
     if step == kill_at:
         os.kill(os.getpid(), signal.SIGTERM)  # what a preempted node receives
 
-sink = StoreCheckpointSink(RunStore(sys.argv[1]), "finetune-x", 10)
+sink = StoreCheckpointSink(RunStore(sys.argv[1]), "finetune-x", CheckpointPolicy(10))
 result = train_task(tiny_model(seed=0), old, get_method("dsimplex-hoc"), data, config(epochs=4), progress=progress,
                     checkpoints=sink)
 save_file({{k: v.contiguous() for k, v in result.model.state_dict().items()}}, sys.argv[3])
