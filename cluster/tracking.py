@@ -541,7 +541,8 @@ class MlflowTracker(Tracker):
             training = record.training
             if stage.task is not None and training:
                 values = {f"task/{name}": training[name] for name in
-                          ("final_loss", "images_per_s", "seconds", "selected_epoch") if training.get(name) is not None}
+                          ("final_loss", "images_per_s", "seconds", "selected_epoch", "input_stall_fraction",
+                           "first_step_seconds", "peak_device_memory_bytes") if training.get(name) is not None}
                 self._log_metrics(self.parent_run_id, values, step=int(stage.task) + 1)  # 1-based task
         elif isinstance(record, FeatureRecord):
             self._log_metrics(run_id, {"extract/images_per_s": record.images_per_second,

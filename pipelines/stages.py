@@ -329,6 +329,11 @@ def _summary(result: Any) -> dict:
         "final_loss": float(records[-1].loss) if records else None,
         "epochs_recorded": len(records),
         "resumed_from_epoch": getattr(result, "resumed_from_epoch", None),  # epoch checkpoint restored, if any
+        # where the time went: device idle waiting for input (fraction of the training seconds), start-up, memory
+        "input_stall_fraction": float(getattr(result, "input_stall_seconds", 0.0)) / max(float(result.seconds), 1e-9),
+        "first_step_seconds": getattr(result, "first_step_seconds", None),
+        "peak_device_memory_bytes": getattr(result, "peak_device_memory_bytes", None),
+        "loop_unix_seconds": list(getattr(result, "loop_unix_seconds", None) or []),  # to align device samples
     }
 
 

@@ -47,6 +47,10 @@ class TrainResult:
     extra_state: dict[str, Any] = field(default_factory=dict)
     selection: list[dict[str, float]] = field(default_factory=list)
     resumed_from_epoch: int | None = None  # completed epochs restored from an epoch checkpoint (None: fresh start)
+    input_stall_seconds: float = 0.0  # device idle while waiting for input batches (upper bound), seconds
+    first_step_seconds: float | None = None  # from train_task's start to the end of the first step, seconds
+    peak_device_memory_bytes: int | None = None  # CUDA only: peak allocated by this process during the task
+    loop_unix_seconds: tuple[float, float] | None = None  # wall-clock start and end of the training loop (Unix time)
 
 
 ProgressHook = Callable[[int, int, int, float], None]

@@ -218,6 +218,9 @@ def train_task(
     if config.model_selection == "compatibility" and data.selection is None:
         raise ValueError("TrainConfig.model_selection 'compatibility' needs TaskData.selection (a held-out split)")
     device = torch.device(config.device)
+    stage_start = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(config.seed)
     if data.initial_state is not None and method.retrain_from_scratch:
         model.load_state_dict(dict(data.initial_state))
@@ -287,6 +290,9 @@ def train_task(
     train_seconds = 0.0
     train_images = 0
     task_start = time.perf_counter()
+    loop_started_unix = time.time()
+    stall = _InputStall(device)
+    first_step_seconds: float | None = None
 
     def emit(record: TrainRecord) -> None:
         records.append(record)
@@ -334,6 +340,7 @@ def train_task(
             model.train()
             started = time.perf_counter()  # a step's time includes any wait for its batch
             for in_epoch, (positions, images) in enumerate(itertools.islice(stream, len(local)), start=skip + 1):
+                stall.batch_arrived(time.perf_counter() - started)
                 if parallel is None:
                     batch = loader.batch(positions, images)
                 else:  # this rank's images, the global batch's targets; the models return global outputs
@@ -348,7 +355,12 @@ def train_task(
                 loss.backward()
                 optimizer.step()
                 scheduler.step()
+                stall.step_queued()
                 step += 1
+                if first_step_seconds is None:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)  # once: the first step really done, not only queued
+                    first_step_seconds = time.perf_counter() - stage_start
                 seconds = time.perf_counter() - started
                 started = time.perf_counter()
                 train_seconds += seconds
@@ -394,7 +406,34 @@ def train_task(
         extra_state=method.export_state(),
         selection=[] if selector is None else selector.history,
         resumed_from_epoch=None if latest is None else latest.epochs_done,
+        input_stall_seconds=stall.seconds,
+        loop_unix_seconds=(loop_started_unix, time.time()),
+        first_step_seconds=first_step_seconds,
+        peak_device_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
     )
+
+
+class _InputStall:
+    """Seconds the device sat idle waiting for input batches (an upper bound).
+
+    After each step a CUDA event marks the end of the work queued so far. When the next batch arrives, the host's wait
+    counts as a stall only if that event has already completed, i.e. the accelerator ran out of work before the
+    batch came; a wait while queued work still runs costs nothing. On the CPU every wait is a stall.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.seconds = 0.0
+        self._event = torch.cuda.Event() if device.type == "cuda" else None
+        self._queued = False
+
+    def step_queued(self) -> None:
+        if self._event is not None:
+            self._event.record()
+            self._queued = True
+
+    def batch_arrived(self, waited_seconds: float) -> None:
+        if self._event is None or not self._queued or self._event.query():
+            self.seconds += max(0.0, waited_seconds)
 
 
 class SupervisedPretraining(Method):

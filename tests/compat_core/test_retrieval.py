@@ -247,6 +247,7 @@ def test_input_validation_names_the_field():
         tar_at_far([0.1, 0.2], [True, False], 1.5)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_matches_fp64_brute_force():
     query, gallery = planted(200, 300, 40, seed=9)

@@ -119,6 +119,7 @@ def test_rows_of_a_batch_get_the_whole_batch_draws():
         make_transforms(source, train=True, seed=5)(batch[:3], rows=(0, 4, 7))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_training_batch_reaches_cuda_without_a_host_sync():
     """The step's input path (pinned batch, targets, augmentation draws, normalisation statistics) queues its
