@@ -86,7 +86,7 @@ def log(message: str) -> None:
 
 
 # ---- 1. CUDA-only tests --------------------------------------------------------------------------------------------
-def run_cuda_tests(timeout_s: float) -> dict:
+def run_cuda_tests(timeout_s: float, out: Path) -> dict:
     """``pytest -m cuda`` in a subprocess; counts parsed from its summary line."""
     if not torch.cuda.is_available():
         return {"status": "skipped: no CUDA device"}
@@ -98,6 +98,7 @@ def run_cuda_tests(timeout_s: float) -> dict:
     command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *files]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    (out / "cuda_tests.log").write_text(done.stdout + done.stderr)
     tail = (done.stdout + done.stderr).strip().splitlines()[-15:]
     counts = {}
     for line in tail:
@@ -422,17 +423,20 @@ def markdown(report: dict) -> str:
     data = report.get("data", {})
     row("data", f"{data.get('images')} CelebA-layout JPEGs, {data.get('identities')} identities, "
                 f"{data.get('mean_jpeg_bytes', 0):.0f} B each")
-    product = report.get("product", {})
-    row("product path", f"compat run --executor {product.get('executor')}, data {product.get('data')}, "
-                        f"tracking {product.get('tracking')}, {product.get('wall_seconds', 0):.1f} s wall")
-    for task in product.get("tasks", []):
-        name = f"task {task['task']} ({'HOC, frozen old model' if task['task'] else 'SCE only'})"
-        for key in ("images_per_s", "device_busy_fraction", "input_stall_fraction", "peak_gpu_memory_gib",
-                    "first_step_seconds"):
-            row(f"{name}: {key}", task.get(key))
     bare = report.get("bare", {})
     row("bare PyTorch/timm step: images/s", bare.get("images_per_s"))
-    row("product / bare (task 1, HOC)", report.get("product_over_bare"))
+    row("bare step: peak GPU memory GiB", bare.get("peak_gpu_memory_gib"))
+    for product in report.get("products", []):
+        workers = product.get("input_workers")
+        row(f"product path ({workers} input workers)",
+            f"compat run --executor {product.get('executor')}, data {product.get('data')}, "
+            f"tracking {product.get('tracking')}, {product.get('wall_seconds', 0):.1f} s wall")
+        for task in product.get("tasks", []):
+            name = f"{workers} workers, task {task['task']} ({'HOC, frozen old model' if task['task'] else 'SCE only'})"
+            for key in ("images_per_s", "device_busy_fraction", "input_stall_fraction", "peak_gpu_memory_gib",
+                        "first_step_seconds"):
+                row(f"{name}: {key}", task.get(key))
+        row(f"{workers} workers: product / bare (task 1, HOC)", product.get("product_over_bare"))
     entry = report.get("entry", {})
     for key in ("shape", "recall_at_1", "equal_to_fp64", "product_entry_seconds", "device_kernel_seconds",
                 "device_equal_to_fp64"):
@@ -449,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: ray with S3 where Ray, MLflow and the S3 server are installed, else local")
     parser.add_argument("--steps", type=int, default=None, help="step budget per task (default: the shape's)")
     parser.add_argument("--skip", action="append", default=[], choices=("tests", "product", "bare", "entry"))
+    parser.add_argument("--input-workers", type=int, nargs="+", default=None,
+                        help="run the product once per value of training.input_workers (default: the config's 3)")
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds allowed to each subprocess")
     args = parser.parse_args(argv)
     shape = SMOKE if args.smoke else FULL
@@ -468,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     if "tests" not in args.skip:
         log("CUDA-only tests")
-        report["cuda_tests"] = run_cuda_tests(args.timeout)
+        report["cuda_tests"] = run_cuda_tests(args.timeout, out)
         log(f"  {report['cuda_tests']}")
     with tempfile.TemporaryDirectory(prefix="real-job-") as scratch:
         work = Path(scratch)
@@ -476,16 +482,22 @@ def main(argv: list[str] | None = None) -> int:
             log("writing CelebA-layout JPEGs")
             report["data"] = write_celeba(work / "celeba", shape)
             log(f"  {report['data']}")
-            report["product"] = run_product(shape, work, work / "celeba", executor, args.timeout)
-            log(f"  {json.dumps(report['product'])}")
+            for workers in args.input_workers or [shape.input_workers]:
+                sized = Shape(**{**shape.__dict__, "input_workers": workers})
+                product = run_product(sized, work / f"workers-{workers}", work / "celeba", executor, args.timeout)
+                product["input_workers"] = workers
+                report.setdefault("products", []).append(product)
+                log(f"  {json.dumps(product)}")
+            report["product"] = report["products"][0]
     if "bare" not in args.skip:
         log("bare PyTorch/timm step")
         autocast = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "off"
         report["bare"] = run_bare(shape, device, max(shape.steps, 5), autocast)
         log(f"  {report['bare']}")
-        hoc = [t for t in report.get("product", {}).get("tasks", []) if t["task"] == 1]
-        if hoc and hoc[0].get("images_per_s"):
-            report["product_over_bare"] = hoc[0]["images_per_s"] / report["bare"]["images_per_s"]
+        for product in report.get("products", []):
+            hoc = [t for t in product.get("tasks", []) if t["task"] == 1]
+            if hoc and hoc[0].get("images_per_s"):
+                product["product_over_bare"] = hoc[0]["images_per_s"] / report["bare"]["images_per_s"]
     if "entry" not in args.skip:
         log("one matrix entry at CelebA's shape")
         report["entry"] = run_entry(shape, device)

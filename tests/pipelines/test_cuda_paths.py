@@ -27,17 +27,17 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def _vit(num_slots: int, seed: int):
+def _vit(num_slots: int, seed: int, in_chans: int = 3, img_size: int = 32):
     torch.manual_seed(seed)
-    return create_model("dinov3_vitb16", num_slots, backbone_config={"img_size": 32, "depth": 2, "embed_dim": 64,
-                                                                      "num_heads": 2})
+    return create_model("dinov3_vitb16", num_slots, backbone_config={"img_size": img_size, "depth": 2, "embed_dim": 64,
+                                                                      "num_heads": 2, "in_chans": in_chans})
 
 
 def test_hoc_task_on_the_gpu_with_pinned_input_workers_and_bf16(source):
     data = task_data(source, "simplex")
     K = 16
-    old = frozen_copy(_vit(K, 1))
-    result = train_task(_vit(K, 0), old, get_method("dsimplex-hoc"), data,
+    old = frozen_copy(_vit(K, 1, in_chans=1, img_size=16))  # the source's grey 16 x 16 images
+    result = train_task(_vit(K, 0, in_chans=1, img_size=16), old, get_method("dsimplex-hoc"), data,
                         config(device="cuda", autocast="bf16", input_workers=1, epochs=2))
     assert next(result.model.parameters()).device.type == "cuda"
     assert all(np.isfinite(record.loss) for record in result.records)
