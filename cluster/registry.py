@@ -17,9 +17,10 @@ Naming (user-facing, so task numbers are 1-based here as in the papers):
 ``models:/NAME/VERSION``, ``models:/NAME/latest`` and ``runs:/RUN_ID/PATH`` URIs by downloading the artifacts into
 a local cache folder.
 
-What a version's folder (``runs:/RUN/model``) holds, see :func:`write_model_folder`: ``model.safetensors`` +
-``config.json`` (what this project reads back, never unpickling anything) and an MLflow ``pytorch`` flavour
-(``MLmodel``, ``data/model.pth``) so that ``mlflow.pytorch.load_model("models:/NAME@task-4")`` returns the model.
+What a version's folder (``runs:/RUN/model``) holds, see :func:`write_model_folder`: an MLflow ``pyfunc`` model
+written as code, whose artifacts are ``model.safetensors`` + ``config.json`` (what this project reads back; nothing
+is ever pickled), so ``mlflow.pyfunc.load_model("models:/NAME@task-4").unwrap_python_model().model`` returns the
+model.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ _RUNS_URI = re.compile(r"^runs:/(?P<run_id>[0-9a-fA-F]{32})/(?P<path>.+)$")
 MODEL_ARTIFACT_PATH = "model"
 LATEST_ALIAS = "latest-task"
 WEIGHTS_FILE = "model.safetensors"
+MODEL_FILES_SUBFOLDER = "artifacts"  # where MLflow's pyfunc flavour keeps the declared artifacts
 
 
 def registered_model_name(scenario: str, override: str | None = None) -> str:
@@ -97,42 +99,52 @@ def register_version(client: Any, name: str, run_id: str, stage_key: str, tags: 
 def write_model_folder(folder: str | os.PathLike, config_bytes: bytes, weights_bytes: bytes) -> Path:
     """Write the MLflow model folder of one pipeline model into the new folder ``folder``; returns its path.
 
-    It holds ``config.json`` + ``model.safetensors`` byte for byte (what ``models:/`` replacement sources and
-    :class:`MlflowModelResolver` read) and MLflow's ``pytorch`` flavour of the same model in its pickle format
-    (``MLmodel``, ``data/model.pth``), so ``mlflow.pytorch.load_model(uri)`` returns the ``CompatModel`` with its
-    ``features`` method; loading that needs the ``compat-learning`` package (the pickle names its classes).
-
-    Why pickle and not MLflow's default torch.export format: an exported program is specialised to the example's
-    batch size unless every dimension is declared, exporting takes seconds per model, and it returns a graph module
-    without ``features``. The pickle is written here from weights the pipeline itself produced and verified; this
-    project never loads it (it reads the safetensors file next to it).
+    An MLflow ``pyfunc`` model written as code (:mod:`cluster.mlflow_pyfunc`): ``artifacts/model.safetensors`` and
+    ``artifacts/config.json`` byte for byte (what ``models:/`` replacement sources and :class:`MlflowModelResolver`
+    read), ``MLmodel`` and the loader file. Nothing else: no pickle, no second copy of the weights, no d-Simplex
+    prototypes (rebuilt from K), so the folder is the safetensors' size plus a few kB.
+    ``mlflow.pyfunc.load_model(uri).unwrap_python_model().model`` returns the ``CompatModel``.
     """
     import logging
     from importlib.metadata import PackageNotFoundError, version
 
-    import mlflow.pytorch
+    import mlflow.pyfunc
     import safetensors
     import torch
 
+    from cluster import mlflow_pyfunc
     from compat_core.models.compat_model import CONFIG_FILE, model_from_bytes
 
     target = Path(folder)
-    model = model_from_bytes(config_bytes, weights_bytes, where=str(target)).eval()
+    model_from_bytes(config_bytes, weights_bytes, where=str(target))  # refuse weights that do not match the config
     try:
         requirements = [f"compat-learning=={version('compat-learning')}"]
     except PackageNotFoundError:  # a checkout that is not pip-installed
         requirements = ["compat-learning"]
     requirements += [f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}"]
-    flavour_log = logging.getLogger("mlflow.pytorch")
-    level = flavour_log.level
-    flavour_log.setLevel(logging.ERROR)  # its pickle warning is about loading untrusted files (see docstring)
-    try:
-        mlflow.pytorch.save_model(model, str(target), serialization_format="pickle", pip_requirements=requirements)
-    finally:
-        flavour_log.setLevel(level)
-    (target / WEIGHTS_FILE).write_bytes(weights_bytes)
-    (target / CONFIG_FILE).write_bytes(config_bytes)
+    with tempfile.TemporaryDirectory(prefix="compat-model-files-") as staging:
+        weights, config = Path(staging, WEIGHTS_FILE), Path(staging, CONFIG_FILE)
+        weights.write_bytes(weights_bytes)
+        config.write_bytes(config_bytes)
+        quiet = logging.getLogger("mlflow")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # models-from-code notes on every save
+        try:
+            mlflow.pyfunc.save_model(str(target), python_model=mlflow_pyfunc.__file__,
+                                     artifacts={mlflow_pyfunc.WEIGHTS_ARTIFACT: str(weights),
+                                                mlflow_pyfunc.CONFIG_ARTIFACT: str(config)},
+                                     pip_requirements=requirements)
+        finally:
+            quiet.setLevel(level)
     return target
+
+
+def model_files_folder(folder: str | os.PathLike) -> Path:
+    """The folder holding ``model.safetensors`` + ``config.json`` inside a downloaded MLflow model folder
+    (``artifacts/`` of a pyfunc model; the folder itself for versions logged with both files at the top)."""
+    folder = Path(folder)
+    nested = folder / MODEL_FILES_SUBFOLDER
+    return nested if (nested / WEIGHTS_FILE).exists() and not (folder / WEIGHTS_FILE).exists() else folder
 
 
 def version_by_alias(client: Any, name: str, alias: str) -> Any | None:
@@ -186,7 +198,8 @@ class MlflowModelResolver:
         match = _RUNS_URI.match(uri)
         if match is None:
             raise ValueError(f"run URI {uri!r}: expected runs:/<32 hex run id>/<artifact path>")
-        return self._download(match["run_id"], match["path"], self._cache / "runs" / match["run_id"])
+        downloaded = self._download(match["run_id"], match["path"], self._cache / "runs" / match["run_id"])
+        return str(model_files_folder(downloaded)) if Path(downloaded).is_dir() else downloaded
 
     def _resolve_model(self, uri: str) -> str:
         name, version, alias = parse_model_uri(uri)
@@ -205,7 +218,8 @@ class MlflowModelResolver:
         source = _RUNS_URI.match(found.source or "")
         if source is None:
             raise ValueError(f"{uri}: version {found.version} has source {found.source!r}; expected runs:/RUN/PATH")
-        folder = self._download(source["run_id"], source["path"], self._cache / "models" / name / str(found.version))
+        folder = str(model_files_folder(self._download(source["run_id"], source["path"],
+                                                       self._cache / "models" / name / str(found.version))))
         expected = (found.tags or {}).get("sha256")
         weights = Path(folder) / WEIGHTS_FILE
         if expected and weights.exists():
@@ -236,5 +250,5 @@ def register_mlflow_resolvers(tracking_uri: str, registry_uri: str | None = None
 __all__ = [
     "registered_model_name", "task_alias", "ensure_registered_model", "find_version", "register_version",
     "version_by_alias", "parse_model_uri", "LATEST_ALIAS", "MlflowModelResolver", "register_mlflow_resolvers",
-    "MODEL_ARTIFACT_PATH", "write_model_folder",
+    "MODEL_ARTIFACT_PATH", "write_model_folder", "model_files_folder",
 ]

@@ -1,11 +1,11 @@
-"""Issue 12, item 10: one registered model per scenario across runs, and models logged with MLflow's pytorch flavour.
+"""One registered model per scenario across runs, and models logged as MLflow's pyfunc flavour written as code.
 
 Against the real ``mlflow server`` (session fixture), through ``compat run``:
 
 - two runs of one scenario (the second with another seed, so new weights) add their versions to ONE registered model
   named after the scenario; ``task-N`` and ``latest-task`` follow the newest run, the first run's versions stay;
   ``output.registered_model`` puts a run's models under another name;
-- ``mlflow.pytorch.load_model("models:/NAME@task-2")`` returns the model, whose weights are the run's
+- ``mlflow.pyfunc.load_model("models:/NAME@task-2").unwrap_python_model().model`` returns the model, whose weights are the run's
   model.safetensors and whose features on the query pool, computed by the pipeline's own extraction path, equal the
   features the run stored (float32 features, one torch thread: bit-identical);
 - the same alias still works as a ``models:/`` replacement source (tests/cluster/test_model_sources.py).
@@ -41,7 +41,7 @@ def _run(tmp_path: Path, folder: str, uri: str, *overrides: str) -> Path:
 
 
 def test_one_registered_model_per_scenario_and_pytorch_flavour_loads_by_alias(mlflow_server, tmp_path, monkeypatch):
-    import mlflow.pytorch
+    import mlflow.pyfunc
     from mlflow import MlflowClient
     from safetensors.torch import load_file
 
@@ -70,9 +70,9 @@ def test_one_registered_model_per_scenario_and_pytorch_flavour_loads_by_alias(ml
         assert client.get_model_version_by_alias(SCENARIO, f"task-{task + 1}").tags["stage_key"] == key
     assert client.get_model_version_by_alias(SCENARIO, "latest-task").tags["stage_key"] == by_task[2]
 
-    # the pytorch flavour: models:/NAME@task-2 -> the CompatModel with the run's weights and features
+    # the pyfunc flavour written as code: models:/NAME@task-2 -> the CompatModel with the run's weights and features
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # how a user points mlflow at the server
-    loaded = mlflow.pytorch.load_model(f"models:/{SCENARIO}@task-2")
+    loaded = mlflow.pyfunc.load_model(f"models:/{SCENARIO}@task-2").unwrap_python_model().model
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     assert type(loaded).__name__ == "CompatModel"
     weights = load_file(str(second_store.blob_path(by_task[1], "model.safetensors")))

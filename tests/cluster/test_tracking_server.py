@@ -92,11 +92,17 @@ def test_runs_metrics_and_artifacts_over_rest(mlflow_server, served_run):
     assert pngs == sorted(f"results/{p.name}" for p in run_dir.glob("*.png"))
     model_files = rest(mlflow_server, "GET", "artifacts/list", {"run_id": finetune["info"]["run_id"], "path": "model"})
     sizes = {f["path"]: int(f["file_size"]) for f in model_files["files"] if not f.get("is_dir")}
+    nested = rest(mlflow_server, "GET", "artifacts/list", {"run_id": finetune["info"]["run_id"],
+                                                           "path": "model/artifacts"})
+    sizes.update({f["path"]: int(f["file_size"]) for f in nested["files"] if not f.get("is_dir")})
     weights = Path(store.blob_path(graph.model_stages[1], "model.safetensors"))
-    # the run's own files byte for byte next to MLflow's pytorch flavour of the same model (MLmodel + data/)
-    assert sizes["model/model.safetensors"] == weights.stat().st_size
-    assert sizes["model/config.json"] == Path(weights.parent, "config.json").stat().st_size
-    assert "model/MLmodel" in sizes and {"path": "model/data", "is_dir": True} in model_files["files"]
+    # the run's own files byte for byte, as the artifacts of MLflow's pyfunc flavour written as code (no pickle)
+    assert sizes["model/artifacts/model.safetensors"] == weights.stat().st_size
+    assert sizes["model/artifacts/config.json"] == Path(weights.parent, "config.json").stat().st_size
+    assert "model/MLmodel" in sizes and not any(p.endswith((".pth", ".pkl", ".pt")) for p in sizes)
+    assert {"path": "model/data", "is_dir": True} not in model_files["files"]
+    # weights only: the whole model folder is the safetensors' size plus a few kB (MLmodel, the loader, requirements)
+    assert sum(sizes.values()) <= 1.1 * weights.stat().st_size + 32_000
 
 
 def test_model_versions_and_aliases_over_rest(mlflow_server, served_run):

@@ -96,8 +96,8 @@ def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, c
     best = client.get_model_version_by_alias("tiny-aa", "best")
     assert best.tags["trial_id"] == best_id and best.tags["task_1based"] == "3"
     assert client.get_model_version_by_alias("tiny-aa", "best-task-1").tags["trial_id"] == best_id
-    # logged with MLflow's pytorch flavour: the best model loads by alias, with the best trial's last weights
-    import mlflow.pytorch
+    # logged as MLflow's pyfunc flavour written as code: the best model loads by alias, with the best trial's weights
+    import mlflow.pyfunc
     import torch
     from safetensors.torch import load_file
 
@@ -105,7 +105,7 @@ def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, c
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLFLOW_TRACKING_URI", client.tracking_uri)
-        loaded = mlflow.pytorch.load_model("models:/tiny-aa@best")
+        loaded = mlflow.pyfunc.load_model("models:/tiny-aa@best").unwrap_python_model().model
     store = RunStore(experiment / "runs" / best_id)
     weights = load_file(str(store.blob_path(best.tags["stage_key"], "model.safetensors")))
     assert all(torch.equal(loaded.state_dict()[key], value) for key, value in weights.items())
