@@ -85,6 +85,11 @@ def check_data(config) -> list[tuple[str, str]]:
     for index, entry in enumerate(config.pretrain):
         if entry.init is not None and not cio.exists(entry.init):
             problems.append((f"pretrain[{index}].init", f"weights file {entry.init} not found"))
+        elif entry.init is not None and entry.init_sha256 is None:
+            from compat_core.models.weights import sha256_of
+
+            print(f"pretrain[{index}].init: no init_sha256 set; {entry.init} has sha256 {sha256_of(entry.init)}: "
+                  f"pin it with pretrain[{index}].init_sha256")
     return problems
 
 
