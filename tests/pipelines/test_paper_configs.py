@@ -62,12 +62,13 @@ def test_plan_names_the_table_and_the_divergences_of_every_paper_config(capsys):
         document = yaml.safe_load((CONFIGS / name).read_text())
         paper = document["paper"]
         assert f"paper: reproduces {paper['reproduces']}" in out, name
-        for item in paper["divergences"] + paper.get("choices", []):
+        for item in paper["divergences"] + paper.get("public_code", []) + paper.get("choices", []):
             assert f"- {item}" in out, (name, item)
 
 
 def test_cl2r_hyper_parameters_follow_the_paper():
-    """2026 paper Sec. 5.4: (0.1, 5) CIFAR100/10, (0.1, 10) TinyImageNet200/20, (0.5, 10) CUB180/20, (0.1, 10) IAM-CL2R."""
+    """2026 paper Sec. 6 (Hyper-parameters Values): (0.1, 5) CIFAR100/10, (0.1, 10) TinyImageNet200/20, (0.5, 10)
+    CUB180/20 in Sec. 5.2; (0.1, 10) CIFAR100R/10 and CelebA in Sec. 5.3."""
     expected = {"cl2r-cifar100": (0.1, 5.0), "cl2r-tinyimagenet200": (0.1, 10.0), "cl2r-cub180": (0.5, 10.0),
                 "iam-cl2r": (0.1, 10.0)}
     for name in PAPER_CONFIGS:
@@ -82,6 +83,32 @@ def test_celeba_replacements_follow_figure_8_and_pretraining_starts_from_dinov3(
     # 2560 and 5120 CelebA classes = 5 and 10 tasks of 512: the boxed first tasks after replacement in Fig. 8
     assert [r["at_task"] for r in document["replacements"]] == [2560 // 512, 5120 // 512]
     assert all(entry["init"].endswith(".pth") for entry in document["pretrain"])
+
+
+def test_architecture_upgrade_at_31_tasks_is_table_vii_and_the_7_task_one_is_labelled_reduced():
+    """2026 paper Table VII: 10+30x3 tasks, ResNet18 replaced by SENet18 at task 11 and RegNetY_400MF at task 21."""
+    document = yaml.safe_load((CONFIGS / "iam-cl2r-cifar100r-10-t31-arch.yaml").read_text())
+    assert document["tasks"]["spec"] == "10+30x3" and document["model"]["backbone"] == "resnet18_cifar"
+    assert [(r["at_task"], r["backbone"]) for r in document["replacements"]] == [(11, "senet18"),
+                                                                                 (21, "regnety_400mf")]
+    assert "Table VII" in document["paper"]["reproduces"]
+    reduced = yaml.safe_load((CONFIGS / "iam-cl2r-cifar100r-10-t7-arch.yaml").read_text())
+    assert reduced["tasks"]["spec"] == "10+6x15"
+    assert reduced["paper"]["reproduces"].startswith("no published number: a reduced variant")
+
+
+def test_demo_runs_the_papers_anchor_and_plan_labels_the_extension(capsys):
+    document = yaml.safe_load((CONFIGS / "demo-dsimplex-hoc.yaml").read_text())
+    assert [r["anchor"] for r in document["replacements"]] == ["loaded", "loaded"]
+    assert main(["plan", str(CONFIGS / "demo-dsimplex-hoc.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "paper: none" not in out and "paper: reproduces no published number: the papers' IAM-CL2R" in out
+    assert "this project's extension" not in out
+    replaced = ('replacements=[{at_task: 3, source: "pretrain:p2", anchor: replaced}, '
+                '{at_task: 5, source: "pretrain:p3", anchor: replaced}]')
+    assert main(["plan", str(CONFIGS / "demo-dsimplex-hoc.yaml"), "--set", replaced]) == 0
+    out = capsys.readouterr().out
+    assert out.count("anchor: replaced (this project's extension, not the papers' method") == 2
 
 
 def test_pretrain_init_is_loaded_and_its_digest_checked(data_dir, tmp_path, monkeypatch):
