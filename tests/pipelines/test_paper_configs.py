@@ -111,9 +111,9 @@ def test_demo_runs_the_papers_anchor_and_plan_labels_the_extension(capsys):
     assert out.count("anchor: replaced (this project's extension, not the papers' method") == 2
 
 
-def test_pretrain_init_is_loaded_and_its_digest_checked(data_dir, tmp_path, monkeypatch):
-    """The pre-training stage starts from the init checkpoint (its backbone weights, not a random draw), and a
-    wrong sha256 stops the stage naming the config key."""
+def test_pretrain_init_is_loaded_and_its_digest_checked(data_dir, tmp_path, monkeypatch, caplog):
+    """The pre-training stage starts from the init checkpoint (its backbone weights, not a random draw); without
+    init_sha256 it logs the file's digest for the user to pin, and a wrong sha256 stops the stage naming the key."""
     from pipelines.config_load import validate_config
     from pipelines.executor import LocalExecutor
     from pipelines.graph import compile_scenario
@@ -127,12 +127,15 @@ def test_pretrain_init_is_loaded_and_its_digest_checked(data_dir, tmp_path, monk
 
     digest = hashlib.sha256((data_dir / INIT_PATH).read_bytes()).hexdigest()
     document["pretrain"] = document["pretrain"][:1]
-    document["pretrain"][0].update({"init_sha256": digest, "optimizer": {"name": "sgd", "lr": 1e-9}})
+    document["pretrain"][0].update({"optimizer": {"name": "sgd", "lr": 1e-9}})
+    assert "init_sha256" not in document["pretrain"][0]  # the shipped config leaves the digest for the user to pin
     document["replacements"] = []
     config = validate_config(document)
     graph = compile_scenario(config)
     store = RunStore(str(tmp_path / "run"))
-    LocalExecutor(progress=False).run(graph, store)
+    with caplog.at_level("WARNING", logger="pipelines.stages"):
+        LocalExecutor(progress=False).run(graph, store)
+    assert f"pretrain[casia-3525].init: no init_sha256 set; {INIT_PATH} has sha256 {digest}" in caplog.text
     from compat_core.models.compat_model import load_model
 
     key = graph.pretrain_stages[config.pretrain[0].name]
@@ -145,6 +148,22 @@ def test_pretrain_init_is_loaded_and_its_digest_checked(data_dir, tmp_path, monk
     document["output"]["dir"] = str(tmp_path / "run2")
     with pytest.raises(ValueError, match=r"pretrain\[casia-3525\]\.init: .*sha256"):
         LocalExecutor(progress=False).run(compile_scenario(validate_config(document)), RunStore(str(tmp_path / "run2")))
+
+
+def test_plan_check_data_prints_the_init_digest_to_pin(data_dir, tmp_path, monkeypatch, capsys):
+    import hashlib
+
+    monkeypatch.chdir(data_dir)
+    document = papers.shrink(yaml.safe_load((CONFIGS / "iam-cl2r-celeba-dinov3-t16.yaml").read_text()),
+                             str(tmp_path / "run"))
+    config_path = tmp_path / "celeba.yaml"
+    config_path.write_text(yaml.safe_dump(document, sort_keys=False))
+    assert main(["plan", str(config_path), "--check-data"]) == 0
+    digest = hashlib.sha256((data_dir / INIT_PATH).read_bytes()).hexdigest()
+    out = capsys.readouterr().out
+    for index in range(len(document["pretrain"])):
+        assert (f"pretrain[{index}].init: no init_sha256 set; {INIT_PATH} has sha256 {digest}: pin it with "
+                f"pretrain[{index}].init_sha256") in out
 
 
 # ---- IAM-CL2R 7 tasks: reference masking and the reference epoch length ----------------------------------------
