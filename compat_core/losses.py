@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-INFO_NCE_MASKINGS = ("standard", "reference")
+INFO_NCE_MASKINGS = ("standard", "reference", "paper")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -132,14 +132,22 @@ def compatibility_info_nce(
       the denominator holds ``n_same(i)`` ones in place of ``e^{rho s_ii}``. The positive's gradient never
       saturates (always ``-rho`` per unit of ``s_ii``) and the loss can be negative (down to ``-rho + log n``).
 
-    (The paper's Eq. 4 literally sums over all ``j != i``, same-class ones included; neither mode does that, as
-    pulling apart two images of the same class fights the classifier.) Returns nats.
+    - ``"paper"`` (the 2026 paper's Eq. 4 as printed): ``-rho s_ii + log sum_{j != i} e^{rho s_ij}``. The positive
+      is left out of the denominator and every other sample is a negative, same class included (pulling apart two
+      images of one class works against the classifier term). The loss can be negative and needs ``B >= 2``
+      (with one sample the denominator is empty).
+
+    Eq. 4 prints a sum over the batch; every mode returns the batch mean (a constant factor the learning rate
+    absorbs). Returns nats.
     """
     _check_pair(new_features, old_features)
     batch = new_features.shape[0]
     _check_labels(labels, batch)
     rho = _check_rho(rho)
     masking = _check_masking(masking)
+    if masking == "paper" and batch < 2:
+        raise ValueError(f"masking 'paper' (Eq. 4: denominator over j != i) needs a batch of at least 2 samples, "
+                         f"got {batch}")
     with _no_autocast(new_features):
         new_unit = F.normalize(_at_least_fp32(new_features), dim=1)
         old_unit = F.normalize(_at_least_fp32(old_features.detach()), dim=1).to(new_unit.dtype)
@@ -151,6 +159,9 @@ def compatibility_info_nce(
             keep = ~same_class
             keep.fill_diagonal_(True)
             denominator_terms = scaled.masked_fill(~keep, float("-inf"))
+        elif masking == "paper":
+            others = ~torch.eye(batch, dtype=torch.bool, device=scaled.device)
+            denominator_terms = scaled.masked_fill(~others, float("-inf"))
         else:
             denominator_terms = scaled.masked_fill(same_class, 0.0)
         return (torch.logsumexp(denominator_terms, dim=1) - positive).mean()

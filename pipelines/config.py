@@ -175,8 +175,9 @@ class ReplacementSpec(StrictModel):
     )
     anchor: Literal["loaded", "replaced"] = Field(
         "loaded", description="frozen old model of the replacement's first task: 'loaded' (the new model itself, as "
-        "the reference HOC) or 'replaced' (the fine-tuned model it replaces, so the new model is trained to be "
-        "compatible with the index it inherits; d-Simplex methods only)")
+        "the papers and their public code) or 'replaced' (this project's extension, not in the papers: the "
+        "fine-tuned model it replaces, so the new model is trained to be compatible with the index it inherits; "
+        "d-Simplex methods only)")
     adapters: list[Literal["procrustes", "affine", "mlp", "fct", "fan"]] = Field(
         default_factory=list,
         description="adapters fitted between the replaced (old) and the new model at this replacement, evaluated "
@@ -241,8 +242,12 @@ class PaperSpec(StrictModel):
     """What a shipped config reproduces and how it knowingly differs (printed by `compat plan`; not in the config hash)."""
 
     reproduces: str = Field(description="paper and table/figure the scenario reproduces, e.g. 'CL2R (2026) Table II'")
-    divergences: list[str] = Field(default_factory=list, description="every deliberate difference from the paper")
-    choices: list[str] = Field(default_factory=list, description="settings the paper does not state, and our choice")
+    divergences: list[str] = Field(default_factory=list, description="every deliberate difference from the papers' "
+                                   "text, with the quote and the reason")
+    public_code: list[str] = Field(default_factory=list, description="settings the papers do not state, taken from "
+                                   "the public code that produced the tables")
+    choices: list[str] = Field(default_factory=list, description="settings neither the papers nor their public code "
+                               "state, and our choice")
 
 
 class OutputSpec(StrictModel):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -378,9 +379,13 @@ def pretrain_stage(ctx: StageContext) -> StageResult:
         from compat_core.models import load_external_weights
 
         try:
-            load_external_weights(model, spec.init, sha256=spec.init_sha256)
+            report = load_external_weights(model, spec.init, sha256=spec.init_sha256)
         except (ValueError, FileNotFoundError) as error:
             raise type(error)(f"pretrain[{spec.name}].init: {error}") from error
+        if spec.init_sha256 is None:
+            logging.getLogger(__name__).warning(
+                "pretrain[%s].init: no init_sha256 set; %s has sha256 %s: pin it with init_sha256: %s so that a "
+                "changed file is refused", spec.name, spec.init, report.sha256, report.sha256)
     model = model.to(ctx.device)
     model.config["pretrained_classes"] = spec.num_classes
     result = pretrain_model(model, pool, np.arange(len(pool)), config.train_config(seed, ctx.device, spec),

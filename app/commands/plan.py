@@ -85,6 +85,11 @@ def check_data(config) -> list[tuple[str, str]]:
     for index, entry in enumerate(config.pretrain):
         if entry.init is not None and not cio.exists(entry.init):
             problems.append((f"pretrain[{index}].init", f"weights file {entry.init} not found"))
+        elif entry.init is not None and entry.init_sha256 is None:
+            from compat_core.models.weights import sha256_of
+
+            print(f"pretrain[{index}].init: no init_sha256 set; {entry.init} has sha256 {sha256_of(entry.init)}: "
+                  f"pin it with pretrain[{index}].init_sha256")
     return problems
 
 
@@ -92,12 +97,20 @@ def check_data(config) -> list[tuple[str, str]]:
 def describe_paper(config) -> str:
     """Which paper table the scenario reproduces, its deliberate divergences and the choices the paper leaves open."""
     paper = config.paper
-    if paper is None:
-        return "paper: none (not a reproduction of a published table)"
-    lines = [f"paper: reproduces {paper.reproduces}"]
-    lines.append("  divergences:" if paper.divergences else "  divergences: none")
-    lines += [f"    - {item}" for item in paper.divergences]
-    if paper.choices:
-        lines.append("  choices where the paper is silent:")
+    extensions = [f"replacements[{index}].anchor: replaced (this project's extension, not the papers' method: the "
+                  f"first task after the replacement at task {entry.at_task} is anchored to the model it replaces; "
+                  f"the papers anchor it to the loaded model, anchor: loaded)"
+                  for index, entry in enumerate(config.replacements) if entry.anchor == "replaced"]
+    lines = [f"paper: reproduces {paper.reproduces}" if paper else "paper: none (not a reproduction of a published "
+             "table)"]
+    divergences = (paper.divergences if paper else []) + extensions
+    if paper or divergences:
+        lines.append("  divergences:" if divergences else "  divergences: none")
+    lines += [f"    - {item}" for item in divergences]
+    if paper is not None and paper.public_code:
+        lines.append("  where the papers are silent, as their public code:")
+        lines += [f"    - {item}" for item in paper.public_code]
+    if paper is not None and paper.choices:
+        lines.append("  choices where the papers and their public code are silent:")
         lines += [f"    - {item}" for item in paper.choices]
     return "\n".join(lines)

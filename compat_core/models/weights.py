@@ -11,8 +11,9 @@ Key handling, in order:
 3. remap a known layout (auto-detected, or forced with ``key_map``):
    - ``meta_dinov3``: Meta's DINOv3 -> timm Eva names (``storage_tokens`` -> ``reg_token``, ``ls1.gamma`` ->
      ``gamma_1``, ``ls2.gamma`` -> ``gamma_2``; ``qkv.bias`` split into timm's ``q_bias``/``v_bias`` when the target
-     has them, else dropped (Meta's distilled ViTs store it as zeros); ``rope_embed.periods`` dropped because timm
-     recomputes it; ``mask_token``, ``*.bias_mask``, ``local_cls_norm.*`` are pre-training only);
+     has them, else dropped when its q and v parts are zero (Meta's distilled ViTs) and listed as unexpected when
+     not; ``rope_embed.periods`` dropped because timm recomputes it; ``mask_token``, ``*.bias_mask``,
+     ``local_cls_norm.*`` are pre-training only);
    - ``meta_dinov2``: Meta's DINOv2 -> timm ViT (``register_tokens`` -> ``reg_token``; ``mask_token`` dropped);
    - ``iamcl2r``: the public IAM-CL2R reference (``fc1`` -> ``junction``, ``fc2`` -> ``classifier`` or dropped for a
      fixed d-Simplex, ``layerN.blocks.i`` -> ``layerN.i``);
@@ -212,10 +213,11 @@ def _remap_meta_dinov3(
                 out[q_name] = q_bias
                 out[key[: -len("qkv.bias")] + "v_bias"] = v_bias
                 report.dropped[key] = "split into q_bias/v_bias (timm keeps the key bias fixed at zero)"
-            else:
-                reason = "target has no qkv bias" + ("" if not torch.count_nonzero(value) else
-                                                     " (WARNING: source bias is non-zero)")
-                report.dropped[key] = reason
+            elif not any(torch.count_nonzero(part) for part in value.chunk(3, dim=-1)[::2]):
+                # Meta's bias_mask zeroes the key part in its own forward, so only q and v carry information
+                report.dropped[key] = "target has no qkv bias; the source's q and v parts are zero"
+            else:  # dropping it would change the features: listed (refused when strict), never silently lost
+                report.unexpected.append(key)
             continue
         renamed = key.replace("storage_tokens", "reg_token")
         renamed = re.sub(r"\.ls1\.gamma$", ".gamma_1", renamed)

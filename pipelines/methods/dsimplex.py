@@ -18,7 +18,8 @@ class DSimplexHOC(Method):
     """d-Simplex-HOC (2026 paper Eq. 2-5): ``lam * SCE(all K slots) + (1 - lam) * InfoNCE(new, old)``.
 
     Defaults from SPEC: lam 0.1, rho 10 (IAM-CL2R / CelebA; use 5 for CL2R CIFAR), masking "standard" (positive kept
-    in the denominator, same-class negatives dropped; "reference" multiplies them by zero as the public code does).
+    in the denominator, same-class negatives dropped; "reference" multiplies them by zero as the public code does;
+    "paper" is Eq. 4 as printed: positive out of the denominator, every other sample in, same class included).
     Choices: the InfoNCE runs over the whole batch (task and memory samples); features are the model's
     L2-normalised junction output; without a previous model (first task) the loss is the SCE alone (weight 1, not
     lam). At a replacement the old model is the newly loaded one (the stage passes it), as in the reference, or the

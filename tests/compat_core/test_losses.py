@@ -37,6 +37,9 @@ def info_nce_loops(new, old, labels, rho, masking):
                 math.exp(rho * s[j]) for j in range(batch) if labels[j] != labels[i]
             )
             total += -math.log(math.exp(rho * s[i]) / denominator)
+        elif masking == "paper":  # Eq. 4 as printed: denominator over every j != i, same class included
+            denominator = sum(math.exp(rho * s[j]) for j in range(batch) if j != i)
+            total += -math.log(math.exp(rho * s[i]) / denominator)
         else:
             total += -rho * s[i] + math.log(
                 sum(math.exp(rho * s[j] * (1.0 if labels[j] != labels[i] else 0.0)) for j in range(batch))
@@ -109,6 +112,10 @@ def test_info_nce_hand_worked_different_labels():
     #            mean 0.04699
     reference = compatibility_info_nce(HAND_NEW, HAND_OLD, labels, rho=1.0, masking="reference")
     assert reference.item() == pytest.approx(0.04699035352, abs=1e-10)
+    # paper (Eq. 4), anchor 0: -ln(e^1 / e^0.70711) = -0.29289; anchor 1: -ln(e^0.70711 / e^0) = -0.70711
+    #        mean -(1 - 1/sqrt2 + 1/sqrt2)/2 = -0.5 exactly
+    paper = compatibility_info_nce(HAND_NEW, HAND_OLD, labels, rho=1.0, masking="paper")
+    assert paper.item() == pytest.approx(-0.5, abs=1e-12)
 
 
 def test_info_nce_hand_worked_same_labels():
@@ -118,9 +125,12 @@ def test_info_nce_hand_worked_same_labels():
     # reference: both entries of each row are zeroed -> ln(1 + 1) = ln2; (-1 + ln2 + -0.70711 + ln2)/2 = -0.16041
     reference = compatibility_info_nce(HAND_NEW, HAND_OLD, labels, rho=1.0, masking="reference")
     assert reference.item() == pytest.approx(-0.16040621003, abs=1e-10)
+    # paper (Eq. 4): the same-class pair stays a negative, so the value is the distinct-label one, -0.5
+    paper = compatibility_info_nce(HAND_NEW, HAND_OLD, labels, rho=1.0, masking="paper")
+    assert paper.item() == pytest.approx(-0.5, abs=1e-12)
 
 
-@pytest.mark.parametrize("masking", ["standard", "reference"])
+@pytest.mark.parametrize("masking", ["standard", "reference", "paper"])
 @pytest.mark.parametrize("rho", [1.0, 5.0, 10.0])
 def test_info_nce_matches_loops_with_repeated_labels(masking, rho):
     new, old = random_batch(seed=int(rho) + len(masking))
@@ -131,6 +141,28 @@ def test_info_nce_matches_loops_with_repeated_labels(masking, rho):
     got32 = compatibility_info_nce(new.float(), old.float(), labels, rho=rho, masking=masking)
     assert got32.dtype == torch.float32
     assert got32.item() == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("labels", [list(range(8)), LABELS_WITH_REPEATS, [3] * 8],
+                         ids=["distinct", "repeats", "one-class"])
+def test_paper_masking_is_eq4_as_printed(labels):
+    """Eq. 4: the positive is out of the denominator and every j != i is in it, whatever its class, so the value
+    does not depend on the labels at all; it equals the fp64 loop with and without same-class pairs."""
+    new, old = random_batch(seed=17)
+    expected = info_nce_loops(new.numpy(), old.numpy(), labels, 10.0, "paper")
+    got = compatibility_info_nce(new, old, torch.tensor(labels), rho=10.0, masking="paper")
+    assert got.item() == pytest.approx(expected, abs=1e-10)
+    distinct = compatibility_info_nce(new, old, torch.arange(8), rho=10.0, masking="paper")
+    assert got.item() == pytest.approx(distinct.item(), abs=1e-12)
+    # "standard" keeps the positive in the denominator: standard = mean log(1 + e^{paper_i}) > paper
+    standard = compatibility_info_nce(new, old, torch.arange(8), rho=10.0, masking="standard")
+    assert standard.item() > distinct.item()
+
+
+def test_paper_masking_needs_two_samples():
+    new, old = random_batch(seed=2, batch=1)
+    with pytest.raises(ValueError, match=r"masking 'paper' .* at least 2 samples, got 1"):
+        compatibility_info_nce(new, old, torch.tensor([0]), masking="paper")
 
 
 def test_masking_modes_differ_only_through_same_class_pairs():
@@ -144,7 +176,7 @@ def test_masking_modes_differ_only_through_same_class_pairs():
     assert reference.item() == pytest.approx(expected, abs=1e-10)
 
 
-@pytest.mark.parametrize("masking", ["standard", "reference"])
+@pytest.mark.parametrize("masking", ["standard", "reference", "paper"])
 def test_info_nce_gradients_exact_and_old_side_constant(masking):
     new, old = random_batch(seed=11, batch=5, dim=3)
     labels = torch.tensor([0, 1, 0, 2, 1])
@@ -159,7 +191,7 @@ def test_info_nce_gradients_exact_and_old_side_constant(masking):
     assert old_tracked.grad is None  # detached: the old model stays frozen
 
 
-@pytest.mark.parametrize("masking", ["standard", "reference"])
+@pytest.mark.parametrize("masking", ["standard", "reference", "paper"])
 def test_info_nce_finite_at_large_rho_and_scale(masking):
     generator = torch.Generator().manual_seed(5)
     new = (torch.randn(64, 32, generator=generator) * 1e4).requires_grad_(True)
@@ -183,8 +215,8 @@ def test_info_nce_under_bf16_autocast_stays_fp32():
 def test_info_nce_validation():
     new, old = random_batch(seed=0)
     labels = torch.tensor(LABELS_WITH_REPEATS)
-    with pytest.raises(ValueError, match=r"masking must be one of \('standard', 'reference'\), got 'paper'"):
-        compatibility_info_nce(new, old, labels, masking="paper")
+    with pytest.raises(ValueError, match=r"masking must be one of \('standard', 'reference', 'paper'\), got 'eq4'"):
+        compatibility_info_nce(new, old, labels, masking="eq4")
     with pytest.raises(ValueError, match="rho"):
         compatibility_info_nce(new, old, labels, rho=0.0)
     with pytest.raises(ValueError, match="same shape"):
@@ -196,7 +228,7 @@ def test_info_nce_validation():
 # -------------------------------------------------------------------------------------------------- HOC
 
 
-@pytest.mark.parametrize("masking", ["standard", "reference"])
+@pytest.mark.parametrize("masking", ["standard", "reference", "paper"])
 def test_hoc_is_the_weighted_sum(masking):
     new, old = random_batch(seed=7)
     generator = torch.Generator().manual_seed(8)

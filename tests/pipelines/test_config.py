@@ -188,7 +188,8 @@ def test_method_params_are_the_methods_pydantic_model_checked_at_load():
     with pytest.raises(ConfigError, match=r"method\.params\.lam: Input should be less than or equal to 1 "
                                           r"\(got 1\.5\)"):
         validate_config(_with("method.params.lam", 1.5))
-    with pytest.raises(ConfigError, match=r"method\.params\.masking: must be one of \('standard', 'reference'\)"):
+    with pytest.raises(ConfigError,
+                       match=r"method\.params\.masking: must be one of \('standard', 'reference', 'paper'\)"):
         validate_config(_with("method.params.masking", "zero"))
     with pytest.raises(ConfigError, match=r"method\.params\.rho: Input should be a valid number \(got '5'\)"):
         validate_config(_with("method.params.rho", "'5'"))

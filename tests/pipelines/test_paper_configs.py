@@ -62,12 +62,13 @@ def test_plan_names_the_table_and_the_divergences_of_every_paper_config(capsys):
         document = yaml.safe_load((CONFIGS / name).read_text())
         paper = document["paper"]
         assert f"paper: reproduces {paper['reproduces']}" in out, name
-        for item in paper["divergences"] + paper.get("choices", []):
+        for item in paper["divergences"] + paper.get("public_code", []) + paper.get("choices", []):
             assert f"- {item}" in out, (name, item)
 
 
 def test_cl2r_hyper_parameters_follow_the_paper():
-    """2026 paper Sec. 5.4: (0.1, 5) CIFAR100/10, (0.1, 10) TinyImageNet200/20, (0.5, 10) CUB180/20, (0.1, 10) IAM-CL2R."""
+    """2026 paper Sec. 6 (Hyper-parameters Values): (0.1, 5) CIFAR100/10, (0.1, 10) TinyImageNet200/20, (0.5, 10)
+    CUB180/20 in Sec. 5.2; (0.1, 10) CIFAR100R/10 and CelebA in Sec. 5.3."""
     expected = {"cl2r-cifar100": (0.1, 5.0), "cl2r-tinyimagenet200": (0.1, 10.0), "cl2r-cub180": (0.5, 10.0),
                 "iam-cl2r": (0.1, 10.0)}
     for name in PAPER_CONFIGS:
@@ -84,9 +85,35 @@ def test_celeba_replacements_follow_figure_8_and_pretraining_starts_from_dinov3(
     assert all(entry["init"].endswith(".pth") for entry in document["pretrain"])
 
 
-def test_pretrain_init_is_loaded_and_its_digest_checked(data_dir, tmp_path, monkeypatch):
-    """The pre-training stage starts from the init checkpoint (its backbone weights, not a random draw), and a
-    wrong sha256 stops the stage naming the config key."""
+def test_architecture_upgrade_at_31_tasks_is_table_vii_and_the_7_task_one_is_labelled_reduced():
+    """2026 paper Table VII: 10+30x3 tasks, ResNet18 replaced by SENet18 at task 11 and RegNetY_400MF at task 21."""
+    document = yaml.safe_load((CONFIGS / "iam-cl2r-cifar100r-10-t31-arch.yaml").read_text())
+    assert document["tasks"]["spec"] == "10+30x3" and document["model"]["backbone"] == "resnet18_cifar"
+    assert [(r["at_task"], r["backbone"]) for r in document["replacements"]] == [(11, "senet18"),
+                                                                                 (21, "regnety_400mf")]
+    assert "Table VII" in document["paper"]["reproduces"]
+    reduced = yaml.safe_load((CONFIGS / "iam-cl2r-cifar100r-10-t7-arch.yaml").read_text())
+    assert reduced["tasks"]["spec"] == "10+6x15"
+    assert reduced["paper"]["reproduces"].startswith("no published number: a reduced variant")
+
+
+def test_demo_runs_the_papers_anchor_and_plan_labels_the_extension(capsys):
+    document = yaml.safe_load((CONFIGS / "demo-dsimplex-hoc.yaml").read_text())
+    assert [r["anchor"] for r in document["replacements"]] == ["loaded", "loaded"]
+    assert main(["plan", str(CONFIGS / "demo-dsimplex-hoc.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "paper: none" not in out and "paper: reproduces no published number: the papers' IAM-CL2R" in out
+    assert "this project's extension" not in out
+    replaced = ('replacements=[{at_task: 3, source: "pretrain:p2", anchor: replaced}, '
+                '{at_task: 5, source: "pretrain:p3", anchor: replaced}]')
+    assert main(["plan", str(CONFIGS / "demo-dsimplex-hoc.yaml"), "--set", replaced]) == 0
+    out = capsys.readouterr().out
+    assert out.count("anchor: replaced (this project's extension, not the papers' method") == 2
+
+
+def test_pretrain_init_is_loaded_and_its_digest_checked(data_dir, tmp_path, monkeypatch, caplog):
+    """The pre-training stage starts from the init checkpoint (its backbone weights, not a random draw); without
+    init_sha256 it logs the file's digest for the user to pin, and a wrong sha256 stops the stage naming the key."""
     from pipelines.config_load import validate_config
     from pipelines.executor import LocalExecutor
     from pipelines.graph import compile_scenario
@@ -100,12 +127,15 @@ def test_pretrain_init_is_loaded_and_its_digest_checked(data_dir, tmp_path, monk
 
     digest = hashlib.sha256((data_dir / INIT_PATH).read_bytes()).hexdigest()
     document["pretrain"] = document["pretrain"][:1]
-    document["pretrain"][0].update({"init_sha256": digest, "optimizer": {"name": "sgd", "lr": 1e-9}})
+    document["pretrain"][0].update({"optimizer": {"name": "sgd", "lr": 1e-9}})
+    assert "init_sha256" not in document["pretrain"][0]  # the shipped config leaves the digest for the user to pin
     document["replacements"] = []
     config = validate_config(document)
     graph = compile_scenario(config)
     store = RunStore(str(tmp_path / "run"))
-    LocalExecutor(progress=False).run(graph, store)
+    with caplog.at_level("WARNING", logger="pipelines.stages"):
+        LocalExecutor(progress=False).run(graph, store)
+    assert f"pretrain[casia-3525].init: no init_sha256 set; {INIT_PATH} has sha256 {digest}" in caplog.text
     from compat_core.models.compat_model import load_model
 
     key = graph.pretrain_stages[config.pretrain[0].name]
@@ -118,6 +148,22 @@ def test_pretrain_init_is_loaded_and_its_digest_checked(data_dir, tmp_path, monk
     document["output"]["dir"] = str(tmp_path / "run2")
     with pytest.raises(ValueError, match=r"pretrain\[casia-3525\]\.init: .*sha256"):
         LocalExecutor(progress=False).run(compile_scenario(validate_config(document)), RunStore(str(tmp_path / "run2")))
+
+
+def test_plan_check_data_prints_the_init_digest_to_pin(data_dir, tmp_path, monkeypatch, capsys):
+    import hashlib
+
+    monkeypatch.chdir(data_dir)
+    document = papers.shrink(yaml.safe_load((CONFIGS / "iam-cl2r-celeba-dinov3-t16.yaml").read_text()),
+                             str(tmp_path / "run"))
+    config_path = tmp_path / "celeba.yaml"
+    config_path.write_text(yaml.safe_dump(document, sort_keys=False))
+    assert main(["plan", str(config_path), "--check-data"]) == 0
+    digest = hashlib.sha256((data_dir / INIT_PATH).read_bytes()).hexdigest()
+    out = capsys.readouterr().out
+    for index in range(len(document["pretrain"])):
+        assert (f"pretrain[{index}].init: no init_sha256 set; {INIT_PATH} has sha256 {digest}: pin it with "
+                f"pretrain[{index}].init_sha256") in out
 
 
 # ---- IAM-CL2R 7 tasks: reference masking and the reference epoch length ----------------------------------------
