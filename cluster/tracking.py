@@ -538,6 +538,11 @@ class MlflowTracker(Tracker):
         record = record_from_json(manifest["record"], stage.key)
         if isinstance(record, ModelRecord):
             self._log_model(stage, run_id, manifest, record)
+            if record.weights:  # the external weights the stage started from: what loaded, what was ignored
+                self.client.log_dict(run_id, record.weights, "weights/load_report.json")
+                self.client.set_tag(run_id, "weights_sha256", str(record.weights.get("sha256")))
+                self.client.set_tag(run_id, "weights_loaded",
+                                    f"{record.weights.get('loaded')}/{record.weights.get('target_keys')}")
             training = record.training
             if stage.task is not None and training:
                 values = {f"task/{name}": training[name] for name in

@@ -327,6 +327,24 @@ def check_marker(experiment_path: str) -> None:
                               f"{actual}); the folder was changed outside `compat tune` and is not resumed")
 
 
+def check_local_folder_private(experiment_path: str) -> None:
+    """Refuse to resume a local search folder another user can write (its Tune state is unpickled on resume):
+    the folder and its state files must be owned by this user and not group- or world-writable."""
+    import stat
+
+    if str(experiment_path).startswith("s3://"):
+        return  # the bucket policy decides who writes there
+    root = Path(experiment_path)
+    if not root.is_dir():
+        return  # the marker check names the missing folder
+    for path in [root, *sorted(root.glob("*.json")), *sorted(root.glob("*/*.pkl")), *sorted(root.glob("*.pkl"))]:
+        info = path.lstat()
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise PermissionError(f"--resume {experiment_path}: {path} is writable by another user (owner uid "
+                                  f"{info.st_uid}, mode {stat.filemode(info.st_mode)}); resuming unpickles the "
+                                  f"search state, so only a folder private to you is resumed")
+
+
 def read_spec(experiment_path: str) -> SearchSpec:
     """The SearchSpec stored in ``<experiment_path>/search.json`` (FileNotFoundError naming the path otherwise)."""
     from compat_core import io as cio
@@ -763,11 +781,13 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
     return _finish(spec, results)
 
 
-def resume_search(experiment_path: str, address: str | None = None) -> SearchOutcome:
+def resume_search(experiment_path: str, address: str | None = None, plugins: list[str] | None = None) -> SearchOutcome:
     """Continue an interrupted search (Tuner.restore with the searcher's saved state) up to its requested trials.
 
     Finished trials are kept as they are; unfinished ones resume from their last Tune checkpoint and their committed
-    pipeline stages; errored ones are resumed too.
+    pipeline stages; errored ones are resumed too. ``plugins`` come from the command line only: the ones search.json
+    records are never imported (anyone who can write the folder could name any code there); a search started with
+    plugins is refused unless the same ones are given again.
     """
     import ray.tune as tune
 
@@ -778,8 +798,16 @@ def resume_search(experiment_path: str, address: str | None = None) -> SearchOut
         from cluster.storage import configure_object_storage
 
         configure_object_storage()
+    check_local_folder_private(experiment_path)
     check_marker(experiment_path)
     spec = read_spec(experiment_path)
+    given = [absolute_plugin(p) for p in plugins or []]
+    absent = [p for p in spec.plugins if p not in given]
+    if absent:
+        raise ValueError(f"--resume {experiment_path}: the search was started with --plugin {' --plugin '.join(absent)}; "
+                         f"give the same --plugin again (plugins are imported from the command line only, never from "
+                         f"the search folder)")
+    spec.plugins = given  # trials import what this command line names, nothing else
     if spec.plugins:
         load_plugins(spec.plugins)
     storage_path, filesystem = _storage(spec)

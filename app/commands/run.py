@@ -163,12 +163,13 @@ def make_tracker(args, run_dir: str):
     return create_tracker(uri, run_dir=run_dir, experiment=experiment)
 
 
-def preflight_data(config) -> None:
-    """Before any stage: every pool opens (missing data named by key) and no test class occurs in a training pool
-    of the same dataset (the data-level open-set guard), so a run never trains for hours and then stops."""
-    from pipelines.stages import check_pools_open_set
+def preflight_data(config, run_dir: str | None = None, executor: str = "local") -> None:
+    """Before any stage: every pool opens, every weights source loads strictly, the device exists and the run
+    bucket exists (pipelines.preflight), so a run never trains for hours and then stops. On Ray the device is
+    judged by the cluster (the backend checks every stage's resources before the first starts)."""
+    from pipelines.preflight import preflight
 
-    check_pools_open_set(config)
+    preflight(config, run_dir, check_device=executor == "local")
 
 
 def uses_object_storage(config, run_dir: str) -> bool:
@@ -201,7 +202,7 @@ def run(args) -> int:
             configure_object_storage()  # S3 settings and credentials from the standard AWS chain, never the YAML
     if not (args.address or "").startswith(("http://", "https://")):  # a submitted job checks on the cluster
         try:
-            preflight_data(config)
+            preflight_data(config, run_dir, args.executor)
         except (FileNotFoundError, ValueError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
