@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pipelines.progress import StageRecord  # re-exported: executors and trackers share one record type
+from pipelines.redaction import redact_uri, split_uri_credentials
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def ensure_experiment(client: Any, name: str) -> str:
     found = client.get_experiment_by_name(name)
     if found is not None:
         if found.lifecycle_stage == "deleted":
-            raise ValueError(f"experiment {name!r} is deleted on {client.tracking_uri}; restore it "
+            raise ValueError(f"experiment {name!r} is deleted on {redact_uri(client.tracking_uri)}; restore it "
                              f"(mlflow experiments restore) or choose another experiment name")
         return found.experiment_id
     location = None
@@ -207,10 +208,27 @@ def sqlite_store_lock(tracking_uri: str) -> Iterator[None]:
 
 
 def check_tracking_uri(uri: str) -> str:
-    """Accept ``sqlite:///PATH``, ``http://`` and ``https://`` tracking URIs; raise ValueError otherwise."""
+    """Accept ``sqlite:///PATH``, ``http://`` and ``https://`` tracking URIs; raise ValueError otherwise.
+
+    A ``user:password@`` part is moved into MLflow's standard ``MLFLOW_TRACKING_USERNAME`` /
+    ``MLFLOW_TRACKING_PASSWORD`` variables and the URI is returned without it, so the password is never printed,
+    logged, stored in a search folder or sent to Ray with the URI (local Ray workers inherit the variables)."""
     if not isinstance(uri, str) or not re.match(r"^(sqlite:///.+|https?://[^/\s]+.*)$", uri):
-        raise ValueError(f"tracking URI {uri!r}: expected sqlite:///PATH or an http(s):// MLflow tracking server")
-    return uri
+        raise ValueError(f"tracking URI {redact_uri(uri)!r}: expected sqlite:///PATH or an http(s):// MLflow "
+                         f"tracking server")
+    clean, user, password = split_uri_credentials(uri)
+    if user is not None:
+        os.environ["MLFLOW_TRACKING_USERNAME"] = user
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = password or ""
+    return clean
+
+
+def tracking_credentials_from_environment() -> None:
+    """``MLFLOW_TRACKING_URI`` with ``user:password@``: the credentials moved to MLflow's username / password
+    variables and the variable rewritten without them (call once, before Ray starts: workers inherit both)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri and split_uri_credentials(uri)[1] is not None:
+        os.environ["MLFLOW_TRACKING_URI"] = check_tracking_uri(uri)
 
 
 # ---- interface -----------------------------------------------------------------------------------------------------
@@ -257,6 +275,7 @@ def create_tracker(uri: str | None, run_dir: str | os.PathLike | None = None, **
     if uri == "none":
         return NullTracker()
     if uri is None:
+        tracking_credentials_from_environment()
         uri = os.environ.get("MLFLOW_TRACKING_URI") or None
     if uri is None and run_dir is None:
         raise ValueError("tracking URI: give a tracking URI or the run directory that holds the default SQLite db")

@@ -683,8 +683,27 @@ def _callbacks(spec: SearchSpec, experiment_id: str) -> list:
                                  spec.num_tasks)]
 
 
+_AWS_SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SECURITY_TOKEN", "AWS_SESSION_TOKEN")
+
+
+def keep_credentials_out_of_trial_runtime_env() -> None:
+    """Ray Tune copies the driver's AWS key variables into every trial actor's ``runtime_env``, which Ray's
+    runtime-env agent writes to a world-readable log: stop that. Trials take credentials from the standard AWS chain
+    of their node instead (local workers inherit the environment of the Ray instance started here; on a cluster,
+    each node's environment, profile or instance role)."""
+    try:
+        from ray.tune.execution import class_cache
+    except ImportError:  # another Ray layout: nothing of ours to remove
+        return
+    propagated = getattr(class_cache, "ENV_VARS_TO_PROPAGATE", None)
+    if isinstance(propagated, set):
+        propagated.difference_update(_AWS_SECRET_VARIABLES)
+
+
 def _ensure_ray(address: str | None) -> None:
     import ray
+
+    keep_credentials_out_of_trial_runtime_env()
 
     if ray.is_initialized():
         return
@@ -753,6 +772,9 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
         from cluster.tracking import default_tracking_uri
 
         spec.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(spec.experiment_path)
+    from cluster.tracking import check_tracking_uri
+
+    spec.tracking_uri = check_tracking_uri(spec.tracking_uri)  # never a password in search.json or trial params
     if spec.tracking_uri.startswith("sqlite:///"):
         Path(spec.tracking_uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     experiment_id, spec.parent_run_id = open_search_run(spec)

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from pipelines.redaction import redact_uri
+
 HELP = "run a scenario (train, replace, extract, evaluate); resumable: completed stages are skipped"
 
 
@@ -136,7 +138,7 @@ def pin_model_aliases(config, tracking_uri: str | None):
         found = version_by_alias(client, match["name"], match["alias"])
         if found is None:
             raise FileNotFoundError(f"{key}: registered model {match['name']!r} has no alias {match['alias']!r} "
-                                    f"on {tracking_uri}")
+                                    f"on {redact_uri(tracking_uri)}")
         return f"models:/{match['name']}/{found.version}"
 
     replacements = [r.model_copy(update={"source": pinned(f"replacements[{i}].source", r.source)})
@@ -223,7 +225,7 @@ def run(args) -> int:
                               progress=not args.no_progress, setup=setup)
     print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done)")
     if getattr(tracker, "tracking_uri", None):
-        print(f"MLflow: {tracker.tracking_uri} (experiment {tracker.experiment_name or config.name}, "
+        print(f"MLflow: {redact_uri(tracker.tracking_uri)} (experiment {tracker.experiment_name or config.name}, "
               f"registered model {tracker.model_name or '-'})")
     if summary.matrix is not None:
         print_results(summary.matrix, summary.metrics)
