@@ -223,6 +223,23 @@ def check_tracking_uri(uri: str) -> str:
     return clean
 
 
+def open_client(tracking_uri: str, registry_uri: str | None = None) -> Any:
+    """An MlflowClient for ``tracking_uri`` (checked; credentials moved out of the URI). A SQLite store is created or
+    migrated under :func:`sqlite_store_lock` first, so processes that open a fresh store at once take turns."""
+    from mlflow import MlflowClient
+
+    tracking_uri = check_tracking_uri(tracking_uri)
+    registry_uri = check_tracking_uri(registry_uri) if registry_uri else tracking_uri
+    with contextlib.ExitStack() as locks:
+        for uri in sorted(set((tracking_uri, registry_uri))):  # sorted: two stores are always locked in one order
+            locks.enter_context(sqlite_store_lock(uri))  # no-op for servers
+        # MLflow creates and migrates a SQLite store as the client (and its first registry call) opens it
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
+        if registry_uri.startswith("sqlite:///"):
+            client.search_registered_models(max_results=1)
+    return client
+
+
 def tracking_credentials_from_environment() -> None:
     """``MLFLOW_TRACKING_URI`` with ``user:password@``: the credentials moved to MLflow's username / password
     variables and the variable rewritten without them (call once, before Ray starts: workers inherit both)."""
@@ -300,14 +317,9 @@ class MlflowTracker(Tracker):
 
     def __init__(self, tracking_uri: str, registry_uri: str | None = None, experiment: str | None = None,
                  pipeline_id: str | None = None, register_models: bool = True) -> None:
-        from mlflow import MlflowClient
-
         self.tracking_uri = check_tracking_uri(tracking_uri)
         self.registry_uri = check_tracking_uri(registry_uri) if registry_uri else self.tracking_uri
-        self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.registry_uri)
-        if self.tracking_uri.startswith("sqlite:///"):  # a shared SQLite store is created (migrated) by one at a time
-            with sqlite_store_lock(self.tracking_uri):
-                self.client.search_experiments(max_results=1)
+        self.client = open_client(self.tracking_uri, self.registry_uri)  # a fresh SQLite store: one at a time
         self.experiment_name = experiment
         self.fixed_pipeline_id = pipeline_id
         self.register_models = register_models

@@ -486,9 +486,9 @@ class _MlflowSearchCallbackMixin:
     @property
     def client(self):
         if self._client is None:
-            from mlflow import MlflowClient
+            from cluster.tracking import open_client
 
-            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+            self._client = open_client(self.tracking_uri)
         return self._client
 
     def run_for(self, trial) -> str:
@@ -562,11 +562,9 @@ class _MlflowSearchCallbackMixin:
 
 def open_search_run(spec: SearchSpec) -> tuple[str, str]:
     """Create (or reopen on resume) the search's parent MLflow run; returns (experiment_id, parent_run_id)."""
-    from mlflow import MlflowClient
+    from cluster.tracking import flatten_params, open_client
 
-    from cluster.tracking import check_tracking_uri, flatten_params
-
-    client = MlflowClient(tracking_uri=check_tracking_uri(spec.tracking_uri))
+    client = open_client(spec.tracking_uri)
     experiment_name = spec.mlflow_experiment or f"{spec.base_config['name']}-search"
     found = client.get_experiment_by_name(experiment_name)
     if found is None:
