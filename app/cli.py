@@ -79,6 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
+    from cluster.tracking import check_tracking_uri, tracking_credentials_from_environment
+
+    tracking_credentials_from_environment()  # before any Ray starts: a password never travels inside a URI
+    if getattr(args, "tracking_uri", None) not in (None, "none"):
+        try:
+            args.tracking_uri = check_tracking_uri(args.tracking_uri)
+        except ValueError as error:
+            print(f"error: --tracking-uri: {error}", file=sys.stderr)
+            return 2
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

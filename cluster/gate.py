@@ -14,10 +14,17 @@ Every decision is a run of the MLflow experiment ``compat-gate`` (tags ``run_rol
 ``new_version`` (behind it after), ``decision``, ``reason``; metrics in fractions) and tags on the versions
 (``gate.<alias>.decision``, ``gate.<alias>.run_id``, ``gate.<alias>.margin``). :func:`alias_history` lists those
 runs; :func:`rollback` moves the alias back to the version it pointed to before its last move.
+
+A move survives a kill at any point: its run is created first with tag ``move_state=intended`` (left RUNNING), then
+the version tags and the alias move, then ``move_state=confirmed`` and FINISHED. Every later gate, rollback or history
+reconciles an intent left behind (:func:`reconcile_moves`): the alias at the intended version confirms it; the alias
+elsewhere records the decision as ``interrupted`` (the alias did not move) and ends the run KILLED.
 """
 from __future__ import annotations
 
 import json
+import os
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -56,12 +63,56 @@ class GateResult:
 
 
 def _client(tracking_uri: str, registry_uri: str | None = None):
-    from mlflow import MlflowClient
+    from cluster.tracking import open_client
 
-    from cluster.tracking import check_tracking_uri
+    return open_client(tracking_uri, registry_uri)
 
-    uri = check_tracking_uri(tracking_uri)
-    return MlflowClient(tracking_uri=uri, registry_uri=check_tracking_uri(registry_uri) if registry_uri else uri)
+
+MOVE_STATE = "move_state"
+PAUSE_VARIABLE = "COMPAT_TEST_GATE_PAUSE"  # tests only: "intent" or "moved" makes a move wait there to be killed
+
+
+def _pause_point(name: str) -> None:
+    """Let a test kill a real gate process between the steps of a move (never set in production)."""
+    if os.environ.get(PAUSE_VARIABLE) == name:
+        print(f"gate: paused at {name}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(60)
+
+
+def reconcile_moves(client: Any, model: str, alias: str, experiment: str = GATE_EXPERIMENT) -> list[str]:
+    """Settle every alias move of ``model``/``alias`` whose process died between intent and confirmation: confirmed
+    when the alias is at its ``new_version`` (the move happened), else recorded as ``interrupted`` (KILLED, alias
+    not moved). Returns the run ids settled."""
+    from cluster.registry import version_by_alias
+
+    found = client.get_experiment_by_name(experiment)
+    if found is None or "'" in model or "'" in alias:
+        return []
+    runs = client.search_runs([found.experiment_id], f"tags.run_role = 'gate' and tags.registered_model = '{model}' "
+                              f"and tags.alias = '{alias}' and tags.{MOVE_STATE} = 'intended'", max_results=100)
+    settled = []
+    for run in runs:
+        tags = run.data.tags
+        current = version_by_alias(client, model, alias)
+        at = str(current.version) if current is not None else None
+        if at == tags.get("new_version"):
+            if tags.get("action") == "gate" and tags.get("previous_version"):
+                client.set_model_version_tag(model, tags["previous_version"], f"gate.{alias}.replaced_by",
+                                             tags["new_version"])
+            client.set_tag(run.info.run_id, MOVE_STATE, "confirmed")
+            client.set_tag(run.info.run_id, "reconciled", "alias found at the intended version: move confirmed")
+            client.set_terminated(run.info.run_id, "FINISHED")
+        else:
+            client.set_tag(run.info.run_id, MOVE_STATE, "interrupted")
+            client.set_tag(run.info.run_id, "intended_decision", tags.get("decision", ""))
+            client.set_tag(run.info.run_id, "decision", "interrupted")
+            client.set_tag(run.info.run_id, "new_version", at or "")
+            client.set_tag(run.info.run_id, "reason", f"the process stopped before the alias moved (alias at "
+                           f"{'v' + at if at else 'nothing'}); intended: {tags.get('reason', '')}"[:4000])
+            client.set_terminated(run.info.run_id, "KILLED")
+        settled.append(run.info.run_id)
+    return settled
 
 
 def _experiment_id(client: Any, name: str) -> str:
@@ -187,6 +238,7 @@ def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: 
             raise ValueError(f"--adapter {adapter!r}: expected one of {list(ADAPTER_KINDS)}")
     strict = config.evaluation.strict if strict is None else bool(strict)
     client = _client(tracking_uri, registry_uri)
+    reconcile_moves(client, model, alias, experiment)
     candidate_version = _version(client, model, candidate)
     champion = version_by_alias(client, model, alias)
     result = GateResult(model, alias, str(candidate_version.version), str(champion.version) if champion else None,
@@ -243,6 +295,8 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
             "new_version": result.candidate_version if moved else (result.champion_version or ""),
             "decision": result.decision, "reason": result.reason[:4000], "metric": result.metric,
             "strict": str(result.strict).lower(), "adapter": result.adapter or "", "dry_run": str(dry_run).lower()}
+    if moved:
+        tags[MOVE_STATE] = "intended"
     run = client.create_run(_experiment_id(client, experiment), tags=tags,
                             run_name=f"gate-{result.model}-v{result.candidate_version}")
     result.run_id = run.info.run_id
@@ -267,7 +321,9 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
         if fitted is not None:
             Path(folder, f"adapter-{result.adapter}.safetensors").write_bytes(save_adapter(fitted))
         client.log_artifacts(run.info.run_id, folder, "gate")
-    client.set_terminated(run.info.run_id, "FINISHED")
+    if not moved:
+        client.set_terminated(run.info.run_id, "FINISHED")
+    _pause_point("intent")
     prefix = f"gate.{result.alias}"
     client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.decision", result.decision)
     client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.run_id", run.info.run_id)
@@ -278,15 +334,19 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
         if result.adapter:
             client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.adapter", result.adapter)
         client.set_registered_model_alias(result.model, result.alias, result.candidate_version)
+        _pause_point("moved")
         if champion is not None:
             client.set_model_version_tag(result.model, champion.version, f"{prefix}.replaced_by",
                                          result.candidate_version)
+        client.set_tag(run.info.run_id, MOVE_STATE, "confirmed")
+        client.set_terminated(run.info.run_id, "FINISHED")
 
 
 def alias_history(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, experiment: str = GATE_EXPERIMENT,
                   registry_uri: str | None = None) -> list[dict]:
     """Gate and rollback runs of ``model``/``alias``, oldest first: time, action, versions, decision, reason."""
     client = _client(tracking_uri, registry_uri)
+    reconcile_moves(client, model, alias, experiment)
     found = client.get_experiment_by_name(experiment)
     if found is None:
         return []
@@ -314,6 +374,7 @@ def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_versi
     from cluster.registry import version_by_alias
 
     client = _client(tracking_uri, registry_uri)
+    reconcile_moves(client, model, alias, experiment)
     current = version_by_alias(client, model, alias)
     if current is None:
         raise ValueError(f"registered model {model!r}: alias {alias!r} is not set, nothing to roll back")
@@ -328,15 +389,20 @@ def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_versi
     tags = {"run_role": "gate", "action": "rollback", "registered_model": model, "alias": alias,
             "candidate_version": str(target.version), "previous_version": str(current.version),
             "new_version": str(target.version), "decision": "rolled-back",
-            "reason": (reason or f"rollback of alias {alias!r} from version {current.version} to {target.version}")}
+            "reason": (reason or f"rollback of alias {alias!r} from version {current.version} to {target.version}"),
+            MOVE_STATE: "intended"}
     run = client.create_run(_experiment_id(client, experiment), tags=tags,
                             run_name=f"rollback-{model}-v{current.version}-to-v{target.version}")
-    client.set_terminated(run.info.run_id, "FINISHED")
+    _pause_point("intent")
     client.set_registered_model_alias(model, alias, str(target.version))
+    _pause_point("moved")
     client.set_model_version_tag(model, str(current.version), f"gate.{alias}.rolled_back_by", run.info.run_id)
     client.set_model_version_tag(model, str(target.version), f"gate.{alias}.decision", "rolled-back")
+    client.set_tag(run.info.run_id, MOVE_STATE, "confirmed")
+    client.set_terminated(run.info.run_id, "FINISHED")
     return {"model": model, "alias": alias, "from_version": str(current.version), "to_version": str(target.version),
             "run_id": run.info.run_id}
 
 
-__all__ = ["GateResult", "run_gate", "alias_history", "rollback", "GATE_EXPERIMENT", "DEFAULT_ALIAS"]
+__all__ = ["GateResult", "run_gate", "alias_history", "rollback", "reconcile_moves", "GATE_EXPERIMENT",
+           "DEFAULT_ALIAS"]

@@ -182,6 +182,15 @@ class RayBackend(Backend):
         self.running[ref] = stage.key
         self.stats["tasks"] += 1
 
+    def check_all(self, graph: StageGraph) -> None:
+        """Every stage's request against the cluster, before the first one starts (a stage no node can hold is
+        refused now, not after the stages before it have trained); ``device: cuda`` on a cluster without GPUs."""
+        if str(graph.config.device).startswith("cuda") and not self.cluster_has_gpus:
+            raise ValueError(f"device: {graph.config.device!r} but the Ray cluster has no GPU; use auto or cpu")
+        for stage in graph:
+            self._check(stage, task_options(stage.resources, graph.config.device, self.cluster_has_gpus),
+                        graph.config.resources.autoscaling)
+
     def _check(self, stage: Stage, options: dict, autoscaling: bool) -> None:
         """Refuse (or, with an autoscaler, log) a request no alive node can hold, once per distinct request."""
         from cluster.resource_check import check_satisfiable
@@ -249,6 +258,7 @@ class RayExecutor(Executor):
         ray_address = ray.get_runtime_context().gcs_address
         try:
             backend = RayBackend(self.max_retries, self.setup, graph.config.resources.evaluation_actors)
+            backend.check_all(graph)
             try:
                 return run_graph(graph, store, backend, self.emit, until)
             finally:

@@ -31,6 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pipelines.redaction import redact_uri
+
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+|latest)|@(?P<alias>[A-Za-z0-9_-]+))/?$")
 _RUNS_URI = re.compile(r"^runs:/(?P<run_id>[0-9a-fA-F]{32})/(?P<path>.+)$")
@@ -207,11 +209,11 @@ class MlflowModelResolver:
             found = version_by_alias(self.client, name, alias)
             if found is None:
                 raise FileNotFoundError(f"{uri}: registered model {name!r} has no alias {alias!r} "
-                                        f"(tracking server {self.tracking_uri})")
+                                        f"(tracking server {redact_uri(self.tracking_uri)})")
         elif version == "latest":
             versions = self.client.search_model_versions(f"name = '{name}'")
             if not versions:
-                raise FileNotFoundError(f"{uri}: registered model {name!r} has no versions ({self.tracking_uri})")
+                raise FileNotFoundError(f"{uri}: registered model {name!r} has no versions ({redact_uri(self.tracking_uri)})")
             found = max(versions, key=lambda candidate: int(candidate.version))
         else:
             found = self.client.get_model_version(name, version)

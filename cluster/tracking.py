@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pipelines.progress import StageRecord  # re-exported: executors and trackers share one record type
+from pipelines.redaction import redact_uri, split_uri_credentials
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def ensure_experiment(client: Any, name: str) -> str:
     found = client.get_experiment_by_name(name)
     if found is not None:
         if found.lifecycle_stage == "deleted":
-            raise ValueError(f"experiment {name!r} is deleted on {client.tracking_uri}; restore it "
+            raise ValueError(f"experiment {name!r} is deleted on {redact_uri(client.tracking_uri)}; restore it "
                              f"(mlflow experiments restore) or choose another experiment name")
         return found.experiment_id
     location = None
@@ -207,10 +208,44 @@ def sqlite_store_lock(tracking_uri: str) -> Iterator[None]:
 
 
 def check_tracking_uri(uri: str) -> str:
-    """Accept ``sqlite:///PATH``, ``http://`` and ``https://`` tracking URIs; raise ValueError otherwise."""
+    """Accept ``sqlite:///PATH``, ``http://`` and ``https://`` tracking URIs; raise ValueError otherwise.
+
+    A ``user:password@`` part is moved into MLflow's standard ``MLFLOW_TRACKING_USERNAME`` /
+    ``MLFLOW_TRACKING_PASSWORD`` variables and the URI is returned without it, so the password is never printed,
+    logged, stored in a search folder or sent to Ray with the URI (local Ray workers inherit the variables)."""
     if not isinstance(uri, str) or not re.match(r"^(sqlite:///.+|https?://[^/\s]+.*)$", uri):
-        raise ValueError(f"tracking URI {uri!r}: expected sqlite:///PATH or an http(s):// MLflow tracking server")
-    return uri
+        raise ValueError(f"tracking URI {redact_uri(uri)!r}: expected sqlite:///PATH or an http(s):// MLflow "
+                         f"tracking server")
+    clean, user, password = split_uri_credentials(uri)
+    if user is not None:
+        os.environ["MLFLOW_TRACKING_USERNAME"] = user
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = password or ""
+    return clean
+
+
+def open_client(tracking_uri: str, registry_uri: str | None = None) -> Any:
+    """An MlflowClient for ``tracking_uri`` (checked; credentials moved out of the URI). A SQLite store is created or
+    migrated under :func:`sqlite_store_lock` first, so processes that open a fresh store at once take turns."""
+    from mlflow import MlflowClient
+
+    tracking_uri = check_tracking_uri(tracking_uri)
+    registry_uri = check_tracking_uri(registry_uri) if registry_uri else tracking_uri
+    with contextlib.ExitStack() as locks:
+        for uri in sorted(set((tracking_uri, registry_uri))):  # sorted: two stores are always locked in one order
+            locks.enter_context(sqlite_store_lock(uri))  # no-op for servers
+        # MLflow creates and migrates a SQLite store as the client (and its first registry call) opens it
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
+        if registry_uri.startswith("sqlite:///"):
+            client.search_registered_models(max_results=1)
+    return client
+
+
+def tracking_credentials_from_environment() -> None:
+    """``MLFLOW_TRACKING_URI`` with ``user:password@``: the credentials moved to MLflow's username / password
+    variables and the variable rewritten without them (call once, before Ray starts: workers inherit both)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri and split_uri_credentials(uri)[1] is not None:
+        os.environ["MLFLOW_TRACKING_URI"] = check_tracking_uri(uri)
 
 
 # ---- interface -----------------------------------------------------------------------------------------------------
@@ -257,6 +292,7 @@ def create_tracker(uri: str | None, run_dir: str | os.PathLike | None = None, **
     if uri == "none":
         return NullTracker()
     if uri is None:
+        tracking_credentials_from_environment()
         uri = os.environ.get("MLFLOW_TRACKING_URI") or None
     if uri is None and run_dir is None:
         raise ValueError("tracking URI: give a tracking URI or the run directory that holds the default SQLite db")
@@ -281,14 +317,9 @@ class MlflowTracker(Tracker):
 
     def __init__(self, tracking_uri: str, registry_uri: str | None = None, experiment: str | None = None,
                  pipeline_id: str | None = None, register_models: bool = True) -> None:
-        from mlflow import MlflowClient
-
         self.tracking_uri = check_tracking_uri(tracking_uri)
         self.registry_uri = check_tracking_uri(registry_uri) if registry_uri else self.tracking_uri
-        self.client = MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.registry_uri)
-        if self.tracking_uri.startswith("sqlite:///"):  # a shared SQLite store is created (migrated) by one at a time
-            with sqlite_store_lock(self.tracking_uri):
-                self.client.search_experiments(max_results=1)
+        self.client = open_client(self.tracking_uri, self.registry_uri)  # a fresh SQLite store: one at a time
         self.experiment_name = experiment
         self.fixed_pipeline_id = pipeline_id
         self.register_models = register_models
@@ -538,6 +569,11 @@ class MlflowTracker(Tracker):
         record = record_from_json(manifest["record"], stage.key)
         if isinstance(record, ModelRecord):
             self._log_model(stage, run_id, manifest, record)
+            if record.weights:  # the external weights the stage started from: what loaded, what was ignored
+                self.client.log_dict(run_id, record.weights, "weights/load_report.json")
+                self.client.set_tag(run_id, "weights_sha256", str(record.weights.get("sha256")))
+                self.client.set_tag(run_id, "weights_loaded",
+                                    f"{record.weights.get('loaded')}/{record.weights.get('target_keys')}")
             training = record.training
             if stage.task is not None and training:
                 values = {f"task/{name}": training[name] for name in

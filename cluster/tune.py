@@ -327,6 +327,24 @@ def check_marker(experiment_path: str) -> None:
                               f"{actual}); the folder was changed outside `compat tune` and is not resumed")
 
 
+def check_local_folder_private(experiment_path: str) -> None:
+    """Refuse to resume a local search folder another user can write (its Tune state is unpickled on resume):
+    the folder and its state files must be owned by this user and not group- or world-writable."""
+    import stat
+
+    if str(experiment_path).startswith("s3://"):
+        return  # the bucket policy decides who writes there
+    root = Path(experiment_path)
+    if not root.is_dir():
+        return  # the marker check names the missing folder
+    for path in [root, *sorted(root.glob("*.json")), *sorted(root.glob("*/*.pkl")), *sorted(root.glob("*.pkl"))]:
+        info = path.lstat()
+        if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise PermissionError(f"--resume {experiment_path}: {path} is writable by another user (owner uid "
+                                  f"{info.st_uid}, mode {stat.filemode(info.st_mode)}); resuming unpickles the "
+                                  f"search state, so only a folder private to you is resumed")
+
+
 def read_spec(experiment_path: str) -> SearchSpec:
     """The SearchSpec stored in ``<experiment_path>/search.json`` (FileNotFoundError naming the path otherwise)."""
     from compat_core import io as cio
@@ -468,9 +486,9 @@ class _MlflowSearchCallbackMixin:
     @property
     def client(self):
         if self._client is None:
-            from mlflow import MlflowClient
+            from cluster.tracking import open_client
 
-            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+            self._client = open_client(self.tracking_uri)
         return self._client
 
     def run_for(self, trial) -> str:
@@ -544,11 +562,9 @@ class _MlflowSearchCallbackMixin:
 
 def open_search_run(spec: SearchSpec) -> tuple[str, str]:
     """Create (or reopen on resume) the search's parent MLflow run; returns (experiment_id, parent_run_id)."""
-    from mlflow import MlflowClient
+    from cluster.tracking import flatten_params, open_client
 
-    from cluster.tracking import check_tracking_uri, flatten_params
-
-    client = MlflowClient(tracking_uri=check_tracking_uri(spec.tracking_uri))
+    client = open_client(spec.tracking_uri)
     experiment_name = spec.mlflow_experiment or f"{spec.base_config['name']}-search"
     found = client.get_experiment_by_name(experiment_name)
     if found is None:
@@ -665,8 +681,27 @@ def _callbacks(spec: SearchSpec, experiment_id: str) -> list:
                                  spec.num_tasks)]
 
 
+_AWS_SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SECURITY_TOKEN", "AWS_SESSION_TOKEN")
+
+
+def keep_credentials_out_of_trial_runtime_env() -> None:
+    """Ray Tune copies the driver's AWS key variables into every trial actor's ``runtime_env``, which Ray's
+    runtime-env agent writes to a world-readable log: stop that. Trials take credentials from the standard AWS chain
+    of their node instead (local workers inherit the environment of the Ray instance started here; on a cluster,
+    each node's environment, profile or instance role)."""
+    try:
+        from ray.tune.execution import class_cache
+    except ImportError:  # another Ray layout: nothing of ours to remove
+        return
+    propagated = getattr(class_cache, "ENV_VARS_TO_PROPAGATE", None)
+    if isinstance(propagated, set):
+        propagated.difference_update(_AWS_SECRET_VARIABLES)
+
+
 def _ensure_ray(address: str | None) -> None:
     import ray
+
+    keep_credentials_out_of_trial_runtime_env()
 
     if ray.is_initialized():
         return
@@ -735,6 +770,9 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
         from cluster.tracking import default_tracking_uri
 
         spec.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(spec.experiment_path)
+    from cluster.tracking import check_tracking_uri
+
+    spec.tracking_uri = check_tracking_uri(spec.tracking_uri)  # never a password in search.json or trial params
     if spec.tracking_uri.startswith("sqlite:///"):
         Path(spec.tracking_uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     experiment_id, spec.parent_run_id = open_search_run(spec)
@@ -763,11 +801,13 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
     return _finish(spec, results)
 
 
-def resume_search(experiment_path: str, address: str | None = None) -> SearchOutcome:
+def resume_search(experiment_path: str, address: str | None = None, plugins: list[str] | None = None) -> SearchOutcome:
     """Continue an interrupted search (Tuner.restore with the searcher's saved state) up to its requested trials.
 
     Finished trials are kept as they are; unfinished ones resume from their last Tune checkpoint and their committed
-    pipeline stages; errored ones are resumed too.
+    pipeline stages; errored ones are resumed too. ``plugins`` come from the command line only: the ones search.json
+    records are never imported (anyone who can write the folder could name any code there); a search started with
+    plugins is refused unless the same ones are given again.
     """
     import ray.tune as tune
 
@@ -778,8 +818,16 @@ def resume_search(experiment_path: str, address: str | None = None) -> SearchOut
         from cluster.storage import configure_object_storage
 
         configure_object_storage()
+    check_local_folder_private(experiment_path)
     check_marker(experiment_path)
     spec = read_spec(experiment_path)
+    given = [absolute_plugin(p) for p in plugins or []]
+    absent = [p for p in spec.plugins if p not in given]
+    if absent:
+        raise ValueError(f"--resume {experiment_path}: the search was started with --plugin {' --plugin '.join(absent)}; "
+                         f"give the same --plugin again (plugins are imported from the command line only, never from "
+                         f"the search folder)")
+    spec.plugins = given  # trials import what this command line names, nothing else
     if spec.plugins:
         load_plugins(spec.plugins)
     storage_path, filesystem = _storage(spec)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from pipelines.train_config import (
-    BOUND_FIELDS, PRETRAIN_OVERRIDES, OptimizerSpec, ScheduleSpec, StrictModel, TrainConfig,
+    BOUND_FIELDS, PRETRAIN_OVERRIDES, SEED_LIMIT, OptimizerSpec, ScheduleSpec, StrictModel, TrainConfig,
 )
 
 PRETRAIN_PREFIX = "pretrain:"
@@ -33,7 +33,7 @@ class Portion(StrictModel):
 
     fraction: float = Field(0.5, gt=0.0, lt=1.0, description="share of each class's samples in the 'first' part")
     take: Literal["first", "second"] = "first"
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT)
 
 
 class PoolSpec(StrictModel):
@@ -115,7 +115,7 @@ class MethodSpec(StrictModel):
 
 class TaskSpec(StrictModel):
     spec: str = Field(description="initial classes + increments, e.g. '10+6x15' (7 tasks)")
-    seed: int | None = Field(None, description="class-order seed (None: the scenario seed)")
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="class-order seed (None: the scenario seed)")
     order: Literal["seeded", "given"] = Field(
         "seeded", description="'seeded': the sorted class ids shuffled with the seed; 'given': data.classes in the "
         "order listed, else the classes in the dataset's id order (the reference codes' order)")
@@ -139,12 +139,15 @@ class PretrainSpec(StrictModel):
     optimizer: OptimizerSpec | None = None
     schedule: ScheduleSpec | None = None
     batch_size: int | None = Field(None, ge=2)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     init: str | None = Field(
         None, description="external weights pre-training starts from (path / s3:// URI of a safetensors file or a torch "
         "state dict read with weights_only=True, e.g. the published DINOv3 checkpoint); None: random initialisation")
     init_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$",
                                     description="expected sha256 of the init file (checked before loading)")
+    init_ignore_keys: list[str] | None = Field(
+        None, description="glob patterns of init checkpoint keys known not to fit (e.g. 'dino_head.*'); every other "
+        "key must load into the backbone and every backbone key must be loaded")
     classifier: Literal["method", "simplex", "learnable"] = Field(
         "method", description="classifier family the third-party model is trained with: 'method' (the method under "
         "test's: d-Simplex or learnable, as the reference pre-trains each method's models) or one fixed family, so "
@@ -170,6 +173,8 @@ class ReplacementSpec(StrictModel):
     backbone: str | None = Field(None, description="backbone of the new model (None: model.backbone)")
     backbone_config: dict[str, Any] | None = None
     sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
+    ignore_keys: list[str] | None = Field(
+        None, description="glob patterns of source keys (or model keys) known not to fit; the rest must match exactly")
     num_pretrain_classes: int | None = Field(
         None, ge=0, description="slots 0.. used by the external model's own classes (for the K check)"
     )
@@ -266,7 +271,7 @@ class OutputSpec(StrictModel):
 class ScenarioConfig(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT, description="scenario seed in [0, 2^63); task t trains with seed*1000+t")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     data: PoolSpec = Field(description="the fine-tuning pool, split into tasks")
     tasks: TaskSpec
@@ -278,6 +283,8 @@ class ScenarioConfig(StrictModel):
     initial_model: str | None = Field(
         None, description="weights the first task starts from: 'pretrain:<name>', a path/URI, or None (random init)"
     )
+    initial_model_ignore_keys: list[str] | None = Field(
+        None, description="glob patterns of initial_model checkpoint keys known not to fit (external files only)")
     replacements: list[ReplacementSpec] = Field(default_factory=list)
     evaluation: EvaluationSpec
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
@@ -331,6 +338,9 @@ class ScenarioConfig(StrictModel):
         num_tasks = self.num_tasks
         total_classes = sum(self.increments)
         pretrain_names = [p.name for p in self.pretrain]
+        if self.seed * 1000 + num_tasks - 1 >= 2 ** 64:
+            problems.append(f"seed: {self.seed} is too large: task t trains with seed*1000+t, which must stay below "
+                            f"2^64 (torch's seed range); use a seed below {(2 ** 64 - num_tasks) // 1000}")
         for name in sorted(self.training.model_fields_set & set(BOUND_FIELDS)):
             problems.append(f"training.{name}: set by {BOUND_FIELDS[name]}, not in the training section")
         duplicates = sorted({n for n in pretrain_names if pretrain_names.count(n) > 1})
@@ -406,6 +416,7 @@ class ScenarioConfig(StrictModel):
         return self
 
 
+MAX_TASKS = 10_000
 _INCREMENT_PATTERN = re.compile(r"^\s*(\d+)\s*(?:x\s*(\d+))?\s*$")
 
 
@@ -422,10 +433,14 @@ def parse_increments(spec: str) -> list[int]:
         match = _INCREMENT_PATTERN.match(part)
         if not match:
             raise ValueError(f"tasks.spec: cannot read {part.strip()!r} in {spec!r}; write N or AxB, e.g. '10+6x15'")
+        repeat = 1 if match.group(2) is None else int(match.group(1))
+        if len(counts) + repeat > MAX_TASKS:
+            raise ValueError(f"tasks.spec: {spec!r} has more than {MAX_TASKS} tasks; a scenario's matrix has T(T+1)/2 "
+                             f"entries, so keep T at most {MAX_TASKS}")
         if match.group(2) is None:
             counts.append(int(match.group(1)))
         else:
-            counts.extend([int(match.group(2))] * int(match.group(1)))
+            counts.extend([int(match.group(2))] * repeat)
     if not counts or min(counts) < 1:
         raise ValueError(f"tasks.spec: every task needs at least one class, got {spec!r}")
     return counts

@@ -256,6 +256,10 @@ def config_hash(config: ScenarioConfig) -> str:
     data.pop("resources", None)
     data.pop("description", None)
     data.pop("paper", None)
+    for holder, name in [(data, "initial_model_ignore_keys"), *((entry, "init_ignore_keys") for entry in
+                         data.get("pretrain", [])), *((entry, "ignore_keys") for entry in data.get("replacements", []))]:
+        if holder.get(name) is None:  # unset ignore lists leave the hash of configs written without them alone
+            holder.pop(name, None)
     for key in HOW_NOT_WHAT:  # where work is saved and how the input is read, not what it computes
         data.get("training", {}).pop(key, None)
     return stable_hash(data)

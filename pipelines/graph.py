@@ -30,6 +30,7 @@ from typing import Any, Iterator
 
 from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig, StageResources
 from pipelines.config_load import HOW_NOT_WHAT, config_to_dict, stable_hash
+from pipelines.source_digests import hashed_source, is_file_source
 from pipelines.train_config import PRETRAIN_OVERRIDES
 
 STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "entry", "evaluate", "adapt")
@@ -217,6 +218,7 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
         # the resolved family, never "method": an ER run and a d-Simplex run that both pre-train d-Simplex models
         # get the same keys, so a shared store (output.shared_store) trains each third-party model once
         entry = {**document["pretrain"][index], "classifier": classifier}
+        _hash_file_source(entry, "init", "init_sha256", "init_ignore_keys")
         training = document["training"]
         # only the training settings the pretrain stage falls back to (or always uses) enter its key, so tuning
         # the fine-tuning schedule keeps already trained third-party models
@@ -268,10 +270,14 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
             source = {name: value for name, value in
                       document["replacements"][config.replacements.index(replacement)].items()
                       if name not in ("adapters", "adapter_params")}  # adapters never retrain the model
+            _hash_file_source(source, "source", "sha256", "ignore_keys")
             parents = (previous,) + source_parents(replacement.source)  # type: ignore[operator]
         else:
             kind = "finetune"
             source = {"initial_model": config.initial_model} if task == 0 else None
+            if source is not None:
+                source["ignore_keys"] = config.initial_model_ignore_keys
+                _hash_file_source(source, "initial_model", None, "ignore_keys")
             parents = ((previous,) if previous else ()) + (source_parents(config.initial_model) if task == 0 else ())
         params = {"task": task, "shared": shared, "source": source, "threads": stage_threads(resources.for_stage(kind)),
                   **parallel_params(resources.for_stage(kind))}
@@ -311,6 +317,17 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
         graph.add(stage)
         graph.adapt_stages[task] = stage.key
     return graph
+
+
+def _hash_file_source(entry: dict, path_key: str, sha_key: str | None, ignore_key: str) -> None:
+    """In a stage's config slice, a weights file is its sha256 (never its path; the pinned digest folded in), and
+    an unset ignore list is left out (keys of configs without one stay as they were)."""
+    if is_file_source(entry.get(path_key)):
+        entry[path_key] = hashed_source(entry[path_key], entry.get(sha_key) if sha_key else None)
+        if sha_key:
+            entry.pop(sha_key, None)
+    if entry.get(ignore_key) is None:
+        entry.pop(ignore_key, None)
 
 
 def add_evaluation(graph: StageGraph, evaluation: dict) -> list[str]:

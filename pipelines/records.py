@@ -34,7 +34,8 @@ class ModelRecord:
     P, classes the line's starting model was pre-trained on (slots 0..P-1). positions_seen: fine-tuning classes
     learned so far (positions 0..positions_seen-1). memory: the replay memory after this task, or None.
     extra_blobs: blobs of modules a method exports (FAN's adapter). training: summary of the training run.
-    pretrain_name: the pretrain entry a pre-training stage trained (None otherwise).
+    pretrain_name: the pretrain entry a pre-training stage trained (None otherwise). weights: the load report of
+    the external weights the stage started from (counts, sha256, up to 10 names per kind; None without a file).
     """
 
     TYPE: ClassVar[str] = "model"
@@ -51,6 +52,7 @@ class ModelRecord:
     extra_blobs: list[str] = field(default_factory=list)
     training: dict = field(default_factory=dict)
     pretrain_name: str | None = None
+    weights: dict | None = None
 
 
 @dataclass

@@ -31,6 +31,7 @@ from pipelines.progress import ProgressUpdate
 from pipelines.records import (
     EntryRecord, FeatureRecord, MemoryRecord, ModelRecord, Record, RowRecord, read_record, record_to_json,
 )
+from pipelines.source_digests import source_digest
 from pipelines.store import RunStore, decode_array, encode_array, feature_blobs, read_features
 
 Emit = Callable[[Any], None]
@@ -280,9 +281,27 @@ def _initial_model(config: ScenarioConfig, classifier: str, seed: int, backbone:
                         num_active_classes=num_active, head=head)
 
 
+initial_model = _initial_model  # the model a stage starts from before any weights load (the preflight builds it too)
+
+
+def load_weights_strictly(model, source: str, sha256: str | None, ignore: list[str] | None, key: str) -> dict:
+    """Strict external weights (every target key loaded, extras only as listed in ``ignore``); the load report as
+    JSON for the stage record. Errors name the config ``key``."""
+    from compat_core.models import load_external_weights
+
+    try:
+        report = load_external_weights(model, source, sha256=sha256, ignore=ignore or ())
+    except (ValueError, FileNotFoundError) as error:
+        hint = f" (set {key.rsplit('.', 1)[0]}'s ignore keys for known extras)" if "do not fit" in str(error) else ""
+        raise type(error)(f"{key}: {error}{hint}") from error
+    return {"key": key, **report.to_json()}
+
+
 def _load_source(ctx: StageContext, source: str, classifier: str, backbone: str | None, backbone_config: dict | None,
-                 sha256: str | None, seed: int, num_pretrain_classes: int | None = None) -> tuple[Any, int]:
-    """Model to start from, and P (classes it was pre-trained on): a pretrain stage's output or external weights."""
+                 sha256: str | None, seed: int, num_pretrain_classes: int | None = None, ignore: list[str] | None = None,
+                 key: str = "source") -> tuple[Any, int, dict | None]:
+    """Model to start from, P (classes it was pre-trained on) and the weights load report (None for a pretrain
+    stage's output): a pretrain stage's output or external weights."""
     if source.startswith(PRETRAIN_PREFIX):
         name = source[len(PRETRAIN_PREFIX):]
         matches = [r for r in ctx.parents.values() if isinstance(r, ModelRecord) and r.pretrain_name == name]
@@ -300,16 +319,12 @@ def _load_source(ctx: StageContext, source: str, classifier: str, backbone: str 
         elif record.classifier != classifier:
             raise ValueError(f"stage {ctx.stage.label}: {source!r} has a {record.classifier} classifier; method "
                              f"{ctx.config.method.name!r} needs a {classifier} one (see pretrain classifier)")
-        return model, record.pretrained_classes
-    from compat_core.models import load_external_weights
-
+        return model, record.pretrained_classes, None
     pretrained = int(num_pretrain_classes or 0)
     model = _initial_model(ctx.config, classifier, seed, backbone, backbone_config,
                            num_active=pretrained if classifier == "learnable" else 0)
-    report = load_external_weights(model, source, sha256=sha256)
-    if report.pretrained_class_ids:
-        pretrained = max(pretrained, len(report.pretrained_class_ids))
-    return model.to(ctx.device), pretrained
+    report = load_weights_strictly(model, source, sha256 or source_digest(ctx.stage.params), ignore, key)
+    return model.to(ctx.device), pretrained, report
 
 
 # ---- training ------------------------------------------------------------------------------------------------------
@@ -374,18 +389,15 @@ def pretrain_stage(ctx: StageContext) -> StageResult:
     seed = spec.seed if spec.seed is not None else config.seed
     model = _initial_model(config, classifier, seed, spec.backbone, spec.backbone_config,
                            num_active=spec.num_classes if classifier == "learnable" else 0)
+    weights = None
     if spec.init is not None:
         # fine-tune published weights (e.g. DINOv3) on the pool; the junction and classifier start fresh
-        from compat_core.models import load_external_weights
-
-        try:
-            report = load_external_weights(model, spec.init, sha256=spec.init_sha256)
-        except (ValueError, FileNotFoundError) as error:
-            raise type(error)(f"pretrain[{spec.name}].init: {error}") from error
+        weights = load_weights_strictly(model, spec.init, spec.init_sha256 or source_digest(ctx.stage.params),
+                                        spec.init_ignore_keys, f"pretrain[{spec.name}].init")
         if spec.init_sha256 is None:
             logging.getLogger(__name__).warning(
                 "pretrain[%s].init: no init_sha256 set; %s has sha256 %s: pin it with init_sha256: %s so that a "
-                "changed file is refused", spec.name, spec.init, report.sha256, report.sha256)
+                "changed file is refused", spec.name, spec.init, weights.get("sha256"), weights.get("sha256"))
     model = model.to(ctx.device)
     model.config["pretrained_classes"] = spec.num_classes
     result = pretrain_model(model, pool, np.arange(len(pool)), config.train_config(seed, ctx.device, spec),
@@ -393,7 +405,7 @@ def pretrain_stage(ctx: StageContext) -> StageResult:
     record = ModelRecord(ctx.stage.key, artifact_location(ctx.stage.key), task=None, line=0,
                          pretrained_classes=spec.num_classes, positions_seen=0, classifier=classifier,
                          num_active_classes=spec.num_classes if classifier == "learnable" else 0,
-                         training=_summary(result), pretrain_name=spec.name)
+                         training=_summary(result), pretrain_name=spec.name, weights=weights)
     return StageResult(record, _model_blobs(result.model))
 
 
@@ -536,6 +548,7 @@ def train_task_stage(ctx: StageContext) -> StageResult:
 
     initial_state = None
     old_model = None
+    weights = None
     if method.retrain_from_scratch:
         # CoReS: the same initial weights (seeded once) at every step; PSP/LSP: independently trained models, each
         # step with its own initial weights (the paper; CoReS Sec. 8.3 shows a shared start raises AC). All data so far.
@@ -548,9 +561,11 @@ def train_task_stage(ctx: StageContext) -> StageResult:
         indices = np.flatnonzero(np.isin(pool_labels, np.concatenate(tasks[: task + 1])))
     else:
         if replacement is not None:
-            model, pretrained = _load_source(ctx, replacement.source, classifier, replacement.backbone,
-                                             replacement.backbone_config, replacement.sha256, config.seed,
-                                             replacement.num_pretrain_classes)
+            index = config.replacements.index(replacement)
+            model, pretrained, weights = _load_source(ctx, replacement.source, classifier, replacement.backbone,
+                                                      replacement.backbone_config, replacement.sha256, config.seed,
+                                                      replacement.num_pretrain_classes, replacement.ignore_keys,
+                                                      f"replacements[{index}].source")
             line = previous.line + 1
             if replacement.anchor == "replaced":
                 # trained to be compatible with the model it replaces (its features are what the index holds)
@@ -558,7 +573,9 @@ def train_task_stage(ctx: StageContext) -> StageResult:
             else:
                 old_model = _frozen(model)  # the reference HOC anchors to the newly loaded model
         elif task == 0 and config.initial_model:
-            model, pretrained = _load_source(ctx, config.initial_model, classifier, None, None, None, config.seed)
+            model, pretrained, weights = _load_source(ctx, config.initial_model, classifier, None, None, None,
+                                                      config.seed, ignore=config.initial_model_ignore_keys,
+                                                      key="initial_model")
             line = 0
             if wants_old:
                 # a line that starts from loaded weights anchors to them, at the first task as at a replacement
@@ -637,7 +654,7 @@ def train_task_stage(ctx: StageContext) -> StageResult:
     record = ModelRecord(stage.key, artifact_location(stage.key), task=task, line=line, pretrained_classes=pretrained,
                          positions_seen=first_position + len(tasks[task]), classifier=classifier,
                          num_active_classes=num_active, source=source, memory=memory_record, extra_blobs=extra,
-                         training=_summary(result))
+                         training=_summary(result), weights=weights)
     return StageResult(record, blobs)
 
 

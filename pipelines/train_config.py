@@ -12,15 +12,20 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+MAX_LR = 10.0  # a learning rate above this diverges at once with every optimiser the project has
+MAX_INPUT_WORKERS = 64  # each worker holds a process and its pipes: thousands exhaust the open-file limit
+SEED_LIMIT = 2 ** 63  # seeds are in [0, 2^63)
+
+
 class StrictModel(BaseModel):
     """Base for every config section: unknown keys are errors, so a typo never silently keeps a default."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
 
 
 class OptimizerSpec(StrictModel):
     name: Literal["sgd", "adamw"] = "sgd"
-    lr: float = Field(0.1, gt=0.0, description="peak learning rate")
+    lr: float = Field(0.1, gt=0.0, le=MAX_LR, description="peak learning rate (finite, at most 10)")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum (ignored by adamw)")
     weight_decay: float = Field(5e-4, ge=0.0)
 
@@ -80,7 +85,7 @@ class TrainConfig(StrictModel):
         "(compat_core.calibration, cached per machine); bf16/fp16: force that dtype; false/off: fp32")
     augment: bool = Field(True, description="training augmentation of the dataset's transforms")
     replay_sampling: Literal["half_and_half", "mixed"] = "half_and_half"
-    input_workers: int = Field(0, ge=0, description="CPU processes that read and decode the next batches while a "
+    input_workers: int = Field(0, ge=0, le=MAX_INPUT_WORKERS, description="CPU processes that read and decode the next batches while a "
                                "step runs (0: in the training thread). One worker delivers ~3,000-3,800 images/s "
                                "of 224 px CelebA-sized JPEG from ingested shards with decoder torchvision, ~1,200 "
                                "with PIL, on one AMD EPYC core (benchmarks/input_pipeline.py)")
@@ -96,7 +101,7 @@ class TrainConfig(StrictModel):
         "(writes <= 2 % of training time). Not part of any stage key")
 
     # bound by the stage from other sections (BOUND_FIELDS); defaults serve direct calls of the loop
-    seed: int = Field(0, ge=0, exclude=True)
+    seed: int = Field(0, ge=0, lt=2 ** 64, exclude=True)  # torch's seed range (per-task seeds are derived)
     device: str = Field("cpu", exclude=True, description="torch device string, e.g. cpu or cuda:0")
     epoch_length: Literal["task", "reference"] = Field("task", exclude=True)
     selection_strict: bool = Field(True, exclude=True)

@@ -28,6 +28,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from pipelines.redaction import redact_uri
+
 HELP = "run the glyph demo (ER and d-Simplex-HOC, 7 tasks, replacements at tasks 3 and 5) and print the results"
 
 DEMOS = (("er", "demo-er.yaml"), ("dsimplex-hoc", "demo-dsimplex-hoc.yaml"))
@@ -186,7 +188,7 @@ def run(args) -> int:
     where = f"Ray tasks on one embedded local Ray instance ({address})" if address else "in-process"
     cpu_text = f"{cpu:.0f} s CPU (user+sys, {'driver processes only' if args.executor == 'ray' else 'all processes'})"
     print(f"demo: {wall:.0f} s wall, {cpu_text}, {jobs} job(s) on {cores} core(s), stages {where}; "
-          f"MLflow: {tracking_uri} (experiment {experiment})")
+          f"MLflow: {redact_uri(tracking_uri)} (experiment {experiment})")
     print(_calibration_used(_training_threads(tasks[0][1], args.overrides)))
     return 0
 

@@ -58,10 +58,10 @@ def describe_shared(root: str, pretrain_stages: dict[str, str]) -> str:
 
 
 def check_data(config) -> list[tuple[str, str]]:
-    """(config key, problem) for every pool that cannot be opened and every init file that is missing: all of them,
-    not just the first, so a new machine is fixed in one pass."""
-    from compat_core import io as cio
-    from pipelines.stages import load_pool
+    """(config key, problem) for every pool that cannot be opened and every weights source that is missing or does
+    not load strictly: all of them, not just the first, so a new machine is fixed in one pass (the run's preflight)."""
+    from pipelines.preflight import data_problems, weights_problems
+    from pipelines.source_digests import file_digest
 
     from app.commands.run import uses_object_storage
 
@@ -69,29 +69,12 @@ def check_data(config) -> list[tuple[str, str]]:
         from cluster.storage import configure_object_storage
 
         configure_object_storage()
-    pools = [("data", config.data)] + [(f"pretrain[{i}].pool", p.pool) for i, p in enumerate(config.pretrain)]
-    pools += [("evaluation.query_set", config.evaluation.query_set),
-              ("evaluation.gallery_set", config.evaluation.gallery_set)]
-    problems, seen = [], set()
-    for key, spec in pools:
-        identity = spec.model_dump_json()
-        if identity in seen:
-            continue
-        seen.add(identity)
-        try:
-            load_pool(spec, key)
-        except Exception as error:  # noqa: BLE001 - every reader failure is reported, none stops the listing
-            problems.append((key, str(error)))
     for index, entry in enumerate(config.pretrain):
-        if entry.init is not None and not cio.exists(entry.init):
-            problems.append((f"pretrain[{index}].init", f"weights file {entry.init} not found"))
-        elif entry.init is not None and entry.init_sha256 is None:
-            from compat_core.models.weights import sha256_of
-
-            print(f"pretrain[{index}].init: no init_sha256 set; {entry.init} has sha256 {sha256_of(entry.init)}: "
+        digest = file_digest(entry.init) if entry.init is not None and entry.init_sha256 is None else None
+        if digest is not None:
+            print(f"pretrain[{index}].init: no init_sha256 set; {entry.init} has sha256 {digest}: "
                   f"pin it with pretrain[{index}].init_sha256")
-    return problems
-
+    return data_problems(config) + weights_problems(config)
 
 
 def describe_paper(config) -> str:

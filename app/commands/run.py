@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from pipelines.redaction import redact_uri
+
 HELP = "run a scenario (train, replace, extract, evaluate); resumable: completed stages are skipped"
 
 
@@ -136,7 +138,7 @@ def pin_model_aliases(config, tracking_uri: str | None):
         found = version_by_alias(client, match["name"], match["alias"])
         if found is None:
             raise FileNotFoundError(f"{key}: registered model {match['name']!r} has no alias {match['alias']!r} "
-                                    f"on {tracking_uri}")
+                                    f"on {redact_uri(tracking_uri)}")
         return f"models:/{match['name']}/{found.version}"
 
     replacements = [r.model_copy(update={"source": pinned(f"replacements[{i}].source", r.source)})
@@ -163,12 +165,13 @@ def make_tracker(args, run_dir: str):
     return create_tracker(uri, run_dir=run_dir, experiment=experiment)
 
 
-def preflight_data(config) -> None:
-    """Before any stage: every pool opens (missing data named by key) and no test class occurs in a training pool
-    of the same dataset (the data-level open-set guard), so a run never trains for hours and then stops."""
-    from pipelines.stages import check_pools_open_set
+def preflight_data(config, run_dir: str | None = None, executor: str = "local") -> None:
+    """Before any stage: every pool opens, every weights source loads strictly, the device exists and the run
+    bucket exists (pipelines.preflight), so a run never trains for hours and then stops. On Ray the device is
+    judged by the cluster (the backend checks every stage's resources before the first starts)."""
+    from pipelines.preflight import preflight
 
-    check_pools_open_set(config)
+    preflight(config, run_dir, check_device=executor == "local")
 
 
 def uses_object_storage(config, run_dir: str) -> bool:
@@ -201,7 +204,7 @@ def run(args) -> int:
             configure_object_storage()  # S3 settings and credentials from the standard AWS chain, never the YAML
     if not (args.address or "").startswith(("http://", "https://")):  # a submitted job checks on the cluster
         try:
-            preflight_data(config)
+            preflight_data(config, run_dir, args.executor)
         except (FileNotFoundError, ValueError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
@@ -222,7 +225,7 @@ def run(args) -> int:
                               progress=not args.no_progress, setup=setup)
     print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done)")
     if getattr(tracker, "tracking_uri", None):
-        print(f"MLflow: {tracker.tracking_uri} (experiment {tracker.experiment_name or config.name}, "
+        print(f"MLflow: {redact_uri(tracker.tracking_uri)} (experiment {tracker.experiment_name or config.name}, "
               f"registered model {tracker.model_name or '-'})")
     if summary.matrix is not None:
         print_results(summary.matrix, summary.metrics)

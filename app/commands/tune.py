@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mlflow-experiment", help="MLflow experiment name (default: <scenario>-search)")
     parser.add_argument("--plugin", dest="plugins", action="append", default=[], metavar="MODULE[:FUNC]",
                         help="module or PATH.py imported in every trial (registers extra datasets/methods); "
-                             "FUNC is called after import")
+                             "FUNC is called after import. With --resume, give the search's plugins again: they are "
+                             "never read from the search folder")
     parser.add_argument("--address", help="Ray address (default: start a local Ray)")
 
 
@@ -82,11 +83,12 @@ def run(args) -> int:
 
     try:
         if args.resume:
-            outcome = resume_search(args.resume, address=args.address)
+            outcome = resume_search(args.resume, address=args.address, plugins=args.plugins)
         else:
             _ensure_ray(args.address)  # default resources depend on the cluster (GPUs, CPUs)
             outcome = run_search(build_spec(args), address=args.address)
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError, ModuleNotFoundError) as error:
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError, ModuleNotFoundError,
+            PermissionError) as error:
         print(f"compat tune: error: {error.args[0] if error.args else error}", file=sys.stderr)
         return 2
     print_outcome(outcome)

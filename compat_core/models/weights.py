@@ -19,10 +19,16 @@ Key handling, in order:
      fixed d-Simplex, ``layerN.blocks.i`` -> ``layerN.i``);
 4. match each key to the target as is, with ``backbone.`` added (CompatModel target) or removed (bare backbone);
    a ViT ``pos_embed`` with another grid is resampled with timm's interpolation.
-Missing keys, unexpected keys and shape mismatches are reported by name (and raised when ``strict``).
+Strict by default: every parameter and buffer of the target receives a tensor, and every source key (after the
+layout's documented conversions, each recorded in ``LoadReport.dropped`` with its reason) lands in the target; else a
+ValueError names up to 10 missing, unexpected and mis-shaped keys and their counts before anything is loaded. Known
+extras are listed explicitly with ``ignore`` (glob patterns; each ignored key is recorded in the report). A
+CompatModel target whose source holds only backbone keys (a published backbone checkpoint) keeps its junction and
+classifier as initialised: those are reported as ``fresh``, never as loaded.
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import io
 import os
@@ -74,6 +80,10 @@ class LoadReport:
     resampled: list[str] = field(default_factory=list)  # target keys interpolated to a new shape
     slot_assignment: dict[str, int] = field(default_factory=dict)  # third-party class id -> d-Simplex slot (0-based)
     pretrained_class_ids: list[Any] = field(default_factory=list)  # class id at slot i, i = 0..n-1
+    ignored: list[str] = field(default_factory=list)  # source or target keys matched by the ``ignore`` patterns
+    unused_ignore: list[str] = field(default_factory=list)  # ``ignore`` patterns that matched no key
+    fresh: list[str] = field(default_factory=list)  # head keys of a CompatModel kept as initialised (backbone source)
+    target_keys: int = 0  # parameters and buffers in the target's state dict
 
     @property
     def ok(self) -> bool:
@@ -83,10 +93,34 @@ class LoadReport:
     def summary(self) -> str:
         """One line for logs."""
         return (
-            f"{self.source}: loaded {len(self.loaded)}, missing {len(self.missing)}, unexpected "
-            f"{len(self.unexpected)}, shape mismatches {len(self.shape_mismatches)}, dropped {len(self.dropped)} "
-            f"(layout {self.layout}, format {self.format})"
+            f"{self.source}: loaded {len(self.loaded)}/{self.target_keys}, missing {len(self.missing)}, unexpected "
+            f"{len(self.unexpected)}, shape mismatches {len(self.shape_mismatches)}, dropped {len(self.dropped)}, "
+            f"ignored {len(self.ignored)}, fresh {len(self.fresh)} (layout {self.layout}, format {self.format})"
         )
+
+    def problems(self, limit: int = 10) -> str:
+        """What does not fit, each kind with its count and up to ``limit`` names (empty when ``ok``)."""
+        parts = []
+        for label, names in (("missing", self.missing), ("unexpected", self.unexpected),
+                             ("shape mismatches (name, source, target)", self.shape_mismatches)):
+            if names:
+                shown = ", ".join(str(n) for n in names[:limit])
+                parts.append(f"{len(names)} {label}: {shown}{' ...' if len(names) > limit else ''}")
+        return "; ".join(parts)
+
+    def to_json(self) -> dict:
+        """Compact JSON form for stage records and tracking: counts, digests and up to 10 names of each kind."""
+        return {
+            "source": self.source, "sha256": self.sha256, "format": self.format, "layout": self.layout,
+            "target_keys": self.target_keys, "loaded": len(self.loaded), "missing": self.missing[:10],
+            "missing_count": len(self.missing), "unexpected": self.unexpected[:10],
+            "unexpected_count": len(self.unexpected),
+            "shape_mismatches": [list(map(str, m)) for m in self.shape_mismatches[:10]],
+            "shape_mismatch_count": len(self.shape_mismatches), "dropped": dict(sorted(self.dropped.items())[:10]),
+            "dropped_count": len(self.dropped), "ignored": self.ignored[:10], "ignored_count": len(self.ignored),
+            "unused_ignore": list(self.unused_ignore), "fresh": self.fresh[:10], "fresh_count": len(self.fresh),
+            "resampled": self.resampled[:10],
+        }
 
 
 def sha256_of(uri: str) -> str:
@@ -101,8 +135,9 @@ def sha256_of(uri: str) -> str:
     return digest.hexdigest()
 
 
-def _resolve_source(source: str) -> str:
-    """Apply a registered scheme resolver and descend into a folder to its weights file."""
+def resolve_weights_source(source: str) -> str:
+    """The file ``source`` names: a registered scheme resolver applied, a folder descended into its weights file;
+    FileNotFoundError / ValueError naming it otherwise."""
     text = os.fspath(source)
     scheme, sep, _ = text.partition(":")
     if sep and scheme in _URI_RESOLVERS:
@@ -113,6 +148,9 @@ def _resolve_source(source: str) -> str:
                          "built in: local paths, file://, s3://)")
     if not cio.exists(text):
         raise FileNotFoundError(f"weights source not found: {text}")
+    if not cio.is_remote(text) and not cio.is_dir(text) and not os.path.isfile(cio.resolve(text)[1]):
+        # a device (/dev/zero), FIFO or socket never ends: refused before a byte is read
+        raise ValueError(f"weights source {text} is not a regular file (a device, FIFO or socket)")
     if cio.is_dir(text):
         names = cio.list_dir(text)
         candidates = [n for n in ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth") if n in names]
@@ -315,9 +353,10 @@ def load_external_weights(
     model_or_backbone: nn.Module,
     source: str | os.PathLike | Mapping[str, Any],
     sha256: str | None = None,
-    strict: bool = False,
+    strict: bool = True,
     key_map: str | Mapping[str, str] | Callable[[str], str | None] | None = None,
     slot_map: Sequence[Any] | int | None = None,
+    ignore: Sequence[str] = (),
 ) -> LoadReport:
     """Load third-party weights into ``model_or_backbone`` in place and report what matched (see module doc).
 
@@ -326,15 +365,22 @@ def load_external_weights(
     applied after wrapper stripping, or a callable ``key -> new key | None`` (None drops the key).
     ``slot_map``: the third-party model's class ids in its output order (or their count n); they take d-Simplex
     slots 0..n-1 left to right. Recorded in the report and, for a CompatModel, in ``model.config["pretrained_slots"]``.
-    ``strict``: raise ValueError listing missing/unexpected/mis-shaped names instead of loading partially.
+    ``strict`` (default): raise ValueError with the counts and up to 10 names of missing / unexpected /
+    mis-shaped keys, before anything is loaded; ``strict=False`` loads what matches (the report says what did not).
+    ``ignore``: glob patterns (``fnmatch``) of keys known not to fit: a source key (after renaming) or a target key
+    matching one is neither loaded nor counted as unexpected / missing, and is listed in ``report.ignored``.
     """
+    ignore = [ignore] if isinstance(ignore, str) else list(ignore)
+    for pattern in ignore:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"ignore: expected non-empty key patterns (glob, e.g. 'dino_head.*'), got {pattern!r}")
     if isinstance(source, Mapping):
         if sha256 is not None:
             raise ValueError("sha256 applies to a file; an in-memory state dict has no file to hash")
         raw: dict[str, Any] = dict(source)
         fmt, source_name, digest = "state_dict", "<state dict>", None
     else:
-        source_name = _resolve_source(os.fspath(source))
+        source_name = resolve_weights_source(os.fspath(source))
         data = cio.read_bytes(source_name) if cio.is_remote(source_name) else None
         digest = hashlib.sha256(data).hexdigest() if data is not None else sha256_of(source_name)
         if sha256 is not None and digest.lower() != sha256.strip().lower():
@@ -368,10 +414,20 @@ def load_external_weights(
         state = _apply_key_map(state, key_map, report)  # type: ignore[arg-type]
 
     backbone_module = getattr(model_or_backbone, "backbone", model_or_backbone) if is_compat else model_or_backbone
+    used_patterns: set[str] = set()
+
+    def ignored(name: str) -> bool:
+        hits = [p for p in ignore if fnmatch.fnmatchcase(name, p)]
+        used_patterns.update(hits)
+        return bool(hits)
+
     matched: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         candidates = [key, f"backbone.{key}"] if is_compat else [key, key.removeprefix("backbone.")]
         name = next((c for c in candidates if c in target_keys), None)
+        if ignored(key) or (name is not None and ignored(name)):
+            report.ignored.append(key)
+            continue
         if name is None:
             report.unexpected.append(key)
             continue
@@ -387,7 +443,15 @@ def load_external_weights(
             report.resampled.append(name)
         matched[name] = value
     report.loaded = sorted(matched)
-    report.missing = sorted(target_keys - set(matched))
+    report.target_keys = len(target_keys)
+    head_keys = {k for k in target_keys if not k.startswith("backbone.")} if is_compat else set()
+    supplied = set(matched) | {name for name, _, _ in report.shape_mismatches}
+    if head_keys and not (supplied & head_keys):
+        report.fresh = sorted(head_keys)  # a backbone checkpoint: the head starts as initialised
+    unfilled = sorted(target_keys - set(matched) - set(report.fresh))
+    report.missing = [k for k in unfilled if not ignored(k)]
+    report.ignored = sorted(report.ignored + [k for k in unfilled if k not in report.missing])
+    report.unused_ignore = [p for p in ignore if p not in used_patterns]
     report.unexpected.sort()
 
     num_slots = getattr(model_or_backbone, "num_slots", None)
@@ -396,11 +460,9 @@ def load_external_weights(
 
     if strict and not report.ok:
         raise ValueError(
-            f"weights from {report.source} do not fit the model: missing {report.missing[:20]}"
-            f"{' ...' if len(report.missing) > 20 else ''}, unexpected {report.unexpected[:20]}"
-            f"{' ...' if len(report.unexpected) > 20 else ''}, shape mismatches (name, source, target) "
-            f"{report.shape_mismatches[:20]}"
-        )
+            f"weights from {report.source} do not fit the model ({len(report.loaded)} of {report.target_keys} "
+            f"target keys matched): {report.problems()}. List known extras under the config's ignore keys (glob "
+            f"patterns) to leave them out explicitly")
     model_or_backbone.load_state_dict(matched, strict=False)
     if slot_map is not None and isinstance(getattr(model_or_backbone, "config", None), dict):
         model_or_backbone.config["pretrained_slots"] = list(report.pretrained_class_ids)

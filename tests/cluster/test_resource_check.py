@@ -75,3 +75,11 @@ def test_the_ray_engine_refuses_an_unsatisfiable_stage_before_it_hangs(ray_local
     graph = compile_scenario(validate_config(document))
     with pytest.raises(UnsatisfiableResourcesError, match=r"stage finetune\[t=0\] asks for memory=931322\.6 GiB"):
         RayExecutor(progress=False, setup=tiny.register).run(graph, RunStore(str(tmp_path / "run")))
+    # every stage is checked before the first starts: the pre-training (which fits) never ran
+    manifests = tmp_path / "run" / "manifests"
+    assert not manifests.exists() or not list(manifests.iterdir())
+    document["resources"] = {"finetune": {"num_cpus": 64}}
+    with pytest.raises(UnsatisfiableResourcesError, match=r"stage finetune\[t=0\] asks for CPU=64"):
+        RayExecutor(progress=False, setup=tiny.register).run(compile_scenario(validate_config(document)),
+                                                             RunStore(str(tmp_path / "run")))
+    assert not manifests.exists() or not list(manifests.iterdir())

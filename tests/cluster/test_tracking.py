@@ -115,6 +115,19 @@ def test_tracking_uri_defaults_to_sqlite_in_run_dir(tmp_path):
     assert isinstance(create_tracker("none"), NullTracker)
 
 
+def test_tracking_uri_credentials_never_stay_in_the_uri(monkeypatch):
+    from pipelines.redaction import redact_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    assert check_tracking_uri("https://ana:s3cr%40t@mlflow.example.com:5000/x") == "https://mlflow.example.com:5000/x"
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "ana" and os.environ["MLFLOW_TRACKING_PASSWORD"] == "s3cr%40t"
+    with pytest.raises(ValueError) as error:
+        check_tracking_uri("ftp://ana:hunter2@host")
+    assert "hunter2" not in str(error.value) and "ftp://ana:***@host" in str(error.value)
+    assert redact_uri("see http://u:p@h:1/a and s3://bucket/k") == "see http://u:***@h:1/a and s3://bucket/k"
+
+
 def test_train_record_has_the_fields_the_tracker_reads():
     training = pytest.importorskip("pipelines.training")
     names = {f for f in training.TrainRecord.__dataclass_fields__}

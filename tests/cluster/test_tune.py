@@ -186,7 +186,8 @@ def test_interrupted_search_resumes_to_the_requested_total(search_storage, tmp_p
     # Under load Tune may finish another trial or two while it handles Ctrl+C; 6 samples leave room for that.
     assert 2 <= len(finished_before) < samples
 
-    resumed = subprocess.run([sys.executable, "-m", "app.cli", "tune", "--resume", experiment], cwd=ROOT,
+    resumed = subprocess.run([sys.executable, "-m", "app.cli", "tune", "--resume", experiment, "--plugin", PLUGIN],
+                             cwd=ROOT,
                              env=env, capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"search resumable: {samples} of {samples} trials" in resumed.stdout

@@ -29,6 +29,31 @@ def test_resume_refuses_foreign_and_modified_folders(tmp_path):
         tune_module.resume_search(str(tmp_path / "s"))
 
 
+def test_resume_never_imports_plugins_named_by_the_folder(tmp_path, capsys):
+    """A folder whose search.json (and a re-forged marker) names a plugin: --resume without that --plugin is refused
+    and the plugin's code never runs; the plugins of the command line are the ones trials import."""
+    import hashlib
+
+    from app.cli import main
+
+    ran = tmp_path / "plugin-ran"
+    plugin = tmp_path / "evil.py"
+    plugin.write_text(f"open({str(ran)!r}, 'w').write('imported')\n")
+    spec = tune_module.SearchSpec(name="s", base_config={}, space={}, storage=str(tmp_path), plugins=[str(plugin)])
+    tune_module.write_spec(spec)
+    folder = tmp_path / "s"
+    marker = json.loads((folder / tune_module.MARKER_FILE).read_text())  # anyone can re-compute the digest
+    marker["search_sha256"] = hashlib.sha256((folder / "search.json").read_bytes()).hexdigest()
+    (folder / tune_module.MARKER_FILE).write_text(json.dumps(marker))
+    assert main(["tune", "--resume", str(folder)]) == 2
+    assert f"the search was started with --plugin {plugin}" in capsys.readouterr().err
+    assert not ran.exists()
+    folder.chmod(0o777)  # a folder another user can write is not resumed at all
+    with pytest.raises(PermissionError, match="writable by another user"):
+        tune_module.resume_search(str(folder), plugins=[str(plugin)])
+    assert not ran.exists()
+
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 

@@ -241,5 +241,5 @@ def test_version_and_missing_data_without_traceback(tmp_path, monkeypatch, capsy
     assert main(["run", str(CONFIGS / "cl2r-cifar100-10-t2.yaml"), "--output", str(tmp_path / "run"),
                  "--tracking-uri", "none", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "error: data: data of 'cifar100'" in err and "Traceback" not in err
+    assert "problem(s) before any compute:\n  data: data of 'cifar100'" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "manifests").exists()  # detected before any stage

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io as _stdio
 import pickle
+import posixpath
+import re
 from collections import OrderedDict
 from typing import Callable, Iterable, Sequence
 
@@ -62,6 +64,62 @@ def parse_int(dataset: str, uri: str, line_number: int, value: str, expected: st
         return int(value)
     except ValueError:
         raise ValueError(f"{dataset}: {uri} line {line_number}: {value!r} is not an integer; expected {expected}") from None
+
+
+def add_unique(dataset: str, uri: str, line: int, table: dict, lines: dict, key, value) -> None:
+    """``table[key] = value`` from ``uri`` line ``line``; ValueError naming both lines when ``key`` was listed before
+    (a duplicate id would silently relabel an image)."""
+    if key in table:
+        raise ValueError(f"{dataset}: {uri} line {line}: id {key!r} is listed twice (first on line {lines[key]}); "
+                         f"every id must appear once")
+    table[key] = value
+    lines[key] = line
+
+
+def contained_path(dataset: str, base: str, relative: str, uri: str, line: int) -> str:
+    """``base/relative`` for a path listed in an index file; ValueError naming the file and line when the path is
+    absolute or leaves ``base`` (``../``), so no listed path reads outside the data root."""
+    text = str(relative)
+    normal = posixpath.normpath(text.replace("\\", "/"))
+    if (not text or text.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", text) or "://" in text
+            or normal == ".." or normal.startswith("../")):
+        raise ValueError(f"{dataset}: {uri} line {line}: path {text!r} leaves the data folder {base}; listed paths "
+                         f"must be relative paths inside it")
+    return io.join(base, normal)
+
+
+IMAGE_SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM")
+
+
+def check_image_files(dataset: str, locations: Sequence[str], origins: Sequence[str] | None = None) -> None:
+    """Every listed image exists and is not empty, checked before any image is decoded (one listing per folder,
+    local or ``s3://``); the error names the file and the index line it came from."""
+    import pyarrow.fs as pafs
+
+    sizes: dict[str, int] = {}
+    folders = sorted({posixpath.dirname(str(location)) for location in locations})
+    for folder in folders:
+        fs, path = io.resolve(folder)
+        try:
+            infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=False))
+        except OSError:
+            infos = []
+        for info in infos:
+            if info.type == pafs.FileType.File:
+                sizes[posixpath.join(folder, info.base_name)] = int(info.size or 0)
+    for index, location in enumerate(locations):
+        where = f" (listed in {origins[index]})" if origins is not None else ""
+        size = sizes.get(str(location))
+        if size is None:
+            raise FileNotFoundError(f"{dataset}: image {location}{where} does not exist")
+        if size == 0:
+            raise ValueError(f"{dataset}: image {location}{where} is empty (0 bytes); expected JPEG or PNG bytes")
+        if not io.is_remote(location):  # local files: the first bytes say whether PIL can decode them at all
+            with open(io.resolve(location)[1], "rb") as handle:
+                head = handle.read(12)
+            if not head.startswith(IMAGE_SIGNATURES) and not (head[:4] == b"RIFF" and head[8:12] == b"WEBP"):
+                raise ValueError(f"{dataset}: image {location}{where} is not a JPEG, PNG, GIF, BMP or WebP file "
+                                 f"(starts with {head[:8].hex()})")
 
 
 # --- pickles --------------------------------------------------------------------------------------------------

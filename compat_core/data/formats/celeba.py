@@ -10,7 +10,10 @@ import numpy as np
 from compat_core import io
 
 from ..registry import register_dataset
-from ._shared import EncodedImageSource, locate_dir, parse_int, read_text_lines, require_root
+from ._shared import (
+    EncodedImageSource, add_unique, check_image_files, contained_path, locate_dir, parse_int, read_text_lines,
+    require_root,
+)
 
 SPLIT_CODES = {"train": 0, "valid": 1, "test": 2}
 LAYOUT = (
@@ -38,11 +41,14 @@ def _text_file(base: str, filename: str, folder: str) -> str:
 
 
 def _two_column(uri: str, expected: str) -> dict[str, int]:
-    table = {}
+    """``file -> value``: duplicate files and names that leave the image folder refused, naming the line."""
+    table: dict[str, int] = {}
+    lines: dict[str, int] = {}
     for number, fields in read_text_lines("celeba", uri, LAYOUT):
         if len(fields) != 2 or not fields[0].lower().endswith(".jpg"):
             raise ValueError(f"celeba: {uri} line {number}: expected '{expected}', got {' '.join(fields)!r}")
-        table[fields[0]] = parse_int("celeba", uri, number, fields[1], expected)
+        contained_path("celeba", "img_align_celeba", fields[0], uri, number)
+        add_unique("celeba", uri, number, table, lines, fields[0], parse_int("celeba", uri, number, fields[1], expected))
     return table
 
 
@@ -130,9 +136,11 @@ def load_celeba(
     keep &= np.isin(index.identities, ids)
     rows = np.flatnonzero(keep)
     labels = np.searchsorted(ids, index.identities[rows])
+    locations = [io.join(index.image_dir, index.files[i]) for i in rows]
+    check_image_files("celeba", locations)
     source = EncodedImageSource(
         f"celeba/{split}",
-        [io.join(index.image_dir, index.files[i]) for i in rows],
+        locations,
         labels,
         [str(i) for i in ids],
         image_size=image_size,

@@ -11,7 +11,7 @@ import numpy as np
 from compat_core import io
 
 from ..registry import register_dataset
-from ._shared import EncodedImageSource, locate_dir, read_text_lines, require_root
+from ._shared import EncodedImageSource, contained_path, locate_dir, read_text_lines, require_root
 
 # Appendix C of "Stationary compatible representation" (2026), in the paper's order.
 TINYIMAGENET20_WNIDS = (
@@ -93,7 +93,7 @@ def load_tinyimagenet200(root: str | None, split: str, image_size: int = 64, cac
                 )
             if fields[1] not in class_of:
                 raise ValueError(f"{name}: {annotations} line {number}: WordNet id {fields[1]!r} is not in wnids.txt")
-            locations.append(io.join(base, "val", "images", fields[0]))
+            locations.append(contained_path(name, io.join(base, "val", "images"), fields[0], annotations, number))
             labels.append(class_of[fields[1]])
     words = _read_words(base)
     return EncodedImageSource(

@@ -114,3 +114,37 @@ def test_cub_malformed_line(cub_root):
     (cub_root / "CUB_200_2011" / "classes.txt").unlink()
     with pytest.raises(FileNotFoundError, match=r"CUB_200_2011.*classes.txt"):
         load_dataset("cub20", root=str(cub_root))
+
+
+def test_cub_refuses_duplicate_ids_bad_labels_escaping_paths_and_empty_images(cub_root, tmp_path):
+    """Each broken index is refused when the pool is opened (before any image is decoded), naming file and line."""
+    base = cub_root / "CUB_200_2011"
+    images, labels = (base / "images.txt").read_text(), (base / "image_class_labels.txt").read_text()
+    # a duplicate image id would silently relabel an image
+    (base / "image_class_labels.txt").write_text(labels + "2 5\n")
+    with pytest.raises(ValueError, match=r"image_class_labels.txt line 7: id 2 is listed twice \(first on line 2\)"):
+        load_dataset("cub200", root=str(cub_root), split="all")
+    # a label outside classes.txt would silently drop the image
+    (base / "image_class_labels.txt").write_text(labels.replace("3 180\n", "3 999\n"))
+    with pytest.raises(ValueError, match=r"image_class_labels.txt line 3: class id 999 of image 3 is not in"):
+        load_dataset("cub180", root=str(cub_root), split="all")
+    (base / "image_class_labels.txt").write_text(labels)
+    # a listed path that leaves the data root is never read
+    outside = tmp_path / "outside.jpg"
+    outside.write_bytes((base / "images" / images.splitlines()[0].split()[1]).read_bytes())
+    for escape in ("../../outside.jpg", str(outside), "a/../../../outside.jpg"):
+        (base / "images.txt").write_text(images.replace(images.splitlines()[0].split()[1], escape, 1))
+        with pytest.raises(ValueError, match=r"images.txt line 1: path .* leaves the data folder"):
+            load_dataset("cub200", root=str(cub_root), split="all")
+    (base / "images.txt").write_text(images)
+    # a zero-byte JPEG is named with its index line before any stage decodes it
+    empty = base / "images" / images.splitlines()[3].split()[1]
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"image .*{empty.name} \(listed in .*images.txt line 4\) is empty"):
+        load_dataset("cub20", root=str(cub_root), split="train")
+    empty.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"image .*{empty.name} \(listed in .*images.txt line 4\) does not"):
+        load_dataset("cub200", root=str(cub_root), split="all")
+    empty.write_bytes(b"<html>not an image</html>")
+    with pytest.raises(ValueError, match=rf"image .*{empty.name} \(listed in .*images.txt line 4\) is not a JPEG"):
+        load_dataset("cub200", root=str(cub_root), split="all")

@@ -83,15 +83,17 @@ def test_torch_checkpoint_container_and_wrapper_prefixes(tmp_path, tiny_model):
 
 
 def test_backbone_prefix_is_matched_both_ways(tmp_path, tiny_model):
-    # A bare backbone state dict loads into a CompatModel: only the junction is left missing.
+    # A bare backbone state dict loads into a CompatModel: the junction keeps its initialisation, reported as fresh.
     torch.manual_seed(3)
     target = create_model("cnn4", 6, backbone_config={"width": 4})
     report = load_external_weights(target, dict(tiny_model.backbone.state_dict()))
-    assert report.missing == ["junction.weight"] and not report.unexpected
+    assert report.fresh == ["junction.weight"] and not report.missing and not report.unexpected
     # A full CompatModel state dict loads into a bare backbone: the junction is unexpected.
     bare = create_backbone("cnn4", width=4)
-    report = load_external_weights(bare, dict(tiny_model.state_dict()))
-    assert report.unexpected == ["junction.weight"] and not report.missing
+    with pytest.raises(ValueError, match="1 unexpected: junction.weight"):
+        load_external_weights(bare, dict(tiny_model.state_dict()))
+    report = load_external_weights(bare, dict(tiny_model.state_dict()), ignore=["junction.*"])
+    assert report.ignored == ["junction.weight"] and not report.missing and not report.unexpected
     assert torch.equal(bare.features[0].weight, tiny_model.backbone.features[0].weight)
 
 
@@ -115,7 +117,14 @@ def test_missing_unexpected_and_shape_mismatch_are_named(tiny_model):
     torch.manual_seed(9)
     target = create_model("cnn4", 6, backbone_config={"width": 4})
     before = target.junction.weight.detach().clone()
-    report = load_external_weights(target, state)
+    with pytest.raises(ValueError) as error:
+        load_external_weights(target, state)  # strict by default: nothing is loaded
+    message = str(error.value)
+    assert "2 missing: backbone.features.1.bias, junction.weight" in message
+    assert "1 unexpected: bogus.weight" in message
+    assert "1 shape mismatches" in message and "junction.weight" in message
+    assert torch.equal(target.junction.weight, before)
+    report = load_external_weights(target, state, strict=False)
     assert report.missing == ["backbone.features.1.bias", "junction.weight"]
     assert report.unexpected == ["bogus.weight"]
     assert report.shape_mismatches == [("junction.weight", (7, 32), (5, 32))]
@@ -159,7 +168,7 @@ def test_meta_dinov3_checkpoint_is_remapped(tmp_path):
     model = create_model("dinov3_vitb16", 9, backbone_config=config)
     report = load_external_weights(model, str(path), slot_map=["a", "b", "c"])
     assert report.layout == "meta_dinov3"
-    assert report.missing == ["junction.weight"] and not report.unexpected and not report.shape_mismatches
+    assert report.fresh == ["junction.weight"] and report.ok  # a backbone checkpoint: the junction starts fresh
     assert {"mask_token", "rope_embed.periods", "blocks.0.attn.qkv.bias", "blocks.1.attn.qkv.bias_mask"} <= set(
         report.dropped
     )
@@ -223,7 +232,8 @@ def test_custom_key_map_prefixes_and_callable(tiny_model):
     target = create_model("cnn4", 6, backbone_config={"width": 4})
     report = load_external_weights(target, state, key_map={"trunk.body.": "backbone.features."})
     assert report.layout == "custom" and report.ok
-    report = load_external_weights(target, state, key_map=lambda k: None if k.startswith("trunk.") else k)
+    report = load_external_weights(target, state, key_map=lambda k: None if k.startswith("trunk.") else k,
+                                   strict=False)
     assert report.missing == sorted(k for k in tiny_model.state_dict() if k != "junction.weight")
     with pytest.raises(ValueError, match="key_map"):
         load_external_weights(target, state, key_map="caffe")
@@ -263,3 +273,57 @@ def test_pickled_code_is_refused(tmp_path, tiny_model):
     torch.save({"state_dict": dict(tiny_model.state_dict()), "extra": _Payload()}, path)
     with pytest.raises(ValueError, match="weights_only"):
         load_external_weights(tiny_model, str(path))
+
+
+def test_unrelated_weights_fail_before_anything_is_loaded(tmp_path, tiny_model):
+    """A file that matches nothing (or a third of the model) is refused with counts and names, the model untouched."""
+    path = tmp_path / "unrelated.safetensors"
+    save_file({"totally.unrelated": torch.zeros(3)}, str(path))
+    before = {k: v.clone() for k, v in tiny_model.state_dict().items()}
+    with pytest.raises(ValueError) as error:
+        load_external_weights(tiny_model, str(path))
+    message = str(error.value)
+    target_count = len(before)
+    backbone_count = len(tiny_model.backbone.state_dict())
+    assert f"0 of {target_count} target keys matched" in message
+    assert "1 unexpected: totally.unrelated" in message and f"{backbone_count} missing" in message
+    assert all(torch.equal(v, tiny_model.state_dict()[k]) for k, v in before.items())
+
+    state = dict(tiny_model.backbone.state_dict())
+    part = {k: v for i, (k, v) in enumerate(sorted(state.items())) if i % 3 == 0}
+    with pytest.raises(ValueError, match=rf"{len(state) - len(part)} missing: "):
+        load_external_weights(create_model("cnn4", 6, backbone_config={"width": 4}), part)
+
+
+def test_ignore_lists_known_extras_explicitly(tiny_model):
+    state = dict(tiny_model.state_dict())
+    state["dino_head.mlp.0.weight"] = torch.zeros(4, 4)
+    state["dino_head.last_layer.weight"] = torch.zeros(4)
+    with pytest.raises(ValueError, match="2 unexpected: dino_head.last_layer.weight, dino_head.mlp.0.weight"):
+        load_external_weights(tiny_model, state)
+    report = load_external_weights(tiny_model, state, ignore=["dino_head.*", "ibot_head.*"])
+    assert report.ok and report.ignored == ["dino_head.last_layer.weight", "dino_head.mlp.0.weight"]
+    assert report.unused_ignore == ["ibot_head.*"]
+    assert report.to_json()["ignored_count"] == 2 and report.to_json()["loaded"] == len(tiny_model.state_dict())
+    # a target key may be ignored too: it keeps its initialisation and is listed, not reported missing
+    del state["backbone.features.1.bias"]
+    report = load_external_weights(tiny_model, state, ignore=["dino_head.*", "backbone.features.1.bias"])
+    assert report.ok and "backbone.features.1.bias" in report.ignored
+
+
+def test_meta_dinov3_layout_loads_every_key_and_extras_need_ignoring():
+    """Meta's layout (storage tokens, ls gammas, qkv bias, rope periods, mask token) loads every timm key strictly;
+    a training checkpoint's extra heads are refused until listed in ``ignore``."""
+    kwargs = dict(pretrained=False, num_classes=0, img_size=32, depth=1, embed_dim=32, num_heads=2)
+    torch.manual_seed(4)
+    source = timm.create_model("vit_small_patch16_dinov3", **kwargs)
+    target = timm.create_model("vit_small_patch16_dinov3", **kwargs)
+    meta = _meta_dinov3_layout(dict(source.state_dict()), head_dim=16)
+    report = load_external_weights(target, meta)
+    assert report.ok and len(report.loaded) == report.target_keys == len(target.state_dict())
+    assert set(report.dropped) >= {"mask_token", "rope_embed.periods"}
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in target.state_dict().items())
+    meta["dino_head.last_layer.weight_g"] = torch.ones(1)
+    with pytest.raises(ValueError, match="1 unexpected: dino_head.last_layer.weight_g"):
+        load_external_weights(target, meta)
+    assert load_external_weights(target, meta, ignore=["dino_head.*"]).ignored == ["dino_head.last_layer.weight_g"]
