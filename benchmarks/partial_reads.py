@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
+
+# benchmarks/cluster.py must not shadow the cluster package (the script's folder is first on sys.path)
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch
 
