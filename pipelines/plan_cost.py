@@ -228,9 +228,9 @@ def calibrated_seconds_per_image(config, device: str) -> tuple[float, str]:
     from compat_core import calibration
     from compat_core.models.compat_model import create_model
     from pipelines.config import resolved_head
-    from pipelines.methods import get_method
+    from pipelines.stages import _method
 
-    classifier = get_method(config.method.name, **config.method.params).classifier
+    classifier = _method(config).classifier
     with torch.device("meta"):  # the architecture's signature only: no weights are allocated
         model = create_model(config.model.backbone, config.model.num_slots, classifier=classifier,
                              backbone_config=config.model.backbone_config, head=resolved_head(config, classifier))

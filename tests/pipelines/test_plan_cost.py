@@ -97,3 +97,30 @@ def test_cost_without_readable_data_says_so(tmp_path):
     graph = compile_scenario(validate_config(document))
     (line,) = cost_lines(graph, 0.001, "stated")
     assert line.startswith("cost: unknown, the data cannot be opened") and "missing" in line
+
+
+def test_calibrated_cost_without_a_measurement_names_the_command(tmp_path, monkeypatch):
+    from pipelines.plan_cost import calibrated_seconds_per_image
+
+    tiny.register()
+    monkeypatch.setenv("COMPAT_CALIBRATION_DIR", str(tmp_path / "empty-cache"))
+    config = _config(tmp_path)
+    with pytest.raises(ValueError, match=r"--calibrated cpu: no training step of cnn4 is cached.*compat calibrate"):
+        calibrated_seconds_per_image(config, "cpu")
+
+
+def test_calibrated_cost_is_the_cached_training_step_over_its_batch(tmp_path, monkeypatch):
+    from compat_core import calibration
+    from compat_core.models.compat_model import create_model
+    from pipelines.plan_cost import calibrated_seconds_per_image
+
+    tiny.register()
+    config = _config(tmp_path)
+    model = create_model("cnn4", 10, backbone_config={"in_chans": 1, "width": 4})
+    name = calibration.workload_signature(model, torch.zeros(8, 1, 16, 16), train=True)
+    document = {"workloads": {name: {"seconds_per_step": {"fp32": 0.8, "bf16": 0.4}, "choice": "bf16"},
+                              name.replace("train-", "infer-"): {"seconds_per_step": {"fp32": 9.0}, "choice": "fp32"}}}
+    monkeypatch.setattr(calibration, "load", lambda device: document)
+    seconds, source = calibrated_seconds_per_image(config, "cpu")
+    assert seconds == pytest.approx(0.4 / 8)  # the precision auto chose, per image of the measured batch
+    assert name in source and "bf16" in source
