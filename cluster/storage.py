@@ -220,7 +220,9 @@ class S3Access:
         Cached; rebuilt when boto3 hands out rotated credentials. Local callers get the same object each time.
         """
         frozen = self._frozen()
-        key = (frozen.access_key, frozen.secret_key, frozen.token)
+        # per process: the AWS SDK's client (connections, its threads) does not survive a fork, and input workers
+        # are forked from the stage's process after it has read from S3
+        key = (frozen.access_key, frozen.secret_key, frozen.token, os.getpid())
         with self._lock:
             if self._filesystem is None or key != self._filesystem_key:
                 s = self.settings

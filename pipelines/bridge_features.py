@@ -122,15 +122,19 @@ def _cached(cache: collections.OrderedDict, key: tuple, compute):
 
 
 def junction_head(store: RunStore, head_ref: dict) -> torch.Tensor:
-    """A (d, m) float32 of a layout's head reference, read (and sha256-verified) once per process."""
-    from safetensors.torch import load as load_safetensors
+    """A (d, m) float32 of a layout's head reference, read once per process: only the junction's bytes of the model
+    stage's weights (ranged reads, each range checked against the per-tensor sha256 of its manifest)."""
+    from compat_core.safetensors_index import tensor_from_bytes
 
     def read() -> torch.Tensor:
-        tensors = load_safetensors(store.read_blob(head_ref["stage_key"], head_ref["blob"]))
-        if head_ref["tensor"] not in tensors:
+        try:
+            ((raw, dtype, shape),) = store.read_tensors(head_ref["stage_key"], head_ref["blob"],
+                                                        [head_ref["tensor"]]).values()
+        except KeyError as error:
             raise KeyError(f"{head_ref['stage_key']}/{head_ref['blob']}: no tensor {head_ref['tensor']!r} "
-                           f"(the bridge needs the junction weights)")
-        return tensors[head_ref["tensor"]].float().contiguous()
+                           f"(the bridge needs the junction weights): {error}") from None
+        where = f"{head_ref['stage_key']}/{head_ref['blob']}:{head_ref['tensor']}"
+        return tensor_from_bytes(raw, dtype, shape, where).float().contiguous()
 
     return _cached(_HEADS, (store.root, head_ref["stage_key"]), read)
 

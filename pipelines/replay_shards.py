@@ -3,9 +3,13 @@
 old tasks' source data.
 
 Layout: ``<run>/replay/<stage key>/shards/replay/task-NNN.parquet`` + its manifest (one folder per stage, so lines
-and replacements never share a shard). The model record keeps ``memory.shard`` = {"folder": path relative to the
-run, "task", "sha256", "rows"}; a reader checks the committed manifest against that sha256 first, then the file
-against the manifest (size, sha256, row count, schema, each row's content hash).
+and replacements never share a shard). The memory is appended, not rewritten: a stage's shard holds only the
+exemplars its task adds, and the model record keeps ``memory.shard`` = {"folder": path relative to the run, "task",
+"sha256", "rows", "stage_key", "parts": [one such entry per shard of the memory, oldest first, this one last]}: the
+memory after task t is its parts' rows in order (the quota per class never drops an exemplar), so storage grows with
+the new exemplars only. A reader checks every part's committed manifest against the part's sha256 first, then the file
+against the manifest (size, sha256, row count, schema, each row's content hash). A record without ``parts`` (runs
+written before appending) is one shard holding the whole memory.
 """
 from __future__ import annotations
 
@@ -22,34 +26,66 @@ def shard_folder(stage_key: str) -> str:
     return f"{REPLAY_FOLDER}/{stage_key}"
 
 
-def write_memory_shard(store, stage_key: str, task: int, memory: ReplayMemory, source) -> dict:
-    """Write the memory after 0-based ``task`` with its images read from ``source`` (uint8 HWC); returns the
-    record stored in the model artifact."""
+def write_memory_shard(store, stage_key: str, task: int, memory: ReplayMemory, source,
+                       previous: dict | None = None) -> dict:
+    """Write the exemplars ``memory`` after 0-based ``task`` with their images read from ``source`` (uint8 HWC or
+    encoded); returns the record stored in the model artifact.
+
+    previous: the shard record of the memory before this task, whose parts come first (``memory`` then holds only
+    the rows this task adds); None: ``memory`` is the whole memory."""
     from compat_core.data.replay_shards import write_replay_shard
 
     folder = shard_folder(stage_key)
     manifest = write_replay_shard(cio.join(store.root, folder), task, memory, source)
-    return {"folder": folder, "task": int(task), "sha256": manifest.sha256, "rows": manifest.rows}
+    part = {"folder": folder, "task": int(task), "sha256": manifest.sha256, "rows": manifest.rows,
+            "stage_key": stage_key}
+    return {**part, "parts": (memory_parts(previous) if previous is not None else []) + [part]}
+
+
+def memory_parts(shard: dict) -> list[dict]:
+    """The shards holding a recorded memory, oldest first (a record without parts is one whole-memory shard)."""
+    if "parts" in shard:
+        return list(shard["parts"])
+    return [{key: value for key, value in shard.items() if key != "parts"}]
 
 
 def read_memory_shard(store, shard: dict) -> tuple[ReplayMemory, np.ndarray]:
-    """(memory, images uint8 (M, H, W, C) or EncodedImages decoded on indexing) of a recorded shard;
-    CorruptShardError naming bucket/key and the
-    expected sha256 when the file is missing or differs from the record or its manifest."""
+    """(memory, images uint8 (M, H, W, C) or EncodedImages decoded on indexing) of a recorded memory, its parts
+    concatenated; CorruptShardError naming bucket/key and the expected sha256 (and ``stage_key``, the stage that
+    wrote the part) when a part is missing or differs from the record or its manifest."""
+    from compat_core.data.replay_shards import concatenate_images
+
+    memories, images = [], []
+    for part in memory_parts(shard):
+        memory, part_images = _read_part(store, part)
+        memories.append(memory)
+        images.append(part_images)
+    if len(memories) == 1:
+        return memories[0], images[0]
+    joined = ReplayMemory(*(np.concatenate([getattr(m, name) for m in memories])
+                            for name in ("indices", "labels", "slots", "source_task")))
+    return joined, concatenate_images(images)
+
+
+def _read_part(store, part: dict) -> tuple[ReplayMemory, np.ndarray]:
     from compat_core.data.replay_shards import CorruptShardError, read_replay_shard, shard_uris
 
-    root = cio.join(store.root, shard["folder"])
-    parquet_uri, manifest_uri = shard_uris(root, int(shard["task"]))
-    if not cio.exists(parquet_uri):
-        raise CorruptShardError(parquet_uri, "sha256", shard["sha256"], "file missing")
+    root = cio.join(store.root, part["folder"])
+    parquet_uri, manifest_uri = shard_uris(root, int(part["task"]))
     try:
-        loaded = read_replay_shard(root, int(shard["task"]))
-    except FileNotFoundError:
-        raise CorruptShardError(parquet_uri, "sha256", shard["sha256"], "shard missing (no manifest at "
-                                f"{manifest_uri})") from None
-    if loaded.manifest.sha256 != shard["sha256"]:
-        raise CorruptShardError(parquet_uri, "sha256", shard["sha256"], loaded.manifest.sha256,
-                                "the shard was rewritten after the model record was committed")
+        if not cio.exists(parquet_uri):
+            raise CorruptShardError(parquet_uri, "sha256", part["sha256"], "file missing")
+        try:
+            loaded = read_replay_shard(root, int(part["task"]))
+        except FileNotFoundError:
+            raise CorruptShardError(parquet_uri, "sha256", part["sha256"], "shard missing (no manifest at "
+                                    f"{manifest_uri})") from None
+        if loaded.manifest.sha256 != part["sha256"]:
+            raise CorruptShardError(parquet_uri, "sha256", part["sha256"], loaded.manifest.sha256,
+                                    "the shard was rewritten after the model record was committed")
+    except CorruptShardError as error:
+        error.stage_key = part.get("stage_key")  # the stage to recompute
+        raise
     return loaded.memory, loaded.images
 
 

@@ -442,7 +442,8 @@ def _memory_images_from_record(store: RunStore, model_record: ModelRecord | None
         stored, images = read_memory_shard(store, shard)
     except CorruptShardError as error:
         # the stage that wrote the shard is the one to recompute (the CLI prints the --recompute fix)
-        raise CorruptArtifactError(str(error), stage_key=model_record.stage_key) from error
+        raise CorruptArtifactError(str(error), stage_key=getattr(error, "stage_key", None)
+                                   or model_record.stage_key) from error
     if not np.array_equal(stored.indices, memory[0]) or not np.array_equal(stored.source_task, memory[2]):
         raise ValueError(f"replay shard {shard['folder']} (task {shard['task']}) does not hold the memory recorded "
                          f"with model stage {model_record.stage_key}")
@@ -450,14 +451,27 @@ def _memory_images_from_record(store: RunStore, model_record: ModelRecord | None
 
 
 def _write_memory_shard(ctx: StageContext, task: int, memory: tuple, memory_images: np.ndarray | None, pool,
-                        indices: np.ndarray, positions: np.ndarray, tasks: np.ndarray) -> dict:
-    """Write the updated memory as this stage's replay shard: kept exemplars' images from the previous shard, new
-    ones from this task's source."""
+                        indices: np.ndarray, positions: np.ndarray, tasks: np.ndarray,
+                        previous_shard: dict | None = None) -> dict:
+    """Write this stage's replay shard: the exemplars this task adds, appended to the previous shard's parts, when
+    the updated memory is the previous one plus new rows (the fixed quota per class); else the whole memory, kept
+    exemplars' images from the previous shard, new ones from this task's source."""
     from compat_core.data.replay import ReplayMemory
     from pipelines.replay_shards import write_memory_shard
 
     from compat_core.data.replay_shards import EncodedImages, concatenate_images, encoded_images
 
+    kept = memory[0].size
+    if (kept == 0 or (memory_images is not None and previous_shard is not None)) and \
+            np.array_equal(indices[:kept], memory[0]) and np.array_equal(tasks[:kept], memory[2]) and \
+            bool((tasks[kept:] == task).all()):
+        added = slice(kept, None)
+        new = encoded_images(pool, indices[added])
+        record = ReplayMemory(indices=indices[added], labels=positions[added], slots=positions[added],
+                              source_task=tasks[added])
+        return write_memory_shard(ctx.store, ctx.stage.key, task, record,
+                                  pool.read(indices[added]) if new is None else new,
+                                  previous=previous_shard if kept else None)
     # kept exemplars come from the previous shard (its encoded bytes or pixels), new ones from this task's source
     from_previous = tasks != task
     parts = []
@@ -648,7 +662,9 @@ def train_task_stage(ctx: StageContext) -> StageResult:
         memory_record = MemoryRecord("memory-indices.npy", "memory-positions.npy", "memory-tasks.npy",
                                      int(new_indices.shape[0]), config.replay.per_class,
                                      shard=_write_memory_shard(ctx, task, memory, memory_images, pool, new_indices,
-                                                               new_positions, new_tasks))
+                                                               new_positions, new_tasks,
+                                                               previous.memory.shard if previous is not None
+                                                               and previous.memory is not None else None))
     num_active = int(trained.num_active_classes) if classifier == "learnable" else 0
     source = replacement.source if replacement is not None else (config.initial_model if task == 0 else None)
     record = ModelRecord(stage.key, artifact_location(stage.key), task=task, line=line, pretrained_classes=pretrained,

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from compat_core import io as cio
+from compat_core.safetensors_index import PREFIX_BYTES, header_length, parse_header, tensor_index
 
 
 class CorruptArtifactError(IOError):
@@ -170,6 +171,12 @@ class RunStore:
             data = bytes(data)
             self._write(self.blob_path(stage_key, name), data)
             infos[name] = {"sha256": sha256_bytes(data), "size": len(data)}
+            if name.endswith(".safetensors"):
+                # per-tensor digests: a reader that needs one tensor fetches and verifies only its byte range
+                try:
+                    infos[name]["index"] = tensor_index(data, self._display(self.blob_path(stage_key, name)))
+                except (ValueError, KeyError, TypeError):
+                    pass  # not a parsable safetensors file: readers read it whole, verified by its sha256
         manifest = {
             "stage_key": stage_key,
             "record": dict(record),
@@ -213,6 +220,47 @@ class RunStore:
                 f"{self._display(path)}: sha256 expected {expected['sha256']} ({expected['size']} bytes), "
                 f"actual {actual} ({len(data)} bytes)", stage_key
             )
+        return data
+
+    def read_tensors(self, stage_key: str, name: str, tensors: list[str], manifest: dict | None = None) -> dict:
+        """Raw bytes of some tensors of a safetensors blob: name -> (bytes, safetensors dtype, shape).
+
+        With the per-tensor index the manifest holds (written by :meth:`commit`), only the header and the tensors'
+        byte ranges are read (ranged GETs on S3), each checked against its recorded sha256 before use; a blob
+        committed without an index is read whole and verified by its sha256. KeyError names a missing tensor."""
+        manifest = manifest or self.load_manifest(stage_key)
+        if name not in manifest["blobs"]:
+            raise KeyError(f"stage {stage_key} has no blob {name!r}; blobs: {sorted(manifest['blobs'])}")
+        index = manifest["blobs"][name].get("index")
+        where = self._display(self.blob_path(stage_key, name))
+        if index is None:
+            data = self.read_blob(stage_key, name, manifest)
+            layout = parse_header(data[PREFIX_BYTES: PREFIX_BYTES + header_length(data, where)], where)
+            chunks = {t: data[layout[t]["offset"]: layout[t]["offset"] + layout[t]["length"]]
+                      for t in tensors if t in layout}
+        else:
+            uri = self.blob_uri(stage_key, name)
+            header = self._verified_range(uri, 0, int(index["header_bytes"]), index["header_sha256"], where,
+                                          stage_key, "header")
+            layout = parse_header(header[PREFIX_BYTES:], where)
+            chunks = {}
+            for tensor in tensors:
+                if tensor in layout:
+                    entry, recorded = layout[tensor], index["tensors"].get(tensor, {})
+                    chunks[tensor] = self._verified_range(uri, entry["offset"], entry["length"],
+                                                          recorded.get("sha256", ""), where, stage_key, tensor)
+        missing = [t for t in tensors if t not in layout]
+        if missing:
+            raise KeyError(f"{where}: no tensor(s) {missing}; it holds {len(layout)} tensors")
+        return {t: (chunks[t], layout[t]["dtype"], layout[t]["shape"]) for t in tensors}
+
+    def _verified_range(self, uri: str, offset: int, length: int, sha256: str, where: str, stage_key: str,
+                        what: str) -> bytes:
+        data = cio.read_range(uri, offset, length)
+        actual = sha256_bytes(data)
+        if actual != sha256 or len(data) != length:
+            raise CorruptArtifactError(f"{where}: {what} (bytes {offset}..{offset + length}) sha256 expected "
+                                       f"{sha256 or '(not recorded)'}, actual {actual} ({len(data)} bytes)", stage_key)
         return data
 
     def forget(self, stage_key: str) -> bool:

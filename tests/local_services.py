@@ -103,9 +103,11 @@ class SeaweedS3Server:
     ``stop()`` then ``start()`` restarts it on the same ports and data folder, so stored objects survive.
     """
 
-    def __init__(self, data_dir: str | os.PathLike, credentials: S3Credentials | None = None) -> None:
+    def __init__(self, data_dir: str | os.PathLike, credentials: S3Credentials | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.data_dir = Path(data_dir)
         self.credentials = credentials or S3Credentials.generate()
+        self.extra_args = tuple(extra_args)  # more `weed mini` flags (e.g. -metricsPort for a benchmark)
         used: set[int] = set()
         self.ports: dict[str, int] = {}
         for role in ("s3", "master", "volume", "filer"):
@@ -169,6 +171,7 @@ class SeaweedS3Server:
             # ("No writable volumes and no free volumes left"); volumes are created lazily, so a high cap costs
             # nothing
             "-volume.max=1000",
+            *self.extra_args,
         ]
         (self.data_dir / "data").mkdir(exist_ok=True)
         log = open(self.log_path, "ab")

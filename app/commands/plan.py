@@ -14,6 +14,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-data", action="store_true",
                         help="open every data pool (and pre-training init file) and list every one that is missing "
                              "or unreadable, all at once; exit 1 when any is")
+    cost = parser.add_mutually_exclusive_group()
+    cost.add_argument("--seconds-per-image", type=float, default=None, metavar="S",
+                      help="GPU-seconds per training image (forward + backward + step) for the GPU-hour estimate")
+    cost.add_argument("--calibrated", default=None, metavar="DEVICE",
+                      help="take the per-image cost from this machine's calibration of the config's model on DEVICE "
+                           "(`compat calibrate CONFIG --device DEVICE`)")
+    parser.add_argument("--no-cost", action="store_true",
+                        help="skip the cost section (it opens the data pools to count the sampler's epochs)")
 
 
 def run(args) -> int:
@@ -27,6 +35,8 @@ def run(args) -> int:
         return 2
     graph = compile_scenario(config)
     print(describe(graph))
+    if not args.no_cost:
+        print(describe_cost(graph, args))
     print(describe_paper(config))
     if config.output.shared_store and graph.pretrain_stages:
         print(describe_shared(config.output.shared_store, graph.pretrain_stages))
@@ -39,6 +49,26 @@ def run(args) -> int:
             return 1
         print("data: every pool opened")
     return 0
+
+
+def describe_cost(graph, args) -> str:
+    """The cost section: images per stage from the samplers, GPU-hours at the stated per-image cost, critical path."""
+    from pipelines.plan_cost import calibrated_seconds_per_image, cost_lines
+
+    from app.commands.run import uses_object_storage
+
+    if uses_object_storage(graph.config, ""):
+        from cluster.storage import configure_object_storage
+
+        configure_object_storage()
+    if args.seconds_per_image is not None:
+        if args.seconds_per_image <= 0:
+            raise ValueError(f"--seconds-per-image: expected a positive number, got {args.seconds_per_image}")
+        return "\n".join(cost_lines(graph, args.seconds_per_image, "given by --seconds-per-image"))
+    if args.calibrated is not None:
+        seconds, source = calibrated_seconds_per_image(graph.config, args.calibrated)
+        return "\n".join(cost_lines(graph, seconds, source))
+    return "\n".join(cost_lines(graph, None, ""))
 
 
 def describe_shared(root: str, pretrain_stages: dict[str, str]) -> str:

@@ -250,7 +250,7 @@ def test_rayjob_has_lifecycle_limits_token_auth_and_a_yaml_runtime_env():
     job = _built("gpu").get("RayJob", "compat-celeba-dinov3")["spec"]
     assert job["shutdownAfterJobFinishes"] is True
     assert isinstance(job["ttlSecondsAfterFinished"], int) and job["ttlSecondsAfterFinished"] > 0
-    # 72 h = 259,200 s: about twice the README's 1-GPU sequential wall-time estimate (31.1 h)
+    # 72 h = 259,200 s: about 1.6x the README's 1-GPU sequential estimate (44.8 GPU-hours, `compat plan`)
     assert job["activeDeadlineSeconds"] == 72 * 3600
     assert isinstance(job["backoffLimit"], int) and job["backoffLimit"] >= 1
     runtime_env = yaml.safe_load(job["runtimeEnvYAML"])

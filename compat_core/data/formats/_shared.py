@@ -6,10 +6,12 @@ Nothing is ever downloaded: a missing file raises ``FileNotFoundError`` naming t
 from __future__ import annotations
 
 import io as _stdio
+import os
 import pickle
 import posixpath
 import re
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -20,6 +22,9 @@ from compat_core import io
 # for the natural-image and face sets whose authors publish no statistics of their own.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# GETs in flight per process for images on an object store: one GET costs a round trip (milliseconds to tens of
+# milliseconds) and a few kilobytes, so one input worker needs many at once to keep a GPU fed
+REMOTE_FETCHES_IN_FLIGHT = 16
 
 
 def require_root(dataset: str, root: str | None, layout: str) -> str:
@@ -229,6 +234,10 @@ class EncodedImageSource:
     ``locations[i]`` names sample ``i`` (a file URI, or a record key); ``fetch(location) -> bytes`` loads it
     (default: :func:`compat_core.io.read_bytes`). Decoded images are resized to ``image_size`` and kept in a small
     LRU of ``cache_size`` images (0 disables it).
+
+    fetch_threads: GETs in flight while :meth:`read` / :meth:`encoded_images` load a batch (a bounded thread pool
+    per process); default ``REMOTE_FETCHES_IN_FLIGHT`` when the locations are ``s3://`` URIs read by the default
+    fetch, else 1 (local files, and record readers whose ``fetch`` shares one file handle).
     """
 
     def __init__(
@@ -245,6 +254,7 @@ class EncodedImageSource:
         coarse_labels: np.ndarray | None = None,
         fetch: Callable[[str], bytes] | None = None,
         cache_size: int = 256,
+        fetch_threads: int | None = None,
     ) -> None:
         labels = np.asarray(labels, dtype=np.int64)
         if labels.shape != (len(locations),):
@@ -255,6 +265,11 @@ class EncodedImageSource:
             raise ValueError(f"{name}: image_size must be a positive number of pixels, got {image_size}")
         if int(cache_size) < 0:
             raise ValueError(f"{name}: cache_size must be >= 0 images, got {cache_size}")
+        if fetch_threads is None:
+            remote = fetch is None and len(locations) > 0 and io.is_remote(locations[0])
+            fetch_threads = REMOTE_FETCHES_IN_FLIGHT if remote else 1
+        if int(fetch_threads) < 1:
+            raise ValueError(f"{name}: fetch_threads must be >= 1 GETs in flight, got {fetch_threads}")
         self.name = name
         self.locations = list(locations)
         self.labels = labels
@@ -267,6 +282,8 @@ class EncodedImageSource:
         self._fetch = fetch
         self.cache_size = int(cache_size)
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.fetch_threads = int(fetch_threads)
+        self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool): a forked input worker makes its own
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -279,18 +296,20 @@ class EncodedImageSource:
     def num_classes(self) -> int:
         return len(self.class_names)
 
-    def _load(self, location: str) -> np.ndarray:
-        cached = self._cache.get(location)
-        if cached is not None:
-            self._cache.move_to_end(location)
-            return cached
+    def _fetch_all(self, locations: list[str]) -> list[bytes]:
+        """The bytes of ``locations``, in order, with up to ``fetch_threads`` GETs in flight."""
         fetch = self._fetch or io.read_bytes
-        image = decode_image(fetch(location), self.image_size, f"{self.name}: {location}")
+        if self.fetch_threads <= 1 or len(locations) <= 1:
+            return [fetch(location) for location in locations]
+        if self._pool is None or self._pool[0] != os.getpid():
+            self._pool = (os.getpid(), ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="compat-fetch"))
+        return list(self._pool[1].map(fetch, locations))
+
+    def _remember(self, location: str, image: np.ndarray) -> None:
         if self.cache_size:
             self._cache[location] = image
             if len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        return image
 
     def encoded_bytes(self, index: int) -> bytes:
         """The stored (JPEG/PNG) bytes of sample ``index``, as published (used by ``compat ingest``)."""
@@ -301,8 +320,8 @@ class EncodedImageSource:
         :meth:`read` decodes them (PIL, ``image_size``)."""
         from compat_core.data.replay_shards import EncodedImages
 
-        return EncodedImages([self.encoded_bytes(int(i)) for i in np.asarray(indices).reshape(-1)],
-                             self.image_shape, "pil")
+        locations = [self.locations[int(i)] for i in np.asarray(indices).reshape(-1)]
+        return EncodedImages(self._fetch_all(locations), self.image_shape, "pil")
 
     def read(self, indices: np.ndarray) -> np.ndarray:
         """uint8 images ``(n, image_size, image_size, 3)`` for 0-based sample ``indices``."""
@@ -310,8 +329,19 @@ class EncodedImageSource:
         if indices.size and (indices.min() < -len(self) or indices.max() >= len(self)):
             raise IndexError(f"{self.name}: sample indices must lie in [0, {len(self)}), got [{indices.min()}, {indices.max()}]")
         out = np.empty((indices.size, self.image_size, self.image_size, 3), dtype=np.uint8)
-        for row, index in enumerate(indices):
-            out[row] = self._load(self.locations[int(index)])
+        locations = [self.locations[int(index)] for index in indices]
+        images: dict[str, np.ndarray] = {}
+        for location in locations:
+            cached = self._cache.get(location)
+            if cached is not None:
+                self._cache.move_to_end(location)
+                images[location] = cached
+        missing = list(dict.fromkeys(location for location in locations if location not in images))
+        for location, data in zip(missing, self._fetch_all(missing)):
+            images[location] = decode_image(data, self.image_size, f"{self.name}: {location}")
+            self._remember(location, images[location])
+        for row, location in enumerate(locations):
+            out[row] = images[location]
         return out
 
     def subset(self, indices: np.ndarray, name: str | None = None) -> "EncodedImageSource":
@@ -329,12 +359,14 @@ class EncodedImageSource:
             coarse_labels=None if self.coarse_labels is None else self.coarse_labels[indices],
             fetch=self._fetch,
             cache_size=self.cache_size,
+            fetch_threads=self.fetch_threads,
         )
 
     def __getstate__(self) -> dict:
         # Decoded images stay behind when the source is shipped to another process (e.g. a Ray worker).
         state = dict(self.__dict__)
         state["_cache"] = OrderedDict()
+        state["_pool"] = None  # threads never travel; the receiving process starts its own
         return state
 
     def __repr__(self) -> str:
