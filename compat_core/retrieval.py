@@ -91,6 +91,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from compat_core import retrieval_pruned
 from compat_core.calibration import fastest_matmul
 from compat_core.retrieval_int8 import SLACK as _SLACK
 from compat_core.retrieval_int8 import U32 as _U32
@@ -683,6 +684,13 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
     return result.index, result.score
 
 
+def _group_search(chunk_size: int | None):
+    """The exact kernel as the pruned search calls it on one gallery group: top-1 with its fp64 score."""
+    def search(query_rows: torch.Tensor, gallery_rows: torch.Tensor, want_scores: bool):
+        return nearest_neighbours(query_rows, gallery_rows, 1, chunk_size, "auto", return_scores=want_scores)
+    return search
+
+
 def recall_at_k(query, query_labels, gallery, gallery_labels, k: int, chunk_size: int | None = None,
                 precision: str = "auto") -> float:
     """1:N Recall@k as a fraction in [0, 1]: share of queries with a same-label item among their k nearest
@@ -691,7 +699,14 @@ def recall_at_k(query, query_labels, gallery, gallery_labels, k: int, chunk_size
     gallery = _as_matrix("gallery", gallery)
     q_labels = _as_labels("query_labels", query_labels, query.shape[0])
     g_labels = _as_labels("gallery_labels", gallery_labels, gallery.shape[0])
-    index, _ = nearest_neighbours(query, gallery, k, chunk_size, precision, return_scores=False)
+    if k == 1 and precision == "auto":
+        # the gallery's classes as groups: searched only where a proven bound can reach the best score found
+        _check_same_dim(query, gallery)
+        top1, _ = retrieval_pruned.search_top1(query.to(gallery.device), gallery, _group_search(chunk_size),
+                                               labels=g_labels)
+        index = top1.unsqueeze(1)
+    else:
+        index, _ = nearest_neighbours(query, gallery, k, chunk_size, precision, return_scores=False)
     retrieved = g_labels[index.cpu().numpy()]
     return float(np.mean(np.any(retrieved == q_labels[:, None], axis=1)))
 

@@ -1,0 +1,268 @@
+"""Pruned exact top-1 search: the exact kernel (``compat_core.retrieval``) run only on the gallery groups that can
+hold a query's answer, with proven bounds deciding which.
+
+Why it is exact. The gallery is split into groups (by class when labels are given, else by spherical k-means).
+Each group c has a centre direction m_c (a unit fp64 vector) and an angle a_c >= the largest angle between m_c and
+any member's unit vector (measured in fp64 on every member, rounded outwards). For unit vectors q, g the angle
+obeys the triangle inequality on the sphere, angle(q, g) >= angle(q, m_c) - angle(m_c, g), so
+    q.g <= cos(max(0, angle(q, m_c) - a_c)) =: U_c(q)    for every member g of c
+(the cap of angular radius a_c around m_c holds the group; the bound is the largest cosine any point of the cap can
+have with q). angle(q, m_c) is bounded from below through an fp32 product t = q32 . m32 with
+|t - q.m_c| <= E_t (input rounding of both sides and gamma_D accumulation), i.e. angle >= arccos(min(1, t + E_t)).
+
+A lower bound L(q) on the query's best reference score comes from a few members per group (the ones nearest their
+centre) scored in fp32: L = max_j fl32(q.g_j) - E_32 (the same input-rounding + gamma_D bound). A group with
+U_c(q) < L(q) holds no item that can reach the best score, so it is skipped; every other group of the query is
+searched by the exact kernel, which returns that group's top-1 by fp64 score with the lowest index among ties
+(members keep ascending gallery order inside a group). The winners of a query's groups are merged by (fp64 score
+descending, gallery index ascending). The fp64 scores are the kernel's per-pair evaluation (the same
+elementwise product and sum for every pair), so a pair scores bit for bit the same whichever group call computes
+it, and exact ties across groups go to the lowest gallery index, as in one call over the whole gallery. A margin
+of 1e-12 on U covers the fp64 evaluation of the reference scores themselves (|error| <= gamma_D(fp64) ~ 1e-13).
+
+When it pays (``plan``): on a probe of the first queries the bounds above give the share of the gallery each query
+would search; pruning is used when that share (plus a per-group overhead) is clearly below the whole gallery. No
+CPU flag enters: the decision is a count over the data at hand.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from compat_core.retrieval_int8 import SLACK, U32, gamma
+
+# members per group scored for the lower bound L (those closest to the group's centre)
+_LOWER_MEMBERS = 4
+# probe size for the decision, and the share of the gallery (per query, averaged) above which pruning is not used
+_PROBE_QUERIES = 512
+_MAX_SEARCHED_SHARE = 0.45
+# each group call costs about as much as scanning this many gallery rows per query of the call (set-up of the
+# group's candidate stage, query gathering and the merge): measured order of magnitude, used only in the estimate
+_GROUP_OVERHEAD_ROWS = 8
+# below this many query-gallery pairs the plain kernel is fast enough that planning is not worth it
+_MIN_PAIRS = 1 << 24
+_KMEANS_ITERATIONS = 8
+_KMEANS_SEED = 20261125
+_MIN_GROUP = 32               # k-means groups: about this many members or more
+_MAX_GROUPS = 256
+_FP64_MARGIN = 1e-12
+
+
+@dataclass
+class Groups:
+    """The gallery split into groups: members of group c are ``order[starts[c]:starts[c + 1]]`` (ascending),
+    ``centres`` (C, D) fp32 unit directions m_c (their fp64 originals are what ``angles`` is measured against),
+    ``angles`` (C,) fp64 upper bounds on each member's angle to its centre (radians), ``near`` gallery indices of
+    the members nearest each centre (for the lower bound), ``centre_dev`` a bound on ||m32 - m||."""
+
+    order: torch.Tensor
+    starts: list[int]
+    centres: torch.Tensor
+    angles: torch.Tensor
+    near: torch.Tensor
+    centre_dev: float
+
+    @property
+    def count(self) -> int:
+        return len(self.starts) - 1
+
+    def sizes(self) -> torch.Tensor:
+        return torch.tensor(np.diff(self.starts), dtype=torch.float64)
+
+    def members(self, group: int) -> torch.Tensor:
+        return self.order[self.starts[group]:self.starts[group + 1]]
+
+
+def _assignment_from_labels(labels: np.ndarray) -> np.ndarray:
+    _, inverse = np.unique(labels, return_inverse=True)
+    return inverse.reshape(-1)
+
+
+def kmeans_assignment(unit32: torch.Tensor, groups: int, iterations: int = _KMEANS_ITERATIONS,
+                      seed: int = _KMEANS_SEED) -> np.ndarray:
+    """Spherical k-means of unit fp32 rows (n, D) into ``groups`` groups (seeded, deterministic). Only the speed of
+    the pruned search depends on its quality, never its result."""
+    count = unit32.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    start = torch.randperm(count, generator=generator)[:groups].to(unit32.device)
+    centres = unit32[start].clone()
+    assign = torch.zeros(count, dtype=torch.long, device=unit32.device)
+    for _ in range(iterations):
+        assign = (unit32 @ centres.t()).argmax(dim=1)
+        sums = torch.zeros_like(centres).index_add_(0, assign, unit32)
+        norms = torch.linalg.vector_norm(sums, dim=1, keepdim=True)
+        empty = norms.squeeze(1) <= 0
+        centres = torch.where(empty.unsqueeze(1), centres, sums / norms.clamp(min=1e-30))
+    return assign.cpu().numpy()
+
+
+def group_gallery(gallery: torch.Tensor, labels=None) -> Groups:
+    """Groups of ``gallery`` (Ng, D) rows: one per distinct label of ``labels`` (Ng,), or spherical k-means groups
+    (about Ng / 64, at most 256) without labels; centres, angles and the members nearest each centre."""
+    norms64 = torch.linalg.vector_norm(gallery, dim=1, dtype=torch.float64)
+    bad = ~(norms64 > 0) | ~torch.isfinite(norms64)
+    if bool(bad.any()):
+        raise ValueError(f"gallery: row {int(torch.nonzero(bad)[0, 0])} has zero or non-finite norm; cosine "
+                         "similarity is undefined")
+    unit64 = gallery.double() / norms64[:, None]
+    if labels is not None:
+        assign = _assignment_from_labels(np.asarray(labels))
+    else:
+        count = int(min(_MAX_GROUPS, max(1, gallery.shape[0] // (2 * _MIN_GROUP))))
+        assign = kmeans_assignment(unit64.float(), count)
+    assign_t = torch.as_tensor(assign, device=gallery.device)
+    order = torch.sort(assign_t, stable=True).indices            # by group, ascending gallery index inside
+    sizes = np.bincount(assign, minlength=int(assign.max()) + 1)
+    present = np.nonzero(sizes)[0]
+    remap = np.full(sizes.shape[0], -1)
+    remap[present] = np.arange(present.shape[0])
+    assign_t = torch.as_tensor(remap[assign], device=gallery.device)
+    sizes = sizes[present]
+    starts = [0] + np.cumsum(sizes).tolist()
+    groups = len(sizes)
+    sums = torch.zeros((groups, gallery.shape[1]), dtype=torch.float64, device=gallery.device)
+    sums.index_add_(0, assign_t, unit64)
+    norms = torch.linalg.vector_norm(sums, dim=1)
+    # a group whose unit rows sum to ~0 has no mean direction: any unit vector is a valid centre (the angle is
+    # measured against whatever centre is used); its first member is taken
+    first = order[torch.as_tensor(starts[:-1], device=gallery.device)]
+    centres64 = torch.where((norms > 1e-6).unsqueeze(1), sums / norms.clamp(min=1e-300).unsqueeze(1), unit64[first])
+    centres64 = centres64 / torch.linalg.vector_norm(centres64, dim=1, keepdim=True)
+    cosines = (unit64 * centres64[assign_t]).sum(dim=1)           # fp64, |error| <= gamma_D(fp64) ~ 1e-13
+    low = torch.full((groups,), math.inf, dtype=torch.float64, device=gallery.device)
+    low = low.scatter_reduce(0, assign_t, cosines, reduce="amin")
+    # a smaller cosine is a larger (safer) angle: the margin covers the fp64 evaluation of the cosines and of the
+    # unit rows' norms; arccos itself is accurate to an ulp or two of its result, hence the relative margin
+    angles = torch.arccos((low - 1e-12).clamp(-1.0, 1.0)) * (1.0 + 1e-12) + 1e-15
+    # members nearest their centre: the largest cosines per group
+    near = []
+    cos_sorted = cosines[order]
+    for group in range(groups):
+        part = cos_sorted[starts[group]:starts[group + 1]]
+        take = min(_LOWER_MEMBERS, part.numel())
+        near.append(order[starts[group] + torch.topk(part, take).indices])
+    centres32 = centres64.float()
+    centre_dev = float(torch.linalg.vector_norm(centres32.double() - centres64, dim=1).max()) * (1.0 + 1e-6) + 1e-30
+    return Groups(order, starts, centres32.contiguous(), angles, torch.cat(near), centre_dev)
+
+
+def _unit32(rows: torch.Tensor, name: str = "query", offset: int = 0) -> torch.Tensor:
+    """fp32 unit rows (each component rounds at most three times from the fp64 unit row: <= 3 u32 relative);
+    rows without a direction are refused, naming ``name`` and the row (``offset``: index of the first row)."""
+    norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
+    bad = ~(norms > 0) | ~torch.isfinite(norms)
+    if bool(bad.any()):
+        first = offset + int(torch.nonzero(bad)[0, 0])
+        raise ValueError(f"{name}: row {first} has zero or non-finite norm; cosine similarity is undefined")
+    return rows.float() * (1.0 / norms).float()[:, None]
+
+
+def bounds(q32: torch.Tensor, groups: Groups, near32: torch.Tensor):
+    """(upper (n, C), lower (n,)) fp64 for fp32 unit query rows ``q32`` (n, D): U_c(q) for every group and the
+    lower bound L(q) from the members nearest each centre (module docstring). ``near32``: fp32 unit rows of
+    ``groups.near``."""
+    dim = q32.shape[1]
+    g = gamma(dim, U32)
+    dev_q = 3.0 * U32 * (1.0 + 1e-12)            # ||q32 - q||, q the fp64 unit row; ||q32|| <= 1 + dev_q
+    norm_q = 1.0 + dev_q
+    # |t - q.m| <= ||q32 - q|| ||m32|| + ||q|| ||m32 - m|| + gamma_D ||q32|| ||m32||
+    norm_m = 1.0 + groups.centre_dev
+    e_t = (dev_q * norm_m + groups.centre_dev + g * norm_q * norm_m) * SLACK
+    t = (q32 @ groups.centres.t()).double()
+    phi = torch.arccos((t + e_t).clamp(-1.0, 1.0)) * (1.0 - 1e-12)
+    upper = torch.cos((phi - groups.angles.unsqueeze(0)).clamp(min=0.0)) + _FP64_MARGIN
+    # the same bound for fp32 scores of two fp32 unit rows (both within 3 u32 of their references)
+    e_32 = (2.0 * dev_q * norm_q + g * norm_q * norm_q) * SLACK
+    lower = (q32 @ near32.t()).max(dim=1).values.double() - e_32
+    return upper, lower
+
+
+def needed(upper: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:
+    """(n, C) bool: the groups a query must search (upper bound reaching its lower bound, margins included)."""
+    return upper >= (lower - _FP64_MARGIN).unsqueeze(1)
+
+
+@dataclass
+class Plan:
+    """The decision for one search: ``prune`` and the probe's estimated share of the gallery searched per query."""
+
+    prune: bool
+    share: float
+    groups_per_query: float
+
+
+def plan(query: torch.Tensor, groups: Groups, gallery_size: int, near32: torch.Tensor) -> Plan:
+    """Decide from the bounds of a probe of queries (the first ``_PROBE_QUERIES``) whether pruning pays: the
+    searched share of the gallery plus a per-group overhead must stay under ``_MAX_SEARCHED_SHARE``."""
+    probe = _unit32(query[:_PROBE_QUERIES])
+    upper, lower = bounds(probe, groups, near32)
+    need = needed(upper, lower)
+    sizes = groups.sizes().to(need.device)
+    share = float((need.double() * sizes).sum(dim=1).mean()) / gallery_size
+    per_query = float(need.double().sum(dim=1).mean())
+    # each group call costs roughly _GROUP_OVERHEAD_ROWS rows per query it serves
+    cost = share + per_query * _GROUP_OVERHEAD_ROWS / gallery_size
+    return Plan(cost <= _MAX_SEARCHED_SHARE, share, per_query)
+
+
+@dataclass
+class Report:
+    """What a search did: ``pruned`` (False: the whole gallery in one kernel call), the groups and gallery items
+    searched per query (means), the number of groups, and the probe's estimate behind the decision."""
+
+    pruned: bool
+    groups: int
+    groups_per_query: float
+    items_per_query: float
+    estimated_share: float
+
+
+_BOUND_CHUNK = 4096            # query rows per bound block (fp32 (n, D) copy and (n, C) bounds)
+PRUNE_MODES = ("auto", "always", "never")
+
+
+def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None, prune: str = "auto"):
+    """Exact top-1 gallery row of every query row (cosine; lowest index among exact ties), searching only the
+    gallery groups whose bound reaches the query's best lower bound.
+
+    ``search(query_rows, gallery_rows, want_scores)``: the exact kernel, returning (indices (n, 1), fp64 scores
+    (n, 1) or None without ``want_scores``).
+    ``labels`` (Ng,): group by class; None: spherical k-means groups. ``prune``: "auto" (decided on a probe of
+    queries, ``plan``), "always" or "never" (one kernel call over the whole gallery).
+    Returns (indices (Nq,) int64, ``Report``)."""
+    if prune not in PRUNE_MODES:
+        raise ValueError(f"prune: expected one of {PRUNE_MODES}, got {prune!r}")
+    size = gallery.shape[0]
+    whole = Report(False, 1, 1.0, float(size), 1.0)
+    if prune == "never" or (prune == "auto" and query.shape[0] * size < _MIN_PAIRS):
+        return search(query, gallery, False)[0][:, 0], whole
+    with torch.inference_mode():
+        groups = group_gallery(gallery, labels)
+        if groups.count < 2:
+            return search(query, gallery, False)[0][:, 0], whole
+        near32 = _unit32(gallery[groups.near])
+        decision = plan(query, groups, size, near32)
+        if prune == "auto" and not decision.prune:
+            return search(query, gallery, False)[0][:, 0], Report(False, groups.count, 1.0, float(size), decision.share)
+        need = torch.cat([needed(*bounds(_unit32(query[start:start + _BOUND_CHUNK], "query", start), groups, near32))
+                          for start in range(0, query.shape[0], _BOUND_CHUNK)])
+        best_score = torch.full((query.shape[0],), -math.inf, dtype=torch.float64, device=gallery.device)
+        best_index = torch.full((query.shape[0],), -1, dtype=torch.long, device=gallery.device)
+        for group in range(groups.count):
+            rows = torch.nonzero(need[:, group]).squeeze(1)
+            if rows.numel() == 0:
+                continue
+            members = groups.members(group)
+            index, score = search(query[rows], gallery[members], True)
+            found, value = members[index[:, 0]], score[:, 0]
+            current, current_index = best_score[rows], best_index[rows]
+            better = (value > current) | ((value == current) & (found < current_index))
+            best_score[rows[better]] = value[better]
+            best_index[rows[better]] = found[better]
+        sizes = groups.sizes().to(need.device)
+        report = Report(True, groups.count, float(need.double().sum(dim=1).mean()),
+                        float((need.double() * sizes).sum(dim=1).mean()), decision.share)
+    return best_index, report
