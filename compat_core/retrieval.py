@@ -105,6 +105,7 @@ from compat_core.retrieval_space import (_direct_space, _half_dtype_for, _invers
                                          _with_stage)
 from compat_core.torch_settings import ieee_fp32 as _ieee_fp32
 from compat_core.torch_settings import one_thread as _one_thread
+from compat_core.torch_settings import run_chunks
 
 __all__ = [
     "nearest_neighbours",
@@ -646,16 +647,18 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
     # "auto" on int8: a small first chunk tells whether these data suit the int8 window before most work is done
     probing = precision == "auto" and rebuild is not None and space.half_dtype == torch.int8
     start = 0
-    while start < queries.count:
-        stop = min(queries.count, start + (min(chunk, _INT8_PROBE_QUERIES) if probing else chunk))
+    if probing:
+        stop = min(queries.count, start + min(chunk, _INT8_PROBE_QUERIES))
         rescored = _search_chunk(space, queries, start, stop, k, want_scores, stage, result)
-        if probing and rescored * _INT8_DEMOTE_FRACTION > space.size:
+        if rescored * _INT8_DEMOTE_FRACTION > space.size:
             space = rebuild(fastest_matmul(space.stage32.device, exclude=("int8",)))
             stage = _start_stage(space, precision)
             if chunk_size is None:
                 chunk = _default_chunk(space.size, space.half_dtype, k)
-        probing = False
         start = stop
+    bounds = [(first, min(queries.count, first + chunk)) for first in range(start, queries.count, chunk)]
+    run_chunks(lambda first, stop: _search_chunk(space, queries, first, stop, k, want_scores, stage, result),
+               bounds, space.stage32.device)
     return result
 
 

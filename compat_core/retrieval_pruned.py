@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from compat_core.retrieval_int8 import SLACK, U32, gamma
+from compat_core.torch_settings import run_chunks
 
 # members per group scored for the lower bound L (those closest to the group's centre)
 _LOWER_MEMBERS = 4
@@ -101,52 +102,56 @@ def kmeans_assignment(unit32: torch.Tensor, groups: int, iterations: int = _KMEA
 
 def group_gallery(gallery: torch.Tensor, labels=None) -> Groups:
     """Groups of ``gallery`` (Ng, D) rows: one per distinct label of ``labels`` (Ng,), or spherical k-means groups
-    (about Ng / 64, at most 256) without labels; centres, angles and the members nearest each centre."""
-    norms64 = torch.linalg.vector_norm(gallery, dim=1, dtype=torch.float64)
-    bad = ~(norms64 > 0) | ~torch.isfinite(norms64)
-    if bool(bad.any()):
-        raise ValueError(f"gallery: row {int(torch.nonzero(bad)[0, 0])} has zero or non-finite norm; cosine "
-                         "similarity is undefined")
-    unit64 = gallery.double() / norms64[:, None]
+    (about Ng / 64, at most 256) without labels; centres, angles and the members nearest each centre.
+
+    All in fp32 passes with proven error bounds (an fp64 pass over the gallery cost ~10x more). The reference
+    centre of a group is m = m32 / ||m32|| for the stored fp32 direction m32 (any unit vector is a valid centre:
+    the angle is measured against it), and a member's cosine to it is bounded from below by its fp32 evaluation
+    minus the input rounding of both sides and gamma_D."""
+    unit32 = _unit32(gallery, "gallery")
+    dim = gallery.shape[1]
     if labels is not None:
         assign = _assignment_from_labels(np.asarray(labels))
     else:
         count = int(min(_MAX_GROUPS, max(1, gallery.shape[0] // (2 * _MIN_GROUP))))
-        assign = kmeans_assignment(unit64.float(), count)
-    assign_t = torch.as_tensor(assign, device=gallery.device)
-    order = torch.sort(assign_t, stable=True).indices            # by group, ascending gallery index inside
-    sizes = np.bincount(assign, minlength=int(assign.max()) + 1)
+        assign = kmeans_assignment(unit32, count)
+    sizes = np.bincount(assign)
     present = np.nonzero(sizes)[0]
     remap = np.full(sizes.shape[0], -1)
     remap[present] = np.arange(present.shape[0])
     assign_t = torch.as_tensor(remap[assign], device=gallery.device)
+    order = torch.sort(assign_t, stable=True).indices            # by group, ascending gallery index inside
     sizes = sizes[present]
     starts = [0] + np.cumsum(sizes).tolist()
     groups = len(sizes)
-    sums = torch.zeros((groups, gallery.shape[1]), dtype=torch.float64, device=gallery.device)
-    sums.index_add_(0, assign_t, unit64)
-    norms = torch.linalg.vector_norm(sums, dim=1)
-    # a group whose unit rows sum to ~0 has no mean direction: any unit vector is a valid centre (the angle is
-    # measured against whatever centre is used); its first member is taken
+    # class sums as one product with the (C, Ng) membership matrix: a matrix product runs near the machine's
+    # peak, index_add_ measured ~5x slower
+    membership = torch.zeros((groups, gallery.shape[0]), dtype=torch.float32, device=gallery.device)
+    membership[assign_t, torch.arange(gallery.shape[0], device=gallery.device)] = 1.0
+    sums = membership @ unit32
+    del membership
+    norms = torch.linalg.vector_norm(sums, dim=1, keepdim=True)
+    # a group whose unit rows sum to ~0 has no mean direction: its first member is taken as the centre
     first = order[torch.as_tensor(starts[:-1], device=gallery.device)]
-    centres64 = torch.where((norms > 1e-6).unsqueeze(1), sums / norms.clamp(min=1e-300).unsqueeze(1), unit64[first])
-    centres64 = centres64 / torch.linalg.vector_norm(centres64, dim=1, keepdim=True)
-    cosines = (unit64 * centres64[assign_t]).sum(dim=1)           # fp64, |error| <= gamma_D(fp64) ~ 1e-13
-    low = torch.full((groups,), math.inf, dtype=torch.float64, device=gallery.device)
-    low = low.scatter_reduce(0, assign_t, cosines, reduce="amin")
-    # a smaller cosine is a larger (safer) angle: the margin covers the fp64 evaluation of the cosines and of the
-    # unit rows' norms; arccos itself is accurate to an ulp or two of its result, hence the relative margin
-    angles = torch.arccos((low - 1e-12).clamp(-1.0, 1.0)) * (1.0 + 1e-12) + 1e-15
-    # members nearest their centre: the largest cosines per group
-    near = []
+    centres32 = torch.where(norms > 1e-3, sums / norms.clamp(min=1e-30), unit32[first]).contiguous()
+    # ||m32 - m|| = | ||m32|| - 1 | (fp64 norm of a few rows, ~1e-16 relative)
+    centre_dev = float((torch.linalg.vector_norm(centres32.double(), dim=1) - 1.0).abs().max()) + 1e-15
+    g = gamma(dim, U32)
+    dev_g = 3.0 * U32 * (1.0 + 1e-12)
+    norm_m = 1.0 + centre_dev
+    # |fl(g32 . m32) - g.m| <= ||g32 - g|| ||m32|| + ||g|| ||m32 - m|| + gamma_D ||g32|| ||m32||
+    e_c = (dev_g * norm_m + centre_dev + g * (1.0 + dev_g) * norm_m) * SLACK
+    cosines = (unit32 @ centres32.t()).gather(1, assign_t.unsqueeze(1)).squeeze(1)   # any order: gamma_D
+    low = torch.full((groups,), math.inf, dtype=torch.float32, device=gallery.device)
+    low = low.scatter_reduce(0, assign_t, cosines, reduce="amin").double() - e_c
+    # a smaller cosine is a larger (safer) angle; arccos is accurate to an ulp or two of its result
+    angles = torch.arccos(low.clamp(-1.0, 1.0)) * (1.0 + 1e-12) + 1e-15
     cos_sorted = cosines[order]
-    for group in range(groups):
+    near = []
+    for group in range(groups):                                  # members nearest their centre
         part = cos_sorted[starts[group]:starts[group + 1]]
-        take = min(_LOWER_MEMBERS, part.numel())
-        near.append(order[starts[group] + torch.topk(part, take).indices])
-    centres32 = centres64.float()
-    centre_dev = float(torch.linalg.vector_norm(centres32.double() - centres64, dim=1).max()) * (1.0 + 1e-6) + 1e-30
-    return Groups(order, starts, centres32.contiguous(), angles, torch.cat(near), centre_dev)
+        near.append(order[starts[group] + torch.topk(part, min(_LOWER_MEMBERS, part.numel())).indices])
+    return Groups(order, starts, centres32, angles, torch.cat(near), centre_dev)
 
 
 def _unit32(rows: torch.Tensor, name: str = "query", offset: int = 0) -> torch.Tensor:
@@ -249,19 +254,32 @@ def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None,
             return search(query, gallery, False)[0][:, 0], Report(False, groups.count, 1.0, float(size), decision.share)
         need = torch.cat([needed(*bounds(_unit32(query[start:start + _BOUND_CHUNK], "query", start), groups, near32))
                           for start in range(0, query.shape[0], _BOUND_CHUNK)])
+        found: list = [None] * groups.count
+
+        def search_groups(first: int, stop: int) -> None:
+            for group in range(first, stop):
+                rows = torch.nonzero(need[:, group]).squeeze(1)
+                if rows.numel():
+                    members = groups.members(group)
+                    index, score = search(query[rows], gallery[members], True)
+                    found[group] = (rows, members[index[:, 0]], score[:, 0])
+
+        # groups as independent pieces of work (largest first), each searched on one thread: no barrier between
+        # them (``run_chunks``)
+        largest_first = sorted(range(groups.count), key=lambda group: -int(need[:, group].sum()) * (
+            groups.starts[group + 1] - groups.starts[group]))
+        run_chunks(lambda first, stop: search_groups(largest_first[first], largest_first[first] + 1),
+                   [(position, position + 1) for position in range(groups.count)], gallery.device)
         best_score = torch.full((query.shape[0],), -math.inf, dtype=torch.float64, device=gallery.device)
         best_index = torch.full((query.shape[0],), -1, dtype=torch.long, device=gallery.device)
-        for group in range(groups.count):
-            rows = torch.nonzero(need[:, group]).squeeze(1)
-            if rows.numel() == 0:
+        for entry in found:          # in group order; the merge is order-independent (score, then lowest index)
+            if entry is None:
                 continue
-            members = groups.members(group)
-            index, score = search(query[rows], gallery[members], True)
-            found, value = members[index[:, 0]], score[:, 0]
+            rows, index, value = entry
             current, current_index = best_score[rows], best_index[rows]
-            better = (value > current) | ((value == current) & (found < current_index))
+            better = (value > current) | ((value == current) & (index < current_index))
             best_score[rows[better]] = value[better]
-            best_index[rows[better]] = found[better]
+            best_index[rows[better]] = index[better]
         sizes = groups.sizes().to(need.device)
         report = Report(True, groups.count, float(need.double().sum(dim=1).mean()),
                         float((need.double() * sizes).sum(dim=1).mean()), decision.share)
