@@ -10,8 +10,8 @@ obeys the triangle inequality on the sphere, angle(q, g) >= angle(q, m_c) - angl
 have with q). angle(q, m_c) is bounded from below through an fp32 product t = q32 . m32 with
 |t - q.m_c| <= E_t (input rounding of both sides and gamma_D accumulation), i.e. angle >= arccos(min(1, t + E_t)).
 
-A lower bound L(q) on the query's best reference score comes from a few members per group (the ones nearest their
-centre) scored in fp32: L = max_j fl32(q.g_j) - E_32 (the same input-rounding + gamma_D bound). A group with
+A lower bound L(q) on the query's best reference score comes from one member per group (the one nearest its
+centre) scored in fp32, in the same product as the centre scores: L = max_j fl32(q.g_j) - E_32 (the same input-rounding + gamma_D bound). A group with
 U_c(q) < L(q) holds no item that can reach the best score, so it is skipped; every other group of the query is
 searched by the exact kernel, which returns that group's top-1 by fp64 score with the lowest index among ties
 (members keep ascending gallery order inside a group). The winners of a query's groups are merged by (fp64 score
@@ -20,13 +20,17 @@ elementwise product and sum for every pair), so a pair scores bit for bit the sa
 it, and exact ties across groups go to the lowest gallery index, as in one call over the whole gallery. A margin
 of 1e-12 on U covers the fp64 evaluation of the reference scores themselves (|error| <= gamma_D(fp64) ~ 1e-13).
 
-When it pays (``plan``): on a probe of the first queries the bounds above give the share of the gallery each query
-would search; pruning is used when that share (plus a per-group overhead) is clearly below the whole gallery. No
-CPU flag enters: the decision is a count over the data at hand.
+When it pays ("auto"): on a probe of the first queries the bounds above give the share of the gallery each query
+would search (``plan``); where that share (plus a per-group overhead) is clearly below the whole gallery, both
+searches are timed on the first queries and the rest runs the way measured faster. The products are not all of the
+cost: per query, the kernel also normalises, bounds, selects and re-scores, and a group call has a fixed cost, so
+on CPUs with fast half-precision products a small share of the gallery need not be faster. No CPU flag enters:
+the decision is a count over the data at hand, then a measurement.
 """
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,8 +39,6 @@ import torch
 from compat_core.retrieval_int8 import SLACK, U32, gamma
 from compat_core.torch_settings import run_chunks
 
-# members per group scored for the lower bound L (those closest to the group's centre)
-_LOWER_MEMBERS = 4
 # probe size for the decision, and the share of the gallery (per query, averaged) above which pruning is not used
 _PROBE_QUERIES = 512
 _MAX_SEARCHED_SHARE = 0.45
@@ -55,20 +57,24 @@ _FP64_MARGIN = 1e-12
 @dataclass
 class Groups:
     """The gallery split into groups: members of group c are ``order[starts[c]:starts[c + 1]]`` (ascending),
-    ``centres`` (C, D) fp32 unit directions m_c (their fp64 originals are what ``angles`` is measured against),
-    ``angles`` (C,) fp64 upper bounds on each member's angle to its centre (radians), ``near`` gallery indices of
-    the members nearest each centre (for the lower bound), ``centre_dev`` a bound on ||m32 - m||."""
+    ``directions`` (2C, D) fp32: the centres m32_c (unit up to ``centre_dev`` = a bound on | ||m32|| - 1 |; the
+    reference centre is m32 / ||m32||), then the unit row of each group's member nearest its centre (for the
+    lower bound), so that one product gives both; ``angles`` (C,) fp64 upper bounds on each member's angle to
+    its reference centre (radians)."""
 
     order: torch.Tensor
     starts: list[int]
-    centres: torch.Tensor
+    directions: torch.Tensor
     angles: torch.Tensor
-    near: torch.Tensor
     centre_dev: float
 
     @property
     def count(self) -> int:
         return len(self.starts) - 1
+
+    @property
+    def centres(self) -> torch.Tensor:
+        return self.directions[:self.count]
 
     def sizes(self) -> torch.Tensor:
         return torch.tensor(np.diff(self.starts), dtype=torch.float64)
@@ -137,7 +143,7 @@ def group_gallery(gallery: torch.Tensor, labels=None) -> Groups:
     # ||m32 - m|| = | ||m32|| - 1 | (fp64 norm of a few rows, ~1e-16 relative)
     centre_dev = float((torch.linalg.vector_norm(centres32.double(), dim=1) - 1.0).abs().max()) + 1e-15
     g = gamma(dim, U32)
-    dev_g = 3.0 * U32 * (1.0 + 1e-12)
+    dev_g = unit_deviation(dim)
     norm_m = 1.0 + centre_dev
     # |fl(g32 . m32) - g.m| <= ||g32 - g|| ||m32|| + ||g|| ||m32 - m|| + gamma_D ||g32|| ||m32||
     e_c = (dev_g * norm_m + centre_dev + g * (1.0 + dev_g) * norm_m) * SLACK
@@ -146,42 +152,55 @@ def group_gallery(gallery: torch.Tensor, labels=None) -> Groups:
     low = low.scatter_reduce(0, assign_t, cosines, reduce="amin").double() - e_c
     # a smaller cosine is a larger (safer) angle; arccos is accurate to an ulp or two of its result
     angles = torch.arccos(low.clamp(-1.0, 1.0)) * (1.0 + 1e-12) + 1e-15
-    cos_sorted = cosines[order]
-    near = []
-    for group in range(groups):                                  # members nearest their centre
-        part = cos_sorted[starts[group]:starts[group + 1]]
-        near.append(order[starts[group] + torch.topk(part, min(_LOWER_MEMBERS, part.numel())).indices])
-    return Groups(order, starts, centres32, angles, torch.cat(near), centre_dev)
+    # each group's member nearest its centre (largest cosine; the lowest index among equal ones)
+    best = torch.full((groups,), -math.inf, dtype=torch.float32, device=gallery.device)
+    best = best.scatter_reduce(0, assign_t, cosines, reduce="amax")
+    is_best = cosines == best[assign_t]
+    nearest = torch.full((groups,), gallery.shape[0], dtype=torch.long, device=gallery.device)
+    nearest = nearest.scatter_reduce(0, assign_t[is_best], torch.nonzero(is_best).squeeze(1), reduce="amin")
+    return Groups(order, starts, torch.cat([centres32, unit32[nearest]]).contiguous(), angles, centre_dev)
+
+
+def unit_deviation(dim: int) -> float:
+    """Bound on ||x32 - x|| for ``_unit32``'s fp32 unit row x32 of a row whose fp64 unit row is x: the fp32 norm
+    errs by <= gamma_D / 2 + u relative, its inverse and the product round once more each."""
+    return (0.5 * gamma(dim, U32) + 4.0 * U32) * SLACK * (1.0 + 1e-6)
 
 
 def _unit32(rows: torch.Tensor, name: str = "query", offset: int = 0) -> torch.Tensor:
-    """fp32 unit rows (each component rounds at most three times from the fp64 unit row: <= 3 u32 relative);
-    rows without a direction are refused, naming ``name`` and the row (``offset``: index of the first row)."""
-    norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
-    bad = ~(norms > 0) | ~torch.isfinite(norms)
-    if bool(bad.any()):
-        first = offset + int(torch.nonzero(bad)[0, 0])
-        raise ValueError(f"{name}: row {first} has zero or non-finite norm; cosine similarity is undefined")
-    return rows.float() * (1.0 / norms).float()[:, None]
+    """fp32 unit rows from an fp32 norm pass (within ``unit_deviation`` of the fp64 unit rows; an fp64 pass cost
+    ~5x more); rows whose fp32 norm is not in [2^-60, 2^60] (where squares under- or overflow) are normalised in
+    fp64; rows without a direction are refused, naming ``name`` and the row (``offset``: index of the first row)."""
+    rows = rows.float()
+    norms = torch.linalg.vector_norm(rows, dim=1)
+    doubtful = ~((norms >= 2.0 ** -60) & (norms <= 2.0 ** 60))
+    if bool(doubtful.any()):
+        norms64 = torch.linalg.vector_norm(rows.double(), dim=1)
+        bad = ~(norms64 > 0) | ~torch.isfinite(norms64)
+        if bool(bad.any()):
+            first = offset + int(torch.nonzero(bad)[0, 0])
+            raise ValueError(f"{name}: row {first} has zero or non-finite norm; cosine similarity is undefined")
+        return (rows.double() / norms64[:, None]).float()
+    return rows * (1.0 / norms)[:, None]
 
 
-def bounds(q32: torch.Tensor, groups: Groups, near32: torch.Tensor):
-    """(upper (n, C), lower (n,)) fp64 for fp32 unit query rows ``q32`` (n, D): U_c(q) for every group and the
-    lower bound L(q) from the members nearest each centre (module docstring). ``near32``: fp32 unit rows of
-    ``groups.near``."""
+def bounds(q32: torch.Tensor, groups: Groups):
+    """(upper (n, C), lower (n,)) fp64 for fp32 unit query rows ``q32`` (n, D) from ``_unit32``: U_c(q) for every
+    group and the lower bound L(q) from each group's member nearest its centre (module docstring)."""
     dim = q32.shape[1]
     g = gamma(dim, U32)
-    dev_q = 3.0 * U32 * (1.0 + 1e-12)            # ||q32 - q||, q the fp64 unit row; ||q32|| <= 1 + dev_q
+    dev_q = unit_deviation(dim)                  # ||q32 - q||, q the fp64 unit row; ||q32|| <= 1 + dev_q
     norm_q = 1.0 + dev_q
     # |t - q.m| <= ||q32 - q|| ||m32|| + ||q|| ||m32 - m|| + gamma_D ||q32|| ||m32||
     norm_m = 1.0 + groups.centre_dev
     e_t = (dev_q * norm_m + groups.centre_dev + g * norm_q * norm_m) * SLACK
-    t = (q32 @ groups.centres.t()).double()
+    scores = q32 @ groups.directions.t()                  # centres, then nearest members: one product
+    t = scores[:, :groups.count].double()
     phi = torch.arccos((t + e_t).clamp(-1.0, 1.0)) * (1.0 - 1e-12)
     upper = torch.cos((phi - groups.angles.unsqueeze(0)).clamp(min=0.0)) + _FP64_MARGIN
-    # the same bound for fp32 scores of two fp32 unit rows (both within 3 u32 of their references)
+    # the same bound for an fp32 score of two fp32 unit rows (both within dev_q of their references)
     e_32 = (2.0 * dev_q * norm_q + g * norm_q * norm_q) * SLACK
-    lower = (q32 @ near32.t()).max(dim=1).values.double() - e_32
+    lower = scores[:, groups.count:].max(dim=1).values.double() - e_32
     return upper, lower
 
 
@@ -199,11 +218,11 @@ class Plan:
     groups_per_query: float
 
 
-def plan(query: torch.Tensor, groups: Groups, gallery_size: int, near32: torch.Tensor) -> Plan:
+def plan(query: torch.Tensor, groups: Groups, gallery_size: int) -> Plan:
     """Decide from the bounds of a probe of queries (the first ``_PROBE_QUERIES``) whether pruning pays: the
     searched share of the gallery plus a per-group overhead must stay under ``_MAX_SEARCHED_SHARE``."""
     probe = _unit32(query[:_PROBE_QUERIES])
-    upper, lower = bounds(probe, groups, near32)
+    upper, lower = bounds(probe, groups)
     need = needed(upper, lower)
     sizes = groups.sizes().to(need.device)
     share = float((need.double() * sizes).sum(dim=1).mean()) / gallery_size
@@ -225,7 +244,9 @@ class Report:
     estimated_share: float
 
 
-_BOUND_CHUNK = 4096            # query rows per bound block (fp32 (n, D) copy and (n, C) bounds)
+_TRIAL_QUERIES = 2048         # "auto": queries timed both ways before the rest runs the faster way
+_TRIAL_GAIN = 1.1             # pruning must measure this much faster than the whole-gallery search
+_BOUND_CHUNK = 4096            # query rows per bound block (fp32 (n, D) rows, (n, 2C) scores)
 PRUNE_MODES = ("auto", "always", "never")
 
 
@@ -235,9 +256,11 @@ def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None,
 
     ``search(query_rows, gallery_rows, want_scores)``: the exact kernel, returning (indices (n, 1), fp64 scores
     (n, 1) or None without ``want_scores``).
-    ``labels`` (Ng,): group by class; None: spherical k-means groups. ``prune``: "auto" (decided on a probe of
-    queries, ``plan``), "always" or "never" (one kernel call over the whole gallery).
-    Returns (indices (Nq,) int64, ``Report``)."""
+    ``labels`` (Ng,): group by class; None: spherical k-means groups. ``prune``: "auto", "always" or "never" (one
+    kernel call over the whole gallery). "auto" first estimates from the bounds of a probe of queries
+    (``plan``); where that promises a gain it times both searches on the first ``_TRIAL_QUERIES`` queries (their
+    answers are kept: both are exact) and runs the rest the faster way, pruning only when it measured at least
+    ``_TRIAL_GAIN`` times faster. Returns (indices (Nq,) int64, ``Report``)."""
     if prune not in PRUNE_MODES:
         raise ValueError(f"prune: expected one of {PRUNE_MODES}, got {prune!r}")
     size = gallery.shape[0]
@@ -248,39 +271,62 @@ def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None,
         groups = group_gallery(gallery, labels)
         if groups.count < 2:
             return search(query, gallery, False)[0][:, 0], whole
-        near32 = _unit32(gallery[groups.near])
-        decision = plan(query, groups, size, near32)
+        decision = plan(query, groups, size)
+        declined = Report(False, groups.count, float(groups.count), float(size), decision.share)
         if prune == "auto" and not decision.prune:
-            return search(query, gallery, False)[0][:, 0], Report(False, groups.count, 1.0, float(size), decision.share)
-        need = torch.cat([needed(*bounds(_unit32(query[start:start + _BOUND_CHUNK], "query", start), groups, near32))
-                          for start in range(0, query.shape[0], _BOUND_CHUNK)])
-        found: list = [None] * groups.count
+            return search(query, gallery, False)[0][:, 0], declined
+        if prune == "always" or query.shape[0] < 2 * _TRIAL_QUERIES:
+            return _pruned(query, gallery, groups, search, decision.share)
+        trial = query[:_TRIAL_QUERIES]
+        started = time.perf_counter()
+        whole_index = search(trial, gallery, False)[0][:, 0]
+        whole_s = time.perf_counter() - started
+        started = time.perf_counter()
+        _pruned(trial, gallery, groups, search, decision.share)
+        pruned_s = time.perf_counter() - started
+        rest = query[_TRIAL_QUERIES:]
+        if pruned_s * _TRIAL_GAIN > whole_s:
+            return torch.cat([whole_index, search(rest, gallery, False)[0][:, 0]]), declined
+        index, report = _pruned(rest, gallery, groups, search, decision.share)
+        return torch.cat([whole_index, index]), report
 
-        def search_groups(first: int, stop: int) -> None:
-            for group in range(first, stop):
-                rows = torch.nonzero(need[:, group]).squeeze(1)
-                if rows.numel():
-                    members = groups.members(group)
-                    index, score = search(query[rows], gallery[members], True)
-                    found[group] = (rows, members[index[:, 0]], score[:, 0])
 
-        # groups as independent pieces of work (largest first), each searched on one thread: no barrier between
-        # them (``run_chunks``)
-        largest_first = sorted(range(groups.count), key=lambda group: -int(need[:, group].sum()) * (
-            groups.starts[group + 1] - groups.starts[group]))
-        run_chunks(lambda first, stop: search_groups(largest_first[first], largest_first[first] + 1),
-                   [(position, position + 1) for position in range(groups.count)], gallery.device)
-        best_score = torch.full((query.shape[0],), -math.inf, dtype=torch.float64, device=gallery.device)
-        best_index = torch.full((query.shape[0],), -1, dtype=torch.long, device=gallery.device)
-        for entry in found:          # in group order; the merge is order-independent (score, then lowest index)
-            if entry is None:
-                continue
-            rows, index, value = entry
-            current, current_index = best_score[rows], best_index[rows]
-            better = (value > current) | ((value == current) & (index < current_index))
-            best_score[rows[better]] = value[better]
-            best_index[rows[better]] = index[better]
-        sizes = groups.sizes().to(need.device)
-        report = Report(True, groups.count, float(need.double().sum(dim=1).mean()),
-                        float((need.double() * sizes).sum(dim=1).mean()), decision.share)
+def _pruned(query: torch.Tensor, gallery: torch.Tensor, groups: Groups, search, share: float):
+    """``search_top1`` with pruning: bounds of every query, then the kernel on each group for the queries that
+    must search it (groups as independent pieces of work, ``run_chunks``), then the merge."""
+    need = torch.cat([needed(*bounds(_unit32(query[start:start + _BOUND_CHUNK], "query", start), groups))
+                      for start in range(0, query.shape[0], _BOUND_CHUNK)])
+    # a query that searches one group is answered by that group's top-1 (no merge, so no fp64 score needed: the
+    # kernel's cheapest mode); queries that search several take the fp64 scores to merge
+    several = need.sum(dim=1) > 1
+    found: list = [None] * groups.count
+
+    def search_group(group: int) -> None:
+        members = groups.members(group)
+        parts = []
+        for merged in (False, True):
+            rows = torch.nonzero(need[:, group] & (several if merged else ~several)).squeeze(1)
+            if rows.numel():
+                index, score = search(query[rows], gallery[members], merged)
+                value = score[:, 0] if merged else torch.full((rows.numel(),), math.inf, dtype=torch.float64,
+                                                              device=rows.device)
+                parts.append((rows, members[index[:, 0]], value))
+        found[group] = parts
+
+    # largest pieces first, each searched on one thread: no barrier between them
+    largest_first = sorted(range(groups.count), key=lambda group: -int(need[:, group].sum()) * (
+        groups.starts[group + 1] - groups.starts[group]))
+    run_chunks(lambda position, _: search_group(largest_first[position]),
+               [(position, position + 1) for position in range(groups.count)], gallery.device)
+    best_score = torch.full((query.shape[0],), -math.inf, dtype=torch.float64, device=gallery.device)
+    best_index = torch.full((query.shape[0],), -1, dtype=torch.long, device=gallery.device)
+    # the merge is order-independent (fp64 score, then lowest index); single-group queries carry +inf
+    for rows, index, value in (part for parts in found if parts for part in parts):
+        current, current_index = best_score[rows], best_index[rows]
+        better = (value > current) | ((value == current) & (index < current_index))
+        best_score[rows[better]] = value[better]
+        best_index[rows[better]] = index[better]
+    sizes = groups.sizes().to(need.device)
+    report = Report(True, groups.count, float(need.double().sum(dim=1).mean()),
+                    float((need.double() * sizes).sum(dim=1).mean()), share)
     return best_index, report

@@ -125,8 +125,7 @@ def test_bounds_hold_against_fp64_scores():
     query, _, centres = simplex_like(200, 32, 5, 0.8, seed=8)
     gallery, labels, _ = simplex_like(500, 32, 5, 0.8, seed=9, centres=centres)
     groups = retrieval_pruned.group_gallery(torch.from_numpy(gallery), labels)
-    near32 = retrieval_pruned._unit32(torch.from_numpy(gallery)[groups.near])
-    upper, lower = retrieval_pruned.bounds(retrieval_pruned._unit32(torch.from_numpy(query)), groups, near32)
+    upper, lower = retrieval_pruned.bounds(retrieval_pruned._unit32(torch.from_numpy(query)), groups)
     _, scores = brute_top1(query, gallery)
     for group in range(groups.count):
         members = groups.members(group).numpy()
@@ -158,6 +157,7 @@ def test_recall_at_1_prunes_on_clustered_classes_and_equals_fp64(monkeypatch):
         reports.append(report)
         return index, report
     monkeypatch.setattr(retrieval_pruned, "search_top1", spy)
+    monkeypatch.setattr(retrieval_pruned, "_TRIAL_GAIN", 0.0)       # the timed trial always lets pruning win
     value = retrieval.recall_at_1(query, q_labels, gallery, g_labels)
     expected, _ = brute_top1(query, gallery)
     assert value == pytest.approx(float(np.mean(g_labels[expected] == q_labels)), abs=0)
@@ -176,3 +176,15 @@ def test_bad_rows_and_modes_are_refused():
         run(np.ones((2, 3), dtype=np.float32), bad, np.array([0, 0, 1, 1]))
     with pytest.raises(ValueError, match="prune"):
         run(query, gallery, None, prune="sometimes")
+
+
+@pytest.mark.parametrize("gain, pruned", [(0.0, True), (1e9, False)])
+def test_timed_trial_keeps_its_answers_and_runs_the_rest_the_chosen_way(monkeypatch, gain, pruned):
+    query, _, centres = simplex_like(900, 24, 6, 0.95, seed=13)
+    gallery, labels, _ = simplex_like(300, 24, 6, 0.95, seed=14, centres=centres)
+    monkeypatch.setattr(retrieval_pruned, "_TRIAL_QUERIES", 256)
+    monkeypatch.setattr(retrieval_pruned, "_MIN_PAIRS", 0)
+    monkeypatch.setattr(retrieval_pruned, "_TRIAL_GAIN", gain)
+    index, report = run(query, gallery, labels, prune="auto")
+    np.testing.assert_array_equal(index.numpy(), brute_top1(query, gallery)[0])
+    assert report.pruned is pruned
