@@ -37,7 +37,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from compat_core import calibration, retrieval, retrieval_bridge  # noqa: E402
+from compat_core import calibration, retrieval, retrieval_bridge, retrieval_pruned  # noqa: E402
+from compat_core.simplex import dsimplex_rows  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -62,6 +63,27 @@ def junction_clustered(count: int, dim: int, embed: int, seed: int, model_seed: 
     h = (centres[labels] + torch.randn(count, 32, generator=gen) @ latent / 32 ** 0.5
          + 0.2 * torch.randn(count, embed, generator=gen) / embed ** 0.5)
     return torch.nn.functional.normalize(h @ head.t(), dim=1).contiguous(), labels.numpy()
+
+
+def simplex_clustered(count: int, dim: int, classes: int, cosine: float, seed: int):
+    """d-Simplex-like features: unit rows at cosine ``cosine`` to their class's d-Simplex prototype (K = dim + 1
+    slots, pairwise prototype cosine -1/dim), the rest a random direction orthogonal to it; labels (count,)."""
+    vertices = dsimplex_rows(dim + 1, range(classes)).double()
+    gen = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, classes, (count,), generator=gen)
+    centre = vertices[labels]
+    noise = torch.randn(count, dim, generator=gen, dtype=torch.float64)
+    noise -= (noise * centre).sum(dim=1, keepdim=True) * centre
+    noise = torch.nn.functional.normalize(noise, dim=1)
+    rows = cosine * centre + (1.0 - cosine ** 2) ** 0.5 * noise
+    return rows.float().contiguous(), labels.numpy()
+
+
+def busy_processes(count: int, seconds: float) -> list:
+    """``count`` processes that spin a CPU each (plain Python loops), ending by themselves after ``seconds``."""
+    import subprocess
+    code = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
 
 
 def timed(fn, repeats: int = 1):
@@ -128,9 +150,25 @@ def kernel_top1(precision: str):
     return run
 
 
-def cifar_case(nq: int, ng: int, dim: int, junction: bool, methods: dict, repeats: int) -> dict:
+def recall_path(query, gallery, labels) -> np.ndarray:
+    """What a Recall@1 matrix entry runs (``retrieval.recall_at_1``, precision auto): the kernel on the gallery's
+    class groups that can hold each answer, or the whole gallery where the probe says pruning does not pay."""
+    index, report = retrieval_pruned.search_top1(query, gallery, retrieval._group_search(None), labels=labels)
+    PRUNE_REPORTS.append(report)
+    return index.numpy()
+
+
+PRUNE_REPORTS: list = []
+
+
+def cifar_case(nq: int, ng: int, dim: int, kind: str, methods: dict, repeats: int, cosine: float = 0.85,
+               classes: int = 100) -> dict:
     """Every method on the same data, interleaved ``repeats`` times; median seconds, ratios to the kernel (auto)."""
-    if junction:
+    junction = kind == "junction"
+    if kind == "simplex":
+        query, q_labels = simplex_clustered(nq, dim, classes, cosine, 0)
+        gallery, g_labels = simplex_clustered(ng, dim, classes, cosine, 1)
+    elif junction:
         query, q_labels = junction_clustered(nq, dim, 512, 0)
         gallery, g_labels = junction_clustered(ng, dim, 512, 1)
     else:
@@ -140,19 +178,25 @@ def cifar_case(nq: int, ng: int, dim: int, junction: bool, methods: dict, repeat
     seconds: dict[str, list[float]] = {name: [] for name in methods}
     agree: dict[str, int] = {}
     recall: dict[str, float] = {}
+    PRUNE_REPORTS.clear()
     for _ in range(repeats):
         for name, method in methods.items():
             print(f"  ... {name}", flush=True)
             start = time.perf_counter()
-            index = method(query, gallery)
+            index = method(query, gallery, g_labels) if method is recall_path else method(query, gallery)
             seconds[name].append(time.perf_counter() - start)
             agree[name] = int(np.sum(index == ref_index))
             recall[name] = float(np.mean(g_labels[index] == q_labels))
     medians = {name: float(np.median(values)) for name, values in seconds.items()}
     kernel = medians["kernel auto"]
+    names = {"junction": "junction features of rank 512 (realistic)", "full": "full-rank features (10 classes)",
+             "simplex": f"d-Simplex-like features ({classes} classes, cosine {cosine} to the prototype)"}
+    report = PRUNE_REPORTS[-1] if PRUNE_REPORTS else None
     return {
-        "case": (f"recall@1 Nq={nq} Ng={ng} d={dim} "
-                 + ("junction features of rank 512 (realistic)" if junction else "full-rank features")),
+        "case": f"recall@1 Nq={nq} Ng={ng} d={dim} {names[kind]}",
+        "pruning": None if report is None else {
+            "pruned": report.pruned, "groups": report.groups, "groups_per_query": report.groups_per_query,
+            "items_per_query": report.items_per_query, "estimated_share": report.estimated_share},
         "queries": nq,
         "gflop_nominal": 2.0 * nq * ng * dim / 1e9,
         "recall_at_1_fp64": float(np.mean(g_labels[ref_index] == q_labels)),
@@ -207,6 +251,13 @@ def main(argv=None) -> int:
     parser.add_argument("--no-bridge", action="store_true", help="skip the CelebA-shaped bridge case")
     parser.add_argument("--queries", type=int, default=None,
                         help="Nq of the CIFAR-shaped cases (default 50,000; fewer on a busy machine, same Ng and d)")
+    parser.add_argument("--gallery", type=int, default=None, help="Ng of the CIFAR-shaped cases (default 10,000)")
+    parser.add_argument("--cases", default="junction,full,simplex",
+                        help="comma-separated CIFAR-shaped cases: junction, full, simplex (d-Simplex-like)")
+    parser.add_argument("--simplex-cosine", type=float, default=0.85,
+                        help="cosine of the d-Simplex-like features to their class prototype")
+    parser.add_argument("--load", type=int, default=0,
+                        help="start this many busy processes (one spinning CPU each) for the whole run")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     if args.quick:
@@ -215,12 +266,24 @@ def main(argv=None) -> int:
         cifar, bridge = (50_000, 10_000, 1023), (20_000, 20_000, 21_999, 768)
     if args.queries is not None:
         cifar = (args.queries, *cifar[1:])
+    if args.gallery is not None:
+        cifar = (cifar[0], args.gallery, cifar[2])
+    busy = busy_processes(args.load, 3600.0)
+    try:
+        return _run(args, cifar, bridge)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+
+
+def _run(args, cifar, bridge) -> int:
     load_before = os.getloadavg()
     rates = calibration.gemm_rates("cpu")       # measured now when this machine has no cached calibration
     print(calibration.format_calibration(calibration.load("cpu"), calibration.cache_path("cpu")))
     print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} "
           f"({os.cpu_count()} CPUs); torch threads {torch.get_num_threads()}")
-    methods = {"kernel auto": kernel_top1("auto")}
+    methods = {"kernel auto": kernel_top1("auto"), "recall path (pruned)": recall_path}
     if not args.no_forced:
         methods.update({"kernel int8": kernel_top1("int8"), "kernel bf16": kernel_top1("bf16"),
                         "kernel fp32": kernel_top1("fp32")})
@@ -231,8 +294,8 @@ def main(argv=None) -> int:
         print("faiss not installed: skipping faiss IndexFlatIP (pip install -e '.[bench]')")
     if not args.no_sklearn:
         methods["sklearn brute"] = sklearn_top1
-    rows = [cifar_case(*cifar, junction=True, methods=methods, repeats=args.repeats),
-            cifar_case(*cifar, junction=False, methods=methods, repeats=args.repeats)]
+    rows = [cifar_case(*cifar, kind=kind, methods=methods, repeats=args.repeats, cosine=args.simplex_cosine)
+            for kind in args.cases.split(",")]
     if not args.no_bridge:
         # the bridge runs in its own process so that its peak resident memory is its own
         context = multiprocessing.get_context("spawn")
@@ -245,11 +308,17 @@ def main(argv=None) -> int:
     meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor(),
             "calibration_key": calibration.machine_key("cpu"), "gemm_gops": rates,
             "auto_candidate_pass": calibration.fastest_matmul("cpu"), "quick": args.quick,
-            "repeats": args.repeats, "load_before": load_before, "load_after": load_after}
+            "repeats": args.repeats, "load_before": load_before, "load_after": load_after,
+            "busy_processes": args.load}
     for row in rows:
         print(f"\n{row['case']}")
         if "methods" in row:
             print(f"  fp64 Recall@1 {row['recall_at_1_fp64']:.4f}; {row['gflop_nominal']:.0f} GFLOP nominal")
+            if row.get("pruning"):
+                prune = row["pruning"]
+                print(f"  recall path: pruned {prune['pruned']}, {prune['groups']} groups, "
+                      f"{prune['groups_per_query']:.2f} groups and {prune['items_per_query']:.0f} items searched "
+                      f"per query (probe estimate {prune['estimated_share']:.3f} of the gallery)")
             print(f"  {'method':20s} {'median s':>9s} {'runs s':>22s} {'x kernel':>9s} {'top1=fp64':>12s}")
             for name, result in row["methods"].items():
                 runs = " ".join(f"{value:.2f}" for value in result["runs_s"])
@@ -259,9 +328,10 @@ def main(argv=None) -> int:
             for key, value in row.items():
                 if key != "case":
                     print(f"  {key:32s} {value:.4g}" if isinstance(value, float) else f"  {key:32s} {value}")
-    print(f"\nload average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
+    print(f"\nload average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} "
+          f"({args.load} busy processes started by this run)")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    suffix = "_quick" if args.quick else ""
+    suffix = ("_quick" if args.quick else "") + (f"_load{args.load}" if args.load else "")
     (RESULTS / f"retrieval{suffix}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     with open(RESULTS / f"retrieval{suffix}.csv", "w", newline="") as handle:
         writer = csv.writer(handle)

@@ -66,7 +66,12 @@ GEMM_SHAPE = (1024, 1024, 8192)          # (queries, dims, gallery rows): one ch
 _PROBE_SHAPE = (256, 1024, 2048)
 _PROBE_KEEP = 0.1                        # on the small probe, paths below this fraction of fp32 are not timed further
 _FULL_CALL_MAX_S = 1.5                   # nor paths whose probe rate predicts a longer call at the full shape
-_ROUNDS = 3                              # interleaved timing rounds; the minimum per path is kept
+_ROUNDS = 5                              # interleaved timing rounds; the minimum per path is kept
+# spread of a path's timings: (median - minimum) / minimum over the rounds. Above this the machine was too busy for
+# the measurement to be trusted as final: it is used (and cached) as provisional and measured again by a process
+# that finds it older than _RETRY_S, so a measurement taken while the machine was busy does not stay
+_MAX_SPREAD = 0.15
+_RETRY_S = 600.0
 # a half path must beat fp32 by this factor to be chosen: a near-tie would flip between re-measurements and with
 # it the numerics of a run; 2 % keeps "auto" within 2 % of the better path
 _HALF_MARGIN = 1.02
@@ -214,11 +219,13 @@ def _gemm_operands(name: str, shape: tuple[int, int, int], device: torch.device)
 
 
 def _time_rounds(functions: dict[str, Callable[[], Any]], device: torch.device, rounds: int,
+                 spread: dict[str, float] | None = None,
                  prepare: dict[str, Callable[[], Any]] | None = None) -> dict[str, float]:
     """Minimum seconds per call of each function over ``rounds`` interleaved rounds (after one warm-up call);
-    ``prepare[name]``, when given, runs untimed before each call of ``functions[name]``."""
+    ``spread`` (filled when given): (median - minimum) / minimum of each function's rounds; ``prepare[name]``, when
+    given, runs untimed before each call of ``functions[name]``."""
     prepare = prepare or {}
-    best = {name: float("inf") for name in functions}
+    times: dict[str, list[float]] = {name: [] for name in functions}
     for name, function in functions.items():       # first calls pay for thread start-up and kernel selection
         prepare.get(name, _nothing)()
         function()
@@ -230,7 +237,12 @@ def _time_rounds(functions: dict[str, Callable[[], Any]], device: torch.device, 
             function()
             _synchronize(device)
             if round_index:
-                best[name] = min(best[name], time.perf_counter() - start)
+                times[name].append(time.perf_counter() - start)
+    best = {name: min(values) for name, values in times.items()}
+    if spread is not None:
+        for name, values in times.items():
+            median = sorted(values)[len(values) // 2]
+            spread[name] = (median - best[name]) / best[name]
     return best
 
 
@@ -283,7 +295,8 @@ def measure_gemm(device: torch.device | str = "cpu", shape: tuple[int, int, int]
     flops = 2.0 * shape[0] * shape[1] * shape[2]
     full = [name for name, rate in probe_gops.items()
             if name == "fp32" or (rate >= _PROBE_KEEP * baseline and flops / (rate * 1e9) <= _FULL_CALL_MAX_S)]
-    timed = _time_rounds({name: _gemm_operands(name, shape, device) for name in full}, device, rounds)
+    spread: dict[str, float] = {}
+    timed = _time_rounds({name: _gemm_operands(name, shape, device) for name in full}, device, rounds, spread)
     for name in GEMM_DTYPES:
         if name in timed:
             gops[name] = flops / timed[name] / 1e9
@@ -291,7 +304,10 @@ def measure_gemm(device: torch.device | str = "cpu", shape: tuple[int, int, int]
             gops[name] = probe_gops[name]
     return {"shape": list(shape), "gops": {name: float(f"{gops[name]:.4g}") for name in GEMM_DTYPES},
             "probe_only": sorted(set(probe_gops) - set(full)), "seconds": round(time.perf_counter() - started, 3),
-            "measured_at": _now()}
+            "measured_at": _now(), "measured_unix": time.time(),
+            "spread": {name: round(value, 4) for name, value in spread.items()},
+            "final": max(spread.values(), default=0.0) <= _MAX_SPREAD,
+            "load_average": [round(value, 2) for value in os.getloadavg()] if hasattr(os, "getloadavg") else None}
 
 
 def gemm_rates(device: torch.device | str = "cpu", measure: bool = True) -> dict[str, float] | None:
@@ -305,15 +321,27 @@ def gemm_rates(device: torch.device | str = "cpu", measure: bool = True) -> dict
 @functools.lru_cache(maxsize=16)
 def _gemm_rates_cached(device: str, threads: int, path: str, measure: bool) -> dict[str, float] | None:
     document = load(device)
-    if document is None or not document.get("gemm"):
+    if not _settled(document):
         if not measure:
-            return None
+            return dict(document["gemm"]["gops"]) if document and document.get("gemm") else None
         with _locked(device):
             document = load(device)          # another process may have measured while we waited
-            if document is None or not document.get("gemm"):
+            if not _settled(document):
                 _update(device, "gemm", None, measure_gemm(device))
                 document = load(device)
     return dict(document["gemm"]["gops"])
+
+
+def _settled(document: dict[str, Any] | None) -> bool:
+    """A cached product measurement to use as it is: a final one (spread within ``_MAX_SPREAD``; entries from
+    before spreads were stored count as final), or a provisional one measured less than ``_RETRY_S`` ago (a busy
+    machine is not re-measured by every process)."""
+    gemm = (document or {}).get("gemm")
+    if not gemm:
+        return False
+    if gemm.get("final", True):
+        return True
+    return time.time() - float(gemm.get("measured_unix", 0.0)) < _RETRY_S
 
 
 def fastest_matmul(device: torch.device | str = "cpu", exclude: tuple[str, ...] = ()) -> str:
@@ -491,9 +519,15 @@ def format_calibration(document: dict[str, Any] | None, path: Path | None = None
         rates = gemm["gops"]
         fp32 = rates.get("fp32") or float("nan")
         shape = "x".join(str(size) for size in gemm["shape"])
-        lines.append(f"  matrix product {shape} (measured {gemm['measured_at']}, {gemm['seconds']:.1f} s):")
+        status = "" if gemm.get("final", True) else ", provisional: too noisy, measured again later"
+        load_average = gemm.get("load_average")
+        load_note = f", load average {load_average[0]:.2f}" if load_average else ""
+        lines.append(f"  matrix product {shape} (measured {gemm['measured_at']}{load_note}, {gemm['seconds']:.1f} s"
+                     f"{status}):")
         for name in GEMM_DTYPES:
             note = " (small probe only: far slower)" if name in gemm.get("probe_only", []) else ""
+            if name in gemm.get("spread", {}):
+                note += f"  spread {100 * gemm['spread'][name]:.0f} %"
             lines.append(f"    {name:5s} {rates.get(name, 0.0):9.1f} GOP/s  {rates.get(name, 0.0) / fp32:5.2f}x fp32{note}")
         lines.append(f"    retrieval precision=auto candidate pass: {_pick(rates)}")
     for name, entry in sorted((document.get("workloads") or {}).items()):

@@ -85,12 +85,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import warnings
 from typing import Callable
 
 import numpy as np
 import torch
 
+from compat_core import retrieval_pruned
 from compat_core.calibration import fastest_matmul
 from compat_core.retrieval_int8 import SLACK as _SLACK
 from compat_core.retrieval_int8 import U32 as _U32
@@ -104,6 +106,7 @@ from compat_core.retrieval_space import (_direct_space, _half_dtype_for, _invers
                                          _with_stage)
 from compat_core.torch_settings import ieee_fp32 as _ieee_fp32
 from compat_core.torch_settings import one_thread as _one_thread
+from compat_core.torch_settings import run_chunks
 
 __all__ = [
     "nearest_neighbours",
@@ -121,6 +124,8 @@ _GATHER_VS_DENSE = 32          # a gathered candidate costs about as much as thi
 # the int8 window (~7x bf16's) is too wide for these data and the rest runs on the next-fastest stage
 _INT8_DEMOTE_FRACTION = 64
 _INT8_PROBE_QUERIES = 512      # size of that first chunk
+_LIVE_CHECK_CHUNKS = 8         # the live check runs on searches of at least this many first chunks
+_LIVE_MARGIN = 1.1             # a stage slower than the plain fp32 product by more than this is left
 _GATHER_BUDGET = 1 << 22       # elements per gathered (rows x candidates x D) block: bounds re-scoring memory
 _SCORE_BUDGET = 1 << 26        # elements of one (query chunk x gallery) score block
 # int8 with k = 1: the query chunk is projected and quantised at once, its products and selection run in smaller
@@ -644,18 +649,52 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
     result = _Result(queries.count, k, space.stage32.device, want_scores)
     # "auto" on int8: a small first chunk tells whether these data suit the int8 window before most work is done
     probing = precision == "auto" and rebuild is not None and space.half_dtype == torch.int8
+    # "auto" on any reduced-precision stage: the first chunk is also timed against the plain fp32 product of the
+    # same rows, and a stage that turns out slower on this call (a calibration from another load, data that widen
+    # its window) hands the rest to the fp32 stage
+    checking = (precision == "auto" and rebuild is not None and space.half_dtype is not None
+                and queries.count >= _LIVE_CHECK_CHUNKS * min(chunk, _INT8_PROBE_QUERIES))
     start = 0
-    while start < queries.count:
-        stop = min(queries.count, start + (min(chunk, _INT8_PROBE_QUERIES) if probing else chunk))
+    if probing or checking:
+        stop = min(queries.count, start + min(chunk, _INT8_PROBE_QUERIES))
+        began = time.perf_counter()
         rescored = _search_chunk(space, queries, start, stop, k, want_scores, stage, result)
+        stage_s = time.perf_counter() - began
+        fallback = None
         if probing and rescored * _INT8_DEMOTE_FRACTION > space.size:
-            space = rebuild(fastest_matmul(space.stage32.device, exclude=("int8",)))
+            fallback = fastest_matmul(space.stage32.device, exclude=("int8",))
+        elif checking and _slower_than_fp32(space, queries, start, stop, stage_s, k, want_scores):
+            fallback = "fp32"
+        if fallback is not None:
+            space = rebuild(fallback)
             stage = _start_stage(space, precision)
             if chunk_size is None:
                 chunk = _default_chunk(space.size, space.half_dtype, k)
-        probing = False
         start = stop
+    bounds = [(first, min(queries.count, first + chunk)) for first in range(start, queries.count, chunk)]
+    run_chunks(lambda first, stop: _search_chunk(space, queries, first, stop, k, want_scores, stage, result),
+               bounds, space.stage32.device)
     return result
+
+
+def _slower_than_fp32(space: _Space, queries: _Queries, start: int, stop: int, stage_s: float, k: int,
+                      want_scores: bool) -> bool:
+    """Whether the candidate stage's ``stage_s`` seconds on query rows start..stop-1 exceed ``_LIVE_MARGIN`` times
+    the plain fp32 product and maximum of the same rows (what a plain loop does), timed now. A slow first reading
+    on a busy machine is taken again before it decides (the faster of two on each side)."""
+    def fp32_seconds() -> float:
+        began = time.perf_counter()
+        (queries.fp32(start, stop) @ space.stage32.t()).max(dim=1)
+        return time.perf_counter() - began
+
+    fp32_s = fp32_seconds()
+    if stage_s <= _LIVE_MARGIN * fp32_s:
+        return False
+    began = time.perf_counter()
+    _search_chunk(space, queries, start, stop, k, want_scores, "half",
+                  _Result(queries.count, k, space.stage32.device, want_scores))
+    stage_s = min(stage_s, time.perf_counter() - began)
+    return stage_s > _LIVE_MARGIN * min(fp32_s, fp32_seconds())
 
 
 def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None, precision: str = "auto",
@@ -683,6 +722,13 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
     return result.index, result.score
 
 
+def _group_search(chunk_size: int | None):
+    """The exact kernel as the pruned search calls it on one gallery group: top-1 with its fp64 score."""
+    def search(query_rows: torch.Tensor, gallery_rows: torch.Tensor, want_scores: bool):
+        return nearest_neighbours(query_rows, gallery_rows, 1, chunk_size, "auto", return_scores=want_scores)
+    return search
+
+
 def recall_at_k(query, query_labels, gallery, gallery_labels, k: int, chunk_size: int | None = None,
                 precision: str = "auto") -> float:
     """1:N Recall@k as a fraction in [0, 1]: share of queries with a same-label item among their k nearest
@@ -691,7 +737,14 @@ def recall_at_k(query, query_labels, gallery, gallery_labels, k: int, chunk_size
     gallery = _as_matrix("gallery", gallery)
     q_labels = _as_labels("query_labels", query_labels, query.shape[0])
     g_labels = _as_labels("gallery_labels", gallery_labels, gallery.shape[0])
-    index, _ = nearest_neighbours(query, gallery, k, chunk_size, precision, return_scores=False)
+    if k == 1 and precision == "auto":
+        # the gallery's classes as groups: searched only where a proven bound can reach the best score found
+        _check_same_dim(query, gallery)
+        top1, _ = retrieval_pruned.search_top1(query.to(gallery.device), gallery, _group_search(chunk_size),
+                                               labels=g_labels)
+        index = top1.unsqueeze(1)
+    else:
+        index, _ = nearest_neighbours(query, gallery, k, chunk_size, precision, return_scores=False)
     retrieved = g_labels[index.cpu().numpy()]
     return float(np.mean(np.any(retrieved == q_labels[:, None], axis=1)))
 

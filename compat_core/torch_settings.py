@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
 
 import torch
 
@@ -56,3 +58,29 @@ def one_thread():
         state.depth -= 1
         if state.depth == 0:
             torch.set_num_threads(state.saved)
+
+
+def run_chunks(work: Callable[[int, int], object], chunks: Sequence[tuple[int, int]], device: torch.device) -> None:
+    """Run ``work(start, stop)`` for every chunk: on CPU with more than one torch thread, as independent chunks on
+    that many worker threads with one intra-op thread each; else in order on the calling thread.
+
+    Why: an intra-op parallel operation ends at a barrier where every thread waits for the slowest. On a busy
+    machine a worker is often descheduled for a whole time slice, so a search made of many short parallel
+    operations (products, selections, re-scoring) waits a slice at many of its barriers, and slowed down far more
+    than one long product does. Independent chunks have no barrier between them: a descheduled worker delays
+    only its own chunk while the other takes the next ones. The worker count is the caller's torch thread count
+    (the stage's CPU allocation: Ray and ``OMP_NUM_THREADS`` set it), never more. Each worker runs in inference
+    mode (thread-local in torch) with one intra-op thread (``one_thread``)."""
+    threads = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
+    if threads <= 1 or len(chunks) <= 1:
+        for start, stop in chunks:
+            work(start, stop)
+        return
+
+    def in_worker(bounds: tuple[int, int]) -> None:
+        with torch.inference_mode(), one_thread():
+            work(*bounds)
+
+    with ThreadPoolExecutor(max_workers=min(threads, len(chunks)), thread_name_prefix="compat-chunk") as pool:
+        for _ in pool.map(in_worker, chunks):      # re-raises a worker's exception here
+            pass

@@ -203,9 +203,9 @@ def test_probe_only_drops_paths_far_slower_than_fp32(calibrating, monkeypatch):
     timed = []
     original = calibration._time_rounds
 
-    def record(functions, device, rounds):
+    def record(functions, device, rounds, *spread):
         timed.extend(functions)
-        return original(functions, device, rounds)
+        return original(functions, device, rounds, *spread)
 
     monkeypatch.setattr(calibration, "_time_rounds", record)
     result = calibration.measure_gemm("cpu")
@@ -253,3 +253,40 @@ def test_workload_is_timed_on_a_probe_batch_of_one_copy(calibrating, monkeypatch
     entries = list(document["workloads"].values())
     assert len(entries) == 1 and entries[0]["probe_batch"] == calibration.PROBE_BATCH
     assert next(iter(document["workloads"])).endswith(f"in{calibration.PROBE_BATCH}x8")
+
+
+def test_a_noisy_product_measurement_is_provisional_and_measured_again_later(calibrating, monkeypatch):
+    # the rounds of each path: a quiet machine gives nearly equal times, a busy one a wide spread
+    rounds = {"quiet": [1.0, 1.02, 1.01, 1.03, 1.0], "busy": [1.0, 1.9, 2.4, 1.5, 3.0]}
+    state = {"machine": "busy", "measured": 0}
+    clock = {"now": 1_000_000.0}
+
+    def timings(functions, device, count, spread=None):
+        state["measured"] += 1
+        values = rounds[state["machine"]]
+        if spread is not None:
+            for name in functions:
+                spread[name] = (sorted(values)[len(values) // 2] - min(values)) / min(values)
+        return {name: 1e-3 * min(values) for name in functions}
+
+    monkeypatch.setattr(calibration, "_time_rounds", timings)
+    monkeypatch.setattr(calibration.time, "time", lambda: clock["now"])
+    calibration.gemm_rates("cpu")
+    document = calibration.load("cpu")["gemm"]
+    assert document["final"] is False and document["spread"]["fp32"] == pytest.approx(0.9)
+    assert "provisional" in calibration.format_calibration(calibration.load("cpu"))
+    # another process soon after uses the provisional rates without measuring again
+    calibration._gemm_rates_cached.cache_clear()
+    clock["now"] += calibration._RETRY_S / 2
+    calibration.gemm_rates("cpu")
+    assert state["measured"] == 1
+    # later, on a quiet machine, it is measured again and becomes final; then it stays
+    calibration._gemm_rates_cached.cache_clear()
+    clock["now"] += calibration._RETRY_S
+    state["machine"] = "quiet"
+    calibration.gemm_rates("cpu")
+    assert state["measured"] == 2 and calibration.load("cpu")["gemm"]["final"] is True
+    calibration._gemm_rates_cached.cache_clear()
+    clock["now"] += 100 * calibration._RETRY_S
+    calibration.gemm_rates("cpu")
+    assert state["measured"] == 2

@@ -1,0 +1,190 @@
+"""compat_core.retrieval_pruned: the pruned exact top-1 against an fp64 brute force, including planted exact ties
+and near-ties placed across group boundaries, and its bounds against fp64 scores."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compat_core import retrieval, retrieval_pruned
+
+
+def brute_top1(query: np.ndarray, gallery: np.ndarray):
+    """fp64 cosine top-1, lowest index among ties (einsum without BLAS: identical rows score bit for bit alike)."""
+    q = query.astype(np.float64)
+    g = gallery.astype(np.float64)
+    q = q / np.linalg.norm(q, axis=1, keepdims=True)
+    g = g / np.linalg.norm(g, axis=1, keepdims=True)
+    scores = np.einsum("qd,gd->qg", q, g, optimize=False)
+    return np.argmax(scores, axis=1), scores
+
+
+def simplex_like(count: int, dim: int, classes: int, cosine: float, seed: int, centres=None):
+    """Rows at cosine ``cosine`` to their class centre (random unit centres), random directions off it."""
+    rng = np.random.default_rng(seed)
+    if centres is None:
+        centres = rng.standard_normal((classes, dim))
+        centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    labels = rng.integers(0, classes, count)
+    noise = rng.standard_normal((count, dim))
+    noise -= np.sum(noise * centres[labels], axis=1, keepdims=True) * centres[labels]
+    noise /= np.linalg.norm(noise, axis=1, keepdims=True)
+    rows = cosine * centres[labels] + np.sqrt(1.0 - cosine ** 2) * noise
+    return rows.astype(np.float32), labels, centres
+
+
+def kernel_search(query_rows, gallery_rows, want_scores):
+    return retrieval.nearest_neighbours(query_rows, gallery_rows, 1, precision="auto", return_scores=want_scores)
+
+
+def run(query, gallery, labels, prune="always"):
+    return retrieval_pruned.search_top1(torch.from_numpy(query), torch.from_numpy(gallery), kernel_search,
+                                        labels=labels, prune=prune)
+
+
+@pytest.mark.parametrize("cosine", [0.95, 0.85, 0.75])
+def test_pruned_top1_equals_fp64_on_class_groups_and_prunes(cosine):
+    query, _, centres = simplex_like(300, 64, 8, cosine, seed=1)
+    gallery, labels, _ = simplex_like(800, 64, 8, cosine, seed=2, centres=centres)
+    index, report = run(query, gallery, labels)
+    expected, _ = brute_top1(query, gallery)
+    np.testing.assert_array_equal(index.numpy(), expected)
+    assert report.pruned and report.groups == 8
+    if cosine >= 0.85:                                       # tight classes: most groups are skipped
+        assert report.groups_per_query < 2.0
+        assert report.items_per_query < 0.3 * len(gallery)
+
+
+def test_planted_ties_and_near_ties_across_group_boundaries_equal_fp64():
+    """The winner sits in a group the query is far from, next to its own class's best item: exact duplicates in
+    other groups (lower and higher index) and one-ulp / 1e-9 perturbations of the best row placed in other
+    groups, so that the answer is decided across group boundaries by the fp64 order and the lowest index."""
+    query, _, centres = simplex_like(60, 48, 6, 0.9, seed=3)
+    gallery, labels, _ = simplex_like(600, 48, 6, 0.9, seed=4, centres=centres)
+    expected, _ = brute_topk_rows(query, gallery)
+    rng = np.random.default_rng(5)
+    planted_rows, duplicates = [], []
+    host = 0                   # every plant goes into class 0's group: one wide group, the others stay tight
+    chosen = [q for q in range(60) if labels[expected[q]] != host][:20]
+    for q in chosen:
+        best = expected[q]
+        # rows of the host group not planted yet, and not any query's answer
+        others = np.setdiff1d(np.nonzero(labels == host)[0], planted_rows + expected.tolist())
+        low, high = int(others.min()), int(others.max())
+        if q % 2 == 0:
+            # exact duplicates of the answer in other groups, one with a lower index: it must win
+            gallery[low] = gallery[best]
+            gallery[high] = gallery[best]
+            planted_rows += [low, high]
+            duplicates.append((q, int(best), low))
+        else:
+            # near-ties in another group: the best row moved by one ulp in its largest component, and by ~1e-9
+            # along the query (either direction: fp64 decides)
+            pick = rng.choice(others, 2, replace=False)
+            c = int(np.argmax(np.abs(gallery[best])))
+            gallery[pick[0]] = gallery[best]
+            gallery[pick[0], c] = np.nextafter(gallery[best, c], np.float32(np.inf) * np.sign(gallery[best, c]),
+                                               dtype=np.float32)
+            direction = 1.0 if q % 4 == 1 else -1.0
+            gallery[pick[1]] = (gallery[best].astype(np.float64)
+                                + direction * 3e-7 * query[q] / np.linalg.norm(query[q])).astype(np.float32)
+            planted_rows += pick.tolist()
+    expected, scores = brute_top1(query, gallery)
+    # the plants really reach across groups and really are near-ties
+    crossing = [q for q in chosen if expected[q] in planted_rows]
+    assert len(crossing) >= 10
+    gaps = np.sort(scores, axis=1)[:, -1] - np.sort(scores, axis=1)[:, -2]
+    assert (gaps[chosen] < 1e-6).all()
+    index, report = run(query, gallery, labels)
+    np.testing.assert_array_equal(index.numpy(), expected)
+    assert report.pruned and report.groups_per_query < 3.0               # the other groups were still skipped
+    # planted exact duplicates in other groups: the lowest index wins, across groups where it is lower
+    for q, best, low in duplicates:
+        assert expected[q] == min(best, low)
+    assert any(low < best for _, best, low in duplicates)
+
+
+def brute_topk_rows(query, gallery):
+    index, scores = brute_top1(query, gallery)
+    return index, scores
+
+
+def test_kmeans_groups_without_labels_equal_fp64():
+    query, _, centres = simplex_like(200, 40, 12, 0.9, seed=6)
+    gallery, _, _ = simplex_like(1500, 40, 12, 0.9, seed=7, centres=centres)
+    gallery[10] = gallery[900]                                 # an exact tie: index 10 must win
+    query[0] = gallery[900] + 1e-3
+    index, report = run(query, gallery, None)
+    expected, _ = brute_top1(query, gallery)
+    np.testing.assert_array_equal(index.numpy(), expected)
+    assert expected[0] == 10
+    assert report.pruned and report.groups > 2 and report.groups_per_query < report.groups
+
+
+def test_bounds_hold_against_fp64_scores():
+    query, _, centres = simplex_like(200, 32, 5, 0.8, seed=8)
+    gallery, labels, _ = simplex_like(500, 32, 5, 0.8, seed=9, centres=centres)
+    groups = retrieval_pruned.group_gallery(torch.from_numpy(gallery), labels)
+    upper, lower = retrieval_pruned.bounds(retrieval_pruned._unit32(torch.from_numpy(query)), groups)
+    _, scores = brute_top1(query, gallery)
+    for group in range(groups.count):
+        members = groups.members(group).numpy()
+        assert (np.all(np.diff(members) > 0))                  # ascending gallery order inside a group
+        group_best = scores[:, members].max(axis=1)
+        assert (group_best <= upper[:, group].numpy()).all()
+    assert (lower.numpy() <= scores.max(axis=1)).all()
+    assert (scores.max(axis=1) - lower.numpy() < 0.5).all()    # and it is a useful bound, not -1
+
+
+def test_auto_declines_pruning_on_unclustered_rows_and_stays_exact():
+    rng = np.random.default_rng(10)
+    query = rng.standard_normal((5000, 32)).astype(np.float32)
+    gallery = rng.standard_normal((4000, 32)).astype(np.float32)
+    labels = rng.integers(0, 10, 4000)
+    index, report = run(query, gallery, labels, prune="auto")
+    assert not report.pruned and report.estimated_share > 0.9
+    np.testing.assert_array_equal(index.numpy(), brute_top1(query, gallery)[0])
+
+
+def test_recall_at_1_prunes_on_clustered_classes_and_equals_fp64(monkeypatch):
+    query, q_labels, centres = simplex_like(4200, 32, 10, 0.95, seed=11)
+    gallery, g_labels, _ = simplex_like(4100, 32, 10, 0.95, seed=12, centres=centres)
+    reports = []
+    original = retrieval_pruned.search_top1
+
+    def spy(*args, **kwargs):
+        index, report = original(*args, **kwargs)
+        reports.append(report)
+        return index, report
+    monkeypatch.setattr(retrieval_pruned, "search_top1", spy)
+    monkeypatch.setattr(retrieval_pruned, "_TRIAL_GAIN", 0.0)       # the timed trial always lets pruning win
+    value = retrieval.recall_at_1(query, q_labels, gallery, g_labels)
+    expected, _ = brute_top1(query, gallery)
+    assert value == pytest.approx(float(np.mean(g_labels[expected] == q_labels)), abs=0)
+    assert len(reports) == 1 and reports[0].pruned and reports[0].groups_per_query < 1.5
+
+
+def test_bad_rows_and_modes_are_refused():
+    gallery = np.ones((4, 3), dtype=np.float32)
+    query = np.ones((2, 3), dtype=np.float32)
+    query[1] = 0.0
+    with pytest.raises(ValueError, match="query: row 1"):
+        run(query, gallery, np.array([0, 0, 1, 1]))
+    bad = gallery.copy()
+    bad[2] = np.nan
+    with pytest.raises(ValueError, match="gallery: row 2"):
+        run(np.ones((2, 3), dtype=np.float32), bad, np.array([0, 0, 1, 1]))
+    with pytest.raises(ValueError, match="prune"):
+        run(query, gallery, None, prune="sometimes")
+
+
+@pytest.mark.parametrize("gain, pruned", [(0.0, True), (1e9, False)])
+def test_timed_trial_keeps_its_answers_and_runs_the_rest_the_chosen_way(monkeypatch, gain, pruned):
+    query, _, centres = simplex_like(900, 24, 6, 0.95, seed=13)
+    gallery, labels, _ = simplex_like(300, 24, 6, 0.95, seed=14, centres=centres)
+    monkeypatch.setattr(retrieval_pruned, "_TRIAL_QUERIES", 256)
+    monkeypatch.setattr(retrieval_pruned, "_MIN_PAIRS", 0)
+    monkeypatch.setattr(retrieval_pruned, "_TRIAL_GAIN", gain)
+    index, report = run(query, gallery, labels, prune="auto")
+    np.testing.assert_array_equal(index.numpy(), brute_top1(query, gallery)[0])
+    assert report.pruned is pruned
