@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from pipelines.config import MethodParams, ScenarioConfig, method_params_model, resolved_head
+from pipelines.local_paths import absolute_config
 
 
 def apply_override(document: dict, assignment: str) -> None:
@@ -227,11 +228,14 @@ def read_document(path: str | os.PathLike) -> dict:
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> ScenarioConfig:
-    """Load, override (``key.sub=value``) and validate a scenario YAML; raises ConfigError listing every problem."""
+    """Load, override (``key.sub=value``) and validate a scenario YAML; raises ConfigError listing every problem.
+
+    Local paths (data roots, weights, output.dir, output.shared_store) come back absolute, resolved against the
+    current folder (pipelines.local_paths), so a Ray Job or a Tune trial running elsewhere writes where asked."""
     document = read_document(path)
     for assignment in overrides or []:
         apply_override(document, assignment)
-    return validate_config(document, source=os.fspath(path))
+    return absolute_config(validate_config(document, source=os.fspath(path)))
 
 
 def config_to_dict(config: ScenarioConfig) -> dict:

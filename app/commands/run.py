@@ -35,6 +35,7 @@ def resolve_run(args) -> tuple[object, str]:
     """(validated config, run directory) from CONFIG / --resume / --output / --set."""
     from compat_core import io as cio
     from pipelines.config_load import ConfigError, load_config
+    from pipelines.local_paths import absolute_location
 
     if args.resume:
         config_path = args.config or cio.join(args.resume, "config.yaml")
@@ -48,7 +49,7 @@ def resolve_run(args) -> tuple[object, str]:
     config = load_config(config_path, args.overrides)
     if args.output:
         output = args.output
-    return config, output or config.output_dir()
+    return config, absolute_location(output or config.output_dir())
 
 
 def make_executor(kind: str = "local", address: str | None = None, emit=None, progress: bool = True,
