@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "submit",
     "status",
     "logs",
+    "cluster",
     "tune",
     "ingest",
     "gate",
