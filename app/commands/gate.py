@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="decide and record, never move the alias")
     parser.add_argument("--to", dest="to_version", metavar="VERSION", help="rollback target version")
     parser.add_argument("--reason", default="", help="rollback reason recorded in MLflow")
+    parser.add_argument("--force", action="store_true", help="rollback: install a version the gate refused "
+                                                             "(recorded as forced)")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking server (default: $MLFLOW_TRACKING_URI)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -91,10 +93,10 @@ def run(args: argparse.Namespace) -> int:
                       f"{' adapter ' + row['adapter'] if row['adapter'] else ''}{margin}  {row['reason']}")
             return 0
         if action == "rollback":
-            moved = gate.rollback(tracking_uri, model, args.alias, args.to_version, args.reason)
+            moved = gate.rollback(tracking_uri, model, args.alias, args.to_version, args.reason, force=args.force)
             print(json.dumps(moved) if args.json else
                   f"rolled back alias {args.alias!r} of {model}: v{moved['from_version']} -> v{moved['to_version']} "
-                  f"(recorded: run {moved['run_id']})")
+                  f"{'FORCED over the gate refusal ' if moved['forced'] else ''}(recorded: run {moved['run_id']})")
             return 0
         if not args.candidate or not args.config:
             return _fail("a gate needs --candidate VERSION and --config YAML (the held-out evaluation sets)")
