@@ -77,6 +77,24 @@ def build_spec(args):
         mlflow_experiment=args.mlflow_experiment)
 
 
+def check_before_ray(args) -> str:
+    """Read the config and the space (missing or invalid files fail here, before Ray starts, in seconds) and say
+    how much of the space ``--samples`` trials cover; returns that line."""
+    from cluster.grid_design import coverage_text, spread_points
+    from cluster.search_space import load_space
+    from cluster.tune import absolute_plugin, load_plugins
+    from pipelines.config_load import load_config
+
+    if not args.config or not args.space:
+        raise ValueError("CONFIG and --space SPACE.yaml are required (or --resume SEARCH_DIR)")
+    space = load_space(args.space)
+    load_plugins([absolute_plugin(p) for p in args.plugins])  # a plugin may register the config's dataset
+    load_config(args.config, args.overrides)
+    if args.samples < 1:
+        raise ValueError(f"--samples {args.samples}: expected at least 1 trial")
+    return coverage_text(space, args.samples, spread_points(space, args.samples, args.seed))
+
+
 def run(args) -> int:
     from cluster.tune import _ensure_ray, resume_search, run_search
 
@@ -84,6 +102,7 @@ def run(args) -> int:
         if args.resume:
             outcome = resume_search(args.resume, address=args.address)
         else:
+            print(check_before_ray(args), file=sys.stderr)
             _ensure_ray(args.address)  # default resources depend on the cluster (GPUs, CPUs)
             outcome = run_search(build_spec(args), address=args.address)
     except (ValueError, KeyError, FileNotFoundError, FileExistsError, ModuleNotFoundError) as error:
