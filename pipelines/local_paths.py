@@ -81,4 +81,31 @@ def absolute_config(config: Any) -> Any:
         "initial_model": absolute_location(config.initial_model), "output": output})
 
 
-__all__ = ["absolute_config", "absolute_location", "config_paths", "is_local_path", "local_config_paths"]
+def check_overridden_roots(before: Any, after: Any) -> None:
+    """Raise ValueError naming each ``--set`` that changed a pool's ``root`` where no stage reads data from it: the
+    pool's dataset generates its images (e.g. glyphs: root is only its cache folder), so the override would be
+    silently ignored. ``before`` / ``after``: the scenario validated without / with the overrides."""
+    from compat_core.data import dataset_info
+
+    pools = {"data": after.data, "evaluation.query_set": after.evaluation.query_set,
+             "evaluation.gallery_set": after.evaluation.gallery_set}
+    pools.update({f"pretrain[{i}].pool": spec.pool for i, spec in enumerate(after.pretrain)})
+    old, new = config_paths(before), config_paths(after)
+    problems = []
+    for key, pool in pools.items():
+        root_key = f"{key}.root"
+        if new.get(root_key) == old.get(root_key) or root_key not in new:
+            continue
+        try:
+            generated = dataset_info(pool.dataset).generated
+        except KeyError:
+            continue  # an unknown dataset is reported by validation / the data check
+        if generated:
+            problems.append(f"--set {root_key}={new[root_key]}: no stage reads data from it: dataset "
+                            f"{pool.dataset!r} generates its images (root is only its cache folder; set "
+                            f"{key}.options.cache_dir to move the cache)")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+__all__ = ["check_overridden_roots", "absolute_config", "absolute_location", "config_paths", "is_local_path", "local_config_paths"]

@@ -50,3 +50,21 @@ def test_absolute_location_leaves_uris_alone(tmp_path, monkeypatch):
     for uri in ("s3://b/k", "models:/m/1", "runs:/abc/model", "pretrain:p1", "http://h:1/x"):
         assert absolute_location(uri) == uri and not is_local_path(uri)
     assert absolute_location(None) is None
+
+
+def test_a_root_override_no_stage_reads_is_refused_naming_the_key(tmp_path, monkeypatch):
+    import pytest
+
+    from pipelines.config_load import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text(CONFIG.replace("root: data/glyphs", "options: {style: target}"))
+    with pytest.raises(ConfigError, match=r"--set data\.root=/nonexistent: no stage reads data from it: dataset "
+                                          r"'glyphs' generates its images"):
+        load_config("c.yaml", ["data.root=/nonexistent"])
+    with pytest.raises(ConfigError, match=r"--set evaluation\.gallery_set\.root=/elsewhere"):
+        load_config("c.yaml", ["evaluation.gallery_set.root=/elsewhere"])
+    assert not os.path.exists("/nonexistent")
+    # a dataset read from its root takes the override (whether the folder exists is the data check's job)
+    config = load_config("c.yaml", ["data={dataset: cifar100, split: train, root: cifar}"])
+    assert config.data.root == str(tmp_path / "cifar")
