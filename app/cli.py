@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "eval",
     "report",
     "compare",
+    "ui",
     "theory",
     "submit",
     "status",

@@ -743,9 +743,9 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
                               f"`compat tune --resume {spec.experiment_path}` or choose another --name")
     _ensure_ray(address)
     if spec.tracking_uri is None:
-        from cluster.tracking import default_tracking_uri
+        from cluster.tracking_store import default_tracking_uri
 
-        spec.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(spec.experiment_path)
+        spec.tracking_uri = default_tracking_uri()  # MLFLOW_TRACKING_URI, else the machine's one store
     if spec.tracking_uri.startswith("sqlite:///"):
         Path(spec.tracking_uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     experiment_id, spec.parent_run_id = open_search_run(spec)

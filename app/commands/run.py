@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "runs you compare (e.g. ER and d-Simplex-HOC) in one experiment")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking: sqlite:///PATH or http(s)://HOST:PORT; 'none' disables it; default: "
-                             "$MLFLOW_TRACKING_URI, else SQLite mlflow.db in the folder holding a local run "
-                             "directory (runs/mlflow.db for runs/NAME), shared by the runs kept there")
+                             "$MLFLOW_TRACKING_URI, else the machine's one store (~/.local/share/compat/mlflow; "
+                             "`compat ui` shows it)")
 
 
 def resolve_run(args) -> tuple[object, str]:

@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus-per-trial", type=float, help="CPUs per trial (default: the config's finetune "
                                                              "resources, shared fractionally on small machines)")
     parser.add_argument("--gpus-per-trial", type=float, help="GPUs per trial (default: 1 when Ray has GPUs)")
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or SQLite in the "
-                                               "search directory)")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else the "
+                                               "machine's one store; see compat ui)")
     parser.add_argument("--mlflow-experiment", help="MLflow experiment name (default: <scenario>-search)")
     parser.add_argument("--plugin", dest="plugins", action="append", default=[], metavar="MODULE[:FUNC]",
                         help="module or PATH.py imported in every trial (registers extra datasets/methods); "
