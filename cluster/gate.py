@@ -177,18 +177,22 @@ def _with_adapter(kind: str, old: dict, new: dict, seed: int) -> tuple[Any, dict
 
 
 def _options_on_refusal(old: dict, new: dict, config: Any, metric: str, self_old: float, strict: bool,
-                        seed: int) -> tuple[dict, list[str]]:
-    """What the team can do: each adapter's verdict, and the re-indexed fraction that reaches the self-test."""
+                        seed: int, log: Callable[[str], None] = print) -> tuple[dict, list[str]]:
+    """What the team can do: each adapter's verdict, and the re-indexed fraction that reaches the self-test; one
+    progress line per adapter and per curve point through ``log`` (fitting them takes minutes on a large set)."""
     from compat_core.adapters import ADAPTER_KINDS
     from compat_core.backfill import backfill_curve, backfill_order
     from compat_core.metrics import upgrade_verdict
 
     options: dict[str, Any] = {"adapters": {}}
     advice = []
-    for kind in ADAPTER_KINDS:
+    for number, kind in enumerate(ADAPTER_KINDS, 1):
+        started = time.monotonic()
         _, query, gallery = _with_adapter(kind, old, new, seed)
         value = _entry(query, gallery, config, metric)
         verdict = upgrade_verdict(value, self_old, strict=strict)
+        log(f"gate: adapter {number}/{len(ADAPTER_KINDS)} {kind}: M(new, old) {value:.4f} "
+            f"({'passes' if verdict['compatible'] else 'fails'}) in {time.monotonic() - started:.1f} s")
         options["adapters"][kind] = {"cross": value, "compatible": verdict["compatible"], "margin": verdict["margin"]}
     passing = [kind for kind, item in options["adapters"].items() if item["compatible"]]
     if passing:
@@ -199,9 +203,13 @@ def _options_on_refusal(old: dict, new: dict, config: Any, metric: str, self_old
         advice.append("no adapter makes the candidate compatible on this set "
                       + ", ".join(f"{k} {v['cross']:.4f}" for k, v in options["adapters"].items()))
     labels = 2 if config.evaluation.label_level == "coarse" else 1
+
+    def point(fraction: float, values: dict) -> None:
+        log(f"gate: backfill curve {fraction:.0%} re-embedded: {metric} {values[metric]:.4f}")
+
     curve = backfill_curve(new["query"][0], new["query"][labels], old["gallery"][0], new["gallery"][0],
                            new["gallery"][labels], backfill_order(len(new["gallery"][1]), "random", seed),
-                           metrics=(metric,))
+                           metrics=(metric,), on_point=point)
     options["backfill_random"] = curve
     needed = next((f for f, v in zip(curve["fraction"], curve[metric]) if (v > self_old if strict else v >= self_old)),
                   None)
@@ -243,9 +251,13 @@ def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: 
     champion = version_by_alias(client, model, alias)
     result = GateResult(model, alias, str(candidate_version.version), str(champion.version) if champion else None,
                         "", "", metric, strict, adapter)
+    started_ms = int(time.time() * 1000)
     if champion is None:
         result.decision, result.reason = ("dry-run-pass" if dry_run else "promoted"), (
-            f"alias {alias!r} is not set: the candidate becomes the first {alias}")
+            f"first promotion: alias {alias!r} of {model!r} is not set, so there is no {alias} to be compatible with; "
+            f"the candidate {'would become' if dry_run else 'becomes'} the first {alias} without a compatibility test")
+        result.advice = [f"no {alias} existed: nothing was evaluated; every later candidate is gated against "
+                         f"version {candidate_version.version}"]
     elif str(champion.version) == str(candidate_version.version):
         result.decision, result.reason = "refused", f"version {candidate} is already behind alias {alias!r}"
     else:
@@ -276,14 +288,16 @@ def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: 
         else:
             result.decision = "dry-run-refuse" if dry_run else "refused"
             result.reason = f"not compatible: {what} is not {sign} M(old, old) = {numbers['self_old']:.4f}"
+            log("gate: refused; measuring the options (each adapter, then a backfilling curve)")
             result.options, result.advice = _options_on_refusal(old, new, config, metric, numbers["self_old"],
-                                                                strict, config.seed)
+                                                                strict, config.seed, log)
         result.fitted_adapter = fitted  # type: ignore[attr-defined]
-    _record(client, experiment, result, candidate_version, champion, dry_run)
+    _record(client, experiment, result, candidate_version, champion, dry_run, started_ms)
     return result
 
 
-def _record(client: Any, experiment: str, result: GateResult, candidate: Any, champion: Any, dry_run: bool) -> None:
+def _record(client: Any, experiment: str, result: GateResult, candidate: Any, champion: Any, dry_run: bool,
+            started_ms: int | None = None) -> None:
     """Gate run (tags, metrics, decision.json, adapter file), version tags, then the alias move."""
     from mlflow.entities import Metric
 
@@ -294,10 +308,12 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
             "candidate_version": result.candidate_version, "previous_version": result.champion_version or "",
             "new_version": result.candidate_version if moved else (result.champion_version or ""),
             "decision": result.decision, "reason": result.reason[:4000], "metric": result.metric,
-            "strict": str(result.strict).lower(), "adapter": result.adapter or "", "dry_run": str(dry_run).lower()}
+            "strict": str(result.strict).lower(), "adapter": result.adapter or "", "dry_run": str(dry_run).lower(),
+            "first_promotion": str(champion is None).lower()}
     if moved:
         tags[MOVE_STATE] = "intended"
-    run = client.create_run(_experiment_id(client, experiment), tags=tags,
+    # the run spans the whole gate (features, adapters, curve), not only this recording
+    run = client.create_run(_experiment_id(client, experiment), start_time=started_ms, tags=tags,
                             run_name=f"gate-{result.model}-v{result.candidate_version}")
     result.run_id = run.info.run_id
     now = int(time.time() * 1000)
@@ -310,8 +326,12 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
         metrics.append(Metric(f"option/{kind}/cross", float(item["cross"]), now, 0))
     curve = result.options.get("backfill_random")
     if curve:
+        # step = percent of the gallery re-embedded; the percentage is also a metric of its own with the same
+        # steps, so the MLflow chart can use it as the x-axis by name ("backfill/percent_reembedded")
         for fraction, value in zip(curve["fraction"], curve[result.metric]):
-            metrics.append(Metric(f"backfill/random/{result.metric}", float(value), now, int(round(100 * fraction))))
+            percent = int(round(100 * fraction))
+            metrics.append(Metric(f"backfill/random/{result.metric}", float(value), now, percent))
+            metrics.append(Metric("backfill/percent_reembedded", float(percent), now, percent))
     if metrics:
         client.log_batch(run.info.run_id, metrics=metrics, synchronous=True)
     with tempfile.TemporaryDirectory(prefix="compat-gate-") as folder:
@@ -320,9 +340,11 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
         fitted = getattr(result, "fitted_adapter", None)
         if fitted is not None:
             Path(folder, f"adapter-{result.adapter}.safetensors").write_bytes(save_adapter(fitted))
+        if curve:
+            _plot_backfill(curve, result.metric, Path(folder, "backfill.png"))
         client.log_artifacts(run.info.run_id, folder, "gate")
     if not moved:
-        client.set_terminated(run.info.run_id, "FINISHED")
+        client.set_terminated(run.info.run_id, "FINISHED", end_time=int(time.time() * 1000))
     _pause_point("intent")
     prefix = f"gate.{result.alias}"
     client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.decision", result.decision)
@@ -339,7 +361,25 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
             client.set_model_version_tag(result.model, champion.version, f"{prefix}.replaced_by",
                                          result.candidate_version)
         client.set_tag(run.info.run_id, MOVE_STATE, "confirmed")
-        client.set_terminated(run.info.run_id, "FINISHED")
+        client.set_terminated(run.info.run_id, "FINISHED", end_time=int(time.time() * 1000))
+
+
+def _plot_backfill(curve: dict, metric: str, path: Path) -> None:
+    """The backfilling curve as a picture: x = percent of the gallery re-embedded, y = the metric (fraction)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(5, 3.5))
+    axes.plot([100 * f for f in curve["fraction"]], curve[metric], marker="o")
+    axes.set_xlabel("gallery re-embedded with the candidate (%)")
+    axes.set_ylabel(f"{metric} (fraction)")
+    axes.set_title("backfilling curve (random order)")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
 
 
 def alias_history(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, experiment: str = GATE_EXPERIMENT,
@@ -368,9 +408,20 @@ def alias_history(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, exp
     return rows
 
 
+def refusal_of(history: list[dict], version: str) -> dict | None:
+    """The gate's latest decision on ``version`` when it was a refusal (a later promotion clears it), else None."""
+    decisions = [row for row in history if row["action"] == "gate" and row["candidate_version"] == str(version)
+                 and row["decision"] in ("promoted", "refused")]
+    return decisions[-1] if decisions and decisions[-1]["decision"] == "refused" else None
+
+
 def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_version: str | None = None,
-             reason: str = "", experiment: str = GATE_EXPERIMENT, registry_uri: str | None = None) -> dict:
-    """Move ``alias`` back to the version it pointed to before its last move (or to ``to_version``); recorded."""
+             reason: str = "", experiment: str = GATE_EXPERIMENT, registry_uri: str | None = None,
+             force: bool = False) -> dict:
+    """Move ``alias`` back to the version it pointed to before its last move (or to ``to_version``); recorded.
+
+    A target the gate refused (its latest gate decision) is installed only with ``force``, recorded as forced
+    (tag ``forced`` on the rollback run, the refusal's run id in ``overrides_refusal``); otherwise ValueError."""
     from cluster.registry import version_by_alias
 
     client = _client(tracking_uri, registry_uri)
@@ -386,11 +437,19 @@ def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_versi
                              f"{current.version} with a previous version; give the target with --to VERSION")
         to_version = moves[-1]["previous_version"]
     target = _version(client, model, to_version)
+    refused = refusal_of(alias_history(tracking_uri, model, alias, experiment, registry_uri), str(target.version))
+    if refused is not None and not force:
+        raise ValueError(f"registered model {model!r}: the gate refused version {target.version} for alias {alias!r} "
+                         f"on {refused['time']} UTC ({refused['reason']}; gate run {refused['run_id']}); installing "
+                         f"it breaks compatibility with the gallery; add --force to roll back to it anyway (recorded)")
     tags = {"run_role": "gate", "action": "rollback", "registered_model": model, "alias": alias,
             "candidate_version": str(target.version), "previous_version": str(current.version),
             "new_version": str(target.version), "decision": "rolled-back",
             "reason": (reason or f"rollback of alias {alias!r} from version {current.version} to {target.version}"),
-            MOVE_STATE: "intended"}
+            MOVE_STATE: "intended", "forced": str(refused is not None).lower()}
+    if refused is not None:
+        tags["overrides_refusal"] = refused["run_id"]
+        tags["reason"] = f"FORCED over the gate's refusal (run {refused['run_id']}): {tags['reason']}"
     run = client.create_run(_experiment_id(client, experiment), tags=tags,
                             run_name=f"rollback-{model}-v{current.version}-to-v{target.version}")
     _pause_point("intent")
@@ -401,7 +460,7 @@ def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_versi
     client.set_tag(run.info.run_id, MOVE_STATE, "confirmed")
     client.set_terminated(run.info.run_id, "FINISHED")
     return {"model": model, "alias": alias, "from_version": str(current.version), "to_version": str(target.version),
-            "run_id": run.info.run_id}
+            "run_id": run.info.run_id, "forced": refused is not None}
 
 
 __all__ = ["GateResult", "run_gate", "alias_history", "rollback", "reconcile_moves", "GATE_EXPERIMENT",

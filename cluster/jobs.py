@@ -56,6 +56,7 @@ class SubmitOutcome:
     submitted: bool
     attempt: int
     message: str = ""
+    output: str = ""
 
 
 def project_root() -> Path:
@@ -63,17 +64,26 @@ def project_root() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
-def job_client(address: str | None):
+def job_client(address: str | None, token_file: str | None = None):
     """JobSubmissionClient for ``address`` (``http(s)://HOST:8265``; None: Ray's RAY_ADDRESS / RAY_API_SERVER_ADDRESS
-    variables). Token authentication headers are added by Ray from its standard variables."""
+    variables). A token-protected head is authenticated with the token from Ray's standard places or ``token_file``
+    (cluster.ray_auth; Ray's client adds the header, the token is never printed); a head that wants a token when
+    none is available is refused with the fix before any request."""
+    import os
+
     from ray.job_submission import JobSubmissionClient
+
+    from cluster.ray_auth import prepare_client_auth, require_token_if_needed
 
     if address is not None and not address.startswith(("http://", "https://")):
         raise ValueError(f"--address {address!r}: expected the cluster's job server, http(s)://HOST:8265")
-    if address is not None:
+    source = prepare_client_auth(token_file)
+    resolved = address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
+    if resolved and resolved.startswith(("http://", "https://")):
         from cluster.reach import require_reachable
 
-        require_reachable(address, "Ray job server", 8265)
+        require_reachable(resolved, "Ray job server", 8265)
+        require_token_if_needed(resolved, source)
     return JobSubmissionClient(address)
 
 
@@ -205,19 +215,25 @@ def pipeline_entrypoint(output: str | None, config_file: str = "scenario.yaml", 
 
 def submit_pipeline(config: Any, address: str | None, output: str | None = None, wait: bool = False,
                     follow: bool = False, timeout_s: float | None = None, stream: TextIO | None = None,
-                    executor: str = "ray", python: str | None = None) -> SubmitOutcome:
+                    executor: str = "ray", python: str | None = None,
+                    shared_filesystem: bool = False, token_file: str | None = None) -> SubmitOutcome:
     """Submit a validated scenario as a Ray Job (no-op when already pending/running/succeeded).
 
-    output: run directory as seen from the cluster (s3://... for a multi-node cluster; default: the config's
-    output.dir, relative to the job's working folder). wait: block until the job ends; follow: print its logs
+    output: run directory (s3://... for a multi-node cluster; default: the config's output.dir); local paths are
+    made absolute here, where the user typed them, and refused when the head is on another machine unless
+    ``shared_filesystem`` says every node mounts them at the same place (:func:`require_paths_reachable`). wait: block until the job ends; follow: print its logs
     meanwhile. python: the job's interpreter (None: the submitting one when the node has it, see
     :func:`python_command`). Returns the outcome, with the final status when waiting.
     """
     from pipelines.config_load import config_hash, dump_config
+    from pipelines.local_paths import absolute_config, absolute_location
 
     stream = stream or sys.stdout
-    output = output or config.output_dir()
-    client = job_client(address)
+    config = absolute_config(config)
+    output = absolute_location(output or config.output_dir())
+    if not shared_filesystem:
+        require_paths_reachable(config, output, address)
+    client = job_client(address, token_file)
     base_id = submission_id_for(config, output)
     with tempfile.TemporaryDirectory(prefix="compat-submit-") as staging:
         Path(staging, "scenario.yaml").write_text(dump_config(config))
@@ -227,10 +243,36 @@ def submit_pipeline(config: Any, address: str | None, output: str | None = None,
             metadata={"compat_scenario": str(config.name), "compat_config_hash": config_hash(config)[:16],
                       "compat_output": str(output)},
         )
+    outcome.output = output
     print(outcome.message, file=stream)
     if wait:
         outcome.status = wait_for(client, outcome.submission_id, timeout_s=timeout_s, follow=follow, stream=stream)
     return outcome
+
+
+def require_paths_reachable(config: Any, output: str, address: str | None) -> None:
+    """Raise ValueError naming each local path (run directory, data roots, shared store) of a job for a head on
+    another machine, with the fix (an ``s3://`` location, or ``--shared-filesystem`` when every node mounts it).
+    A head on this machine (loopback, this host's name or address) reaches local paths and passes."""
+    import os
+
+    from cluster.reach import host_port, is_this_machine
+    from pipelines.local_paths import is_local_path, local_config_paths
+
+    address = address or os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_API_SERVER_ADDRESS")
+    if not address:
+        return  # job_client reports the missing address
+    host, _ = host_port(address, 8265)
+    if is_this_machine(host):
+        return
+    local = {"--output": output} if is_local_path(output) else {}
+    local.update({key: value for key, value in local_config_paths(config).items() if key != "output.dir"})
+    if local:
+        listed = ", ".join(f"{key} {value}" for key, value in local.items())
+        raise ValueError(
+            f"the head at {host} is another machine and cannot reach this machine's paths ({listed}); give an "
+            f"s3:// location (e.g. --output s3://BUCKET/runs/{config.name}, --set data.root=s3://BUCKET/...) or, "
+            f"when every node mounts these paths at the same place, add --shared-filesystem")
 
 
 def wait_for(client, submission_id: str, timeout_s: float | None = None, poll_s: float = 1.0, follow: bool = False,

@@ -26,3 +26,32 @@ def require_reachable(address: str, what: str, default_port: int, timeout_s: flo
         raise ConnectionError(
             f"cannot reach the {what} at {host}:{port} within {timeout_s:g} s ({error.strerror or error}); check "
             f"--address, that the cluster is running and that this machine may connect to that port") from None
+
+
+def is_this_machine(host: str) -> bool:
+    """True when ``host`` names this machine: a loopback address or name, this machine's hostname, or an address
+    of one of its interfaces (as far as the resolver knows them)."""
+    import ipaddress
+
+    def addresses(name: str) -> set[str]:
+        try:
+            return {info[4][0] for info in socket.getaddrinfo(name, None)}
+        except OSError:
+            return set()
+
+    targets = addresses(host) or {host}
+    for address in targets:
+        try:
+            if ipaddress.ip_address(address.split("%")[0]).is_loopback:
+                return True
+        except ValueError:
+            continue
+    hostname = socket.gethostname()
+    own = addresses(hostname) | addresses(socket.getfqdn()) | {hostname, socket.getfqdn()}
+    try:  # the address this machine uses for outgoing traffic (no packet is sent by a UDP connect)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((next(iter(targets)), 9))
+            own.add(probe.getsockname()[0])
+    except (OSError, StopIteration):
+        pass
+    return bool(targets & own)

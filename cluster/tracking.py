@@ -287,16 +287,17 @@ class NullTracker(Tracker):
 
 
 def create_tracker(uri: str | None, run_dir: str | os.PathLike | None = None, **options: Any) -> Tracker:
-    """``"none"`` -> NullTracker; None -> MLFLOW_TRACKING_URI, else the project store next to ``run_dir``
-    (:func:`project_tracking_uri`); else that URI."""
+    """``"none"`` -> NullTracker; None -> MLFLOW_TRACKING_URI, else the machine's one store
+    (cluster.tracking_store: every compat command of the machine in one MLflow UI); else that URI. run_dir is
+    accepted for callers that name the run; the store no longer depends on it."""
+    from cluster.tracking_store import default_tracking_uri as machine_default
+
     if uri == "none":
         return NullTracker()
     if uri is None:
         tracking_credentials_from_environment()
         uri = os.environ.get("MLFLOW_TRACKING_URI") or None
-    if uri is None and run_dir is None:
-        raise ValueError("tracking URI: give a tracking URI or the run directory that holds the default SQLite db")
-    return MlflowTracker(uri or project_tracking_uri(run_dir), **options)
+    return MlflowTracker(uri or machine_default(), **options)
 
 
 # ---- MLflow --------------------------------------------------------------------------------------------------------
@@ -714,6 +715,11 @@ class MlflowTracker(Tracker):
                 if name.endswith(".png"):
                     Path(folder, name).write_bytes(cio.read_bytes(self.store.uri(name)))
             self.client.log_artifacts(self.parent_run_id, folder, "results")
+            from cluster.tracking_ui import link_model_versions, log_comparable_images, show_headline_in_name
+
+            log_comparable_images(self.client, self.parent_run_id, folder)
+        show_headline_in_name(self.client, self.parent_run_id, metrics)
+        link_model_versions(self.client, self.parent_run_id, self.model_name, self.pipeline_id)
         self.client.set_tag(self.parent_run_id, "results_sha256", digest)
 
     def _log_matrix_table(self) -> None:

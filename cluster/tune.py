@@ -743,12 +743,23 @@ def make_sampler(space, seed: int):
     return optuna.samplers.TPESampler(seed=seed)
 
 
+def optuna_searcher(space, samples: int, seed: int):
+    """Ray Tune's OptunaSearch for ``space`` (maximising the objective) with :func:`make_sampler`'s sampler; a
+    budget smaller than a finite grid enqueues a spread-out, seeded choice of grid points as its trials
+    (cluster.grid_design) instead of letting the enumeration spend it in one corner of the grid."""
+    from ray.tune.search.optuna import OptunaSearch
+
+    from cluster.grid_design import spread_points
+
+    return OptunaSearch(space=space, metric=OBJECTIVE_KEY, mode="max", sampler=make_sampler(space, seed),
+                        points_to_evaluate=spread_points(space, samples, seed) or None)
+
+
 def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: list | None = None) -> SearchOutcome:
     """Start a new search described by ``spec`` (search.json written first), run it to the end or an interruption."""
     import ray.tune as tune
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search import ConcurrencyLimiter
-    from ray.tune.search.optuna import OptunaSearch
 
     from cluster.search_space import parse_space
 
@@ -767,9 +778,9 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
                               f"`compat tune --resume {spec.experiment_path}` or choose another --name")
     _ensure_ray(address)
     if spec.tracking_uri is None:
-        from cluster.tracking import default_tracking_uri
+        from cluster.tracking_store import default_tracking_uri
 
-        spec.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(spec.experiment_path)
+        spec.tracking_uri = default_tracking_uri()  # MLFLOW_TRACKING_URI, else the machine's one store
     from cluster.tracking import check_tracking_uri
 
     spec.tracking_uri = check_tracking_uri(spec.tracking_uri)  # never a password in search.json or trial params
@@ -778,9 +789,7 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
     experiment_id, spec.parent_run_id = open_search_run(spec)
     write_spec(spec)
 
-    searcher = ConcurrencyLimiter(OptunaSearch(space=space, metric=OBJECTIVE_KEY, mode="max",
-                                               sampler=make_sampler(space, spec.seed)),
-                                  max_concurrent=spec.concurrent)
+    searcher = ConcurrencyLimiter(optuna_searcher(space, spec.samples, spec.seed), max_concurrent=spec.concurrent)
     scheduler = None
     if spec.scheduler == "asha":
         first = first_reported_task(spec.objective)

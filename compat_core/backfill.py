@@ -12,7 +12,7 @@ so a team can order its backfill from what it already has. All accuracies are fr
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -59,13 +59,15 @@ def backfill_order(size: int, order: str, seed: int = 0, scores: Any = None) -> 
 
 def backfill_curve(query_new: Any, query_labels: Any, gallery_old: Any, gallery_new: Any, gallery_labels: Any,
                    order: np.ndarray, fractions: Sequence[float] = DEFAULT_FRACTIONS,
-                   metrics: Sequence[str] = ("recall_at_1", "map")) -> dict[str, list[float]]:
+                   metrics: Sequence[str] = ("recall_at_1", "map"),
+                   on_point: Callable[[float, dict[str, float]], None] | None = None) -> dict[str, list[float]]:
     """Accuracy of new queries on the partly re-embedded gallery at each fraction.
 
     gallery_old: old-model (or already transformed) gallery features in the new model's space; gallery_new: the
     new model's features of the same images; order: the re-embedding order (:func:`backfill_order`). Returns
     ``{"fraction": [...], "recall_at_1": [...], "map": [...]}`` (fractions in [0, 1]; the first ``round(f * N)``
-    items of ``order`` are re-embedded at fraction ``f``).
+    items of ``order`` are re-embedded at fraction ``f``). on_point(fraction, {metric: value}) is called after each
+    point (progress lines for long curves).
     """
     from compat_core import retrieval
 
@@ -97,6 +99,8 @@ def backfill_curve(query_new: Any, query_labels: Any, gallery_old: Any, gallery_
             else:
                 raise ValueError(f"backfill metric {name!r}: expected recall_at_1 or map")
             curve[name].append(float(value))
+        if on_point is not None:
+            on_point(float(fraction), {name: curve[name][-1] for name in metrics})
     return curve
 
 

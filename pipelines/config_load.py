@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from pipelines.config import MethodParams, ScenarioConfig, method_params_model, resolved_head
+from pipelines.local_paths import absolute_config, check_overridden_roots
 
 
 def apply_override(document: dict, assignment: str) -> None:
@@ -227,11 +228,26 @@ def read_document(path: str | os.PathLike) -> dict:
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> ScenarioConfig:
-    """Load, override (``key.sub=value``) and validate a scenario YAML; raises ConfigError listing every problem."""
+    """Load, override (``key.sub=value``) and validate a scenario YAML; raises ConfigError listing every problem.
+
+    Local paths (data roots, weights, output.dir, output.shared_store) come back absolute, resolved against the
+    current folder (pipelines.local_paths), so a Ray Job or a Tune trial running elsewhere writes where asked."""
     document = read_document(path)
+    original = copy.deepcopy(document)
     for assignment in overrides or []:
         apply_override(document, assignment)
-    return validate_config(document, source=os.fspath(path))
+    config = absolute_config(validate_config(document, source=os.fspath(path)))
+    if overrides:
+        try:
+            before = absolute_config(validate_config(original, source=os.fspath(path)))
+        except ConfigError:
+            before = None  # the file alone is incomplete; its overrides complete it
+        if before is not None:
+            try:
+                check_overridden_roots(before, config)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+    return config
 
 
 def config_to_dict(config: ScenarioConfig) -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -11,6 +12,14 @@ from local_services import MlflowServer, SeaweedS3Server  # tests/ is on sys.pat
 # before any Ray node or CLI subprocess starts, so those inherit it). tests/compat_core/test_calibration.py switches
 # calibration on against a temporary cache folder.
 os.environ["COMPAT_CALIBRATION"] = "off"
+# the machine's MLflow store (cluster.tracking_store) of tests is never the user's: a session folder, and a folder of
+# its own per test (autouse fixture below) so that tests counting runs see only their own
+os.environ["COMPAT_HOME"] = tempfile.mkdtemp(prefix="compat-home-tests-")
+
+
+@pytest.fixture(autouse=True)
+def _own_compat_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPAT_HOME", str(tmp_path / "compat-home"))
 
 
 @pytest.fixture(scope="session")

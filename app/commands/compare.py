@@ -1,7 +1,8 @@
 """``compat compare RUN_DIR... [--output DIR]``: one table and one plot across finished runs.
 
 Prints the table (run, method, T, AC, AA, ACA, BC, FC) and writes ``compare.md``, ``compare.csv`` (fractions) and
-``compare.png`` into ``--output`` (default: the current directory). Inputs are read by
+``compare.png`` into ``--output`` (default: ``compare-<names>`` in the folder that holds the compared runs, e.g.
+``runs/demo/compare-er-dsimplex-hoc``; printed). Inputs are read by
 :func:`pipelines.reports.load_runs`, so any source registered in ``pipelines.reports.RUN_SOURCES`` (e.g. a search
 experiment directory) is accepted as well as run directories. Exit code 0 on success, 2 when an input cannot be read.
 """
@@ -18,8 +19,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Positional RUN_DIR... and --output DIR."""
     parser.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR",
                         help="run directories (config.yaml, matrix.json, metrics.json) or their eval-* variant folders")
-    parser.add_argument("--output", type=Path, default=Path("."), metavar="DIR",
-                        help="where compare.md, compare.csv and compare.png go; default: current directory")
+    parser.add_argument("--output", type=Path, default=None, metavar="DIR",
+                        help="where compare.md, compare.csv and compare.png go; default: compare-<names> in the "
+                             "folder holding the compared runs (printed)")
+
+
+def default_output(run_dirs: list[Path]) -> Path:
+    """``<common parent of the inputs>/compare-<their names>`` (names joined by '-', at most 80 characters)."""
+    import os
+
+    folders = [Path(os.path.abspath(path)) for path in run_dirs]
+    parent = Path(os.path.commonpath([str(folder.parent) for folder in folders]))
+    names = "-".join(folder.name for folder in folders)[:80].rstrip("-") or "runs"
+    return parent / f"compare-{names}"
 
 
 def register_run_sources() -> None:
@@ -38,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     register_run_sources()
     try:
         summaries = load_runs(args.run_dirs)
-        paths = write_compare(summaries, args.output)
+        paths = write_compare(summaries, args.output or default_output(args.run_dirs))
     except (FileNotFoundError, ValueError, KeyError) as error:
         print(f"compat compare: error: {error.args[0] if error.args else error}", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ By default both scenarios run on the embedded defaults of the product: this proc
 (all cores, bound to 127.0.0.1) and both workers attach to it as drivers, so Ray schedules the stages of both
 scenarios on the machine's cores (a core one scenario leaves idle, e.g. while its other stages wait for a model,
 runs the other's work). Each scenario keeps its own run folder and store; both are tracked in one MLflow
-experiment in ``<output>/mlflow.db``. ``--executor local`` runs the stages in-process instead.
+experiment in the machine's MLflow store (``compat ui``). ``--executor local`` runs the stages in-process instead.
 
 The three third-party models are trained once for both scenarios: both configs pre-train d-Simplex models
 (ER's entries say ``classifier: simplex``; ER adopts each with exactly its logits as a learnable head), so their
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ray (default): stages as actors on an embedded local Ray instance; local: in-process")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking for both runs; default: $MLFLOW_TRACKING_URI, else one SQLite "
-                             "mlflow.db in the --output folder; 'none' turns it off")
+                             "the machine's store (~/.local/share/compat/mlflow, see `compat ui`); 'none' turns it off")
     parser.add_argument("--experiment", default=None, metavar="NAME",
                         help="MLflow experiment of both runs, compared side by side (default: "
                              "$MLFLOW_EXPERIMENT_NAME, else compat-demo)")
@@ -128,12 +128,13 @@ def run(args) -> int:
 
     tracking_uri, experiment = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), None
     if tracking_uri != "none":
-        from cluster.tracking import create_tracker, default_tracking_uri
+        from cluster.tracking import create_tracker
+        from cluster.tracking_store import default_tracking_uri
 
         # both scenarios in one store and one experiment, so the MLflow UI compares them side by side; created here
         # once, before the workers start, so they never race on the database migration
         os.makedirs(args.output, exist_ok=True)
-        tracking_uri = tracking_uri or default_tracking_uri(args.output)
+        tracking_uri = tracking_uri or default_tracking_uri()  # the machine's store: one UI for every command
         experiment = args.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "compat-demo"
         create_tracker(tracking_uri, experiment=experiment)._experiment(experiment)
     started = time.perf_counter()

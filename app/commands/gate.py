@@ -9,13 +9,12 @@
   version it pointed to before its last move (or to ``--to``); recorded like a decision.
 
 The tracking server: ``--tracking-uri`` (``http(s)://HOST:PORT`` or ``sqlite:///PATH``), default
-``$MLFLOW_TRACKING_URI``. Numbers are fractions.
+``$MLFLOW_TRACKING_URI``, else the machine's store (cluster.tracking_store). Numbers are fractions.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 HELP = "compatibility gate on a registry alias: evaluate, promote only when compatible; history; rollback"
@@ -38,8 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="decide and record, never move the alias")
     parser.add_argument("--to", dest="to_version", metavar="VERSION", help="rollback target version")
     parser.add_argument("--reason", default="", help="rollback reason recorded in MLflow")
+    parser.add_argument("--force", action="store_true", help="rollback: install a version the gate refused "
+                                                             "(recorded as forced)")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
-                        help="MLflow tracking server (default: $MLFLOW_TRACKING_URI)")
+                        help="MLflow tracking server (default: $MLFLOW_TRACKING_URI, else the machine's store where "
+                             "compat run registers its models; see compat ui)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -73,10 +75,9 @@ def run(args: argparse.Namespace) -> int:
     if len(words) != 1:
         return _fail(f"expected exactly one MODEL after {action!r}, got {words}")
     model = words[0]
-    tracking_uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if not tracking_uri:
-        return _fail("--tracking-uri: give the MLflow server (http://HOST:PORT or sqlite:///PATH) or set "
-                     "MLFLOW_TRACKING_URI")
+    from cluster.tracking_store import default_tracking_uri
+
+    tracking_uri = args.tracking_uri or default_tracking_uri()  # MLFLOW_TRACKING_URI, else the machine's store
     try:
         if action == "history":
             rows = gate.alias_history(tracking_uri, model, args.alias)
@@ -91,10 +92,10 @@ def run(args: argparse.Namespace) -> int:
                       f"{' adapter ' + row['adapter'] if row['adapter'] else ''}{margin}  {row['reason']}")
             return 0
         if action == "rollback":
-            moved = gate.rollback(tracking_uri, model, args.alias, args.to_version, args.reason)
+            moved = gate.rollback(tracking_uri, model, args.alias, args.to_version, args.reason, force=args.force)
             print(json.dumps(moved) if args.json else
                   f"rolled back alias {args.alias!r} of {model}: v{moved['from_version']} -> v{moved['to_version']} "
-                  f"(recorded: run {moved['run_id']})")
+                  f"{'FORCED over the gate refusal ' if moved['forced'] else ''}(recorded: run {moved['run_id']})")
             return 0
         if not args.candidate or not args.config:
             return _fail("a gate needs --candidate VERSION and --config YAML (the held-out evaluation sets)")

@@ -29,14 +29,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "runs you compare (e.g. ER and d-Simplex-HOC) in one experiment")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking: sqlite:///PATH or http(s)://HOST:PORT; 'none' disables it; default: "
-                             "$MLFLOW_TRACKING_URI, else SQLite mlflow.db in the folder holding a local run "
-                             "directory (runs/mlflow.db for runs/NAME), shared by the runs kept there")
+                             "$MLFLOW_TRACKING_URI, else the machine's one store (~/.local/share/compat/mlflow; "
+                             "`compat ui` shows it)")
 
 
 def resolve_run(args) -> tuple[object, str]:
     """(validated config, run directory) from CONFIG / --resume / --output / --set."""
     from compat_core import io as cio
     from pipelines.config_load import ConfigError, load_config
+    from pipelines.local_paths import absolute_location
 
     if args.resume:
         config_path = args.config or cio.join(args.resume, "config.yaml")
@@ -50,7 +51,7 @@ def resolve_run(args) -> tuple[object, str]:
     config = load_config(config_path, args.overrides)
     if args.output:
         output = args.output
-    return config, output or config.output_dir()
+    return config, absolute_location(output or config.output_dir())
 
 
 def make_executor(kind: str = "local", address: str | None = None, emit=None, progress: bool = True,

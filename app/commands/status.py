@@ -12,20 +12,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("submission_id", nargs="?", help="job id printed by `compat submit` (default: list all)")
     parser.add_argument("--address", default=None, help="the cluster's job server, http(s)://HOST:8265 "
                                                          "(default: $RAY_ADDRESS)")
+    parser.add_argument("--ray-token-file", default=None, metavar="FILE",
+                        help="file holding the cluster's auth token (default: Ray's standard places, $RAY_AUTH_TOKEN, "
+                             "$RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; the token is never printed)")
 
 
 def run(args) -> int:
     from cluster.jobs import job_client, list_pipeline_jobs, status_name
 
     try:
-        client = job_client(args.address)
+        client = job_client(args.address, args.ray_token_file)
         if args.submission_id:
             info = client.get_job_info(args.submission_id)
             message = f" - {info.message}" if getattr(info, "message", None) else ""
             print(f"{args.submission_id}: {status_name(info.status)}{message}")
             return 0
         jobs = list_pipeline_jobs(client)
-    except (ValueError, ConnectionError, RuntimeError) as error:
+    except (ValueError, ConnectionError, RuntimeError, PermissionError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     if not jobs:

@@ -14,10 +14,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None,
                         help="the cluster's job server, http(s)://HOST:8265 (default: $RAY_ADDRESS); token auth via "
                              "RAY_AUTH_MODE=token + RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH (see docs/cluster.md)")
+    parser.add_argument("--ray-token-file", default=None, metavar="FILE",
+                        help="file holding the cluster's auth token (default: Ray's standard places, $RAY_AUTH_TOKEN, "
+                             "$RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; the token is never printed)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value (YAML-parsed; repeatable)")
-    parser.add_argument("--output", metavar="DIR", help="run directory as the cluster sees it (s3://... for a "
-                                                         "multi-node cluster); default: the config's output.dir")
+    parser.add_argument("--output", metavar="DIR", help="run directory: s3://BUCKET/PREFIX for a remote cluster; a "
+                                                         "local path (made absolute here) only for a head on this "
+                                                         "machine or with --shared-filesystem; default: the config's "
+                                                         "output.dir")
+    parser.add_argument("--shared-filesystem", action="store_true",
+                        help="every node mounts this machine's local paths (run directory, data roots) at the same "
+                             "place: submit them to a remote head as they are")
     parser.add_argument("--executor", choices=("ray", "local"), default="ray",
                         help="executor inside the job (default ray: stages spread over the cluster)")
     parser.add_argument("--python", default=None, metavar="PATH",
@@ -36,14 +44,16 @@ def run(args) -> int:
     try:
         config = load_config(args.config, args.overrides)
         outcome = submit_pipeline(config, args.address, output=args.output, wait=args.wait, follow=args.follow,
-                                  timeout_s=args.timeout, executor=args.executor, python=args.python)
+                                  timeout_s=args.timeout, executor=args.executor, python=args.python,
+                                  shared_filesystem=args.shared_filesystem, token_file=args.ray_token_file)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except (ConnectionError, TimeoutError, RuntimeError) as error:
+    except (ConnectionError, TimeoutError, RuntimeError, PermissionError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"submission id: {outcome.submission_id} ({outcome.status})")
+    print(f"run directory: {outcome.output}")
     if args.wait:
         return 0 if outcome.status == "SUCCEEDED" else 1
     return 0

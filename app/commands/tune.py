@@ -35,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpus-per-trial", type=float, help="CPUs per trial (default: the config's finetune "
                                                              "resources, shared fractionally on small machines)")
     parser.add_argument("--gpus-per-trial", type=float, help="GPUs per trial (default: 1 when Ray has GPUs)")
-    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or SQLite in the "
-                                               "search directory)")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else the "
+                                               "machine's one store; see compat ui)")
     parser.add_argument("--mlflow-experiment", help="MLflow experiment name (default: <scenario>-search)")
     parser.add_argument("--plugin", dest="plugins", action="append", default=[], metavar="MODULE[:FUNC]",
                         help="module or PATH.py imported in every trial (registers extra datasets/methods); "
@@ -78,6 +78,24 @@ def build_spec(args):
         mlflow_experiment=args.mlflow_experiment)
 
 
+def check_before_ray(args) -> str:
+    """Read the config and the space (missing or invalid files fail here, before Ray starts, in seconds) and say
+    how much of the space ``--samples`` trials cover; returns that line."""
+    from cluster.grid_design import coverage_text, spread_points
+    from cluster.search_space import load_space
+    from cluster.tune import absolute_plugin, load_plugins
+    from pipelines.config_load import load_config
+
+    if not args.config or not args.space:
+        raise ValueError("CONFIG and --space SPACE.yaml are required (or --resume SEARCH_DIR)")
+    space = load_space(args.space)
+    load_plugins([absolute_plugin(p) for p in args.plugins])  # a plugin may register the config's dataset
+    load_config(args.config, args.overrides)
+    if args.samples < 1:
+        raise ValueError(f"--samples {args.samples}: expected at least 1 trial")
+    return coverage_text(space, args.samples, spread_points(space, args.samples, args.seed))
+
+
 def run(args) -> int:
     from cluster.tune import _ensure_ray, resume_search, run_search
 
@@ -85,6 +103,7 @@ def run(args) -> int:
         if args.resume:
             outcome = resume_search(args.resume, address=args.address, plugins=args.plugins)
         else:
+            print(check_before_ray(args), file=sys.stderr)
             _ensure_ray(args.address)  # default resources depend on the cluster (GPUs, CPUs)
             outcome = run_search(build_spec(args), address=args.address)
     except (ValueError, KeyError, FileNotFoundError, FileExistsError, ModuleNotFoundError,

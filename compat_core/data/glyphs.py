@@ -662,6 +662,7 @@ def _check_positive_int(value, name: str, minimum: int = 1) -> int:
         "cache_dir": "folder of the rendered cache (overrides root)",
         "layout_seed": "seed of the class-to-pool assignment (default 0)",
     },
+    generated=True,
 )
 def load_glyphs(
     root: str | os.PathLike | None = None,

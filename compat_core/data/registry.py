@@ -49,6 +49,7 @@ class DatasetInfo:
     options: Mapping[str, str] = field(default_factory=dict)
     default_root: str | None = None
     loader: Callable[..., ImageSource] | None = field(default=None, repr=False, compare=False)
+    generated: bool = False  # images made by the reader itself: ``root`` is only where it caches them, no input
 
 
 def register_dataset(
@@ -59,11 +60,14 @@ def register_dataset(
     layout: str,
     options: Mapping[str, str] | None = None,
     default_root: str | None = None,
+    generated: bool = False,
 ):
-    """Decorator registering ``loader(root, split, **options) -> ImageSource`` under ``name`` with its description."""
+    """Decorator registering ``loader(root, split, **options) -> ImageSource`` under ``name`` with its description
+    (generated: the reader makes its images and reads no data from ``root``)."""
 
     def _register(loader: Callable[..., ImageSource]) -> Callable[..., ImageSource]:
-        info = DatasetInfo(name, summary, tuple(splits), layout, dict(options or {}), default_root, loader)
+        info = DatasetInfo(name, summary, tuple(splits), layout, dict(options or {}), default_root, loader,
+                           generated)
         DATASETS.register(name, info)
         return loader
 

@@ -3,7 +3,9 @@ on the model versions a real tiny pipeline run registered there (with adapters a
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
 from app.cli import main  # noqa: E402
+from compat_core.backfill import DEFAULT_FRACTIONS  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +49,12 @@ def _json_tail(text: str):
     return json.loads("\n".join(lines[start:]))
 
 
+def _json_tail_of(argv: list[str], capsys):
+    capsys.readouterr()
+    assert main(argv) == 0
+    return _json_tail(capsys.readouterr().out)
+
+
 def _version_of_task(client, name, task_1based):
     return client.get_model_version_by_alias(name, f"task-{task_1based}").version
 
@@ -57,8 +66,10 @@ def test_gate_promotes_refuses_records_and_rolls_back(tracked_run, mlflow_server
     v1, v2 = _version_of_task(client, name, 1), _version_of_task(client, name, 2)
 
     # the first gate on an unset alias makes the candidate the champion
+    capsys.readouterr()
     assert main(["gate", name, "--candidate", str(v1), "--config", config] + uri) == 0
     assert client.get_model_version_by_alias(name, "champion").version == v1
+    assert "first promotion" in capsys.readouterr().out  # said, not silent: nothing was evaluated
 
     # task 2 against task 1: the decision and numbers equal the run's own matrix (C[1,0] vs C[0,0])
     matrix = json.loads((run_dir / "matrix.json").read_text())["values"]
@@ -87,9 +98,21 @@ def test_gate_promotes_refuses_records_and_rolls_back(tracked_run, mlflow_server
     # non-strict (>=) promotes
     source = client.get_model_version(name, champion_now)
     twin = client.create_model_version(name, source.source, run_id=source.run_id).version
+    started = time.time()
     assert main(["gate", name, "--candidate", str(twin), "--config", config] + uri) == 1
-    out = capsys.readouterr().out
+    wall_ms = 1000 * (time.time() - started)
+    captured = capsys.readouterr()
+    out = captured.out
     assert "not compatible" in out and "what to do" in out
+    # a progress line per adapter and per backfill point; the run lasts the whole gate; the curve's x is percent
+    assert len(re.findall(r"^gate: adapter \d/5 \w+: M\(new, old\)", captured.err, flags=re.M)) == 5
+    assert len(re.findall(r"^gate: backfill curve \d+% re-embedded", captured.err, flags=re.M)) == \
+        len(DEFAULT_FRACTIONS)
+    refused_run = client.get_run(client.get_model_version(name, twin).tags["gate.champion.run_id"])
+    assert refused_run.info.end_time - refused_run.info.start_time >= 0.5 * wall_ms
+    percent = client.get_metric_history(refused_run.info.run_id, "backfill/percent_reembedded")
+    assert sorted((m.step, m.value) for m in percent) == [(round(100 * f), round(100 * f)) for f in DEFAULT_FRACTIONS]
+    assert "gate/backfill.png" in [a.path for a in client.list_artifacts(refused_run.info.run_id, "gate")]
     assert client.get_model_version_by_alias(name, "champion").version == champion_now
     assert main(["gate", name, "--candidate", str(twin), "--config", config, "--non-strict"] + uri) == 0
     assert client.get_model_version_by_alias(name, "champion").version == twin
@@ -105,6 +128,19 @@ def test_gate_promotes_refuses_records_and_rolls_back(tracked_run, mlflow_server
     capsys.readouterr()
     assert main(["gate", "history", name] + uri) == 0
     assert "rollback" in capsys.readouterr().out.splitlines()[-1]
+
+    # a version the gate refused is installed by a rollback only with --force, and that is recorded
+    refused = client.create_model_version(name, source.source, run_id=source.run_id).version
+    assert main(["gate", name, "--candidate", str(refused), "--config", config] + uri) == 1
+    capsys.readouterr()
+    assert main(["gate", "rollback", name, "--to", str(refused)] + uri) == 2
+    assert f"the gate refused version {refused}" in capsys.readouterr().err
+    assert client.get_model_version_by_alias(name, "champion").version == champion_now
+    assert main(["gate", "rollback", name, "--to", str(refused), "--force"] + uri) == 0
+    assert "FORCED" in capsys.readouterr().out
+    assert client.get_model_version_by_alias(name, "champion").version == refused
+    forced = _json_tail_of(["gate", "history", name, "--json"] + uri, capsys)[-1]
+    assert forced["action"] == "rollback" and forced["reason"].startswith("FORCED over the gate's refusal")
 
 
 def test_adapters_of_the_run_are_registered_and_bad_gate_input_is_refused(tracked_run, mlflow_server, capsys):

@@ -282,9 +282,10 @@ def sqlite_run(tmp_path_factory):
 
 def test_default_sqlite_run_holds_parent_nested_runs_metrics_and_tags(sqlite_run):
     run_dir, graph, store, tracker = sqlite_run
-    # the project store: mlflow.db in the folder holding the run directory, shared by the runs kept there
-    store_file = run_dir.resolve().parent / "mlflow.db"
-    assert tracker.tracking_uri == f"sqlite:///{store_file}" and store_file.is_file()
+    # the machine's one store (COMPAT_HOME), never a file in or next to the run folder
+    store_file = Path(tracker.tracking_uri[len("sqlite:///"):])
+    assert store_file.parts[-2:] == ("mlflow", "mlflow.db") and store_file.is_file()
+    assert not (run_dir / "mlflow.db").exists() and not (run_dir.parent / "mlflow.db").exists()
     client = tracker.client
     experiment = client.get_experiment_by_name("track-demo")
     runs = client.search_runs([experiment.experiment_id])
@@ -377,7 +378,7 @@ def test_resumed_pipeline_reuses_runs_and_versions(sqlite_run, monkeypatch):
     # resumed as a Ray Job: Ray hands the driver its submission id in the job config metadata
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(
         {"runtime_env": {}, "metadata": {"job_submission_id": "compat-track-demo-0123456789ab"}}))
-    _, _, again = run_tracked(run_dir, None, monkeypatch)
+    _, _, again = run_tracked(run_dir, tracker.tracking_uri, monkeypatch)  # the store the first run used
     after = client.search_runs([experiment_id])
     assert {r.info.run_id for r in after} == before
     assert len(client.search_model_versions(f"name = '{name}'")) == versions_before
@@ -417,3 +418,31 @@ def test_tracker_refuses_records_before_start(tmp_path):
     tracker = MlflowTracker("http://127.0.0.1:9")  # never contacted: the record is refused first
     with pytest.raises(RuntimeError, match="before start"):
         tracker(json.loads("{}"))
+
+
+def test_pipeline_run_is_readable_in_the_ui_without_configuration(sqlite_run):
+    """Heatmaps at the artifact root (the compare view offers only top-level files common to the runs) and as
+    MLflow images under one key; the headline metrics in the run name; links to the run's model versions."""
+    run_dir, graph, store, tracker = sqlite_run
+    client = tracker.client
+    experiment = client.get_experiment_by_name("track-demo")
+    parent = client.search_runs([experiment.experiment_id], f"tags.run_role = 'pipeline' and "
+                                f"tags.pipeline_id = '{tracker.pipeline_id}'")[0]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    pictures = sorted(name for name in ("matrix.png", "aa_tau.png") if (run_dir / name).exists())
+    assert pictures, "the run folder has no result picture to log"
+    top_level = {a.path for a in client.list_artifacts(parent.info.run_id) if not a.is_dir}
+    assert set(pictures) <= top_level
+    images = {a.path for a in client.list_artifacts(parent.info.run_id, "images")}
+    assert any(path.startswith("images/compat_matrix") for path in images), images
+    expected = " ".join(f"{name} {metrics[name]:.3f}" for name in ("AC", "AA", "BC", "FC"))
+    assert parent.info.run_name.endswith(f" | {expected}")
+    versions = [v for v in client.search_model_versions(f"name = '{tracker.model_name}'")
+                if v.tags.get("pipeline_id") == tracker.pipeline_id]
+    assert versions
+    listed = parent.data.tags["registered_versions"].split(",")
+    assert sorted(listed) == sorted(f"{v.name}/{v.version}" for v in versions)
+    note = parent.data.tags["mlflow.note.content"]
+    for item in listed:
+        name, version = item.split("/")
+        assert f"(#/models/{name}/versions/{version})" in note

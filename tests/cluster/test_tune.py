@@ -75,7 +75,8 @@ def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, c
     best_id = max(expected, key=expected.get)
     assert outcome.best.trial_id == best_id
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{experiment / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=spec.tracking_uri)  # the machine's store (conftest: this test's own)
+    assert spec.tracking_uri == f"sqlite:///{tmp_path / 'compat-home' / 'mlflow' / 'mlflow.db'}"
     parent = client.get_run(spec.parent_run_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["run_role"] == "search"
     children = client.search_runs([parent.info.experiment_id], "tags.run_role = 'trial'")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cluster import tune as tune_module
+from cluster.grid_design import spread_points
 
 
 def test_resume_refuses_foreign_and_modified_folders(tmp_path):
@@ -78,6 +79,16 @@ def test_shipped_demo_space_task_count_and_sampler_never_repeat():
         drawn.append((config["method.params.lam"], config["method.params.rho"]))
         searcher.on_trial_complete(f"trial-{index}", {"objective": float(index)})
     assert len(set(drawn)) == 8
+
+    # a budget of 4 of the 36 points: the searcher draws the spread-out design, four different lambdas and rhos
+    searcher = tune_module.optuna_searcher(space, 4, 0)
+    drawn = []
+    for index in range(4):
+        config = searcher.suggest(f"small-{index}")
+        drawn.append({key: config[key] for key in ("method.params.lam", "method.params.rho")})
+        searcher.on_trial_complete(f"small-{index}", {tune_module.OBJECTIVE_KEY: float(index)})
+    assert drawn == spread_points(space, 4, 0)
+    assert len({point["method.params.lam"] for point in drawn}) == 4
 
 
 def test_unreachable_addresses_fail_fast_with_a_clear_message():

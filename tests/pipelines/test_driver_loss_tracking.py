@@ -1,6 +1,6 @@
 """The driver of a tracked run dies (SIGKILL) mid-run; `compat run --resume` marks the stage runs it left RUNNING
 KILLED, continues under the same MLflow parent run, and ends with no run RUNNING (SQLite tracking, the default: the
-project-level store next to the run folder). The matrix of a killed-and-resumed run is checked in test_executor_resume.py."""
+machine's store under COMPAT_HOME, a folder of this test's own). The matrix of a killed-and-resumed run is checked in test_executor_resume.py."""
 import json
 import signal
 import sqlite3
@@ -41,7 +41,7 @@ def test_resume_after_driver_loss_leaves_no_run_running_and_keeps_the_parent(tmp
     assert process.poll() is None, "the run finished before its driver could be killed"
     process.send_signal(signal.SIGKILL)
     process.wait()
-    database = tmp_path / "mlflow.db"  # the project-level default store: next to the run folder
+    database = tmp_path / "compat-home" / "mlflow" / "mlflow.db"  # the machine's store (conftest: per test)
     stale = {uuid for uuid, status, _ in _statuses(database) if status == "RUNNING"}
     parents = [uuid for uuid, _, role in _statuses(database) if role == "pipeline"]
     assert len(parents) == 1 and parents[0] in stale and len(stale) >= 2  # the parent and the stage in progress

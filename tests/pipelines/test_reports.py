@@ -325,3 +325,18 @@ def test_compare_command_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:  # argparse: at least one RUN_DIR
         main(["compare"])
     assert exit_info.value.code == 2
+
+
+def test_compare_default_output_is_a_folder_next_to_the_runs_not_the_current_directory(tmp_path, capsys,
+                                                                                       monkeypatch):
+    runs = tmp_path / "runs"
+    first = make_run(runs / "hoc", MATRIX_3, METRICS_3)
+    second = make_run(runs / "er", MATRIX_2, METRICS_2, name="toy-er", method="er", replacements=(2,))
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["compare", str(first), str(second)]) == 0
+    assert list(elsewhere.iterdir()) == []
+    folder = runs / "compare-hoc-er"
+    assert (folder / "compare.md").is_file() and (folder / "compare.png").is_file()
+    assert f"wrote: {folder / 'compare.md'}" in capsys.readouterr().out

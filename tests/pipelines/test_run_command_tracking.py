@@ -16,7 +16,7 @@ def _write_config(tmp_path, method="dsimplex-hoc"):
     return path
 
 
-def test_run_tracks_in_the_project_sqlite_store_by_default(tmp_path, monkeypatch, capsys):
+def test_run_tracks_in_the_machine_sqlite_store_by_default(tmp_path, monkeypatch, capsys):
     from mlflow import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -25,9 +25,9 @@ def test_run_tracks_in_the_project_sqlite_store_by_default(tmp_path, monkeypatch
     run_dir = tmp_path / "runs" / "hoc"
     assert main(["run", str(config), "--output", str(run_dir), "--no-progress"]) == 0
 
-    # the project store: mlflow.db in the folder holding the run directory (runs/ for runs/NAME)
-    database = tmp_path / "runs" / "mlflow.db"
-    assert database.exists() and not (run_dir / "mlflow.db").exists()
+    # the machine's one store (COMPAT_HOME: a folder of this test's own, see conftest), never the run folder
+    database = tmp_path / "compat-home" / "mlflow" / "mlflow.db"
+    assert database.exists() and not (run_dir / "mlflow.db").exists() and not (tmp_path / "runs" / "mlflow.db").exists()
     assert f"MLflow: sqlite:///{database.resolve()} (experiment tiny-dsimplex-hoc" in capsys.readouterr().out
     client = MlflowClient(tracking_uri=f"sqlite:///{database}")
     experiment = client.get_experiment_by_name("tiny-dsimplex-hoc")

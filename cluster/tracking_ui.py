@@ -1,0 +1,82 @@
+"""What makes a pipeline run readable in the MLflow UI without configuring it.
+
+- **Comparable pictures.** MLflow's compare view ("Artifacts") offers only files that every compared run has at the
+  *top level* of its artifacts (folders are skipped), so a heatmap kept in ``results/`` alone reads "No common
+  artifacts to display". ``matrix.png`` and ``aa_tau.png`` are therefore also logged at the top level, and as MLflow
+  images under one key each (``compat_matrix``, ``compat_aa_tau``), which the charts view shows side by side.
+- **Headline metrics in the run list.** The runs table shows run names but no metric column until the user picks
+  one, so a finished pipeline run's name ends with its headline metrics (``AC 0.952 AA 0.657 BC 0.047 FC -0.061``);
+  the metrics themselves are logged as usual.
+- **Links to the registered model versions.** A version is created from the stage run that trained it, so the
+  pipeline (parent) run's page lists none; its description (``mlflow.note.content``) links each version, and the
+  tag ``registered_versions`` lists them.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+HEADLINE = ("AC", "AA", "BC", "FC")
+COMPARABLE_IMAGES = {"matrix.png": "compat_matrix", "aa_tau.png": "compat_aa_tau"}
+NAME_SEPARATOR = " | "
+
+
+def log_comparable_images(client: Any, run_id: str, folder: str | os.PathLike) -> list[str]:
+    """Log the result pictures found in ``folder`` at the artifact root and as MLflow images; returns their names."""
+    from PIL import Image
+
+    logged = []
+    for name, key in COMPARABLE_IMAGES.items():
+        path = Path(folder, name)
+        if not path.is_file():
+            continue
+        client.log_artifact(run_id, str(path))
+        with Image.open(path) as image:
+            client.log_image(run_id, image.convert("RGB"), key=key, step=0)
+        logged.append(name)
+    return logged
+
+
+def headline_text(metrics: dict) -> str:
+    """``AC 0.952 AA 0.657 BC 0.047 FC -0.061`` (fractions, 3 decimals) from a metrics.json document."""
+    return " ".join(f"{name} {metrics[name]:.3f}" for name in HEADLINE if isinstance(metrics.get(name), (int, float)))
+
+
+def show_headline_in_name(client: Any, run_id: str, metrics: dict) -> str:
+    """Rename the run ``<name> | AC ... FC ...`` (the part after the separator is replaced on a re-run)."""
+    run = client.get_run(run_id)
+    base = (run.info.run_name or run_id).split(NAME_SEPARATOR)[0]
+    text = headline_text(metrics)
+    name = f"{base}{NAME_SEPARATOR}{text}" if text else base
+    client.set_tag(run_id, "mlflow.runName", name)
+    return name
+
+
+def link_model_versions(client: Any, run_id: str, model_name: str | None, pipeline_id: str | None) -> list[str]:
+    """Describe the run with links to the model versions this pipeline registered; returns ``['NAME/V', ...]``."""
+    if not model_name or not pipeline_id or "'" in model_name:
+        return []
+    versions = [v for v in client.search_model_versions(f"name = '{model_name}'", max_results=1000)
+                if (v.tags or {}).get("pipeline_id") == pipeline_id]
+    if not versions:
+        return []
+
+    def label(version: Any) -> str:
+        tags = version.tags or {}
+        if tags.get("task_1based"):
+            return f"task {tags['task_1based']}"
+        return f"third-party ({tags.get('stage_kind', 'model')})"
+
+    versions.sort(key=lambda v: int(v.version))
+    lines = [f"Registered model versions of this run (`{model_name}`):", ""]
+    lines += [f"- [{model_name} v{v.version}](#/models/{model_name}/versions/{v.version}): {label(v)}"
+              for v in versions]
+    listed = [f"{model_name}/{v.version}" for v in versions]
+    client.set_tag(run_id, "mlflow.note.content", "\n".join(lines))
+    client.set_tag(run_id, "registered_versions", ",".join(listed))
+    return listed
+
+
+__all__ = ["COMPARABLE_IMAGES", "HEADLINE", "headline_text", "link_model_versions", "log_comparable_images",
+           "show_headline_in_name"]

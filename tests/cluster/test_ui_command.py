@@ -1,0 +1,54 @@
+"""`compat ui` serves the machine's one tracking store on 127.0.0.1 and prints its URL (that `compat run` tracks
+there by default is checked in tests/pipelines/test_run_command_tracking.py)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.request import urlopen
+
+from cluster.local_head import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_compat_ui_serves_the_machine_store_on_loopback(tmp_path):
+    from mlflow import MlflowClient
+
+    from cluster.tracking_store import machine_tracking_uri
+
+    home = tmp_path / "compat-home"
+    env = dict(os.environ, COMPAT_HOME=str(home), PYTHONPATH=str(ROOT))
+    env.pop("MLFLOW_TRACKING_URI", None)
+    uri = machine_tracking_uri()  # this test's COMPAT_HOME (conftest)
+    assert uri == f"sqlite:///{home / 'mlflow' / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("ui-check")
+    run = client.create_run(experiment, run_name="visible-run")
+    client.log_metric(run.info.run_id, "AA", 0.5)
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "app.cli", "ui", "--port", str(port)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        first_line = process.stdout.readline()
+        assert first_line.startswith(f"MLflow UI: http://127.0.0.1:{port}") and uri in first_line, first_line
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "compat ui did not come up"
+                time.sleep(0.5)
+        body = json.loads(urlopen(f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/get-by-name"
+                                  f"?experiment_name=ui-check", timeout=10).read())
+        assert body["experiment"]["experiment_id"] == experiment
+        listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
+        assert f"127.0.0.1:{port}" in listening and f"0.0.0.0:{port}" not in listening
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
