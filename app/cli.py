@@ -24,6 +24,8 @@ COMMAND_MODULES = (
     "ingest",
     "gate",
     "calibrate",
+    "index",
+    "serve",
 )
 
 

@@ -1,0 +1,166 @@
+"""`compat index build` + `compat serve` against a real Serve instance over HTTP on 127.0.0.1, a real MLflow
+registry and randomly initialised registered models (no mocks): answers equal the fp64 brute force and the
+evaluation's Recall@1, bad requests are 4xx naming the field, a gate move is swapped in under load."""
+from __future__ import annotations
+
+import base64
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import serving_helpers as helpers
+from app.cli import main
+from local_services import free_port
+
+pytestmark = pytest.mark.integration
+NAME = "serve-test"
+
+
+@pytest.fixture(scope="module")
+def service(mlflow_server, ray_local, tmp_path_factory):
+    """Two versions registered (@champion = the first), the tiny gallery indexed by it, Serve with 2 replicas."""
+    from mlflow import MlflowClient
+    from ray import serve
+
+    from cluster.serving.app import start
+
+    folder = tmp_path_factory.mktemp("serve")
+    client = MlflowClient(mlflow_server.tracking_uri)
+    versions = [helpers.register_random_model(client, NAME, seed, folder) for seed in (0, 1)]
+    client.set_registered_model_alias(NAME, "champion", versions[0])
+    config = helpers.write_config(folder)
+    root = str(folder / "index")
+    assert main(["index", "build", root, "--config", str(config), "--model", f"models:/{NAME}@champion",
+                 "--shard-rows", "8", "--tracking-uri", mlflow_server.tracking_uri]) == 0
+    settings = {"index": root, "model": f"models:/{NAME}@champion", "tracking_uri": mlflow_server.tracking_uri,
+                "poll_s": 0.3, "precision": "auto", "cache_dir": str(folder / "cache"),
+                "limits": {"max_k": 20, "max_body_bytes": 64 << 10}}
+    url = start(settings, "127.0.0.1", free_port(), num_replicas=2, num_cpus=0, max_ongoing_requests=8)
+    deadline = time.monotonic() + 60
+    while helpers.call(url, "/healthz")[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    yield {"url": url, "client": client, "versions": versions, "config": config, "root": root, "folder": folder,
+           "tracking": mlflow_server.tracking_uri}
+    serve.shutdown()
+
+
+def _features(service, version: str, pool: str) -> np.ndarray:
+    from cluster.registry import MlflowModelResolver
+    from cluster.serving.models import ModelRef, load_served_model
+    from pipelines.config_load import load_config
+    from pipelines.stages import extract_pool_features, load_pool
+
+    config = load_config(str(service["config"]))
+    spec = config.evaluation.query_set if pool == "query" else config.evaluation.gallery_set
+    resolver = MlflowModelResolver(service["tracking"], cache_dir=str(service["folder"] / "cache"))
+    model = load_served_model(resolver, ModelRef(NAME, version))
+    return extract_pool_features(model, load_pool(spec), config, torch.device("cpu"))
+
+
+def _brute(query: np.ndarray, gallery: np.ndarray, k: int):
+    q = query.astype(np.float64) / np.linalg.norm(query.astype(np.float64))
+    g = gallery.astype(np.float64) / np.linalg.norm(gallery.astype(np.float64), axis=1, keepdims=True)
+    scores = np.einsum("d,gd->g", q, g, optimize=False)
+    order = np.argsort(-scores, kind="stable")[:k]
+    return order, scores[order]
+
+
+def test_healthz_metrics_and_search_by_embedding_equal_brute_force(service):
+    status, health = helpers.call(service["url"], "/healthz")
+    assert status == 200 and health["model_version"] == service["versions"][0]
+    assert health["items"] == 30 and health["items_by_version"] == {service["versions"][0]: 30}
+    gallery = _features(service, service["versions"][0], "gallery")
+    queries = _features(service, service["versions"][0], "query")
+    for row in (0, 7, 19):
+        status, answer = helpers.call(service["url"], "/search", {"embedding": queries[row].tolist(), "k": 5})
+        assert status == 200, answer
+        order, scores = _brute(queries[row], gallery, 5)
+        assert [r["position"] for r in answer["results"]] == order.tolist()
+        np.testing.assert_allclose([r["score"] for r in answer["results"]], scores, rtol=0, atol=1e-6)
+        assert {r["item_version"] for r in answer["results"]} == {service["versions"][0]}
+    status, text = helpers.call(service["url"], "/metrics")
+    assert status == 200 and "compat_search_requests_total" in text
+    assert f'version="{service["versions"][0]}"' in text and "compat_search_latency_seconds_bucket" in text
+
+
+def test_recall_at_1_equals_the_evaluation(service):
+    """The service's top-1 labels over the query pool (images sent as PNG) give the evaluation's Recall@1."""
+    from cluster.serving.index_store import load_index
+    from pipelines.config_load import load_config
+    from pipelines.stages import compute_entry, load_pool
+
+    config = load_config(str(service["config"]))
+    query_pool, gallery_pool = load_pool(config.evaluation.query_set), load_pool(config.evaluation.gallery_set)
+    version = service["versions"][0]
+    q, g = _features(service, version, "query"), _features(service, version, "gallery")
+    protocol = {"metric": "recall_at_1", "gallery": "instances", "label_level": "fine"}
+    expected = compute_entry((q, query_pool.labels, None), (g, gallery_pool.labels, None), protocol, config)
+    labels = load_index(service["root"]).labels
+    hits_embedding, hits_image = [], []
+    images = query_pool.read(np.arange(len(query_pool)))
+    for row in range(len(query_pool)):
+        _, by_embedding = helpers.call(service["url"], "/search", {"embedding": q[row].tolist(), "k": 1})
+        _, by_image = helpers.call(service["url"], "/search", {"image": helpers.png_base64(images[row]), "k": 1})
+        hits_embedding.append(labels[by_embedding["results"][0]["position"]] == query_pool.labels[row])
+        hits_image.append(labels[by_image["results"][0]["position"]] == query_pool.labels[row])
+    assert np.mean(hits_embedding) == expected
+    assert np.mean(hits_image) == expected
+
+
+def _tiny_png(width: int, height: int, mode: str = "L") -> str:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new(mode, (width, height)).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+BAD_REQUESTS = [  # (what, body or raw bytes, content type, expected status, field named)
+    ("wrong embedding width", {"embedding": [0.1] * 8}, None, 400, "embedding"),
+    ("embedding not a list", {"embedding": "0.1,0.2"}, None, 400, "embedding"),
+    ("embedding item not a number", {"embedding": [0.1] * 8 + ["x"]}, None, 400, "embedding"),
+    ("embedding all zeros", {"embedding": [0.0] * 9}, None, 400, "embedding"),
+    ("embedding NaN", b'{"embedding": [NaN, 1, 1, 1, 1, 1, 1, 1, 1]}', None, 400, "body"),
+    ("k out of range", {"embedding": [0.1] * 9, "k": 0}, None, 400, "k"),
+    ("k above the gallery size", {"embedding": [0.1] * 9, "k": 21}, None, 400, "k"),
+    ("k not an integer", {"embedding": [0.1] * 9, "k": "5"}, None, 400, "k"),
+    ("k a boolean", {"embedding": [0.1] * 9, "k": True}, None, 400, "k"),
+    ("missing query", {"k": 3}, None, 400, "embedding"),
+    ("both queries", {"embedding": [0.1] * 9, "image": _tiny_png(16, 16)}, None, 400, "image"),
+    ("unknown field", {"embedding": [0.1] * 9, "top": 3}, None, 400, "top"),
+    ("unknown version", {"embedding": [0.1] * 9, "model_version": "999"}, None, 400, "model_version"),
+    ("model_version wrong type", {"embedding": [0.1] * 9, "model_version": [1]}, None, 400, "model_version"),
+    ("include_payload wrong type", {"embedding": [0.1] * 9, "include_payload": "yes"}, None, 400, "include_payload"),
+    ("image not base64", {"image": "***"}, None, 400, "image"),
+    ("image not a string", {"image": 12}, None, 400, "image"),
+    ("undecodable image", {"image": base64.b64encode(b"GIF89a not an image").decode()}, None, 415, "image"),
+    ("truncated PNG", {"image": _tiny_png(16, 16)[:60]}, None, 400, "image"),
+    ("image too many pixels", {"image": _tiny_png(4100, 4100)}, None, 413, "image"),
+    ("not JSON", b"embedding=1", None, 400, "body"),
+    ("JSON not an object", b"[1, 2]", None, 400, "body"),
+    ("empty body", b"", None, 400, "body"),
+    ("wrong content type", b"{}", "text/plain", 415, "content-type"),
+    ("body too large", {"embedding": [0.1] * 9, "pad": "x" * (70 << 10)}, None, 413, "body"),
+]
+
+
+@pytest.mark.parametrize("what,body,content_type,status,field", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_requests_are_4xx_naming_the_field(service, what, body, content_type, status, field):
+    raw = body if isinstance(body, bytes) else None
+    got, answer = helpers.call(service["url"], "/search", None if raw is not None else body, method="POST",
+                               raw=raw, content_type=content_type or "application/json")
+    assert got == status, (what, answer)
+    assert answer["error"]["field"] == field, (what, answer)
+
+
+def test_routes_and_methods(service):
+    assert helpers.call(service["url"], "/search")[0] == 405
+    assert helpers.call(service["url"], "/nowhere")[0] == 404
+    status, answer = helpers.call(service["url"], "/search", {"embedding": [0.1] * 9, "k": 2,
+                                                              "model_version": service["versions"][1]})
+    assert status == 400 and answer["error"]["field"] == "model_version"   # version 2 embedded nothing here yet
