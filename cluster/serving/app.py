@@ -150,7 +150,7 @@ class SearchService:
         if path == "/healthz":
             if state is None:
                 return _json({"status": "loading", "error": self.last_error}, 503)
-            return _json({"status": "ok", **state_summary(state)})
+            return _json({"status": "ok", "replica": self.metrics.replica, **state_summary(state)})
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
             raise RequestError(413, "body", f"{length} bytes is over the limit of {self.limits.max_body_bytes} bytes")

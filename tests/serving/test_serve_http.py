@@ -164,3 +164,126 @@ def test_routes_and_methods(service):
     status, answer = helpers.call(service["url"], "/search", {"embedding": [0.1] * 9, "k": 2,
                                                               "model_version": service["versions"][1]})
     assert status == 400 and answer["error"]["field"] == "model_version"   # version 2 embedded nothing here yet
+
+
+class Load:
+    """Clients sending image queries in a loop from threads; every answer kept with its query and send time."""
+
+    def __init__(self, url: str, images: np.ndarray, clients: int = 3, retries: int = 0) -> None:
+        self.url, self.images, self.retries = url, images, retries
+        self.answers: list[tuple[float, int, int, object, float]] = []   # (sent, query row, status, doc, seconds)
+        self.stop = threading.Event()
+        self.encoded = [helpers.png_base64(image) for image in images]
+        self.threads = [threading.Thread(target=self._loop, args=(seed,), daemon=True) for seed in range(clients)]
+
+    def _loop(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        while not self.stop.is_set():
+            row = int(rng.integers(len(self.images)))
+            sent = time.monotonic()
+            for attempt in range(self.retries + 1):
+                try:
+                    status, doc = helpers.call(self.url, "/search", {"image": self.encoded[row], "k": 3}, timeout=30)
+                except OSError as error:   # connection reset by a killed replica: a clean failure
+                    status, doc = 599, str(error)
+                if status == 200 or attempt == self.retries:
+                    break
+            self.answers.append((sent, row, status, doc, time.monotonic() - sent))
+
+    def __enter__(self) -> "Load":
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(60)
+
+
+def _wait_for_version(url: str, version: str, timeout_s: float = 60.0) -> None:
+    """Until several consecutive answers (both replicas, by Serve's routing) come from ``version``."""
+    deadline, streak = time.monotonic() + timeout_s, 0
+    while streak < 8:
+        assert time.monotonic() < deadline, f"version {version} not served after {timeout_s} s"
+        status, health = helpers.call(url, "/healthz")
+        streak = streak + 1 if status == 200 and health["model_version"] == version else 0
+        time.sleep(0.05)
+
+
+def test_gate_move_and_rollback_swap_live_under_load(service):
+    """`compat gate rollback --to V2` moves @champion under load, then a plain rollback moves it back: no failed
+    request, and each answer's scores equal the cosine of that answer's model version's query embedding with the
+    stored gallery embeddings (recomputed here), never the other version's."""
+    from cluster.registry import MlflowModelResolver
+    from cluster.serving.index_store import load_index
+    from cluster.serving.models import ModelRef, embed_images, load_served_model
+    from pipelines.config_load import load_config
+    from pipelines.stages import load_pool
+
+    v1, v2 = service["versions"]
+    config = load_config(str(service["config"]))
+    pool = load_pool(config.evaluation.query_set)
+    images = pool.read(np.arange(12))
+    tracking = ["--tracking-uri", service["tracking"]]
+    with Load(service["url"], images) as load:
+        time.sleep(1.5)
+        assert main(["gate", "rollback", NAME, "--to", v2, "--reason", "serve test"] + tracking) == 0
+        _wait_for_version(service["url"], v2)
+        time.sleep(1.0)
+        assert main(["gate", "rollback", NAME] + tracking) == 0
+        _wait_for_version(service["url"], v1)
+        time.sleep(1.0)
+    statuses = [a[2] for a in load.answers]
+    assert statuses and set(statuses) == {200}, f"{len([s for s in statuses if s != 200])} failed requests"
+    served = {a[3]["model_version"] for a in load.answers}
+    assert served == {v1, v2}
+    index = load_index(service["root"])
+    gallery = index.embeddings.astype(np.float64)
+    gallery /= np.linalg.norm(gallery, axis=1, keepdims=True)
+    resolver = MlflowModelResolver(service["tracking"], cache_dir=str(service["folder"] / "cache"))
+    image = index.manifest["image"]
+    embedded = {}
+    for version in (v1, v2):
+        model = load_served_model(resolver, ModelRef(NAME, version))
+        rows = embed_images(model, images, image["mean"], image["std"]).double().numpy()
+        embedded[version] = rows / np.linalg.norm(rows, axis=1, keepdims=True)
+    for _, row, _, doc, _ in load.answers:
+        positions = [r["position"] for r in doc["results"]]
+        got = np.asarray([r["score"] for r in doc["results"]])
+        claimed = doc["model_version"]
+        other = v2 if claimed == v1 else v1
+        np.testing.assert_allclose(got, gallery[positions] @ embedded[claimed][row], atol=1e-5)
+        assert not np.allclose(got, gallery[positions] @ embedded[other][row], atol=1e-3)
+
+
+def test_replica_killed_under_load_keeps_answering(service):
+    """SIGKILL one replica's process while clients query (one retry per request): every request is answered,
+    Serve restarts the replica, and later answers still equal the stored index."""
+    import os
+    import signal
+
+    from pipelines.config_load import load_config
+    from pipelines.stages import load_pool
+
+    config = load_config(str(service["config"]))
+    images = load_pool(config.evaluation.query_set).read(np.arange(6))
+    replicas = set()
+    while len(replicas) < 2:
+        replicas.add(helpers.call(service["url"], "/healthz")[1]["replica"])
+    victim = int(sorted(replicas)[0])
+    with Load(service["url"], images, retries=1) as load:
+        time.sleep(1.0)
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(3.0)
+    statuses = [a[2] for a in load.answers]
+    assert statuses.count(200) == len(statuses), f"unanswered after a retry: {[s for s in statuses if s != 200]}"
+    deadline, seen = time.monotonic() + 90, set()
+    while not (len(seen) >= 2 and str(victim) not in seen):
+        assert time.monotonic() < deadline, "Serve did not bring a second replica back"
+        status, health = helpers.call(service["url"], "/healthz")
+        if status == 200:
+            seen.add(health["replica"])
+        seen.discard(str(victim))
+        time.sleep(0.1)
+    test_healthz_metrics_and_search_by_embedding_equal_brute_force(service)
