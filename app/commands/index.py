@@ -4,7 +4,7 @@
   [--shard-rows N] [--payload-prefix URI]``: embed the config's evaluation gallery (or query) pool with that model
   version and write content-addressed Parquet shards and a manifest at ROOT (a folder or ``s3://bucket/prefix``).
 - ``compat index backfill ROOT --config CONFIG --model models:/NAME@champion [--chunk-rows N] [--order
-  random|uncertainty] [--probe query]``: re-embed the items of other versions with that model version in chunks as
+  random] [--probe query|none]``: re-embed the items of other versions with that model version in chunks as
   Ray tasks, flipping each chunk in one manifest swap while ``compat serve`` answers; progress and a probe Recall@1
   per chunk logged to MLflow (experiment ``compat-backfill``).
 - ``compat index show ROOT``: the manifest at HEAD (items per model version, shards).
@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-rows", type=int, default=4096, help="rows per Parquet shard (build)")
     parser.add_argument("--payload-prefix", default=None, help="item i gets payload URI PREFIX/i (build)")
     parser.add_argument("--chunk-rows", type=int, default=256, help="items re-embedded per chunk (backfill)")
-    parser.add_argument("--order", default="random", choices=("random", "uncertainty"),
-                        help="backfill order: random or the uncertainty policy of compat_core.backfill")
+    parser.add_argument("--order", default="random", choices=("random",),
+                        help="backfill order (seeded random, compat_core.backfill.backfill_order)")
     parser.add_argument("--probe", default="query", choices=("query", "none"),
                         help="probe Recall@1 per chunk on the config's evaluation query set (backfill)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the backfill order")

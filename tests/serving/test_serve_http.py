@@ -287,3 +287,44 @@ def test_replica_killed_under_load_keeps_answering(service):
         seen.discard(str(victim))
         time.sleep(0.1)
     test_healthz_metrics_and_search_by_embedding_equal_brute_force(service)
+
+
+def test_backfill_while_serving_flips_chunks_and_logs_the_probe_curve(service):
+    """@champion moves to v2, then `compat index backfill` re-embeds the gallery in chunks of 8 as Ray tasks while
+    clients query: no failed request; the probe Recall@1 logged to MLflow starts at the cross-test M(v2, v1) and
+    ends at the self-test M(v2, v2) (the evaluation's numbers); the index ends all v2, verified."""
+    from cluster.serving.backfill import EXPERIMENT
+    from cluster.serving.index_store import load_index
+    from pipelines.config_load import load_config
+    from pipelines.stages import compute_entry, load_pool
+
+    v1, v2 = service["versions"]
+    tracking = ["--tracking-uri", service["tracking"]]
+    config = load_config(str(service["config"]))
+    query_pool = load_pool(config.evaluation.query_set)
+    assert main(["gate", "rollback", NAME, "--to", v2, "--reason", "backfill test"] + tracking) == 0
+    _wait_for_version(service["url"], v2)
+    with Load(service["url"], query_pool.read(np.arange(6)), clients=2) as load:
+        assert main(["index", "backfill", service["root"], "--config", str(service["config"]), "--model",
+                     f"models:/{NAME}@champion", "--chunk-rows", "8"] + tracking) == 0
+        deadline = time.monotonic() + 60
+        while helpers.call(service["url"], "/healthz")[1]["items_by_version"] != {v2: 30}:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    statuses = [a[2] for a in load.answers]
+    assert statuses and set(statuses) == {200}
+    index = load_index(service["root"])
+    assert set(index.versions.tolist()) == {v2} and len(index.manifest["shards"]) == 4 + 4
+    protocol = {"metric": "recall_at_1", "gallery": "instances", "label_level": "fine"}
+    gallery_pool = load_pool(config.evaluation.gallery_set)
+    q2 = _features(service, v2, "query")
+    g1, g2 = _features(service, v1, "gallery"), _features(service, v2, "gallery")
+    cross = compute_entry((q2, query_pool.labels, None), (g1, gallery_pool.labels, None), protocol, config)
+    self_new = compute_entry((q2, query_pool.labels, None), (g2, gallery_pool.labels, None), protocol, config)
+    client = service["client"]
+    run = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
+                             f"tags.target_version = '{v2}'")[0]
+    curve = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "probe/recall_at_1"))
+    assert [step for step, _ in curve] == [0, 267, 533, 800, 1000]
+    assert curve[0][1] == cross and curve[-1][1] == self_new
+    np.testing.assert_allclose(index.embeddings, g2, rtol=0, atol=1e-5)   # chunked batches vs whole-pool batches
