@@ -41,11 +41,12 @@ class SearchService:
 
     def __init__(self, settings: dict) -> None:
         self.settings = {**DEFAULT_SETTINGS, **settings}
-        for key in ("index", "model", "tracking_uri"):
+        # model None: an embedding-only service of the index's own model version (no registry, no images)
+        for key in ("index",) + (("model", "tracking_uri") if self.settings.get("model") else ()):
             if not self.settings.get(key):
                 raise ValueError(f"serve settings: {key!r} is required")
         self.limits = SearchLimits(**self.settings["limits"])
-        self.alias = self.settings["model"].partition("@")[2] or "champion"
+        self.alias = (self.settings.get("model") or "").partition("@")[2] or "champion"
         import torch
 
         torch.set_num_threads(int(self.settings["threads"]))
@@ -80,8 +81,17 @@ class SearchService:
     def refresh(self) -> bool:
         """Load and swap in a new state when the alias or the index HEAD moved; True when it swapped."""
         from cluster.serving.index_store import load_index, read_head
-        from cluster.serving.models import installed_adapter, load_served_model, resolve_model_ref
+        from cluster.serving.models import ModelRef, installed_adapter, load_served_model, resolve_model_ref
 
+        if not self.settings.get("model"):
+            head = read_head(self.settings["index"])
+            if self._state is not None and self._state.index.manifest_sha == head:
+                return False
+            index = load_index(self.settings["index"], head)
+            ref = ModelRef(str(index.manifest["model"]["name"]), str(index.manifest["model"]["version"]))
+            self._state = build_state(ref, None, index, None, self.settings["precision"])
+            self.metrics.swaps += 1
+            return True
         client, resolver = self._client_and_resolver()
         ref = resolve_model_ref(client, self.settings["model"])
         head = read_head(self.settings["index"])
