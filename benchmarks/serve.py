@@ -5,7 +5,8 @@ gallery index and served by ``compat serve``'s Ray Serve application (one replic
 version), bound to 127.0.0.1. In one run, interleaved ``--repeats`` times (medians reported):
 
 - kernel: the bare exact kernel in this process on the same prepared gallery (``search_prepared``, one query per
-  call, k = 10, the replica's torch thread count), queries per second;
+  call, k = 10, the replica's torch thread count), queries per second; also in batches of 16 queries per call
+  (the replica batches concurrent requests, up to 16, with ``serve.batch``);
 - service, max: ``--clients`` concurrent keep-alive HTTP clients sending one embedding query per request
   (``POST /search``, k = 10) as fast as answered, queries per second;
 - service at half the max: an open-loop pacer sending at 50 % of the measured max rate; p50 and p99 latency.
@@ -69,13 +70,14 @@ def write_index(root: str, gallery: np.ndarray, shard_rows: int = 25_000) -> Non
                                        shards))
 
 
-def kernel_rate(prepared, queries: np.ndarray, seconds: float) -> float:
+def kernel_rate(prepared, queries: np.ndarray, seconds: float, batch: int = 1) -> float:
     from compat_core.retrieval import search_prepared
 
     done, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
-        search_prepared(queries[done % len(queries)][None], prepared, k=10)
-        done += 1
+        first = done % (len(queries) - batch)
+        search_prepared(queries[first:first + batch], prepared, k=10)
+        done += batch
     return done / (time.perf_counter() - started)
 
 
@@ -189,27 +191,30 @@ def main() -> int:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
-        kernel, service, p50, p99, half_rates = [], [], [], [], []
+        kernel, kernel16, service, p50, p99, half_rates = [], [], [], [], [], []
         for repeat in range(args.repeats):
             kernel.append(kernel_rate(prepared, queries, args.seconds))
+            kernel16.append(kernel_rate(prepared, queries, args.seconds, batch=16))
             service.append(service_max_rate(port, bodies, args.clients, args.seconds))
             half = 0.5 * service[-1]
             latencies = sorted(service_latency_at(port, bodies, half, args.seconds))
             half_rates.append(half)
             p50.append(latencies[len(latencies) // 2])
             p99.append(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))])
-            print(f"repeat {repeat + 1}: kernel {kernel[-1]:.1f} q/s, service max {service[-1]:.1f} q/s "
+            print(f"repeat {repeat + 1}: kernel {kernel[-1]:.1f} q/s (batches of 16: {kernel16[-1]:.1f}), service max {service[-1]:.1f} q/s "
                   f"({service[-1] / kernel[-1]:.2f}x), at {half:.1f} q/s p50 {1000 * p50[-1]:.1f} ms "
                   f"p99 {1000 * p99[-1]:.1f} ms ({p99[-1] / p50[-1]:.2f}x); loadavg {loadavg()}", flush=True)
         serve.shutdown()
         ray.shutdown()
     result = {"gallery": [args.gallery, args.dim], "k": 10, "threads": args.threads, "clients": args.clients,
               "precision": args.precision, "cpu": cpu_model(), "loadavg_after": loadavg(),
-              "kernel_qps_median": statistics.median(kernel), "service_qps_median": statistics.median(service),
+              "kernel_qps_median": statistics.median(kernel), "kernel_batch16_qps_median": statistics.median(kernel16),
+              "service_qps_median": statistics.median(service),
               "service_over_kernel_median": statistics.median(s / k for s, k in zip(service, kernel)),
               "p50_ms_median": 1000 * statistics.median(p50), "p99_ms_median": 1000 * statistics.median(p99),
               "p99_over_p50_median": statistics.median(b / a for a, b in zip(p50, p99)),
-              "raw": {"kernel": kernel, "service": service, "half_rate": half_rates, "p50": p50, "p99": p99}}
+              "service_over_kernel_batch16_median": statistics.median(s / k for s, k in zip(service, kernel16)),
+              "raw": {"kernel": kernel, "kernel_batch16": kernel16, "service": service, "half_rate": half_rates, "p50": p50, "p99": p99}}
     print(json.dumps({k: v for k, v in result.items() if k != "raw"}, indent=2))
     out = pathlib.Path(__file__).resolve().parent / "results"
     out.mkdir(exist_ok=True)

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 import numpy as np
+from ray import serve
 
 from cluster.serving.state import ReplicaMetrics, ServingState, as_query_tensor, build_state, state_summary
 from compat_core.search_request import RequestError, SearchLimits, parse_search_request
@@ -180,21 +181,49 @@ class SearchService:
                                f"the service now embeds with {state.ref.version}; re-embed or retry")
         if parsed.image is not None and state.model is None:
             raise RequestError(400, "image", "no model to embed images; send 'embedding'")
-        return _json(await asyncio.to_thread(_search, state, parsed))
+        return _json(await self._batched((state, parsed)))
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.0)
+    async def _batched(self, items: list[tuple[ServingState, Any]]) -> list[dict]:
+        # requests that arrive while a batch is computed form the next one: no added wait at low load
+        return await asyncio.to_thread(_search_batch, items)
 
 
-def _search(state: ServingState, parsed) -> dict:
-    """The answer to one validated request, computed from ``state`` alone."""
+def _search_batch(items: list[tuple[ServingState, Any]]) -> list[dict]:
+    """Answers to validated requests, each computed from its own state: requests that share a state are embedded
+    and searched as one batch (top max-k; a request's top-k is the exact prefix of that ranking, whose order is
+    total: score descending, gallery position ascending)."""
+    import torch
+
     from cluster.serving.models import embed_images
     from compat_core.gallery_search import search_groups
 
-    if parsed.image is not None:
-        query = embed_images(state.model, parsed.image[None], state.mean, state.std)
-    else:
-        query = as_query_tensor(parsed.embedding[None])
-    positions, scores, groups = search_groups(query, state.groups, parsed.k)
+    answers: list[dict | None] = [None] * len(items)
+    by_state: dict[int, list[int]] = {}
+    for number, (state, _) in enumerate(items):
+        by_state.setdefault(id(state), []).append(number)
+    for numbers in by_state.values():
+        state = items[numbers[0]][0]
+        rows = [None] * len(numbers)
+        images = [i for i, n in enumerate(numbers) if items[n][1].image is not None]
+        if images:
+            embedded = embed_images(state.model, np.stack([items[numbers[i]][1].image for i in images]), state.mean,
+                                    state.std)
+            for row, i in enumerate(images):
+                rows[i] = embedded[row]
+        for i, n in enumerate(numbers):
+            if rows[i] is None:
+                rows[i] = as_query_tensor(items[n][1].embedding)
+        k = max(items[n][1].k for n in numbers)
+        positions, scores, groups = search_groups(torch.stack(rows), state.groups, k)
+        for i, n in enumerate(numbers):
+            answers[n] = _answer(state, items[n][1], positions[i], scores[i], groups[i])
+    return answers
+
+
+def _answer(state: ServingState, parsed, positions, scores, groups) -> dict:
     results = []
-    for position, score, group in zip(positions[0], scores[0], groups[0]):
+    for position, score, group in zip(positions[:parsed.k], scores[:parsed.k], groups[:parsed.k]):
         item = {"id": str(state.index.item_ids[position]), "position": int(position), "score": float(score),
                 "item_version": state.groups[group].version,
                 "adapter": state.adapter[0] if state.adapter and state.adapter[1] == state.groups[group].version
@@ -208,8 +237,6 @@ def _search(state: ServingState, parsed) -> dict:
 
 def deployment(num_replicas: int = 1, num_cpus: float = 1.0, num_gpus: float = 0.0, max_ongoing_requests: int = 8):
     """The Serve deployment of :class:`SearchService` with these resources."""
-    from ray import serve
-
     return serve.deployment(SearchService, name="compat-search").options(
         num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus})
@@ -219,8 +246,6 @@ def start(settings: dict, host: str = "127.0.0.1", port: int = 8000, app_name: s
           **resources) -> str:
     """Start Serve's HTTP proxy on host:port (127.0.0.1 unless configured) and deploy the service; returns its
     base URL. Ray must be initialised."""
-    from ray import serve
-
     serve.start(http_options={"host": host, "port": int(port)})
     serve.run(deployment(**resources).bind(settings), name=app_name, route_prefix="/")
     return f"http://{host}:{port}"
