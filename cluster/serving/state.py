@@ -74,6 +74,13 @@ class ReplicaMetrics:
         self.latency_count = 0
         self.swaps = 0
         self.swap_errors = 0
+        self.batches = 0
+        self.batched_requests = 0
+
+    def observe_batch(self, size: int) -> None:
+        with self._lock:
+            self.batches += 1
+            self.batched_requests += size
 
     def observe(self, path: str, status: int, seconds: float) -> None:
         with self._lock:
@@ -103,7 +110,12 @@ class ReplicaMetrics:
                       "# TYPE compat_model_swaps_total counter", f"compat_model_swaps_total{{{r}}} {self.swaps}",
                       "# HELP compat_model_swap_errors_total Failed attempts to load a new model or index.",
                       "# TYPE compat_model_swap_errors_total counter",
-                      f"compat_model_swap_errors_total{{{r}}} {self.swap_errors}"]
+                      f"compat_model_swap_errors_total{{{r}}} {self.swap_errors}",
+                      "# HELP compat_search_batches_total Kernel batches run (requests answered together).",
+                      "# TYPE compat_search_batches_total counter", f"compat_search_batches_total{{{r}}} {self.batches}",
+                      "# HELP compat_search_batched_requests_total Requests answered in those batches.",
+                      "# TYPE compat_search_batched_requests_total counter",
+                      f"compat_search_batched_requests_total{{{r}}} {self.batched_requests}"]
         lines += ["# HELP compat_model_loaded 1 when a model and index are loaded (else 503 on /search).",
                   "# TYPE compat_model_loaded gauge", f"compat_model_loaded{{{r}}} {int(state is not None)}"]
         if state is not None:
