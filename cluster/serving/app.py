@@ -133,7 +133,11 @@ class SearchService:
     # ---- HTTP ----------------------------------------------------------------------------------------------------
     async def __call__(self, request):
         started = time.perf_counter()
-        path = request.url.path.rstrip("/") or "/"
+        path = request.url.path
+        prefix = request.scope.get("root_path", "").rstrip("/")   # the application's route prefix, if any
+        if prefix and path.startswith(prefix):
+            path = path[len(prefix):]
+        path = path.rstrip("/") or "/"
         try:
             response = await self._route(request, path)
         except RequestError as error:

@@ -330,3 +330,63 @@ def test_backfill_while_serving_flips_chunks_and_logs_the_probe_curve(service):
     assert all(round(1000 * done / 30) in steps for done in (8, 16))
     assert curve[0][1] == cross and curve[-1][1] == self_new
     np.testing.assert_allclose(index.embeddings, g2, rtol=0, atol=1e-5)   # chunked batches vs whole-pool batches
+
+
+@pytest.fixture(scope="module")
+def adapter_service(mlflow_server, ray_local, tmp_path_factory, service):
+    """A second registered model whose v2 is v1's network with a rotated junction; v1's gallery indexed and served
+    (a second Serve application on the same proxy)."""
+    from ray import serve
+
+    from cluster.serving.app import deployment
+
+    folder = tmp_path_factory.mktemp("serve-adapter")
+    client, name = service["client"], "serve-test-rotated"
+    v1 = helpers.register_random_model(client, name, 0, folder)
+    v2 = helpers.register_random_model(client, name, 0, folder, rotation_seed=5)
+    tracking = ["--tracking-uri", service["tracking"]]
+    assert main(["gate", name, "--candidate", v1, "--config", str(service["config"])] + tracking) == 0
+    root = str(folder / "index")
+    assert main(["index", "build", root, "--config", str(service["config"]), "--model", f"models:/{name}@champion"]
+                + tracking) == 0
+    settings = {"index": root, "model": f"models:/{name}@champion", "tracking_uri": service["tracking"],
+                "poll_s": 0.3, "cache_dir": str(folder / "cache")}
+    serve.run(deployment(num_replicas=1, num_cpus=0).options(name="rotated").bind(settings), name="rotated",
+              route_prefix="/rotated")
+    yield {"url": service["url"] + "/rotated", "name": name, "versions": (v1, v2), "tracking": tracking,
+           "root": root}
+    serve.delete("rotated")
+
+
+def test_gate_adapter_is_applied_to_the_old_group(service, adapter_service):
+    """`compat gate --adapter procrustes --non-strict` promotes the rotated v2 (the adapter recovers the rotation,
+    so M(v2+adapter, v1) = M(v1, v1)) and installs the adapter; the service then searches v1's gallery with the
+    adapted v2 query: the same answers as under v1, and the answer names the adapter."""
+    url, name, (v1, v2) = adapter_service["url"], adapter_service["name"], adapter_service["versions"]
+    from pipelines.config_load import load_config
+    from pipelines.stages import load_pool
+
+    config = load_config(str(service["config"]))
+    images = load_pool(config.evaluation.query_set).read(np.arange(10))
+    encoded = [helpers.png_base64(image) for image in images]
+
+    def answers():
+        return [helpers.call(url, "/search", {"image": image, "k": 3})[1] for image in encoded]
+
+    before = answers()
+    assert {a["model_version"] for a in before} == {v1}
+    assert main(["gate", name, "--candidate", v2, "--config", str(service["config"]), "--adapter", "procrustes",
+                 "--non-strict"] + adapter_service["tracking"]) == 0
+    deadline = time.monotonic() + 60
+    while helpers.call(url, "/healthz")[1]["model_version"] != v2:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    health = helpers.call(url, "/healthz")[1]
+    assert health["adapter"] == {"kind": "procrustes", "old_version": v1}
+    after = answers()
+    for old, new in zip(before, after):
+        assert new["model_version"] == v2
+        assert [r["position"] for r in new["results"]] == [r["position"] for r in old["results"]]
+        np.testing.assert_allclose([r["score"] for r in new["results"]], [r["score"] for r in old["results"]],
+                                   atol=1e-4)
+        assert {r["adapter"] for r in new["results"]} == {"procrustes"}
