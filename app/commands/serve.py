@@ -61,7 +61,8 @@ def run(args) -> int:
                 "threads": args.threads, "limits": {"max_k": args.max_k, "max_body_bytes": args.max_body_bytes}}
     url = start(settings, args.host, args.port, num_replicas=args.replicas, num_cpus=args.num_cpus,
                 num_gpus=args.num_gpus)
-    print(f"serving {args.index} with {args.model} at {url} (POST /search, GET /healthz, GET /metrics)", flush=True)
+    print(f"serving {args.index} with {args.model} at {url} (POST /search, GET /healthz, GET /metrics); Ray "
+          f"cluster {ray.get_runtime_context().gcs_address} (backfill with --ray-address)", flush=True)
     try:
         deadline = None if args.for_seconds is None else time.monotonic() + args.for_seconds
         while deadline is None or time.monotonic() < deadline:
