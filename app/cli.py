@@ -26,6 +26,8 @@ COMMAND_MODULES = (
     "ingest",
     "gate",
     "calibrate",
+    "index",
+    "serve",
 )
 
 

@@ -1,0 +1,88 @@
+"""``compat index``: gallery indexes for ``compat serve`` (logic: :mod:`cluster.serving`).
+
+- ``compat index build ROOT --config CONFIG --model models:/NAME@champion [--pool gallery|query]
+  [--shard-rows N] [--payload-prefix URI]``: embed the config's evaluation gallery (or query) pool with that model
+  version and write content-addressed Parquet shards and a manifest at ROOT (a folder or ``s3://bucket/prefix``).
+- ``compat index backfill ROOT --config CONFIG --model models:/NAME@champion [--chunk-rows N] [--order
+  random] [--probe query|none]``: re-embed the items of other versions with that model version in chunks as
+  Ray tasks, flipping each chunk in one manifest swap while ``compat serve`` answers; progress and a probe Recall@1
+  per chunk logged to MLflow (experiment ``compat-backfill``).
+- ``compat index show ROOT``: the manifest at HEAD (items per model version, shards).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+HELP = "gallery indexes for `compat serve`: build from a pool and a model version, backfill, show"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=("build", "backfill", "show"))
+    parser.add_argument("root", help="index folder or s3://bucket/prefix")
+    parser.add_argument("--config", metavar="YAML", help="scenario config (its evaluation sets are the pools)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value (YAML-parsed; repeatable)")
+    parser.add_argument("--model", metavar="URI", help="models:/NAME@ALIAS or models:/NAME/VERSION")
+    parser.add_argument("--pool", default="gallery", choices=("gallery", "query"), help="pool to index (build)")
+    parser.add_argument("--shard-rows", type=int, default=4096, help="rows per Parquet shard (build)")
+    parser.add_argument("--payload-prefix", default=None, help="item i gets payload URI PREFIX/i (build)")
+    parser.add_argument("--chunk-rows", type=int, default=256, help="items re-embedded per chunk (backfill)")
+    parser.add_argument("--order", default="random", choices=("random",),
+                        help="backfill order (seeded random, compat_core.backfill.backfill_order)")
+    parser.add_argument("--probe", default="query", choices=("query", "none"),
+                        help="probe Recall@1 per chunk on the config's evaluation query set (backfill)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the backfill order")
+    parser.add_argument("--ray-address", default=None, help="Ray cluster (default: a local instance)")
+    parser.add_argument("--tracking-uri", default=None, metavar="URI",
+                        help="MLflow tracking server (default: $MLFLOW_TRACKING_URI)")
+
+
+def _config(args):
+    from pipelines.config_load import load_config
+
+    if not args.config:
+        raise ValueError(f"compat index {args.action}: --config YAML is required")
+    return load_config(args.config, args.overrides)
+
+
+def _tracking(args) -> str:
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise ValueError("--tracking-uri: give the MLflow tracking server (or set MLFLOW_TRACKING_URI)")
+    return uri
+
+
+def run(args) -> int:
+    if args.root.startswith("s3://"):
+        from cluster.storage import configure_object_storage
+
+        configure_object_storage()
+    if args.action == "show":
+        from cluster.serving.index_store import load_index
+
+        index = load_index(args.root)
+        versions = {str(v): int((index.versions == v).sum()) for v in sorted(set(index.versions.tolist()))}
+        print(json.dumps({"manifest": index.manifest_sha, "items": index.size, "dim": index.dim,
+                          "items_by_version": versions, "model": index.manifest.get("model"),
+                          "shards": len(index.manifest["shards"]), "backfill": index.manifest.get("backfill")},
+                         indent=2))
+        return 0
+    if not args.model:
+        raise ValueError(f"compat index {args.action}: --model models:/NAME@ALIAS is required")
+    config = _config(args)
+    if args.action == "build":
+        from cluster.serving.index_build import build_index
+
+        build_index(args.root, config, args.model, _tracking(args), args.pool, args.shard_rows, args.payload_prefix)
+        return 0
+    from cluster.serving.backfill import run_backfill
+
+    summary = run_backfill(args.root, config, args.model, _tracking(args), chunk_rows=args.chunk_rows,
+                           order=args.order, seed=args.seed, probe=args.probe != "none",
+                           ray_address=args.ray_address)
+    print(json.dumps(summary, indent=2))
+    return 0 if summary.get("done") else 1
+
+

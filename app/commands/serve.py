@@ -1,0 +1,72 @@
+"""``compat serve INDEX --model models:/NAME@champion``: the compatible search service (Ray Serve; logic:
+:mod:`cluster.serving.app`).
+
+``POST /search`` with JSON ``{"image": BASE64 JPEG/PNG}`` or ``{"embedding": [...]}`` and ``"k"``: the top-k
+gallery items (id, exact cosine score, the model version that embedded each item). ``GET /healthz``,
+``GET /metrics`` (Prometheus). The service follows the alias: when ``compat gate`` moves it (or rolls it back),
+every replica loads the new version and switches atomically. Binds 127.0.0.1 unless ``--host`` says otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+HELP = "serve a gallery index to queries embedded by a registry model (Ray Serve; follows the @champion alias)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("index", help="gallery index folder or s3://bucket/prefix (`compat index build`)")
+    parser.add_argument("--model", required=True, metavar="URI", help="models:/NAME@champion (followed) or "
+                        "models:/NAME/VERSION (pinned)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica")
+    parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica (queries embedded there)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    parser.add_argument("--poll-s", type=float, default=2.0, help="seconds between alias / index checks")
+    parser.add_argument("--precision", default="auto", help="retrieval kernel precision (the ranking is exact "
+                        "for every choice)")
+    parser.add_argument("--max-k", type=int, default=100)
+    parser.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    parser.add_argument("--ray-address", default=None, help="Ray cluster (default: a local instance)")
+    parser.add_argument("--tracking-uri", default=None, metavar="URI",
+                        help="MLflow tracking server (default: $MLFLOW_TRACKING_URI)")
+    parser.add_argument("--for-seconds", type=float, default=None, help="stop after this long (default: until "
+                        "interrupted)")
+
+
+def run(args) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.serving.app import start
+
+    tracking = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not tracking:
+        raise ValueError("--tracking-uri: give the MLflow tracking server (or set MLFLOW_TRACKING_URI)")
+    if args.replicas < 1:
+        raise ValueError(f"--replicas: expected >= 1, got {args.replicas}")
+    if not ray.is_initialized():
+        if args.ray_address:
+            ray.init(address=args.ray_address)
+        else:
+            from cluster.ray_loopback import LOOPBACK, prepare_loopback
+
+            prepare_loopback()
+            ray.init(address="local", include_dashboard=False, _node_ip_address=LOOPBACK)
+    settings = {"index": args.index, "model": args.model, "tracking_uri": tracking, "poll_s": args.poll_s,
+                "precision": args.precision, "device": "cuda" if args.num_gpus > 0 else "cpu",
+                "threads": args.threads, "limits": {"max_k": args.max_k, "max_body_bytes": args.max_body_bytes}}
+    url = start(settings, args.host, args.port, num_replicas=args.replicas, num_cpus=args.num_cpus,
+                num_gpus=args.num_gpus)
+    print(f"serving {args.index} with {args.model} at {url} (POST /search, GET /healthz, GET /metrics); Ray "
+          f"cluster {ray.get_runtime_context().gcs_address} (backfill with --ray-address)", flush=True)
+    try:
+        deadline = None if args.for_seconds is None else time.monotonic() + args.for_seconds
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(1.0)
+    finally:
+        serve.shutdown()
+    return 0

@@ -1,0 +1,260 @@
+"""The search service as a Ray Serve application (``compat serve``).
+
+HTTP is Serve's own proxy and its Starlette request objects (``__call__(request)``): no other web stack. Routes:
+``POST /search`` (see ``compat_core.search_request``), ``GET /healthz`` (200 with the served versions, 503 while
+no model is loaded), ``GET /metrics`` (Prometheus text of the replica that answered).
+
+Each replica polls the registry alias (``models:/NAME@ALIAS``) and the index HEAD every ``poll_s`` seconds on a
+background thread; on a change it loads the new model version (and the adapter the gate installed with it), builds
+a complete ``ServingState`` and swaps its reference in one assignment (``cluster.serving.state``). A failed load
+keeps the current state (counted in ``compat_model_swap_errors_total``) and is retried at the next poll.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from ray import serve
+
+from cluster.serving.state import ReplicaMetrics, ServingState, as_query_tensor, build_state, state_summary
+from compat_core.search_request import RequestError, SearchLimits, parse_search_request
+
+LOG = logging.getLogger("compat.serve")
+DEFAULT_SETTINGS = {"poll_s": 2.0, "precision": "auto", "device": "cpu", "threads": 1, "cache_dir": None,
+                    "limits": {}}
+
+
+def _json(document: Any, status: int = 200):
+    from starlette.responses import Response
+
+    return Response(json.dumps(document, allow_nan=False), status_code=status, media_type="application/json")
+
+
+class SearchService:
+    """One replica. settings: index (root URI), model (models:/ URI), tracking_uri, poll_s, precision, device,
+    threads (torch intra-op threads), cache_dir, limits (SearchLimits fields). Plain JSON values only."""
+
+    def __init__(self, settings: dict) -> None:
+        self.settings = {**DEFAULT_SETTINGS, **settings}
+        # model None: an embedding-only service of the index's own model version (no registry, no images)
+        for key in ("index",) + (("model", "tracking_uri") if self.settings.get("model") else ()):
+            if not self.settings.get(key):
+                raise ValueError(f"serve settings: {key!r} is required")
+        self.limits = SearchLimits(**self.settings["limits"])
+        self.alias = (self.settings.get("model") or "").partition("@")[2] or "champion"
+        import torch
+
+        torch.set_num_threads(int(self.settings["threads"]))
+        self._state: ServingState | None = None
+        self.metrics = ReplicaMetrics(f"{os.getpid()}")
+        self.last_error: str | None = None
+        self._stop = threading.Event()
+        self._resolver = None
+        self._prepare_storage()
+        try:
+            self.refresh()
+        except Exception as error:  # noqa: BLE001 - the replica starts and answers 503 until a load succeeds
+            self._note_error(error)
+        self._watcher = threading.Thread(target=self._watch, name="compat-serve-watch", daemon=True)
+        self._watcher.start()
+
+    # ---- model and index ---------------------------------------------------------------------------------------
+    def _prepare_storage(self) -> None:
+        if str(self.settings["index"]).startswith("s3://"):
+            from cluster.storage import configure_object_storage
+
+            configure_object_storage()
+
+    def _client_and_resolver(self):
+        if self._resolver is None:
+            from cluster.registry import MlflowModelResolver
+
+            self._resolver = MlflowModelResolver(self.settings["tracking_uri"],
+                                                 cache_dir=self.settings.get("cache_dir"))
+        return self._resolver.client, self._resolver
+
+    def refresh(self) -> bool:
+        """Load and swap in a new state when the alias or the index HEAD moved; True when it swapped."""
+        from cluster.serving.index_store import load_index, read_head
+        from cluster.serving.models import ModelRef, installed_adapter, load_served_model, resolve_model_ref
+
+        if not self.settings.get("model"):
+            head = read_head(self.settings["index"])
+            if self._state is not None and self._state.index.manifest_sha == head:
+                return False
+            index = load_index(self.settings["index"], head)
+            ref = ModelRef(str(index.manifest["model"]["name"]), str(index.manifest["model"]["version"]))
+            self._state = build_state(ref, None, index, None, self.settings["precision"])
+            self.metrics.swaps += 1
+            return True
+        client, resolver = self._client_and_resolver()
+        ref = resolve_model_ref(client, self.settings["model"])
+        head = read_head(self.settings["index"])
+        current = self._state
+        if current is not None and current.key == (ref.name, ref.version, head):
+            return False
+        model = current.model if current is not None and current.ref == ref else \
+            load_served_model(resolver, ref, self.settings["device"])
+        index = current.index if current is not None and current.index.manifest_sha == head else \
+            load_index(self.settings["index"], head)
+        adapter = installed_adapter(client, ref, self.alias)
+        state = build_state(ref, model, index, adapter, self.settings["precision"])
+        if state.index.dim != getattr(model, "feature_dim", state.index.dim):
+            raise ValueError(f"model {ref.uri} makes {model.feature_dim}-d features, the index at "
+                             f"{self.settings['index']} holds {state.index.dim}-d embeddings")
+        self._state = state          # the one atomic switch
+        self.metrics.swaps += 1
+        self.last_error = None
+        LOG.info("serving %s version %s, index %s (%s)", ref.name, ref.version, head[:12],
+                 state_summary(state)["items_by_version"])
+        return True
+
+    def _note_error(self, error: BaseException) -> None:
+        self.metrics.swap_errors += 1
+        self.last_error = f"{type(error).__name__}: {error}"
+        LOG.warning("load failed: %s", self.last_error)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(float(self.settings["poll_s"])):
+            try:
+                self.refresh()
+            except Exception as error:  # noqa: BLE001 - keep serving the current state
+                self._note_error(error)
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+    # ---- HTTP ----------------------------------------------------------------------------------------------------
+    async def __call__(self, request):
+        started = time.perf_counter()
+        path = request.url.path
+        prefix = request.scope.get("root_path", "").rstrip("/")   # the application's route prefix, if any
+        if prefix and path.startswith(prefix):
+            path = path[len(prefix):]
+        path = path.rstrip("/") or "/"
+        try:
+            response = await self._route(request, path)
+        except RequestError as error:
+            response = _json(error.to_json(), error.status)
+        except Exception as error:  # noqa: BLE001 - a 500 that says what broke, never a traceback to the client
+            LOG.exception("request failed")
+            response = _json({"error": {"status": 500, "field": None,
+                                        "message": f"{type(error).__name__}: {error}"[:500]}}, 500)
+        self.metrics.observe(path if path in ("/search", "/healthz", "/metrics") else "other",
+                             response.status_code, time.perf_counter() - started)
+        return response
+
+    async def _route(self, request, path: str):
+        from starlette.responses import PlainTextResponse
+
+        method = request.method.upper()
+        routes = {"/search": "POST", "/healthz": "GET", "/metrics": "GET"}
+        if path not in routes:
+            raise RequestError(404, "path", f"{path!r} is not served; routes: {sorted(routes)}")
+        if method != routes[path]:
+            raise RequestError(405, "method", f"{path} takes {routes[path]}, got {method}")
+        state = self._state
+        if path == "/metrics":
+            return PlainTextResponse(self.metrics.render(state), media_type="text/plain; version=0.0.4")
+        if path == "/healthz":
+            if state is None:
+                return _json({"status": "loading", "error": self.last_error}, 503)
+            return _json({"status": "ok", "replica": self.metrics.replica, **state_summary(state)})
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
+            raise RequestError(413, "body", f"{length} bytes is over the limit of {self.limits.max_body_bytes} bytes")
+        body = await request.body()
+        if state is None:
+            return _json({"error": {"status": 503, "field": None,
+                                    "message": f"no model loaded yet ({self.last_error or 'loading'}); retry"}}, 503)
+        parsed = parse_search_request(body, request.headers.get("content-type"), dim=state.index.dim,
+                                      image_shape=state.image_shape, gallery_size=state.index.size,
+                                      limits=self.limits)
+        if parsed.model_version is not None and parsed.model_version != state.ref.version:
+            known = set(state.index.versions.tolist())
+            if parsed.model_version not in known:
+                raise RequestError(400, "model_version", f"unknown version {parsed.model_version!r}: the service "
+                                   f"embeds with {state.ref.version}, the index holds {sorted(known)}")
+            raise RequestError(409, "model_version", f"the embedding was made by version {parsed.model_version}, "
+                               f"the service now embeds with {state.ref.version}; re-embed or retry")
+        if parsed.image is not None and state.model is None:
+            raise RequestError(400, "image", "no model to embed images; send 'embedding'")
+        return _json(await self._batched((state, parsed)))
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.0)
+    async def _batched(self, items: list[tuple[ServingState, Any]]) -> list[dict]:
+        # requests queued while a batch is computed form the next one: no added wait at low load (a 3 ms wait
+        # did not form larger batches on the shared 2-core machine; see compat_search_batched_requests_total)
+        self.metrics.observe_batch(len(items))
+        return await asyncio.to_thread(_search_batch, items)
+
+
+def _search_batch(items: list[tuple[ServingState, Any]]) -> list[dict]:
+    """Answers to validated requests, each computed from its own state: requests that share a state are embedded
+    and searched as one batch (top max-k; a request's top-k is the exact prefix of that ranking, whose order is
+    total: score descending, gallery position ascending)."""
+    import torch
+
+    from cluster.serving.models import embed_images
+    from compat_core.gallery_search import search_groups
+
+    answers: list[dict | None] = [None] * len(items)
+    by_state: dict[int, list[int]] = {}
+    for number, (state, _) in enumerate(items):
+        by_state.setdefault(id(state), []).append(number)
+    for numbers in by_state.values():
+        state = items[numbers[0]][0]
+        rows = [None] * len(numbers)
+        images = [i for i, n in enumerate(numbers) if items[n][1].image is not None]
+        if images:
+            embedded = embed_images(state.model, np.stack([items[numbers[i]][1].image for i in images]), state.mean,
+                                    state.std)
+            for row, i in enumerate(images):
+                rows[i] = embedded[row]
+        for i, n in enumerate(numbers):
+            if rows[i] is None:
+                rows[i] = as_query_tensor(items[n][1].embedding)
+        k = max(items[n][1].k for n in numbers)
+        positions, scores, groups = search_groups(torch.stack(rows), state.groups, k)
+        for i, n in enumerate(numbers):
+            answers[n] = _answer(state, items[n][1], positions[i], scores[i], groups[i])
+    return answers
+
+
+def _answer(state: ServingState, parsed, positions, scores, groups) -> dict:
+    results = []
+    for position, score, group in zip(positions[:parsed.k], scores[:parsed.k], groups[:parsed.k]):
+        item = {"id": str(state.index.item_ids[position]), "position": int(position), "score": float(score),
+                "item_version": state.groups[group].version,
+                "adapter": state.adapter[0] if state.adapter and state.adapter[1] == state.groups[group].version
+                else None}
+        if parsed.include_payload:
+            item["payload_uri"] = state.index.payload_uris[position]
+        results.append(item)
+    return {"model": state.ref.name, "model_version": state.ref.version, "index_manifest": state.index.manifest_sha,
+            "k": parsed.k, "results": results}
+
+
+def deployment(num_replicas: int = 1, num_cpus: float = 1.0, num_gpus: float = 0.0, max_ongoing_requests: int = 8):
+    """The Serve deployment of :class:`SearchService` with these resources."""
+    return serve.deployment(SearchService, name="compat-search").options(
+        num_replicas=num_replicas, max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus})
+
+
+def start(settings: dict, host: str = "127.0.0.1", port: int = 8000, app_name: str = "compat-search",
+          **resources) -> str:
+    """Start Serve's HTTP proxy on host:port (127.0.0.1 unless configured) and deploy the service; returns its
+    base URL. Ray must be initialised."""
+    serve.start(http_options={"host": host, "port": int(port)})
+    serve.run(deployment(**resources).bind(settings), name=app_name, route_prefix="/")
+    return f"http://{host}:{port}"
+
+
+__all__ = ["SearchService", "deployment", "start", "DEFAULT_SETTINGS"]

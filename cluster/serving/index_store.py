@@ -1,0 +1,178 @@
+"""Gallery index: content-addressed Parquet shards and manifests under one root (a local folder or ``s3://``).
+
+Layout::
+
+    ROOT/HEAD                      {"manifest": "<sha256>"}: the current manifest (one small object, replaced
+                                   atomically: a local rename or one S3 PUT)
+    ROOT/manifests/<sha256>.json   a manifest: the embedding width, item count, the image preprocessing, the model
+                                   that built it, and its shards in order
+    ROOT/shards/<sha256>.parquet   rows: position (int64, 0-based gallery position), item_id (string), embedding
+                                   (fixed_size_list<float32>[D]), model_version (string), payload_uri (string,
+                                   nullable), label (int64, nullable)
+
+Every blob is named by the sha256 of its bytes and verified on read (``CorruptArtifactError`` names the file, the
+expected and the actual hash). A position may occur in several shards: the last shard listed wins, so a backfill
+writes the re-embedded rows of a chunk as a new shard and flips them all at once by committing a manifest that
+lists it (one HEAD swap); readers see either the whole chunk in the new version or none of it.
+"""
+from __future__ import annotations
+
+import io
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from compat_core import io as cio
+from pipelines.store import CorruptArtifactError, sha256_bytes
+
+FORMAT = "compat-gallery-index/1"
+HEAD = "HEAD"
+
+__all__ = ["GalleryIndex", "shard_table", "write_shard", "commit_manifest", "read_head", "read_manifest",
+           "load_index", "new_manifest", "FORMAT"]
+
+
+@dataclass(frozen=True)
+class GalleryIndex:
+    """A loaded index, in gallery position order (position = row)."""
+
+    manifest_sha: str
+    manifest: dict
+    item_ids: np.ndarray          # (N,) str
+    embeddings: np.ndarray        # (N, D) float32 as stored
+    versions: np.ndarray          # (N,) str: the model version that embedded each item
+    payload_uris: np.ndarray      # (N,) object (str or None)
+    labels: np.ndarray | None     # (N,) int64 or None
+
+    @property
+    def size(self) -> int:
+        return int(self.embeddings.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.embeddings.shape[1])
+
+
+def shard_table(positions, item_ids, embeddings, version: str, payload_uris=None, labels=None) -> pa.Table:
+    """One shard's rows as an Arrow table (embedding a fixed-size list of float32)."""
+    embeddings = np.ascontiguousarray(np.asarray(embeddings, dtype=np.float32))
+    if embeddings.ndim != 2:
+        raise ValueError(f"embeddings: expected (n, D), got shape {embeddings.shape}")
+    count, dim = embeddings.shape
+    columns = {
+        "position": pa.array(np.asarray(positions, dtype=np.int64)),
+        "item_id": pa.array([str(x) for x in item_ids], pa.string()),
+        "embedding": pa.FixedSizeListArray.from_arrays(pa.array(embeddings.reshape(-1)), dim),
+        "model_version": pa.array([str(version)] * count, pa.string()),
+        "payload_uri": pa.array(list(payload_uris) if payload_uris is not None else [None] * count, pa.string()),
+        "label": pa.array(np.asarray(labels, dtype=np.int64) if labels is not None else [None] * count, pa.int64()),
+    }
+    for name, column in columns.items():
+        if len(column) != count:
+            raise ValueError(f"{name}: {len(column)} values for {count} embeddings")
+    return pa.table(columns)
+
+
+def write_shard(root: str, table: pa.Table) -> dict:
+    """Write a shard (content-addressed); returns its manifest entry."""
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    data = sink.getvalue()
+    digest = sha256_bytes(data)
+    name = f"shards/{digest}.parquet"
+    target = cio.join(root, name)
+    if not cio.exists(target):
+        cio.write_bytes(target, data)
+    versions = sorted(set(table.column("model_version").to_pylist()))
+    return {"file": name, "sha256": digest, "rows": table.num_rows, "model_versions": versions}
+
+
+def new_manifest(dim: int, count: int, model: dict, shards: list[dict], image: dict | None = None,
+                 pool: dict | None = None, parent: str | None = None, **extra) -> dict:
+    return {"format": FORMAT, "dim": int(dim), "count": int(count), "model": model, "image": image, "pool": pool,
+            "shards": shards, "parent": parent, "created_unix": time.time(), **extra}
+
+
+def commit_manifest(root: str, manifest: dict, expected_head: str | None = None) -> str:
+    """Store ``manifest`` and point HEAD at it; returns its sha256. expected_head: refuse (ValueError) when HEAD
+    moved since it was read (another writer), so no committed chunk is lost."""
+    if expected_head is not None and read_head(root) != expected_head:
+        raise ValueError(f"{root}/HEAD moved from {expected_head[:12]} while this manifest was prepared "
+                         "(another backfill or build?); re-run it")
+    data = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8")
+    digest = sha256_bytes(data)
+    cio.write_bytes(cio.join(root, f"manifests/{digest}.json"), data)
+    cio.write_bytes(cio.join(root, HEAD), json.dumps({"manifest": digest}).encode("utf-8"))
+    return digest
+
+
+def read_head(root: str) -> str:
+    """sha256 of the current manifest; FileNotFoundError naming the root when there is no index there."""
+    uri = cio.join(root, HEAD)
+    try:
+        document = json.loads(cio.read_bytes(uri))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{uri}: no gallery index here; build one with `compat index build`") from None
+    except json.JSONDecodeError as error:
+        raise CorruptArtifactError(f"{uri}: not JSON ({error})") from None
+    digest = document.get("manifest") if isinstance(document, dict) else None
+    if not isinstance(digest, str) or len(digest) != 64:
+        raise CorruptArtifactError(f"{uri}: expected {{'manifest': '<sha256>'}}, got {document!r}"[:300])
+    return digest
+
+
+def _verified(uri: str, expected: str) -> bytes:
+    data = cio.read_bytes(uri)
+    actual = sha256_bytes(data)
+    if actual != expected:
+        raise CorruptArtifactError(f"{uri}: sha256 expected {expected}, actual {actual}")
+    return data
+
+
+def read_manifest(root: str, digest: str | None = None) -> tuple[str, dict]:
+    """(sha256, manifest) of ``digest`` or of HEAD, verified."""
+    digest = digest or read_head(root)
+    manifest = json.loads(_verified(cio.join(root, f"manifests/{digest}.json"), digest))
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{root}: manifest {digest[:12]} has format {manifest.get('format')!r}, expected {FORMAT}")
+    return digest, manifest
+
+
+def load_index(root: str, digest: str | None = None) -> GalleryIndex:
+    """The index at HEAD (or manifest ``digest``): every shard verified, later shards overriding earlier ones."""
+    digest, manifest = read_manifest(root, digest)
+    dim, count = int(manifest["dim"]), int(manifest["count"])
+    embeddings = np.zeros((count, dim), dtype=np.float32)
+    item_ids = np.empty(count, dtype=object)
+    versions = np.empty(count, dtype=object)
+    payloads = np.empty(count, dtype=object)
+    labels = np.full(count, -1, dtype=np.int64)
+    has_label = np.zeros(count, dtype=bool)
+    seen = np.zeros(count, dtype=bool)
+    for entry in manifest["shards"]:
+        uri = cio.join(root, entry["file"])
+        table = pq.read_table(io.BytesIO(_verified(uri, entry["sha256"])))
+        positions = table.column("position").to_numpy()
+        if positions.size and (positions.min() < 0 or positions.max() >= count):
+            raise CorruptArtifactError(f"{uri}: positions outside 0..{count - 1}")
+        column = table.column("embedding").combine_chunks()
+        if column.type.list_size != dim:
+            raise CorruptArtifactError(f"{uri}: embedding width {column.type.list_size}, manifest says {dim}")
+        embeddings[positions] = column.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)
+        item_ids[positions] = table.column("item_id").to_pylist()
+        versions[positions] = table.column("model_version").to_pylist()
+        payloads[positions] = table.column("payload_uri").to_pylist()
+        label_column = table.column("label")
+        valid = ~np.asarray(label_column.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+        labels[positions[valid]] = np.asarray(label_column.drop_null().to_numpy(), dtype=np.int64)
+        has_label[positions] = valid
+        seen[positions] = True
+    if not seen.all():
+        raise CorruptArtifactError(f"{root}: manifest {digest[:12]} leaves {int((~seen).sum())} of {count} gallery "
+                                   f"positions without a row (e.g. {int(np.flatnonzero(~seen)[0])})")
+    return GalleryIndex(digest, manifest, item_ids.astype(str), embeddings, versions.astype(str), payloads,
+                        labels if has_label.all() else None)

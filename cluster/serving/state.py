@@ -1,0 +1,148 @@
+"""The immutable serving state (model + index + version groups) and the Prometheus metrics of one replica.
+
+A replica answers every request from ONE ``ServingState`` it read once at the start of the request; an upgrade
+builds a complete new state off the request path and replaces the replica's reference to it in one assignment,
+so no request sees a model of one version and groups or adapters of another.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from cluster.serving.index_store import GalleryIndex
+from cluster.serving.models import ModelRef
+from compat_core.gallery_search import VersionGroup, build_groups
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class ServingState:
+    """Everything one request needs, never mutated after construction."""
+
+    ref: ModelRef
+    model: Any                        # CompatModel (eval) or None when the service embeds no images
+    index: GalleryIndex
+    groups: tuple[VersionGroup, ...]
+    adapter: tuple[str, str] | None   # (kind, old version) the gate installed with ``ref``, when applied
+    image_shape: tuple[int, int, int] | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+    loaded_unix: float = field(default_factory=time.time)
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.ref.name, self.ref.version, self.index.manifest_sha)
+
+
+def build_state(ref: ModelRef, model: Any, index: GalleryIndex, adapter: tuple[str, str, Any] | None,
+                precision: str) -> ServingState:
+    """Version groups of ``index`` for queries of ``ref``; an installed adapter maps the group of its old version
+    (query adapters map the query, gallery adapters such as FCT the group's stored embeddings)."""
+    from compat_core.adapters import GALLERY_ADAPTERS
+
+    query_maps, gallery_maps, applied = {}, {}, None
+    if adapter is not None:
+        kind, old_version, fitted = adapter
+        if old_version in set(index.versions.tolist()) and old_version != ref.version:
+            if kind in GALLERY_ADAPTERS:
+                gallery_maps[old_version] = lambda rows, f=fitted: f.apply(rows).float()
+            else:
+                query_maps[old_version] = lambda rows, f=fitted: f.apply(rows).float()
+            applied = (kind, old_version)
+    groups = build_groups(index.embeddings, index.versions, precision, query_maps, gallery_maps)
+    image = index.manifest.get("image") or {}
+    shape = tuple(int(x) for x in image["shape"]) if image.get("shape") else None
+    return ServingState(ref, model, index, groups, applied, shape, tuple(image.get("mean") or ()) or None,
+                        tuple(image.get("std") or ()) or None)
+
+
+class ReplicaMetrics:
+    """Counters and a latency histogram in Prometheus text format (one replica's view)."""
+
+    def __init__(self, replica: str) -> None:
+        self.replica = replica
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = {}
+        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.latency_sum = 0.0
+        self.latency_count = 0
+        self.swaps = 0
+        self.swap_errors = 0
+        self.batches = 0
+        self.batched_requests = 0
+
+    def observe_batch(self, size: int) -> None:
+        with self._lock:
+            self.batches += 1
+            self.batched_requests += size
+
+    def observe(self, path: str, status: int, seconds: float) -> None:
+        with self._lock:
+            self.requests[(path, status)] = self.requests.get((path, status), 0) + 1
+            if path == "/search" and status == 200:
+                self.latency_sum += seconds
+                self.latency_count += 1
+                self.buckets[next((i for i, b in enumerate(LATENCY_BUCKETS) if seconds <= b), len(LATENCY_BUCKETS))] += 1
+
+    def render(self, state: ServingState | None) -> str:
+        r = f'replica="{self.replica}"'
+        lines = ["# HELP compat_search_requests_total HTTP requests answered, by path and status code.",
+                 "# TYPE compat_search_requests_total counter"]
+        with self._lock:
+            for (path, status), count in sorted(self.requests.items()):
+                lines.append(f'compat_search_requests_total{{{r},path="{path}",code="{status}"}} {count}')
+            lines += ["# HELP compat_search_latency_seconds Latency of successful /search requests in the replica.",
+                      "# TYPE compat_search_latency_seconds histogram"]
+            cumulative = 0
+            for bound, count in zip(LATENCY_BUCKETS + (float("inf"),), self.buckets):
+                cumulative += count
+                le = "+Inf" if bound == float("inf") else repr(bound)
+                lines.append(f'compat_search_latency_seconds_bucket{{{r},le="{le}"}} {cumulative}')
+            lines.append(f"compat_search_latency_seconds_sum{{{r}}} {self.latency_sum!r}")
+            lines.append(f"compat_search_latency_seconds_count{{{r}}} {self.latency_count}")
+            lines += ["# HELP compat_model_swaps_total Model or index switches of this replica.",
+                      "# TYPE compat_model_swaps_total counter", f"compat_model_swaps_total{{{r}}} {self.swaps}",
+                      "# HELP compat_model_swap_errors_total Failed attempts to load a new model or index.",
+                      "# TYPE compat_model_swap_errors_total counter",
+                      f"compat_model_swap_errors_total{{{r}}} {self.swap_errors}",
+                      "# HELP compat_search_batches_total Kernel batches run (requests answered together).",
+                      "# TYPE compat_search_batches_total counter", f"compat_search_batches_total{{{r}}} {self.batches}",
+                      "# HELP compat_search_batched_requests_total Requests answered in those batches.",
+                      "# TYPE compat_search_batched_requests_total counter",
+                      f"compat_search_batched_requests_total{{{r}}} {self.batched_requests}"]
+        lines += ["# HELP compat_model_loaded 1 when a model and index are loaded (else 503 on /search).",
+                  "# TYPE compat_model_loaded gauge", f"compat_model_loaded{{{r}}} {int(state is not None)}"]
+        if state is not None:
+            versions, counts = np.unique(state.index.versions, return_counts=True)
+            served = int(counts[versions == state.ref.version].sum()) if versions.size else 0
+            lines += ["# HELP compat_model_version_info The model version that embeds queries.",
+                      "# TYPE compat_model_version_info gauge",
+                      f'compat_model_version_info{{{r},model="{state.ref.name}",version="{state.ref.version}",'
+                      f'adapter="{state.adapter[0] if state.adapter else ""}"}} 1',
+                      "# HELP compat_index_items Gallery items by the model version that embedded them.",
+                      "# TYPE compat_index_items gauge"]
+            lines += [f'compat_index_items{{{r},version="{v}"}} {int(c)}' for v, c in zip(versions, counts)]
+            lines += ["# HELP compat_backfill_fraction Fraction of the gallery embedded by the serving model version.",
+                      "# TYPE compat_backfill_fraction gauge",
+                      f'compat_backfill_fraction{{{r},version="{state.ref.version}"}} '
+                      f"{served / max(1, state.index.size)!r}"]
+        return "\n".join(lines) + "\n"
+
+
+def state_summary(state: ServingState) -> dict:
+    versions, counts = np.unique(state.index.versions, return_counts=True)
+    return {"model": state.ref.name, "model_version": state.ref.version, "index_manifest": state.index.manifest_sha,
+            "items": state.index.size, "dim": state.index.dim,
+            "items_by_version": {str(v): int(c) for v, c in zip(versions, counts)},
+            "adapter": {"kind": state.adapter[0], "old_version": state.adapter[1]} if state.adapter else None,
+            "loaded_unix": state.loaded_unix}
+
+
+def as_query_tensor(rows) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(rows, dtype=np.float32))

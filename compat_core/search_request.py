@@ -1,0 +1,163 @@
+"""Validation of a search service request (``POST /search``): JSON only, every error names the field.
+
+A request is a JSON object with exactly one of ``embedding`` (a list of D numbers made by the serving model) or
+``image`` (base64 of JPEG or PNG bytes), ``k`` (1 <= k <= min(max_k, gallery size), default 10) and optional
+``model_version`` (the version that made ``embedding``; must be the one the service embeds with) and
+``include_payload`` (bool). Nothing is unpickled: the body is parsed by ``json`` and images by Pillow, limited
+in bytes and pixels before decoding.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["RequestError", "SearchLimits", "SearchRequest", "parse_search_request", "decode_image"]
+
+FIELDS = ("image", "embedding", "k", "model_version", "include_payload")
+IMAGE_FORMATS = ("JPEG", "PNG")
+
+
+class RequestError(ValueError):
+    """A rejected request: HTTP ``status`` (4xx), the JSON ``field`` at fault and a message saying what was expected."""
+
+    def __init__(self, status: int, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.status = int(status)
+        self.field = field
+        self.message = message
+
+    def to_json(self) -> dict:
+        return {"error": {"status": self.status, "field": self.field, "message": self.message}}
+
+
+@dataclass(frozen=True)
+class SearchLimits:
+    """Request limits: body bytes, k, image pixels (decoded width x height) and image side."""
+
+    max_body_bytes: int = 4 << 20
+    max_k: int = 100
+    max_image_pixels: int = 4096 * 4096
+    default_k: int = 10
+
+
+@dataclass(frozen=True)
+class SearchRequest:
+    k: int
+    embedding: np.ndarray | None = None     # (D,) float32
+    image: np.ndarray | None = None         # (H, W, C) uint8, already the index's image shape
+    model_version: str | None = None
+    include_payload: bool = False
+
+
+def _reject_constant(name: str):
+    raise RequestError(400, "body", f"JSON constant {name} is not a number; send finite numbers only")
+
+
+def parse_search_request(body: bytes, content_type: str | None, *, dim: int, image_shape: tuple[int, int, int] | None,
+                         gallery_size: int, limits: SearchLimits = SearchLimits()) -> SearchRequest:
+    """The validated request, or RequestError (413 too large, 415 wrong media type, 400 otherwise)."""
+    if content_type is not None and content_type.split(";")[0].strip().lower() not in ("application/json", ""):
+        raise RequestError(415, "content-type", f"expected application/json, got {content_type!r}")
+    if len(body) > limits.max_body_bytes:
+        raise RequestError(413, "body", f"{len(body)} bytes is over the limit of {limits.max_body_bytes} bytes")
+    if not body.strip():
+        raise RequestError(400, "body", "empty; expected a JSON object with 'embedding' or 'image'")
+    try:
+        document = json.loads(body, parse_constant=_reject_constant)
+    except RequestError:
+        raise
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RequestError(400, "body", f"not valid JSON ({error})") from None
+    if not isinstance(document, dict):
+        raise RequestError(400, "body", f"expected a JSON object, got a JSON {type(document).__name__}")
+    unknown = sorted(set(document) - set(FIELDS))
+    if unknown:
+        raise RequestError(400, unknown[0], f"unknown field; valid fields are {list(FIELDS)}")
+    has_embedding, has_image = "embedding" in document, "image" in document
+    if not has_embedding and not has_image:
+        raise RequestError(400, "embedding", "missing: give 'embedding' (a list of numbers) or 'image' (base64)")
+    if has_embedding and has_image:
+        raise RequestError(400, "image", "give either 'embedding' or 'image', not both")
+    k = _parse_k(document.get("k", limits.default_k), gallery_size, limits)
+    model_version = document.get("model_version")
+    if model_version is not None and (not isinstance(model_version, (str, int)) or isinstance(model_version, bool)):
+        raise RequestError(400, "model_version", f"expected a version string, got {type(model_version).__name__}")
+    include_payload = document.get("include_payload", False)
+    if not isinstance(include_payload, bool):
+        raise RequestError(400, "include_payload", f"expected true or false, got {type(include_payload).__name__}")
+    model_version = None if model_version is None else str(model_version)
+    if has_embedding:
+        return SearchRequest(k, embedding=_parse_embedding(document["embedding"], dim), model_version=model_version,
+                             include_payload=include_payload)
+    if model_version is not None:
+        raise RequestError(400, "model_version", "only for 'embedding' queries (an image is embedded by the service)")
+    if image_shape is None:
+        raise RequestError(400, "image", "this index records no image shape; send 'embedding' instead")
+    return SearchRequest(k, image=decode_image(document["image"], image_shape, limits), include_payload=include_payload)
+
+
+def _parse_k(value, gallery_size: int, limits: SearchLimits) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(400, "k", f"expected an integer, got {type(value).__name__} {value!r}"[:200])
+    top = min(limits.max_k, gallery_size)
+    if not 1 <= value <= top:
+        raise RequestError(400, "k", f"out of range: expected 1 <= k <= {top} (max_k {limits.max_k}, gallery size "
+                                     f"{gallery_size}), got {value}")
+    return value
+
+
+def _parse_embedding(value, dim: int) -> np.ndarray:
+    if not isinstance(value, list):
+        raise RequestError(400, "embedding", f"expected a list of {dim} numbers, got {type(value).__name__}")
+    if len(value) != dim:
+        raise RequestError(400, "embedding", f"wrong width: expected {dim} numbers (the index's embedding width), "
+                                             f"got {len(value)}")
+    for position, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, (int, float)):
+            raise RequestError(400, "embedding", f"item {position} is {type(item).__name__}; expected a number")
+        if not math.isfinite(item):
+            raise RequestError(400, "embedding", f"item {position} is not finite")
+    array = np.asarray(value, dtype=np.float64)
+    if not np.all(np.isfinite(array.astype(np.float32))):
+        raise RequestError(400, "embedding", "a value overflows float32")
+    if not np.any(array):
+        raise RequestError(400, "embedding", "all zeros; a zero vector has no direction to search")
+    return array.astype(np.float32)
+
+
+def decode_image(value, image_shape: tuple[int, int, int], limits: SearchLimits = SearchLimits()) -> np.ndarray:
+    """base64 JPEG/PNG -> uint8 (H, W, C) of the index's image shape (converted to its channels, resized bilinearly
+    when the size differs)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(value, str):
+        raise RequestError(400, "image", f"expected a base64 string, got {type(value).__name__}")
+    try:
+        data = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise RequestError(400, "image", f"not valid base64 ({error})") from None
+    if not data:
+        raise RequestError(400, "image", "empty image")
+    try:
+        image = Image.open(io.BytesIO(data), formats=list(IMAGE_FORMATS))
+    except UnidentifiedImageError:
+        raise RequestError(415, "image", f"not a decodable image; expected one of {list(IMAGE_FORMATS)}") from None
+    width, height = image.size
+    if width * height > limits.max_image_pixels:
+        raise RequestError(413, "image", f"{width}x{height} pixels is over the limit of {limits.max_image_pixels}")
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise RequestError(400, "image", f"undecodable {image.format} data ({error})") from None
+    height_out, width_out, channels = (int(x) for x in image_shape)
+    image = image.convert("L" if channels == 1 else "RGB")
+    if image.size != (width_out, height_out):
+        image = image.resize((width_out, height_out), Image.Resampling.BILINEAR)
+    array = np.asarray(image, dtype=np.uint8)
+    return array[:, :, None] if array.ndim == 2 else array

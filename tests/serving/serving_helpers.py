@@ -1,0 +1,82 @@
+"""Shared by the search-service tests: randomly initialised models registered on the real MLflow server, the tiny
+scenario's config, and an HTTP client for the service on loopback."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+import tiny_scenario_helpers as tiny  # noqa: E402
+
+
+def register_random_model(client, name: str, seed: int, folder: Path, rotation_seed: int | None = None) -> str:
+    """A randomly initialised cnn4 (width 4, 9-d features) registered as a new version of ``name``; its version.
+    rotation_seed: the junction is left-multiplied by a random orthogonal matrix, so the features are exactly those
+    of ``seed``'s model rotated (an old-model-compatible space only through that rotation)."""
+    import torch
+
+    from cluster.registry import ensure_registered_model, register_version, write_model_folder
+    from cluster.tracking import ensure_experiment
+    from compat_core.models.compat_model import create_model, model_to_bytes
+    from pipelines.store import sha256_bytes
+
+    torch.manual_seed(seed)
+    model = create_model("cnn4", num_slots=10, backbone_config={"in_chans": 1, "width": 4}).eval()
+    if rotation_seed is not None:
+        rng = np.random.default_rng(rotation_seed)
+        rotation = torch.from_numpy(np.linalg.qr(rng.standard_normal((9, 9)))[0]).float()
+        with torch.no_grad():
+            model.junction.weight.copy_(rotation @ model.junction.weight)
+    blobs = model_to_bytes(model)
+    target = write_model_folder(folder / f"model-{seed}-{rotation_seed}", blobs["config.json"], blobs["model.safetensors"])
+    run = client.create_run(ensure_experiment(client, "serve-test-models"))
+    client.log_artifacts(run.info.run_id, str(target), "model")
+    client.set_terminated(run.info.run_id)
+    ensure_registered_model(client, name)
+    version = register_version(client, name, run.info.run_id, f"random-seed-{seed}-{rotation_seed}",
+                               {"sha256": sha256_bytes(blobs["model.safetensors"])}, [])
+    return str(version.version)
+
+
+def write_config(folder: Path) -> Path:
+    """The tiny scenario (16x16 grey synthetic images; 30 query and 30 gallery images of 3 classes), fp32."""
+    tiny.register()
+    document = tiny.scenario("er")
+    document["evaluation"]["feature_dtype"] = "float32"
+    path = folder / "tiny.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def png_base64(image: np.ndarray) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image[:, :, 0] if image.shape[2] == 1 else image).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def call(url: str, path: str, body=None, method: str | None = None, raw: bytes | None = None,
+         content_type: str = "application/json", timeout: float = 30.0) -> tuple[int, object]:
+    """(status, JSON document or text) of one request."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"))
+    if data is not None and content_type:
+        request.add_header("Content-Type", content_type)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        status, text = error.code, error.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
