@@ -13,7 +13,8 @@ What it does, in order, and what it reports (one table, as JSON and markdown, un
 3. ``product``: ``compat run`` of the real config ``configs/iam-cl2r-celeba-dinov3-t16.yaml`` with its data roots
    overridden, 2 of its 16 tasks (task 1 trains d-Simplex-HOC against the frozen task-0 model, K = 22,000), no
    third-party stages (random initial weights: speed does not depend on them) and a step budget
-   (``training.steps_per_epoch``). From the stage records: images/s (steady state: after the first step), device
+   (``training.steps_per_epoch``). From the stage records: images/s (mean over the task's steps, the wait for the
+   first batch included, so start-up counts against the product), device
    busy fraction (NVML samples inside the training loop), input-stall fraction (device idle while waiting for a
    batch, an upper bound), peak GPU memory, time to the first step.
 4. ``bare``: the same step in bare PyTorch/timm on the same device: the same timm ViT, junction, closed-form
