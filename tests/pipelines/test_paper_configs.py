@@ -162,8 +162,9 @@ def test_plan_check_data_prints_the_init_digest_to_pin(data_dir, tmp_path, monke
     digest = hashlib.sha256((data_dir / INIT_PATH).read_bytes()).hexdigest()
     out = capsys.readouterr().out
     for index in range(len(document["pretrain"])):
-        assert (f"pretrain[{index}].init: no init_sha256 set; {INIT_PATH} has sha256 {digest}: pin it with "
-                f"pretrain[{index}].init_sha256") in out
+        # the path as the run will use it: made absolute where the command is typed
+        assert (f"pretrain[{index}].init: no init_sha256 set; {data_dir / INIT_PATH} has sha256 {digest}: pin it "
+                f"with pretrain[{index}].init_sha256") in out
 
 
 # ---- IAM-CL2R 7 tasks: reference masking and the reference epoch length ----------------------------------------
