@@ -2,8 +2,9 @@
 hold a query's answer, with proven bounds deciding which.
 
 Why it is exact. The gallery is split into groups (by class when labels are given, else by spherical k-means).
-Each group c has a centre direction m_c (a unit fp64 vector) and an angle a_c >= the largest angle between m_c and
-any member's unit vector (measured in fp64 on every member, rounded outwards). For unit vectors q, g the angle
+Each group c has a centre direction m_c = m32 / ||m32|| (m32 the stored fp32 direction; any unit vector is a valid
+centre) and an angle a_c >= the largest angle between m_c and any member's unit vector (every member's cosine to
+m_c bounded from below by its fp32 evaluation minus input rounding and gamma_D, then arccos rounded outwards). For unit vectors q, g the angle
 obeys the triangle inequality on the sphere, angle(q, g) >= angle(q, m_c) - angle(m_c, g), so
     q.g <= cos(max(0, angle(q, m_c) - a_c)) =: U_c(q)    for every member g of c
 (the cap of angular radius a_c around m_c holds the group; the bound is the largest cosine any point of the cap can
@@ -11,9 +12,9 @@ have with q). angle(q, m_c) is bounded from below through an fp32 product t = q3
 |t - q.m_c| <= E_t (input rounding of both sides and gamma_D accumulation), i.e. angle >= arccos(min(1, t + E_t)).
 
 A lower bound L(q) on the query's best reference score comes from one member per group (the one nearest its
-centre) scored in fp32, in the same product as the centre scores: L = max_j fl32(q.g_j) - E_32 (the same input-rounding + gamma_D bound). A group with
-U_c(q) < L(q) holds no item that can reach the best score, so it is skipped; every other group of the query is
-searched by the exact kernel, which returns that group's top-1 by fp64 score with the lowest index among ties
+centre) scored in fp32, in the same product as the centre scores: L = max_j fl32(q.g_j) - E_32 (the same
+input-rounding + gamma_D bound). A group with U_c(q) < L(q) holds no item that can reach the best score, so it is
+skipped; every other group of the query is searched by the exact kernel, which returns that group's top-1 by fp64 score with the lowest index among ties
 (members keep ascending gallery order inside a group). The winners of a query's groups are merged by (fp64 score
 descending, gallery index ascending). The fp64 scores are the kernel's per-pair evaluation (the same
 elementwise product and sum for every pair), so a pair scores bit for bit the same whichever group call computes
