@@ -125,7 +125,7 @@ _GATHER_VS_DENSE = 32          # a gathered candidate costs about as much as thi
 _INT8_DEMOTE_FRACTION = 64
 _INT8_PROBE_QUERIES = 512      # size of that first chunk
 _LIVE_CHECK_CHUNKS = 8         # the live check runs on searches of at least this many first chunks
-_LIVE_MARGIN = 1.1             # a stage slower than the plain fp32 product by more than this is left
+_LIVE_MARGIN = 1.1             # a stage slower than the kernel's fp32 stage by more than this is left
 _GATHER_BUDGET = 1 << 22       # elements per gathered (rows x candidates x D) block: bounds re-scoring memory
 _SCORE_BUDGET = 1 << 26        # elements of one (query chunk x gallery) score block
 # int8 with k = 1: the query chunk is projected and quantised at once, its products and selection run in smaller
@@ -731,11 +731,11 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
 
 def _group_search(chunk_size: int | None):
     """The exact kernel as the pruned search calls it on one gallery group: top-1 with its fp64 score."""
-    def search(query_rows: torch.Tensor, gallery_rows: torch.Tensor, want_scores: bool):
-        # the calibrated stage named directly: each group's call would otherwise repeat the live check, which
-        # the pruned search's own timed trial already covers; int8 stays "auto" (its window check per call)
+    def search(query_rows: torch.Tensor, gallery_rows: torch.Tensor, want_scores: bool, whole: bool = False):
+        # a group's call names the calibrated stage: it would otherwise repeat the live check, which the pruned
+        # search's own timed trial covers; the whole gallery and int8 stay "auto" (live check, int8 window check)
         stage = fastest_matmul(gallery_rows.device)
-        precision = "auto" if stage == "int8" else stage
+        precision = "auto" if whole or stage == "int8" else stage
         return nearest_neighbours(query_rows, gallery_rows, 1, chunk_size, precision, return_scores=want_scores)
     return search
 

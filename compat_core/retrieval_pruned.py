@@ -255,8 +255,8 @@ def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None,
     """Exact top-1 gallery row of every query row (cosine; lowest index among exact ties), searching only the
     gallery groups whose bound reaches the query's best lower bound.
 
-    ``search(query_rows, gallery_rows, want_scores)``: the exact kernel, returning (indices (n, 1), fp64 scores
-    (n, 1) or None without ``want_scores``).
+    ``search(query_rows, gallery_rows, want_scores, whole=False)``: the exact kernel, returning (indices (n, 1),
+    fp64 scores (n, 1) or None without ``want_scores``); ``whole``: the call searches the whole gallery.
     ``labels`` (Ng,): group by class; None: spherical k-means groups. ``prune``: "auto", "always" or "never" (one
     kernel call over the whole gallery). "auto" first estimates from the bounds of a probe of queries
     (``plan``); where that promises a gain it times both searches on the first ``_TRIAL_QUERIES`` queries (their
@@ -267,27 +267,27 @@ def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None,
     size = gallery.shape[0]
     whole = Report(False, 1, 1.0, float(size), 1.0)
     if prune == "never" or (prune == "auto" and query.shape[0] * size < _MIN_PAIRS):
-        return search(query, gallery, False)[0][:, 0], whole
+        return search(query, gallery, False, True)[0][:, 0], whole
     with torch.inference_mode():
         groups = group_gallery(gallery, labels)
         if groups.count < 2:
-            return search(query, gallery, False)[0][:, 0], whole
+            return search(query, gallery, False, True)[0][:, 0], whole
         decision = plan(query, groups, size)
         declined = Report(False, groups.count, float(groups.count), float(size), decision.share)
         if prune == "auto" and not decision.prune:
-            return search(query, gallery, False)[0][:, 0], declined
+            return search(query, gallery, False, True)[0][:, 0], declined
         if prune == "always" or query.shape[0] < 2 * _TRIAL_QUERIES:
             return _pruned(query, gallery, groups, search, decision.share)
         trial = query[:_TRIAL_QUERIES]
         started = time.perf_counter()
-        whole_index = search(trial, gallery, False)[0][:, 0]
+        whole_index = search(trial, gallery, False, True)[0][:, 0]
         whole_s = time.perf_counter() - started
         started = time.perf_counter()
         _pruned(trial, gallery, groups, search, decision.share)
         pruned_s = time.perf_counter() - started
         rest = query[_TRIAL_QUERIES:]
         if pruned_s * _TRIAL_GAIN > whole_s:
-            return torch.cat([whole_index, search(rest, gallery, False)[0][:, 0]]), declined
+            return torch.cat([whole_index, search(rest, gallery, False, True)[0][:, 0]]), declined
         index, report = _pruned(rest, gallery, groups, search, decision.share)
         return torch.cat([whole_index, index]), report
 
