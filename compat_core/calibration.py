@@ -528,7 +528,8 @@ def format_calibration(document: dict[str, Any] | None, path: Path | None = None
             note = " (small probe only: far slower)" if name in gemm.get("probe_only", []) else ""
             if name in gemm.get("spread", {}):
                 note += f"  spread {100 * gemm['spread'][name]:.0f} %"
-            lines.append(f"    {name:5s} {rates.get(name, 0.0):9.1f} GOP/s  {rates.get(name, 0.0) / fp32:5.2f}x fp32{note}")
+            rate = rates.get(name, 0.0)
+            lines.append(f"    {name:5s} {rate:9.1f} GOP/s  {rate / fp32:5.2f}x fp32{note}")
         lines.append(f"    retrieval precision=auto candidate pass: {_pick(rates)}")
     for name, entry in sorted((document.get("workloads") or {}).items()):
         seconds = entry["seconds_per_step"]

@@ -127,7 +127,7 @@ _GATHER_VS_DENSE = 32          # a gathered candidate costs about as much as thi
 _INT8_DEMOTE_FRACTION = 64
 _INT8_PROBE_QUERIES = 512      # size of that first chunk
 _LIVE_CHECK_CHUNKS = 8         # the live check runs on searches of at least this many first chunks
-_LIVE_MARGIN = 1.1             # a stage slower than the plain fp32 product by more than this is left
+_LIVE_MARGIN = 1.1             # a stage slower than the kernel's fp32 stage by more than this is left
 _GATHER_BUDGET = 1 << 22       # elements per gathered (rows x candidates x D) block: bounds re-scoring memory
 _SCORE_BUDGET = 1 << 26        # elements of one (query chunk x gallery) score block
 # int8 with k = 1: the query chunk is projected and quantised at once, its products and selection run in smaller
@@ -651,22 +651,30 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
     result = _Result(queries.count, k, space.stage32.device, want_scores)
     # "auto" on int8: a small first chunk tells whether these data suit the int8 window before most work is done
     probing = precision == "auto" and rebuild is not None and space.half_dtype == torch.int8
-    # "auto" on any reduced-precision stage: the first chunk is also timed against the plain fp32 product of the
-    # same rows, and a stage that turns out slower on this call (a calibration from another load, data that widen
-    # its window) hands the rest to the fp32 stage
+    # "auto" on any reduced-precision stage: an early chunk is also timed against the fp32 stage on the same
+    # rows, and a stage that turns out slower on this call (a calibration from another load, data that widen its
+    # window) hands the rest to the fp32 stage
     checking = (precision == "auto" and rebuild is not None and space.half_dtype is not None
                 and queries.count >= _LIVE_CHECK_CHUNKS * min(chunk, _INT8_PROBE_QUERIES))
     start = 0
     if probing or checking:
         stop = min(queries.count, start + min(chunk, _INT8_PROBE_QUERIES))
-        began = time.perf_counter()
         rescored = _search_chunk(space, queries, start, stop, k, want_scores, stage, result)
-        stage_s = time.perf_counter() - began
         fallback = None
         if probing and rescored * _INT8_DEMOTE_FRACTION > space.size:
             fallback = fastest_matmul(space.stage32.device, exclude=("int8",))
-        elif checking and _slower_than_fp32(space, queries, start, stop, stage_s, k, want_scores):
-            fallback = "fp32"
+        elif checking:
+            # the first chunk pays one-time costs (kernel selection and JIT of the half product, buffers), so the
+            # second one is timed
+            start, stop = stop, min(queries.count, stop + min(chunk, _INT8_PROBE_QUERIES))
+            began = time.perf_counter()
+            _search_chunk(space, queries, start, stop, k, want_scores, stage, result)
+            fp32_space = rebuild("fp32")
+            if _slower_than_fp32(space, queries, start, stop, time.perf_counter() - began, k, want_scores,
+                                 fp32_space):
+                space, stage = fp32_space, _start_stage(fp32_space, precision)
+                if chunk_size is None:
+                    chunk = _default_chunk(space.size, space.half_dtype, k)
         if fallback is not None:
             space = rebuild(fallback)
             stage = _start_stage(space, precision)
@@ -680,23 +688,22 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
 
 
 def _slower_than_fp32(space: _Space, queries: _Queries, start: int, stop: int, stage_s: float, k: int,
-                      want_scores: bool) -> bool:
+                      want_scores: bool, fp32_space: _Space) -> bool:
     """Whether the candidate stage's ``stage_s`` seconds on query rows start..stop-1 exceed ``_LIVE_MARGIN`` times
-    the plain fp32 product and maximum of the same rows (what a plain loop does), timed now. A slow first reading
-    on a busy machine is taken again before it decides (the faster of two on each side)."""
-    def fp32_seconds() -> float:
+    the kernel's fp32 stage (``fp32_space``: the full fp32 product and its narrow window; the exact counterpart of
+    a plain fp32 loop) on the same rows, timed now. Only a stage measured slower than the path that would replace
+    it is left; a slow first reading on a busy machine is taken again on both sides (the faster of two each)."""
+    def seconds(where: _Space, stage: str) -> float:
         began = time.perf_counter()
-        (queries.fp32(start, stop) @ space.stage32.t()).max(dim=1)
+        _search_chunk(where, queries, start, stop, k, want_scores, stage,
+                      _Result(queries.count, k, where.stage32.device, want_scores))
         return time.perf_counter() - began
 
-    fp32_s = fp32_seconds()
+    fp32_s = seconds(fp32_space, "fp32")
     if stage_s <= _LIVE_MARGIN * fp32_s:
         return False
-    began = time.perf_counter()
-    _search_chunk(space, queries, start, stop, k, want_scores, "half",
-                  _Result(queries.count, k, space.stage32.device, want_scores))
-    stage_s = min(stage_s, time.perf_counter() - began)
-    return stage_s > _LIVE_MARGIN * min(fp32_s, fp32_seconds())
+    stage_s = min(stage_s, seconds(space, "half"))
+    return stage_s > _LIVE_MARGIN * min(fp32_s, seconds(fp32_space, "fp32"))
 
 
 def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None, precision: str = "auto",
@@ -726,8 +733,12 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
 
 def _group_search(chunk_size: int | None):
     """The exact kernel as the pruned search calls it on one gallery group: top-1 with its fp64 score."""
-    def search(query_rows: torch.Tensor, gallery_rows: torch.Tensor, want_scores: bool):
-        return nearest_neighbours(query_rows, gallery_rows, 1, chunk_size, "auto", return_scores=want_scores)
+    def search(query_rows: torch.Tensor, gallery_rows: torch.Tensor, want_scores: bool, whole: bool = False):
+        # a group's call names the calibrated stage: it would otherwise repeat the live check, which the pruned
+        # search's own timed trial covers; the whole gallery and int8 stay "auto" (live check, int8 window check)
+        stage = fastest_matmul(gallery_rows.device)
+        precision = "auto" if whole or stage == "int8" else stage
+        return nearest_neighbours(query_rows, gallery_rows, 1, chunk_size, precision, return_scores=want_scores)
     return search
 
 

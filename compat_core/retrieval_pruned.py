@@ -2,8 +2,9 @@
 hold a query's answer, with proven bounds deciding which.
 
 Why it is exact. The gallery is split into groups (by class when labels are given, else by spherical k-means).
-Each group c has a centre direction m_c (a unit fp64 vector) and an angle a_c >= the largest angle between m_c and
-any member's unit vector (measured in fp64 on every member, rounded outwards). For unit vectors q, g the angle
+Each group c has a centre direction m_c = m32 / ||m32|| (m32 the stored fp32 direction; any unit vector is a valid
+centre) and an angle a_c >= the largest angle between m_c and any member's unit vector (every member's cosine to
+m_c bounded from below by its fp32 evaluation minus input rounding and gamma_D, then arccos rounded outwards). For unit vectors q, g the angle
 obeys the triangle inequality on the sphere, angle(q, g) >= angle(q, m_c) - angle(m_c, g), so
     q.g <= cos(max(0, angle(q, m_c) - a_c)) =: U_c(q)    for every member g of c
 (the cap of angular radius a_c around m_c holds the group; the bound is the largest cosine any point of the cap can
@@ -11,9 +12,9 @@ have with q). angle(q, m_c) is bounded from below through an fp32 product t = q3
 |t - q.m_c| <= E_t (input rounding of both sides and gamma_D accumulation), i.e. angle >= arccos(min(1, t + E_t)).
 
 A lower bound L(q) on the query's best reference score comes from one member per group (the one nearest its
-centre) scored in fp32, in the same product as the centre scores: L = max_j fl32(q.g_j) - E_32 (the same input-rounding + gamma_D bound). A group with
-U_c(q) < L(q) holds no item that can reach the best score, so it is skipped; every other group of the query is
-searched by the exact kernel, which returns that group's top-1 by fp64 score with the lowest index among ties
+centre) scored in fp32, in the same product as the centre scores: L = max_j fl32(q.g_j) - E_32 (the same
+input-rounding + gamma_D bound). A group with U_c(q) < L(q) holds no item that can reach the best score, so it is
+skipped; every other group of the query is searched by the exact kernel, which returns that group's top-1 by fp64 score with the lowest index among ties
 (members keep ascending gallery order inside a group). The winners of a query's groups are merged by (fp64 score
 descending, gallery index ascending). The fp64 scores are the kernel's per-pair evaluation (the same
 elementwise product and sum for every pair), so a pair scores bit for bit the same whichever group call computes
@@ -254,8 +255,8 @@ def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None,
     """Exact top-1 gallery row of every query row (cosine; lowest index among exact ties), searching only the
     gallery groups whose bound reaches the query's best lower bound.
 
-    ``search(query_rows, gallery_rows, want_scores)``: the exact kernel, returning (indices (n, 1), fp64 scores
-    (n, 1) or None without ``want_scores``).
+    ``search(query_rows, gallery_rows, want_scores, whole=False)``: the exact kernel, returning (indices (n, 1),
+    fp64 scores (n, 1) or None without ``want_scores``); ``whole``: the call searches the whole gallery.
     ``labels`` (Ng,): group by class; None: spherical k-means groups. ``prune``: "auto", "always" or "never" (one
     kernel call over the whole gallery). "auto" first estimates from the bounds of a probe of queries
     (``plan``); where that promises a gain it times both searches on the first ``_TRIAL_QUERIES`` queries (their
@@ -266,27 +267,27 @@ def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None,
     size = gallery.shape[0]
     whole = Report(False, 1, 1.0, float(size), 1.0)
     if prune == "never" or (prune == "auto" and query.shape[0] * size < _MIN_PAIRS):
-        return search(query, gallery, False)[0][:, 0], whole
+        return search(query, gallery, False, True)[0][:, 0], whole
     with torch.inference_mode():
         groups = group_gallery(gallery, labels)
         if groups.count < 2:
-            return search(query, gallery, False)[0][:, 0], whole
+            return search(query, gallery, False, True)[0][:, 0], whole
         decision = plan(query, groups, size)
         declined = Report(False, groups.count, float(groups.count), float(size), decision.share)
         if prune == "auto" and not decision.prune:
-            return search(query, gallery, False)[0][:, 0], declined
+            return search(query, gallery, False, True)[0][:, 0], declined
         if prune == "always" or query.shape[0] < 2 * _TRIAL_QUERIES:
             return _pruned(query, gallery, groups, search, decision.share)
         trial = query[:_TRIAL_QUERIES]
         started = time.perf_counter()
-        whole_index = search(trial, gallery, False)[0][:, 0]
+        whole_index = search(trial, gallery, False, True)[0][:, 0]
         whole_s = time.perf_counter() - started
         started = time.perf_counter()
         _pruned(trial, gallery, groups, search, decision.share)
         pruned_s = time.perf_counter() - started
         rest = query[_TRIAL_QUERIES:]
         if pruned_s * _TRIAL_GAIN > whole_s:
-            return torch.cat([whole_index, search(rest, gallery, False)[0][:, 0]]), declined
+            return torch.cat([whole_index, search(rest, gallery, False, True)[0][:, 0]]), declined
         index, report = _pruned(rest, gallery, groups, search, decision.share)
         return torch.cat([whole_index, index]), report
 

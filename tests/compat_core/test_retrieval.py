@@ -797,24 +797,31 @@ def test_fp32_products_run_in_full_fp32_whatever_the_global_matmul_precision(mon
 
 @pytest.mark.parametrize("slower", [True, False])
 def test_auto_leaves_a_stage_that_the_live_check_finds_slower_than_fp32(monkeypatch, slower):
-    # the first chunk of an "auto" search is timed against the plain fp32 product of the same rows; a stage found
-    # slower hands the rest to the fp32 stage, and the answer stays exact either way
+    # an early chunk of an "auto" search is timed against the fp32 stage on the same rows; a stage found slower
+    # hands the rest to the fp32 stage, and the answer stays exact either way
     patch_fastest_matmul(monkeypatch, lambda device, exclude=(): "bf16")
     checks, stages = [], []
     monkeypatch.setattr(retrieval, "_slower_than_fp32", lambda *args: checks.append(args[4]) or slower)
     original = retrieval._with_stage
     monkeypatch.setattr(retrieval, "_with_stage", lambda space, dtype: stages.append(dtype) or original(space, dtype))
     query, gallery = planted(8 * 512 + 100, 300, 24, seed=31)
+    chunks = []
+    search_chunk = retrieval._search_chunk
+    monkeypatch.setattr(retrieval, "_search_chunk",
+                        lambda space, *args: chunks.append(space.half_dtype) or search_chunk(space, *args))
     index, scores = nearest_neighbours(query, gallery, k=2, precision="auto")
+    later = sorted(set(chunks[2:]), key=str)
     expected, expected_scores = brute_topk(query, gallery, 2)
     np.testing.assert_array_equal(index.numpy(), expected)
     np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-12)
     assert len(checks) == 1 and checks[0] > 0
-    assert stages == ([None] if slower else [])
+    assert stages == [None]                     # the fp32 stage is built to be timed; used only when faster
+    # the chunks after the check ran on the fp32 stage (no half copy) exactly when it was found faster
+    assert later == ([None] if slower else [torch.bfloat16])
 
 
 def test_live_check_keeps_a_stage_that_is_not_slower():
     gallery = torch.from_numpy(planted(10, 500, 32, seed=32)[1])
     space = retrieval._direct_space(gallery, "bf16")
     queries = retrieval._Queries("query", torch.from_numpy(planted(600, 10, 32, seed=33)[0]))
-    assert not retrieval._slower_than_fp32(space, queries, 0, 512, 0.0, 1, False)
+    assert not retrieval._slower_than_fp32(space, queries, 0, 512, 0.0, 1, False, retrieval._with_stage(space, None))

@@ -33,7 +33,7 @@ def simplex_like(count: int, dim: int, classes: int, cosine: float, seed: int, c
     return rows.astype(np.float32), labels, centres
 
 
-def kernel_search(query_rows, gallery_rows, want_scores):
+def kernel_search(query_rows, gallery_rows, want_scores, whole=False):
     return retrieval.nearest_neighbours(query_rows, gallery_rows, 1, precision="auto", return_scores=want_scores)
 
 
