@@ -42,20 +42,14 @@ def run(args) -> int:
     from ray import serve
 
     from cluster.serving.app import start
+    from cluster.serving.backfill import connect_ray
 
     tracking = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not tracking:
         raise ValueError("--tracking-uri: give the MLflow tracking server (or set MLFLOW_TRACKING_URI)")
     if args.replicas < 1:
         raise ValueError(f"--replicas: expected >= 1, got {args.replicas}")
-    if not ray.is_initialized():
-        if args.ray_address:
-            ray.init(address=args.ray_address)
-        else:
-            from cluster.ray_loopback import LOOPBACK, prepare_loopback
-
-            prepare_loopback()
-            ray.init(address="local", include_dashboard=False, _node_ip_address=LOOPBACK)
+    connect_ray(args.ray_address)
     settings = {"index": args.index, "model": args.model, "tracking_uri": tracking, "poll_s": args.poll_s,
                 "precision": args.precision, "device": "cuda" if args.num_gpus > 0 else "cpu",
                 "threads": args.threads, "limits": {"max_k": args.max_k, "max_body_bytes": args.max_body_bytes}}

@@ -20,6 +20,19 @@ from cluster.serving.models import installed_adapter, load_served_model, resolve
 
 EXPERIMENT = "compat-backfill"
 
+
+def connect_ray(address: str | None) -> None:
+    """Join ``address`` (None: an embedded local instance on 127.0.0.1) through the project's one Ray entry point;
+    a loopback address needs this process's Ray to keep 127.0.0.1 too (otherwise Ray rewrites it to the machine's
+    address). Token auth of that cluster comes from RAY_AUTH_MODE / RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH."""
+    from cluster.ray_executor import connect
+
+    if address and address.split("://")[-1].split(":")[0] in ("127.0.0.1", "localhost"):
+        from cluster.ray_loopback import prepare_loopback
+
+        prepare_loopback()
+    connect(address)
+
 __all__ = ["run_backfill", "probe_recall_at_1", "EXPERIMENT"]
 
 
@@ -90,7 +103,6 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
     todo = permutation[index.versions[permutation] != ref.version]
     chunks = [np.sort(todo[start:start + chunk_rows]) for start in range(0, todo.size, chunk_rows)]
     adapter = installed_adapter(client, ref, model_uri.partition("@")[2] or "champion")
-    adapter_for_state = adapter
     query, query_labels = None, None
     if probe:
         _, query_pool = pool_of(config, "query")
@@ -111,7 +123,7 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
                           int(round(1000 * fraction)))]
         summary["fraction"].append(fraction)
         if probe:
-            value = probe_recall_at_1(current_index, query, query_labels, ref.version, adapter_for_state)
+            value = probe_recall_at_1(current_index, query, query_labels, ref.version, adapter)
             summary["probe_recall_at_1"].append(value)
             metrics.append(Metric("probe/recall_at_1", value, int(time.time() * 1000), int(round(1000 * fraction))))
         client.log_batch(run.info.run_id, metrics=metrics, synchronous=True)
@@ -119,14 +131,7 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
             + (f", probe Recall@1 {summary['probe_recall_at_1'][-1]:.4f}" if probe else ""))
 
     record(index, 0)
-    if not ray.is_initialized():
-        from cluster.ray_loopback import LOOPBACK, prepare_loopback
-
-        if ray_address:
-            ray.init(address=ray_address)
-        else:
-            prepare_loopback()
-            ray.init(address="local", include_dashboard=False, _node_ip_address=LOOPBACK)
+    connect_ray(ray_address)
     task = ray.remote(num_cpus=1, max_retries=2)(_embed_chunk)
     image = manifest["image"]
     pinned = ref.uri

@@ -1,0 +1,71 @@
+"""The gallery index store: content addressing, sha256 checks naming the file, later shards overriding earlier
+ones (the backfill's chunk flip), the HEAD guard against a second writer, locally and on a real S3 server."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cluster.serving.index_store import (commit_manifest, load_index, new_manifest, read_head, shard_table,
+                                         write_shard)
+from pipelines.store import CorruptArtifactError
+
+
+def _build(root: str, rng) -> tuple[np.ndarray, str]:
+    embeddings = rng.standard_normal((10, 4)).astype(np.float32)
+    shards = [write_shard(root, shard_table(np.arange(s, s + 5), [f"id{i}" for i in range(s, s + 5)],
+                                            embeddings[s:s + 5], "1", labels=np.arange(s, s + 5) % 3))
+              for s in (0, 5)]
+    head = commit_manifest(root, new_manifest(4, 10, {"name": "m", "version": "1"}, shards))
+    return embeddings, head
+
+
+def test_round_trip_override_and_guards(tmp_path):
+    rng = np.random.default_rng(0)
+    root = str(tmp_path / "index")
+    embeddings, head = _build(root, rng)
+    index = load_index(root)
+    np.testing.assert_array_equal(index.embeddings, embeddings)
+    assert index.item_ids.tolist() == [f"id{i}" for i in range(10)] and set(index.versions) == {"1"}
+    assert index.labels.tolist() == [i % 3 for i in range(10)] and index.manifest_sha == head == read_head(root)
+    # a chunk re-embedded by version 2 (positions 2, 7) flips with one manifest: the later shard wins
+    new_rows = rng.standard_normal((2, 4)).astype(np.float32)
+    entry = write_shard(root, shard_table([2, 7], ["id2", "id7"], new_rows, "2", labels=[2, 1]))
+    manifest = {**index.manifest, "shards": index.manifest["shards"] + [entry]}
+    flipped = commit_manifest(root, manifest, expected_head=head)
+    index2 = load_index(root)
+    assert index2.manifest_sha == flipped and index2.versions.tolist() == ["1", "1", "2"] + ["1"] * 4 + ["2", "1", "1"]
+    np.testing.assert_array_equal(index2.embeddings[[2, 7]], new_rows)
+    np.testing.assert_array_equal(load_index(root, head).embeddings, embeddings)   # the old manifest still reads
+    with pytest.raises(ValueError, match="HEAD moved"):
+        commit_manifest(root, manifest, expected_head=head)
+    # a tampered shard is refused, naming the file and both hashes
+    victim = tmp_path / "index" / entry["file"]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CorruptArtifactError, match=entry["file"].split("/")[-1]):
+        load_index(root)
+    # a manifest that leaves positions uncovered is refused
+    commit_manifest(root, {**index.manifest, "shards": index.manifest["shards"][:1]})
+    with pytest.raises(CorruptArtifactError, match="5 of 10"):
+        load_index(root)
+
+
+def test_missing_index_names_the_root(tmp_path):
+    with pytest.raises(FileNotFoundError, match="compat index build"):
+        read_head(str(tmp_path / "nowhere"))
+
+
+@pytest.mark.integration
+def test_index_on_s3(s3_bucket):
+    from cluster import storage
+
+    storage.configure_object_storage()
+    try:
+        root = f"s3://{s3_bucket}/galleries/a"
+        embeddings, head = _build(root, np.random.default_rng(1))
+        index = load_index(root)
+        assert index.manifest_sha == head
+        np.testing.assert_array_equal(index.embeddings, embeddings)
+    finally:
+        storage.reset_object_storage()
