@@ -55,7 +55,6 @@ def test_second_run_on_a_held_local_folder_is_refused(tmp_path):
 def test_s3_lease_refuses_a_second_driver_and_is_released(s3_env, s3_bucket, monkeypatch):
     from cluster.storage import object_storage
 
-    monkeypatch.setattr(lease_module, "SETTLE_S", 0.2)
     root = f"s3://{s3_bucket}/runs/leased"
     with object_storage():
         entered = threading.Event()
