@@ -59,9 +59,12 @@ def _owner() -> dict:
 
 def _busy(root: str, holder: dict) -> RunFolderBusyError:
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
+    beat = holder.get("heartbeat")
+    last = f", last heartbeat {time.time() - float(beat):.0f} s ago (taken over after {stale_s():g} s without one)" \
+        if beat else ""
     return RunFolderBusyError(
         f"run folder {root} is in use by another compat process (pid {holder.get('pid')} on "
-        f"{holder.get('host')}, since {since}); wait for it to finish, or give another --output")
+        f"{holder.get('host')}, since {since}{last}); wait for it to finish, or give another --output")
 
 
 @contextlib.contextmanager
@@ -72,27 +75,94 @@ def run_lease(root: str) -> Iterator[None]:
         with _object_lease(root):
             yield
         return
+    with _local_lease(root):
+        yield
+
+
+class _LocalLease:
+    """A held local lease: the lock file this holder opened (a stale holder's file is moved aside on takeover)."""
+
+    def __init__(self, root: str, path: str, handle) -> None:
+        self.root, self.path, self.handle = root, path, handle
+        self.lock = threading.Lock()
+        self.lost = False
+
+    def write(self, owner: dict) -> None:
+        with self.lock:
+            self.handle.seek(0)
+            self.handle.truncate()
+            self.handle.write(json.dumps(owner))
+            self.handle.flush()
+
+    def check(self) -> None:
+        """LeaseLostError once another process moved this holder's lock file aside (it saw no heartbeat)."""
+        if not self.lost:
+            try:
+                self.lost = os.stat(self.path).st_ino != os.fstat(self.handle.fileno()).st_ino
+            except FileNotFoundError:
+                self.lost = True
+        if self.lost:
+            raise LeaseLostError(f"{self.root}: this process (pid {os.getpid()}) lost its lease to another process "
+                                 f"(no heartbeat for {stale_s():g} s, e.g. while it was paused); it stops without "
+                                 f"writing")
+
+
+def _read_holder(handle) -> dict:
+    handle.seek(0)
+    try:
+        return json.loads(handle.read() or "{}")
+    except json.JSONDecodeError:
+        return {}
+
+
+@contextlib.contextmanager
+def _local_lease(root: str) -> Iterator[None]:
+    """fcntl lock plus a heartbeat in the lock file: a holder that stops beating for the stale time (paused, or on
+    a host that vanished from a shared folder) has its lock file moved aside and the lease taken over."""
     import fcntl
 
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, LEASE_FILE)
-    handle = open(path, "a+")
-    try:
+    for attempt in range(2):
+        handle = open(path, "a+")
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
         except BlockingIOError:
-            handle.seek(0)
-            try:
-                holder = json.loads(handle.read() or "{}")
-            except json.JSONDecodeError:
-                holder = {}
+            holder = _read_holder(handle)
+            handle.close()
+            beat = float(holder.get("heartbeat", holder.get("since", time.time())))
+            if attempt == 0 and time.time() - beat >= stale_s():
+                # the holder keeps its lock on the file moved aside; its next write finds it lost (check_fence)
+                with contextlib.suppress(FileNotFoundError):
+                    os.replace(path, f"{path}.stale-{uuid.uuid4().hex[:8]}")
+                continue
             raise _busy(root, holder) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps(_owner()))
-        handle.flush()
+    mine = _owner()
+    mine["heartbeat"] = time.time()
+    lease = _LocalLease(str(root).rstrip("/"), path, handle)
+    lease.write(mine)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(heartbeat_s()):
+            mine["heartbeat"] = time.time()
+            with contextlib.suppress(Exception):
+                lease.write(mine)
+
+    thread = threading.Thread(target=beat, name="compat-lease-heartbeat", daemon=True)
+    previous = _HELD.get(lease.root)
+    _HELD[lease.root] = lease
+    thread.start()
+    try:
         yield
     finally:
+        stop.set()
+        thread.join(timeout=5)
+        if previous is not None:
+            _HELD[lease.root] = previous
+        else:
+            _HELD.pop(lease.root, None)
         handle.close()  # closing drops the lock
 
 
@@ -130,7 +200,7 @@ class _ObjectLease:
                     f"(no heartbeat for {stale_s():g} s, e.g. while it was paused); it stops without writing")
 
 
-_HELD: dict[str, _ObjectLease] = {}
+_HELD: dict[str, "_ObjectLease | _LocalLease"] = {}
 _CONDITIONAL = None
 
 

@@ -34,7 +34,7 @@ def test_second_run_on_a_held_local_folder_is_refused(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
          "from pipelines.lease import run_lease\nwith run_lease(sys.argv[2]):\n    print('held', flush=True); "
-         "time.sleep(60)", str(ROOT), str(run_dir)], stdout=subprocess.PIPE, text=True)
+         "time.sleep(600)", str(ROOT), str(run_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         config = tmp_path / "tiny.yaml"
