@@ -26,3 +26,11 @@ def require_reachable(address: str, what: str, default_port: int, timeout_s: flo
         raise ConnectionError(
             f"cannot reach the {what} at {host}:{port} within {timeout_s:g} s ({error.strerror or error}); check "
             f"--address, that the cluster is running and that this machine may connect to that port") from None
+
+
+def local_address_towards(address: str, default_port: int) -> str:
+    """The IP address of this machine's interface on the route to ``address`` (127.0.0.1 for a loopback host)."""
+    host, port = host_port(address, default_port)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), port))  # UDP: no packet is sent, only the route is chosen
+        return probe.getsockname()[0]
