@@ -25,7 +25,8 @@ class S3ConditionalObjects:
             if self._client is None:
                 frozen = self.access._frozen()
                 s = self.access.settings
-                self._client = boto3.client(
+                # a session of its own: boto3's default session caches the AWS config of its first use
+                self._client = boto3.session.Session(profile_name=self.access.settings.profile).client(
                     "s3", endpoint_url=s.endpoint_url, region_name=s.region, aws_access_key_id=frozen.access_key,
                     aws_secret_access_key=frozen.secret_key, aws_session_token=frozen.token,
                     config=Config(s3={"addressing_style": s.addressing_style}, connect_timeout=s.connect_timeout_s,
