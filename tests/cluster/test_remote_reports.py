@@ -56,3 +56,19 @@ def test_report_and_compare_on_s3_runs(s3_server, s3_bucket, tmp_path, monkeypat
         assert f"s3://{s3_bucket}/runs/nothing: not a run folder" in capsys.readouterr().err
     finally:
         reset_object_storage()
+
+
+def test_ingest_reaches_the_endpoint_of_an_aws_profile(s3_server, s3_bucket, tmp_path, monkeypatch, capsys):
+    from compat_core import io as cio
+    from cluster.storage import object_storage, reset_object_storage
+
+    _profile_only(s3_server, tmp_path, monkeypatch)
+    reset_object_storage()
+    out = f"s3://{s3_bucket}/datasets/digits"
+    try:
+        assert main(["ingest", "digits", "--split", "test", "--out", out]) == 0, capsys.readouterr().err
+        assert "rows in" in capsys.readouterr().out
+        with object_storage():
+            assert cio.list_dir(out)
+    finally:
+        reset_object_storage()
