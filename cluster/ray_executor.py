@@ -70,11 +70,20 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
                  include_dashboard=False, _node_ip_address=LOOPBACK, configure_logging=False)
     else:
+        options: dict = {}
         if address != "auto":
-            from cluster.reach import require_reachable
+            from cluster.reach import local_address_towards, require_reachable
 
             require_reachable(address, "Ray cluster", 10001 if address.startswith("ray://") else 6379)
-        ray.init(address=address, configure_logging=False)
+            if not address.startswith("ray://"):
+                # the driver's node address is the one on the route to the head (127.0.0.1 for a loopback head),
+                # never a guess: a head bound to 127.0.0.1 cannot reach the machine's other address
+                options["_node_ip_address"] = local_address_towards(address, 6379)
+                if options["_node_ip_address"] == LOOPBACK:
+                    from cluster.ray_loopback import prepare_loopback
+
+                    prepare_loopback()
+        ray.init(address=address, configure_logging=False, **options)
     return True
 
 

@@ -55,3 +55,11 @@ def is_this_machine(host: str) -> bool:
     except (OSError, StopIteration):
         pass
     return bool(targets & own)
+
+
+def local_address_towards(address: str, default_port: int) -> str:
+    """The IP address of this machine's interface on the route to ``address`` (127.0.0.1 for a loopback host)."""
+    host, port = host_port(address, default_port)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((socket.gethostbyname(host), port))  # UDP: no packet is sent, only the route is chosen
+        return probe.getsockname()[0]

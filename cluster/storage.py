@@ -33,6 +33,8 @@ import botocore.session
 import pyarrow.fs as pafs
 
 from compat_core import io as cio
+from cluster.s3_conditional import S3ConditionalObjects
+from pipelines.lease import set_conditional_objects
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +260,7 @@ def configure_object_storage(access: S3Access | None = None) -> S3Access:
     access = access or S3Access.from_environment()
     access.filesystem()  # build now so a bad configuration fails here, not inside a stage
     cio.set_s3_filesystem_factory(access.filesystem)
+    set_conditional_objects(S3ConditionalObjects(access))  # the run-folder lease's fenced writes
     _installed = access
     # settings are secret-free by construction; the repr masks the access key
     log.info("object storage configured: %r", access)
@@ -268,6 +271,7 @@ def reset_object_storage() -> None:
     """Restore compat_core.io's default (environment-only) S3 filesystem."""
     global _installed
     cio.set_s3_filesystem_factory(None)
+    set_conditional_objects(None)
     _installed = None
 
 
@@ -284,11 +288,13 @@ def object_storage(access: S3Access | None = None) -> Iterator[S3Access]:
     access = access or S3Access.from_environment()
     access.filesystem()
     previous_factory = cio.set_s3_filesystem_factory(access.filesystem)
+    previous_conditional = set_conditional_objects(S3ConditionalObjects(access))
     _installed = access
     try:
         yield access
     finally:
         cio.set_s3_filesystem_factory(previous_factory)
+        set_conditional_objects(previous_conditional)
         _installed = previous_access
 
 

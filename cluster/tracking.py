@@ -271,8 +271,9 @@ class Tracker:
         self.start(graph, store)
         try:
             yield self
-        except BaseException:
-            self.finish("FAILED")
+        except BaseException as error:
+            if not getattr(error, "lease_lost", False):  # a driver that lost its lease leaves the runs to the new one
+                self.finish("FAILED")
             raise
         self.finish()
 

@@ -10,7 +10,9 @@ store is an ordinary :class:`~pipelines.store.RunStore` (local folder or ``s3://
 - ``claim``: nobody has it yet, so the run takes a claim on the key before training it; a second run that needs
   the same key while the claim is held waits for it instead of training it again. Claims are
   :func:`pipelines.lease.run_lease` leases on ``claims/<key>`` (an fcntl lock locally, a heartbeat object on S3), so
-  a claim of a killed run is released at once (local) or after ``lease.STALE_S`` (S3), and another run trains it.
+  a claim of a killed run is released at once (local) or after ``lease.STALE_S`` (S3), and another run trains it;
+  a claim whose holder stopped beating (paused) is taken over after the stale time; a waiting run logs what it
+  waits for (the holder's pid, host and last heartbeat).
 - ``publish``: after the run committed the stage in its own store, the same bytes are copied to the shared store,
   then the claim is released.
 """
@@ -18,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Iterable
 
 from pipelines.store import CorruptArtifactError, RunStore
 
 log = logging.getLogger(__name__)
 
+REPORT_EVERY_S = 60.0  # a run waiting for another run's claim says so at most this often per stage
 SHARED_KINDS = ("pretrain",)  # stage kinds a shared store holds: the third-party models
 CLAIMS = "claims"
 
@@ -43,6 +47,7 @@ class SharedStore:
     def __init__(self, root: str) -> None:
         self.store = RunStore(root)
         self.claims: dict[str, contextlib.ExitStack] = {}
+        self.reported: dict[str, float] = {}  # stage key -> when its wait was last reported (monotonic s)
 
     @staticmethod
     def covers(kind: str) -> bool:
@@ -75,8 +80,13 @@ class SharedStore:
         stack = contextlib.ExitStack()
         try:
             stack.enter_context(run_lease(self.store.uri(CLAIMS, stage_key)))
-        except RunFolderBusyError:
+        except RunFolderBusyError as error:
             stack.close()
+            now = time.monotonic()
+            if now - self.reported.get(stage_key, -1e9) >= REPORT_EVERY_S:  # say what the run waits for
+                self.reported[stage_key] = now
+                log.warning("waiting for stage %s: another run is training it for the shared store (%s)", stage_key,
+                            str(error).replace("run folder", "claim", 1))
             return False
         self.claims[stage_key] = stack
         return True

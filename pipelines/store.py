@@ -24,6 +24,7 @@ import pyarrow.fs as pafs
 
 from compat_core import io as cio
 from compat_core.safetensors_index import PREFIX_BYTES, header_length, parse_header, tensor_index
+from pipelines.lease import check_fence
 
 
 class CorruptArtifactError(IOError):
@@ -83,6 +84,7 @@ class RunStore:
 
     # ---- low-level writes --------------------------------------------------------------------------------------
     def _write(self, path: str, data: bytes) -> None:
+        check_fence(self.root)  # a driver that lost its run-folder lease writes nothing
         parent = path.rsplit("/", 1)[0]
         if self.is_local:
             self.fs.create_dir(parent, recursive=True)
@@ -139,6 +141,7 @@ class RunStore:
 
     def delete_file(self, relative: str) -> int:
         """Delete one file of the run if it exists; returns its size in bytes (0 when there was none)."""
+        check_fence(self.root)
         path = f"{self.base}/{relative}"
         info = self.fs.get_file_info(path)
         if info.type != pafs.FileType.File:
@@ -148,6 +151,7 @@ class RunStore:
 
     def delete_tree(self, relative: str) -> int:
         """Delete a folder of the run and everything under it; returns the bytes freed (0 when there was none)."""
+        check_fence(self.root)
         directory = f"{self.base}/{relative}"
         if self.fs.get_file_info(directory).type != pafs.FileType.Directory:
             return 0
@@ -270,6 +274,7 @@ class RunStore:
         path = self.manifest_path(stage_key)
         if self.fs.get_file_info(path).type != pafs.FileType.File:
             return False
+        check_fence(self.root)
         self.fs.delete_file(path)
         return True
 

@@ -17,7 +17,7 @@ HELP = "compare finished runs: one table (AC, AA, ACA, BC, FC) and one plot (AA_
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Positional RUN_DIR... and --output DIR."""
-    parser.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR",
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                         help="run directories (config.yaml, matrix.json, metrics.json) or their eval-* variant folders")
     parser.add_argument("--output", type=Path, default=None, metavar="DIR",
                         help="where compare.md, compare.csv and compare.png go; default: compare-<names> in the "
@@ -48,8 +48,11 @@ def run(args: argparse.Namespace) -> int:
     from pipelines.reports import compare_table_markdown, load_runs, write_compare
 
     register_run_sources()
+    from app.commands.remote_runs import local_copies
+
     try:
-        summaries = load_runs(args.run_dirs)
+        with local_copies(args.run_dirs) as folders:  # s3:// runs read through the standard AWS chain
+            summaries = load_runs(folders)
         paths = write_compare(summaries, args.output or default_output(args.run_dirs))
     except (FileNotFoundError, ValueError, KeyError) as error:
         print(f"compat compare: error: {error.args[0] if error.args else error}", file=sys.stderr)

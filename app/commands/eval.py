@@ -64,9 +64,16 @@ def run(args) -> int:
 
     overrides = {"gallery": args.gallery, "metric": args.metric, "label_level": args.label_level,
                  "strict": None if args.strict is None else args.strict == "true"}
+    from pipelines.lease import RunFolderBusyError, run_lease
+
     try:
-        matrix, metrics, folder = evaluate_variant(args.run_dir, overrides)
-    except (FileNotFoundError, ValueError) as error:
+        if str(args.run_dir).startswith("s3://"):
+            from cluster.storage import configure_object_storage
+
+            configure_object_storage()  # S3 settings and credentials from the standard AWS chain (profiles too)
+        with run_lease(str(args.run_dir)):  # it writes into the run folder: never beside a running driver
+            matrix, metrics, folder = evaluate_variant(args.run_dir, overrides)
+    except (FileNotFoundError, ValueError, RunFolderBusyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"written to {args.run_dir}/{folder + '/' if folder else ''}matrix.json and metrics.json")

@@ -39,6 +39,15 @@ def run(args) -> int:
 
     try:
         options = _options(args.option)
+        setup = None
+        if any(str(location or "").startswith("s3://") for location in (args.root, args.out)):
+            import functools
+
+            from cluster.storage import configure_object_storage
+
+            # S3 settings and credentials from the standard AWS chain (profiles too); Ray tasks get the settings
+            # (never the secrets) and resolve credentials from their own node's chain
+            setup = functools.partial(configure_object_storage, configure_object_storage())
         if args.workers > 0 and args.address:
             from cluster.ray_executor import connect
 
@@ -46,7 +55,7 @@ def run(args) -> int:
         for split in args.split:
             manifest = ingest(args.dataset, args.root, split, args.out, options=options,
                               rows_per_part=args.rows_per_part, row_group_bytes=int(args.row_group_mb * 2**20),
-                              workers=args.workers)
+                              workers=args.workers, setup=setup)
             print(f"{args.dataset}/{split}: {manifest.rows} rows in {len(manifest.parts)} parts; use it with "
                   f"pool {{dataset: shards, root: {args.out}, split: {split}}}")
     except (KeyError, ValueError, FileNotFoundError, ShardIntegrityError) as error:

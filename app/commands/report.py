@@ -7,24 +7,36 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 HELP = "regenerate report.md, matrix.png (heatmap) and aa_tau.png of a finished run and print AC, AA, ACA, BC, FC"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Positional RUN_DIR."""
-    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR",
-                        help="run directory holding config.yaml, matrix.json and metrics.json")
+    parser.add_argument("run_dir", metavar="RUN_DIR",
+                        help="run directory holding config.yaml, matrix.json and metrics.json (local or s3://; "
+                             "S3 settings from the standard AWS environment / profile)")
 
 
 def run(args: argparse.Namespace) -> int:
     from pipelines.reports import load_run, metric_display_name, summary_table_markdown, write_run_reports
 
+    from pipelines.lease import RunFolderBusyError
+
+    from app.commands.remote_runs import is_remote, local_copies, upload_reports
+
     try:
-        results = load_run(args.run_dir)
-        paths = write_run_reports(results)
-    except (FileNotFoundError, ValueError, KeyError) as error:
+        with local_copies([args.run_dir]) as (folder,):
+            results = load_run(folder)
+            paths = write_run_reports(results)
+            upgrades = None
+            if results.replacement_tasks:
+                from pipelines.reports_upgrades import gate_table_markdown, load_upgrades
+
+                upgrades = gate_table_markdown(results, load_upgrades(results.run_dir))
+            if is_remote(args.run_dir):
+                paths = upload_reports(args.run_dir, paths)
+    except (FileNotFoundError, ValueError, KeyError, RunFolderBusyError) as error:
         # KeyError's str() adds quotes around the message; args[0] is the message itself
         print(f"compat report: error: {error.args[0] if error.args else error}", file=sys.stderr)
         return 2
@@ -32,11 +44,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{results.name}: method {results.method}, {results.num_tasks} tasks, "
           f"{metric_display_name(results.matrix.metric)}, gallery {results.gallery}, replacements at tasks {replaced}")
     print(summary_table_markdown(results))
-    if results.replacement_tasks:
-        from pipelines.reports_upgrades import gate_table_markdown, load_upgrades
-
+    if upgrades is not None:
         print("upgrade gate at replacements (percent):")
-        print(gate_table_markdown(results, load_upgrades(results.run_dir)))
+        print(upgrades)
     for problem in results.warnings:
         print(f"compat report: warning: {problem}", file=sys.stderr)
     print("wrote: " + ", ".join(str(path) for path in paths.values()))

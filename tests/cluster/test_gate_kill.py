@@ -20,8 +20,6 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 
 
 def _versions(client, name: str, count: int, folder: Path) -> list[str]:
-    import mlflow
-
     client.create_registered_model(name)
     experiment = client.create_experiment(f"{name}-runs")
     found = []
@@ -31,7 +29,6 @@ def _versions(client, name: str, count: int, folder: Path) -> list[str]:
         client.log_artifact(run.info.run_id, str(folder / "weights.txt"), "model")
         client.set_terminated(run.info.run_id)
         found.append(client.create_model_version(name, f"runs:/{run.info.run_id}/model", run.info.run_id).version)
-    assert mlflow is not None
     return [str(v) for v in found]
 
 

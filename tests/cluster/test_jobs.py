@@ -57,6 +57,9 @@ def _pids_with(marker: str) -> list[int]:
     return pids
 
 
+GCS_PORTS: dict[str, int] = {}
+
+
 @pytest.fixture(scope="module")
 def ray_head():
     """`ray start --head --block` on loopback, token auth disabled (acceptable on 127.0.0.1 only); yields its URL."""
@@ -83,6 +86,7 @@ def ray_head():
         env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
     )
     address = f"http://127.0.0.1:{dashboard_port}"
+    GCS_PORTS[address] = port  # the head's own port, for the driver (--address 127.0.0.1:PORT) test
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -218,3 +222,18 @@ def test_jobs_run_with_the_submitting_interpreter_not_the_heads_path(ray_head, t
     for submission_id, (_, status, text) in cases.items():
         assert jobs.wait_for(client, submission_id, timeout_s=120, poll_s=0.5) == status
         assert text in client.get_job_logs(submission_id), client.get_job_logs(submission_id)[-2000:]
+
+
+def test_driver_address_on_loopback_reaches_the_head_there(ray_head, tmp_path):
+    """`--address 127.0.0.1:PORT` against a head started as docs/cluster.md says: the driver joins it (and runs a
+    task) instead of dialling the machine's other address and hanging; an unreachable port fails within 10 s."""
+    port = GCS_PORTS[ray_head]
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys, time, ray; from cluster.ray_executor import connect; connect(sys.argv[1]); "
+            "print('task', ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=120), flush=True); ray.shutdown()")
+    env = dict(os.environ, PYTHONPATH=str(root), RAY_AUTH_MODE="disabled")
+    for name in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", code, f"127.0.0.1:{port}"], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0 and "task 42" in done.stdout, done.stderr[-3000:]

@@ -34,7 +34,7 @@ def test_second_run_on_a_held_local_folder_is_refused(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
          "from pipelines.lease import run_lease\nwith run_lease(sys.argv[2]):\n    print('held', flush=True); "
-         "time.sleep(60)", str(ROOT), str(run_dir)], stdout=subprocess.PIPE, text=True)
+         "time.sleep(600)", str(ROOT), str(run_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         config = tmp_path / "tiny.yaml"
@@ -55,7 +55,6 @@ def test_second_run_on_a_held_local_folder_is_refused(tmp_path):
 def test_s3_lease_refuses_a_second_driver_and_is_released(s3_env, s3_bucket, monkeypatch):
     from cluster.storage import object_storage
 
-    monkeypatch.setattr(lease_module, "SETTLE_S", 0.2)
     root = f"s3://{s3_bucket}/runs/leased"
     with object_storage():
         entered = threading.Event()

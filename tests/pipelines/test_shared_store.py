@@ -111,15 +111,18 @@ def test_shared_store_on_s3_round_trip(tmp_path, s3_bucket):
     LocalExecutor(progress=False).run(compile_scenario(_config("dsimplex-hoc", source_dir, None)),
                                       RunStore(source_dir))
     key = compile_scenario(_config("dsimplex-hoc", source_dir, None)).pretrain_stages["p1"]
-    shared = SharedStore(f"s3://{s3_bucket}/third-party")
-    assert shared.claim(key)
-    assert not SharedStore(f"s3://{s3_bucket}/third-party").claim(key)  # the heartbeat object is fresh
-    assert shared.publish(key, RunStore(source_dir))
-    assert not shared.publish(key, RunStore(source_dir))  # there already
-    target = RunStore(tmp_path / "target")
-    assert SharedStore(f"s3://{s3_bucket}/third-party").adopt(key, target)
-    assert _blobs(target, key) == _blobs(RunStore(source_dir), key)
-    assert target.load_record(key) == RunStore(source_dir).load_record(key)
+    from cluster.storage import object_storage
+
+    with object_storage():  # S3 claims are conditional writes through the configured S3 access
+        shared = SharedStore(f"s3://{s3_bucket}/third-party")
+        assert shared.claim(key)
+        assert not SharedStore(f"s3://{s3_bucket}/third-party").claim(key)  # the heartbeat object is fresh
+        assert shared.publish(key, RunStore(source_dir))
+        assert not shared.publish(key, RunStore(source_dir))  # there already
+        target = RunStore(tmp_path / "target")
+        assert SharedStore(f"s3://{s3_bucket}/third-party").adopt(key, target)
+        assert _blobs(target, key) == _blobs(RunStore(source_dir), key)
+        assert target.load_record(key) == RunStore(source_dir).load_record(key)
 
 
 def test_copy_stage_refuses_a_corrupt_blob(tmp_path):

@@ -1,0 +1,67 @@
+"""`compat report` / `compare` on ``s3://`` run folders: the run's top-level files (config.yaml, matrix.json,
+metrics.json, ...) are read through the standard AWS chain (profile endpoints included) into a private temporary
+folder; reports written there go back to the run folder under its lease."""
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+
+def is_remote(location: object) -> bool:
+    return str(location).startswith("s3://")
+
+
+def _configured() -> None:
+    from cluster.storage import configure_object_storage, installed_access
+
+    if installed_access() is None:
+        configure_object_storage()  # S3 settings and credentials from the standard AWS chain
+
+
+@contextlib.contextmanager
+def local_copies(locations: list[str]) -> Iterator[list[Path]]:
+    """Local folders for ``locations``: local paths as given, ``s3://`` runs copied (top-level files only: never
+    the artifacts) into a temporary folder that is removed afterwards."""
+    from compat_core import io as cio
+
+    if not any(is_remote(location) for location in locations):
+        yield [Path(location) for location in locations]
+        return
+    _configured()
+    with tempfile.TemporaryDirectory(prefix="compat-run-") as temporary:
+        folders = []
+        for index, location in enumerate(locations):
+            if not is_remote(location):
+                folders.append(Path(location))
+                continue
+            root = str(location).rstrip("/")
+            if not cio.is_dir(root):
+                raise FileNotFoundError(f"{root}: not a run folder (nothing there; expected the run directory "
+                                        f"written by `compat run`)")
+            local = Path(temporary) / str(index) / root.rsplit("/", 1)[-1]
+            local.mkdir(parents=True)
+            for name in cio.list_dir(root):
+                if not cio.is_dir(cio.join(root, name)):
+                    (local / name).write_bytes(cio.read_bytes(cio.join(root, name)))
+            folders.append(local)
+        yield folders
+
+
+def upload_reports(location: str, paths: dict) -> dict:
+    """Copy written report files back to the ``s3://`` run folder, holding its lease (a running driver's folder is
+    refused); returns the uploaded URIs by the same keys."""
+    from compat_core import io as cio
+    from pipelines.lease import run_lease
+
+    root = str(location).rstrip("/")
+    uploaded = {}
+    with run_lease(root):
+        for key, path in paths.items():
+            uploaded[key] = cio.join(root, Path(path).name)
+            cio.write_bytes(uploaded[key], Path(path).read_bytes())
+    return uploaded
+
+
+__all__ = ["is_remote", "local_copies", "upload_reports"]

@@ -1,0 +1,74 @@
+"""`compat report` and `compat compare` read s3:// runs through the standard AWS chain (here: an endpoint that lives
+only in an AWS profile), and report writes its files back under the run folder's lease."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+from test_reports import MATRIX_2, MATRIX_3, METRICS_2, METRICS_3, make_run  # noqa: E402
+
+from app.cli import main  # noqa: E402
+
+
+def _profile_only(s3_server, tmp_path, monkeypatch) -> None:
+    config = tmp_path / "aws-config"
+    config.write_text("[profile seaweed]\nregion = us-east-1\n"
+                      f"endpoint_url = {s3_server.endpoint_url}\ns3 =\n    addressing_style = path\n")
+    credentials = tmp_path / "aws-credentials"
+    credentials.write_text(f"[seaweed]\naws_access_key_id = {s3_server.credentials.access_key}\n"
+                           f"aws_secret_access_key = {s3_server.credentials.secret_key}\n")
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_PROFILE", "seaweed")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def test_report_and_compare_on_s3_runs(s3_server, s3_bucket, tmp_path, monkeypatch, capsys):
+    from compat_core import io as cio
+    from cluster.storage import object_storage, reset_object_storage
+
+    hoc = make_run(tmp_path / "hoc", MATRIX_3, METRICS_3)
+    er = make_run(tmp_path / "er", MATRIX_2, METRICS_2, name="toy-er", method="er", replacements=(2,))
+    _profile_only(s3_server, tmp_path, monkeypatch)
+    with object_storage():
+        for folder in (hoc, er):
+            for path in folder.iterdir():
+                cio.write_bytes(f"s3://{s3_bucket}/runs/{folder.name}/{path.name}", path.read_bytes())
+    reset_object_storage()  # the commands configure S3 themselves, from the profile
+    try:
+        assert main(["report", f"s3://{s3_bucket}/runs/hoc"]) == 0
+        out = capsys.readouterr().out
+        assert "| AC | 0.6667 |" in out and "| AA | 62.50 |" in out
+        with object_storage():
+            names = cio.list_dir(f"s3://{s3_bucket}/runs/hoc")
+            assert {"report.md", "matrix.png", "aa_tau.png", "matrix.csv"} <= set(names)
+            assert "0.6667" in cio.read_bytes(f"s3://{s3_bucket}/runs/hoc/report.md").decode()
+        assert main(["compare", f"s3://{s3_bucket}/runs/hoc", f"s3://{s3_bucket}/runs/er",
+                     "--output", str(tmp_path / "out")]) == 0
+        out = capsys.readouterr().out
+        assert "toy-hoc" in out and "toy-er" in out and (tmp_path / "out" / "compare.md").is_file()
+        assert main(["report", f"s3://{s3_bucket}/runs/nothing"]) == 2
+        assert f"s3://{s3_bucket}/runs/nothing: not a run folder" in capsys.readouterr().err
+    finally:
+        reset_object_storage()
+
+
+def test_ingest_reaches_the_endpoint_of_an_aws_profile(s3_server, s3_bucket, tmp_path, monkeypatch, capsys):
+    from compat_core import io as cio
+    from cluster.storage import object_storage, reset_object_storage
+
+    _profile_only(s3_server, tmp_path, monkeypatch)
+    reset_object_storage()
+    out = f"s3://{s3_bucket}/datasets/digits"
+    try:
+        assert main(["ingest", "digits", "--split", "test", "--out", out]) == 0, capsys.readouterr().err
+        assert "rows in" in capsys.readouterr().out
+        with object_storage():
+            assert cio.list_dir(out)
+    finally:
+        reset_object_storage()
