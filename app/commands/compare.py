@@ -24,13 +24,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "folder holding the compared runs (printed)")
 
 
-def default_output(run_dirs: list[Path]) -> Path:
-    """``<common parent of the inputs>/compare-<their names>`` (names joined by '-', at most 80 characters)."""
+def default_output(run_dirs: list) -> Path:
+    """``<common parent of the inputs>/compare-<their names>`` (names joined by '-', at most 80 characters); for
+    ``s3://`` runs ``./compare-<their names>``."""
     import os
 
+    names = "-".join(str(path).rstrip("/").rsplit("/", 1)[-1] for path in run_dirs)[:80].rstrip("-") or "runs"
+    if any("://" in str(path) for path in run_dirs):  # runs in object storage: the comparison is written here
+        return Path.cwd() / f"compare-{names}"
     folders = [Path(os.path.abspath(path)) for path in run_dirs]
     parent = Path(os.path.commonpath([str(folder.parent) for folder in folders]))
-    names = "-".join(folder.name for folder in folders)[:80].rstrip("-") or "runs"
     return parent / f"compare-{names}"
 
 
