@@ -74,6 +74,12 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
             from cluster.reach import require_reachable
 
             require_reachable(address, "Ray cluster", 10001 if address.startswith("ray://") else 6379)
+        from cluster.ray_loopback import prepare_for_address
+
+        prepare_for_address(address)  # a head on 127.0.0.1: keep this driver on loopback too
+        from cluster.ray_auth import prepare_client_auth
+
+        prepare_client_auth()  # a token in Ray's standard places authenticates to a token-protected head
         ray.init(address=address, configure_logging=False)
     return True
 

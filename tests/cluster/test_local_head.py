@@ -165,3 +165,19 @@ def test_default_ray_head_with_a_token_in_the_standard_place(tmp_path):
     finally:
         assert stop_head("default", state_dir) is not None
         assert pids_naming(state.temp_dir) == []
+
+
+def test_run_joins_the_token_head_with_the_token_from_rays_standard_variable(token_head, tmp_path):
+    """`compat run --executor ray --address HOST:PORT` (the head's GCS) with RAY_AUTH_MODE unset and the token
+    where Ray looks for it: the stages run on the head, the results land in the (relative) --output."""
+    state, token_file, token, _ = token_head
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "tiny.yaml").write_text(TINY_GLYPHS)
+    env = dict(_env(Path.home()), RAY_AUTH_TOKEN_PATH=str(token_file))
+    ran = compat("run", "tiny.yaml", "--executor", "ray", "--address", state.gcs_address, "--output", "out",
+                 "--no-progress", "--tracking-uri", "none", env=env, cwd=work, timeout=300)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
+    assert f"run directory: {work / 'out'}" in ran.stdout
+    assert json.loads((work / "out" / "matrix.json").read_text())["values"][1][1] is not None
+    assert token not in ran.stdout + ran.stderr
