@@ -187,7 +187,7 @@ def run(args) -> int:
     where = f"Ray tasks on one embedded local Ray instance ({address})" if address else "in-process"
     cpu_text = f"{cpu:.0f} s CPU (user+sys, {'driver processes only' if args.executor == 'ray' else 'all processes'})"
     print(f"demo: {wall:.0f} s wall, {cpu_text}, {jobs} job(s) on {cores} core(s), stages {where}; "
-          f"MLflow: {tracking_uri} (experiment {experiment})")
+          f"MLflow: {tracking_uri} (experiment {experiment}; browse it with `compat ui`)")
     print(_calibration_used(_training_threads(tasks[0][1], args.overrides)))
     return 0
 
