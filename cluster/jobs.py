@@ -28,6 +28,7 @@ prints or forwards the token. See docs/cluster.md.
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
@@ -69,8 +70,6 @@ def job_client(address: str | None, token_file: str | None = None):
     variables). A token-protected head is authenticated with the token from Ray's standard places or ``token_file``
     (cluster.ray_auth; Ray's client adds the header, the token is never printed); a head that wants a token when
     none is available is refused with the fix before any request."""
-    import os
-
     from ray.job_submission import JobSubmissionClient
 
     from cluster.ray_auth import prepare_client_auth, require_token_if_needed
@@ -221,9 +220,10 @@ def submit_pipeline(config: Any, address: str | None, output: str | None = None,
 
     output: run directory (s3://... for a multi-node cluster; default: the config's output.dir); local paths are
     made absolute here, where the user typed them, and refused when the head is on another machine unless
-    ``shared_filesystem`` says every node mounts them at the same place (:func:`require_paths_reachable`). wait: block until the job ends; follow: print its logs
-    meanwhile. python: the job's interpreter (None: the submitting one when the node has it, see
-    :func:`python_command`). Returns the outcome, with the final status when waiting.
+    ``shared_filesystem`` says every node mounts them at the same place (:func:`require_paths_reachable`).
+    wait: block until the job ends; follow: print its logs meanwhile. python: the job's interpreter (None: the
+    submitting one when the node has it, see :func:`python_command`). Returns the outcome, with the final status
+    when waiting.
     """
     from pipelines.config_load import config_hash, dump_config
     from pipelines.local_paths import absolute_config, absolute_location
@@ -254,8 +254,6 @@ def require_paths_reachable(config: Any, output: str, address: str | None) -> No
     """Raise ValueError naming each local path (run directory, data roots, shared store) of a job for a head on
     another machine, with the fix (an ``s3://`` location, or ``--shared-filesystem`` when every node mounts it).
     A head on this machine (loopback, this host's name or address) reaches local paths and passes."""
-    import os
-
     from cluster.reach import host_port, is_this_machine
     from pipelines.local_paths import is_local_path, local_config_paths
 

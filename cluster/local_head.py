@@ -94,7 +94,7 @@ def ensure_token() -> Path:
 
 def start_head(name: str = "local", state_dir: str | Path | None = None, num_cpus: int | None = None,
                object_store_memory: int = 500_000_000, dashboard_port: int | None = None, auth: str | None = "token",
-               timeout_s: float = 120.0, ray_executable: str | None = None) -> HeadState:
+               timeout_s: float = 180.0, ray_executable: str | None = None) -> HeadState:
     """Start a Ray head on 127.0.0.1 with its own temp dir and ports (see the module doc); returns its state.
 
     num_cpus: CPUs it offers (None: all of the machine's). object_store_memory: bytes. auth: 'token' (default),
@@ -103,6 +103,25 @@ def start_head(name: str = "local", state_dir: str | Path | None = None, num_cpu
     the head does not come up within ``timeout_s`` seconds, FileExistsError when ``name`` is already running."""
     if auth is not None and auth not in AUTH_MODES:
         raise ValueError(f"--auth {auth!r}: expected one of {list(AUTH_MODES)}")
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return _start_once(name, state_dir, num_cpus, object_store_memory, dashboard_port, auth, timeout_s,
+                               ray_executable)
+        except RuntimeError as error:
+            # Ray gives a raylet a fixed 30 s to register with the GCS; on a loaded machine it may miss that
+            if attempt == START_ATTEMPTS or "timed out during startup" not in str(error):
+                raise
+            print(f"ray head: the node timed out during startup (attempt {attempt}); starting it again",
+                  file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
+START_ATTEMPTS = 3
+
+
+def _start_once(name: str, state_dir: str | Path | None, num_cpus: int | None, object_store_memory: int,
+                dashboard_port: int | None, auth: str | None, timeout_s: float,
+                ray_executable: str | None) -> HeadState:
     state_dir = Path(state_dir or default_state_dir())
     existing = read_state(name, state_dir)
     if existing is not None and _alive(existing.pid):
@@ -141,22 +160,28 @@ def start_head(name: str = "local", state_dir: str | Path | None = None, num_cpu
     return state
 
 
+STARTED_MESSAGE = "Ray runtime started."  # what `ray start` prints once the node (GCS, raylet) is up
+
+
 def _wait_ready(state: HeadState, process: subprocess.Popen, timeout_s: float) -> None:
-    """Until the job server answers and its job agent is up (a fresh head refuses jobs for a few seconds)."""
+    """Until ``ray start`` says the node is up and the job server answers; a head that dies meanwhile (e.g. its
+    raylet times out on a loaded machine) raises RuntimeError with the end of its log."""
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
             tail = Path(state.log).read_text(errors="replace")[-2000:]
             raise RuntimeError(f"ray head exited with {process.returncode}; its log {state.log} ends:\n{tail}")
-        try:
-            urlopen(f"{state.address}/api/healthz", timeout=2).read()
-            return
-        except HTTPError:
-            return  # it answers (an auth-protected route); ready
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"ray head not ready after {timeout_s:g} s; see {state.log}") from None
-            time.sleep(0.5)
+        if STARTED_MESSAGE in Path(state.log).read_text(errors="replace"):
+            try:
+                urlopen(f"{state.address}/api/healthz", timeout=2).read()
+                return
+            except HTTPError:
+                return  # it answers (an auth-protected route); ready
+            except OSError:
+                pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"ray head not ready after {timeout_s:g} s; see {state.log}") from None
+        time.sleep(0.5)
 
 
 def _alive(pid: int) -> bool:

@@ -83,6 +83,9 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
                     from cluster.ray_loopback import prepare_loopback
 
                     prepare_loopback()
+        from cluster.ray_auth import prepare_client_auth
+
+        prepare_client_auth()  # a token in Ray's standard places authenticates to a token-protected head
         ray.init(address=address, configure_logging=False, **options)
     return True
 

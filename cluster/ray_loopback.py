@@ -21,3 +21,21 @@ def prepare_loopback() -> None:
     from ray._private import ray_constants  # the driver read the flag at import time: set its copy too
 
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def prepare_for_address(address: str | None) -> None:
+    """Before ``ray.init(address=...)`` joins an existing cluster: when the address is on loopback (a head started
+    with ``--node-ip-address=127.0.0.1``, e.g. by ``compat cluster up``), the driver must stay on 127.0.0.1 too, or
+    Ray replaces the address with the machine's routable one and never reaches the head."""
+    import ipaddress
+    from urllib.parse import urlparse
+
+    if not address or address == "auto":
+        return
+    host = urlparse(address if "://" in address else f"tcp://{address}").hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if loopback:
+        prepare_loopback()

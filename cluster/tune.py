@@ -706,6 +706,12 @@ def _ensure_ray(address: str | None) -> None:
     if ray.is_initialized():
         return
     if address:
+        from cluster.ray_loopback import prepare_for_address
+
+        prepare_for_address(address)  # a head on 127.0.0.1: keep this driver on loopback too
+        from cluster.ray_auth import prepare_client_auth
+
+        prepare_client_auth()  # a token in Ray's standard places authenticates to a token-protected head
         ray.init(address=address, configure_logging=False)
     else:
         from cluster.ray_loopback import prepare_loopback

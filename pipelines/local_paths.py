@@ -108,4 +108,5 @@ def check_overridden_roots(before: Any, after: Any) -> None:
         raise ValueError("; ".join(problems))
 
 
-__all__ = ["check_overridden_roots", "absolute_config", "absolute_location", "config_paths", "is_local_path", "local_config_paths"]
+__all__ = ["check_overridden_roots", "absolute_config", "absolute_location", "config_paths", "is_local_path",
+           "local_config_paths"]

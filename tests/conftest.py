@@ -1,7 +1,9 @@
 """Fixtures shared by the whole suite: real servers on 127.0.0.1 started by the tests themselves."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -15,6 +17,7 @@ os.environ["COMPAT_CALIBRATION"] = "off"
 # the machine's MLflow store (cluster.tracking_store) of tests is never the user's: a session folder, and a folder of
 # its own per test (autouse fixture below) so that tests counting runs see only their own
 os.environ["COMPAT_HOME"] = tempfile.mkdtemp(prefix="compat-home-tests-")
+atexit.register(shutil.rmtree, os.environ["COMPAT_HOME"], True)
 
 
 @pytest.fixture(autouse=True)

@@ -186,10 +186,16 @@ def run(args) -> int:
     if er and hoc and er.get("AA") and hoc.get("AA") is not None:
         print(f"\nd-Simplex-HOC vs ER: AC {hoc['AC']:.3f} vs {er['AC']:.3f}; AA {hoc['AA']:.3f} vs {er['AA']:.3f} "
               f"({hoc['AA'] / er['AA']:.2f}x)")
+    pictures = [Path(result["run_dir"]) / "matrix.png" for result in results]
+    if all(picture.is_file() for picture in pictures):
+        from pipelines.picture_grid import side_by_side
+
+        combined = side_by_side(pictures, Path(args.output) / "matrices.png")
+        print(f"\nmatrices side by side ({', '.join(result['name'] for result in results)}): {combined}")
     where = f"Ray tasks on one embedded local Ray instance ({address})" if address else "in-process"
     cpu_text = f"{cpu:.0f} s CPU (user+sys, {'driver processes only' if args.executor == 'ray' else 'all processes'})"
     print(f"demo: {wall:.0f} s wall, {cpu_text}, {jobs} job(s) on {cores} core(s), stages {where}; "
-          f"MLflow: {redact_uri(tracking_uri)} (experiment {experiment})")
+          f"MLflow: {redact_uri(tracking_uri)} (experiment {experiment}; browse it with `compat ui`)")
     print(_calibration_used(_training_threads(tasks[0][1], args.overrides)))
     return 0
 

@@ -68,16 +68,17 @@ def token_head(tmp_path_factory):
     token = _new_token(token_file)
     state_dir = base / "state"
     env = dict(_env(Path.home()), RAY_AUTH_TOKEN_PATH=str(token_file))
-    started = compat("cluster", "up", "--num-cpus", "2", "--object-store-memory", "200000000",
-                     "--state-dir", str(state_dir), env=env)
-    assert started.returncode == 0, started.stdout + started.stderr
-    state = read_state("local", state_dir)
-    try:
+    try:  # `cluster down` also when `cluster up` failed or timed out: its head may be running already
+        started = compat("cluster", "up", "--num-cpus", "2", "--object-store-memory", "200000000",
+                         "--state-dir", str(state_dir), env=env, timeout=600)
+        assert started.returncode == 0, started.stdout + started.stderr
+        state = read_state("local", state_dir)
         yield state, token_file, token, state_dir
     finally:
+        recorded = read_state("local", state_dir)
         stopped = compat("cluster", "down", "--state-dir", str(state_dir), env=env)
         assert stopped.returncode == 0, stopped.stderr
-        assert pids_naming(state.temp_dir) == []
+        assert recorded is None or pids_naming(recorded.temp_dir) == []
 
 
 def test_cluster_up_prints_the_submit_command_and_binds_loopback(token_head):
@@ -152,10 +153,10 @@ def test_default_ray_head_with_a_token_in_the_standard_place(tmp_path):
     state_dir = tmp_path / "state"
     script = ("import sys; from cluster.local_head import start_head; "
               f"start_head('default', {str(state_dir)!r}, num_cpus=1, object_store_memory=100_000_000, auth=None)")
-    started = subprocess.run([PYTHON, "-c", script], env=env, capture_output=True, text=True, timeout=180)
-    assert started.returncode == 0, started.stderr[-3000:]
-    state = read_state("default", state_dir)
     try:
+        started = subprocess.run([PYTHON, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert started.returncode == 0, started.stderr[-3000:]
+        state = read_state("default", state_dir)
         assert "token" in subprocess.run(["curl", "-s", f"{state.address}/api/authentication_mode"],
                                          capture_output=True, text=True).stdout
         listed = compat("status", "--address", state.address, env=env)
@@ -163,5 +164,22 @@ def test_default_ray_head_with_a_token_in_the_standard_place(tmp_path):
         assert "no compat jobs on this cluster" in listed.stdout
         assert token not in listed.stdout + listed.stderr
     finally:
-        assert stop_head("default", state_dir) is not None
-        assert pids_naming(state.temp_dir) == []
+        recorded = read_state("default", state_dir)
+        stop_head("default", state_dir)
+        assert recorded is None or pids_naming(recorded.temp_dir) == []
+
+
+def test_run_joins_the_token_head_with_the_token_from_rays_standard_variable(token_head, tmp_path):
+    """`compat run --executor ray --address HOST:PORT` (the head's GCS) with RAY_AUTH_MODE unset and the token
+    where Ray looks for it: the stages run on the head, the results land in the (relative) --output."""
+    state, token_file, token, _ = token_head
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "tiny.yaml").write_text(TINY_GLYPHS)
+    env = dict(_env(Path.home()), RAY_AUTH_TOKEN_PATH=str(token_file))
+    ran = compat("run", "tiny.yaml", "--executor", "ray", "--address", state.gcs_address, "--output", "out",
+                 "--no-progress", "--tracking-uri", "none", env=env, cwd=work, timeout=300)
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-3000:]
+    assert f"run directory: {work / 'out'}" in ran.stdout
+    assert json.loads((work / "out" / "matrix.json").read_text())["values"][1][1] is not None
+    assert token not in ran.stdout + ran.stderr

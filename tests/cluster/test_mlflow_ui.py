@@ -157,6 +157,7 @@ def test_mlflow_ui_compares_the_er_and_dsimplex_hoc_runs_of_one_experiment(mlflo
     assert metrics["demo-er"]["AA"] != metrics["demo-dsimplex-hoc"]["AA"]  # so a swapped column would be caught
 
     screenshot = tmp_path / "mlflow-ui-compare-demo-runs.png"
+    heatmap_shot = tmp_path / "mlflow-ui-compare-heatmaps.png"
     viewport = {"width": 1600, "height": 1000}
     with runs_page(mlflow_server.tracking_uri, experiment_id, tmp_path / "profile", viewport) as page:
         colours = []
@@ -176,15 +177,37 @@ def test_mlflow_ui_compares_the_er_and_dsimplex_hoc_runs_of_one_experiment(mlflo
         page.get_by_text("Parameters", exact=True).first.click()
         page.locator('a[title="Plot chart"]', has_text="FC").first.scroll_into_view_if_needed()
         page.screenshot(path=str(screenshot))
+        # the compare view's Artifacts section offers the heatmap (a top-level file of both runs) and shows it for
+        # each run side by side
+        before = len(page.evaluate(_LOADED_PICTURES))  # large pictures on the page before the heatmap is chosen
+        entry = page.get_by_text("matrix.png", exact=True).first
+        entry.scroll_into_view_if_needed()
+        entry.click()
+        # MLflow fetches each run's file and shows it from a blob: URL, one image per run column
+        try:
+            page.wait_for_function(f"{_LOADED_PICTURES}.length >= {before + 2}", timeout=90_000)
+        except Exception:
+            page.screenshot(path=str(heatmap_shot), full_page=True)
+            print(f"compare view when the heatmaps did not show: {keep_screenshot(heatmap_shot)}")
+            raise
+        sources = page.evaluate(_LOADED_PICTURES)[before:]
+        page.evaluate("[...document.querySelectorAll('img')].filter(img => img.naturalWidth > 100)[0]"
+                      ".scrollIntoView()")
+        page.screenshot(path=str(heatmap_shot))
     assert sorted(shown["runs"]) == sorted(run_scenario)
     for column, run_id in enumerate(shown["runs"]):
         expected = metrics[run_scenario[run_id]]
         for name in ("AC", "AA"):
             value = float(shown["metrics"][name][column])
             assert value == pytest.approx(expected[name], abs=5e-4), f"{run_scenario[run_id]} {name}: UI {value}"
+    assert len(sources) == 2, sources  # two heatmaps, one per compared run
     stable = keep_screenshot(screenshot)
-    print(f"MLflow compare view screenshot: {stable}")
+    print(f"MLflow compare view screenshots: {stable}, {keep_screenshot(heatmap_shot)}")
 
+
+# sources of the pictures the page shows, loaded and large (heatmaps; icons and avatars are smaller than 100 px)
+_LOADED_PICTURES = ("(() => [...document.querySelectorAll('img')].filter(img => img.complete && img.naturalWidth > "
+                    "100).map(img => img.src))()")
 
 # The compare view's header row holds the run ids (column order); its metrics section is two virtualised grids side
 # by side, metric names (links titled "Plot chart") and values, aligned by their cells' pixel offsets.

@@ -1,6 +1,7 @@
 """The driver of a tracked run dies (SIGKILL) mid-run; `compat run --resume` marks the stage runs it left RUNNING
 KILLED, continues under the same MLflow parent run, and ends with no run RUNNING (SQLite tracking, the default: the
-machine's store under COMPAT_HOME, a folder of this test's own). The matrix of a killed-and-resumed run is checked in test_executor_resume.py."""
+machine's store under COMPAT_HOME, a folder of this test's own). The matrix of a killed-and-resumed run is checked
+in test_executor_resume.py."""
 import json
 import signal
 import sqlite3
