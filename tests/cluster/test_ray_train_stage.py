@@ -182,6 +182,7 @@ def _train_crashing_once(loop: dict) -> dict:
     import ray.train
 
     from cluster.ray_train_stage import RayTrainCheckpointSink
+    from pipelines.checkpoints import CheckpointPolicy
     from pipelines.training import train_task
 
     class Sink(RayTrainCheckpointSink):
@@ -204,7 +205,7 @@ def _train_crashing_once(loop: dict) -> dict:
             open(loop["marker"], "w").close()
             os._exit(1)  # the worker process dies: Ray Train restarts the group from the latest checkpoint
 
-    sink = Sink(every_epochs=1)
+    sink = Sink(CheckpointPolicy(1))
     result = train_task(model, old_model, method, data, config, progress=progress, checkpoints=sink)
     return {"losses": [r.loss for r in result.records], "restored": sink.restored, "steps_run": steps,
             "saved": sink.saved, "weights": {k: v.detach().numpy().copy() for k, v in result.model.state_dict().items()}}
