@@ -62,6 +62,12 @@ def test_ingest_reaches_the_endpoint_of_an_aws_profile(s3_server, s3_bucket, tmp
     from compat_core import io as cio
     from cluster.storage import object_storage, reset_object_storage
 
+    import ray
+
+    if ray.is_initialized():
+        # an instance left by an earlier test has workers started without this test's profile files: the ingest's
+        # tasks must run in a Ray whose nodes see them, as a node of a real cluster sees its own ~/.aws
+        ray.shutdown()
     _profile_only(s3_server, tmp_path, monkeypatch)
     reset_object_storage()
     out = f"s3://{s3_bucket}/datasets/digits"
