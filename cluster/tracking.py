@@ -640,7 +640,7 @@ class MlflowTracker(Tracker):
         self.client.set_tag(run_id, "model_version", version.version)
 
     def _log_adapters(self, stage: Any, run_id: str, manifest: dict) -> None:
-        """Adapter stage (issue 16): cross-tests with/without each adapter, backfilling curves (step = percent
+        """Adapter stage: cross-tests with/without each adapter, backfilling curves (step = percent
         re-embedded), adapter files as artifacts, each registered in ``<model>-adapters`` (alias KIND-task-N)."""
         from cluster.registry import ensure_registered_model, register_version
 

@@ -1,4 +1,4 @@
-"""Measured speed of the arithmetic paths this machine offers, instead of guessing from CPU flags (issue 13).
+"""Measured speed of the arithmetic paths this machine offers, instead of guessing from CPU flags.
 
 Machines differ in ways flags do not predict: a CPU with AVX512-BF16 but no AMX may run bf16 matrix products 4x
 faster than fp32 (AMD Zen 4) or slower than fp32 (some Xeons), and int8 ``torch._int_mm`` may beat both. So the

@@ -338,7 +338,7 @@ def finalize_run(graph: StageGraph, store: RunStore) -> tuple[dict, dict]:
     matrix = assemble_matrix(graph, store)
     metrics = compute_metrics(matrix, graph.config.evaluation.strict)
     write_results(store, matrix, metrics)
-    if getattr(graph, "adapt_stages", None):  # adapters at replacements (issue 16): report input
+    if getattr(graph, "adapt_stages", None):  # adapters at replacements: report input
         from pipelines.upgrades import adapter_summaries
 
         store.write_text("adapters.json", json.dumps(adapter_summaries(graph, store), indent=2, allow_nan=False))

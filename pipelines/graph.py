@@ -302,7 +302,7 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
 
     graph.evaluate_stages = add_evaluation(graph, document["evaluation"])
 
-    # Adapters at a replacement (issue 16): fitted on paired gallery features of the old (t-1) and new (t) models.
+    # Adapters at a replacement: fitted on paired gallery features of the old (t-1) and new (t) models.
     for index, replacement in enumerate(config.replacements):
         if not replacement.adapters:
             continue
@@ -438,7 +438,7 @@ def describe(graph: StageGraph) -> str:
     flops = "unknown" if plan.matrix_flops is None else f"{plan.matrix_flops:.3e} FLOPs"
     lines.append(f"matrix: {plan.matrix_entries} entries (T(T+1)/2, metric {config.evaluation.metric}, gallery "
                  f"{config.evaluation.gallery}), similarity cost {flops}")
-    from pipelines.bridge_features import plan_lines  # direct features vs the linear-head bridge (issue 14)
+    from pipelines.bridge_features import plan_lines  # direct features vs the linear-head bridge
 
     lines.extend(plan_lines(config, plan.query_rows, plan.gallery_rows, plan.matrix_entries))
     return "\n".join(lines)

@@ -410,7 +410,7 @@ def render_report_markdown(results: RunResults, images: dict[str, str] | None = 
         per_task_table_markdown(results),
         "",
     ]
-    from pipelines.reports_upgrades import load_upgrades, section_markdown  # issue 16: gate verdicts, backfilling
+    from pipelines.reports_upgrades import load_upgrades, section_markdown  # gate verdicts, backfilling
 
     lines += section_markdown(results, load_upgrades(results.run_dir),
                               (images or {}).pop("Partial backfilling", None))

@@ -942,7 +942,7 @@ STAGE_FUNCTIONS: dict[str, Callable[[StageContext], StageResult]] = {
 
 
 def _adapt_stage(ctx: StageContext) -> StageResult:
-    from pipelines.upgrades import adapt_stage  # adapters at a replacement (issue 16)
+    from pipelines.upgrades import adapt_stage  # adapters at a replacement
 
     return adapt_stage(ctx)
 

@@ -68,7 +68,7 @@ class ReplicaMetrics:
     def __init__(self, replica: str) -> None:
         self.replica = replica
         self._lock = threading.Lock()
-        self.requests: dict[tuple[str, int], int] = {}
+        self.request_counts: dict[tuple[str, int], int] = {}
         self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
         self.latency_count = 0
@@ -84,7 +84,7 @@ class ReplicaMetrics:
 
     def observe(self, path: str, status: int, seconds: float) -> None:
         with self._lock:
-            self.requests[(path, status)] = self.requests.get((path, status), 0) + 1
+            self.request_counts[(path, status)] = self.request_counts.get((path, status), 0) + 1
             if path == "/search" and status == 200:
                 self.latency_sum += seconds
                 self.latency_count += 1
@@ -95,7 +95,7 @@ class ReplicaMetrics:
         lines = ["# HELP compat_search_requests_total HTTP requests answered, by path and status code.",
                  "# TYPE compat_search_requests_total counter"]
         with self._lock:
-            for (path, status), count in sorted(self.requests.items()):
+            for (path, status), count in sorted(self.request_counts.items()):
                 lines.append(f'compat_search_requests_total{{{r},path="{path}",code="{status}"}} {count}')
             lines += ["# HELP compat_search_latency_seconds Latency of successful /search requests in the replica.",
                       "# TYPE compat_search_latency_seconds histogram"]
