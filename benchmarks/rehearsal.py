@@ -37,9 +37,10 @@ import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-# the script's folder after the packages (benchmarks/cluster.py must not shadow the cluster package); the suite's
-# server helpers from tests/
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+# the checkout first (tests/ has folders named like the packages, which would shadow them as namespace packages),
+# the script's folder dropped (benchmarks/cluster.py must not shadow the cluster package), the suite's server helpers
+# from tests/ last
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.append(str(ROOT / "tests"))
 
 CONFIG = ROOT / "configs" / "iam-cl2r-celeba-dinov3-t16.yaml"

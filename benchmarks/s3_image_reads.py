@@ -20,7 +20,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 # the script's folder after the packages: benchmarks/cluster.py must not shadow the cluster package
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
+sys.path[:] = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
 sys.path.append(str(HERE.parent / "tests"))  # the suite's SeaweedFS server
 
 
