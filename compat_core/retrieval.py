@@ -149,7 +149,6 @@ def _check_same_dim(query: torch.Tensor, gallery: torch.Tensor) -> None:
             f"query/gallery: feature dimensions differ ({query.shape[1]} vs {gallery.shape[1]})")
 
 
-
 def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None, precision: str = "auto",
                        return_scores: bool = True):
     """Exact cosine top-k: for each query row, the k gallery rows of highest cosine similarity.
