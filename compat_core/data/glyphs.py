@@ -45,6 +45,7 @@ from compat_core.data.glyph_catalogue import (DEFAULT_IMAGE_SIZE, PRETRAIN_POOL_
 from compat_core.data.glyph_fonts import STYLES
 from compat_core.data.glyph_render import _render_key, _render_pool
 from compat_core.data.registry import register_dataset
+from compat_core.data.tasks import select_class_samples
 
 DEFAULT_IMAGES_PER_CLASS = 48
 
@@ -182,7 +183,7 @@ def load_glyphs(
             if pool_size > len(pool_ids):
                 raise ValueError(f"glyphs: pool_size {pool_size} exceeds the {len(pool_ids)} pretrain classes")
             # Prefixes of the fixed pretrain order: every smaller pool is nested in every larger one.
-            keep = np.flatnonzero(np.isin(rendered.labels, pool_ids[:pool_size]))
+            keep = select_class_samples(rendered.labels, pool_ids[:pool_size])
     elif split == "test-query":
         keep = np.flatnonzero(rendered.instance_ids % 2 == 1)
     elif split == "test-gallery":
