@@ -104,10 +104,4 @@ def backfill_curve(query_new: Any, query_labels: Any, gallery_old: Any, gallery_
     return curve
 
 
-def area_under_curve(fractions: Sequence[float], values: Sequence[float]) -> float:
-    """Trapezoidal area under a backfilling curve (fraction axis in [0, 1]); higher is a better order."""
-    return float(np.trapezoid(values, fractions)) if hasattr(np, "trapezoid") else float(np.trapz(values, fractions))
-
-
-__all__ = ["DEFAULT_FRACTIONS", "ORDERS", "uncertainty_scores", "backfill_order", "backfill_curve",
-           "area_under_curve"]
+__all__ = ["DEFAULT_FRACTIONS", "ORDERS", "uncertainty_scores", "backfill_order", "backfill_curve"]
