@@ -264,7 +264,7 @@ class _RayDecode:
     def __init__(self, size: int) -> None:
         import torch
 
-        from compat_core.data.formats.shards import decode_batch
+        from compat_core.data.encoded import decode_batch
 
         torch.set_num_threads(1)
         self.size, self.decode = size, decode_batch

@@ -68,9 +68,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
-    from compat_core.data.formats._shared import decode_image
+    from compat_core.data.encoded import EncodedImages, decode_image
     from compat_core.data.replay import ReplayMemory
-    from compat_core.data.replay_shards import EncodedImages
 
     rows = args.rows
     memory = ReplayMemory(indices=np.arange(rows), labels=np.arange(rows) % 100, slots=np.arange(rows) % 100,

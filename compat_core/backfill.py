@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from compat_core import retrieval
+
 DEFAULT_FRACTIONS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 ORDERS = ("random", "uncertainty")
 
@@ -69,8 +71,6 @@ def backfill_curve(query_new: Any, query_labels: Any, gallery_old: Any, gallery_
     items of ``order`` are re-embedded at fraction ``f``). on_point(fraction, {metric: value}) is called after each
     point (progress lines for long curves).
     """
-    from compat_core import retrieval
-
     query = F.normalize(_matrix("query_new", query_new), dim=1)
     old = F.normalize(_matrix("gallery_old", gallery_old), dim=1)
     new = F.normalize(_matrix("gallery_new", gallery_new), dim=1)
@@ -104,10 +104,4 @@ def backfill_curve(query_new: Any, query_labels: Any, gallery_old: Any, gallery_
     return curve
 
 
-def area_under_curve(fractions: Sequence[float], values: Sequence[float]) -> float:
-    """Trapezoidal area under a backfilling curve (fraction axis in [0, 1]); higher is a better order."""
-    return float(np.trapezoid(values, fractions)) if hasattr(np, "trapezoid") else float(np.trapz(values, fractions))
-
-
-__all__ = ["DEFAULT_FRACTIONS", "ORDERS", "uncertainty_scores", "backfill_order", "backfill_curve",
-           "area_under_curve"]
+__all__ = ["DEFAULT_FRACTIONS", "ORDERS", "uncertainty_scores", "backfill_order", "backfill_curve"]

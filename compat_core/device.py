@@ -46,7 +46,7 @@ def fast_half_dtype(device: torch.device | str) -> torch.dtype | None:
     CUDA with tensor cores (compute capability >= 7.0): fp16 (bf16 from 8.0). CPU: None. CPU flags do not predict
     speed (AVX512-BF16 without AMX is 4x fp32 on one CPU and slower than fp32 on another), so on CPUs half precision
     is chosen only by measurement: ``training.autocast: auto`` resolves through
-    ``compat_core.calibration.autocast_choice`` with the model and a batch at hand; this function serves the
+    ``compat_core.calibration_workloads.autocast_choice`` with the model and a batch at hand; this function serves the
     unresolved case (no model to measure).
     """
     device = torch.device(device)

@@ -13,7 +13,6 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 INFO_NCE_MASKINGS = ("standard", "reference", "paper")
 
@@ -195,26 +194,6 @@ def hoc_loss(
     return lam * sce + (1.0 - lam) * nce
 
 
-class HOCLoss(nn.Module):
-    """Module form of :func:`hoc_loss` holding ``lam``, ``rho`` and ``masking``."""
-
-    def __init__(self, lam: float = 0.1, rho: float = 10.0, masking: str = "standard") -> None:
-        super().__init__()
-        if not (isinstance(lam, (int, float)) and 0.0 <= lam <= 1.0):
-            raise ValueError(f"lam (weight of the cross-entropy term) must be a number in [0, 1], got {lam!r}")
-        self.lam = float(lam)
-        self.rho = _check_rho(rho)
-        self.masking = _check_masking(masking)
-
-    def forward(
-        self, logits: torch.Tensor, labels: torch.Tensor, new_features: torch.Tensor, old_features: torch.Tensor
-    ) -> torch.Tensor:
-        return hoc_loss(logits, labels, new_features, old_features, self.lam, self.rho, self.masking)
-
-    def extra_repr(self) -> str:
-        return f"lam={self.lam}, rho={self.rho}, masking={self.masking!r}"
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Feature distillation on replay memory (CL2R)
 # ----------------------------------------------------------------------------------------------------------------
@@ -327,7 +306,6 @@ def bct_influence_loss(
 
 
 __all__ = [
-    "HOCLoss",
     "INFO_NCE_MASKINGS",
     "bct_influence_loss",
     "compatibility_info_nce",

@@ -274,23 +274,6 @@ class CompatibilityMatrix:
         """AC, AA, ACA, BC, FC of the whole matrix as fractions (NaN for the pair metrics when T == 1)."""
         return summary_metrics(self.values, self.strict)
 
-    def with_row(self, row_values: Any, model_id: str) -> "CompatibilityMatrix":
-        """Return a new ``(T+1, T+1)`` matrix for one more model.
-
-        ``row_values`` has ``T + 1`` fractions: the new model's cross-tests against the galleries of models
-        ``0..T-1`` followed by its self-test. ``self`` is not modified.
-        """
-        row = np.asarray(row_values, dtype=np.float64)
-        T = self.num_models
-        if row.shape != (T + 1,):
-            raise ValueError(
-                f"row_values: expected {T + 1} values ({T} cross-tests then the self-test), got shape {row.shape}"
-            )
-        grown = np.full((T + 1, T + 1), np.nan)
-        grown[:T, :T] = self.values
-        grown[T, :] = row
-        return CompatibilityMatrix(grown, [*self.model_ids, model_id], self.metric, self.protocol, self.units)
-
     # --- serialisation -------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from compat_core.retrieval import _as_labels, _as_matrix, _check_precision, _Queries, _search
+from compat_core.retrieval import _as_labels, _as_matrix, _check_precision
+from compat_core.retrieval_kernel import _Queries, _search
 from compat_core.retrieval_int8 import U32 as _U32
 from compat_core.retrieval_space import _build_space, _half_dtype_for, _Space, _with_stage
 from compat_core.torch_settings import ieee_fp32 as _ieee_fp32

@@ -157,7 +157,7 @@ def select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out_
                 lower: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
     """Top-1 candidates {S_j >= T} of each row, T = v - u|v| - 2 bound - 1e-12 (1 + |v|) rounded down to the
     scores' type (v the row maximum, u = ``out_unit``; ``bound`` fp64 (n,) in score units): the threshold of
-    ``retrieval._select`` with k = 1, so the candidate sets are identical; only the way they are found differs.
+    ``retrieval_candidates._select`` with k = 1, so the candidate sets are identical; only the way they are found differs.
 
     Returns (rows_ok, candidates (n_ok, w) int64 padded with -1, ascending index order, rows_wide: rows with more
     than ``cap`` candidates, rows_other: rows left to ``_select``). Exact int32 scores are compared directly.

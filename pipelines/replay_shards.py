@@ -94,7 +94,7 @@ class WithMemory:
     training loop reads old exemplars from the shard and only the current task from the source."""
 
     def __init__(self, source, images, labels: np.ndarray) -> None:
-        from compat_core.data.replay_shards import EncodedImages
+        from compat_core.data.encoded import EncodedImages
 
         self.source = source
         # encoded exemplars stay encoded and are decoded per batch (EncodedImages indexes like an array)

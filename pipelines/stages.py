@@ -459,7 +459,8 @@ def _write_memory_shard(ctx: StageContext, task: int, memory: tuple, memory_imag
     from compat_core.data.replay import ReplayMemory
     from pipelines.replay_shards import write_memory_shard
 
-    from compat_core.data.replay_shards import EncodedImages, concatenate_images, encoded_images
+    from compat_core.data.encoded import EncodedImages
+    from compat_core.data.replay_shards import concatenate_images, encoded_images
 
     kept = memory[0].size
     if (kept == 0 or (memory_images is not None and previous_shard is not None)) and \

@@ -38,12 +38,11 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from compat_core import io as cio
+from compat_core.data.encoded import DECODERS, ENCODED_PREFIX, EncodedImages
 from compat_core.data.replay import ReplayMemory
 
 SHARD_FORMAT = "compat-replay-shard/1"
 IMAGE_ENCODING = "raw-uint8-hwc"
-ENCODED_PREFIX = "encoded/"    # + the decoder: "encoded/pil", "encoded/torchvision"
-DECODERS = ("pil", "torchvision")
 REPLAY_PREFIX = "shards/replay"
 
 REPLAY_SCHEMA = pa.schema([
@@ -110,60 +109,6 @@ class ShardManifest:
         if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v >= 0 for v in shape)):
             raise CorruptShardError(uri, "manifest image_shape", "[H, W, C] of integers >= 0", shape)
         return cls(**{**data, "image_shape": tuple(shape)})
-
-
-class EncodedImages:
-    """Encoded images (JPEG/PNG bytes) that index like a uint8 ``(M, H, W, C)`` array: ``images[rows]`` decodes
-    those rows, fitted to ``image_shape`` by ``decoder`` ("pil": ``decode_image``, the published readers' decoder;
-    "torchvision": ``decode_batch``, the ingested shards' opt-in decoder), so they read back exactly as the source
-    that produced the bytes reads them."""
-
-    dtype = np.dtype(np.uint8)
-    ndim = 4
-
-    def __init__(self, blobs: list[bytes], image_shape: tuple[int, int, int], decoder: str = "pil") -> None:
-        if decoder not in DECODERS:
-            raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
-        if len(image_shape) != 3 or image_shape[0] != image_shape[1] or image_shape[2] != 3:
-            raise ValueError(f"encoded images decode to square RGB (S, S, 3), got image_shape {image_shape}")
-        self.blobs = list(blobs)
-        self.image_shape = tuple(int(v) for v in image_shape)
-        self.decoder = decoder
-
-    @property
-    def encoding(self) -> str:
-        return ENCODED_PREFIX + self.decoder
-
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (len(self.blobs), *self.image_shape)
-
-    def __len__(self) -> int:
-        return len(self.blobs)
-
-    def take(self, rows) -> "EncodedImages":
-        """The encoded rows ``rows`` (no decoding)."""
-        return EncodedImages([self.blobs[int(r)] for r in np.arange(len(self))[rows].reshape(-1)],
-                             self.image_shape, self.decoder)
-
-    def __getitem__(self, rows) -> np.ndarray:
-        from compat_core.data.formats._shared import decode_image
-        from compat_core.data.formats.shards import decode_batch
-
-        single = isinstance(rows, (int, np.integer))
-        picked = self.take(rows).blobs
-        size = self.image_shape[0]
-        if self.decoder == "torchvision" and picked:
-            images = decode_batch(picked, size, "replay shard")
-        else:
-            images = np.empty((len(picked), *self.image_shape), dtype=np.uint8)
-            for row, data in enumerate(picked):
-                images[row] = decode_image(data, size, f"replay shard row {row}")
-        return images[0] if single else images
-
-    def __array__(self, dtype=None, copy=None):
-        images = self[:]
-        return images if dtype is None else images.astype(dtype)
 
 
 def encoded_images(source, indices) -> EncodedImages | None:

@@ -62,18 +62,6 @@ class TaskSequence:
         """Classes used by all tasks together."""
         return int(sum(self.increments))
 
-    def classes_up_to(self, task: int) -> np.ndarray:
-        """Class ids of tasks ``0..task`` (inclusive, 0-based) in sequence order."""
-        self._check_task(task)
-        return np.concatenate(self.tasks[: task + 1])
-
-    def task_of_class(self) -> dict[int, int]:
-        """Class id -> 0-based task that introduces it."""
-        return {int(c): t for t, classes in enumerate(self.tasks) for c in classes}
-
-    def _check_task(self, task: int) -> None:
-        if not 0 <= int(task) < self.num_tasks:
-            raise ValueError(f"task index {task} out of range: this sequence has tasks 0..{self.num_tasks - 1}")
 
 
 def _class_ids(class_ids, field_name: str) -> np.ndarray:

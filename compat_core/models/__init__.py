@@ -10,8 +10,6 @@ from compat_core.models.compat_model import (
     model_from_config,
     save_model,
 )
-# Importing the backbone modules fills BACKBONES.
-from compat_core.models import lenetpp, regnet, resnet, resnet_cifar, senet, vit  # noqa: F401
 from compat_core.models.precision import autocast_context, prepare_batch, prepare_for_speed
 from compat_core.models.registry import BACKBONES, create_backbone, small_test_config
 from compat_core.models.weights import (

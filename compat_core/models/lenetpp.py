@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compat_core.models.registry import BACKBONES
 from compat_core.validation import check_int
 
 
@@ -63,13 +62,11 @@ class CNN4(nn.Module):
         return torch.flatten(nn.functional.adaptive_avg_pool2d(self.features(x), 1), 1)
 
 
-@BACKBONES.register("lenetpp")
 def lenetpp(in_chans: int = 1, img_size: int = 28, embed_dim: int = 2) -> LeNetPlusPlus:
     """LeNet++ (Wen et al. 2016); defaults: grayscale 28x28 (MNIST), m = 2 as in the papers' toy figures."""
     return LeNetPlusPlus(in_chans=in_chans, img_size=img_size, embed_dim=embed_dim)
 
 
-@BACKBONES.register("cnn4")
 def cnn4(in_chans: int = 3, width: int = 32) -> CNN4:
     """Fast 4-layer CNN for the offline demo; m = 8 * width (256 by default)."""
     return CNN4(in_chans=in_chans, width=width)

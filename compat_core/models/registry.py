@@ -1,4 +1,4 @@
-"""One registry of backbone factories, keyed by name.
+"""One registry of backbone factories, keyed by name, filled here from the backbone modules.
 
 A factory takes keyword options only (``in_chans``, ``img_size`` where the architecture needs it, width/depth knobs)
 and returns an ``nn.Module`` whose ``forward(x)`` maps images ``(B, C, H, W)`` to embeddings ``(B, m)`` and whose
@@ -10,9 +10,30 @@ from typing import Any
 
 from torch import nn
 
+from compat_core.models.lenetpp import cnn4, lenetpp
+from compat_core.models.regnet import regnety_400mf, regnety_400mf_tv
+from compat_core.models.resnet import resnet18
+from compat_core.models.resnet_cifar import resnet18_cifar, resnet32_cifar, resnet50_cifar
+from compat_core.models.senet import senet18
+from compat_core.models.vit import dinov2_vitb14, dinov3_vitb16, dinov3_vits16
 from compat_core.registry import Registry
 
 BACKBONES: Registry = Registry("backbone")
+for _name, _factory in (
+    ("resnet18_cifar", resnet18_cifar),
+    ("resnet50_cifar", resnet50_cifar),
+    ("resnet32_cifar", resnet32_cifar),
+    ("resnet18", resnet18),
+    ("senet18", senet18),
+    ("regnety_400mf", regnety_400mf),
+    ("regnety_400mf_tv", regnety_400mf_tv),
+    ("lenetpp", lenetpp),
+    ("cnn4", cnn4),
+    ("dinov3_vitb16", dinov3_vitb16),
+    ("dinov3_vits16", dinov3_vits16),
+    ("dinov2_vitb14", dinov2_vitb14),
+):
+    BACKBONES.register(_name, _factory)
 
 # Smallest settings that still exercise every layer type of each backbone; used by CPU tests and smoke runs.
 # Convolutional nets keep their real widths (so ``embed_dim`` matches the papers) because they are already fast at
@@ -39,7 +60,6 @@ def create_backbone(name: str, **config: Any) -> nn.Module:
     Raises ``KeyError`` listing the valid names for an unknown ``name`` and ``TypeError`` naming the backbone when an
     option is not accepted by its factory.
     """
-    _ensure_registered()
     factory = BACKBONES.get(name)
     try:
         backbone = factory(**config)
@@ -53,11 +73,6 @@ def create_backbone(name: str, **config: Any) -> nn.Module:
 
 def small_test_config(name: str) -> dict[str, Any]:
     """Options that make backbone ``name`` small enough for a CPU unit test (a fresh dict; empty: defaults are fine)."""
-    _ensure_registered()
     BACKBONES.get(name)  # KeyError with valid names for a typo
     return dict(_SMALL_TEST_CONFIGS.get(name, {}))
 
-
-def _ensure_registered() -> None:
-    """Import the modules whose decorators fill BACKBONES (cheap after the first call)."""
-    from compat_core.models import lenetpp, regnet, resnet, resnet_cifar, senet, vit  # noqa: F401

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from compat_core.models.registry import BACKBONES
 from compat_core.validation import check_int
 
 
@@ -110,7 +109,6 @@ class CifarRegNet(nn.Module):
         return torch.flatten(F.adaptive_avg_pool2d(out, 1), 1)
 
 
-@BACKBONES.register("regnety_400mf")
 def regnety_400mf(
     in_chans: int = 3,
     depths: Sequence[int] = (1, 2, 7, 12),
@@ -124,7 +122,6 @@ def regnety_400mf(
     )
 
 
-@BACKBONES.register("regnety_400mf_tv")
 def regnety_400mf_tv(in_chans: int = 3) -> nn.Module:
     """torchvision ``regnet_y_400mf`` with random weights and ``fc`` removed; m = 440."""
     check_int("in_chans", in_chans, 1)

@@ -8,11 +8,9 @@ from __future__ import annotations
 import torchvision
 from torch import nn
 
-from compat_core.models.registry import BACKBONES
 from compat_core.validation import check_int
 
 
-@BACKBONES.register("resnet18")
 def resnet18(in_chans: int = 3) -> nn.Module:
     """torchvision ResNet-18 with random weights and ``fc`` replaced by identity; m = 512."""
     check_int("in_chans", in_chans, 1)

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compat_core.models.registry import BACKBONES
 from compat_core.validation import check_int
 
 
@@ -149,19 +148,16 @@ class ResNet32Cifar(nn.Module):
         return torch.flatten(F.adaptive_avg_pool2d(out, 1), 1)
 
 
-@BACKBONES.register("resnet18_cifar")
 def resnet18_cifar(in_chans: int = 3, base_width: int = 64) -> CifarResNet:
     """ResNet-18 with a 3x3 stem; m = 8 * base_width (512 by default)."""
     return CifarResNet(BasicBlock, (2, 2, 2, 2), in_chans=in_chans, base_width=base_width)
 
 
-@BACKBONES.register("resnet50_cifar")
 def resnet50_cifar(in_chans: int = 3, base_width: int = 64) -> CifarResNet:
     """ResNet-50 (bottleneck) with a 3x3 stem; m = 32 * base_width (2048 by default)."""
     return CifarResNet(Bottleneck, (3, 4, 6, 3), in_chans=in_chans, base_width=base_width)
 
 
-@BACKBONES.register("resnet32_cifar")
 def resnet32_cifar(in_chans: int = 3, base_width: int = 16, blocks_per_stage: int = 5) -> ResNet32Cifar:
     """He et al.'s CIFAR ResNet-32 (16/32/64 channels, option-A shortcuts); m = 4 * base_width (64 by default)."""
     return ResNet32Cifar(in_chans=in_chans, base_width=base_width, blocks_per_stage=blocks_per_stage)

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compat_core.models.registry import BACKBONES
 from compat_core.validation import check_int
 
 SE_REDUCTION = 16
@@ -69,7 +68,6 @@ class SENet18(nn.Module):
         return torch.flatten(F.adaptive_avg_pool2d(out, 1), 1)
 
 
-@BACKBONES.register("senet18")
 def senet18(in_chans: int = 3, base_width: int = 64) -> SENet18:
     """SENet-18 (CIFAR stem, pre-activation SE blocks); m = 8 * base_width (512 by default)."""
     return SENet18(in_chans=in_chans, base_width=base_width)

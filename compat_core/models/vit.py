@@ -11,7 +11,6 @@ from typing import Any
 
 from torch import nn
 
-from compat_core.models.registry import BACKBONES
 from compat_core.validation import check_int
 
 # registry name -> (timm model name, default image side in pixels)
@@ -69,7 +68,6 @@ def _create_timm_vit(
     return model
 
 
-@BACKBONES.register("dinov3_vitb16")
 def dinov3_vitb16(in_chans: int = 3, img_size: int | None = None, global_pool: str = "token",
                   depth: int | None = None, embed_dim: int | None = None, num_heads: int | None = None,
                   drop_path_rate: float = 0.0) -> nn.Module:
@@ -78,7 +76,6 @@ def dinov3_vitb16(in_chans: int = 3, img_size: int | None = None, global_pool: s
                             drop_path_rate)
 
 
-@BACKBONES.register("dinov3_vits16")
 def dinov3_vits16(in_chans: int = 3, img_size: int | None = None, global_pool: str = "token",
                   depth: int | None = None, embed_dim: int | None = None, num_heads: int | None = None,
                   drop_path_rate: float = 0.0) -> nn.Module:
@@ -87,7 +84,6 @@ def dinov3_vits16(in_chans: int = 3, img_size: int | None = None, global_pool: s
                             drop_path_rate)
 
 
-@BACKBONES.register("dinov2_vitb14")
 def dinov2_vitb14(in_chans: int = 3, img_size: int | None = None, global_pool: str = "token",
                   depth: int | None = None, embed_dim: int | None = None, num_heads: int | None = None,
                   drop_path_rate: float = 0.0) -> nn.Module:

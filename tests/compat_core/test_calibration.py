@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from app.cli import main
-from compat_core import calibration
+from compat_core import calibration, calibration_workloads
 from pipelines.autocast import resolve_autocast
 
 
@@ -87,7 +87,7 @@ def test_off_measures_nothing_and_means_fp32(tmp_path, monkeypatch):
     monkeypatch.setenv(calibration.MODE_ENV, "off")
     monkeypatch.setenv(calibration.CACHE_ENV, str(tmp_path / "cache"))
     assert calibration.fastest_matmul("cpu") == "fp32"
-    assert calibration.autocast_choice("cpu", tiny_conv_net(), torch.zeros(4, 1, 8, 8)) is None
+    assert calibration_workloads.autocast_choice("cpu", tiny_conv_net(), torch.zeros(4, 1, 8, 8)) is None
     assert not (tmp_path / "cache").exists()
     monkeypatch.setenv(calibration.MODE_ENV, "sometimes")
     with pytest.raises(ValueError, match="COMPAT_CALIBRATION"):
@@ -105,7 +105,7 @@ def test_autocast_choice_times_copies_and_leaves_model_and_rng_alone(calibrating
     before = {name: value.clone() for name, value in model.state_dict().items()}
     example = torch.randn(6, 1, 8, 8)
     rng = torch.get_rng_state()
-    choice = calibration.autocast_choice("cpu", model, example, train=True)
+    choice = calibration_workloads.autocast_choice("cpu", model, example, train=True)
     assert torch.equal(torch.get_rng_state(), rng)                  # dropout in the timed steps drew nothing here
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name               # weights and batch-norm statistics untouched
@@ -120,13 +120,13 @@ def test_autocast_choice_times_copies_and_leaves_model_and_rng_alone(calibrating
     def refuse(*args, **kwargs):
         raise AssertionError("measured again although cached")
 
-    monkeypatch.setattr(calibration, "measure_workload", refuse)
-    assert calibration.autocast_choice("cpu", model, example, train=True) == choice
+    monkeypatch.setattr(calibration_workloads, "measure_workload", refuse)
+    assert calibration_workloads.autocast_choice("cpu", model, example, train=True) == choice
     # inference is its own workload
     monkeypatch.undo()
     monkeypatch.setenv(calibration.MODE_ENV, "on")
     monkeypatch.setenv(calibration.CACHE_ENV, str(calibrating))
-    calibration.autocast_choice("cpu", model, example, train=False)
+    calibration_workloads.autocast_choice("cpu", model, example, train=False)
     assert calibration.workload_signature(model, example, False) in calibration.load("cpu")["workloads"]
 
 
@@ -234,25 +234,25 @@ def test_workload_is_timed_on_a_probe_batch_of_one_copy(calibrating, monkeypatch
             return self.linear(x)
 
     copies: list[int] = []
-    real_deepcopy = calibration.copy.deepcopy
+    real_deepcopy = calibration_workloads.copy.deepcopy
 
     def counting_deepcopy(value, *args, **kwargs):
         if isinstance(value, Recording):
             copies.append(1)
         return real_deepcopy(value, *args, **kwargs)
 
-    monkeypatch.setattr(calibration.copy, "deepcopy", counting_deepcopy)
+    monkeypatch.setattr(calibration_workloads.copy, "deepcopy", counting_deepcopy)
     model = Recording()
     before = {name: value.clone() for name, value in model.state_dict().items()}
-    choice = calibration.autocast_choice("cpu", model, torch.randn(320, 8), train=True)
+    choice = calibration_workloads.autocast_choice("cpu", model, torch.randn(320, 8), train=True)
     assert choice in (None, torch.bfloat16, torch.float16)
-    assert seen_rows and set(seen_rows) == {calibration.PROBE_BATCH}
+    assert seen_rows and set(seen_rows) == {calibration_workloads.PROBE_BATCH}
     assert len(copies) == 1
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
     document = calibration.load(torch.device("cpu"))
     entries = list(document["workloads"].values())
-    assert len(entries) == 1 and entries[0]["probe_batch"] == calibration.PROBE_BATCH
-    assert next(iter(document["workloads"])).endswith(f"in{calibration.PROBE_BATCH}x8")
+    assert len(entries) == 1 and entries[0]["probe_batch"] == calibration_workloads.PROBE_BATCH
+    assert next(iter(document["workloads"])).endswith(f"in{calibration_workloads.PROBE_BATCH}x8")
 
 
 def test_a_noisy_product_measurement_is_provisional_and_measured_again_later(calibrating, monkeypatch):

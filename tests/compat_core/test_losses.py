@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from compat_core.losses import (
-    HOCLoss,
     bct_influence_loss,
     compatibility_info_nce,
     feature_distillation_loss,
@@ -240,9 +239,6 @@ def test_hoc_is_the_weighted_sum(masking):
     )
     got = hoc_loss(logits, labels, new, old, lam=lam, rho=rho, masking=masking)
     assert got.item() == pytest.approx(expected, abs=1e-10)
-    module = HOCLoss(lam=lam, rho=rho, masking=masking)
-    assert module(logits, labels, new, old).item() == pytest.approx(expected, abs=1e-10)
-    assert "masking" in repr(module)
 
 
 def test_hoc_defaults_and_extremes():
@@ -267,10 +263,6 @@ def test_hoc_gradients_finite_and_validation():
     assert torch.isfinite(new.grad).all() and new.grad.abs().sum() > 0
     with pytest.raises(ValueError, match=r"lam .* \[0, 1\]"):
         hoc_loss(logits, labels, new, old, lam=1.5)
-    with pytest.raises(ValueError, match=r"lam .* \[0, 1\]"):
-        HOCLoss(lam=-0.1)
-    with pytest.raises(ValueError, match="masking must be one of"):
-        HOCLoss(masking="Standard")
     with pytest.raises(ValueError, match="batch size"):
         hoc_loss(logits[:4], labels, new, old)
 

@@ -318,16 +318,3 @@ def test_summary_matches_the_functions():
     assert summary["FC"] == pytest.approx(-0.09)
     non_strict = CompatibilityMatrix(np.array([[0.4, NAN], [0.4, 0.5]]), ["a", "b"], "recall_at_1", {"strict": False})
     assert non_strict.summary()["AC"] == 1.0
-
-
-def test_with_row_grows_the_matrix_by_one_model():
-    first = CompatibilityMatrix(np.array([[0.50]]), ["m0"], "recall_at_1")
-    second = first.with_row([0.55, 0.60], "m1")
-    third = second.with_row([0.52, 0.57, 0.70], "m2")
-    np.testing.assert_array_equal(third.values, HAND)
-    assert third.model_ids == ["m0", "m1", "m2"]
-    assert first.num_models == 1  # the original is untouched
-    with pytest.raises(ValueError, match="expected 3 values"):
-        second.with_row([0.5, 0.6], "m2")
-    with pytest.raises(ValueError, match="repeated"):
-        second.with_row([0.5, 0.6, 0.7], "m1")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core import retrieval, retrieval_space
+from compat_core import retrieval, retrieval_candidates, retrieval_kernel, retrieval_space
 from compat_core.retrieval_int8 import quantize_rows, select_top1
 from compat_core.retrieval import (
     class_mean_gallery,
@@ -25,6 +25,7 @@ PRECISIONS = ["auto", "int8", "half", "fp32", "fp64"]
 def patch_fastest_matmul(monkeypatch, fastest) -> None:
     """The calibration's answer, as seen by the gallery preparation ("auto") and by the kernel's demotion."""
     monkeypatch.setattr(retrieval_space, "fastest_matmul", fastest)
+    monkeypatch.setattr(retrieval_kernel, "fastest_matmul", fastest)
     monkeypatch.setattr(retrieval, "fastest_matmul", fastest)
 
 
@@ -200,13 +201,13 @@ def test_bridge_equals_direct_features(precision):
 
 def test_half_path_is_really_taken_when_forced(monkeypatch):
     calls = []
-    original = retrieval._half_scores
+    original = retrieval_kernel._half_scores
 
     def spy(qh, half_t):
         calls.append(qh.dtype)
         return original(qh, half_t)
 
-    monkeypatch.setattr(retrieval, "_half_scores", spy)
+    monkeypatch.setattr(retrieval_kernel, "_half_scores", spy)
     query, gallery = planted(20, 30, 8, seed=2)
     nearest_neighbours(query, gallery, precision="half")
     assert calls and calls[0] in (torch.bfloat16, torch.float16)
@@ -218,7 +219,7 @@ def test_half_path_is_really_taken_when_forced(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_round_down_never_exceeds_the_value(dtype):
     values = torch.tensor([0.3, -0.3, 0.0, 1e-30, -1e-30, 0.99999, -2.5e-5, 7.0], dtype=torch.float64)
-    rounded = retrieval._round_down(values, dtype)
+    rounded = retrieval_candidates._round_down(values, dtype)
     assert rounded.dtype == dtype
     assert bool((rounded.double() <= values).all())
     # and it is the largest such value: the next representable value up exceeds the input
@@ -348,10 +349,11 @@ def test_select_candidates_equal_a_full_threshold_comparison(dtype, k):
     scores = torch.tensor(np.round(raw * scale) if dtype == torch.int32 else raw).to(dtype)
     bound = torch.tensor(np.linspace(0.0, 0.6, 12) * scale, dtype=torch.float64)
     out_unit = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}.get(dtype, 0.0)
-    rows, cand, wide = retrieval._select(scores.clone(), bound, k, None, out_unit)
+    rows, cand, wide = retrieval_candidates._select(scores.clone(), bound, k, None, out_unit)
     assert wide.numel() == 0 and sorted(rows.tolist()) == list(range(12))
     kth = scores.double().topk(k, dim=1).values[:, k - 1]
-    threshold = retrieval._round_down(kth - out_unit * kth.abs() - 2.0 * bound - 1e-12 * (1.0 + kth.abs()), dtype)
+    threshold = retrieval_candidates._round_down(kth - out_unit * kth.abs() - 2.0 * bound - 1e-12 * (1.0 + kth.abs()),
+                                                 dtype)
     for position, row in enumerate(rows.tolist()):
         expected = torch.nonzero(scores[row] >= threshold[row]).squeeze(1).tolist()
         got = [c for c in cand[position].tolist() if c >= 0]
@@ -389,10 +391,10 @@ def test_int8_stage_bound_holds_for_every_pair():
     gallery[50:60, 0] *= np.float32(40.0)                  # spiky rows set the common scale
     query = rng.standard_normal((80, 64)).astype(np.float32)
     space = retrieval._direct_space(torch.from_numpy(gallery), "int8")
-    queries = retrieval._Queries("query", torch.from_numpy(query))
+    queries = retrieval_kernel._Queries("query", torch.from_numpy(query))
     q32 = queries.fp32(0, 80)
     dev32 = torch.full((80,), 3.0 * 2.0 ** -24 * (1 + 1e-12), dtype=torch.float64)
-    products, bound, out_unit = retrieval._int8_stage(q32, dev32, space, 1.0 + 1e-12, 0.0)
+    products, bound, out_unit = retrieval_kernel._int8_stage(q32, dev32, space, 1.0 + 1e-12, 0.0)
     assert products.dtype == torch.int32 and out_unit == 0.0
     _, scale, deviation = quantize_rows(q32)
     unit = scale.double().numpy() * float(space.half_scale)
@@ -430,8 +432,8 @@ def test_int8_adversarial_near_ties_and_exact_ties_equal_fp64():
     expected, expected_scores = brute_topk(query, gallery, 3)
     # the int8 ranking alone is wrong for some queries: exactness comes from the bound and re-scoring
     space = retrieval._direct_space(torch.from_numpy(gallery), "int8")
-    q32 = retrieval._Queries("query", torch.from_numpy(query)).fp32(0, len(query))
-    products, _, _ = retrieval._int8_stage(q32, torch.zeros(len(query), dtype=torch.float64), space, 1.0, 0.0)
+    q32 = retrieval_kernel._Queries("query", torch.from_numpy(query)).fp32(0, len(query))
+    products, _, _ = retrieval_kernel._int8_stage(q32, torch.zeros(len(query), dtype=torch.float64), space, 1.0, 0.0)
     assert bool((products.argmax(dim=1).numpy() != expected[:, 0]).any())
     for k in (1, 3):
         index, scores64 = nearest_neighbours(query, gallery, k=k, chunk_size=16, precision="int8")
@@ -477,7 +479,7 @@ def test_candidate_scores32_equal_fp32_products_with_gaps_in_the_padding():
     query = torch.from_numpy(rng.standard_normal((5, 33)).astype(np.float32))
     candidates = torch.tensor([[3, 17, 150, -1], [-1, -1, -1, -1], [0, -1, 199, -1], [5, 6, 7, 8],
                                [42, -1, -1, -1]])
-    scores = retrieval._candidate_scores32(query, candidates, gallery)
+    scores = retrieval_candidates._candidate_scores32(query, candidates, gallery)
     exact = query.double() @ gallery.double().t()
     gamma = 33 * 2.0 ** -24 / (1 - 33 * 2.0 ** -24)
     for row in range(5):
@@ -495,7 +497,7 @@ def test_auto_demotion_keeps_the_low_rank_basis_and_stays_exact(monkeypatch):
     # same basis and coordinates (no second basis search) and the answers equal fp64, exact ties included
     patch_fastest_matmul(monkeypatch, lambda device, exclude=(): "bf16" if "int8" in exclude else "int8")
     monkeypatch.setattr(retrieval_space, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
-    monkeypatch.setattr(retrieval, "_INT8_PROBE_QUERIES", 16)
+    monkeypatch.setattr(retrieval_kernel, "_INT8_PROBE_QUERIES", 16)
     rng = np.random.default_rng(43)
     head = rng.standard_normal((96, 24))
     base = rng.standard_normal(24)
@@ -541,8 +543,8 @@ def test_one_thread_sections_restore_the_thread_count_when_nested_and_concurrent
     workers = [threading.Thread(target=search) for _ in range(2)]
     for worker in workers:
         worker.start()
-    with retrieval._one_thread():
-        with retrieval._one_thread():
+    with retrieval_kernel._one_thread():
+        with retrieval_kernel._one_thread():
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 1
     for worker in workers:
@@ -571,10 +573,10 @@ def test_select_top1_equals_a_full_threshold_comparison(width, cap):
     scores[4, : min(width, 70)] = 25000                      # a run of ties crossing a block boundary
     bound = torch.tensor(rng.uniform(0.0, 3000.0, 40), dtype=torch.float64)
     bound[5] = 0.0
-    rows, cand, wide = retrieval._select_top1(scores, bound, cap)
+    rows, cand, wide = retrieval_candidates._select_top1(scores, bound, cap)
     got = {r: [c for c in row if c >= 0] for r, row in zip(rows.tolist(), cand.tolist())}
     if cap is None:          # (_select applies the cap only to rows its top-16 probe leaves open)
-        ref_rows, ref_cand, ref_wide = retrieval._select(scores.clone(), bound, 1, cap, 0.0)
+        ref_rows, ref_cand, ref_wide = retrieval_candidates._select(scores.clone(), bound, 1, cap, 0.0)
         assert wide.numel() == 0 and ref_wide.numel() == 0
         assert got == {r: [c for c in row if c >= 0] for r, row in zip(ref_rows.tolist(), ref_cand.tolist())}
     assert sorted(list(got) + wide.tolist()) == list(range(40))
@@ -612,7 +614,7 @@ def test_select_top1_with_a_lower_bound_keeps_exactly_the_items_that_can_reach_i
         handed.update(zip(rows.tolist(), columns.tolist()))
         return torch.tensor(reference[rows.numpy(), columns.numpy()], dtype=torch.float64)
 
-    rows, cand, wide, _ = select_top1(scores, bound_t, None, 0.0, retrieval._round_down, lower)
+    rows, cand, wide, _ = select_top1(scores, bound_t, None, 0.0, retrieval_candidates._round_down, lower)
     assert wide.numel() == 0 and sorted(rows.tolist()) == list(range(30))
     best = scores.double().max(dim=1).values
     margin = 1e-12 * (1.0 + best.abs())
@@ -641,7 +643,7 @@ def test_filter_moves_survivors_forward_in_index_order():
     candidates = torch.tensor([[1, 3, 5, 9], [2, 7, -1, -1]])
     scores = torch.tensor([[0.1, 0.5, 0.2, 0.58], [0.3, 0.9, -math.inf, -math.inf]])
     bound = torch.tensor([0.05, 0.05], dtype=torch.float64)
-    kept = retrieval._filter(scores, candidates, bound, 1)
+    kept = retrieval_candidates._filter(scores, candidates, bound, 1)
     assert kept.tolist() == [[3, 9], [7, -1]]
 
 
@@ -667,8 +669,8 @@ def test_int8_raw_query_rows_of_any_norm_equal_fp64(monkeypatch, low_rank):
     expected, expected_scores = brute_topk(query, gallery, 1)
     assert int(expected[2, 0]) == 20
     raw_chunks = []
-    original = retrieval._Queries.raw_rows
-    monkeypatch.setattr(retrieval._Queries, "raw_rows",
+    original = retrieval_kernel._Queries.raw_rows
+    monkeypatch.setattr(retrieval_kernel._Queries, "raw_rows",
                         lambda self, a, b: raw_chunks.append(original(self, a, b) is not None) or original(self, a, b))
     _assert_int8_top1(query, gallery, expected, expected_scores, (None, 16))
     index3, _ = nearest_neighbours(query, gallery, k=3, precision="int8")
@@ -682,11 +684,11 @@ def test_int8_raw_query_bound_holds_for_every_pair():
     gallery = rng.standard_normal((400, 64)).astype(np.float32)
     query = (rng.standard_normal((60, 64)) * rng.uniform(1e-3, 1e3, (60, 1))).astype(np.float32)
     space = retrieval._direct_space(torch.from_numpy(gallery), "int8")
-    queries = retrieval._Queries("query", torch.from_numpy(query), raw=True)
+    queries = retrieval_kernel._Queries("query", torch.from_numpy(query), raw=True)
     rows = queries.raw_rows(0, 60)
     assert rows is not None
     norm = queries.norm32
-    products, bound, _ = retrieval._int8_stage(rows, torch.zeros(60, dtype=torch.float64), space, norm, 0.0)
+    products, bound, _ = retrieval_kernel._int8_stage(rows, torch.zeros(60, dtype=torch.float64), space, norm, 0.0)
     _, scale, _ = quantize_rows(rows)
     unit = scale.double().numpy() * float(space.half_scale)
     g64 = gallery / np.linalg.norm(gallery.astype(np.float64), axis=1, keepdims=True)
@@ -727,10 +729,11 @@ def test_select_top1_on_float_scores_equals_a_full_threshold_comparison(dtype, w
     scores = torch.tensor(raw).to(dtype)
     bound = torch.tensor(rng.uniform(0.0, 0.01, 16), dtype=torch.float64)
     out_unit = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}.get(dtype, 0.0)
-    rows, cand, wide = retrieval._select_top1(scores, bound, None, out_unit)
+    rows, cand, wide = retrieval_candidates._select_top1(scores, bound, None, out_unit)
     assert wide.numel() == 0 and sorted(rows.tolist()) == list(range(16))
     best = scores.double().max(dim=1).values
-    threshold = retrieval._round_down(best - out_unit * best.abs() - 2.0 * bound - 1e-12 * (1.0 + best.abs()), dtype)
+    threshold = retrieval_candidates._round_down(best - out_unit * best.abs() - 2.0 * bound - 1e-12 * (1.0 + best.abs()),
+                                                 dtype)
     for position, row in enumerate(rows.tolist()):
         expected = torch.nonzero(scores[row] >= threshold[row]).squeeze(1).tolist()
         assert [c for c in cand[position].tolist() if c >= 0] == expected, row
@@ -772,8 +775,8 @@ def test_fp32_products_run_in_full_fp32_whatever_the_global_matmul_precision(mon
     # a training script's torch.set_float32_matmul_precision("medium") would let fp32 products use TF32 / bf16
     # passes, outside the fp32 bounds: the kernel runs them at "highest" and restores the caller's setting
     seen = []
-    original = retrieval._search_chunk
-    monkeypatch.setattr(retrieval, "_search_chunk",
+    original = retrieval_kernel._search_chunk
+    monkeypatch.setattr(retrieval_kernel, "_search_chunk",
                         lambda *args: seen.append(torch.get_float32_matmul_precision()) or original(*args))
     query, gallery = planted(40, 60, 16, seed=31)
     expected, _ = brute_topk(query, gallery, 1)
@@ -801,13 +804,13 @@ def test_auto_leaves_a_stage_that_the_live_check_finds_slower_than_fp32(monkeypa
     # hands the rest to the fp32 stage, and the answer stays exact either way
     patch_fastest_matmul(monkeypatch, lambda device, exclude=(): "bf16")
     checks, stages = [], []
-    monkeypatch.setattr(retrieval, "_slower_than_fp32", lambda *args: checks.append(args[4]) or slower)
+    monkeypatch.setattr(retrieval_kernel, "_slower_than_fp32", lambda *args: checks.append(args[4]) or slower)
     original = retrieval._with_stage
     monkeypatch.setattr(retrieval, "_with_stage", lambda space, dtype: stages.append(dtype) or original(space, dtype))
     query, gallery = planted(8 * 512 + 100, 300, 24, seed=31)
     chunks = []
-    search_chunk = retrieval._search_chunk
-    monkeypatch.setattr(retrieval, "_search_chunk",
+    search_chunk = retrieval_kernel._search_chunk
+    monkeypatch.setattr(retrieval_kernel, "_search_chunk",
                         lambda space, *args: chunks.append(space.half_dtype) or search_chunk(space, *args))
     index, scores = nearest_neighbours(query, gallery, k=2, precision="auto")
     later = sorted(set(chunks[2:]), key=str)
@@ -823,5 +826,6 @@ def test_auto_leaves_a_stage_that_the_live_check_finds_slower_than_fp32(monkeypa
 def test_live_check_keeps_a_stage_that_is_not_slower():
     gallery = torch.from_numpy(planted(10, 500, 32, seed=32)[1])
     space = retrieval._direct_space(gallery, "bf16")
-    queries = retrieval._Queries("query", torch.from_numpy(planted(600, 10, 32, seed=33)[0]))
-    assert not retrieval._slower_than_fp32(space, queries, 0, 512, 0.0, 1, False, retrieval._with_stage(space, None))
+    queries = retrieval_kernel._Queries("query", torch.from_numpy(planted(600, 10, 32, seed=33)[0]))
+    assert not retrieval_kernel._slower_than_fp32(space, queries, 0, 512, 0.0, 1, False,
+                                                  retrieval._with_stage(space, None))

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from compat_core import io
+from compat_core.data.encoded import EncodedImages, decode_image
 
 # ImageNet statistics (fractions of 255), the normalisation every ImageNet/DINO-pretrained backbone expects; used
 # for the natural-image and face sets whose authors publish no statistics of their own.
@@ -210,24 +211,6 @@ def planar_rows_to_images(dataset: str, uri: str, data: np.ndarray) -> np.ndarra
 
 # --- encoded images ---------------------------------------------------------------------------------------------
 
-def decode_image(data: bytes, size: int, where: str) -> np.ndarray:
-    """Decode JPEG/PNG bytes to uint8 RGB ``(size, size, 3)``.
-
-    Non-square images are scaled so the shorter side is ``size`` and centre-cropped (aspect ratio kept); an image
-    already ``size`` x ``size`` is returned exactly as decoded.
-    """
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
-    try:
-        with Image.open(_stdio.BytesIO(data)) as image:
-            image = image.convert("RGB")
-    except (UnidentifiedImageError, OSError) as exc:
-        raise ValueError(f"cannot decode image {where}: {exc} (expected JPEG or PNG bytes)") from None
-    if image.size != (size, size):
-        image = ImageOps.fit(image, (size, size), method=Image.Resampling.BILINEAR)
-    return np.asarray(image, dtype=np.uint8)
-
-
 class EncodedImageSource:
     """An ImageSource over encoded images (JPEG/PNG) decoded on :meth:`read`.
 
@@ -318,8 +301,6 @@ class EncodedImageSource:
     def encoded_images(self, indices: np.ndarray):
         """The published bytes of samples ``indices`` as replay-shard images, decoded on read exactly as
         :meth:`read` decodes them (PIL, ``image_size``)."""
-        from compat_core.data.replay_shards import EncodedImages
-
         locations = [self.locations[int(i)] for i in np.asarray(indices).reshape(-1)]
         return EncodedImages(self._fetch_all(locations), self.image_shape, "pil")
 

@@ -30,9 +30,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from compat_core import io as cio
+from compat_core.data.encoded import DECODERS, EncodedImages, decode_batch, decode_image
 
-from ..registry import register_dataset
-from ._shared import decode_image
+from ..registry import DATASETS, DatasetInfo, register_dataset
 
 FORMAT = "compat-dataset-shards/1"
 ENCODED = "encoded"  # the published JPEG/PNG bytes, decoded and fitted to image_shape on read
@@ -346,8 +346,6 @@ class ShardSource:
     def encoded_images(self, indices: np.ndarray):
         """Encoded bytes of samples ``indices`` as replay-shard images decoded like :meth:`read` (None for a raw
         split: its rows are pixels already)."""
-        from compat_core.data.replay_shards import EncodedImages
-
         if self.manifest.encoding != ENCODED:
             return None
         return EncodedImages(self.encoded_rows(indices), self.image_shape, self.decoder)
@@ -373,49 +371,6 @@ class ShardSource:
         return f"ShardSource(name={self.name!r}, samples={len(self)}, classes={self.num_classes}, folder={self.folder!r})"
 
 
-def decode_batch(blobs: Sequence[bytes], size: int, where: str) -> np.ndarray:
-    """JPEG/PNG bytes -> uint8 RGB ``(n, size, size, 3)``: torchvision's libjpeg-turbo decoder (one batched call
-    for the JPEGs), then the centred square of side min(H, W) resized to ``size`` x ``size`` straight into the
-    output (OpenCV: bilinear when enlarging, pixel-area averaging, i.e. antialiased, when shrinking), the geometry of
-    the published readers' ``ImageOps.fit`` (crop box first, then resize).
-
-    Why these parts (measured on 178x218 CelebA-sized JPEGs to 224 px, one thread): decode ~135 us per image;
-    OpenCV's fixed-point resize ~75 us against ~130 us for torch's uint8 antialiased interpolate, and it writes
-    into the batch array, saving the ~20 us copy; cropping first spends no resize work on dropped rows.
-    Pixel values differ slightly from PIL's (other resampling code), so it is an opt-in reader option."""
-    import cv2
-    import torch
-    from torchvision.io import ImageReadMode, decode_image, decode_jpeg
-
-    tensors = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
-    jpeg = [i for i, blob in enumerate(blobs) if blob[:2] == b"\xff\xd8"]
-    decoded: list = [None] * len(blobs)
-    try:
-        if jpeg:
-            for i, image in zip(jpeg, decode_jpeg([tensors[i] for i in jpeg], mode=ImageReadMode.RGB)):
-                decoded[i] = image
-        for i in set(range(len(blobs))) - set(jpeg):
-            decoded[i] = decode_image(tensors[i], mode=ImageReadMode.RGB)
-    except RuntimeError as error:
-        raise ValueError(f"cannot decode an image of {where}: {error} (expected JPEG or PNG bytes)") from None
-    out = np.empty((len(blobs), size, size, 3), dtype=np.uint8)
-    for row, image in enumerate(decoded):
-        pixels = image.permute(1, 2, 0).numpy()  # (H, W, 3) view: the decoders' memory is HWC already
-        height, width = pixels.shape[:2]
-        if (height, width) == (size, size):
-            out[row] = pixels
-            continue
-        side = min(height, width)
-        top, left = (height - side) // 2, (width - side) // 2
-        square = np.ascontiguousarray(pixels[top:top + side, left:left + side])
-        cv2.resize(square, (size, size), dst=out[row],
-                   interpolation=cv2.INTER_LINEAR if side < size else cv2.INTER_AREA)
-    return out
-
-
-DECODERS = ("pil", "torchvision")
-
-
 def open_shards(root: str, split: str, verify: str = "sha256", decoder: str = "pil") -> ShardSource:
     """Open an ingested split after checking every part against the manifest (``verify``: "sha256" reads every
     part once, "size" only compares sizes). Raises ShardIntegrityError naming bucket, key and expected sha256."""
@@ -439,8 +394,6 @@ def open_shards(root: str, split: str, verify: str = "sha256", decoder: str = "p
 def _known_splits() -> tuple[str, ...]:
     """Every split name of the datasets registered so far (this module is imported last), plus common ones: an
     ingested split keeps its source split's name."""
-    from ..registry import DATASETS, DatasetInfo
-
     names = {"train", "test", "val", "valid", "pairs", "finetune", "pretrain", "query", "gallery", "all"}
     for name in DATASETS.names():
         entry = DATASETS.get(name)

@@ -7,8 +7,10 @@ import unicodedata
 import numpy as np
 import pytest
 
-from compat_core.data import glyphs
-from compat_core.data.glyphs import build_catalogue, glyph_set_summary, load_glyphs
+from compat_core.data import glyph_render, glyphs
+from compat_core.data.glyph_catalogue import DEFAULT_IMAGE_SIZE, build_catalogue, glyph_catalogue
+from compat_core.data.glyph_fonts import STYLES
+from compat_core.data.glyphs import glyph_set_summary, load_glyphs
 from compat_core.data.tasks import check_open_set
 
 SMALL = 4  # images per class for the cheap renders
@@ -30,7 +32,7 @@ def renderer_forbidden(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("render_class was called: the pool was not served from the cache")
 
-    monkeypatch.setattr(glyphs, "render_class", refuse)
+    monkeypatch.setattr(glyph_render, "render_class", refuse)
 
 
 def _char_of(source, label: int) -> str:
@@ -112,11 +114,11 @@ def test_second_load_hits_the_cache(full_set, renderer_forbidden, tmp_path):
 
 def test_summary_counts_overlaps_and_nesting_of_given_pools(full_set):
     cache, _ = full_set
-    catalogue = glyphs.glyph_catalogue(cache)
+    catalogue = glyph_catalogue(cache)
     # Hand-made pools: class 2 in pretrain and finetune, classes 3 and 4 in finetune and test.
     loaded = {"pretrain": np.array([0, 1, 2]), "finetune": np.array([2, 3, 4]), "test": np.array([3, 4, 5])}
     result = glyphs._pool_disjointness(catalogue, loaded, cache, glyphs.DEFAULT_IMAGES_PER_CLASS, 0,
-                                       glyphs.DEFAULT_IMAGE_SIZE, 0, styles={"finetune": "target"})
+                                       DEFAULT_IMAGE_SIZE, 0, styles={"finetune": "target"})
     assert result["fine_label_overlap"] == {"pretrain&finetune": 1, "pretrain&test": 0, "finetune&test": 2}
     assert result["character_overlap"] == {"pretrain&finetune": 1, "pretrain&test": 0, "finetune&test": 2}
     assert result["pretrain_nested"] == {}  # no pretrain style asked for: nothing loaded, nothing claimed
@@ -219,4 +221,4 @@ def test_registered_in_the_dataset_registry(tmp_path):
     source = load_dataset("glyphs", split="pretrain", pool_size=20, images_per_class=2, cache_dir=tmp_path)
     assert np.unique(source.labels).tolist() == list(range(20))
     assert source.style == "source"
-    assert glyphs.STYLES["source"].fonts[0] == "DejaVuSans.ttf"
+    assert STYLES["source"].fonts[0] == "DejaVuSans.ttf"
