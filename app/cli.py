@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    from cluster.tracking import check_tracking_uri, tracking_credentials_from_environment
+    from cluster.tracking_client import check_tracking_uri, tracking_credentials_from_environment
 
     tracking_credentials_from_environment()  # before any Ray starts: a password never travels inside a URI
     if getattr(args, "tracking_uri", None) not in (None, "none"):

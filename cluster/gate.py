@@ -63,7 +63,7 @@ class GateResult:
 
 
 def _client(tracking_uri: str, registry_uri: str | None = None):
-    from cluster.tracking import open_client
+    from cluster.tracking_client import open_client
 
     return open_client(tracking_uri, registry_uri)
 
@@ -116,7 +116,7 @@ def reconcile_moves(client: Any, model: str, alias: str, experiment: str = GATE_
 
 
 def _experiment_id(client: Any, name: str) -> str:
-    from cluster.tracking import ensure_experiment
+    from cluster.tracking_client import ensure_experiment
 
     return ensure_experiment(client, name)
 

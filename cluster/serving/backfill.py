@@ -80,7 +80,7 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
 
     from cluster.registry import MlflowModelResolver
     from cluster.serving.index_build import pool_of
-    from cluster.tracking import ensure_experiment
+    from cluster.tracking_client import ensure_experiment
     from compat_core.backfill import backfill_order
     from pipelines.config import PoolSpec
     from pipelines.stages import extract_pool_features, load_pool
