@@ -21,8 +21,6 @@ from cluster.tune_spec import (SearchSpec, absolute_fixed_values, absolute_local
 from compat_core import io as cio
 from pipelines.config_load import config_to_dict, load_config
 
-HELP = "hyper-parameter search over whole pipelines (Ray Tune + Optuna, ASHA), every trial tracked in MLflow"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="scenario YAML (not needed with --resume)")
