@@ -79,9 +79,10 @@ def job_client(address: str | None, token_file: str | None = None):
     source = prepare_client_auth(token_file)
     resolved = address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
     if resolved and resolved.startswith(("http://", "https://")):
-        from cluster.reach import require_reachable
+        from cluster.reach import require_answering, require_reachable
 
         require_reachable(resolved, "Ray job server", 8265)
+        require_answering(resolved, "Ray job server", 8265)  # a server that never answers would hang the client
         require_token_if_needed(resolved, source)
     return JobSubmissionClient(address)
 

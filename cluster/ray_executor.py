@@ -72,9 +72,11 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     else:
         options: dict = {}
         if address != "auto":
-            from cluster.reach import local_address_towards, require_reachable
+            from cluster.reach import local_address_towards, require_answering, require_reachable
 
-            require_reachable(address, "Ray cluster", 10001 if address.startswith("ray://") else 6379)
+            port = 10001 if address.startswith("ray://") else 6379
+            require_reachable(address, "Ray cluster", port)
+            require_answering(address, "Ray cluster", port)  # a port that never answers would hang ray.init
             if not address.startswith("ray://"):
                 # the driver's node address is the one on the route to the head (127.0.0.1 for a loopback head),
                 # never a guess: a head bound to 127.0.0.1 cannot reach the machine's other address

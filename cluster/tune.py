@@ -41,6 +41,7 @@ import numpy as np
 from cluster.grid_design import spread_points
 from cluster.ray_auth import prepare_client_auth
 from cluster.ray_loopback import prepare_for_address, prepare_loopback
+from cluster.reach import require_answering, require_reachable
 from cluster.search_space import parse_space
 from cluster.storage import configure_object_storage
 from cluster.tracking_client import check_tracking_uri
@@ -119,6 +120,8 @@ def keep_credentials_out_of_trial_runtime_env() -> None:
 
 
 def ensure_ray(address: str | None) -> None:
+    """Connect this driver to Ray for a search: the cluster at ``address`` (its port checked to open and answer
+    first), else a new embedded local instance; nothing when Ray is already initialised."""
     import ray
 
     keep_credentials_out_of_trial_runtime_env()
@@ -126,8 +129,11 @@ def ensure_ray(address: str | None) -> None:
     if ray.is_initialized():
         return
     if address:
+        if address != "auto":
+            port = 10001 if address.startswith("ray://") else 6379
+            require_reachable(address, "Ray cluster", port)
+            require_answering(address, "Ray cluster", port)  # a port that never answers would hang ray.init
         prepare_for_address(address)  # a head on 127.0.0.1: keep this driver on loopback too
-
         prepare_client_auth()  # a token in Ray's standard places authenticates to a token-protected head
         ray.init(address=address, configure_logging=False)
     else:
