@@ -1,5 +1,9 @@
 """Experiment tracking: pipeline records -> MLflow runs, metrics, artifacts and registered model versions.
 
+This module owns the tracker interface and the MLflow tracker's runs (pipeline and stage scopes, resume); what each
+record logs is in cluster.tracking_records, stores and clients in cluster.tracking_client, params without secrets in
+cluster.tracking_params.
+
 Stages never call a tracker; they emit plain records (``StageEvent``, ``TrainRecord``, ``ProgressUpdate``) through
 the executor's ``emit`` callback. A :class:`Tracker` is such a callback::
 
