@@ -33,6 +33,15 @@ from typing import Any, Callable
 
 import numpy as np
 
+from cluster.registry import MlflowModelResolver, version_by_alias
+from cluster.tracking_client import ensure_experiment, open_client
+from compat_core.adapters import ADAPTER_KINDS, GALLERY_ADAPTERS, SEEDED_ADAPTERS, make_adapter, save_adapter
+from compat_core.backfill import backfill_curve, backfill_order
+from compat_core.metrics import upgrade_verdict
+from compat_core.models.compat_model import load_model
+from pipelines.graph import protocol_params
+from pipelines.stages import check_pools_open_set, compute_entry, extract_pool_features, load_pool, resolve_device
+
 GATE_EXPERIMENT = "compat-gate"
 DEFAULT_ALIAS = "champion"
 METRICS = ("recall_at_1", "map")
@@ -63,8 +72,6 @@ class GateResult:
 
 
 def _client(tracking_uri: str, registry_uri: str | None = None):
-    from cluster.tracking import open_client
-
     return open_client(tracking_uri, registry_uri)
 
 
@@ -84,8 +91,6 @@ def reconcile_moves(client: Any, model: str, alias: str, experiment: str = GATE_
     """Settle every alias move of ``model``/``alias`` whose process died between intent and confirmation: confirmed
     when the alias is at its ``new_version`` (the move happened), else recorded as ``interrupted`` (KILLED, alias
     not moved). Returns the run ids settled."""
-    from cluster.registry import version_by_alias
-
     found = client.get_experiment_by_name(experiment)
     if found is None or "'" in model or "'" in alias:
         return []
@@ -116,8 +121,6 @@ def reconcile_moves(client: Any, model: str, alias: str, experiment: str = GATE_
 
 
 def _experiment_id(client: Any, name: str) -> str:
-    from cluster.tracking import ensure_experiment
-
     return ensure_experiment(client, name)
 
 
@@ -134,9 +137,6 @@ def _version(client: Any, model: str, version: str) -> Any:
 def _features(resolver: Any, model: str, version: str, config: Any, pools: dict, device: Any,
               log: Callable[[str], None]) -> dict[str, tuple]:
     """Features of ``models:/model/version`` on the query and gallery pools: split -> (features, labels, coarse)."""
-    from compat_core.models.compat_model import load_model
-    from pipelines.stages import extract_pool_features
-
     folder = resolver(f"models:/{model}/{version}")
     network = load_model(folder, map_location=device)
     out = {}
@@ -150,9 +150,6 @@ def _features(resolver: Any, model: str, version: str, config: Any, pools: dict,
 
 
 def _entry(query: tuple, gallery: tuple, config: Any, metric: str) -> float:
-    from pipelines.graph import protocol_params
-    from pipelines.stages import compute_entry
-
     protocol = {**protocol_params(config.evaluation.model_dump()), "metric": metric}
     return compute_entry(query, gallery, protocol, config)
 
@@ -160,8 +157,6 @@ def _entry(query: tuple, gallery: tuple, config: Any, metric: str) -> float:
 def _with_adapter(kind: str, old: dict, new: dict, seed: int) -> tuple[Any, dict, dict]:
     """Fit ``kind`` on paired gallery features; returns (adapter, query features used, gallery features used)."""
     import torch
-
-    from compat_core.adapters import GALLERY_ADAPTERS, SEEDED_ADAPTERS, make_adapter
 
     adapter = make_adapter(kind, **({"seed": seed} if kind in SEEDED_ADAPTERS else {}))
     old_g = torch.from_numpy(np.asarray(old["gallery"][0], dtype=np.float32))
@@ -180,10 +175,6 @@ def _options_on_refusal(old: dict, new: dict, config: Any, metric: str, self_old
                         seed: int, log: Callable[[str], None] = print) -> tuple[dict, list[str]]:
     """What the team can do: each adapter's verdict, and the re-indexed fraction that reaches the self-test; one
     progress line per adapter and per curve point through ``log`` (fitting them takes minutes on a large set)."""
-    from compat_core.adapters import ADAPTER_KINDS
-    from compat_core.backfill import backfill_curve, backfill_order
-    from compat_core.metrics import upgrade_verdict
-
     options: dict[str, Any] = {"adapters": {}}
     advice = []
     for number, kind in enumerate(ADAPTER_KINDS, 1):
@@ -232,16 +223,10 @@ def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: 
     config: a ScenarioConfig whose ``evaluation`` section names the held-out query/gallery sets and the metric
     (``recall_at_1`` or ``map``). strict: None = ``config.evaluation.strict``. dry_run: decide and record, never move.
     """
-    from cluster.registry import MlflowModelResolver, version_by_alias
-    from compat_core.metrics import upgrade_verdict
-    from pipelines.stages import check_pools_open_set, load_pool, resolve_device
-
     metric = config.evaluation.metric
     if metric not in METRICS:
         raise ValueError(f"evaluation.metric {metric!r}: the gate evaluates retrieval, expected one of {METRICS}")
     if adapter is not None:
-        from compat_core.adapters import ADAPTER_KINDS
-
         if adapter not in ADAPTER_KINDS:
             raise ValueError(f"--adapter {adapter!r}: expected one of {list(ADAPTER_KINDS)}")
     strict = config.evaluation.strict if strict is None else bool(strict)
@@ -300,8 +285,6 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
             started_ms: int | None = None) -> None:
     """Gate run (tags, metrics, decision.json, adapter file), version tags, then the alias move."""
     from mlflow.entities import Metric
-
-    from compat_core.adapters import save_adapter
 
     moved = result.decision == "promoted"
     tags = {"run_role": "gate", "action": "gate", "registered_model": result.model, "alias": result.alias,
@@ -422,8 +405,6 @@ def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_versi
 
     A target the gate refused (its latest gate decision) is installed only with ``force``, recorded as forced
     (tag ``forced`` on the rollback run, the refusal's run id in ``overrides_refusal``); otherwise ValueError."""
-    from cluster.registry import version_by_alias
-
     client = _client(tracking_uri, registry_uri)
     reconcile_moves(client, model, alias, experiment)
     current = version_by_alias(client, model, alias)

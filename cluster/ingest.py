@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from cluster.ray_executor import connect
 from compat_core import io as cio
 from compat_core.data.formats import shards as fmt
 from compat_core.data.registry import load_dataset
@@ -87,8 +88,6 @@ def ingest(dataset: str, root: str | None, split: str, out: str, *, options: dic
             finished(number, _write_one(*args))
     else:
         import ray
-
-        from cluster.ray_executor import connect
 
         owns = connect()
         try:

@@ -38,6 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from cluster.ray_auth import prepare_client_auth, require_token_if_needed
+from cluster.reach import host_port, is_this_machine, require_answering, require_reachable
+from pipelines.config_load import config_hash, dump_config, stable_hash
+from pipelines.local_paths import absolute_config, absolute_location, is_local_path, local_config_paths
+
 ID_PREFIX = "compat-"
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 REUSABLE_STATUSES = ("PENDING", "RUNNING", "SUCCEEDED")  # a resubmission is a no-op while the latest is one of these
@@ -72,16 +77,13 @@ def job_client(address: str | None, token_file: str | None = None):
     none is available is refused with the fix before any request."""
     from ray.job_submission import JobSubmissionClient
 
-    from cluster.ray_auth import prepare_client_auth, require_token_if_needed
-
     if address is not None and not address.startswith(("http://", "https://")):
         raise ValueError(f"--address {address!r}: expected the cluster's job server, http(s)://HOST:8265")
     source = prepare_client_auth(token_file)
     resolved = address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
     if resolved and resolved.startswith(("http://", "https://")):
-        from cluster.reach import require_reachable
-
         require_reachable(resolved, "Ray job server", 8265)
+        require_answering(resolved, "Ray job server", 8265)  # a server that never answers would hang the client
         require_token_if_needed(resolved, source)
     return JobSubmissionClient(address)
 
@@ -93,8 +95,6 @@ def status_name(status: Any) -> str:
 
 def submission_id_for(config: Any, output: str | None, entrypoint_kind: str = "run") -> str:
     """``compat-<name>-<12 hex>`` from the config hash, the output location and the entrypoint kind."""
-    from pipelines.config_load import config_hash, stable_hash
-
     name = re.sub(r"[^a-z0-9-]+", "-", str(config.name).lower()).strip("-")[:40] or "scenario"
     digest = stable_hash({"config": config_hash(config), "output": output, "entrypoint": entrypoint_kind})
     return f"{ID_PREFIX}{name}-{digest[:12]}"
@@ -225,9 +225,6 @@ def submit_pipeline(config: Any, address: str | None, output: str | None = None,
     submitting one when the node has it, see :func:`python_command`). Returns the outcome, with the final status
     when waiting.
     """
-    from pipelines.config_load import config_hash, dump_config
-    from pipelines.local_paths import absolute_config, absolute_location
-
     stream = stream or sys.stdout
     config = absolute_config(config)
     output = absolute_location(output or config.output_dir())
@@ -254,9 +251,6 @@ def require_paths_reachable(config: Any, output: str, address: str | None) -> No
     """Raise ValueError naming each local path (run directory, data roots, shared store) of a job for a head on
     another machine, with the fix (an ``s3://`` location, or ``--shared-filesystem`` when every node mounts it).
     A head on this machine (loopback, this host's name or address) reaches local paths and passes."""
-    from cluster.reach import host_port, is_this_machine
-    from pipelines.local_paths import is_local_path, local_config_paths
-
     address = address or os.environ.get("RAY_ADDRESS") or os.environ.get("RAY_API_SERVER_ADDRESS")
     if not address:
         return  # job_client reports the missing address

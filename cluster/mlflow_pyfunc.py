@@ -16,14 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+from mlflow.pyfunc import PythonModel
 import numpy as np
 import torch
-from mlflow.pyfunc import PythonModel
 
+from cluster.registry import CONFIG_ARTIFACT, WEIGHTS_ARTIFACT
 from compat_core.models.compat_model import model_from_bytes
-
-WEIGHTS_ARTIFACT = "weights"
-CONFIG_ARTIFACT = "config"
 
 
 class CompatPyfuncModel(PythonModel):

@@ -29,11 +29,17 @@ from typing import Any, Callable, Iterable
 
 import ray
 
+from cluster.jobs import submit_pipeline
+from cluster.ray_auth import prepare_client_auth
+from cluster.ray_loopback import prepare_loopback
+from cluster.ray_train_stage import run_data_parallel_node
+from cluster.reach import local_address_towards, require_answering, require_reachable
+from cluster.resource_check import check_satisfiable
+from cluster.storage import configure_object_storage, installed_access
 from pipelines.executor import Backend, Executor, Invocation, close_emit, read_invocations, run_graph
 from pipelines.graph import Stage, StageGraph
-from cluster.ray_train_stage import run_data_parallel_node
-from cluster.storage import installed_access
 from pipelines.progress import ProgressReporter, ProgressUpdate
+from pipelines.stages import execute_stage
 from pipelines.store import RunStore
 
 log = logging.getLogger(__name__)
@@ -62,8 +68,6 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         # inside a Ray Job (or a shell pointed at a cluster): join that cluster, do not start another
         ray.init(configure_logging=False)
     elif address is None:
-        from cluster.ray_loopback import prepare_loopback
-
         prepare_loopback()  # every port on 127.0.0.1, none on the machine's other interfaces
         # address "local": always a new instance; without it ray.init joins the latest cluster another process
         # started on this machine (/tmp/ray/ray_current_cluster) and then refuses num_cpus
@@ -72,18 +76,15 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     else:
         options: dict = {}
         if address != "auto":
-            from cluster.reach import local_address_towards, require_reachable
-
-            require_reachable(address, "Ray cluster", 10001 if address.startswith("ray://") else 6379)
+            port = 10001 if address.startswith("ray://") else 6379
+            require_reachable(address, "Ray cluster", port)
+            require_answering(address, "Ray cluster", port)  # a port that never answers would hang ray.init
             if not address.startswith("ray://"):
                 # the driver's node address is the one on the route to the head (127.0.0.1 for a loopback head),
                 # never a guess: a head bound to 127.0.0.1 cannot reach the machine's other address
                 options["_node_ip_address"] = local_address_towards(address, 6379)
                 if options["_node_ip_address"] == LOOPBACK:
-                    from cluster.ray_loopback import prepare_loopback
-
                     prepare_loopback()
-        from cluster.ray_auth import prepare_client_auth
 
         prepare_client_auth()  # a token in Ray's standard places authenticates to a token-protected head
         ray.init(address=address, configure_logging=False, **options)
@@ -103,13 +104,10 @@ def run_node(store_root: str, stage: Stage, config: Any, code_version: str, num_
     """
     import torch
 
-    from pipelines.stages import execute_stage
-
     torch.set_num_threads(max(1, int(num_threads)))
     if storage_access is not None:
         # the driver's S3 settings (endpoint, region, style, profile: from its AWS chain, e.g. an AWS_PROFILE);
         # an S3Access travels without secrets and resolves credentials from this worker's own chain
-        from cluster.storage import configure_object_storage
 
         configure_object_storage(storage_access)
     if setup is not None:
@@ -205,8 +203,6 @@ class RayBackend(Backend):
 
     def _check(self, stage: Stage, options: dict, autoscaling: bool) -> None:
         """Refuse (or, with an autoscaler, log) a request no alive node can hold, once per distinct request."""
-        from cluster.resource_check import check_satisfiable
-
         request = (stage.kind, json.dumps(options, sort_keys=True))
         if request in self.checked:
             return
@@ -283,8 +279,6 @@ class RayExecutor(Executor):
 
     def _run_as_job(self, graph: StageGraph, store: RunStore) -> Invocation:
         """Submit the pipeline as a Ray Job writing to ``store`` and wait; results are read back from the store."""
-        from cluster.jobs import submit_pipeline
-
         outcome = submit_pipeline(graph.config, self.address, output=store.root, wait=True, follow=True)
         if outcome.status != "SUCCEEDED":
             raise RuntimeError(f"Ray job {outcome.submission_id} ended {outcome.status}; "

@@ -25,9 +25,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from cluster.storage import configure_object_storage
+from compat_core import io as cio
+from pipelines.checkpoints import EpochCheckpoint, decode_state, encode_state
+from pipelines.distributed import use_checkpoint_sink
 from pipelines.graph import Stage
 from pipelines.progress import ProgressUpdate
-from pipelines.store import RunStore
+from pipelines.stages import execute_stage
+from pipelines.store import RunStore, sha256_bytes
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +54,6 @@ class RayTrainCheckpointSink:
     def load_latest(self):
         import ray.train
 
-        from pipelines.checkpoints import EpochCheckpoint, decode_state
-        from pipelines.store import sha256_bytes
-
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is None:
             return None
@@ -65,9 +67,6 @@ class RayTrainCheckpointSink:
 
     def save(self, checkpoint) -> None:
         import ray.train
-
-        from pipelines.checkpoints import encode_state
-        from pipelines.store import sha256_bytes
 
         step = int(checkpoint.state.get("step_in_epoch", 0) or 0)
         if step:
@@ -106,8 +105,6 @@ def worker_resources(options: dict) -> tuple[dict, bool]:
 def train_storage(store_root: str, stage_key: str) -> tuple[str, Any]:
     """(storage_path, storage_filesystem) of a stage's Ray Train run: ``<store>/ray-train`` on the store's own
     pyarrow filesystem (local or S3, configured by cluster.storage); the run is named after the stage key."""
-    from compat_core import io as cio
-
     filesystem, path = cio.resolve(cio.join(store_root, TRAIN_FOLDER))
     return path, filesystem
 
@@ -124,8 +121,6 @@ def run_data_parallel_node(store_root: str, stage: Stage, config: Any, code_vers
     from ray.train.torch import TorchConfig, TorchTrainer
 
     if storage_access is not None:
-        from cluster.storage import configure_object_storage
-
         configure_object_storage(storage_access)
     resources, use_gpu = worker_resources(options)
     storage_path, filesystem = train_storage(store_root, stage.key)
@@ -153,11 +148,7 @@ def _train_worker(loop: dict) -> dict:
     import ray.train
     import torch
 
-    from pipelines.stages import execute_stage
-
     if loop["storage_access"] is not None:
-        from cluster.storage import configure_object_storage
-
         configure_object_storage(loop["storage_access"])
     if loop["setup"] is not None:
         loop["setup"]()
@@ -177,8 +168,6 @@ def _train_worker(loop: dict) -> dict:
     def emit(record: Any) -> None:
         if rank == 0 and not isinstance(record, ProgressUpdate):
             records.append(record)
-
-    from pipelines.distributed import use_checkpoint_sink
 
     use_checkpoint_sink(RayTrainCheckpointSink)
     try:

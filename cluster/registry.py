@@ -31,6 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from compat_core.models.compat_model import CONFIG_FILE, model_from_bytes
+from compat_core.models.weights import register_uri_resolver
 from pipelines.redaction import redact_uri
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -40,6 +42,11 @@ MODEL_ARTIFACT_PATH = "model"
 LATEST_ALIAS = "latest-task"
 WEIGHTS_FILE = "model.safetensors"
 MODEL_FILES_SUBFOLDER = "artifacts"  # where MLflow's pyfunc flavour keeps the declared artifacts
+# the pyfunc model written as code (MLflow's models-from-code): MLflow runs that file where the model is loaded;
+# it is never imported here (importing it imports MLflow and declares the model)
+PYFUNC_MODEL_FILE = Path(__file__).with_name("mlflow_pyfunc.py")
+WEIGHTS_ARTIFACT = "weights"  # names of the pyfunc artifacts: the safetensors weights and the model's config.json
+CONFIG_ARTIFACT = "config"
 
 
 def registered_model_name(scenario: str, override: str | None = None) -> str:
@@ -114,8 +121,6 @@ def write_model_folder(folder: str | os.PathLike, config_bytes: bytes, weights_b
     import safetensors
     import torch
 
-    from cluster import mlflow_pyfunc
-    from compat_core.models.compat_model import CONFIG_FILE, model_from_bytes
 
     target = Path(folder)
     model_from_bytes(config_bytes, weights_bytes, where=str(target))  # refuse weights that do not match the config
@@ -132,9 +137,8 @@ def write_model_folder(folder: str | os.PathLike, config_bytes: bytes, weights_b
         level = quiet.level
         quiet.setLevel(logging.ERROR)  # models-from-code notes on every save
         try:
-            mlflow.pyfunc.save_model(str(target), python_model=mlflow_pyfunc.__file__,
-                                     artifacts={mlflow_pyfunc.WEIGHTS_ARTIFACT: str(weights),
-                                                mlflow_pyfunc.CONFIG_ARTIFACT: str(config)},
+            mlflow.pyfunc.save_model(str(target), python_model=str(PYFUNC_MODEL_FILE),
+                                     artifacts={WEIGHTS_ARTIFACT: str(weights), CONFIG_ARTIFACT: str(config)},
                                      pip_requirements=requirements)
         finally:
             quiet.setLevel(level)
@@ -241,8 +245,6 @@ class MlflowModelResolver:
 def register_mlflow_resolvers(tracking_uri: str, registry_uri: str | None = None,
                               cache_dir: str | os.PathLike | None = None) -> MlflowModelResolver:
     """Register ``models`` and ``runs`` URI resolvers in compat_core.models.weights; returns the resolver."""
-    from compat_core.models.weights import register_uri_resolver
-
     resolver = MlflowModelResolver(tracking_uri, registry_uri, cache_dir)
     register_uri_resolver("models", resolver)
     register_uri_resolver("runs", resolver)

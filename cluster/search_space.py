@@ -30,6 +30,8 @@ from typing import Any
 
 import yaml
 
+from compat_core import io as cio
+
 PARAMETER_TYPES = ("uniform", "loguniform", "int", "categorical")
 _ALLOWED_FIELDS = {
     "uniform": {"type", "low", "high", "step", "when"},
@@ -264,8 +266,6 @@ def parse_space(document: Any, source: str = "<space>") -> SearchSpace:
 
 def load_space(path: str | os.PathLike) -> SearchSpace:
     """Read and validate a search-space YAML file (local path or URI)."""
-    from compat_core import io as cio
-
     source = os.fspath(path)
     if not cio.exists(source):
         raise FileNotFoundError(f"search space {source}: no such file")

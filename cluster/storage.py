@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import threading
@@ -32,8 +33,8 @@ import botocore.exceptions
 import botocore.session
 import pyarrow.fs as pafs
 
-from compat_core import io as cio
 from cluster.s3_conditional import S3ConditionalObjects
+from compat_core import io as cio
 from pipelines.lease import set_conditional_objects
 
 log = logging.getLogger(__name__)
@@ -306,6 +307,11 @@ _DENIED_MARKERS = ("ACCESS_DENIED", "SIGNATURE_DOES_NOT_MATCH", "INVALID_ACCESS_
                    "SignatureDoesNotMatch", "InvalidAccessKeyId", "EXPIRED_TOKEN", "ExpiredToken",
                    "INVALID_CLIENT_TOKEN_ID", "HTTP response code: 403")
 _NO_BUCKET_MARKERS = ("NO_SUCH_BUCKET", "NoSuchBucket")
+
+
+def uses_object_storage(config, run_dir: str) -> bool:
+    """True when the run directory or any data root is an s3:// URI."""
+    return str(run_dir).startswith("s3://") or "s3://" in json.dumps(config.model_dump(mode="json"), default=str)
 
 
 def _split(path: str) -> tuple[str, str]:

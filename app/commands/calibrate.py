@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "Measure (or --show) which arithmetic is fast here: GEMM fp32/bf16/fp16/int8 and autocast per model."
+from compat_core import calibration
+from compat_core.models.compat_model import create_model
+from pipelines.autocast import example_batch, resolve_autocast
+from pipelines.config import resolved_head
+from pipelines.config_load import load_config
+from pipelines.methods import get_method
+from pipelines.stages import load_pool
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,8 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from compat_core import calibration
 
     if args.threads is not None:
         if args.threads < 1:
@@ -53,13 +57,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _calibrate_config(path: str, device) -> None:
     """Time the config's model on a training batch and an evaluation batch of its fine-tuning pool."""
-    from compat_core.models.compat_model import create_model
-    from pipelines.config import resolved_head
-    from pipelines.config_load import load_config
-    from pipelines.methods import get_method
-    from pipelines.stages import load_pool
-    from pipelines.autocast import example_batch, resolve_autocast
-
     config = load_config(path)
     pool = load_pool(config.data, "data")
     classifier = get_method(config.method.name, **config.method.params).classifier

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "start / stop a local Ray head (own temp dir and ports, 127.0.0.1, token auth) for compat submit"
+from cluster.local_head import read_state, start_head, stop_head
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,8 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from cluster.local_head import read_state, start_head, stop_head
-
     if args.action == "up":
         try:
             state = start_head(args.name, args.state_dir, num_cpus=args.num_cpus,

@@ -12,7 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-HELP = "compare finished runs: one table (AC, AA, ACA, BC, FC) and one plot (AA_tau curves, metric bars)"
+from app.commands.remote_runs import local_copies
+from cluster.tune import register_run_source
+from pipelines.reports import compare_table_markdown, load_runs, write_compare
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,20 +40,13 @@ def default_output(run_dirs: list) -> Path:
 
 
 def register_run_sources() -> None:
-    """Sources the application layer adds to ``pipelines.reports.RUN_SOURCES``: a `compat tune` search directory
-    (when the cluster package is installed). Called when the command runs, never as an import side effect."""
-    try:
-        from cluster.tune import register_run_source
-    except ImportError:  # the cluster package is not installed: compare reads run directories only
-        return
+    """Sources the application layer adds to ``pipelines.reports.RUN_SOURCES``: a `compat tune` search directory.
+    Called when the command runs, never as an import side effect."""
     register_run_source()
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelines.reports import compare_table_markdown, load_runs, write_compare
-
     register_run_sources()
-    from app.commands.remote_runs import local_copies
 
     try:
         with local_copies(args.run_dirs) as folders:  # s3:// runs read through the standard AWS chain

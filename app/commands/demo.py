@@ -28,9 +28,19 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from app.printing import print_results
+from cluster.ray_executor import connect
+from cluster.run_driver import run_tracked
+from cluster.tracking import create_tracker
+from cluster.tracking_store import default_tracking_uri
+from compat_core import calibration
+from pipelines.config_load import ConfigError, load_config
+from pipelines.graph import compile_scenario, stage_threads
+from pipelines.lease import run_lease
+from pipelines.picture_grid import side_by_side
 from pipelines.redaction import redact_uri
+from pipelines.store import RunStore
 
-HELP = "run the glyph demo (ER and d-Simplex-HOC, 7 tasks, replacements at tasks 3 and 5) and print the results"
 
 DEMOS = (("er", "demo-er.yaml"), ("dsimplex-hoc", "demo-dsimplex-hoc.yaml"))
 SHARED_FOLDER = "third-party"  # <output>/third-party: the shared store of both scenarios' third-party models
@@ -69,16 +79,9 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
     """
     import torch
 
-    from cluster.tracking import create_tracker
-    from app.commands.run import run_tracked
-    from pipelines.config_load import load_config
-    from pipelines.graph import compile_scenario
-    from pipelines.store import RunStore
-
     if threads is not None:
         torch.set_num_threads(threads)
     config = load_config(config_path, overrides)
-    from pipelines.lease import run_lease
 
     with run_lease(run_dir):
         tracker = create_tracker(tracking_uri, run_dir=run_dir, experiment=experiment)
@@ -104,9 +107,6 @@ def _cpu_seconds() -> float:
 
 
 def run(args) -> int:
-    from app.commands.run import print_results
-    from pipelines.config_load import ConfigError, load_config
-
     cores = os.cpu_count() or 1
     jobs = args.jobs if args.jobs is not None else (2 if cores >= 2 else 1)
     if jobs < 1:
@@ -128,9 +128,6 @@ def run(args) -> int:
 
     tracking_uri, experiment = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), None
     if tracking_uri != "none":
-        from cluster.tracking import create_tracker
-        from cluster.tracking_store import default_tracking_uri
-
         # both scenarios in one store and one experiment, so the MLflow UI compares them side by side; created here
         # once, before the workers start, so they never race on the database migration
         os.makedirs(args.output, exist_ok=True)
@@ -142,8 +139,6 @@ def run(args) -> int:
     if args.executor == "ray":
         # one Ray instance for both scenarios: their stages share the machine's cores through Ray's scheduler
         import ray
-
-        from cluster.ray_executor import connect
 
         connect(None, num_cpus=cores)
         address = ray.get_runtime_context().gcs_address
@@ -188,8 +183,6 @@ def run(args) -> int:
               f"({hoc['AA'] / er['AA']:.2f}x)")
     pictures = [Path(result["run_dir"]) / "matrix.png" for result in results]
     if all(picture.is_file() for picture in pictures):
-        from pipelines.picture_grid import side_by_side
-
         combined = side_by_side(pictures, Path(args.output) / "matrices.png")
         print(f"\nmatrices side by side ({', '.join(result['name'] for result in results)}): {combined}")
     where = f"Ray tasks on one embedded local Ray instance ({address})" if address else "in-process"
@@ -202,9 +195,6 @@ def run(args) -> int:
 
 def _training_threads(config_path: str, overrides: list[str]) -> int:
     """torch threads of the scenario's first model stage (``pipelines.graph.stage_threads``: its CPU count)."""
-    from pipelines.config_load import load_config
-    from pipelines.graph import compile_scenario, stage_threads
-
     graph = compile_scenario(load_config(config_path, overrides))
     return stage_threads(graph[graph.model_stages[0]].resources)
 
@@ -213,8 +203,6 @@ def _calibration_used(threads: int) -> str:
     """The calibration the stages chose their precisions from (``autocast: auto``, retrieval ``precision="auto"``):
     the cached document of this machine's device at the stages' torch thread count."""
     import torch
-
-    from compat_core import calibration
 
     if not calibration.calibration_enabled():
         return f"calibration: off ({calibration.MODE_ENV}=off), so every auto precision was fp32"

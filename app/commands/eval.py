@@ -10,7 +10,13 @@ import argparse
 import json
 import sys
 
-HELP = "recompute the matrix and metrics of a finished run under another protocol, from its stored features"
+from app.printing import print_results
+from cluster.storage import configure_object_storage
+from pipelines.config_load import validate_config
+from pipelines.executor import LocalExecutor, assemble_matrix, compute_metrics
+from pipelines.graph import add_evaluation, compile_scenario, protocol_params
+from pipelines.lease import RunFolderBusyError, run_lease
+from pipelines.store import RunStore
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,11 +33,6 @@ def evaluate_variant(run_dir: str, overrides: dict) -> tuple[dict, dict, str]:
     The run's graph is recompiled with the other protocol added (:func:`pipelines.graph.add_evaluation`) and the
     engine runs only the new entry and row nodes (the same entry function as ``compat run``, FAN adapters included).
     """
-    from pipelines.config_load import validate_config
-    from pipelines.executor import LocalExecutor, assemble_matrix, compute_metrics
-    from pipelines.graph import add_evaluation, compile_scenario, protocol_params
-    from pipelines.store import RunStore
-
     import yaml
 
     store = RunStore(run_dir)
@@ -60,16 +61,11 @@ def evaluate_variant(run_dir: str, overrides: dict) -> tuple[dict, dict, str]:
 
 
 def run(args) -> int:
-    from app.commands.run import print_results
-
     overrides = {"gallery": args.gallery, "metric": args.metric, "label_level": args.label_level,
                  "strict": None if args.strict is None else args.strict == "true"}
-    from pipelines.lease import RunFolderBusyError, run_lease
 
     try:
         if str(args.run_dir).startswith("s3://"):
-            from cluster.storage import configure_object_storage
-
             configure_object_storage()  # S3 settings and credentials from the standard AWS chain (profiles too)
         with run_lease(str(args.run_dir)):  # it writes into the run folder: never beside a running driver
             matrix, metrics, folder = evaluate_variant(args.run_dir, overrides)

@@ -17,7 +17,10 @@ import argparse
 import json
 import sys
 
-HELP = "compatibility gate on a registry alias: evaluate, promote only when compatible; history; rollback"
+from cluster import gate
+from cluster.tracking_store import default_tracking_uri
+from pipelines.config_load import load_config
+
 _ACTIONS = ("history", "rollback")
 
 
@@ -68,14 +71,11 @@ def _print_gate(result) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster import gate
-
     words = list(args.words)
     action = words.pop(0) if words[0] in _ACTIONS else "gate"
     if len(words) != 1:
         return _fail(f"expected exactly one MODEL after {action!r}, got {words}")
     model = words[0]
-    from cluster.tracking_store import default_tracking_uri
 
     tracking_uri = args.tracking_uri or default_tracking_uri()  # MLFLOW_TRACKING_URI, else the machine's store
     try:
@@ -99,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if not args.candidate or not args.config:
             return _fail("a gate needs --candidate VERSION and --config YAML (the held-out evaluation sets)")
-        from pipelines.config_load import load_config
 
         config = load_config(args.config, args.overrides)
         result = gate.run_gate(tracking_uri, model, args.candidate, config, args.alias, args.adapter,

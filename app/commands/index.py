@@ -15,7 +15,11 @@ import argparse
 import json
 import os
 
-HELP = "gallery indexes for `compat serve`: build from a pool and a model version, backfill, show"
+from cluster.serving.backfill import run_backfill
+from cluster.serving.index_build import build_index
+from cluster.serving.index_store import load_index
+from cluster.storage import configure_object_storage
+from pipelines.config_load import load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,8 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args):
-    from pipelines.config_load import load_config
-
     if not args.config:
         raise ValueError(f"compat index {args.action}: --config YAML is required")
     return load_config(args.config, args.overrides)
@@ -56,12 +58,8 @@ def _tracking(args) -> str:
 
 def run(args) -> int:
     if args.root.startswith("s3://"):
-        from cluster.storage import configure_object_storage
-
         configure_object_storage()
     if args.action == "show":
-        from cluster.serving.index_store import load_index
-
         index = load_index(args.root)
         versions = {str(v): int((index.versions == v).sum()) for v in sorted(set(index.versions.tolist()))}
         print(json.dumps({"manifest": index.manifest_sha, "items": index.size, "dim": index.dim,
@@ -73,11 +71,8 @@ def run(args) -> int:
         raise ValueError(f"compat index {args.action}: --model models:/NAME@ALIAS is required")
     config = _config(args)
     if args.action == "build":
-        from cluster.serving.index_build import build_index
-
         build_index(args.root, config, args.model, _tracking(args), args.pool, args.shard_rows, args.payload_prefix)
         return 0
-    from cluster.serving.backfill import run_backfill
 
     summary = run_backfill(args.root, config, args.model, _tracking(args), chunk_rows=args.chunk_rows,
                            order=args.order, seed=args.seed, probe=args.probe != "none",

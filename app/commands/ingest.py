@@ -6,7 +6,10 @@ import sys
 
 import yaml
 
-HELP = "convert a registered dataset split into Parquet shards + manifest (local folder or s3://), resumable"
+from cluster.ingest import ingest
+from cluster.ray_executor import connect
+from cluster.storage import configure_object_storage
+from compat_core.data.formats.shards import ShardIntegrityError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,23 +37,16 @@ def _options(pairs: list[str]) -> dict:
 
 
 def run(args) -> int:
-    from cluster.ingest import ingest
-    from compat_core.data.formats.shards import ShardIntegrityError
-
     try:
         options = _options(args.option)
         setup = None
         if any(str(location or "").startswith("s3://") for location in (args.root, args.out)):
             import functools
 
-            from cluster.storage import configure_object_storage
-
             # S3 settings and credentials from the standard AWS chain (profiles too); Ray tasks get the settings
             # (never the secrets) and resolve credentials from their own node's chain
             setup = functools.partial(configure_object_storage, configure_object_storage())
         if args.workers > 0 and args.address:
-            from cluster.ray_executor import connect
-
             connect(args.address)
         for split in args.split:
             manifest = ingest(args.dataset, args.root, split, args.out, options=options,

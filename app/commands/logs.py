@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "print the logs of a submitted job (--follow: until it ends)"
+from cluster.jobs import job_client, wait_for
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,8 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from cluster.jobs import job_client, wait_for
-
     try:
         client = job_client(args.address, args.ray_token_file)
         if args.follow:

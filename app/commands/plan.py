@@ -4,7 +4,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "print a scenario's stage graph, resources per stage, feature storage and matrix cost (no compute)"
+from cluster.storage import configure_object_storage, uses_object_storage
+from pipelines.config_load import ConfigError, load_config
+from pipelines.graph import compile_scenario, describe
+from pipelines.plan_cost import calibrated_seconds_per_image, cost_lines
+from pipelines.preflight import data_problems, weights_problems
+from pipelines.source_digests import file_digest
+from pipelines.store import RunStore
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,9 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from pipelines.config_load import ConfigError, load_config
-    from pipelines.graph import compile_scenario, describe
-
     try:
         config = load_config(args.config, args.overrides)
     except (ConfigError, ValueError, FileNotFoundError) as error:
@@ -53,13 +56,7 @@ def run(args) -> int:
 
 def describe_cost(graph, args) -> str:
     """The cost section: images per stage from the samplers, GPU-hours at the stated per-image cost, critical path."""
-    from pipelines.plan_cost import calibrated_seconds_per_image, cost_lines
-
-    from app.commands.run import uses_object_storage
-
     if uses_object_storage(graph.config, ""):
-        from cluster.storage import configure_object_storage
-
         configure_object_storage()
     if args.seconds_per_image is not None:
         if args.seconds_per_image <= 0:
@@ -73,8 +70,6 @@ def describe_cost(graph, args) -> str:
 
 def describe_shared(root: str, pretrain_stages: dict[str, str]) -> str:
     """One line: which third-party models the shared store already holds (copied, not trained, by a run)."""
-    from pipelines.store import RunStore
-
     try:
         held = set(RunStore(root).stage_keys())
     except OSError as error:  # an unreachable bucket is a plan detail, not a refusal
@@ -90,14 +85,7 @@ def describe_shared(root: str, pretrain_stages: dict[str, str]) -> str:
 def check_data(config) -> list[tuple[str, str]]:
     """(config key, problem) for every pool that cannot be opened and every weights source that is missing or does
     not load strictly: all of them, not just the first, so a new machine is fixed in one pass (the run's preflight)."""
-    from pipelines.preflight import data_problems, weights_problems
-    from pipelines.source_digests import file_digest
-
-    from app.commands.run import uses_object_storage
-
     if uses_object_storage(config, ""):
-        from cluster.storage import configure_object_storage
-
         configure_object_storage()
     for index, entry in enumerate(config.pretrain):
         digest = file_digest(entry.init) if entry.init is not None and entry.init_sha256 is None else None

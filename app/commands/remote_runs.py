@@ -8,14 +8,16 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from cluster.storage import configure_object_storage, installed_access
+from compat_core import io as cio
+from pipelines.lease import run_lease
+
 
 def is_remote(location: object) -> bool:
     return str(location).startswith("s3://")
 
 
 def _configured() -> None:
-    from cluster.storage import configure_object_storage, installed_access
-
     if installed_access() is None:
         configure_object_storage()  # S3 settings and credentials from the standard AWS chain
 
@@ -24,8 +26,6 @@ def _configured() -> None:
 def local_copies(locations: list[str]) -> Iterator[list[Path]]:
     """Local folders for ``locations``: local paths as given, ``s3://`` runs copied (top-level files only: never
     the artifacts) into a temporary folder that is removed afterwards."""
-    from compat_core import io as cio
-
     if not any(is_remote(location) for location in locations):
         yield [Path(location) for location in locations]
         return
@@ -52,9 +52,6 @@ def local_copies(locations: list[str]) -> Iterator[list[Path]]:
 def upload_reports(location: str, paths: dict) -> dict:
     """Copy written report files back to the ``s3://`` run folder, holding its lease (a running driver's folder is
     refused); returns the uploaded URIs by the same keys."""
-    from compat_core import io as cio
-    from pipelines.lease import run_lease
-
     root = str(location).rstrip("/")
     uploaded = {}
     with run_lease(root):

@@ -8,7 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "regenerate report.md, matrix.png (heatmap) and aa_tau.png of a finished run and print AC, AA, ACA, BC, FC"
+from app.commands.remote_runs import is_remote, local_copies, upload_reports
+from pipelines.lease import RunFolderBusyError
+from pipelines.reports import load_run, metric_display_name, summary_table_markdown, write_run_reports
+from pipelines.reports_upgrades import gate_table_markdown, load_upgrades
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,20 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelines.reports import load_run, metric_display_name, summary_table_markdown, write_run_reports
-
-    from pipelines.lease import RunFolderBusyError
-
-    from app.commands.remote_runs import is_remote, local_copies, upload_reports
-
     try:
         with local_copies([args.run_dir]) as (folder,):
             results = load_run(folder)
             paths = write_run_reports(results)
             upgrades = None
             if results.replacement_tasks:
-                from pipelines.reports_upgrades import gate_table_markdown, load_upgrades
-
                 upgrades = gate_table_markdown(results, load_upgrades(results.run_dir))
             if is_remote(args.run_dir):
                 paths = upload_reports(args.run_dir, paths)

@@ -12,7 +12,8 @@ import argparse
 import os
 import time
 
-HELP = "serve a gallery index to queries embedded by a registry model (Ray Serve; follows the @champion alias)"
+from cluster.serving.app import start
+from cluster.serving.backfill import connect_ray
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,9 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     import ray
     from ray import serve
-
-    from cluster.serving.app import start
-    from cluster.serving.backfill import connect_ray
 
     tracking = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not tracking:

@@ -5,7 +5,7 @@ import argparse
 import sys
 import time
 
-HELP = "status of a submitted job (or a table of every compat-* job on the cluster)"
+from cluster.jobs import job_client, list_pipeline_jobs, status_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,8 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from cluster.jobs import job_client, list_pipeline_jobs, status_name
-
     try:
         client = job_client(args.address, args.ray_token_file)
         if args.submission_id:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "submit a scenario to a Ray cluster as a Ray Job (idempotent: the id derives from the config hash)"
+from cluster.jobs import submit_pipeline
+from pipelines.config_load import ConfigError, load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,9 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from cluster.jobs import submit_pipeline
-    from pipelines.config_load import ConfigError, load_config
-
     try:
         config = load_config(args.config, args.overrides)
         outcome = submit_pipeline(config, args.address, output=args.output, wait=args.wait, follow=args.follow,

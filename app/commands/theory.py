@@ -11,7 +11,6 @@ from pathlib import Path
 
 from compat_core import theory
 
-HELP = "Monte Carlo check of Theorem 1 on hyperspherical caps at d-Simplex vertices (exit 1 if violated)."
 
 _CASES = (
     ("same_class", "Same class: expect E[d(old,new)] <= E[d(old,old)]"),

@@ -13,7 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-HELP = "hyper-parameter search over whole pipelines (Ray Tune + Optuna, ASHA), every trial tracked in MLflow"
+from cluster.grid_design import coverage_text, spread_points
+from cluster.search_space import load_space
+from cluster.tune import default_resources, ensure_ray, resume_search, run_search
+from cluster.tune_spec import (SearchSpec, absolute_fixed_values, absolute_local_paths, absolute_plugin, load_plugins,
+                               objective_metric)
+from compat_core import io as cio
+from pipelines.config_load import config_to_dict, load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,11 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_spec(args):
     """SearchSpec from the command line (validates config, space and objective)."""
-    from compat_core import io as cio
-    from cluster.search_space import load_space
-    from cluster.tune import (SearchSpec, absolute_fixed_values, absolute_local_paths, absolute_plugin,
-                              default_resources, load_plugins, objective_metric)
-    from pipelines.config_load import config_to_dict, load_config
 
     if not args.config or not args.space:
         raise ValueError("CONFIG and --space SPACE.yaml are required (or --resume SEARCH_DIR)")
@@ -81,11 +82,6 @@ def build_spec(args):
 def check_before_ray(args) -> str:
     """Read the config and the space (missing or invalid files fail here, before Ray starts, in seconds) and say
     how much of the space ``--samples`` trials cover; returns that line."""
-    from cluster.grid_design import coverage_text, spread_points
-    from cluster.search_space import load_space
-    from cluster.tune import absolute_plugin, load_plugins
-    from pipelines.config_load import load_config
-
     if not args.config or not args.space:
         raise ValueError("CONFIG and --space SPACE.yaml are required (or --resume SEARCH_DIR)")
     space = load_space(args.space)
@@ -97,14 +93,12 @@ def check_before_ray(args) -> str:
 
 
 def run(args) -> int:
-    from cluster.tune import _ensure_ray, resume_search, run_search
-
     try:
         if args.resume:
             outcome = resume_search(args.resume, address=args.address, plugins=args.plugins)
         else:
             print(check_before_ray(args), file=sys.stderr)
-            _ensure_ray(args.address)  # default resources depend on the cluster (GPUs, CPUs)
+            ensure_ray(args.address)  # default resources depend on the cluster (GPUs, CPUs)
             outcome = run_search(build_spec(args), address=args.address)
     except (ValueError, KeyError, FileNotFoundError, FileExistsError, ModuleNotFoundError,
             PermissionError) as error:

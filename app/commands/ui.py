@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-HELP = "start the MLflow UI on 127.0.0.1 over the machine's compat tracking store and print its URL"
+from cluster.local_head import free_port
+from cluster.tracking_store import default_tracking_uri
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,9 +29,6 @@ def ui_command(tracking_uri: str, port: int) -> list[str]:
 
 def run(args) -> int:
     import os
-
-    from cluster.local_head import free_port
-    from cluster.tracking_store import default_tracking_uri
 
     tracking_uri = args.tracking_uri or default_tracking_uri()
     if tracking_uri.startswith(("http://", "https://")):

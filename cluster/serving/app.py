@@ -22,7 +22,12 @@ from typing import Any
 import numpy as np
 from ray import serve
 
+from cluster.registry import MlflowModelResolver
+from cluster.serving.index_store import load_index, read_head
+from cluster.serving.models import ModelRef, embed_images, installed_adapter, load_served_model, resolve_model_ref
 from cluster.serving.state import ReplicaMetrics, ServingState, as_query_tensor, build_state, state_summary
+from cluster.storage import configure_object_storage
+from compat_core.gallery_search import search_groups
 from compat_core.search_request import RequestError, SearchLimits, parse_search_request
 
 LOG = logging.getLogger("compat.serve")
@@ -67,23 +72,16 @@ class SearchService:
     # ---- model and index ---------------------------------------------------------------------------------------
     def _prepare_storage(self) -> None:
         if str(self.settings["index"]).startswith("s3://"):
-            from cluster.storage import configure_object_storage
-
             configure_object_storage()
 
     def _client_and_resolver(self):
         if self._resolver is None:
-            from cluster.registry import MlflowModelResolver
-
             self._resolver = MlflowModelResolver(self.settings["tracking_uri"],
                                                  cache_dir=self.settings.get("cache_dir"))
         return self._resolver.client, self._resolver
 
     def refresh(self) -> bool:
         """Load and swap in a new state when the alias or the index HEAD moved; True when it swapped."""
-        from cluster.serving.index_store import load_index, read_head
-        from cluster.serving.models import ModelRef, installed_adapter, load_served_model, resolve_model_ref
-
         if not self.settings.get("model"):
             head = read_head(self.settings["index"])
             if self._state is not None and self._state.index.manifest_sha == head:
@@ -200,9 +198,6 @@ def _search_batch(items: list[tuple[ServingState, Any]]) -> list[dict]:
     and searched as one batch (top max-k; a request's top-k is the exact prefix of that ranking, whose order is
     total: score descending, gallery position ascending)."""
     import torch
-
-    from cluster.serving.models import embed_images
-    from compat_core.gallery_search import search_groups
 
     answers: list[dict | None] = [None] * len(items)
     by_state: dict[int, list[int]] = {}

@@ -15,8 +15,19 @@ from typing import Any, Callable
 
 import numpy as np
 
+from cluster.ray_executor import connect
+from cluster.ray_loopback import prepare_loopback
+from cluster.registry import MlflowModelResolver
+from cluster.serving.index_build import pool_of
 from cluster.serving.index_store import commit_manifest, load_index, read_manifest, shard_table, write_shard
-from cluster.serving.models import installed_adapter, load_served_model, resolve_model_ref
+from cluster.serving.models import ModelRef, installed_adapter, load_served_model, resolve_model_ref
+from cluster.serving.state import build_state
+from cluster.tracking_client import ensure_experiment
+from compat_core.backfill import backfill_order
+from compat_core.data.base import ArraySource
+from compat_core.gallery_search import search_groups
+from pipelines.config import PoolSpec
+from pipelines.stages import extract_pool_features, load_pool
 
 EXPERIMENT = "compat-backfill"
 
@@ -25,11 +36,7 @@ def connect_ray(address: str | None) -> None:
     """Join ``address`` (None: an embedded local instance on 127.0.0.1) through the project's one Ray entry point;
     a loopback address needs this process's Ray to keep 127.0.0.1 too (otherwise Ray rewrites it to the machine's
     address). Token auth of that cluster comes from RAY_AUTH_MODE / RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH."""
-    from cluster.ray_executor import connect
-
     if address and address.split("://")[-1].split(":")[0] in ("127.0.0.1", "localhost"):
-        from cluster.ray_loopback import prepare_loopback
-
         prepare_loopback()
     connect(address)
 
@@ -40,11 +47,6 @@ def _embed_chunk(model_uri: str, tracking_uri: str, cache_dir: str | None, confi
                  mean: list, std: list) -> np.ndarray:
     """Ray task body: features of ``images`` by ``model_uri`` (a pinned models:/NAME/VERSION)."""
     import torch
-
-    from cluster.registry import MlflowModelResolver
-    from cluster.serving.models import ModelRef
-    from compat_core.data.base import ArraySource
-    from pipelines.stages import extract_pool_features
 
     name, _, version = model_uri[len("models:/"):].partition("/")
     resolver = MlflowModelResolver(tracking_uri, cache_dir=cache_dir)
@@ -58,10 +60,6 @@ def _embed_chunk(model_uri: str, tracking_uri: str, cache_dir: str | None, confi
 def probe_recall_at_1(index, query: np.ndarray, query_labels: np.ndarray, served_version: str,
                       adapter: tuple | None, precision: str = "auto") -> float:
     """Recall@1 (fraction) of ``query`` (embedded by ``served_version``) on ``index`` searched like the service."""
-    from cluster.serving.state import build_state
-    from cluster.serving.models import ModelRef
-    from compat_core.gallery_search import search_groups
-
     if index.labels is None:
         raise ValueError("probe: the index has no labels; build it from a labelled pool")
     state = build_state(ModelRef("probe", served_version), None, index, adapter, precision)
@@ -77,13 +75,6 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
     import ray
     import torch
     from mlflow.entities import Metric
-
-    from cluster.registry import MlflowModelResolver
-    from cluster.serving.index_build import pool_of
-    from cluster.tracking import ensure_experiment
-    from compat_core.backfill import backfill_order
-    from pipelines.config import PoolSpec
-    from pipelines.stages import extract_pool_features, load_pool
 
     if chunk_rows < 1:
         raise ValueError(f"--chunk-rows: expected a positive number of items, got {chunk_rows}")

@@ -6,16 +6,16 @@ from typing import Any, Callable
 
 import numpy as np
 
+from cluster.registry import MlflowModelResolver
 from cluster.serving.index_store import commit_manifest, new_manifest, shard_table, write_shard
 from cluster.serving.models import load_served_model, resolve_model_ref
+from pipelines.stages import extract_pool_features, load_pool, resolve_device
 
 __all__ = ["build_index", "pool_image_spec", "pool_of"]
 
 
 def pool_of(config: Any, pool: str):
     """The pool spec named ``pool`` (gallery | query: the config's evaluation sets) and its key for messages."""
-    from pipelines.stages import load_pool
-
     keys = {"gallery": "evaluation.gallery_set", "query": "evaluation.query_set"}
     if pool not in keys:
         raise ValueError(f"--pool {pool!r}: expected one of {sorted(keys)}")
@@ -34,9 +34,6 @@ def build_index(root: str, config: Any, model_uri: str, tracking_uri: str, pool:
                 log: Callable[[str], None] = print) -> tuple[str, dict]:
     """Embed the pool with the version behind ``model_uri`` (the extraction the pipeline uses) and commit an index
     at ``root``; returns (manifest sha256, manifest). payload_prefix: item i gets payload URI ``<prefix>/<i>``."""
-    from cluster.registry import MlflowModelResolver
-    from pipelines.stages import extract_pool_features, resolve_device
-
     if shard_rows < 1:
         raise ValueError(f"--shard-rows: expected a positive number of rows, got {shard_rows}")
     resolver = MlflowModelResolver(tracking_uri, cache_dir=cache_dir)

@@ -8,6 +8,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from cluster.registry import parse_model_uri, version_by_alias
+from compat_core.adapters import load_adapter_bytes
+from compat_core.data.transforms import make_transforms
+from compat_core.models.compat_model import load_model
+from compat_core.models.precision import prepare_batch
+
 __all__ = ["ModelRef", "resolve_model_ref", "load_served_model", "installed_adapter", "embed_images"]
 
 
@@ -23,8 +29,6 @@ class ModelRef:
 
 def resolve_model_ref(client: Any, uri: str) -> ModelRef:
     """``models:/NAME@ALIAS`` | ``models:/NAME/VERSION`` | ``models:/NAME/latest`` -> the version behind it now."""
-    from cluster.registry import parse_model_uri, version_by_alias
-
     name, version, alias = parse_model_uri(uri)
     if alias is not None:
         found = version_by_alias(client, name, alias)
@@ -41,8 +45,6 @@ def resolve_model_ref(client: Any, uri: str) -> ModelRef:
 
 def load_served_model(resolver: Any, ref: ModelRef, device: str | torch.device = "cpu"):
     """The CompatModel of ``ref`` in eval mode (safetensors + JSON config, sha256-checked by the resolver)."""
-    from compat_core.models.compat_model import load_model
-
     return load_model(resolver(ref.uri), map_location=device).eval()
 
 
@@ -51,8 +53,6 @@ def installed_adapter(client: Any, ref: ModelRef, alias: str = "champion") -> tu
     ``alias`` to ``ref``, or None. The adapter file is the one logged with that gate run."""
     import tempfile
     from pathlib import Path
-
-    from compat_core.adapters import load_adapter_bytes
 
     version = client.get_model_version(ref.name, ref.version)
     tags = version.tags or {}
@@ -72,9 +72,6 @@ def installed_adapter(client: Any, ref: ModelRef, alias: str = "champion") -> tu
 
 def embed_images(model, images: np.ndarray, mean, std, device: str | torch.device = "cpu") -> torch.Tensor:
     """(B, D) fp32 features of uint8 images (B, H, W, C): the evaluation transform (normalise by mean/std), fp32."""
-    from compat_core.data.transforms import make_transforms
-    from compat_core.models.precision import prepare_batch
-
     transform = make_transforms((tuple(mean), tuple(std)), train=False)
     with torch.no_grad():
         batch = torch.from_numpy(np.ascontiguousarray(images)).to(device)

@@ -16,6 +16,7 @@ import torch
 
 from cluster.serving.index_store import GalleryIndex
 from cluster.serving.models import ModelRef
+from compat_core.adapters import GALLERY_ADAPTERS
 from compat_core.gallery_search import VersionGroup, build_groups
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -44,8 +45,6 @@ def build_state(ref: ModelRef, model: Any, index: GalleryIndex, adapter: tuple[s
                 precision: str) -> ServingState:
     """Version groups of ``index`` for queries of ``ref``; an installed adapter maps the group of its old version
     (query adapters map the query, gallery adapters such as FCT the group's stored embeddings)."""
-    from compat_core.adapters import GALLERY_ADAPTERS
-
     query_maps, gallery_maps, applied = {}, {}, None
     if adapter is not None:
         kind, old_version, fitted = adapter

@@ -57,7 +57,8 @@ def test_mlflow_ui_shows_trials_nested_with_the_objective(ray_local, mlflow_serv
     _require_chromium()
     from mlflow import MlflowClient
 
-    from cluster.tune import SearchSpec, run_search
+    from cluster.tune import run_search
+    from cluster.tune_spec import SearchSpec
     from pipelines.config_load import config_to_dict, validate_config
 
     tiny.register()

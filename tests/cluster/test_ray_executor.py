@@ -159,7 +159,8 @@ def test_every_method_gives_bit_identical_matrices_on_every_backend_and_in_compa
 
     from app.commands.eval import evaluate_variant
     from cluster.ray_executor import RayExecutor
-    from cluster.tune import SearchSpec, run_trial_pipeline
+    from cluster.tune_spec import SearchSpec
+    from cluster.tune_trial import run_trial_pipeline
     from pipelines.config_load import config_to_dict
 
     tiny.register()

@@ -8,7 +8,7 @@ import optuna
 import pytest
 
 from cluster.search_space import SearchSpaceError, parse_space
-from cluster.tune import apply_values, objective_metric, trial_config
+from cluster.tune_spec import apply_values, objective_metric, trial_config
 from pipelines.executor import headline_metrics
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

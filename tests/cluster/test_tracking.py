@@ -20,17 +20,10 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 tiny.register()  # the scenario below names the tiny-synth dataset: configs validate only once it is registered
 
 from cluster.registry import parse_model_uri, registered_model_name, task_alias
-from cluster.tracking import (
-    MlflowTracker,
-    NullTracker,
-    check_tracking_uri,
-    create_tracker,
-    default_tracking_uri,
-    entry_metric_key,
-    flatten_params,
-    looks_like_secret,
-    project_tracking_uri,
-)
+from cluster.tracking import MlflowTracker, NullTracker, create_tracker
+from cluster.tracking_client import check_tracking_uri, default_tracking_uri, project_tracking_uri
+from cluster.tracking_params import flatten_params, looks_like_secret
+from cluster.tracking_records import entry_metric_key
 
 # C[t, k] (0-based query t, gallery k); exact binary fractions so that hand arithmetic is exact
 MATRIX = [[0.5], [0.625, 0.75], [0.375, 0.875, 1.0]]

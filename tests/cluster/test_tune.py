@@ -49,7 +49,8 @@ def _mean_lower(block: np.ndarray) -> float:
 def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, capsys):
     from mlflow import MlflowClient
 
-    from cluster.tune import SearchSpec, run_search
+    from cluster.tune import run_search
+    from cluster.tune_spec import SearchSpec
     from app.cli import main
 
     spec = SearchSpec(name="tiny-aa", base_config=_base_config(), space=SPACE, objective="AA", samples=3,
@@ -206,7 +207,8 @@ def test_trials_share_third_party_models_whose_key_the_sampled_values_leave_alon
     """Two trials that differ only in a method parameter need the same third-party model: the first trains and
     publishes it in <experiment>/third-party, the second copies it (no pretrain stage executed) and computes the
     matrix a trial training its own copy computes."""
-    from cluster.tune import SearchSpec, run_trial_pipeline
+    from cluster.tune_spec import SearchSpec
+    from cluster.tune_trial import run_trial_pipeline
     from pipelines.store import RunStore
 
     spec = SearchSpec(name="shared", base_config=_base_config(), space=SPACE, objective="AA", samples=2,
@@ -240,7 +242,7 @@ def test_search_spec_names_the_drivers_folders_for_relative_paths(tmp_path, monk
     import argparse
 
     from app.commands.tune import build_spec
-    from cluster.tune import absolute_local_paths, trial_config
+    from cluster.tune_spec import absolute_local_paths, trial_config
 
     base = _base_config()
     base["output"]["shared_store"] = "runs/demo/third-party"

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cluster import tune as tune_module
+from cluster import tune_spec
 from cluster.grid_design import spread_points
 
 
@@ -18,10 +19,10 @@ def test_resume_refuses_foreign_and_modified_folders(tmp_path):
     with pytest.raises(PermissionError, match="only a folder created by `compat tune` can be resumed"):
         tune_module.resume_search(str(foreign))
 
-    spec = tune_module.SearchSpec(name="s", base_config={}, space={}, storage=str(tmp_path))
-    tune_module.write_spec(spec)
-    tune_module.check_marker(spec.experiment_path)  # written by compat tune: accepted
-    marker = json.loads((tmp_path / "s" / tune_module.MARKER_FILE).read_text())
+    spec = tune_spec.SearchSpec(name="s", base_config={}, space={}, storage=str(tmp_path))
+    tune_spec.write_spec(spec)
+    tune_spec.check_marker(spec.experiment_path)  # written by compat tune: accepted
+    marker = json.loads((tmp_path / "s" / tune_spec.MARKER_FILE).read_text())
     import hashlib
 
     assert marker["search_sha256"] == hashlib.sha256((tmp_path / "s" / "search.json").read_bytes()).hexdigest()
@@ -40,12 +41,12 @@ def test_resume_never_imports_plugins_named_by_the_folder(tmp_path, capsys):
     ran = tmp_path / "plugin-ran"
     plugin = tmp_path / "evil.py"
     plugin.write_text(f"open({str(ran)!r}, 'w').write('imported')\n")
-    spec = tune_module.SearchSpec(name="s", base_config={}, space={}, storage=str(tmp_path), plugins=[str(plugin)])
-    tune_module.write_spec(spec)
+    spec = tune_spec.SearchSpec(name="s", base_config={}, space={}, storage=str(tmp_path), plugins=[str(plugin)])
+    tune_spec.write_spec(spec)
     folder = tmp_path / "s"
-    marker = json.loads((folder / tune_module.MARKER_FILE).read_text())  # anyone can re-compute the digest
+    marker = json.loads((folder / tune_spec.MARKER_FILE).read_text())  # anyone can re-compute the digest
     marker["search_sha256"] = hashlib.sha256((folder / "search.json").read_bytes()).hexdigest()
-    (folder / tune_module.MARKER_FILE).write_text(json.dumps(marker))
+    (folder / tune_spec.MARKER_FILE).write_text(json.dumps(marker))
     assert main(["tune", "--resume", str(folder)]) == 2
     assert f"the search was started with --plugin {plugin}" in capsys.readouterr().err
     assert not ran.exists()
@@ -69,7 +70,7 @@ def test_shipped_demo_space_task_count_and_sampler_never_repeat():
 
     base = config_to_dict(load_config(CONFIGS / "demo-dsimplex-hoc.yaml"))
     space_document = yaml.safe_load((CONFIGS / "spaces" / "demo.yaml").read_text())
-    spec = tune_module.SearchSpec(name="demo", base_config=base, space=space_document, storage="/tmp/unused")
+    spec = tune_spec.SearchSpec(name="demo", base_config=base, space=space_document, storage="/tmp/unused")
     assert base["tasks"]["spec"] != "10+2x15" and spec.num_tasks == 3
     space = parse_space(space_document)
     searcher = OptunaSearch(space=space, metric="objective", mode="max", sampler=tune_module.make_sampler(space, 0))
@@ -86,7 +87,7 @@ def test_shipped_demo_space_task_count_and_sampler_never_repeat():
     for index in range(4):
         config = searcher.suggest(f"small-{index}")
         drawn.append({key: config[key] for key in ("method.params.lam", "method.params.rho")})
-        searcher.on_trial_complete(f"small-{index}", {tune_module.OBJECTIVE_KEY: float(index)})
+        searcher.on_trial_complete(f"small-{index}", {tune_spec.OBJECTIVE_KEY: float(index)})
     assert drawn == spread_points(space, 4, 0)
     assert len({point["method.params.lam"] for point in drawn}) == 4
 

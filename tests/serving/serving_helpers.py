@@ -24,7 +24,7 @@ def register_random_model(client, name: str, seed: int, folder: Path, rotation_s
     import torch
 
     from cluster.registry import ensure_registered_model, register_version, write_model_folder
-    from cluster.tracking import ensure_experiment
+    from cluster.tracking_client import ensure_experiment
     from compat_core.models.compat_model import create_model, model_to_bytes
     from pipelines.store import sha256_bytes
 

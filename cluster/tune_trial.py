@@ -1,0 +1,98 @@
+"""One trial of a search: its pipeline run task by task with a report after each task (in-process), and the Ray
+Tune function trainable around it."""
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cluster.storage import configure_object_storage
+from cluster.tune_spec import (OBJECTIVE_KEY, SearchSpec, TIME_ATTR, TRIAL_FILE, first_reported_task, load_plugins,
+                               trial_config)
+from compat_core import io as cio
+from pipelines.executor import LocalExecutor, headline_metrics, prepare_run
+from pipelines.graph import compile_scenario
+from pipelines.records import read_record
+from pipelines.store import RunStore
+
+log = logging.getLogger(__name__)
+
+
+# ---- the trainable ---------------------------------------------------------------------------------------------------
+def _log_emit(record: Any) -> None:
+    """Stage events of a trial go to the trial's log (its stdout is collected by Ray)."""
+    status = getattr(record, "status", None)
+    if status in ("done", "failed"):
+        log.info("%s %s", getattr(record, "label", record), status)
+
+
+def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str, report, start_after: int = 0,
+                       emit=None) -> dict:
+    """Run one trial's pipeline task by task; ``report(metrics, tasks_completed)`` after each reported task.
+
+    start_after: tasks already reported (from a Tune checkpoint): they are neither re-run (their stages are
+    committed) nor reported again. Returns the last reported metrics. Independent of Ray, so tests and users can run
+    a trial in-process.
+    """
+    run_dir = spec.run_dir(trial_id)
+    config = trial_config(spec.base_config, spec.space.get("fixed") or {}, sampled, run_dir,
+                          source=f"trial {trial_id}", shared_store=spec.shared_store)
+    graph = compile_scenario(config)
+    store = RunStore(run_dir)
+    prepare_run(config, store)
+    cio.write_bytes(cio.join(run_dir, TRIAL_FILE), json.dumps({"trial_id": trial_id, "params": sampled},
+                                                               indent=1, sort_keys=True).encode("utf-8"))
+    engine = LocalExecutor(emit=emit or _log_emit, progress=False)
+    strict = config.evaluation.strict
+    first = first_reported_task(spec.objective)
+    T = config.num_tasks
+    last_metrics: dict = {}
+    for task in range(T):
+        # the engine up to row `task` (the last call completes the graph and writes matrix.json / metrics.json /
+        # reports before the last report: the driver logs them on completion)
+        engine.run(graph, store, until=graph.evaluate_stages[: task + 1])
+        completed = task + 1
+        if completed <= start_after or completed < first:
+            continue
+        values = np.full((completed, completed), np.nan)
+        for row in range(completed):
+            values[row, : row + 1] = read_record(store, graph.evaluate_stages[row]).values
+        metrics = headline_metrics(values, strict)
+        last_metrics = {OBJECTIVE_KEY: metrics[spec.objective], TIME_ATTR: completed, "num_tasks": T,
+                        **metrics, "run_dir": run_dir,
+                        "matrix_row": [float(v) for v in values[completed - 1, :completed]]}
+        report(last_metrics, completed)
+    return last_metrics
+
+
+def tune_trainable(config: dict, spec_json: str = "") -> None:
+    """Ray Tune function trainable: ``config`` = the sampled values (dotted keys), the search in ``spec_json``."""
+    import ray.tune as tune
+
+    spec = SearchSpec.from_json(spec_json, "search spec")
+    if spec.plugins:
+        load_plugins(spec.plugins)
+    if spec.storage.startswith("s3://") or spec.base_config.get("output", {}).get("dir", "").startswith("s3://"):
+        configure_object_storage()
+    trial_id = tune.get_context().get_trial_id()
+    start_after = 0
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            start_after = int(json.loads(Path(folder, "progress.json").read_text())[TIME_ATTR])
+
+    def report(metrics: dict, completed: int) -> None:
+        with tempfile.TemporaryDirectory(prefix="compat-tune-ckpt-") as folder:
+            Path(folder, "progress.json").write_text(json.dumps({TIME_ATTR: completed}))
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(folder))
+
+    run_trial_pipeline(spec, dict(config), trial_id, report, start_after)
+
+
+def trial_dirname(trial) -> str:
+    """Tune trial folder name: ``trial-<id>`` (the default embeds the parameters, too long for dotted keys)."""
+    return f"trial-{trial.trial_id}"
