@@ -135,7 +135,7 @@ def _features(resolver: Any, model: str, version: str, config: Any, pools: dict,
               log: Callable[[str], None]) -> dict[str, tuple]:
     """Features of ``models:/model/version`` on the query and gallery pools: split -> (features, labels, coarse)."""
     from compat_core.models.compat_model import load_model
-    from pipelines.stages import extract_pool_features
+    from pipelines.extraction import extract_pool_features
 
     folder = resolver(f"models:/{model}/{version}")
     network = load_model(folder, map_location=device)
@@ -151,7 +151,7 @@ def _features(resolver: Any, model: str, version: str, config: Any, pools: dict,
 
 def _entry(query: tuple, gallery: tuple, config: Any, metric: str) -> float:
     from pipelines.graph import protocol_params
-    from pipelines.stages import compute_entry
+    from pipelines.entry_metrics import compute_entry
 
     protocol = {**protocol_params(config.evaluation.model_dump()), "metric": metric}
     return compute_entry(query, gallery, protocol, config)
@@ -234,7 +234,8 @@ def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: 
     """
     from cluster.registry import MlflowModelResolver, version_by_alias
     from compat_core.metrics import upgrade_verdict
-    from pipelines.stages import check_pools_open_set, load_pool, resolve_device
+    from pipelines.pools import check_pools_open_set, load_pool
+    from pipelines.stage_context import resolve_device
 
     metric = config.evaluation.metric
     if metric not in METRICS:

@@ -898,7 +898,7 @@ def _finish(spec: SearchSpec, results) -> SearchOutcome:
 # ---- `compat compare` of a search ------------------------------------------------------------------------------------
 def load_search_summaries(path: Path, top: int = COMPARE_TOP_TRIALS) -> list:
     """RunSummary of the ``top`` finished trials of a local search directory, best objective first."""
-    from pipelines.reports import load_run_summary
+    from pipelines.reports_compare import load_run_summary
 
     spec = read_spec(str(path))
     runs = Path(path) / RUNS_FOLDER
@@ -924,7 +924,7 @@ def _short(value: Any) -> str:
 
 def register_run_source() -> None:
     """Let ``compat compare`` read a search directory (``search.json``): its top trials, best objective first."""
-    from pipelines.reports import RUN_SOURCES, RunSource
+    from pipelines.reports_compare import RUN_SOURCES, RunSource
 
     if "tune-experiment" in RUN_SOURCES.names():
         return

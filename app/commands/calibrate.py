@@ -57,7 +57,7 @@ def _calibrate_config(path: str, device) -> None:
     from pipelines.config import resolved_head
     from pipelines.config_load import load_config
     from pipelines.methods import get_method
-    from pipelines.stages import load_pool
+    from pipelines.pools import load_pool
     from pipelines.autocast import example_batch, resolve_autocast
 
     config = load_config(path)

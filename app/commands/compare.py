@@ -48,7 +48,7 @@ def register_run_sources() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelines.reports import compare_table_markdown, load_runs, write_compare
+    from pipelines.reports_compare import compare_table_markdown, load_runs, write_compare
 
     register_run_sources()
     from app.commands.remote_runs import local_copies

@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipelines.reports import load_run, metric_display_name, summary_table_markdown, write_run_reports
+    from pipelines.reports import summary_table_markdown, write_run_reports
+    from pipelines.reports_results import load_run, metric_display_name
 
     from pipelines.lease import RunFolderBusyError
 

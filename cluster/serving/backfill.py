@@ -44,7 +44,7 @@ def _embed_chunk(model_uri: str, tracking_uri: str, cache_dir: str | None, confi
     from cluster.registry import MlflowModelResolver
     from cluster.serving.models import ModelRef
     from compat_core.data.base import ArraySource
-    from pipelines.stages import extract_pool_features
+    from pipelines.extraction import extract_pool_features
 
     name, _, version = model_uri[len("models:/"):].partition("/")
     resolver = MlflowModelResolver(tracking_uri, cache_dir=cache_dir)
@@ -83,7 +83,8 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
     from cluster.tracking import ensure_experiment
     from compat_core.backfill import backfill_order
     from pipelines.config import PoolSpec
-    from pipelines.stages import extract_pool_features, load_pool
+    from pipelines.extraction import extract_pool_features
+    from pipelines.pools import load_pool
 
     if chunk_rows < 1:
         raise ValueError(f"--chunk-rows: expected a positive number of items, got {chunk_rows}")

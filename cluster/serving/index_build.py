@@ -14,7 +14,7 @@ __all__ = ["build_index", "pool_image_spec", "pool_of"]
 
 def pool_of(config: Any, pool: str):
     """The pool spec named ``pool`` (gallery | query: the config's evaluation sets) and its key for messages."""
-    from pipelines.stages import load_pool
+    from pipelines.pools import load_pool
 
     keys = {"gallery": "evaluation.gallery_set", "query": "evaluation.query_set"}
     if pool not in keys:
@@ -35,7 +35,8 @@ def build_index(root: str, config: Any, model_uri: str, tracking_uri: str, pool:
     """Embed the pool with the version behind ``model_uri`` (the extraction the pipeline uses) and commit an index
     at ``root``; returns (manifest sha256, manifest). payload_prefix: item i gets payload URI ``<prefix>/<i>``."""
     from cluster.registry import MlflowModelResolver
-    from pipelines.stages import extract_pool_features, resolve_device
+    from pipelines.extraction import extract_pool_features
+    from pipelines.stage_context import resolve_device
 
     if shard_rows < 1:
         raise ValueError(f"--shard-rows: expected a positive number of rows, got {shard_rows}")
