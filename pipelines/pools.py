@@ -120,12 +120,6 @@ def task_classes(config: ScenarioConfig) -> list[np.ndarray]:
     return [np.asarray(t, dtype=np.int64) for t in sequence.tasks]
 
 
-def fine_labels(pool: Any) -> np.ndarray:
-    """Fine class ids of every sample of a pool (``fine_labels`` when the reader keeps them apart, else labels)."""
-    fine = getattr(pool, "fine_labels", None)
-    return np.asarray(pool.labels if fine is None else fine)
-
-
 def class_identities(pool: Any) -> np.ndarray:
     """Sorted unique class identities of a pool, comparable across splits of one dataset: the global fine ids when
     the reader keeps them (glyphs), else the class names of the labels (readers such as CelebA renumber labels per

@@ -64,14 +64,4 @@ def source_digest(params: dict) -> str | None:
     return None
 
 
-def unreadable_sources(params: dict) -> list[str]:
-    """Paths a stage's params hashed without a digest (the file could not be read when the graph was compiled)."""
-    found = []
-    for holder in (params.get("pretrain"), params.get("source")):
-        for value in (holder or {}).values() if isinstance(holder, dict) else ():
-            if isinstance(value, dict) and value.get("unreadable"):
-                found.append(value["path"])
-    return found
-
-
-__all__ = ["DIGEST_FIELD", "file_digest", "hashed_source", "is_file_source", "source_digest", "unreadable_sources"]
+__all__ = ["DIGEST_FIELD", "file_digest", "hashed_source", "is_file_source", "source_digest"]

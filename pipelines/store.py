@@ -79,7 +79,7 @@ class RunStore:
         return f"{self.base}/{self.ARTIFACTS}/{stage_key}/{name}"
 
     def blob_uri(self, stage_key: str, name: str) -> str:
-        """The URI a record stores for a blob (s3://... or an absolute local path)."""
+        """The URI of a blob (s3://... or an absolute local path); ranged reads of a blob go through it."""
         return self.uri(self.ARTIFACTS, stage_key, name)
 
     # ---- low-level writes --------------------------------------------------------------------------------------
