@@ -14,7 +14,7 @@ import contextlib
 import itertools
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -30,15 +30,12 @@ from compat_core.retrieval import recall_at_1
 from compat_core.simplex import pretrain_slot
 from pipelines import distributed
 from pipelines.autocast import autocast_mode, example_batch, precision_context, prepare_model, resolve_autocast
-from pipelines.checkpoints import EpochCheckpoint, preemption_guard
+from pipelines.checkpoints import CheckpointSink, EpochCheckpoint, preemption_guard
 from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy
 from pipelines.task_data import SelectionSplit, TaskData, _augment_seed, _Loader, _steps_per_epoch, epoch_batches
 from pipelines.train_config import TrainConfig
 from pipelines.train_records import ProgressHook, TrainRecord, TrainResult, _Window
 from pipelines.training_state import restore_training_state, training_state
-
-if TYPE_CHECKING:
-    from pipelines.checkpoints import CheckpointSink
 
 
 def _lr_factor(config: TrainConfig, steps_per_epoch: int) -> Callable[[int], float]:
