@@ -28,8 +28,8 @@ from pipelines.config import resolved_head
 from pipelines.graph import StageGraph
 from pipelines.methods import configured_method
 from pipelines.pools import load_pool, slot_of_positions, task_classes
-from pipelines.train_stages import selection_split
 from pipelines.task_data import TaskData, epoch_batches
+from pipelines.train_stages import selection_split
 from pipelines.training import SupervisedPretraining
 
 TRAIN_KINDS = ("pretrain", "finetune", "replace")

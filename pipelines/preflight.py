@@ -17,9 +17,9 @@ from compat_core import io as cio
 from compat_core.models.weights import resolve_weights_source
 from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig
 from pipelines.graph import _method_traits, pretrain_classifier
-from pipelines.source_digests import file_digest
 from pipelines.model_io import initial_model, load_weights_strictly
 from pipelines.pools import check_pools_open_set, load_pool
+from pipelines.source_digests import file_digest
 
 
 class PreflightError(ValueError):
