@@ -48,7 +48,8 @@ def main() -> None:
     args = parser.parse_args()
     from pipelines import bridge_features
     from pipelines.config_load import load_config
-    from pipelines.stages import _FEATURE_CACHE
+    from pipelines import feature_store
+    from pipelines.feature_store import _FEATURE_CACHE
     from pipelines.store import RunStore, feature_blobs
 
     config = load_config(Path(__file__).parents[1] / "configs" / "iam-cl2r-celeba-dinov3-t16.yaml")
@@ -90,7 +91,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 if cold:
                     _FEATURE_CACHE.clear()
-                    for cache in (bridge_features._HEADS, bridge_features._GRAMS, bridge_features._EMBEDDINGS):
+                    for cache in (feature_store._HEADS, feature_store._GRAMS, feature_store._EMBEDDINGS):
                         cache.clear()
                 started = time.perf_counter()
                 result = bridge_features.entry_value(store, config, records[0], records[1], protocol, [])

@@ -53,7 +53,7 @@ def run_demo(quick: bool, stage_cpus: int, workdir: pathlib.Path) -> dict:
     common, ray_only = demo_overrides(quick, stage_cpus)
     torch.set_num_threads(stage_cpus)
     # data preparation (glyph rendering into the cache) happens once, outside both timings
-    from pipelines.stages import load_pool
+    from pipelines.pools import load_pool
 
     config = load_config(config_path, common)
     load_pool(config.data, "data")

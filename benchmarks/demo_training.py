@@ -48,10 +48,12 @@ def build_task(config, task: int, folder: Path):
     from compat_core.data.replay import update_memory
     from compat_core.data.replay_shards import read_replay_shard, write_replay_shard
     from pipelines.replay_shards import WithMemory
-    from pipelines.stages import _initial_model, _method, load_pool, slot_of_positions, task_classes
+    from pipelines.methods import configured_method
+    from pipelines.model_io import initial_model
+    from pipelines.pools import load_pool, slot_of_positions, task_classes
     from pipelines.task_data import TaskData
 
-    method = _method(config)
+    method = configured_method(config)
     classifier = method.classifier
     K = config.model.num_slots
     pool = load_pool(config.data, "data")
@@ -81,7 +83,7 @@ def build_task(config, task: int, folder: Path):
                    **common)
     cases["new, input_workers 0"] = new
     cases["new, input_workers 1"] = new
-    model = _initial_model(config, classifier, config.seed, num_active=pretrained)
+    model = initial_model(config, classifier, config.seed, num_active=pretrained)
     old = copy.deepcopy(model).eval() if method.needs_old_model else None
     return model, old, method, cases, config.train_config(config.seed * 1000 + task, "cpu")
 

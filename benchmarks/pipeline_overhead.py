@@ -43,9 +43,9 @@ def cpu_seconds() -> float:
 
 def fresh_pools() -> None:
     """Forget pools opened by earlier runs so that every timed run reads its data from disk alike."""
-    from pipelines import stages
+    from pipelines import pools
 
-    stages._POOL_CACHE.clear()
+    pools._POOL_CACHE.clear()
 
 
 # ---- the pipeline side --------------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def run_bare(config) -> dict:
     from compat_core.data.tasks import build_task_sequence
     from compat_core.models.compat_model import create_model, frozen_copy
     from compat_core.retrieval import recall_at_1
-    from pipelines.stages import load_pool
+    from pipelines.pools import load_pool
 
     method = config.method.name
     if method not in ("dsimplex-hoc", "er"):

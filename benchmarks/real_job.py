@@ -20,7 +20,7 @@ What it does, in order, and what it reports (one table, as JSON and markdown, un
 4. ``bare``: the same step in bare PyTorch/timm on the same device: the same timm ViT, junction, closed-form
    d-Simplex logits and HOC loss, batches already on the device, no input pipeline; product / bare is the ratio.
 5. ``entry``: one matrix entry at CelebA's evaluation shape (about 10,000 query x 10,000 gallery features of
-   d = 21,999, as stored: fp16) through the product's entry function (``pipelines.stages.compute_entry``), and the
+   d = 21,999, as stored: fp16) through the product's entry function (``pipelines.entry_metrics.compute_entry``), and the
    retrieval kernel on the GPU for comparison, both checked against an fp64 brute-force Recall@1.
 
 Where Ray, MLflow or the S3 server are not installed (a bare GPU machine), step 3 runs the same stages through
@@ -371,7 +371,7 @@ def run_entry(shape: Shape, device: torch.device) -> dict:
     """Recall@1 at CelebA's evaluation shape through the product's entry function, and the kernel on the device."""
     from compat_core import retrieval
     from pipelines.config_load import load_config
-    from pipelines.stages import compute_entry
+    from pipelines.entry_metrics import compute_entry
 
     rows, dim = shape.entry_rows, shape.num_slots - 1
     identities = max(2, rows // 10)

@@ -40,7 +40,10 @@ from compat_core.backfill import backfill_curve, backfill_order
 from compat_core.metrics import upgrade_verdict
 from compat_core.models.compat_model import load_model
 from pipelines.graph import protocol_params
-from pipelines.stages import check_pools_open_set, compute_entry, extract_pool_features, load_pool, resolve_device
+from pipelines.entry_metrics import compute_entry
+from pipelines.extraction import extract_pool_features
+from pipelines.pools import check_pools_open_set, load_pool
+from pipelines.stage_context import resolve_device
 
 GATE_EXPERIMENT = "compat-gate"
 DEFAULT_ALIAS = "champion"

@@ -52,7 +52,7 @@ from cluster.tune_spec import (COMPARE_TOP_TRIALS, OBJECTIVE_KEY, PAIR_METRICS, 
 from cluster.tune_tracking import mlflow_callback_class, open_search_run, register_best_models
 from cluster.tune_trial import trial_dirname, tune_trainable
 from compat_core import io as cio
-from pipelines.reports import RUN_SOURCES, RunSource, load_run_summary
+from pipelines.reports_compare import RUN_SOURCES, RunSource, load_run_summary
 
 log = logging.getLogger(__name__)
 

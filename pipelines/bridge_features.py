@@ -23,13 +23,18 @@ materialised features as well.
 """
 from __future__ import annotations
 
-import collections
 import time
-from typing import Any
 
 import numpy as np
 import torch
 
+from compat_core.models.registry import create_backbone
+from compat_core.retrieval_bridge import bridged_recall_at_1
+from pipelines.config import resolved_head
+from pipelines.entry_metrics import compute_entry
+from pipelines.feature_store import cached_features, junction_gram, junction_head, read_embeddings
+from pipelines.methods import METHODS
+from pipelines.methods.fan import FAN
 from pipelines.records import FeatureRecord
 from pipelines.store import RunStore, feature_blobs
 
@@ -41,17 +46,12 @@ JUNCTION_TENSOR = "junction.weight"
 # ---- which way -----------------------------------------------------------------------------------------------------
 def embedding_width(backbone: str, backbone_config: dict | None = None) -> int:
     """m of a registered backbone, built on the meta device (no memory, no weights)."""
-    from compat_core.models.registry import create_backbone
-
     with torch.device("meta"):
         return int(create_backbone(backbone, **(backbone_config or {})).embed_dim)
 
 
 def _transforms_features(config) -> str | None:
     """Why entries of this scenario map stored features through an adapter (None when they never do)."""
-    from pipelines.methods import METHODS
-    from pipelines.methods.fan import FAN
-
     method = METHODS.get(config.method.name)
     if isinstance(method, type) and issubclass(method, FAN):
         return f"method {config.method.name} applies its feature adapters to gallery features"
@@ -62,8 +62,6 @@ def feature_way(config, head: str, feature_dim: int, embed_dim: int) -> tuple[st
     """(way, reason) for an extract of a model with ``head`` (junction | backbone), d = ``feature_dim`` and
     m = ``embed_dim`` under ``config.evaluation.features``. Raises ValueError when ``bridge`` is asked for a model
     the bridge cannot represent."""
-    from pipelines.methods import METHODS
-
     requested = config.evaluation.features
     if requested == "direct":
         return "direct", "evaluation.features: direct"
@@ -103,88 +101,16 @@ def bridge_blobs(embeddings: np.ndarray, model_stage_key: str, feature_dim: int,
     return blobs, layout
 
 
-# ---- reading (small per-process caches: extract and model keys are content hashes) -------------------------------
-_HEADS: "collections.OrderedDict[tuple[str, str], torch.Tensor]" = collections.OrderedDict()
-_GRAMS: "collections.OrderedDict[tuple[str, str], torch.Tensor]" = collections.OrderedDict()
-_EMBEDDINGS: "collections.OrderedDict[tuple[str, str], tuple]" = collections.OrderedDict()
-_CACHE_ITEMS = 4
-
-
-def _cached(cache: collections.OrderedDict, key: tuple, compute):
-    if key in cache:
-        cache.move_to_end(key)
-        return cache[key]
-    value = compute()
-    cache[key] = value
-    while len(cache) > _CACHE_ITEMS:
-        cache.popitem(last=False)
-    return value
-
-
-def junction_head(store: RunStore, head_ref: dict) -> torch.Tensor:
-    """A (d, m) float32 of a layout's head reference, read once per process: only the junction's bytes of the model
-    stage's weights (ranged reads, each range checked against the per-tensor sha256 of its manifest)."""
-    from compat_core.safetensors_index import tensor_from_bytes
-
-    def read() -> torch.Tensor:
-        try:
-            ((raw, dtype, shape),) = store.read_tensors(head_ref["stage_key"], head_ref["blob"],
-                                                        [head_ref["tensor"]]).values()
-        except KeyError as error:
-            raise KeyError(f"{head_ref['stage_key']}/{head_ref['blob']}: no tensor {head_ref['tensor']!r} "
-                           f"(the bridge needs the junction weights): {error}") from None
-        where = f"{head_ref['stage_key']}/{head_ref['blob']}:{head_ref['tensor']}"
-        return tensor_from_bytes(raw, dtype, shape, where).float().contiguous()
-
-    return _cached(_HEADS, (store.root, head_ref["stage_key"]), read)
-
-
-def _gram(store: RunStore, head_ref: dict) -> torch.Tensor:
-    """A^T A (m, m) fp64 of a head, once per process."""
-    def compute() -> torch.Tensor:
-        head = junction_head(store, head_ref).double()
-        return head.t() @ head
-
-    return _cached(_GRAMS, (store.root, head_ref["stage_key"]), compute)
-
-
-def read_embeddings(store: RunStore, stage_key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict]:
-    """(embeddings (N, m) as stored, labels, coarse labels or None, layout) of a bridge extract, cached."""
-    def read():
-        manifest = store.load_manifest(stage_key)
-        layout = manifest["record"]["layout"]
-        parts = [store.read_array(stage_key, name, manifest) for name in layout["shards"]]
-        embeddings = (np.concatenate(parts, axis=0) if parts
-                      else np.zeros((0, layout["dim"]), dtype=layout["dtype"]))
-        labels = store.read_array(stage_key, "labels.npy", manifest)
-        coarse = store.read_array(stage_key, "coarse_labels.npy", manifest) if layout.get("has_coarse") else None
-        return embeddings, labels, coarse, layout
-
-    return _cached(_EMBEDDINGS, (store.root, stage_key), read)
-
-
-def materialize(store: RunStore, layout: dict, embeddings: np.ndarray) -> np.ndarray:
-    """The d-dim junction features A h (N, d) float32 of stored embeddings (unnormalised: every reader
-    normalises, and the direction is what a cosine uses)."""
-    head = junction_head(store, layout["head"])
-    rows = torch.from_numpy(np.asarray(embeddings, dtype=np.float32))
-    out = torch.empty((rows.shape[0], head.shape[0]), dtype=torch.float32)
-    block = max(1, (1 << 24) // max(1, head.shape[0]))
-    for start in range(0, rows.shape[0], block):
-        out[start:start + block] = (rows[start:start + block].double() @ head.double().t()).float()
-    return out.numpy()
-
-
 # ---- entries -------------------------------------------------------------------------------------------------------
 def isometric_coordinates(store: RunStore, query_head: dict, gallery_head: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(L_t (r, m_t), L_k (r, m_k)) fp64 with (L_t q).(L_k g) = (A_t q).(A_k g) and ||L_t q|| = ||A_t q||,
     ||L_k g|| = ||A_k g|| for every q, g (module docstring); r <= m_t + m_k."""
     same = query_head["stage_key"] == gallery_head["stage_key"]
-    gram_t = _gram(store, query_head)
+    gram_t = junction_gram(store, query_head)
     if same:
         gram = gram_t
     else:
-        gram_k = _gram(store, gallery_head)
+        gram_k = junction_gram(store, gallery_head)
         cross = junction_head(store, query_head).double().t() @ junction_head(store, gallery_head).double()
         gram = torch.cat([torch.cat([gram_t, cross], 1), torch.cat([cross.t(), gram_k], 1)], 0)
     values, vectors = torch.linalg.eigh(gram)
@@ -197,10 +123,6 @@ def isometric_coordinates(store: RunStore, query_head: dict, gallery_head: dict)
 
 def bridge_entry(store: RunStore, query_key: str, gallery_key: str, protocol: dict, config) -> tuple[float, str]:
     """Entry M(Q, G) of two bridge extracts (no adapter applies): (value, kernel used)."""
-    from compat_core.retrieval_bridge import bridged_recall_at_1
-
-    from pipelines.stages import compute_entry
-
     q_embed, q_labels, q_coarse, q_layout = read_embeddings(store, query_key)
     g_embed, g_labels, g_coarse, g_layout = read_embeddings(store, gallery_key)
     if protocol["metric"] == "recall_at_1" and protocol["gallery"] == "instances":
@@ -227,8 +149,6 @@ def entry_value(store: RunStore, config, query_record: FeatureRecord, gallery_re
     """The value of one matrix entry and how its features were used: {"way": "bridge" | "direct" |
     "materialized", "kernel" or "reason", "seconds"}. Direct extracts (and fallbacks) go through
     ``compute_entry`` on d-dim features."""
-    from pipelines.stages import cached_features, compute_entry
-
     started = time.perf_counter()
     query_key, gallery_key = query_record.stage_key, gallery_record.stage_key
     ways = (query_record.layout.get("way", "direct"), gallery_record.layout.get("way", "direct"))
@@ -253,9 +173,6 @@ def entry_value(store: RunStore, config, query_record: FeatureRecord, gallery_re
 def plan_lines(config, query_rows: int | None, gallery_rows: int | None, entries: int) -> list[str]:
     """`compat plan` lines: which way ``evaluation.features`` takes, storage per image per model and the similarity
     cost of an entry both ways (FLOPs count multiply-adds as 2)."""
-    from pipelines.config import resolved_head
-    from pipelines.methods import METHODS
-
     d = config.model.num_slots - 1
     try:
         m = embedding_width(config.model.backbone, config.model.backbone_config)

@@ -16,8 +16,10 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
+from pipelines.method_params import MethodParams
+from pipelines.methods import METHODS
 from pipelines.train_config import (
     BOUND_FIELDS, PRETRAIN_OVERRIDES, SEED_LIMIT, OptimizerSpec, ScheduleSpec, StrictModel, TrainConfig,
 )
@@ -73,18 +75,8 @@ class ReplaySpec(StrictModel):
         "samples per batch); 'reference' = (task + memory) // batch_size batches, as the public CL2R / IAM-CL2R code")
 
 
-class MethodParams(StrictModel):
-    """Base of every method's hyper-parameters: each method registers a subclass as its ``Params`` (defaults = the
-    papers' values), selected by ``method.name``; unknown names and out-of-range values fail at load time."""
-
-    # YAML gives native types: no "5" -> 5.0 or true -> 1 coercion, and no inf / nan
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
-
-
 def method_params_model(name: str) -> type[MethodParams]:
     """The params model registered by method ``name`` (KeyError naming the valid methods)."""
-    from pipelines.methods import METHODS
-
     return METHODS.get(name).Params
 
 
@@ -96,8 +88,6 @@ class MethodSpec(StrictModel):
     @field_validator("name")
     @classmethod
     def _registered(cls, value: str) -> str:
-        from pipelines.methods import METHODS
-
         if value not in METHODS:
             raise ValueError(f"unknown method {value!r}; valid: {', '.join(METHODS.names())}")
         return value

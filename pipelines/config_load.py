@@ -8,14 +8,18 @@ import hashlib
 import json
 import os
 import re
-import typing
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pipelines.config import MethodParams, ScenarioConfig, method_params_model, resolved_head
+from compat_core import io
+from compat_core.data.registry import dataset_info, dataset_names
+from compat_core.models.registry import BACKBONES
+from pipelines.config import ScenarioConfig, method_params_model, resolved_head
 from pipelines.local_paths import absolute_config, check_overridden_roots
+from pipelines.method_params import error_lines
+from pipelines.methods import METHODS
 
 
 def apply_override(document: dict, assignment: str) -> None:
@@ -57,73 +61,12 @@ def apply_override(document: dict, assignment: str) -> None:
             raise ValueError(f"--set {key}: {'.'.join(parts[:depth])!r} is a value, not a section")
 
 
-def _format_location(location: tuple) -> str:
-    text = ""
-    for part in location:
-        if isinstance(part, int):
-            text += f"[{part}]"
-        else:
-            text += f".{part}" if text else str(part)
-    return text
-
-
 def format_validation_error(error: ValidationError, source: str, document: Any = None,
                             root: type[BaseModel] | None = None) -> str:
     """One line per problem, each starting with the key path (``replacements[0].at_task: ...``); an unknown key
     lists the valid keys of its section (resolved in ``root``, default ScenarioConfig, along ``document``)."""
-    return f"invalid scenario config {source}:\n  " + "\n  ".join(error_lines(error, document, root))
-
-
-def error_lines(error: ValidationError, document: Any = None, root: type[BaseModel] | None = None) -> list[str]:
-    """``key.path: message`` per problem of ``error`` (see format_validation_error)."""
-    lines = []
-    for item in error.errors():
-        location = _format_location(tuple(item["loc"]))
-        message = item["msg"]
-        if message.startswith("Value error, "):
-            message = message[len("Value error, "):]
-        if item["type"] == "extra_forbidden":
-            valid = _valid_keys(root or ScenarioConfig, tuple(item["loc"])[:-1], document)
-            message = f"unknown key; valid: {', '.join(valid)}" if valid else "unknown key (check the spelling)"
-        elif item["type"] == "missing":
-            message = "required key is missing"
-        elif "input" in item and item["type"] not in ("value_error",):
-            message = f"{message} (got {item['input']!r})"
-        lines.append(f"{location}: {message}" if location else message)
-    return lines
-
-
-def _section_model(annotation: Any) -> type[BaseModel] | None:
-    """The config section model inside a field annotation (``X``, ``X | None``, ``list[X]``), if any."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for argument in typing.get_args(annotation):
-        found = _section_model(argument)
-        if found is not None:
-            return found
-    return None
-
-
-def _valid_keys(model: type[BaseModel] | None, location: tuple, document: Any) -> list[str]:
-    """Keys a section accepts: walk ``location`` through the models (method params by the method's name)."""
-    node = document
-    for part in location:
-        if isinstance(part, int):
-            node = node[part] if isinstance(node, list) and 0 <= part < len(node) else None
-            continue
-        if model is None or part not in model.model_fields:
-            return []
-        parent, node = node, node.get(part) if isinstance(node, dict) else None
-        model = _section_model(model.model_fields[part].annotation)
-        if model is MethodParams:
-            name = parent.get("name") if isinstance(parent, dict) else None
-            try:
-                model = method_params_model(name)
-            except KeyError:
-                return []
-    if model is None:
-        return []
-    return sorted(name for name, field in model.model_fields.items() if not field.exclude)
+    return f"invalid scenario config {source}:\n  " + "\n  ".join(
+        error_lines(error, document, root or ScenarioConfig, method_params_model))
 
 
 class ConfigError(ValueError):
@@ -149,9 +92,6 @@ _MODEL_URI = re.compile(r"^models:/[^/@\s]+(/(\d+|latest)|@[A-Za-z0-9_-]+)/?$")
 def check_names(config: ScenarioConfig, source: str = "<config>") -> None:
     """Backbones, datasets, splits and dataset options against the registries, and ``models:/`` sources against the
     MLflow URI grammar, so a typo fails at load time with its key path and the valid names (not when a stage runs)."""
-    from compat_core.data.registry import dataset_info, dataset_names
-    from compat_core.models.registry import BACKBONES
-
     problems = []
     backbones = {"model.backbone": config.model.backbone}
     backbones.update({f"pretrain[{i}].backbone": p.backbone for i, p in enumerate(config.pretrain) if p.backbone})
@@ -189,8 +129,6 @@ def check_names(config: ScenarioConfig, source: str = "<config>") -> None:
 
 def check_method(config: ScenarioConfig, source: str = "<config>") -> None:
     """What the method's class needs of the rest of the config (its name and params are checked by MethodSpec)."""
-    from pipelines.methods import METHODS
-
     method_class = METHODS.get(config.method.name)
     head = resolved_head(config, method_class.classifier)
     if head == "backbone":
@@ -215,8 +153,6 @@ def check_method(config: ScenarioConfig, source: str = "<config>") -> None:
 
 def read_document(path: str | os.PathLike) -> dict:
     """Read a YAML config file into a dict (local path or URI)."""
-    from compat_core import io
-
     text = io.read_bytes(path).decode("utf-8")
     try:
         document = yaml.safe_load(text)
@@ -287,6 +223,6 @@ HOW_NOT_WHAT = ("checkpoint_every_epochs", "checkpoint_every_minutes", "input_wo
 
 
 __all__ = [
-    "ConfigError", "apply_override", "config_hash", "config_to_dict", "dump_config", "error_lines",
+    "ConfigError", "apply_override", "config_hash", "config_to_dict", "dump_config",
     "format_validation_error", "load_config", "read_document", "stable_hash", "validate_config", "HOW_NOT_WHAT",
 ]

@@ -176,10 +176,6 @@ def wrap_model(model: nn.Module, device: torch.device) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model)
 
 
-def has_batch_norm(model: nn.Module) -> bool:
-    return any(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules())
-
-
 def shard_batches(parallel: DataParallel, batches: list[np.ndarray]) -> list[np.ndarray]:
     """This rank's rows of every global batch of positions."""
     local = []
@@ -189,5 +185,5 @@ def shard_batches(parallel: DataParallel, batches: list[np.ndarray]) -> list[np.
     return local
 
 
-__all__ = ["DataParallel", "GlobalBatchModel", "current", "has_batch_norm", "is_leader", "launcher_checkpoint_sink",
+__all__ = ["DataParallel", "GlobalBatchModel", "current", "is_leader", "launcher_checkpoint_sink",
            "shard_batches", "use_checkpoint_sink", "wrap_model"]

@@ -19,14 +19,19 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from compat_core import io as cio
+from compat_core.metrics import CompatibilityMatrix, metrics_by_task, summary_metrics
+from pipelines.checkpoints import collect_committed
 from pipelines.config import ScenarioConfig
-from pipelines.config_load import config_hash, dump_config
+from pipelines.config_load import config_hash, dump_config, validate_config
 from pipelines.graph import Stage, StageGraph
 from pipelines.progress import ProgressReporter, StageEvent, StageRecord
 from pipelines.records import read_record
+from pipelines.reports import write_reports
 from pipelines.shared_store import SharedStore
 from pipelines.stages import execute_stage
 from pipelines.store import RunStore
+from pipelines.upgrades import adapter_summaries
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +200,6 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
             shared.close()
     if summary.executed:
         record_invocation(store, summary)
-        from pipelines.checkpoints import collect_committed
-
         collect_committed(store)  # checkpoints of stages committed by a process that died before cleaning up
     if all(store.has(stage.key) for stage in graph):
         summary.matrix, summary.metrics = finalize_run(graph, store)
@@ -246,8 +249,6 @@ def prepare_run(config: ScenarioConfig, store: RunStore) -> None:
     if existing is not None and existing != text:
         import yaml
 
-        from pipelines.config_load import validate_config
-
         try:
             same = config_hash(validate_config(yaml.safe_load(existing), "config.yaml")) == config_hash(config)
         except ValueError:
@@ -267,8 +268,6 @@ def record_invocation(store: RunStore, summary: Invocation) -> None:
 
 def read_invocations(store: RunStore) -> list[dict]:
     """Every invocation record of a run directory, oldest first."""
-    from compat_core import io as cio
-
     folder = store.uri("executions")
     if not cio.is_dir(folder):
         return []
@@ -279,8 +278,6 @@ def assemble_matrix(graph: StageGraph, store: RunStore, row_keys: list[str] | No
     """CompatibilityMatrix (T x T fractions, NaN above the diagonal) from the committed row records.
 
     row_keys / evaluation: another protocol's rows and EvaluationSpec (``compat eval``); default the graph's own."""
-    from compat_core.metrics import CompatibilityMatrix
-
     config = graph.config
     evaluation = evaluation or config.evaluation
     T = config.num_tasks
@@ -306,16 +303,12 @@ def _defined(value: Any) -> float | None:
 def headline_metrics(values: Any, strict: bool = True) -> dict[str, float | None]:
     """AC, AA, ACA, BC, FC (fractions; None when undefined, e.g. pair metrics of one model) of a ``(tau, tau)``
     matrix or leading block (NaN above the diagonal): metrics.json, and Tune's report after each row."""
-    from compat_core.metrics import summary_metrics
-
     return {name: _defined(value) for name, value in
             summary_metrics(np.asarray(values, dtype=np.float64), strict=strict).items()}
 
 
 def compute_metrics(matrix, strict: bool) -> dict:
     """metrics.json content: AC, AA, ACA, BC, FC (fractions; null when undefined) + AC_tau/AA_tau per task."""
-    from compat_core.metrics import metrics_by_task
-
     curves = metrics_by_task(matrix.values, strict=strict)
     return {
         "units": "fraction",
@@ -334,21 +327,14 @@ def write_results(store: RunStore, matrix, metrics: dict) -> None:
 
 
 def finalize_run(graph: StageGraph, store: RunStore) -> tuple[dict, dict]:
-    """Write matrix.json and metrics.json (and reports when pipelines.reports exists); returns both as dicts."""
+    """Write matrix.json and metrics.json (and the reports of a local run); returns both as dicts."""
     matrix = assemble_matrix(graph, store)
     metrics = compute_metrics(matrix, graph.config.evaluation.strict)
     write_results(store, matrix, metrics)
     if getattr(graph, "adapt_stages", None):  # adapters at replacements: report input
-        from pipelines.upgrades import adapter_summaries
-
         store.write_text("adapters.json", json.dumps(adapter_summaries(graph, store), indent=2, allow_nan=False))
-    try:
-        from pipelines.reports import write_reports
-    except ImportError:
-        log.info("pipelines.reports is not available: report.md and matrix.png not written")
+    if store.is_local:
+        write_reports(store.base)
     else:
-        if store.is_local:
-            write_reports(store.base)
-        else:
-            log.info("reports are written for local run directories only; run `compat report` on a local copy")
+        log.info("reports are written for local run directories only; run `compat report` on a local copy")
     return matrix.to_dict(), metrics

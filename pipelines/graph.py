@@ -11,7 +11,7 @@ Stage kinds (``t`` is the 0-based task index):
 - ``adapt`` (t): at a replacement with ``adapters``, adapters between models t-1 and t fitted on paired gallery
   features, their cross-tests and the partial-backfilling curves (pipelines/upgrades.py).
 - ``entry`` (t, k): one matrix entry ``C[t, k]`` (query features of model t against the gallery of model k, through
-  the FAN adapters of tasks k+1..t when the method has them), computed by :func:`pipelines.stages.entry_stage`.
+  the FAN adapters of tasks k+1..t when the method has them), computed by :func:`pipelines.entries.entry_stage`.
 - ``evaluate`` (t): row ``t`` of the compatibility matrix, ``C[t, 0..t]``, assembled from its entry nodes.
 
 The key of a stage is ``<kind>-<label>-<16 hex>`` where the hex digest hashes (kind, config slice, parent keys,
@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig, StageResources
+from pipelines.bridge_features import feature_way, plan_lines
+from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig, StageResources, resolved_head
 from pipelines.config_load import HOW_NOT_WHAT, config_to_dict, stable_hash
+from pipelines.methods import METHODS
 from pipelines.source_digests import hashed_source, is_file_source
 from pipelines.train_config import PRETRAIN_OVERRIDES
 
@@ -37,8 +39,7 @@ STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "entry", "evaluate"
 SPLITS = ("query", "gallery")
 # Source files that do not change what a stage produces (presentation, CLI, executors) stay out of the code hash,
 # so editing a report template does not invalidate trained models.
-_CODE_HASH_EXCLUDED = ("pipelines/commands/", "pipelines/cli.py", "pipelines/reports", "pipelines/progress.py",
-                       "pipelines/executor.py", "pipelines/graph.py")
+_CODE_HASH_EXCLUDED = ("pipelines/reports", "pipelines/progress.py", "pipelines/executor.py", "pipelines/graph.py")
 
 
 @functools.lru_cache(maxsize=1)
@@ -169,10 +170,6 @@ class StageGraph:
 
 def _method_traits(name: str) -> dict[str, Any]:
     """Class-level traits of the method (classifier family, retraining) that change what stages do."""
-    try:
-        from pipelines.methods import METHODS
-    except ImportError:
-        return {"classifier": "simplex", "retrain_from_scratch": False, "training_free": False}
     method = METHODS.get(name)
     return {
         "classifier": getattr(method, "classifier", "simplex"),
@@ -199,9 +196,6 @@ def compile_scenario(config: ScenarioConfig, version: str | None = None) -> Stag
     document = config_to_dict(config)
     traits = _method_traits(config.method.name)
     if config.evaluation.features == "bridge":  # refuse an impossible bridge before anything trains
-        from pipelines.bridge_features import feature_way
-        from pipelines.config import resolved_head
-
         feature_way(config, resolved_head(config, traits["classifier"]), 2, 1)
     graph = StageGraph(config=config, code_version=version)
     resources = config.resources
@@ -438,8 +432,6 @@ def describe(graph: StageGraph) -> str:
     flops = "unknown" if plan.matrix_flops is None else f"{plan.matrix_flops:.3e} FLOPs"
     lines.append(f"matrix: {plan.matrix_entries} entries (T(T+1)/2, metric {config.evaluation.metric}, gallery "
                  f"{config.evaluation.gallery}), similarity cost {flops}")
-    from pipelines.bridge_features import plan_lines  # direct features vs the linear-head bridge
-
     lines.extend(plan_lines(config, plan.query_rows, plan.gallery_rows, plan.matrix_entries))
     return "\n".join(lines)
 

@@ -12,6 +12,8 @@ import os
 import re
 from typing import Any
 
+from compat_core.data import dataset_info
+
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # s3://, models:/, runs:/, pretrain:NAME, http://...
 
 
@@ -85,8 +87,6 @@ def check_overridden_roots(before: Any, after: Any) -> None:
     """Raise ValueError naming each ``--set`` that changed a pool's ``root`` where no stage reads data from it: the
     pool's dataset generates its images (e.g. glyphs: root is only its cache folder), so the override would be
     silently ignored. ``before`` / ``after``: the scenario validated without / with the overrides."""
-    from compat_core.data import dataset_info
-
     pools = {"data": after.data, "evaluation.query_set": after.evaluation.query_set,
              "evaluation.gallery_set": after.evaluation.gallery_set}
     pools.update({f"pretrain[{i}].pool": spec.pool for i, spec in enumerate(after.pretrain)})

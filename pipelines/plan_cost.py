@@ -20,7 +20,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from compat_core import calibration
+from compat_core.data import replay
+from compat_core.models.compat_model import create_model
+from compat_core.simplex import pretrain_slot
+from pipelines.config import resolved_head
 from pipelines.graph import StageGraph
+from pipelines.methods import configured_method
+from pipelines.pools import load_pool, slot_of_positions, task_classes
+from pipelines.task_data import TaskData, epoch_batches
+from pipelines.train_stages import selection_split
+from pipelines.training import SupervisedPretraining
 
 TRAIN_KINDS = ("pretrain", "finetune", "replace")
 FORWARD_FRACTION = 1.0 / 3.0  # cost of a forward-only image relative to a training image
@@ -49,19 +59,13 @@ class StageImages:
 
 def _epoch_images(data, method, train_config) -> int:
     """Images of one epoch of the training loop's batch order for ``data`` (batches of one sample are dropped)."""
-    from pipelines.task_data import epoch_batches
-
     return int(sum(positions.size for positions in epoch_batches(data, method, train_config, 0)))
 
 
 def _task_stage_images(graph: StageGraph) -> dict[str, StageImages]:
     """StageImages of every finetune / replace stage, the replay memory simulated task by task as the stages do."""
-    from compat_core.data import replay
-    from pipelines.stages import _method, _selection_split, load_pool, slot_of_positions, task_classes
-    from pipelines.task_data import TaskData
-
     config = graph.config
-    method = _method(config)
+    method = configured_method(config)
     pool = load_pool(config.data, "data")
     labels = np.asarray(pool.labels)
     tasks = task_classes(config)
@@ -77,7 +81,7 @@ def _task_stage_images(graph: StageGraph) -> dict[str, StageImages]:
         classes = np.concatenate(tasks[: task + 1]) if method.retrain_from_scratch else tasks[task]
         indices = np.flatnonzero(np.isin(labels, classes))
         if config.training.model_selection == "compatibility":
-            indices, _ = _selection_split(config, pool, indices, seed)
+            indices, _ = selection_split(config, pool, indices, seed)
         positions = np.asarray([position_of[int(c)] for c in labels[indices]], dtype=np.int64)
         memory_indices = memory_slots = None
         if use_memory and memory.indices.size:
@@ -105,11 +109,6 @@ def _task_stage_images(graph: StageGraph) -> dict[str, StageImages]:
 def stage_images(graph: StageGraph) -> dict[str, StageImages]:
     """Images processed by every stage of ``graph`` that runs a model (pretrain, finetune, replace, extract); opens
     the data pools (labels only). Raises FileNotFoundError / ValueError naming the pool when one cannot be read."""
-    from pipelines.stages import load_pool
-    from pipelines.task_data import TaskData
-    from compat_core.simplex import pretrain_slot
-    from pipelines.training import SupervisedPretraining
-
     config = graph.config
     result: dict[str, StageImages] = {}
     for name, key in graph.pretrain_stages.items():
@@ -225,12 +224,7 @@ def calibrated_seconds_per_image(config, device: str) -> tuple[float, str]:
     divided by the step's batch. Raises ValueError saying which command measures it when nothing is cached."""
     import torch
 
-    from compat_core import calibration
-    from compat_core.models.compat_model import create_model
-    from pipelines.config import resolved_head
-    from pipelines.stages import _method
-
-    classifier = _method(config).classifier
+    classifier = configured_method(config).classifier
     with torch.device("meta"):  # the architecture's signature only: no weights are allocated
         model = create_model(config.model.backbone, config.model.num_slots, classifier=classifier,
                              backbone_config=config.model.backbone_config, head=resolved_head(config, classifier))

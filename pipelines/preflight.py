@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from compat_core import io as cio
+from compat_core.models.weights import resolve_weights_source
 from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig
+from pipelines.graph import _method_traits, pretrain_classifier
+from pipelines.model_io import initial_model, load_weights_strictly
+from pipelines.pools import check_pools_open_set, load_pool
+from pipelines.source_digests import file_digest
 
 
 class PreflightError(ValueError):
@@ -27,8 +33,6 @@ class PreflightError(ValueError):
 
 def data_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
     """(config key, problem) for every pool that does not open, then the open-set guard across pools."""
-    from pipelines.stages import check_pools_open_set, load_pool
-
     pools = [("data", config.data)] + [(f"pretrain[{i}].pool", p.pool) for i, p in enumerate(config.pretrain)]
     pools += [("evaluation.query_set", config.evaluation.query_set),
               ("evaluation.gallery_set", config.evaluation.gallery_set)]
@@ -53,8 +57,6 @@ def data_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
 def weights_sources(config: ScenarioConfig) -> list[dict[str, Any]]:
     """Every external weights file the scenario names: config key, source, pinned sha256, ignore list, and what the
     stage builds to load it into (backbone, backbone config, classifier, pretrained classes, seed)."""
-    from pipelines.graph import _method_traits, pretrain_classifier
-
     method_classifier = _method_traits(config.method.name)["classifier"]
     found = []
     for index, spec in enumerate(config.pretrain):
@@ -82,11 +84,6 @@ def weights_sources(config: ScenarioConfig) -> list[dict[str, Any]]:
 def weights_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
     """(config key, problem) for every weights source that is missing, unreadable, not the pinned bytes, or does
     not load strictly into the model its stage builds (the load is tried here, on CPU, then discarded)."""
-    from compat_core.models.weights import resolve_weights_source
-
-    from pipelines.source_digests import file_digest
-    from pipelines.stages import initial_model, load_weights_strictly
-
     problems = []
     for entry in weights_sources(config):
         key = entry["key"]
@@ -136,8 +133,6 @@ def output_problems(run_dir: str) -> list[tuple[str, str]]:
     """An ``s3://`` run folder whose bucket does not exist (named, with the endpoint)."""
     if not str(run_dir).startswith("s3://"):
         return []
-    from compat_core import io as cio
-
     bucket = str(run_dir)[len("s3://"):].split("/", 1)[0]
     try:
         cio.exists(f"s3://{bucket}/")

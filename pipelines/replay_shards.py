@@ -16,7 +16,12 @@ from __future__ import annotations
 import numpy as np
 
 from compat_core import io as cio
+from compat_core.data.encoded import EncodedImages
 from compat_core.data.replay import ReplayMemory
+from compat_core.data.replay_shards import (
+    CorruptShardError, concatenate_images, read_replay_shard, shard_uris, write_replay_shard,
+)
+from compat_core.data.stream import keep_rows
 
 REPLAY_FOLDER = "replay"
 
@@ -33,8 +38,6 @@ def write_memory_shard(store, stage_key: str, task: int, memory: ReplayMemory, s
 
     previous: the shard record of the memory before this task, whose parts come first (``memory`` then holds only
     the rows this task adds); None: ``memory`` is the whole memory."""
-    from compat_core.data.replay_shards import write_replay_shard
-
     folder = shard_folder(stage_key)
     manifest = write_replay_shard(cio.join(store.root, folder), task, memory, source)
     part = {"folder": folder, "task": int(task), "sha256": manifest.sha256, "rows": manifest.rows,
@@ -53,8 +56,6 @@ def read_memory_shard(store, shard: dict) -> tuple[ReplayMemory, np.ndarray]:
     """(memory, images uint8 (M, H, W, C) or EncodedImages decoded on indexing) of a recorded memory, its parts
     concatenated; CorruptShardError naming bucket/key and the expected sha256 (and ``stage_key``, the stage that
     wrote the part) when a part is missing or differs from the record or its manifest."""
-    from compat_core.data.replay_shards import concatenate_images
-
     memories, images = [], []
     for part in memory_parts(shard):
         memory, part_images = _read_part(store, part)
@@ -68,8 +69,6 @@ def read_memory_shard(store, shard: dict) -> tuple[ReplayMemory, np.ndarray]:
 
 
 def _read_part(store, part: dict) -> tuple[ReplayMemory, np.ndarray]:
-    from compat_core.data.replay_shards import CorruptShardError, read_replay_shard, shard_uris
-
     root = cio.join(store.root, part["folder"])
     parquet_uri, manifest_uri = shard_uris(root, int(part["task"]))
     try:
@@ -94,8 +93,6 @@ class WithMemory:
     training loop reads old exemplars from the shard and only the current task from the source."""
 
     def __init__(self, source, images, labels: np.ndarray) -> None:
-        from compat_core.data.encoded import EncodedImages
-
         self.source = source
         # encoded exemplars stay encoded and are decoded per batch (EncodedImages indexes like an array)
         self.images = images if isinstance(images, EncodedImages) else np.asarray(images, dtype=np.uint8)
@@ -124,8 +121,6 @@ class WithMemory:
 
     def keep_rows(self, indices: np.ndarray) -> None:
         """Keep the task rows among ``indices`` resident in the task's source (the replay rows are in memory)."""
-        from compat_core.data.stream import keep_rows
-
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         keep_rows(self.source, indices[indices < self.base])
 

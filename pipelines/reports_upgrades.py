@@ -12,6 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from compat_core.metrics import upgrade_verdict
+from pipelines.reports_figures import pyplot
+
 ADAPTERS_FILE = "adapters.json"
 BACKFILL_PNG = "backfill.png"
 
@@ -29,8 +32,6 @@ def load_upgrades(run_dir: str | Path) -> list[dict]:
 
 def gate_rows(results: Any, upgrades: list[dict]) -> list[dict]:
     """One row per (replacement, adapter or none): task (1-based), adapter, cross, self_old, self_new, pass, margin."""
-    from compat_core.metrics import upgrade_verdict
-
     values = results.matrix.values
     strict = results.matrix.strict
     by_task = {int(record["task"]) + 1: record for record in upgrades}
@@ -81,9 +82,7 @@ def section_markdown(results: Any, upgrades: list[dict], image: str | None = Non
 
 def backfill_figure(upgrades: list[dict]):
     """Recall@1 and mAP against the re-embedded fraction, one column per replacement; dashed: old self-test."""
-    from pipelines.reports import _pyplot
-
-    plt = _pyplot()
+    plt = pyplot()
     with_curves = [record for record in upgrades if "random" in (record.get("backfill") or {})]
     fig, axes = plt.subplots(2, max(1, len(with_curves)), figsize=(5 * max(1, len(with_curves)), 7), squeeze=False)
     for column, record in enumerate(with_curves):

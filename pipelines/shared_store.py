@@ -23,6 +23,7 @@ import logging
 import time
 from typing import Iterable
 
+from pipelines.lease import RunFolderBusyError, run_lease
 from pipelines.store import CorruptArtifactError, RunStore
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,6 @@ class SharedStore:
     def claim(self, stage_key: str) -> bool:
         """Take the claim on training ``stage_key``; False when another live process holds it (then wait and
         ``adopt`` once it is published). Claims already held by this object return True."""
-        from pipelines.lease import RunFolderBusyError, run_lease
-
         if stage_key in self.claims:
             return True
         stack = contextlib.ExitStack()

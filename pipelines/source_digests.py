@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from compat_core import io as cio
+from compat_core.models.weights import resolve_weights_source, sha256_of
 from pipelines.config import PRETRAIN_PREFIX
 
 DIGEST_FIELD = "file_sha256"
@@ -18,8 +20,6 @@ _CACHE: dict[tuple, str] = {}
 
 
 def _cache_key(resolved: str) -> tuple:
-    from compat_core import io as cio
-
     if cio.is_remote(resolved):
         return (resolved,)
     stat = os.stat(resolved)
@@ -29,8 +29,6 @@ def _cache_key(resolved: str) -> tuple:
 def file_digest(source: str) -> str | None:
     """Hex sha256 of the weights file ``source`` names (resolved as the loader does: registry URI, folder ->
     its weights file), or None when it cannot be resolved or read here (the preflight reports why)."""
-    from compat_core.models.weights import resolve_weights_source, sha256_of
-
     try:
         resolved = resolve_weights_source(source)
         key = _cache_key(resolved)
@@ -66,14 +64,4 @@ def source_digest(params: dict) -> str | None:
     return None
 
 
-def unreadable_sources(params: dict) -> list[str]:
-    """Paths a stage's params hashed without a digest (the file could not be read when the graph was compiled)."""
-    found = []
-    for holder in (params.get("pretrain"), params.get("source")):
-        for value in (holder or {}).values() if isinstance(holder, dict) else ():
-            if isinstance(value, dict) and value.get("unreadable"):
-                found.append(value["path"])
-    return found
-
-
-__all__ = ["DIGEST_FIELD", "file_digest", "hashed_source", "is_file_source", "source_digest", "unreadable_sources"]
+__all__ = ["DIGEST_FIELD", "file_digest", "hashed_source", "is_file_source", "source_digest"]

@@ -79,7 +79,7 @@ class RunStore:
         return f"{self.base}/{self.ARTIFACTS}/{stage_key}/{name}"
 
     def blob_uri(self, stage_key: str, name: str) -> str:
-        """The URI a record stores for a blob (s3://... or an absolute local path)."""
+        """The URI of a blob (s3://... or an absolute local path); ranged reads of a blob go through it."""
         return self.uri(self.ARTIFACTS, stage_key, name)
 
     # ---- low-level writes --------------------------------------------------------------------------------------
@@ -325,25 +325,6 @@ def feature_blobs(features: np.ndarray, labels: np.ndarray, coarse_labels: np.nd
     layout = {"shards": shards, "rows": int(features.shape[0]), "dim": int(features.shape[1]), "dtype": dtype,
               "has_coarse": coarse_labels is not None}
     return blobs, layout
-
-
-def read_features(store: RunStore, stage_key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(features (N, D) in their stored dtype, labels (N,), coarse labels (N,) or None) of an extract stage.
-
-    A bridge extract (layout way ``bridge``) stores embeddings: its d-dim features come back materialised (A h,
-    float32; see pipelines.bridge_features)."""
-    manifest = store.load_manifest(stage_key)
-    layout = manifest["record"]["layout"]
-    if layout.get("way") == "bridge":
-        from pipelines.bridge_features import materialize, read_embeddings
-
-        embeddings, labels, coarse, layout = read_embeddings(store, stage_key)
-        return materialize(store, layout, embeddings), labels, coarse
-    parts = [store.read_array(stage_key, name, manifest) for name in layout["shards"]]
-    features = np.concatenate(parts, axis=0) if parts else np.zeros((0, layout["dim"]), dtype=layout["dtype"])
-    labels = store.read_array(stage_key, "labels.npy", manifest)
-    coarse = store.read_array(stage_key, "coarse_labels.npy", manifest) if layout.get("has_coarse") else None
-    return features, labels, coarse
 
 
 def _check_key(stage_key: str) -> None:

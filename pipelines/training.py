@@ -14,28 +14,28 @@ import contextlib
 import itertools
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
 
+from compat_core.adapters import apply_chain
 from compat_core.data.base import ImageSource
 from compat_core.data.stream import keep_rows, stream_batches
 from compat_core.data.transforms import make_transforms
+from compat_core.losses import simplex_cross_entropy
 from compat_core.models.precision import prepare_batch
 from compat_core.retrieval import recall_at_1
 from compat_core.simplex import pretrain_slot
 from pipelines import distributed
 from pipelines.autocast import autocast_mode, example_batch, precision_context, prepare_model, resolve_autocast
+from pipelines.checkpoints import CheckpointSink, EpochCheckpoint, preemption_guard
 from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy
 from pipelines.task_data import SelectionSplit, TaskData, _augment_seed, _Loader, _steps_per_epoch, epoch_batches
 from pipelines.train_config import TrainConfig
 from pipelines.train_records import ProgressHook, TrainRecord, TrainResult, _Window
 from pipelines.training_state import restore_training_state, training_state
-
-if TYPE_CHECKING:
-    from pipelines.checkpoints import CheckpointSink
 
 
 def _lr_factor(config: TrainConfig, steps_per_epoch: int) -> Callable[[int], float]:
@@ -160,8 +160,6 @@ class _CompatibilitySelector:
             old_gallery = self.old_gallery
             adapter = getattr(self.method, "adapter", None)
             if adapter is not None:  # FAN compares a new query with the adapted old gallery
-                from compat_core.adapters import apply_chain
-
                 old_gallery = apply_chain(old_gallery.to(self.device), [adapter]).cpu()
             cross_query = query
             if self.method.training_free:
@@ -317,12 +315,8 @@ def train_task(
                                selector=selector, records=records,
                                extras={"train_seconds": train_seconds, "train_images": train_images,
                                        "window": current.state()})
-        from pipelines.checkpoints import EpochCheckpoint
-
         checkpoints.save(EpochCheckpoint(epochs_done, state))
         checkpoints.policy.wrote(time.perf_counter() - write_started)
-
-    from pipelines.checkpoints import preemption_guard
 
     plan = []  # (epoch, its batches, steps done before a SIGTERM checkpoint, this rank's batches still to run)
     for epoch in range(start_epoch, config.epochs):
@@ -451,8 +445,6 @@ class SupervisedPretraining(Method):
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)
-        from compat_core.losses import simplex_cross_entropy
-
         if self.classifier == "simplex":
             value = simplex_cross_entropy(output.logits, batch.targets)
         else:

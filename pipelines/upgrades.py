@@ -20,6 +20,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from compat_core.adapters import GALLERY_ADAPTERS, SEEDED_ADAPTERS, make_adapter, save_adapter
+from compat_core.backfill import backfill_curve, backfill_order, uncertainty_scores
+from compat_core.metrics import upgrade_verdict
+from pipelines.entry_metrics import compute_entry
+from pipelines.feature_store import read_features
+from pipelines.progress import ProgressUpdate
+from pipelines.records import AdaptersRecord
+from pipelines.stage_context import StageContext, StageResult
+
 ADAPTER_BLOB_PREFIX = "adapter-"
 
 
@@ -31,16 +40,8 @@ def _with_metric(protocol: dict, metric: str) -> dict:
     return {**protocol, "metric": metric}
 
 
-def adapt_stage(ctx: Any) -> Any:
+def adapt_stage(ctx: StageContext) -> StageResult:
     """Fit every adapter listed at the replacement of task ``ctx.stage.task``; evaluate; backfilling curves."""
-    from compat_core.adapters import GALLERY_ADAPTERS, SEEDED_ADAPTERS, make_adapter, save_adapter
-    from compat_core.backfill import backfill_curve, backfill_order, uncertainty_scores
-    from compat_core.metrics import upgrade_verdict
-    from pipelines.progress import ProgressUpdate
-    from pipelines.records import AdaptersRecord
-    from pipelines.stages import StageResult, compute_entry
-    from pipelines.store import read_features
-
     config, stage = ctx.config, ctx.stage
     params = stage.params
     protocol = params["protocol"]

@@ -15,7 +15,7 @@ from pipelines.autocast import example_batch, resolve_autocast
 from pipelines.config import resolved_head
 from pipelines.config_load import load_config
 from pipelines.methods import get_method
-from pipelines.stages import load_pool
+from pipelines.pools import load_pool
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

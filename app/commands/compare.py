@@ -14,7 +14,7 @@ from pathlib import Path
 
 from app.commands.remote_runs import local_copies
 from cluster.tune import register_run_source
-from pipelines.reports import compare_table_markdown, load_runs, write_compare
+from pipelines.reports_compare import compare_table_markdown, load_runs, write_compare
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,8 @@ import sys
 
 from app.commands.remote_runs import is_remote, local_copies, upload_reports
 from pipelines.lease import RunFolderBusyError
-from pipelines.reports import load_run, metric_display_name, summary_table_markdown, write_run_reports
+from pipelines.reports import summary_table_markdown, write_run_reports
+from pipelines.reports_results import load_run, metric_display_name
 from pipelines.reports_upgrades import gate_table_markdown, load_upgrades
 
 

@@ -27,7 +27,8 @@ from compat_core.backfill import backfill_order
 from compat_core.data.base import ArraySource
 from compat_core.gallery_search import search_groups
 from pipelines.config import PoolSpec
-from pipelines.stages import extract_pool_features, load_pool
+from pipelines.extraction import extract_pool_features
+from pipelines.pools import load_pool
 
 EXPERIMENT = "compat-backfill"
 

@@ -9,7 +9,9 @@ import numpy as np
 from cluster.registry import MlflowModelResolver
 from cluster.serving.index_store import commit_manifest, new_manifest, shard_table, write_shard
 from cluster.serving.models import load_served_model, resolve_model_ref
-from pipelines.stages import extract_pool_features, load_pool, resolve_device
+from pipelines.extraction import extract_pool_features
+from pipelines.pools import load_pool
+from pipelines.stage_context import resolve_device
 
 __all__ = ["build_index", "pool_image_spec", "pool_of"]
 

@@ -29,10 +29,16 @@ def get_method(name: str, **hparams: Any) -> Method:
     return METHODS.get(name)(**hparams)
 
 
+def configured_method(config: Any) -> Method:
+    """A fresh method object of a scenario config: ``config.method.name`` with ``config.method.params``."""
+    return get_method(config.method.name, **dict(config.method.params))
+
+
 __all__ = [
     "Batch",
     "METHODS",
     "Method",
     "TaskContext",
+    "configured_method",
     "get_method",
 ]

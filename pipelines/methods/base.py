@@ -28,8 +28,7 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch import nn
 
-from pipelines.config import MethodParams
-from pipelines.config_load import error_lines
+from pipelines.method_params import MethodParams, error_lines
 
 CLASSIFIERS = ("simplex", "learnable")
 

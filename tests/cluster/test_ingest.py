@@ -125,13 +125,13 @@ def _point_pools_at(node, root: str):
 
 
 def test_run_on_ingested_shards_without_the_source_gives_the_same_matrix(shards_root, tmp_path, monkeypatch):
-    import pipelines.stages as stages
+    import pipelines.pools as pools
 
     torch.set_num_threads(1)
     direct = _run_matrix(tiny.scenario("dsimplex-hoc", output=str(tmp_path / "direct")), tmp_path / "direct")
     # the source is gone: only the ingested shards remain readable
     monkeypatch.delitem(DATASETS._entries, "tiny-synth")
-    monkeypatch.setattr(stages, "_POOL_CACHE", {})
+    monkeypatch.setattr(pools, "_POOL_CACHE", {})
     scenario = _point_pools_at(tiny.scenario("dsimplex-hoc", output=str(tmp_path / "sharded")), str(shards_root))
     assert "tiny-synth" not in json.dumps(scenario)
     scenario["training"]["input_workers"] = 2  # streamed training and extraction: the same matrix
@@ -168,7 +168,7 @@ def test_kept_rows_read_from_memory_in_any_order_through_task_views(shards_root)
     task uses (a filtered pool, the pool followed by replay images)."""
     from compat_core.data.stream import keep_rows
     from pipelines.replay_shards import WithMemory
-    from pipelines.stages import SubsetSource
+    from pipelines.pools import SubsetSource
 
     original = load_dataset("tiny-synth", split="finetune")
     shards = load_dataset("shards", root=str(shards_root), split="finetune")

@@ -184,13 +184,14 @@ def _slow_and_reporting_setup(marker_dir: str, finetune_key: str, entry_key: str
         import ray as _ray
 
         import pipelines.checkpoints as checkpoints
+        import pipelines.entries as entries
         import pipelines.stages as stages
 
         tiny.register()
         if getattr(checkpoints.StoreCheckpointSink.save, "_reporting", False):
             return
         node = _ray.get_runtime_context().get_node_id()
-        original_save, original_entry = checkpoints.StoreCheckpointSink.save, stages.entry_stage
+        original_save, original_entry = checkpoints.StoreCheckpointSink.save, entries.entry_stage
 
         def first_attempt(prefix: str) -> bool:
             return not any(name.startswith(prefix) for name in _os.listdir(marker_dir))
@@ -217,7 +218,7 @@ def _slow_and_reporting_setup(marker_dir: str, finetune_key: str, entry_key: str
 
         save._reporting = True
         checkpoints.StoreCheckpointSink.save = save
-        stages.entry_stage = entry
+        entries.entry_stage = entry
         stages.STAGE_FUNCTIONS["entry"] = entry
     return setup
 

@@ -24,10 +24,10 @@ def _crash_once_setup(marker: str):
     def setup():
         import os as _os
 
-        import pipelines.stages as stages
+        import pipelines.bridge_features as bridge_features
 
         tiny.register()
-        original = stages.compute_entry
+        original = bridge_features.compute_entry
         if getattr(original, "_crashing", False):
             return
 
@@ -38,7 +38,7 @@ def _crash_once_setup(marker: str):
             return original(*args, **kwargs)
 
         crashing._crashing = True
-        stages.compute_entry = crashing
+        bridge_features.compute_entry = crashing
     return setup
 
 
@@ -121,7 +121,7 @@ def test_rerun_skips_every_committed_stage(tiny_runs):
 def test_killed_worker_is_retried_and_loses_nothing_committed(tiny_runs, tmp_path, monkeypatch):
     """Row 2's entries are removed; the first entry task kills its worker process. Ray retries it, the run ends
     with the reference matrix, committed entries are not rewritten, and the driver never reads a feature array."""
-    import pipelines.store as store_module
+    import pipelines.feature_store as feature_store
     from cluster.ray_executor import RayExecutor
 
     graph, run_dir = tiny_runs["graph"], tiny_runs["ray"]
@@ -136,7 +136,7 @@ def test_killed_worker_is_retried_and_loses_nothing_committed(tiny_runs, tmp_pat
     def forbidden(*args, **kwargs):
         raise AssertionError("the driver must not read feature arrays")
 
-    monkeypatch.setattr(store_module, "read_features", forbidden)
+    monkeypatch.setattr(feature_store, "read_features", forbidden)
     marker = tmp_path / "crashed"
     executor = RayExecutor(progress=False, setup=_crash_once_setup(str(marker)))
     summary = executor.run(graph, RunStore(run_dir))

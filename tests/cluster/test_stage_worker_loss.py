@@ -76,10 +76,10 @@ def _sigterm_at_step_setup(marker: str, stage_key: str, step: int):
         import os as _os
         import signal as _signal
 
-        import pipelines.stages as stages
+        import pipelines.train_stages as train_stages
 
         tiny.register()
-        original = stages._progress_hook
+        original = train_stages._progress_hook
         if getattr(original, "_preempting", False):
             return
 
@@ -94,7 +94,7 @@ def _sigterm_at_step_setup(marker: str, stage_key: str, step: int):
             return wrapped
 
         progress_hook._preempting = True
-        stages._progress_hook = progress_hook
+        train_stages._progress_hook = progress_hook
     return setup
 
 

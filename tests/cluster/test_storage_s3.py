@@ -19,7 +19,8 @@ from cluster.storage import (BucketNotFoundError, S3Access, S3Settings, StorageA
                              StorageUnavailableError)
 from compat_core import io as cio
 from compat_core.data.replay import ReplayMemory
-from pipelines.store import RunStore, feature_blobs, read_features
+from pipelines.feature_store import read_features
+from pipelines.store import RunStore, feature_blobs
 
 MIB = 1024 * 1024
 

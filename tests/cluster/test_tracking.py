@@ -182,7 +182,7 @@ def model_blobs(seed: int) -> dict[str, bytes]:
 def fake_stage_functions(fail_task: int | None = None) -> dict:
     """Stage functions returning hand-made records (no data, no training); ``fail_task`` raises in that model stage."""
     from pipelines.records import EntryRecord, FeatureRecord, ModelRecord, RowRecord
-    from pipelines.stages import StageResult
+    from pipelines.stage_context import StageResult
 
     def model_stage(ctx):
         stage, config = ctx.stage, ctx.config

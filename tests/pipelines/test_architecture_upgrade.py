@@ -13,7 +13,8 @@ from compat_core.retrieval import recall_at_1
 from pipelines.config_load import validate_config
 from pipelines.executor import LocalExecutor
 from pipelines.graph import compile_scenario
-from pipelines.store import RunStore, read_features
+from pipelines.feature_store import read_features
+from pipelines.store import RunStore
 
 
 def test_replacement_with_another_backbone_runs_end_to_end(tmp_path):

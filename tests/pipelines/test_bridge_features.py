@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-import pipelines.stages as stages
+import pipelines.feature_store as feature_store
+import pipelines.pools as pools
 import tiny_scenario_helpers as tiny
 from pipelines import bridge_features
 from pipelines.config_load import validate_config
 from pipelines.executor import LocalExecutor
 from pipelines.graph import compile_scenario, describe
-from pipelines.store import RunStore, read_features
+from pipelines.feature_store import read_features
+from pipelines.store import RunStore
 
 NUM_SLOTS = 40          # d = 39 > m = 32 (cnn4 width 4)
 
@@ -24,8 +26,8 @@ NUM_SLOTS = 40          # d = 39 > m = 32 (cnn4 width 4)
 def _tiny(monkeypatch):
     tiny.register()
     torch.set_num_threads(1)
-    monkeypatch.setattr(stages, "_POOL_CACHE", {})
-    for cache in (bridge_features._HEADS, bridge_features._GRAMS, bridge_features._EMBEDDINGS):
+    monkeypatch.setattr(pools, "_POOL_CACHE", {})
+    for cache in (feature_store._HEADS, feature_store._GRAMS, feature_store._EMBEDDINGS):
         cache.clear()
 
 

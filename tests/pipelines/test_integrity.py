@@ -12,7 +12,8 @@ import tiny_scenario_helpers as tiny
 from pipelines.config_load import validate_config
 from pipelines.executor import LocalExecutor
 from pipelines.graph import compile_scenario
-from pipelines.store import RunStore, read_features
+from pipelines.feature_store import read_features
+from pipelines.store import RunStore
 
 
 def _run(document: dict, folder: Path):

@@ -21,7 +21,8 @@ from pipelines.executor import LocalExecutor
 from pipelines.graph import compile_scenario
 from pipelines.methods import METHODS
 from pipelines.progress import StageEvent
-from pipelines.store import RunStore, read_features
+from pipelines.feature_store import read_features
+from pipelines.store import RunStore
 from pipelines.train_records import TrainRecord
 
 
@@ -135,7 +136,7 @@ def test_retraining_methods_refuse_replacements(tmp_path):
 def test_herding_memory_matches_icarl_herding_on_the_trained_model(tmp_path):
     from compat_core.data.transforms import make_transforms
     from compat_core.models.compat_model import load_model
-    from pipelines.stages import load_pool, task_classes
+    from pipelines.pools import load_pool, task_classes
 
     document = tiny.method_scenario("er", tmp_path, replay={"per_class": 3, "strategy": "herding"})
     config, graph, store, summary = run_scenario(document)
@@ -207,7 +208,7 @@ def test_open_set_guard_compares_ids_only_within_one_dataset(tmp_path):
     """Class ids of different datasets live in different spaces (CIFAR-100 id 3 is not CIFAR-10 id 3): a test pool
     of another dataset whose ids coincide with the training ids is not a violation."""
     from compat_core.data.registry import DATASETS
-    from pipelines.stages import check_pools_open_set
+    from pipelines.pools import check_pools_open_set
 
     tiny.register()
     if "tiny-synth-other" not in DATASETS:  # same ids, another dataset (as CIFAR-10 next to CIFAR-100)

@@ -133,7 +133,7 @@ def test_pretrain_init_is_loaded_and_its_digest_checked(data_dir, tmp_path, monk
     config = validate_config(document)
     graph = compile_scenario(config)
     store = RunStore(str(tmp_path / "run"))
-    with caplog.at_level("WARNING", logger="pipelines.stages"):
+    with caplog.at_level("WARNING", logger="pipelines.train_stages"):
         LocalExecutor(progress=False).run(graph, store)
     assert f"pretrain[casia-3525].init: no init_sha256 set; {INIT_PATH} has sha256 {digest}" in caplog.text
     from compat_core.models.compat_model import load_model

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load, save
 
 from compat_core import io as cio
-from pipelines import bridge_features
+from pipelines import feature_store
 from pipelines.store import CorruptArtifactError, RunStore
 
 KEY = "finetune-t000-0123456789abcdef"
@@ -116,8 +116,8 @@ def test_bridge_head_reads_only_the_junction(tmp_path, counted):
     store = RunStore(tmp_path / "run")
     weights = _weights()
     store.commit(KEY, {"kind": "test"}, {"model.safetensors": save(weights)})
-    bridge_features._HEADS.clear()
-    head = bridge_features.junction_head(store, {"stage_key": KEY, "blob": "model.safetensors",
+    feature_store._HEADS.clear()
+    head = feature_store.junction_head(store, {"stage_key": KEY, "blob": "model.safetensors",
                                                  "tensor": "junction.weight"})
     assert torch.equal(head, weights["junction.weight"])
     header = store.load_manifest(KEY)["blobs"]["model.safetensors"]["index"]["header_bytes"]

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+import pipelines.train_stages as train_stages
 import pipelines.training as training
 from pipelines.config_load import validate_config
 from pipelines.executor import LocalExecutor
@@ -47,7 +48,8 @@ def test_plan_counts_equal_the_images_the_sampler_yields(tmp_path, monkeypatch):
         finally:
             monkeypatch.setattr(training, "stream_batches", real_stream)
 
-    monkeypatch.setattr(training, "train_task", counting_train_task)
+    monkeypatch.setattr(training, "train_task", counting_train_task)  # pre-training runs it from inside training
+    monkeypatch.setattr(train_stages, "train_task", counting_train_task)
     LocalExecutor(progress=False).run(graph, RunStore(tmp_path / "run"))
 
     pretrain = planned[graph.pretrain_stages["p1"]]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-import pipelines.stages as stages
+import pipelines.pools as pools
+import pipelines.train_stages as train_stages
 import tiny_scenario_helpers as tiny
 from compat_core.data.registry import DATASETS
 from pipelines.config_load import validate_config
@@ -87,7 +88,7 @@ def forgetting_jpeg(split: str = "finetune", root=None):
 
 
 def _run(scenario: dict, run_dir: Path, monkeypatch) -> list:
-    monkeypatch.setattr(stages, "_POOL_CACHE", {})
+    monkeypatch.setattr(pools, "_POOL_CACHE", {})
     config = validate_config(scenario)
     LocalExecutor(progress=False).run(compile_scenario(config), RunStore(run_dir))
     return json.loads((run_dir / "matrix.json").read_text())["values"]
@@ -113,14 +114,14 @@ def registered(monkeypatch):
         if name not in DATASETS:
             DATASETS.register(name, factory)
     config = validate_config(_scenario("tiny-synth", Path("unused")))
-    GUARD["task_of_class"] = {int(c): t for t, classes in enumerate(stages.task_classes(config)) for c in classes}
+    GUARD["task_of_class"] = {int(c): t for t, classes in enumerate(pools.task_classes(config)) for c in classes}
     torch.set_num_threads(1)
 
 
 def _index_replay(monkeypatch):
     """The behaviour before replay shards: memory images read from the source by index, no shard written."""
-    monkeypatch.setattr(stages, "_memory_images_from_record", lambda store, record, memory: None)
-    monkeypatch.setattr(stages, "_write_memory_shard", lambda *args: None)
+    monkeypatch.setattr(train_stages, "memory_images_from_record", lambda store, record, memory: None)
+    monkeypatch.setattr(train_stages, "write_task_memory_shard", lambda *args: None)
 
 
 @pytest.mark.parametrize("strategy,images", [("random", "arrays"), ("herding", "arrays"), ("random", "jpeg")])
@@ -149,7 +150,6 @@ def test_old_tasks_source_is_never_read_and_the_matrix_is_unchanged(registered, 
 
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])
 def test_corrupt_or_missing_replay_shard_is_refused_before_training(registered, tmp_path, monkeypatch, damage):
-    import pipelines.training as training
     from compat_core.data.replay_shards import CorruptShardError
     from pipelines.store import CorruptArtifactError
 
@@ -168,7 +168,7 @@ def test_corrupt_or_missing_replay_shard_is_refused_before_training(registered, 
     for key in store.stage_keys():  # forget every stage after the first task, so the run redoes task 2
         if not key.startswith(("finetune-t000", "pretrain")):
             (run_dir / "manifests" / f"{key}.json").unlink()
-    monkeypatch.setattr(training, "train_task", lambda *a, **k: pytest.fail("training started"))
+    monkeypatch.setattr(train_stages, "train_task", lambda *a, **k: pytest.fail("training started"))
     with pytest.raises(Exception) as info:
         _run(_scenario("tiny-synth", run_dir), run_dir, monkeypatch)
     chain, error = [], info.value

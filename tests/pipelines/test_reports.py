@@ -20,6 +20,9 @@ import yaml  # noqa: E402
 
 from compat_core.metrics import CompatibilityMatrix  # noqa: E402
 from pipelines import reports  # noqa: E402
+from pipelines import reports_compare  # noqa: E402
+from pipelines import reports_figures  # noqa: E402
+from pipelines import reports_results  # noqa: E402
 from app.cli import main  # noqa: E402
 
 NAN = float("nan")
@@ -116,7 +119,7 @@ def test_matrix_png_shades_the_failing_cell_light_red(reported_run):
     image = mpimg.imread(paths["matrix_png"])
     assert image.ndim == 3 and image.shape[2] in (3, 4)
     assert 400 <= image.shape[0] <= 2500 and 400 <= image.shape[1] <= 2500
-    fig, ax = reports.matrix_figure(reports.load_run(run_dir))
+    fig, ax = reports_figures.matrix_figure(reports_results.load_run(run_dir))
     fig.canvas.draw()  # lay out exactly as savefig did, so the data->pixel transform matches the file
     assert (image.shape[1], image.shape[0]) == tuple(int(v) for v in fig.canvas.get_width_height())
     # sample 0.3 of a cell below each centre, clear of the annotated number
@@ -131,8 +134,8 @@ def test_matrix_png_shades_the_failing_cell_light_red(reported_run):
     # replacement at task 3 (1-based) -> tick 2 (0-based) in colour and bold on both axes
     for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
         assert [label.get_text() for label in labels] == ["1", "2", "3▸"]
-        assert labels[2].get_color() == reports.REPLACEMENT_COLOR and labels[2].get_fontweight() == "bold"
-        assert labels[0].get_color() != reports.REPLACEMENT_COLOR
+        assert labels[2].get_color() == reports_figures.REPLACEMENT_COLOR and labels[2].get_fontweight() == "bold"
+        assert labels[0].get_color() != reports_figures.REPLACEMENT_COLOR
     assert ax.get_xlabel() == "gallery model (task k)" and ax.get_ylabel() == "query model (task t)"
     assert "dsimplex-hoc" in ax.get_title() and "Recall@1" in ax.get_title() and "instances" in ax.get_title()
     import matplotlib.pyplot as plt
@@ -144,14 +147,14 @@ def test_aa_tau_figure_plots_the_curves_and_replacements(reported_run):
     run_dir, paths = reported_run
     image = mpimg.imread(paths["aa_tau_png"])
     assert image.ndim == 3 and 300 <= image.shape[0] <= 2000 and 500 <= image.shape[1] <= 2500
-    fig, (top, bottom) = reports.aa_tau_figure(reports.load_run(run_dir))
+    fig, (top, bottom) = reports_figures.aa_tau_figure(reports_results.load_run(run_dir))
     lines = {line.get_label(): line for line in top.get_lines()}
     np.testing.assert_allclose(lines["AA_tau"].get_ydata(), [50.0, 60.0, 62.5])
     np.testing.assert_allclose(lines["self-test of model t"].get_ydata(), [50.0, 70.0, 80.0])
     ac_line = next(line for line in bottom.get_lines() if line.get_label() == "AC_tau")
     np.testing.assert_allclose(ac_line.get_ydata(), [NAN, 1.0, 2 / 3])
     replacement_x = [line.get_xdata()[0] for line in top.get_lines() if line.get_linestyle() == "--"
-                     and line.get_color() == reports.REPLACEMENT_COLOR]
+                     and line.get_color() == reports_figures.REPLACEMENT_COLOR]
     assert replacement_x == [3]
     import matplotlib.pyplot as plt
 
@@ -160,7 +163,7 @@ def test_aa_tau_figure_plots_the_curves_and_replacements(reported_run):
 
 def test_stale_metrics_json_is_reported_not_hidden(tmp_path):
     stale = dict(METRICS_3, AC=0.9)
-    results = reports.load_run(make_run(tmp_path / "stale", MATRIX_3, stale))
+    results = reports_results.load_run(make_run(tmp_path / "stale", MATRIX_3, stale))
     assert len(results.warnings) == 1 and "AC = 0.9" in results.warnings[0]
     text = reports.render_report_markdown(results)
     assert "**Warning**" in text and "| AC | 0.9000 |" in text
@@ -168,7 +171,7 @@ def test_stale_metrics_json_is_reported_not_hidden(tmp_path):
 
 def test_single_task_run_shows_undefined_pair_metrics(tmp_path):
     metrics = {"AC": None, "AA": 0.42, "ACA": None, "BC": None, "FC": None, "AC_tau": [None], "AA_tau": [0.42]}
-    results = reports.load_run(make_run(tmp_path / "one", [[0.42]], metrics, replacements=()))
+    results = reports_results.load_run(make_run(tmp_path / "one", [[0.42]], metrics, replacements=()))
     text = reports.render_report_markdown(results)
     assert "| AC | n/a |" in text and "| AA | 42.00 |" in text and "| FC | n/a |" in text
     assert "- replacements at tasks (1-based): none" in text
@@ -180,27 +183,27 @@ def test_missing_file_is_named(tmp_path, missing):
     run_dir = make_run(tmp_path / "run", MATRIX_3, METRICS_3)
     (run_dir / missing).unlink()
     with pytest.raises(FileNotFoundError, match=missing):
-        reports.load_run(run_dir)
+        reports_results.load_run(run_dir)
 
 
 def test_malformed_metrics_name_the_key(tmp_path):
     without_aca = {key: value for key, value in METRICS_3.items() if key != "ACA"}
     with pytest.raises(KeyError, match="'ACA'"):
-        reports.load_run(make_run(tmp_path / "a", MATRIX_3, without_aca))
+        reports_results.load_run(make_run(tmp_path / "a", MATRIX_3, without_aca))
     with pytest.raises(ValueError, match=r"AA: expected a fraction .*not percent"):
-        reports.load_run(make_run(tmp_path / "b", MATRIX_3, dict(METRICS_3, AA=62.5)))
+        reports_results.load_run(make_run(tmp_path / "b", MATRIX_3, dict(METRICS_3, AA=62.5)))
     with pytest.raises(ValueError, match=r"AA_tau must be a list of 3 values"):
-        reports.load_run(make_run(tmp_path / "c", MATRIX_3, dict(METRICS_3, AA_tau=[0.5, 0.6])))
+        reports_results.load_run(make_run(tmp_path / "c", MATRIX_3, dict(METRICS_3, AA_tau=[0.5, 0.6])))
     with pytest.raises(ValueError, match=r"replacements\[0\]\.at_task .* 1\.\.3"):
-        reports.load_run(make_run(tmp_path / "d", MATRIX_3, METRICS_3, replacements=(4,)))
+        reports_results.load_run(make_run(tmp_path / "d", MATRIX_3, METRICS_3, replacements=(4,)))
     run_dir = make_run(tmp_path / "e", MATRIX_3, METRICS_3)
     (run_dir / "matrix.json").write_text(json.dumps({"format": "compat-matrix/1", "metric": "recall_at_1"}))
     with pytest.raises(ValueError, match=r"matrix\.json: compatibility matrix: missing key 'model_ids'"):
-        reports.load_run(run_dir)
+        reports_results.load_run(run_dir)
     run_dir = make_run(tmp_path / "f", MATRIX_3, METRICS_3)
     (run_dir / "config.yaml").write_text("name: x\nmethod: {params: {}}\n")
     with pytest.raises(ValueError, match=r"config\.yaml: method\.name"):
-        reports.load_run(run_dir)
+        reports_results.load_run(run_dir)
 
 
 def test_non_strict_criterion_counts_ties_as_compatible(tmp_path):
@@ -208,13 +211,13 @@ def test_non_strict_criterion_counts_ties_as_compatible(tmp_path):
     tie = [[0.5, NAN], [0.5, 0.6]]
     strict_metrics = {"AC": 0.0, "AA": 1.6 / 3, "ACA": 0.0, "BC": 0.0, "FC": -0.1,
                       "AC_tau": [None, 0.0], "AA_tau": [0.5, 1.6 / 3]}
-    strict = reports.load_run(make_run(tmp_path / "strict", tie, strict_metrics, replacements=()))
+    strict = reports_results.load_run(make_run(tmp_path / "strict", tie, strict_metrics, replacements=()))
     assert strict.failing.tolist() == [[False, False], [True, False]] and strict.warnings == []
     lenient_dir = make_run(tmp_path / "lenient", tie, dict(strict_metrics, AC=1.0, ACA=0.5, AC_tau=[None, 1.0]),
                            replacements=())
     record = CompatibilityMatrix(np.array(tie), ["a", "b"], "recall_at_1", {"gallery": "instances", "strict": False})
     (lenient_dir / "matrix.json").write_text(record.to_json())
-    lenient = reports.load_run(lenient_dir)
+    lenient = reports_results.load_run(lenient_dir)
     assert not lenient.failing.any() and lenient.warnings == []
     text = reports.render_report_markdown(lenient)
     assert "C[t,k] >= C[k,k] (non-strict); 0 of 1 cross-tests fail it" in text and "| ACA | 50.00 |" in text
@@ -263,10 +266,10 @@ def test_compare_table_csv_and_plot(tmp_path, capsys):
 
 
 def test_compare_figure_has_every_run(tmp_path):
-    summaries = reports.load_runs([make_run(tmp_path / "hoc", MATRIX_3, METRICS_3),
+    summaries = reports_compare.load_runs([make_run(tmp_path / "hoc", MATRIX_3, METRICS_3),
                                    make_run(tmp_path / "er", MATRIX_2, METRICS_2, name="toy-er", method="er",
                                             replacements=())])
-    fig, (curves, bars) = reports.compare_figure(summaries)
+    fig, (curves, bars) = reports_compare.compare_figure(summaries)
     by_label = {line.get_label(): line for line in curves.get_lines()}
     np.testing.assert_allclose(by_label["toy-hoc"].get_ydata(), [50.0, 60.0, 62.5])
     np.testing.assert_allclose(by_label["toy-er"].get_ydata(), [30.0, 30.0])
@@ -284,7 +287,7 @@ def test_eval_variant_folder_uses_the_run_config(tmp_path):
     variant = tmp_path / "run" / "eval-recall_at_1-class_means-fine"
     make_run(variant, MATRIX_3, METRICS_3, name="ignored", replacements=(2,), gallery="class_means")
     (variant / "config.yaml").unlink()
-    results = reports.load_run(variant)
+    results = reports_results.load_run(variant)
     assert results.name == "toy-hoc/eval-recall_at_1-class_means-fine"
     assert results.gallery == "class_means" and results.replacement_tasks == [3]  # replacements: the run's config
     assert results.run_dir == variant and results.warnings == []
@@ -294,7 +297,7 @@ def test_eval_variant_folder_uses_the_run_config(tmp_path):
 def test_compare_disambiguates_runs_with_the_same_name(tmp_path):
     a = make_run(tmp_path / "a", MATRIX_3, METRICS_3)
     b = make_run(tmp_path / "b", MATRIX_2, METRICS_2, replacements=())
-    labels = [s.label for s in reports.load_runs([a, b])]
+    labels = [s.label for s in reports_compare.load_runs([a, b])]
     assert labels == [f"toy-hoc ({a})", f"toy-hoc ({b})"]
 
 
@@ -303,13 +306,13 @@ def test_compare_accepts_a_registered_source(tmp_path, monkeypatch):
     trials = [make_run(tmp_path / "search" / f"trial_{i}", MATRIX_2, METRICS_2, name=f"trial-{i}", replacements=())
               for i in (0, 1)]
     (tmp_path / "search" / "experiment_state.json").write_text("{}")
-    source = reports.RunSource(
+    source = reports_compare.RunSource(
         description="test search directory",
         matches=lambda path: (path / "experiment_state.json").is_file(),
-        load=lambda path: [reports.load_run_summary(trial) for trial in sorted(path.glob("trial_*"))],
+        load=lambda path: [reports_compare.load_run_summary(trial) for trial in sorted(path.glob("trial_*"))],
     )
-    monkeypatch.setitem(reports.RUN_SOURCES._entries, "test-search", source)
-    summaries = reports.load_runs([tmp_path / "search", make_run(tmp_path / "single", MATRIX_3, METRICS_3)])
+    monkeypatch.setitem(reports_compare.RUN_SOURCES._entries, "test-search", source)
+    summaries = reports_compare.load_runs([tmp_path / "search", make_run(tmp_path / "single", MATRIX_3, METRICS_3)])
     assert [s.name for s in summaries] == ["trial-0", "trial-1", "toy-hoc"]
     assert summaries[0].source == str(trials[0]) and math.isclose(summaries[2].metrics["AC"], 2 / 3)
 

@@ -8,7 +8,8 @@ import torch
 from pipelines.config_load import validate_config
 from pipelines.executor import LocalExecutor
 from pipelines.graph import compile_scenario
-from pipelines.store import RunStore, read_features
+from pipelines.feature_store import read_features
+from pipelines.store import RunStore
 
 import tiny_scenario_helpers as tiny
 

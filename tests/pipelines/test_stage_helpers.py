@@ -10,7 +10,7 @@ import tiny_scenario_helpers as tiny
 tiny.register()  # the tiny-synth dataset: configs naming it validate only once it is registered
 from pipelines.config_load import validate_config
 from pipelines.graph import compile_scenario
-from pipelines.stages import compute_entry, verification_pairs
+from pipelines.entry_metrics import compute_entry, verification_pairs
 from pipelines.autocast import precision_context
 from pipelines.train_config import TrainConfig
 

@@ -4,7 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from pipelines.store import CorruptArtifactError, RunStore, feature_blobs, read_features, sha256_bytes
+from pipelines.feature_store import read_features
+from pipelines.store import CorruptArtifactError, RunStore, feature_blobs, sha256_bytes
 
 
 def test_commit_then_read_roundtrip(tmp_path):

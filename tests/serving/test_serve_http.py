@@ -51,7 +51,8 @@ def _features(service, version: str, pool: str) -> np.ndarray:
     from cluster.registry import MlflowModelResolver
     from cluster.serving.models import ModelRef, load_served_model
     from pipelines.config_load import load_config
-    from pipelines.stages import extract_pool_features, load_pool
+    from pipelines.extraction import extract_pool_features
+    from pipelines.pools import load_pool
 
     config = load_config(str(service["config"]))
     spec = config.evaluation.query_set if pool == "query" else config.evaluation.gallery_set
@@ -90,7 +91,8 @@ def test_recall_at_1_equals_the_evaluation(service):
     """The service's top-1 labels over the query pool (images sent as PNG) give the evaluation's Recall@1."""
     from cluster.serving.index_store import load_index
     from pipelines.config_load import load_config
-    from pipelines.stages import compute_entry, load_pool
+    from pipelines.entry_metrics import compute_entry
+    from pipelines.pools import load_pool
 
     config = load_config(str(service["config"]))
     query_pool, gallery_pool = load_pool(config.evaluation.query_set), load_pool(config.evaluation.gallery_set)
@@ -219,7 +221,7 @@ def test_gate_move_and_rollback_swap_live_under_load(service):
     from cluster.serving.index_store import load_index
     from cluster.serving.models import ModelRef, embed_images, load_served_model
     from pipelines.config_load import load_config
-    from pipelines.stages import load_pool
+    from pipelines.pools import load_pool
 
     v1, v2 = service["versions"]
     config = load_config(str(service["config"]))
@@ -264,7 +266,7 @@ def test_replica_killed_under_load_keeps_answering(service):
     import signal
 
     from pipelines.config_load import load_config
-    from pipelines.stages import load_pool
+    from pipelines.pools import load_pool
 
     config = load_config(str(service["config"]))
     images = load_pool(config.evaluation.query_set).read(np.arange(6))
@@ -296,7 +298,8 @@ def test_backfill_while_serving_flips_chunks_and_logs_the_probe_curve(service):
     from cluster.serving.backfill import EXPERIMENT
     from cluster.serving.index_store import load_index
     from pipelines.config_load import load_config
-    from pipelines.stages import compute_entry, load_pool
+    from pipelines.entry_metrics import compute_entry
+    from pipelines.pools import load_pool
 
     v1, v2 = service["versions"]
     tracking = ["--tracking-uri", service["tracking"]]
@@ -364,7 +367,7 @@ def test_gate_adapter_is_applied_to_the_old_group(service, adapter_service):
     adapted v2 query: the same answers as under v1, and the answer names the adapter."""
     url, name, (v1, v2) = adapter_service["url"], adapter_service["name"], adapter_service["versions"]
     from pipelines.config_load import load_config
-    from pipelines.stages import load_pool
+    from pipelines.pools import load_pool
 
     config = load_config(str(service["config"]))
     images = load_pool(config.evaluation.query_set).read(np.arange(10))
