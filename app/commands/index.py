@@ -75,6 +75,10 @@ def run(args) -> int:
         return 0
     if not args.model:
         raise ValueError(f"compat index {args.action}: --model models:/NAME@ALIAS is required")
+    if args.action == "backfill":
+        from cluster.serving.ray_join import resolve_ray_target
+
+        resolve_ray_target(args.ray_address)  # an address it cannot join fails now, not after the config is read
     config = _config(args)
     if args.action == "build":
         from cluster.serving.index_build import build_index
