@@ -69,7 +69,7 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
     from mlflow.entities import Metric
 
     from cluster.registry import MlflowModelResolver
-    from cluster.serving.index_build import pool_of
+    from cluster.serving.index_build import evaluation_labels, pool_of
     from cluster.tracking import ensure_experiment
     from compat_core.backfill import backfill_order
     from pipelines.config import PoolSpec
@@ -100,7 +100,7 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
         _, query_pool = pool_of(config, "query")
         model = load_served_model(resolver, ref, "cpu")
         query = torch.from_numpy(extract_pool_features(model, query_pool, config, torch.device("cpu")))
-        query_labels = np.asarray(query_pool.labels)
+        query_labels = evaluation_labels(config, query_pool)
     run = client.create_run(ensure_experiment(client, EXPERIMENT), run_name=f"backfill-{ref.name}-v{ref.version}",
                             tags={"run_role": "backfill", "registered_model": ref.name, "target_version": ref.version,
                                   "index_root": root, "order": order, "start_manifest": head})

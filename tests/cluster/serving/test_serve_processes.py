@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import serving_helpers as helpers
 from app.cli import main
@@ -147,6 +148,24 @@ def test_serve_and_backfill_from_separate_shells_on_a_token_head(mlflow_server, 
             np.testing.assert_allclose([r["score"] for r in answer["results"]], scores[expected], atol=1e-6)
             assert {r["item_version"] for r in answer["results"]} == {v2}
         assert f"on Ray cluster {head.gcs_address}" in backfill.stdout  # the chunks ran on the head
+        # the probe scores the evaluation's protocol (coarse labels here): at 100 % it is the self-test M(v2, v2)
+        from cluster.registry import MlflowModelResolver
+        from cluster.serving.models import ModelRef, load_served_model
+        from pipelines.config_load import load_config
+        from pipelines.stages import compute_entry, extract_pool_features, load_pool
+
+        scenario = load_config(str(config))
+        query_pool, gallery_pool = (load_pool(scenario.evaluation.query_set),
+                                    load_pool(scenario.evaluation.gallery_set))
+        assert index.labels.tolist() == np.asarray(gallery_pool.coarse_labels).tolist()
+        model = load_served_model(MlflowModelResolver(mlflow_server.tracking_uri, cache_dir=str(tmp_path / "models")),
+                                  ModelRef(NAME, v2))
+        queries = extract_pool_features(model, query_pool, scenario, torch.device("cpu"))
+        protocol = {"metric": "recall_at_1", "gallery": "instances", "label_level": "coarse"}
+        self_test = compute_entry((queries, query_pool.labels, query_pool.coarse_labels),
+                                  (index.embeddings, gallery_pool.labels, gallery_pool.coarse_labels), protocol,
+                                  scenario)
+        assert summary["probe_recall_at_1"][-1] == pytest.approx(self_test, abs=1e-12)
         outputs = up.stdout + up.stderr + backfill.stdout + backfill.stderr + refused.stderr + serve_log.read_text()
         assert token not in outputs
         assert re.search(r"backfill: 100\.0% embedded by v" + v2, backfill.stdout)
