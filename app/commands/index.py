@@ -18,6 +18,7 @@ import os
 from cluster.serving.backfill import run_backfill
 from cluster.serving.index_build import build_index
 from cluster.serving.index_store import load_index
+from cluster.serving.ray_join import resolve_ray_target
 from cluster.storage import configure_object_storage
 from pipelines.config_load import load_config
 
@@ -38,7 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe", default="query", choices=("query", "none"),
                         help="probe Recall@1 per chunk on the config's evaluation query set (backfill)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the backfill order")
-    parser.add_argument("--ray-address", default=None, help="Ray cluster (default: a local instance)")
+    parser.add_argument("--ray-address", default=None, help="Ray cluster (backfill): its GCS address HOST:PORT, "
+                        "or the job server http://HOST:PORT of a `compat cluster up` head (default: $RAY_ADDRESS, "
+                        "else a local instance)")
+    parser.add_argument("--ray-token-file", default=None, metavar="FILE",
+                        help="the cluster's token (default: Ray's standard places, e.g. ~/.ray/auth_token)")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking server (default: $MLFLOW_TRACKING_URI)")
 
@@ -69,6 +74,8 @@ def run(args) -> int:
         return 0
     if not args.model:
         raise ValueError(f"compat index {args.action}: --model models:/NAME@ALIAS is required")
+    if args.action == "backfill":
+        resolve_ray_target(args.ray_address)  # an address it cannot join fails now, not after the config is read
     config = _config(args)
     if args.action == "build":
         build_index(args.root, config, args.model, _tracking(args), args.pool, args.shard_rows, args.payload_prefix)
@@ -76,7 +83,7 @@ def run(args) -> int:
 
     summary = run_backfill(args.root, config, args.model, _tracking(args), chunk_rows=args.chunk_rows,
                            order=args.order, seed=args.seed, probe=args.probe != "none",
-                           ray_address=args.ray_address)
+                           ray_address=args.ray_address, ray_token_file=args.ray_token_file)
     print(json.dumps(summary, indent=2))
     return 0 if summary.get("done") else 1
 

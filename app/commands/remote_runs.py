@@ -11,6 +11,7 @@ from typing import Iterator
 from cluster.storage import configure_object_storage, installed_access
 from compat_core import io as cio
 from pipelines.lease import run_lease
+from pipelines.reports_results import CONFIG_FILE, MATRIX_FILE
 
 
 def is_remote(location: object) -> bool:
@@ -40,13 +41,29 @@ def local_copies(locations: list[str]) -> Iterator[list[Path]]:
             if not cio.is_dir(root):
                 raise FileNotFoundError(f"{root}: not a run folder (nothing there; expected the run directory "
                                         f"written by `compat run`)")
-            local = Path(temporary) / str(index) / root.rsplit("/", 1)[-1]
+            names = [name for name in cio.list_dir(root) if not cio.is_dir(cio.join(root, name))]
+            parent = variant_parent(root, names)
+            if parent is None:
+                local = Path(temporary) / str(index) / root.rsplit("/", 1)[-1]
+            else:  # the run's config.yaml one level up, where the report reader looks for it
+                local = Path(temporary) / str(index) / parent.rsplit("/", 1)[-1] / root.rsplit("/", 1)[-1]
+                local.parent.mkdir(parents=True)
+                (local.parent / CONFIG_FILE).write_bytes(cio.read_bytes(cio.join(parent, CONFIG_FILE)))
             local.mkdir(parents=True)
-            for name in cio.list_dir(root):
-                if not cio.is_dir(cio.join(root, name)):
-                    (local / name).write_bytes(cio.read_bytes(cio.join(root, name)))
+            for name in names:
+                (local / name).write_bytes(cio.read_bytes(cio.join(root, name)))
             folders.append(local)
         yield folders
+
+
+def variant_parent(root: str, names: list[str] | None = None) -> str | None:
+    """The run folder of an ``s3://`` ``compat eval`` variant folder (``RUN/eval-*/``: matrix.json, no config.yaml,
+    the run's config.yaml one level up), else None. names: the files directly in ``root``, when already listed."""
+    names = cio.list_dir(root) if names is None else names
+    if CONFIG_FILE in names or MATRIX_FILE not in names or "/" not in root[len("s3://"):]:
+        return None
+    parent = root.rsplit("/", 1)[0]
+    return parent if cio.exists(cio.join(parent, CONFIG_FILE)) else None
 
 
 def upload_reports(location: str, paths: dict) -> dict:
@@ -54,11 +71,11 @@ def upload_reports(location: str, paths: dict) -> dict:
     refused); returns the uploaded URIs by the same keys."""
     root = str(location).rstrip("/")
     uploaded = {}
-    with run_lease(root):
+    with run_lease(variant_parent(root) or root):  # a variant folder lies inside its run: the run's lease
         for key, path in paths.items():
             uploaded[key] = cio.join(root, Path(path).name)
             cio.write_bytes(uploaded[key], Path(path).read_bytes())
     return uploaded
 
 
-__all__ = ["is_remote", "local_copies", "upload_reports"]
+__all__ = ["is_remote", "local_copies", "upload_reports", "variant_parent"]

@@ -13,7 +13,7 @@ import os
 import time
 
 from cluster.serving.app import start
-from cluster.serving.backfill import connect_ray
+from cluster.serving.ray_join import connect_ray
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "for every choice)")
     parser.add_argument("--max-k", type=int, default=100)
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    parser.add_argument("--ray-address", default=None, help="Ray cluster (default: a local instance)")
+    parser.add_argument("--ray-address", default=None, help="Ray cluster: its GCS address HOST:PORT, or the job "
+                        "server http://HOST:PORT of a `compat cluster up` head (default: $RAY_ADDRESS, else a "
+                        "local instance)")
+    parser.add_argument("--ray-token-file", default=None, metavar="FILE",
+                        help="the cluster's token (default: Ray's standard places, e.g. ~/.ray/auth_token)")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking server (default: $MLFLOW_TRACKING_URI)")
     parser.add_argument("--for-seconds", type=float, default=None, help="stop after this long (default: until "
@@ -47,14 +51,15 @@ def run(args) -> int:
         raise ValueError("--tracking-uri: give the MLflow tracking server (or set MLFLOW_TRACKING_URI)")
     if args.replicas < 1:
         raise ValueError(f"--replicas: expected >= 1, got {args.replicas}")
-    connect_ray(args.ray_address)
+    connect_ray(args.ray_address, args.ray_token_file)
     settings = {"index": args.index, "model": args.model, "tracking_uri": tracking, "poll_s": args.poll_s,
                 "precision": args.precision, "device": "cuda" if args.num_gpus > 0 else "cpu",
                 "threads": args.threads, "limits": {"max_k": args.max_k, "max_body_bytes": args.max_body_bytes}}
     url = start(settings, args.host, args.port, num_replicas=args.replicas, num_cpus=args.num_cpus,
                 num_gpus=args.num_gpus)
     print(f"serving {args.index} with {args.model} at {url} (POST /search, GET /healthz, GET /metrics); Ray "
-          f"cluster {ray.get_runtime_context().gcs_address} (backfill with --ray-address)", flush=True)
+          f"cluster {ray.get_runtime_context().gcs_address} (`compat index backfill ... --ray-address` it)",
+          flush=True)
     try:
         deadline = None if args.for_seconds is None else time.monotonic() + args.for_seconds
         while deadline is None or time.monotonic() < deadline:

@@ -5,7 +5,8 @@ HTTP is Serve's own proxy and its Starlette request objects (``__call__(request)
 no model is loaded), ``GET /metrics`` (Prometheus text of the replica that answered).
 
 Each replica polls the registry alias (``models:/NAME@ALIAS``) and the index HEAD every ``poll_s`` seconds on a
-background thread; on a change it loads the new model version (and the adapter the gate installed with it), builds
+background thread, which also makes the first load (until it succeeds the replica answers, 503 "loading"); on a
+change it loads the new model version (and the adapter the gate installed with it), builds
 a complete ``ServingState`` and swaps its reference in one assignment (``cluster.serving.state``). A failed load
 keeps the current state (counted in ``compat_model_swap_errors_total``) and is retried at the next poll.
 """
@@ -32,7 +33,7 @@ from compat_core.search_request import RequestError, SearchLimits, parse_search_
 
 LOG = logging.getLogger("compat.serve")
 DEFAULT_SETTINGS = {"poll_s": 2.0, "precision": "auto", "device": "cpu", "threads": 1, "cache_dir": None,
-                    "limits": {}}
+                    "limits": {}, "first_load_wait_s": 20.0}
 
 
 def _json(document: Any, status: int = 200):
@@ -43,7 +44,8 @@ def _json(document: Any, status: int = 200):
 
 class SearchService:
     """One replica. settings: index (root URI), model (models:/ URI), tracking_uri, poll_s, precision, device,
-    threads (torch intra-op threads), cache_dir, limits (SearchLimits fields). Plain JSON values only."""
+    threads (torch intra-op threads), cache_dir, limits (SearchLimits fields), first_load_wait_s (how long a search
+    that reaches a replica still making its first load waits for it, seconds). Plain JSON values only."""
 
     def __init__(self, settings: dict) -> None:
         self.settings = {**DEFAULT_SETTINGS, **settings}
@@ -62,10 +64,8 @@ class SearchService:
         self._stop = threading.Event()
         self._resolver = None
         self._prepare_storage()
-        try:
-            self.refresh()
-        except Exception as error:  # noqa: BLE001 - the replica starts and answers 503 until a load succeeds
-            self._note_error(error)
+        # the first load runs on the watcher thread too: the replica answers at once (/healthz "loading", 503)
+        # instead of waiting out a slow or unreachable registry's retries in its constructor
         self._watcher = threading.Thread(target=self._watch, name="compat-serve-watch", daemon=True)
         self._watcher.start()
 
@@ -119,11 +119,13 @@ class SearchService:
         LOG.warning("load failed: %s", self.last_error)
 
     def _watch(self) -> None:
-        while not self._stop.wait(float(self.settings["poll_s"])):
+        while True:
             try:
                 self.refresh()
-            except Exception as error:  # noqa: BLE001 - keep serving the current state
+            except Exception as error:  # noqa: BLE001 - keep serving the current state (503 until a first load)
                 self._note_error(error)
+            if self._stop.wait(float(self.settings["poll_s"])):
+                return
 
     def __del__(self) -> None:
         self._stop.set()
@@ -169,6 +171,8 @@ class SearchService:
             raise RequestError(413, "body", f"{length} bytes is over the limit of {self.limits.max_body_bytes} bytes")
         body = await request.body()
         if state is None:
+            state = await self._first_state()
+        if state is None:
             return _json({"error": {"status": 503, "field": None,
                                     "message": f"no model loaded yet ({self.last_error or 'loading'}); retry"}}, 503)
         parsed = parse_search_request(body, request.headers.get("content-type"), dim=state.index.dim,
@@ -184,6 +188,15 @@ class SearchService:
         if parsed.image is not None and state.model is None:
             raise RequestError(400, "image", "no model to embed images; send 'embedding'")
         return _json(await self._batched((state, parsed)))
+
+    async def _first_state(self) -> ServingState | None:
+        """The state once the first load succeeds, waiting up to ``first_load_wait_s`` while it is in progress (a
+        replica Serve starts, e.g. replacing a lost one, gets requests before its model is loaded); None when that
+        load failed (retried at the next poll) or takes longer."""
+        deadline = time.monotonic() + float(self.settings["first_load_wait_s"])
+        while self._state is None and self.last_error is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self._state
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.0)
     async def _batched(self, items: list[tuple[ServingState, Any]]) -> list[dict]:

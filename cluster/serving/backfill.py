@@ -15,10 +15,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cluster.ray_executor import connect
-from cluster.ray_loopback import prepare_loopback
 from cluster.registry import MlflowModelResolver
-from cluster.serving.index_build import pool_of
+from cluster.serving.index_build import evaluation_labels, pool_of
 from cluster.serving.index_store import commit_manifest, load_index, read_manifest, shard_table, write_shard
 from cluster.serving.models import ModelRef, installed_adapter, load_served_model, resolve_model_ref
 from cluster.serving.state import build_state
@@ -29,17 +27,10 @@ from compat_core.gallery_search import search_groups
 from pipelines.config import PoolSpec
 from pipelines.extraction import extract_pool_features
 from pipelines.pools import load_pool
+from cluster.serving.ray_join import connect_ray
 
 EXPERIMENT = "compat-backfill"
 
-
-def connect_ray(address: str | None) -> None:
-    """Join ``address`` (None: an embedded local instance on 127.0.0.1) through the project's one Ray entry point;
-    a loopback address needs this process's Ray to keep 127.0.0.1 too (otherwise Ray rewrites it to the machine's
-    address). Token auth of that cluster comes from RAY_AUTH_MODE / RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH."""
-    if address and address.split("://")[-1].split(":")[0] in ("127.0.0.1", "localhost"):
-        prepare_loopback()
-    connect(address)
 
 __all__ = ["run_backfill", "probe_recall_at_1", "EXPERIMENT"]
 
@@ -70,7 +61,8 @@ def probe_recall_at_1(index, query: np.ndarray, query_labels: np.ndarray, served
 
 def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chunk_rows: int = 256,
                  order: str = "random", seed: int = 0, probe: bool = True, ray_address: str | None = None,
-                 cache_dir: str | None = None, in_flight: int = 2, log: Callable[[str], None] = print) -> dict:
+                 cache_dir: str | None = None, in_flight: int = 2, log: Callable[[str], None] = print,
+                 ray_token_file: str | None = None) -> dict:
     """Re-embed every item of ``root`` not embedded by the version behind ``model_uri``; returns a summary
     (fractions, probe Recall@1 per chunk, MLflow run id, done)."""
     import ray
@@ -81,6 +73,8 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
         raise ValueError(f"--chunk-rows: expected a positive number of items, got {chunk_rows}")
     if order != "random":
         raise ValueError(f"--order {order!r}: the backfill supports 'random' (seeded)")
+    connect_ray(ray_address, ray_token_file)  # before anything is recorded: a cluster out of reach leaves no run
+    log(f"backfill: chunks re-embedded as Ray tasks on Ray cluster {ray.get_runtime_context().gcs_address}")
     resolver = MlflowModelResolver(tracking_uri, cache_dir=cache_dir)
     client = resolver.client
     ref = resolve_model_ref(client, model_uri)
@@ -100,7 +94,7 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
         _, query_pool = pool_of(config, "query")
         model = load_served_model(resolver, ref, "cpu")
         query = torch.from_numpy(extract_pool_features(model, query_pool, config, torch.device("cpu")))
-        query_labels = np.asarray(query_pool.labels)
+        query_labels = evaluation_labels(config, query_pool)
     run = client.create_run(ensure_experiment(client, EXPERIMENT), run_name=f"backfill-{ref.name}-v{ref.version}",
                             tags={"run_role": "backfill", "registered_model": ref.name, "target_version": ref.version,
                                   "index_root": root, "order": order, "start_manifest": head})
@@ -123,7 +117,6 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
             + (f", probe Recall@1 {summary['probe_recall_at_1'][-1]:.4f}" if probe else ""))
 
     record(index, 0)
-    connect_ray(ray_address)
     task = ray.remote(num_cpus=1, max_retries=2)(_embed_chunk)
     image = manifest["image"]
     pinned = ref.uri

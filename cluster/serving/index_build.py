@@ -13,7 +13,7 @@ from pipelines.extraction import extract_pool_features
 from pipelines.pools import load_pool
 from pipelines.stage_context import resolve_device
 
-__all__ = ["build_index", "pool_image_spec", "pool_of"]
+__all__ = ["build_index", "evaluation_labels", "pool_image_spec", "pool_of"]
 
 
 def pool_of(config: Any, pool: str):
@@ -23,6 +23,18 @@ def pool_of(config: Any, pool: str):
         raise ValueError(f"--pool {pool!r}: expected one of {sorted(keys)}")
     spec = config.evaluation.gallery_set if pool == "gallery" else config.evaluation.query_set
     return spec, load_pool(spec, keys[pool])
+
+
+def evaluation_labels(config: Any, source: Any) -> np.ndarray:
+    """The pool's labels at the config's ``evaluation.label_level`` (the coarse labels for 'coarse'), as the
+    evaluation compares them: what the index stores and the backfill probe scores, so its Recall@1 is the
+    evaluation's."""
+    if config.evaluation.label_level == "coarse":
+        coarse = getattr(source, "coarse_labels", None)
+        if coarse is None:
+            raise ValueError("evaluation.label_level: 'coarse' needs a dataset with coarse labels (this one has none)")
+        return np.asarray(coarse, dtype=np.int64)
+    return np.asarray(source.labels, dtype=np.int64)
 
 
 def pool_image_spec(source: Any) -> dict:
@@ -47,7 +59,7 @@ def build_index(root: str, config: Any, model_uri: str, tracking_uri: str, pool:
     features = extract_pool_features(model, source, config, device)
     log(f"index: {features.shape[0]} x {features.shape[1]} embeddings by {ref.uri} in "
         f"{time.perf_counter() - started:.1f} s")
-    labels = np.asarray(source.labels, dtype=np.int64)
+    labels = evaluation_labels(config, source)
     shards = []
     for start in range(0, features.shape[0], shard_rows):
         stop = min(features.shape[0], start + shard_rows)

@@ -80,3 +80,34 @@ def test_ingest_reaches_the_endpoint_of_an_aws_profile(s3_server, s3_bucket, tmp
             assert cio.list_dir(out)
     finally:
         reset_object_storage()
+
+
+def test_report_and_compare_of_an_eval_variant_folder_on_s3(s3_server, s3_bucket, tmp_path, monkeypatch, capsys):
+    """A `compat eval` variant folder (RUN/eval-*/: matrix.json and metrics.json, the run's config.yaml one level
+    up) on S3 is reported and compared like a local one; the report is written into the variant folder."""
+    from compat_core import io as cio
+    from cluster.storage import object_storage, reset_object_storage
+
+    hoc = make_run(tmp_path / "hoc", MATRIX_3, METRICS_3)
+    run = f"s3://{s3_bucket}/runs/hoc"
+    variant = f"{run}/eval-recall_at_1-instances-coarse"
+    _profile_only(s3_server, tmp_path, monkeypatch)
+    with object_storage():
+        for path in hoc.iterdir():
+            cio.write_bytes(f"{run}/{path.name}", path.read_bytes())
+            if path.name != "config.yaml":
+                cio.write_bytes(f"{variant}/{path.name}", path.read_bytes())
+    reset_object_storage()
+    try:
+        assert main(["report", variant]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert out.startswith("toy-hoc/eval-recall_at_1-instances-coarse: method dsimplex-hoc")
+        assert "| AC | 0.6667 |" in out and "| AA | 62.50 |" in out
+        with object_storage():
+            assert {"report.md", "matrix.png", "matrix.csv"} <= set(cio.list_dir(variant))
+            assert "config.yaml" not in cio.list_dir(variant)  # the run's config stays where it was
+        assert main(["compare", run, variant, "--output", str(tmp_path / "out")]) == 0
+        out = capsys.readouterr().out
+        assert "toy-hoc/eval-recall_at_1-instances-coarse" in out and "| toy-hoc |" in out
+    finally:
+        reset_object_storage()

@@ -139,6 +139,36 @@ def test_casia_recordio_rec_idx_from_s3(object_store, tmp_path):
     np.testing.assert_array_equal(remote.read(np.array([4, 1])), expected[[4, 1]])
 
 
+
+def test_lfw_and_casia_folders_from_s3_check_every_image_before_decoding(object_store, tmp_path):
+    """The readers list the image tree once (one recursive listing) and refuse a missing or empty object, naming it
+    and, for LFW, its pairs.txt line, when the pool is opened; intact data reads as the local copy."""
+    people = {"Ann_A": [fx.flat_image(COLOURS[0], (8, 8))] * 2, "Bob_B": [fx.flat_image(COLOURS[1], (8, 8))]}
+    fx.write_lfw(tmp_path / "lfw", people, [[("Ann_A", 1, 2)]], [[("Ann_A", 1, "Bob_B", 1)]])
+    for identity, colours in (("0000045", COLOURS[:2]), ("0000099", COLOURS[2:3])):
+        for k, colour in enumerate(colours):
+            fx.write_image(tmp_path / "casia" / "CASIA-WebFace" / identity / f"{k + 1:03d}.jpg",
+                           fx.flat_image(colour, (8, 8)))
+    lfw, casia = f"s3://{object_store}/datasets/lfw", f"s3://{object_store}/datasets/casia"
+    _upload_tree(tmp_path / "lfw", lfw)
+    _upload_tree(tmp_path / "casia", casia)
+    for name, uri, local in (("lfw", lfw, tmp_path / "lfw"), ("casia_webface", casia, tmp_path / "casia")):
+        remote = load_dataset(name, root=uri, split=None, image_size=8)
+        here = load_dataset(name, root=str(local), split=None, image_size=8)
+        np.testing.assert_array_equal(remote.labels, here.labels)
+        np.testing.assert_array_equal(_all_images(remote), _all_images(here))
+    cio.write_bytes(f"{lfw}/lfw/Bob_B/Bob_B_0001.jpg", b"")
+    with pytest.raises(ValueError, match=rf"image {lfw}/lfw/Bob_B/Bob_B_0001.jpg \(listed in {lfw}/pairs.txt "
+                                         rf"line 3\) is empty"):
+        load_dataset("lfw", root=lfw, split="pairs", image_size=8)
+    fs, path = cio.resolve(f"{lfw}/lfw/Bob_B/Bob_B_0001.jpg")
+    fs.delete_file(path)
+    with pytest.raises(FileNotFoundError, match=r"Bob_B_0001.jpg \(listed in .*pairs.txt line 3\) does not exist"):
+        load_dataset("lfw", root=lfw, split="pairs", image_size=8)
+    cio.write_bytes(f"{casia}/CASIA-WebFace/0000099/001.jpg", b"")
+    with pytest.raises(ValueError, match=rf"image {casia}/CASIA-WebFace/0000099/001.jpg is empty"):
+        load_dataset("casia_webface", root=casia, image_size=8)
+
 def test_external_weights_and_model_round_trip_on_s3(object_store):
     torch.manual_seed(0)
     source = create_model("cnn4", 6, backbone_config={"width": 4})

@@ -97,22 +97,31 @@ def contained_path(dataset: str, base: str, relative: str, uri: str, line: int) 
 IMAGE_SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM")
 
 
-def check_image_files(dataset: str, locations: Sequence[str], origins: Sequence[str] | None = None) -> None:
+def check_image_files(dataset: str, locations: Sequence[str], origins: Sequence[str] | None = None,
+                      root: str | None = None) -> None:
     """Every listed image exists and is not empty, checked before any image is decoded (one listing per folder,
-    local or ``s3://``); the error names the file and the index line it came from."""
+    local or ``s3://``; or one recursive listing of ``root`` when every image lies under it, for layouts with
+    thousands of small folders); the error names the file and the index line it came from."""
     import pyarrow.fs as pafs
 
     sizes: dict[str, int] = {}
-    folders = sorted({posixpath.dirname(str(location)) for location in locations})
-    for folder in folders:
+    if root is not None:
+        prefix = str(root).rstrip("/")
+        if any(not str(location).startswith(prefix + "/") for location in locations):
+            raise ValueError(f"{dataset}: check_image_files root {root} does not hold every listed image")
+        listings = [(prefix, True)]
+    else:
+        listings = [(folder, False) for folder in sorted({posixpath.dirname(str(location)) for location in locations})]
+    for folder, recursive in listings:
         fs, path = io.resolve(folder)
         try:
-            infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=False))
+            infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=recursive))
         except OSError:
             infos = []
         for info in infos:
             if info.type == pafs.FileType.File:
-                sizes[posixpath.join(folder, info.base_name)] = int(info.size or 0)
+                relative = posixpath.relpath(info.path, path) if recursive else info.base_name
+                sizes[posixpath.join(folder, relative)] = int(info.size or 0)
     for index, location in enumerate(locations):
         where = f" (listed in {origins[index]})" if origins is not None else ""
         size = sizes.get(str(location))

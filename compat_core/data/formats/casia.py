@@ -15,6 +15,7 @@ The RecordIO reader is written from the published layout, without mxnet:
 """
 from __future__ import annotations
 
+import os
 import struct
 import threading
 
@@ -23,7 +24,7 @@ import numpy as np
 from compat_core import io
 
 from ..registry import register_dataset
-from ._shared import IMAGENET_MEAN, IMAGENET_STD, EncodedImageSource, require_root
+from ._shared import IMAGENET_MEAN, IMAGENET_STD, EncodedImageSource, check_image_files, require_root
 
 RECORDIO_MAGIC = 0xCED7230A
 IRHEADER = struct.Struct("<IfQQ")
@@ -213,6 +214,10 @@ def _load_folders(base: str, num_classes: int | None, image_size: int, cache_siz
         files = [n for n in io.list_dir(folder) if n.lower().endswith(IMAGE_EXTENSIONS)]
         locations += [io.join(folder, f) for f in files]
         labels += [label] * len(files)
+    if not io.is_remote(base):
+        _check_links(base, identities)
+    # every image exists (a dangling link does not), is not empty and looks like an image, before any is decoded
+    check_image_files("casia_webface", locations, root=base)
     return EncodedImageSource(
         "casia_webface/train" + ("" if num_classes is None else f"/first{num_classes}"),
         locations,
@@ -224,6 +229,25 @@ def _load_folders(base: str, num_classes: int | None, image_size: int, cache_siz
         hflip=True,
         cache_size=cache_size,
     )
+
+
+def _check_links(base: str, identities: list[str]) -> None:
+    """ValueError naming the entry when an identity folder or an image in one is a symbolic link to a place outside
+    ``base`` (a folder listing cannot name ``../``, but a link can lead out of the data root); FileNotFoundError
+    when a link leads nowhere."""
+    local_base = io.resolve(base)[1]
+    real_base = os.path.realpath(local_base)
+    for identity in identities:
+        folder = os.path.join(local_base, identity)
+        links = [folder] if os.path.islink(folder) else []
+        links += [entry.path for entry in os.scandir(folder) if entry.is_symlink()]
+        for link in links:
+            target = os.path.realpath(link)
+            if os.path.commonpath([real_base, target]) != real_base:
+                raise ValueError(f"casia_webface: {link} is a link to {target}, outside the data folder {base}; "
+                                 f"identity folders and images must lie inside it")
+            if not os.path.exists(target):  # a listing skips it silently: the image would just be missing
+                raise FileNotFoundError(f"casia_webface: {link} is a link to {target}, which does not exist")
 
 
 @register_dataset(

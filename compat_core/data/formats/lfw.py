@@ -8,7 +8,9 @@ import numpy as np
 from compat_core import io
 
 from ..registry import register_dataset
-from ._shared import EncodedImageSource, locate_dir, parse_int, read_text_lines, require_root
+from ._shared import (
+    EncodedImageSource, check_image_files, contained_path, locate_dir, parse_int, read_text_lines, require_root,
+)
 
 PAIRS_FORMAT = (
     "pairs.txt: first line '<folds>\\t<n>' (10\\t300), then per fold n same-person lines '<name>\\t<i>\\t<j>' "
@@ -31,8 +33,10 @@ class VerificationPairs:
         return int(self.left.shape[0])
 
 
-def parse_pairs(uri: str) -> tuple[list[tuple[str, int, str, int, bool, int]], int, int]:
-    """Rows ``(name1, i, name2, j, same, fold)`` of a published pairs.txt, plus (folds, pairs per half-fold)."""
+def parse_pairs(uri: str, lines: dict | None = None) -> tuple[list[tuple[str, int, str, int, bool, int]], int, int]:
+    """Rows ``(name1, i, name2, j, same, fold)`` of a published pairs.txt, plus (folds, pairs per half-fold).
+
+    lines: filled with ``(name, image number) -> first line naming it`` (for errors about that image)."""
     rows = read_text_lines("lfw", uri, PAIRS_FORMAT)
     if not rows or len(rows[0][1]) != 2:
         raise ValueError(f"lfw: {uri} line 1: expected the header '<folds>\\t<n>'; {PAIRS_FORMAT}")
@@ -56,6 +60,13 @@ def parse_pairs(uri: str) -> tuple[list[tuple[str, int, str, int, bool, int]], i
             name1, i, name2, j = fields
         first = parse_int("lfw", uri, number, i, PAIRS_FORMAT)
         second = parse_int("lfw", uri, number, j, PAIRS_FORMAT)
+        for value in (first, second):
+            if value < 1:
+                raise ValueError(f"lfw: {uri} line {number}: image number {value} is not a 1-based image number; "
+                                 f"expected {PAIRS_FORMAT}")
+        if lines is not None:
+            lines.setdefault((name1, first), number)
+            lines.setdefault((name2, second), number)
         pairs.append((name1, first, name2, second, same_expected, fold))
     return pairs, folds, per_half
 
@@ -77,18 +88,19 @@ def load_lfw(root: str | None, split: str, image_size: int = 112, cache_size: in
     """
     root = require_root("lfw", root, LAYOUT)
     base = locate_dir("lfw", root, [], ["pairs.txt"], LAYOUT)
-    pairs, _, _ = parse_pairs(io.join(base, "pairs.txt"))
+    pairs_uri, lines = io.join(base, "pairs.txt"), {}
+    pairs, _, _ = parse_pairs(pairs_uri, lines)
     image_dir = io.join(base, "lfw")
     keys = sorted({(p[0], p[1]) for p in pairs} | {(p[2], p[3]) for p in pairs})
     position = {key: i for i, key in enumerate(keys)}
     people = sorted({name for name, _ in keys})
     person = {name: i for i, name in enumerate(people)}
-    locations = [io.join(image_dir, name, f"{name}_{number:04d}.jpg") for name, number in keys]
-    # Probing every file would cost ~7,700 requests on an object store; the first and last catch a wrong root or
-    # naming scheme, and any other missing file fails by name when read().
-    missing = [loc for loc in locations[:1] + locations[-1:] if not io.exists(loc)]
-    if missing:
-        raise FileNotFoundError(f"lfw: missing image {missing[0]}; expected {LAYOUT}")
+    # a name is a folder and a file stem: one that leaves lfw/ (../, an absolute path) is refused by its line
+    locations = [contained_path("lfw", image_dir, f"{name}/{name}_{number:04d}.jpg", pairs_uri, lines[(name, number)])
+                 for name, number in keys]
+    # every image exists, is not empty and looks like an image, before any is decoded (one recursive listing of
+    # lfw/, a few requests on an object store, not one per image or per person)
+    check_image_files("lfw", locations, [f"{pairs_uri} line {lines[key]}" for key in keys], root=image_dir)
     source = EncodedImageSource(
         "lfw/pairs",
         locations,

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
 
