@@ -18,7 +18,7 @@ import numpy as np
 from compat_core.data.glyph_fonts import _REFERENCE_FONTS, STYLES, _charmap, _font, _font_fingerprint
 
 # Bump whenever rendering, the catalogue rules or the pool layout change: it is part of the cache key.
-GLYPHS_VERSION = "1"
+GLYPHS_VERSION = "2"
 
 PRETRAIN_POOL_SIZES: tuple[int, ...] = (100, 300, 600)
 FINETUNE_CLASSES = 100
@@ -186,6 +186,8 @@ def build_catalogue(layout_seed: int = 0) -> GlyphCatalogue:
     Concepts are Latin base letters with >= MIN_CONCEPT_MEMBERS distinct forms. Fine-tuning takes each concept's
     plain letter, then further forms round-robin over concepts until FINETUNE_CLASSES; the test pool takes up to
     TEST_MEMBERS_PER_CONCEPT of the remaining forms per concept; everything else is shuffled into the pretrain order.
+    The validation pool takes up to TEST_MEMBERS_PER_CONCEPT forms per concept among the shuffled characters left
+    after the pretrain pool (the other pools are exactly as without it).
     """
     chars, considered, dropped = _distinct_characters()
     rng = np.random.default_rng([layout_seed, 0x67_6C_79])
@@ -219,12 +221,16 @@ def build_catalogue(layout_seed: int = 0) -> GlyphCatalogue:
         test.extend(variants[base][taken[base]:taken[base] + TEST_MEMBERS_PER_CONCEPT])
     used = set(finetune) | set(test)
     rest = [char for char in chars if char not in used]
-    pretrain = [rest[i] for i in rng.permutation(len(rest))][: PRETRAIN_POOL_SIZES[-1]]
+    shuffled = [rest[i] for i in rng.permutation(len(rest))]
+    pretrain = shuffled[: PRETRAIN_POOL_SIZES[-1]]
     if len(pretrain) < PRETRAIN_POOL_SIZES[-1]:
         raise ValueError(
             f"glyphs: only {len(pretrain)} classes left for pre-training, need {PRETRAIN_POOL_SIZES[-1]}"
         )
-    ordered = pretrain + finetune + test
+    left_over = shuffled[PRETRAIN_POOL_SIZES[-1]:]
+    val = [char for base in concepts
+           for char in [c for c in left_over if _concept_of(c) == base][:TEST_MEMBERS_PER_CONCEPT]]
+    ordered = pretrain + finetune + test + val
     coarse_names: list[str] = []
     coarse_index: dict[str, int] = {}
     coarse_of_class = []
@@ -234,11 +240,12 @@ def build_catalogue(layout_seed: int = 0) -> GlyphCatalogue:
             coarse_index[key] = len(coarse_names)
             coarse_names.append(key)
         coarse_of_class.append(coarse_index[key])
-    offsets = np.cumsum([0, len(pretrain), len(finetune), len(test)])
+    offsets = np.cumsum([0, len(pretrain), len(finetune), len(test), len(val)])
     pools = {
         "pretrain": np.arange(offsets[0], offsets[1], dtype=np.int64),
         "finetune": np.arange(offsets[1], offsets[2], dtype=np.int64),
         "test": np.arange(offsets[2], offsets[3], dtype=np.int64),
+        "val": np.arange(offsets[3], offsets[4], dtype=np.int64),
     }
     fonts = {
         style.name: tuple(tuple(name for name in style.fonts if ord(char) in _charmap(name)) for char in ordered)

@@ -14,12 +14,15 @@ Class pools mirror the roles in the papers (IAM-CL2R: ImageNet32 -> CIFAR100 -> 
   Fine labels are disjoint from every training pool; the coarse label (base letter, by Unicode canonical
   decomposition, case kept) is shared with fine-tuning classes, as CIFAR10's ``truck`` is covered by CIFAR100's
   ``pickup truck``. Evaluate it with ``label_level="coarse"``.
+- ``val``: the validation pool, built like ``test`` from forms left over by every other pool (up to
+  TEST_MEMBERS_PER_CONCEPT more forms of each base letter): its characters are in no other pool, so selecting a
+  setting on ``val-query`` / ``val-gallery`` sees neither a test image nor a test class nor a trained class.
 
 Styles: ``source`` (clean DejaVu Sans/Serif, for pre-training) and ``target`` (STIX, DejaVu Sans Mono and Computer
 Modern, stroke, blur, lower contrast, background texture and noise, for fine-tuning and test). Any pool can be
 rendered in either style; by default ``pretrain`` uses ``source`` and the others ``target``.
 
-Labels are *global* class ids of the whole glyph set (pretrain pool first, then finetune, then test), so labels of
+Labels are *global* class ids of the whole glyph set (pretrain pool first, then finetune, test, val), so labels of
 different pools never collide and :func:`compat_core.data.tasks.check_open_set` works on them directly.
 
 Rendered pools are cached as ``.npz`` under ``~/.cache/compat/glyphs/<key>/`` where ``<key>`` hashes the rendering
@@ -49,11 +52,12 @@ from compat_core.data.tasks import select_class_samples
 
 DEFAULT_IMAGES_PER_CLASS = 48
 
-SPLITS = ("finetune", "pretrain", "pretrain-1", "pretrain-2", "pretrain-3", "test", "test-query", "test-gallery")
+SPLITS = ("finetune", "pretrain", "pretrain-1", "pretrain-2", "pretrain-3", "test", "test-query", "test-gallery",
+          "val", "val-query", "val-gallery")
 _POOL_OF_SPLIT = {"pretrain": "pretrain", "pretrain-1": "pretrain", "pretrain-2": "pretrain",
                   "pretrain-3": "pretrain", "finetune": "finetune", "test": "test", "test-query": "test",
-                  "test-gallery": "test"}
-_DEFAULT_STYLE_OF_POOL = {"pretrain": "source", "finetune": "target", "test": "target"}
+                  "test-gallery": "test", "val": "val", "val-query": "val", "val-gallery": "val"}
+_DEFAULT_STYLE_OF_POOL = {"pretrain": "source", "finetune": "target", "test": "target", "val": "target"}
 
 
 @dataclass
@@ -143,7 +147,8 @@ def load_glyphs(
 
     split: ``pretrain`` (all 600 classes, or the first ``pool_size``), ``pretrain-1|2|3`` (first 100 / 300 / 600),
     ``finetune`` (100), ``test`` (open-set pool), ``test-query`` / ``test-gallery`` (odd / even instance ids of
-    every test class: disjoint halves). style: ``source`` | ``target``; None picks ``source`` for pretrain splits
+    every test class: disjoint halves), ``val`` / ``val-query`` / ``val-gallery`` (the validation pool, halved the
+    same way). style: ``source`` | ``target``; None picks ``source`` for pretrain splits
     and ``target`` otherwise. label_level: ``fine`` (labels = global character ids) or ``coarse`` (labels = base
     letter ids; ``fine_labels`` keeps the characters). root: same as ``cache_dir`` (the folder holding the rendered
     set); both None means ``~/.cache/compat/glyphs``. seed: rendering seed; layout_seed: pool assignment seed.
@@ -161,7 +166,7 @@ def load_glyphs(
     seed = _check_positive_int(seed, "seed", minimum=0)
     layout_seed = _check_positive_int(layout_seed, "layout_seed", minimum=0)
     image_size = _check_positive_int(image_size, "image_size", minimum=16)
-    if split.startswith("test-") and images_per_class < 2:
+    if split.endswith(("-query", "-gallery")) and images_per_class < 2:
         raise ValueError(f"glyphs: split {split!r} halves each class; images_per_class must be >= 2")
     if pool_size is not None and pool != "pretrain":
         raise ValueError(f"glyphs: pool_size applies to pretrain splits only, got split {split!r}")
@@ -184,9 +189,9 @@ def load_glyphs(
                 raise ValueError(f"glyphs: pool_size {pool_size} exceeds the {len(pool_ids)} pretrain classes")
             # Prefixes of the fixed pretrain order: every smaller pool is nested in every larger one.
             keep = select_class_samples(rendered.labels, pool_ids[:pool_size])
-    elif split == "test-query":
+    elif split in ("test-query", "val-query"):
         keep = np.flatnonzero(rendered.instance_ids % 2 == 1)
-    elif split == "test-gallery":
+    elif split in ("test-gallery", "val-gallery"):
         keep = np.flatnonzero(rendered.instance_ids % 2 == 0)
 
     def pick(values: np.ndarray) -> np.ndarray:
@@ -294,7 +299,7 @@ def _pool_disjointness(
 ) -> dict:
     """Pairwise class and character overlaps of the loaded pools and the nesting of the pretrain sub-pools."""
     fine_overlap, char_overlap = {}, {}
-    names = [pool for pool in ("pretrain", "finetune", "test") if pool in loaded_classes]
+    names = [pool for pool in ("pretrain", "finetune", "test", "val") if pool in loaded_classes]
     for position, first in enumerate(names):
         for second in names[position + 1:]:
             pair = f"{first}&{second}"

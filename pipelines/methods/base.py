@@ -21,7 +21,7 @@ Conventions shared by every method:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.nn.functional as F

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from compat_core.data import glyph_render, glyphs
-from compat_core.data.glyph_catalogue import DEFAULT_IMAGE_SIZE, build_catalogue, glyph_catalogue
+from compat_core.data.glyph_catalogue import DEFAULT_IMAGE_SIZE, TEST_MEMBERS_PER_CONCEPT, build_catalogue, glyph_catalogue
 from compat_core.data.glyph_fonts import STYLES
 from compat_core.data.glyphs import glyph_set_summary, load_glyphs
 from compat_core.data.tasks import check_open_set
@@ -18,7 +18,7 @@ SMALL = 4  # images per class for the cheap renders
 
 @pytest.fixture(scope="module")
 def full_set(tmp_path_factory):
-    """The full default set rendered once into a fresh cache (pretrain/source, finetune + test/target)."""
+    """The full default set rendered once into a fresh cache (pretrain/source, finetune + test + val/target)."""
     cache = tmp_path_factory.mktemp("glyph-cache")
     summary = glyph_set_summary(cache_dir=cache)
     print("\n" + glyphs.format_glyph_summary(summary))
@@ -41,7 +41,7 @@ def _char_of(source, label: int) -> str:
 
 def test_full_set_size(full_set):
     cache, summary = full_set
-    pools = {split: load_glyphs(split=split, cache_dir=cache) for split in ("pretrain", "finetune", "test")}
+    pools = {split: load_glyphs(split=split, cache_dir=cache) for split in ("pretrain", "finetune", "test", "val")}
     classes = {split: np.unique(source.fine_labels) for split, source in pools.items()}
     total_classes = sum(ids.size for ids in classes.values())
     assert total_classes >= 700
@@ -56,7 +56,7 @@ def test_full_set_size(full_set):
         entry = summary["pools"][f"{split}/{source.style}"]
         assert entry["images"] == len(source) and entry["classes"] == classes[split].size, split
     # The fixture's cache folder was fresh, so the summary must have rendered every pool itself.
-    assert [entry["from_cache"] for entry in summary["pools"].values()] == [False, False, False]
+    assert [entry["from_cache"] for entry in summary["pools"].values()] == [False, False, False, False]
 
 
 def test_pools_disjoint_nested_and_concepts_shared(full_set):
@@ -90,8 +90,10 @@ def test_pools_disjoint_nested_and_concepts_shared(full_set):
     assert len({base(char) for char in test_chars}) >= 10
     # The summary reports the same facts (counts recomputed here from the loaded pools).
     disjointness = summary["disjointness"]
-    assert disjointness["fine_label_overlap"] == {"pretrain&finetune": 0, "pretrain&test": 0, "finetune&test": 0}
-    assert disjointness["character_overlap"] == {"pretrain&finetune": 0, "pretrain&test": 0, "finetune&test": 0}
+    no_overlap = {"pretrain&finetune": 0, "pretrain&test": 0, "pretrain&val": 0, "finetune&test": 0,
+                  "finetune&val": 0, "test&val": 0}
+    assert disjointness["fine_label_overlap"] == no_overlap
+    assert disjointness["character_overlap"] == no_overlap
     assert disjointness["pretrain_nested"] == {"pretrain-1 <= pretrain-2": True, "pretrain-2 <= pretrain-3": True}
     test_bases = {base(char) for char in test_chars}
     assert summary["test_coarse_groups"] == len(test_bases)
@@ -99,6 +101,39 @@ def test_pools_disjoint_nested_and_concepts_shared(full_set):
     # The coarse labels are those base letters.
     for label, coarse in zip(test.fine_labels[::7], test.coarse_labels[::7]):
         assert test.coarse_names[coarse] == base(_char_of(test, label))
+
+
+def test_validation_pool_shares_nothing_with_test_or_training(full_set):
+    """The test pool is open-set by class (no test character is trained on) and split into query / gallery by
+    instance; the validation pool must be the same kind of pool without touching it: its own characters (none in
+    test, pretrain or finetune), base letters that fine-tuning draws (coarse labels as in test), target style, and
+    query / gallery halves of its own rendered instances."""
+    cache, _ = full_set
+    split_of = {split: load_glyphs(split=split, cache_dir=cache)
+                for split in ("pretrain", "finetune", "test", "val", "val-query", "val-gallery", "test-query")}
+    val, query, gallery = split_of["val"], split_of["val-query"], split_of["val-gallery"]
+    val_ids = np.unique(val.fine_labels)
+    val_chars = {_char_of(val, c) for c in val_ids}
+    assert val_ids.size >= 40 and val.style == "target"
+    for other in ("pretrain", "finetune", "test"):
+        other_ids = np.unique(split_of[other].fine_labels)
+        assert np.intersect1d(val_ids, other_ids).size == 0, other
+        assert not val_chars & {_char_of(val, c) for c in other_ids}, other
+        check_open_set(other_ids, val_ids)
+    # No validation image is a test image: different classes, so no rendered image is shared either.
+    assert not set(np.unique(split_of["test-query"].fine_labels).tolist()) & set(val_ids.tolist())
+    base = lambda char: unicodedata.normalize("NFD", char)[0]  # noqa: E731
+    finetune_bases = {base(_char_of(val, c)) for c in np.unique(split_of["finetune"].fine_labels)}
+    val_bases = {base(char) for char in val_chars}
+    assert val_bases <= finetune_bases and len(val_bases) >= 10
+    counts = {char: sum(base(c) == char for c in val_chars) for char in val_bases}
+    assert max(counts.values()) <= TEST_MEMBERS_PER_CONCEPT
+    # Query / gallery: odd / even instances of every validation class, together the whole pool.
+    assert len(query) + len(gallery) == len(val)
+    assert set(query.instance_ids % 2) == {1} and set(gallery.instance_ids % 2) == {0}
+    np.testing.assert_array_equal(np.unique(query.fine_labels), val_ids)
+    np.testing.assert_array_equal(np.unique(gallery.fine_labels), val_ids)
+    assert query.mean == val.mean and gallery.std == val.std
 
 
 def test_second_load_hits_the_cache(full_set, renderer_forbidden, tmp_path):
