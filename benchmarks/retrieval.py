@@ -153,7 +153,7 @@ def kernel_top1(precision: str):
 def recall_path(query, gallery, labels) -> np.ndarray:
     """What a Recall@1 matrix entry runs (``retrieval.recall_at_1``, precision auto): the kernel on the gallery's
     class groups that can hold each answer, or the whole gallery where the probe says pruning does not pay."""
-    index, report = retrieval_pruned.search_top1(query, gallery, retrieval._group_search(None), labels=labels)
+    index, _, report = retrieval_pruned.search_top1(query, gallery, retrieval._group_search(None), labels=labels)
     PRUNE_REPORTS.append(report)
     return index.numpy()
 
