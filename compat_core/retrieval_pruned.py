@@ -56,7 +56,9 @@ _GROUP_OVERHEAD_ROWS = 8
 _MIN_PAIRS = 1 << 24
 _KMEANS_ITERATIONS = 8
 _KMEANS_SEED = 20261125
-_MIN_GROUP = 32               # k-means groups: about this many members or more
+_MIN_GROUP = 16               # k-means groups: about twice this many members (fewer groups, wider caps: on
+                              # d-Simplex-like rows of 100 classes, Ng / 64 groups left 57 % of a 5,000-row
+                              # gallery to search per query, Ng / 32 left 4 %)
 _KMEANS_SAMPLE_PER_GROUP = 32  # k-means centres are fitted on a sample of this many rows per group
 # a row whose cosine to its nearest centre is this many median deviations (plus the margin) below the median row's
 # joins the outlier group (only the speed depends on it)
@@ -140,7 +142,7 @@ def _grouping_dtype(device: torch.device) -> torch.dtype:
 
 def group_gallery(gallery: torch.Tensor, labels=None) -> Groups:
     """Groups of ``gallery`` (Ng, D) rows: one per distinct label of ``labels`` (Ng,), or spherical k-means groups
-    (about Ng / 64, at most 256) without labels; centres, angles and the members nearest each centre.
+    (about Ng / 32, at most 256) without labels; centres, angles and the members nearest each centre.
 
     All in fp32 passes with proven error bounds (an fp64 pass over the gallery cost ~10x more). The reference
     centre of a group is m = m32 / ||m32|| for the stored fp32 direction m32 (any unit vector is a valid centre:
@@ -336,12 +338,17 @@ def _joined(first, second):
     return torch.cat([first[0], second[0]]), scores
 
 
+def needed_groups(query: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """(Nq, C) bool: the groups each query row must search (its bounds, in blocks of ``_BOUND_CHUNK`` rows)."""
+    return torch.cat([needed(*bounds(_unit32(query[start:start + _BOUND_CHUNK], "query", start), groups))
+                      for start in range(0, query.shape[0], _BOUND_CHUNK)])
+
+
 def _pruned(query: torch.Tensor, gallery: torch.Tensor, groups: Groups, search, share: float,
             want_scores: bool = False):
     """``search_top1`` with pruning: bounds of every query, then the kernel on each group for the queries that
     must search it (groups as independent pieces of work, ``run_chunks``), then the merge."""
-    need = torch.cat([needed(*bounds(_unit32(query[start:start + _BOUND_CHUNK], "query", start), groups))
-                      for start in range(0, query.shape[0], _BOUND_CHUNK)])
+    need = needed_groups(query, groups)
     # a query that searches one group is answered by that group's top-1 (no merge, so no fp64 score needed: the
     # kernel's cheapest mode) unless scores are asked for; queries that search several take the fp64 scores to
     # merge
