@@ -467,7 +467,7 @@ def _run(args, cifar, bridge) -> int:
                 print(f"  {name:20s} {result['median_s']:9.2f} {runs:>22s} {result['kernel_speedup']:8.2f}x "
                       f"{result['top1_equal_fp64']:>6d}/{row['queries']}")
             medians = {name: result["median_s"] for name, result in row["methods"].items()}
-            for name in ("kernel auto", "pruned k-means forced"):
+            for name in (name for name in ("kernel auto", "pruned k-means forced") if name in medians):
                 print(f"  {name}: " + ", ".join(f"{medians[other] / medians[name]:.2f}x {other}" for other in
                                                  ("whole-gallery kernel", "faiss IndexFlatIP", "plain fp32 loop")
                                                  if other in medians))

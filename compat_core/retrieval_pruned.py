@@ -44,7 +44,7 @@ import torch
 
 from compat_core.calibration import fastest_matmul
 from compat_core.retrieval_int8 import SLACK, U32, gamma
-from compat_core.torch_settings import run_chunks
+from compat_core.torch_settings import one_thread, run_chunks
 
 # probe size for the decision, and the share of the gallery (per query, averaged) above which pruning is not used
 _PROBE_QUERIES = 512
@@ -54,12 +54,12 @@ _MAX_SEARCHED_SHARE = 0.45
 _GROUP_OVERHEAD_ROWS = 8
 # below this many query-gallery pairs the plain kernel is fast enough that planning is not worth it
 _MIN_PAIRS = 1 << 24
-_KMEANS_ITERATIONS = 8
+_KMEANS_ITERATIONS = 6
 _KMEANS_SEED = 20261125
 _MIN_GROUP = 16               # k-means groups: about twice this many members (fewer groups, wider caps: on
                               # d-Simplex-like rows of 100 classes, Ng / 64 groups left 57 % of a 5,000-row
                               # gallery to search per query, Ng / 32 left 4 %)
-_KMEANS_SAMPLE_PER_GROUP = 32  # k-means centres are fitted on a sample of this many rows per group
+_KMEANS_SAMPLE_PER_GROUP = 16  # k-means centres are fitted on a sample of this many rows per group
 # a row whose cosine to its nearest centre is this many median deviations (plus the margin) below the median row's
 # joins the outlier group (only the speed depends on it)
 _OUTLIER_SPREADS = 6.0
@@ -113,13 +113,15 @@ def kmeans_assignment(unit32: torch.Tensor, groups: int, iterations: int = _KMEA
     shuffled = torch.randperm(count, generator=generator).to(unit32.device)
     sample = unit32[shuffled[:groups * _KMEANS_SAMPLE_PER_GROUP]].to(dtype)
     centres = sample[:groups].clone()
+    columns = torch.arange(sample.shape[0], device=unit32.device)
     for _ in range(iterations):
         assign = (sample @ centres.t()).argmax(dim=1)
-        sums = torch.zeros(centres.shape, dtype=torch.float32, device=unit32.device).index_add_(0, assign,
-                                                                                            sample.float())
-        norms = torch.linalg.vector_norm(sums, dim=1, keepdim=True)
-        empty = norms.squeeze(1) <= 0
-        centres = torch.where(empty.unsqueeze(1), centres.float(), sums / norms.clamp(min=1e-30)).to(dtype)
+        # the groups' sums as one product with their (C, n) membership matrix (index_add_ measured ~10x slower)
+        membership = torch.zeros((groups, sample.shape[0]), dtype=dtype, device=unit32.device)
+        membership[assign, columns] = 1.0
+        sums = membership @ sample
+        norms = torch.linalg.vector_norm(sums.float(), dim=1, keepdim=True)
+        centres = torch.where(norms > 0, sums.float() / norms.clamp(min=1e-30), centres.float()).to(dtype)
     nearest = (unit32.to(dtype) @ centres.t()).max(dim=1)
     assign = nearest.indices
     # rows far from every centre (outliers of the clusters) form one group of their own: in a cluster's group
@@ -150,11 +152,12 @@ def group_gallery(gallery: torch.Tensor, labels=None) -> Groups:
     minus the input rounding of both sides and gamma_D."""
     unit32 = _unit32(gallery, "gallery")
     dim = gallery.shape[1]
+    dtype = _grouping_dtype(gallery.device)
     if labels is not None:
         assign = _assignment_from_labels(np.asarray(labels))
     else:
         count = int(min(_MAX_GROUPS, max(1, gallery.shape[0] // (2 * _MIN_GROUP))))
-        assign = kmeans_assignment(unit32, count, dtype=_grouping_dtype(gallery.device))
+        assign = kmeans_assignment(unit32, count, dtype=dtype)
     sizes = np.bincount(assign)
     present = np.nonzero(sizes)[0]
     remap = np.full(sizes.shape[0], -1)
@@ -165,10 +168,10 @@ def group_gallery(gallery: torch.Tensor, labels=None) -> Groups:
     starts = [0] + np.cumsum(sizes).tolist()
     groups = len(sizes)
     # class sums as one product with the (C, Ng) membership matrix: a matrix product runs near the machine's
-    # peak, index_add_ measured ~5x slower
-    membership = torch.zeros((groups, gallery.shape[0]), dtype=torch.float32, device=gallery.device)
+    # peak, index_add_ measured ~5x slower; in the fastest float product, since any unit vector is a valid centre
+    membership = torch.zeros((groups, gallery.shape[0]), dtype=dtype, device=gallery.device)
     membership[assign_t, torch.arange(gallery.shape[0], device=gallery.device)] = 1.0
-    sums = membership @ unit32
+    sums = (membership @ unit32.to(dtype)).float()
     del membership
     norms = torch.linalg.vector_norm(sums, dim=1, keepdim=True)
     # a group whose unit rows sum to ~0 has no mean direction: its first member is taken as the centre
@@ -280,7 +283,7 @@ class Report:
 
 _TRIAL_QUERIES = 2048         # "auto": queries timed both ways before the rest runs the faster way
 _TRIAL_GAIN = 1.1             # pruning must measure this much faster than the whole-gallery search
-_BOUND_CHUNK = 4096            # query rows per bound block (fp32 (n, D) rows, (n, 2C) scores)
+_BOUND_CHUNK = 2048            # query rows per bound block (fp32 (n, D) rows, (n, 2C) scores)
 PRUNE_MODES = ("auto", "always", "never")
 
 
@@ -309,10 +312,14 @@ def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None,
     if prune == "never" or (prune == "auto" and query.shape[0] * size < _MIN_PAIRS):
         return (*whole_search(query), whole)
     with torch.inference_mode():
-        groups = group_gallery(gallery, labels)
+        # many small operations: on one thread they wait for no descheduled worker (on a loaded 2-core machine
+        # measured 0.24 s against 0.96-1.8 s on two threads for 5,000 x 1023 rows)
+        with one_thread():
+            groups = group_gallery(gallery, labels)
+            if groups.count >= 2:
+                decision = plan(query, groups, size)
         if groups.count < 2:
             return (*whole_search(query), whole)
-        decision = plan(query, groups, size)
         declined = Report(False, groups.count, float(groups.count), float(size), decision.share)
         if prune == "auto" and not decision.prune:
             return (*whole_search(query), declined)
@@ -339,9 +346,15 @@ def _joined(first, second):
 
 
 def needed_groups(query: torch.Tensor, groups: Groups) -> torch.Tensor:
-    """(Nq, C) bool: the groups each query row must search (its bounds, in blocks of ``_BOUND_CHUNK`` rows)."""
-    return torch.cat([needed(*bounds(_unit32(query[start:start + _BOUND_CHUNK], "query", start), groups))
-                      for start in range(0, query.shape[0], _BOUND_CHUNK)])
+    """(Nq, C) bool: the groups each query row must search (its bounds, in blocks of ``_BOUND_CHUNK`` rows, as
+    independent pieces of work: ``run_chunks``)."""
+    need = torch.empty((query.shape[0], groups.count), dtype=torch.bool, device=query.device)
+
+    def block(start: int, stop: int) -> None:
+        need[start:stop] = needed(*bounds(_unit32(query[start:stop], "query", start), groups))
+    run_chunks(block, [(start, min(query.shape[0], start + _BOUND_CHUNK))
+                       for start in range(0, query.shape[0], _BOUND_CHUNK)], query.device)
+    return need
 
 
 def _pruned(query: torch.Tensor, gallery: torch.Tensor, groups: Groups, search, share: float,
