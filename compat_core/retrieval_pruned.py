@@ -282,6 +282,7 @@ class Report:
 
 
 _TRIAL_QUERIES = 2048         # "auto": queries timed both ways before the rest runs the faster way
+_TRIAL_QUERIES_PER_GROUP = 32  # ... or this many per group, up to a quarter of the queries
 _TRIAL_GAIN = 1.1             # pruning must measure this much faster than the whole-gallery search
 _BOUND_CHUNK = 2048            # query rows per bound block (fp32 (n, D) rows, (n, 2C) scores)
 PRUNE_MODES = ("auto", "always", "never")
@@ -296,10 +297,11 @@ def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None,
     fp64 scores (n, 1) or None without ``want_scores``); ``whole``: the call searches the whole gallery.
     ``labels`` (Ng,): group by class; None: spherical k-means groups. ``prune``: "auto", "always" or "never" (one
     kernel call over the whole gallery). "auto" first estimates from the bounds of a probe of queries
-    (``plan``); where that promises a gain it times both searches on the first ``_TRIAL_QUERIES`` queries (their
-    answers are kept: both are exact) and runs the rest the faster way, pruning only when it measured at least
-    ``_TRIAL_GAIN`` times faster. Returns (indices (Nq,) int64, fp64 cosine scores (Nq,) or None without
-    ``want_scores``, ``Report``)."""
+    (``plan``); where that promises a gain it times both searches on the first queries (``_TRIAL_QUERIES``, or
+    ``_TRIAL_QUERIES_PER_GROUP`` per group up to a quarter of the queries; their answers are kept: both are
+    exact) and runs the rest the faster way, pruning only when it measured at least ``_TRIAL_GAIN`` times
+    faster. Returns (indices (Nq,) int64, fp64 cosine scores (Nq,) or None without ``want_scores``,
+    ``Report``)."""
     if prune not in PRUNE_MODES:
         raise ValueError(f"prune: expected one of {PRUNE_MODES}, got {prune!r}")
     size = gallery.shape[0]
@@ -325,14 +327,24 @@ def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None,
             return (*whole_search(query), declined)
         if prune == "always" or query.shape[0] < 2 * _TRIAL_QUERIES:
             return _pruned(query, gallery, groups, search, decision.share, want_scores)
-        trial = query[:_TRIAL_QUERIES]
-        started = time.perf_counter()
-        first = whole_search(trial)
-        whole_s = time.perf_counter() - started
-        started = time.perf_counter()
-        _pruned(trial, gallery, groups, search, decision.share, want_scores)
-        pruned_s = time.perf_counter() - started
-        rest = query[_TRIAL_QUERIES:]
+        # each group call has a fixed cost, so a trial of few queries per group favours the whole gallery: the
+        # trial grows with the group count (up to a quarter of the queries); its halves run whole, pruned,
+        # pruned, whole, so that a change of the machine's load during the trial weighs on both alike
+        size_trial = max(_TRIAL_QUERIES, min(query.shape[0] // 4, _TRIAL_QUERIES_PER_GROUP * groups.count))
+        half = size_trial // 2
+        seconds = {"whole": 0.0, "pruned": 0.0}
+        first = []
+        for way, start, stop in (("whole", 0, half), ("pruned", 0, half), ("pruned", half, size_trial),
+                                 ("whole", half, size_trial)):
+            started = time.perf_counter()
+            if way == "whole":
+                first.append(whole_search(query[start:stop]))
+            else:
+                _pruned(query[start:stop], gallery, groups, search, decision.share, want_scores)
+            seconds[way] += time.perf_counter() - started
+        first = _joined(*first)
+        whole_s, pruned_s = seconds["whole"], seconds["pruned"]
+        rest = query[size_trial:]
         if pruned_s * _TRIAL_GAIN > whole_s:
             return (*_joined(first, whole_search(rest)), declined)
         index, score, report = _pruned(rest, gallery, groups, search, decision.share, want_scores)
