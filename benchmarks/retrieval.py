@@ -367,6 +367,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rates-only", action="store_true",
                         help="print the pruning rates of each case and time nothing")
     parser.add_argument("--tag", default="", help="appended to the results' file names")
+    parser.add_argument("--no-pruned-forced", action="store_true", help="skip the forced k-means pruning")
     parser.add_argument("--no-recall-path", action="store_true", help="skip recall_at_1's class-group search")
     parser.add_argument("--load", type=int, default=0,
                         help="start this many busy processes (one spinning CPU each) for the whole run")
@@ -391,14 +392,46 @@ def main(argv=None) -> int:
 
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), else platform.processor()."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    info = pathlib.Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                platform.processor())
+
+
+def print_row(row: dict) -> None:
+    """Print one case's results (as soon as the case is done: a long run keeps what it measured)."""
+    print(f"\n{row['case']}")
+    if "methods" in row:
+        if row["recall_at_1_fp64"] is not None:
+            print(f"  fp64 Recall@1 {row['recall_at_1_fp64']:.4f}; {row['gflop_nominal']:.0f} GFLOP nominal")
+        print(f"  load average (1 min) during the case: min {row['load_1min']['min']:.1f} median "
+              f"{row['load_1min']['median']:.1f} max {row['load_1min']['max']:.1f}; CPU {cpu_model()}")
+        for grouping, rate in row["pruning_rates"].items():
+            print(f"  {grouping}: {rate['groups']} groups, {rate['groups_per_query']:.2f} groups and "
+                  f"{rate['items_per_query']:.0f} items searched per query ({100 * rate['share']:.1f} %)")
+        decisions = sorted({(d["pruned"], round(d["estimated_share"], 3)) for d in row["auto_decisions"]})
+        print(f"  kernel auto decided (pruned, probe share): {decisions}")
+        if row.get("pruning"):
+            prune = row["pruning"]
+            print(f"  recall path: pruned {prune['pruned']}, {prune['groups']} groups, "
+                  f"{prune['groups_per_query']:.2f} groups and {prune['items_per_query']:.0f} items searched "
+                  f"per query (probe estimate {prune['estimated_share']:.3f} of the gallery)")
+        if not row["methods"]:
+            return
+        print(f"  {'method':20s} {'median s':>9s} {'runs s':>22s} {'x kernel':>9s} {'top1=fp64':>12s}")
+        for name, result in row["methods"].items():
+            runs = " ".join(f"{value:.2f}" for value in result["runs_s"])
+            print(f"  {name:20s} {result['median_s']:9.2f} {runs:>22s} {result['kernel_speedup']:8.2f}x "
+                  f"{result['top1_equal_fp64']:>6d}/{row['queries']}")
+        medians = {name: result["median_s"] for name, result in row["methods"].items()}
+        for name in (name for name in ("kernel auto", "pruned k-means forced") if name in medians):
+            print(f"  {name}: " + ", ".join(f"{medians[other] / medians[name]:.2f}x {other}" for other in
+                                             ("whole-gallery kernel", "faiss IndexFlatIP", "plain fp32 loop")
+                                             if other in medians))
+    else:
+        for key, value in row.items():
+            if key != "case":
+                print(f"  {key:32s} {value:.4g}" if isinstance(value, float) else f"  {key:32s} {value}")
 
 
 def _run(args, cifar, bridge) -> int:
@@ -408,8 +441,9 @@ def _run(args, cifar, bridge) -> int:
     print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} "
           f"({os.cpu_count()} CPUs); torch threads {torch.get_num_threads()}")
     _record_auto_reports()
-    methods = {"kernel auto": kernel_top1("auto"), "whole-gallery kernel": whole_gallery_top1,
-               "pruned k-means forced": pruned_kmeans_top1}
+    methods = {"kernel auto": kernel_top1("auto"), "whole-gallery kernel": whole_gallery_top1}
+    if not args.no_pruned_forced:
+        methods["pruned k-means forced"] = pruned_kmeans_top1
     if not args.no_recall_path:
         methods["recall path (pruned)"] = recall_path
     if not args.no_forced:
@@ -426,8 +460,11 @@ def _run(args, cifar, bridge) -> int:
         methods = {}
     kinds = [kind for kind in args.cases.split(",") if kind]
     kinds += [f"demo:{run}:{task}" for run in args.demo_run for task in args.demo_tasks.split(",")]
-    rows = [cifar_case(*cifar, kind=kind, methods=methods, repeats=args.repeats, cosine=args.simplex_cosine,
-                       demo_tile=args.demo_tile) for kind in kinds]
+    rows = []
+    for kind in kinds:
+        rows.append(cifar_case(*cifar, kind=kind, methods=methods, repeats=args.repeats, cosine=args.simplex_cosine,
+                               demo_tile=args.demo_tile))
+        print_row(rows[-1])
     if not args.no_bridge:
         # the bridge runs in its own process so that its peak resident memory is its own
         context = multiprocessing.get_context("spawn")
@@ -436,45 +473,13 @@ def _run(args, cifar, bridge) -> int:
         child.start()
         rows.append(queue.get())
         child.join()
+        print_row(rows[-1])
     load_after = os.getloadavg()
     meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "machine": cpu_model(),
             "calibration_key": calibration.machine_key("cpu"), "gemm_gops": rates,
             "auto_candidate_pass": calibration.fastest_matmul("cpu"), "quick": args.quick,
             "repeats": args.repeats, "load_before": load_before, "load_after": load_after,
             "busy_processes": args.load}
-    for row in rows:
-        print(f"\n{row['case']}")
-        if "methods" in row:
-            if row["recall_at_1_fp64"] is not None:
-                print(f"  fp64 Recall@1 {row['recall_at_1_fp64']:.4f}; {row['gflop_nominal']:.0f} GFLOP nominal")
-            print(f"  load average (1 min) during the case: min {row['load_1min']['min']:.1f} median "
-                  f"{row['load_1min']['median']:.1f} max {row['load_1min']['max']:.1f}; CPU {cpu_model()}")
-            for grouping, rate in row["pruning_rates"].items():
-                print(f"  {grouping}: {rate['groups']} groups, {rate['groups_per_query']:.2f} groups and "
-                      f"{rate['items_per_query']:.0f} items searched per query ({100 * rate['share']:.1f} %)")
-            decisions = sorted({(d["pruned"], round(d["estimated_share"], 3)) for d in row["auto_decisions"]})
-            print(f"  kernel auto decided (pruned, probe share): {decisions}")
-            if row.get("pruning"):
-                prune = row["pruning"]
-                print(f"  recall path: pruned {prune['pruned']}, {prune['groups']} groups, "
-                      f"{prune['groups_per_query']:.2f} groups and {prune['items_per_query']:.0f} items searched "
-                      f"per query (probe estimate {prune['estimated_share']:.3f} of the gallery)")
-            if not row["methods"]:
-                continue
-            print(f"  {'method':20s} {'median s':>9s} {'runs s':>22s} {'x kernel':>9s} {'top1=fp64':>12s}")
-            for name, result in row["methods"].items():
-                runs = " ".join(f"{value:.2f}" for value in result["runs_s"])
-                print(f"  {name:20s} {result['median_s']:9.2f} {runs:>22s} {result['kernel_speedup']:8.2f}x "
-                      f"{result['top1_equal_fp64']:>6d}/{row['queries']}")
-            medians = {name: result["median_s"] for name, result in row["methods"].items()}
-            for name in (name for name in ("kernel auto", "pruned k-means forced") if name in medians):
-                print(f"  {name}: " + ", ".join(f"{medians[other] / medians[name]:.2f}x {other}" for other in
-                                                 ("whole-gallery kernel", "faiss IndexFlatIP", "plain fp32 loop")
-                                                 if other in medians))
-        else:
-            for key, value in row.items():
-                if key != "case":
-                    print(f"  {key:32s} {value:.4g}" if isinstance(value, float) else f"  {key:32s} {value}")
     print(f"\nload average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} "
           f"({args.load} busy processes started by this run)")
     RESULTS.mkdir(parents=True, exist_ok=True)
