@@ -233,8 +233,7 @@ PRUNE_REPORTS: list = []
 def case_data(nq: int, ng: int, dim: int, kind: str, cosine: float = 0.85, classes: int = 100,
               demo_tile: int = 1):
     """(query, query labels, gallery, gallery labels, description) of one case. ``kind`` "demo:RUN:TASK": task
-    TASK's model's features of a finished run (query and gallery sets as extracted; the query rows repeated
-    ``demo_tile`` times, the gallery never: copies would plant exact duplicates)."""
+    TASK's model's features of run RUN (query rows repeated ``demo_tile`` times; the gallery never is)."""
     if kind.startswith("demo:"):
         _, run, task = kind.split(":")
         query, q_labels = demo_features(run, int(task), "query")
@@ -268,8 +267,7 @@ def cifar_case(nq: int, ng: int, dim: int, kind: str, methods: dict, repeats: in
     nq, ng, dim = query.shape[0], gallery.shape[0], gallery.shape[1]
     rates = {"k-means groups": pruning_rates(query, gallery), "class groups": pruning_rates(query, gallery, g_labels)}
     if rates["k-means groups"]["share"] > 0.5:
-        # the bounds leave most of the gallery: forced pruning would run one kernel call per group for nearly every
-        # query (minutes, nothing to learn); "kernel auto" shows what the product does there
+        # the bounds leave most of the gallery: forced pruning would take minutes, teaching nothing
         methods = {name: method for name, method in methods.items() if method is not pruned_kmeans_top1}
     ref_index = fp64_top1(query, gallery) if methods else None
     seconds: dict[str, list[float]] = {name: [] for name in methods}
