@@ -17,7 +17,13 @@ normalize(h @ A^T) of a bias-free linear junction A (1023 x 512, random) applied
 classes (close class centres, spread in a 32-dim latent subspace plus isotropic noise; Recall@1 about 0.85, not
 1.0), so the features have rank 512 < d and the kernel's exact low-rank path applies. A second case repeats the
 shape with full-rank class-clustered features (the kernel's full-d path), so neither figure is mistaken for the
-other.
+other. More cases: ``simplex`` (d-Simplex-like: unit rows at a set cosine to their class's prototype), ``random``
+(unclustered full-rank rows) and, with ``--demo-run RUN --demo-tasks 0,6``, the features a finished run extracted
+with each task's model (read with the product's reader; shapes as extracted, ``--demo-tile`` repeats the query
+rows). Pruned exact search: "kernel auto" is ``nearest_neighbours`` (k-means groups where its probe and timed trial
+say pruning pays), "whole-gallery kernel" the same kernel without pruning, "pruned k-means forced" pruning without
+the probe; each case prints how many groups and gallery items a query must search with k-means and with class
+groups (a count from the bounds, independent of the machine's load), the load average and the CPU model.
 """
 from __future__ import annotations
 
@@ -77,6 +83,26 @@ def simplex_clustered(count: int, dim: int, classes: int, cosine: float, seed: i
     noise = torch.nn.functional.normalize(noise, dim=1)
     rows = cosine * centre + (1.0 - cosine ** 2) ** 0.5 * noise
     return rows.float().contiguous(), labels.numpy()
+
+
+def unclustered(count: int, dim: int, seed: int):
+    """Full-rank random rows (no cluster structure, nothing for a group bound to skip); random labels of 10."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(count, dim, generator=gen).contiguous(), torch.randint(0, 10, (count,), generator=gen).numpy()
+
+
+def demo_features(run: str, task: int, side: str):
+    """(features (N, D) float32, labels (N,)) of task ``task``'s model on the ``side`` ("query" / "gallery") set of
+    a finished run directory, read with the product's reader (``pipelines.store.read_features``)."""
+    from pipelines.store import RunStore, read_features
+
+    store = RunStore(run)
+    prefix = f"extract-t{task:03d}-{side}-"
+    keys = sorted(name[:-5] for name in os.listdir(os.path.join(run, RunStore.MANIFESTS)) if name.startswith(prefix))
+    if len(keys) != 1:
+        raise ValueError(f"{run}: expected one {prefix}* extract manifest, found {keys}")
+    features, labels, _ = read_features(store, keys[0])
+    return torch.from_numpy(np.ascontiguousarray(features, dtype=np.float32)), np.asarray(labels)
 
 
 def busy_processes(count: int, seconds: float) -> list:
@@ -143,9 +169,52 @@ def faiss_top1(query, gallery) -> np.ndarray:
     return index.search(q, 1)[1][:, 0]
 
 
+AUTO_REPORTS: list = []
+
+
+def _record_auto_reports() -> None:
+    """Record the Report of every ``search_top1`` call (what ``nearest_neighbours``' "auto" decided)."""
+    original = retrieval_pruned.search_top1
+
+    def recorded(*args, **kwargs):
+        index, score, report = original(*args, **kwargs)
+        AUTO_REPORTS.append(report)
+        return index, score, report
+    retrieval_pruned.search_top1 = recorded
+
+
+def whole_gallery_top1(query, gallery) -> np.ndarray:
+    """The exact kernel over the whole gallery ("auto" stage, live check): ``nearest_neighbours`` before pruning."""
+    index, _ = retrieval._whole_gallery(query, gallery, 1, None, "auto", False)
+    return index[:, 0].numpy()
+
+
+def pruned_kmeans_top1(query, gallery) -> np.ndarray:
+    """The pruned search with k-means groups, forced (no probe, no trial): the pruning's own speed."""
+    index, _, _ = retrieval_pruned.search_top1(query, gallery, retrieval._group_search(None), prune="always")
+    return index.numpy()
+
+
+def pruning_rates(query, gallery, labels=None) -> dict:
+    """Groups and gallery items each query must search (means over all queries) with k-means groups (labels None)
+    or class groups: a count from the proven bounds, independent of the machine's load."""
+    with torch.inference_mode():
+        groups = retrieval_pruned.group_gallery(gallery, labels)
+        need = retrieval_pruned.needed_groups(query, groups).double()
+    items = float((need * groups.sizes()).sum(dim=1).mean())
+    return {"groups": groups.count, "groups_per_query": float(need.sum(dim=1).mean()), "items_per_query": items,
+            "share": items / gallery.shape[0]}
+
+
+KERNEL_AUTO_DECISIONS: list = []
+
+
 def kernel_top1(precision: str):
     def run(query, gallery) -> np.ndarray:
+        before = len(AUTO_REPORTS)
         index, _ = retrieval.nearest_neighbours(query, gallery, 1, precision=precision, return_scores=False)
+        if precision == "auto":
+            KERNEL_AUTO_DECISIONS.extend(AUTO_REPORTS[before:])
         return index[:, 0].numpy()
     return run
 
@@ -153,7 +222,7 @@ def kernel_top1(precision: str):
 def recall_path(query, gallery, labels) -> np.ndarray:
     """What a Recall@1 matrix entry runs (``retrieval.recall_at_1``, precision auto): the kernel on the gallery's
     class groups that can hold each answer, or the whole gallery where the probe says pruning does not pay."""
-    index, report = retrieval_pruned.search_top1(query, gallery, retrieval._group_search(None), labels=labels)
+    index, _, report = retrieval_pruned.search_top1(query, gallery, retrieval._group_search(None), labels=labels)
     PRUNE_REPORTS.append(report)
     return index.numpy()
 
@@ -161,45 +230,76 @@ def recall_path(query, gallery, labels) -> np.ndarray:
 PRUNE_REPORTS: list = []
 
 
-def cifar_case(nq: int, ng: int, dim: int, kind: str, methods: dict, repeats: int, cosine: float = 0.85,
-               classes: int = 100) -> dict:
-    """Every method on the same data, interleaved ``repeats`` times; median seconds, ratios to the kernel (auto)."""
-    junction = kind == "junction"
+def case_data(nq: int, ng: int, dim: int, kind: str, cosine: float = 0.85, classes: int = 100,
+              demo_tile: int = 1):
+    """(query, query labels, gallery, gallery labels, description) of one case. ``kind`` "demo:RUN:TASK": task
+    TASK's model's features of run RUN (query rows repeated ``demo_tile`` times; the gallery never is)."""
+    if kind.startswith("demo:"):
+        _, run, task = kind.split(":")
+        query, q_labels = demo_features(run, int(task), "query")
+        gallery, g_labels = demo_features(run, int(task), "gallery")
+        query, q_labels = query.repeat(demo_tile, 1), np.tile(q_labels, demo_tile)
+        tiled = f", query rows repeated {demo_tile}x" if demo_tile > 1 else ""
+        return query, q_labels, gallery, g_labels, f"demo features {run} task {task}{tiled}"
     if kind == "simplex":
         query, q_labels = simplex_clustered(nq, dim, classes, cosine, 0)
         gallery, g_labels = simplex_clustered(ng, dim, classes, cosine, 1)
-    elif junction:
+    elif kind == "junction":
         query, q_labels = junction_clustered(nq, dim, 512, 0)
         gallery, g_labels = junction_clustered(ng, dim, 512, 1)
+    elif kind == "random":
+        query, q_labels = unclustered(nq, dim, 0)
+        gallery, g_labels = unclustered(ng, dim, 1)
     else:
         query, q_labels, centres = clustered(nq, dim, 10, 1.0, 0)
         gallery, g_labels, _ = clustered(ng, dim, 10, 1.0, 1, centres)
-    ref_index = fp64_top1(query, gallery)
+    names = {"junction": "junction features of rank 512 (realistic)", "full": "full-rank features (10 classes)",
+             "simplex": f"d-Simplex-like features ({classes} classes, cosine {cosine} to the prototype)",
+             "random": "unclustered full-rank random features"}
+    return query, q_labels, gallery, g_labels, names[kind]
+
+
+def cifar_case(nq: int, ng: int, dim: int, kind: str, methods: dict, repeats: int, cosine: float = 0.85,
+               classes: int = 100, demo_tile: int = 1) -> dict:
+    """Every method on the same data, interleaved ``repeats`` times; median seconds, ratios to the kernel (auto);
+    the pruning rates of k-means and class groups."""
+    query, q_labels, gallery, g_labels, description = case_data(nq, ng, dim, kind, cosine, classes, demo_tile)
+    nq, ng, dim = query.shape[0], gallery.shape[0], gallery.shape[1]
+    rates = {"k-means groups": pruning_rates(query, gallery), "class groups": pruning_rates(query, gallery, g_labels)}
+    if rates["k-means groups"]["share"] > 0.5:
+        # the bounds leave most of the gallery: forced pruning would take minutes, teaching nothing
+        methods = {name: method for name, method in methods.items() if method is not pruned_kmeans_top1}
+    ref_index = fp64_top1(query, gallery) if methods else None
     seconds: dict[str, list[float]] = {name: [] for name in methods}
     agree: dict[str, int] = {}
     recall: dict[str, float] = {}
     PRUNE_REPORTS.clear()
+    KERNEL_AUTO_DECISIONS.clear()
+    loads = [os.getloadavg()[0]]
     for _ in range(repeats):
         for name, method in methods.items():
-            print(f"  ... {name}", flush=True)
+            print(f"  ... {name} (load {os.getloadavg()[0]:.1f})", flush=True)
             start = time.perf_counter()
             index = method(query, gallery, g_labels) if method is recall_path else method(query, gallery)
             seconds[name].append(time.perf_counter() - start)
             agree[name] = int(np.sum(index == ref_index))
             recall[name] = float(np.mean(g_labels[index] == q_labels))
+            loads.append(os.getloadavg()[0])
     medians = {name: float(np.median(values)) for name, values in seconds.items()}
-    kernel = medians["kernel auto"]
-    names = {"junction": "junction features of rank 512 (realistic)", "full": "full-rank features (10 classes)",
-             "simplex": f"d-Simplex-like features ({classes} classes, cosine {cosine} to the prototype)"}
+    kernel = medians.get("kernel auto", 1.0)
     report = PRUNE_REPORTS[-1] if PRUNE_REPORTS else None
     return {
-        "case": f"recall@1 Nq={nq} Ng={ng} d={dim} {names[kind]}",
+        "case": f"recall@1 Nq={nq} Ng={ng} d={dim} {description}",
+        "load_1min": {"min": min(loads), "median": float(np.median(loads)), "max": max(loads)},
+        "pruning_rates": rates,
+        "auto_decisions": [{"pruned": r.pruned, "groups": r.groups, "estimated_share": r.estimated_share}
+                           for r in KERNEL_AUTO_DECISIONS],
         "pruning": None if report is None else {
             "pruned": report.pruned, "groups": report.groups, "groups_per_query": report.groups_per_query,
             "items_per_query": report.items_per_query, "estimated_share": report.estimated_share},
         "queries": nq,
         "gflop_nominal": 2.0 * nq * ng * dim / 1e9,
-        "recall_at_1_fp64": float(np.mean(g_labels[ref_index] == q_labels)),
+        "recall_at_1_fp64": float(np.mean(g_labels[ref_index] == q_labels)) if methods else None,
         "methods": {name: {"median_s": medians[name], "runs_s": seconds[name], "top1_equal_fp64": agree[name],
                            "recall_at_1": recall[name], "kernel_speedup": medians[name] / kernel}
                     for name in methods},
@@ -256,6 +356,17 @@ def main(argv=None) -> int:
                         help="comma-separated CIFAR-shaped cases: junction, full, simplex (d-Simplex-like)")
     parser.add_argument("--simplex-cosine", type=float, default=0.85,
                         help="cosine of the d-Simplex-like features to their class prototype")
+    parser.add_argument("--demo-run", action="append", default=[],
+                        help="a finished run directory: its tasks' extracted features become cases (repeatable)")
+    parser.add_argument("--demo-tasks", default="0",
+                        help="comma-separated task numbers of --demo-run whose model's features are searched")
+    parser.add_argument("--demo-tile", type=int, default=1,
+                        help="repeat the demo query rows this many times (the gallery is never repeated)")
+    parser.add_argument("--rates-only", action="store_true",
+                        help="print the pruning rates of each case and time nothing")
+    parser.add_argument("--tag", default="", help="appended to the results' file names")
+    parser.add_argument("--no-pruned-forced", action="store_true", help="skip the forced k-means pruning")
+    parser.add_argument("--no-recall-path", action="store_true", help="skip recall_at_1's class-group search")
     parser.add_argument("--load", type=int, default=0,
                         help="start this many busy processes (one spinning CPU each) for the whole run")
     args = parser.parse_args(argv)
@@ -277,13 +388,62 @@ def main(argv=None) -> int:
             process.wait()
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else platform.processor()."""
+    info = pathlib.Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                platform.processor())
+
+
+def print_row(row: dict) -> None:
+    """Print one case's results (as soon as the case is done: a long run keeps what it measured)."""
+    print(f"\n{row['case']}")
+    if "methods" in row:
+        if row["recall_at_1_fp64"] is not None:
+            print(f"  fp64 Recall@1 {row['recall_at_1_fp64']:.4f}; {row['gflop_nominal']:.0f} GFLOP nominal")
+        print(f"  load average (1 min) during the case: min {row['load_1min']['min']:.1f} median "
+              f"{row['load_1min']['median']:.1f} max {row['load_1min']['max']:.1f}; CPU {cpu_model()}")
+        for grouping, rate in row["pruning_rates"].items():
+            print(f"  {grouping}: {rate['groups']} groups, {rate['groups_per_query']:.2f} groups and "
+                  f"{rate['items_per_query']:.0f} items searched per query ({100 * rate['share']:.1f} %)")
+        decisions = sorted({(d["pruned"], round(d["estimated_share"], 3)) for d in row["auto_decisions"]})
+        print(f"  kernel auto decided (pruned, probe share): {decisions}")
+        if row.get("pruning"):
+            prune = row["pruning"]
+            print(f"  recall path: pruned {prune['pruned']}, {prune['groups']} groups, "
+                  f"{prune['groups_per_query']:.2f} groups and {prune['items_per_query']:.0f} items searched "
+                  f"per query (probe estimate {prune['estimated_share']:.3f} of the gallery)")
+        if not row["methods"]:
+            return
+        print(f"  {'method':20s} {'median s':>9s} {'runs s':>22s} {'x kernel':>9s} {'top1=fp64':>12s}")
+        for name, result in row["methods"].items():
+            runs = " ".join(f"{value:.2f}" for value in result["runs_s"])
+            print(f"  {name:20s} {result['median_s']:9.2f} {runs:>22s} {result['kernel_speedup']:8.2f}x "
+                  f"{result['top1_equal_fp64']:>6d}/{row['queries']}")
+        medians = {name: result["median_s"] for name, result in row["methods"].items()}
+        for name in (name for name in ("kernel auto", "pruned k-means forced") if name in medians):
+            print(f"  {name}: " + ", ".join(f"{medians[other] / medians[name]:.2f}x {other}" for other in
+                                             ("whole-gallery kernel", "faiss IndexFlatIP", "plain fp32 loop")
+                                             if other in medians))
+    else:
+        for key, value in row.items():
+            if key != "case":
+                print(f"  {key:32s} {value:.4g}" if isinstance(value, float) else f"  {key:32s} {value}")
+
+
 def _run(args, cifar, bridge) -> int:
     load_before = os.getloadavg()
     rates = calibration.gemm_rates("cpu")       # measured now when this machine has no cached calibration
     print(calibration.format_calibration(calibration.load("cpu"), calibration.cache_path("cpu")))
     print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} "
           f"({os.cpu_count()} CPUs); torch threads {torch.get_num_threads()}")
-    methods = {"kernel auto": kernel_top1("auto"), "recall path (pruned)": recall_path}
+    _record_auto_reports()
+    methods = {"kernel auto": kernel_top1("auto"), "whole-gallery kernel": whole_gallery_top1}
+    if not args.no_pruned_forced:
+        methods["pruned k-means forced"] = pruned_kmeans_top1
+    if not args.no_recall_path:
+        methods["recall path (pruned)"] = recall_path
     if not args.no_forced:
         methods.update({"kernel int8": kernel_top1("int8"), "kernel bf16": kernel_top1("bf16"),
                         "kernel fp32": kernel_top1("fp32")})
@@ -294,8 +454,15 @@ def _run(args, cifar, bridge) -> int:
         print("faiss not installed: skipping faiss IndexFlatIP (pip install -e '.[bench]')")
     if not args.no_sklearn:
         methods["sklearn brute"] = sklearn_top1
-    rows = [cifar_case(*cifar, kind=kind, methods=methods, repeats=args.repeats, cosine=args.simplex_cosine)
-            for kind in args.cases.split(",")]
+    if args.rates_only:
+        methods = {}
+    kinds = [kind for kind in args.cases.split(",") if kind]
+    kinds += [f"demo:{run}:{task}" for run in args.demo_run for task in args.demo_tasks.split(",")]
+    rows = []
+    for kind in kinds:
+        rows.append(cifar_case(*cifar, kind=kind, methods=methods, repeats=args.repeats, cosine=args.simplex_cosine,
+                               demo_tile=args.demo_tile))
+        print_row(rows[-1])
     if not args.no_bridge:
         # the bridge runs in its own process so that its peak resident memory is its own
         context = multiprocessing.get_context("spawn")
@@ -304,34 +471,18 @@ def _run(args, cifar, bridge) -> int:
         child.start()
         rows.append(queue.get())
         child.join()
+        print_row(rows[-1])
     load_after = os.getloadavg()
-    meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor(),
+    meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "machine": cpu_model(),
             "calibration_key": calibration.machine_key("cpu"), "gemm_gops": rates,
             "auto_candidate_pass": calibration.fastest_matmul("cpu"), "quick": args.quick,
             "repeats": args.repeats, "load_before": load_before, "load_after": load_after,
             "busy_processes": args.load}
-    for row in rows:
-        print(f"\n{row['case']}")
-        if "methods" in row:
-            print(f"  fp64 Recall@1 {row['recall_at_1_fp64']:.4f}; {row['gflop_nominal']:.0f} GFLOP nominal")
-            if row.get("pruning"):
-                prune = row["pruning"]
-                print(f"  recall path: pruned {prune['pruned']}, {prune['groups']} groups, "
-                      f"{prune['groups_per_query']:.2f} groups and {prune['items_per_query']:.0f} items searched "
-                      f"per query (probe estimate {prune['estimated_share']:.3f} of the gallery)")
-            print(f"  {'method':20s} {'median s':>9s} {'runs s':>22s} {'x kernel':>9s} {'top1=fp64':>12s}")
-            for name, result in row["methods"].items():
-                runs = " ".join(f"{value:.2f}" for value in result["runs_s"])
-                print(f"  {name:20s} {result['median_s']:9.2f} {runs:>22s} {result['kernel_speedup']:8.2f}x "
-                      f"{result['top1_equal_fp64']:>6d}/{row['queries']}")
-        else:
-            for key, value in row.items():
-                if key != "case":
-                    print(f"  {key:32s} {value:.4g}" if isinstance(value, float) else f"  {key:32s} {value}")
     print(f"\nload average after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} "
           f"({args.load} busy processes started by this run)")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    suffix = ("_quick" if args.quick else "") + (f"_load{args.load}" if args.load else "")
+    suffix = ("_quick" if args.quick else "") + (f"_load{args.load}" if args.load else "") + (
+        f"_{args.tag}" if args.tag else "")
     (RESULTS / f"retrieval{suffix}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     with open(RESULTS / f"retrieval{suffix}.csv", "w", newline="") as handle:
         writer = csv.writer(handle)

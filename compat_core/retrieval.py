@@ -161,11 +161,25 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
     ``compat_core.calibration``: int8, bf16, fp16 or fp32), "int8"/"half"/"bf16"/"fp16" (force that candidate
     stage), "fp32", "fp64" (brute force). The ranking is the same for every choice.
     ``chunk_size``: queries per block (default: a block of scores stays under 2**26 entries).
+    With k = 1 and "auto", large searches group the gallery (spherical k-means) and search only the groups whose
+    proven bound can reach a query's best score, where a probe of the bounds and a timed trial on the first
+    queries say it pays (``compat_core.retrieval_pruned``); the answer is the same.
     """
     _check_precision(precision)
     gallery = _as_matrix("gallery", gallery)
     query = _as_matrix("query", query, gallery.device)
     _check_same_dim(query, gallery)
+    if k == 1 and precision == "auto":
+        with _ieee_fp32():                  # the bounds' fp32 products are IEEE fp32 products
+            index, score, _ = retrieval_pruned.search_top1(query, gallery, _group_search(chunk_size),
+                                                           want_scores=return_scores)
+        return index.unsqueeze(1), None if score is None else score.unsqueeze(1)
+    return _whole_gallery(query, gallery, k, chunk_size, precision, return_scores)
+
+
+def _whole_gallery(query: torch.Tensor, gallery: torch.Tensor, k: int, chunk_size: int | None, precision: str,
+                   return_scores: bool):
+    """The exact kernel over the whole gallery (checked inputs): ``nearest_neighbours`` without pruning."""
     with torch.inference_mode(), _ieee_fp32():
         space = _direct_space(gallery, precision, query.shape[0])
         queries = _Queries("query", query, raw=space.half_dtype == torch.int8)
@@ -181,7 +195,7 @@ def _group_search(chunk_size: int | None):
         # search's own timed trial covers; the whole gallery and int8 stay "auto" (live check, int8 window check)
         stage = fastest_matmul(gallery_rows.device)
         precision = "auto" if whole or stage == "int8" else stage
-        return nearest_neighbours(query_rows, gallery_rows, 1, chunk_size, precision, return_scores=want_scores)
+        return _whole_gallery(query_rows, gallery_rows, 1, chunk_size, precision, want_scores)
     return search
 
 
@@ -240,8 +254,9 @@ def recall_at_k(query, query_labels, gallery, gallery_labels, k: int, chunk_size
     if k == 1 and precision == "auto":
         # the gallery's classes as groups: searched only where a proven bound can reach the best score found
         _check_same_dim(query, gallery)
-        top1, _ = retrieval_pruned.search_top1(query.to(gallery.device), gallery, _group_search(chunk_size),
-                                               labels=g_labels)
+        with _ieee_fp32():
+            top1, _, _ = retrieval_pruned.search_top1(query.to(gallery.device), gallery,
+                                                      _group_search(chunk_size), labels=g_labels)
         index = top1.unsqueeze(1)
     else:
         index, _ = nearest_neighbours(query, gallery, k, chunk_size, precision, return_scores=False)

@@ -1,7 +1,12 @@
 """Pruned exact top-1 search: the exact kernel (``compat_core.retrieval``) run only on the gallery groups that can
 hold a query's answer, with proven bounds deciding which.
 
-Why it is exact. The gallery is split into groups (by class when labels are given, else by spherical k-means).
+Used by ``retrieval.nearest_neighbours`` (k = 1, "auto"; spherical k-means groups) and ``retrieval.recall_at_k``
+(k = 1, "auto"; the gallery's classes as groups).
+
+Why it is exact. The gallery is split into groups (by class when labels are given, else by spherical k-means
+fitted on a sample in the calibrated float product, with the rows far from every centre in one outlier group:
+any split is valid, only the speed depends on it).
 Each group c has a centre direction m_c = m32 / ||m32|| (m32 the stored fp32 direction; any unit vector is a valid
 centre) and an angle a_c >= the largest angle between m_c and any member's unit vector (every member's cosine to
 m_c bounded from below by its fp32 evaluation minus input rounding and gamma_D, then arccos rounded outwards). For unit vectors q, g the angle
@@ -37,8 +42,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from compat_core.calibration import fastest_matmul
 from compat_core.retrieval_int8 import SLACK, U32, gamma
-from compat_core.torch_settings import run_chunks
+from compat_core.torch_settings import one_thread, run_chunks
 
 # probe size for the decision, and the share of the gallery (per query, averaged) above which pruning is not used
 _PROBE_QUERIES = 512
@@ -48,9 +54,16 @@ _MAX_SEARCHED_SHARE = 0.45
 _GROUP_OVERHEAD_ROWS = 8
 # below this many query-gallery pairs the plain kernel is fast enough that planning is not worth it
 _MIN_PAIRS = 1 << 24
-_KMEANS_ITERATIONS = 8
+_KMEANS_ITERATIONS = 6
 _KMEANS_SEED = 20261125
-_MIN_GROUP = 32               # k-means groups: about this many members or more
+_MIN_GROUP = 16               # k-means groups: about twice this many members (fewer groups, wider caps: on
+                              # d-Simplex-like rows of 100 classes, Ng / 64 groups left 57 % of a 5,000-row
+                              # gallery to search per query, Ng / 32 left 4 %)
+_KMEANS_SAMPLE_PER_GROUP = 16  # k-means centres are fitted on a sample of this many rows per group
+# a row whose cosine to its nearest centre is this many median deviations (plus the margin) below the median row's
+# joins the outlier group (only the speed depends on it)
+_OUTLIER_SPREADS = 6.0
+_OUTLIER_MARGIN = 0.05
 _MAX_GROUPS = 256
 _FP64_MARGIN = 1e-12
 
@@ -90,26 +103,48 @@ def _assignment_from_labels(labels: np.ndarray) -> np.ndarray:
 
 
 def kmeans_assignment(unit32: torch.Tensor, groups: int, iterations: int = _KMEANS_ITERATIONS,
-                      seed: int = _KMEANS_SEED) -> np.ndarray:
-    """Spherical k-means of unit fp32 rows (n, D) into ``groups`` groups (seeded, deterministic). Only the speed of
-    the pruned search depends on its quality, never its result."""
+                      seed: int = _KMEANS_SEED, dtype: torch.dtype = torch.float32) -> np.ndarray:
+    """Spherical k-means of unit fp32 rows (n, D) into ``groups`` groups (seeded, deterministic): centres fitted on
+    a sample of at most ``_KMEANS_SAMPLE_PER_GROUP`` rows per group, then every row assigned to its nearest centre,
+    the products in ``dtype``. Only the speed of the pruned search depends on its quality, never its result (any
+    assignment is a valid grouping: the bounds are measured afterwards), so a half-precision product will do."""
     count = unit32.shape[0]
     generator = torch.Generator().manual_seed(seed)
-    start = torch.randperm(count, generator=generator)[:groups].to(unit32.device)
-    centres = unit32[start].clone()
-    assign = torch.zeros(count, dtype=torch.long, device=unit32.device)
+    shuffled = torch.randperm(count, generator=generator).to(unit32.device)
+    sample = unit32[shuffled[:groups * _KMEANS_SAMPLE_PER_GROUP]].to(dtype)
+    centres = sample[:groups].clone()
+    columns = torch.arange(sample.shape[0], device=unit32.device)
     for _ in range(iterations):
-        assign = (unit32 @ centres.t()).argmax(dim=1)
-        sums = torch.zeros_like(centres).index_add_(0, assign, unit32)
-        norms = torch.linalg.vector_norm(sums, dim=1, keepdim=True)
-        empty = norms.squeeze(1) <= 0
-        centres = torch.where(empty.unsqueeze(1), centres, sums / norms.clamp(min=1e-30))
+        assign = (sample @ centres.t()).argmax(dim=1)
+        # the groups' sums as one product with their (C, n) membership matrix (index_add_ measured ~10x slower)
+        membership = torch.zeros((groups, sample.shape[0]), dtype=dtype, device=unit32.device)
+        membership[assign, columns] = 1.0
+        sums = membership @ sample
+        norms = torch.linalg.vector_norm(sums.float(), dim=1, keepdim=True)
+        centres = torch.where(norms > 0, sums.float() / norms.clamp(min=1e-30), centres.float()).to(dtype)
+    nearest = (unit32.to(dtype) @ centres.t()).max(dim=1)
+    assign = nearest.indices
+    # rows far from every centre (outliers of the clusters) form one group of their own: in a cluster's group
+    # one of them would widen the group's cap for every query, in their own group only their few rows are
+    # searched by the queries that need them
+    cosine = nearest.values.float()
+    median = cosine.median()
+    spread = (cosine - median).abs().median()
+    outliers = cosine < median - _OUTLIER_SPREADS * spread - _OUTLIER_MARGIN
+    if bool(outliers.any()):
+        assign = torch.where(outliers, torch.full_like(assign, groups), assign)
     return assign.cpu().numpy()
+
+
+def _grouping_dtype(device: torch.device) -> torch.dtype:
+    """The float product calibrated fastest on ``device`` (bf16, fp16 or fp32) for the k-means products."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(fastest_matmul(device, exclude=("int8",)),
+                                                               torch.float32)
 
 
 def group_gallery(gallery: torch.Tensor, labels=None) -> Groups:
     """Groups of ``gallery`` (Ng, D) rows: one per distinct label of ``labels`` (Ng,), or spherical k-means groups
-    (about Ng / 64, at most 256) without labels; centres, angles and the members nearest each centre.
+    (about Ng / 32, at most 256) without labels; centres, angles and the members nearest each centre.
 
     All in fp32 passes with proven error bounds (an fp64 pass over the gallery cost ~10x more). The reference
     centre of a group is m = m32 / ||m32|| for the stored fp32 direction m32 (any unit vector is a valid centre:
@@ -117,11 +152,12 @@ def group_gallery(gallery: torch.Tensor, labels=None) -> Groups:
     minus the input rounding of both sides and gamma_D."""
     unit32 = _unit32(gallery, "gallery")
     dim = gallery.shape[1]
+    dtype = _grouping_dtype(gallery.device)
     if labels is not None:
         assign = _assignment_from_labels(np.asarray(labels))
     else:
         count = int(min(_MAX_GROUPS, max(1, gallery.shape[0] // (2 * _MIN_GROUP))))
-        assign = kmeans_assignment(unit32, count)
+        assign = kmeans_assignment(unit32, count, dtype=dtype)
     sizes = np.bincount(assign)
     present = np.nonzero(sizes)[0]
     remap = np.full(sizes.shape[0], -1)
@@ -132,10 +168,10 @@ def group_gallery(gallery: torch.Tensor, labels=None) -> Groups:
     starts = [0] + np.cumsum(sizes).tolist()
     groups = len(sizes)
     # class sums as one product with the (C, Ng) membership matrix: a matrix product runs near the machine's
-    # peak, index_add_ measured ~5x slower
-    membership = torch.zeros((groups, gallery.shape[0]), dtype=torch.float32, device=gallery.device)
+    # peak, index_add_ measured ~5x slower; in the fastest float product, since any unit vector is a valid centre
+    membership = torch.zeros((groups, gallery.shape[0]), dtype=dtype, device=gallery.device)
     membership[assign_t, torch.arange(gallery.shape[0], device=gallery.device)] = 1.0
-    sums = membership @ unit32
+    sums = (membership @ unit32.to(dtype)).float()
     del membership
     norms = torch.linalg.vector_norm(sums, dim=1, keepdim=True)
     # a group whose unit rows sum to ~0 has no mean direction: its first member is taken as the centre
@@ -148,7 +184,7 @@ def group_gallery(gallery: torch.Tensor, labels=None) -> Groups:
     norm_m = 1.0 + centre_dev
     # |fl(g32 . m32) - g.m| <= ||g32 - g|| ||m32|| + ||g|| ||m32 - m|| + gamma_D ||g32|| ||m32||
     e_c = (dev_g * norm_m + centre_dev + g * (1.0 + dev_g) * norm_m) * SLACK
-    cosines = (unit32 @ centres32.t()).gather(1, assign_t.unsqueeze(1)).squeeze(1)   # any order: gamma_D
+    cosines = (unit32 * centres32[assign_t]).sum(dim=1)          # each row with its own centre; any order: gamma_D
     low = torch.full((groups,), math.inf, dtype=torch.float32, device=gallery.device)
     low = low.scatter_reduce(0, assign_t, cosines, reduce="amin").double() - e_c
     # a smaller cosine is a larger (safer) angle; arccos is accurate to an ulp or two of its result
@@ -246,12 +282,14 @@ class Report:
 
 
 _TRIAL_QUERIES = 2048         # "auto": queries timed both ways before the rest runs the faster way
+_TRIAL_QUERIES_PER_GROUP = 32  # ... or this many per group, up to a quarter of the queries
 _TRIAL_GAIN = 1.1             # pruning must measure this much faster than the whole-gallery search
-_BOUND_CHUNK = 4096            # query rows per bound block (fp32 (n, D) rows, (n, 2C) scores)
+_BOUND_CHUNK = 2048            # query rows per bound block (fp32 (n, D) rows, (n, 2C) scores)
 PRUNE_MODES = ("auto", "always", "never")
 
 
-def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None, prune: str = "auto"):
+def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None, prune: str = "auto",
+                want_scores: bool = False):
     """Exact top-1 gallery row of every query row (cosine; lowest index among exact ties), searching only the
     gallery groups whose bound reaches the query's best lower bound.
 
@@ -259,47 +297,87 @@ def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None,
     fp64 scores (n, 1) or None without ``want_scores``); ``whole``: the call searches the whole gallery.
     ``labels`` (Ng,): group by class; None: spherical k-means groups. ``prune``: "auto", "always" or "never" (one
     kernel call over the whole gallery). "auto" first estimates from the bounds of a probe of queries
-    (``plan``); where that promises a gain it times both searches on the first ``_TRIAL_QUERIES`` queries (their
-    answers are kept: both are exact) and runs the rest the faster way, pruning only when it measured at least
-    ``_TRIAL_GAIN`` times faster. Returns (indices (Nq,) int64, ``Report``)."""
+    (``plan``); where that promises a gain it times both searches on the first queries (``_TRIAL_QUERIES``, or
+    ``_TRIAL_QUERIES_PER_GROUP`` per group up to a quarter of the queries; their answers are kept: both are
+    exact) and runs the rest the faster way, pruning only when it measured at least ``_TRIAL_GAIN`` times
+    faster. Returns (indices (Nq,) int64, fp64 cosine scores (Nq,) or None without ``want_scores``,
+    ``Report``)."""
     if prune not in PRUNE_MODES:
         raise ValueError(f"prune: expected one of {PRUNE_MODES}, got {prune!r}")
     size = gallery.shape[0]
+
+    def whole_search(rows: torch.Tensor):
+        index, score = search(rows, gallery, want_scores, True)
+        return index[:, 0], None if score is None else score[:, 0]
+
     whole = Report(False, 1, 1.0, float(size), 1.0)
     if prune == "never" or (prune == "auto" and query.shape[0] * size < _MIN_PAIRS):
-        return search(query, gallery, False, True)[0][:, 0], whole
+        return (*whole_search(query), whole)
     with torch.inference_mode():
-        groups = group_gallery(gallery, labels)
+        # many small operations: on one thread they wait for no descheduled worker (on a loaded 2-core machine
+        # measured 0.24 s against 0.96-1.8 s on two threads for 5,000 x 1023 rows)
+        with one_thread():
+            groups = group_gallery(gallery, labels)
+            if groups.count >= 2:
+                decision = plan(query, groups, size)
         if groups.count < 2:
-            return search(query, gallery, False, True)[0][:, 0], whole
-        decision = plan(query, groups, size)
+            return (*whole_search(query), whole)
         declined = Report(False, groups.count, float(groups.count), float(size), decision.share)
         if prune == "auto" and not decision.prune:
-            return search(query, gallery, False, True)[0][:, 0], declined
+            return (*whole_search(query), declined)
         if prune == "always" or query.shape[0] < 2 * _TRIAL_QUERIES:
-            return _pruned(query, gallery, groups, search, decision.share)
-        trial = query[:_TRIAL_QUERIES]
-        started = time.perf_counter()
-        whole_index = search(trial, gallery, False, True)[0][:, 0]
-        whole_s = time.perf_counter() - started
-        started = time.perf_counter()
-        _pruned(trial, gallery, groups, search, decision.share)
-        pruned_s = time.perf_counter() - started
-        rest = query[_TRIAL_QUERIES:]
+            return _pruned(query, gallery, groups, search, decision.share, want_scores)
+        # each group call has a fixed cost, so a trial of few queries per group favours the whole gallery: the
+        # trial grows with the group count (up to a quarter of the queries); its halves run whole, pruned,
+        # pruned, whole, so that a change of the machine's load during the trial weighs on both alike
+        size_trial = max(_TRIAL_QUERIES, min(query.shape[0] // 4, _TRIAL_QUERIES_PER_GROUP * groups.count))
+        half = size_trial // 2
+        seconds = {"whole": 0.0, "pruned": 0.0}
+        first = []
+        for way, start, stop in (("whole", 0, half), ("pruned", 0, half), ("pruned", half, size_trial),
+                                 ("whole", half, size_trial)):
+            started = time.perf_counter()
+            if way == "whole":
+                first.append(whole_search(query[start:stop]))
+            else:
+                _pruned(query[start:stop], gallery, groups, search, decision.share, want_scores)
+            seconds[way] += time.perf_counter() - started
+        first = _joined(*first)
+        whole_s, pruned_s = seconds["whole"], seconds["pruned"]
+        rest = query[size_trial:]
         if pruned_s * _TRIAL_GAIN > whole_s:
-            return torch.cat([whole_index, search(rest, gallery, False, True)[0][:, 0]]), declined
-        index, report = _pruned(rest, gallery, groups, search, decision.share)
-        return torch.cat([whole_index, index]), report
+            return (*_joined(first, whole_search(rest)), declined)
+        index, score, report = _pruned(rest, gallery, groups, search, decision.share, want_scores)
+        return (*_joined(first, (index, score)), report)
 
 
-def _pruned(query: torch.Tensor, gallery: torch.Tensor, groups: Groups, search, share: float):
+def _joined(first, second):
+    """(indices, scores or None) of two consecutive query blocks, concatenated."""
+    scores = None if first[1] is None else torch.cat([first[1], second[1]])
+    return torch.cat([first[0], second[0]]), scores
+
+
+def needed_groups(query: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """(Nq, C) bool: the groups each query row must search (its bounds, in blocks of ``_BOUND_CHUNK`` rows, as
+    independent pieces of work: ``run_chunks``)."""
+    need = torch.empty((query.shape[0], groups.count), dtype=torch.bool, device=query.device)
+
+    def block(start: int, stop: int) -> None:
+        need[start:stop] = needed(*bounds(_unit32(query[start:stop], "query", start), groups))
+    run_chunks(block, [(start, min(query.shape[0], start + _BOUND_CHUNK))
+                       for start in range(0, query.shape[0], _BOUND_CHUNK)], query.device)
+    return need
+
+
+def _pruned(query: torch.Tensor, gallery: torch.Tensor, groups: Groups, search, share: float,
+            want_scores: bool = False):
     """``search_top1`` with pruning: bounds of every query, then the kernel on each group for the queries that
     must search it (groups as independent pieces of work, ``run_chunks``), then the merge."""
-    need = torch.cat([needed(*bounds(_unit32(query[start:start + _BOUND_CHUNK], "query", start), groups))
-                      for start in range(0, query.shape[0], _BOUND_CHUNK)])
+    need = needed_groups(query, groups)
     # a query that searches one group is answered by that group's top-1 (no merge, so no fp64 score needed: the
-    # kernel's cheapest mode); queries that search several take the fp64 scores to merge
-    several = need.sum(dim=1) > 1
+    # kernel's cheapest mode) unless scores are asked for; queries that search several take the fp64 scores to
+    # merge
+    several = (need.sum(dim=1) > 1) | want_scores
     found: list = [None] * groups.count
 
     def search_group(group: int) -> None:
@@ -330,4 +408,4 @@ def _pruned(query: torch.Tensor, gallery: torch.Tensor, groups: Groups, search, 
     sizes = groups.sizes().to(need.device)
     report = Report(True, groups.count, float(need.double().sum(dim=1).mean()),
                     float((need.double() * sizes).sum(dim=1).mean()), share)
-    return best_index, report
+    return best_index, best_score if want_scores else None, report

@@ -33,13 +33,13 @@ def simplex_like(count: int, dim: int, classes: int, cosine: float, seed: int, c
     return rows.astype(np.float32), labels, centres
 
 
-def kernel_search(query_rows, gallery_rows, want_scores, whole=False):
-    return retrieval.nearest_neighbours(query_rows, gallery_rows, 1, precision="auto", return_scores=want_scores)
+kernel_search = retrieval._group_search(None)       # the exact kernel as the product's pruned search calls it
 
 
 def run(query, gallery, labels, prune="always"):
-    return retrieval_pruned.search_top1(torch.from_numpy(query), torch.from_numpy(gallery), kernel_search,
-                                        labels=labels, prune=prune)
+    index, _, report = retrieval_pruned.search_top1(torch.from_numpy(query), torch.from_numpy(gallery),
+                                                    kernel_search, labels=labels, prune=prune)
+    return index, report
 
 
 @pytest.mark.parametrize("cosine", [0.95, 0.85, 0.75])
@@ -153,9 +153,9 @@ def test_recall_at_1_prunes_on_clustered_classes_and_equals_fp64(monkeypatch):
     original = retrieval_pruned.search_top1
 
     def spy(*args, **kwargs):
-        index, report = original(*args, **kwargs)
+        index, score, report = original(*args, **kwargs)
         reports.append(report)
-        return index, report
+        return index, score, report
     monkeypatch.setattr(retrieval_pruned, "search_top1", spy)
     monkeypatch.setattr(retrieval_pruned, "_TRIAL_GAIN", 0.0)       # the timed trial always lets pruning win
     value = retrieval.recall_at_1(query, q_labels, gallery, g_labels)
@@ -188,3 +188,115 @@ def test_timed_trial_keeps_its_answers_and_runs_the_rest_the_chosen_way(monkeypa
     index, report = run(query, gallery, labels, prune="auto")
     np.testing.assert_array_equal(index.numpy(), brute_top1(query, gallery)[0])
     assert report.pruned is pruned
+
+
+def mirrored_ties(seed: int, half: int = 24, pairs: int = 30):
+    """k-means clusters with planted exact ties and near-ties between rows of different clusters.
+
+    Rows are [u, v] (two halves of ``half`` coordinates): u a random part, v = 0.9 c_k + noise for a cluster
+    centre c_k of random signs (+-1 / sqrt(half)), so the clusters differ only in the signs of their second
+    halves. Each pair takes a member s of one cluster and plants t = [u_s, D v_s] with D the sign flips taking
+    c_k to another cluster's centre: t is a member of that other cluster, with the same norm as s, bit for bit.
+    A query [u_s + a little noise, 0] then scores s and t with the same fp64 sum, term by term (the second-half
+    products are +-0): an exact tie that the lowest index must win. Every third t is moved by one ulp in its
+    largest first-half component, every third by 3e-7 along the query (either direction): near-ties that fp64
+    decides. The planted queries are the last ``pairs`` rows, so "auto" answers them after its timed trial."""
+    rng = np.random.default_rng(seed)
+    clusters = 12
+    signs = rng.choice([-1.0, 1.0], (clusters, half))
+
+    def rows(count):
+        labels = rng.integers(0, clusters, count)
+        u = 0.4 * rng.standard_normal((count, half)) / np.sqrt(half)
+        v = (0.9 * signs[labels] + 0.25 * rng.standard_normal((count, half))) / np.sqrt(half)
+        return np.hstack([u, v]).astype(np.float32), labels
+
+    query, _ = rows(700)
+    gallery, labels = rows(3000)
+    chosen = rng.choice(len(gallery), 2 * pairs, replace=False)
+    planted = []
+    for j, (s, t) in enumerate(zip(chosen[:pairs], chosen[pairs:])):
+        q = len(query) - pairs + j
+        other = (labels[s] + 1 + j % (clusters - 1)) % clusters
+        gallery[t, :half] = gallery[s, :half]
+        gallery[t, half:] = gallery[s, half:] * (signs[labels[s]] * signs[other]).astype(np.float32)
+        query[q] = 0.0
+        query[q, :half] = gallery[s, :half] + 1e-3 * rng.standard_normal(half).astype(np.float32)
+        if j % 3 == 1:
+            c = int(np.argmax(np.abs(gallery[t, :half])))
+            gallery[t, c] = np.nextafter(gallery[t, c], np.float32(np.inf) * np.sign(gallery[t, c]),
+                                         dtype=np.float32)
+        elif j % 3 == 2:
+            direction = 1.0 if j % 2 else -1.0
+            gallery[t] = (gallery[t].astype(np.float64)
+                          + direction * 3e-7 * query[q] / np.linalg.norm(query[q])).astype(np.float32)
+        planted.append((q, int(s), int(t), j % 3 == 0))
+    return query, gallery, planted
+
+
+def spy_reports(monkeypatch):
+    reports = []
+    original = retrieval_pruned.search_top1
+
+    def spy(*args, **kwargs):
+        index, score, report = original(*args, **kwargs)
+        reports.append(report)
+        return index, score, report
+    monkeypatch.setattr(retrieval_pruned, "search_top1", spy)
+    return reports
+
+
+@pytest.mark.parametrize("return_scores", [False, True])
+def test_nearest_neighbours_auto_prunes_kmeans_groups_and_equals_fp64_on_cross_group_ties(monkeypatch,
+                                                                                          return_scores):
+    """The product's exact top-1 (``nearest_neighbours``, k = 1, "auto") with k-means groups: planted exact
+    ties and near-ties between rows of different groups, fp64 brute force as the reference."""
+    query, gallery, planted = mirrored_ties(seed=21)
+    groups = retrieval_pruned.group_gallery(torch.from_numpy(gallery))
+    group_of = np.empty(len(gallery), dtype=np.int64)
+    for group in range(groups.count):
+        group_of[groups.members(group).numpy()] = group
+    expected, scores = brute_top1(query, gallery)
+    # the plants decide their queries, across group boundaries, as exact ties or near-ties
+    crossing = [(q, s, t, tie) for q, s, t, tie in planted if group_of[s] != group_of[t] and expected[q] in (s, t)]
+    assert len(crossing) >= 20
+    for q, s, t, tie in crossing:
+        ordered = np.sort(scores[q])
+        if tie:
+            assert scores[q, s] == scores[q, t] and expected[q] == min(s, t)
+        else:
+            assert ordered[-1] - ordered[-2] < 1e-6
+    assert any(tie and t < s for _, s, t, tie in crossing) and any(tie and s < t for _, s, t, tie in crossing)
+    monkeypatch.setattr(retrieval_pruned, "_MIN_PAIRS", 0)
+    monkeypatch.setattr(retrieval_pruned, "_TRIAL_QUERIES", 256)
+    monkeypatch.setattr(retrieval_pruned, "_TRIAL_GAIN", 0.0)       # the timed trial always lets pruning win
+    reports = spy_reports(monkeypatch)
+    index, found = retrieval.nearest_neighbours(query, gallery, 1, return_scores=return_scores)
+    np.testing.assert_array_equal(index[:, 0].numpy(), expected)
+    assert len(reports) == 1 and reports[0].pruned and reports[0].groups == groups.count
+    assert reports[0].groups_per_query < 0.25 * groups.count and reports[0].items_per_query < 0.25 * len(gallery)
+    if return_scores:
+        np.testing.assert_allclose(found[:, 0].numpy(), scores.max(axis=1), rtol=0, atol=1e-12)
+    else:
+        assert found is None
+
+
+@pytest.mark.parametrize("clustered", [False, True])
+def test_nearest_neighbours_auto_runs_the_whole_gallery_where_pruning_does_not_pay(monkeypatch, clustered):
+    """Full-rank random rows: the probe declines; clustered rows whose timed trial measures no gain: the rest
+    runs as one whole-gallery kernel call. Exact either way."""
+    if clustered:
+        query, gallery, _ = mirrored_ties(seed=31)
+        monkeypatch.setattr(retrieval_pruned, "_TRIAL_GAIN", 1e9)
+    else:
+        rng = np.random.default_rng(32)
+        query = rng.standard_normal((700, 48)).astype(np.float32)
+        gallery = rng.standard_normal((3000, 48)).astype(np.float32)
+    monkeypatch.setattr(retrieval_pruned, "_MIN_PAIRS", 0)
+    monkeypatch.setattr(retrieval_pruned, "_TRIAL_QUERIES", 256)
+    reports = spy_reports(monkeypatch)
+    index, _ = retrieval.nearest_neighbours(query, gallery, 1, return_scores=False)
+    np.testing.assert_array_equal(index[:, 0].numpy(), brute_top1(query, gallery)[0])
+    assert len(reports) == 1 and not reports[0].pruned
+    if not clustered:
+        assert reports[0].estimated_share > 0.9
