@@ -93,8 +93,9 @@ def unclustered(count: int, dim: int, seed: int):
 
 def demo_features(run: str, task: int, side: str):
     """(features (N, D) float32, labels (N,)) of task ``task``'s model on the ``side`` ("query" / "gallery") set of
-    a finished run directory, read with the product's reader (``pipelines.store.read_features``)."""
-    from pipelines.store import RunStore, read_features
+    a finished run directory, read with the product's reader (``pipelines.feature_store.read_features``)."""
+    from pipelines.feature_store import read_features
+    from pipelines.store import RunStore
 
     store = RunStore(run)
     prefix = f"extract-t{task:03d}-{side}-"

@@ -152,7 +152,9 @@ def test_serve_and_backfill_from_separate_shells_on_a_token_head(mlflow_server, 
         from cluster.registry import MlflowModelResolver
         from cluster.serving.models import ModelRef, load_served_model
         from pipelines.config_load import load_config
-        from pipelines.stages import compute_entry, extract_pool_features, load_pool
+        from pipelines.entry_metrics import compute_entry
+        from pipelines.extraction import extract_pool_features
+        from pipelines.pools import load_pool
 
         scenario = load_config(str(config))
         query_pool, gallery_pool = (load_pool(scenario.evaluation.query_set),
