@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import socket
 from typing import Any, Callable, Iterable
 
 import ray
@@ -33,13 +32,13 @@ from cluster.jobs import submit_pipeline
 from cluster.ray_auth import prepare_client_auth
 from cluster.ray_loopback import prepare_loopback
 from cluster.ray_train_stage import run_data_parallel_node
+from cluster.ray_worker import NodeResult, run_stage_in_worker
 from cluster.reach import local_address_towards, require_answering, require_reachable
 from cluster.resource_check import check_satisfiable
-from cluster.storage import configure_object_storage, installed_access
+from cluster.storage import installed_access
 from pipelines.executor import Backend, Executor, Invocation, close_emit, read_invocations, run_graph
 from pipelines.graph import Stage, StageGraph
-from pipelines.progress import ProgressReporter, ProgressUpdate
-from pipelines.stages import execute_stage
+from pipelines.progress import ProgressReporter
 from pipelines.store import RunStore
 
 log = logging.getLogger(__name__)
@@ -96,37 +95,13 @@ DEFAULT_MAX_RETRIES = 3  # a transient failure (a node lost, an OOM kill): a few
 
 
 def run_node(store_root: str, stage: Stage, config: Any, code_version: str, num_threads: int,
-             setup: Callable[[], None] | None = None, storage_access: Any = None) -> dict:
-    """Body of a node's Ray task: execute and commit ``stage``; returns {"key", "records", "pid", "computed"}.
-
-    records: the node's non-progress records (per-epoch training summaries), replayed by the driver to its emit
-    callback. computed: False when the node was already committed (a retried task after a failure).
-    """
+             setup: Callable[[], None] | None = None, storage_access: Any = None) -> NodeResult:
+    """Body of a plain node's Ray task: torch limited to ``num_threads`` threads, then the one worker body
+    (:func:`cluster.ray_worker.run_stage_in_worker`) executes and commits ``stage``."""
     import torch
 
     torch.set_num_threads(max(1, int(num_threads)))
-    if storage_access is not None:
-        # the driver's S3 settings (endpoint, region, style, profile: from its AWS chain, e.g. an AWS_PROFILE);
-        # an S3Access travels without secrets and resolves credentials from this worker's own chain
-
-        configure_object_storage(storage_access)
-    if setup is not None:
-        setup()
-    store = RunStore(store_root)
-    node_id = ray.get_runtime_context().get_node_id()
-    if store.has(stage.key):
-        return {"key": stage.key, "records": [], "pid": os.getpid(), "computed": False, "node_id": node_id}
-    records: list[Any] = []
-
-    def emit(record: Any) -> None:
-        # per-step progress stays in the worker: only summaries are worth the trip to the driver
-        if not isinstance(record, ProgressUpdate):
-            records.append(record)
-
-    # where the node ran goes into its manifest (a lost node's stage shows the survivor that redid it)
-    placement = {"node_id": node_id, "host": socket.gethostname(), "pid": os.getpid()}
-    execute_stage(stage, config, store, emit, code_version=code_version, placement=placement)
-    return {"key": stage.key, "records": records, "pid": os.getpid(), "computed": True, "node_id": node_id}
+    return run_stage_in_worker(store_root, stage, config, code_version, setup=setup, storage_access=storage_access)
 
 
 class NodeFailed(RuntimeError):
@@ -225,13 +200,13 @@ class RayBackend(Backend):
             result = ray.get(finished[0])
         except Exception as error:
             raise NodeFailed(key, error) from error
-        self.stats["computed"] += int(result["computed"])
-        self.placements[key] = result["node_id"]
-        log.info("node %s ran on Ray node %s", key, result["node_id"])
-        self.stats["pids"].add(result["pid"])
+        self.stats["computed"] += int(result.computed)
+        self.placements[key] = result.node_id
+        log.info("node %s ran on Ray node %s", key, result.node_id)
+        self.stats["pids"].add(result.pid)
         self.stats["largest_result_bytes"] = max(self.stats["largest_result_bytes"],
                                                  len(ray.cloudpickle.dumps(result)))
-        return key, result["records"]
+        return key, result.records
 
     def close(self) -> None:
         for ref in self.running:
@@ -298,4 +273,4 @@ class RayExecutor(Executor):
         return summary
 
 
-__all__ = ["RayExecutor", "RayBackend", "run_node", "task_options", "connect", "EMBEDDED_OBJECT_STORE_BYTES"]
+__all__ = ["RayExecutor", "RayBackend", "NodeResult", "run_node", "task_options", "connect", "EMBEDDED_OBJECT_STORE_BYTES"]
