@@ -13,6 +13,8 @@
 - Tasks retry ``max_retries`` times after a worker or node failure; a node found committed when its (retried) task
   starts is not recomputed. Only keys and per-epoch training summaries travel through Ray; models and features move
   through the run store (local folder or s3://) by URI, so a multi-node cluster needs a store every node reaches.
+- Workers write only under the driver's run-folder lease (:mod:`cluster.ray_worker`): a worker whose driver lost it
+  (paused past the stale time and taken over by another driver) commits nothing.
 
 ``--address http(s)://HOST:8265`` (a dashboard / job server) runs the pipeline as a Ray Job instead
 (:func:`cluster.jobs.submit_pipeline`) and waits for it.
@@ -38,6 +40,7 @@ from cluster.resource_check import check_satisfiable
 from cluster.storage import installed_access
 from pipelines.executor import Backend, Executor, Invocation, close_emit, read_invocations, run_graph
 from pipelines.graph import Stage, StageGraph
+from pipelines.lease import LeaseFence, lease_fence
 from pipelines.progress import ProgressReporter
 from pipelines.store import RunStore
 
@@ -95,13 +98,15 @@ DEFAULT_MAX_RETRIES = 3  # a transient failure (a node lost, an OOM kill): a few
 
 
 def run_node(store_root: str, stage: Stage, config: Any, code_version: str, num_threads: int,
-             setup: Callable[[], None] | None = None, storage_access: Any = None) -> NodeResult:
+             setup: Callable[[], None] | None = None, storage_access: Any = None,
+             fence: LeaseFence | None = None) -> NodeResult:
     """Body of a plain node's Ray task: torch limited to ``num_threads`` threads, then the one worker body
-    (:func:`cluster.ray_worker.run_stage_in_worker`) executes and commits ``stage``."""
+    (:func:`cluster.ray_worker.run_stage_in_worker`) executes and commits ``stage`` under the driver's ``fence``."""
     import torch
 
     torch.set_num_threads(max(1, int(num_threads)))
-    return run_stage_in_worker(store_root, stage, config, code_version, setup=setup, storage_access=storage_access)
+    return run_stage_in_worker(store_root, stage, config, code_version, setup=setup, storage_access=storage_access,
+                               fence=fence)
 
 
 class NodeFailed(RuntimeError):
@@ -153,17 +158,18 @@ class RayBackend(Backend):
         options = task_options(stage.resources, graph.config.device, self.cluster_has_gpus)
         self._check(stage, options, graph.config.resources.autoscaling)
         root = store.root if not store.is_local else store.base  # absolute: workers do not share the driver's cwd
+        fence = lease_fence(store.root)  # the driver's run-folder lease: workers commit only while it holds it
         # tasks are named after their stage: `ray list tasks` and the dashboard show finetune[t=3], entry[...]
         if stage.resources.num_workers > 1:
             # a Ray Train run of num_workers workers, each with `options`; the task that fits it holds nothing
             ref = self.remote_data_parallel.options(num_cpus=0, num_gpus=0, max_retries=self.max_retries,
                                                     name=stage.label).remote(
                 root, stage, graph.config, graph.code_version, options, self.max_retries, self.setup,
-                installed_access())
+                installed_access(), fence)
         else:
             ref = self.remote.options(**options, max_retries=self.max_retries, name=stage.label).remote(
                 root, stage, graph.config, graph.code_version, max(1, int(math.floor(options["num_cpus"]))),
-                self.setup, installed_access())
+                self.setup, installed_access(), fence)
         self.running[ref] = stage.key
         self.stats["tasks"] += 1
 
@@ -273,4 +279,4 @@ class RayExecutor(Executor):
         return summary
 
 
-__all__ = ["RayExecutor", "RayBackend", "NodeResult", "run_node", "task_options", "connect", "EMBEDDED_OBJECT_STORE_BYTES"]
+__all__ = ["RayExecutor", "RayBackend", "run_node", "task_options", "connect", "EMBEDDED_OBJECT_STORE_BYTES"]

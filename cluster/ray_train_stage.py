@@ -29,6 +29,7 @@ from compat_core import io as cio
 from pipelines.checkpoints import EpochCheckpoint, decode_state, encode_state
 from pipelines.distributed import use_checkpoint_sink
 from pipelines.graph import Stage
+from pipelines.lease import LeaseFence, hold_fence
 from pipelines.store import RunStore, sha256_bytes
 
 log = logging.getLogger(__name__)
@@ -108,10 +109,11 @@ def train_storage(store_root: str, stage_key: str) -> tuple[str, Any]:
 
 def run_data_parallel_node(store_root: str, stage: Stage, config: Any, code_version: str, options: dict,
                            max_failures: int, setup: Callable[[], None] | None = None,
-                           storage_access: Any = None) -> NodeResult:
+                           storage_access: Any = None, fence: LeaseFence | None = None) -> NodeResult:
     """Body of a data-parallel node's Ray task: fit a TorchTrainer of ``stage.resources.num_workers`` workers.
 
-    options: the node's task options (per worker). Returns rank 0's :class:`cluster.ray_worker.NodeResult`.
+    options: the node's task options (per worker). fence: the driver's run-folder lease, which every worker (and
+    this task's cleanup) writes under. Returns rank 0's :class:`cluster.ray_worker.NodeResult`.
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -123,7 +125,8 @@ def run_data_parallel_node(store_root: str, stage: Stage, config: Any, code_vers
     trainer = TorchTrainer(
         _train_worker,
         train_loop_config={"store_root": store_root, "stage": stage, "config": config, "code_version": code_version,
-                           "use_gpu": use_gpu, "setup": setup, "storage_access": storage_access},
+                           "use_gpu": use_gpu, "setup": setup, "storage_access": storage_access,
+                           "fence": fence},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=int(stage.resources.num_workers), use_gpu=use_gpu,
                                      resources_per_worker=resources),
@@ -134,7 +137,8 @@ def run_data_parallel_node(store_root: str, stage: Stage, config: Any, code_vers
     result = trainer.fit().return_value
     store = RunStore(store_root)
     if store.has(stage.key):  # committed: its Ray Train state and checkpoints are garbage
-        store.delete_tree(f"{TRAIN_FOLDER}/{stage.key}")
+        with hold_fence(store_root, fence):
+            store.delete_tree(f"{TRAIN_FOLDER}/{stage.key}")
     return result
 
 
@@ -152,7 +156,7 @@ def _train_worker(loop: dict) -> NodeResult:
     try:
         # the manifest names rank 0's node (it commits) and the size of the worker group
         return run_stage_in_worker(loop["store_root"], loop["stage"], loop["config"], loop["code_version"],
-                                   setup=loop["setup"], storage_access=loop["storage_access"],
+                                   setup=loop["setup"], storage_access=loop["storage_access"], fence=loop["fence"],
                                    keep_records=context.get_world_rank() == 0,
                                    placement={"workers": context.get_world_size()})
     finally:
