@@ -13,6 +13,8 @@
 - Tasks retry ``max_retries`` times after a worker or node failure; a node found committed when its (retried) task
   starts is not recomputed. Only keys and per-epoch training summaries travel through Ray; models and features move
   through the run store (local folder or s3://) by URI, so a multi-node cluster needs a store every node reaches.
+- Workers write only under the driver's run-folder lease (:mod:`cluster.ray_worker`): a worker whose driver lost it
+  (paused past the stale time and taken over by another driver) commits nothing.
 
 ``--address http(s)://HOST:8265`` (a dashboard / job server) runs the pipeline as a Ray Job instead
 (:func:`cluster.jobs.submit_pipeline`) and waits for it.
@@ -24,7 +26,6 @@ import json
 import logging
 import math
 import os
-import socket
 from typing import Any, Callable, Iterable
 
 import ray
@@ -33,13 +34,14 @@ from cluster.jobs import submit_pipeline
 from cluster.ray_auth import prepare_client_auth
 from cluster.ray_loopback import prepare_loopback
 from cluster.ray_train_stage import run_data_parallel_node
+from cluster.ray_worker import NodeResult, run_stage_in_worker
 from cluster.reach import local_address_towards, require_answering, require_reachable
 from cluster.resource_check import check_satisfiable
-from cluster.storage import configure_object_storage, installed_access
+from cluster.storage import installed_access
 from pipelines.executor import Backend, Executor, Invocation, close_emit, read_invocations, run_graph
 from pipelines.graph import Stage, StageGraph
-from pipelines.progress import ProgressReporter, ProgressUpdate
-from pipelines.stages import execute_stage
+from pipelines.lease import LeaseFence, lease_fence
+from pipelines.progress import ProgressReporter
 from pipelines.store import RunStore
 
 log = logging.getLogger(__name__)
@@ -96,37 +98,15 @@ DEFAULT_MAX_RETRIES = 3  # a transient failure (a node lost, an OOM kill): a few
 
 
 def run_node(store_root: str, stage: Stage, config: Any, code_version: str, num_threads: int,
-             setup: Callable[[], None] | None = None, storage_access: Any = None) -> dict:
-    """Body of a node's Ray task: execute and commit ``stage``; returns {"key", "records", "pid", "computed"}.
-
-    records: the node's non-progress records (per-epoch training summaries), replayed by the driver to its emit
-    callback. computed: False when the node was already committed (a retried task after a failure).
-    """
+             setup: Callable[[], None] | None = None, storage_access: Any = None,
+             fence: LeaseFence | None = None) -> NodeResult:
+    """Body of a plain node's Ray task: torch limited to ``num_threads`` threads, then the one worker body
+    (:func:`cluster.ray_worker.run_stage_in_worker`) executes and commits ``stage`` under the driver's ``fence``."""
     import torch
 
     torch.set_num_threads(max(1, int(num_threads)))
-    if storage_access is not None:
-        # the driver's S3 settings (endpoint, region, style, profile: from its AWS chain, e.g. an AWS_PROFILE);
-        # an S3Access travels without secrets and resolves credentials from this worker's own chain
-
-        configure_object_storage(storage_access)
-    if setup is not None:
-        setup()
-    store = RunStore(store_root)
-    node_id = ray.get_runtime_context().get_node_id()
-    if store.has(stage.key):
-        return {"key": stage.key, "records": [], "pid": os.getpid(), "computed": False, "node_id": node_id}
-    records: list[Any] = []
-
-    def emit(record: Any) -> None:
-        # per-step progress stays in the worker: only summaries are worth the trip to the driver
-        if not isinstance(record, ProgressUpdate):
-            records.append(record)
-
-    # where the node ran goes into its manifest (a lost node's stage shows the survivor that redid it)
-    placement = {"node_id": node_id, "host": socket.gethostname(), "pid": os.getpid()}
-    execute_stage(stage, config, store, emit, code_version=code_version, placement=placement)
-    return {"key": stage.key, "records": records, "pid": os.getpid(), "computed": True, "node_id": node_id}
+    return run_stage_in_worker(store_root, stage, config, code_version, setup=setup, storage_access=storage_access,
+                               fence=fence)
 
 
 class NodeFailed(RuntimeError):
@@ -178,17 +158,18 @@ class RayBackend(Backend):
         options = task_options(stage.resources, graph.config.device, self.cluster_has_gpus)
         self._check(stage, options, graph.config.resources.autoscaling)
         root = store.root if not store.is_local else store.base  # absolute: workers do not share the driver's cwd
+        fence = lease_fence(store.root)  # the driver's run-folder lease: workers commit only while it holds it
         # tasks are named after their stage: `ray list tasks` and the dashboard show finetune[t=3], entry[...]
         if stage.resources.num_workers > 1:
             # a Ray Train run of num_workers workers, each with `options`; the task that fits it holds nothing
             ref = self.remote_data_parallel.options(num_cpus=0, num_gpus=0, max_retries=self.max_retries,
                                                     name=stage.label).remote(
                 root, stage, graph.config, graph.code_version, options, self.max_retries, self.setup,
-                installed_access())
+                installed_access(), fence)
         else:
             ref = self.remote.options(**options, max_retries=self.max_retries, name=stage.label).remote(
                 root, stage, graph.config, graph.code_version, max(1, int(math.floor(options["num_cpus"]))),
-                self.setup, installed_access())
+                self.setup, installed_access(), fence)
         self.running[ref] = stage.key
         self.stats["tasks"] += 1
 
@@ -225,13 +206,13 @@ class RayBackend(Backend):
             result = ray.get(finished[0])
         except Exception as error:
             raise NodeFailed(key, error) from error
-        self.stats["computed"] += int(result["computed"])
-        self.placements[key] = result["node_id"]
-        log.info("node %s ran on Ray node %s", key, result["node_id"])
-        self.stats["pids"].add(result["pid"])
+        self.stats["computed"] += int(result.computed)
+        self.placements[key] = result.node_id
+        log.info("node %s ran on Ray node %s", key, result.node_id)
+        self.stats["pids"].add(result.pid)
         self.stats["largest_result_bytes"] = max(self.stats["largest_result_bytes"],
                                                  len(ray.cloudpickle.dumps(result)))
-        return key, result["records"]
+        return key, result.records
 
     def close(self) -> None:
         for ref in self.running:

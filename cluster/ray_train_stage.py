@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from cluster.ray_worker import NodeResult, run_stage_in_worker
 from cluster.storage import configure_object_storage
 from compat_core import io as cio
 from pipelines.checkpoints import EpochCheckpoint, decode_state, encode_state
 from pipelines.distributed import use_checkpoint_sink
 from pipelines.graph import Stage
-from pipelines.progress import ProgressUpdate
-from pipelines.stages import execute_stage
+from pipelines.lease import LeaseFence, hold_fence
 from pipelines.store import RunStore, sha256_bytes
 
 log = logging.getLogger(__name__)
@@ -111,11 +109,11 @@ def train_storage(store_root: str, stage_key: str) -> tuple[str, Any]:
 
 def run_data_parallel_node(store_root: str, stage: Stage, config: Any, code_version: str, options: dict,
                            max_failures: int, setup: Callable[[], None] | None = None,
-                           storage_access: Any = None) -> dict:
+                           storage_access: Any = None, fence: LeaseFence | None = None) -> NodeResult:
     """Body of a data-parallel node's Ray task: fit a TorchTrainer of ``stage.resources.num_workers`` workers.
 
-    options: the node's task options (per worker). Returns rank 0's {"key", "records", "pid", "computed"} (the
-    shape :func:`cluster.ray_executor.run_node` returns).
+    options: the node's task options (per worker). fence: the driver's run-folder lease, which every worker (and
+    this task's cleanup) writes under. Returns rank 0's :class:`cluster.ray_worker.NodeResult`.
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -127,7 +125,8 @@ def run_data_parallel_node(store_root: str, stage: Stage, config: Any, code_vers
     trainer = TorchTrainer(
         _train_worker,
         train_loop_config={"store_root": store_root, "stage": stage, "config": config, "code_version": code_version,
-                           "use_gpu": use_gpu, "setup": setup, "storage_access": storage_access},
+                           "use_gpu": use_gpu, "setup": setup, "storage_access": storage_access,
+                           "fence": fence},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=int(stage.resources.num_workers), use_gpu=use_gpu,
                                      resources_per_worker=resources),
@@ -138,46 +137,30 @@ def run_data_parallel_node(store_root: str, stage: Stage, config: Any, code_vers
     result = trainer.fit().return_value
     store = RunStore(store_root)
     if store.has(stage.key):  # committed: its Ray Train state and checkpoints are garbage
-        store.delete_tree(f"{TRAIN_FOLDER}/{stage.key}")
+        with hold_fence(store_root, fence):
+            store.delete_tree(f"{TRAIN_FOLDER}/{stage.key}")
     return result
 
 
-def _train_worker(loop: dict) -> dict:
-    """One Ray Train worker: execute the stage (rank 0 commits it); rank 0 returns its records."""
-    import ray
+def _train_worker(loop: dict) -> NodeResult:
+    """One Ray Train worker: the one worker body executes the stage (rank 0 commits it and returns its records)."""
     import ray.train
     import torch
 
-    if loop["storage_access"] is not None:
-        configure_object_storage(loop["storage_access"])
-    if loop["setup"] is not None:
-        loop["setup"]()
     if loop["use_gpu"]:
         import ray.train.torch
 
         torch.cuda.set_device(ray.train.torch.get_device())  # "cuda" in the config means this worker's GPU
     context = ray.train.get_context()
-    rank = context.get_world_rank()
-    stage: Stage = loop["stage"]
-    store = RunStore(loop["store_root"])
-    node_id = ray.get_runtime_context().get_node_id()
-    if store.has(stage.key):  # committed before a restart of the worker group
-        return {"key": stage.key, "records": [], "pid": os.getpid(), "computed": False, "node_id": node_id}
-    records: list[Any] = []
-
-    def emit(record: Any) -> None:
-        if rank == 0 and not isinstance(record, ProgressUpdate):
-            records.append(record)
-
     use_checkpoint_sink(RayTrainCheckpointSink)
     try:
         # the manifest names rank 0's node (it commits) and the size of the worker group
-        placement = {"node_id": node_id, "host": socket.gethostname(), "pid": os.getpid(),
-                     "workers": context.get_world_size()}
-        execute_stage(stage, loop["config"], store, emit, code_version=loop["code_version"], placement=placement)
+        return run_stage_in_worker(loop["store_root"], loop["stage"], loop["config"], loop["code_version"],
+                                   setup=loop["setup"], storage_access=loop["storage_access"], fence=loop["fence"],
+                                   keep_records=context.get_world_rank() == 0,
+                                   placement={"workers": context.get_world_size()})
     finally:
         use_checkpoint_sink(None)
-    return {"key": stage.key, "records": records, "pid": os.getpid(), "computed": True, "node_id": node_id}
 
 
 __all__ = ["RayTrainCheckpointSink", "TRAIN_FOLDER", "run_data_parallel_node", "train_storage", "worker_resources"]

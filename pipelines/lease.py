@@ -9,6 +9,10 @@ Every write of the lease object is conditional (S3 ``If-None-Match: *`` to creat
 replace it), so two drivers started together cannot both take it, a paused holder that wakes up can neither
 heartbeat over nor release its successor's lease, and every RunStore write of a holder checks first that the
 object still has its ETag (:func:`check_fence`): a stale holder's commits are refused with LeaseLostError.
+
+Processes that write for the holder (its Ray workers) do not hold the lease: the holder hands them its
+:func:`lease_fence` and they write inside :func:`hold_fence`, so their RunStore writes check that the holder still
+has the lease (the same lock file, the same owner token in the lease object) before each write.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Iterator
 
 from compat_core import io as cio
@@ -200,7 +205,7 @@ class _ObjectLease:
                     f"(no heartbeat for {stale_s():g} s, e.g. while it was paused); it stops without writing")
 
 
-_HELD: dict[str, "_ObjectLease | _LocalLease"] = {}
+_HELD: dict[str, "_ObjectLease | _LocalLease | LeaseFence"] = {}
 _CONDITIONAL = None
 
 
@@ -218,6 +223,81 @@ def check_fence(root: str) -> None:
     lease = _HELD.get(str(root).rstrip("/"))
     if lease is not None:
         lease.check()
+
+
+@dataclass(frozen=True)
+class LeaseFence:
+    """A holder's lease as another process writing for it (a Ray worker) checks it: the lock file the holder
+    locked (``lock_file``, by inode: the one number a shared filesystem shows alike on every host) or the lease
+    object with the holder's owner ``token``."""
+
+    root: str
+    holder: str
+    lock_file: str = ""
+    inode: int = 0
+    uri: str = ""
+    token: str = ""
+
+    def held(self) -> bool:
+        """Whether the holder still has the lease now (one stat, or one read of the lease object)."""
+        if self.lock_file:
+            try:
+                info = os.stat(self.lock_file)
+            except FileNotFoundError:
+                return False
+            return info.st_ino == self.inode
+        if _CONDITIONAL is None:
+            raise RuntimeError(f"run folder {self.root}: checking the driver's s3:// lease needs object storage "
+                               f"configured in this process (cluster.storage.configure_object_storage)")
+        current = _CONDITIONAL.read(self.uri)
+        try:
+            owner = json.loads(current[0].decode("utf-8")) if current else {}
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            owner = {}
+        return owner.get("token") == self.token and float(owner.get("heartbeat") or 0.0) > 0.0
+
+    def check(self) -> None:
+        """LeaseLostError naming the run folder when the holder no longer has the lease (checked at every call:
+        a worker's writes are few, and its commit must never follow a takeover)."""
+        if not self.held():
+            raise LeaseLostError(
+                f"run folder {self.root}: the driver this process writes for ({self.holder}) no longer holds the "
+                f"run folder's lease (another driver took it over, e.g. after the driver was paused past "
+                f"{stale_s():g} s, or it was released); this process (pid {os.getpid()} on {socket.gethostname()}) "
+                f"commits nothing")
+
+
+def lease_fence(root: str) -> LeaseFence | None:
+    """The fence of the lease this process holds on ``root`` (None when it holds none), for the processes that
+    write for it: they write inside :func:`hold_fence`."""
+    lease = _HELD.get(str(root).rstrip("/"))
+    if isinstance(lease, _LocalLease):
+        return LeaseFence(lease.root, f"pid {os.getpid()} on {socket.gethostname()}",
+                          lock_file=os.path.abspath(lease.path), inode=os.fstat(lease.handle.fileno()).st_ino)
+    if isinstance(lease, _ObjectLease):
+        return LeaseFence(lease.root, f"pid {lease.owner['pid']} on {lease.owner['host']}", uri=lease.uri,
+                          token=lease.owner["token"])
+    return lease  # a fence held by this process (or none) passes on unchanged
+
+
+@contextlib.contextmanager
+def hold_fence(root: str, fence: LeaseFence | None) -> Iterator[None]:
+    """Write to run folder ``root`` under another process's lease for the block: every :func:`check_fence` of
+    ``root`` (each RunStore write) checks ``fence`` first. Refuses at once when the lease is already gone."""
+    if fence is None:
+        yield
+        return
+    fence.check()
+    key = str(root).rstrip("/")
+    previous = _HELD.get(key)
+    _HELD[key] = fence
+    try:
+        yield
+    finally:
+        if previous is not None:
+            _HELD[key] = previous
+        else:
+            _HELD.pop(key, None)
 
 
 @contextlib.contextmanager
