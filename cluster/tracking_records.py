@@ -65,7 +65,7 @@ class StageRecordLogging:
         elif isinstance(record, FeatureRecord):
             log_metrics(self.client, run_id, {"extract/images_per_s": record.images_per_second,
                                               "extract/seconds": record.seconds,
-                                              "extract/rows": record.layout.get("rows")}, step=0)
+                                              "extract/rows": record.layout.rows}, step=0)
         elif isinstance(record, AdaptersRecord):
             self._log_adapters(stage, run_id, manifest)
         elif isinstance(record, RowRecord):

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
+from pipelines.payloads import EntryFeatures, FeatureLayout, json_value
+
 
 @dataclass
 class MemoryRecord:
@@ -69,7 +71,7 @@ class FeatureRecord:
     task: int
     split: str
     uri: str
-    layout: dict
+    layout: FeatureLayout
     num_classes_model: int
     seconds: float
     images_per_second: float
@@ -90,7 +92,7 @@ class EntryRecord:
     query: str
     gallery: str
     protocol: dict
-    features: dict = field(default_factory=dict)
+    features: EntryFeatures = field(default_factory=EntryFeatures)
 
 
 @dataclass
@@ -127,13 +129,16 @@ class AdaptersRecord:
 Record = Union[ModelRecord, FeatureRecord, EntryRecord, RowRecord, AdaptersRecord]
 RECORD_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (ModelRecord, FeatureRecord, EntryRecord, RowRecord,
                                                           AdaptersRecord)}
+# Payload fields of each record type: read back typed from their manifest mappings.
+_PAYLOADS: dict[type, dict[str, type]] = {FeatureRecord: {"layout": FeatureLayout},
+                                          EntryRecord: {"features": EntryFeatures}}
 # What the store adds next to a record in its manifest (the graph node it came from, where it ran).
 _NODE_KEYS = ("type", "kind", "label", "placement")
 
 
 def record_to_json(record: Record, **node: Any) -> dict:
     """The manifest form of ``record``: its fields (nested records as mappings), its ``type`` and ``node`` keys."""
-    return {"type": record.TYPE, **dataclasses.asdict(record), **node}
+    return {"type": record.TYPE, **json_value(record), **node}
 
 
 def record_from_json(data: dict, stage_key: str | None = None) -> Record:
@@ -153,6 +158,10 @@ def record_from_json(data: dict, stage_key: str | None = None) -> Record:
         values["stage_key"] = stage_key
     if cls is ModelRecord and isinstance(values.get("memory"), dict):
         values["memory"] = MemoryRecord(**values["memory"])
+    where = f"stage record {stage_key or data.get('stage_key')}"
+    for name, payload in _PAYLOADS.get(cls, {}).items():
+        if values.get(name) is not None:
+            values[name] = payload.from_json(values[name], f"{where}: {name}")
     return cls(**values)
 
 
