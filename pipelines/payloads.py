@@ -116,4 +116,19 @@ class EntryFeatures(Payload):
     seconds: float | None = optional()
 
 
-__all__ = ["EntryFeatures", "FeatureLayout", "JunctionRef", "Payload", "json_value", "optional"]
+# ---- evaluation protocol -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EvaluationProtocol(Payload):
+    """The evaluation settings that change a matrix entry (``pipelines.graph.protocol_params``): metric, gallery
+    ("instances" | "class_means"), label_level ("fine" | "coarse"), far (false-accept rate of the verification
+    metric, a fraction) and verification_pairs (positive pairs, as many negatives)."""
+
+    metric: str
+    gallery: str
+    label_level: str
+    far: float
+    verification_pairs: int
+
+
+__all__ = ["EntryFeatures", "EvaluationProtocol", "FeatureLayout", "JunctionRef", "Payload", "json_value",
+           "optional"]

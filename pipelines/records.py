@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
-from pipelines.payloads import EntryFeatures, FeatureLayout, json_value
+from pipelines.payloads import EntryFeatures, EvaluationProtocol, FeatureLayout, json_value
 
 
 @dataclass
@@ -91,7 +91,7 @@ class EntryRecord:
     value: float
     query: str
     gallery: str
-    protocol: dict
+    protocol: EvaluationProtocol
     features: EntryFeatures = field(default_factory=EntryFeatures)
 
 
@@ -105,7 +105,7 @@ class RowRecord:
     values: list[float]
     entry_keys: list[str]
     metric: str
-    protocol: dict
+    protocol: EvaluationProtocol
 
 
 @dataclass
@@ -131,7 +131,8 @@ RECORD_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (ModelRecord, FeatureR
                                                           AdaptersRecord)}
 # Payload fields of each record type: read back typed from their manifest mappings.
 _PAYLOADS: dict[type, dict[str, type]] = {FeatureRecord: {"layout": FeatureLayout},
-                                          EntryRecord: {"features": EntryFeatures}}
+                                          EntryRecord: {"features": EntryFeatures, "protocol": EvaluationProtocol},
+                                          RowRecord: {"protocol": EvaluationProtocol}}
 # What the store adds next to a record in its manifest (the graph node it came from, where it ran).
 _NODE_KEYS = ("type", "kind", "label", "placement")
 

@@ -181,6 +181,7 @@ def model_blobs(seed: int) -> dict[str, bytes]:
 
 def fake_stage_functions(fail_task: int | None = None) -> dict:
     """Stage functions returning hand-made records (no data, no training); ``fail_task`` raises in that model stage."""
+    from pipelines.payloads import EvaluationProtocol, FeatureLayout
     from pipelines.records import EntryRecord, FeatureRecord, ModelRecord, RowRecord
     from pipelines.stage_context import StageResult
 
@@ -209,20 +210,20 @@ def fake_stage_functions(fail_task: int | None = None) -> dict:
     def extract_stage(ctx):
         record = FeatureRecord(ctx.stage.key, ctx.stage.task, ctx.stage.split,
                                ctx.store.uri(ctx.store.ARTIFACTS, ctx.stage.key),
-                               {"shards": [], "rows": 30, "dim": 9, "dtype": "float16", "has_coarse": False},
+                               FeatureLayout([], 30, 9, "float16", False),
                                4, 0.5, 60.0)
         return StageResult(record)
 
     def evaluate_stage(ctx):
         row = ctx.stage.task
         record = RowRecord(ctx.stage.key, row, MATRIX[row], [f"e{row}{k}" for k in range(row + 1)],
-                           "recall_at_1", ctx.stage.params["protocol"])
+                           "recall_at_1", EvaluationProtocol.from_json(ctx.stage.params["protocol"]))
         return StageResult(record)
 
     def entry_stage(ctx):
         row, column = ctx.stage.params["row"], ctx.stage.params["column"]
         return StageResult(EntryRecord(ctx.stage.key, row, column, MATRIX[row][column], "", "",
-                                       ctx.stage.params["protocol"]))
+                                       EvaluationProtocol.from_json(ctx.stage.params["protocol"])))
 
     return {"pretrain": model_stage, "finetune": model_stage, "replace": model_stage, "extract": extract_stage,
             "entry": entry_stage, "evaluate": evaluate_stage}
