@@ -51,23 +51,19 @@ class StageRecordLogging:
         record = record_from_json(manifest["record"], stage.key)
         if isinstance(record, ModelRecord):
             self._log_model(stage, run_id, manifest, record)
-            if record.weights:  # the external weights the stage started from: what loaded, what was ignored
-                self.client.log_dict(run_id, record.weights, "weights/load_report.json")
-                self.client.set_tag(run_id, "weights_sha256", str(record.weights.get("sha256")))
-                self.client.set_tag(run_id, "weights_loaded",
-                                    f"{record.weights.get('loaded')}/{record.weights.get('target_keys')}")
-            training = record.training
-            if stage.task is not None and training:
-                values = {f"task/{name}": training[name] for name in
-                          ("final_loss", "images_per_s", "seconds", "selected_epoch", "input_stall_fraction",
-                           "first_step_seconds", "peak_device_memory_bytes") if training.get(name) is not None}
+            if record.weights is not None:  # the external weights the stage started from: what loaded, ignored
+                self.client.log_dict(run_id, record.weights.to_json(), "weights/load_report.json")
+                self.client.set_tag(run_id, "weights_sha256", str(record.weights.sha256))
+                self.client.set_tag(run_id, "weights_loaded", f"{record.weights.loaded}/{record.weights.target_keys}")
+            values = {f"task/{name}": value for name, value in record.training.task_metrics().items()}
+            if stage.task is not None and values:
                 log_metrics(self.client, self.parent_run_id, values, step=int(stage.task) + 1)  # 1-based task
         elif isinstance(record, FeatureRecord):
             log_metrics(self.client, run_id, {"extract/images_per_s": record.images_per_second,
                                               "extract/seconds": record.seconds,
                                               "extract/rows": record.layout.rows}, step=0)
         elif isinstance(record, AdaptersRecord):
-            self._log_adapters(stage, run_id, manifest)
+            self._log_adapters(stage, run_id, manifest, record)
         elif isinstance(record, RowRecord):
             row = record.row
             entries = {entry_metric_key(row, column): value for column, value in enumerate(record.values)}
@@ -116,29 +112,26 @@ class StageRecordLogging:
         self.client.set_tag(run_id, "registered_model", self.model_name)
         self.client.set_tag(run_id, "model_version", version.version)
 
-    def _log_adapters(self, stage: Any, run_id: str, manifest: dict) -> None:
+    def _log_adapters(self, stage: Any, run_id: str, manifest: dict, record: AdaptersRecord) -> None:
         """Adapter stage: cross-tests with/without each adapter, backfilling curves (step = percent
         re-embedded), adapter files as artifacts, each registered in ``<model>-adapters`` (alias KIND-task-N)."""
-        record = manifest["record"]
-        task = int(record["task"])
-        values = {f"adapt/{name}/{part}": value for name, parts in record["baseline"].items()
-                  for part, value in parts.items()}
-        values["adapt/baseline/compatible"] = float(record["verdict"]["compatible"])
-        for kind, result in record["adapters"].items():
-            values.update({f"adapt/{kind}/cross_recall_at_1": result["cross_recall_at_1"],
-                           f"adapt/{kind}/cross_map": result["cross_map"], f"adapt/{kind}/fit_loss": result["fit_loss"],
-                           f"adapt/{kind}/compatible": float(result["verdict"]["compatible"]),
-                           f"adapt/{kind}/margin": result["verdict"]["margin"]})
+        task = int(record.task)
+        values = {f"adapt/{name}/{part}": value for name, tests in record.baseline.items()
+                  for part, value in tests.to_json().items()}
+        values["adapt/baseline/compatible"] = float(record.verdict.compatible)
+        for kind, result in record.adapters.items():
+            values.update({f"adapt/{kind}/cross_recall_at_1": result.cross_recall_at_1,
+                           f"adapt/{kind}/cross_map": result.cross_map, f"adapt/{kind}/fit_loss": result.fit_loss,
+                           f"adapt/{kind}/compatible": float(result.verdict.compatible),
+                           f"adapt/{kind}/margin": result.verdict.margin})
         log_metrics(self.client, run_id, values, step=task)
-        for order, curve in record["backfill"].items():
-            if not isinstance(curve, dict):
-                continue
+        for order, curve in record.backfill.curves().items():
             for index, fraction in enumerate(curve["fraction"]):
                 log_metrics(self.client, run_id, {f"backfill/{order}/{name}": curve[name][index] for name in curve
                                                   if name != "fraction"}, step=int(round(100 * fraction)))
-        names = [entry["blob"] for entry in record["adapters"].values() if entry["blob"] in manifest["blobs"]]
+        names = [entry.blob for entry in record.adapters.values() if entry.blob in manifest["blobs"]]
         with tempfile.TemporaryDirectory(prefix="compat-mlflow-adapters-") as folder:
-            Path(folder, "adapters.json").write_text(json.dumps(record, indent=2))
+            Path(folder, "adapters.json").write_text(json.dumps(manifest["record"], indent=2))
             for name in names:
                 Path(folder, name).write_bytes(self.store.read_blob(stage.key, name, manifest))
             self.client.log_artifacts(run_id, folder, "adapters")
@@ -147,13 +140,13 @@ class StageRecordLogging:
         adapters_model = f"{self.model_name}-adapters"
         ensure_registered_model(self.client, adapters_model, {"pipeline_id": self.pipeline_id,
                                                              "models_of": self.model_name})
-        for kind, entry in record["adapters"].items():
-            sha256 = manifest["blobs"][entry["blob"]]["sha256"]
+        for kind, entry in record.adapters.items():
+            sha256 = manifest["blobs"][entry.blob]["sha256"]
             register_version(self.client, adapters_model, run_id, f"{stage.key}/{kind}",
-                             {"stage_kind": "adapt", "adapter": kind, "direction": entry["direction"],
+                             {"stage_kind": "adapt", "adapter": kind, "direction": entry.direction,
                               "task_0based": task, "task_1based": task + 1, "sha256": sha256,
-                              "compatible": str(entry["verdict"]["compatible"]).lower()},
-                             [f"{kind}-task-{task + 1}"], artifact_path=f"adapters/{entry['blob']}")
+                              "compatible": str(entry.verdict.compatible).lower()},
+                             [f"{kind}-task-{task + 1}"], artifact_path=f"adapters/{entry.blob}")
 
     def _log_results(self) -> None:
         """Summary metrics and result files of a complete run, once per metrics.json content."""

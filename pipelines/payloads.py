@@ -65,8 +65,11 @@ class Payload:
                              f"{', '.join(names)}")
         values = dict(data)
         for name, nested in cls.NESTED.items():
-            if values.get(name) is not None:
-                values[name] = nested.from_json(values[name], f"{where}.{name}" if where else name)
+            value, inner = values.get(name), f"{where}.{name}" if where else name
+            if isinstance(value, list):
+                values[name] = [nested.from_json(item, f"{inner}[{index}]") for index, item in enumerate(value)]
+            elif value is not None:
+                values[name] = nested.from_json(value, inner)
         return cls(**values)
 
 
@@ -130,5 +133,164 @@ class EvaluationProtocol(Payload):
     verification_pairs: int
 
 
-__all__ = ["EntryFeatures", "EvaluationProtocol", "FeatureLayout", "JunctionRef", "Payload", "json_value",
-           "optional"]
+# ---- training and weights ------------------------------------------------------------------------------------------
+@dataclass
+class TrainingSummary(Payload):
+    """Summary of a stage's training run: selected epoch (0-based), images/s, seconds, last epoch's mean loss (nats,
+    None without epochs), epochs recorded, the epoch checkpoint resumed from (None: none); where the time went:
+    input_stall_fraction (device idle waiting for input, fraction of the training seconds), first_step_seconds,
+    peak_device_memory_bytes (None off accelerators) and loop_unix_seconds (loop start/end, to align device
+    samples). Every field is written, null when unknown."""
+
+    selected_epoch: int | None = None
+    images_per_s: float | None = None
+    seconds: float | None = None
+    final_loss: float | None = None
+    epochs_recorded: int | None = None
+    resumed_from_epoch: int | None = None
+    input_stall_fraction: float | None = None
+    first_step_seconds: float | None = None
+    peak_device_memory_bytes: int | None = None
+    loop_unix_seconds: list[float] = field(default_factory=list)
+
+    # the per-task metrics the tracker logs on the parent run
+    TASK_METRICS: ClassVar[tuple[str, ...]] = ("final_loss", "images_per_s", "seconds", "selected_epoch",
+                                               "input_stall_fraction", "first_step_seconds",
+                                               "peak_device_memory_bytes")
+
+    def task_metrics(self) -> dict[str, float]:
+        """The known :attr:`TASK_METRICS` by name (unknown ones left out)."""
+        return {name: getattr(self, name) for name in self.TASK_METRICS if getattr(self, name) is not None}
+
+
+@dataclass(frozen=True)
+class WeightsReport(Payload):
+    """Load report of the external weights a stage started from (compat_core.models.weights.LoadReport.to_json
+    plus the config ``key`` naming the file): source, sha256, format, layout, target_keys and loaded (counts), then
+    per kind (missing, unexpected, shape_mismatches, dropped, ignored, fresh) up to 10 names and the count."""
+
+    key: str
+    source: str
+    sha256: str
+    format: str
+    layout: str
+    target_keys: int
+    loaded: int
+    missing: list[str]
+    missing_count: int
+    unexpected: list[str]
+    unexpected_count: int
+    shape_mismatches: list[list[str]]
+    shape_mismatch_count: int
+    dropped: dict[str, str]
+    dropped_count: int
+    ignored: list[str]
+    ignored_count: int
+    unused_ignore: list[str]
+    fresh: list[str]
+    fresh_count: int
+    resampled: list = field(default_factory=list)
+
+
+# ---- replay memory -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardPart(Payload):
+    """One replay shard (pipelines.replay_shards): ``folder`` relative to the run, the 0-based ``task`` it was
+    written after, its Parquet file's ``sha256``, ``rows``, and the ``stage_key`` that wrote it (to recompute)."""
+
+    folder: str
+    task: int
+    sha256: str
+    rows: int
+    stage_key: str | None = optional()
+
+
+@dataclass(frozen=True)
+class ReplayShard(ShardPart):
+    """The replay memory of a model record as shards: this stage's own shard (the inherited fields) and ``parts``,
+    every shard of the memory oldest first, this one last (None in records written before the memory was appended:
+    then the shard holds the whole memory)."""
+
+    NESTED: ClassVar[dict[str, type]] = {"parts": ShardPart}
+    parts: list[ShardPart] | None = optional()
+
+    def memory_parts(self) -> list[ShardPart]:
+        """The shards holding the memory, oldest first."""
+        if self.parts is not None:
+            return list(self.parts)
+        return [ShardPart(self.folder, self.task, self.sha256, self.rows, self.stage_key)]
+
+
+# ---- adapters at a replacement -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MapOf:
+    """A record field that maps names (metrics, adapter kinds) to payloads of ``payload``."""
+
+    payload: type
+
+    def from_json(self, data: dict, where: str = "") -> dict:
+        """{name: payload} of a manifest mapping."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a mapping of {self.payload.__name__}, got {type(data).__name__}")
+        return {name: self.payload.from_json(value, f"{where}.{name}") for name, value in data.items()}
+
+
+@dataclass(frozen=True)
+class CrossTests(Payload):
+    """One metric's entries at an upgrade (fractions): M(Q_old, G_old), M(Q_new, G_new) and M(Q_new, G_old)."""
+
+    self_old: float
+    self_new: float
+    cross: float
+
+
+@dataclass(frozen=True)
+class UpgradeVerdict(Payload):
+    """compat_core.metrics.upgrade_verdict as a payload: compatible (cross > self_old, >= when not strict), margin
+    cross - self_old, reindex_margin self_new - self_old and update_gain (None without self_new); fractions."""
+
+    compatible: bool
+    strict: bool
+    cross: float
+    self_old: float
+    margin: float
+    self_new: float | None = None
+    reindex_margin: float | None = None
+    update_gain: float | None = None
+
+
+@dataclass(frozen=True)
+class AdapterResult(Payload):
+    """One adapter fitted at a replacement: its direction ("gallery": old gallery into the new space, else new
+    queries into the old), stored ``blob``, the ``params`` it was built with, last fit loss, fit + evaluation
+    seconds, the cross-tests with it (fractions) and their verdict."""
+
+    NESTED: ClassVar[dict[str, type]] = {"verdict": UpgradeVerdict}
+    direction: str
+    blob: str
+    params: dict
+    fit_loss: float
+    seconds: float
+    cross_recall_at_1: float
+    cross_map: float
+    verdict: UpgradeVerdict
+
+
+@dataclass
+class BackfillCurves(Payload):
+    """Partial backfilling at a replacement: the gallery it starts from ("fct" or "old features") and, per order
+    ("random", "uncertainty"), the curve {"fraction": re-embedded fractions, metric name: values (fractions)}."""
+
+    start: str | None = optional()
+    random: dict[str, list[float]] | None = optional()
+    uncertainty: dict[str, list[float]] | None = optional()
+
+    def curves(self) -> dict[str, dict[str, list[float]]]:
+        """{order: curve} of the orders computed."""
+        return {order: curve for order, curve in (("random", self.random), ("uncertainty", self.uncertainty))
+                if curve is not None}
+
+
+__all__ = ["AdapterResult", "BackfillCurves", "CrossTests", "EntryFeatures", "EvaluationProtocol", "FeatureLayout",
+           "JunctionRef", "MapOf", "Payload", "ReplayShard", "ShardPart", "TrainingSummary", "UpgradeVerdict",
+           "WeightsReport", "json_value", "optional"]

@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
-from pipelines.payloads import EntryFeatures, EvaluationProtocol, FeatureLayout, json_value
+from pipelines.payloads import (AdapterResult, BackfillCurves, CrossTests, EntryFeatures, EvaluationProtocol, FeatureLayout, ReplayShard, TrainingSummary,
+                                MapOf, UpgradeVerdict, WeightsReport, json_value)
 
 
 @dataclass
@@ -25,7 +26,7 @@ class MemoryRecord:
     tasks_blob: str
     size: int
     per_class: int
-    shard: dict | None = None
+    shard: ReplayShard | None = None
 
 
 @dataclass
@@ -52,9 +53,9 @@ class ModelRecord:
     source: str | None = None
     memory: MemoryRecord | None = None
     extra_blobs: list[str] = field(default_factory=list)
-    training: dict = field(default_factory=dict)
+    training: TrainingSummary = field(default_factory=TrainingSummary)
     pretrain_name: str | None = None
-    weights: dict | None = None
+    weights: WeightsReport | None = None
 
 
 @dataclass
@@ -118,10 +119,10 @@ class AdaptersRecord:
     task: int
     old_task: int
     metric: str
-    baseline: dict
-    verdict: dict
-    adapters: dict = field(default_factory=dict)
-    backfill: dict = field(default_factory=dict)
+    baseline: dict[str, CrossTests]
+    verdict: UpgradeVerdict
+    adapters: dict[str, AdapterResult] = field(default_factory=dict)
+    backfill: BackfillCurves = field(default_factory=BackfillCurves)
     units: str = "fraction"
     fit_on: str = "paired gallery features"
 
@@ -130,9 +131,13 @@ Record = Union[ModelRecord, FeatureRecord, EntryRecord, RowRecord, AdaptersRecor
 RECORD_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (ModelRecord, FeatureRecord, EntryRecord, RowRecord,
                                                           AdaptersRecord)}
 # Payload fields of each record type: read back typed from their manifest mappings.
-_PAYLOADS: dict[type, dict[str, type]] = {FeatureRecord: {"layout": FeatureLayout},
+_PAYLOADS: dict[type, dict[str, Any]] = {ModelRecord: {"training": TrainingSummary, "weights": WeightsReport},
+                                          FeatureRecord: {"layout": FeatureLayout},
                                           EntryRecord: {"features": EntryFeatures, "protocol": EvaluationProtocol},
-                                          RowRecord: {"protocol": EvaluationProtocol}}
+                                          RowRecord: {"protocol": EvaluationProtocol},
+                                          AdaptersRecord: {"baseline": MapOf(CrossTests), "verdict": UpgradeVerdict,
+                                                           "adapters": MapOf(AdapterResult),
+                                                           "backfill": BackfillCurves}}
 # What the store adds next to a record in its manifest (the graph node it came from, where it ran).
 _NODE_KEYS = ("type", "kind", "label", "placement")
 
@@ -158,7 +163,10 @@ def record_from_json(data: dict, stage_key: str | None = None) -> Record:
     if stage_key is not None:
         values["stage_key"] = stage_key
     if cls is ModelRecord and isinstance(values.get("memory"), dict):
-        values["memory"] = MemoryRecord(**values["memory"])
+        memory = dict(values["memory"])
+        if memory.get("shard") is not None:
+            memory["shard"] = ReplayShard.from_json(memory["shard"], f"stage record {stage_key}: memory.shard")
+        values["memory"] = MemoryRecord(**memory)
     where = f"stage record {stage_key or data.get('stage_key')}"
     for name, payload in _PAYLOADS.get(cls, {}).items():
         if values.get(name) is not None:

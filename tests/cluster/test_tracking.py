@@ -181,7 +181,7 @@ def model_blobs(seed: int) -> dict[str, bytes]:
 
 def fake_stage_functions(fail_task: int | None = None) -> dict:
     """Stage functions returning hand-made records (no data, no training); ``fail_task`` raises in that model stage."""
-    from pipelines.payloads import EvaluationProtocol, FeatureLayout
+    from pipelines.payloads import EvaluationProtocol, FeatureLayout, TrainingSummary
     from pipelines.records import EntryRecord, FeatureRecord, ModelRecord, RowRecord
     from pipelines.stage_context import StageResult
 
@@ -203,8 +203,8 @@ def fake_stage_functions(fail_task: int | None = None) -> dict:
         record = ModelRecord(stage.key, ctx.store.uri(ctx.store.ARTIFACTS, stage.key), task,
                              1 if stage.kind == "replace" else 0, 4, 0 if task is None else 2 * task + 2,
                              "learnable", 4, source=source,
-                             training={"selected_epoch": 1, "images_per_s": 150.0, "seconds": 2.0 + (task or 0),
-                                       "final_loss": train_loss(task or 0, 2), "epochs_recorded": 2})
+                             training=TrainingSummary(selected_epoch=1, images_per_s=150.0, seconds=2.0 + (task or 0),
+                                                      final_loss=train_loss(task or 0, 2), epochs_recorded=2))
         return StageResult(record, model_blobs(seed))
 
     def extract_stage(ctx):
