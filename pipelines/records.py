@@ -174,10 +174,43 @@ def record_from_json(data: dict, stage_key: str | None = None) -> Record:
     return cls(**values)
 
 
+@dataclass(frozen=True)
+class CommittedStage:
+    """A committed stage as the engine hands it on with its "done" event: the typed ``record``, the graph node keys
+    the manifest keeps beside it (``node``: kind, label, placement) and the manifest's blob table (``blobs``: name
+    -> {"sha256", "size", ...}), which is what a reader needs to fetch and verify the blobs it uploads."""
+
+    record: Record
+    node: dict
+    blobs: dict
+
+    @property
+    def blob_table(self) -> dict:
+        """The manifest part :meth:`pipelines.store.RunStore.read_blob` verifies blobs against."""
+        return {"blobs": self.blobs}
+
+    def record_json(self) -> dict:
+        """The record as the manifest holds it (fields, type and node keys)."""
+        return record_to_json(self.record, **self.node)
+
+
+def committed_stage(manifest: dict) -> CommittedStage:
+    """The :class:`CommittedStage` of a stage manifest (``RunStore.load_manifest`` / ``commit``)."""
+    data = manifest["record"]
+    node = {key: data[key] for key in _NODE_KEYS if key in data and key != "type"}
+    return CommittedStage(record_from_json(data, manifest["stage_key"]), node, dict(manifest.get("blobs", {})))
+
+
+def read_committed(store: Any, stage_key: str) -> CommittedStage:
+    """The committed stage ``stage_key`` of ``store`` (FileNotFoundError when it is not committed)."""
+    return committed_stage(store.load_manifest(stage_key))
+
+
 def read_record(store: Any, stage_key: str) -> Record:
     """The typed record committed with ``stage_key`` (FileNotFoundError when the stage is not committed)."""
     return record_from_json(store.load_record(stage_key), stage_key)
 
 
-__all__ = ["AdaptersRecord", "EntryRecord", "FeatureRecord", "MemoryRecord", "ModelRecord", "RECORD_TYPES", "Record",
-           "RowRecord", "read_record", "record_from_json", "record_to_json"]
+__all__ = ["AdaptersRecord", "CommittedStage", "EntryRecord", "FeatureRecord", "MemoryRecord", "ModelRecord",
+           "RECORD_TYPES", "Record", "RowRecord", "committed_stage", "read_committed", "read_record", "record_from_json",
+           "record_to_json"]
