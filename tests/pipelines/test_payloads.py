@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.payloads import EntryFeatures, FeatureLayout, JunctionRef
-from pipelines.records import record_from_json, record_to_json
+from pipelines.payloads import EntryFeatures, FeatureLayout, JunctionRef, ReplayShard, TrainingSummary, WeightsReport
+from pipelines.records import committed_stage, record_from_json, record_to_json
 
 OLD = Path(__file__).parent / "data" / "old_records"
 NODE = ("kind", "label", "placement")
@@ -32,6 +32,10 @@ def test_payload_fields_read_back_typed():
                                                                                  None)
     entry = record_from_json(json.loads((OLD / "entry.json").read_text())["record"])
     assert isinstance(entry.features, EntryFeatures) and entry.features.way == "direct"
+    adapters = record_from_json(json.loads((OLD / "adapters.json").read_text())["record"])
+    assert adapters.baseline["recall_at_1"].cross == adapters.verdict.cross == 0.7   # the stored numbers
+    assert adapters.adapters["fct"].verdict.compatible is False and adapters.adapters["fct"].direction == "gallery"
+    assert adapters.backfill.start == "fct" and sorted(adapters.backfill.curves()) == ["random", "uncertainty"]
 
 
 def test_bridge_layout_json_and_a_layout_without_way():
@@ -51,3 +55,15 @@ def test_unknown_payload_key_is_named():
     data["layout"]["colour"] = "blue"
     with pytest.raises(ValueError, match=r"layout: unknown key\(s\) \['colour'\] for FeatureLayout"):
         record_from_json(data, "extract-x")
+
+
+def test_committed_stage_hands_on_the_manifest_record_and_blob_table():
+    saved = json.loads((OLD / "model_weights.json").read_text())
+    blobs = {"model.safetensors": {"sha256": "ab" * 32, "size": 10}}
+    committed = committed_stage({"stage_key": saved["stage_key"], "record": saved["record"], "blobs": blobs})
+    assert isinstance(committed.record.weights, WeightsReport) and committed.record.weights.loaded == 25
+    assert isinstance(committed.record.training, TrainingSummary) and committed.record.training.selected_epoch == 0
+    assert isinstance(committed.record.memory.shard, ReplayShard)
+    assert [part.task for part in committed.record.memory.shard.memory_parts()] == [0, 1, 2]
+    assert committed.blob_table == {"blobs": blobs}
+    assert _text(committed.record_json()) == _text(saved["record"])
