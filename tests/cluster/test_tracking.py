@@ -20,6 +20,7 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 tiny.register()  # the scenario below names the tiny-synth dataset: configs validate only once it is registered
 
 from cluster.registry import parse_model_uri, registered_model_name, task_alias
+import cluster.tracking as tracking_module
 from cluster.tracking import MlflowTracker, NullTracker, create_tracker
 from cluster.tracking_client import check_tracking_uri, default_tracking_uri, project_tracking_uri
 from cluster.tracking_params import flatten_params, looks_like_secret
@@ -244,6 +245,9 @@ def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task:
 
     for kind, function in fake_stage_functions(fail_task).items():
         monkeypatch.setitem(stages.STAGE_FUNCTIONS, kind, function)
+    STORE_READS.clear()   # stages the tracker had to read back from the store instead of taking the engine's record
+    monkeypatch.setattr(tracking_module, "read_committed",
+                        lambda store, key, read=tracking_module.read_committed: STORE_READS.append(key) or read(store, key))
     if ray_job is not None:
         fake_ray = SimpleNamespace(is_initialized=lambda: True,
                                    get_runtime_context=lambda: SimpleNamespace(get_job_id=lambda: ray_job))
@@ -259,6 +263,9 @@ def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task:
     return graph, store, tracker
 
 
+STORE_READS: list[str] = []
+
+
 def metric_history(client, run_id: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
@@ -272,6 +279,15 @@ def sqlite_run(tmp_path_factory):
         yield (run_dir, *run_tracked(run_dir, None, monkeypatch, ray_job="02000000"))
     finally:
         monkeypatch.undo()
+
+
+def test_done_stages_are_logged_from_the_committed_record_the_engine_hands_over(sqlite_run):
+    run_dir, graph, store, tracker = sqlite_run
+    assert STORE_READS == []   # every stage ran in this run: no manifest read back by the tracker
+    experiment = tracker.client.get_experiment_by_name("track-demo")
+    extracts = [run for run in tracker.client.search_runs([experiment.experiment_id])
+                if run.data.tags.get("stage_kind") == "extract"]
+    assert extracts and {run.data.metrics["extract/rows"] for run in extracts} == {30}  # the fake layout's rows
 
 
 def test_default_sqlite_run_holds_parent_nested_runs_metrics_and_tags(sqlite_run):
