@@ -63,6 +63,10 @@ class Payload:
         if unknown:
             raise ValueError(f"{where or cls.__name__}: unknown key(s) {unknown} for {cls.__name__}; known: "
                              f"{', '.join(names)}")
+        missing = [spec.name for spec in dataclasses.fields(cls) if spec.name not in data
+                   and spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"{where or cls.__name__}: missing key(s) {missing} for {cls.__name__}")
         values = dict(data)
         for name, nested in cls.NESTED.items():
             value, inner = values.get(name), f"{where}.{name}" if where else name

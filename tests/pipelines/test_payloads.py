@@ -55,6 +55,9 @@ def test_unknown_payload_key_is_named():
     data["layout"]["colour"] = "blue"
     with pytest.raises(ValueError, match=r"layout: unknown key\(s\) \['colour'\] for FeatureLayout"):
         record_from_json(data, "extract-x")
+    del data["layout"]["colour"], data["layout"]["rows"]
+    with pytest.raises(ValueError, match=r"stage record extract-x: layout: missing key\(s\) \['rows'\]"):
+        record_from_json(data, "extract-x")
 
 
 def test_committed_stage_hands_on_the_manifest_record_and_blob_table():
