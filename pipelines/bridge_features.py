@@ -103,7 +103,8 @@ def bridge_blobs(embeddings: np.ndarray, model_stage_key: str, feature_dim: int,
 
 
 # ---- entries -------------------------------------------------------------------------------------------------------
-def isometric_coordinates(store: RunStore, query_head: JunctionRef, gallery_head: JunctionRef) -> tuple[torch.Tensor, torch.Tensor]:
+def isometric_coordinates(store: RunStore, query_head: JunctionRef,
+                          gallery_head: JunctionRef) -> tuple[torch.Tensor, torch.Tensor]:
     """(L_t (r, m_t), L_k (r, m_k)) fp64 with (L_t q).(L_k g) = (A_t q).(A_k g) and ||L_t q|| = ||A_t q||,
     ||L_k g|| = ||A_k g|| for every q, g (module docstring); r <= m_t + m_k."""
     same = query_head.stage_key == gallery_head.stage_key

@@ -10,8 +10,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
-from pipelines.payloads import (AdapterResult, BackfillCurves, CrossTests, EntryFeatures, EvaluationProtocol, FeatureLayout, ReplayShard, TrainingSummary,
-                                MapOf, UpgradeVerdict, WeightsReport, json_value)
+from pipelines.payloads import (
+    AdapterResult, BackfillCurves, CrossTests, EntryFeatures, EvaluationProtocol, FeatureLayout, MapOf, ReplayShard,
+    TrainingSummary, UpgradeVerdict, WeightsReport, json_value,
+)
 
 
 @dataclass
@@ -212,5 +214,5 @@ def read_record(store: Any, stage_key: str) -> Record:
 
 
 __all__ = ["AdaptersRecord", "CommittedStage", "EntryRecord", "FeatureRecord", "MemoryRecord", "ModelRecord",
-           "RECORD_TYPES", "Record", "RowRecord", "committed_stage", "read_committed", "read_record", "record_from_json",
-           "record_to_json"]
+           "RECORD_TYPES", "Record", "RowRecord", "committed_stage", "read_committed", "read_record",
+           "record_from_json", "record_to_json"]

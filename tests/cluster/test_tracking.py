@@ -246,8 +246,9 @@ def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task:
     for kind, function in fake_stage_functions(fail_task).items():
         monkeypatch.setitem(stages.STAGE_FUNCTIONS, kind, function)
     STORE_READS.clear()   # stages the tracker had to read back from the store instead of taking the engine's record
+    read = tracking_module.read_committed
     monkeypatch.setattr(tracking_module, "read_committed",
-                        lambda store, key, read=tracking_module.read_committed: STORE_READS.append(key) or read(store, key))
+                        lambda store, key: STORE_READS.append(key) or read(store, key))
     if ray_job is not None:
         fake_ray = SimpleNamespace(is_initialized=lambda: True,
                                    get_runtime_context=lambda: SimpleNamespace(get_job_id=lambda: ray_job))

@@ -40,7 +40,8 @@ def test_payload_fields_read_back_typed():
 
 def test_bridge_layout_json_and_a_layout_without_way():
     layout = FeatureLayout(["embeddings-00000.npy"], 5, 3, "float16", False, way="bridge", way_reason="auto",
-                           embed_dim=3, feature_dim=7, head=JunctionRef("model-a", "model.safetensors", "junction.weight"))
+                           embed_dim=3, feature_dim=7,
+                           head=JunctionRef("model-a", "model.safetensors", "junction.weight"))
     expected = {"shards": ["embeddings-00000.npy"], "rows": 5, "dim": 3, "dtype": "float16", "has_coarse": False,
                 "way": "bridge", "way_reason": "auto", "embed_dim": 3, "feature_dim": 7,
                 "head": {"stage_key": "model-a", "blob": "model.safetensors", "tensor": "junction.weight"}}
