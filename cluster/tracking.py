@@ -50,6 +50,7 @@ from cluster.tracking_records import StageRecordLogging
 from cluster.tracking_store import default_tracking_uri as machine_default
 from pipelines.config_load import config_hash, config_to_dict, stable_hash
 from pipelines.progress import StageEvent, StageRecord
+from pipelines.records import CommittedStage, read_committed
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +255,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
         if event.status == "started":
             self._open_stage(self.graph[event.stage_key])
         elif event.status == "done":
-            self._complete_stage(event.stage_key, event.seconds)
+            self._complete_stage(event.stage_key, event.seconds, event.committed)
         elif event.status == "failed":
             if event.stage_key not in self._open:
                 self._open_stage(self.graph[event.stage_key])
@@ -355,13 +356,15 @@ class MlflowTracker(StageRecordLogging, Tracker):
                 return
         runs.append(fresh)
 
-    def _complete_stage(self, key: str, seconds: float | None) -> None:
+    def _complete_stage(self, key: str, seconds: float | None, committed: CommittedStage | None = None) -> None:
+        """Log the committed stage (as the engine handed it with "done"; read from the store only for stages
+        completed outside the engine: backfilled or run under :meth:`stage`) and end its run FINISHED."""
         if key not in self._open:
             self._open_stage(self.graph[key])
         opened = self._open[key]
         if seconds is not None:
             log_metrics(self.client, opened.run_id, {"stage/seconds": float(seconds)}, step=0)
-        self._log_record(opened.stage, opened.run_id, self.store.load_manifest(key))
+        self._log_record(opened.stage, opened.run_id, committed or read_committed(self.store, key))
         self._end_stage(key, "FINISHED")
 
     def _backfill(self, key: str) -> None:

@@ -15,7 +15,7 @@ from cluster.tracking_client import log_metrics
 from cluster.tracking_ui import link_model_versions, log_comparable_images, show_headline_in_name
 from compat_core import io as cio
 from compat_core.metrics import CompatibilityMatrix
-from pipelines.records import AdaptersRecord, FeatureRecord, ModelRecord, RowRecord, record_from_json
+from pipelines.records import AdaptersRecord, CommittedStage, FeatureRecord, ModelRecord, RowRecord
 from pipelines.store import sha256_bytes
 
 log = logging.getLogger(__name__)
@@ -47,44 +47,41 @@ class StageRecordLogging:
             training = [o for o in training if o.stage.task == getattr(record, "task", None)]
         return training[0].run_id if len(training) == 1 else None
 
-    def _log_record(self, stage: Any, run_id: str, manifest: dict) -> None:
-        record = record_from_json(manifest["record"], stage.key)
+    def _log_record(self, stage: Any, run_id: str, committed: CommittedStage) -> None:
+        record = committed.record
         if isinstance(record, ModelRecord):
-            self._log_model(stage, run_id, manifest, record)
-            if record.weights:  # the external weights the stage started from: what loaded, what was ignored
-                self.client.log_dict(run_id, record.weights, "weights/load_report.json")
-                self.client.set_tag(run_id, "weights_sha256", str(record.weights.get("sha256")))
-                self.client.set_tag(run_id, "weights_loaded",
-                                    f"{record.weights.get('loaded')}/{record.weights.get('target_keys')}")
-            training = record.training
-            if stage.task is not None and training:
-                values = {f"task/{name}": training[name] for name in
-                          ("final_loss", "images_per_s", "seconds", "selected_epoch", "input_stall_fraction",
-                           "first_step_seconds", "peak_device_memory_bytes") if training.get(name) is not None}
+            self._log_model(stage, run_id, committed, record)
+            if record.weights is not None:  # the external weights the stage started from: what loaded, ignored
+                self.client.log_dict(run_id, record.weights.to_json(), "weights/load_report.json")
+                self.client.set_tag(run_id, "weights_sha256", str(record.weights.sha256))
+                self.client.set_tag(run_id, "weights_loaded", f"{record.weights.loaded}/{record.weights.target_keys}")
+            values = {f"task/{name}": value for name, value in record.training.task_metrics().items()}
+            if stage.task is not None and values:
                 log_metrics(self.client, self.parent_run_id, values, step=int(stage.task) + 1)  # 1-based task
         elif isinstance(record, FeatureRecord):
             log_metrics(self.client, run_id, {"extract/images_per_s": record.images_per_second,
                                               "extract/seconds": record.seconds,
-                                              "extract/rows": record.layout.get("rows")}, step=0)
+                                              "extract/rows": record.layout.rows}, step=0)
         elif isinstance(record, AdaptersRecord):
-            self._log_adapters(stage, run_id, manifest)
+            self._log_adapters(stage, run_id, committed, record)
         elif isinstance(record, RowRecord):
             row = record.row
             entries = {entry_metric_key(row, column): value for column, value in enumerate(record.values)}
             # on the row's own stage run only; the parent gets the whole matrix once, as a table and a figure
             log_metrics(self.client, run_id, entries, step=row + 1)
 
-    def _log_model(self, stage: Any, run_id: str, manifest: dict, record: Any) -> None:
-        missing = [name for name in ("model.safetensors", "config.json") if name not in manifest["blobs"]]
+    def _log_model(self, stage: Any, run_id: str, committed: CommittedStage, record: ModelRecord) -> None:
+        manifest = committed.blob_table  # what read_blob verifies the uploaded blobs against
+        missing = [name for name in ("model.safetensors", "config.json") if name not in committed.blobs]
         if missing:
             raise ValueError(f"stage {stage.label}: model record without {', '.join(missing)} in its manifest "
-                             f"(blobs: {sorted(manifest['blobs'])})")
+                             f"(blobs: {sorted(committed.blobs)})")
         with tempfile.TemporaryDirectory(prefix="compat-mlflow-model-") as folder:
             model_folder = write_model_folder(Path(folder, MODEL_ARTIFACT_PATH),
                                               self.store.read_blob(stage.key, "config.json", manifest),
                                               self.store.read_blob(stage.key, "model.safetensors", manifest))
             self.client.log_artifacts(run_id, str(model_folder), MODEL_ARTIFACT_PATH)
-        sha256 = manifest["blobs"]["model.safetensors"]["sha256"]
+        sha256 = committed.blobs["model.safetensors"]["sha256"]
         self.client.set_tag(run_id, "model_sha256", sha256)
         if not self.register_models:
             return
@@ -116,29 +113,28 @@ class StageRecordLogging:
         self.client.set_tag(run_id, "registered_model", self.model_name)
         self.client.set_tag(run_id, "model_version", version.version)
 
-    def _log_adapters(self, stage: Any, run_id: str, manifest: dict) -> None:
+    def _log_adapters(self, stage: Any, run_id: str, committed: CommittedStage, record: AdaptersRecord) -> None:
         """Adapter stage: cross-tests with/without each adapter, backfilling curves (step = percent
         re-embedded), adapter files as artifacts, each registered in ``<model>-adapters`` (alias KIND-task-N)."""
-        record = manifest["record"]
-        task = int(record["task"])
-        values = {f"adapt/{name}/{part}": value for name, parts in record["baseline"].items()
-                  for part, value in parts.items()}
-        values["adapt/baseline/compatible"] = float(record["verdict"]["compatible"])
-        for kind, result in record["adapters"].items():
-            values.update({f"adapt/{kind}/cross_recall_at_1": result["cross_recall_at_1"],
-                           f"adapt/{kind}/cross_map": result["cross_map"], f"adapt/{kind}/fit_loss": result["fit_loss"],
-                           f"adapt/{kind}/compatible": float(result["verdict"]["compatible"]),
-                           f"adapt/{kind}/margin": result["verdict"]["margin"]})
+        manifest = committed.blob_table  # what read_blob verifies the uploaded blobs against
+        task = int(record.task)
+        values = {f"adapt/{name}/{part}": value for name, tests in record.baseline.items()
+                  for part, value in tests.to_json().items()}
+        values["adapt/baseline/compatible"] = float(record.verdict.compatible)
+        for kind, result in record.adapters.items():
+            values.update({f"adapt/{kind}/cross_recall_at_1": result.cross_recall_at_1,
+                           f"adapt/{kind}/cross_map": result.cross_map, f"adapt/{kind}/fit_loss": result.fit_loss,
+                           f"adapt/{kind}/compatible": float(result.verdict.compatible),
+                           f"adapt/{kind}/margin": result.verdict.margin})
         log_metrics(self.client, run_id, values, step=task)
-        for order, curve in record["backfill"].items():
-            if not isinstance(curve, dict):
-                continue
+        for order, curve in record.backfill.curves().items():
             for index, fraction in enumerate(curve["fraction"]):
                 log_metrics(self.client, run_id, {f"backfill/{order}/{name}": curve[name][index] for name in curve
                                                   if name != "fraction"}, step=int(round(100 * fraction)))
-        names = [entry["blob"] for entry in record["adapters"].values() if entry["blob"] in manifest["blobs"]]
+        names = [entry.blob for entry in record.adapters.values() if entry.blob in committed.blobs]
         with tempfile.TemporaryDirectory(prefix="compat-mlflow-adapters-") as folder:
-            Path(folder, "adapters.json").write_text(json.dumps(record, indent=2))
+            # the record as its manifest holds it (keys sorted, as the store writes manifests)
+            Path(folder, "adapters.json").write_text(json.dumps(committed.record_json(), indent=2, sort_keys=True))
             for name in names:
                 Path(folder, name).write_bytes(self.store.read_blob(stage.key, name, manifest))
             self.client.log_artifacts(run_id, folder, "adapters")
@@ -147,13 +143,13 @@ class StageRecordLogging:
         adapters_model = f"{self.model_name}-adapters"
         ensure_registered_model(self.client, adapters_model, {"pipeline_id": self.pipeline_id,
                                                              "models_of": self.model_name})
-        for kind, entry in record["adapters"].items():
-            sha256 = manifest["blobs"][entry["blob"]]["sha256"]
+        for kind, entry in record.adapters.items():
+            sha256 = committed.blobs[entry.blob]["sha256"]
             register_version(self.client, adapters_model, run_id, f"{stage.key}/{kind}",
-                             {"stage_kind": "adapt", "adapter": kind, "direction": entry["direction"],
+                             {"stage_kind": "adapt", "adapter": kind, "direction": entry.direction,
                               "task_0based": task, "task_1based": task + 1, "sha256": sha256,
-                              "compatible": str(entry["verdict"]["compatible"]).lower()},
-                             [f"{kind}-task-{task + 1}"], artifact_path=f"adapters/{entry['blob']}")
+                              "compatible": str(entry.verdict.compatible).lower()},
+                             [f"{kind}-task-{task + 1}"], artifact_path=f"adapters/{entry.blob}")
 
     def _log_results(self) -> None:
         """Summary metrics and result files of a complete run, once per metrics.json content."""

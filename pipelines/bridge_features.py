@@ -35,6 +35,7 @@ from pipelines.entry_metrics import compute_entry
 from pipelines.feature_store import cached_features, junction_gram, junction_head, read_embeddings
 from pipelines.methods import METHODS
 from pipelines.methods.fan import FAN
+from pipelines.payloads import EntryFeatures, FeatureLayout, JunctionRef
 from pipelines.records import FeatureRecord
 from pipelines.store import RunStore, feature_blobs
 
@@ -92,20 +93,21 @@ def model_feature_way(config, model) -> tuple[str, str]:
 
 # ---- storing -------------------------------------------------------------------------------------------------------
 def bridge_blobs(embeddings: np.ndarray, model_stage_key: str, feature_dim: int, labels: np.ndarray,
-                 coarse_labels: np.ndarray | None, dtype: str) -> tuple[dict[str, bytes], dict]:
+                 coarse_labels: np.ndarray | None, dtype: str) -> tuple[dict[str, bytes], FeatureLayout]:
     """Blobs + layout of a bridge extract: embeddings (N, m) as ``dtype`` shards and a reference to the junction
     weights in the model stage's own ``model.safetensors`` (verified by that stage's manifest when read)."""
     blobs, layout = feature_blobs(embeddings, labels, coarse_labels, dtype=dtype, prefix="embeddings")
-    layout.update({"way": "bridge", "embed_dim": int(embeddings.shape[1]), "feature_dim": int(feature_dim),
-                   "head": {"stage_key": model_stage_key, "blob": WEIGHTS_BLOB, "tensor": JUNCTION_TENSOR}})
+    layout.way, layout.embed_dim, layout.feature_dim = "bridge", int(embeddings.shape[1]), int(feature_dim)
+    layout.head = JunctionRef(model_stage_key, WEIGHTS_BLOB, JUNCTION_TENSOR)
     return blobs, layout
 
 
 # ---- entries -------------------------------------------------------------------------------------------------------
-def isometric_coordinates(store: RunStore, query_head: dict, gallery_head: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def isometric_coordinates(store: RunStore, query_head: JunctionRef,
+                          gallery_head: JunctionRef) -> tuple[torch.Tensor, torch.Tensor]:
     """(L_t (r, m_t), L_k (r, m_k)) fp64 with (L_t q).(L_k g) = (A_t q).(A_k g) and ||L_t q|| = ||A_t q||,
     ||L_k g|| = ||A_k g|| for every q, g (module docstring); r <= m_t + m_k."""
-    same = query_head["stage_key"] == gallery_head["stage_key"]
+    same = query_head.stage_key == gallery_head.stage_key
     gram_t = junction_gram(store, query_head)
     if same:
         gram = gram_t
@@ -132,12 +134,12 @@ def bridge_entry(store: RunStore, query_key: str, gallery_key: str, protocol: di
                                  "(this one has none)")
             q_labels, g_labels = q_coarse, g_coarse
         value = bridged_recall_at_1(torch.from_numpy(q_embed.astype(np.float32)),
-                                    junction_head(store, q_layout["head"]),
+                                    junction_head(store, q_layout.head),
                                     torch.from_numpy(g_embed.astype(np.float32)),
-                                    junction_head(store, g_layout["head"]), np.asarray(q_labels, np.int64),
+                                    junction_head(store, g_layout.head), np.asarray(q_labels, np.int64),
                                     np.asarray(g_labels, np.int64))
         return float(value), "bridged_recall_at_1"
-    to_query, to_gallery = isometric_coordinates(store, q_layout["head"], g_layout["head"])
+    to_query, to_gallery = isometric_coordinates(store, q_layout.head, g_layout.head)
     q_coords = (torch.from_numpy(q_embed).double() @ to_query.t()).numpy()
     g_coords = (torch.from_numpy(g_embed).double() @ to_gallery.t()).numpy()
     value = compute_entry((q_coords, q_labels, q_coarse), (g_coords, g_labels, g_coarse), protocol, config)
@@ -145,27 +147,27 @@ def bridge_entry(store: RunStore, query_key: str, gallery_key: str, protocol: di
 
 
 def entry_value(store: RunStore, config, query_record: FeatureRecord, gallery_record: FeatureRecord, protocol: dict,
-                adapters: list) -> tuple[float, dict]:
-    """The value of one matrix entry and how its features were used: {"way": "bridge" | "direct" |
-    "materialized", "kernel" or "reason", "seconds"}. Direct extracts (and fallbacks) go through
+                adapters: list) -> tuple[float, EntryFeatures]:
+    """The value of one matrix entry and how its features were used (way "bridge" | "direct" | "materialized",
+    kernel or reason, seconds). Direct extracts (and fallbacks) go through
     ``compute_entry`` on d-dim features."""
     started = time.perf_counter()
     query_key, gallery_key = query_record.stage_key, gallery_record.stage_key
-    ways = (query_record.layout.get("way", "direct"), gallery_record.layout.get("way", "direct"))
+    ways = (query_record.layout.feature_way, gallery_record.layout.feature_way)
     if ways == ("bridge", "bridge") and not adapters:
         value, kernel = bridge_entry(store, query_key, gallery_key, protocol, config)
-        how = {"way": "bridge", "kernel": kernel}
+        how = EntryFeatures("bridge", kernel=kernel)
     else:
         value = compute_entry(cached_features(store, query_key), cached_features(store, gallery_key), protocol,
                               config, query_record.num_classes_model, gallery_record.num_classes_model,
                               adapters=adapters)
         if "bridge" not in ways:
-            how = {"way": "direct"}
+            how = EntryFeatures("direct")
         elif adapters:
-            how = {"way": "materialized", "reason": "a feature adapter applies to the gallery features"}
+            how = EntryFeatures("materialized", reason="a feature adapter applies to the gallery features")
         else:
-            how = {"way": "materialized", "reason": f"query extract {ways[0]}, gallery extract {ways[1]}"}
-    how["seconds"] = time.perf_counter() - started
+            how = EntryFeatures("materialized", reason=f"query extract {ways[0]}, gallery extract {ways[1]}")
+    how.seconds = time.perf_counter() - started
     return value, how
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from compat_core.adapters import load_adapter_bytes
 from pipelines.bridge_features import entry_value
 from pipelines.model_io import ADAPTER_BLOB
+from pipelines.payloads import EvaluationProtocol
 from pipelines.records import EntryRecord, FeatureRecord, RowRecord
 from pipelines.stage_context import StageContext, StageResult
 from pipelines.store import RunStore
@@ -40,12 +41,13 @@ def entry_stage(ctx: StageContext) -> StageResult:
     adapters = entry_adapters(ctx.store, [ctx.parents[k] for k in gallery_keys], row, column)
     value, features = entry_value(ctx.store, ctx.config, ctx.parents[query_key], ctx.parents[gallery_key], protocol,
                                   adapters)
-    return StageResult(EntryRecord(stage.key, row, column, value, query_key, gallery_key, protocol, features))
+    return StageResult(EntryRecord(stage.key, row, column, value, query_key, gallery_key,
+                                   EvaluationProtocol.from_json(protocol, f"stage {stage.key}: protocol"), features))
 
 
 def evaluate_stage(ctx: StageContext) -> StageResult:
     """Row t of the matrix, C[t, 0..t], from its committed entry nodes (its parents, in column order)."""
     stage = ctx.stage
-    protocol = stage.params["protocol"]
+    protocol = EvaluationProtocol.from_json(stage.params["protocol"], f"stage {stage.key}: protocol")
     values = [float(ctx.parents[key].value) for key in stage.parents]
-    return StageResult(RowRecord(stage.key, int(stage.task), values, list(stage.parents), protocol["metric"], protocol))
+    return StageResult(RowRecord(stage.key, int(stage.task), values, list(stage.parents), protocol.metric, protocol))

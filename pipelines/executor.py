@@ -26,7 +26,7 @@ from pipelines.config import ScenarioConfig
 from pipelines.config_load import config_hash, dump_config, validate_config
 from pipelines.graph import Stage, StageGraph
 from pipelines.progress import ProgressReporter, StageEvent, StageRecord
-from pipelines.records import read_record
+from pipelines.records import read_committed, read_record
 from pipelines.reports import write_reports
 from pipelines.shared_store import SharedStore
 from pipelines.stages import execute_stage
@@ -186,7 +186,8 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
             summary.executed.append(key)
             summary.seconds[key] = seconds
             stage = graph[key]
-            emit(StageEvent(key, stage.label, stage.kind, "done", index_of[key], total, seconds))
+            emit(StageEvent(key, stage.label, stage.kind, "done", index_of[key], total, seconds,
+                            read_committed(store, key)))
             if shared is not None and shared.covers(stage.kind):
                 try:
                     if shared.publish(key, store):

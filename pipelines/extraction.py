@@ -50,8 +50,8 @@ def extract_stage(ctx: StageContext) -> StageResult:
     else:
         blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse,
                                       dtype=config.evaluation.feature_dtype)
-        layout["way"] = "direct"
-    layout["way_reason"] = reason
+        layout.way = "direct"
+    layout.way_reason = reason
     adapter = ADAPTER_BLOB if ADAPTER_BLOB in model_record.extra_blobs else None
     record = FeatureRecord(ctx.stage.key, int(ctx.stage.task), split, artifact_location(ctx.stage.key), layout,
                            num_classes_model=model_record.num_active_classes, seconds=seconds,

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from compat_core.safetensors_index import tensor_from_bytes
+from pipelines.payloads import FeatureLayout, JunctionRef
 from pipelines.store import RunStore
 
 
@@ -32,50 +33,55 @@ def _cached(cache: collections.OrderedDict, key: tuple, compute, items: int = _C
     return value
 
 
-def junction_head(store: RunStore, head_ref: dict) -> torch.Tensor:
+def junction_head(store: RunStore, head_ref: JunctionRef) -> torch.Tensor:
     """A (d, m) float32 of a layout's head reference, read once per process: only the junction's bytes of the model
     stage's weights (ranged reads, each range checked against the per-tensor sha256 of its manifest)."""
     def read() -> torch.Tensor:
         try:
-            ((raw, dtype, shape),) = store.read_tensors(head_ref["stage_key"], head_ref["blob"],
-                                                        [head_ref["tensor"]]).values()
+            ((raw, dtype, shape),) = store.read_tensors(head_ref.stage_key, head_ref.blob,
+                                                        [head_ref.tensor]).values()
         except KeyError as error:
-            raise KeyError(f"{head_ref['stage_key']}/{head_ref['blob']}: no tensor {head_ref['tensor']!r} "
+            raise KeyError(f"{head_ref.stage_key}/{head_ref.blob}: no tensor {head_ref.tensor!r} "
                            f"(the bridge needs the junction weights): {error}") from None
-        where = f"{head_ref['stage_key']}/{head_ref['blob']}:{head_ref['tensor']}"
+        where = f"{head_ref.stage_key}/{head_ref.blob}:{head_ref.tensor}"
         return tensor_from_bytes(raw, dtype, shape, where).float().contiguous()
 
-    return _cached(_HEADS, (store.root, head_ref["stage_key"]), read)
+    return _cached(_HEADS, (store.root, head_ref.stage_key), read)
 
 
-def junction_gram(store: RunStore, head_ref: dict) -> torch.Tensor:
+def junction_gram(store: RunStore, head_ref: JunctionRef) -> torch.Tensor:
     """A^T A (m, m) fp64 of a head, once per process."""
     def compute() -> torch.Tensor:
         head = junction_head(store, head_ref).double()
         return head.t() @ head
 
-    return _cached(_GRAMS, (store.root, head_ref["stage_key"]), compute)
+    return _cached(_GRAMS, (store.root, head_ref.stage_key), compute)
 
 
-def read_embeddings(store: RunStore, stage_key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict]:
+def _layout(manifest: dict, stage_key: str) -> FeatureLayout:
+    return FeatureLayout.from_json(manifest["record"]["layout"], f"stage record {stage_key}: layout")
+
+
+def read_embeddings(store: RunStore, stage_key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
+                                                                FeatureLayout]:
     """(embeddings (N, m) as stored, labels, coarse labels or None, layout) of a bridge extract, cached."""
     def read():
         manifest = store.load_manifest(stage_key)
-        layout = manifest["record"]["layout"]
-        parts = [store.read_array(stage_key, name, manifest) for name in layout["shards"]]
+        layout = _layout(manifest, stage_key)
+        parts = [store.read_array(stage_key, name, manifest) for name in layout.shards]
         embeddings = (np.concatenate(parts, axis=0) if parts
-                      else np.zeros((0, layout["dim"]), dtype=layout["dtype"]))
+                      else np.zeros((0, layout.dim), dtype=layout.dtype))
         labels = store.read_array(stage_key, "labels.npy", manifest)
-        coarse = store.read_array(stage_key, "coarse_labels.npy", manifest) if layout.get("has_coarse") else None
+        coarse = store.read_array(stage_key, "coarse_labels.npy", manifest) if layout.has_coarse else None
         return embeddings, labels, coarse, layout
 
     return _cached(_EMBEDDINGS, (store.root, stage_key), read)
 
 
-def materialize(store: RunStore, layout: dict, embeddings: np.ndarray) -> np.ndarray:
+def materialize(store: RunStore, layout: FeatureLayout, embeddings: np.ndarray) -> np.ndarray:
     """The d-dim junction features A h (N, d) float32 of stored embeddings (unnormalised: every reader
     normalises, and the direction is what a cosine uses)."""
-    head = junction_head(store, layout["head"])
+    head = junction_head(store, layout.head)
     rows = torch.from_numpy(np.asarray(embeddings, dtype=np.float32))
     out = torch.empty((rows.shape[0], head.shape[0]), dtype=torch.float32)
     block = max(1, (1 << 24) // max(1, head.shape[0]))
@@ -90,14 +96,14 @@ def read_features(store: RunStore, stage_key: str) -> tuple[np.ndarray, np.ndarr
     A bridge extract (layout way ``bridge``) stores embeddings: its d-dim features come back materialised (A h,
     float32; see pipelines.bridge_features)."""
     manifest = store.load_manifest(stage_key)
-    layout = manifest["record"]["layout"]
-    if layout.get("way") == "bridge":
+    layout = _layout(manifest, stage_key)
+    if layout.feature_way == "bridge":
         embeddings, labels, coarse, layout = read_embeddings(store, stage_key)
         return materialize(store, layout, embeddings), labels, coarse
-    parts = [store.read_array(stage_key, name, manifest) for name in layout["shards"]]
-    features = np.concatenate(parts, axis=0) if parts else np.zeros((0, layout["dim"]), dtype=layout["dtype"])
+    parts = [store.read_array(stage_key, name, manifest) for name in layout.shards]
+    features = np.concatenate(parts, axis=0) if parts else np.zeros((0, layout.dim), dtype=layout.dtype)
     labels = store.read_array(stage_key, "labels.npy", manifest)
-    coarse = store.read_array(stage_key, "coarse_labels.npy", manifest) if layout.get("has_coarse") else None
+    coarse = store.read_array(stage_key, "coarse_labels.npy", manifest) if layout.has_coarse else None
     return features, labels, coarse
 
 

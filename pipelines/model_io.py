@@ -13,6 +13,7 @@ from compat_core.models.compat_model import (
     CONFIG_FILE, WEIGHTS_FILE, create_model, frozen_copy, model_from_bytes, model_to_bytes,
 )
 from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig, resolved_head
+from pipelines.payloads import WeightsReport
 from pipelines.records import ModelRecord
 from pipelines.source_digests import source_digest
 from pipelines.stage_context import StageContext
@@ -62,7 +63,8 @@ def initial_model(config: ScenarioConfig, classifier: str, seed: int, backbone: 
 
 
 
-def load_weights_strictly(model, source: str, sha256: str | None, ignore: list[str] | None, key: str) -> dict:
+def load_weights_strictly(model, source: str, sha256: str | None, ignore: list[str] | None,
+                          key: str) -> WeightsReport:
     """Strict external weights (every target key loaded, extras only as listed in ``ignore``); the load report as
     JSON for the stage record. Errors name the config ``key``."""
     try:
@@ -70,12 +72,12 @@ def load_weights_strictly(model, source: str, sha256: str | None, ignore: list[s
     except (ValueError, FileNotFoundError) as error:
         hint = f" (set {key.rsplit('.', 1)[0]}'s ignore keys for known extras)" if "do not fit" in str(error) else ""
         raise type(error)(f"{key}: {error}{hint}") from error
-    return {"key": key, **report.to_json()}
+    return WeightsReport.from_json({"key": key, **report.to_json()}, f"{key}: load report")
 
 
 def load_source(ctx: StageContext, source: str, classifier: str, backbone: str | None, backbone_config: dict | None,
                  sha256: str | None, seed: int, num_pretrain_classes: int | None = None, ignore: list[str] | None = None,
-                 key: str = "source") -> tuple[Any, int, dict | None]:
+                 key: str = "source") -> tuple[Any, int, WeightsReport | None]:
     """Model to start from, P (classes it was pre-trained on) and the weights load report (None for a pretrain
     stage's output): a pretrain stage's output or external weights."""
     if source.startswith(PRETRAIN_PREFIX):

@@ -13,10 +13,13 @@ from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
+from pipelines.records import CommittedStage
+
 
 @dataclass
 class StageEvent:
-    """Start/end/skip of a stage: ``status`` is started | done | skipped | failed; seconds only when done."""
+    """Start/end/skip of a stage: ``status`` is started | done | skipped | failed; seconds only when done.
+    committed: when done, the committed record and its blob table (what a tracker logs and uploads)."""
 
     stage_key: str
     label: str
@@ -25,6 +28,7 @@ class StageEvent:
     index: int
     total: int
     seconds: float | None = None
+    committed: CommittedStage | None = None
 
 
 @dataclass

@@ -10,6 +10,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
+from pipelines.payloads import (
+    AdapterResult, BackfillCurves, CrossTests, EntryFeatures, EvaluationProtocol, FeatureLayout, MapOf, ReplayShard,
+    TrainingSummary, UpgradeVerdict, WeightsReport, json_value,
+)
+
 
 @dataclass
 class MemoryRecord:
@@ -23,7 +28,7 @@ class MemoryRecord:
     tasks_blob: str
     size: int
     per_class: int
-    shard: dict | None = None
+    shard: ReplayShard | None = None
 
 
 @dataclass
@@ -50,9 +55,9 @@ class ModelRecord:
     source: str | None = None
     memory: MemoryRecord | None = None
     extra_blobs: list[str] = field(default_factory=list)
-    training: dict = field(default_factory=dict)
+    training: TrainingSummary = field(default_factory=TrainingSummary)
     pretrain_name: str | None = None
-    weights: dict | None = None
+    weights: WeightsReport | None = None
 
 
 @dataclass
@@ -69,7 +74,7 @@ class FeatureRecord:
     task: int
     split: str
     uri: str
-    layout: dict
+    layout: FeatureLayout
     num_classes_model: int
     seconds: float
     images_per_second: float
@@ -89,8 +94,8 @@ class EntryRecord:
     value: float
     query: str
     gallery: str
-    protocol: dict
-    features: dict = field(default_factory=dict)
+    protocol: EvaluationProtocol
+    features: EntryFeatures = field(default_factory=EntryFeatures)
 
 
 @dataclass
@@ -103,7 +108,7 @@ class RowRecord:
     values: list[float]
     entry_keys: list[str]
     metric: str
-    protocol: dict
+    protocol: EvaluationProtocol
 
 
 @dataclass
@@ -116,10 +121,10 @@ class AdaptersRecord:
     task: int
     old_task: int
     metric: str
-    baseline: dict
-    verdict: dict
-    adapters: dict = field(default_factory=dict)
-    backfill: dict = field(default_factory=dict)
+    baseline: dict[str, CrossTests]
+    verdict: UpgradeVerdict
+    adapters: dict[str, AdapterResult] = field(default_factory=dict)
+    backfill: BackfillCurves = field(default_factory=BackfillCurves)
     units: str = "fraction"
     fit_on: str = "paired gallery features"
 
@@ -127,13 +132,21 @@ class AdaptersRecord:
 Record = Union[ModelRecord, FeatureRecord, EntryRecord, RowRecord, AdaptersRecord]
 RECORD_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (ModelRecord, FeatureRecord, EntryRecord, RowRecord,
                                                           AdaptersRecord)}
+# Payload fields of each record type: read back typed from their manifest mappings.
+_PAYLOADS: dict[type, dict[str, Any]] = {ModelRecord: {"training": TrainingSummary, "weights": WeightsReport},
+                                          FeatureRecord: {"layout": FeatureLayout},
+                                          EntryRecord: {"features": EntryFeatures, "protocol": EvaluationProtocol},
+                                          RowRecord: {"protocol": EvaluationProtocol},
+                                          AdaptersRecord: {"baseline": MapOf(CrossTests), "verdict": UpgradeVerdict,
+                                                           "adapters": MapOf(AdapterResult),
+                                                           "backfill": BackfillCurves}}
 # What the store adds next to a record in its manifest (the graph node it came from, where it ran).
 _NODE_KEYS = ("type", "kind", "label", "placement")
 
 
 def record_to_json(record: Record, **node: Any) -> dict:
     """The manifest form of ``record``: its fields (nested records as mappings), its ``type`` and ``node`` keys."""
-    return {"type": record.TYPE, **dataclasses.asdict(record), **node}
+    return {"type": record.TYPE, **json_value(record), **node}
 
 
 def record_from_json(data: dict, stage_key: str | None = None) -> Record:
@@ -152,8 +165,47 @@ def record_from_json(data: dict, stage_key: str | None = None) -> Record:
     if stage_key is not None:
         values["stage_key"] = stage_key
     if cls is ModelRecord and isinstance(values.get("memory"), dict):
-        values["memory"] = MemoryRecord(**values["memory"])
+        memory = dict(values["memory"])
+        if memory.get("shard") is not None:
+            memory["shard"] = ReplayShard.from_json(memory["shard"], f"stage record {stage_key}: memory.shard")
+        values["memory"] = MemoryRecord(**memory)
+    where = f"stage record {stage_key or data.get('stage_key')}"
+    for name, payload in _PAYLOADS.get(cls, {}).items():
+        if values.get(name) is not None:
+            values[name] = payload.from_json(values[name], f"{where}: {name}")
     return cls(**values)
+
+
+@dataclass(frozen=True)
+class CommittedStage:
+    """A committed stage as the engine hands it on with its "done" event: the typed ``record``, the graph node keys
+    the manifest keeps beside it (``node``: kind, label, placement) and the manifest's blob table (``blobs``: name
+    -> {"sha256", "size", ...}), which is what a reader needs to fetch and verify the blobs it uploads."""
+
+    record: Record
+    node: dict
+    blobs: dict
+
+    @property
+    def blob_table(self) -> dict:
+        """The manifest part :meth:`pipelines.store.RunStore.read_blob` verifies blobs against."""
+        return {"blobs": self.blobs}
+
+    def record_json(self) -> dict:
+        """The record as the manifest holds it (fields, type and node keys)."""
+        return record_to_json(self.record, **self.node)
+
+
+def committed_stage(manifest: dict) -> CommittedStage:
+    """The :class:`CommittedStage` of a stage manifest (``RunStore.load_manifest`` / ``commit``)."""
+    data = manifest["record"]
+    node = {key: data[key] for key in _NODE_KEYS if key in data and key != "type"}
+    return CommittedStage(record_from_json(data, manifest["stage_key"]), node, dict(manifest.get("blobs", {})))
+
+
+def read_committed(store: Any, stage_key: str) -> CommittedStage:
+    """The committed stage ``stage_key`` of ``store`` (FileNotFoundError when it is not committed)."""
+    return committed_stage(store.load_manifest(stage_key))
 
 
 def read_record(store: Any, stage_key: str) -> Record:
@@ -161,5 +213,6 @@ def read_record(store: Any, stage_key: str) -> Record:
     return record_from_json(store.load_record(stage_key), stage_key)
 
 
-__all__ = ["AdaptersRecord", "EntryRecord", "FeatureRecord", "MemoryRecord", "ModelRecord", "RECORD_TYPES", "Record",
-           "RowRecord", "read_record", "record_from_json", "record_to_json"]
+__all__ = ["AdaptersRecord", "CommittedStage", "EntryRecord", "FeatureRecord", "MemoryRecord", "ModelRecord",
+           "RECORD_TYPES", "Record", "RowRecord", "committed_stage", "read_committed", "read_record",
+           "record_from_json", "record_to_json"]

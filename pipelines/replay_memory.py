@@ -9,6 +9,7 @@ from compat_core.data import replay
 from compat_core.data.replay import ReplayMemory
 from compat_core.data.replay_shards import CorruptShardError, EncodedImages, concatenate_images, encoded_images
 from pipelines.config import ScenarioConfig
+from pipelines.payloads import ReplayShard
 from pipelines.records import ModelRecord
 from pipelines.replay_shards import read_memory_shard, write_memory_shard
 from pipelines.stage_context import StageContext
@@ -34,7 +35,7 @@ def memory_images_from_record(store: RunStore, model_record: ModelRecord | None,
     """uint8 (M, H, W, C) images of the recorded replay shard, rows aligned with ``memory``; None when the record
     has no shard (runs written before replay shards)."""
     shard = model_record.memory.shard if model_record is not None and model_record.memory is not None else None
-    if not shard:
+    if shard is None:
         return None
     try:
         stored, images = read_memory_shard(store, shard)
@@ -43,14 +44,14 @@ def memory_images_from_record(store: RunStore, model_record: ModelRecord | None,
         raise CorruptArtifactError(str(error), stage_key=getattr(error, "stage_key", None)
                                    or model_record.stage_key) from error
     if not np.array_equal(stored.indices, memory[0]) or not np.array_equal(stored.source_task, memory[2]):
-        raise ValueError(f"replay shard {shard['folder']} (task {shard['task']}) does not hold the memory recorded "
+        raise ValueError(f"replay shard {shard.folder} (task {shard.task}) does not hold the memory recorded "
                          f"with model stage {model_record.stage_key}")
     return images
 
 
 def write_task_memory_shard(ctx: StageContext, task: int, memory: tuple, memory_images: np.ndarray | None, pool,
                         indices: np.ndarray, positions: np.ndarray, tasks: np.ndarray,
-                        previous_shard: dict | None = None) -> dict:
+                        previous_shard: ReplayShard | None = None) -> ReplayShard:
     """Write this stage's replay shard: the exemplars this task adds, appended to the previous shard's parts, when
     the updated memory is the previous one plus new rows (the fixed quota per class); else the whole memory, kept
     exemplars' images from the previous shard, new ones from this task's source."""

@@ -22,6 +22,7 @@ from compat_core.data.replay_shards import (
     CorruptShardError, concatenate_images, read_replay_shard, shard_uris, write_replay_shard,
 )
 from compat_core.data.stream import keep_rows
+from pipelines.payloads import ReplayShard, ShardPart
 
 REPLAY_FOLDER = "replay"
 
@@ -32,7 +33,7 @@ def shard_folder(stage_key: str) -> str:
 
 
 def write_memory_shard(store, stage_key: str, task: int, memory: ReplayMemory, source,
-                       previous: dict | None = None) -> dict:
+                       previous: ReplayShard | None = None) -> ReplayShard:
     """Write the exemplars ``memory`` after 0-based ``task`` with their images read from ``source`` (uint8 HWC or
     encoded); returns the record stored in the model artifact.
 
@@ -40,19 +41,17 @@ def write_memory_shard(store, stage_key: str, task: int, memory: ReplayMemory, s
     the rows this task adds); None: ``memory`` is the whole memory."""
     folder = shard_folder(stage_key)
     manifest = write_replay_shard(cio.join(store.root, folder), task, memory, source)
-    part = {"folder": folder, "task": int(task), "sha256": manifest.sha256, "rows": manifest.rows,
-            "stage_key": stage_key}
-    return {**part, "parts": (memory_parts(previous) if previous is not None else []) + [part]}
+    part = ShardPart(folder, int(task), manifest.sha256, manifest.rows, stage_key)
+    parts = (memory_parts(previous) if previous is not None else []) + [part]
+    return ReplayShard(folder, int(task), manifest.sha256, manifest.rows, stage_key, parts=parts)
 
 
-def memory_parts(shard: dict) -> list[dict]:
+def memory_parts(shard: ReplayShard | dict) -> list[ShardPart]:
     """The shards holding a recorded memory, oldest first (a record without parts is one whole-memory shard)."""
-    if "parts" in shard:
-        return list(shard["parts"])
-    return [{key: value for key, value in shard.items() if key != "parts"}]
+    return ReplayShard.from_json(shard, "memory.shard").memory_parts()
 
 
-def read_memory_shard(store, shard: dict) -> tuple[ReplayMemory, np.ndarray]:
+def read_memory_shard(store, shard: ReplayShard | dict) -> tuple[ReplayMemory, np.ndarray]:
     """(memory, images uint8 (M, H, W, C) or EncodedImages decoded on indexing) of a recorded memory, its parts
     concatenated; CorruptShardError naming bucket/key and the expected sha256 (and ``stage_key``, the stage that
     wrote the part) when a part is missing or differs from the record or its manifest."""
@@ -68,22 +67,22 @@ def read_memory_shard(store, shard: dict) -> tuple[ReplayMemory, np.ndarray]:
     return joined, concatenate_images(images)
 
 
-def _read_part(store, part: dict) -> tuple[ReplayMemory, np.ndarray]:
-    root = cio.join(store.root, part["folder"])
-    parquet_uri, manifest_uri = shard_uris(root, int(part["task"]))
+def _read_part(store, part: ShardPart) -> tuple[ReplayMemory, np.ndarray]:
+    root = cio.join(store.root, part.folder)
+    parquet_uri, manifest_uri = shard_uris(root, part.task)
     try:
         if not cio.exists(parquet_uri):
-            raise CorruptShardError(parquet_uri, "sha256", part["sha256"], "file missing")
+            raise CorruptShardError(parquet_uri, "sha256", part.sha256, "file missing")
         try:
-            loaded = read_replay_shard(root, int(part["task"]))
+            loaded = read_replay_shard(root, part.task)
         except FileNotFoundError:
-            raise CorruptShardError(parquet_uri, "sha256", part["sha256"], "shard missing (no manifest at "
+            raise CorruptShardError(parquet_uri, "sha256", part.sha256, "shard missing (no manifest at "
                                     f"{manifest_uri})") from None
-        if loaded.manifest.sha256 != part["sha256"]:
-            raise CorruptShardError(parquet_uri, "sha256", part["sha256"], loaded.manifest.sha256,
+        if loaded.manifest.sha256 != part.sha256:
+            raise CorruptShardError(parquet_uri, "sha256", part.sha256, loaded.manifest.sha256,
                                     "the shard was rewritten after the model record was committed")
     except CorruptShardError as error:
-        error.stage_key = part.get("stage_key")  # the stage to recompute
+        error.stage_key = part.stage_key  # the stage to recompute
         raise
     return loaded.memory, loaded.images
 

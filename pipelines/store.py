@@ -25,6 +25,7 @@ import pyarrow.fs as pafs
 from compat_core import io as cio
 from compat_core.safetensors_index import PREFIX_BYTES, header_length, parse_header, tensor_index
 from pipelines.lease import check_fence
+from pipelines.payloads import FeatureLayout, Payload
 
 
 class CorruptArtifactError(IOError):
@@ -305,7 +306,7 @@ class RunStore:
 
 def feature_blobs(features: np.ndarray, labels: np.ndarray, coarse_labels: np.ndarray | None = None,
                   dtype: str = "float16", shard_rows: int = 65536,
-                  prefix: str = "features") -> tuple[dict[str, bytes], dict]:
+                  prefix: str = "features") -> tuple[dict[str, bytes], FeatureLayout]:
     """Encode features ``(N, D)`` as .npy shards ``<prefix>-NNNNN.npy`` of ``dtype`` plus labels; returns (blobs,
     layout for the record)."""
     features = np.asarray(features)
@@ -322,8 +323,8 @@ def feature_blobs(features: np.ndarray, labels: np.ndarray, coarse_labels: np.nd
     blobs["labels.npy"] = encode_array(np.asarray(labels, dtype=np.int64))
     if coarse_labels is not None:
         blobs["coarse_labels.npy"] = encode_array(np.asarray(coarse_labels, dtype=np.int64))
-    layout = {"shards": shards, "rows": int(features.shape[0]), "dim": int(features.shape[1]), "dtype": dtype,
-              "has_coarse": coarse_labels is not None}
+    layout = FeatureLayout(shards, int(features.shape[0]), int(features.shape[1]), dtype,
+                           has_coarse=coarse_labels is not None)
     return blobs, layout
 
 
@@ -338,6 +339,8 @@ def _check_blob_name(name: str) -> None:
 
 
 def _json_default(value: Any) -> Any:
+    if isinstance(value, Payload):
+        return value.to_json()
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):

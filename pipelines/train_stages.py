@@ -12,6 +12,7 @@ from pipelines.checkpoints import StoreCheckpointSink, policy_from_settings
 from pipelines.config import ScenarioConfig
 from pipelines.distributed import is_leader, launcher_checkpoint_sink
 from pipelines.methods import configured_method
+from pipelines.payloads import TrainingSummary
 from pipelines.model_io import (
     artifact_location, frozen, initial_model, load_model_artifact, load_source, load_weights_strictly, model_blobs,
 )
@@ -36,22 +37,22 @@ def _progress_hook(ctx: StageContext):
     return hook
 
 
-def _summary(result: Any) -> dict:
+def _summary(result: Any) -> TrainingSummary:
     """JSON summary of a TrainResult: selected epoch (0-based), images/s, seconds, last epoch's mean loss (nats)."""
     records = getattr(result, "records", []) or []
-    return {
-        "selected_epoch": int(result.selected_epoch),
-        "images_per_s": float(result.images_per_s),
-        "seconds": float(result.seconds),
-        "final_loss": float(records[-1].loss) if records else None,
-        "epochs_recorded": len(records),
-        "resumed_from_epoch": getattr(result, "resumed_from_epoch", None),  # epoch checkpoint restored, if any
+    return TrainingSummary(
+        selected_epoch=int(result.selected_epoch),
+        images_per_s=float(result.images_per_s),
+        seconds=float(result.seconds),
+        final_loss=float(records[-1].loss) if records else None,
+        epochs_recorded=len(records),
+        resumed_from_epoch=getattr(result, "resumed_from_epoch", None),  # epoch checkpoint restored, if any
         # where the time went: device idle waiting for input (fraction of the training seconds), start-up, memory
-        "input_stall_fraction": float(getattr(result, "input_stall_seconds", 0.0)) / max(float(result.seconds), 1e-9),
-        "first_step_seconds": getattr(result, "first_step_seconds", None),
-        "peak_device_memory_bytes": getattr(result, "peak_device_memory_bytes", None),
-        "loop_unix_seconds": list(getattr(result, "loop_unix_seconds", None) or []),  # to align device samples
-    }
+        input_stall_fraction=float(getattr(result, "input_stall_seconds", 0.0)) / max(float(result.seconds), 1e-9),
+        first_step_seconds=getattr(result, "first_step_seconds", None),
+        peak_device_memory_bytes=getattr(result, "peak_device_memory_bytes", None),
+        loop_unix_seconds=list(getattr(result, "loop_unix_seconds", None) or []),  # to align device samples
+    )
 
 
 def _checkpoints(ctx: StageContext):
@@ -92,7 +93,7 @@ def pretrain_stage(ctx: StageContext) -> StageResult:
         if spec.init_sha256 is None:
             logging.getLogger(__name__).warning(
                 "pretrain[%s].init: no init_sha256 set; %s has sha256 %s: pin it with init_sha256: %s so that a "
-                "changed file is refused", spec.name, spec.init, weights.get("sha256"), weights.get("sha256"))
+                "changed file is refused", spec.name, spec.init, weights.sha256, weights.sha256)
     model = model.to(ctx.device)
     model.config["pretrained_classes"] = spec.num_classes
     result = pretrain_model(model, pool, np.arange(len(pool)), config.train_config(seed, ctx.device, spec),

@@ -25,6 +25,7 @@ from compat_core.backfill import backfill_curve, backfill_order, uncertainty_sco
 from compat_core.metrics import upgrade_verdict
 from pipelines.entry_metrics import compute_entry
 from pipelines.feature_store import read_features
+from pipelines.payloads import AdapterResult, CrossTests, UpgradeVerdict
 from pipelines.progress import ProgressUpdate
 from pipelines.records import AdaptersRecord
 from pipelines.stage_context import StageContext, StageResult
@@ -55,12 +56,15 @@ def adapt_stage(ctx: StageContext) -> StageResult:
     def entry(query: tuple, gallery: tuple, name: str = metric) -> float:
         return compute_entry(query, gallery, _with_metric(protocol, name), config)
 
-    baseline = {name: {"self_old": entry(old_q, old_g, name), "self_new": entry(new_q, new_g, name),
-                       "cross": entry(new_q, old_g, name)} for name in ("recall_at_1", "map")}
+    baseline = {name: CrossTests(self_old=entry(old_q, old_g, name), self_new=entry(new_q, new_g, name),
+                                 cross=entry(new_q, old_g, name)) for name in ("recall_at_1", "map")}
     strict = bool(params.get("strict", True))
+
+    def verdict(cross: float) -> UpgradeVerdict:
+        return UpgradeVerdict(**upgrade_verdict(cross, baseline[metric].self_old, baseline[metric].self_new, strict))
+
     record = AdaptersRecord(stage.key, int(stage.task), int(stage.task) - 1, metric, baseline,
-                            upgrade_verdict(baseline[metric]["cross"], baseline[metric]["self_old"],
-                                            baseline[metric]["self_new"], strict))
+                            verdict(baseline[metric].cross))
     blobs: dict[str, bytes] = {}
     transformed_gallery = None
     kinds = list(params["adapters"])
@@ -86,23 +90,21 @@ def adapt_stage(ctx: StageContext) -> StageResult:
             transformed_gallery = adapter.apply(torch.from_numpy(as_float(old_g))).numpy()
         blob = adapter_blob_name(kind)
         blobs[blob] = save_adapter(adapter)
-        record.adapters[kind] = {
-            "direction": adapter.direction, "blob": blob, "params": settings, "fit_loss": adapter.fit_loss[-1],
-            "seconds": time.perf_counter() - started, **{f"cross_{name}": value for name, value in values.items()},
-            "verdict": upgrade_verdict(values[metric], baseline[metric]["self_old"], baseline[metric]["self_new"],
-                                       strict)}
+        record.adapters[kind] = AdapterResult(adapter.direction, blob, settings, adapter.fit_loss[-1],
+                                              time.perf_counter() - started, values["recall_at_1"], values["map"],
+                                              verdict(values[metric]))
         ctx.emit(ProgressUpdate(stage.key, index + 1, len(kinds) + 2, "adapter", 0.0))
 
     # partial backfilling: new queries on a gallery re-embedded item by item
     start_gallery = transformed_gallery if transformed_gallery is not None else as_float(old_g)
     labels = lambda part: part[2] if protocol["label_level"] == "coarse" else part[1]  # noqa: E731
     scores = uncertainty_scores(as_float(old_g), start_gallery, as_float(new_g))
-    record.backfill["start"] = "fct" if transformed_gallery is not None else "old features"
+    record.backfill.start = "fct" if transformed_gallery is not None else "old features"
     for step, order_name in enumerate(("random", "uncertainty")):
         order = backfill_order(start_gallery.shape[0], order_name, seed=int(params.get("seed", 0)),
                                scores=scores if order_name == "uncertainty" else None)
-        record.backfill[order_name] = backfill_curve(as_float(new_q), labels(new_q), start_gallery,
-                                                        as_float(new_g), labels(new_g), order)
+        setattr(record.backfill, order_name, backfill_curve(as_float(new_q), labels(new_q), start_gallery,
+                                                            as_float(new_g), labels(new_g), order))
         ctx.emit(ProgressUpdate(stage.key, len(kinds) + step + 1, len(kinds) + 2, "backfill curve", 0.0))
     return StageResult(record, blobs)
 

@@ -20,6 +20,7 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 tiny.register()  # the scenario below names the tiny-synth dataset: configs validate only once it is registered
 
 from cluster.registry import parse_model_uri, registered_model_name, task_alias
+import cluster.tracking as tracking_module
 from cluster.tracking import MlflowTracker, NullTracker, create_tracker
 from cluster.tracking_client import check_tracking_uri, default_tracking_uri, project_tracking_uri
 from cluster.tracking_params import flatten_params, looks_like_secret
@@ -181,6 +182,7 @@ def model_blobs(seed: int) -> dict[str, bytes]:
 
 def fake_stage_functions(fail_task: int | None = None) -> dict:
     """Stage functions returning hand-made records (no data, no training); ``fail_task`` raises in that model stage."""
+    from pipelines.payloads import EvaluationProtocol, FeatureLayout, TrainingSummary
     from pipelines.records import EntryRecord, FeatureRecord, ModelRecord, RowRecord
     from pipelines.stage_context import StageResult
 
@@ -202,27 +204,27 @@ def fake_stage_functions(fail_task: int | None = None) -> dict:
         record = ModelRecord(stage.key, ctx.store.uri(ctx.store.ARTIFACTS, stage.key), task,
                              1 if stage.kind == "replace" else 0, 4, 0 if task is None else 2 * task + 2,
                              "learnable", 4, source=source,
-                             training={"selected_epoch": 1, "images_per_s": 150.0, "seconds": 2.0 + (task or 0),
-                                       "final_loss": train_loss(task or 0, 2), "epochs_recorded": 2})
+                             training=TrainingSummary(selected_epoch=1, images_per_s=150.0, seconds=2.0 + (task or 0),
+                                                      final_loss=train_loss(task or 0, 2), epochs_recorded=2))
         return StageResult(record, model_blobs(seed))
 
     def extract_stage(ctx):
         record = FeatureRecord(ctx.stage.key, ctx.stage.task, ctx.stage.split,
                                ctx.store.uri(ctx.store.ARTIFACTS, ctx.stage.key),
-                               {"shards": [], "rows": 30, "dim": 9, "dtype": "float16", "has_coarse": False},
+                               FeatureLayout([], 30, 9, "float16", False),
                                4, 0.5, 60.0)
         return StageResult(record)
 
     def evaluate_stage(ctx):
         row = ctx.stage.task
         record = RowRecord(ctx.stage.key, row, MATRIX[row], [f"e{row}{k}" for k in range(row + 1)],
-                           "recall_at_1", ctx.stage.params["protocol"])
+                           "recall_at_1", EvaluationProtocol.from_json(ctx.stage.params["protocol"]))
         return StageResult(record)
 
     def entry_stage(ctx):
         row, column = ctx.stage.params["row"], ctx.stage.params["column"]
         return StageResult(EntryRecord(ctx.stage.key, row, column, MATRIX[row][column], "", "",
-                                       ctx.stage.params["protocol"]))
+                                       EvaluationProtocol.from_json(ctx.stage.params["protocol"])))
 
     return {"pretrain": model_stage, "finetune": model_stage, "replace": model_stage, "extract": extract_stage,
             "entry": entry_stage, "evaluate": evaluate_stage}
@@ -243,6 +245,10 @@ def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task:
 
     for kind, function in fake_stage_functions(fail_task).items():
         monkeypatch.setitem(stages.STAGE_FUNCTIONS, kind, function)
+    STORE_READS.clear()   # stages the tracker had to read back from the store instead of taking the engine's record
+    read = tracking_module.read_committed
+    monkeypatch.setattr(tracking_module, "read_committed",
+                        lambda store, key: STORE_READS.append(key) or read(store, key))
     if ray_job is not None:
         fake_ray = SimpleNamespace(is_initialized=lambda: True,
                                    get_runtime_context=lambda: SimpleNamespace(get_job_id=lambda: ray_job))
@@ -258,6 +264,9 @@ def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task:
     return graph, store, tracker
 
 
+STORE_READS: list[str] = []
+
+
 def metric_history(client, run_id: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
@@ -271,6 +280,15 @@ def sqlite_run(tmp_path_factory):
         yield (run_dir, *run_tracked(run_dir, None, monkeypatch, ray_job="02000000"))
     finally:
         monkeypatch.undo()
+
+
+def test_done_stages_are_logged_from_the_committed_record_the_engine_hands_over(sqlite_run):
+    run_dir, graph, store, tracker = sqlite_run
+    assert STORE_READS == []   # every stage ran in this run: no manifest read back by the tracker
+    experiment = tracker.client.get_experiment_by_name("track-demo")
+    extracts = [run for run in tracker.client.search_runs([experiment.experiment_id])
+                if run.data.tags.get("stage_kind") == "extract"]
+    assert extracts and {run.data.metrics["extract/rows"] for run in extracts} == {30}  # the fake layout's rows
 
 
 def test_default_sqlite_run_holds_parent_nested_runs_metrics_and_tags(sqlite_run):

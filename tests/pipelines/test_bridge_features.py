@@ -16,6 +16,7 @@ from pipelines import bridge_features
 from pipelines.config_load import validate_config
 from pipelines.executor import LocalExecutor
 from pipelines.graph import compile_scenario, describe
+from pipelines.payloads import JunctionRef
 from pipelines.feature_store import read_features
 from pipelines.store import RunStore
 
@@ -127,7 +128,7 @@ def test_isometric_coordinates_preserve_inner_products(tmp_path):
              "b": torch.from_numpy(rng.normal(size=(50, 12))).float()}
     for key, head in heads.items():
         store.commit(key, {"type": "model"}, {"model.safetensors": save({"junction.weight": head})})
-    ref = {key: {"stage_key": key, "blob": "model.safetensors", "tensor": "junction.weight"} for key in heads}
+    ref = {key: JunctionRef(key, "model.safetensors", "junction.weight") for key in heads}
     to_q, to_g = bridge_features.isometric_coordinates(store, ref["a"], ref["b"])
     q, g = torch.from_numpy(rng.normal(size=(5, 8))), torch.from_numpy(rng.normal(size=(7, 12)))
     expected = (q @ heads["a"].double().t()) @ (g @ heads["b"].double().t()).t()

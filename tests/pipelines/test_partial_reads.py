@@ -7,6 +7,7 @@ from safetensors.torch import load, save
 
 from compat_core import io as cio
 from pipelines import feature_store
+from pipelines.payloads import JunctionRef
 from pipelines.store import CorruptArtifactError, RunStore
 
 KEY = "finetune-t000-0123456789abcdef"
@@ -117,8 +118,7 @@ def test_bridge_head_reads_only_the_junction(tmp_path, counted):
     weights = _weights()
     store.commit(KEY, {"kind": "test"}, {"model.safetensors": save(weights)})
     feature_store._HEADS.clear()
-    head = feature_store.junction_head(store, {"stage_key": KEY, "blob": "model.safetensors",
-                                                 "tensor": "junction.weight"})
+    head = feature_store.junction_head(store, JunctionRef(KEY, "model.safetensors", "junction.weight"))
     assert torch.equal(head, weights["junction.weight"])
     header = store.load_manifest(KEY)["blobs"]["model.safetensors"]["index"]["header_bytes"]
     assert counted == {"range": header + 39 * 32 * 4, "whole": 0}

@@ -35,7 +35,7 @@ def test_each_stage_stores_only_its_new_exemplars(run):
         # this stage's own shard: the task's exemplars only (2 classes x per_class 3 = 6 rows)
         assert shard["stage_key"] == key and shard["rows"] == int((tasks == task).sum()) == 6
         parts = memory_parts(shard)
-        assert [p["stage_key"] for p in parts] == graph.model_stages[: task + 1]
+        assert [p.stage_key for p in parts] == graph.model_stages[: task + 1]
         memory, images = read_memory_shard(store, shard)
         assert np.array_equal(memory.indices, indices) and np.array_equal(memory.source_task, tasks)
         assert images.shape[0] == indices.size == 6 * (task + 1)

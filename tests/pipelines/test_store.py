@@ -62,7 +62,7 @@ def test_features_stored_fp16_with_labels(tmp_path):
     features = rng.standard_normal((10, 7)).astype(np.float32)
     labels = np.arange(10) % 3
     blobs, layout = feature_blobs(features, labels, dtype="float16", shard_rows=4)
-    assert layout["shards"] == ["features-00000.npy", "features-00001.npy", "features-00002.npy"]
+    assert layout.shards == ["features-00000.npy", "features-00001.npy", "features-00002.npy"]
     store.commit("extract-x", {"layout": layout}, blobs)
     stored, stored_labels, coarse = read_features(store, "extract-x")
     assert stored.dtype == np.float16 and stored.shape == (10, 7)
