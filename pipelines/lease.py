@@ -89,6 +89,7 @@ class _LocalLease:
 
     def __init__(self, root: str, path: str, handle) -> None:
         self.root, self.path, self.handle = root, path, handle
+        self.token = ""
         self.lock = threading.Lock()
         self.lost = False
 
@@ -110,6 +111,23 @@ class _LocalLease:
             raise LeaseLostError(f"{self.root}: this process (pid {os.getpid()}) lost its lease to another process "
                                  f"(no heartbeat for {stale_s():g} s, e.g. while it was paused); it stops without "
                                  f"writing")
+
+
+def _read_lock_file(path: str, attempts: int = 5) -> dict:
+    """The owner mapping in a local lock file, read by another process; an empty or half-written file (the holder
+    rewrites it at each heartbeat: truncate, then write) is read again a few times before it counts as no owner."""
+    for attempt in range(attempts):
+        try:
+            with open(path) as handle:
+                text = handle.read()
+            if text:
+                return json.loads(text)
+        except FileNotFoundError:
+            return {}
+        except json.JSONDecodeError:
+            pass
+        time.sleep(0.02 * (attempt + 1))
+    return {}
 
 
 def _read_holder(handle) -> dict:
@@ -146,6 +164,7 @@ def _local_lease(root: str) -> Iterator[None]:
     mine = _owner()
     mine["heartbeat"] = time.time()
     lease = _LocalLease(str(root).rstrip("/"), path, handle)
+    lease.token = mine["token"]
     lease.write(mine)
     stop = threading.Event()
 
@@ -168,6 +187,10 @@ def _local_lease(root: str) -> Iterator[None]:
             _HELD[lease.root] = previous
         else:
             _HELD.pop(lease.root, None)
+        if not lease.lost:  # released: a worker still writing for this holder fails its fence from now on
+            mine["heartbeat"] = 0.0
+            with contextlib.suppress(OSError):
+                lease.write(mine)
         handle.close()  # closing drops the lock
 
 
@@ -228,8 +251,9 @@ def check_fence(root: str) -> None:
 @dataclass(frozen=True)
 class LeaseFence:
     """A holder's lease as another process writing for it (a Ray worker) checks it: the lock file the holder
-    locked (``lock_file``, by inode: the one number a shared filesystem shows alike on every host) or the lease
-    object with the holder's owner ``token``."""
+    locked (``lock_file``, by inode: the one number a shared filesystem shows alike on every host, and by the owner
+    ``token`` the holder wrote into it, so a lease released and taken again by another driver fails the check too)
+    or the lease object with the holder's owner ``token``."""
 
     root: str
     holder: str
@@ -245,7 +269,9 @@ class LeaseFence:
                 info = os.stat(self.lock_file)
             except FileNotFoundError:
                 return False
-            return info.st_ino == self.inode
+            owner = _read_lock_file(self.lock_file)
+            return (info.st_ino == self.inode and owner.get("token") == self.token
+                    and float(owner.get("heartbeat") or 0.0) > 0.0)
         if _CONDITIONAL is None:
             raise RuntimeError(f"run folder {self.root}: checking the driver's s3:// lease needs object storage "
                                f"configured in this process (cluster.storage.configure_object_storage)")
@@ -273,7 +299,8 @@ def lease_fence(root: str) -> LeaseFence | None:
     lease = _HELD.get(str(root).rstrip("/"))
     if isinstance(lease, _LocalLease):
         return LeaseFence(lease.root, f"pid {os.getpid()} on {socket.gethostname()}",
-                          lock_file=os.path.abspath(lease.path), inode=os.fstat(lease.handle.fileno()).st_ino)
+                          lock_file=os.path.abspath(lease.path), inode=os.fstat(lease.handle.fileno()).st_ino,
+                          token=lease.token)
     if isinstance(lease, _ObjectLease):
         return LeaseFence(lease.root, f"pid {lease.owner['pid']} on {lease.owner['host']}", uri=lease.uri,
                           token=lease.owner["token"])

@@ -18,7 +18,7 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 
 from pipelines.config_load import validate_config  # noqa: E402
 from pipelines.graph import compile_scenario  # noqa: E402
-from pipelines.lease import LEASE_FILE, run_lease  # noqa: E402
+from pipelines.lease import LEASE_FILE, LeaseLostError, hold_fence, lease_fence, run_lease  # noqa: E402
 from pipelines.store import RunStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,8 +135,6 @@ def test_the_fence_of_an_s3_lease_refuses_writes_once_another_driver_took_it(s3_
     import pickle
 
     from cluster.storage import object_storage
-    from pipelines.lease import LeaseLostError, hold_fence, lease_fence
-
     root = f"s3://{s3_bucket}/runs/fenced-workers"
     monkeypatch.setenv("COMPAT_LEASE_HEARTBEAT_S", "3600")  # this driver never renews its lease, as if paused
     env = {**os.environ, **s3_env, "PYTHONPATH": str(ROOT), "COMPAT_LEASE_STALE_S": "0.5"}
@@ -156,3 +154,25 @@ def test_the_fence_of_an_s3_lease_refuses_writes_once_another_driver_took_it(s3_
                 with hold_fence(root, fence):
                     pass
             assert store.has("before") and not store.has("after")
+
+
+def test_the_fence_of_a_local_lease_fails_once_released_and_once_another_driver_holds_it(tmp_path):
+    """A worker that outlives its driver: the lock file keeps its inode across a normal release and a new
+    acquisition, so the fence also checks the owner token and the released marker the holder writes into it."""
+    from pipelines.lease import LeaseLostError, hold_fence, lease_fence
+
+    root = str(tmp_path / "run")
+    with run_lease(root):
+        fence = lease_fence(root)
+        assert fence is not None and fence.held()
+        owner = json.loads(Path(root, LEASE_FILE).read_text())
+        assert owner["token"] == fence.token and owner["heartbeat"] > 0
+    assert json.loads(Path(root, LEASE_FILE).read_text())["heartbeat"] == 0.0  # released
+    assert not fence.held()
+    with run_lease(root):  # a second driver: same lock file (same inode), its own token
+        assert os.stat(Path(root, LEASE_FILE)).st_ino == fence.inode
+        assert not fence.held()
+        with pytest.raises(LeaseLostError, match=f"run folder {root}"):
+            with hold_fence(root, fence):
+                pass
+        assert lease_fence(root).held()
