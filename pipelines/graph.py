@@ -39,7 +39,8 @@ STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "entry", "evaluate"
 SPLITS = ("query", "gallery")
 # Source files that do not change what a stage produces (presentation, CLI, executors) stay out of the code hash,
 # so editing a report template does not invalidate trained models.
-_CODE_HASH_EXCLUDED = ("pipelines/reports", "pipelines/progress.py", "pipelines/executor.py", "pipelines/graph.py")
+_CODE_HASH_EXCLUDED = ("pipelines/reports", "pipelines/results", "pipelines/progress.py", "pipelines/executor.py",
+                       "pipelines/graph.py")
 
 
 @functools.lru_cache(maxsize=1)
