@@ -39,6 +39,7 @@ from cluster.storage import configure_object_storage, installed_access
 from pipelines.executor import Backend, Executor, Invocation, close_emit, read_invocations, run_graph
 from pipelines.graph import Stage, StageGraph
 from pipelines.progress import ProgressReporter, ProgressUpdate
+from pipelines.stage_kind import StageKind
 from pipelines.stages import execute_stage
 from pipelines.store import RunStore
 
@@ -170,7 +171,7 @@ class RayBackend(Backend):
         self.placements: dict[str, str] = {}  # node key -> Ray node id that committed (or found) it
 
     def submit(self, stage: Stage, graph: StageGraph, store: RunStore) -> None:
-        if stage.kind == "entry" and self.max_entries is not None:
+        if stage.kind == StageKind.ENTRY and self.max_entries is not None:
             if self.running_entries >= self.max_entries:  # resources.evaluation_actors: a cap, not a placement
                 self.deferred.append((stage, graph, store))
                 return
@@ -207,7 +208,7 @@ class RayBackend(Backend):
         if request in self.checked:
             return
         self.checked.add(request)
-        kind = {"replace": "finetune", "entry": "evaluate"}.get(stage.kind, stage.kind)
+        kind = StageKind(stage.kind).config_section
         line = check_satisfiable(stage.label, f"resources.{kind}", options, self.nodes, autoscaling)
         if line:
             log.warning(line)

@@ -50,6 +50,7 @@ from cluster.tracking_records import StageRecordLogging
 from cluster.tracking_store import default_tracking_uri as machine_default
 from pipelines.config_load import config_hash, config_to_dict, stable_hash
 from pipelines.progress import StageEvent, StageRecord
+from pipelines.stage_kind import StageKind
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +250,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
             self._on_train_record(record, stage_key)
 
     def _on_event(self, event: Any) -> None:
-        if event.kind == "entry":
+        if event.kind == StageKind.ENTRY:
             return  # matrix entries are logged with their row (compat/q{t}_g{k}), not as T(T+1)/2 runs of their own
         if event.status == "started":
             self._open_stage(self.graph[event.stage_key])

@@ -16,6 +16,7 @@ from cluster.tracking_ui import link_model_versions, log_comparable_images, show
 from compat_core import io as cio
 from compat_core.metrics import CompatibilityMatrix
 from pipelines.records import AdaptersRecord, FeatureRecord, ModelRecord, RowRecord, record_from_json
+from pipelines.stage_kind import StageKind
 from pipelines.store import sha256_bytes
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class StageRecordLogging:
         if stage_key is not None:
             opened = self._open.get(stage_key)
             return opened.run_id if opened else None
-        training = [o for o in self._open.values() if o.stage.kind in ("pretrain", "finetune", "replace")]
+        training = [o for o in self._open.values() if StageKind(o.stage.kind).trains]
         if len(training) > 1:
             training = [o for o in training if o.stage.task == getattr(record, "task", None)]
         return training[0].run_id if len(training) == 1 else None
@@ -91,7 +92,7 @@ class StageRecordLogging:
         tags = {"stage_kind": stage.kind, "line": record.line, "sha256": sha256,
                 "pipeline_id": self.pipeline_id, "code_version": self.graph.code_version}
         aliases: list[str] = []
-        if stage.kind == "pretrain":
+        if stage.kind == StageKind.PRETRAIN:
             aliases.append(f"pretrain-{stage.name}")
         else:
             task = int(stage.task)

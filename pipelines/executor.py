@@ -24,6 +24,7 @@ from pipelines.graph import Stage, StageGraph
 from pipelines.progress import ProgressReporter, StageEvent, StageRecord
 from pipelines.reports import write_reports
 from pipelines.results import RunResult, assemble_matrix, write_result
+from pipelines.stage_kind import StageKind
 from pipelines.shared_store import SharedStore
 from pipelines.stages import execute_stage
 from pipelines.store import RunStore
@@ -92,7 +93,7 @@ def refuse_data_parallel(stages: Iterable[Stage]) -> None:
     for stage in stages:
         workers = stage.resources.num_workers
         if workers > 1:
-            kind = {"replace": "finetune"}.get(stage.kind, stage.kind)
+            kind = StageKind(stage.kind).config_section
             raise ValueError(f"resources.{kind}.num_workers = {workers}: data-parallel training runs on the Ray "
                              f"backend (compat run --executor ray); the in-process backend trains with one "
                              f"worker (set it to 1)")
