@@ -48,6 +48,7 @@ class Invocation:
     seconds: dict[str, float] = field(default_factory=dict)
     matrix: dict | None = None
     metrics: dict | None = None
+    result: RunResult | None = None  # the same, typed (engine runs; a Ray job's driver returns only the dicts)
 
 
 class Backend:
@@ -106,7 +107,7 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
     until: node keys; only they and their ancestors run (Tune trials stop at a row, ``compat eval`` runs only the
     entry nodes of another protocol). stop_after: submit at most this many nodes, then return (partial runs).
     Committed nodes are skipped (a killed run resumes). When every node of the graph is committed, the run
-    directory's contract files are written (:func:`finalize_run`).
+    directory's contract files are written (:func:`finalize_run`) and the RunResult is emitted.
     """
     prepare_run(graph.config, store)
     summary = Invocation(run_id=uuid.uuid4().hex[:12])
@@ -199,8 +200,9 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
         record_invocation(store, summary)
         collect_committed(store)  # checkpoints of stages committed by a process that died before cleaning up
     if all(store.has(stage.key) for stage in graph):
-        result = finalize_run(graph, store)
-        summary.matrix, summary.metrics = result.matrix.to_dict(), result.metrics
+        summary.result = finalize_run(graph, store)
+        summary.matrix, summary.metrics = summary.result.matrix.to_dict(), summary.result.metrics
+        emit(summary.result)  # the tracker logs the run's results from it
     return summary
 
 
