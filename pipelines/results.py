@@ -1,9 +1,9 @@
 """A run's results: the compatibility matrix assembled from committed row records, its metrics, and the result
 files ``matrix.json`` / ``metrics.json`` of a run directory (or of a ``compat eval`` variant folder in it).
 
-One path for all of them: the engine (:func:`pipelines.executor.finalize_run`), ``compat eval``
-(:mod:`pipelines.eval_variants`), Tune's report after each task (:mod:`cluster.tune_trial`) and the reports, which
-read the files back (:mod:`pipelines.reports_results`). Values are fractions; metrics undefined on the matrix (e.g.
+One path for all of them: the engine (:func:`pipelines.executor.finalize_run`, which hands the :class:`RunResult` to
+the tracker), ``compat eval`` (:mod:`pipelines.results_variants`), Tune's report after each task
+(:mod:`cluster.tune_trial`) and the reports, which read the files back (:mod:`pipelines.reports_results`). Values are fractions; metrics undefined on the matrix (e.g.
 pair metrics of one model) are ``None`` (``null`` in metrics.json).
 """
 from __future__ import annotations
