@@ -35,7 +35,7 @@ import numpy as np
 
 from cluster.registry import MlflowModelResolver, version_by_alias
 from cluster.tracking_client import ensure_experiment, open_client
-from compat_core.adapters import ADAPTER_KINDS, GALLERY_ADAPTERS, SEEDED_ADAPTERS, make_adapter, save_adapter
+from compat_core.adapters import ADAPTER_KINDS, save_adapter
 from compat_core.backfill import backfill_curve, backfill_order
 from compat_core.metrics import upgrade_verdict
 from compat_core.models.compat_model import load_model
@@ -44,6 +44,7 @@ from pipelines.entry_metrics import compute_entry
 from pipelines.extraction import extract_pool_features
 from pipelines.pools import check_pools_open_set, load_pool
 from pipelines.stage_context import resolve_device
+from pipelines.upgrades import adapter_blob_name, fit_and_judge
 
 GATE_EXPERIMENT = "compat-gate"
 DEFAULT_ALIAS = "champion"
@@ -157,23 +158,6 @@ def _entry(query: tuple, gallery: tuple, config: Any, metric: str) -> float:
     return compute_entry(query, gallery, protocol, config)
 
 
-def _with_adapter(kind: str, old: dict, new: dict, seed: int) -> tuple[Any, dict, dict]:
-    """Fit ``kind`` on paired gallery features; returns (adapter, query features used, gallery features used)."""
-    import torch
-
-    adapter = make_adapter(kind, **({"seed": seed} if kind in SEEDED_ADAPTERS else {}))
-    old_g = torch.from_numpy(np.asarray(old["gallery"][0], dtype=np.float32))
-    new_g = torch.from_numpy(np.asarray(new["gallery"][0], dtype=np.float32))
-    if kind in GALLERY_ADAPTERS:
-        adapter.fit(old_g, new_g)
-        gallery = (adapter.apply(old_g).numpy(),) + tuple(old["gallery"][1:])
-        return adapter, new["query"], gallery
-    adapter.fit(new_g, old_g)
-    query = (adapter.apply(torch.from_numpy(np.asarray(new["query"][0], dtype=np.float32))).numpy(),) + tuple(
-        new["query"][1:])
-    return adapter, query, old["gallery"]
-
-
 def _options_on_refusal(old: dict, new: dict, config: Any, metric: str, self_old: float, strict: bool,
                         seed: int, log: Callable[[str], None] = print) -> tuple[dict, list[str]]:
     """What the team can do: each adapter's verdict, and the re-indexed fraction that reaches the self-test; one
@@ -182,9 +166,10 @@ def _options_on_refusal(old: dict, new: dict, config: Any, metric: str, self_old
     advice = []
     for number, kind in enumerate(ADAPTER_KINDS, 1):
         started = time.monotonic()
-        _, query, gallery = _with_adapter(kind, old, new, seed)
-        value = _entry(query, gallery, config, metric)
-        verdict = upgrade_verdict(value, self_old, strict=strict)
+        outcome = fit_and_judge(kind, old["gallery"], new["query"], new["gallery"],
+                                lambda query, gallery, name: _entry(query, gallery, config, name), metric, self_old,
+                                strict=strict, seed=seed)
+        value, verdict = outcome.cross[metric], outcome.verdict
         log(f"gate: adapter {number}/{len(ADAPTER_KINDS)} {kind}: M(new, old) {value:.4f} "
             f"({'passes' if verdict['compatible'] else 'fails'}) in {time.monotonic() - started:.1f} s")
         options["adapters"][kind] = {"cross": value, "compatible": verdict["compatible"], "margin": verdict["margin"]}
@@ -262,9 +247,13 @@ def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: 
                                    "self_new": _entry(new["query"], new["gallery"], config, name)}
         fitted = None
         if adapter is not None:
-            fitted, query, gallery = _with_adapter(adapter, old, new, config.seed)
+            outcome = fit_and_judge(adapter, old["gallery"], new["query"], new["gallery"],
+                                    lambda query, gallery, name: _entry(query, gallery, config, name), metric,
+                                    result.values[metric]["self_old"], result.values[metric]["self_new"], strict,
+                                    METRICS, seed=config.seed)
+            fitted = outcome.adapter
             for name in METRICS:
-                result.values[name][f"cross_{adapter}"] = _entry(query, gallery, config, name)
+                result.values[name][f"cross_{adapter}"] = outcome.cross[name]
         numbers = result.values[metric]
         cross = numbers[f"cross_{adapter}"] if adapter else numbers["cross"]
         result.verdict = upgrade_verdict(cross, numbers["self_old"], numbers["self_new"], strict)
@@ -325,7 +314,7 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
         Path(folder, "decision.json").write_text(json.dumps(document, indent=2))
         fitted = getattr(result, "fitted_adapter", None)
         if fitted is not None:
-            Path(folder, f"adapter-{result.adapter}.safetensors").write_bytes(save_adapter(fitted))
+            Path(folder, adapter_blob_name(result.adapter)).write_bytes(save_adapter(fitted))
         if curve:
             _plot_backfill(curve, result.metric, Path(folder, "backfill.png"))
         client.log_artifacts(run.info.run_id, folder, "gate")

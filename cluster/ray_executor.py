@@ -42,6 +42,7 @@ from pipelines.executor import Backend, Executor, Invocation, close_emit, read_i
 from pipelines.graph import Stage, StageGraph
 from pipelines.lease import LeaseFence, lease_fence
 from pipelines.progress import ProgressReporter
+from pipelines.stage_kind import StageKind
 from pipelines.store import RunStore
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ class RayBackend(Backend):
         self.placements: dict[str, str] = {}  # node key -> Ray node id that committed (or found) it
 
     def submit(self, stage: Stage, graph: StageGraph, store: RunStore) -> None:
-        if stage.kind == "entry" and self.max_entries is not None:
+        if stage.kind == StageKind.ENTRY and self.max_entries is not None:
             if self.running_entries >= self.max_entries:  # resources.evaluation_actors: a cap, not a placement
                 self.deferred.append((stage, graph, store))
                 return
@@ -188,7 +189,7 @@ class RayBackend(Backend):
         if request in self.checked:
             return
         self.checked.add(request)
-        kind = {"replace": "finetune", "entry": "evaluate"}.get(stage.kind, stage.kind)
+        kind = StageKind(stage.kind).config_section
         line = check_satisfiable(stage.label, f"resources.{kind}", options, self.nodes, autoscaling)
         if line:
             log.warning(line)

@@ -5,7 +5,8 @@ record logs is in cluster.tracking_records, stores and clients in cluster.tracki
 cluster.tracking_params.
 
 Stages never call a tracker; they emit plain records (``StageEvent``, ``TrainRecord``, ``ProgressUpdate``) through
-the executor's ``emit`` callback. A :class:`Tracker` is such a callback::
+the executor's ``emit`` callback, and the engine emits the run's ``RunResult`` (matrix + metrics) once the graph is
+complete. A :class:`Tracker` is such a callback::
 
     tracker = create_tracker(None, run_dir)                 # SQLite next to the run directory by default
     with tracker.pipeline(graph, store):                    # parent run; FAILED (and re-raise) on an exception
@@ -51,6 +52,8 @@ from cluster.tracking_store import default_tracking_uri as machine_default
 from pipelines.config_load import config_hash, config_to_dict, stable_hash
 from pipelines.progress import StageEvent, StageRecord
 from pipelines.records import CommittedStage, read_committed
+from pipelines.results import RunResult
+from pipelines.stage_kind import StageKind
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +175,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
         self._stage_runs: dict[str, list[Any]] = {}
         self._open: dict[str, _OpenStage] = {}
         self._failed = False
+        self._result: RunResult | None = None  # emitted by the engine once the graph is complete
 
     # ---- pipeline scope ----------------------------------------------------------------------------------------
     def start(self, graph: Any, store: Any) -> None:
@@ -181,6 +185,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
         self.pipeline_id = self.fixed_pipeline_id or pipeline_id_of(self.config_hash, store.root)
         self.experiment_id = self._experiment(self.experiment_name or config.name)
         self._failed = False
+        self._result = None
         self._open.clear()
         base_tags = {"pipeline_id": self.pipeline_id, "config_hash": self.config_hash,
                      "code_version": graph.code_version, "scenario": config.name}
@@ -232,7 +237,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
             complete = all(self.store.has(stage.key) for stage in self.graph)
             status = "FAILED" if self._failed else ("FINISHED" if complete else "KILLED")
         if status == "FINISHED":
-            self._log_results()
+            self._log_results(self._result)
         self.client.set_terminated(self.parent_run_id, status)
         self.parent_run_id = None
 
@@ -246,11 +251,13 @@ class MlflowTracker(StageRecordLogging, Tracker):
             stage_key, record = record.stage_key, record.record
         if isinstance(record, StageEvent):
             self._on_event(record)
+        elif isinstance(record, RunResult):
+            self._result = record
         elif _is_train_record(record):
             self._on_train_record(record, stage_key)
 
     def _on_event(self, event: Any) -> None:
-        if event.kind == "entry":
+        if event.kind == StageKind.ENTRY:
             return  # matrix entries are logged with their row (compat/q{t}_g{k}), not as T(T+1)/2 runs of their own
         if event.status == "started":
             self._open_stage(self.graph[event.stage_key])

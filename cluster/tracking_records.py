@@ -14,8 +14,9 @@ from cluster.registry import (LATEST_ALIAS, MODEL_ARTIFACT_PATH, ensure_register
 from cluster.tracking_client import log_metrics
 from cluster.tracking_ui import link_model_versions, log_comparable_images, show_headline_in_name
 from compat_core import io as cio
-from compat_core.metrics import CompatibilityMatrix
 from pipelines.records import AdaptersRecord, CommittedStage, FeatureRecord, ModelRecord, RowRecord
+from pipelines.results import MATRIX_FILE, METRICS_FILE, RunResult
+from pipelines.stage_kind import StageKind
 from pipelines.store import sha256_bytes
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class StageRecordLogging:
         if stage_key is not None:
             opened = self._open.get(stage_key)
             return opened.run_id if opened else None
-        training = [o for o in self._open.values() if o.stage.kind in ("pretrain", "finetune", "replace")]
+        training = [o for o in self._open.values() if StageKind(o.stage.kind).trains]
         if len(training) > 1:
             training = [o for o in training if o.stage.task == getattr(record, "task", None)]
         return training[0].run_id if len(training) == 1 else None
@@ -88,7 +89,7 @@ class StageRecordLogging:
         tags = {"stage_kind": stage.kind, "line": record.line, "sha256": sha256,
                 "pipeline_id": self.pipeline_id, "code_version": self.graph.code_version}
         aliases: list[str] = []
-        if stage.kind == "pretrain":
+        if stage.kind == StageKind.PRETRAIN:
             aliases.append(f"pretrain-{stage.name}")
         else:
             task = int(stage.task)
@@ -151,32 +152,34 @@ class StageRecordLogging:
                               "compatible": str(entry.verdict.compatible).lower()},
                              [f"{kind}-task-{task + 1}"], artifact_path=f"adapters/{entry.blob}")
 
-    def _log_results(self) -> None:
-        """Summary metrics and result files of a complete run, once per metrics.json content."""
-        try:
-            metrics_text = self.store.read_text("metrics.json")
-        except FileNotFoundError:
-            log.warning("run %s has no metrics.json: summary metrics and reports not logged", self.store.root)
+    def _log_results(self, result: RunResult | None) -> None:
+        """Summary metrics and result files of a complete run (the engine's RunResult), once per metrics.json
+        content; the other result files (report, figures, config) are uploaded from the run directory."""
+        if result is None:
+            log.warning("run %s finished without a result from the engine: summary metrics and reports not logged",
+                        self.store.root)
             return
+        metrics_text = result.metrics_json()
         digest = sha256_bytes(metrics_text.encode("utf-8"))
         if self.client.get_run(self.parent_run_id).data.tags.get("results_sha256") == digest:
             return
-        metrics = json.loads(metrics_text)
+        metrics = result.metrics
         last = int(metrics.get("num_tasks", 1)) - 1
         log_metrics(self.client, self.parent_run_id,
                     {name: metrics.get(name) for name in ("AC", "AA", "ACA", "BC", "FC")}, step=max(last, 0) + 1)
         for name in ("AC_tau", "AA_tau"):
             for step, value in enumerate(metrics.get(name) or []):
                 log_metrics(self.client, self.parent_run_id, {name: value}, step=step + 1)  # tau is 1-based
-        self._log_matrix_table()
+        self._log_matrix_table(result.matrix.to_dict()["values"])
         with tempfile.TemporaryDirectory(prefix="compat-mlflow-results-") as folder:
-            for name in ("matrix.json", "metrics.json", "matrix.csv", "report.md", "config.yaml"):
+            Path(folder, MATRIX_FILE).write_text(result.matrix_json())
+            Path(folder, METRICS_FILE).write_text(metrics_text)
+            for name in ("matrix.csv", "report.md", "config.yaml"):
                 uri = self.store.uri(name)
                 if cio.exists(uri):
                     Path(folder, name).write_bytes(cio.read_bytes(uri))
-            if not Path(folder, "matrix.csv").exists() and Path(folder, "matrix.json").exists():
-                matrix = CompatibilityMatrix.from_json(Path(folder, "matrix.json").read_text())
-                Path(folder, "matrix.csv").write_text(matrix.to_csv())
+            if not Path(folder, "matrix.csv").exists():
+                Path(folder, "matrix.csv").write_text(result.matrix.to_csv())
             root = self.store.uri()
             for name in cio.list_dir(root) if cio.is_dir(root) else []:
                 if name.endswith(".png"):
@@ -187,14 +190,10 @@ class StageRecordLogging:
         link_model_versions(self.client, self.parent_run_id, self.model_name, self.pipeline_id)
         self.client.set_tag(self.parent_run_id, "results_sha256", digest)
 
-    def _log_matrix_table(self) -> None:
-        """The compatibility matrix as one MLflow table (rows: query task, 1-based; a column per gallery task),
-        shown and compared in the UI's artifact view; the heatmap matrix.png goes with the results."""
-        try:
-            matrix = json.loads(self.store.read_text("matrix.json"))
-        except FileNotFoundError:
-            return
-        values = matrix["values"]
+    def _log_matrix_table(self, values: list[list[float | None]]) -> None:
+        """The compatibility matrix (rows of fractions, None above the diagonal) as one MLflow table (rows: query
+        task, 1-based; a column per gallery task), shown and compared in the UI's artifact view; the heatmap
+        matrix.png goes with the results."""
         table = {"query_task": [row + 1 for row in range(len(values))]}
         for column in range(len(values)):
             table[f"gallery_task_{column + 1}"] = [row[column] for row in values]

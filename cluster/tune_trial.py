@@ -8,15 +8,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from cluster.storage import configure_object_storage
 from cluster.tune_spec import (OBJECTIVE_KEY, SearchSpec, TIME_ATTR, TRIAL_FILE, first_reported_task, load_plugins,
                                trial_config)
 from compat_core import io as cio
-from pipelines.executor import LocalExecutor, headline_metrics, prepare_run
+from pipelines.executor import LocalExecutor, prepare_run
 from pipelines.graph import compile_scenario
-from pipelines.records import read_record
+from pipelines.results import headline_metrics, matrix_values
 from pipelines.store import RunStore
 
 log = logging.getLogger(__name__)
@@ -58,9 +56,7 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
         completed = task + 1
         if completed <= start_after or completed < first:
             continue
-        values = np.full((completed, completed), np.nan)
-        for row in range(completed):
-            values[row, : row + 1] = read_record(store, graph.evaluate_stages[row]).values
+        values = matrix_values(store, graph.evaluate_stages[:completed])
         metrics = headline_metrics(values, strict)
         last_metrics = {OBJECTIVE_KEY: metrics[spec.objective], TIME_ATTR: completed, "num_tasks": T,
                         **metrics, "run_dir": run_dir,

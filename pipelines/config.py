@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, SerializeAsAny, ValidationInfo, field_val
 
 from pipelines.method_params import MethodParams
 from pipelines.methods import METHODS
+from pipelines.stage_kind import StageKind
 from pipelines.train_config import (
     BOUND_FIELDS, PRETRAIN_OVERRIDES, SEED_LIMIT, OptimizerSpec, ScheduleSpec, StrictModel, TrainConfig,
 )
@@ -230,7 +231,7 @@ class ResourcesSpec(StrictModel):
         return self
 
     def for_stage(self, kind: str) -> StageResources:
-        return getattr(self, {"replace": "finetune", "adapt": "evaluate"}.get(kind, kind))
+        return getattr(self, StageKind(kind).config_section)
 
 
 class PaperSpec(StrictModel):

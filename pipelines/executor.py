@@ -11,23 +11,21 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-import numpy as np
-
 from compat_core import io as cio
-from compat_core.metrics import CompatibilityMatrix, metrics_by_task, summary_metrics
 from pipelines.checkpoints import collect_committed
 from pipelines.config import ScenarioConfig
 from pipelines.config_load import config_hash, dump_config, validate_config
 from pipelines.graph import Stage, StageGraph
 from pipelines.progress import ProgressReporter, StageEvent, StageRecord
-from pipelines.records import read_committed, read_record
+from pipelines.records import read_committed
 from pipelines.reports import write_reports
+from pipelines.results import RunResult, assemble_matrix, write_result
+from pipelines.stage_kind import StageKind
 from pipelines.shared_store import SharedStore
 from pipelines.stages import execute_stage
 from pipelines.store import RunStore
@@ -51,6 +49,7 @@ class Invocation:
     seconds: dict[str, float] = field(default_factory=dict)
     matrix: dict | None = None
     metrics: dict | None = None
+    result: RunResult | None = None  # the same, typed (engine runs; a Ray job's driver returns only the dicts)
 
 
 class Backend:
@@ -96,7 +95,7 @@ def refuse_data_parallel(stages: Iterable[Stage]) -> None:
     for stage in stages:
         workers = stage.resources.num_workers
         if workers > 1:
-            kind = {"replace": "finetune"}.get(stage.kind, stage.kind)
+            kind = StageKind(stage.kind).config_section
             raise ValueError(f"resources.{kind}.num_workers = {workers}: data-parallel training runs on the Ray "
                              f"backend (compat run --executor ray); the in-process backend trains with one "
                              f"worker (set it to 1)")
@@ -109,7 +108,7 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
     until: node keys; only they and their ancestors run (Tune trials stop at a row, ``compat eval`` runs only the
     entry nodes of another protocol). stop_after: submit at most this many nodes, then return (partial runs).
     Committed nodes are skipped (a killed run resumes). When every node of the graph is committed, the run
-    directory's contract files are written (:func:`finalize_run`).
+    directory's contract files are written (:func:`finalize_run`) and the RunResult is emitted.
     """
     prepare_run(graph.config, store)
     summary = Invocation(run_id=uuid.uuid4().hex[:12])
@@ -203,7 +202,9 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
         record_invocation(store, summary)
         collect_committed(store)  # checkpoints of stages committed by a process that died before cleaning up
     if all(store.has(stage.key) for stage in graph):
-        summary.matrix, summary.metrics = finalize_run(graph, store)
+        summary.result = finalize_run(graph, store)
+        summary.matrix, summary.metrics = summary.result.matrix.to_dict(), summary.result.metrics
+        emit(summary.result)  # the tracker logs the run's results from it
     return summary
 
 
@@ -275,67 +276,14 @@ def read_invocations(store: RunStore) -> list[dict]:
     return [json.loads(store.read_text(f"executions/{name}")) for name in cio.list_dir(folder)]
 
 
-def assemble_matrix(graph: StageGraph, store: RunStore, row_keys: list[str] | None = None, evaluation=None):
-    """CompatibilityMatrix (T x T fractions, NaN above the diagonal) from the committed row records.
-
-    row_keys / evaluation: another protocol's rows and EvaluationSpec (``compat eval``); default the graph's own."""
-    config = graph.config
-    evaluation = evaluation or config.evaluation
-    T = config.num_tasks
-    values = np.full((T, T), np.nan)
-    for row, key in enumerate(row_keys or graph.evaluate_stages):
-        values[row, : row + 1] = read_record(store, key).values
-    protocol = {
-        "metric": evaluation.metric,
-        "gallery": evaluation.gallery,
-        "label_level": evaluation.label_level,
-        "strict": evaluation.strict,
-        "query_set": f"{evaluation.query_set.dataset}/{evaluation.query_set.split}",
-        "gallery_set": f"{evaluation.gallery_set.dataset}/{evaluation.gallery_set.split}",
-        "replacements_at_task": [r.at_task for r in config.replacements],  # 1-based, as the papers
-    }
-    return CompatibilityMatrix(values, [f"task-{t + 1}" for t in range(T)], config.evaluation.metric, protocol)
-
-
-def _defined(value: Any) -> float | None:
-    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
-
-
-def headline_metrics(values: Any, strict: bool = True) -> dict[str, float | None]:
-    """AC, AA, ACA, BC, FC (fractions; None when undefined, e.g. pair metrics of one model) of a ``(tau, tau)``
-    matrix or leading block (NaN above the diagonal): metrics.json, and Tune's report after each row."""
-    return {name: _defined(value) for name, value in
-            summary_metrics(np.asarray(values, dtype=np.float64), strict=strict).items()}
-
-
-def compute_metrics(matrix, strict: bool) -> dict:
-    """metrics.json content: AC, AA, ACA, BC, FC (fractions; null when undefined) + AC_tau/AA_tau per task."""
-    curves = metrics_by_task(matrix.values, strict=strict)
-    return {
-        "units": "fraction",
-        "metric": matrix.metric,
-        "strict": strict,
-        "num_tasks": matrix.num_models,
-        **headline_metrics(matrix.values, strict),
-        "AC_tau": [_defined(v) for v in curves["AC_tau"]],
-        "AA_tau": [_defined(v) for v in curves["AA_tau"]],
-    }
-
-
-def write_results(store: RunStore, matrix, metrics: dict) -> None:
-    store.write_text("matrix.json", matrix.to_json())
-    store.write_text("metrics.json", json.dumps(metrics, indent=2, allow_nan=False))
-
-
-def finalize_run(graph: StageGraph, store: RunStore) -> tuple[dict, dict]:
-    """Write matrix.json and metrics.json (and the reports of a local run); returns both as dicts."""
-    matrix = assemble_matrix(graph, store)
-    metrics = compute_metrics(matrix, graph.config.evaluation.strict)
-    write_results(store, matrix, metrics)
+def finalize_run(graph: StageGraph, store: RunStore) -> RunResult:
+    """Write matrix.json and metrics.json (and the reports of a local run); returns them as a RunResult."""
+    result = RunResult.of(assemble_matrix(graph, store), graph.config.evaluation.strict)
+    write_result(store, result)
     if getattr(graph, "adapt_stages", None):  # adapters at replacements: report input
         store.write_text("adapters.json", json.dumps(adapter_summaries(graph, store), indent=2, allow_nan=False))
     if store.is_local:
         write_reports(store.base)
     else:
         log.info("reports are written for local run directories only; run `compat report` on a local copy")
-    return matrix.to_dict(), metrics
+    return result

@@ -33,13 +33,15 @@ from pipelines.config import PRETRAIN_PREFIX, ScenarioConfig, StageResources, re
 from pipelines.config_load import HOW_NOT_WHAT, config_to_dict, stable_hash
 from pipelines.methods import METHODS
 from pipelines.source_digests import hashed_source, is_file_source
+from pipelines.stage_kind import StageKind
 from pipelines.train_config import PRETRAIN_OVERRIDES
 
-STAGE_KINDS = ("pretrain", "finetune", "replace", "extract", "entry", "evaluate", "adapt")
+STAGE_KINDS = tuple(kind.value for kind in StageKind)
 SPLITS = ("query", "gallery")
 # Source files that do not change what a stage produces (presentation, CLI, executors) stay out of the code hash,
 # so editing a report template does not invalidate trained models.
-_CODE_HASH_EXCLUDED = ("pipelines/reports", "pipelines/progress.py", "pipelines/executor.py", "pipelines/graph.py")
+_CODE_HASH_EXCLUDED = ("pipelines/reports", "pipelines/results", "pipelines/progress.py", "pipelines/executor.py",
+                       "pipelines/graph.py")
 
 
 @functools.lru_cache(maxsize=1)
@@ -159,7 +161,7 @@ class StageGraph:
 
     def count_by_kind(self) -> dict[str, int]:
         # optional kinds (adapt) appear only when the scenario has such stages
-        counts = {kind: 0 for kind in STAGE_KINDS if kind != "adapt" or self.adapt_stages}
+        counts = {kind: 0 for kind in STAGE_KINDS if kind != StageKind.ADAPT or self.adapt_stages}
         for stage in self.stages:
             counts[stage.kind] += 1
         return counts
@@ -411,13 +413,13 @@ def describe(graph: StageGraph) -> str:
     lines.append("stages: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + f" ({len(graph)} in all)")
     labels = {stage.key: stage.label for stage in graph}
     for stage in graph:
-        if stage.kind == "entry":
+        if stage.kind == StageKind.ENTRY:
             continue  # T(T+1)/2 of them: summarised on the matrix line
         res = stage.resources
         gpus = "auto" if res.num_gpus is None else f"{res.num_gpus:g}"
         memory = "-" if res.memory is None else _human_bytes(res.memory)
         parents = ", ".join(labels[p] for p in stage.parents) or "-"
-        if stage.kind == "evaluate":  # its T entry nodes, one range instead of t+1 labels
+        if stage.kind == StageKind.EVALUATE:  # its T entry nodes, one range instead of t+1 labels
             parents = f"entry[{stage.task},0..{stage.task}]"
         lines.append(f"  {stage.label:<26} gpus={gpus:<4} cpus={res.num_cpus:<4g} mem={memory:<9} <- {parents}")
     plan = estimate(graph)

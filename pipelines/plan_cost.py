@@ -28,6 +28,7 @@ from pipelines.config import resolved_head
 from pipelines.graph import StageGraph
 from pipelines.methods import configured_method
 from pipelines.pools import load_pool, slot_of_positions, task_classes
+from pipelines.stage_kind import StageKind
 from pipelines.task_data import TaskData, epoch_batches
 from pipelines.train_stages import selection_split
 from pipelines.training import SupervisedPretraining
@@ -95,7 +96,7 @@ def _task_stage_images(graph: StageGraph) -> dict[str, StageImages]:
         trained = per_epoch * train_config.epochs
         # a frozen old model runs a forward per trained image: from task 1 on, at a replacement, and at task 0 when the
         # line starts from loaded weights (train_task_stage anchors to them)
-        has_old = wants_old and (task > 0 or stage.kind == "replace" or bool(config.initial_model))
+        has_old = wants_old and (task > 0 or stage.kind == StageKind.REPLACE or bool(config.initial_model))
         result[key] = StageImages(key, stage.label, stage.kind, per_epoch, train_config.epochs, trained,
                                   trained if has_old else 0, 0 if memory_indices is None else memory_indices.size)
         if use_memory:  # the memory the next task trains with (the quota per class does not depend on the strategy)
@@ -194,7 +195,7 @@ def cost_lines(graph: StageGraph, seconds_per_image: float | None, cost_source: 
                      f"{forward:>14,} forward-only images")
     for stage in graph:
         item = images.get(stage.key)
-        if item is None or item.kind == "extract":
+        if item is None or item.kind == StageKind.EXTRACT:
             continue
         memory = f" (task + memory {item.memory:,})" if item.memory else ""
         lines.append(f"    {item.label:<22} {item.epoch_images:>9,} images/epoch{memory} x {item.epochs} = "

@@ -14,11 +14,10 @@ import numpy as np
 import yaml
 
 from compat_core.metrics import CompatibilityMatrix, empirical_compatibility, metrics_by_task
+from pipelines.results import MATRIX_FILE, METRICS_FILE
 
 
 CONFIG_FILE = "config.yaml"
-MATRIX_FILE = "matrix.json"
-METRICS_FILE = "metrics.json"
 REPORT_FILE = "report.md"
 MATRIX_PNG = "matrix.png"
 CURVES_PNG = "aa_tau.png"

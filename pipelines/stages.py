@@ -22,6 +22,7 @@ from pipelines.extraction import extract_stage
 from pipelines.graph import Stage, stage_threads
 from pipelines.records import Record, read_record, record_to_json
 from pipelines.stage_context import Emit, StageContext, StageResult, resolve_device
+from pipelines.stage_kind import StageKind
 from pipelines.store import RunStore
 from pipelines.train_stages import pretrain_stage, train_task_stage
 from pipelines.upgrades import adapt_stage
@@ -63,6 +64,6 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
     if placement is not None:
         node["placement"] = dict(placement)
     store.commit(stage.key, record_to_json(result.record, **node), result.blobs, code_version=code_version)
-    if stage.kind in ("pretrain", "finetune", "replace"):
+    if StageKind(stage.kind).trains:
         collect_garbage(store, stage.key)  # the committed model supersedes its epoch checkpoints
     return result.record

@@ -24,6 +24,7 @@ from pipelines.replay_memory import (
 )
 from pipelines.replay_shards import WithMemory
 from pipelines.source_digests import source_digest
+from pipelines.stage_kind import StageKind
 from pipelines.stage_context import StageContext, StageResult
 from pipelines.store import encode_array
 from pipelines.task_data import SelectionSplit, TaskData
@@ -149,7 +150,7 @@ def train_task_stage(ctx: StageContext) -> StageResult:
     # the previous task's exemplars come from its replay shard (verified now, before any training), never from
     # the old tasks' source data
     memory_images = memory_images_from_record(ctx.store, previous, memory)
-    replacement = config.replacement_at(task) if stage.kind == "replace" else None
+    replacement = config.replacement_at(task) if stage.kind == StageKind.REPLACE else None
     wants_old = method.needs_old_model or config.training.model_selection == "compatibility"
 
     initial_state = None

@@ -15,7 +15,8 @@ model; the tracker logs and registers it), and the record holds, for the entry C
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -39,6 +40,50 @@ def adapter_blob_name(kind: str) -> str:
 
 def _with_metric(protocol: dict, metric: str) -> dict:
     return {**protocol, "metric": metric}
+
+
+@dataclass(frozen=True)
+class AdapterOutcome:
+    """One adapter fitted at an upgrade (old model -> new model) and judged by the compatibility criterion.
+
+    settings: the adapter's constructor settings (seed included for seeded kinds). query / gallery: the feature
+    tuples of the cross test (new queries and old gallery, one of them moved by the adapter). cross: metric name ->
+    M(query, gallery) with the adapter (fraction). verdict: :func:`compat_core.metrics.upgrade_verdict` on the
+    judged metric."""
+
+    adapter: Any
+    settings: dict[str, Any]
+    query: tuple
+    gallery: tuple
+    cross: dict[str, float]
+    verdict: dict[str, Any]
+
+
+def fit_and_judge(kind: str, old_gallery: tuple, new_query: tuple, new_gallery: tuple,
+                  entry: Callable[[tuple, tuple, str], float], metric: str, self_old: float,
+                  self_new: float | None = None, strict: bool = True, metrics: Sequence[str] | None = None,
+                  settings: dict | None = None, seed: int = 0) -> AdapterOutcome:
+    """Fit adapter ``kind`` on the paired gallery features and judge the cross-test it gives.
+
+    Feature arguments are ``(features, fine labels, coarse labels)`` tuples. Gallery adapters move the old gallery
+    into the new space (new queries unchanged); query adapters move the new queries into the old space (old gallery
+    unchanged). entry(query, gallery, metric name) -> fraction computes an entry of the protocol; ``metrics``: the
+    names to measure (default just ``metric``), ``metric`` the one judged against ``self_old`` (``>`` when strict).
+    """
+    settings = dict(settings or {})
+    if kind in SEEDED_ADAPTERS:
+        settings.setdefault("seed", seed)
+    adapter = make_adapter(kind, **settings)
+    as_tensor = lambda part: torch.from_numpy(np.asarray(part[0], dtype=np.float32))  # noqa: E731
+    if kind in GALLERY_ADAPTERS:
+        adapter.fit(as_tensor(old_gallery), as_tensor(new_gallery))
+        query, gallery = new_query, (adapter.apply(as_tensor(old_gallery)).numpy(),) + tuple(old_gallery[1:])
+    else:
+        adapter.fit(as_tensor(new_gallery), as_tensor(old_gallery))
+        query, gallery = (adapter.apply(as_tensor(new_query)).numpy(),) + tuple(new_query[1:]), old_gallery
+    cross = {name: entry(query, gallery, name) for name in (metrics or (metric,))}
+    return AdapterOutcome(adapter, settings, query, gallery, cross,
+                          upgrade_verdict(cross[metric], self_old, self_new, strict))
 
 
 def adapt_stage(ctx: StageContext) -> StageResult:
@@ -69,30 +114,18 @@ def adapt_stage(ctx: StageContext) -> StageResult:
     transformed_gallery = None
     kinds = list(params["adapters"])
     for index, kind in enumerate(kinds):
-        settings = dict(params.get("adapter_params", {}).get(kind, {}))
-        if kind in SEEDED_ADAPTERS:
-            settings.setdefault("seed", int(params.get("seed", 0)))
         started = time.perf_counter()
-        adapter = make_adapter(kind, **settings)
-        gallery_direction = kind in GALLERY_ADAPTERS
-        source, target = (as_float(old_g), as_float(new_g)) if gallery_direction else (as_float(new_g),
-                                                                                        as_float(old_g))
-        adapter.fit(torch.from_numpy(source), torch.from_numpy(target))
-        values = {}
-        for name in ("recall_at_1", "map"):
-            if gallery_direction:  # old gallery moved into the new space, new queries unchanged
-                gallery = (adapter.apply(torch.from_numpy(as_float(old_g))).numpy(), old_g[1], old_g[2])
-                values[name] = entry(new_q, gallery, name)
-            else:                  # new queries moved into the old space, old gallery unchanged
-                query = (adapter.apply(torch.from_numpy(as_float(new_q))).numpy(), new_q[1], new_q[2])
-                values[name] = entry(query, old_g, name)
-        if gallery_direction:
-            transformed_gallery = adapter.apply(torch.from_numpy(as_float(old_g))).numpy()
+        outcome = fit_and_judge(kind, old_g, new_q, new_g, entry, metric, baseline[metric].self_old,
+                                baseline[metric].self_new, strict, ("recall_at_1", "map"),
+                                params.get("adapter_params", {}).get(kind, {}), int(params.get("seed", 0)))
+        if kind in GALLERY_ADAPTERS:
+            transformed_gallery = outcome.gallery[0]
         blob = adapter_blob_name(kind)
-        blobs[blob] = save_adapter(adapter)
-        record.adapters[kind] = AdapterResult(adapter.direction, blob, settings, adapter.fit_loss[-1],
-                                              time.perf_counter() - started, values["recall_at_1"], values["map"],
-                                              verdict(values[metric]))
+        blobs[blob] = save_adapter(outcome.adapter)
+        record.adapters[kind] = AdapterResult(outcome.adapter.direction, blob, outcome.settings,
+                                              outcome.adapter.fit_loss[-1], time.perf_counter() - started,
+                                              outcome.cross["recall_at_1"], outcome.cross["map"],
+                                              UpgradeVerdict(**outcome.verdict))
         ctx.emit(ProgressUpdate(stage.key, index + 1, len(kinds) + 2, "adapter", 0.0))
 
     # partial backfilling: new queries on a gallery re-embedded item by item
@@ -114,4 +147,5 @@ def adapter_summaries(graph: Any, store: Any) -> list[dict]:
     return [store.load_record(key) for task, key in sorted(graph.adapt_stages.items()) if store.has(key)]
 
 
-__all__ = ["adapt_stage", "adapter_blob_name", "adapter_summaries", "ADAPTER_BLOB_PREFIX"]
+__all__ = ["AdapterOutcome", "adapt_stage", "fit_and_judge", "adapter_blob_name", "adapter_summaries",
+           "ADAPTER_BLOB_PREFIX"]

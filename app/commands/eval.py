@@ -7,16 +7,12 @@ in the run directory unless the variant equals the run's own protocol.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from app.printing import print_results
 from cluster.storage import configure_object_storage
-from pipelines.config_load import validate_config
-from pipelines.executor import LocalExecutor, assemble_matrix, compute_metrics
-from pipelines.graph import add_evaluation, compile_scenario, protocol_params
 from pipelines.lease import RunFolderBusyError, run_lease
-from pipelines.store import RunStore
+from pipelines.results_variants import evaluate_variant
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,39 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metric", choices=("recall_at_1", "map", "verification", "tar_at_far"))
     parser.add_argument("--label-level", choices=("fine", "coarse"))
     parser.add_argument("--strict", choices=("true", "false"), help="compatibility criterion > (true) or >= (false)")
-
-
-def evaluate_variant(run_dir: str, overrides: dict) -> tuple[dict, dict, str]:
-    """(matrix dict, metrics dict, output sub-folder or '') for the run under ``overrides`` of its evaluation.
-
-    The run's graph is recompiled with the other protocol added (:func:`pipelines.graph.add_evaluation`) and the
-    engine runs only the new entry and row nodes (the same entry function as ``compat run``, FAN adapters included).
-    """
-    import yaml
-
-    store = RunStore(run_dir)
-    document = yaml.safe_load(store.read_text("config.yaml"))
-    config = validate_config(document, f"{run_dir}/config.yaml")
-    graph = compile_scenario(config)
-    missing = [key for key in graph.extract_stages.values() if not store.has(key)]
-    if missing:
-        raise FileNotFoundError(f"{run_dir}: {len(missing)} feature extractions are not committed (e.g. {missing[0]}); "
-                                f"finish the run first with `compat run --resume {run_dir}`")
-    evaluation = config.evaluation.model_dump(mode="json")
-    evaluation.update({k: v for k, v in overrides.items() if v is not None})
-    varied = validate_config({**document, "evaluation": evaluation}, "evaluation variant").evaluation
-    rows = add_evaluation(graph, evaluation)
-    LocalExecutor(progress=False).run(graph, store, until=rows)
-    matrix = assemble_matrix(graph, store, rows, varied)
-    metrics = compute_metrics(matrix, varied.strict)
-    protocol = protocol_params(evaluation)
-    same = rows == graph.evaluate_stages and varied.strict == config.evaluation.strict
-    folder = "" if same else "eval-" + "-".join(f"{protocol[k]}" for k in ("metric", "gallery", "label_level")) + \
-        ("" if varied.strict else "-nonstrict")
-    prefix = f"{folder}/" if folder else ""
-    store.write_text(f"{prefix}matrix.json", matrix.to_json())
-    store.write_text(f"{prefix}metrics.json", json.dumps(metrics, indent=2, allow_nan=False))
-    return matrix.to_dict(), metrics, folder
 
 
 def run(args) -> int:

@@ -157,7 +157,7 @@ def test_every_method_gives_bit_identical_matrices_on_every_backend_and_in_compa
     adapters of later tasks; PSP/LSP project stored logits into the gallery model's class space."""
     import ray
 
-    from app.commands.eval import evaluate_variant
+    from pipelines.results_variants import evaluate_variant
     from cluster.ray_executor import RayExecutor
     from cluster.tune_spec import SearchSpec
     from cluster.tune_trial import run_trial_pipeline

@@ -9,7 +9,7 @@ import pytest
 
 from cluster.search_space import SearchSpaceError, parse_space
 from cluster.tune_spec import apply_values, objective_metric, trial_config
-from pipelines.executor import headline_metrics
+from pipelines.results import headline_metrics
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
