@@ -200,11 +200,6 @@ def write_replay_shard(store_or_root, task: int, memory: ReplayMemory, source) -
     return manifest
 
 
-def has_replay_shard(store_or_root, task: int) -> bool:
-    """True when the shard of 0-based ``task`` is committed (its manifest exists)."""
-    return cio.exists(shard_uris(store_or_root, task)[1])
-
-
 def read_replay_shard(store_or_root, task: int) -> ReplayShard:
     """Read and verify the replay shard of 0-based ``task``.
 

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from compat_core import io as cio
 from compat_core.data import replay_shards as shards
 from compat_core.data.replay_shards import CorruptShardError, read_replay_shard, shard_uris, write_replay_shard
 from compat_core.data.base import ArraySource
@@ -98,11 +99,11 @@ def test_manifest_is_written_last_and_a_crash_before_it_leaves_no_shard(tmp_path
     monkeypatch.undo()
     parquet_uri, manifest_uri = shard_uris(str(tmp_path), 3)
     assert (tmp_path / "shards" / "replay" / "task-003.parquet").is_file()  # the orphan exists...
-    assert not shards.has_replay_shard(str(tmp_path), 3)  # ...but the shard is not committed
+    assert not cio.exists(manifest_uri)  # ...but the shard is not committed (no manifest)
     with pytest.raises(FileNotFoundError, match=r"task 3 is not committed.*task-003\.manifest\.json"):
         read_replay_shard(str(tmp_path), 3)
     write_replay_shard(str(tmp_path), 3, memory, images)  # a rerun replaces the orphan
-    assert shards.has_replay_shard(str(tmp_path), 3)
+    assert cio.exists(manifest_uri)
     np.testing.assert_array_equal(read_replay_shard(str(tmp_path), 3).images, images)
 
 
