@@ -92,7 +92,12 @@ def test_first_load_runs_in_the_background_and_a_search_waits_for_it(mlflow_serv
         # start() returned: the replica is up although its registry has not answered a single request
         status, health = helpers.call(url, "/healthz")
         assert (status, health) == (503, {"status": "loading", "error": None})
+        deadline = time.monotonic() + 60  # the watcher thread may not have reached the registry yet: it will
+        while relay.held < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert relay.held >= 1 and not relay.released.is_set()
+        status, health = helpers.call(url, "/healthz")  # still loading while the registry holds its answer
+        assert (status, health) == (503, {"status": "loading", "error": None})
         answers = []
         index = load_index(root)
         query = index.embeddings[4].tolist()
