@@ -5,8 +5,6 @@ selection ``compatibility``, the data-level open-set guard and ``--executor ray`
 from __future__ import annotations
 
 import json
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +14,7 @@ import yaml
 from safetensors.numpy import load_file
 
 import tiny_scenario_helpers as tiny
+from cluster import run_driver
 from pipelines.config_load import ConfigError, validate_config
 from pipelines.executor import LocalExecutor
 from pipelines.graph import compile_scenario
@@ -233,9 +232,7 @@ def test_run_dispatches_to_the_ray_executor(tmp_path, monkeypatch):
 
             return Invocation(run_id="fake")
 
-    fake = types.ModuleType("cluster.ray_executor")
-    fake.RayExecutor = FakeRayExecutor
-    monkeypatch.setitem(sys.modules, "cluster.ray_executor", fake)
+    monkeypatch.setattr(run_driver, "RayExecutor", FakeRayExecutor)  # where `compat run` builds its executor
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(yaml.safe_dump(tiny.scenario("er", output=str(tmp_path / "run"))))
     from app.cli import main
