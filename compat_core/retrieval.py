@@ -44,8 +44,8 @@ chunk of 512 queries, and moves to the next-fastest stage (same fp32 copy and ba
 more than Ng/64 rows per query. The int8 code (quantisation, products, top-1 selection) is in
 ``compat_core.retrieval_int8``.
 
-Raw query rows (int8 stage, fp32 input): the stage ranks the query rows as given, r = ||r|| q, instead of unit
-rows. A positive factor per row changes neither the order nor the ties of its scores, and every bound above is
+Raw query rows (fp32 input, every stage but fp64): the stages rank the query rows as given, r = ||r|| q, instead
+of unit rows. A positive factor per row changes neither the order nor the ties of its scores, and every bound above is
 linear in the query, so it holds for r with ||q|| replaced by an upper bound on ||r|| (its fp32 norm inflated by
 gamma_D) and no input deviation (r is the input itself); this saves an fp64 norm pass and a normalising pass over
 the query matrix. Rows whose fp32 norm lies outside [2^-20, 2^20] (where fp32 products could overflow or lose
@@ -182,7 +182,7 @@ def _whole_gallery(query: torch.Tensor, gallery: torch.Tensor, k: int, chunk_siz
     """The exact kernel over the whole gallery (checked inputs): ``nearest_neighbours`` without pruning."""
     with torch.inference_mode(), _ieee_fp32():
         space = _direct_space(gallery, precision, query.shape[0])
-        queries = _Queries("query", query, raw=space.half_dtype == torch.int8)
+        queries = _Queries("query", query, raw=True)
         result = _search(space, queries, k, precision, chunk_size, return_scores,
                          rebuild=lambda fallback: _with_stage(space, _half_dtype_for(fallback, gallery.device)))
     return result.index, result.score
@@ -238,7 +238,7 @@ def search_prepared(query, prepared: PreparedGallery, k: int = 1, chunk_size: in
     _check_same_dim(query, prepared.gallery)
     space = prepared._space
     with torch.inference_mode(), _ieee_fp32():
-        queries = _Queries("query", query, raw=space.half_dtype == torch.int8)
+        queries = _Queries("query", query, raw=True)
         result = _search(space, queries, k, prepared.precision, chunk_size, return_scores, rebuild=prepared._rebuild)
     return result.index, result.score
 

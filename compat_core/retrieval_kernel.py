@@ -113,12 +113,11 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
         _full_fp64(space, queries, torch.arange(start, stop, device=result.index.device), k, result)
         return
     dim = space.dim
-    int8 = start_stage == "half" and space.half_dtype == torch.int8
-    q32 = queries.raw_rows(start, stop) if int8 else None
+    q32 = queries.raw_rows(start, stop)
     if q32 is not None:
-        # the int8 stage ranks the raw fp32 rows r: a positive factor per row changes neither the order nor the
-        # ties of a row, and every bound below holds for r with ||r|| <= norm32 (the unit-row bounds scaled by
-        # ||r||; r is the exact input, so no input deviation); the fp64 stage still scores unit rows
+        # the stages rank the raw fp32 rows r: a positive factor per row changes neither the order nor the ties of
+        # a row, and every bound below holds for r with ||r|| <= norm32 (the unit-row bounds scaled by ||r||; r is
+        # the exact input, so no input deviation); the fp64 stage still scores unit rows
         norm32 = queries.norm32[start:stop]
         dev32 = torch.zeros_like(norm32)
         ref = norm32
