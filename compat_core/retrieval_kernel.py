@@ -23,7 +23,7 @@ from compat_core.retrieval_int8 import int8_top1_candidates
 from compat_core.retrieval_int8 import norm32_upper as _norm32_upper
 from compat_core.retrieval_space import _inverse_norms, _project_queries, _Space
 from compat_core.torch_settings import one_thread as _one_thread
-from compat_core.torch_settings import balanced_chunks, run_chunks
+from compat_core.torch_settings import balanced_chunks, chunk_workers, run_chunks
 
 _MAX_CANDIDATES = 256          # wider candidate sets are cheaper as a full fp32 row than as gathered rows
 _GATHER_VS_DENSE = 32          # a gathered candidate costs about as much as this many gallery rows of a dense product
@@ -301,38 +301,53 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
     probing = precision == "auto" and rebuild is not None and space.half_dtype == torch.int8
     # "auto" on any reduced-precision stage: an early chunk is also timed against the fp32 stage on the same
     # rows, and a stage that turns out slower on this call (a calibration from another load, data that widen its
-    # window) hands the rest to the fp32 stage
+    # window) hands the chunks not yet started to the fp32 stage
     checking = (precision == "auto" and rebuild is not None and space.half_dtype is not None
                 and queries.count >= _LIVE_CHECK_CHUNKS * min(chunk, _INT8_PROBE_QUERIES))
     start = 0
-    if probing or checking:
+    if probing:
         stop = min(queries.count, start + min(chunk, _INT8_PROBE_QUERIES))
         rescored = _search_chunk(space, queries, start, stop, k, want_scores, stage, result)
-        fallback = None
-        if probing and rescored * _INT8_DEMOTE_FRACTION > space.size:
-            fallback = fastest_matmul(space.stage32.device, exclude=("int8",))
-        elif checking:
-            # the first chunk pays one-time costs (kernel selection and JIT of the half product, buffers), so the
-            # second one is timed
-            start, stop = stop, min(queries.count, stop + min(chunk, _INT8_PROBE_QUERIES))
-            began = time.perf_counter()
-            _search_chunk(space, queries, start, stop, k, want_scores, stage, result)
-            fp32_space = rebuild("fp32")
-            if _slower_than_fp32(space, queries, start, stop, time.perf_counter() - began, k, want_scores,
-                                 fp32_space):
-                space, stage = fp32_space, _start_stage(fp32_space, precision)
-                if chunk_size is None:
-                    chunk = _default_chunk(space.size, space.half_dtype, k)
-        if fallback is not None:
-            space = rebuild(fallback)
+        start = stop
+        if rescored * _INT8_DEMOTE_FRACTION > space.size:
+            space = rebuild(fastest_matmul(space.stage32.device, exclude=("int8",)))
             stage = _start_stage(space, precision)
+            checking = False
             if chunk_size is None:
                 chunk = _default_chunk(space.size, space.half_dtype, k)
-        start = stop
-    bounds = balanced_chunks(start, queries.count, chunk, space.stage32.device)
-    run_chunks(lambda first, stop: _search_chunk(space, queries, first, stop, k, want_scores, stage, result),
-               bounds, space.stage32.device)
+    device = space.stage32.device
+    timed = None
+    if checking:
+        # the live check runs inside the parallel search: every worker first runs a chunk of its own (one-time
+        # costs: kernel selection and JIT of the half product, buffers), the next chunk is timed on the worker's
+        # CPU clock and compared with the fp32 stage on its rows; chunks started after a decision against the
+        # stage run on the fp32 stage (every chunk is exact either way)
+        probe = min(chunk, _INT8_PROBE_QUERIES)
+        warm = min(chunk_workers(device), _LIVE_CHECK_CHUNKS - 2)      # all within the queries (8 probe chunks)
+        edges = [start + probe * i for i in range(warm + 2)]
+        timed = (edges[-2], edges[-1])
+        bounds = list(zip(edges[:-1], edges[1:])) + balanced_chunks(edges[-1], queries.count, chunk, device)
+        fp32_space = rebuild("fp32")
+    else:
+        bounds = balanced_chunks(start, queries.count, chunk, device)
+    current = {"space": space, "stage": stage}
+
+    def work(first: int, stop: int) -> None:
+        where, where_stage = current["space"], current["stage"]
+        began = _clock(device)
+        _search_chunk(where, queries, first, stop, k, want_scores, where_stage, result)
+        if (first, stop) == timed and where_stage == "half" and _slower_than_fp32(
+                where, queries, first, stop, _clock(device) - began, k, want_scores, fp32_space):
+            current["space"], current["stage"] = fp32_space, _start_stage(fp32_space, precision)
+
+    run_chunks(work, bounds, device)
     return result
+
+
+def _clock(device: torch.device) -> float:
+    """Seconds for the live check: the calling thread's CPU time on CPU (a chunk runs on one thread, and CPU time
+    does not count the slices a busy machine gives to other processes), wall time on an accelerator."""
+    return time.thread_time() if torch.device(device).type == "cpu" else time.perf_counter()
 
 
 def _slower_than_fp32(space: _Space, queries: _Queries, start: int, stop: int, stage_s: float, k: int,
@@ -345,10 +360,10 @@ def _slower_than_fp32(space: _Space, queries: _Queries, start: int, stop: int, s
     cost is linear in the rows, and the full reading cost ~6 % of a 20,000 x 5,000 x 1023 bf16 search); the
     readings taken again, where a stage looks slower, time all the rows."""
     def seconds(where: _Space, stage: str, last: int = stop) -> float:
-        began = time.perf_counter()
+        began = _clock(where.stage32.device)
         _search_chunk(where, queries, start, last, k, want_scores, stage,
                       _Result(queries.count, k, where.stage32.device, want_scores))
-        return time.perf_counter() - began
+        return _clock(where.stage32.device) - began
 
     sample_stop = start + max(1, (stop - start) // _LIVE_SAMPLE)
     fp32_s = seconds(fp32_space, "fp32", sample_stop) * (stop - start) / (sample_stop - start)

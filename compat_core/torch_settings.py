@@ -60,6 +60,11 @@ def one_thread():
             torch.set_num_threads(state.saved)
 
 
+def chunk_workers(device: torch.device) -> int:
+    """Worker threads ``run_chunks`` uses on ``device``: the caller's torch thread count on CPU, else 1."""
+    return torch.get_num_threads() if torch.device(device).type == "cpu" else 1
+
+
 def balanced_chunks(start: int, stop: int, chunk: int, device: torch.device) -> list[tuple[int, int]]:
     """Bounds of the rows start..stop-1 in chunks of at most ``chunk`` rows and of (nearly) equal size, their
     count a multiple of the workers ``run_chunks`` will use: chunks of ``chunk`` rows with a short remainder left
@@ -67,7 +72,7 @@ def balanced_chunks(start: int, stop: int, chunk: int, device: torch.device) -> 
     rows = stop - start
     if rows <= 0:
         return []
-    workers = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
+    workers = chunk_workers(device)
     count = -(-rows // chunk)
     if workers > 1:
         count = min(rows, -(-count // workers) * workers)
@@ -85,7 +90,7 @@ def run_chunks(work: Callable[[int, int], object], chunks: Sequence[tuple[int, i
     only its own chunk while the other takes the next ones. The worker count is the caller's torch thread count
     (the stage's CPU allocation: Ray and ``OMP_NUM_THREADS`` set it), never more. Each worker runs in inference
     mode (thread-local in torch) with one intra-op thread (``one_thread``)."""
-    threads = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
+    threads = chunk_workers(device)
     if threads <= 1 or len(chunks) <= 1:
         for start, stop in chunks:
             work(start, stop)

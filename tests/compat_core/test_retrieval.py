@@ -17,6 +17,7 @@ from compat_core.retrieval import (
     recall_at_k,
 )
 from compat_core.retrieval_bridge import bridged_nearest_neighbours, bridged_recall_at_1
+from compat_core.torch_settings import one_thread
 from compat_core.verification import tar_at_far
 
 PRECISIONS = ["auto", "int8", "half", "fp32", "fp64"]
@@ -812,7 +813,8 @@ def test_auto_leaves_a_stage_that_the_live_check_finds_slower_than_fp32(monkeypa
     search_chunk = retrieval_kernel._search_chunk
     monkeypatch.setattr(retrieval_kernel, "_search_chunk",
                         lambda space, *args: chunks.append(space.half_dtype) or search_chunk(space, *args))
-    index, scores = nearest_neighbours(query, gallery, k=2, precision="auto")
+    with one_thread():          # chunks in order: those after the check start after its decision
+        index, scores = nearest_neighbours(query, gallery, k=2, precision="auto")
     later = sorted(set(chunks[2:]), key=str)
     expected, expected_scores = brute_topk(query, gallery, 2)
     np.testing.assert_array_equal(index.numpy(), expected)
