@@ -171,7 +171,7 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
                 rows, cand = _take_singles(rows, cand, result, offset)
             if rows.numel():
                 # half-precision candidates: re-score in fp32 and narrow them with the fp32 bound
-                s32 = _candidate_scores32(q32[rows], cand, space.stage32)
+                s32 = _candidate_scores32(q32, cand, space.stage32, rows)
                 cand = _filter(s32, cand, bound32[rows], k)
                 if single_ok:
                     rows, cand = _take_singles(rows, cand, result, offset)

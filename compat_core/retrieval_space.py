@@ -27,10 +27,11 @@ _CANDIDATE_STAGES = ("auto", "int8", "half", "bf16", "fp16")   # precisions with
 def _inverse_norms(name: str, rows: torch.Tensor) -> torch.Tensor:
     """1 / L2 norm per row, fp64; zero rows have no direction and are refused.
 
-    Rows of a narrower type are converted to fp64 block by block: one conversion of the whole matrix allocates a
-    fresh fp64 copy whose page faults cost 3x the norms themselves (measured on 20,000 x 1023 fp32 rows, one
-    thread: 0.17 s whole, 0.05 s in blocks of 256 rows; the blocks run on one thread). Every block has the same shape (the last one overlaps its
-    predecessor), so every row is reduced by the same code path and identical rows get identical norms."""
+    Rows of a narrower type are converted to fp64 block by block, on one thread: one conversion of the whole
+    matrix allocates a fresh fp64 copy whose page faults cost 3x the norms themselves (measured on 20,000 x 1023
+    fp32 rows, one thread: 0.17 s whole, 0.05 s in blocks of 256 rows). Every block has the same shape (the last
+    one overlaps its predecessor), so every row is reduced by the same code path and identical rows get identical
+    norms."""
     count, block = rows.shape[0], _NORM_BLOCK_ROWS
     if rows.dtype == torch.float64 or count <= block:
         norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
