@@ -44,8 +44,8 @@ chunk of 512 queries, and moves to the next-fastest stage (same fp32 copy and ba
 more than Ng/64 rows per query. The int8 code (quantisation, products, top-1 selection) is in
 ``compat_core.retrieval_int8``.
 
-Raw query rows (fp32 input, every stage but fp64): the stages rank the query rows as given, r = ||r|| q, instead
-of unit rows. A positive factor per row changes neither the order nor the ties of its scores, and every bound above is
+Raw query rows (fp32 input; int8, bf16 and fp32 stages: fp16's range would overflow): the stages rank the query
+rows as given, r = ||r|| q, instead of unit rows. A positive factor per row changes neither the order nor the ties of its scores, and every bound above is
 linear in the query, so it holds for r with ||q|| replaced by an upper bound on ||r|| (its fp32 norm inflated by
 gamma_D) and no input deviation (r is the input itself); this saves an fp64 norm pass and a normalising pass over
 the query matrix. Rows whose fp32 norm lies outside [2^-20, 2^20] (where fp32 products could overflow or lose

@@ -114,7 +114,9 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
         _full_fp64(space, queries, torch.arange(start, stop, device=result.index.device), k, result)
         return
     dim = space.dim
-    q32 = queries.raw_rows(start, stop)
+    # fp16's range (65504) would overflow on raw rows of large norm: it keeps unit rows
+    fp16 = start_stage == "half" and space.half_dtype == torch.float16
+    q32 = None if fp16 else queries.raw_rows(start, stop)
     if q32 is not None:
         # the stages rank the raw fp32 rows r: a positive factor per row changes neither the order nor the ties of
         # a row, and every bound below holds for r with ||r|| <= norm32 (the unit-row bounds scaled by ||r||; r is

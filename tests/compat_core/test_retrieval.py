@@ -679,6 +679,51 @@ def test_int8_raw_query_rows_of_any_norm_equal_fp64(monkeypatch, low_rank):
     assert True in raw_chunks and False in raw_chunks        # both the raw rows and the fallback were used
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("low_rank", [False, True])
+def test_float_stages_rank_raw_query_rows_of_any_norm_equal_fp64(monkeypatch, precision, low_rank):
+    # the bf16 and fp32 stages also rank the raw fp32 query rows r (bounds scaled by ||r||), fp16 keeps unit rows:
+    # huge, tiny and ordinary norms, rows out of the raw range (their chunk falls back to unit rows), an exact tie
+    # (lowest index wins) and a near-tie must all give the fp64 answer, for k = 1 (with and without scores), k = 3
+    if low_rank:
+        if precision == "fp32":
+            pytest.skip("the fp32 stage has no low-rank path")
+        gallery, head = junction_features(300, 96, 24, seed=18)
+        query, _ = junction_features(120, 96, 24, seed=19, head=head)
+        monkeypatch.setattr(retrieval_space, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
+    else:
+        query, gallery = planted(120, 300, 96, seed=20)
+    gallery[20] = gallery[250]                               # exact tie with query 2's answer: row 20 must win
+    query[2] = gallery[250] + np.float32(1e-3) * gallery[4]
+    gallery[60] = gallery[61] * np.float32(1.0 + 2.0 ** -20)  # same direction to fp32 precision: a near-tie
+    query[5] = gallery[61] + np.float32(1e-3) * gallery[7]
+    scale = np.ones((120, 1), np.float32)
+    scale[10:20] = 1e4
+    scale[20:30] = 1e-3
+    scale[30:40] = 3e3
+    scale[112] = 1e12                                        # out of the raw range: its chunk uses unit rows
+    scale[115] = 1e-30
+    query = (query * scale).astype(np.float32)
+    expected, expected_scores = brute_topk(query, gallery, 1)
+    assert int(expected[2, 0]) == 20
+    raw_chunks = []
+    original = retrieval_kernel._Queries.raw_rows
+    monkeypatch.setattr(retrieval_kernel._Queries, "raw_rows",
+                        lambda self, a, b: raw_chunks.append(original(self, a, b) is not None) or original(self, a, b))
+    for chunk in (None, 16):
+        index, scores = nearest_neighbours(query, gallery, k=1, chunk_size=chunk, precision=precision)
+        np.testing.assert_array_equal(index.numpy(), expected)
+        np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-12)
+        only, _ = nearest_neighbours(query, gallery, k=1, chunk_size=chunk, precision=precision, return_scores=False)
+        np.testing.assert_array_equal(only.numpy(), expected)
+    index3, _ = nearest_neighbours(query, gallery, k=3, precision=precision)
+    np.testing.assert_array_equal(index3.numpy(), brute_topk(query, gallery, 3)[0])
+    if precision == "fp16":
+        assert True not in raw_chunks                        # fp16 (range 65504) keeps unit rows
+    else:
+        assert True in raw_chunks and False in raw_chunks    # both the raw rows and the fallback were used
+
+
 def test_int8_raw_query_bound_holds_for_every_pair():
     # raw rows r (not unit): s t P_j must lie within s t bound of r.g_j (g_j the fp64 unit gallery rows)
     rng = np.random.default_rng(14)
