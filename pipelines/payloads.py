@@ -145,7 +145,8 @@ class TrainingSummary(Payload):
     input_stall_fraction (device idle waiting for input, fraction of the training seconds), first_step_seconds,
     peak_device_memory_bytes (None off accelerators), loop_unix_seconds (loop start/end, to align device
     samples), checkpoints_written and checkpoint_seconds (epoch checkpoints saved during the task and their write
-    seconds, inside ``seconds``). Every field is written, null when unknown."""
+    seconds, inside ``seconds``; left out when unknown, as in records written before they existed). Every other field
+    is written, null when unknown."""
 
     selected_epoch: int | None = None
     images_per_s: float | None = None
@@ -157,8 +158,8 @@ class TrainingSummary(Payload):
     first_step_seconds: float | None = None
     peak_device_memory_bytes: int | None = None
     loop_unix_seconds: list[float] = field(default_factory=list)
-    checkpoints_written: int | None = None
-    checkpoint_seconds: float | None = None
+    checkpoints_written: int | None = optional()
+    checkpoint_seconds: float | None = optional()
 
     # the per-task metrics the tracker logs on the parent run
     TASK_METRICS: ClassVar[tuple[str, ...]] = ("final_loss", "images_per_s", "seconds", "selected_epoch",
