@@ -152,14 +152,21 @@ def rehearsal_config(args, data: str, output: str, casia: tuple[int, ...], repla
 
 # ---- measuring -----------------------------------------------------------------------------------------------------
 class ProcessSampler:
-    """Peak resident memory of the Ray worker processes, per stage kind (from the process title Ray sets to the
-    task name, e.g. ``ray::finetune[t=3]``), and of every process of the cluster; sampled every ``every_s``."""
+    """Peak resident memory of this rehearsal's processes, sampled every ``every_s`` from /proc: every process whose
+    command line names ``root`` (the Ray nodes, the S3 and MLflow servers) and their descendants (Ray workers,
+    their input workers), so that other Ray clusters on the machine are not counted.
+
+    Per stage kind (the process title Ray sets to the task name, e.g. ``ray::finetune[t=3]``): the largest VmRSS
+    sampled (``by_kind``) and the largest VmHWM (``hwm_by_kind``; the Ray worker restarts it at each node, so it is
+    the node's exact peak, input workers included as processes of their own)."""
 
     def __init__(self, root: str, every_s: float = 0.5) -> None:
         self.root = root.encode()
         self.every_s = every_s
         self.by_kind: dict[str, int] = defaultdict(int)
+        self.hwm_by_kind: dict[str, int] = defaultdict(int)
         self.peak_any = 0
+        self.peak_any_title = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -173,6 +180,7 @@ class ProcessSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            processes = {}
             for entry in Path("/proc").iterdir():
                 if not entry.name.isdigit():
                     continue
@@ -181,17 +189,29 @@ class ProcessSampler:
                     status = (entry / "status").read_text()
                 except OSError:
                     continue
+                parent = re.search(r"PPid:\s+(\d+)", status)
+                processes[int(entry.name)] = (cmdline, status, int(parent.group(1)) if parent else 0)
+            ours = {pid for pid, (cmdline, _, _) in processes.items() if self.root in cmdline}
+            for pid, (cmdline, status, parent) in processes.items():
+                ancestor, depth = pid, 0
+                while ancestor not in ours and depth < 8 and ancestor in processes:
+                    ancestor, depth = processes[ancestor][2], depth + 1
+                if ancestor not in ours:
+                    continue
+                rss = re.search(r"VmRSS:\s+(\d+) kB", status)
+                hwm = re.search(r"VmHWM:\s+(\d+) kB", status)
+                if not rss:
+                    continue
+                rss_bytes = int(rss.group(1)) * 1024
                 title = cmdline.split(b"\0")[0].decode(errors="replace")
-                if not (title.startswith("ray::") or self.root in cmdline):
-                    continue
-                match = re.search(r"VmRSS:\s+(\d+) kB", status)
-                if not match:
-                    continue
-                rss = int(match.group(1)) * 1024
-                self.peak_any = max(self.peak_any, rss)
+                if rss_bytes > self.peak_any:
+                    self.peak_any, self.peak_any_title = rss_bytes, title[:60]
                 kind = re.match(r"ray::(\w+)\[", title)
                 if kind:
-                    self.by_kind[kind.group(1)] = max(self.by_kind[kind.group(1)], rss)
+                    self.by_kind[kind.group(1)] = max(self.by_kind[kind.group(1)], rss_bytes)
+                    if hwm:
+                        self.hwm_by_kind[kind.group(1)] = max(self.hwm_by_kind[kind.group(1)],
+                                                              int(hwm.group(1)) * 1024)
             self._stop.wait(self.every_s)
 
 
@@ -375,25 +395,38 @@ def report(graph, planned, output, wall, driver_rss, sampler, requests_before, r
     for item in planned.values():
         images[item.kind] += item.train_images + item.forward_images
     compute: dict[str, float] = defaultdict(float)  # what the stages' records say they computed for
+    checkpoint_seconds: dict[str, float] = defaultdict(float)  # epoch checkpoint writes inside the training seconds
+    checkpoint_writes: dict[str, int] = defaultdict(int)
     for stage in graph:
         if not store.has(stage.key):
             continue
         record = store.load_record(stage.key)
-        value = ((record.get("training") or {}).get("seconds") or record.get("seconds")
-                 or (record.get("features") or {}).get("seconds") if isinstance(record, dict) else None)
+        if not isinstance(record, dict):
+            continue
+        training = record.get("training") or {}
+        value = training.get("seconds") or record.get("seconds") or (record.get("features") or {}).get("seconds")
         compute[stage.kind] += float(value or 0.0)
-    print(f"\ncompat run wall {wall:.0f} s; driver peak RSS {human(driver_rss)}; any cluster process peak RSS "
-          f"{human(sampler.peak_any)}; load {open('/proc/loadavg').read().split()[:3]}")
+        checkpoint_seconds[stage.kind] += float(training.get("checkpoint_seconds") or 0.0)
+        checkpoint_writes[stage.kind] += int(training.get("checkpoints_written") or 0)
+    print(f"\ncompat run wall {wall:.0f} s; driver peak RSS {human(driver_rss)}; any process of the rehearsal: peak "
+          f"RSS {human(sampler.peak_any)} ({sampler.peak_any_title}); load {open('/proc/loadavg').read().split()[:3]}")
     print("\nsubmit-to-done s: from the executor's log (includes waiting for a free node); compute s: what the "
-          "stage records measured (training loop / extraction / entry), summed per kind")
+          "stage records measured (training loop / extraction / entry), summed per kind; peak RSS: largest VmRSS "
+          "sampled every 0.5 s of a process running the kind (its input workers included); VmHWM: largest peak "
+          "the kernel kept for such a process (the exact per-node peak where the worker restarts it per node); "
+          "checkpoints: epoch checkpoint writes (count, seconds) and their share of the training seconds")
     print("\n| stage kind | stages | submit-to-done s | compute s | plan: images (train + forward) | compute s per "
-          "plan image | peak RSS |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "plan image | peak RSS | VmHWM | checkpoints |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for kind in ("pretrain", "finetune", "replace", "extract", "entry", "evaluate", "adapt"):
         if counts.get(kind):
             per = f"{compute[kind] / images[kind] * 1e3:.2f} ms" if images.get(kind) and compute[kind] else "-"
+            trains = kind in ("pretrain", "finetune", "replace")
+            share = (f"{checkpoint_writes[kind]}, {checkpoint_seconds[kind]:.1f} s, "
+                     f"{100 * checkpoint_seconds[kind] / max(compute[kind], 1e-9):.2f} %") if trains else "-"
             print(f"| {kind} | {counts[kind]} | {seconds[kind]:.1f} | {compute[kind]:.1f} | {images.get(kind, 0):,} | "
-                  f"{per} | {human(sampler.by_kind[kind]) if sampler.by_kind.get(kind) else '-'} |")
+                  f"{per} | {human(sampler.by_kind[kind]) if sampler.by_kind.get(kind) else '-'} | "
+                  f"{human(sampler.hwm_by_kind[kind]) if sampler.hwm_by_kind.get(kind) else '-'} | {share} |")
     stored = bytes_by_prefix(output)
     print("\n| run store (S3) | bytes |")
     print("| --- | --- |")

@@ -2,8 +2,10 @@
 
 - :func:`pipelines.executor.run_graph` (the same loop as in-process runs) submits a node as soon as its parents are
   committed; this backend turns it into a Ray task with the node's ``resources.<kind>`` (``num_cpus``,
-  ``num_gpus``, ``memory`` in bytes) and lets Ray place and queue it. Ray reuses its worker processes between tasks,
-  so Python and torch start once per worker; torch is limited to ``floor(num_cpus)`` threads per task.
+  ``num_gpus``, ``memory`` in bytes) and lets Ray place and queue it. Ray reuses its worker processes between
+  extractions, entries and evaluations, so Python and torch start once per worker (each node gives its freed memory
+  back to the OS when it ends); a training node runs in a worker process of its own that exits after it. torch is
+  limited to ``floor(num_cpus)`` threads per task.
 - ``num_gpus`` None: 0 with ``device: cpu``, 1 with ``device: cuda[:N]`` (Ray queues the task until a GPU node
   exists, e.g. one an autoscaler adds), and with ``device: auto`` 1 when the cluster lists GPUs when the run starts.
 - Matrix entries are tasks too; a worker process keeps the last feature sets it read
@@ -110,6 +112,15 @@ def run_node(store_root: str, stage: Stage, config: Any, code_version: str, num_
                                fence=fence)
 
 
+def run_node_in_own_process(store_root: str, stage: Stage, config: Any, code_version: str, num_threads: int,
+                            setup: Callable[[], None] | None = None, storage_access: Any = None,
+                            fence: LeaseFence | None = None) -> NodeResult:
+    """:func:`run_node` for a training node: submitted with ``max_calls=1``, so the Ray worker process exits after it
+    and hands every byte the training held (optimiser state, the old model, allocator free lists, input workers)
+    back to the OS; a later node starts in a fresh process instead of on this one's high-water mark."""
+    return run_node(store_root, stage, config, code_version, num_threads, setup, storage_access, fence)
+
+
 class NodeFailed(RuntimeError):
     """A node's task failed (after its retries); ``stage_key`` names the node."""
 
@@ -143,6 +154,9 @@ class RayBackend(Backend):
         self.nodes = ray.nodes()  # what each node has in total: a request none can hold never starts
         self.checked: set[tuple] = set()
         self.remote = ray.remote(run_node)
+        # training nodes hold the most memory: each runs in a process of its own (max_calls=1, as Ray does for GPU
+        # tasks); extractions and entries reuse workers, which return freed memory after each node
+        self.remote_own_process = ray.remote(max_calls=1)(run_node_in_own_process)
         self.remote_data_parallel = ray.remote(run_data_parallel_node)
         self.running: dict[Any, str] = {}
         self.running_entries = 0
@@ -168,7 +182,8 @@ class RayBackend(Backend):
                 root, stage, graph.config, graph.code_version, options, self.max_retries, self.setup,
                 installed_access(), fence)
         else:
-            ref = self.remote.options(**options, max_retries=self.max_retries, name=stage.label).remote(
+            remote = self.remote_own_process if StageKind(stage.kind).trains else self.remote
+            ref = remote.options(**options, max_retries=self.max_retries, name=stage.label).remote(
                 root, stage, graph.config, graph.code_version, max(1, int(math.floor(options["num_cpus"]))),
                 self.setup, installed_access(), fence)
         self.running[ref] = stage.key
@@ -209,7 +224,8 @@ class RayBackend(Backend):
             raise NodeFailed(key, error) from error
         self.stats["computed"] += int(result.computed)
         self.placements[key] = result.node_id
-        log.info("node %s ran on Ray node %s", key, result.node_id)
+        log.info("node %s ran on Ray node %s (worker pid %s, peak resident %s MB)", key, result.node_id, result.pid,
+                 "?" if result.peak_rss_bytes is None else f"{result.peak_rss_bytes / 1e6:.0f}")
         self.stats["pids"].add(result.pid)
         self.stats["largest_result_bytes"] = max(self.stats["largest_result_bytes"],
                                                  len(ray.cloudpickle.dumps(result)))

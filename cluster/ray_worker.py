@@ -20,6 +20,7 @@ import ray
 from cluster.storage import configure_object_storage
 from pipelines.graph import Stage
 from pipelines.lease import LeaseFence, hold_fence
+from pipelines.process_memory import peak_resident_bytes, release_freed_memory, reset_peak
 from pipelines.progress import ProgressUpdate
 from pipelines.stages import execute_stage
 from pipelines.store import RunStore
@@ -28,14 +29,16 @@ from pipelines.store import RunStore
 @dataclass(frozen=True)
 class NodeResult:
     """What a node's Ray task returns: its stage key, the non-progress records (per-epoch training summaries, which
-    the driver replays to its emit callback), the worker's pid and Ray node id, and whether it computed the stage
-    (False: found committed, e.g. by a retried task)."""
+    the driver replays to its emit callback), the worker's pid and Ray node id, whether it computed the stage
+    (False: found committed, e.g. by a retried task) and the worker's peak resident bytes while it ran the node
+    (None where the OS does not say)."""
 
     key: str
     pid: int
     node_id: str
     computed: bool
     records: list = field(default_factory=list)
+    peak_rss_bytes: int | None = None
 
 
 def run_stage_in_worker(store_root: str, stage: Stage, config: Any, code_version: str, *,
@@ -55,6 +58,22 @@ def run_stage_in_worker(store_root: str, stage: Stage, config: Any, code_version
     store = RunStore(store_root)
     node_id = ray.get_runtime_context().get_node_id()
     records: list[Any] = []
+    # Ray reuses this process for later nodes: the peak covers this node only, and what it freed goes back to the
+    # OS when it ends (else the next node, an extraction or an entry, starts with this one's high-water mark)
+    reset_peak()
+    try:
+        computed = _execute(store, stage, config, code_version, node_id, records, keep_records, placement, fence,
+                            store_root)
+    finally:
+        peak = peak_resident_bytes()
+        release_freed_memory()
+    return NodeResult(key=stage.key, pid=os.getpid(), node_id=node_id, computed=computed, records=records,
+                      peak_rss_bytes=peak)
+
+
+def _execute(store: RunStore, stage: Stage, config: Any, code_version: str, node_id: str, records: list,
+             keep_records: bool, placement: dict | None, fence: LeaseFence | None, store_root: str) -> bool:
+    """Execute and commit ``stage`` under the fence unless it is committed already; whether it computed."""
     with hold_fence(store_root, fence):  # a driver that already lost its lease gets no work done either
         computed = not store.has(stage.key)
         if computed:
@@ -66,7 +85,7 @@ def run_stage_in_worker(store_root: str, stage: Stage, config: Any, code_version
             # where the node ran goes into its manifest (a lost node's stage shows the survivor that redid it)
             where = {"node_id": node_id, "host": socket.gethostname(), "pid": os.getpid(), **(placement or {})}
             execute_stage(stage, config, store, emit, code_version=code_version, placement=where)
-    return NodeResult(key=stage.key, pid=os.getpid(), node_id=node_id, computed=computed, records=records)
+    return computed
 
 
 __all__ = ["NodeResult", "run_stage_in_worker"]

@@ -143,8 +143,10 @@ class TrainingSummary(Payload):
     """Summary of a stage's training run: selected epoch (0-based), images/s, seconds, last epoch's mean loss (nats,
     None without epochs), epochs recorded, the epoch checkpoint resumed from (None: none); where the time went:
     input_stall_fraction (device idle waiting for input, fraction of the training seconds), first_step_seconds,
-    peak_device_memory_bytes (None off accelerators) and loop_unix_seconds (loop start/end, to align device
-    samples). Every field is written, null when unknown."""
+    peak_device_memory_bytes (None off accelerators), loop_unix_seconds (loop start/end, to align device
+    samples), checkpoints_written and checkpoint_seconds (epoch checkpoints saved during the task and their write
+    seconds, inside ``seconds``; left out when unknown, as in records written before they existed). Every other field
+    is written, null when unknown."""
 
     selected_epoch: int | None = None
     images_per_s: float | None = None
@@ -156,6 +158,8 @@ class TrainingSummary(Payload):
     first_step_seconds: float | None = None
     peak_device_memory_bytes: int | None = None
     loop_unix_seconds: list[float] = field(default_factory=list)
+    checkpoints_written: int | None = optional()
+    checkpoint_seconds: float | None = optional()
 
     # the per-task metrics the tracker logs on the parent run
     TASK_METRICS: ClassVar[tuple[str, ...]] = ("final_loss", "images_per_s", "seconds", "selected_epoch",

@@ -20,6 +20,7 @@ from pipelines.distributed import is_leader
 from pipelines.entries import entry_stage, evaluate_stage
 from pipelines.extraction import extract_stage
 from pipelines.graph import Stage, stage_threads
+from pipelines.process_memory import limit_heap_caching, release_freed_memory
 from pipelines.records import Record, read_record, record_to_json
 from pipelines.stage_context import Emit, StageContext, StageResult, resolve_device
 from pipelines.stage_kind import StageKind
@@ -46,6 +47,9 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
     This is the unit a Ray actor runs: everything it needs comes from the store by key. placement: where it ran
     (the Ray backend gives node id, host, pid), kept in the record as ``placement``.
     """
+    # large tensors in mappings of their own, and what earlier stages of this process freed back to the OS
+    limit_heap_caching()
+    release_freed_memory()
     parents = {}
     for key in stage.parents:
         if not store.has(key):

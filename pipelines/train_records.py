@@ -51,6 +51,8 @@ class TrainResult:
     first_step_seconds: float | None = None  # from train_task's start to the end of the first step, seconds
     peak_device_memory_bytes: int | None = None  # CUDA only: peak allocated by this process during the task
     loop_unix_seconds: tuple[float, float] | None = None  # wall-clock start and end of the training loop (Unix time)
+    checkpoint_seconds: float = 0.0  # spent writing epoch checkpoints during the task (inside ``seconds``)
+    checkpoints_written: int = 0
 
 
 ProgressHook = Callable[[int, int, int, float], None]

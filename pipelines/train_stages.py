@@ -53,6 +53,8 @@ def _summary(result: Any) -> TrainingSummary:
         first_step_seconds=getattr(result, "first_step_seconds", None),
         peak_device_memory_bytes=getattr(result, "peak_device_memory_bytes", None),
         loop_unix_seconds=list(getattr(result, "loop_unix_seconds", None) or []),  # to align device samples
+        checkpoints_written=getattr(result, "checkpoints_written", None),
+        checkpoint_seconds=getattr(result, "checkpoint_seconds", None),
     )
 
 

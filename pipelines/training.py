@@ -308,6 +308,8 @@ def train_task(
         for record in position["records"]:
             emit(record)
 
+    written = [0, 0.0]  # checkpoints saved by this task and their write seconds
+
     def save(epochs_done: int, step_in_epoch: int, current: _Window) -> None:
         write_started = time.perf_counter()
         state = training_state(model, optimizer, scheduler, epochs_done=epochs_done, step_in_epoch=step_in_epoch,
@@ -317,6 +319,8 @@ def train_task(
                                        "window": current.state()})
         checkpoints.save(EpochCheckpoint(epochs_done, state))
         checkpoints.policy.wrote(time.perf_counter() - write_started)
+        written[0] += 1
+        written[1] += time.perf_counter() - write_started
 
     plan = []  # (epoch, its batches, steps done before a SIGTERM checkpoint, this rank's batches still to run)
     for epoch in range(start_epoch, config.epochs):
@@ -404,6 +408,8 @@ def train_task(
         loop_unix_seconds=(loop_started_unix, time.time()),
         first_step_seconds=first_step_seconds,
         peak_device_memory_bytes=int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None,
+        checkpoints_written=written[0],
+        checkpoint_seconds=written[1],
     )
 
 

@@ -109,6 +109,21 @@ def test_results_crossing_ray_are_small(tiny_runs):
     assert stats["tasks"] == stats["computed"] == len(tiny_runs["graph"])
 
 
+def test_training_nodes_run_in_worker_processes_of_their_own(tiny_runs):
+    # a training node's worker exits after it (max_calls=1): no other node ran in that process, before or after,
+    # so no later extraction or entry starts on a training stage's memory
+    store = RunStore(tiny_runs["ray"])
+    pids: dict[int, list[str]] = {}
+    for stage in tiny_runs["graph"]:
+        pids.setdefault(store.load_record(stage.key)["placement"]["pid"], []).append(stage.kind)
+    trained = [kinds for kinds in pids.values() if {"pretrain", "finetune", "replace"} & set(kinds)]
+    assert trained and all(len(kinds) == 1 for kinds in trained)
+    assert sum(len(kinds) for kinds in trained) == sum(stage.kind in ("pretrain", "finetune", "replace")
+                                                       for stage in tiny_runs["graph"])
+    # the other nodes share reused workers (Python and torch start once per worker)
+    assert any(len(kinds) > 1 for kinds in pids.values())
+
+
 def test_rerun_skips_every_committed_stage(tiny_runs):
     from cluster.ray_executor import RayExecutor
 

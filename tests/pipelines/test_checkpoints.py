@@ -147,11 +147,16 @@ def test_default_policy_saves_by_time_during_training(source, tmp_path):
     data = task_data(source, "simplex")
     old = frozen_copy(tiny_model(seed=1))
     default = StoreCheckpointSink(RunStore(tmp_path / "a"), "finetune-x", CheckpointPolicy())
-    train_task(tiny_model(seed=0), old, get_method("dsimplex-hoc"), data, config(epochs=3), checkpoints=default)
-    assert default.saved == 0
+    quiet = train_task(tiny_model(seed=0), old, get_method("dsimplex-hoc"), data, config(epochs=3),
+                       checkpoints=default)
+    assert default.saved == 0 and (quiet.checkpoints_written, quiet.checkpoint_seconds) == (0, 0.0)
     eager = StoreCheckpointSink(RunStore(tmp_path / "b"), "finetune-x", CheckpointPolicy(None, every_minutes=0.0))
-    train_task(tiny_model(seed=0), old, get_method("dsimplex-hoc"), data, config(epochs=3), checkpoints=eager)
+    result = train_task(tiny_model(seed=0), old, get_method("dsimplex-hoc"), data, config(epochs=3),
+                        checkpoints=eager)
     assert eager.saved >= 1 and eager.policy.write_seconds > 0
+    # the result counts the writes the sink made, and their seconds are part of the task's seconds
+    assert result.checkpoints_written == eager.saved
+    assert eager.policy.write_seconds <= result.checkpoint_seconds < result.seconds
 
 
 SIGTERM_SCRIPT = """
