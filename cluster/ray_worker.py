@@ -21,6 +21,7 @@ from cluster.storage import configure_object_storage
 from pipelines.graph import Stage
 from pipelines.lease import LeaseFence, hold_fence
 from pipelines.progress import ProgressUpdate
+from pipelines.records import CommittedStage, read_committed
 from pipelines.stages import execute_stage
 from pipelines.store import RunStore
 
@@ -28,14 +29,16 @@ from pipelines.store import RunStore
 @dataclass(frozen=True)
 class NodeResult:
     """What a node's Ray task returns: its stage key, the non-progress records (per-epoch training summaries, which
-    the driver replays to its emit callback), the worker's pid and Ray node id, and whether it computed the stage
-    (False: found committed, e.g. by a retried task)."""
+    the driver replays to its emit callback), the worker's pid and Ray node id, whether it computed the stage
+    (False: found committed, e.g. by a retried task) and what is committed (typed record, node keys, blob table;
+    None from Ray Train ranks other than 0), which the driver hands on to its emit callback."""
 
     key: str
     pid: int
     node_id: str
     computed: bool
     records: list = field(default_factory=list)
+    committed: CommittedStage | None = None
 
 
 def run_stage_in_worker(store_root: str, stage: Stage, config: Any, code_version: str, *,
@@ -65,8 +68,11 @@ def run_stage_in_worker(store_root: str, stage: Stage, config: Any, code_version
 
             # where the node ran goes into its manifest (a lost node's stage shows the survivor that redid it)
             where = {"node_id": node_id, "host": socket.gethostname(), "pid": os.getpid(), **(placement or {})}
-            execute_stage(stage, config, store, emit, code_version=code_version, placement=where)
-    return NodeResult(key=stage.key, pid=os.getpid(), node_id=node_id, computed=computed, records=records)
+            committed = execute_stage(stage, config, store, emit, code_version=code_version, placement=where)
+        else:
+            committed = read_committed(store, stage.key) if keep_records else None
+    return NodeResult(key=stage.key, pid=os.getpid(), node_id=node_id, computed=computed, records=records,
+                      committed=committed)
 
 
 __all__ = ["NodeResult", "run_stage_in_worker"]

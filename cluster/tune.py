@@ -274,9 +274,11 @@ def _finish(spec: SearchSpec, results) -> SearchOutcome:
     from mlflow import MlflowClient
 
     trials = []
+    reported: dict[str, dict] = {}  # trial id -> its last report
     for result in results:
         metrics = result.metrics or {}
         trial_id = metrics.get("trial_id") or Path(result.path).name.removeprefix("trial-")
+        reported[trial_id] = metrics
         status = "ERROR" if result.error else ("FINISHED" if metrics.get(TIME_ATTR) == spec.num_tasks
                                                else "STOPPED")
         objective = metrics.get(OBJECTIVE_KEY)
@@ -296,7 +298,7 @@ def _finish(spec: SearchSpec, results) -> SearchOutcome:
                                        f"tags.trial_id = '{best.trial_id}' and tags.search = '{spec.name}'",
                                        max_results=1)
             if found:
-                version = register_best_models(spec, best.trial_id, found[0].info.run_id)
+                version = register_best_models(spec, best.trial_id, found[0].info.run_id, reported[best.trial_id])
             client.log_metric(spec.parent_run_id, f"best_{OBJECTIVE_KEY}", best.objective)
         client.set_terminated(spec.parent_run_id, "FINISHED")
     else:
