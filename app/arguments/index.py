@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from app.arguments.cluster_access import add_cluster_access
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("build", "backfill", "show"))
@@ -21,10 +23,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe", default="query", choices=("query", "none"),
                         help="probe Recall@1 per chunk on the config's evaluation query set (backfill)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the backfill order")
-    parser.add_argument("--ray-address", default=None, help="Ray cluster (backfill): its GCS address HOST:PORT, "
-                        "or the job server http://HOST:PORT of a `compat cluster up` head (default: $RAY_ADDRESS, "
-                        "else a local instance)")
-    parser.add_argument("--ray-token-file", default=None, metavar="FILE",
-                        help="the cluster's token (default: Ray's standard places, e.g. ~/.ray/auth_token)")
-    parser.add_argument("--tracking-uri", default=None, metavar="URI",
-                        help="MLflow tracking server (default: $MLFLOW_TRACKING_URI)")
+    add_cluster_access(parser, "Ray cluster (backfill)")

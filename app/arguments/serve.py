@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from app.arguments.cluster_access import add_cluster_access
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("index", help="gallery index folder or s3://bucket/prefix (`compat index build`)")
@@ -20,12 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "for every choice)")
     parser.add_argument("--max-k", type=int, default=100)
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    parser.add_argument("--ray-address", default=None, help="Ray cluster: its GCS address HOST:PORT, or the job "
-                        "server http://HOST:PORT of a `compat cluster up` head (default: $RAY_ADDRESS, else a "
-                        "local instance)")
-    parser.add_argument("--ray-token-file", default=None, metavar="FILE",
-                        help="the cluster's token (default: Ray's standard places, e.g. ~/.ray/auth_token)")
-    parser.add_argument("--tracking-uri", default=None, metavar="URI",
-                        help="MLflow tracking server (default: $MLFLOW_TRACKING_URI)")
+    add_cluster_access(parser, "Ray cluster")
     parser.add_argument("--for-seconds", type=float, default=None, help="stop after this long (default: until "
                         "interrupted)")
