@@ -1,7 +1,9 @@
-"""The ``compat`` command line: one sub-command per module in ``app.commands``, listed in :data:`COMMANDS`.
+"""The ``compat`` command line: one sub-command per name in :data:`COMMANDS`.
 
-Each command module defines ``add_arguments(parser)`` and ``run(args) -> int``; its one-line help is in
-:data:`COMMANDS`.
+A command's arguments are ``app.arguments.<name>.add_arguments(parser)`` (argparse only) and its code is
+``app.commands.<name>.run(args) -> int``, run by :mod:`app.dispatch`; its one-line help is in :data:`COMMANDS`.
+Parsing, ``--help`` included, imports neither the command's code nor the dispatcher, so it never waits for torch,
+Ray or MLflow.
 """
 from __future__ import annotations
 
@@ -12,14 +14,10 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Iterable
 
-from cluster.tracking_client import check_tracking_uri, tracking_credentials_from_environment
-from pipelines.lease import RunFolderBusyError
-from pipelines.store import CorruptArtifactError
-
-# name -> one-line help, in the order ``compat --help`` shows them; the command's code is ``app.commands.<name>``.
-# The dispatcher imports only the module of the command being run (every module imports what it needs at its top,
-# which for some is Ray, Ray Serve, MLflow or torch): ``compat --help`` and ``compat <command>`` pay for one
-# command's imports, never for all of them.
+# name -> one-line help, in the order ``compat --help`` shows them; the command's arguments are
+# ``app.arguments.<name>`` and its code ``app.commands.<name>``. Only the module of the command being run is imported
+# (every module imports what it needs at its top, which for some is Ray, Ray Serve, MLflow or torch), and only once
+# its arguments parsed: ``compat <command>`` pays for one command's imports, ``--help`` for none.
 COMMANDS = {
     "demo": "run the glyph demo (ER and d-Simplex-HOC, 7 tasks, replacements at tasks 3 and 5) and print the results",
     "run": "run a scenario (train, replace, extract, evaluate); resumable: completed stages are skipped",
@@ -44,8 +42,9 @@ COMMANDS = {
 
 
 def available_commands() -> list[str]:
-    """Names of the commands whose module is part of this build, in :data:`COMMANDS` order."""
-    return [name for name in COMMANDS if importlib.util.find_spec(f"app.commands.{name}") is not None]
+    """Names of the commands whose modules are part of this build, in :data:`COMMANDS` order."""
+    return [name for name in COMMANDS if importlib.util.find_spec(f"app.commands.{name}") is not None
+            and importlib.util.find_spec(f"app.arguments.{name}") is not None]
 
 
 def package_version() -> str:
@@ -57,10 +56,10 @@ def package_version() -> str:
 
 
 def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
-    """The ``compat`` parser: a sub-parser per available command (each sets ``args._run``).
+    """The ``compat`` parser: a sub-parser per available command (``args.command`` names the one chosen).
 
-    load: the commands whose module is imported and whose arguments are added (None: every command); the others
-    are listed with their help line only."""
+    load: the commands whose arguments are added (None: every command); the others are listed with their help line
+    only. Only argument modules are imported, never a command's code."""
     parser = argparse.ArgumentParser(
         prog="compat",
         description="Compatible representation learning: train, replace and evaluate compatible models.",
@@ -71,11 +70,9 @@ def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
         command_parser = sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name])
         if load is not None and name not in load:
             continue
-        module = importlib.import_module(f"app.commands.{name}")
-        module.add_arguments(command_parser)
+        importlib.import_module(f"app.arguments.{name}").add_arguments(command_parser)
         command_parser.add_argument("--debug", action="store_true",
                                     help="show the full traceback of an error instead of a one-line message")
-        command_parser.set_defaults(_run=module.run)
     return parser
 
 
@@ -89,8 +86,9 @@ def requested_command(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Run ``compat`` with ``argv`` (None: ``sys.argv[1:]``); returns the command's exit code, 2 without a command.
 
-    Errors print one line (what failed and how to fix it) and exit 1 (2 for bad input); ``--debug`` re-raises them
-    with the traceback.
+    Arguments are parsed (``--help`` and argument errors end here) before the command's code is imported; then
+    :func:`app.dispatch.run_command` runs it. Errors print one line (what failed and how to fix it) and exit 1 (2 for
+    bad input); ``--debug`` re-raises them with the traceback.
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     command = requested_command(argv)
@@ -99,41 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
-    tracking_credentials_from_environment()  # before any Ray starts: a password never travels inside a URI
-    if getattr(args, "tracking_uri", None) not in (None, "none"):
-        try:
-            args.tracking_uri = check_tracking_uri(args.tracking_uri)
-        except ValueError as error:
-            print(f"error: --tracking-uri: {error}", file=sys.stderr)
-            return 2
-    try:
-        return int(args._run(args) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception as error:  # noqa: BLE001 - every failure becomes a one-line message unless --debug
-        if getattr(args, "debug", False):
-            raise
-        message, code = describe_error(error, args)
-        print(f"error: {message}", file=sys.stderr)
-        print("(run again with --debug for the traceback)", file=sys.stderr)
-        return code
-
-
-def describe_error(error: BaseException, args) -> tuple[str, int]:
-    """(one-line message with the fix where one is known, exit code) for an exception a command raised."""
-    if isinstance(error, CorruptArtifactError):
-        run_dir = getattr(args, "resume", None) or getattr(args, "output", None) or getattr(args, "run_dir", None) \
-            or "RUN_DIR"
-        fix = (f"; recompute that stage with: compat run --resume {run_dir} --recompute {error.stage_key[:24]}"
-               if error.stage_key else "")
-        return f"{error}{fix}", 1
-    if isinstance(error, RunFolderBusyError):
-        return str(error), 1
-    if isinstance(error, (ValueError, KeyError, FileNotFoundError)):
-        text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-        return str(text), 2
-    return f"{type(error).__name__}: {error}", 1
+    return importlib.import_module("app.dispatch").run_command(args)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ from pipelines.executor import Backend, Executor, Invocation, close_emit, read_i
 from pipelines.graph import Stage, StageGraph
 from pipelines.lease import LeaseFence, lease_fence
 from pipelines.progress import ProgressReporter
+from pipelines.records import CommittedStage
+from pipelines.results import read_result
 from pipelines.stage_kind import StageKind
 from pipelines.store import RunStore
 
@@ -209,7 +211,7 @@ class RayBackend(Backend):
         if line:
             log.warning(line)
 
-    def wait(self, timeout: float | None = None) -> tuple[str, list] | None:
+    def wait(self, timeout: float | None = None) -> tuple[str, list, CommittedStage] | None:
         finished, _ = ray.wait(list(self.running), num_returns=1, timeout=timeout)
         if not finished:
             return None
@@ -229,7 +231,7 @@ class RayBackend(Backend):
         self.stats["pids"].add(result.pid)
         self.stats["largest_result_bytes"] = max(self.stats["largest_result_bytes"],
                                                  len(ray.cloudpickle.dumps(result)))
-        return key, result.records
+        return key, result.records, result.committed
 
     def close(self) -> None:
         for ref in self.running:
@@ -276,7 +278,8 @@ class RayExecutor(Executor):
                 ray.shutdown()
 
     def _run_as_job(self, graph: StageGraph, store: RunStore) -> Invocation:
-        """Submit the pipeline as a Ray Job writing to ``store`` and wait; results are read back from the store."""
+        """Submit the pipeline as a Ray Job writing to ``store`` and wait; the job's results are read back from the
+        store once and emitted as the run's RunResult (the job's engine ran elsewhere)."""
         outcome = submit_pipeline(graph.config, self.address, output=store.root, wait=True, follow=True)
         if outcome.status != "SUCCEEDED":
             raise RuntimeError(f"Ray job {outcome.submission_id} ended {outcome.status}; "
@@ -288,11 +291,13 @@ class RayExecutor(Executor):
             summary.skipped = list(invocations[-1]["skipped"])
             summary.seconds = dict(invocations[-1]["seconds"])
         try:
-            summary.matrix = json.loads(store.read_text("matrix.json"))
-            summary.metrics = json.loads(store.read_text("metrics.json"))
+            summary.result = read_result(store)
         except FileNotFoundError:
             log.warning("job %s succeeded but %s has no matrix.json reachable from here (a store local to the "
                         "cluster?)", outcome.submission_id, store.root)
+            return summary
+        summary.matrix, summary.metrics = summary.result.matrix.to_dict(), summary.result.metrics
+        self.emit(summary.result)
         return summary
 
 

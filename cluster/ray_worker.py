@@ -22,6 +22,7 @@ from pipelines.graph import Stage
 from pipelines.lease import LeaseFence, hold_fence
 from pipelines.process_memory import peak_resident_bytes, release_freed_memory, reset_peak
 from pipelines.progress import ProgressUpdate
+from pipelines.records import CommittedStage, read_committed
 from pipelines.stages import execute_stage
 from pipelines.store import RunStore
 
@@ -30,14 +31,16 @@ from pipelines.store import RunStore
 class NodeResult:
     """What a node's Ray task returns: its stage key, the non-progress records (per-epoch training summaries, which
     the driver replays to its emit callback), the worker's pid and Ray node id, whether it computed the stage
-    (False: found committed, e.g. by a retried task) and the worker's peak resident bytes while it ran the node
-    (None where the OS does not say)."""
+    (False: found committed, e.g. by a retried task), what is committed (typed record, node keys, blob table; None
+    from Ray Train ranks other than 0), which the driver hands on to its emit callback, and the worker's peak
+    resident bytes while it ran the node (None where the OS does not say)."""
 
     key: str
     pid: int
     node_id: str
     computed: bool
     records: list = field(default_factory=list)
+    committed: CommittedStage | None = None
     peak_rss_bytes: int | None = None
 
 
@@ -62,18 +65,20 @@ def run_stage_in_worker(store_root: str, stage: Stage, config: Any, code_version
     # OS when it ends (else the next node, an extraction or an entry, starts with this one's high-water mark)
     reset_peak()
     try:
-        computed = _execute(store, stage, config, code_version, node_id, records, keep_records, placement, fence,
-                            store_root)
+        computed, committed = _execute(store, stage, config, code_version, node_id, records, keep_records,
+                                       placement, fence, store_root)
     finally:
         peak = peak_resident_bytes()
         release_freed_memory()
     return NodeResult(key=stage.key, pid=os.getpid(), node_id=node_id, computed=computed, records=records,
-                      peak_rss_bytes=peak)
+                      committed=committed, peak_rss_bytes=peak)
 
 
 def _execute(store: RunStore, stage: Stage, config: Any, code_version: str, node_id: str, records: list,
-             keep_records: bool, placement: dict | None, fence: LeaseFence | None, store_root: str) -> bool:
-    """Execute and commit ``stage`` under the fence unless it is committed already; whether it computed."""
+             keep_records: bool, placement: dict | None, fence: LeaseFence | None,
+             store_root: str) -> tuple[bool, CommittedStage | None]:
+    """Execute and commit ``stage`` under the fence unless it is committed already; whether it computed, and what
+    is committed (None where records are not kept)."""
     with hold_fence(store_root, fence):  # a driver that already lost its lease gets no work done either
         computed = not store.has(stage.key)
         if computed:
@@ -84,8 +89,10 @@ def _execute(store: RunStore, stage: Stage, config: Any, code_version: str, node
 
             # where the node ran goes into its manifest (a lost node's stage shows the survivor that redid it)
             where = {"node_id": node_id, "host": socket.gethostname(), "pid": os.getpid(), **(placement or {})}
-            execute_stage(stage, config, store, emit, code_version=code_version, placement=where)
-    return computed
+            committed = execute_stage(stage, config, store, emit, code_version=code_version, placement=where)
+        else:
+            committed = read_committed(store, stage.key) if keep_records else None
+    return computed, committed
 
 
 __all__ = ["NodeResult", "run_stage_in_worker"]

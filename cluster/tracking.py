@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -51,7 +50,7 @@ from cluster.tracking_records import StageRecordLogging
 from cluster.tracking_store import default_tracking_uri as machine_default
 from pipelines.config_load import config_hash, config_to_dict, stable_hash
 from pipelines.progress import StageEvent, StageRecord
-from pipelines.records import CommittedStage, read_committed
+from pipelines.records import CommittedStage
 from pipelines.results import RunResult
 from pipelines.stage_kind import StageKind
 
@@ -118,11 +117,6 @@ class Tracker:
                 self.finish("FAILED")
             raise
         self.finish()
-
-    @contextlib.contextmanager
-    def stage(self, stage: Any, seconds_hint: float | None = None) -> Iterator[None]:
-        """Scope of one stage for executors that call the tracker directly; FAILED and re-raised on an exception."""
-        yield
 
 
 class NullTracker(Tracker):
@@ -269,20 +263,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
             self._end_stage(event.stage_key, "FAILED")
             self._failed = True
         elif event.status == "skipped":
-            self._backfill(event.stage_key)
-
-    @contextlib.contextmanager
-    def stage(self, stage: Any, seconds_hint: float | None = None) -> Iterator[None]:
-        """Open the stage run, yield, then log the committed record and end FINISHED; on an exception end FAILED."""
-        self._open_stage(stage)
-        started = time.perf_counter()
-        try:
-            yield
-        except BaseException:
-            self._end_stage(stage.key, "FAILED")
-            self._failed = True
-            raise
-        self._complete_stage(stage.key, time.perf_counter() - started if seconds_hint is None else seconds_hint)
+            self._backfill(event.stage_key, event.committed)
 
     def _reconcile_stale_runs(self) -> None:
         """The pipeline run was still RUNNING when this resume started: its driver died (the run-folder lease
@@ -363,25 +344,28 @@ class MlflowTracker(StageRecordLogging, Tracker):
                 return
         runs.append(fresh)
 
-    def _complete_stage(self, key: str, seconds: float | None, committed: CommittedStage | None = None) -> None:
-        """Log the committed stage (as the engine handed it with "done"; read from the store only for stages
-        completed outside the engine: backfilled or run under :meth:`stage`) and end its run FINISHED."""
+    def _complete_stage(self, key: str, seconds: float | None, committed: CommittedStage | None) -> None:
+        """Log the committed stage as the engine handed it (with "done", or "skipped" for a stage committed before
+        this invocation) and end its run FINISHED. The store is read only for the blobs the tracker uploads."""
+        if committed is None:
+            raise ValueError(f"stage {key}: the engine's event carries no committed record; the tracker logs "
+                             f"stages from the engine's events only (pipelines.executor.run_graph)")
         if key not in self._open:
             self._open_stage(self.graph[key])
         opened = self._open[key]
         if seconds is not None:
             log_metrics(self.client, opened.run_id, {"stage/seconds": float(seconds)}, step=0)
-        self._log_record(opened.stage, opened.run_id, committed or read_committed(self.store, key))
+        self._log_record(opened.stage, opened.run_id, committed)
         self._end_stage(key, "FINISHED")
 
-    def _backfill(self, key: str) -> None:
+    def _backfill(self, key: str, committed: CommittedStage | None) -> None:
         """A stage committed earlier: log it from its record unless a FINISHED run already holds it."""
         runs = self._stage_runs.get(key, [])
         if runs and runs[-1].info.status == "FINISHED":
             return
         self._open_stage(self.graph[key])
         self.client.set_tag(self._open[key].run_id, "backfilled", "true")
-        self._complete_stage(key, None)
+        self._complete_stage(key, None, committed)
 
     # ---- low level ---------------------------------------------------------------------------------------------
     def _experiment(self, name: str) -> str:

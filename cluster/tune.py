@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -262,11 +263,29 @@ def resume_search(experiment_path: str, address: str | None = None, plugins: lis
     if not tune.Tuner.can_restore(restore_path, storage_filesystem=filesystem):
         raise FileNotFoundError(f"--resume {experiment_path}: no Tune experiment state there (was it interrupted "
                                 f"before the first trial started?)")
-    open_search_run(spec)
-    tuner = tune.Tuner.restore(restore_path, trainable=_trainable(spec), resume_unfinished=True,
-                               resume_errored=True, storage_filesystem=filesystem)
+    try:
+        tuner = tune.Tuner.restore(restore_path, trainable=_trainable(spec), resume_unfinished=True,
+                                   resume_errored=True, storage_filesystem=filesystem)
+    except (AttributeError, ImportError, pickle.UnpicklingError) as error:
+        if not saved_by_other_code(error):
+            raise
+        raise ValueError(
+            f"--resume {experiment_path}: Ray Tune's saved state of this search names code that this version of "
+            f"compat does not have ({error}); the search was started by another version, and Tune restores a "
+            f"search only with the code that started it. Its finished trials stay readable (`compat compare "
+            f"{experiment_path}`); to go on, start a new search: `compat tune CONFIG --space SPACE --objective "
+            f"{spec.objective.lower()} --samples {spec.samples} --storage {spec.storage} --name NEW_NAME`") from error
+    open_search_run(spec)  # after the state loaded: a refused resume leaves the search's MLflow run as it was
     results = tuner.fit()
     return _finish(spec, results)
+
+
+def saved_by_other_code(error: BaseException) -> bool:
+    """Whether unpickling Tune's saved state failed because a class or module it names is gone (moved or renamed
+    in another version of the code), rather than for another reason."""
+    if isinstance(error, (ModuleNotFoundError, pickle.UnpicklingError)):
+        return True
+    return isinstance(error, AttributeError) and "Can't get attribute" in str(error)  # pickle's lookup by name
 
 
 def _finish(spec: SearchSpec, results) -> SearchOutcome:
@@ -274,9 +293,11 @@ def _finish(spec: SearchSpec, results) -> SearchOutcome:
     from mlflow import MlflowClient
 
     trials = []
+    reported: dict[str, dict] = {}  # trial id -> its last report
     for result in results:
         metrics = result.metrics or {}
         trial_id = metrics.get("trial_id") or Path(result.path).name.removeprefix("trial-")
+        reported[trial_id] = metrics
         status = "ERROR" if result.error else ("FINISHED" if metrics.get(TIME_ATTR) == spec.num_tasks
                                                else "STOPPED")
         objective = metrics.get(OBJECTIVE_KEY)
@@ -296,7 +317,7 @@ def _finish(spec: SearchSpec, results) -> SearchOutcome:
                                        f"tags.trial_id = '{best.trial_id}' and tags.search = '{spec.name}'",
                                        max_results=1)
             if found:
-                version = register_best_models(spec, best.trial_id, found[0].info.run_id)
+                version = register_best_models(spec, best.trial_id, found[0].info.run_id, reported[best.trial_id])
             client.log_metric(spec.parent_run_id, f"best_{OBJECTIVE_KEY}", best.objective)
         client.set_terminated(spec.parent_run_id, "FINISHED")
     else:

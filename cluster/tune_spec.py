@@ -27,6 +27,8 @@ SHARED_FOLDER = "third-party"  # <experiment>/third-party: the trials' shared th
 TRIAL_FILE = "trial.json"
 TIME_ATTR = "tasks_completed"
 OBJECTIVE_KEY = "objective"
+RESULT_KEY = "run_result"  # a trial's last report: its RunResult.to_json() (matrix + metrics)
+MODELS_KEY = "models"  # a trial's last report: JSON of task (0-based) -> {"stage_key", "blobs"} of its task models
 # objective name on the command line -> metric key in metrics.json; all are maximised (BC/FC are gains)
 OBJECTIVES = {"aca": "ACA", "ac": "AC", "aa": "AA", "bc": "BC", "fc": "FC"}
 PAIR_METRICS = ("AC", "ACA", "BC", "FC")

@@ -10,9 +10,10 @@ from typing import Any
 from cluster.registry import ensure_registered_model, register_version, write_model_folder
 from cluster.tracking_client import log_metrics, log_params, open_client
 from cluster.tracking_params import flatten_params
-from cluster.tune_spec import BEST_ALIAS, OBJECTIVE_KEY, SearchSpec, TIME_ATTR, TRIAL_FILE
+from cluster.tune_spec import (BEST_ALIAS, MODELS_KEY, OBJECTIVE_KEY, RESULT_KEY, SearchSpec, TIME_ATTR,
+                               TRIAL_FILE)
 from compat_core import io as cio
-from pipelines.records import read_record
+from pipelines.results import MATRIX_FILE, METRICS_FILE, RunResult
 from pipelines.store import RunStore
 
 
@@ -100,7 +101,7 @@ class _MlflowSearchCallbackMixin:
         result = trial.last_result or {}
         finished = int(result.get(TIME_ATTR, 0)) >= self.num_tasks
         if finished and result.get("run_dir"):
-            self._log_results(run_id, result["run_dir"])
+            self._log_results(run_id, result["run_dir"], RunResult.from_json(result.get(RESULT_KEY)))
         else:
             self.client.set_tag(run_id, "early_stopped", "true")
         self.client.set_terminated(run_id, "FINISHED" if finished else "KILLED")
@@ -108,12 +109,15 @@ class _MlflowSearchCallbackMixin:
     def on_trial_error(self, iteration, trials, trial, **info):
         self.client.set_terminated(self.run_for(trial), "FAILED")
 
-    def _log_results(self, run_id: str, run_dir: str) -> None:
+    def _log_results(self, run_id: str, run_dir: str, result: RunResult) -> None:
+        """The trial's result files: matrix.json and metrics.json from the RunResult its last report holds, the
+        report, figures, config and trial file uploaded from its run folder."""
         with tempfile.TemporaryDirectory(prefix="compat-tune-results-") as folder:
             for name in cio.list_dir(run_dir):
-                if name in ("matrix.json", "metrics.json", "matrix.csv", "report.md", "config.yaml", TRIAL_FILE) \
-                        or name.endswith(".png"):
+                if name in ("matrix.csv", "report.md", "config.yaml", TRIAL_FILE) or name.endswith(".png"):
                     Path(folder, name).write_bytes(cio.read_bytes(cio.join(run_dir, name)))
+            Path(folder, MATRIX_FILE).write_text(result.matrix_json())
+            Path(folder, METRICS_FILE).write_text(result.metrics_json())
             self.client.log_artifacts(run_id, folder, "results")
 
 
@@ -143,28 +147,25 @@ def open_search_run(spec: SearchSpec) -> tuple[str, str]:
     return experiment_id, run.info.run_id
 
 
-def register_best_models(spec: SearchSpec, best_trial_id: str, trial_run_id: str) -> Any:
+def register_best_models(spec: SearchSpec, best_trial_id: str, trial_run_id: str, reported: dict) -> Any:
     """Register every task model of the best trial (aliases ``best-task-<t>``, 1-based) and ``best`` = the last one.
 
-    The model files are logged to the trial's MLflow run under ``model/task-<t>``. Returns the ``best`` version.
+    reported: the trial's last report, whose ``MODELS_KEY`` names each task model's stage key and blob table (the
+    committed records the trial's engine handed on). The model files, verified against that table, are logged to
+    the trial's MLflow run under ``model/task-<t>``. Returns the ``best`` version.
     """
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=spec.tracking_uri)
     store = RunStore(spec.run_dir(best_trial_id))
-    # the models are found from the committed records, not by recompiling the graph: stage keys hash the code
-    # version, which may differ between the trial's process and this one
-    model_keys: dict[int, str] = {}
-    for key in store.stage_keys():
-        if key.startswith(("finetune-", "replace-")):
-            model_keys[read_record(store, key).task] = key
-    if sorted(model_keys) != list(range(spec.num_tasks)):
-        raise FileNotFoundError(f"{store.root}: expected models of tasks 0..{spec.num_tasks - 1} (0-based), "
-                                f"found {sorted(model_keys)}")
+    models = json.loads(reported.get(MODELS_KEY) or "{}")
+    if sorted(models, key=int) != [str(task) for task in range(spec.num_tasks)]:
+        raise FileNotFoundError(f"{store.root}: the last report of trial {best_trial_id} names models of tasks "
+                                f"{sorted(models, key=int)} (0-based), expected 0..{spec.num_tasks - 1}")
     ensure_registered_model(client, spec.name, {"search": spec.name, "objective_metric": spec.objective})
     version = None
-    for task, key in sorted(model_keys.items()):
-        manifest = store.load_manifest(key)
+    for task in range(spec.num_tasks):
+        key, manifest = models[str(task)]["stage_key"], {"blobs": models[str(task)]["blobs"]}
         artifact_path = f"model/task-{task + 1}"
         with tempfile.TemporaryDirectory(prefix="compat-tune-model-") as folder:
             model_folder = write_model_folder(Path(folder, "model"), store.read_blob(key, "config.json", manifest),

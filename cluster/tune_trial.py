@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from cluster.storage import configure_object_storage
-from cluster.tune_spec import (OBJECTIVE_KEY, SearchSpec, TIME_ATTR, TRIAL_FILE, first_reported_task, load_plugins,
-                               trial_config)
+from cluster.tune_spec import (MODELS_KEY, OBJECTIVE_KEY, RESULT_KEY, SearchSpec, TIME_ATTR, TRIAL_FILE,
+                               first_reported_task, load_plugins, trial_config)
 from compat_core import io as cio
-from pipelines.executor import LocalExecutor, prepare_run
+from pipelines.executor import LocalExecutor, close_emit, prepare_run
 from pipelines.graph import compile_scenario
+from pipelines.records import ModelRecord
 from pipelines.results import headline_metrics, matrix_values
 from pipelines.store import RunStore
 
@@ -28,13 +29,37 @@ def _log_emit(record: Any) -> None:
         log.info("%s %s", getattr(record, "label", record), status)
 
 
+class ModelCollector:
+    """Emit callback of a trial: forwards every record to ``emit`` and keeps, from the engine's done / skipped
+    events, each task model's stage key and blob table (what the driver registers for the best trial)."""
+
+    BLOBS = ("model.safetensors", "config.json")
+
+    def __init__(self, emit) -> None:
+        self.emit = emit
+        self.models: dict[str, dict] = {}
+
+    def close(self) -> None:
+        close_emit(self.emit)
+
+    def __call__(self, record: Any) -> None:
+        self.emit(record)
+        committed = getattr(record, "committed", None)
+        if committed is not None and isinstance(committed.record, ModelRecord) and committed.record.task is not None:
+            self.models[str(committed.record.task)] = {
+                "stage_key": committed.record.stage_key,
+                "blobs": {name: {field: committed.blobs[name][field] for field in ("sha256", "size")}
+                          for name in self.BLOBS}}
+
+
 def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str, report, start_after: int = 0,
                        emit=None) -> dict:
     """Run one trial's pipeline task by task; ``report(metrics, tasks_completed)`` after each reported task.
 
     start_after: tasks already reported (from a Tune checkpoint): they are neither re-run (their stages are
-    committed) nor reported again. Returns the last reported metrics. Independent of Ray, so tests and users can run
-    a trial in-process.
+    committed) nor reported again. The last report also holds the run's result (``RESULT_KEY``) and its task models
+    (``MODELS_KEY``), which the driver's tracking logs and registers. Returns the last reported metrics. Independent
+    of Ray, so tests and users can run a trial in-process.
     """
     run_dir = spec.run_dir(trial_id)
     config = trial_config(spec.base_config, spec.space.get("fixed") or {}, sampled, run_dir,
@@ -44,7 +69,8 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
     prepare_run(config, store)
     cio.write_bytes(cio.join(run_dir, TRIAL_FILE), json.dumps({"trial_id": trial_id, "params": sampled},
                                                                indent=1, sort_keys=True).encode("utf-8"))
-    engine = LocalExecutor(emit=emit or _log_emit, progress=False)
+    collector = ModelCollector(emit or _log_emit)
+    engine = LocalExecutor(emit=collector, progress=False)
     strict = config.evaluation.strict
     first = first_reported_task(spec.objective)
     T = config.num_tasks
@@ -52,7 +78,7 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
     for task in range(T):
         # the engine up to row `task` (the last call completes the graph and writes matrix.json / metrics.json /
         # reports before the last report: the driver logs them on completion)
-        engine.run(graph, store, until=graph.evaluate_stages[: task + 1])
+        invocation = engine.run(graph, store, until=graph.evaluate_stages[: task + 1])
         completed = task + 1
         if completed <= start_after or completed < first:
             continue
@@ -61,6 +87,10 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
         last_metrics = {OBJECTIVE_KEY: metrics[spec.objective], TIME_ATTR: completed, "num_tasks": T,
                         **metrics, "run_dir": run_dir,
                         "matrix_row": [float(v) for v in values[completed - 1, :completed]]}
+        if invocation.result is not None:  # the graph is complete: the last task
+            # as JSON text: Tune's loggers keep text as it is instead of logging its numbers as metrics
+            last_metrics.update({RESULT_KEY: invocation.result.to_json(),
+                                 MODELS_KEY: json.dumps(collector.models, sort_keys=True)})
         report(last_metrics, completed)
     return last_metrics
 

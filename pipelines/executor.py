@@ -22,7 +22,7 @@ from pipelines.config import ScenarioConfig
 from pipelines.config_load import config_hash, dump_config, validate_config
 from pipelines.graph import Stage, StageGraph
 from pipelines.progress import ProgressReporter, StageEvent, StageRecord
-from pipelines.records import read_committed
+from pipelines.records import CommittedStage, read_committed
 from pipelines.reports import write_reports
 from pipelines.results import RunResult, assemble_matrix, write_result
 from pipelines.stage_kind import StageKind
@@ -49,12 +49,13 @@ class Invocation:
     seconds: dict[str, float] = field(default_factory=dict)
     matrix: dict | None = None
     metrics: dict | None = None
-    result: RunResult | None = None  # the same, typed (engine runs; a Ray job's driver returns only the dicts)
+    result: RunResult | None = None  # the same, typed (what the engine emits to the tracker)
 
 
 class Backend:
     """Where the engine's nodes run. ``submit`` starts one node (its parents are committed); ``wait`` blocks until
-    one submitted node is committed and returns ``(key, records)`` (records to replay to the emit callback), raising
+    one submitted node is committed and returns ``(key, records, committed)`` (records to replay to the emit
+    callback; the node's CommittedStage, which the engine hands on with the "done" event), raising
     that node's error; with ``timeout`` (seconds) it may return None when none finished by then (backends that run
     nodes synchronously ignore it). ``close`` releases what the backend holds. ``slots``: nodes it runs at once
     (None: as many as are ready; Ray queues and places them)."""
@@ -64,7 +65,7 @@ class Backend:
     def submit(self, stage: Stage, graph: StageGraph, store: RunStore) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def wait(self, timeout: float | None = None) -> tuple[str, list] | None:  # pragma: no cover - interface
+    def wait(self, timeout: float | None = None) -> tuple[str, list, CommittedStage] | None:  # pragma: no cover
         raise NotImplementedError
 
     def close(self) -> None:
@@ -84,10 +85,9 @@ class InProcessBackend(Backend):
         refuse_data_parallel([stage])
         self.queue.append((stage, graph, store))
 
-    def wait(self, timeout: float | None = None) -> tuple[str, list]:
+    def wait(self, timeout: float | None = None) -> tuple[str, list, CommittedStage]:
         stage, graph, store = self.queue.popleft()
-        execute_stage(stage, graph.config, store, self.emit, code_version=graph.code_version)
-        return stage.key, []
+        return stage.key, [], execute_stage(stage, graph.config, store, self.emit, code_version=graph.code_version)
 
 
 def refuse_data_parallel(stages: Iterable[Stage]) -> None:
@@ -123,7 +123,9 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
     def skip(stage: Stage) -> None:
         done.add(stage.key)
         summary.skipped.append(stage.key)
-        emit(StageEvent(stage.key, stage.label, stage.kind, "skipped", index_of[stage.key], total))
+        # committed before this invocation: read once here, handed on like a "done" stage's record
+        emit(StageEvent(stage.key, stage.label, stage.kind, "skipped", index_of[stage.key], total,
+                        committed=read_committed(store, stage.key)))
 
     def adopted(stage: Stage) -> bool:
         if shared is None or not shared.covers(stage.kind) or not shared.adopt(stage.key, store):
@@ -173,7 +175,7 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
                 outcome = backend.wait(timeout=SHARED_POLL_S if waiting_elsewhere else None)
                 if outcome is None:
                     continue
-                key, records = outcome
+                key, records, committed = outcome
             except BaseException as error:
                 failed = graph[getattr(error, "stage_key", None) or next(iter(started))]
                 emit(StageEvent(failed.key, failed.label, failed.kind, "failed", index_of[failed.key], total))
@@ -185,8 +187,7 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
             summary.executed.append(key)
             summary.seconds[key] = seconds
             stage = graph[key]
-            emit(StageEvent(key, stage.label, stage.kind, "done", index_of[key], total, seconds,
-                            read_committed(store, key)))
+            emit(StageEvent(key, stage.label, stage.kind, "done", index_of[key], total, seconds, committed))
             if shared is not None and shared.covers(stage.kind):
                 try:
                     if shared.publish(key, store):

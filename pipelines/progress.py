@@ -19,7 +19,7 @@ from pipelines.records import CommittedStage
 @dataclass
 class StageEvent:
     """Start/end/skip of a stage: ``status`` is started | done | skipped | failed; seconds only when done.
-    committed: when done, the committed record and its blob table (what a tracker logs and uploads)."""
+    committed: when done or skipped, the committed record and its blob table (what a tracker logs and uploads)."""
 
     stage_key: str
     label: str

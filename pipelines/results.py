@@ -45,6 +45,22 @@ class RunResult:
         """metrics.json text (no NaN: undefined metrics are null)."""
         return json.dumps(self.metrics, indent=2, allow_nan=False)
 
+    def to_json(self) -> str:
+        """One JSON text of matrix.json's and metrics.json's content (a Tune trial's last report carries it as text,
+        which Tune's loggers store without turning it into metrics)."""
+        return json.dumps({"matrix": self.matrix.to_dict(), "metrics": self.metrics}, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: Any) -> "RunResult":
+        """Inverse of :meth:`to_json`; ValueError/KeyError name what is missing or malformed."""
+        try:
+            data = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as error:
+            raise ValueError(f"run result: expected the JSON text of RunResult.to_json, got {text!r:.80} ({error})")
+        if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
+            raise ValueError(f"run result: expected {{'matrix': {{...}}, 'metrics': {{...}}}}, got {text!r:.200}")
+        return cls(CompatibilityMatrix.from_dict(data.get("matrix")), data["metrics"])
+
 
 def matrix_values(store: RunStore, row_keys: Sequence[str], size: int | None = None) -> np.ndarray:
     """``(size, size)`` fractions (default ``len(row_keys)``): row ``t`` from the committed row record
@@ -107,3 +123,10 @@ def write_result(store: RunStore, result: RunResult, folder: str = "") -> None:
     prefix = f"{folder}/" if folder else ""
     store.write_text(f"{prefix}{MATRIX_FILE}", result.matrix_json())
     store.write_text(f"{prefix}{METRICS_FILE}", result.metrics_json())
+
+
+def read_result(store: RunStore, folder: str = "") -> RunResult:
+    """The RunResult that :func:`write_result` wrote (FileNotFoundError when the run has no matrix.json yet)."""
+    prefix = f"{folder}/" if folder else ""
+    matrix = CompatibilityMatrix.from_json(store.read_text(f"{prefix}{MATRIX_FILE}"))
+    return RunResult(matrix, json.loads(store.read_text(f"{prefix}{METRICS_FILE}")))

@@ -21,7 +21,7 @@ from pipelines.entries import entry_stage, evaluate_stage
 from pipelines.extraction import extract_stage
 from pipelines.graph import Stage, stage_threads
 from pipelines.process_memory import limit_heap_caching, release_freed_memory
-from pipelines.records import Record, read_record, record_to_json
+from pipelines.records import CommittedStage, committed_stage, read_record, record_to_json
 from pipelines.stage_context import Emit, StageContext, StageResult, resolve_device
 from pipelines.stage_kind import StageKind
 from pipelines.store import RunStore
@@ -41,8 +41,10 @@ STAGE_FUNCTIONS: dict[str, Callable[[StageContext], StageResult]] = {
 
 
 def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: Emit,
-                  code_version: str | None = None, placement: dict | None = None) -> Record:
-    """Run one stage whose parents are committed, commit its artifacts (blobs, then manifest) and return the record.
+                  code_version: str | None = None, placement: dict | None = None) -> CommittedStage | None:
+    """Run one stage whose parents are committed, commit its artifacts (blobs, then manifest) and return what was
+    committed (typed record, node keys, blob table: what the engine hands the tracker); None on a data-parallel rank
+    other than 0, which commits nothing.
 
     This is the unit a Ray actor runs: everything it needs comes from the store by key. placement: where it ran
     (the Ray backend gives node id, host, pid), kept in the record as ``placement``.
@@ -67,7 +69,7 @@ def execute_stage(stage: Stage, config: ScenarioConfig, store: RunStore, emit: E
     node = {"kind": stage.kind, "label": stage.label}
     if placement is not None:
         node["placement"] = dict(placement)
-    store.commit(stage.key, record_to_json(result.record, **node), result.blobs, code_version=code_version)
+    manifest = store.commit(stage.key, record_to_json(result.record, **node), result.blobs, code_version=code_version)
     if StageKind(stage.kind).trains:
         collect_garbage(store, stage.key)  # the committed model supersedes its epoch checkpoints
-    return result.record
+    return committed_stage(manifest)

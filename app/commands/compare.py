@@ -17,15 +17,6 @@ from cluster.tune import register_run_source
 from pipelines.reports_compare import compare_table_markdown, load_runs, write_compare
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Positional RUN_DIR... and --output DIR."""
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
-                        help="run directories (config.yaml, matrix.json, metrics.json) or their eval-* variant folders")
-    parser.add_argument("--output", type=Path, default=None, metavar="DIR",
-                        help="where compare.md, compare.csv and compare.png go; default: compare-<names> in the "
-                             "folder holding the compared runs (printed)")
-
-
 def default_output(run_dirs: list) -> Path:
     """``<common parent of the inputs>/compare-<their names>`` (names joined by '-', at most 80 characters); for
     ``s3://`` runs ``./compare-<their names>``."""

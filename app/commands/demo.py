@@ -20,7 +20,6 @@ training it (``pipelines.shared_store``).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import sys
@@ -49,23 +48,6 @@ SHARED_FOLDER = "third-party"  # <output>/third-party: the shared store of both 
 def configs_dir() -> Path:
     """configs/ of the checkout (next to the pipelines package)."""
     return Path(__file__).resolve().parents[2] / "configs"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", default="runs/demo", help="parent folder of the two runs (default runs/demo)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a value in both demo configs (YAML-parsed; repeatable)")
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="scenarios run at once (default: 2 when the machine has >= 2 cores, else 1)")
-    parser.add_argument("--executor", choices=("ray", "local"), default="ray",
-                        help="ray (default): stages as actors on an embedded local Ray instance; local: in-process")
-    parser.add_argument("--tracking-uri", default=None, metavar="URI",
-                        help="MLflow tracking for both runs; default: $MLFLOW_TRACKING_URI, else one SQLite "
-                             "the machine's store (~/.local/share/compat/mlflow, see `compat ui`); 'none' turns it off")
-    parser.add_argument("--experiment", default=None, metavar="NAME",
-                        help="MLflow experiment of both runs, compared side by side (default: "
-                             "$MLFLOW_EXPERIMENT_NAME, else compat-demo)")
-    parser.add_argument("--no-progress", action="store_true")
 
 
 def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, threads: int | None,

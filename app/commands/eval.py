@@ -6,21 +6,12 @@ in the run directory unless the variant equals the run's own protocol.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 from app.printing import print_results
 from cluster.storage import configure_object_storage
 from pipelines.lease import RunFolderBusyError, run_lease
 from pipelines.results_variants import evaluate_variant
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="run directory written by `compat run`")
-    parser.add_argument("--gallery", choices=("instances", "class_means"), help="gallery of instances or class means")
-    parser.add_argument("--metric", choices=("recall_at_1", "map", "verification", "tar_at_far"))
-    parser.add_argument("--label-level", choices=("fine", "coarse"))
-    parser.add_argument("--strict", choices=("true", "false"), help="compatibility criterion > (true) or >= (false)")
 
 
 def run(args) -> int:

@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -21,31 +20,6 @@ from cluster.serving.index_store import load_index
 from cluster.serving.ray_join import resolve_ray_target
 from cluster.storage import configure_object_storage
 from pipelines.config_load import load_config
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=("build", "backfill", "show"))
-    parser.add_argument("root", help="index folder or s3://bucket/prefix")
-    parser.add_argument("--config", metavar="YAML", help="scenario config (its evaluation sets are the pools)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value (YAML-parsed; repeatable)")
-    parser.add_argument("--model", metavar="URI", help="models:/NAME@ALIAS or models:/NAME/VERSION")
-    parser.add_argument("--pool", default="gallery", choices=("gallery", "query"), help="pool to index (build)")
-    parser.add_argument("--shard-rows", type=int, default=4096, help="rows per Parquet shard (build)")
-    parser.add_argument("--payload-prefix", default=None, help="item i gets payload URI PREFIX/i (build)")
-    parser.add_argument("--chunk-rows", type=int, default=256, help="items re-embedded per chunk (backfill)")
-    parser.add_argument("--order", default="random", choices=("random",),
-                        help="backfill order (seeded random, compat_core.backfill.backfill_order)")
-    parser.add_argument("--probe", default="query", choices=("query", "none"),
-                        help="probe Recall@1 per chunk on the config's evaluation query set (backfill)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the backfill order")
-    parser.add_argument("--ray-address", default=None, help="Ray cluster (backfill): its GCS address HOST:PORT, "
-                        "or the job server http://HOST:PORT of a `compat cluster up` head (default: $RAY_ADDRESS, "
-                        "else a local instance)")
-    parser.add_argument("--ray-token-file", default=None, metavar="FILE",
-                        help="the cluster's token (default: Ray's standard places, e.g. ~/.ray/auth_token)")
-    parser.add_argument("--tracking-uri", default=None, metavar="URI",
-                        help="MLflow tracking server (default: $MLFLOW_TRACKING_URI)")
 
 
 def _config(args):

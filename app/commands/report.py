@@ -15,13 +15,6 @@ from pipelines.reports_results import load_run, metric_display_name
 from pipelines.reports_upgrades import gate_table_markdown, load_upgrades
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Positional RUN_DIR."""
-    parser.add_argument("run_dir", metavar="RUN_DIR",
-                        help="run directory holding config.yaml, matrix.json and metrics.json (local or s3://; "
-                             "S3 settings from the standard AWS environment / profile)")
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         with local_copies([args.run_dir]) as (folder,):

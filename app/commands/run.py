@@ -1,7 +1,6 @@
 """`compat run CONFIG [--set KEY=VALUE ...] [--resume RUN_DIR] [--output DIR]`: run a scenario end to end."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -17,28 +16,6 @@ from pipelines.local_paths import absolute_location
 from pipelines.preflight import preflight
 from pipelines.redaction import redact_uri
 from pipelines.store import RunStore
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", help="scenario YAML (optional with --resume: the run's config.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value, e.g. --set training.epochs=5 (YAML-parsed; repeatable)")
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR, skipping committed stages")
-    parser.add_argument("--output", metavar="DIR", help="run directory (local path or s3:// URI); "
-                                                         "default: the config's output.dir")
-    parser.add_argument("--executor", choices=("local", "ray"), default="local", help="where stages run")
-    parser.add_argument("--address", default=None, help="Ray address for --executor ray (auto | ray://... | http://...)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
-    parser.add_argument("--recompute", action="append", default=[], metavar="KEY",
-                        help="with --resume: compute this committed stage again (a unique prefix of its key, as "
-                             "printed by an integrity error); repeatable")
-    parser.add_argument("--experiment", default=None, metavar="NAME",
-                        help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME, else the scenario name); put "
-                             "runs you compare (e.g. ER and d-Simplex-HOC) in one experiment")
-    parser.add_argument("--tracking-uri", default=None, metavar="URI",
-                        help="MLflow tracking: sqlite:///PATH or http(s)://HOST:PORT; 'none' disables it; default: "
-                             "$MLFLOW_TRACKING_URI, else the machine's one store (~/.local/share/compat/mlflow; "
-                             "`compat ui` shows it)")
 
 
 def resolve_run(args) -> tuple[object, str]:

@@ -8,38 +8,11 @@ every replica loads the new version and switches atomically. Binds 127.0.0.1 unl
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 from cluster.serving.app import start
 from cluster.serving.ray_join import connect_ray
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("index", help="gallery index folder or s3://bucket/prefix (`compat index build`)")
-    parser.add_argument("--model", required=True, metavar="URI", help="models:/NAME@champion (followed) or "
-                        "models:/NAME/VERSION (pinned)")
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica")
-    parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica (queries embedded there)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
-    parser.add_argument("--poll-s", type=float, default=2.0, help="seconds between alias / index checks")
-    parser.add_argument("--precision", default="auto", help="retrieval kernel precision (the ranking is exact "
-                        "for every choice)")
-    parser.add_argument("--max-k", type=int, default=100)
-    parser.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    parser.add_argument("--ray-address", default=None, help="Ray cluster: its GCS address HOST:PORT, or the job "
-                        "server http://HOST:PORT of a `compat cluster up` head (default: $RAY_ADDRESS, else a "
-                        "local instance)")
-    parser.add_argument("--ray-token-file", default=None, metavar="FILE",
-                        help="the cluster's token (default: Ray's standard places, e.g. ~/.ray/auth_token)")
-    parser.add_argument("--tracking-uri", default=None, metavar="URI",
-                        help="MLflow tracking server (default: $MLFLOW_TRACKING_URI)")
-    parser.add_argument("--for-seconds", type=float, default=None, help="stop after this long (default: until "
-                        "interrupted)")
 
 
 def run(args) -> int:

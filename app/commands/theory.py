@@ -18,28 +18,6 @@ _CASES = (
 )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options: --dims, --old-angle, --new-angle, --samples, --seed, --png."""
-    parser.add_argument(
-        "--dims", type=int, nargs="+", default=list(theory.DEFAULT_DIMS), metavar="D",
-        help="representation dimensions d (>= 2); default: %(default)s",
-    )
-    parser.add_argument(
-        "--old-angle", type=float, nargs="+", default=[theory.DEFAULT_OLD_CAP_DEG], metavar="DEG",
-        help="half-angle(s) in degrees of the class cap before the update; default: %(default)s",
-    )
-    parser.add_argument(
-        "--new-angle", type=float, nargs="+", default=[theory.DEFAULT_NEW_CAP_DEG], metavar="DEG",
-        help="half-angle(s) in degrees of the (shrunken) cap after the update; default: %(default)s",
-    )
-    parser.add_argument(
-        "--samples", type=int, nargs="+", default=[theory.DEFAULT_SAMPLES], metavar="N",
-        help="Monte Carlo draws per setting; default: %(default)s",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed; default: %(default)s")
-    parser.add_argument("--png", type=Path, default=None, metavar="PATH", help="also write a plot to PATH (PNG)")
-
-
 def format_table(records: list[theory.Theorem1Record], case: str, title: str) -> str:
     """Text table of one case: dim, angles, samples, the two Monte Carlo means, their exact values, holds."""
     header = (

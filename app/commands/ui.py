@@ -2,19 +2,12 @@
 tracks into (runs, demos, searches, gate decisions), until Ctrl+C."""
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
 
 from cluster.local_head import free_port
 from cluster.tracking_store import default_tracking_uri
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=5000, help="port on 127.0.0.1 (default 5000; 0: a free one)")
-    parser.add_argument("--tracking-uri", default=None, metavar="URI",
-                        help="store to show (default: $MLFLOW_TRACKING_URI, else the machine's compat store)")
 
 
 def ui_command(tracking_uri: str, port: int) -> list[str]:

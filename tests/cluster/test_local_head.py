@@ -8,45 +8,16 @@ touches no other Ray instance on the machine.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from cluster.local_head import pids_naming, read_state
+from user_shell import PYTHON, compat, glyph_scenario, user_env as _env
 
-PYTHON = sys.executable
-ROOT = Path(__file__).resolve().parents[2]
 # a two-task scenario on the offline glyph set, small enough to run as a Ray Job in tens of seconds
-TINY_GLYPHS = """\
-name: tiny-glyphs
-seed: 0
-device: cpu
-data: {dataset: glyphs, split: finetune, options: {style: target}, per_class: 4}
-tasks: {spec: "2+2"}
-model: {backbone: cnn4, backbone_config: {in_chans: 1, width: 4}, num_slots: 8}
-method: {name: er, params: {}}
-training: {optimizer: {name: sgd, lr: 0.01}, epochs: 1, batch_size: 8, autocast: false}
-replay: {per_class: 2}
-evaluation:
-  query_set: {dataset: glyphs, split: test-query, options: {style: target}, per_class: 1}
-  gallery_set: {dataset: glyphs, split: test-gallery, options: {style: target}, per_class: 1}
-  label_level: coarse
-"""
-
-
-def _env(home: Path, **extra: str) -> dict:
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("RAY_AUTH", "RAY_ADDRESS", "MLFLOW_TRACKING_URI"))}
-    env.update(HOME=str(home), PYTHONPATH=str(ROOT), **extra)
-    return env
-
-
-def compat(*args: str, env: dict, cwd: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "app.cli", *args], env=env, cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
+TINY_GLYPHS = glyph_scenario("tiny-glyphs", num_slots=8)
 
 
 def _new_token(path: Path) -> str:

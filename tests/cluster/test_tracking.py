@@ -20,11 +20,11 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 tiny.register()  # the scenario below names the tiny-synth dataset: configs validate only once it is registered
 
 from cluster.registry import parse_model_uri, registered_model_name, task_alias
-import cluster.tracking as tracking_module
 from cluster.tracking import MlflowTracker, NullTracker, create_tracker
 from cluster.tracking_client import check_tracking_uri, default_tracking_uri, project_tracking_uri
 from cluster.tracking_params import flatten_params, looks_like_secret
 from cluster.tracking_records import entry_metric_key
+from pipelines.store import RunStore
 
 # C[t, k] (0-based query t, gallery k); exact binary fractions so that hand arithmetic is exact
 MATRIX = [[0.5], [0.625, 0.75], [0.375, 0.875, 1.0]]
@@ -230,9 +230,27 @@ def fake_stage_functions(fail_task: int | None = None) -> dict:
             "entry": entry_stage, "evaluate": evaluate_stage}
 
 
+class TrackerStore(RunStore):
+    """The run folder as the tracker gets it: it may read the blobs and files it uploads, while reading a stage
+    manifest or a result file fails the test (the engine hands the tracker the committed records and the result)."""
+
+    def load_manifest(self, stage_key: str) -> dict:
+        raise AssertionError(f"the tracker read the manifest of {stage_key} back from the store")
+
+    def uri(self, *parts: str) -> str:
+        if parts and parts[-1] in ("matrix.json", "metrics.json"):
+            raise AssertionError(f"the tracker read {parts[-1]} back from the store")
+        return super().uri(*parts)
+
+    def read_text(self, relative: str) -> str:
+        self.uri(relative)  # refuses the result files
+        return super().read_text(relative)
+
+
 def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task: int | None = None,
-                ray_job: str | None = None):
-    """Compile the scenario, run it with the LocalExecutor and fake stages, tracked by an MlflowTracker.
+                ray_job: str | None = None, stop_after: int | None = None):
+    """Compile the scenario, run it with the LocalExecutor and fake stages, tracked by an MlflowTracker whose store
+    refuses manifest and result-file reads (:class:`TrackerStore`); stop_after: run only this many nodes.
 
     Returns (graph, store, tracker). Re-raises a stage failure after the tracker has closed the runs.
     """
@@ -241,14 +259,9 @@ def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task:
     from pipelines.executor import LocalExecutor
     from pipelines.graph import compile_scenario
     from pipelines.progress import ProgressReporter
-    from pipelines.store import RunStore
 
     for kind, function in fake_stage_functions(fail_task).items():
         monkeypatch.setitem(stages.STAGE_FUNCTIONS, kind, function)
-    STORE_READS.clear()   # stages the tracker had to read back from the store instead of taking the engine's record
-    read = tracking_module.read_committed
-    monkeypatch.setattr(tracking_module, "read_committed",
-                        lambda store, key: STORE_READS.append(key) or read(store, key))
     if ray_job is not None:
         fake_ray = SimpleNamespace(is_initialized=lambda: True,
                                    get_runtime_context=lambda: SimpleNamespace(get_job_id=lambda: ray_job))
@@ -257,14 +270,11 @@ def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task:
     graph = compile_scenario(config, version="test+0123")
     store = RunStore(run_dir)
     tracker = create_tracker(tracking_uri, run_dir)
-    with tracker.pipeline(graph, store):
-        LocalExecutor(emit=ProgressReporter(enabled=False, sinks=[tracker])).run(graph, store)
+    with tracker.pipeline(graph, TrackerStore(run_dir)):
+        LocalExecutor(emit=ProgressReporter(enabled=False, sinks=[tracker]), stop_after=stop_after).run(graph, store)
     if ray_job is not None:
         monkeypatch.delitem(__import__("sys").modules, "ray")
     return graph, store, tracker
-
-
-STORE_READS: list[str] = []
 
 
 def metric_history(client, run_id: str, key: str) -> dict[int, float]:
@@ -284,7 +294,7 @@ def sqlite_run(tmp_path_factory):
 
 def test_done_stages_are_logged_from_the_committed_record_the_engine_hands_over(sqlite_run):
     run_dir, graph, store, tracker = sqlite_run
-    assert STORE_READS == []   # every stage ran in this run: no manifest read back by the tracker
+    assert isinstance(tracker.store, TrackerStore)  # which fails a manifest read
     experiment = tracker.client.get_experiment_by_name("track-demo")
     extracts = [run for run in tracker.client.search_runs([experiment.experiment_id])
                 if run.data.tags.get("stage_kind") == "extract"]

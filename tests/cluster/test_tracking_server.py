@@ -152,3 +152,33 @@ def test_failed_stage_is_failed_over_rest(mlflow_server, tmp_path, monkeypatch):
     labels = sorted(tags_of(r).get("stage_label", "<pipeline>") for r in failed
                     if tags_of(r)["pipeline_id"] == tags_of(failed[0])["pipeline_id"])
     assert labels == ["<pipeline>", "finetune[t=0]"]
+
+
+def test_stages_committed_before_tracking_are_logged_from_the_engines_records(mlflow_server, tmp_path, monkeypatch):
+    """Six nodes committed without tracking, then the run resumed tracked: the stages committed before are logged
+    (backfilled) from the records the engine read once and handed over, while the tracker's store refuses every
+    manifest and result-file read (test_tracking.TrackerStore)."""
+    run_dir = tmp_path / "backfilled"
+    graph, store, _ = run_tracked(run_dir, "none", monkeypatch, stop_after=6)
+    before = [stage for stage in graph if store.has(stage.key)]
+    assert len(before) == 6 and any(stage.kind in ("pretrain", "finetune") for stage in before)
+    _, _, tracker = run_tracked(run_dir, mlflow_server.tracking_uri, monkeypatch)
+    runs = search_runs(mlflow_server, tracker.experiment_id, f"tags.pipeline_id = '{tracker.pipeline_id}'")
+    by_key = {tags_of(run).get("stage_key"): run for run in runs}
+    backfilled = {key for key, run in by_key.items() if tags_of(run).get("backfilled") == "true"}
+    assert backfilled == {stage.key for stage in before if stage.kind != "entry"}  # entries log with their row
+    for stage in before:
+        run = by_key.get(stage.key)
+        if stage.kind in ("pretrain", "finetune", "replace"):
+            digest = hashlib.sha256(Path(store.blob_path(stage.key, "model.safetensors")).read_bytes()).hexdigest()
+            assert tags_of(run)["model_sha256"] == digest
+            files = rest(mlflow_server, "GET", "artifacts/list", {"run_id": run["info"]["run_id"],
+                                                                  "path": "model/artifacts"})
+            sizes = {Path(f["path"]).name: int(f["file_size"]) for f in files["files"]}
+            assert sizes["model.safetensors"] == Path(store.blob_path(stage.key, "model.safetensors")).stat().st_size
+        elif stage.kind == "extract":
+            assert latest_metrics(run)["extract/rows"] == 30  # the fake layout's rows
+    assert all(run["info"]["status"] == "FINISHED" for run in runs)
+    parent = [run for run in runs if tags_of(run).get("run_role") == "pipeline"]
+    assert len(parent) == 1
+    assert latest_metrics(parent[0])["AA"] == pytest.approx(EXPECTED["AA"])

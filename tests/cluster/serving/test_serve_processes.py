@@ -4,12 +4,12 @@ it, the alias moved, then `compat index backfill` from "another shell" re-embedd
 the service answers. Real MLflow server, real Ray, HTTP on 127.0.0.1; no mocks."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,40 +20,20 @@ import torch
 import serving_helpers as helpers
 from app.cli import main
 from local_services import free_port
+from user_shell import PYTHON, glyph_scenario, user_env
+from user_shell import compat as run_compat
 
 pytestmark = pytest.mark.integration
-PYTHON = sys.executable
-ROOT = Path(__file__).resolve().parents[3]
 NAME = "serve-processes-test"
-GLYPHS = """\
-name: serve-glyphs
-seed: 0
-device: cpu
-data: {dataset: glyphs, split: finetune, options: {style: target}, per_class: 4}
-tasks: {spec: "2+2"}
-model: {backbone: cnn4, backbone_config: {in_chans: 1, width: 4}, num_slots: 10}
-method: {name: er, params: {}}
-training: {optimizer: {name: sgd, lr: 0.01}, epochs: 1, batch_size: 8, autocast: false}
-replay: {per_class: 2}
-evaluation:
-  query_set: {dataset: glyphs, split: test-query, options: {style: target}, per_class: 1}
-  gallery_set: {dataset: glyphs, split: test-gallery, options: {style: target}, per_class: 1}
-  label_level: coarse
-  feature_dtype: float32
-"""
+GLYPHS = glyph_scenario("serve-glyphs", num_slots=10, feature_dtype="float32")
 
 
 def _shell(home: Path, cache: Path, tracking: str, **extra: str) -> dict:
-    """A user's shell: its own HOME (Ray's standard token file lives there), no Ray variables of the test run."""
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("RAY_AUTH", "RAY_ADDRESS", "MLFLOW_TRACKING_URI"))}
-    env.update(HOME=str(home), XDG_CACHE_HOME=str(cache), PYTHONPATH=str(ROOT), MLFLOW_TRACKING_URI=tracking,
-               **extra)
-    return env
+    """A user's shell with its own caches and the test's MLflow server."""
+    return user_env(home, XDG_CACHE_HOME=str(cache), MLFLOW_TRACKING_URI=tracking, **extra)
 
 
-def compat(*args: str, env: dict, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "app.cli", *args], env=env, capture_output=True, text=True, timeout=timeout)
+compat = functools.partial(run_compat, timeout=400)
 
 
 def _wait_healthz(url: str, process: subprocess.Popen, log: Path, until, timeout_s: float = 300) -> dict:

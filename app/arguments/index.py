@@ -1,0 +1,26 @@
+"""Arguments of ``compat index`` (the command itself is :mod:`app.commands.index`): argparse only,
+so that ``compat index --help`` imports none of the command's dependencies."""
+from __future__ import annotations
+
+import argparse
+
+from app.arguments.cluster_access import add_cluster_access
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=("build", "backfill", "show"))
+    parser.add_argument("root", help="index folder or s3://bucket/prefix")
+    parser.add_argument("--config", metavar="YAML", help="scenario config (its evaluation sets are the pools)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value (YAML-parsed; repeatable)")
+    parser.add_argument("--model", metavar="URI", help="models:/NAME@ALIAS or models:/NAME/VERSION")
+    parser.add_argument("--pool", default="gallery", choices=("gallery", "query"), help="pool to index (build)")
+    parser.add_argument("--shard-rows", type=int, default=4096, help="rows per Parquet shard (build)")
+    parser.add_argument("--payload-prefix", default=None, help="item i gets payload URI PREFIX/i (build)")
+    parser.add_argument("--chunk-rows", type=int, default=256, help="items re-embedded per chunk (backfill)")
+    parser.add_argument("--order", default="random", choices=("random",),
+                        help="backfill order (seeded random, compat_core.backfill.backfill_order)")
+    parser.add_argument("--probe", default="query", choices=("query", "none"),
+                        help="probe Recall@1 per chunk on the config's evaluation query set (backfill)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the backfill order")
+    add_cluster_access(parser, "Ray cluster (backfill)")

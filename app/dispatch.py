@@ -1,0 +1,55 @@
+"""Running one parsed ``compat`` command (:func:`run_command`): its code module ``app.commands.<name>``, the
+tracking credentials and ``--tracking-uri`` checked before any Ray starts, and every error turned into one line
+with its fix (:func:`describe_error`). ``app.cli`` imports this module only once the arguments parsed."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from cluster.tracking_client import check_tracking_uri, tracking_credentials_from_environment
+from pipelines.lease import RunFolderBusyError
+from pipelines.store import CorruptArtifactError
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Import ``app.commands.<args.command>`` and run it with ``args``; returns its exit code (see app.cli.main)."""
+    module = importlib.import_module(f"app.commands.{args.command}")
+    tracking_credentials_from_environment()  # before any Ray starts: a password never travels inside a URI
+    if getattr(args, "tracking_uri", None) not in (None, "none"):
+        try:
+            args.tracking_uri = check_tracking_uri(args.tracking_uri)
+        except ValueError as error:
+            print(f"error: --tracking-uri: {error}", file=sys.stderr)
+            return 2
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - every failure becomes a one-line message unless --debug
+        if getattr(args, "debug", False):
+            raise
+        message, code = describe_error(error, args)
+        print(f"error: {message}", file=sys.stderr)
+        print("(run again with --debug for the traceback)", file=sys.stderr)
+        return code
+
+
+def describe_error(error: BaseException, args) -> tuple[str, int]:
+    """(one-line message with the fix where one is known, exit code) for an exception a command raised."""
+    if isinstance(error, CorruptArtifactError):
+        run_dir = getattr(args, "resume", None) or getattr(args, "output", None) or getattr(args, "run_dir", None) \
+            or "RUN_DIR"
+        fix = (f"; recompute that stage with: compat run --resume {run_dir} --recompute {error.stage_key[:24]}"
+               if error.stage_key else "")
+        return f"{error}{fix}", 1
+    if isinstance(error, RunFolderBusyError):
+        return str(error), 1
+    if isinstance(error, (ValueError, KeyError, FileNotFoundError)):
+        text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+        return str(text), 2
+    return f"{type(error).__name__}: {error}", 1
+
+
+__all__ = ["describe_error", "run_command"]
