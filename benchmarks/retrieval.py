@@ -20,8 +20,8 @@ shape with full-rank class-clustered features (the kernel's full-d path), so nei
 other. More cases: ``simplex`` (d-Simplex-like: unit rows at a set cosine to their class's prototype), ``random``
 (unclustered full-rank rows) and, with ``--demo-run RUN --demo-tasks 0,6``, the features a finished run extracted
 with each task's model (read with the product's reader; shapes as extracted, ``--demo-tile`` repeats the query
-rows). Pruned exact search: "kernel auto" is ``nearest_neighbours`` (k-means groups where its probe and timed trial
-say pruning pays), "whole-gallery kernel" the same kernel without pruning, "pruned k-means forced" pruning without
+rows). Pruned exact search: "kernel auto" is ``nearest_neighbours`` (k-means groups where its estimate and cost
+model say pruning pays), "whole-gallery kernel" the same kernel without pruning, "pruned k-means forced" pruning without
 the probe; each case prints how many groups and gallery items a query must search with k-means and with class
 groups (a count from the bounds, independent of the machine's load), the load average and the CPU model.
 """
@@ -191,7 +191,7 @@ def whole_gallery_top1(query, gallery) -> np.ndarray:
 
 
 def pruned_kmeans_top1(query, gallery) -> np.ndarray:
-    """The pruned search with k-means groups, forced (no probe, no trial): the pruning's own speed."""
+    """The pruned search with k-means groups, forced (no estimate, no cost model): the pruning's own speed."""
     index, _, _ = retrieval_pruned.search_top1(query, gallery, retrieval._group_search(None), prune="always")
     return index.numpy()
 
