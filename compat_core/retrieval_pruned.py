@@ -231,12 +231,11 @@ def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None,
                 guess = estimate(query, gallery, labels)
             if guess.groups < 2 or not worth_pruning(guess.share, guess.groups, size, gallery.device):
                 return whole_search(Report(False, guess.groups, float(guess.groups), float(size), guess.share))
-        with one_thread():
-            groups = group_gallery(gallery, labels)
+        groups, q32 = _grouped_and_normalised(query, gallery, labels)
         share = 1.0 if guess is None else guess.share
         if groups.count < 2:
             return whole_search(Report(False, groups.count, 1.0, float(size), share))
-        found = _pruned(query, gallery, groups, share, want_scores, check=prune == "auto")
+        found = _pruned(query, gallery, groups, share, want_scores, check=prune == "auto", q32=q32)
         if found is None:
             return whole_search(Report(False, groups.count, float(groups.count), float(size), share))
         return found
@@ -247,18 +246,42 @@ def needed_groups(query: torch.Tensor, groups: Groups) -> torch.Tensor:
     return _query_bounds(query, groups)[1]
 
 
-def _query_bounds(query: torch.Tensor, groups: Groups):
+def _grouped_and_normalised(query: torch.Tensor, gallery: torch.Tensor, labels):
+    """(``group_gallery(gallery, labels)``, the queries' ``_unit32`` rows): the grouping (many small operations,
+    on one thread: none waits for a descheduled worker) and the queries' normalisation (blocks of
+    ``_BOUND_CHUNK`` rows) as independent pieces of work side by side (``run_chunks``)."""
+    count = query.shape[0]
+    q32 = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    grouped = []
+
+    def piece(start: int, stop: int) -> None:
+        if start < 0:
+            with one_thread():
+                grouped.append(group_gallery(gallery, labels))
+        else:
+            q32[start:stop] = _unit32(query[start:stop], "query", start)
+    run_chunks(piece, [(-1, -1)] + [(start, min(count, start + _BOUND_CHUNK))
+                                    for start in range(0, count, _BOUND_CHUNK)], query.device)
+    return grouped[0], q32
+
+
+def _query_bounds(query: torch.Tensor, groups: Groups, q32: torch.Tensor | None = None):
     """(fp32 unit rows (Nq, D), the groups each must search (Nq, C) bool, its nearest group (Nq,) by centre
-    score) of every query row, in blocks of ``_BOUND_CHUNK`` rows as independent pieces of work (``run_chunks``)."""
+    score) of every query row, in blocks of ``_BOUND_CHUNK`` rows as independent pieces of work (``run_chunks``).
+    ``q32``: the unit rows, already computed."""
     count, dim = query.shape
     device = query.device
-    q32 = torch.empty((count, dim), dtype=torch.float32, device=device)
+    given = q32 is not None
+    q32 = q32 if given else torch.empty((count, dim), dtype=torch.float32, device=device)
     need = torch.empty((count, groups.count), dtype=torch.bool, device=device)
     nearest = torch.empty(count, dtype=torch.long, device=device)
 
     def block(start: int, stop: int) -> None:
-        rows = _unit32(query[start:stop], "query", start)
-        q32[start:stop] = rows
+        if given:
+            rows = q32[start:stop]
+        else:
+            rows = _unit32(query[start:stop], "query", start)
+            q32[start:stop] = rows
         t, e_t, lower = bounds(rows, groups)
         need[start:stop] = needed(t, e_t, lower, groups)
         nearest[start:stop] = t.argmax(dim=1)
@@ -267,14 +290,15 @@ def _query_bounds(query: torch.Tensor, groups: Groups):
     return q32, need, nearest
 
 
-def _pruned(query: torch.Tensor, gallery: torch.Tensor, groups: Groups, share: float, want_scores: bool, check: bool):
+def _pruned(query: torch.Tensor, gallery: torch.Tensor, groups: Groups, share: float, want_scores: bool, check: bool,
+            q32: torch.Tensor | None = None):
     """``search_top1`` with pruning: the bounds of every query (blocks of ``_BOUND_CHUNK`` rows as independent
     pieces of work, ``run_chunks``), then blocks of ``_SEARCH_BLOCK`` queries sorted by their nearest group
     (``_search_block``). ``check``: return None (the caller searches the whole gallery) when the exact counts fail
-    ``worth_pruning``."""
+    ``worth_pruning``. ``q32``: the queries' unit rows, already computed."""
     count, dim = query.shape
     device = query.device
-    q32, need, nearest = _query_bounds(query, groups)
+    q32, need, nearest = _query_bounds(query, groups, q32)
     sizes = groups.sizes().to(device)
     report = Report(True, groups.count, float(need.sum(dim=1).double().mean()),
                     float((need.double() @ sizes).mean()), share)
