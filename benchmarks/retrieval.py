@@ -409,12 +409,12 @@ def print_row(row: dict) -> None:
             print(f"  {grouping}: {rate['groups']} groups, {rate['groups_per_query']:.2f} groups and "
                   f"{rate['items_per_query']:.0f} items searched per query ({100 * rate['share']:.1f} %)")
         decisions = sorted({(d["pruned"], round(d["estimated_share"], 3)) for d in row["auto_decisions"]})
-        print(f"  kernel auto decided (pruned, probe share): {decisions}")
+        print(f"  kernel auto decided (pruned, estimated share): {decisions}")
         if row.get("pruning"):
             prune = row["pruning"]
             print(f"  recall path: pruned {prune['pruned']}, {prune['groups']} groups, "
                   f"{prune['groups_per_query']:.2f} groups and {prune['items_per_query']:.0f} items searched "
-                  f"per query (probe estimate {prune['estimated_share']:.3f} of the gallery)")
+                  f"per query (estimate {prune['estimated_share']:.3f} of the gallery)")
         if not row["methods"]:
             return
         print(f"  {'method':20s} {'median s':>9s} {'runs s':>22s} {'x kernel':>9s} {'top1=fp64':>12s}")
