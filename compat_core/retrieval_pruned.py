@@ -330,7 +330,8 @@ def _search_block(rows: torch.Tensor, query: torch.Tensor, gallery: torch.Tensor
     # rounding in the margin), compared in fp32 against the largest fp32 value at or below the limit
     limit = best.values.double() - 2.0 * error * SLACK - _FP64_MARGIN
     limit32 = limit.float()
-    limit32 = torch.where(limit32.double() > limit, torch.nextafter(limit32, torch.full_like(limit32, -math.inf)), limit32)
+    below = torch.nextafter(limit32, torch.full_like(limit32, -math.inf))
+    limit32 = torch.where(limit32.double() > limit, below, limit32)
     candidate = s32 >= limit32.unsqueeze(1)
     single = candidate.sum(dim=1) == 1
     if score is None and bool(single.any()):
