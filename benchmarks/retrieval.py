@@ -20,8 +20,8 @@ shape with full-rank class-clustered features (the kernel's full-d path), so nei
 other. More cases: ``simplex`` (d-Simplex-like: unit rows at a set cosine to their class's prototype), ``random``
 (unclustered full-rank rows) and, with ``--demo-run RUN --demo-tasks 0,6``, the features a finished run extracted
 with each task's model (read with the product's reader; shapes as extracted, ``--demo-tile`` repeats the query
-rows). Pruned exact search: "kernel auto" is ``nearest_neighbours`` (k-means groups where its probe and timed trial
-say pruning pays), "whole-gallery kernel" the same kernel without pruning, "pruned k-means forced" pruning without
+rows). Pruned exact search: "kernel auto" is ``nearest_neighbours`` (k-means groups where its estimate and cost
+model say pruning pays), "whole-gallery kernel" the same kernel without pruning, "pruned k-means forced" pruning without
 the probe; each case prints how many groups and gallery items a query must search with k-means and with class
 groups (a count from the bounds, independent of the machine's load), the load average and the CPU model.
 """
@@ -191,7 +191,7 @@ def whole_gallery_top1(query, gallery) -> np.ndarray:
 
 
 def pruned_kmeans_top1(query, gallery) -> np.ndarray:
-    """The pruned search with k-means groups, forced (no probe, no trial): the pruning's own speed."""
+    """The pruned search with k-means groups, forced (no estimate, no cost model): the pruning's own speed."""
     index, _, _ = retrieval_pruned.search_top1(query, gallery, retrieval._group_search(None), prune="always")
     return index.numpy()
 
@@ -409,12 +409,12 @@ def print_row(row: dict) -> None:
             print(f"  {grouping}: {rate['groups']} groups, {rate['groups_per_query']:.2f} groups and "
                   f"{rate['items_per_query']:.0f} items searched per query ({100 * rate['share']:.1f} %)")
         decisions = sorted({(d["pruned"], round(d["estimated_share"], 3)) for d in row["auto_decisions"]})
-        print(f"  kernel auto decided (pruned, probe share): {decisions}")
+        print(f"  kernel auto decided (pruned, estimated share): {decisions}")
         if row.get("pruning"):
             prune = row["pruning"]
             print(f"  recall path: pruned {prune['pruned']}, {prune['groups']} groups, "
                   f"{prune['groups_per_query']:.2f} groups and {prune['items_per_query']:.0f} items searched "
-                  f"per query (probe estimate {prune['estimated_share']:.3f} of the gallery)")
+                  f"per query (estimate {prune['estimated_share']:.3f} of the gallery)")
         if not row["methods"]:
             return
         print(f"  {'method':20s} {'median s':>9s} {'runs s':>22s} {'x kernel':>9s} {'top1=fp64':>12s}")

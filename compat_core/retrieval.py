@@ -90,7 +90,6 @@ import numpy as np
 import torch
 
 from compat_core import retrieval_pruned
-from compat_core.calibration import fastest_matmul
 from compat_core.retrieval_kernel import _default_chunk, _Queries, _search
 from compat_core.retrieval_space import _direct_space, _half_dtype_for, _inverse_norms, _with_stage
 from compat_core.torch_settings import ieee_fp32 as _ieee_fp32
@@ -162,8 +161,8 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
     stage), "fp32", "fp64" (brute force). The ranking is the same for every choice.
     ``chunk_size``: queries per block (default: a block of scores stays under 2**26 entries).
     With k = 1 and "auto", large searches group the gallery (spherical k-means) and search only the groups whose
-    proven bound can reach a query's best score, where a probe of the bounds and a timed trial on the first
-    queries say it pays (``compat_core.retrieval_pruned``); the answer is the same.
+    proven bound can reach a query's best score, where an estimate on a sample of the gallery and a cost model
+    from the calibration say it pays (``compat_core.retrieval_pruned``); the answer is the same.
     """
     _check_precision(precision)
     gallery = _as_matrix("gallery", gallery)
@@ -189,13 +188,10 @@ def _whole_gallery(query: torch.Tensor, gallery: torch.Tensor, k: int, chunk_siz
 
 
 def _group_search(chunk_size: int | None):
-    """The exact kernel as the pruned search calls it on one gallery group: top-1 with its fp64 score."""
-    def search(query_rows: torch.Tensor, gallery_rows: torch.Tensor, want_scores: bool, whole: bool = False):
-        # a group's call names the calibrated stage: it would otherwise repeat the live check, which the pruned
-        # search's own timed trial covers; the whole gallery and int8 stay "auto" (live check, int8 window check)
-        stage = fastest_matmul(gallery_rows.device)
-        precision = "auto" if whole or stage == "int8" else stage
-        return _whole_gallery(query_rows, gallery_rows, 1, chunk_size, precision, want_scores)
+    """The exact kernel over the whole gallery as the pruned search calls it where pruning does not pay: top-1
+    with its fp64 score ("auto" stage, with its live check)."""
+    def search(query_rows: torch.Tensor, gallery_rows: torch.Tensor, want_scores: bool, whole: bool = True):
+        return _whole_gallery(query_rows, gallery_rows, 1, chunk_size, "auto", want_scores)
     return search
 
 

@@ -27,7 +27,6 @@ def patch_fastest_matmul(monkeypatch, fastest) -> None:
     """The calibration's answer, as seen by the gallery preparation ("auto") and by the kernel's demotion."""
     monkeypatch.setattr(retrieval_space, "fastest_matmul", fastest)
     monkeypatch.setattr(retrieval_kernel, "fastest_matmul", fastest)
-    monkeypatch.setattr(retrieval, "fastest_matmul", fastest)
 
 
 def brute_topk(query: np.ndarray, gallery: np.ndarray, k: int):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core import retrieval, retrieval_pruned
+from compat_core import retrieval, retrieval_groups, retrieval_pruned
 
 
 def brute_top1(query: np.ndarray, gallery: np.ndarray):
@@ -55,10 +55,13 @@ def test_pruned_top1_equals_fp64_on_class_groups_and_prunes(cosine):
         assert report.items_per_query < 0.3 * len(gallery)
 
 
-def test_planted_ties_and_near_ties_across_group_boundaries_equal_fp64():
+@pytest.mark.parametrize("half", [None, torch.bfloat16])
+def test_planted_ties_and_near_ties_across_group_boundaries_equal_fp64(monkeypatch, half):
     """The winner sits in a group the query is far from, next to its own class's best item: exact duplicates in
     other groups (lower and higher index) and one-ulp / 1e-9 perturbations of the best row placed in other
-    groups, so that the answer is decided across group boundaries by the fp64 order and the lowest index."""
+    groups, so that the answer is decided across group boundaries by the fp64 order and the lowest index. The
+    bounds' product in fp32 and in bf16 (what "auto" takes where bf16 products measured faster)."""
+    monkeypatch.setattr(retrieval_groups, "_grouping_dtype", lambda device: half or torch.float32)
     query, _, centres = simplex_like(60, 48, 6, 0.9, seed=3)
     gallery, labels, _ = simplex_like(600, 48, 6, 0.9, seed=4, centres=centres)
     expected, _ = brute_topk_rows(query, gallery)
@@ -121,19 +124,31 @@ def test_kmeans_groups_without_labels_equal_fp64():
     assert report.pruned and report.groups > 2 and report.groups_per_query < report.groups
 
 
-def test_bounds_hold_against_fp64_scores():
+@pytest.mark.parametrize("half", [None, torch.bfloat16, torch.float16])
+def test_bounds_hold_against_fp64_scores(monkeypatch, half):
+    """Every skipped group holds no member whose fp64 score reaches the query's lower bound, the lower bound is at
+    most the best fp64 score, and the centre scores stay within their error term; with the bounds' product in
+    fp32 and in the half formats (their rounding is in the error terms)."""
+    monkeypatch.setattr(retrieval_groups, "_grouping_dtype", lambda device: half or torch.float32)
     query, _, centres = simplex_like(200, 32, 5, 0.8, seed=8)
     gallery, labels, _ = simplex_like(500, 32, 5, 0.8, seed=9, centres=centres)
     groups = retrieval_pruned.group_gallery(torch.from_numpy(gallery), labels)
-    upper, lower = retrieval_pruned.bounds(retrieval_pruned._unit32(torch.from_numpy(query)), groups)
+    assert groups.half == half
+    t, e_t, lower = retrieval_pruned.bounds(retrieval_pruned._unit32(torch.from_numpy(query)), groups)
+    need = retrieval_pruned.needed(t, e_t, lower, groups).numpy()
     _, scores = brute_top1(query, gallery)
+    q64 = query / np.linalg.norm(query, axis=1, keepdims=True)
+    m64 = groups.centres.double().numpy()
+    m64 /= np.linalg.norm(m64, axis=1, keepdims=True)
+    assert (np.abs(t.double().numpy() - q64 @ m64.T) <= e_t).all()
     for group in range(groups.count):
         members = groups.members(group).numpy()
         assert (np.all(np.diff(members) > 0))                  # ascending gallery order inside a group
         group_best = scores[:, members].max(axis=1)
-        assert (group_best <= upper[:, group].numpy()).all()
+        assert (group_best[~need[:, group]] < lower.numpy()[~need[:, group]]).all()
     assert (lower.numpy() <= scores.max(axis=1)).all()
     assert (scores.max(axis=1) - lower.numpy() < 0.5).all()    # and it is a useful bound, not -1
+    assert need.sum(axis=1).mean() < 0.6 * groups.count       # and groups are skipped
 
 
 def test_auto_declines_pruning_on_unclustered_rows_and_stays_exact():
@@ -157,7 +172,6 @@ def test_recall_at_1_prunes_on_clustered_classes_and_equals_fp64(monkeypatch):
         reports.append(report)
         return index, score, report
     monkeypatch.setattr(retrieval_pruned, "search_top1", spy)
-    monkeypatch.setattr(retrieval_pruned, "_TRIAL_GAIN", 0.0)       # the timed trial always lets pruning win
     value = retrieval.recall_at_1(query, q_labels, gallery, g_labels)
     expected, _ = brute_top1(query, gallery)
     assert value == pytest.approx(float(np.mean(g_labels[expected] == q_labels)), abs=0)
@@ -179,15 +193,26 @@ def test_bad_rows_and_modes_are_refused():
 
 
 @pytest.mark.parametrize("gain, pruned", [(0.0, True), (1e9, False)])
-def test_timed_trial_keeps_its_answers_and_runs_the_rest_the_chosen_way(monkeypatch, gain, pruned):
+def test_cost_model_decides_and_both_ways_are_exact(monkeypatch, gain, pruned):
     query, _, centres = simplex_like(900, 24, 6, 0.95, seed=13)
     gallery, labels, _ = simplex_like(300, 24, 6, 0.95, seed=14, centres=centres)
-    monkeypatch.setattr(retrieval_pruned, "_TRIAL_QUERIES", 256)
     monkeypatch.setattr(retrieval_pruned, "_MIN_PAIRS", 0)
-    monkeypatch.setattr(retrieval_pruned, "_TRIAL_GAIN", gain)
+    monkeypatch.setattr(retrieval_pruned, "_PRUNE_GAIN", gain)
     index, report = run(query, gallery, labels, prune="auto")
     np.testing.assert_array_equal(index.numpy(), brute_top1(query, gallery)[0])
     assert report.pruned is pruned
+
+
+def test_exact_counts_overrule_an_optimistic_estimate(monkeypatch):
+    """The estimate says pruning pays, the bounds of every query say otherwise: the whole gallery is searched."""
+    rng = np.random.default_rng(15)
+    query = rng.standard_normal((600, 32)).astype(np.float32)
+    gallery = rng.standard_normal((2000, 32)).astype(np.float32)
+    monkeypatch.setattr(retrieval_pruned, "_MIN_PAIRS", 0)
+    monkeypatch.setattr(retrieval_pruned, "estimate", lambda *args: retrieval_pruned.Estimate(0.01, 1.0, 62))
+    index, report = run(query, gallery, None, prune="auto")
+    np.testing.assert_array_equal(index.numpy(), brute_top1(query, gallery)[0])
+    assert not report.pruned and report.estimated_share == 0.01
 
 
 def mirrored_ties(seed: int, half: int = 24, pairs: int = 30):
@@ -200,7 +225,7 @@ def mirrored_ties(seed: int, half: int = 24, pairs: int = 30):
     A query [u_s + a little noise, 0] then scores s and t with the same fp64 sum, term by term (the second-half
     products are +-0): an exact tie that the lowest index must win. Every third t is moved by one ulp in its
     largest first-half component, every third by 3e-7 along the query (either direction): near-ties that fp64
-    decides. The planted queries are the last ``pairs`` rows, so "auto" answers them after its timed trial."""
+    decides. The planted queries are the last ``pairs`` rows (the estimate's probe spans all rows)."""
     rng = np.random.default_rng(seed)
     clusters = 12
     signs = rng.choice([-1.0, 1.0], (clusters, half))
@@ -268,8 +293,6 @@ def test_nearest_neighbours_auto_prunes_kmeans_groups_and_equals_fp64_on_cross_g
             assert ordered[-1] - ordered[-2] < 1e-6
     assert any(tie and t < s for _, s, t, tie in crossing) and any(tie and s < t for _, s, t, tie in crossing)
     monkeypatch.setattr(retrieval_pruned, "_MIN_PAIRS", 0)
-    monkeypatch.setattr(retrieval_pruned, "_TRIAL_QUERIES", 256)
-    monkeypatch.setattr(retrieval_pruned, "_TRIAL_GAIN", 0.0)       # the timed trial always lets pruning win
     reports = spy_reports(monkeypatch)
     index, found = retrieval.nearest_neighbours(query, gallery, 1, return_scores=return_scores)
     np.testing.assert_array_equal(index[:, 0].numpy(), expected)
@@ -283,17 +306,16 @@ def test_nearest_neighbours_auto_prunes_kmeans_groups_and_equals_fp64_on_cross_g
 
 @pytest.mark.parametrize("clustered", [False, True])
 def test_nearest_neighbours_auto_runs_the_whole_gallery_where_pruning_does_not_pay(monkeypatch, clustered):
-    """Full-rank random rows: the probe declines; clustered rows whose timed trial measures no gain: the rest
+    """Full-rank random rows: the estimate declines; clustered rows where the cost model sees no gain: the search
     runs as one whole-gallery kernel call. Exact either way."""
     if clustered:
         query, gallery, _ = mirrored_ties(seed=31)
-        monkeypatch.setattr(retrieval_pruned, "_TRIAL_GAIN", 1e9)
+        monkeypatch.setattr(retrieval_pruned, "_PRUNE_GAIN", 1e9)       # the cost model never lets pruning win
     else:
         rng = np.random.default_rng(32)
         query = rng.standard_normal((700, 48)).astype(np.float32)
         gallery = rng.standard_normal((3000, 48)).astype(np.float32)
     monkeypatch.setattr(retrieval_pruned, "_MIN_PAIRS", 0)
-    monkeypatch.setattr(retrieval_pruned, "_TRIAL_QUERIES", 256)
     reports = spy_reports(monkeypatch)
     index, _ = retrieval.nearest_neighbours(query, gallery, 1, return_scores=False)
     np.testing.assert_array_equal(index[:, 0].numpy(), brute_top1(query, gallery)[0])
