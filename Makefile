@@ -24,8 +24,13 @@ system-deps:
 demo: $(STAMP)
 	$(BIN)/compat demo
 
+# Most tests wait on servers (Ray, SeaweedFS, MLflow, Chromium): two pytest-xdist workers, each with its own
+# session servers and temp dirs; a file's tests stay in one worker (its module fixtures start once).
+# A single test still runs as plain `pytest path::test`.
+TEST_WORKERS ?= 2
+
 test: system-deps $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

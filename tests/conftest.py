@@ -14,6 +14,10 @@ from local_services import MlflowServer, SeaweedS3Server  # tests/ is on sys.pat
 # before any Ray node or CLI subprocess starts, so those inherit it). tests/compat_core/test_calibration.py switches
 # calibration on against a temporary cache folder.
 os.environ["COMPAT_CALIBRATION"] = "off"
+# Serve kills an HTTP proxy not ready within 5 s (Ray's default) and the test's Serve never comes up; on a loaded
+# 2-core CI machine, with test workers in parallel, starting that actor can take longer. Inherited by every Ray
+# instance the tests start (in process or as `compat` subprocesses).
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 # the machine's MLflow store (cluster.tracking_store) of tests is never the user's: a session folder, and a folder of
 # its own per test (autouse fixture below) so that tests counting runs see only their own
 os.environ["COMPAT_HOME"] = tempfile.mkdtemp(prefix="compat-home-tests-")

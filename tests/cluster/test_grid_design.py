@@ -46,13 +46,16 @@ def test_full_budget_and_non_grid_spaces_need_no_design():
     assert "not a finite grid" in coverage_text(mixed, 4)
 
 
-def test_tune_with_a_missing_space_fails_before_ray_starts(tmp_path, capsys):
+def test_tune_with_a_missing_space_fails_before_ray_starts(tmp_path, capsys, monkeypatch):
     import ray
 
     from app.cli import main
 
+    # an earlier test of this process may have left the session's Ray up: what counts is that this call starts none
+    initialized_before, connects = ray.is_initialized(), []
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: connects.append(kwargs))
     assert main(["tune", str(ROOT / "configs" / "demo-dsimplex-hoc.yaml"), "--space", str(tmp_path / "no.yaml"),
                  "--storage", str(tmp_path / "tune")]) == 2
     assert "no.yaml: no such file" in capsys.readouterr().err
-    assert not ray.is_initialized()
+    assert connects == [] and ray.is_initialized() == initialized_before
     assert not (tmp_path / "tune").exists()
