@@ -10,7 +10,7 @@ from urllib.request import Request, urlopen
 
 import pytest
 
-from test_tracking import EXPECTED, MATRIX, run_tracked  # same folder: pytest puts it on sys.path
+from test_tracking import EXPECTED, run_tracked  # same folder: pytest puts it on sys.path
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import serving_helpers as helpers
-from app.cli import main
 from local_services import free_port
 from user_shell import PYTHON, glyph_scenario, user_env
 from user_shell import compat as run_compat
