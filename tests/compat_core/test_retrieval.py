@@ -647,6 +647,28 @@ def test_filter_moves_survivors_forward_in_index_order():
     assert kept.tolist() == [[3, 9], [7, -1]]
 
 
+def _rows_of_any_norm(query: np.ndarray) -> np.ndarray:
+    """The 120 query rows scaled to huge, tiny and ordinary norms; rows 112 and 115 lie outside the raw range (their
+    chunk falls back to unit rows)."""
+    scale = np.ones((120, 1), np.float32)
+    scale[10:20] = 1e4
+    scale[20:30] = 1e-3
+    scale[30:40] = 3e3
+    scale[112] = 1e12
+    scale[115] = 1e-30
+    return (query * scale).astype(np.float32)
+
+
+def _record_raw_chunks(monkeypatch) -> list:
+    """Spy on the kernel's raw query rows: the list gets True for each chunk ranked on raw rows, False for each
+    chunk that fell back to unit rows."""
+    raw_chunks = []
+    original = retrieval_kernel._Queries.raw_rows
+    monkeypatch.setattr(retrieval_kernel._Queries, "raw_rows",
+                        lambda self, a, b: raw_chunks.append(original(self, a, b) is not None) or original(self, a, b))
+    return raw_chunks
+
+
 @pytest.mark.parametrize("low_rank", [False, True])
 def test_int8_raw_query_rows_of_any_norm_equal_fp64(monkeypatch, low_rank):
     # the int8 stage ranks raw fp32 query rows (no normalisation): rows of huge, tiny and ordinary norms, and
@@ -659,19 +681,10 @@ def test_int8_raw_query_rows_of_any_norm_equal_fp64(monkeypatch, low_rank):
         query, gallery = planted(120, 300, 96, seed=10)
     gallery[20] = gallery[250]                               # exact tie with query 2's answer: row 20 must win
     query[2] = gallery[250] + np.float32(1e-3) * gallery[4]
-    scale = np.ones((120, 1), np.float32)
-    scale[10:20] = 1e4
-    scale[20:30] = 1e-3
-    scale[30:40] = 3e3
-    scale[112] = 1e12                                        # out of the raw range: its chunk uses unit rows
-    scale[115] = 1e-30
-    query = (query * scale).astype(np.float32)
+    query = _rows_of_any_norm(query)
     expected, expected_scores = brute_topk(query, gallery, 1)
     assert int(expected[2, 0]) == 20
-    raw_chunks = []
-    original = retrieval_kernel._Queries.raw_rows
-    monkeypatch.setattr(retrieval_kernel._Queries, "raw_rows",
-                        lambda self, a, b: raw_chunks.append(original(self, a, b) is not None) or original(self, a, b))
+    raw_chunks = _record_raw_chunks(monkeypatch)
     _assert_int8_top1(query, gallery, expected, expected_scores, (None, 16))
     index3, _ = nearest_neighbours(query, gallery, k=3, precision="int8")
     np.testing.assert_array_equal(index3.numpy(), brute_topk(query, gallery, 3)[0])
@@ -696,19 +709,10 @@ def test_float_stages_rank_raw_query_rows_of_any_norm_equal_fp64(monkeypatch, pr
     query[2] = gallery[250] + np.float32(1e-3) * gallery[4]
     gallery[60] = gallery[61] * np.float32(1.0 + 2.0 ** -20)  # same direction to fp32 precision: a near-tie
     query[5] = gallery[61] + np.float32(1e-3) * gallery[7]
-    scale = np.ones((120, 1), np.float32)
-    scale[10:20] = 1e4
-    scale[20:30] = 1e-3
-    scale[30:40] = 3e3
-    scale[112] = 1e12                                        # out of the raw range: its chunk uses unit rows
-    scale[115] = 1e-30
-    query = (query * scale).astype(np.float32)
+    query = _rows_of_any_norm(query)
     expected, expected_scores = brute_topk(query, gallery, 1)
     assert int(expected[2, 0]) == 20
-    raw_chunks = []
-    original = retrieval_kernel._Queries.raw_rows
-    monkeypatch.setattr(retrieval_kernel._Queries, "raw_rows",
-                        lambda self, a, b: raw_chunks.append(original(self, a, b) is not None) or original(self, a, b))
+    raw_chunks = _record_raw_chunks(monkeypatch)
     for chunk in (None, 16):
         index, scores = nearest_neighbours(query, gallery, k=1, chunk_size=chunk, precision=precision)
         np.testing.assert_array_equal(index.numpy(), expected)
