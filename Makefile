@@ -24,10 +24,10 @@ system-deps:
 demo: $(STAMP)
 	$(BIN)/compat demo
 
-# Most tests wait on servers (Ray, SeaweedFS, MLflow, Chromium): two pytest-xdist workers, each with its own
-# session servers and temp dirs; a file's tests stay in one worker (its module fixtures start once).
-# A single test still runs as plain `pytest path::test`.
-TEST_WORKERS ?= 2
+# Serial by default: on a 2-core machine the tests are CPU-bound (Ray workers, torch), and two pytest-xdist
+# workers took longer than one. `make test TEST_WORKERS=N` runs N workers, each with its own session servers and
+# temp dirs; a file's tests stay in one worker (its module fixtures start once).
+TEST_WORKERS ?= 0
 
 test: system-deps $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
