@@ -647,6 +647,20 @@ def test_filter_moves_survivors_forward_in_index_order():
     assert kept.tolist() == [[3, 9], [7, -1]]
 
 
+def _tied_rows(monkeypatch, low_rank: bool, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """120 query and 300 gallery rows (junction features of rank 24 with the low-rank path forced, or planted
+    full-rank rows) where gallery row 20 is an exact copy of query 2's answer 250: row 20 must win."""
+    if low_rank:
+        gallery, head = junction_features(300, 96, 24, seed=seed)
+        query, _ = junction_features(120, 96, 24, seed=seed + 1, head=head)
+        monkeypatch.setattr(retrieval_space, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
+    else:
+        query, gallery = planted(120, 300, 96, seed=seed + 2)
+    gallery[20] = gallery[250]
+    query[2] = gallery[250] + np.float32(1e-3) * gallery[4]
+    return query, gallery
+
+
 def _rows_of_any_norm(query: np.ndarray) -> np.ndarray:
     """The 120 query rows scaled to huge, tiny and ordinary norms; rows 112 and 115 lie outside the raw range (their
     chunk falls back to unit rows)."""
@@ -673,14 +687,7 @@ def _record_raw_chunks(monkeypatch) -> list:
 def test_int8_raw_query_rows_of_any_norm_equal_fp64(monkeypatch, low_rank):
     # the int8 stage ranks raw fp32 query rows (no normalisation): rows of huge, tiny and ordinary norms, and
     # rows out of the raw range (their chunk falls back to unit rows), must all give the fp64 answer, ties included
-    if low_rank:
-        gallery, head = junction_features(300, 96, 24, seed=8)
-        query, _ = junction_features(120, 96, 24, seed=9, head=head)
-        monkeypatch.setattr(retrieval_space, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
-    else:
-        query, gallery = planted(120, 300, 96, seed=10)
-    gallery[20] = gallery[250]                               # exact tie with query 2's answer: row 20 must win
-    query[2] = gallery[250] + np.float32(1e-3) * gallery[4]
+    query, gallery = _tied_rows(monkeypatch, low_rank, seed=8)
     query = _rows_of_any_norm(query)
     expected, expected_scores = brute_topk(query, gallery, 1)
     assert int(expected[2, 0]) == 20
@@ -697,16 +704,9 @@ def test_float_stages_rank_raw_query_rows_of_any_norm_equal_fp64(monkeypatch, pr
     # the bf16 and fp32 stages also rank the raw fp32 query rows r (bounds scaled by ||r||), fp16 keeps unit rows:
     # huge, tiny and ordinary norms, rows out of the raw range (their chunk falls back to unit rows), an exact tie
     # (lowest index wins) and a near-tie must all give the fp64 answer, for k = 1 (with and without scores), k = 3
-    if low_rank:
-        if precision == "fp32":
-            pytest.skip("the fp32 stage has no low-rank path")
-        gallery, head = junction_features(300, 96, 24, seed=18)
-        query, _ = junction_features(120, 96, 24, seed=19, head=head)
-        monkeypatch.setattr(retrieval_space, "_LOW_RANK_MIN_QUERIES_PER_DIM", 0)
-    else:
-        query, gallery = planted(120, 300, 96, seed=20)
-    gallery[20] = gallery[250]                               # exact tie with query 2's answer: row 20 must win
-    query[2] = gallery[250] + np.float32(1e-3) * gallery[4]
+    if low_rank and precision == "fp32":
+        pytest.skip("the fp32 stage has no low-rank path")
+    query, gallery = _tied_rows(monkeypatch, low_rank, seed=18)
     gallery[60] = gallery[61] * np.float32(1.0 + 2.0 ** -20)  # same direction to fp32 precision: a near-tie
     query[5] = gallery[61] + np.float32(1e-3) * gallery[7]
     query = _rows_of_any_norm(query)
