@@ -144,6 +144,8 @@ def rehearsal_config(args, data: str, output: str, casia: tuple[int, ...], repla
                                 for task, classes in zip(replacements, casia[1:])]
     cpus = {"num_gpus": 0, "num_cpus": 1, "custom": {"stage_worker": 1}}
     document["resources"] = {kind: dict(cpus) for kind in ("pretrain", "finetune", "extract", "evaluate")}
+    for kind in ("pretrain", "finetune"):  # as on the GPUs of the real job: each training node in a fresh worker
+        document["resources"][kind]["own_process"] = True
     document["output"] = {"dir": output}
     document["device"] = "cpu"
     document.pop("paper", None)

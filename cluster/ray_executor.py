@@ -4,8 +4,9 @@
   committed; this backend turns it into a Ray task with the node's ``resources.<kind>`` (``num_cpus``,
   ``num_gpus``, ``memory`` in bytes) and lets Ray place and queue it. Ray reuses its worker processes between
   extractions, entries and evaluations, so Python and torch start once per worker (each node gives its freed memory
-  back to the OS when it ends); a training node runs in a worker process of its own that exits after it. torch is
-  limited to ``floor(num_cpus)`` threads per task.
+  back to the OS when it ends); a training node that asks for a GPU, or whose ``resources.<kind>.own_process`` is
+  true, runs in a worker process of its own that exits after it (:func:`runs_in_own_process`). torch is limited to
+  ``floor(num_cpus)`` threads per task.
 - ``num_gpus`` None: 0 with ``device: cpu``, 1 with ``device: cuda[:N]`` (Ray queues the task until a GPU node
   exists, e.g. one an autoscaler adds), and with ``device: auto`` 1 when the cluster lists GPUs when the run starts.
 - Matrix entries are tasks too; a worker process keeps the last feature sets it read
@@ -117,10 +118,20 @@ def run_node(store_root: str, stage: Stage, config: Any, code_version: str, num_
 def run_node_in_own_process(store_root: str, stage: Stage, config: Any, code_version: str, num_threads: int,
                             setup: Callable[[], None] | None = None, storage_access: Any = None,
                             fence: LeaseFence | None = None) -> NodeResult:
-    """:func:`run_node` for a training node: submitted with ``max_calls=1``, so the Ray worker process exits after it
-    and hands every byte the training held (optimiser state, the old model, allocator free lists, input workers)
-    back to the OS; a later node starts in a fresh process instead of on this one's high-water mark."""
+    """:func:`run_node` for a node that :func:`runs_in_own_process`: submitted with ``max_calls=1``, so the Ray worker
+    process exits after it and hands every byte the training held (optimiser state, the old model, allocator free
+    lists, input workers) back to the OS; a later node starts in a fresh process, not on this one's high-water mark."""
     return run_node(store_root, stage, config, code_version, num_threads, setup, storage_access, fence)
+
+
+def runs_in_own_process(kind: str, resources: Any, options: dict) -> bool:
+    """Whether a node runs in a worker process of its own (``max_calls=1``): ``resources.own_process`` where set;
+    else a training node that asks for a GPU, the rule Ray applies to ``@ray.remote(num_gpus=...)`` functions but not
+    to GPUs requested through ``.options()``. Extractions and entries always reuse workers."""
+    if not StageKind(kind).trains:
+        return False
+    chosen = getattr(resources, "own_process", None)
+    return bool(chosen) if chosen is not None else float(options.get("num_gpus") or 0) > 0
 
 
 class NodeFailed(RuntimeError):
@@ -156,8 +167,8 @@ class RayBackend(Backend):
         self.nodes = ray.nodes()  # what each node has in total: a request none can hold never starts
         self.checked: set[tuple] = set()
         self.remote = ray.remote(run_node)
-        # training nodes hold the most memory: each runs in a process of its own (max_calls=1, as Ray does for GPU
-        # tasks); extractions and entries reuse workers, which return freed memory after each node
+        # training nodes that hold a GPU or much memory run in a process of their own (runs_in_own_process);
+        # extractions and entries reuse workers, which return freed memory after each node
         self.remote_own_process = ray.remote(max_calls=1)(run_node_in_own_process)
         self.remote_data_parallel = ray.remote(run_data_parallel_node)
         self.running: dict[Any, str] = {}
@@ -184,7 +195,8 @@ class RayBackend(Backend):
                 root, stage, graph.config, graph.code_version, options, self.max_retries, self.setup,
                 installed_access(), fence)
         else:
-            remote = self.remote_own_process if StageKind(stage.kind).trains else self.remote
+            remote = (self.remote_own_process if runs_in_own_process(stage.kind, stage.resources, options)
+                      else self.remote)
             ref = remote.options(**options, max_retries=self.max_retries, name=stage.label).remote(
                 root, stage, graph.config, graph.code_version, max(1, int(math.floor(options["num_cpus"]))),
                 self.setup, installed_access(), fence)

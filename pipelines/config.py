@@ -210,6 +210,11 @@ class StageResources(StrictModel):
                              "num_cpus / num_gpus / memory; > 1 only for pretrain and finetune, on the Ray backend")
     custom: dict[str, float] = Field(default_factory=dict, description="Ray custom resources the stage needs, e.g. "
                                      "{gpu_a100: 1} or {spot: 0.01}: it only runs on nodes that list them")
+    own_process: bool | None = Field(
+        None, description="run each training node (pretrain, finetune, replace) in a Ray worker process of its own "
+        "that exits after it (Ray's max_calls=1): everything the node held (optimiser state, allocator caches, a CUDA "
+        "context) goes back to the OS and the next node starts clean, at the price of one worker start (seconds) per "
+        "node; None: when the node asks for a GPU (Ray's own rule for GPU tasks), else reused workers")
 
 
 class ResourcesSpec(StrictModel):

@@ -68,7 +68,10 @@ def tiny_runs(tmp_path_factory, ray_local):
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # for _crash_once_setup
     torch.set_num_threads(1)
     local_dir = tmp_path_factory.mktemp("local")
-    config = validate_config(tiny.scenario("dsimplex-hoc", output=str(local_dir)))
+    document = tiny.scenario("dsimplex-hoc", output=str(local_dir))
+    # training nodes in worker processes of their own (the knob a large CPU job sets; GPU nodes get it by default)
+    document["resources"] = {"pretrain": {"own_process": True}, "finetune": {"own_process": True}}
+    config = validate_config(document)
     graph = compile_scenario(config)
     LocalExecutor(progress=False).run(graph, RunStore(local_dir))
     ray_dir = tmp_path_factory.mktemp("ray")
@@ -109,19 +112,34 @@ def test_results_crossing_ray_are_small(tiny_runs):
     assert stats["tasks"] == stats["computed"] == len(tiny_runs["graph"])
 
 
+def test_own_process_policy_follows_the_config_then_rays_gpu_rule():
+    from cluster.ray_executor import runs_in_own_process
+    from pipelines.config import StageResources
+
+    cpu, gpu = {"num_cpus": 1.0, "num_gpus": 0.0}, {"num_cpus": 1.0, "num_gpus": 1.0}
+    default, forced, refused = StageResources(), StageResources(own_process=True), StageResources(own_process=False)
+    for kind in ("pretrain", "finetune", "replace"):
+        assert runs_in_own_process(kind, default, gpu) and not runs_in_own_process(kind, default, cpu)
+        assert runs_in_own_process(kind, forced, cpu) and not runs_in_own_process(kind, refused, gpu)
+    for kind in ("extract", "entry", "evaluate"):  # never: they reuse workers and their cached features
+        assert not runs_in_own_process(kind, forced, gpu)
+
+
 def test_training_nodes_run_in_worker_processes_of_their_own(tiny_runs):
-    # a training node's worker exits after it (max_calls=1): no other node ran in that process, before or after,
-    # so no later extraction or entry starts on a training stage's memory
-    store = RunStore(tiny_runs["ray"])
-    pids: dict[int, list[str]] = {}
+    # own_process: a training node's worker exits after it (max_calls=1), so no later extraction or entry starts on
+    # a training stage's memory. (Ray may hand the training node a worker that ran other nodes before it.)
+    store, trains = RunStore(tiny_runs["ray"]), {"pretrain", "finetune", "replace"}
+    nodes_by_pid: dict[int, list[tuple[int, str]]] = {}
     for stage in tiny_runs["graph"]:
-        pids.setdefault(store.load_record(stage.key)["placement"]["pid"], []).append(stage.kind)
-    trained = [kinds for kinds in pids.values() if {"pretrain", "finetune", "replace"} & set(kinds)]
-    assert trained and all(len(kinds) == 1 for kinds in trained)
-    assert sum(len(kinds) for kinds in trained) == sum(stage.kind in ("pretrain", "finetune", "replace")
-                                                       for stage in tiny_runs["graph"])
+        committed_at = (Path(tiny_runs["ray"]) / "manifests" / f"{stage.key}.json").stat().st_mtime_ns
+        nodes_by_pid.setdefault(store.load_record(stage.key)["placement"]["pid"], []).append((committed_at,
+                                                                                              stage.kind))
+    trained = [sorted(nodes) for nodes in nodes_by_pid.values() if trains & {kind for _, kind in nodes}]
+    assert sum(len(nodes) for nodes in trained) >= sum(stage.kind in trains for stage in tiny_runs["graph"])
+    for nodes in trained:  # one training node per process, and nothing ran in that process after it
+        assert sum(kind in trains for _, kind in nodes) == 1 and nodes[-1][1] in trains, nodes
     # the other nodes share reused workers (Python and torch start once per worker)
-    assert any(len(kinds) > 1 for kinds in pids.values())
+    assert any(len(nodes) > 1 for nodes in nodes_by_pid.values())
 
 
 def test_rerun_skips_every_committed_stage(tiny_runs):
