@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # 20 MB blocks after one 30 MB block was freed: glibc's dynamic threshold (raised to 30 MB by that free) serves them
 # from the heap; a 64 KB block kept after each of them pins the heap, so freeing them cannot shrink it by itself.
-# The fixed threshold (16 MiB) maps each of them on its own.
+# The fixed threshold (1 MiB) maps each of them on its own.
 FRAGMENTED_HEAP = """
 import json, sys
 import numpy as np
