@@ -100,6 +100,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
 
 
 # ---- the backend ------------------------------------------------------------------------------------------------
+OWN_PROCESS_RUNTIME_ENV = {"env_vars": {"COMPAT_NODE_PROCESS": "own"}}  # merged into the job's runtime env
 DEFAULT_MAX_RETRIES = 3  # a transient failure (a node lost, an OOM kill): a few attempts, then the error surfaces
 
 
@@ -169,7 +170,10 @@ class RayBackend(Backend):
         self.remote = ray.remote(run_node)
         # training nodes that hold a GPU or much memory run in a process of their own (runs_in_own_process);
         # extractions and entries reuse workers, which return freed memory after each node
-        self.remote_own_process = ray.remote(max_calls=1)(run_node_in_own_process)
+        # max_calls=1: the worker exits after the node; a runtime env of their own (Ray keys its worker pools by
+        # runtime env) keeps Ray from handing the node an idle worker that ran extractions or entries before it
+        self.remote_own_process = ray.remote(max_calls=1, runtime_env=OWN_PROCESS_RUNTIME_ENV)(
+            run_node_in_own_process)
         self.remote_data_parallel = ray.remote(run_data_parallel_node)
         self.running: dict[Any, str] = {}
         self.running_entries = 0

@@ -126,20 +126,17 @@ def test_own_process_policy_follows_the_config_then_rays_gpu_rule():
 
 
 def test_training_nodes_run_in_worker_processes_of_their_own(tiny_runs):
-    # own_process: a training node's worker exits after it (max_calls=1), so no later extraction or entry starts on
-    # a training stage's memory. (Ray may hand the training node a worker that ran other nodes before it.)
+    # own_process: a training node starts in a worker process of its own (a runtime env no other node uses) and the
+    # worker exits after it (max_calls=1), so it never starts on another node's memory and no later node on its own
     store, trains = RunStore(tiny_runs["ray"]), {"pretrain", "finetune", "replace"}
-    nodes_by_pid: dict[int, list[tuple[int, str]]] = {}
+    kinds_by_pid: dict[int, list[str]] = {}
     for stage in tiny_runs["graph"]:
-        committed_at = (Path(tiny_runs["ray"]) / "manifests" / f"{stage.key}.json").stat().st_mtime_ns
-        nodes_by_pid.setdefault(store.load_record(stage.key)["placement"]["pid"], []).append((committed_at,
-                                                                                              stage.kind))
-    trained = [sorted(nodes) for nodes in nodes_by_pid.values() if trains & {kind for _, kind in nodes}]
-    assert sum(len(nodes) for nodes in trained) >= sum(stage.kind in trains for stage in tiny_runs["graph"])
-    for nodes in trained:  # one training node per process, and nothing ran in that process after it
-        assert sum(kind in trains for _, kind in nodes) == 1 and nodes[-1][1] in trains, nodes
+        kinds_by_pid.setdefault(store.load_record(stage.key)["placement"]["pid"], []).append(stage.kind)
+    trained = [kinds for kinds in kinds_by_pid.values() if trains & set(kinds)]
+    assert trained and all(len(kinds) == 1 for kinds in trained), trained
+    assert len(trained) == sum(stage.kind in trains for stage in tiny_runs["graph"])
     # the other nodes share reused workers (Python and torch start once per worker)
-    assert any(len(nodes) > 1 for nodes in nodes_by_pid.values())
+    assert any(len(kinds) > 1 for kinds in kinds_by_pid.values())
 
 
 def test_rerun_skips_every_committed_stage(tiny_runs):
