@@ -41,6 +41,7 @@ from cluster.ray_worker import NodeResult, run_stage_in_worker
 from cluster.reach import local_address_towards, require_answering, require_reachable
 from cluster.resource_check import check_satisfiable
 from cluster.storage import installed_access
+from pipelines.config import StageResources
 from pipelines.executor import Backend, Executor, Invocation, close_emit, read_invocations, run_graph
 from pipelines.graph import Stage, StageGraph
 from pipelines.lease import LeaseFence, lease_fence
@@ -125,14 +126,15 @@ def run_node_in_own_process(store_root: str, stage: Stage, config: Any, code_ver
     return run_node(store_root, stage, config, code_version, num_threads, setup, storage_access, fence)
 
 
-def runs_in_own_process(kind: str, resources: Any, options: dict) -> bool:
+def runs_in_own_process(kind: str, resources: StageResources, options: dict) -> bool:
     """Whether a node runs in a worker process of its own (``max_calls=1``): ``resources.own_process`` where set;
     else a training node that asks for a GPU, the rule Ray applies to ``@ray.remote(num_gpus=...)`` functions but not
     to GPUs requested through ``.options()``. Extractions and entries always reuse workers."""
     if not StageKind(kind).trains:
         return False
-    chosen = getattr(resources, "own_process", None)
-    return bool(chosen) if chosen is not None else float(options.get("num_gpus") or 0) > 0
+    if resources.own_process is not None:
+        return resources.own_process
+    return float(options.get("num_gpus") or 0) > 0
 
 
 class NodeFailed(RuntimeError):
@@ -168,10 +170,8 @@ class RayBackend(Backend):
         self.nodes = ray.nodes()  # what each node has in total: a request none can hold never starts
         self.checked: set[tuple] = set()
         self.remote = ray.remote(run_node)
-        # training nodes that hold a GPU or much memory run in a process of their own (runs_in_own_process);
-        # extractions and entries reuse workers, which return freed memory after each node
-        # max_calls=1: the worker exits after the node; a runtime env of their own (Ray keys its worker pools by
-        # runtime env) keeps Ray from handing the node an idle worker that ran extractions or entries before it
+        # nodes that runs_in_own_process: max_calls=1 ends the worker after the node, and a runtime env of their own
+        # (Ray keys worker pools by runtime env) keeps Ray from handing them an idle worker that ran other nodes
         self.remote_own_process = ray.remote(max_calls=1, runtime_env=OWN_PROCESS_RUNTIME_ENV)(
             run_node_in_own_process)
         self.remote_data_parallel = ray.remote(run_data_parallel_node)

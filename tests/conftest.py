@@ -38,7 +38,8 @@ def pytest_unconfigure(config):
     """After pytest has reported, a process that loaded Ray's core worker ends with pytest's exit status without
     running the interpreter's finalisation: Ray's C++ core worker can crash there (a segfault in a freed metrics
     callback after ``ray.shutdown()``, seen once at the end of a fully passing suite), which would turn a green run
-    into a failed one. Session fixtures (servers, Ray) are already torn down here; the atexit cleanups run first."""
+    into a failed one. Session fixtures (servers, Ray) are already torn down here; the one atexit cleanup this file
+    registers (the session's COMPAT_HOME) runs here, other atexit handlers are skipped."""
     if not _SESSION_EXIT_STATUS or hasattr(config, "workerinput") or "ray._raylet" not in sys.modules:
         return
     shutil.rmtree(os.environ["COMPAT_HOME"], ignore_errors=True)
