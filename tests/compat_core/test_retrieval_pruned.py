@@ -271,6 +271,19 @@ def spy_reports(monkeypatch):
     return reports
 
 
+def spy_estimates(monkeypatch):
+    """(per_group, Estimate) of every ``estimate`` call "auto" makes."""
+    calls = []
+    original = retrieval_pruned.estimate
+
+    def spy(query, gallery, labels=None, per_group=retrieval_pruned._ESTIMATE_SAMPLE_PER_GROUP, *args):
+        found = original(query, gallery, labels, per_group, *args)
+        calls.append((per_group, found))
+        return found
+    monkeypatch.setattr(retrieval_pruned, "estimate", spy)
+    return calls
+
+
 @pytest.mark.parametrize("return_scores", [False, True])
 def test_nearest_neighbours_auto_prunes_kmeans_groups_and_equals_fp64_on_cross_group_ties(monkeypatch,
                                                                                           return_scores):
@@ -294,9 +307,14 @@ def test_nearest_neighbours_auto_prunes_kmeans_groups_and_equals_fp64_on_cross_g
     assert any(tie and t < s for _, s, t, tie in crossing) and any(tie and s < t for _, s, t, tie in crossing)
     monkeypatch.setattr(retrieval_pruned, "_MIN_PAIRS", 0)
     reports = spy_reports(monkeypatch)
+    estimates = spy_estimates(monkeypatch)
     index, found = retrieval.nearest_neighbours(query, gallery, 1, return_scores=return_scores)
     np.testing.assert_array_equal(index[:, 0].numpy(), expected)
     assert len(reports) == 1 and reports[0].pruned and reports[0].groups == groups.count
+    # the cheap estimate let the full one decide, and the full one's share is the report's
+    assert [per_group for per_group, _ in estimates] == [retrieval_pruned._EARLY_SAMPLE_PER_GROUP,
+                                                         retrieval_pruned._ESTIMATE_SAMPLE_PER_GROUP]
+    assert reports[0].estimated_share == estimates[1][1].share
     assert reports[0].groups_per_query < 0.25 * groups.count and reports[0].items_per_query < 0.25 * len(gallery)
     if return_scores:
         np.testing.assert_allclose(found[:, 0].numpy(), scores.max(axis=1), rtol=0, atol=1e-12)
@@ -317,8 +335,15 @@ def test_nearest_neighbours_auto_runs_the_whole_gallery_where_pruning_does_not_p
         gallery = rng.standard_normal((3000, 48)).astype(np.float32)
     monkeypatch.setattr(retrieval_pruned, "_MIN_PAIRS", 0)
     reports = spy_reports(monkeypatch)
+    estimates = spy_estimates(monkeypatch)
     index, _ = retrieval.nearest_neighbours(query, gallery, 1, return_scores=False)
     np.testing.assert_array_equal(index[:, 0].numpy(), brute_top1(query, gallery)[0])
     assert len(reports) == 1 and not reports[0].pruned
+    # the cheap first estimate declined on its own: the full one never ran
+    assert [per_group for per_group, _ in estimates] == [retrieval_pruned._EARLY_SAMPLE_PER_GROUP]
+    assert reports[0].estimated_share == estimates[0][1].share
     if not clustered:
-        assert reports[0].estimated_share > 0.9
+        # most of the gallery left to search: far from the cost model's threshold even at a third of it
+        assert reports[0].estimated_share > 0.5
+        assert not retrieval_pruned.worth_pruning(reports[0].estimated_share / retrieval_pruned._EARLY_FACTOR,
+                                                  reports[0].groups, len(gallery), torch.device("cpu"))
