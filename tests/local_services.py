@@ -180,7 +180,45 @@ class SeaweedS3Server:
                                         env=minimal_environment())
         log.close()
         _wait_until(self._ready, timeout_s, "SeaweedFS S3 server", self.process, self.log_path)
+        stored = self._volumes_on_disk()
+        if stored:
+            # a restart: the S3 gateway answers before the volume server has told the master about the volumes
+            # it loaded, and a read in between gets "volume N not found" (a broken response stream to the client)
+            # (volumes of a collection deleted meanwhile may never be served: after the timeout the server is
+            # used as it is)
+            deadline = time.monotonic() + timeout_s / 2
+            while time.monotonic() < deadline and not stored <= self._volumes_served():
+                time.sleep(0.2)
         return self
+
+    def _volumes_on_disk(self) -> set[tuple[str, int]]:
+        """(collection, volume id) of every volume file in the data folder (``<collection>_<id>.dat``, ``<id>.dat``)."""
+        found = set()
+        for path in (self.data_dir / "data").glob("*.dat"):
+            collection, _, number = path.stem.rpartition("_")
+            if number.isdigit():
+                found.add((collection, int(number)))
+        return found
+
+    def _volumes_served(self) -> set[tuple[str, int]]:
+        """(collection, volume id) of every volume the master knows (its ``/vol/status``); empty while it cannot
+        answer."""
+        try:
+            with urlopen(f"http://{LOOPBACK}:{self.ports['master']}/vol/status", timeout=1) as response:
+                status = json.loads(response.read())
+        except (OSError, ValueError):
+            return set()
+        served, pending = set(), [status]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, dict):
+                if "Id" in item and "Collection" in item:
+                    served.add((item["Collection"], int(item["Id"])))
+                else:
+                    pending.extend(item.values())
+            elif isinstance(item, list):
+                pending.extend(item)
+        return served
 
     def stop(self) -> None:
         _stop(self.process)
