@@ -40,8 +40,8 @@ clearly below the whole-gallery kernel's (every row in the calibrated fastest pr
 ``worth_pruning``). The estimate runs twice where needed: a cheaper one first (half the sample, one k-means step)
 declines where even a third of its share would not pay, which ends the decision on unclustered rows (4.5 ms of one
 core at 5,000 x 1023 gallery rows, against 10 ms for the full estimate; measured on a 2-core Xeon, the
-whole-gallery kernel taking ~0.2 s there). Once the bounds of every query are known, the same model is checked again with the
-exact counts, and the whole-gallery kernel takes over if it fails.
+whole-gallery kernel taking ~0.2 s there). Once the bounds of every query are known, the same model is checked
+again with the exact counts, and the whole-gallery kernel takes over if it fails.
 """
 from __future__ import annotations
 
@@ -239,8 +239,8 @@ def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None,
     with torch.inference_mode(), ieee_fp32():
         guess = None
         if prune == "auto":
-            guess = _decide(query, gallery, labels)
-            if not guess.prune:
+            prune_pays, guess = _decide(query, gallery, labels)
+            if not prune_pays:
                 return whole_search(Report(False, guess.groups, float(guess.groups), float(size), guess.share))
         groups, q32 = _grouped_and_normalised(query, gallery, labels)
         share = 1.0 if guess is None else guess.share
@@ -252,29 +252,21 @@ def search_top1(query: torch.Tensor, gallery: torch.Tensor, search, labels=None,
         return found
 
 
-@dataclass
-class _Decision:
-    """What "auto" decided before any pass over the whole gallery: ``prune``, and the estimate it read (the
-    cheaper first one where that one declined)."""
-
-    prune: bool
-    share: float
-    groups: int
-
-
-def _decide(query: torch.Tensor, gallery: torch.Tensor, labels) -> _Decision:
-    """Whether "auto" prunes: a cheap first estimate declines where even a third of its share would not pay
-    (unclustered rows end there, ~45 % of the full estimate's cost); otherwise the full estimate and the cost
-    model decide (``estimate``, ``worth_pruning``). Many small operations: on one thread, none waits for a
-    descheduled worker."""
+def _decide(query: torch.Tensor, gallery: torch.Tensor, labels) -> tuple[bool, Estimate]:
+    """(whether "auto" prunes, the estimate that decided): a cheap first estimate declines where even a third of
+    its share would not pay (unclustered rows end there, ~45 % of the full estimate's cost); otherwise the full
+    estimate and the cost model decide (``estimate``, ``worth_pruning``). Many small operations: on one thread,
+    none waits for a descheduled worker."""
     size, device = gallery.shape[0], gallery.device
+
+    def pays(found: Estimate, factor: float = 1.0) -> bool:
+        return found.groups >= 2 and worth_pruning(found.share / factor, found.groups, size, device)
     with one_thread():
         early = estimate(query, gallery, labels, _EARLY_SAMPLE_PER_GROUP, _EARLY_ITERATIONS, _EARLY_PROBE_QUERIES)
-        if early.groups < 2 or not worth_pruning(early.share / _EARLY_FACTOR, early.groups, size, device):
-            return _Decision(False, early.share, early.groups)
+        if not pays(early, _EARLY_FACTOR):
+            return False, early
         guess = estimate(query, gallery, labels)
-    prune = guess.groups >= 2 and worth_pruning(guess.share, guess.groups, size, device)
-    return _Decision(prune, guess.share, guess.groups)
+    return pays(guess), guess
 
 
 def needed_groups(query: torch.Tensor, groups: Groups) -> torch.Tensor:

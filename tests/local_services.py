@@ -184,11 +184,13 @@ class SeaweedS3Server:
         if stored:
             # a restart: the S3 gateway answers before the volume server has told the master about the volumes
             # it loaded, and a read in between gets "volume N not found" (a broken response stream to the client)
-            # (volumes of a collection deleted meanwhile may never be served: after the timeout the server is
-            # used as it is)
-            deadline = time.monotonic() + timeout_s / 2
-            while time.monotonic() < deadline and not stored <= self._volumes_served():
-                time.sleep(0.2)
+            # (volumes of a collection deleted meanwhile may never be served: after the wait the server is used
+            # as it is)
+            try:
+                _wait_until(lambda: stored <= self._volumes_served(), timeout_s / 2, "SeaweedFS volumes",
+                            self.process, self.log_path)
+            except TimeoutError:
+                pass
         return self
 
     def _volumes_on_disk(self) -> set[tuple[str, int]]:

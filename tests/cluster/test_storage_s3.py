@@ -261,8 +261,8 @@ def test_server_stopped_mid_run_then_restarted_resumes_with_nothing_lost(s3_serv
         finally:
             s3_server.start()
     assert s3_server.endpoint_url == endpoint_before  # same port: clients keep working without reconfiguring
-    # the resumed run, as a user starts it: the default retries (a server that has just started may still break
-    # a response stream while its volumes load; seen once with two test workers on 2 cores)
+    # the resumed run, as a user starts it: the default retries (the one attempt above only keeps the
+    # refused-connection path fast)
     with storage.object_storage(S3Access.from_environment()):
         store = RunStore(f"s3://{s3_bucket}/resume")
         # committed work survived the restart and verifies; the interrupted stage is simply not done
