@@ -140,14 +140,10 @@ def _select_top1(scores: torch.Tensor, bound: torch.Tensor, cap: int | None, out
         return torch.cat([rows, other[rows2]]), merged, torch.cat([wide, other[wide2]])
 
 
-def _gathered_scores(query_rows: torch.Tensor, candidates: torch.Tensor, rows_of: Callable,
-                     same_reduction: bool) -> torch.Tensor:
-    """Scores of each query row against its padded candidates (-inf on padding), in blocks of bounded memory.
-
-    ``same_reduction``: reduce every candidate with the identical elementwise-product-and-sum (identical gallery
-    rows then tie bit for bit, which the fp64 stage needs); otherwise a batched matrix product (faster; the fp32
-    bound holds for any summation order).
-    """
+def _gathered_scores(query_rows: torch.Tensor, candidates: torch.Tensor, rows_of: Callable) -> torch.Tensor:
+    """Scores of each query row against its padded candidates (-inf on padding), in blocks of bounded memory, as
+    batched matrix products (the fp32 bound holds for any summation order; the fp64 stage's identical-reduction
+    scores are ``_pair_scores64``)."""
     count, width = candidates.shape
     dim = query_rows.shape[1]
     out = torch.full((count, width), -math.inf, dtype=query_rows.dtype, device=query_rows.device)
@@ -170,12 +166,34 @@ def _gathered_scores(query_rows: torch.Tensor, candidates: torch.Tensor, rows_of
         flat = block.clamp(min=0).reshape(-1)
         # one reused gather buffer: fresh large allocations cost page faults that dominate the gather
         vectors = rows_of(flat, buffer[:flat.numel()]).view(stop - start, block_width, dim)
-        if same_reduction:
-            scores = (vectors * query_rows[rows].unsqueeze(1)).sum(dim=-1)
-        else:
-            scores = torch.bmm(vectors, query_rows[rows].unsqueeze(2)).squeeze(2)
+        scores = torch.bmm(vectors, query_rows[rows].unsqueeze(2)).squeeze(2)
         out[rows, :block_width] = scores.masked_fill(block < 0, -math.inf)
         start = stop
+    return out
+
+
+def _pair_scores64(query64: torch.Tensor, rows_of: Callable, pair_row: torch.Tensor,
+                   pair_column: torch.Tensor) -> torch.Tensor:
+    """fp64 reference scores of the (query row, gallery row) pairs: ``query64[pair_row[i]]`` against gallery row
+    ``pair_column[i]`` (``rows_of(index, out)``: fp64 unit gallery rows), (P,).
+
+    Every pair is reduced by the identical elementwise product and inner-dimension sum, so identical gallery rows
+    tie bit for bit (the lowest index then wins). Only valid pairs are gathered, in blocks of bounded memory into
+    two reused buffers, with the products taken in place: padding and fresh large temporaries cost the padded
+    (rows x width x D) evaluation most of its time on rows with a few candidates each."""
+    count = pair_row.numel()
+    dim = query64.shape[1]
+    out = torch.empty(count, dtype=query64.dtype, device=query64.device)
+    if count == 0:
+        return out
+    block = max(1, min(count, _GATHER_BUDGET // dim))
+    gallery_buffer = torch.empty((block, dim), dtype=query64.dtype, device=query64.device)
+    query_buffer = torch.empty((block, dim), dtype=query64.dtype, device=query64.device)
+    for start in range(0, count, block):
+        stop = min(count, start + block)
+        vectors = rows_of(pair_column[start:stop], gallery_buffer[:stop - start])
+        vectors.mul_(torch.index_select(query64, 0, pair_row[start:stop], out=query_buffer[:stop - start]))
+        torch.sum(vectors, dim=1, out=out[start:stop])
     return out
 
 
@@ -216,8 +234,7 @@ def _candidate_scores32(query_rows: torch.Tensor, candidates: torch.Tensor, gall
         if row_index is not None:
             query_rows = query_rows[row_index]
         return _gathered_scores(query_rows, candidates,
-                                lambda index, out: torch.index_select(gallery32, 0, index, out=out),
-                                same_reduction=False)
+                                lambda index, out: torch.index_select(gallery32, 0, index, out=out))
     out = torch.full((count, width), -math.inf, dtype=torch.float32, device=query_rows.device)
     out.view(-1)[(row * width + position)[order]] = values       # one flat index: cheaper than two gathered ones
     return out

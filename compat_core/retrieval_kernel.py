@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from compat_core.calibration import fastest_matmul
-from compat_core.retrieval_candidates import (_candidate_scores32, _filter, _gathered_scores, _round_down, _select,
+from compat_core.retrieval_candidates import (_candidate_scores32, _filter, _pair_scores64, _round_down, _select,
                                               _select_top1, _stage_bound)
 from compat_core.retrieval_int8 import SLACK as _SLACK
 from compat_core.retrieval_int8 import U32 as _U32
@@ -21,6 +21,7 @@ from compat_core.retrieval_int8 import gamma as _gamma
 from compat_core.retrieval_int8 import int8_stage as _int8_stage
 from compat_core.retrieval_int8 import int8_top1_candidates
 from compat_core.retrieval_int8 import norm32_upper as _norm32_upper
+from compat_core.retrieval_live import CANDIDATE, FP32, LiveCheck, alternating_plan
 from compat_core.retrieval_space import _inverse_norms, _project_queries, _Space
 from compat_core.torch_settings import one_thread as _one_thread
 from compat_core.torch_settings import balanced_chunks, chunk_workers, run_chunks
@@ -33,8 +34,10 @@ _INT8_DEMOTE_FRACTION = 64
 _INT8_PROBE_QUERIES = 512      # size of that first chunk
 _LIVE_CHECK_CHUNKS = 8         # the live check runs on searches of at least this many first chunks
 _LIVE_MARGIN = 1.1             # a stage slower than the kernel's fp32 stage by more than this is left
-_LIVE_SAMPLE = 4               # the live check's first fp32 reading times this fraction (1 / _LIVE_SAMPLE) of its rows
-_SCORE_BUDGET = 1 << 26        # elements of one (query chunk x gallery) score block
+_LIVE_PAIRS = 2                # readings of each side that must all say "slower" before the stage is left
+_SCORE_BUDGET = 1 << 22        # elements of one fp32 (query chunk x gallery) score block: measured on 2 cores at
+                               # D = 1023, fp32 stage, 1 << 22 against 1 << 26: 20,000 x 5,000 0.66 vs 0.71 s,
+                               # 50,000 x 10,000 3.11 vs 3.40 s, 49,320 x 3,288 (demo features) 1.06 vs 1.21 s
 # int8 with k = 1: the query chunk is projected and quantised at once, its products and selection run in smaller
 # blocks (``retrieval_int8.int8_top1_candidates``); k > 1 keeps int8 score blocks of that smaller size
 _INT8_SCORE_BUDGET = 5 << 20
@@ -183,11 +186,13 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
         rescored = 0.0
     if fp32_rows.numel():
         # full fp32 rows against a transposed view: the fp32 BLAS takes it at near full speed
-        scores = q32[fp32_rows] @ space.stage32.t()
+        every = fp32_rows.numel() == q32.shape[0]          # no candidate stage: no copy of the chunk's rows
+        scores = (q32 if every else q32[fp32_rows]) @ space.stage32.t()
+        row_bound = bound32 if every else bound32[fp32_rows]
         if k == 1:
-            local, cand, wide = _select_top1(scores, bound32[fp32_rows], _MAX_CANDIDATES + k)
+            local, cand, wide = _select_top1(scores, row_bound, _MAX_CANDIDATES + k)
         else:
-            local, cand, wide = _select(scores, bound32[fp32_rows], k, _MAX_CANDIDATES + k)
+            local, cand, wide = _select(scores, row_bound, k, _MAX_CANDIDATES + k)
         del scores
         rows = fp32_rows[local]
         if single_ok:
@@ -242,7 +247,9 @@ def _finish_exact(space: _Space, queries: _Queries, cand: torch.Tensor, rows: to
     ``rows``: absolute query indices."""
     if rows.numel() == 0:
         return
-    s64 = _gathered_scores(queries.fp64(rows), cand, space.exact_rows, same_reduction=True)
+    pair_row, position = torch.nonzero(cand >= 0, as_tuple=True)
+    s64 = torch.full(cand.shape, -math.inf, dtype=torch.float64, device=cand.device)
+    s64[pair_row, position] = _pair_scores64(queries.fp64(rows), space.exact_rows, pair_row, cand[pair_row, position])
     # candidates ascend in index along each row (padding last with -inf), so a stable sort breaks ties by index
     order = torch.sort(s64, dim=1, descending=True, stable=True).indices[:, :k]
     result.index[rows] = torch.gather(cand, 1, order)
@@ -301,9 +308,9 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
     result = _Result(queries.count, k, space.stage32.device, want_scores)
     # "auto" on int8: a small first chunk tells whether these data suit the int8 window before most work is done
     probing = precision == "auto" and rebuild is not None and space.half_dtype == torch.int8
-    # "auto" on any reduced-precision stage: an early chunk is also timed against the fp32 stage on the same
-    # rows, and a stage that turns out slower on this call (a calibration from another load, data that widen its
-    # window) hands the chunks not yet started to the fp32 stage
+    # "auto" on any reduced-precision stage: early chunks time it against the fp32 stage, and a stage that turns
+    # out slower on this call (a calibration from another load, data that widen its window) hands the chunks not
+    # yet started to the fp32 stage
     checking = (precision == "auto" and rebuild is not None and space.half_dtype is not None
                 and queries.count >= _LIVE_CHECK_CHUNKS * min(chunk, _INT8_PROBE_QUERIES))
     start = 0
@@ -318,29 +325,35 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
             if chunk_size is None:
                 chunk = _default_chunk(space.size, space.half_dtype, k)
     device = space.stage32.device
-    timed = None
+    check = None
     if checking:
-        # the live check runs inside the parallel search: every worker first runs a chunk of its own (one-time
-        # costs: kernel selection and JIT of the half product, buffers), the next chunk is timed on the worker's
-        # CPU clock and compared with the fp32 stage on its rows; chunks started after a decision against the
-        # stage run on the fp32 stage (every chunk is exact either way)
-        probe = min(chunk, _INT8_PROBE_QUERIES)
-        warm = min(chunk_workers(device), _LIVE_CHECK_CHUNKS - 2)      # all within the queries (8 probe chunks)
-        edges = [start + probe * i for i in range(warm + 2)]
-        timed = (edges[-2], edges[-1])
-        bounds = list(zip(edges[:-1], edges[1:])) + balanced_chunks(edges[-1], queries.count, chunk, device)
+        # the live check runs inside the parallel search (``compat_core.retrieval_live``): after a warm chunk per
+        # worker, probe chunks alternate between the candidate stage and the fp32 stage, each timed on its
+        # worker's clock; chunks started after a decision run on the stage it chose (exact either way)
+        warm = min(chunk_workers(device), _LIVE_CHECK_CHUNKS - 2 * _LIVE_PAIRS)   # all within the 8 probe chunks
+        probes, plan = alternating_plan(start, queries.count, min(chunk, _INT8_PROBE_QUERIES), warm, _LIVE_PAIRS,
+                                        spare=chunk_workers(device))
+        check = LiveCheck(plan, _LIVE_MARGIN, _LIVE_PAIRS)
+        bounds = probes + balanced_chunks(probes[-1][1], queries.count, chunk, device)
         fp32_space = rebuild("fp32")
     else:
         bounds = balanced_chunks(start, queries.count, chunk, device)
-    current = {"space": space, "stage": stage}
 
     def work(first: int, stop: int) -> None:
-        where, where_stage = current["space"], current["stage"]
+        name = CANDIDATE if check is None else check.stage_for((first, stop))
+        where, where_stage = (space, stage) if name == CANDIDATE else (fp32_space, _start_stage(fp32_space, precision))
+        timed = check is not None and check.timed((first, stop), name)
+        if name == FP32 and not timed and chunk_size is None:
+            # chunks sized for the candidate stage, run on the fp32 stage: in its own (smaller) score blocks
+            parts = -(-(stop - first) // _default_chunk(where.size, None, k))
+            for i in range(parts):
+                _search_chunk(where, queries, first + (stop - first) * i // parts,
+                              first + (stop - first) * (i + 1) // parts, k, want_scores, where_stage, result)
+            return
         began = _clock(device)
         _search_chunk(where, queries, first, stop, k, want_scores, where_stage, result)
-        if (first, stop) == timed and where_stage == "half" and _slower_than_fp32(
-                where, queries, first, stop, _clock(device) - began, k, want_scores, fp32_space):
-            current["space"], current["stage"] = fp32_space, _start_stage(fp32_space, precision)
+        if timed:
+            check.record(name, (_clock(device) - began) / (stop - first))
 
     run_chunks(work, bounds, device)
     return result
@@ -350,27 +363,3 @@ def _clock(device: torch.device) -> float:
     """Seconds for the live check: the calling thread's CPU time on CPU (a chunk runs on one thread, and CPU time
     does not count the slices a busy machine gives to other processes), wall time on an accelerator."""
     return time.thread_time() if torch.device(device).type == "cpu" else time.perf_counter()
-
-
-def _slower_than_fp32(space: _Space, queries: _Queries, start: int, stop: int, stage_s: float, k: int,
-                      want_scores: bool, fp32_space: _Space) -> bool:
-    """Whether the candidate stage's ``stage_s`` seconds on query rows start..stop-1 exceed ``_LIVE_MARGIN`` times
-    the kernel's fp32 stage (``fp32_space``: the full fp32 product and its narrow window; the exact counterpart of
-    a plain fp32 loop) on the same rows, timed now. Only a stage measured slower than the path that would replace
-    it is left; a slow first reading on a busy machine is taken again on both sides (the faster of two each).
-    The first fp32 reading times the first ``1 / _LIVE_SAMPLE`` of the rows and scales it (the fp32 product's
-    cost is linear in the rows, and the full reading cost ~6 % of a 20,000 x 5,000 x 1023 bf16 search); the
-    readings taken again, where a stage looks slower, time all the rows."""
-    def seconds(where: _Space, stage: str, last: int = stop) -> float:
-        began = _clock(where.stage32.device)
-        _search_chunk(where, queries, start, last, k, want_scores, stage,
-                      _Result(queries.count, k, where.stage32.device, want_scores))
-        return _clock(where.stage32.device) - began
-
-    sample_stop = start + max(1, (stop - start) // _LIVE_SAMPLE)
-    fp32_s = seconds(fp32_space, "fp32", sample_stop) * (stop - start) / (sample_stop - start)
-    if stage_s <= _LIVE_MARGIN * fp32_s:
-        return False
-    fp32_s = seconds(fp32_space, "fp32")
-    stage_s = min(stage_s, seconds(space, "half"))
-    return stage_s > _LIVE_MARGIN * min(fp32_s, seconds(fp32_space, "fp32"))

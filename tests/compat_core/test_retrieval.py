@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core import retrieval, retrieval_candidates, retrieval_kernel, retrieval_space
+from compat_core import retrieval, retrieval_candidates, retrieval_kernel, retrieval_live, retrieval_space
 from compat_core.retrieval_int8 import quantize_rows, select_top1
 from compat_core.retrieval import (
     class_mean_gallery,
@@ -849,11 +849,19 @@ def test_fp32_products_run_in_full_fp32_whatever_the_global_matmul_precision(mon
 
 @pytest.mark.parametrize("slower", [True, False])
 def test_auto_leaves_a_stage_that_the_live_check_finds_slower_than_fp32(monkeypatch, slower):
-    # an early chunk of an "auto" search is timed against the fp32 stage on the same rows; a stage found slower
-    # hands the rest to the fp32 stage, and the answer stays exact either way
+    # early chunks of an "auto" search alternate between the candidate stage and the fp32 stage, each timed; a
+    # stage found slower hands the rest to the fp32 stage, and the answer stays exact either way. The readings are
+    # replaced by fixed ones (seconds per row) so that the decision is the test's, not the machine's
     patch_fastest_matmul(monkeypatch, lambda device, exclude=(): "bf16")
-    checks, stages = [], []
-    monkeypatch.setattr(retrieval_kernel, "_slower_than_fp32", lambda *args: checks.append(args[4]) or slower)
+    readings = []
+
+    class FixedReadings(retrieval_live.LiveCheck):
+        def record(self, stage, seconds_per_row):
+            readings.append(stage)
+            super().record(stage, 2.0 if slower and stage == retrieval_live.CANDIDATE else 1.0)
+
+    monkeypatch.setattr(retrieval_kernel, "LiveCheck", FixedReadings)
+    stages = []
     original = retrieval._with_stage
     monkeypatch.setattr(retrieval, "_with_stage", lambda space, dtype: stages.append(dtype) or original(space, dtype))
     query, gallery = planted(8 * 512 + 100, 300, 24, seed=31)
@@ -861,21 +869,41 @@ def test_auto_leaves_a_stage_that_the_live_check_finds_slower_than_fp32(monkeypa
     search_chunk = retrieval_kernel._search_chunk
     monkeypatch.setattr(retrieval_kernel, "_search_chunk",
                         lambda space, *args: chunks.append(space.half_dtype) or search_chunk(space, *args))
-    with one_thread():          # chunks in order: those after the check start after its decision
+    with one_thread():          # chunks in order: one warm chunk, then candidate / fp32 / candidate / fp32
         index, scores = nearest_neighbours(query, gallery, k=2, precision="auto")
-    later = sorted(set(chunks[2:]), key=str)
     expected, expected_scores = brute_topk(query, gallery, 2)
     np.testing.assert_array_equal(index.numpy(), expected)
     np.testing.assert_allclose(scores.numpy(), expected_scores, rtol=0, atol=1e-12)
-    assert len(checks) == 1 and checks[0] > 0
-    assert stages == [None]                     # the fp32 stage is built to be timed; used only when faster
-    # the chunks after the check ran on the fp32 stage (no half copy) exactly when it was found faster
-    assert later == ([None] if slower else [torch.bfloat16])
+    assert stages == [None]                     # the fp32 stage, built once for the check
+    if slower:
+        # two readings of each side must say "slower"; every chunk after them runs on the fp32 stage
+        assert readings == ["candidate", "fp32", "candidate", "fp32"]
+        assert chunks[:5] == [torch.bfloat16, torch.bfloat16, None, torch.bfloat16, None]
+        assert set(chunks[5:]) == {None}
+    else:
+        # the first pair keeps the stage: the rest, the second pair's planned fp32 chunk included, runs on it
+        assert readings == ["candidate", "fp32"]
+        assert chunks[:3] == [torch.bfloat16, torch.bfloat16, None]
+        assert set(chunks[3:]) == {torch.bfloat16}
 
 
-def test_live_check_keeps_a_stage_that_is_not_slower():
-    gallery = torch.from_numpy(planted(10, 500, 32, seed=32)[1])
-    space = retrieval._direct_space(gallery, "bf16")
-    queries = retrieval_kernel._Queries("query", torch.from_numpy(planted(600, 10, 32, seed=33)[0]))
-    assert not retrieval_kernel._slower_than_fp32(space, queries, 0, 512, 0.0, 1, False,
-                                                  retrieval._with_stage(space, None))
+def test_pair_scores64_tie_identical_rows_bit_for_bit_across_blocks(monkeypatch):
+    # the fp64 finish scores only valid (query, candidate) pairs, in blocks: identical gallery rows must get the
+    # identical score wherever their pairs fall, and every score is the fp64 reference sum_i q_i (g_ji / ||g_j||)
+    monkeypatch.setattr(retrieval_candidates, "_GATHER_BUDGET", 7 * 33)      # blocks of 7 pairs
+    generator = np.random.default_rng(41)
+    gallery = torch.from_numpy(generator.standard_normal((20, 33)).astype(np.float32))
+    gallery[13] = gallery[2]
+    gallery[19] = gallery[2]
+    query = torch.from_numpy(generator.standard_normal((6, 33)))
+    query64 = query / torch.linalg.vector_norm(query, dim=1, keepdim=True)
+    space = retrieval._direct_space(gallery, "fp32")
+    pair_row = torch.tensor([0, 0, 0, 1, 2, 3, 3, 3, 4, 5, 5, 5, 5, 5, 5, 1, 2])
+    pair_column = torch.tensor([2, 13, 19, 5, 7, 19, 2, 13, 0, 13, 1, 2, 3, 4, 19, 2, 19])
+    scores = retrieval_candidates._pair_scores64(query64, space.exact_rows, pair_row, pair_column)
+    unit = gallery.double() / torch.linalg.vector_norm(gallery.double(), dim=1, keepdim=True)
+    reference = (query64[pair_row] * unit[pair_column]).sum(dim=1)
+    np.testing.assert_allclose(scores.numpy(), reference.numpy(), rtol=0, atol=1e-14)
+    for row in range(6):
+        tied = scores[(pair_row == row) & torch.isin(pair_column, torch.tensor([2, 13, 19]))]
+        assert tied.numel() == 0 or bool((tied == tied[0]).all())
