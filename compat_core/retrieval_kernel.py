@@ -35,7 +35,6 @@ _INT8_PROBE_QUERIES = 512      # size of that first chunk
 _LIVE_CHECK_CHUNKS = 8         # the live check runs on searches of at least this many first chunks
 _LIVE_MARGIN = 1.1             # a stage slower than the kernel's fp32 stage by more than this is left
 _LIVE_PAIRS = 2                # readings of each side that must all say "slower" before the stage is left
-_LIVE_FP32_SHARE = 4           # the fp32 stage's timed chunks: this fraction (1 / _LIVE_FP32_SHARE) of a probe chunk
 _SCORE_BUDGET = 1 << 22        # elements of one fp32 (query chunk x gallery) score block: measured on 2 cores at
                                # D = 1023, fp32 stage, 1 << 22 against 1 << 26: 20,000 x 5,000 0.66 vs 0.71 s,
                                # 50,000 x 10,000 3.11 vs 3.40 s, 49,320 x 3,288 (demo features) 1.06 vs 1.21 s
@@ -332,9 +331,8 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
         # worker, probe chunks alternate between the candidate stage and the fp32 stage, each timed on its
         # worker's clock; chunks started after a decision run on the stage it chose (exact either way)
         warm = min(chunk_workers(device), _LIVE_CHECK_CHUNKS - 2 * _LIVE_PAIRS)   # all within the 8 probe chunks
-        probe = min(chunk, _INT8_PROBE_QUERIES)
-        probes, plan = alternating_plan(start, queries.count, probe, warm, _LIVE_PAIRS, spare=chunk_workers(device),
-                                        fp32_size=max(1, probe // _LIVE_FP32_SHARE))
+        probes, plan = alternating_plan(start, queries.count, min(chunk, _INT8_PROBE_QUERIES), warm, _LIVE_PAIRS,
+                                        spare=chunk_workers(device))
         check = LiveCheck(plan, _LIVE_MARGIN, _LIVE_PAIRS)
         bounds = probes + balanced_chunks(probes[-1][1], queries.count, chunk, device)
         fp32_space = rebuild("fp32")

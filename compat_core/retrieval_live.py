@@ -63,26 +63,18 @@ class LiveCheck:
                 self.decided = FP32
 
 
-def alternating_plan(start: int, stop: int, size: int, warm: int, pairs: int, spare: int,
-                     fp32_size: int | None = None) -> tuple[list[tuple[int, int]], dict[tuple[int, int], str]]:
-    """Probe chunks from row ``start`` (none past ``stop``): ``warm`` untimed chunks of ``size`` rows on the
+def alternating_plan(start: int, stop: int, size: int, warm: int, pairs: int, spare: int) -> tuple[
+        list[tuple[int, int]], dict[tuple[int, int], str]]:
+    """Probe chunks of ``size`` rows from row ``start`` (none past ``stop``): ``warm`` untimed chunks on the
     candidate stage (one per worker: the first call of a half product pays for kernel selection and buffers),
-    ``pairs`` pairs timed alternately on the candidate stage (``size`` rows) and the fp32 stage (``fp32_size``
-    rows, default ``size``: where the candidate stage is the faster, every fp32 row is the check's cost), then up
-    to ``spare`` untimed chunks of ``size`` (a worker that finishes its timed chunk before the other takes one of
-    these, not a full-size chunk on a stage the pending decision may leave). Returns (every probe chunk in order,
-    the timed ones' plan)."""
-    fp32_size = size if fp32_size is None else fp32_size
-    if size < 1 or fp32_size < 1:
-        raise ValueError(f"alternating_plan: expected chunk sizes >= 1, got {size} and {fp32_size}")
-    sizes = [size] * warm + [size, fp32_size] * pairs
-    if start + sum(sizes) > stop:
-        raise ValueError(f"alternating_plan: {stop - start} rows hold fewer than the {sum(sizes)} rows of "
-                         f"{warm} warm and {2 * pairs} timed probe chunks")
-    sizes += [size] * min(spare, (stop - start - sum(sizes)) // size)
-    edges = [start]
-    for rows in sizes:
-        edges.append(edges[-1] + rows)
+    ``pairs`` pairs timed alternately on the candidate and the fp32 stage, then up to ``spare`` untimed chunks (a
+    worker that finishes its timed chunk before the other takes one of these, not a full-size chunk on a stage
+    the pending decision may leave). Returns (every probe chunk in order, the timed ones' plan)."""
+    count = min(warm + 2 * pairs + spare, (stop - start) // size)
+    if count < warm + 2 * pairs:
+        raise ValueError(f"alternating_plan: {stop - start} rows hold fewer than {warm + 2 * pairs} probe chunks "
+                         f"of {size}")
+    edges = [start + size * i for i in range(count + 1)]
     bounds = list(zip(edges[:-1], edges[1:]))
     timed = bounds[warm:warm + 2 * pairs]
     return bounds, {chunk: (CANDIDATE if i % 2 == 0 else FP32) for i, chunk in enumerate(timed)}

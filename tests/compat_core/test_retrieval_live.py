@@ -14,16 +14,10 @@ def test_plan_warms_then_alternates_then_leaves_spare_chunks():
     assert plan == {bounds[2]: CANDIDATE, bounds[3]: FP32, bounds[4]: CANDIDATE, bounds[5]: FP32}
 
 
-def test_plan_times_smaller_fp32_chunks():
-    bounds, plan = alternating_plan(0, 4096, 512, warm=1, pairs=2, spare=1, fp32_size=128)
-    assert bounds == [(0, 512), (512, 1024), (1024, 1152), (1152, 1664), (1664, 1792), (1792, 2304)]
-    assert plan == {(512, 1024): CANDIDATE, (1024, 1152): FP32, (1152, 1664): CANDIDATE, (1664, 1792): FP32}
-
-
 def test_plan_drops_spare_chunks_that_do_not_fit_and_refuses_too_few_rows():
     bounds, plan = alternating_plan(0, 6 * 512 + 100, 512, warm=2, pairs=2, spare=4)
     assert len(bounds) == 6 and len(plan) == 4
-    with pytest.raises(ValueError, match="fewer than the 3072 rows of 2 warm and 4 timed probe chunks"):
+    with pytest.raises(ValueError, match="fewer than 6 probe chunks of 512"):
         alternating_plan(0, 5 * 512, 512, warm=2, pairs=2, spare=0)
 
 
