@@ -2,8 +2,9 @@
 
 The calibration picks the candidate stage from products measured once per machine, maybe under another load, and
 on other data; the data of the call decide how many candidates the stage leaves to re-scoring. So an "auto" search
-times the stage against the kernel's fp32 stage (the full fp32 product and its narrow window: the exact
-counterpart of a plain fp32 loop) on its own early chunks. Both sides run real chunks of the search, alternating
+times the stage against the kernel's fp32 stage (an fp32 product and its narrow window: the exact counterpart of
+a plain fp32 loop; in the gallery's low-rank coordinates where its rank is at most D/2, which costs at most about
+half the full product) on its own early chunks. Both sides run real chunks of the search, alternating
 (every chunk is exact on either stage, so nothing is computed twice); a reading is one chunk's seconds per query
 row on the worker's clock. The policy is pure: ``LiveCheck`` takes readings and says which stage a chunk runs on;
 the kernel times and runs them.

@@ -22,6 +22,7 @@ from compat_core.torch_settings import one_thread as _one_thread
 
 _NORM_BLOCK_ROWS = 256         # rows per block of ``_inverse_norms``'s fp64 conversion
 _CANDIDATE_STAGES = ("auto", "int8", "half", "bf16", "fp16")   # precisions with a reduced-precision first pass
+LOW_RANK_FP32 = "fp32-low-rank"   # internal: an fp32 candidate stage in the gallery's low-rank coordinates
 
 
 def _inverse_norms(name: str, rows: torch.Tensor) -> torch.Tensor:
@@ -57,6 +58,8 @@ def _half_dtype_for(precision: str, device: torch.device) -> torch.dtype | None:
         return fast_matmul_dtype(device) or torch.bfloat16
     if precision == "int8":
         return torch.int8
+    if precision == LOW_RANK_FP32:
+        return torch.float32
     if precision == "auto":
         # the arithmetic measured fastest on this machine (compat_core.calibration), fp32 when nothing beats it
         return {"int8": torch.int8, "bf16": torch.bfloat16, "fp16": torch.float16}.get(fastest_matmul(device))
@@ -97,7 +100,8 @@ class _Projection:
 
 def _with_stage(space: _Space, half_dtype: torch.dtype | None) -> _Space:
     """The same gallery with another candidate stage (``half_dtype``; None: fp32 only), reusing its fp32 copy and,
-    where it has one, its low-rank basis and coordinates (used when "auto" leaves the int8 stage)."""
+    where it has one, its low-rank basis and coordinates (used when "auto" leaves the int8 stage). ``float32``
+    with a low-rank basis: an fp32 candidate pass in the r-dim coordinates (the live check's fp32 side)."""
     if space.projection is not None and half_dtype is not None:
         projected = _build_space(space.projection.coords, 0.0, 1.0, space.exact_rows, half_dtype)
         if projected.half_t is not None:

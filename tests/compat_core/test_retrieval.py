@@ -907,3 +907,52 @@ def test_pair_scores64_tie_identical_rows_bit_for_bit_across_blocks(monkeypatch)
     for row in range(6):
         tied = scores[(pair_row == row) & torch.isin(pair_column, torch.tensor([2, 13, 19]))]
         assert tied.numel() == 0 or bool((tied == tied[0]).all())
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_low_rank_fp32_stage_equals_fp64_with_ties_and_queries_outside_the_span(k):
+    # the live check's fp32 side on a low-rank gallery: an fp32 candidate pass in the r-dim coordinates, the
+    # residual in the bound; exact ties go to the lowest index, near-ties and queries off the span stay exact
+    gallery, head = junction_features(400, 96, 20, seed=51)
+    in_span, _ = junction_features(150, 96, 20, seed=52, head=head)
+    outside = np.random.default_rng(53).standard_normal((150, 96)).astype(np.float32)
+    query = np.concatenate([in_span, outside])
+    gallery[9] = gallery[300]
+    query[0] = gallery[300] + np.float32(0.01) * gallery[4]
+    query[:120] = _rows_of_any_norm(query[:120])       # raw rows of huge and tiny norms, two outside the raw range
+    with torch.inference_mode():
+        space = retrieval._direct_space(torch.from_numpy(gallery), "half", 10 ** 6)
+        assert space.projection is not None and space.projection.basis.shape == (96, 20)
+        assert retrieval_kernel._low_rank_fp32_pays(space)
+        low_rank = retrieval._with_stage(space, retrieval_space._half_dtype_for(retrieval_space.LOW_RANK_FP32, "cpu"))
+        assert low_rank.half_dtype == torch.float32 and tuple(low_rank.half_t.shape) == (20, 400)
+        queries = retrieval_kernel._Queries("query", torch.from_numpy(query), raw=True)
+        result = retrieval_kernel._search(low_rank, queries, k, "half", 64, True)
+    expected, expected_scores = brute_topk(query, gallery, k)
+    np.testing.assert_array_equal(result.index.numpy(), expected)
+    np.testing.assert_allclose(result.score.numpy(), expected_scores, rtol=0, atol=1e-12)
+    assert int(result.index[0, 0]) == 9
+
+
+def test_live_check_times_the_low_rank_fp32_stage_on_a_low_rank_gallery(monkeypatch):
+    patch_fastest_matmul(monkeypatch, lambda device, exclude=(): "bf16")
+
+    class CandidateSlower(retrieval_live.LiveCheck):
+        def record(self, stage, seconds_per_row):
+            super().record(stage, 2.0 if stage == retrieval_live.CANDIDATE else 1.0)
+
+    monkeypatch.setattr(retrieval_kernel, "LiveCheck", CandidateSlower)
+    stages = []
+    original = retrieval._with_stage
+    monkeypatch.setattr(retrieval, "_with_stage", lambda space, dtype: stages.append(dtype) or original(space, dtype))
+    gallery, head = junction_features(300, 96, 20, seed=54)
+    query, _ = junction_features(8 * 512 + 50, 96, 20, seed=55, head=head)
+    chunks = []
+    search_chunk = retrieval_kernel._search_chunk
+    monkeypatch.setattr(retrieval_kernel, "_search_chunk",
+                        lambda space, *args: chunks.append(space.half_dtype) or search_chunk(space, *args))
+    with one_thread():
+        index, _ = nearest_neighbours(query, gallery, k=1, precision="auto", return_scores=False)
+    np.testing.assert_array_equal(index.numpy(), brute_topk(query, gallery, 1)[0])
+    assert stages == [torch.float32]
+    assert chunks[:3] == [torch.bfloat16, torch.bfloat16, torch.float32] and set(chunks[5:]) == {torch.float32}
