@@ -22,7 +22,8 @@ from compat_core.retrieval_int8 import int8_stage as _int8_stage
 from compat_core.retrieval_int8 import int8_top1_candidates
 from compat_core.retrieval_int8 import norm32_upper as _norm32_upper
 from compat_core.retrieval_live import CANDIDATE, FP32, LiveCheck, alternating_plan
-from compat_core.retrieval_space import LOW_RANK_FP32, _inverse_norms, _project_queries, _Space
+from compat_core.retrieval_space import (LOW_RANK_FP32, LOW_RANK_FP32_MAX_FRACTION, _inverse_norms, _project_queries,
+                                         _Space)
 from compat_core.torch_settings import one_thread as _one_thread
 from compat_core.torch_settings import balanced_chunks, chunk_workers, run_chunks
 
@@ -35,7 +36,6 @@ _INT8_PROBE_QUERIES = 512      # size of that first chunk
 _LIVE_CHECK_CHUNKS = 8         # the live check runs on searches of at least this many first chunks
 _LIVE_MARGIN = 1.1             # a stage slower than the kernel's fp32 stage by more than this is left
 _LIVE_PAIRS = 2                # readings of each side that must all say "slower" before the stage is left
-_LOW_RANK_FP32_SHARE = 2       # the fp32 side of the live check runs in low-rank coordinates of rank <= D / this
 _SCORE_BUDGET = 1 << 22        # elements of one fp32 (query chunk x gallery) score block: measured on 2 cores at
                                # D = 1023, fp32 stage, 1 << 22 against 1 << 26: 20,000 x 5,000 0.66 vs 0.71 s,
                                # 50,000 x 10,000 3.11 vs 3.40 s, 49,320 x 3,288 (demo features) 1.06 vs 1.21 s
@@ -364,8 +364,9 @@ def _low_rank_fp32_pays(space: _Space) -> bool:
     """Whether the live check's fp32 side runs in the gallery's low-rank coordinates: an fp32 product in r <= D/2
     dims (plus the queries' projection, r D per query) costs at most about half the full one, and the window
     grows only by the measured residual (<= 2^-10), so fp32 there is the faster exact counterpart of a plain
-    fp32 loop."""
-    return space.projection is not None and space.projection.basis.shape[1] <= space.dim // _LOW_RANK_FP32_SHARE
+    fp32 loop. Where the candidate stage is that pass already (no faster half product), the full fp32 product."""
+    return (space.projection is not None and space.half_dtype != torch.float32
+            and space.projection.basis.shape[1] <= int(LOW_RANK_FP32_MAX_FRACTION * space.dim))
 
 
 def _clock(device: torch.device) -> float:

@@ -191,17 +191,22 @@ def _direct_space(gallery: torch.Tensor, precision: str, query_count: int = 0) -
     stage32 = (gallery.float() * inverse.float()[:, None]).contiguous()
     half_dtype = _half_dtype_for(precision, gallery.device)
     dev32 = 3.0 * _U32 * (1.0 + 1e-12)
-    if (half_dtype is not None and precision in _CANDIDATE_STAGES
+    # "auto" where no half product beats fp32: a gallery of rank <= D/2 still gets an fp32 candidate pass in its
+    # low-rank coordinates (at most about half the full product's arithmetic)
+    low_rank_dtype = torch.float32 if half_dtype is None and precision == "auto" else half_dtype
+    if (low_rank_dtype is not None and precision in _CANDIDATE_STAGES
             and query_count >= _LOW_RANK_MIN_QUERIES_PER_DIM * gallery.shape[1]):
         # the full-D half copy is made only if the low-rank stage does not apply
         space = _build_space(stage32, dev32, 1.0 + 1e-12, exact_rows, None)
-        _low_rank(space, gallery, inverse, half_dtype)
+        _low_rank(space, gallery, inverse, low_rank_dtype,
+                  LOW_RANK_FP32_MAX_FRACTION if low_rank_dtype == torch.float32 else _LOW_RANK_MAX_FRACTION)
         if space.projection is not None:
             return space
     return _build_space(stage32, dev32, 1.0 + 1e-12, exact_rows, half_dtype)
 
 
 _LOW_RANK_MAX_FRACTION = 0.8   # above r = 0.8 D the projection and residual cost more than they save
+LOW_RANK_FP32_MAX_FRACTION = 0.5   # an fp32 pass in r dims (plus the queries' projection) pays up to r = D / 2
 _LOW_RANK_MIN_DIM = 64         # tiny D: nothing to save
 _LOW_RANK_MIN_QUERIES_PER_DIM = 32  # fewer queries do not repay the basis search and the gallery pass
 _LOW_RANK_RMS_RESIDUAL = 2.0 ** -14   # target rms ||g - U y||: far inside bf16's ~2^-8 candidate window
@@ -211,8 +216,9 @@ _ROTATION_SEED = 20261124      # fixed: the same gallery always gets the same in
 _PROJECTION_BLOCK = 512        # fp32 accumulation length per partial product of U^T q (error gamma_512, not gamma_D)
 
 
-def _low_rank(space: _Space, gallery: torch.Tensor, inverse: torch.Tensor, half_dtype: torch.dtype) -> None:
-    """Switch the half stage of ``space`` to the gallery's dominant r-dim subspace when r <= 0.8 D.
+def _low_rank(space: _Space, gallery: torch.Tensor, inverse: torch.Tensor, half_dtype: torch.dtype,
+              max_fraction: float = _LOW_RANK_MAX_FRACTION) -> None:
+    """Switch the half stage of ``space`` to the gallery's dominant r-dim subspace when r <= ``max_fraction`` D.
 
     Junction features f = A h (A: D x m, bias-free) have rank <= m < D, so the half product can run in r dims.
     U comes from a pivoted block Gram-Schmidt of (a stride subset of) the unit gallery rows in fp32
@@ -223,7 +229,7 @@ def _low_rank(space: _Space, gallery: torch.Tensor, inverse: torch.Tensor, half_
     size, dim = space.size, space.dim
     if dim < _LOW_RANK_MIN_DIM:
         return
-    max_rank = int(_LOW_RANK_MAX_FRACTION * dim)
+    max_rank = int(max_fraction * dim)
     sample_rows = min(size, max_rank + 64)       # more rows than any accepted rank, so the sample spans it
     pick = torch.linspace(0, size - 1, sample_rows, device=gallery.device).round().long()
     # fp32 is enough for the search (its noise, ~1e-7 per component, is far below the 2^-14 target, and U is

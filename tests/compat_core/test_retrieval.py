@@ -956,3 +956,26 @@ def test_live_check_times_the_low_rank_fp32_stage_on_a_low_rank_gallery(monkeypa
     np.testing.assert_array_equal(index.numpy(), brute_topk(query, gallery, 1)[0])
     assert stages == [torch.float32]
     assert chunks[:3] == [torch.bfloat16, torch.bfloat16, torch.float32] and set(chunks[5:]) == {torch.float32}
+
+
+def test_auto_without_a_faster_half_product_runs_fp32_in_low_rank_coordinates(monkeypatch):
+    # a machine where fp32 is the fastest product: "auto" still moves a gallery of rank <= D/2 to an fp32 pass in
+    # its r-dim coordinates, and the live check times it against the full fp32 product; a full-rank gallery keeps
+    # the plain fp32 stage (no candidate pass, no check)
+    patch_fastest_matmul(monkeypatch, lambda device, exclude=(): "fp32")
+    stages = []
+    original = retrieval._with_stage
+    monkeypatch.setattr(retrieval, "_with_stage", lambda space, dtype: stages.append(dtype) or original(space, dtype))
+    built = low_rank_space_used(monkeypatch, None, None)
+    gallery, head = junction_features(300, 96, 20, seed=56)
+    query, _ = junction_features(8 * 512 + 50, 96, 20, seed=57, head=head)
+    gallery[17] = gallery[250]
+    index, _ = nearest_neighbours(query, gallery, k=1, precision="auto", return_scores=False)
+    np.testing.assert_array_equal(index.numpy(), brute_topk(query, gallery, 1)[0])
+    assert built[0] is not None and built[0].basis.shape == (96, 20)
+    assert stages == [None]                      # the check's other side: the full fp32 product
+    rng = np.random.default_rng(58)
+    full_rank = rng.standard_normal((300, 96)).astype(np.float32)
+    index, _ = nearest_neighbours(query, full_rank, k=1, precision="auto", return_scores=False)
+    np.testing.assert_array_equal(index.numpy(), brute_topk(query, full_rank, 1)[0])
+    assert built[1] is None and stages == [None]
