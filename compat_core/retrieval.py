@@ -72,7 +72,15 @@ y_j = U^T g_j in fp32, and q.g_j = x.y_j + q.(g_j - U y_j) exactly, so the measu
 together with the projection's own rounding (``_Projection``, ``_blocked_matmul``). Queries outside the span
 (another model's features) stay exact: the term is bounded with ||q|| = 1. The fp32 and fp64 re-scoring use the
 original D-dim rows. The gallery's preparation (fp32 copy, candidate-stage copy, low-rank basis and the measured
-deviations) is in ``compat_core.retrieval_space``.
+deviations) is in ``compat_core.retrieval_space``. An fp32 pass in the same coordinates (r <= D/2: at most about
+half the full product's arithmetic; the same bound with no output rounding) is the candidate stage of "auto" where
+no half product beats fp32.
+
+"auto" checks its choice on the live call (``compat_core.retrieval_live``): after a warm chunk per worker, probe
+chunks alternate between the candidate stage and the fp32 stage (in low-rank coordinates where r <= D/2 and the
+candidate stage is not already that), each timed on its worker's CPU clock; a candidate stage more than 10 % slower
+in two readings of each side hands every chunk not yet started to the fp32 stage. Every chunk is exact on either
+stage, so the check computes nothing twice.
 
 The fp64 reference score of (q, g_j) is ``sum_i q_i * (g_ji / ||g_j||)`` with q = query / ||query|| evaluated in
 float64; it equals any other fp64 brute force except at fp64 near-ties (relative gaps ~1e-15), where the order is
