@@ -167,7 +167,8 @@ def nearest_neighbours(query, gallery, k: int = 1, chunk_size: int | None = None
     ``precision``: "auto" (the candidate-pass arithmetic measured fastest on this machine by
     ``compat_core.calibration``: int8, bf16, fp16 or fp32), "int8"/"half"/"bf16"/"fp16" (force that candidate
     stage), "fp32", "fp64" (brute force). The ranking is the same for every choice.
-    ``chunk_size``: queries per block (default: a block of scores stays under 2**26 entries).
+    ``chunk_size``: queries per block (default: a block of scores stays within its stage's budget, 4-33 million
+    entries).
     With k = 1 and "auto", large searches group the gallery (spherical k-means) and search only the groups whose
     proven bound can reach a query's best score, where an estimate on a sample of the gallery and a cost model
     from the calibration say it pays (``compat_core.retrieval_pruned``); the answer is the same.
