@@ -39,9 +39,16 @@ def service(mlflow_server, ray_local, tmp_path_factory):
                 "poll_s": 0.3, "precision": "auto", "cache_dir": str(folder / "cache"),
                 "limits": {"max_k": 20, "max_body_bytes": 64 << 10}}
     url = start(settings, "127.0.0.1", free_port(), num_replicas=2, num_cpus=0, max_ongoing_requests=8)
-    deadline = time.monotonic() + 60
-    while helpers.call(url, "/healthz")[0] != 200 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    # both replicas loaded, not just the first to answer (on a busy machine the second one was still "loading",
+    # 503, when the first test asked)
+    loaded, deadline = set(), time.monotonic() + 120
+    while len(loaded) < 2 and time.monotonic() < deadline:
+        status, health = helpers.call(url, "/healthz")
+        if status == 200:
+            loaded.add(health["replica"])
+        else:
+            time.sleep(0.2)
+    assert len(loaded) == 2, f"{len(loaded)} of 2 replicas loaded within 120 s"
     yield {"url": url, "client": client, "versions": versions, "config": config, "root": root, "folder": folder,
            "tracking": mlflow_server.tracking_uri}
     serve.shutdown()
