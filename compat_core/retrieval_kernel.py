@@ -25,7 +25,7 @@ from compat_core.retrieval_live import CANDIDATE, FP32, LiveCheck, alternating_p
 from compat_core.retrieval_space import (LOW_RANK_FP32, LOW_RANK_FP32_MAX_FRACTION, _inverse_norms, _project_queries,
                                          _Space)
 from compat_core.torch_settings import one_thread as _one_thread
-from compat_core.torch_settings import balanced_chunks, chunk_workers, run_chunks
+from compat_core.torch_settings import balanced_chunks, chunk_workers, even_chunks, run_chunks
 
 _MAX_CANDIDATES = 256          # wider candidate sets are cheaper as a full fp32 row than as gathered rows
 _GATHER_VS_DENSE = 32          # a gathered candidate costs about as much as this many gallery rows of a dense product
@@ -337,19 +337,18 @@ def _search(space: _Space, queries: _Queries, k: int, precision: str, chunk_size
         check = LiveCheck(plan, _LIVE_MARGIN, _LIVE_PAIRS)
         bounds = probes + balanced_chunks(probes[-1][1], queries.count, chunk, device)
         fp32_space = rebuild(LOW_RANK_FP32 if _low_rank_fp32_pays(space) else "fp32")
+        fp32_stage = _start_stage(fp32_space, precision)
     else:
         bounds = balanced_chunks(start, queries.count, chunk, device)
 
     def work(first: int, stop: int) -> None:
         name = CANDIDATE if check is None else check.stage_for((first, stop))
-        where, where_stage = (space, stage) if name == CANDIDATE else (fp32_space, _start_stage(fp32_space, precision))
+        where, where_stage = (space, stage) if name == CANDIDATE else (fp32_space, fp32_stage)
         timed = check is not None and check.timed((first, stop), name)
         if name == FP32 and not timed and chunk_size is None:
             # chunks sized for the candidate stage, run on the fp32 stage: in its own (smaller) score blocks
-            parts = -(-(stop - first) // _default_chunk(where.size, None, k))
-            for i in range(parts):
-                _search_chunk(where, queries, first + (stop - first) * i // parts,
-                              first + (stop - first) * (i + 1) // parts, k, want_scores, where_stage, result)
+            for part in even_chunks(first, stop, -(-(stop - first) // _default_chunk(where.size, None, k))):
+                _search_chunk(where, queries, *part, k, want_scores, where_stage, result)
             return
         began = _clock(device)
         _search_chunk(where, queries, first, stop, k, want_scores, where_stage, result)

@@ -184,7 +184,7 @@ def _direct_space(gallery: torch.Tensor, precision: str, query_count: int = 0) -
     def exact_rows(index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
             return gallery[index].double() * inverse[index].unsqueeze(-1)
-        # the same roundings (exact conversion, one product) without fresh (rows x D) temporaries
+        # the same roundings (exact conversion, one product) with one temporary, in the gallery's dtype, not three
         return out.copy_(torch.index_select(gallery, 0, index)).mul_(inverse[index].unsqueeze(-1))
 
     # per component the fp32 copy rounds three times (input conversion, fp32 inverse norm, product): <= 3 u32

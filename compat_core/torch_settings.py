@@ -65,6 +65,12 @@ def chunk_workers(device: torch.device) -> int:
     return torch.get_num_threads() if torch.device(device).type == "cpu" else 1
 
 
+def even_chunks(start: int, stop: int, count: int) -> list[tuple[int, int]]:
+    """Bounds of the rows start..stop-1 in ``count`` chunks whose sizes differ by at most one row."""
+    rows = stop - start
+    return [(start + rows * i // count, start + rows * (i + 1) // count) for i in range(count)]
+
+
 def balanced_chunks(start: int, stop: int, chunk: int, device: torch.device) -> list[tuple[int, int]]:
     """Bounds of the rows start..stop-1 in chunks of at most ``chunk`` rows and of (nearly) equal size, their
     count a multiple of the workers ``run_chunks`` will use: chunks of ``chunk`` rows with a short remainder left
@@ -76,7 +82,7 @@ def balanced_chunks(start: int, stop: int, chunk: int, device: torch.device) -> 
     count = -(-rows // chunk)
     if workers > 1:
         count = min(rows, -(-count // workers) * workers)
-    return [(start + rows * i // count, start + rows * (i + 1) // count) for i in range(count)]
+    return even_chunks(start, stop, count)
 
 
 def run_chunks(work: Callable[[int, int], object], chunks: Sequence[tuple[int, int]], device: torch.device) -> None:
