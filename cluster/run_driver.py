@@ -4,10 +4,10 @@ sources of a config (the registry's URI resolvers registered here and in Ray wor
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import re
 
-from cluster.ray_executor import RayExecutor
 from cluster.registry import register_mlflow_resolvers, version_by_alias
 from pipelines.config_load import ConfigError
 from pipelines.executor import LocalExecutor
@@ -21,8 +21,11 @@ def make_executor(kind: str = "local", address: str | None = None, emit=None, pr
     CPUs of an embedded Ray instance (Ray only); setup: picklable callable run in a Ray worker before each node (e.g.
     MLflow URI resolvers)."""
     if kind == "ray":
+        # imported when chosen, as app.dispatch imports a command's module: a local run needs no Ray, so it runs on a
+        # machine without Ray (a bare GPU machine) and does not pay for importing it
+        ray_executor = importlib.import_module("cluster.ray_executor")
         kwargs = {"num_cpus": num_cpus} if num_cpus is not None else {}
-        return RayExecutor(address=address, emit=emit, progress=progress, setup=setup, **kwargs)
+        return ray_executor.RayExecutor(address=address, emit=emit, progress=progress, setup=setup, **kwargs)
     if address:
         raise SystemExit("--address applies to --executor ray only")
     return LocalExecutor(emit=emit, progress=progress)

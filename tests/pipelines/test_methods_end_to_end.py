@@ -14,7 +14,7 @@ import yaml
 from safetensors.numpy import load_file
 
 import tiny_scenario_helpers as tiny
-from cluster import run_driver
+from cluster import ray_executor
 from pipelines.config_load import ConfigError, validate_config
 from pipelines.executor import LocalExecutor
 from pipelines.graph import compile_scenario
@@ -232,7 +232,8 @@ def test_run_dispatches_to_the_ray_executor(tmp_path, monkeypatch):
 
             return Invocation(run_id="fake")
 
-    monkeypatch.setattr(run_driver, "RayExecutor", FakeRayExecutor)  # where `compat run` builds its executor
+    # `compat run` imports the Ray executor's module when --executor ray is chosen, and builds its class from there
+    monkeypatch.setattr(ray_executor, "RayExecutor", FakeRayExecutor)
     config_path = tmp_path / "tiny.yaml"
     config_path.write_text(yaml.safe_dump(tiny.scenario("er", output=str(tmp_path / "run"))))
     from app.cli import main
