@@ -65,7 +65,8 @@ class Shape:
     test_identities: int       # of the test partition (disjoint from the training identities, as CelebA's)
     test_images: int           # per test identity
     batch_size: int
-    steps: int                 # optimiser steps per task (the step budget)
+    steps: int                 # optimiser steps per epoch (the step budget)
+    epochs: int                # epochs per task (more epochs: the input stream's start-up weighs less)
     backbone_config: dict
     entry_rows: int            # query = gallery rows of the matrix entry
     input_workers: int
@@ -73,11 +74,11 @@ class Shape:
 
 FULL = Shape(image_size=224, num_slots=22000, identities_per_task=512, train_images=12, test_identities=512,
              test_images=4,
-             batch_size=320, steps=40, backbone_config={}, entry_rows=10_000, input_workers=3)
+             batch_size=320, steps=40, epochs=1, backbone_config={}, entry_rows=10_000, input_workers=3)
 SMOKE = Shape(image_size=32, num_slots=64, identities_per_task=8, train_images=4, test_identities=8, test_images=2,
               batch_size=16,
-              steps=3, backbone_config={"img_size": 32, "depth": 1, "embed_dim": 64, "num_heads": 2}, entry_rows=200,
-              input_workers=1)
+              steps=3, epochs=1, backbone_config={"img_size": 32, "depth": 1, "embed_dim": 64, "num_heads": 2},
+              entry_rows=200, input_workers=1)
 TASKS = 2
 
 
@@ -271,8 +272,8 @@ def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeou
             "tasks.spec": f"{TASKS}x{shape.identities_per_task}",
             "model.num_slots": shape.num_slots, "model.backbone_config": shape.backbone_config,
             "pretrain": [], "initial_model": None, "replacements": [],
-            "training.epochs": 1, "training.steps_per_epoch": shape.steps, "training.batch_size": shape.batch_size,
-            "training.input_workers": shape.input_workers,
+            "training.epochs": shape.epochs, "training.steps_per_epoch": shape.steps,
+            "training.batch_size": shape.batch_size, "training.input_workers": shape.input_workers,
             **{f"evaluation.{name}.{field}": pool[field] for name in ("query_set", "gallery_set")
                for field in ("dataset", "root", "options")},
             "resources.finetune": {"num_gpus": gpus, "num_cpus": cpus},
@@ -451,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "real_job"), help="report folder")
     parser.add_argument("--executor", choices=("auto", "ray", "local"), default="auto",
                         help="auto: ray with S3 where Ray, MLflow and the S3 server are installed, else local")
-    parser.add_argument("--steps", type=int, default=None, help="step budget per task (default: the shape's)")
+    parser.add_argument("--steps", type=int, default=None, help="step budget per epoch (default: the shape's)")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs per task (default: the shape's, 1)")
     parser.add_argument("--skip", action="append", default=[], choices=("tests", "product", "bare", "entry"))
     parser.add_argument("--input-workers", type=int, nargs="+", default=None,
                         help="run the product once per value of training.input_workers (default: the config's 3)")
@@ -460,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = SMOKE if args.smoke else FULL
     if args.steps:
         shape = Shape(**{**shape.__dict__, "steps": args.steps})
+    if args.epochs:
+        shape = Shape(**{**shape.__dict__, "epochs": args.epochs})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not args.smoke and device.type != "cuda":
         parser.error("the real shape needs a CUDA device (K = 22,000, ViT-B/16 at 224 px, batch 320); use --smoke")
