@@ -123,8 +123,9 @@ def isometric_coordinates(store: RunStore, query_head: JunctionRef,
     return (coordinates, coordinates) if same else (coordinates[:, :m_t], coordinates[:, m_t:])
 
 
-def bridge_entry(store: RunStore, query_key: str, gallery_key: str, protocol: dict, config) -> tuple[float, str]:
-    """Entry M(Q, G) of two bridge extracts (no adapter applies): (value, kernel used)."""
+def bridge_entry(store: RunStore, query_key: str, gallery_key: str, protocol: dict, config,
+                 device: torch.device | str = "cpu") -> tuple[float, str]:
+    """Entry M(Q, G) of two bridge extracts (no adapter applies), searched on ``device``: (value, kernel used)."""
     q_embed, q_labels, q_coarse, q_layout = read_embeddings(store, query_key)
     g_embed, g_labels, g_coarse, g_layout = read_embeddings(store, gallery_key)
     if protocol["metric"] == "recall_at_1" and protocol["gallery"] == "instances":
@@ -133,34 +134,35 @@ def bridge_entry(store: RunStore, query_key: str, gallery_key: str, protocol: di
                 raise ValueError("evaluation.label_level: 'coarse' needs a dataset with coarse labels "
                                  "(this one has none)")
             q_labels, g_labels = q_coarse, g_coarse
-        value = bridged_recall_at_1(torch.from_numpy(q_embed.astype(np.float32)),
+        value = bridged_recall_at_1(torch.from_numpy(q_embed.astype(np.float32)).to(device),
                                     junction_head(store, q_layout.head),
-                                    torch.from_numpy(g_embed.astype(np.float32)),
+                                    torch.from_numpy(g_embed.astype(np.float32)).to(device),
                                     junction_head(store, g_layout.head), np.asarray(q_labels, np.int64),
                                     np.asarray(g_labels, np.int64))
         return float(value), "bridged_recall_at_1"
     to_query, to_gallery = isometric_coordinates(store, q_layout.head, g_layout.head)
     q_coords = (torch.from_numpy(q_embed).double() @ to_query.t()).numpy()
     g_coords = (torch.from_numpy(g_embed).double() @ to_gallery.t()).numpy()
-    value = compute_entry((q_coords, q_labels, q_coarse), (g_coords, g_labels, g_coarse), protocol, config)
+    value = compute_entry((q_coords, q_labels, q_coarse), (g_coords, g_labels, g_coarse), protocol, config,
+                          device=device)
     return float(value), f"isometric coordinates (r={to_query.shape[0]})"
 
 
 def entry_value(store: RunStore, config, query_record: FeatureRecord, gallery_record: FeatureRecord, protocol: dict,
-                adapters: list) -> tuple[float, EntryFeatures]:
-    """The value of one matrix entry and how its features were used (way "bridge" | "direct" | "materialized",
-    kernel or reason, seconds). Direct extracts (and fallbacks) go through
+                adapters: list, device: torch.device | str = "cpu") -> tuple[float, EntryFeatures]:
+    """The value of one matrix entry, searched on ``device``, and how its features were used (way "bridge" |
+    "direct" | "materialized", kernel or reason, device, seconds). Direct extracts (and fallbacks) go through
     ``compute_entry`` on d-dim features."""
     started = time.perf_counter()
     query_key, gallery_key = query_record.stage_key, gallery_record.stage_key
     ways = (query_record.layout.feature_way, gallery_record.layout.feature_way)
     if ways == ("bridge", "bridge") and not adapters:
-        value, kernel = bridge_entry(store, query_key, gallery_key, protocol, config)
+        value, kernel = bridge_entry(store, query_key, gallery_key, protocol, config, device)
         how = EntryFeatures("bridge", kernel=kernel)
     else:
         value = compute_entry(cached_features(store, query_key), cached_features(store, gallery_key), protocol,
                               config, query_record.num_classes_model, gallery_record.num_classes_model,
-                              adapters=adapters)
+                              adapters=adapters, device=device)
         if "bridge" not in ways:
             how = EntryFeatures("direct")
         elif adapters:
@@ -168,6 +170,7 @@ def entry_value(store: RunStore, config, query_record: FeatureRecord, gallery_re
         else:
             how = EntryFeatures("materialized", reason=f"query extract {ways[0]}, gallery extract {ways[1]}")
     how.seconds = time.perf_counter() - started
+    how.device = str(device)
     return value, how
 
 

@@ -40,7 +40,7 @@ def entry_stage(ctx: StageContext) -> StageResult:
     gallery_key = gallery_keys[column]
     adapters = entry_adapters(ctx.store, [ctx.parents[k] for k in gallery_keys], row, column)
     value, features = entry_value(ctx.store, ctx.config, ctx.parents[query_key], ctx.parents[gallery_key], protocol,
-                                  adapters)
+                                  adapters, ctx.device)
     return StageResult(EntryRecord(stage.key, row, column, value, query_key, gallery_key,
                                    EvaluationProtocol.from_json(protocol, f"stage {stage.key}: protocol"), features))
 

@@ -59,7 +59,8 @@ def verification_pairs(query_labels: np.ndarray, gallery_labels: np.ndarray, cou
 
 
 def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: ScenarioConfig,
-                  query_classes: int = 0, gallery_classes: int = 0, adapters: list | None = None) -> float:
+                  query_classes: int = 0, gallery_classes: int = 0, adapters: list | None = None,
+                  device: torch.device | str = "cpu") -> float:
     """One matrix entry M(Q, G) from stored features; ``query``/``gallery`` = (features, labels, coarse labels).
 
     protocol: metric (recall_at_1 | map | verification | tar_at_far), gallery (instances | class_means),
@@ -67,7 +68,8 @@ def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: Scenario
     the two models (PSP/LSP project the query into the gallery model's space). adapters: gallery adapters
     (compat_core.adapters, FAN's psi) that map the gallery model's features into the query model's space, oldest
     first (see :func:`entry_adapters`), applied by :func:`compat_core.adapters.apply_chain`.
-    Returns a fraction in [0, 1].
+    device: where the retrieval metrics search (the entry stage's device: a GPU where the stage has one); the
+    top-1 is exact on every device. Returns a fraction in [0, 1].
     """
     q_features, q_labels, q_coarse = query
     g_features, g_labels, g_coarse = gallery
@@ -89,6 +91,8 @@ def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: Scenario
     q_labels = np.asarray(q_labels, dtype=np.int64)
     g_labels = np.asarray(g_labels, dtype=np.int64)
     metric = protocol["metric"]
+    if metric in ("recall_at_1", "map"):
+        q, g = q.to(device), g.to(device)
     if metric in ("recall_at_1", "map") and protocol["gallery"] == "class_means":
         g, g_labels = retrieval.class_mean_gallery(g, g_labels)
     if metric == "recall_at_1":

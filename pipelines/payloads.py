@@ -115,12 +115,13 @@ class FeatureLayout(Payload):
 @dataclass
 class EntryFeatures(Payload):
     """How one matrix entry used its features: way ("bridge", "direct" or "materialized"), the bridge kernel or
-    the reason for not bridging, and the seconds the entry took."""
+    the reason for not bridging, the device its search ran on ("cpu", "cuda:0", ...) and the seconds it took."""
 
     way: str | None = optional()
     kernel: str | None = optional()
     reason: str | None = optional()
     seconds: float | None = optional()
+    device: str | None = optional()
 
 
 # ---- evaluation protocol -------------------------------------------------------------------------------------------

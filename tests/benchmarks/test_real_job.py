@@ -29,6 +29,7 @@ def test_real_job_smoke_runs_the_product_path_and_reports(tmp_path):
         assert task["first_step_seconds"] > 0
     assert report["bare"]["images_per_s"] > 0
     entry = report["entry"]
-    assert entry["equal_to_fp64"] and entry["recall_at_1"] == entry["fp64_recall_at_1"]
+    assert entry["product_entry_cpu_equal_to_fp64"]
+    assert entry["product_entry_cpu_recall_at_1"] == entry["fp64_recall_at_1"]
     assert "no CUDA" in report["cuda_tests"]["status"]
     assert "| product path" in (tmp_path / "real_job.md").read_text()

@@ -89,6 +89,7 @@ def test_bridge_matrix_equals_direct_and_fp64_brute_force(tmp_path):
     entries = [store.load_record(s.key) for s in graph if s.kind == "entry"]
     assert {e["features"]["way"] for e in entries} == {"bridge"}
     assert {e["features"]["kernel"] for e in entries} == {"bridged_recall_at_1"}
+    assert {e["features"]["device"] for e in entries} == {"cpu"}  # the stages' device: this run's config says cpu
     bridged = _matrix(store)
     assert bridged == _brute_force_recall(store, graph)
     assert bridged == _matrix(direct_store)

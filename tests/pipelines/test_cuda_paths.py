@@ -91,3 +91,43 @@ def test_ddp_over_nccl_with_sync_batch_norm(tmp_path):
         assert all(p.grad is not None for p in wrapped.parameters() if p.requires_grad)
     finally:
         dist.destroy_process_group()
+
+
+def _fp64_recall_at_1(query, query_labels, gallery, gallery_labels) -> float:
+    q = torch.nn.functional.normalize(torch.from_numpy(query).double(), dim=1)
+    g = torch.nn.functional.normalize(torch.from_numpy(gallery).double(), dim=1)
+    scores = q @ g.T
+    best = scores.max(dim=1, keepdim=True).values
+    first = (scores == best).double().argmax(dim=1)  # lowest gallery index among exact ties
+    return float(np.mean(gallery_labels[first.numpy()] == query_labels))
+
+
+def test_matrix_entries_search_on_the_gpu_equal_to_fp64():
+    """compute_entry with device="cuda" (what an entry stage with a GPU does) gives the fp64 brute force's Recall@1,
+    on near-ties planted across labels, and the CPU's mAP."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import tiny_scenario_helpers as tiny
+
+    from pipelines.config_load import validate_config
+    from pipelines.entry_metrics import compute_entry
+
+    tiny.register()
+    config = validate_config(tiny.scenario("er"))
+    rng = np.random.default_rng(5)
+    labels = np.arange(3000) % 50
+    centres = rng.normal(size=(50, 1023))
+    gallery = (centres[labels] + 0.8 * rng.normal(size=(3000, 1023))).astype(np.float32)
+    query = (centres[labels[:1000]] + 0.8 * rng.normal(size=(1000, 1023))).astype(np.float32)
+    # near-ties: gallery row 2i+1 (another label) is row 2i moved by one fp32 unit in one coordinate
+    gallery[1:200:2] = gallery[0:200:2]
+    gallery[1:200:2, 7] = np.nextafter(gallery[1:200:2, 7], np.float32(np.inf))
+    query[:100] = gallery[0:200:2]
+    protocol = {"metric": "recall_at_1", "gallery": "instances", "label_level": "fine", "far": 0.01,
+                "verification_pairs": 100}
+    on_gpu = compute_entry((query, labels[:1000], None), (gallery, labels, None), protocol, config, device="cuda")
+    assert on_gpu == _fp64_recall_at_1(query, labels[:1000], gallery, labels)
+    for variant in ({"metric": "map"}, {"gallery": "class_means"}):
+        cpu = compute_entry((query, labels[:1000], None), (gallery, labels, None), {**protocol, **variant}, config)
+        gpu = compute_entry((query, labels[:1000], None), (gallery, labels, None), {**protocol, **variant}, config,
+                            device="cuda")
+        assert gpu == pytest.approx(cpu, abs=1e-12), variant
