@@ -289,9 +289,13 @@ def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeou
         with DeviceSampler() as sampler:
             wall = _compat(arguments, env, timeout_s)
         store = RunStore(str(work / "run"))
-        tasks = []
+        tasks, entry_devices, entry_seconds = [], set(), 0.0
         for key in sorted(store.stage_keys()):
             record = store.load_record(key)
+            if key.startswith("entry-"):
+                features = record.get("features") or {}
+                entry_devices.add(str(features.get("device")))
+                entry_seconds += float(features.get("seconds") or 0.0)
             if not key.startswith("finetune-"):
                 continue
             training = record.get("training") or {}
@@ -311,7 +315,8 @@ def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeou
         metrics = json.loads((work / "run" / "metrics.json").read_text())
         return {"executor": executor, "data": "s3 (ingested shards)" if server is not None else "local JPEG files",
                 "tracking": "mlflow sqlite" if "sqlite" in " ".join(arguments) else "off", "wall_seconds": wall,
-                "tasks": sorted(tasks, key=lambda t: t["task"]), "AA": metrics.get("AA")}
+                "tasks": sorted(tasks, key=lambda t: t["task"]), "AA": metrics.get("AA"),
+                "entry_devices": sorted(entry_devices), "entry_seconds": entry_seconds}
     finally:
         if server is not None:
             server.stop()
@@ -436,6 +441,8 @@ def markdown(report: dict) -> str:
                         "first_step_seconds"):
                 row(f"{name}: {key}", task.get(key))
         row(f"{workers} workers: product / bare (task 1, HOC)", product.get("product_over_bare"))
+        row(f"{workers} workers: matrix entries' device, seconds in all",
+            f"{', '.join(product.get('entry_devices', []))}, {product.get('entry_seconds', 0):.2f} s")
     entry = report.get("entry", {})
     for key, value in entry.items():
         row(f"matrix entry: {key}", value)
