@@ -9,6 +9,7 @@ from compat_core.retrieval import _as_labels, _as_matrix, _check_precision
 from compat_core.retrieval_kernel import _Queries, _search
 from compat_core.retrieval_int8 import U32 as _U32
 from compat_core.retrieval_space import _build_space, _half_dtype_for, _Space, _with_stage
+from compat_core.row_reduction import aligned_rows, same_shape_blocks
 from compat_core.torch_settings import ieee_fp32 as _ieee_fp32
 
 
@@ -32,10 +33,10 @@ def _bridge_space(gallery_embed: torch.Tensor, query_head: torch.Tensor, gallery
     size, dim = gallery_embed.shape
     vectors = torch.empty((size, dim), dtype=torch.float64, device=device)
     block = max(1, (1 << 22) // dim)
-    for start in range(0, size, block):
+    for start in same_shape_blocks(size, block, device):
         stop = min(size, start + block)
         g = gallery_embed[start:stop].double()
-        squared = ((g @ gram_k) * g).sum(dim=1)
+        squared = aligned_rows((g @ gram_k) * g).sum(dim=1)   # identical rows: identical norms (exact ties)
         if bool((~(squared > 0)).any()):
             first = start + int(torch.nonzero(~(squared > 0))[0, 0])
             raise ValueError(f"gallery_embed: row {first} maps to a zero feature under gallery_head; "

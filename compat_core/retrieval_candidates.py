@@ -15,6 +15,7 @@ from compat_core.retrieval_int8 import U32 as _U32
 from compat_core.retrieval_int8 import gamma as _gamma
 from compat_core.retrieval_int8 import pad_candidates as _pad_candidates
 from compat_core.retrieval_int8 import select_top1
+from compat_core.row_reduction import aligned_rows, same_shape_blocks
 from compat_core.torch_settings import one_thread as _one_thread
 
 _GATHER_BUDGET = 1 << 22       # elements per gathered (rows x candidates x D) block: bounds re-scoring memory
@@ -177,8 +178,9 @@ def _pair_scores64(query64: torch.Tensor, rows_of: Callable, pair_row: torch.Ten
     """fp64 reference scores of the (query row, gallery row) pairs: ``query64[pair_row[i]]`` against gallery row
     ``pair_column[i]`` (``rows_of(index, out)``: fp64 unit gallery rows), (P,).
 
-    Every pair is reduced by the identical elementwise product and inner-dimension sum, so identical gallery rows
-    tie bit for bit (the lowest index then wins). Only valid pairs are gathered, in blocks of bounded memory into
+    Every pair is reduced by the identical elementwise product and inner-dimension sum (in blocks of one shape, on
+    aligned rows: ``compat_core.row_reduction``), so identical gallery rows tie bit for bit (the lowest index then
+    wins). Only valid pairs are gathered, in blocks of bounded memory into
     two reused buffers, with the products taken in place: padding and fresh large temporaries cost the padded
     (rows x width x D) evaluation most of its time on rows with a few candidates each."""
     count = pair_row.numel()
@@ -189,11 +191,11 @@ def _pair_scores64(query64: torch.Tensor, rows_of: Callable, pair_row: torch.Ten
     block = max(1, min(count, _GATHER_BUDGET // dim))
     gallery_buffer = torch.empty((block, dim), dtype=query64.dtype, device=query64.device)
     query_buffer = torch.empty((block, dim), dtype=query64.dtype, device=query64.device)
-    for start in range(0, count, block):
+    for start in same_shape_blocks(count, block, query64.device):
         stop = min(count, start + block)
         vectors = rows_of(pair_column[start:stop], gallery_buffer[:stop - start])
         vectors.mul_(torch.index_select(query64, 0, pair_row[start:stop], out=query_buffer[:stop - start]))
-        torch.sum(vectors, dim=1, out=out[start:stop])
+        torch.sum(aligned_rows(vectors), dim=1, out=out[start:stop])
     return out
 
 

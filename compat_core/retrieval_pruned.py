@@ -57,6 +57,7 @@ from compat_core.retrieval_groups import (UNIT_ROUNDOFF, Groups, _assignment_fro
                                           _sample_positions, _unit32, assign_to_centres, group_gallery,
                                           kmeans_centres, product_error, unit_deviation)
 from compat_core.retrieval_int8 import SLACK
+from compat_core.row_reduction import aligned_rows, same_shape_blocks
 from compat_core.torch_settings import ieee_fp32, one_thread, run_chunks
 
 __all__ = ["Groups", "group_gallery", "bounds", "needed", "needed_groups", "estimate", "worth_pruning", "Report",
@@ -371,11 +372,12 @@ def _search_block(rows: torch.Tensor, query: torch.Tensor, gallery: torch.Tensor
     queries64 = _fp64_rows(query[rows])
     scores64 = torch.empty(pair_row.numel(), dtype=torch.float64, device=query.device)
     step = max(1, _PAIR_BLOCK // query.shape[1])
-    for start in range(0, pair_row.numel(), step):
+    for start in same_shape_blocks(pair_row.numel(), step, query.device):
         part = slice(start, start + step)
-        # the same elementwise product and sum for every pair: identical rows score bit for bit alike
-        scores64[part] = (_fp64_rows(gallery[members[pair_column[part]]])
-                          * queries64[pair_row[part]]).sum(dim=1)
+        # the same elementwise product and sum for every pair (blocks of one shape, aligned rows): identical rows
+        # score bit for bit alike
+        scores64[part] = aligned_rows(_fp64_rows(gallery[members[pair_column[part]]])
+                                      * queries64[pair_row[part]]).sum(dim=1)
     top = torch.full((rows.numel(),), -math.inf, dtype=torch.float64, device=query.device)
     top = top.scatter_reduce(0, pair_row, scores64, reduce="amax")
     at_top = scores64 == top[pair_row]
@@ -388,4 +390,5 @@ def _search_block(rows: torch.Tensor, query: torch.Tensor, gallery: torch.Tensor
 
 def _fp64_rows(rows: torch.Tensor) -> torch.Tensor:
     """fp64 unit rows, as the whole-gallery kernel forms them: rows / their fp64 norm (one rounding each)."""
-    return rows.double() * (1.0 / torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)).unsqueeze(1)
+    return rows.double() * (1.0 / torch.linalg.vector_norm(aligned_rows(rows), dim=1,
+                                                           dtype=torch.float64)).unsqueeze(1)

@@ -18,6 +18,7 @@ from compat_core.retrieval_int8 import U32 as _U32
 from compat_core.retrieval_int8 import gamma as _gamma
 from compat_core.retrieval_int8 import norm32_upper as _norm32_upper
 from compat_core.retrieval_int8 import quantize_rows as _quantize_rows
+from compat_core.row_reduction import aligned_rows, same_shape_blocks
 from compat_core.torch_settings import one_thread as _one_thread
 
 _NORM_BLOCK_ROWS = 256         # rows per block of ``_inverse_norms``'s fp64 conversion
@@ -31,17 +32,17 @@ def _inverse_norms(name: str, rows: torch.Tensor) -> torch.Tensor:
     Rows of a narrower type are converted to fp64 block by block, on one thread: one conversion of the whole
     matrix allocates a fresh fp64 copy whose page faults cost 3x the norms themselves (measured on 20,000 x 1023
     fp32 rows, one thread: 0.17 s whole, 0.05 s in blocks of 256 rows). Every block has the same shape (the last
-    one overlaps its predecessor), so every row is reduced by the same code path and identical rows get identical
-    norms."""
+    one overlaps its predecessor), and rows are aligned on accelerators (``compat_core.row_reduction``), so every
+    row is reduced by the same code path and identical rows get identical norms."""
     count, block = rows.shape[0], _NORM_BLOCK_ROWS
     if rows.dtype == torch.float64 or count <= block:
-        norms = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
+        norms = torch.linalg.vector_norm(aligned_rows(rows), dim=1, dtype=torch.float64)
     else:
         norms = torch.empty(count, dtype=torch.float64, device=rows.device)
         with _one_thread():         # short sections: on two threads under load each waited for a descheduled one
-            for start in [*range(0, count - block + 1, block), count - block]:
-                norms[start:start + block] = torch.linalg.vector_norm(rows[start:start + block], dim=1,
-                                                                      dtype=torch.float64)
+            for start in same_shape_blocks(count, block):
+                norms[start:start + block] = torch.linalg.vector_norm(aligned_rows(rows[start:start + block]),
+                                                                      dim=1, dtype=torch.float64)
     bad = ~(norms > 0) | ~torch.isfinite(norms)
     if bool(bad.any()):
         first = int(torch.nonzero(bad)[0, 0])

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core import retrieval, retrieval_candidates, retrieval_kernel, retrieval_live, retrieval_space
+from compat_core import (retrieval, retrieval_candidates, retrieval_kernel, retrieval_live, retrieval_pruned,
+                         retrieval_space)
 from compat_core.retrieval_int8 import quantize_rows, select_top1
 from compat_core.retrieval import (
     class_mean_gallery,
@@ -255,6 +256,41 @@ def test_cuda_matches_fp64_brute_force():
     expected, _ = brute_topk(query, gallery, 2)
     index, _ = nearest_neighbours(torch.from_numpy(query).cuda(), torch.from_numpy(gallery).cuda(), k=2)
     np.testing.assert_array_equal(index.cpu().numpy(), expected)
+
+
+def tied_at_odd_width(seed: int, count: int = 3000, dim: int = 1023):
+    """Gallery rows 2i+1 copy rows 2i (i < 200): rows of 1023 values start at every alignment, where a device's
+    row reduction can round identical rows differently; query i sits next to row 2i, whose lower index must win."""
+    rng = np.random.default_rng(seed)
+    gallery = rng.standard_normal((count, dim)).astype(np.float32)
+    gallery[1:400:2] = gallery[0:400:2]
+    query = rng.standard_normal((1000, dim)).astype(np.float32)
+    query[:200] = gallery[0:400:2] + np.float32(0.01) * rng.standard_normal((200, dim)).astype(np.float32)
+    return query, gallery
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["auto", "int8", "bf16", "fp32", "fp64"])
+def test_cuda_exact_ties_at_odd_width_go_to_the_lowest_index(precision):
+    query, gallery = tied_at_odd_width(seed=21)
+    expected, _ = brute_topk(query, gallery, 1)
+    assert (expected[:200, 0] == np.arange(0, 400, 2)).all()
+    index, _ = nearest_neighbours(torch.from_numpy(query).cuda(), torch.from_numpy(gallery).cuda(), k=1,
+                                  precision=precision)
+    np.testing.assert_array_equal(index.cpu().numpy(), expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pruned_search_breaks_exact_ties_at_odd_width_by_index():
+    query, gallery = tied_at_odd_width(seed=22)
+    labels = np.arange(len(gallery)) % 20
+    expected, _ = brute_topk(query, gallery, 1)
+    index, _, report = retrieval_pruned.search_top1(torch.from_numpy(query).cuda(), torch.from_numpy(gallery).cuda(),
+                                                    retrieval._group_search(None), labels=labels, prune="always")
+    assert report.pruned
+    np.testing.assert_array_equal(index.cpu().numpy(), expected[:, 0])
 
 
 def junction_features(count: int, dim: int, rank: int, seed: int, head=None):
