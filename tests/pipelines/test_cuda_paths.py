@@ -94,17 +94,19 @@ def test_ddp_over_nccl_with_sync_batch_norm(tmp_path):
 
 
 def _fp64_recall_at_1(query, query_labels, gallery, gallery_labels) -> float:
-    q = torch.nn.functional.normalize(torch.from_numpy(query).double(), dim=1)
-    g = torch.nn.functional.normalize(torch.from_numpy(gallery).double(), dim=1)
-    scores = q @ g.T
-    best = scores.max(dim=1, keepdim=True).values
-    first = (scores == best).double().argmax(dim=1)  # lowest gallery index among exact ties
-    return float(np.mean(gallery_labels[first.numpy()] == query_labels))
+    """fp64 cosine Recall@1 of the rows compute_entry searches (normalised in fp32), einsum without BLAS so equal
+    rows score bit-identically; the lowest gallery index wins exact ties."""
+    q = torch.nn.functional.normalize(torch.from_numpy(query), dim=1).numpy().astype(np.float64)
+    g = torch.nn.functional.normalize(torch.from_numpy(gallery), dim=1).numpy().astype(np.float64)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    g /= np.linalg.norm(g, axis=1, keepdims=True)
+    first = np.argsort(-np.einsum("qd,gd->qg", q, g, optimize=False), axis=1, kind="stable")[:, 0]
+    return float(np.mean(gallery_labels[first] == query_labels))
 
 
 def test_matrix_entries_search_on_the_gpu_equal_to_fp64():
     """compute_entry with device="cuda" (what an entry stage with a GPU does) gives the fp64 brute force's Recall@1,
-    on near-ties planted across labels, and the CPU's mAP."""
+    on exact ties and one-ulp near-ties planted across labels, and the CPU's mAP."""
     sys.path.insert(0, str(Path(__file__).parent))
     import tiny_scenario_helpers as tiny
 
@@ -118,16 +120,26 @@ def test_matrix_entries_search_on_the_gpu_equal_to_fp64():
     centres = rng.normal(size=(50, 1023))
     gallery = (centres[labels] + 0.8 * rng.normal(size=(3000, 1023))).astype(np.float32)
     query = (centres[labels[:1000]] + 0.8 * rng.normal(size=(1000, 1023))).astype(np.float32)
-    # near-ties: gallery row 2i+1 (another label) is row 2i moved by one fp32 unit in one coordinate
-    gallery[1:200:2] = gallery[0:200:2]
-    gallery[1:200:2, 7] = np.nextafter(gallery[1:200:2, 7], np.float32(np.inf))
-    query[:100] = gallery[0:200:2]
+    # gallery row 2i+1 (another label) is row 2i with its largest component moved by one fp32 unit; query i sits
+    # next to the pair (0.01 noise), so the two cosines differ in the first order (~1e-12), well above fp64's unit
+    pairs = np.arange(0, 200, 2)
+    gallery[pairs + 1] = gallery[pairs]
+    largest = np.abs(gallery[pairs]).argmax(axis=1)
+    moved = gallery[pairs, largest]
+    gallery[pairs + 1, largest] = np.nextafter(moved, np.float32(np.inf) * np.sign(moved), dtype=np.float32)
+    query[:100] = gallery[pairs] + np.float32(0.01) * rng.normal(size=(100, 1023)).astype(np.float32)
+    # exact ties: rows 2i+201 copy rows 2i+200 (another label); the lower index wins
+    gallery[201:400:2] = gallery[200:400:2]
+    query[100:200] = gallery[200:400:2] + np.float32(0.01) * rng.normal(size=(100, 1023)).astype(np.float32)
+    # each planted query carries the label of the row that must win: any other pick is a miss
+    query_labels = labels[:1000].copy()
+    query_labels[:100], query_labels[100:200] = labels[pairs], labels[200:400:2]
     protocol = {"metric": "recall_at_1", "gallery": "instances", "label_level": "fine", "far": 0.01,
                 "verification_pairs": 100}
-    on_gpu = compute_entry((query, labels[:1000], None), (gallery, labels, None), protocol, config, device="cuda")
-    assert on_gpu == _fp64_recall_at_1(query, labels[:1000], gallery, labels)
+    on_gpu = compute_entry((query, query_labels, None), (gallery, labels, None), protocol, config, device="cuda")
+    assert on_gpu == _fp64_recall_at_1(query, query_labels, gallery, labels)
     for variant in ({"metric": "map"}, {"gallery": "class_means"}):
-        cpu = compute_entry((query, labels[:1000], None), (gallery, labels, None), {**protocol, **variant}, config)
-        gpu = compute_entry((query, labels[:1000], None), (gallery, labels, None), {**protocol, **variant}, config,
+        cpu = compute_entry((query, query_labels, None), (gallery, labels, None), {**protocol, **variant}, config)
+        gpu = compute_entry((query, query_labels, None), (gallery, labels, None), {**protocol, **variant}, config,
                             device="cuda")
         assert gpu == pytest.approx(cpu, abs=1e-12), variant
