@@ -187,7 +187,10 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
         rescored = 0.0
     if fp32_rows.numel():
         # full fp32 rows against a transposed view: the fp32 BLAS takes it at near full speed
-        every = fp32_rows.numel() == q32.shape[0]          # no candidate stage: no copy of the chunk's rows
+        # every row (no candidate stage, or all of them too wide for it): no copy of the chunk's rows; the wide rows
+        # of the top-1 selection come in two runs, so only sorted, as many as the chunk's, they are 0..n-1
+        fp32_rows = torch.sort(fp32_rows).values
+        every = fp32_rows.numel() == q32.shape[0]
         scores = (q32 if every else q32[fp32_rows]) @ space.stage32.t()
         row_bound = bound32 if every else bound32[fp32_rows]
         if k == 1:

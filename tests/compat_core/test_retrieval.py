@@ -357,6 +357,33 @@ def test_low_rank_path_on_an_approximately_low_rank_gallery(monkeypatch, precisi
     np.testing.assert_array_equal(index.numpy(), brute_topk(query, noisy, 2)[0])
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_wide_rows_in_any_order_keep_each_answer_on_its_row(monkeypatch, k):
+    """Rows too wide for the candidate stage go to full fp32 rows. The top-1 selection returns them in two runs
+    (rows whose threshold is <= 0, then rows over the cap), so not sorted; when they are the whole chunk, each
+    answer must still land on its own row. The candidate stage's selection (the first of the one chunk) here
+    declares every row wide, in reverse order."""
+    original = {name: getattr(retrieval_kernel, name) for name in ("_select_top1", "_select")}
+    calls = []
+
+    def every_row_wide_reversed(name):
+        def select(scores, bound, *args, **kwargs):
+            rows, cand, wide = original[name](scores, bound, *args, **kwargs)
+            calls.append(name)
+            if len(calls) > 1:                        # the fp32 and fp64 stages select as they do
+                return rows, cand, wide
+            return rows[:0], cand[:0], torch.arange(scores.shape[0] - 1, -1, -1, device=scores.device)
+        return select
+
+    for name in original:
+        monkeypatch.setattr(retrieval_kernel, name, every_row_wide_reversed(name))
+    query, gallery = planted(64, 300, 40, seed=12)
+    expected, _ = brute_topk(query, gallery, k)
+    index, _ = nearest_neighbours(query, gallery, k=k, chunk_size=64, precision="bf16")
+    np.testing.assert_array_equal(index.numpy(), expected)
+    assert len(calls) >= 2
+
+
 def test_full_rank_gallery_keeps_the_full_half_stage(monkeypatch):
     rng = np.random.default_rng(7)
     gallery = rng.standard_normal((300, 96)).astype(np.float32)
