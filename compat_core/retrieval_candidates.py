@@ -228,6 +228,9 @@ def _candidate_scores32(query_rows: torch.Tensor, candidates: torch.Tensor, gall
         torch.cumsum(torch.bincount(column, minlength=size), 0, out=crow[1:])
         with warnings.catch_warnings():   # "CSR support is in beta": the sampled product is what is used of it
             warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
+            # torch 2.11 warns once per process that invariant checks are off, which check_invariants=False asks
+            warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled",
+                                    category=UserWarning)
             pattern = torch.sparse_csr_tensor(crow, query_of[order], torch.zeros(order.numel(), dtype=torch.float32,
                                                                                 device=candidates.device),
                                               size=(size, query_rows.shape[0]), check_invariants=False)
