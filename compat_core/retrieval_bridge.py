@@ -30,18 +30,24 @@ def _bridge_space(gallery_embed: torch.Tensor, query_head: torch.Tensor, gallery
     else:
         cross = query_head.to(device).double().t() @ head_k     # A_t^T A_k (m, m)
     del head_k
-    size, dim = gallery_embed.shape
+    # identical embeddings must get bit-identical vectors (exact ties go to the lowest index), and a matrix product
+    # may split its inner dimension differently between output tiles (stream-K on recent GPUs): each distinct row
+    # is computed once and copied to its duplicates
+    distinct, copy_of = torch.unique(gallery_embed, dim=0, return_inverse=True)
+    size, dim = distinct.shape
     vectors = torch.empty((size, dim), dtype=torch.float64, device=device)
     block = max(1, (1 << 22) // dim)
     for start in same_shape_blocks(size, block, device):
         stop = min(size, start + block)
-        g = gallery_embed[start:stop].double()
+        g = distinct[start:stop].double()
         squared = aligned_rows((g @ gram_k) * g).sum(dim=1)   # identical rows: identical norms (exact ties)
         if bool((~(squared > 0)).any()):
-            first = start + int(torch.nonzero(~(squared > 0))[0, 0])
+            bad = start + int(torch.nonzero(~(squared > 0))[0, 0])
+            first = int(torch.nonzero(copy_of == bad)[0, 0])
             raise ValueError(f"gallery_embed: row {first} maps to a zero feature under gallery_head; "
                              "cosine similarity is undefined")
         vectors[start:stop] = (g @ cross.t()) / torch.sqrt(squared)[:, None]
+    vectors = vectors[copy_of]                         # back to the gallery's order (unique rows come sorted)
     norms = torch.linalg.vector_norm(vectors, dim=1)
     # rounding fp64 -> fp32 moves each component by at most u32 of itself
     return _build_space(vectors.float(), _U32 * float(norms.max()), float(norms.max()),

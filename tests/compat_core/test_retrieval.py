@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core import (retrieval, retrieval_candidates, retrieval_kernel, retrieval_live, retrieval_pruned,
-                         retrieval_space)
+from compat_core import (retrieval, retrieval_bridge, retrieval_candidates, retrieval_kernel, retrieval_live,
+                         retrieval_pruned, retrieval_space)
 from compat_core.retrieval_int8 import quantize_rows, select_top1
 from compat_core.retrieval import (
     class_mean_gallery,
@@ -198,6 +198,40 @@ def test_bridge_equals_direct_features(precision):
     expected_recall = np.mean(labels_g[expected[:, 0]] == labels_q)
     assert bridged_recall_at_1(query, head_t, gallery, head_k, labels_q, labels_g,
                                precision=precision) == pytest.approx(expected_recall)
+
+
+def test_bridge_names_the_first_gallery_row_without_a_feature():
+    query, head_t, gallery, head_k = random_heads(1)
+    head_k[:, 3] = 0.0                                 # embedding direction 3 maps to the zero feature
+    gallery[9] = 0.0
+    gallery[9, 3] = 1.0
+    gallery[5] = gallery[9]                            # the same row earlier: the first one is named
+    with pytest.raises(ValueError, match="gallery_embed: row 5 maps to a zero feature"):
+        bridged_nearest_neighbours(query, head_t, gallery, head_k)
+
+
+def test_bridge_gives_duplicate_embeddings_bit_identical_vectors():
+    """Each distinct embedding is computed once and copied: duplicates anywhere in the gallery (other blocks,
+    other positions) get the same fp64 vector, so their exact ties go to the lowest index on any device."""
+    query, head_t, gallery, head_k = random_heads(2)
+    gallery = gallery.repeat(40, 1)                    # 9,200 rows: each of 230 embeddings 40 times
+    space = retrieval_bridge._bridge_space(gallery, head_t, head_k, "fp32")
+    rows = space.exact_rows(torch.arange(gallery.shape[0]))
+    assert torch.equal(rows.view(40, 230, -1), rows[:230].expand(40, -1, -1))
+    index, _ = bridged_nearest_neighbours(query, head_t, gallery, head_k, k=1)
+    assert int(index.max()) < 230                      # every answer is the first copy
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bridge_breaks_exact_ties_by_index():
+    query, head_t, gallery, head_k = random_heads(3)
+    gallery = gallery.repeat(40, 1)
+    direct_q = (query.double() @ head_t.double().t()).numpy()
+    direct_g = (gallery.double() @ head_k.double().t()).numpy()
+    expected, _ = brute_topk(direct_q, direct_g, 1)
+    index, _ = bridged_nearest_neighbours(query.cuda(), head_t.cuda(), gallery.cuda(), head_k.cuda(), k=1)
+    np.testing.assert_array_equal(index.cpu().numpy(), expected)
 
 
 def test_half_path_is_really_taken_when_forced(monkeypatch):
