@@ -9,7 +9,6 @@ from compat_core.retrieval import _as_labels, _as_matrix, _check_precision
 from compat_core.retrieval_kernel import _Queries, _search
 from compat_core.retrieval_int8 import U32 as _U32
 from compat_core.retrieval_space import _build_space, _half_dtype_for, _Space, _with_stage
-from compat_core.row_reduction import aligned_rows, same_shape_blocks
 from compat_core.torch_settings import ieee_fp32 as _ieee_fp32
 
 
@@ -32,15 +31,15 @@ def _bridge_space(gallery_embed: torch.Tensor, query_head: torch.Tensor, gallery
     del head_k
     # identical embeddings must get bit-identical vectors (exact ties go to the lowest index), and a matrix product
     # may split its inner dimension differently between output tiles (stream-K on recent GPUs): each distinct row
-    # is computed once and copied to its duplicates
+    # is computed once and copied to its duplicates (which also makes the row sums below tie-safe on any device)
     distinct, copy_of = torch.unique(gallery_embed, dim=0, return_inverse=True)
     size, dim = distinct.shape
     vectors = torch.empty((size, dim), dtype=torch.float64, device=device)
     block = max(1, (1 << 22) // dim)
-    for start in same_shape_blocks(size, block, device):
+    for start in range(0, size, block):
         stop = min(size, start + block)
         g = distinct[start:stop].double()
-        squared = aligned_rows((g @ gram_k) * g).sum(dim=1)   # identical rows: identical norms (exact ties)
+        squared = ((g @ gram_k) * g).sum(dim=1)
         if bool((~(squared > 0)).any()):
             bad = start + int(torch.nonzero(~(squared > 0))[0, 0])
             first = int(torch.nonzero(copy_of == bad)[0, 0])

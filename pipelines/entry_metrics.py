@@ -93,8 +93,8 @@ def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: Scenario
     metric = protocol["metric"]
     if metric in ("recall_at_1", "map"):
         q, g = q.to(device), g.to(device)
-    if metric in ("recall_at_1", "map") and protocol["gallery"] == "class_means":
-        g, g_labels = retrieval.class_mean_gallery(g, g_labels)
+        if protocol["gallery"] == "class_means":
+            g, g_labels = retrieval.class_mean_gallery(g, g_labels)
     if metric == "recall_at_1":
         value = retrieval.recall_at_1(q, q_labels, g, g_labels)
     elif metric == "map":
