@@ -7,9 +7,9 @@ import argparse
 import importlib
 import sys
 
-from cluster.tracking_client import check_tracking_uri, tracking_credentials_from_environment
-from pipelines.lease import RunFolderBusyError
-from pipelines.store import CorruptArtifactError
+from cluster.tracking.client import check_tracking_uri, tracking_credentials_from_environment
+from pipelines.store.lease import RunFolderBusyError
+from pipelines.store.run_store import CorruptArtifactError
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ CelebA config shape (configs/iam-cl2r-celeba-dinov3-t16.yaml): d = K - 1 = 21,99
 stages (their ``model.safetensors`` hold the junction weights A, as a trained model's do) and four extract stages
 are committed to a run store in a temporary folder: query/gallery features of the direct way (fp16, the default
 ``feature_dtype``) and query/gallery embeddings of the bridge way (fp16), written by the pipeline's own helpers
-(``feature_blobs``, ``bridge_features.bridge_blobs``). Each entry is computed by ``pipelines.bridge_features
+(``feature_blobs``, ``bridge_features.bridge_blobs``). Each entry is computed by ``pipelines.stages.bridge_features
 .entry_value``, the function the entry stage calls, cold (its per-process caches cleared: the store is read and
 verified as a fresh entry worker does) and warm (a row's query and heads already read). Prints bytes stored per
 image per model, seconds per entry (median of ``--repeats``), both Recall@1 values and the ratios. Usage::
@@ -31,7 +31,7 @@ def _commit_models(store, heads: dict[str, torch.Tensor]) -> None:
 
 
 def _commit_extract(store, key: str, model_key: str, blobs: dict, layout: dict):
-    from pipelines.records import FeatureRecord, record_to_json
+    from pipelines.records.stage_records import FeatureRecord, record_to_json
 
     record = FeatureRecord(key, 0, "query", key, layout, num_classes_model=0, seconds=0.0, images_per_second=0.0,
                            model_stage_key=model_key)
@@ -46,11 +46,10 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from pipelines import bridge_features
-    from pipelines.config_load import load_config
-    from pipelines import feature_store
-    from pipelines.feature_store import _FEATURE_CACHE
-    from pipelines.store import RunStore, feature_blobs
+    from pipelines.config.load import load_config
+    from pipelines.stages import bridge_features, feature_store
+    from pipelines.stages.feature_store import _FEATURE_CACHE
+    from pipelines.store.run_store import RunStore, feature_blobs
 
     config = load_config(Path(__file__).parents[1] / "configs" / "iam-cl2r-celeba-dinov3-t16.yaml")
     d = config.model.num_slots - 1
@@ -106,7 +105,7 @@ def main() -> None:
         bridge_bytes = stored_bytes("bridge-g", args.gallery)
     head_bytes = d * m * 4
     print(f"shape: {args.query} queries x {args.gallery} gallery, d={d}, m={m}, {dtype}; torch threads "
-          f"{torch.get_num_threads()}; entries by pipelines.bridge_features.entry_value")
+          f"{torch.get_num_threads()}; entries by pipelines.stages.bridge_features.entry_value")
     print(f"direct ({direct_how['way']}): {direct_bytes:.0f} B per image per model stored, entry {direct_cold:.2f} s "
           f"cold / {direct_warm:.2f} s warm, R@1 {direct_value:.4f}")
     print(f"bridge ({bridge_how['way']}, {bridge_how['kernel']}): {bridge_bytes:.0f} B per image per model stored "

@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def one_run(config_path: str, every: int, epochs: int, folder: Path) -> dict:
     import torch
 
-    import pipelines.checkpoints as checkpoints
-    from pipelines.config_load import load_config
-    from pipelines.executor import LocalExecutor
-    from pipelines.graph import compile_scenario
-    from pipelines.store import RunStore
+    import pipelines.training.checkpoints as checkpoints
+    from pipelines.config.load import load_config
+    from pipelines.engine.executor import LocalExecutor
+    from pipelines.graph.compile import compile_scenario
+    from pipelines.store.run_store import RunStore
 
     overrides = [f"training.epochs={epochs}", f"pretrain.0.epochs={epochs}",
                  f"training.checkpoint_every_epochs={every}", f"output.dir={folder}"]

@@ -43,17 +43,17 @@ def demo_overrides(quick: bool, stage_cpus: int) -> tuple[list[str], list[str]]:
 def run_demo(quick: bool, stage_cpus: int, workdir: pathlib.Path) -> dict:
     import torch
 
-    from cluster.ray_executor import RayExecutor
-    from pipelines.config_load import load_config
-    from pipelines.executor import LocalExecutor
-    from pipelines.graph import compile_scenario
-    from pipelines.store import RunStore
+    from cluster.ray.executor import RayExecutor
+    from pipelines.config.load import load_config
+    from pipelines.engine.executor import LocalExecutor
+    from pipelines.graph.compile import compile_scenario
+    from pipelines.store.run_store import RunStore
 
     config_path = ROOT / "configs" / "demo-dsimplex-hoc.yaml"
     common, ray_only = demo_overrides(quick, stage_cpus)
     torch.set_num_threads(stage_cpus)
     # data preparation (glyph rendering into the cache) happens once, outside both timings
-    from pipelines.pools import load_pool
+    from pipelines.stages.pools import load_pool
 
     config = load_config(config_path, common)
     load_pool(config.data, "data")
@@ -79,9 +79,9 @@ def run_demo(quick: bool, stage_cpus: int, workdir: pathlib.Path) -> dict:
 
 def synthetic_matrix_graph(root: pathlib.Path, config, T: int, rows: int, dim: int, classes: int, seed: int = 0):
     """Commit T query and T gallery feature sets (fp16, class-clustered) as extract nodes of a graph holding only
-    them; the matrix's entry and row nodes are added by :func:`pipelines.graph.add_evaluation`."""
-    from pipelines.graph import Stage, StageGraph, add_evaluation
-    from pipelines.store import RunStore, feature_blobs
+    them; the matrix's entry and row nodes are added by :func:`pipelines.graph.compile.add_evaluation`."""
+    from pipelines.graph.compile import Stage, StageGraph, add_evaluation
+    from pipelines.store.run_store import RunStore, feature_blobs
 
     store = RunStore(root)
     graph = StageGraph(config=config, code_version="bench")
@@ -108,8 +108,8 @@ def run_matrix(quick: bool, workdir: pathlib.Path) -> dict:
     untimed first pass) before the clock."""
     import ray
 
-    from cluster.ray_executor import RayExecutor, connect
-    from pipelines.config_load import load_config
+    from cluster.ray.executor import RayExecutor, connect
+    from pipelines.config.load import load_config
 
     T = 7
     rows, dim, classes = (3000, 255, 300) if quick else (6000, 511, 600)

@@ -3,7 +3,7 @@
     python benchmarks/data_parallel.py [--workers 2] [--backbone lenetpp|cnn4] [--batch-size 32] [--epochs 2]
 
 One synthetic HOC task (16x16 grey images, 4 classes x ``--per-class`` images, half the classes in the replay
-memory, an old model) is trained with ``pipelines.training.train_task`` once in this process (1 torch thread) and
+memory, an old model) is trained with ``pipelines.training.loop.train_task`` once in this process (1 torch thread) and
 once on ``--workers`` Ray Train workers (1 CPU, 1 torch thread each), with one record per step. Printed: the largest
 relative per-step loss difference and the largest absolute weight difference (lenetpp has no batch norm: float
 summation order only; cnn4 has batch norm, which CPU ranks normalise by their own rows), then throughput as images/s
@@ -30,8 +30,8 @@ def make_task(options: dict):
     from compat_core.models import create_model
     from compat_core.models.compat_model import frozen_copy
     from pipelines.methods import get_method
-    from pipelines.task_data import TaskData
-    from pipelines.train_config import TrainConfig
+    from pipelines.training.settings import TrainConfig
+    from pipelines.training.task_data import TaskData
 
     rng = np.random.default_rng(7)
     per_class = options["per_class"]
@@ -52,7 +52,7 @@ def make_task(options: dict):
 
 def train(options: dict) -> dict:
     """Train the task here (or as one Ray Train worker); per-step losses, final weights, images/s of the stage."""
-    from pipelines.training import train_task
+    from pipelines.training.loop import train_task
 
     torch.set_num_threads(1)
     model, old_model, method, data, config = make_task(options)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from cluster.ray_loopback import prepare_loopback
+    from cluster.ray.loopback import prepare_loopback
 
     prepare_loopback()
     ray.init(num_cpus=args.workers, object_store_memory=150 * 1024 * 1024, include_dashboard=False,

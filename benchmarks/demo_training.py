@@ -6,7 +6,7 @@
 Builds one fine-tuning task of a demo config as the fine-tune stage does (the config's pool, tasks, model, method,
 ``training`` section with its own batch size and autocast; 0-based ``--task`` with the random replay memory of the
 tasks before it; a freshly initialised model, which trains at the same speed as the pre-trained one) and trains it
-with ``pipelines.training.train_task`` for ``--epochs`` epochs, in one process pinned to one core with one torch
+with ``pipelines.training.loop.train_task`` for ``--epochs`` epochs, in one process pinned to one core with one torch
 thread (the demo's budget: two scenarios at once on two cores, one torch thread per stage), the cases interleaved
 in each of ``--repeats`` rounds (order rotated; one warm-up round first, not counted):
 
@@ -46,12 +46,12 @@ def previous_reads(source, indices, batches, *, workers=0, prefetch=2, pin_memor
 def build_task(config, task: int, folder: Path):
     """(model, old model or None, method, {case: TaskData}, TrainConfig) of 0-based ``task``."""
     from compat_core.data.replay import update_memory
-    from compat_core.data.replay_shards import read_replay_shard, write_replay_shard
-    from pipelines.replay_shards import WithMemory
+    from compat_core.data.replay_parquet import read_replay_shard, write_replay_shard
     from pipelines.methods import configured_method
-    from pipelines.model_io import initial_model
-    from pipelines.pools import load_pool, slot_of_positions, task_classes
-    from pipelines.task_data import TaskData
+    from pipelines.stages.model_io import initial_model
+    from pipelines.stages.pools import load_pool, slot_of_positions, task_classes
+    from pipelines.stages.replay_store import WithMemory
+    from pipelines.training.task_data import TaskData
 
     method = configured_method(config)
     classifier = method.classifier
@@ -98,8 +98,8 @@ def main() -> None:
     if args.task < 1:
         raise SystemExit("--task must be >= 1 (task 0 has no replay memory)")
 
-    import pipelines.training as training
-    from pipelines.config_load import load_config
+    import pipelines.training.loop as training
+    from pipelines.config.load import load_config
 
     core = sorted(os.sched_getaffinity(0))[0]
     os.sched_setaffinity(0, {core})

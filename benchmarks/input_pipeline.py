@@ -7,7 +7,7 @@ batches of ``--batch``):
 
 - today: ``load_dataset("celeba")`` -> ``EncodedImageSource.read`` (PIL decode + fit, one image at a time) on one
   thread pinned to one core;
-- new: what ``pipelines.training.train_task`` runs: ``keep_rows`` (the task's rows read once per row group) then
+- new: what ``pipelines.training.loop.train_task`` runs: ``keep_rows`` (the task's rows read once per row group) then
   ``compat_core.data.stream.stream_batches`` with the torchvision decoder and 0 (in-thread), 1 and 2 worker
   processes, from a local folder and from SeaweedFS over S3 (``--s3``). CPU isolation: with N CPUs the whole
   process tree is confined to N cores (``os.sched_setaffinity``), decode worker i pinned to core i, one torch
@@ -337,8 +337,8 @@ def main() -> None:
     one, two = cores[:1], cores[:2]
     print(f"start: {load_average()}; cores used: {two} (of {cores})")
 
-    from cluster.ingest import ingest
-    from compat_core.data.registry import load_dataset
+    from cluster.storage.ingest import ingest
+    from compat_core.data.datasets import load_dataset
 
     with tempfile.TemporaryDirectory(prefix="bench-input-") as tmp:
         tmp = Path(tmp)

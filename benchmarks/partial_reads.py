@@ -24,7 +24,7 @@ import torch
 from compat_core import io as cio
 from compat_core.models.compat_model import create_model
 from compat_core.safetensors_index import tensor_from_bytes
-from pipelines.store import RunStore
+from pipelines.store.run_store import RunStore
 
 KEY = "finetune-t000-benchmarkpartial0"
 TENSOR = "junction.weight"
@@ -83,7 +83,7 @@ def main() -> None:
     torch.set_num_threads(1)
     root = args.store or tempfile.mkdtemp(prefix="partial-reads-")
     if "://" in root:
-        from cluster.storage import configure_object_storage
+        from cluster.storage.s3 import configure_object_storage
 
         configure_object_storage()
     data = weights_bytes(args.num_slots, args.backbone)

@@ -43,16 +43,16 @@ def cpu_seconds() -> float:
 
 def fresh_pools() -> None:
     """Forget pools opened by earlier runs so that every timed run reads its data from disk alike."""
-    from pipelines import pools
+    from pipelines.stages import pools
 
     pools._POOL_CACHE.clear()
 
 
 # ---- the pipeline side --------------------------------------------------------------------------------------------
 def run_pipeline(config) -> dict:
-    from pipelines.executor import LocalExecutor
-    from pipelines.graph import compile_scenario
-    from pipelines.store import RunStore
+    from pipelines.engine.executor import LocalExecutor
+    from pipelines.graph.compile import compile_scenario
+    from pipelines.store.run_store import RunStore
 
     fresh_pools()
     with tempfile.TemporaryDirectory(prefix="overhead-pipeline-") as folder:
@@ -62,7 +62,7 @@ def run_pipeline(config) -> dict:
 
 # ---- the bare side -------------------------------------------------------------------------------------------------
 def _autocast(config):
-    from pipelines.autocast import precision_context
+    from pipelines.training.autocast import precision_context
 
     return precision_context("cpu", config.training.autocast)
 
@@ -74,7 +74,7 @@ def _train(model, old_model, source, indices, slots, memory_indices, memory_slot
     from compat_core.data.transforms import make_transforms
     from compat_core.losses import hoc_loss, simplex_cross_entropy
     from compat_core.models.precision import prepare_batch
-    from pipelines.autocast import prepare_model
+    from pipelines.training.autocast import prepare_model
 
     torch.manual_seed(seed)
     if model.classifier_kind == "learnable":
@@ -146,8 +146,8 @@ def run_bare(config) -> dict:
     from compat_core.data.replay import ReplayMemory, update_memory
     from compat_core.data.tasks import build_task_sequence
     from compat_core.models.compat_model import create_model, frozen_copy
-    from compat_core.retrieval import recall_at_1
-    from pipelines.pools import load_pool
+    from compat_core.retrieval.search import recall_at_1
+    from pipelines.stages.pools import load_pool
 
     method = config.method.name
     if method not in ("dsimplex-hoc", "er"):
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args(argv)
 
-    from pipelines.config_load import load_config
+    from pipelines.config.load import load_config
 
     torch.set_num_threads(args.threads)
     overrides = (QUICK_OVERRIDES if args.quick else []) + list(args.overrides)

@@ -20,7 +20,7 @@ What it does, in order, and what it reports (one table, as JSON and markdown, un
 4. ``bare``: the same step in bare PyTorch/timm on the same device: the same timm ViT, junction, closed-form
    d-Simplex logits and HOC loss, batches already on the device, no input pipeline; product / bare is the ratio.
 5. ``entry``: one matrix entry at CelebA's evaluation shape (about 10,000 query x 10,000 gallery features of
-   d = 21,999, as stored: fp16) through the product's entry function (``pipelines.entry_metrics.compute_entry``) on
+   d = 21,999, as stored: fp16) through the product's entry function (``pipelines.stages.entry_metrics.compute_entry``) on
    the GPU, as an entry stage with a GPU runs it, and on the CPU, both checked against an fp64 brute-force Recall@1.
 
 Where Ray, MLflow or the S3 server are not installed (a bare GPU machine), step 3 runs the same stages through
@@ -245,7 +245,7 @@ def _compat(arguments: list[str], env: dict, timeout_s: float) -> float:
 
 def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeout_s: float) -> dict:
     """``compat run`` of the CelebA config at ``shape``; per-task numbers read back from the run's stage records."""
-    from pipelines.store import RunStore
+    from pipelines.store.run_store import RunStore
 
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
@@ -374,8 +374,8 @@ def _sync(device: torch.device) -> None:
 # ---- 5. one matrix entry -------------------------------------------------------------------------------------------
 def run_entry(shape: Shape, device: torch.device) -> dict:
     """Recall@1 at CelebA's evaluation shape through the product's entry function on ``device`` and on the CPU."""
-    from pipelines.config_load import load_config
-    from pipelines.entry_metrics import compute_entry
+    from pipelines.config.load import load_config
+    from pipelines.stages.entry_metrics import compute_entry
 
     rows, dim = shape.entry_rows, shape.num_slots - 1
     identities = max(2, rows // 10)

@@ -285,8 +285,8 @@ def main() -> int:
     import ray
     from local_services import MlflowServer, SeaweedS3Server, free_port
 
-    from cluster.ray_loopback import prepare_loopback
-    from cluster.storage import configure_object_storage
+    from cluster.ray.loopback import prepare_loopback
+    from cluster.storage.s3 import configure_object_storage
 
     scale = args.tasks * args.ids_per_task / CELEBA_TRAIN_IDS
     casia = tuple(max(2, round(c * scale)) for c in CASIA_FULL)
@@ -325,9 +325,9 @@ def main() -> int:
         document = rehearsal_config(args, data, output, casia, replacements)
         config_path = tmp / "rehearsal.yaml"
         config_path.write_text(yaml.safe_dump(document, sort_keys=False))
-        from pipelines.config_load import validate_config
-        from pipelines.graph import compile_scenario
-        from pipelines.plan_cost import stage_images
+        from pipelines.config.load import validate_config
+        from pipelines.graph.compile import compile_scenario
+        from pipelines.graph.plan_cost import stage_images
 
         graph = compile_scenario(validate_config(document))
         planned = stage_images(graph)
@@ -382,8 +382,8 @@ def main() -> int:
 
 def report(graph, planned, output, wall, driver_rss, sampler, requests_before, requests_after, mlflow_db,
            mlflow_uri) -> None:
-    from pipelines.executor import read_invocations
-    from pipelines.store import RunStore
+    from pipelines.engine.executor import read_invocations
+    from pipelines.store.run_store import RunStore
 
     store = RunStore(output)
     seconds: dict[str, float] = defaultdict(float)

@@ -1,6 +1,6 @@
 """Replay shard image encoding: bytes per exemplar and write/read seconds, raw pixels (zstd) against encoded files.
 
-Two cases, each written and read back with ``compat_core.data.replay_shards`` (the product's shard code):
+Two cases, each written and read back with ``compat_core.data.replay_parquet`` (the product's shard code):
 - array sources (CIFAR pickles, glyphs: 32 px RGB, no published files): raw uint8 rows against PNG-encoding them;
 - encoded sources (CelebA-format JPEG, 218x178 decoded to 224 px): the decoded pixels (what shards held before)
   against the original JPEG bytes (what they hold now), decoded on read.
@@ -45,7 +45,7 @@ def _encode(images: np.ndarray, fmt: str) -> list[bytes]:
 
 
 def _measure(folder: Path, name: str, memory, images, repeats: int, batch: int) -> dict:
-    from compat_core.data.replay_shards import read_replay_shard, write_replay_shard
+    from compat_core.data.replay_parquet import read_replay_shard, write_replay_shard
 
     writes, reads = [], []
     for repeat in range(repeats):

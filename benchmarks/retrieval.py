@@ -43,7 +43,10 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from compat_core import calibration, retrieval, retrieval_bridge, retrieval_pruned  # noqa: E402
+from compat_core.hardware import calibration
+from compat_core.retrieval import bridge as retrieval_bridge
+from compat_core.retrieval import pruned as retrieval_pruned  # noqa: E402
+from compat_core.retrieval import search as retrieval
 from compat_core.simplex import dsimplex_rows  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -93,9 +96,9 @@ def unclustered(count: int, dim: int, seed: int):
 
 def demo_features(run: str, task: int, side: str):
     """(features (N, D) float32, labels (N,)) of task ``task``'s model on the ``side`` ("query" / "gallery") set of
-    a finished run directory, read with the product's reader (``pipelines.feature_store.read_features``)."""
-    from pipelines.feature_store import read_features
-    from pipelines.store import RunStore
+    a finished run directory, read with the product's reader (``pipelines.stages.feature_store.read_features``)."""
+    from pipelines.stages.feature_store import read_features
+    from pipelines.store.run_store import RunStore
 
     store = RunStore(run)
     prefix = f"extract-t{task:03d}-{side}-"

@@ -33,13 +33,12 @@ def main() -> None:
     args = parser.parse_args()
 
     import boto3
-
     from input_pipeline import make_celeba
     from local_services import SeaweedS3Server
 
-    from cluster.storage import configure_object_storage
+    from cluster.storage.s3 import configure_object_storage
     from compat_core import io as cio
-    from compat_core.data.registry import load_dataset
+    from compat_core.data.datasets import load_dataset
 
     with tempfile.TemporaryDirectory(prefix="bench-s3-reads-") as tmp:
         tmp = Path(tmp)

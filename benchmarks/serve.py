@@ -71,7 +71,7 @@ def write_index(root: str, gallery: np.ndarray, shard_rows: int = 25_000) -> Non
 
 
 def kernel_rate(prepared, queries: np.ndarray, seconds: float, batch: int = 1) -> float:
-    from compat_core.retrieval import search_prepared
+    from compat_core.retrieval.search import search_prepared
 
     done, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
@@ -155,10 +155,10 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from cluster.ray_loopback import LOOPBACK, prepare_loopback
+    from cluster.ray.loopback import LOOPBACK, prepare_loopback
     from cluster.serving.app import start
     from cluster.serving.index_store import load_index
-    from compat_core.retrieval import PreparedGallery
+    from compat_core.retrieval.search import PreparedGallery
 
     print(f"cpu: {cpu_model()}, {os.cpu_count()} logical CPUs; loadavg before: {loadavg()}", flush=True)
     gallery = clustered(args.gallery, args.dim, seed=0)

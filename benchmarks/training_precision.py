@@ -2,7 +2,7 @@
 
 ``python benchmarks/training_precision.py [--threads 1 2] [--repeats 3] [--steps 10]``
 
-Runs the product's training loop (``pipelines.training.train_task``, d-Simplex-HOC's loss, SGD) on the demo's model
+Runs the product's training loop (``pipelines.training.loop.train_task``, d-Simplex-HOC's loss, SGD) on the demo's model
 (cnn4 width 32 on 1 x 32 x 32 glyph-sized images, K = 1024, batch 128) over synthetic images, once per mode and
 repeat, interleaved: "auto" (resolved by this machine's calibration, measured first and reported separately),
 "off" (fp32) and "bf16" (forced). A run's step time is the median over its steps after the first two (warm-up);
@@ -23,14 +23,14 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from compat_core import calibration  # noqa: E402
 from compat_core.data.base import ArraySource  # noqa: E402
+from compat_core.hardware import calibration  # noqa: E402
 from compat_core.models import create_model  # noqa: E402
 from pipelines.methods import get_method  # noqa: E402
-from pipelines.autocast import example_batch, resolve_autocast  # noqa: E402
-from pipelines.task_data import TaskData  # noqa: E402
-from pipelines.train_config import TrainConfig  # noqa: E402
-from pipelines.training import train_task  # noqa: E402
+from pipelines.training.autocast import example_batch, resolve_autocast  # noqa: E402
+from pipelines.training.loop import train_task  # noqa: E402
+from pipelines.training.settings import TrainConfig  # noqa: E402
+from pipelines.training.task_data import TaskData  # noqa: E402
 
 K = 1024
 CLASSES = 20

@@ -8,22 +8,22 @@ import importlib
 import os
 import re
 
-from cluster.registry import register_mlflow_resolvers, version_by_alias
-from pipelines.config_load import ConfigError
-from pipelines.executor import LocalExecutor
-from pipelines.progress import ProgressReporter
-from pipelines.redaction import redact_uri
+from cluster.model_registry.versions import register_mlflow_resolvers, version_by_alias
+from pipelines.config.load import ConfigError
+from pipelines.config.redaction import redact_uri
+from pipelines.engine.executor import LocalExecutor
+from pipelines.engine.progress import ProgressReporter
 
 
 def make_executor(kind: str = "local", address: str | None = None, emit=None, progress: bool = True,
                   num_cpus: int | None = None, setup=None):
-    """LocalExecutor, or cluster.ray_executor.RayExecutor for kind "ray". ``emit`` receives every record; num_cpus:
+    """LocalExecutor, or cluster.ray.executor.RayExecutor for kind "ray". ``emit`` receives every record; num_cpus:
     CPUs of an embedded Ray instance (Ray only); setup: picklable callable run in a Ray worker before each node (e.g.
     MLflow URI resolvers)."""
     if kind == "ray":
         # imported when chosen, as app.dispatch imports a command's module: a local run needs no Ray, so it runs on a
         # machine without Ray (a bare GPU machine) and does not pay for importing it
-        ray_executor = importlib.import_module("cluster.ray_executor")
+        ray_executor = importlib.import_module("cluster.ray.executor")
         kwargs = {"num_cpus": num_cpus} if num_cpus is not None else {}
         return ray_executor.RayExecutor(address=address, emit=emit, progress=progress, setup=setup, **kwargs)
     if address:

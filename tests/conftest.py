@@ -9,7 +9,6 @@ import sys
 import tempfile
 
 import pytest
-
 from local_services import MlflowServer, SeaweedS3Server  # tests/ is on sys.path (this conftest's folder)
 
 # "auto" precisions time nothing inside tests of unrelated code: they mean fp32, identical on every machine (set
@@ -20,7 +19,7 @@ os.environ["COMPAT_CALIBRATION"] = "off"
 # 2-core CI machine, with test workers in parallel, starting that actor can take longer. Inherited by every Ray
 # instance the tests start (in process or as `compat` subprocesses).
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
-# the machine's MLflow store (cluster.tracking_store) of tests is never the user's: a session folder, and a folder of
+# the machine's MLflow store (cluster.tracking.store) of tests is never the user's: a session folder, and a folder of
 # its own per test (autouse fixture below) so that tests counting runs see only their own
 os.environ["COMPAT_HOME"] = tempfile.mkdtemp(prefix="compat-home-tests-")
 atexit.register(shutil.rmtree, os.environ["COMPAT_HOME"], True)
@@ -106,7 +105,7 @@ def ray_local():
     """A local Ray instance (2 CPUs, small object store, no dashboard) shared by the session's Ray tests."""
     import ray
 
-    from cluster.ray_loopback import prepare_loopback
+    from cluster.ray.loopback import prepare_loopback
 
     if not ray.is_initialized():
         prepare_loopback()

@@ -85,7 +85,7 @@ print(json.dumps({{"modules": modules, "loaded": loaded, "errors": errors}}))
 
 def test_importing_every_submodule_loads_no_forbidden_module():
     report = _import_all_in_fresh_interpreter("compat_core", FORBIDDEN, PACKAGE_DIR.parent)
-    assert "compat_core.metrics" in report["modules"] and "compat_core.theory" in report["modules"]
+    assert "compat_core.evaluation.metrics" in report["modules"] and "compat_core.evaluation.theory" in report["modules"]
     assert report["loaded"] == [], f"importing compat_core loaded {report['loaded']}"
     assert report["errors"] == {}, f"compat_core submodules failed to import: {report['errors']}"
 
@@ -132,6 +132,6 @@ def test_layer_scan_would_catch_pipelines_importing_cluster(tmp_path, monkeypatc
     # guards the rule itself: a module of pipelines importing cluster is reported
     fake_root = tmp_path / "pipelines"
     fake_root.mkdir()
-    (fake_root / "bad.py").write_text("def f():\n    from cluster.tune import run_search\n")
+    (fake_root / "bad.py").write_text("def f():\n    from cluster.tune.runner import run_search\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE_DIR", tmp_path / "compat_core")
     assert _layer_offenders("pipelines", ("cluster",)) == ["pipelines/bad.py:2 imports cluster"]

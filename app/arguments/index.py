@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--payload-prefix", default=None, help="item i gets payload URI PREFIX/i (build)")
     parser.add_argument("--chunk-rows", type=int, default=256, help="items re-embedded per chunk (backfill)")
     parser.add_argument("--order", default="random", choices=("random",),
-                        help="backfill order (seeded random, compat_core.backfill.backfill_order)")
+                        help="backfill order (seeded random, compat_core.upgrades.backfill_order.backfill_order)")
     parser.add_argument("--probe", default="query", choices=("query", "none"),
                         help="probe Recall@1 per chunk on the config's evaluation query set (backfill)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the backfill order")

@@ -1,12 +1,12 @@
 """Arguments of ``compat theory`` (the command itself is :mod:`app.commands.theory`): argparse only and the
-defaults of :mod:`compat_core.theory` (numpy), so that ``compat theory --help`` imports none of the command's
+defaults of :mod:`compat_core.evaluation.theory` (numpy), so that ``compat theory --help`` imports none of the command's
 other dependencies."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from compat_core import theory
+from compat_core.evaluation import theory
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

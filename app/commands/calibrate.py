@@ -1,4 +1,4 @@
-"""``compat calibrate``: measure (or show) this machine's fast arithmetic paths (``compat_core.calibration``).
+"""``compat calibrate``: measure (or show) this machine's fast arithmetic paths (``compat_core.hardware.calibration``).
 
 ``compat calibrate`` times the candidate matrix products (fp32 / bf16 / fp16 / int8 at a retrieval chunk shape)
 once per machine key and prints the table; with CONFIG it also times a training step and an inference step of the
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from compat_core import calibration
+from compat_core.hardware import calibration
 from compat_core.models.compat_model import create_model
-from pipelines.autocast import example_batch, resolve_autocast
-from pipelines.config import resolved_head
-from pipelines.config_load import load_config
+from pipelines.config.load import load_config
+from pipelines.config.schema import resolved_head
 from pipelines.methods import get_method
-from pipelines.pools import load_pool
+from pipelines.stages.pools import load_pool
+from pipelines.training.autocast import example_batch, resolve_autocast
 
 
 def run(args: argparse.Namespace) -> int:

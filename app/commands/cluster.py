@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from cluster.local_head import read_state, start_head, stop_head
+from cluster.ray.local_head import read_state, start_head, stop_head
 
 
 def run(args) -> int:

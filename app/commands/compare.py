@@ -3,7 +3,7 @@
 Prints the table (run, method, T, AC, AA, ACA, BC, FC) and writes ``compare.md``, ``compare.csv`` (fractions) and
 ``compare.png`` into ``--output`` (default: ``compare-<names>`` in the folder that holds the compared runs, e.g.
 ``runs/demo/compare-er-dsimplex-hoc``; printed). Inputs are read by
-:func:`pipelines.reports.load_runs`, so any source registered in ``pipelines.reports.RUN_SOURCES`` (e.g. a search
+:func:`pipelines.reports.run_report.load_runs`, so any source registered in ``pipelines.reports.run_report.RUN_SOURCES`` (e.g. a search
 experiment directory) is accepted as well as run directories. Exit code 0 on success, 2 when an input cannot be read.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from app.commands.remote_runs import local_copies
-from cluster.tune import register_run_source
-from pipelines.reports_compare import compare_table_markdown, load_runs, write_compare
+from cluster.tune.runner import register_run_source
+from pipelines.reports.compare import compare_table_markdown, load_runs, write_compare
 
 
 def default_output(run_dirs: list) -> Path:
@@ -31,7 +31,7 @@ def default_output(run_dirs: list) -> Path:
 
 
 def register_run_sources() -> None:
-    """Sources the application layer adds to ``pipelines.reports.RUN_SOURCES``: a `compat tune` search directory.
+    """Sources the application layer adds to ``pipelines.reports.run_report.RUN_SOURCES``: a `compat tune` search directory.
     Called when the command runs, never as an import side effect."""
     register_run_source()
 

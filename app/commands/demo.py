@@ -16,7 +16,7 @@ The three third-party models are trained once for both scenarios: both configs p
 (ER's entries say ``classifier: simplex``; ER adopts each with exactly its logits as a learnable head), so their
 pretrain stages have the same keys, and both runs share ``<output>/third-party`` as ``output.shared_store``: the
 first run to need a model claims and trains it, publishes it there, and the other run copies it instead of
-training it (``pipelines.shared_store``).
+training it (``pipelines.store.shared_store``).
 """
 from __future__ import annotations
 
@@ -28,18 +28,17 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from app.printing import print_results
-from cluster.ray_executor import connect
+from cluster.ray.executor import connect
 from cluster.run_driver import run_tracked
-from cluster.tracking import create_tracker
-from cluster.tracking_store import default_tracking_uri
-from compat_core import calibration
-from pipelines.config_load import ConfigError, load_config
-from pipelines.graph import compile_scenario, stage_threads
-from pipelines.lease import run_lease
-from pipelines.picture_grid import side_by_side
-from pipelines.redaction import redact_uri
-from pipelines.store import RunStore
-
+from cluster.tracking.store import default_tracking_uri
+from cluster.tracking.tracker import create_tracker
+from compat_core.hardware import calibration
+from pipelines.config.load import ConfigError, load_config
+from pipelines.config.redaction import redact_uri
+from pipelines.graph.compile import compile_scenario, stage_threads
+from pipelines.reports.picture_grid import side_by_side
+from pipelines.store.lease import run_lease
+from pipelines.store.run_store import RunStore
 
 DEMOS = (("er", "demo-er.yaml"), ("dsimplex-hoc", "demo-dsimplex-hoc.yaml"))
 SHARED_FOLDER = "third-party"  # <output>/third-party: the shared store of both scenarios' third-party models
@@ -176,7 +175,7 @@ def run(args) -> int:
 
 
 def _training_threads(config_path: str, overrides: list[str]) -> int:
-    """torch threads of the scenario's first model stage (``pipelines.graph.stage_threads``: its CPU count)."""
+    """torch threads of the scenario's first model stage (``pipelines.graph.compile.stage_threads``: its CPU count)."""
     graph = compile_scenario(load_config(config_path, overrides))
     return stage_threads(graph[graph.model_stages[0]].resources)
 

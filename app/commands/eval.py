@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 
 from app.printing import print_results
-from cluster.storage import configure_object_storage
-from pipelines.lease import RunFolderBusyError, run_lease
-from pipelines.results_variants import evaluate_variant
+from cluster.storage.s3 import configure_object_storage
+from pipelines.results.variants import evaluate_variant
+from pipelines.store.lease import RunFolderBusyError, run_lease
 
 
 def run(args) -> int:

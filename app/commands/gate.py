@@ -1,4 +1,4 @@
-"""``compat gate``: a compatibility gate on MLflow registry aliases (logic: :mod:`cluster.gate`).
+"""``compat gate``: a compatibility gate on MLflow registry aliases (logic: :mod:`cluster.model_registry.gate`).
 
 - ``compat gate MODEL --candidate VERSION --config CONFIG [--alias champion] [--adapter KIND] [--non-strict]
   [--dry-run]``: evaluate the candidate against the version behind the alias on the config's evaluation sets
@@ -9,7 +9,7 @@
   version it pointed to before its last move (or to ``--to``); recorded like a decision.
 
 The tracking server: ``--tracking-uri`` (``http(s)://HOST:PORT`` or ``sqlite:///PATH``), default
-``$MLFLOW_TRACKING_URI``, else the machine's store (cluster.tracking_store). Numbers are fractions.
+``$MLFLOW_TRACKING_URI``, else the machine's store (cluster.tracking.store). Numbers are fractions.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import argparse
 import json
 import sys
 
-from cluster import gate
-from cluster.tracking_store import default_tracking_uri
-from pipelines.config_load import load_config
+from cluster.model_registry import gate
+from cluster.tracking.store import default_tracking_uri
+from pipelines.config.load import load_config
 
 _ACTIONS = ("history", "rollback")
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import os
 
-from cluster.serving.backfill import run_backfill
+from cluster.serving.backfill_job import run_backfill
 from cluster.serving.index_build import build_index
 from cluster.serving.index_store import load_index
 from cluster.serving.ray_join import resolve_ray_target
-from cluster.storage import configure_object_storage
-from pipelines.config_load import load_config
+from cluster.storage.s3 import configure_object_storage
+from pipelines.config.load import load_config
 
 
 def _config(args):

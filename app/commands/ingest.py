@@ -5,9 +5,9 @@ import sys
 
 import yaml
 
-from cluster.ingest import ingest
-from cluster.ray_executor import connect
-from cluster.storage import configure_object_storage
+from cluster.ray.executor import connect
+from cluster.storage.ingest import ingest
+from cluster.storage.s3 import configure_object_storage
 from compat_core.data.formats.shards import ShardIntegrityError
 
 

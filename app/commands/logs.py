@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from cluster.jobs import job_client, wait_for
+from cluster.ray.jobs import job_client, wait_for
 
 
 def run(args) -> int:

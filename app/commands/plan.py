@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import sys
 
-from cluster.storage import configure_object_storage, uses_object_storage
-from pipelines.config_load import ConfigError, load_config
-from pipelines.graph import compile_scenario, describe
-from pipelines.plan_cost import calibrated_seconds_per_image, cost_lines
-from pipelines.preflight import data_problems, weights_problems
-from pipelines.source_digests import file_digest
-from pipelines.store import RunStore
+from cluster.storage.s3 import configure_object_storage, uses_object_storage
+from pipelines.config.load import ConfigError, load_config
+from pipelines.config.preflight import data_problems, weights_problems
+from pipelines.graph.compile import compile_scenario, describe
+from pipelines.graph.plan_cost import calibrated_seconds_per_image, cost_lines
+from pipelines.graph.source_digests import file_digest
+from pipelines.store.run_store import RunStore
 
 
 def run(args) -> int:

@@ -8,10 +8,10 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from cluster.storage import configure_object_storage, installed_access
+from cluster.storage.s3 import configure_object_storage, installed_access
 from compat_core import io as cio
-from pipelines.lease import run_lease
-from pipelines.reports_results import CONFIG_FILE, MATRIX_FILE
+from pipelines.results.run_files import CONFIG_FILE, MATRIX_FILE
+from pipelines.store.lease import run_lease
 
 
 def is_remote(location: object) -> bool:

@@ -9,10 +9,10 @@ import argparse
 import sys
 
 from app.commands.remote_runs import is_remote, local_copies, upload_reports
-from pipelines.lease import RunFolderBusyError
-from pipelines.reports import summary_table_markdown, write_run_reports
-from pipelines.reports_results import load_run, metric_display_name
-from pipelines.reports_upgrades import gate_table_markdown, load_upgrades
+from pipelines.reports.run_report import summary_table_markdown, write_run_reports
+from pipelines.reports.upgrades import gate_table_markdown, load_upgrades
+from pipelines.results.run_files import load_run, metric_display_name
+from pipelines.store.lease import RunFolderBusyError
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,16 +6,16 @@ import sys
 
 from app.printing import print_results
 from cluster.run_driver import model_sources_setup, pin_model_aliases, run_tracked
-from cluster.storage import configure_object_storage, installed_access, uses_object_storage
-from cluster.tracking import create_tracker
+from cluster.storage.s3 import configure_object_storage, installed_access, uses_object_storage
+from cluster.tracking.tracker import create_tracker
 from compat_core import io as cio
-from pipelines.config_load import ConfigError, load_config
-from pipelines.graph import compile_scenario
-from pipelines.lease import run_lease
-from pipelines.local_paths import absolute_location
-from pipelines.preflight import preflight
-from pipelines.redaction import redact_uri
-from pipelines.store import RunStore
+from pipelines.config.load import ConfigError, load_config
+from pipelines.config.local_paths import absolute_location
+from pipelines.config.preflight import preflight
+from pipelines.config.redaction import redact_uri
+from pipelines.graph.compile import compile_scenario
+from pipelines.store.lease import run_lease
+from pipelines.store.run_store import RunStore
 
 
 def resolve_run(args) -> tuple[object, str]:
@@ -36,7 +36,7 @@ def resolve_run(args) -> tuple[object, str]:
 
 
 def make_tracker(args, run_dir: str):
-    """The MLflow tracker for this run (cluster.tracking; 'none' gives a no-op tracker). A run directory on S3 has
+    """The MLflow tracker for this run (cluster.tracking.tracker; 'none' gives a no-op tracker). A run directory on S3 has
     no place for the default SQLite file, so it tracks only with an explicit --tracking-uri or MLFLOW_TRACKING_URI."""
     uri = getattr(args, "tracking_uri", None)
     address = getattr(args, "address", None) or ""
@@ -52,7 +52,7 @@ def make_tracker(args, run_dir: str):
 
 def preflight_data(config, run_dir: str | None = None, executor: str = "local") -> None:
     """Before any stage: every pool opens, every weights source loads strictly, the device exists and the run
-    bucket exists (pipelines.preflight), so a run never trains for hours and then stops. On Ray the device is
+    bucket exists (pipelines.config.preflight), so a run never trains for hours and then stops. On Ray the device is
     judged by the cluster (the backend checks every stage's resources before the first starts)."""
     preflight(config, run_dir, check_device=executor == "local")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 import time
 
-from cluster.jobs import job_client, list_pipeline_jobs, status_name
+from cluster.ray.jobs import job_client, list_pipeline_jobs, status_name
 
 
 def run(args) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from cluster.jobs import submit_pipeline
-from pipelines.config_load import ConfigError, load_config
+from cluster.ray.jobs import submit_pipeline
+from pipelines.config.load import ConfigError, load_config
 
 
 def run(args) -> int:

@@ -9,8 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from compat_core import theory
-
+from compat_core.evaluation import theory
 
 _CASES = (
     ("same_class", "Same class: expect E[d(old,new)] <= E[d(old,old)]"),

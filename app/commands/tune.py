@@ -12,13 +12,19 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.grid_design import coverage_text, spread_points
-from cluster.search_space import load_space
-from cluster.tune import default_resources, ensure_ray, resume_search, run_search
-from cluster.tune_spec import (SearchSpec, absolute_fixed_values, absolute_local_paths, absolute_plugin, load_plugins,
-                               objective_metric)
+from cluster.tune.grid import coverage_text, spread_points
+from cluster.tune.runner import default_resources, ensure_ray, resume_search, run_search
+from cluster.tune.space import load_space
+from cluster.tune.spec import (
+    SearchSpec,
+    absolute_fixed_values,
+    absolute_local_paths,
+    absolute_plugin,
+    load_plugins,
+    objective_metric,
+)
 from compat_core import io as cio
-from pipelines.config_load import config_to_dict, load_config
+from pipelines.config.load import config_to_dict, load_config
 
 
 def build_spec(args):

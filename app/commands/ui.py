@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.local_head import free_port
-from cluster.tracking_store import default_tracking_uri
+from cluster.ray.local_head import free_port
+from cluster.tracking.store import default_tracking_uri
 
 
 def ui_command(tracking_uri: str, port: int) -> list[str]:

@@ -1,7 +1,7 @@
 """The search service as a Ray Serve application (``compat serve``).
 
 HTTP is Serve's own proxy and its Starlette request objects (``__call__(request)``): no other web stack. Routes:
-``POST /search`` (see ``compat_core.search_request``), ``GET /healthz`` (200 with the served versions, 503 while
+``POST /search`` (see ``compat_core.retrieval.search_request``), ``GET /healthz`` (200 with the served versions, 503 while
 no model is loaded), ``GET /metrics`` (Prometheus text of the replica that answered).
 
 Each replica polls the registry alias (``models:/NAME@ALIAS``) and the index HEAD every ``poll_s`` seconds on a
@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 from ray import serve
 
-from cluster.registry import MlflowModelResolver
+from cluster.model_registry.versions import MlflowModelResolver
 from cluster.serving.index_store import load_index, read_head
 from cluster.serving.models import ModelRef, embed_images, installed_adapter, load_served_model, resolve_model_ref
 from cluster.serving.state import ReplicaMetrics, ServingState, as_query_tensor, build_state, state_summary
-from cluster.storage import configure_object_storage
-from compat_core.gallery_search import search_groups
-from compat_core.search_request import RequestError, SearchLimits, parse_search_request
+from cluster.storage.s3 import configure_object_storage
+from compat_core.retrieval.mixed_gallery import search_groups
+from compat_core.retrieval.search_request import RequestError, SearchLimits, parse_search_request
 
 LOG = logging.getLogger("compat.serve")
 DEFAULT_SETTINGS = {"poll_s": 2.0, "precision": "auto", "device": "cpu", "threads": 1, "cache_dir": None,

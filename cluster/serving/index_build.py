@@ -6,12 +6,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cluster.registry import MlflowModelResolver
+from cluster.model_registry.versions import MlflowModelResolver
 from cluster.serving.index_store import commit_manifest, new_manifest, shard_table, write_shard
 from cluster.serving.models import load_served_model, resolve_model_ref
-from pipelines.extraction import extract_pool_features
-from pipelines.pools import load_pool
-from pipelines.stage_context import resolve_device
+from pipelines.stages.context import resolve_device
+from pipelines.stages.extraction import extract_pool_features
+from pipelines.stages.pools import load_pool
 
 __all__ = ["build_index", "evaluation_labels", "pool_image_spec", "pool_of"]
 

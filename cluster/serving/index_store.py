@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from compat_core import io as cio
-from pipelines.store import CorruptArtifactError, sha256_bytes
+from pipelines.store.run_store import CorruptArtifactError, sha256_bytes
 
 FORMAT = "compat-gallery-index/1"
 HEAD = "HEAD"

@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from cluster.registry import parse_model_uri, version_by_alias
-from compat_core.adapters import load_adapter_bytes
+from cluster.model_registry.versions import parse_model_uri, version_by_alias
 from compat_core.data.transforms import make_transforms
 from compat_core.models.compat_model import load_model
 from compat_core.models.precision import prepare_batch
+from compat_core.upgrades.adapters import load_adapter_bytes
 
 __all__ = ["ModelRef", "resolve_model_ref", "load_served_model", "installed_adapter", "embed_images"]
 

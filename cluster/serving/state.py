@@ -16,8 +16,8 @@ import torch
 
 from cluster.serving.index_store import GalleryIndex
 from cluster.serving.models import ModelRef
-from compat_core.adapters import GALLERY_ADAPTERS
-from compat_core.gallery_search import VersionGroup, build_groups
+from compat_core.retrieval.mixed_gallery import VersionGroup, build_groups
+from compat_core.upgrades.adapters import GALLERY_ADAPTERS
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

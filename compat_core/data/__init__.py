@@ -1,7 +1,7 @@
 """Datasets (published formats and the offline glyph set), task sequences, transforms and replay memory."""
-from .base import ArraySource, ImageSource
-from .formats._shared import EncodedImageSource
-from .registry import DATASETS, DatasetInfo, dataset_info, dataset_names, load_dataset, register_dataset
+from compat_core.data.base import ArraySource, ImageSource
+from compat_core.data.datasets import DATASETS, DatasetInfo, dataset_info, dataset_names, load_dataset, register_dataset
+from compat_core.data.formats._shared import EncodedImageSource
 
 __all__ = [
     "ArraySource",

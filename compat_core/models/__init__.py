@@ -1,4 +1,5 @@
 """Backbones, the compatible model (backbone -> junction -> d-Simplex), precision helpers and weight loading."""
+from compat_core.models.backbones import BACKBONES, create_backbone, small_test_config
 from compat_core.models.compat_model import (
     CLASSIFIERS,
     CompatModel,
@@ -11,7 +12,6 @@ from compat_core.models.compat_model import (
     save_model,
 )
 from compat_core.models.precision import autocast_context, prepare_batch, prepare_for_speed
-from compat_core.models.registry import BACKBONES, create_backbone, small_test_config
 from compat_core.models.weights import (
     LoadReport,
     load_external_weights,

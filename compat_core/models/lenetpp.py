@@ -14,8 +14,6 @@ from torch import nn
 from compat_core.validation import check_int
 
 
-
-
 class LeNetPlusPlus(nn.Module):
     """LeNet++ for ``img_size`` x ``img_size`` inputs; returns ``(B, embed_dim)`` (no activation after the FC)."""
 

@@ -2,7 +2,7 @@
 
 - ``autocast_context(device)``: the autocast assumed fast without measuring (CUDA with tensor cores; on CPUs a
   no-op, fp32). Where a model and a batch are at hand, ``training.autocast: auto`` measures instead
-  (``compat_core.calibration_workloads.autocast_choice``, used by ``pipelines.autocast.resolve_autocast``), because CPU
+  (``compat_core.hardware.workloads.autocast_choice``, used by ``pipelines.training.autocast.resolve_autocast``), because CPU
   flags do not predict whether bf16 pays.
 - ``prepare_for_speed(model, device)``: moves the model and switches conv nets to channels_last on CUDA and where
   a half-precision path is enabled (oneDNN's bf16 convolutions are NHWC kernels).
@@ -20,7 +20,7 @@ from typing import ContextManager
 import torch
 from torch import nn
 
-from compat_core.device import autocast_dtype
+from compat_core.hardware.device import autocast_dtype
 
 
 def autocast_context(device: torch.device | str, enabled: bool = True) -> ContextManager:

@@ -14,8 +14,6 @@ from torch import nn
 from compat_core.validation import check_int
 
 
-
-
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions with a projection shortcut when the shape changes (output channels = planes)."""
 

@@ -1,6 +1,6 @@
 """Training recipes ("methods"): one registry, ``get_method(name, **hparams)`` builds one with validated settings.
 
-Every method is a :class:`pipelines.methods.base.Method`; the training loop in :mod:`pipelines.training` owns the
+Every method is a :class:`pipelines.methods.base.Method`; the training loop in :mod:`pipelines.training.loop` owns the
 model and optimiser and asks the method for its loss.
 """
 from __future__ import annotations

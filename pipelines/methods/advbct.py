@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from compat_core.losses import bct_influence_loss
 from pipelines.methods.base import (
-    MethodParams,
     Batch,
     ClassStatistics,
     Method,
+    MethodParams,
     TaskContext,
     boundary_hinge,
     classification_cross_entropy,

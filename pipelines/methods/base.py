@@ -1,6 +1,6 @@
 """The method (training recipe) strategy interface and helpers shared by several methods.
 
-A method is a small object that turns a batch into a loss. The training loop (:mod:`pipelines.training`) owns the
+A method is a small object that turns a batch into a loss. The training loop (:mod:`pipelines.training.loop`) owns the
 model, the frozen old model, the optimiser, the schedule and the batches; it calls ``setup`` once per task (the
 returned modules are trained together with the model) and ``loss`` once per step, inside the autocast context.
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch import nn
 
-from pipelines.method_params import MethodParams, error_lines
+from pipelines.config.method_params import MethodParams, error_lines
 
 CLASSIFIERS = ("simplex", "learnable")
 
@@ -45,7 +45,7 @@ class Batch:
     images: torch.Tensor
     targets: torch.Tensor
     is_memory: torch.Tensor
-    # data-parallel training (pipelines.distributed): images hold only rows [start, stop) of the batch, and the
+    # data-parallel training (pipelines.training.distributed): images hold only rows [start, stop) of the batch, and the
     # context's model and old model return the outputs of the whole batch, which targets/is_memory describe
     rows: tuple[int, int] | None = None
 
@@ -92,7 +92,7 @@ class Method:
     defaults and ranges; ``method.params`` of a config is validated against it at load time), and implement
     ``loss``. ``setup`` returns the extra trainable modules (adapters, discriminators), already on the context's
     device. ``export_state`` returns the adapters that must outlive training, by name
-    (:class:`compat_core.adapters.Adapter`; FAN's psi_t); the stage stores them next to the model.
+    (:class:`compat_core.upgrades.adapters.Adapter`; FAN's psi_t); the stage stores them next to the model.
     """
 
     name: ClassVar[str] = ""

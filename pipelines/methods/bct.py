@@ -6,9 +6,9 @@ from pydantic import Field
 
 from compat_core.losses import bct_influence_loss
 from pipelines.methods.base import (
-    MethodParams,
     Batch,
     Method,
+    MethodParams,
     TaskContext,
     classification_cross_entropy,
     classifier_input,

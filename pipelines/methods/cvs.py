@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 import torch.nn.functional as F
+from pydantic import Field
 
 from pipelines.methods.base import (
-    MethodParams,
     Batch,
     Method,
+    MethodParams,
     TaskContext,
     classification_cross_entropy,
     old_features,

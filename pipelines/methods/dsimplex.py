@@ -6,8 +6,8 @@ from pydantic import Field, field_validator
 
 from compat_core.losses import (
     INFO_NCE_MASKINGS,
-    feature_distillation_loss,
     compatibility_info_nce,
+    feature_distillation_loss,
     feature_distillation_weight,
     simplex_cross_entropy,
 )

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from compat_core.adapters import FanAdapter
+from compat_core.upgrades.adapters import FanAdapter
 from pipelines.methods.base import (
     Batch,
     Method,
@@ -21,12 +21,12 @@ class FAN(Method):
     """``CE + lam_distill * (1 - cos(new, old)) + lam_adapter * ||psi(old) - new||^2`` per batch.
 
     The model is fine-tuned with cross-entropy plus the cosine feature distillation FAN inherits from LUCIR; an
-    adapter psi_t (:class:`compat_core.adapters.FanAdapter`, the ``fan`` kind of the common adapter interface:
+    adapter psi_t (:class:`compat_core.upgrades.adapters.FanAdapter`, the ``fan`` kind of the common adapter interface:
     Linear-ReLU-Linear, hidden width ``adapter_hidden``) learns to map the old model's L2-normalised features onto
     the new model's (targets detached, so the adapter term does not move the model). For retrieval the adapters
     compose: a gallery feature of model k is compared with a query of model t after ``psi_t(...psi_{k+1}(f_k))``
     (CL2R: "the learned adaptation functions are used to transform the features into compatible features");
-    :func:`compat_core.adapters.apply_chain` does that and ``export_state()`` hands psi_t to the stage, which stores
+    :func:`compat_core.upgrades.adapters.apply_chain` does that and ``export_state()`` hands psi_t to the stage, which stores
     it like every adapter (safetensors with kind metadata).
     Choices: adapter trained jointly with the model (FAN trains it after the model), on all batch samples;
     lam_distill 1, lam_adapter 1, hidden 512. Without a previous model the loss is the CE alone and no adapter exists.
@@ -72,7 +72,7 @@ class FAN(Method):
 
     def export_state(self) -> dict[str, FanAdapter]:
         """``{"adapter": psi_t}`` after training (empty without an old model); the stage stores it with
-        :func:`compat_core.adapters.save_adapter`."""
+        :func:`compat_core.upgrades.adapters.save_adapter`."""
         if self.adapter is None:
             return {}
         self.adapter.net.eval()

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 import torch.nn.functional as F
+from pydantic import Field
 
 from pipelines.methods.base import (
-    MethodParams,
     Batch,
     ClassStatistics,
     Method,
+    MethodParams,
     TaskContext,
     boundary_hinge,
     classification_cross_entropy,

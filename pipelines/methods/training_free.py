@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from compat_core.features import lsp, psp_from_logits
+from compat_core.evaluation.training_free import lsp, psp_from_logits
 from pipelines.methods.base import Batch, Method, MethodParams, TaskContext, classification_cross_entropy
 
 
@@ -60,7 +60,7 @@ class PSP(_TrainingFree):
 class LSP(_TrainingFree):
     """Logit Simplex Projection features ``z / ||z||`` (first C_k logits) of independently trained models.
 
-    Choices as for PSP; no centring (the paper's Eq. 6; compat_core.features.lsp can centre).
+    Choices as for PSP; no centring (the paper's Eq. 6; compat_core.evaluation.training_free.lsp can centre).
     """
 
     name = "lsp"

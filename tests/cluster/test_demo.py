@@ -30,7 +30,7 @@ def _sets() -> list[str]:
 
 def _manifests(run_dir: Path) -> dict[str, dict]:
     """stage key -> {blob name: sha256} of every committed stage of a run folder."""
-    from pipelines.store import RunStore
+    from pipelines.store.run_store import RunStore
 
     store = RunStore(run_dir)
     return {key: {name: info["sha256"] for name, info in store.load_manifest(key)["blobs"].items()}
@@ -79,7 +79,7 @@ def test_demo_prints_the_calibration_its_stages_used(tmp_path, monkeypatch):
     import torch
 
     from app.commands.demo import _calibration_used, _training_threads
-    from compat_core import calibration
+    from compat_core.hardware import calibration
 
     assert _training_threads(str(configs_dir() / "demo-er.yaml"), []) == 1
     monkeypatch.setenv(calibration.MODE_ENV, "on")

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
 from app.cli import main  # noqa: E402
-from compat_core.backfill import DEFAULT_FRACTIONS  # noqa: E402
+from compat_core.upgrades.backfill_order import DEFAULT_FRACTIONS  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

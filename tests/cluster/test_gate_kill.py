@@ -64,7 +64,7 @@ def _history(name: str, uri: str, capsys) -> list[dict]:
 def test_a_killed_gate_or_rollback_never_leaves_history_and_alias_apart(mlflow_server, tmp_path, capsys):
     from mlflow import MlflowClient
 
-    from cluster.registry import version_by_alias
+    from cluster.model_registry.versions import version_by_alias
 
     uri = mlflow_server.tracking_uri
     client = MlflowClient(uri)

@@ -13,9 +13,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
-from cluster.ingest import ingest  # noqa: E402
+from cluster.storage.ingest import ingest  # noqa: E402
+from compat_core.data.datasets import DATASETS, load_dataset  # noqa: E402
 from compat_core.data.formats.shards import ShardIntegrityError  # noqa: E402
-from compat_core.data.registry import DATASETS, load_dataset  # noqa: E402
 
 SPLITS = ("finetune", "pretrain", "query", "gallery")
 
@@ -103,10 +103,10 @@ def test_ingest_to_s3_and_corrupt_object_names_bucket_and_key(s3_bucket):
 
 
 def _run_matrix(scenario: dict, run_dir: Path) -> list:
-    from pipelines.config_load import validate_config
-    from pipelines.executor import LocalExecutor
-    from pipelines.graph import compile_scenario
-    from pipelines.store import RunStore
+    from pipelines.config.load import validate_config
+    from pipelines.engine.executor import LocalExecutor
+    from pipelines.graph.compile import compile_scenario
+    from pipelines.store.run_store import RunStore
 
     config = validate_config(scenario)
     LocalExecutor(progress=False).run(compile_scenario(config), RunStore(run_dir))
@@ -125,7 +125,7 @@ def _point_pools_at(node, root: str):
 
 
 def test_run_on_ingested_shards_without_the_source_gives_the_same_matrix(shards_root, tmp_path, monkeypatch):
-    import pipelines.pools as pools
+    import pipelines.stages.pools as pools
 
     torch.set_num_threads(1)
     direct = _run_matrix(tiny.scenario("dsimplex-hoc", output=str(tmp_path / "direct")), tmp_path / "direct")
@@ -167,8 +167,8 @@ def test_kept_rows_read_from_memory_in_any_order_through_task_views(shards_root)
     back to the files: the parts are deleted and the reads still equal the source's, through the views a training
     task uses (a filtered pool, the pool followed by replay images)."""
     from compat_core.data.stream import keep_rows
-    from pipelines.replay_shards import WithMemory
-    from pipelines.pools import SubsetSource
+    from pipelines.stages.pools import SubsetSource
+    from pipelines.stages.replay_store import WithMemory
 
     original = load_dataset("tiny-synth", split="finetune")
     shards = load_dataset("shards", root=str(shards_root), split="finetune")

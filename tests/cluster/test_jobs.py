@@ -1,7 +1,7 @@
 """Ray Job submission against a real Ray head started by the test on 127.0.0.1 (own ports and temp dir).
 
 The head is started as ``.venv/bin/ray start`` WITHOUT the venv on its PATH (as a user who does not activate it):
-a bare ``python`` in an entrypoint is then the system interpreter, so jobs must name theirs (cluster.jobs
+a bare ``python`` in an entrypoint is then the system interpreter, so jobs must name theirs (cluster.ray.jobs
 python_command).
 
 The head is stopped by signalling its own process group and then any process whose command line holds this
@@ -31,8 +31,8 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 
 tiny.register()  # the tiny-synth dataset: configs naming it validate only once it is registered
 
-from cluster import jobs  # noqa: E402
-from pipelines.config_load import validate_config  # noqa: E402
+from cluster.ray import jobs  # noqa: E402
+from pipelines.config.load import validate_config  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 THEORY = jobs.python_command(["-m", "app.cli", "theory", "--samples", "2000", "--dims", "3", "10"])
@@ -214,7 +214,7 @@ def test_jobs_run_with_the_submitting_interpreter_not_the_heads_path(ray_head, t
     assert str(VENV_BIN) not in client.get_job_logs(bare)
     # and the driver of a submitted job reads its submission id (what `compat status` shows; tagged in MLflow)
     tagged = f"compat-python-submission-id-{os.getpid()}"
-    cases[tagged] = (jobs.python_command(["-c", "from cluster.tracking import ray_submission_id as s; "
+    cases[tagged] = (jobs.python_command(["-c", "from cluster.tracking.tracker import ray_submission_id as s; "
                                                 "print('submission id:', s())"]), "SUCCEEDED",
                      f"submission id: {tagged}\n")
     for submission_id, (entrypoint, _, _) in cases.items():
@@ -229,7 +229,7 @@ def test_driver_address_on_loopback_reaches_the_head_there(ray_head, tmp_path):
     task) instead of dialling the machine's other address and hanging; an unreachable port fails within 10 s."""
     port = GCS_PORTS[ray_head]
     root = Path(__file__).resolve().parents[2]
-    code = ("import sys, time, ray; from cluster.ray_executor import connect; connect(sys.argv[1]); "
+    code = ("import sys, time, ray; from cluster.ray.executor import connect; connect(sys.argv[1]); "
             "print('task', ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=120), flush=True); ray.shutdown()")
     env = dict(os.environ, PYTHONPATH=str(root), RAY_AUTH_MODE="disabled")
     for name in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines import lease as lease_module
-from pipelines.lease import RunFolderBusyError, run_lease
+from pipelines.store import lease as lease_module
+from pipelines.store.lease import RunFolderBusyError, run_lease
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -33,7 +33,7 @@ def test_second_run_on_a_held_local_folder_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
-         "from pipelines.lease import run_lease\nwith run_lease(sys.argv[2]):\n    print('held', flush=True); "
+         "from pipelines.store.lease import run_lease\nwith run_lease(sys.argv[2]):\n    print('held', flush=True); "
          "time.sleep(600)", str(ROOT), str(run_dir)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -53,7 +53,7 @@ def test_second_run_on_a_held_local_folder_is_refused(tmp_path):
 
 
 def test_s3_lease_refuses_a_second_driver_and_is_released(s3_env, s3_bucket, monkeypatch):
-    from cluster.storage import object_storage
+    from cluster.storage.s3 import object_storage
 
     root = f"s3://{s3_bucket}/runs/leased"
     with object_storage():

@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 HOLDER = """
 import sys, time
-from cluster.storage import configure_object_storage
-from pipelines.lease import run_lease
-from pipelines.store import RunStore
+from cluster.storage.s3 import configure_object_storage
+from pipelines.store.lease import run_lease
+from pipelines.store.run_store import RunStore
 configure_object_storage()
 root, name = sys.argv[1], sys.argv[2]
 with run_lease(root):
@@ -46,8 +46,8 @@ def _wait_for_line(process: subprocess.Popen, text: str, timeout: float = 60) ->
 
 
 def test_paused_holder_is_fenced_out_after_a_takeover(s3_env, s3_bucket):
+    from cluster.storage.s3 import object_storage
     from compat_core import io as cio
-    from cluster.storage import object_storage
 
     root = f"s3://{s3_bucket}/runs/fenced"
     env = {**os.environ, **s3_env, "PYTHONPATH": str(ROOT), "COMPAT_LEASE_STALE_S": "3",

@@ -12,9 +12,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from user_shell import PYTHON, compat, glyph_scenario
+from user_shell import user_env as _env
 
-from cluster.local_head import pids_naming, read_state
-from user_shell import PYTHON, compat, glyph_scenario, user_env as _env
+from cluster.ray.local_head import pids_naming, read_state
 
 # a two-task scenario on the offline glyph set, small enough to run as a Ray Job in tens of seconds
 TINY_GLYPHS = glyph_scenario("tiny-glyphs", num_slots=8)
@@ -101,8 +102,8 @@ def test_submit_with_relative_output_lands_where_the_user_asked(token_head, tmp_
 def test_submit_refuses_local_paths_for_a_head_on_another_machine(tmp_path):
     """A head on another machine cannot reach this machine's folders: refused before any request, with the fix.
     192.0.2.1 (TEST-NET-1) is never this machine; nothing is sent to it."""
-    from cluster.jobs import require_paths_reachable
-    from pipelines.config_load import load_config
+    from cluster.ray.jobs import require_paths_reachable
+    from pipelines.config.load import load_config
 
     (tmp_path / "tiny.yaml").write_text(TINY_GLYPHS)
     config = load_config(tmp_path / "tiny.yaml")
@@ -116,13 +117,13 @@ def test_submit_refuses_local_paths_for_a_head_on_another_machine(tmp_path):
 def test_default_ray_head_with_a_token_in_the_standard_place(tmp_path):
     """The situation of a plain `ray start --head` (RAY_AUTH_MODE unset) on a machine with ~/.ray/auth_token: Ray
     enables token auth on the head, and the client, without RAY_AUTH_MODE, used to fail with AuthenticationError."""
-    from cluster.local_head import stop_head
+    from cluster.ray.local_head import stop_head
 
     home = tmp_path / "home"
     token = _new_token(home / ".ray" / "auth_token")
     env = _env(home)
     state_dir = tmp_path / "state"
-    script = ("import sys; from cluster.local_head import start_head; "
+    script = ("import sys; from cluster.ray.local_head import start_head; "
               f"start_head('default', {str(state_dir)!r}, num_cpus=1, object_store_memory=100_000_000, auth=None)")
     try:
         started = subprocess.run([PYTHON, "-c", script], env=env, capture_output=True, text=True, timeout=600)

@@ -57,9 +57,9 @@ def test_mlflow_ui_shows_trials_nested_with_the_objective(ray_local, mlflow_serv
     _require_chromium()
     from mlflow import MlflowClient
 
-    from cluster.tune import run_search
-    from cluster.tune_spec import SearchSpec
-    from pipelines.config_load import config_to_dict, validate_config
+    from cluster.tune.runner import run_search
+    from cluster.tune.spec import SearchSpec
+    from pipelines.config.load import config_to_dict, validate_config
 
     tiny.register()
     base = config_to_dict(validate_config(tiny.scenario("dsimplex-hoc", {"lam": 0.1, "rho": 10.0})))

@@ -36,7 +36,7 @@ def test_models_alias_source_trains_and_evaluates_end_to_end(mlflow_server, tmp_
     from mlflow import MlflowClient
 
     from compat_core.models.weights import unregister_uri_resolver
-    from pipelines.store import RunStore
+    from pipelines.store.run_store import RunStore
 
     tiny.register()
     torch.set_num_threads(1)

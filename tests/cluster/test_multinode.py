@@ -20,10 +20,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
-from pipelines.config_load import validate_config  # noqa: E402
-from pipelines.executor import LocalExecutor  # noqa: E402
-from pipelines.graph import compile_scenario  # noqa: E402
-from pipelines.store import RunStore  # noqa: E402
+from pipelines.config.load import validate_config  # noqa: E402
+from pipelines.engine.executor import LocalExecutor  # noqa: E402
+from pipelines.graph.compile import compile_scenario  # noqa: E402
+from pipelines.store.run_store import RunStore  # noqa: E402
 
 pytestmark = pytest.mark.multinode
 
@@ -105,7 +105,7 @@ class Nodes:
 def nodes(s3_server, tmp_path_factory):
     import ray
 
-    from cluster.ray_loopback import prepare_loopback
+    from cluster.ray.loopback import prepare_loopback
 
     was_initialized = ray.is_initialized()  # the session's shared local Ray (ray_local) gives way, then returns
     if was_initialized:
@@ -151,7 +151,7 @@ def _placements(store: RunStore, graph) -> dict[str, str]:
 def test_two_worker_nodes_with_only_s3_shared_give_the_local_matrix(nodes, reference, s3_bucket):
     import ray
 
-    from cluster.ray_executor import RayExecutor
+    from cluster.ray.executor import RayExecutor
 
     graph, matrix, metrics = reference
     store = RunStore(f"s3://{s3_bucket}/run")
@@ -183,9 +183,9 @@ def _slow_and_reporting_setup(marker_dir: str, finetune_key: str, entry_key: str
 
         import ray as _ray
 
-        import pipelines.checkpoints as checkpoints
-        import pipelines.entries as entries
-        import pipelines.stages as stages
+        import pipelines.stages.dispatch as stages
+        import pipelines.stages.entries as entries
+        import pipelines.training.checkpoints as checkpoints
 
         tiny.register()
         if getattr(checkpoints.StoreCheckpointSink.save, "_reporting", False):
@@ -241,7 +241,7 @@ def test_a_worker_node_lost_mid_finetune_and_mid_entry_still_gives_the_local_mat
     run ends with the matrix of the in-process backend."""
     import threading
 
-    from cluster.ray_executor import RayExecutor
+    from cluster.ray.executor import RayExecutor
 
     graph, matrix, metrics = reference
     nodes.ensure_two_workers()
@@ -288,7 +288,7 @@ def test_a_gpu_stage_waits_for_a_gpu_node_and_says_so(nodes, reference, s3_bucke
     import logging
     import threading
 
-    from cluster.ray_executor import RayExecutor
+    from cluster.ray.executor import RayExecutor
 
     graph, matrix, _ = reference
     document = _document(graph.config.output.dir)
@@ -298,7 +298,7 @@ def test_a_gpu_stage_waits_for_a_gpu_node_and_says_so(nodes, reference, s3_bucke
     assert [s.key for s in gpu_graph] == [s.key for s in graph]
     nodes.ensure_two_workers()
     store = RunStore(f"s3://{s3_bucket}/run")
-    caplog.set_level(logging.WARNING, logger="cluster.ray_executor")
+    caplog.set_level(logging.WARNING, logger="cluster.ray.executor")
     outcome: dict = {}
     runner = threading.Thread(target=lambda: outcome.update(summary=RayExecutor(progress=False, setup=tiny.register)
                                                             .run(gpu_graph, store)), daemon=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.reach import ANSWER_TIMEOUT_VARIABLE, answer_timeout_s, require_answering
+from cluster.ray.reach import ANSWER_TIMEOUT_VARIABLE, answer_timeout_s, require_answering
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def _driver(code: str, timeout_s: str) -> subprocess.CompletedProcess:
 
 def test_ray_executor_connect_to_a_silent_head_fails_naming_the_address(silent_port):
     # its own process: this one may already hold the session's Ray, and connect() then reuses it
-    result = _driver(f"from cluster.ray_executor import connect; connect('127.0.0.1:{silent_port}')", "2")
+    result = _driver(f"from cluster.ray.executor import connect; connect('127.0.0.1:{silent_port}')", "2")
     assert result.returncode != 0
     assert "ConnectionError" in result.stderr
     assert f"the Ray cluster at 127.0.0.1:{silent_port} accepted the connection but did not answer within 2 s" \
@@ -44,7 +44,7 @@ def test_ray_executor_connect_to_a_silent_head_fails_naming_the_address(silent_p
 
 
 def test_job_client_of_a_silent_job_server_fails_naming_the_address(silent_port):
-    result = _driver(f"from cluster.jobs import job_client; job_client('http://127.0.0.1:{silent_port}')", "2")
+    result = _driver(f"from cluster.ray.jobs import job_client; job_client('http://127.0.0.1:{silent_port}')", "2")
     assert result.returncode != 0
     assert f"the Ray job server at 127.0.0.1:{silent_port} accepted the connection but did not answer" \
         in result.stderr

@@ -21,10 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
-from pipelines.config_load import validate_config  # noqa: E402
-from pipelines.executor import LocalExecutor  # noqa: E402
-from pipelines.graph import compile_scenario  # noqa: E402
-from pipelines.store import RunStore  # noqa: E402
+from pipelines.config.load import validate_config  # noqa: E402
+from pipelines.engine.executor import LocalExecutor  # noqa: E402
+from pipelines.graph.compile import compile_scenario  # noqa: E402
+from pipelines.store.run_store import RunStore  # noqa: E402
 
 RELATIVE_LOSS_TOLERANCE = 1e-5
 WEIGHT_TOLERANCE = 1e-5
@@ -36,8 +36,8 @@ def _task():
     from compat_core.models import create_model
     from compat_core.models.compat_model import frozen_copy
     from pipelines.methods import get_method
-    from pipelines.task_data import TaskData
-    from pipelines.train_config import TrainConfig
+    from pipelines.training.settings import TrainConfig
+    from pipelines.training.task_data import TaskData
 
     source = tiny.make_source("finetune")
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def _task():
 
 def _train(_loop_config=None) -> dict:
     """Train the task (in this process, or as one Ray Train worker); per-step losses and the final weights."""
-    from pipelines.training import train_task
+    from pipelines.training.loop import train_task
 
     torch.set_num_threads(1)
     model, old_model, method, data, config = _task()
@@ -111,14 +111,14 @@ def _scenario(tmp: Path, workers: int) -> dict:
 
 
 def _training_records(events: list, key: str) -> list:
-    from pipelines.progress import StageRecord
+    from pipelines.engine.progress import StageRecord
 
     return [e.record for e in events if isinstance(e, StageRecord) and e.stage_key == key]
 
 
 def test_engine_trains_a_finetune_stage_on_two_ray_train_workers(ray_train, tmp_path):
-    from cluster.ray_executor import RayExecutor
-    from pipelines.train_records import TrainRecord
+    from cluster.ray.executor import RayExecutor
+    from pipelines.training.records import TrainRecord
 
     tiny.register()
     torch.set_num_threads(1)
@@ -161,7 +161,7 @@ def test_in_process_backend_refuses_more_than_one_worker(tmp_path):
 
 
 def test_rank_rows_partition_each_global_batch_in_order():
-    from pipelines.distributed import DataParallel, shard_batches
+    from pipelines.training.distributed import DataParallel, shard_batches
 
     for world in (2, 3):
         for total in range(world, 10):
@@ -181,9 +181,9 @@ def _train_crashing_once(loop: dict) -> dict:
 
     import ray.train
 
-    from cluster.ray_train_stage import RayTrainCheckpointSink
-    from pipelines.checkpoints import CheckpointPolicy
-    from pipelines.training import train_task
+    from cluster.ray.train_stage import RayTrainCheckpointSink
+    from pipelines.training.checkpoints import CheckpointPolicy
+    from pipelines.training.loop import train_task
 
     class Sink(RayTrainCheckpointSink):
         restored = None
@@ -216,7 +216,7 @@ def test_a_restarted_worker_group_resumes_from_the_ray_train_checkpoint(ray_trai
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from pipelines.training import train_task
+    from pipelines.training.loop import train_task
 
     torch.set_num_threads(1)
     model, old_model, method, data, config = _task()

@@ -16,16 +16,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
-from pipelines.config_load import validate_config  # noqa: E402
-from pipelines.graph import compile_scenario  # noqa: E402
-from pipelines.lease import LEASE_FILE, LeaseLostError, hold_fence, lease_fence, run_lease  # noqa: E402
-from pipelines.store import RunStore  # noqa: E402
+from pipelines.config.load import validate_config  # noqa: E402
+from pipelines.graph.compile import compile_scenario  # noqa: E402
+from pipelines.store.lease import LEASE_FILE, LeaseLostError, hold_fence, lease_fence, run_lease  # noqa: E402
+from pipelines.store.run_store import RunStore  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
 TAKER = """
 import os, sys, time
-from pipelines.lease import run_lease
+from pipelines.store.lease import run_lease
 root, reached, taken, release = sys.argv[1:5]
 deadline = time.monotonic() + 300
 while not os.path.exists(reached):
@@ -51,7 +51,7 @@ def _hold_commit_setup(root: str, stage_key: str, reached: str, taken: str):
         import os as _os
         import time as _time
 
-        import pipelines.store as store_module
+        import pipelines.store.run_store as store_module
 
         tiny.register()
         original = store_module.RunStore.commit
@@ -74,7 +74,7 @@ def _hold_commit_setup(root: str, stage_key: str, reached: str, taken: str):
 def test_a_worker_whose_driver_lost_the_lease_commits_nothing(ray_local, tmp_path, monkeypatch):
     import ray
 
-    from cluster.ray_executor import NodeFailed, RayExecutor
+    from cluster.ray.executor import NodeFailed, RayExecutor
 
     tiny.register()
     ray.cloudpickle.register_pickle_by_value(tiny)
@@ -119,8 +119,8 @@ def test_a_worker_whose_driver_lost_the_lease_commits_nothing(ray_local, tmp_pat
 
 S3_TAKER = """
 import sys, time
-from cluster.storage import configure_object_storage
-from pipelines.lease import run_lease
+from cluster.storage.s3 import configure_object_storage
+from pipelines.store.lease import run_lease
 configure_object_storage()
 time.sleep(1)  # past the stale time of the first driver's lease
 with run_lease(sys.argv[1]):
@@ -134,7 +134,7 @@ def test_the_fence_of_an_s3_lease_refuses_writes_once_another_driver_took_it(s3_
     folder, once another driver has taken it over."""
     import pickle
 
-    from cluster.storage import object_storage
+    from cluster.storage.s3 import object_storage
     root = f"s3://{s3_bucket}/runs/fenced-workers"
     monkeypatch.setenv("COMPAT_LEASE_HEARTBEAT_S", "3600")  # this driver never renews its lease, as if paused
     env = {**os.environ, **s3_env, "PYTHONPATH": str(ROOT), "COMPAT_LEASE_STALE_S": "0.5"}
@@ -159,7 +159,7 @@ def test_the_fence_of_an_s3_lease_refuses_writes_once_another_driver_took_it(s3_
 def test_the_fence_of_a_local_lease_fails_once_released_and_once_another_driver_holds_it(tmp_path):
     """A worker that outlives its driver: the lock file keeps its inode across a normal release and a new
     acquisition, so the fence also checks the owner token and the released marker the holder writes into it."""
-    from pipelines.lease import LeaseLostError, hold_fence, lease_fence
+    from pipelines.store.lease import LeaseLostError, hold_fence, lease_fence
 
     root = str(tmp_path / "run")
     with run_lease(root):

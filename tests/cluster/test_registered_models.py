@@ -45,11 +45,11 @@ def test_one_registered_model_per_scenario_and_pytorch_flavour_loads_by_alias(ml
     from mlflow import MlflowClient
     from safetensors.torch import load_file
 
-    from pipelines.config_load import load_config
-    from pipelines.extraction import extract_pool_features
-    from pipelines.pools import load_pool
-    from pipelines.feature_store import read_features
-    from pipelines.store import RunStore
+    from pipelines.config.load import load_config
+    from pipelines.stages.extraction import extract_pool_features
+    from pipelines.stages.feature_store import read_features
+    from pipelines.stages.pools import load_pool
+    from pipelines.store.run_store import RunStore
 
     tiny.register()
     torch.set_num_threads(1)

@@ -29,8 +29,8 @@ def _profile_only(s3_server, tmp_path, monkeypatch) -> None:
 
 
 def test_report_and_compare_on_s3_runs(s3_server, s3_bucket, tmp_path, monkeypatch, capsys):
+    from cluster.storage.s3 import object_storage, reset_object_storage
     from compat_core import io as cio
-    from cluster.storage import object_storage, reset_object_storage
 
     hoc = make_run(tmp_path / "hoc", MATRIX_3, METRICS_3)
     er = make_run(tmp_path / "er", MATRIX_2, METRICS_2, name="toy-er", method="er", replacements=(2,))
@@ -61,8 +61,8 @@ def test_report_and_compare_on_s3_runs(s3_server, s3_bucket, tmp_path, monkeypat
 def test_ingest_reaches_the_endpoint_of_an_aws_profile(s3_server, s3_bucket, tmp_path, monkeypatch, capsys):
     import subprocess
 
+    from cluster.storage.s3 import object_storage, reset_object_storage
     from compat_core import io as cio
-    from cluster.storage import object_storage, reset_object_storage
 
     _profile_only(s3_server, tmp_path, monkeypatch)
     reset_object_storage()
@@ -85,8 +85,8 @@ def test_ingest_reaches_the_endpoint_of_an_aws_profile(s3_server, s3_bucket, tmp
 def test_report_and_compare_of_an_eval_variant_folder_on_s3(s3_server, s3_bucket, tmp_path, monkeypatch, capsys):
     """A `compat eval` variant folder (RUN/eval-*/: matrix.json and metrics.json, the run's config.yaml one level
     up) on S3 is reported and compared like a local one; the report is written into the variant folder."""
+    from cluster.storage.s3 import object_storage, reset_object_storage
     from compat_core import io as cio
-    from cluster.storage import object_storage, reset_object_storage
 
     hoc = make_run(tmp_path / "hoc", MATRIX_3, METRICS_3)
     run = f"s3://{s3_bucket}/runs/hoc"

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from cluster.storage import configure_object_storage, reset_object_storage
+from cluster.storage.s3 import configure_object_storage, reset_object_storage
 from compat_core import io as cio
 from compat_core.data import load_dataset
 from compat_core.models import create_model, load_external_weights, load_model, save_model

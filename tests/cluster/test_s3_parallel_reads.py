@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.storage import configure_object_storage, reset_object_storage
+from cluster.storage.s3 import configure_object_storage, reset_object_storage
 from compat_core import io as cio
 from compat_core.data import load_dataset
 from compat_core.data.formats import _shared

@@ -7,9 +7,9 @@ import numpy as np
 import optuna
 import pytest
 
-from cluster.search_space import SearchSpaceError, parse_space
-from cluster.tune_spec import apply_values, objective_metric, trial_config
-from pipelines.results import headline_metrics
+from cluster.tune.space import SearchSpaceError, parse_space
+from cluster.tune.spec import apply_values, objective_metric, trial_config
+from pipelines.results.assemble import headline_metrics
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -14,11 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from compat_core import io as cio
-from compat_core.data import replay_shards as shards
-from compat_core.data.replay_shards import CorruptShardError, read_replay_shard, shard_uris, write_replay_shard
+from compat_core.data import replay_parquet as shards
 from compat_core.data.base import ArraySource
 from compat_core.data.replay import ReplayMemory
-from pipelines.store import RunStore
+from compat_core.data.replay_parquet import CorruptShardError, read_replay_shard, shard_uris, write_replay_shard
+from pipelines.store.run_store import RunStore
 
 
 def _memory_and_images(rows: int = 5, shape=(4, 3, 3), seed: int = 0):

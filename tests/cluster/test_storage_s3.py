@@ -13,14 +13,19 @@ import pickle
 import numpy as np
 import pytest
 
-from cluster import storage
-from compat_core.data.replay_shards import CorruptShardError, read_replay_shard, write_replay_shard
-from cluster.storage import (BucketNotFoundError, S3Access, S3Settings, StorageAccessDeniedError,
-                             StorageUnavailableError)
+from cluster.storage import s3 as storage
+from cluster.storage.s3 import (
+    BucketNotFoundError,
+    S3Access,
+    S3Settings,
+    StorageAccessDeniedError,
+    StorageUnavailableError,
+)
 from compat_core import io as cio
 from compat_core.data.replay import ReplayMemory
-from pipelines.feature_store import read_features
-from pipelines.store import RunStore, feature_blobs
+from compat_core.data.replay_parquet import CorruptShardError, read_replay_shard, write_replay_shard
+from pipelines.stages.feature_store import read_features
+from pipelines.store.run_store import RunStore, feature_blobs
 
 MIB = 1024 * 1024
 
@@ -125,7 +130,7 @@ def test_secret_never_appears_in_logs_reprs_pickles_or_errors(s3_server, s3_env,
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     finally:
         storage.reset_object_storage()
-    assert any(r.name == "cluster.storage" and "object storage configured" in r.getMessage()
+    assert any(r.name == "cluster.storage.s3" and "object storage configured" in r.getMessage()
                for r in caplog.records)
     assert any(r.name.startswith("botocore") for r in caplog.records)  # the capture saw the signed requests
     shown = [caplog.text, repr(access), str(access), repr(access.settings), repr(bad), str(caught.value)]

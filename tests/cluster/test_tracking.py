@@ -1,4 +1,4 @@
-"""cluster.tracking without a server: param flattening and secret exclusion, naming, and a pipeline tracked into the
+"""cluster.tracking.tracker without a server: param flattening and secret exclusion, naming, and a pipeline tracked into the
 default SQLite database of its run directory (hand-made stage outputs driven through the real LocalExecutor)."""
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 
 tiny.register()  # the scenario below names the tiny-synth dataset: configs validate only once it is registered
 
-from cluster.registry import parse_model_uri, registered_model_name, task_alias
-from cluster.tracking import MlflowTracker, NullTracker, create_tracker
-from cluster.tracking_client import check_tracking_uri, default_tracking_uri, project_tracking_uri
-from cluster.tracking_params import flatten_params, looks_like_secret
-from cluster.tracking_records import entry_metric_key
-from pipelines.store import RunStore
+from cluster.model_registry.versions import parse_model_uri, registered_model_name, task_alias
+from cluster.tracking.client import check_tracking_uri, default_tracking_uri, project_tracking_uri
+from cluster.tracking.params import flatten_params, looks_like_secret
+from cluster.tracking.records import entry_metric_key
+from cluster.tracking.tracker import MlflowTracker, NullTracker, create_tracker
+from pipelines.store.run_store import RunStore
 
 # C[t, k] (0-based query t, gallery k); exact binary fractions so that hand arithmetic is exact
 MATRIX = [[0.5], [0.625, 0.75], [0.375, 0.875, 1.0]]
@@ -110,7 +110,7 @@ def test_tracking_uri_defaults_to_sqlite_in_run_dir(tmp_path):
 
 
 def test_tracking_uri_credentials_never_stay_in_the_uri(monkeypatch):
-    from pipelines.redaction import redact_uri
+    from pipelines.config.redaction import redact_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
@@ -123,7 +123,7 @@ def test_tracking_uri_credentials_never_stay_in_the_uri(monkeypatch):
 
 
 def test_train_record_has_the_fields_the_tracker_reads():
-    training = pytest.importorskip("pipelines.training")
+    training = pytest.importorskip("pipelines.training.loop")
     names = {f for f in training.TrainRecord.__dataclass_fields__}
     assert {"task", "epoch", "step", "loss", "loss_parts", "lr", "images_per_s", "metrics"} <= names
 
@@ -131,7 +131,7 @@ def test_train_record_has_the_fields_the_tracker_reads():
 # ---- a hand-made pipeline ------------------------------------------------------------------------------------------
 @dataclass
 class FakeTrainRecord:
-    """Same fields as pipelines.training.TrainRecord (the tracker reads records by duck typing)."""
+    """Same fields as pipelines.training.loop.TrainRecord (the tracker reads records by duck typing)."""
 
     task: int
     epoch: int
@@ -182,9 +182,9 @@ def model_blobs(seed: int) -> dict[str, bytes]:
 
 def fake_stage_functions(fail_task: int | None = None) -> dict:
     """Stage functions returning hand-made records (no data, no training); ``fail_task`` raises in that model stage."""
-    from pipelines.payloads import EvaluationProtocol, FeatureLayout, TrainingSummary
-    from pipelines.records import EntryRecord, FeatureRecord, ModelRecord, RowRecord
-    from pipelines.stage_context import StageResult
+    from pipelines.records.payloads import EvaluationProtocol, FeatureLayout, TrainingSummary
+    from pipelines.records.stage_records import EntryRecord, FeatureRecord, ModelRecord, RowRecord
+    from pipelines.stages.context import StageResult
 
     def model_stage(ctx):
         stage, config = ctx.stage, ctx.config
@@ -254,11 +254,11 @@ def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task:
 
     Returns (graph, store, tracker). Re-raises a stage failure after the tracker has closed the runs.
     """
-    from pipelines import stages
-    from pipelines.config_load import validate_config
-    from pipelines.executor import LocalExecutor
-    from pipelines.graph import compile_scenario
-    from pipelines.progress import ProgressReporter
+    from pipelines.config.load import validate_config
+    from pipelines.engine.executor import LocalExecutor
+    from pipelines.engine.progress import ProgressReporter
+    from pipelines.graph.compile import compile_scenario
+    from pipelines.stages import dispatch as stages
 
     for kind, function in fake_stage_functions(fail_task).items():
         monkeypatch.setitem(stages.STAGE_FUNCTIONS, kind, function)
@@ -350,7 +350,7 @@ def test_default_sqlite_run_holds_parent_nested_runs_metrics_and_tags(sqlite_run
 
 
 def test_models_are_registered_with_aliases_lineage_and_load_by_uri(sqlite_run, tmp_path):
-    from cluster.registry import register_mlflow_resolvers
+    from cluster.model_registry.versions import register_mlflow_resolvers
     from compat_core.models import create_model, load_external_weights, unregister_uri_resolver
 
     run_dir, graph, store, tracker = sqlite_run

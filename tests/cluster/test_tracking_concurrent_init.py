@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = """
 import sys, time
 start = float(sys.argv[2])
-from cluster.tracking import create_tracker
-from cluster.tracking_client import ensure_experiment
+from cluster.tracking.tracker import create_tracker
+from cluster.tracking.client import ensure_experiment
 time.sleep(max(0.0, start - time.time()))  # every process reaches the fresh store at the same instant
 tracker = create_tracker(sys.argv[1], experiment="concurrent")
 experiment = ensure_experiment(tracker.client, "concurrent")

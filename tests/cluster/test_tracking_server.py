@@ -1,4 +1,4 @@
-"""cluster.tracking against a real ``mlflow server`` on 127.0.0.1 (session fixture), checked through the REST API
+"""cluster.tracking.tracker against a real ``mlflow server`` on 127.0.0.1 (session fixture), checked through the REST API
 with plain HTTP calls: runs and their nesting, metrics, artifacts, model versions, aliases, resume and failure."""
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from urllib.parse import urlencode
 from urllib.request import Request, urlopen
 
 import pytest
-
 from test_tracking import EXPECTED, run_tracked  # same folder: pytest puts it on sys.path
 
 pytestmark = pytest.mark.integration

@@ -29,7 +29,7 @@ SPACE = {"parameters": {
 
 
 def _base_config() -> dict:
-    from pipelines.config_load import config_to_dict, validate_config
+    from pipelines.config.load import config_to_dict, validate_config
 
     tiny.register()
     return config_to_dict(validate_config(tiny.scenario("dsimplex-hoc", {"lam": 0.1, "rho": 10.0})))
@@ -49,9 +49,9 @@ def _mean_lower(block: np.ndarray) -> float:
 def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, capsys):
     from mlflow import MlflowClient
 
-    from cluster.tune import run_search
-    from cluster.tune_spec import SearchSpec
     from app.cli import main
+    from cluster.tune.runner import run_search
+    from cluster.tune.spec import SearchSpec
 
     spec = SearchSpec(name="tiny-aa", base_config=_base_config(), space=SPACE, objective="AA", samples=3,
                       concurrent=2, scheduler="none", seed=1, storage=str(tmp_path / "searches"),
@@ -103,7 +103,7 @@ def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, c
     import torch
     from safetensors.torch import load_file
 
-    from pipelines.store import RunStore
+    from pipelines.store.run_store import RunStore
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLFLOW_TRACKING_URI", client.tracking_uri)
@@ -145,7 +145,7 @@ def search_storage(request, tmp_path):
     if request.param == "local":
         yield str(tmp_path / "searches")
         return
-    from cluster.storage import object_storage
+    from cluster.storage.s3 import object_storage
 
     bucket = request.getfixturevalue("s3_bucket")
     with object_storage():
@@ -207,9 +207,9 @@ def test_trials_share_third_party_models_whose_key_the_sampled_values_leave_alon
     """Two trials that differ only in a method parameter need the same third-party model: the first trains and
     publishes it in <experiment>/third-party, the second copies it (no pretrain stage executed) and computes the
     matrix a trial training its own copy computes."""
-    from cluster.tune_spec import SearchSpec
-    from cluster.tune_trial import run_trial_pipeline
-    from pipelines.store import RunStore
+    from cluster.tune.spec import SearchSpec
+    from cluster.tune.trial import run_trial_pipeline
+    from pipelines.store.run_store import RunStore
 
     spec = SearchSpec(name="shared", base_config=_base_config(), space=SPACE, objective="AA", samples=2,
                       scheduler="none", storage=str(tmp_path / "searches"), plugins=[PLUGIN])
@@ -242,7 +242,7 @@ def test_search_spec_names_the_drivers_folders_for_relative_paths(tmp_path, monk
     import argparse
 
     from app.commands.tune import build_spec
-    from cluster.tune_spec import absolute_local_paths, trial_config
+    from cluster.tune.spec import absolute_local_paths, trial_config
 
     base = _base_config()
     base["output"]["shared_store"] = "runs/demo/third-party"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster import tune as tune_module
-from cluster import tune_spec
-from cluster.grid_design import spread_points
+from cluster.tune import runner as tune_module
+from cluster.tune import spec as tune_spec
+from cluster.tune.grid import spread_points
 
 
 def test_resume_refuses_foreign_and_modified_folders(tmp_path):
@@ -65,8 +65,8 @@ def test_shipped_demo_space_task_count_and_sampler_never_repeat():
     import yaml
     from ray.tune.search.optuna import OptunaSearch
 
-    from cluster.search_space import parse_space
-    from pipelines.config_load import config_to_dict, load_config
+    from cluster.tune.space import parse_space
+    from pipelines.config.load import config_to_dict, load_config
 
     base = config_to_dict(load_config(CONFIGS / "demo-dsimplex-hoc.yaml"))
     space_document = yaml.safe_load((CONFIGS / "spaces" / "demo.yaml").read_text())
@@ -95,7 +95,7 @@ def test_shipped_demo_space_task_count_and_sampler_never_repeat():
 def test_unreachable_addresses_fail_fast_with_a_clear_message():
     import socket
 
-    from cluster.jobs import job_client
+    from cluster.ray.jobs import job_client
 
     with socket.socket() as probe:  # a port nobody listens on
         probe.bind(("127.0.0.1", 0))
@@ -108,7 +108,7 @@ def test_unreachable_addresses_fail_fast_with_a_clear_message():
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", f"from cluster.ray_executor import connect; connect('127.0.0.1:{port}')"],
+    done = subprocess.run([sys.executable, "-c", f"from cluster.ray.executor import connect; connect('127.0.0.1:{port}')"],
                           env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert f"ConnectionError: cannot reach the Ray cluster at 127.0.0.1:{port}" in done.stderr

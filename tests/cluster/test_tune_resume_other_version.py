@@ -1,6 +1,6 @@
 """`compat tune --resume` of a search whose saved Tune state names a class this code does not have (a search started
-by another version of compat, e.g. before the search's MLflow callback moved from cluster.tune to
-cluster.tune_tracking): one clear error naming the folder and the fix instead of an unpickling traceback, refused
+by another version of compat, e.g. before the search's MLflow callback moved from cluster.tune.runner to
+cluster.tune.tracking): one clear error naming the folder and the fix instead of an unpickling traceback, refused
 before the search's MLflow store is touched."""
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ SPACE = {"parameters": {"method.params.lam": {"type": "categorical", "values": [
 
 def test_resume_of_a_search_saved_by_other_code_names_the_folder_and_the_fix(ray_local, tmp_path, capsys,
                                                                               monkeypatch):
-    import cluster.tune as tune_module
+    import cluster.tune.runner as tune_module
     from app.cli import main
-    from cluster.tune_spec import SearchSpec, write_spec
-    from pipelines.config_load import config_to_dict, validate_config
+    from cluster.tune.spec import SearchSpec, write_spec
+    from pipelines.config.load import config_to_dict, validate_config
 
     tiny.register()
     base = config_to_dict(validate_config(tiny.scenario("dsimplex-hoc", {"lam": 0.1, "rho": 10.0})))
@@ -32,11 +32,11 @@ def test_resume_of_a_search_saved_by_other_code_names_the_folder_and_the_fix(ray
     experiment = Path(spec.experiment_path)
 
     # Tune's state as the earlier code saved it: the run config's callback pickled by reference to
-    # cluster.tune.MlflowSearchCallback, a name this code no longer has
+    # cluster.tune.runner.MlflowSearchCallback, a name this code no longer has
     class MlflowSearchCallback:
         pass
 
-    MlflowSearchCallback.__module__, MlflowSearchCallback.__qualname__ = "cluster.tune", "MlflowSearchCallback"
+    MlflowSearchCallback.__module__, MlflowSearchCallback.__qualname__ = "cluster.tune.runner", "MlflowSearchCallback"
     monkeypatch.setattr(tune_module, "MlflowSearchCallback", MlflowSearchCallback, raising=False)
     state = pickle.dumps({"callbacks": [MlflowSearchCallback()]})
     monkeypatch.delattr(tune_module, "MlflowSearchCallback")

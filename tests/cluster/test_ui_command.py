@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from urllib.request import urlopen
 
-from cluster.local_head import free_port
+from cluster.ray.local_head import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_compat_ui_serves_the_machine_store_on_loopback(tmp_path):
     from mlflow import MlflowClient
 
-    from cluster.tracking_store import machine_tracking_uri
+    from cluster.tracking.store import machine_tracking_uri
 
     home = tmp_path / "compat-home"
     env = dict(os.environ, COMPAT_HOME=str(home), PYTHONPATH=str(ROOT))

@@ -3,8 +3,18 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core.adapters import (ADAPTER_KINDS, AffineAdapter, FanAdapter, FctAdapter, ProcrustesAdapter,
-                                  ResidualMlpAdapter, apply_chain, load_adapter_bytes, make_adapter, save_adapter)
+from compat_core.upgrades.adapters import (
+    ADAPTER_KINDS,
+    AffineAdapter,
+    FanAdapter,
+    FctAdapter,
+    ProcrustesAdapter,
+    ResidualMlpAdapter,
+    apply_chain,
+    load_adapter_bytes,
+    make_adapter,
+    save_adapter,
+)
 
 
 def _unit_rows(rng, n, d):

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core.backfill import backfill_curve, backfill_order, uncertainty_scores
+from compat_core.upgrades.backfill_order import backfill_curve, backfill_order, uncertainty_scores
 
 QUERY = np.array([[1.0, 0.0], [0.0, 1.0]])
 LABELS = np.array([0, 1])

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from app.cli import main
-from compat_core import calibration, calibration_workloads
-from pipelines.autocast import resolve_autocast
+from compat_core.hardware import calibration
+from compat_core.hardware import workloads as calibration_workloads
+from pipelines.training.autocast import resolve_autocast
 
 
 @pytest.fixture
@@ -167,9 +168,9 @@ def test_training_auto_is_bit_identical_whether_measured_now_or_cached(calibrati
     from compat_core.data.base import ArraySource
     from compat_core.models import create_model
     from pipelines.methods import get_method
-    from pipelines.task_data import TaskData
-    from pipelines.train_config import TrainConfig
-    from pipelines.training import train_task
+    from pipelines.training.loop import train_task
+    from pipelines.training.settings import TrainConfig
+    from pipelines.training.task_data import TaskData
 
     rng = np.random.default_rng(0)
     images = rng.integers(0, 255, size=(24, 16, 16, 1), dtype=np.uint8)

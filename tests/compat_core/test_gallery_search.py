@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core.gallery_search import build_groups, search_groups
-from compat_core.retrieval import PRECISIONS, PreparedGallery, nearest_neighbours, search_prepared
-from compat_core.search_request import RequestError, parse_search_request
+from compat_core.retrieval.mixed_gallery import build_groups, search_groups
+from compat_core.retrieval.search import PRECISIONS, PreparedGallery, nearest_neighbours, search_prepared
+from compat_core.retrieval.search_request import RequestError, parse_search_request
 
 
 def brute(query: np.ndarray, gallery: np.ndarray, k: int):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compat_core.metrics import (
+from compat_core.evaluation.metrics import (
     CompatibilityMatrix,
     average_accuracy,
     average_compatibility,

@@ -1,4 +1,4 @@
-"""compat_core.retrieval against numpy float64 brute force and hand-worked examples."""
+"""compat_core.retrieval.search against numpy float64 brute force and hand-worked examples."""
 from __future__ import annotations
 
 import math
@@ -7,19 +7,24 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core import (retrieval, retrieval_bridge, retrieval_candidates, retrieval_kernel, retrieval_live,
-                         retrieval_pruned, retrieval_space)
-from compat_core.retrieval_int8 import quantize_rows, select_top1
-from compat_core.retrieval import (
+from compat_core.evaluation.verification import tar_at_far
+from compat_core.hardware.torch_settings import one_thread
+from compat_core.retrieval import bridge as retrieval_bridge
+from compat_core.retrieval import candidates as retrieval_candidates
+from compat_core.retrieval import kernel as retrieval_kernel
+from compat_core.retrieval import live as retrieval_live
+from compat_core.retrieval import pruned as retrieval_pruned
+from compat_core.retrieval import search as retrieval
+from compat_core.retrieval import space as retrieval_space
+from compat_core.retrieval.bridge import bridged_nearest_neighbours, bridged_recall_at_1
+from compat_core.retrieval.int8 import quantize_rows, select_top1
+from compat_core.retrieval.search import (
     class_mean_gallery,
     mean_average_precision,
     nearest_neighbours,
     recall_at_1,
     recall_at_k,
 )
-from compat_core.retrieval_bridge import bridged_nearest_neighbours, bridged_recall_at_1
-from compat_core.torch_settings import one_thread
-from compat_core.verification import tar_at_far
 
 PRECISIONS = ["auto", "int8", "half", "fp32", "fp64"]
 
@@ -694,7 +699,7 @@ def test_select_top1_with_a_lower_bound_keeps_exactly_the_items_that_can_reach_i
     # A row asks for L when its plain window (v - 2 bound) opens >= min_open blocks of 64 columns; its candidates
     # must then be {S >= floor(max(v - 2 bound, L - bound))}, else {S >= floor(v - 2 bound)} (brute force here);
     # the column handed over must hold its row's maximum S, and the top-1 of R must always survive
-    from compat_core import retrieval_int8
+    from compat_core.retrieval import int8 as retrieval_int8
     monkeypatch.setattr(retrieval_int8, "LOWER_MIN_OPEN_BLOCKS", min_open)
     rng = np.random.default_rng(100 + width)
     reference = rng.uniform(-1000.0, 1000.0, (30, width))
@@ -890,7 +895,7 @@ def test_select_top1_on_float_scores_equals_a_full_threshold_comparison(dtype, w
 def test_int8_top1_in_small_product_blocks_equals_fp64(monkeypatch, low_rank):
     # int8 with k = 1 quantises a query chunk at once and runs products and selection in blocks of rows; tiny
     # blocks (16 rows, more than one per chunk) must still give the fp64 answer, exact ties to the lowest index
-    from compat_core import retrieval_int8
+    from compat_core.retrieval import int8 as retrieval_int8
     monkeypatch.setattr(retrieval_int8, "INT8_BLOCK_SCORES", 16 * 300)
     if low_rank:
         gallery, head = junction_features(300, 96, 24, seed=11)

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from compat_core.retrieval_live import CANDIDATE, FP32, LiveCheck, alternating_plan
+from compat_core.retrieval.live import CANDIDATE, FP32, LiveCheck, alternating_plan
 
 
 def test_plan_warms_then_alternates_then_leaves_spare_chunks():

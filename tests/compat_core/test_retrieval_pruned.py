@@ -1,4 +1,4 @@
-"""compat_core.retrieval_pruned: the pruned exact top-1 against an fp64 brute force, including planted exact ties
+"""compat_core.retrieval.pruned: the pruned exact top-1 against an fp64 brute force, including planted exact ties
 and near-ties placed across group boundaries, and its bounds against fp64 scores."""
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core import retrieval, retrieval_groups, retrieval_pruned
+from compat_core.retrieval import groups as retrieval_groups
+from compat_core.retrieval import pruned as retrieval_pruned
+from compat_core.retrieval import search as retrieval
 
 
 def brute_top1(query: np.ndarray, gallery: np.ndarray):

@@ -1,10 +1,10 @@
-"""compat_core.row_reduction: blocks of one shape covering a range, and rows padded for alike reductions."""
+"""compat_core.retrieval.row_reduction: blocks of one shape covering a range, and rows padded for alike reductions."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from compat_core.row_reduction import aligned_rows, same_shape_blocks
+from compat_core.retrieval.row_reduction import aligned_rows, same_shape_blocks
 
 
 @pytest.mark.parametrize("count, block, device, starts", [

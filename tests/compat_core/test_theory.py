@@ -6,15 +6,14 @@ import math
 import numpy as np
 import pytest
 
-from compat_core.theory import (
+from app.cli import main
+from compat_core.evaluation.theory import (
     cap_mean_cosine,
     cap_polar_angles,
     sample_cap,
     simplex_vertex_pair,
     theorem1_monte_carlo,
 )
-from app.cli import main
-
 
 # --- exact mean cosine against hand-derived closed forms ------------------------------------------------------------
 

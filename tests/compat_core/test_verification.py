@@ -1,10 +1,10 @@
-"""compat_core.verification on hand-worked examples."""
+"""compat_core.evaluation.verification on hand-worked examples."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from compat_core.verification import tar_at_far, verification_accuracy
+from compat_core.evaluation.verification import tar_at_far, verification_accuracy
 
 
 def test_verification_separable_scores_give_accuracy_one():

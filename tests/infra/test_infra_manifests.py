@@ -10,20 +10,35 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tomllib
 import yaml
 from packaging.requirements import Requirement
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from infra_manifest_tools import (INFRA, REPO, PatchError, apply_json_patch, build_kustomization,  # noqa: E402
-                                  collect_images, collect_references, command_lines, dockerfile_arg_defaults,
-                                  dockerfile_instructions, load_documents, pip_requirements, resource_id, yaml_files)
+from infra_manifest_tools import (  # noqa: E402
+    INFRA,
+    REPO,
+    PatchError,
+    apply_json_patch,
+    build_kustomization,
+    collect_images,
+    collect_references,
+    command_lines,
+    dockerfile_arg_defaults,
+    dockerfile_instructions,
+    load_documents,
+    pip_requirements,
+    resource_id,
+    yaml_files,
+)
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+# the distribution's version is compat_core.__version__ (pyproject declares it dynamic, read from there)
+VERSION = re.search(r'^__version__ = "([^"]+)"', (REPO / "compat_core" / "__init__.py").read_text(), re.M).group(1)
 OVERLAYS = ("dev", "gpu", "gcs-ft")
 CELEBA_CONFIG = "configs/iam-cl2r-celeba-dinov3-t16.yaml"
 
@@ -180,7 +195,7 @@ def test_gpu_overlay_places_gpu_workers_on_a100_or_h100_nodes_and_keeps_the_rest
         assert "tolerations" not in spec["headGroupSpec"]["template"]["spec"]
         assert 1 <= _worker_group(spec, "gpu")["minReplicas"] + 1 <= _worker_group(spec, "gpu")["maxReplicas"] + 1
     images = set(collect_images(built.resources))
-    assert images == {f"registry.example.com/compat/compat-learning:{PYPROJECT['project']['version']}-gpu"}
+    assert images == {f"registry.example.com/compat/compat-learning:{VERSION}-gpu"}
 
 
 def test_dev_overlay_is_cpu_only_small_and_runs_the_offline_demo():
@@ -188,7 +203,7 @@ def test_dev_overlay_is_cpu_only_small_and_runs_the_offline_demo():
     text = json.dumps(built.resources)
     assert "nvidia.com/gpu" not in text
     assert set(collect_images(built.resources)) == {
-        f"registry.example.com/compat/compat-learning:{PYPROJECT['project']['version']}-cpu"}
+        f"registry.example.com/compat/compat-learning:{VERSION}-cpu"}
     spec = built.get("RayCluster", "compat")["spec"]
     assert [g["groupName"] for g in spec["workerGroupSpecs"]] == ["cpu-small"]
     assert spec["workerGroupSpecs"][0]["maxReplicas"] == 2
@@ -316,7 +331,7 @@ def _is_pinned_external(image: str) -> bool:
 
 
 def test_every_image_is_built_from_this_repo_or_a_pinned_official_image():
-    version = PYPROJECT["project"]["version"]
+    version = VERSION
     instructions, args = _dockerfile()
     mlflow_pin = next(t.split("==")[1] for t in max(pip_requirements(instructions, args), key=len)
                       if t.startswith("mlflow=="))
@@ -366,7 +381,7 @@ def _compat_invocations() -> list[tuple[str, list[str]]]:
 
 def test_every_compat_invocation_in_infra_parses_with_the_real_cli(monkeypatch):
     from app.cli import build_parser
-    from pipelines.config_load import load_config
+    from pipelines.config.load import load_config
 
     invocations = _compat_invocations()
     commands = {args[0] for _, args in invocations if args and not args[0].startswith("-")}

@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import tiny_scenario_helpers as tiny
 import torch
 
-import tiny_scenario_helpers as tiny
 from compat_core.models import load_model
-from compat_core.retrieval import recall_at_1
-from pipelines.config_load import validate_config
-from pipelines.executor import LocalExecutor
-from pipelines.graph import compile_scenario
-from pipelines.feature_store import read_features
-from pipelines.store import RunStore
+from compat_core.retrieval.search import recall_at_1
+from pipelines.config.load import validate_config
+from pipelines.engine.executor import LocalExecutor
+from pipelines.graph.compile import compile_scenario
+from pipelines.stages.feature_store import read_features
+from pipelines.store.run_store import RunStore
 
 
 def test_replacement_with_another_backbone_runs_end_to_end(tmp_path):

@@ -7,18 +7,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny_scenario_helpers as tiny
 import torch
 
-import pipelines.feature_store as feature_store
-import pipelines.pools as pools
-import tiny_scenario_helpers as tiny
-from pipelines import bridge_features
-from pipelines.config_load import validate_config
-from pipelines.executor import LocalExecutor
-from pipelines.graph import compile_scenario, describe
-from pipelines.payloads import JunctionRef
-from pipelines.feature_store import read_features
-from pipelines.store import RunStore
+import pipelines.stages.feature_store as feature_store
+import pipelines.stages.pools as pools
+from pipelines.config.load import validate_config
+from pipelines.engine.executor import LocalExecutor
+from pipelines.graph.compile import compile_scenario, describe
+from pipelines.records.payloads import JunctionRef
+from pipelines.stages import bridge_features
+from pipelines.stages.feature_store import read_features
+from pipelines.store.run_store import RunStore
 
 NUM_SLOTS = 40          # d = 39 > m = 32 (cnn4 width 4)
 
@@ -173,7 +173,7 @@ def test_feature_way_rules():
 
 
 def test_plan_reports_both_ways_for_celeba():
-    from pipelines.config_load import load_config
+    from pipelines.config.load import load_config
 
     config = load_config(Path(__file__).parents[2] / "configs" / "iam-cl2r-celeba-dinov3-t16.yaml")
     text = describe(compile_scenario(config))

@@ -1,4 +1,4 @@
-"""Epoch checkpoints (pipelines.checkpoints): a training interrupted after an epoch or by SIGTERM mid-epoch resumes
+"""Epoch checkpoints (pipelines.training.checkpoints): a training interrupted after an epoch or by SIGTERM mid-epoch resumes
 from the run store bit-identically to an uninterrupted run (CPU, fp32); checkpoints of committed stages are deleted."""
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from compat_core.models import frozen_copy
-from pipelines.checkpoints import (
+from pipelines.methods import get_method
+from pipelines.store.run_store import RunStore
+from pipelines.training.checkpoints import (
     MAX_WRITE_FRACTION,
     CheckpointPolicy,
     EpochCheckpoint,
@@ -23,10 +25,8 @@ from pipelines.checkpoints import (
     decode_state,
     encode_state,
 )
-from pipelines.methods import get_method
-from pipelines.store import RunStore
-from pipelines.task_data import SelectionSplit
-from pipelines.training import train_task
+from pipelines.training.loop import train_task
+from pipelines.training.task_data import SelectionSplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_training import config, source, task_data, tiny_model, weights_equal  # noqa: E402,F401
@@ -166,10 +166,10 @@ import numpy as np
 from test_training import config, task_data, tiny_model
 from compat_core.data.base import ArraySource
 from compat_core.models import frozen_copy
-from pipelines.checkpoints import CheckpointPolicy, StoreCheckpointSink
+from pipelines.training.checkpoints import CheckpointPolicy, StoreCheckpointSink
 from pipelines.methods import get_method
-from pipelines.store import RunStore
-from pipelines.training import train_task
+from pipelines.store.run_store import RunStore
+from pipelines.training.loop import train_task
 from safetensors.torch import save_file
 
 rng = np.random.default_rng(0)
@@ -226,8 +226,8 @@ def test_sigterm_mid_epoch_saves_and_the_restart_is_bit_identical(source, tmp_pa
 def _tiny_graph(output: Path, every: int, epochs: int = 3):
     import tiny_scenario_helpers as tiny
 
-    from pipelines.config_load import validate_config
-    from pipelines.graph import compile_scenario
+    from pipelines.config.load import validate_config
+    from pipelines.graph.compile import compile_scenario
 
     tiny.register()
     document = tiny.scenario("dsimplex-hoc", output=str(output))
@@ -240,8 +240,8 @@ def test_stage_killed_after_a_checkpoint_resumes_to_the_same_matrix_and_checkpoi
     """finetune[t=2] dies right after its epoch-2 checkpoint (of 3); the run started again restores it and ends
     with the matrix of a run without checkpoints (same stage keys: the interval is not part of them); no checkpoint
     is left once the stages are committed."""
-    import pipelines.checkpoints as checkpoints
-    from pipelines.executor import LocalExecutor
+    import pipelines.training.checkpoints as checkpoints
+    from pipelines.engine.executor import LocalExecutor
 
     torch.set_num_threads(1)
     reference_graph = _tiny_graph(tmp_path / "reference", every=0)
@@ -283,9 +283,9 @@ def test_sigterm_to_compat_run_saves_the_stage_and_resume_finishes_it_identicall
 
     import tiny_scenario_helpers as tiny
     import yaml
-
-    from pipelines.executor import LocalExecutor
     from test_executor_resume import HERE, _run
+
+    from pipelines.engine.executor import LocalExecutor
 
     torch.set_num_threads(1)
     graph = _tiny_graph(tmp_path / "reference", every=1)

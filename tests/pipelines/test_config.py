@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config import parse_increments
-from pipelines.config_load import ConfigError, apply_override, load_config, validate_config
+from pipelines.config.load import ConfigError, apply_override, load_config, validate_config
+from pipelines.config.schema import parse_increments
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -114,7 +114,7 @@ def test_batch_size_one_fails_at_load_with_its_key():
 
 
 def test_unknown_backbone_fails_at_load_with_key_and_valid_names():
-    from compat_core.models.registry import BACKBONES
+    from compat_core.models.backbones import BACKBONES
 
     with pytest.raises(ConfigError, match=r"model\.backbone: unknown backbone 'resnet19'; valid: .*"
                                           + BACKBONES.names()[0]):
@@ -159,8 +159,8 @@ def test_baseline_head_refuses_replacements_of_another_width():
 def test_stages_train_with_the_training_section_and_the_values_other_sections_own():
     """One schema: the loop's TrainConfig is the config's training section, with seed/device/evaluation/replay
     values bound in by the stage; those bound values are refused in the training section and never dumped."""
-    from pipelines.config_load import config_to_dict
-    from pipelines.train_config import TrainConfig
+    from pipelines.config.load import config_to_dict
+    from pipelines.training.settings import TrainConfig
 
     document = _with("training.model_selection", "compatibility")
     document["evaluation"]["batch_size"] = 64
@@ -200,7 +200,7 @@ def test_method_params_are_the_methods_pydantic_model_checked_at_load():
     document["method"]["params"] = {"adapter_hidden": 8}
     params = validate_config(document).method.params
     assert params.model_dump() == {"lam_distill": 1.0, "lam_adapter": 1.0, "adapter_hidden": 8}
-    from pipelines.config_load import config_to_dict
+    from pipelines.config.load import config_to_dict
 
     assert config_to_dict(validate_config(document))["method"]["params"]["adapter_hidden"] == 8
 

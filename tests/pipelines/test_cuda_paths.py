@@ -18,7 +18,7 @@ import torch
 from compat_core.models import create_model, frozen_copy
 from compat_core.simplex import dsimplex
 from pipelines.methods import get_method
-from pipelines.training import train_task
+from pipelines.training.loop import train_task
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_training import config, source, task_data  # noqa: E402,F401
@@ -75,7 +75,7 @@ def test_gpu_fp32_training_matches_the_cpu():
 def test_ddp_over_nccl_with_sync_batch_norm(tmp_path):
     import torch.distributed as dist
 
-    from pipelines import distributed
+    from pipelines.training import distributed
 
     if not dist.is_nccl_available():
         pytest.skip("this torch build has no NCCL")
@@ -110,8 +110,8 @@ def test_matrix_entries_search_on_the_gpu_equal_to_fp64():
     sys.path.insert(0, str(Path(__file__).parent))
     import tiny_scenario_helpers as tiny
 
-    from pipelines.config_load import validate_config
-    from pipelines.entry_metrics import compute_entry
+    from pipelines.config.load import validate_config
+    from pipelines.stages.entry_metrics import compute_entry
 
     tiny.register()
     config = validate_config(tiny.scenario("er"))

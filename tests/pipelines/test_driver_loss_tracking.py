@@ -8,9 +8,8 @@ import sqlite3
 import time
 from pathlib import Path
 
-import yaml
-
 import tiny_scenario_helpers as tiny
+import yaml
 from test_executor_resume import HERE, _run
 
 
@@ -48,10 +47,10 @@ def test_resume_after_driver_loss_leaves_no_run_running_and_keeps_the_parent(tmp
     assert len(parents) == 1 and parents[0] in stale and len(stale) >= 2  # the parent and the stage in progress
 
     # a resume that stops before it reaches the interrupted stage (here: at once) still ends its run KILLED
-    from cluster.tracking import create_tracker
-    from pipelines.config_load import load_config
-    from pipelines.graph import compile_scenario
-    from pipelines.store import RunStore
+    from cluster.tracking.tracker import create_tracker
+    from pipelines.config.load import load_config
+    from pipelines.graph.compile import compile_scenario
+    from pipelines.store.run_store import RunStore
 
     tiny.register()
     tracker = create_tracker(None, run_dir)

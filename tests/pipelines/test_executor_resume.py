@@ -7,9 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 import tiny_scenario_helpers as tiny
+import yaml
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.config_load import load_config
-from pipelines.graph import compile_scenario, describe, estimate
+from pipelines.config.load import load_config
+from pipelines.graph.compile import compile_scenario, describe, estimate
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -59,7 +59,7 @@ def test_keys_are_stable_and_sensitive(demo):
     streamed = load_config(CONFIGS / "demo-dsimplex-hoc.yaml",
                            ["training.input_workers=3", "training.prefetch_batches=4"])
     assert [s.key for s in first] == [s.key for s in compile_scenario(streamed, version="v1")]
-    from pipelines.config_load import config_hash
+    from pipelines.config.load import config_hash
 
     assert config_hash(streamed) == config_hash(demo)
     # the gallery protocol changes only the matrix entries and rows

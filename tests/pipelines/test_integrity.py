@@ -6,14 +6,14 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import tiny_scenario_helpers as tiny
 import torch
 
-import tiny_scenario_helpers as tiny
-from pipelines.config_load import validate_config
-from pipelines.executor import LocalExecutor
-from pipelines.graph import compile_scenario
-from pipelines.feature_store import read_features
-from pipelines.store import RunStore
+from pipelines.config.load import validate_config
+from pipelines.engine.executor import LocalExecutor
+from pipelines.graph.compile import compile_scenario
+from pipelines.stages.feature_store import read_features
+from pipelines.store.run_store import RunStore
 
 
 def _run(document: dict, folder: Path):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipelines.config_load import load_config
-from pipelines.local_paths import absolute_location, is_local_path, local_config_paths
+from pipelines.config.load import load_config
+from pipelines.config.local_paths import absolute_location, is_local_path, local_config_paths
 
 CONFIG = """\
 name: paths
@@ -55,7 +55,7 @@ def test_absolute_location_leaves_uris_alone(tmp_path, monkeypatch):
 def test_a_root_override_no_stage_reads_is_refused_naming_the_key(tmp_path, monkeypatch):
     import pytest
 
-    from pipelines.config_load import ConfigError
+    from pipelines.config.load import ConfigError
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.yaml").write_text(CONFIG.replace("root: data/glyphs", "options: {style: target}"))

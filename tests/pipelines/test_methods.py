@@ -9,7 +9,7 @@ import torch
 
 from compat_core.losses import hoc_loss, simplex_cross_entropy
 from compat_core.models import create_model, frozen_copy
-from compat_core.adapters import FanAdapter, apply_chain, load_adapter_bytes, save_adapter
+from compat_core.upgrades.adapters import FanAdapter, apply_chain, load_adapter_bytes, save_adapter
 from pipelines.methods import METHODS, get_method
 from pipelines.methods.base import Batch, ClassStatistics, TaskContext, boundary_hinge
 from pipelines.methods.cvs import relation_distillation

@@ -9,20 +9,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny_scenario_helpers as tiny
 import torch
 import yaml
 from safetensors.numpy import load_file
 
-import tiny_scenario_helpers as tiny
-from cluster import ray_executor
-from pipelines.config_load import ConfigError, validate_config
-from pipelines.executor import LocalExecutor
-from pipelines.graph import compile_scenario
+from cluster.ray import executor as ray_executor
+from pipelines.config.load import ConfigError, validate_config
+from pipelines.engine.executor import LocalExecutor
+from pipelines.engine.progress import StageEvent
+from pipelines.graph.compile import compile_scenario
 from pipelines.methods import METHODS
-from pipelines.progress import StageEvent
-from pipelines.feature_store import read_features
-from pipelines.store import RunStore
-from pipelines.train_records import TrainRecord
+from pipelines.stages.feature_store import read_features
+from pipelines.store.run_store import RunStore
+from pipelines.training.records import TrainRecord
 
 
 def run_scenario(document: dict, emit=None):
@@ -135,7 +135,7 @@ def test_retraining_methods_refuse_replacements(tmp_path):
 def test_herding_memory_matches_icarl_herding_on_the_trained_model(tmp_path):
     from compat_core.data.transforms import make_transforms
     from compat_core.models.compat_model import load_model
-    from pipelines.pools import load_pool, task_classes
+    from pipelines.stages.pools import load_pool, task_classes
 
     document = tiny.method_scenario("er", tmp_path, replay={"per_class": 3, "strategy": "herding"})
     config, graph, store, summary = run_scenario(document)
@@ -206,8 +206,8 @@ def test_data_level_open_set_guard_refuses_a_leaking_test_pool(tmp_path):
 def test_open_set_guard_compares_ids_only_within_one_dataset(tmp_path):
     """Class ids of different datasets live in different spaces (CIFAR-100 id 3 is not CIFAR-10 id 3): a test pool
     of another dataset whose ids coincide with the training ids is not a violation."""
-    from compat_core.data.registry import DATASETS
-    from pipelines.pools import check_pools_open_set
+    from compat_core.data.datasets import DATASETS
+    from pipelines.stages.pools import check_pools_open_set
 
     tiny.register()
     if "tiny-synth-other" not in DATASETS:  # same ids, another dataset (as CIFAR-10 next to CIFAR-100)
@@ -228,7 +228,7 @@ def test_run_dispatches_to_the_ray_executor(tmp_path, monkeypatch):
 
         def run(self, graph, store):
             calls["stages"] = len(graph)
-            from pipelines.executor import Invocation
+            from pipelines.engine.executor import Invocation
 
             return Invocation(run_id="fake")
 

@@ -10,11 +10,11 @@ import math
 from pathlib import Path
 
 import numpy as np
+import paper_fixtures as papers
 import pytest
 import torch
 import yaml
 
-import paper_fixtures as papers
 from app.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -114,10 +114,10 @@ def test_demo_runs_the_papers_anchor_and_plan_labels_the_extension(capsys):
 def test_pretrain_init_is_loaded_and_its_digest_checked(data_dir, tmp_path, monkeypatch, caplog):
     """The pre-training stage starts from the init checkpoint (its backbone weights, not a random draw); without
     init_sha256 it logs the file's digest for the user to pin, and a wrong sha256 stops the stage naming the key."""
-    from pipelines.config_load import validate_config
-    from pipelines.executor import LocalExecutor
-    from pipelines.graph import compile_scenario
-    from pipelines.store import RunStore
+    from pipelines.config.load import validate_config
+    from pipelines.engine.executor import LocalExecutor
+    from pipelines.graph.compile import compile_scenario
+    from pipelines.store.run_store import RunStore
 
     monkeypatch.chdir(data_dir)
     document = papers.shrink(yaml.safe_load((CONFIGS / "iam-cl2r-celeba-dinov3-t16.yaml").read_text()),
@@ -133,7 +133,7 @@ def test_pretrain_init_is_loaded_and_its_digest_checked(data_dir, tmp_path, monk
     config = validate_config(document)
     graph = compile_scenario(config)
     store = RunStore(str(tmp_path / "run"))
-    with caplog.at_level("WARNING", logger="pipelines.train_stages"):
+    with caplog.at_level("WARNING", logger="pipelines.stages.training_stages"):
         LocalExecutor(progress=False).run(graph, store)
     assert f"pretrain[casia-3525].init: no init_sha256 set; {INIT_PATH} has sha256 {digest}" in caplog.text
     from compat_core.models.compat_model import load_model
@@ -183,7 +183,7 @@ def reference_hoc_info_nce(new: np.ndarray, old: np.ndarray, labels: np.ndarray,
 
 def test_iam_cl2r_t7_hoc_uses_the_reference_masking_formula():
     from compat_core.losses import compatibility_info_nce
-    from pipelines.config_load import load_config
+    from pipelines.config.load import load_config
 
     config = load_config(CONFIGS / "iam-cl2r-cifar100r-10-t7.yaml")
     params = config.method.params.model_dump()
@@ -197,9 +197,9 @@ def test_iam_cl2r_t7_hoc_uses_the_reference_masking_formula():
 
 
 def test_iam_cl2r_t7_sampler_steps_per_epoch_are_task_plus_memory_over_batch():
-    from pipelines.config_load import load_config
+    from pipelines.config.load import load_config
     from pipelines.methods import get_method
-    from pipelines.task_data import TaskData, _steps_per_epoch
+    from pipelines.training.task_data import TaskData, _steps_per_epoch
 
     config = load_config(CONFIGS / "iam-cl2r-cifar100r-10-t7.yaml")
     assert config.replay.epoch_length == "reference"

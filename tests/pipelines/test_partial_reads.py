@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import load, save
 
 from compat_core import io as cio
-from pipelines import feature_store
-from pipelines.payloads import JunctionRef
-from pipelines.store import CorruptArtifactError, RunStore
+from pipelines.records.payloads import JunctionRef
+from pipelines.stages import feature_store
+from pipelines.store.run_store import CorruptArtifactError, RunStore
 
 KEY = "finetune-t000-0123456789abcdef"
 

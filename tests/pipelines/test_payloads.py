@@ -4,15 +4,22 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.payloads import EntryFeatures, FeatureLayout, JunctionRef, ReplayShard, TrainingSummary, WeightsReport
-from pipelines.records import committed_stage, record_from_json, record_to_json
+from pipelines.records.payloads import (
+    EntryFeatures,
+    FeatureLayout,
+    JunctionRef,
+    ReplayShard,
+    TrainingSummary,
+    WeightsReport,
+)
+from pipelines.records.stage_records import committed_stage, record_from_json, record_to_json
 
 OLD = Path(__file__).parent / "data" / "old_records"
 NODE = ("kind", "label", "placement")
 
 
 def _text(value: dict) -> str:
-    return json.dumps(value, indent=1, sort_keys=True)   # how pipelines.store writes a manifest
+    return json.dumps(value, indent=1, sort_keys=True)   # how pipelines.store.run_store writes a manifest
 
 
 @pytest.mark.parametrize("name", sorted(path.stem for path in OLD.glob("*.json")))

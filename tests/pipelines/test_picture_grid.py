@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from pipelines.picture_grid import side_by_side
+from pipelines.reports.picture_grid import side_by_side
 
 
 def test_pictures_are_placed_left_to_right_top_aligned(tmp_path):

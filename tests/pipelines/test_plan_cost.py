@@ -2,17 +2,16 @@
 replay-epoch arithmetic by hand, and the critical path of a hand-worked schedule."""
 import numpy as np
 import pytest
+import tiny_scenario_helpers as tiny
 import torch
 
-import pipelines.train_stages as train_stages
-import pipelines.training as training
-from pipelines.config_load import validate_config
-from pipelines.executor import LocalExecutor
-from pipelines.graph import compile_scenario
-from pipelines.plan_cost import FORWARD_FRACTION, cost_lines, schedule, stage_images
-from pipelines.store import RunStore
-
-import tiny_scenario_helpers as tiny
+import pipelines.stages.training_stages as train_stages
+import pipelines.training.loop as training
+from pipelines.config.load import validate_config
+from pipelines.engine.executor import LocalExecutor
+from pipelines.graph.compile import compile_scenario
+from pipelines.graph.plan_cost import FORWARD_FRACTION, cost_lines, schedule, stage_images
+from pipelines.store.run_store import RunStore
 
 
 def _config(tmp_path, epochs=2):
@@ -102,7 +101,7 @@ def test_cost_without_readable_data_says_so(tmp_path):
 
 
 def test_calibrated_cost_without_a_measurement_names_the_command(tmp_path, monkeypatch):
-    from pipelines.plan_cost import calibrated_seconds_per_image
+    from pipelines.graph.plan_cost import calibrated_seconds_per_image
 
     tiny.register()
     monkeypatch.setenv("COMPAT_CALIBRATION_DIR", str(tmp_path / "empty-cache"))
@@ -112,9 +111,9 @@ def test_calibrated_cost_without_a_measurement_names_the_command(tmp_path, monke
 
 
 def test_calibrated_cost_is_the_cached_training_step_over_its_batch(tmp_path, monkeypatch):
-    from compat_core import calibration
+    from compat_core.hardware import calibration
     from compat_core.models.compat_model import create_model
-    from pipelines.plan_cost import calibrated_seconds_per_image
+    from pipelines.graph.plan_cost import calibrated_seconds_per_image
 
     tiny.register()
     config = _config(tmp_path)

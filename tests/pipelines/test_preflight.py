@@ -6,11 +6,11 @@ import json
 import time
 
 import pytest
+import tiny_scenario_helpers as tiny
 import torch
 import yaml
 from safetensors.torch import save_file
 
-import tiny_scenario_helpers as tiny
 from app.cli import main
 
 
@@ -95,8 +95,8 @@ def test_external_weights_report_is_in_the_stage_record_and_mlflow(tmp_path, cap
 
 
 def test_file_sources_are_keyed_by_content_not_path(tmp_path):
-    from pipelines.config_load import load_config
-    from pipelines.graph import compile_scenario
+    from pipelines.config.load import load_config
+    from pipelines.graph.compile import compile_scenario
 
     first = _tiny_model_file(tmp_path / "a.safetensors", seed=1)
     config = _config(tmp_path)

@@ -1,4 +1,4 @@
-"""Host memory between stages (pipelines.process_memory): the peak restarts per stage, large freed blocks go back to
+"""Host memory between stages (pipelines.engine.process_memory): the peak restarts per stage, large freed blocks go back to
 the OS. Each case runs in a fresh interpreter so that the allocator starts in its default state."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FRAGMENTED_HEAP = """
 import json, sys
 import numpy as np
-from pipelines import process_memory as pm
+from pipelines.engine import process_memory as pm
 limit = sys.argv[1] == "limit"
 if limit:
     pm.limit_heap_caching()
@@ -37,7 +37,7 @@ print(json.dumps({"before": before, "grown": grown, "freed": freed, "released": 
 PEAK = """
 import json
 import numpy as np
-from pipelines import process_memory as pm
+from pipelines.engine import process_memory as pm
 start = pm.resident_bytes()
 block = np.ones(200 << 20, np.uint8); del block
 high = pm.peak_resident_bytes()

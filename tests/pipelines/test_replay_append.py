@@ -2,16 +2,15 @@
 lists the parts of the memory, and the parts read back as the memory the next task trains with."""
 import numpy as np
 import pytest
+import tiny_scenario_helpers as tiny
 import torch
 
-from compat_core.data.replay_shards import CorruptShardError
-from pipelines.config_load import validate_config
-from pipelines.executor import LocalExecutor
-from pipelines.graph import compile_scenario
-from pipelines.replay_shards import memory_parts, read_memory_shard
-from pipelines.store import RunStore
-
-import tiny_scenario_helpers as tiny
+from compat_core.data.replay_parquet import CorruptShardError
+from pipelines.config.load import validate_config
+from pipelines.engine.executor import LocalExecutor
+from pipelines.graph.compile import compile_scenario
+from pipelines.stages.replay_store import memory_parts, read_memory_shard
+from pipelines.store.run_store import RunStore
 
 
 @pytest.fixture(scope="module")

@@ -6,16 +6,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny_scenario_helpers as tiny
 import torch
 
-import pipelines.pools as pools
-import pipelines.train_stages as train_stages
-import tiny_scenario_helpers as tiny
-from compat_core.data.registry import DATASETS
-from pipelines.config_load import validate_config
-from pipelines.executor import LocalExecutor
-from pipelines.graph import compile_scenario
-from pipelines.store import RunStore
+import pipelines.stages.pools as pools
+import pipelines.stages.training_stages as train_stages
+from compat_core.data.datasets import DATASETS
+from pipelines.config.load import validate_config
+from pipelines.engine.executor import LocalExecutor
+from pipelines.graph.compile import compile_scenario
+from pipelines.store.run_store import RunStore
 
 GUARD: dict = {"task_of_class": {}}
 
@@ -150,8 +150,8 @@ def test_old_tasks_source_is_never_read_and_the_matrix_is_unchanged(registered, 
 
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])
 def test_corrupt_or_missing_replay_shard_is_refused_before_training(registered, tmp_path, monkeypatch, damage):
-    from compat_core.data.replay_shards import CorruptShardError
-    from pipelines.store import CorruptArtifactError
+    from compat_core.data.replay_parquet import CorruptShardError
+    from pipelines.store.run_store import CorruptArtifactError
 
     run_dir = tmp_path / "run"
     _run(_scenario("tiny-synth", run_dir), run_dir, monkeypatch)

@@ -18,12 +18,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
 
-from compat_core.metrics import CompatibilityMatrix  # noqa: E402
-from pipelines import reports  # noqa: E402
-from pipelines import reports_compare  # noqa: E402
-from pipelines import reports_figures  # noqa: E402
-from pipelines import reports_results  # noqa: E402
 from app.cli import main  # noqa: E402
+from compat_core.evaluation.metrics import CompatibilityMatrix  # noqa: E402
+from pipelines.reports import compare as reports_compare  # noqa: E402
+from pipelines.reports import figures as reports_figures  # noqa: E402
+from pipelines.reports import run_report as reports  # noqa: E402
+from pipelines.results import run_files as reports_results  # noqa: E402
 
 NAN = float("nan")
 

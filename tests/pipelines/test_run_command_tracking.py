@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 
+import tiny_scenario_helpers as tiny
 import yaml
 
-import tiny_scenario_helpers as tiny
 from app.cli import main
 
 

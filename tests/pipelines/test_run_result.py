@@ -1,4 +1,4 @@
-"""pipelines.results.RunResult as it travels without the store (a Tune trial's last report) and as a Ray Job's
+"""pipelines.results.assemble.RunResult as it travels without the store (a Tune trial's last report) and as a Ray Job's
 driver reads it back from the run folder: the same matrix.json and metrics.json texts, byte for byte."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from compat_core.metrics import CompatibilityMatrix
-from pipelines.results import RunResult, read_result, write_result
-from pipelines.store import RunStore
+from compat_core.evaluation.metrics import CompatibilityMatrix
+from pipelines.results.assemble import RunResult, read_result, write_result
+from pipelines.store.run_store import RunStore
 
 # C[t, k] with exact binary fractions; strict ECC: (1,0) 0.625 > 0.5 yes, (2,0) 0.375 no, (2,1) 0.875 > 0.75 yes
 VALUES = [[0.5, np.nan, np.nan], [0.625, 0.75, np.nan], [0.375, 0.875, 1.0]]

@@ -3,15 +3,14 @@ import json
 
 import numpy as np
 import pytest
+import tiny_scenario_helpers as tiny
 import torch
 
-from pipelines.config_load import validate_config
-from pipelines.executor import LocalExecutor
-from pipelines.graph import compile_scenario
-from pipelines.feature_store import read_features
-from pipelines.store import RunStore
-
-import tiny_scenario_helpers as tiny
+from pipelines.config.load import validate_config
+from pipelines.engine.executor import LocalExecutor
+from pipelines.graph.compile import compile_scenario
+from pipelines.stages.feature_store import read_features
+from pipelines.store.run_store import RunStore
 
 
 @pytest.fixture(scope="module")

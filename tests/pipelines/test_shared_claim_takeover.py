@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 HOLDER = """
 import sys, time
-from pipelines.lease import check_fence
-from pipelines.shared_store import CLAIMS, SharedStore
+from pipelines.store.lease import check_fence
+from pipelines.store.shared_store import CLAIMS, SharedStore
 shared = SharedStore(sys.argv[1])
 assert shared.claim("pretrain-p1-0123456789abcdef")
 print("claimed", flush=True)
@@ -27,7 +27,7 @@ while True:
 
 
 def test_waiter_reports_and_takes_over_a_paused_holders_claim(tmp_path, monkeypatch, caplog):
-    from pipelines.shared_store import SharedStore
+    from pipelines.store.shared_store import SharedStore
 
     monkeypatch.setenv("COMPAT_LEASE_STALE_S", "2")
     monkeypatch.setenv("COMPAT_LEASE_HEARTBEAT_S", "0.3")
@@ -38,7 +38,7 @@ def test_waiter_reports_and_takes_over_a_paused_holders_claim(tmp_path, monkeypa
         assert holder.stdout.readline().strip() == "claimed"
         os.kill(holder.pid, signal.SIGSTOP)
         waiter = SharedStore(str(tmp_path / "shared"))
-        with caplog.at_level(logging.WARNING, logger="pipelines.shared_store"):
+        with caplog.at_level(logging.WARNING, logger="pipelines.store.shared_store"):
             assert not waiter.claim("pretrain-p1-0123456789abcdef")  # its heartbeat is fresh: wait
         assert f"waiting for stage pretrain-p1-0123456789abcdef" in caplog.text and f"pid {holder.pid}" in caplog.text
         assert "last heartbeat" in caplog.text

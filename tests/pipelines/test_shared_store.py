@@ -1,4 +1,4 @@
-"""output.shared_store: third-party models trained once and adopted by other runs (pipelines.shared_store), and the
+"""output.shared_store: third-party models trained once and adopted by other runs (pipelines.store.shared_store), and the
 pretrain entry's classifier family that lets runs of different methods share them."""
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import threading
 import time
 
 import pytest
+import tiny_scenario_helpers as tiny
 import torch
 
-import tiny_scenario_helpers as tiny
-from pipelines.config_load import validate_config
-from pipelines.executor import LocalExecutor
-from pipelines.graph import compile_scenario
-from pipelines.shared_store import SharedStore, copy_stage
-from pipelines.store import RunStore
+from pipelines.config.load import validate_config
+from pipelines.engine.executor import LocalExecutor
+from pipelines.graph.compile import compile_scenario
+from pipelines.store.run_store import RunStore
+from pipelines.store.shared_store import SharedStore, copy_stage
 
 
 def _config(method: str, run_dir, shared, classifier: str = "simplex"):
@@ -111,7 +111,7 @@ def test_shared_store_on_s3_round_trip(tmp_path, s3_bucket):
     LocalExecutor(progress=False).run(compile_scenario(_config("dsimplex-hoc", source_dir, None)),
                                       RunStore(source_dir))
     key = compile_scenario(_config("dsimplex-hoc", source_dir, None)).pretrain_stages["p1"]
-    from cluster.storage import object_storage
+    from cluster.storage.s3 import object_storage
 
     with object_storage():  # S3 claims are conditional writes through the configured S3 access
         shared = SharedStore(f"s3://{s3_bucket}/third-party")
@@ -126,7 +126,7 @@ def test_shared_store_on_s3_round_trip(tmp_path, s3_bucket):
 
 
 def test_copy_stage_refuses_a_corrupt_blob(tmp_path):
-    from pipelines.store import CorruptArtifactError
+    from pipelines.store.run_store import CorruptArtifactError
 
     source = RunStore(tmp_path / "a")
     source.commit("pretrain-p1-0123456789abcdef", {"x": 1}, {"model.safetensors": b"weights"})
@@ -155,7 +155,7 @@ def test_a_corrupt_shared_copy_is_trained_again_and_republished(tmp_path, caplog
     good = _blobs(RunStore(shared), key)
     (shared / "artifacts" / key / "model.safetensors").write_bytes(b"tampered")
     second = _config("dsimplex-hoc", tmp_path / "second", shared)
-    with caplog.at_level("WARNING", logger="pipelines.shared_store"):
+    with caplog.at_level("WARNING", logger="pipelines.store.shared_store"):
         summary = LocalExecutor(progress=False).run(compile_scenario(second), RunStore(tmp_path / "second"))
     assert f"stage {key} is uncommitted there and trained again" in caplog.text
     assert key in summary.executed and summary.published == [key] and summary.adopted == []
@@ -165,7 +165,7 @@ def test_a_corrupt_shared_copy_is_trained_again_and_republished(tmp_path, caplog
 
 def test_the_longest_pretraining_is_submitted_first(tmp_path):
     """Classes x epochs decides (p2: 4 x 3 = 12 > p1: 4 x 1); then graph order."""
-    from pipelines.executor import Backend, run_graph
+    from pipelines.engine.executor import Backend, run_graph
 
     document = tiny.scenario("dsimplex-hoc", output=str(tmp_path))
     document["pretrain"].append({"name": "p2", "pool": {"dataset": "tiny-synth", "split": "pretrain"},

@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tiny_scenario_helpers as tiny
 import torch
 
-import tiny_scenario_helpers as tiny
-
 tiny.register()  # the tiny-synth dataset: configs naming it validate only once it is registered
-from pipelines.config_load import validate_config
-from pipelines.graph import compile_scenario
-from pipelines.entry_metrics import compute_entry, verification_pairs
-from pipelines.autocast import precision_context
-from pipelines.train_config import TrainConfig
+from pipelines.config.load import validate_config
+from pipelines.graph.compile import compile_scenario
+from pipelines.stages.entry_metrics import compute_entry, verification_pairs
+from pipelines.training.autocast import precision_context
+from pipelines.training.settings import TrainConfig
 
 
 def test_autocast_modes_validate_and_pick_the_dtype():
@@ -68,7 +67,7 @@ def test_verification_and_tar_entries_on_separable_features():
 
 
 def test_fan_entry_applies_adapters_oldest_first():
-    from compat_core.adapters import FanAdapter
+    from compat_core.upgrades.adapters import FanAdapter
 
     config = validate_config(tiny.scenario("fan"))
     torch.manual_seed(0)

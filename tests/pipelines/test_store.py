@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from pipelines.feature_store import read_features
-from pipelines.store import CorruptArtifactError, RunStore, feature_blobs, sha256_bytes
+from pipelines.stages.feature_store import read_features
+from pipelines.store.run_store import CorruptArtifactError, RunStore, feature_blobs, sha256_bytes
 
 
 def test_commit_then_read_roundtrip(tmp_path):

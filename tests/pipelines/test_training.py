@@ -1,4 +1,4 @@
-"""Tests of the shared training loop (pipelines.training)."""
+"""Tests of the shared training loop (pipelines.training.loop)."""
 from __future__ import annotations
 
 import math
@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-import pipelines.training as training
+import pipelines.training.loop as training
 from compat_core.data.base import ArraySource
 from compat_core.models import create_model, frozen_copy
 from pipelines.methods import get_method
 from pipelines.methods.base import Batch, Method, TaskContext
-from pipelines.task_data import SelectionSplit, TaskData, epoch_batches
-from pipelines.train_config import TrainConfig
-from pipelines.training import pretrain_model, snapshot_state, train_task
+from pipelines.training.loop import pretrain_model, snapshot_state, train_task
+from pipelines.training.settings import TrainConfig
+from pipelines.training.task_data import SelectionSplit, TaskData, epoch_batches
 
 K = 16
 CLASSES = 6

@@ -33,7 +33,7 @@ def make_source(split: str = "finetune", root=None) -> ArraySource:
 
 
 def register() -> None:
-    from compat_core.data.registry import DATASETS, dataset_names
+    from compat_core.data.datasets import DATASETS, dataset_names
 
     dataset_names()  # import the built-in readers first
     if "tiny-synth" not in DATASETS:

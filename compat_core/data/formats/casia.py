@@ -22,9 +22,14 @@ import threading
 import numpy as np
 
 from compat_core import io
-
-from ..registry import register_dataset
-from ._shared import IMAGENET_MEAN, IMAGENET_STD, EncodedImageSource, check_image_files, require_root
+from compat_core.data.datasets import register_dataset
+from compat_core.data.formats._shared import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    EncodedImageSource,
+    check_image_files,
+    require_root,
+)
 
 RECORDIO_MAGIC = 0xCED7230A
 IRHEADER = struct.Struct("<IfQQ")

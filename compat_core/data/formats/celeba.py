@@ -8,10 +8,15 @@ from typing import Iterable
 import numpy as np
 
 from compat_core import io
-
-from ..registry import register_dataset
-from ._shared import (
-    EncodedImageSource, add_unique, check_image_files, contained_path, locate_dir, parse_int, read_text_lines,
+from compat_core.data.datasets import register_dataset
+from compat_core.data.formats._shared import (
+    EncodedImageSource,
+    add_unique,
+    check_image_files,
+    contained_path,
+    locate_dir,
+    parse_int,
+    read_text_lines,
     require_root,
 )
 

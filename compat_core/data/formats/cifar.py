@@ -4,10 +4,9 @@ from __future__ import annotations
 import numpy as np
 
 from compat_core import io
-
-from ..base import ArraySource
-from ..registry import register_dataset
-from ._shared import (
+from compat_core.data.base import ArraySource
+from compat_core.data.datasets import register_dataset
+from compat_core.data.formats._shared import (
     decode_names,
     load_pickle_dict,
     locate_dir,

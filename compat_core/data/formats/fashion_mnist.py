@@ -7,10 +7,9 @@ import struct
 import numpy as np
 
 from compat_core import io
-
-from ..base import ArraySource
-from ..registry import register_dataset
-from ._shared import require_root
+from compat_core.data.base import ArraySource
+from compat_core.data.datasets import register_dataset
+from compat_core.data.formats._shared import require_root
 
 DEBIAN_ROOT = "/usr/share/datasets/fashion-mnist"
 IMAGES_MAGIC = 0x00000803  # IDX: unsigned bytes, 3 dimensions

@@ -4,10 +4,16 @@ from __future__ import annotations
 import numpy as np
 
 from compat_core import io
-
-from ..base import ArraySource
-from ..registry import register_dataset
-from ._shared import IMAGENET_MEAN, IMAGENET_STD, load_pickle_dict, planar_rows_to_images, require_key, require_root
+from compat_core.data.base import ArraySource
+from compat_core.data.datasets import register_dataset
+from compat_core.data.formats._shared import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    load_pickle_dict,
+    planar_rows_to_images,
+    require_key,
+    require_root,
+)
 
 NUM_CLASSES = 1000
 TRAIN_BATCHES = tuple(f"train_data_batch_{i}" for i in range(1, 11))

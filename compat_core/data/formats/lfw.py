@@ -6,10 +6,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from compat_core import io
-
-from ..registry import register_dataset
-from ._shared import (
-    EncodedImageSource, check_image_files, contained_path, locate_dir, parse_int, read_text_lines, require_root,
+from compat_core.data.datasets import register_dataset
+from compat_core.data.formats._shared import (
+    EncodedImageSource,
+    check_image_files,
+    contained_path,
+    locate_dir,
+    parse_int,
+    read_text_lines,
+    require_root,
 )
 
 PAIRS_FORMAT = (

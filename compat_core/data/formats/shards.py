@@ -1,6 +1,6 @@
 """Ingested datasets: one dataset split as Parquet shards of images + labels under a verified JSON manifest.
 
-Written by ``compat ingest`` (:mod:`cluster.ingest`), read back as the registered dataset ``shards``::
+Written by ``compat ingest`` (:mod:`cluster.storage.ingest`), read back as the registered dataset ``shards``::
 
     <root>/<split>/manifest.json          DatasetManifest: source dataset, classes, normalisation, one entry per file
     <root>/<split>/part-00000.parquet     rows [0, n0) of the split: index (source sample), label, image
@@ -30,9 +30,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from compat_core import io as cio
+from compat_core.data.datasets import DATASETS, DatasetInfo, register_dataset
 from compat_core.data.encoded import DECODERS, EncodedImages, decode_batch, decode_image
-
-from ..registry import DATASETS, DatasetInfo, register_dataset
 
 FORMAT = "compat-dataset-shards/1"
 ENCODED = "encoded"  # the published JPEG/PNG bytes, decoded and fitted to image_shape on read
@@ -130,7 +129,7 @@ def part_name(number: int) -> str:
     return f"part-{number:05d}.parquet"
 
 
-# ---- writing (used by cluster.ingest) ----------------------------------------------------------------------------
+# ---- writing (used by cluster.storage.ingest) ----------------------------------------------------------------------------
 def source_encoding(source) -> str:
     """ENCODED for sources that hold published encoded files (they expose ``encoded_bytes``), RAW otherwise."""
     return ENCODED if hasattr(source, "encoded_bytes") else RAW

@@ -9,9 +9,14 @@ from __future__ import annotations
 import numpy as np
 
 from compat_core import io
-
-from ..registry import register_dataset
-from ._shared import EncodedImageSource, contained_path, locate_dir, read_text_lines, require_root
+from compat_core.data.datasets import register_dataset
+from compat_core.data.formats._shared import (
+    EncodedImageSource,
+    contained_path,
+    locate_dir,
+    read_text_lines,
+    require_root,
+)
 
 # Appendix C of "Stationary compatible representation" (2026), in the paper's order.
 TINYIMAGENET20_WNIDS = (

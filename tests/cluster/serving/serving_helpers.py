@@ -23,10 +23,10 @@ def register_random_model(client, name: str, seed: int, folder: Path, rotation_s
     of ``seed``'s model rotated (an old-model-compatible space only through that rotation)."""
     import torch
 
-    from cluster.registry import ensure_registered_model, register_version, write_model_folder
-    from cluster.tracking_client import ensure_experiment
+    from cluster.model_registry.versions import ensure_registered_model, register_version, write_model_folder
+    from cluster.tracking.client import ensure_experiment
     from compat_core.models.compat_model import create_model, model_to_bytes
-    from pipelines.store import sha256_bytes
+    from pipelines.store.run_store import sha256_bytes
 
     torch.manual_seed(seed)
     model = create_model("cnn4", num_slots=10, backbone_config={"in_chans": 1, "width": 4}).eval()

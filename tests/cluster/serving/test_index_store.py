@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cluster.serving.index_store import (commit_manifest, load_index, new_manifest, read_head, shard_table,
-                                         write_shard)
-from pipelines.store import CorruptArtifactError
+from cluster.serving.index_store import commit_manifest, load_index, new_manifest, read_head, shard_table, write_shard
+from pipelines.store.run_store import CorruptArtifactError
 
 
 def _build(root: str, rng) -> tuple[np.ndarray, str]:
@@ -58,7 +57,7 @@ def test_missing_index_names_the_root(tmp_path):
 
 @pytest.mark.integration
 def test_index_on_s3(s3_bucket):
-    from cluster import storage
+    from cluster.storage import s3 as storage
 
     storage.configure_object_storage()
     try:

@@ -4,7 +4,7 @@ from dataclasses import asdict
 
 import pytest
 
-from cluster.local_head import HeadState
+from cluster.ray.local_head import HeadState
 from cluster.serving.ray_join import resolve_ray_target
 
 

@@ -9,11 +9,11 @@ import time
 
 import numpy as np
 import pytest
-import torch
-
 import serving_helpers as helpers
-from app.cli import main
+import torch
 from local_services import free_port
+
+from app.cli import main
 
 pytestmark = pytest.mark.integration
 NAME = "serve-test"
@@ -55,11 +55,11 @@ def service(mlflow_server, ray_local, tmp_path_factory):
 
 
 def _features(service, version: str, pool: str) -> np.ndarray:
-    from cluster.registry import MlflowModelResolver
+    from cluster.model_registry.versions import MlflowModelResolver
     from cluster.serving.models import ModelRef, load_served_model
-    from pipelines.config_load import load_config
-    from pipelines.extraction import extract_pool_features
-    from pipelines.pools import load_pool
+    from pipelines.config.load import load_config
+    from pipelines.stages.extraction import extract_pool_features
+    from pipelines.stages.pools import load_pool
 
     config = load_config(str(service["config"]))
     spec = config.evaluation.query_set if pool == "query" else config.evaluation.gallery_set
@@ -97,9 +97,9 @@ def test_healthz_metrics_and_search_by_embedding_equal_brute_force(service):
 def test_recall_at_1_equals_the_evaluation(service):
     """The service's top-1 labels over the query pool (images sent as PNG) give the evaluation's Recall@1."""
     from cluster.serving.index_store import load_index
-    from pipelines.config_load import load_config
-    from pipelines.entry_metrics import compute_entry
-    from pipelines.pools import load_pool
+    from pipelines.config.load import load_config
+    from pipelines.stages.entry_metrics import compute_entry
+    from pipelines.stages.pools import load_pool
 
     config = load_config(str(service["config"]))
     query_pool, gallery_pool = load_pool(config.evaluation.query_set), load_pool(config.evaluation.gallery_set)
@@ -224,11 +224,11 @@ def test_gate_move_and_rollback_swap_live_under_load(service):
     """`compat gate rollback --to V2` moves @champion under load, then a plain rollback moves it back: no failed
     request, and each answer's scores equal the cosine of that answer's model version's query embedding with the
     stored gallery embeddings (recomputed here), never the other version's."""
-    from cluster.registry import MlflowModelResolver
+    from cluster.model_registry.versions import MlflowModelResolver
     from cluster.serving.index_store import load_index
     from cluster.serving.models import ModelRef, embed_images, load_served_model
-    from pipelines.config_load import load_config
-    from pipelines.pools import load_pool
+    from pipelines.config.load import load_config
+    from pipelines.stages.pools import load_pool
 
     v1, v2 = service["versions"]
     config = load_config(str(service["config"]))
@@ -272,8 +272,8 @@ def test_replica_killed_under_load_keeps_answering(service):
     import os
     import signal
 
-    from pipelines.config_load import load_config
-    from pipelines.pools import load_pool
+    from pipelines.config.load import load_config
+    from pipelines.stages.pools import load_pool
 
     config = load_config(str(service["config"]))
     images = load_pool(config.evaluation.query_set).read(np.arange(6))
@@ -302,11 +302,11 @@ def test_backfill_while_serving_flips_chunks_and_logs_the_probe_curve(service):
     """@champion moves to v2, then `compat index backfill` re-embeds the gallery in chunks of 8 as Ray tasks while
     clients query: no failed request; the probe Recall@1 logged to MLflow starts at the cross-test M(v2, v1) and
     ends at the self-test M(v2, v2) (the evaluation's numbers); the index ends all v2, verified."""
-    from cluster.serving.backfill import EXPERIMENT
+    from cluster.serving.backfill_job import EXPERIMENT
     from cluster.serving.index_store import load_index
-    from pipelines.config_load import load_config
-    from pipelines.entry_metrics import compute_entry
-    from pipelines.pools import load_pool
+    from pipelines.config.load import load_config
+    from pipelines.stages.entry_metrics import compute_entry
+    from pipelines.stages.pools import load_pool
 
     v1, v2 = service["versions"]
     tracking = ["--tracking-uri", service["tracking"]]
@@ -373,8 +373,8 @@ def test_gate_adapter_is_applied_to_the_old_group(service, adapter_service):
     so M(v2+adapter, v1) = M(v1, v1)) and installs the adapter; the service then searches v1's gallery with the
     adapted v2 query: the same answers as under v1, and the answer names the adapter."""
     url, name, (v1, v2) = adapter_service["url"], adapter_service["name"], adapter_service["versions"]
-    from pipelines.config_load import load_config
-    from pipelines.pools import load_pool
+    from pipelines.config.load import load_config
+    from pipelines.stages.pools import load_pool
 
     config = load_config(str(service["config"]))
     images = load_pool(config.evaluation.query_set).read(np.arange(10))

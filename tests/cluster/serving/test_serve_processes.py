@@ -15,9 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-
 import serving_helpers as helpers
+import torch
 from local_services import free_port
 from user_shell import PYTHON, glyph_scenario, user_env
 from user_shell import compat as run_compat
@@ -52,9 +51,9 @@ def _wait_healthz(url: str, process: subprocess.Popen, log: Path, until, timeout
 def test_serve_and_backfill_from_separate_shells_on_a_token_head(mlflow_server, tmp_path):
     from mlflow import MlflowClient
 
-    from cluster.local_head import read_state
+    from cluster.ray.local_head import read_state
     from cluster.serving.index_store import load_index
-    from compat_core.data.glyphs import default_cache_dir
+    from compat_core.data.glyphs.dataset import default_cache_dir
 
     client = MlflowClient(mlflow_server.tracking_uri)
     v1, v2 = (helpers.register_random_model(client, NAME, seed, tmp_path) for seed in (0, 1))
@@ -128,12 +127,12 @@ def test_serve_and_backfill_from_separate_shells_on_a_token_head(mlflow_server, 
             assert {r["item_version"] for r in answer["results"]} == {v2}
         assert f"on Ray cluster {head.gcs_address}" in backfill.stdout  # the chunks ran on the head
         # the probe scores the evaluation's protocol (coarse labels here): at 100 % it is the self-test M(v2, v2)
-        from cluster.registry import MlflowModelResolver
+        from cluster.model_registry.versions import MlflowModelResolver
         from cluster.serving.models import ModelRef, load_served_model
-        from pipelines.config_load import load_config
-        from pipelines.entry_metrics import compute_entry
-        from pipelines.extraction import extract_pool_features
-        from pipelines.pools import load_pool
+        from pipelines.config.load import load_config
+        from pipelines.stages.entry_metrics import compute_entry
+        from pipelines.stages.extraction import extract_pool_features
+        from pipelines.stages.pools import load_pool
 
         scenario = load_config(str(config))
         query_pool, gallery_pool = (load_pool(scenario.evaluation.query_set),

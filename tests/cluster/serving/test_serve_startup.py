@@ -8,10 +8,10 @@ import threading
 import time
 
 import pytest
-
 import serving_helpers as helpers
-from app.cli import main
 from local_services import free_port
+
+from app.cli import main
 
 pytestmark = pytest.mark.integration
 NAME = "serve-startup-test"

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-
 # --- pickles written the way Python 2's cPickle wrote the CIFAR batches -------------------------------------------
 
 class Py2StylePickler(pickle._Pickler):

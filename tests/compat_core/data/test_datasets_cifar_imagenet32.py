@@ -1,13 +1,12 @@
 """CIFAR-10/100, CIFAR100R and ImageNet32 read from pickle batches written in the published layouts."""
 import pickle
 
+import fixtures_published as fx
 import numpy as np
 import pytest
 
 from compat_core.data import load_dataset
-from compat_core.data.formats.cifar import CIFAR100_MEAN, CIFAR10_STD
-
-import fixtures_published as fx
+from compat_core.data.formats.cifar import CIFAR10_STD, CIFAR100_MEAN
 
 
 def _images(n, seed, side=32):

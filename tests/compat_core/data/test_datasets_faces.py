@@ -2,6 +2,7 @@
 import pickle
 import struct
 
+import fixtures_published as fx
 import numpy as np
 import pytest
 from PIL import Image
@@ -10,8 +11,6 @@ from compat_core.data import load_dataset
 from compat_core.data.base import ImageSource
 from compat_core.data.formats.casia import RecordIOFile, unpack_irheader
 from compat_core.data.formats.celeba import check_identity_disjointness
-
-import fixtures_published as fx
 
 COLOURS = [(200, 30, 40), (20, 180, 60), (30, 50, 210), (128, 128, 128), (250, 250, 10)]
 MAGIC_BYTES = struct.pack("<I", 0xCED7230A)

@@ -1,12 +1,11 @@
 """Tiny ImageNet, TinyImageNet20 and CUB-200-2011 read from folders and text files in the published layouts."""
+import fixtures_published as fx
 import numpy as np
 import pytest
 from PIL import Image
 
 from compat_core.data import load_dataset
 from compat_core.data.formats.tinyimagenet import TINYIMAGENET20_WNIDS
-
-import fixtures_published as fx
 
 RED, GREEN, BLUE, GREY = (200, 30, 40), (20, 180, 60), (30, 50, 210), (128, 128, 128)
 

@@ -3,12 +3,11 @@ is decoded: a path that leaves the data root, a missing image, an empty or non-i
 file (and for LFW the pairs.txt line) it came from."""
 import os
 
+import fixtures_published as fx
 import numpy as np
 import pytest
 
 from compat_core.data import load_dataset
-
-import fixtures_published as fx
 
 COLOURS = [(200, 30, 40), (20, 180, 60), (30, 50, 210)]
 

@@ -7,10 +7,16 @@ import unicodedata
 import numpy as np
 import pytest
 
-from compat_core.data import glyph_render, glyphs
-from compat_core.data.glyph_catalogue import DEFAULT_IMAGE_SIZE, TEST_MEMBERS_PER_CONCEPT, build_catalogue, glyph_catalogue
-from compat_core.data.glyph_fonts import STYLES
-from compat_core.data.glyphs import glyph_set_summary, load_glyphs
+from compat_core.data.glyphs import dataset as glyphs
+from compat_core.data.glyphs import render as glyph_render
+from compat_core.data.glyphs.catalogue import (
+    DEFAULT_IMAGE_SIZE,
+    TEST_MEMBERS_PER_CONCEPT,
+    build_catalogue,
+    glyph_catalogue,
+)
+from compat_core.data.glyphs.dataset import glyph_set_summary, load_glyphs
+from compat_core.data.glyphs.fonts import STYLES
 from compat_core.data.tasks import check_open_set
 
 SMALL = 4  # images per class for the cheap renders

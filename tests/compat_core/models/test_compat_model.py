@@ -15,11 +15,11 @@ from compat_core.models import (
     create_model,
     frozen_copy,
     load_model,
+    precision,
     prepare_batch,
     prepare_for_speed,
     save_model,
 )
-from compat_core.models import precision
 from compat_core.simplex import dsimplex
 
 

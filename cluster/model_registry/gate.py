@@ -1,0 +1,440 @@
+"""Compatibility gate on MLflow registry aliases: move ``champion`` to a candidate only when new queries can search
+the gallery the champion indexed.
+
+:func:`run_gate` evaluates, on a held-out query/gallery set (the ``evaluation`` section of a scenario config), the
+self-test M(Q_old, G_old) of the version behind the alias, the cross-test M(Q_new, G_old) of the candidate against
+it and the candidate's self-test M(Q_new, G_new) (full re-indexing), Recall@1 and mAP, and applies the strict
+compatibility criterion ``M(new, old) > M(old, old)`` (``>=`` when not strict; SPEC §1). The alias moves only when
+it holds (or when the alias is not set yet: the first champion). With ``adapter`` a query adapter (new -> old) or
+an FCT gallery transformation is fitted on the candidate's and champion's paired gallery features and the criterion
+is applied with it; the adapter file is logged with the gate run and its kind tagged on the version.
+
+Every decision is a run of the MLflow experiment ``compat-gate`` (tags ``run_role=gate``, ``action=gate|rollback``,
+``registered_model``, ``alias``, ``candidate_version``, ``previous_version`` (behind the alias before),
+``new_version`` (behind it after), ``decision``, ``reason``; metrics in fractions) and tags on the versions
+(``gate.<alias>.decision``, ``gate.<alias>.run_id``, ``gate.<alias>.margin``). :func:`alias_history` lists those
+runs; :func:`rollback` moves the alias back to the version it pointed to before its last move.
+
+A move survives a kill at any point: its run is created first with tag ``move_state=intended`` (left RUNNING), then
+the version tags and the alias move, then ``move_state=confirmed`` and FINISHED. Every later gate, rollback or history
+reconciles an intent left behind (:func:`reconcile_moves`): the alias at the intended version confirms it; the alias
+elsewhere records the decision as ``interrupted`` (the alias did not move) and ends the run KILLED.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from cluster.model_registry.versions import MlflowModelResolver, version_by_alias
+from cluster.tracking.client import ensure_experiment, open_client
+from compat_core.evaluation.metrics import upgrade_verdict
+from compat_core.models.compat_model import load_model
+from compat_core.upgrades.adapters import ADAPTER_KINDS, save_adapter
+from compat_core.upgrades.backfill_order import backfill_curve, backfill_order
+from pipelines.graph.compile import protocol_params
+from pipelines.stages.context import resolve_device
+from pipelines.stages.entry_metrics import compute_entry
+from pipelines.stages.extraction import extract_pool_features
+from pipelines.stages.pools import check_pools_open_set, load_pool
+from pipelines.stages.upgrades import adapter_blob_name, fit_and_judge
+
+GATE_EXPERIMENT = "compat-gate"
+DEFAULT_ALIAS = "champion"
+METRICS = ("recall_at_1", "map")
+
+
+@dataclass
+class GateResult:
+    """One gate decision. decision: promoted | refused | dry-run-pass | dry-run-refuse; numbers are fractions."""
+
+    model: str
+    alias: str
+    candidate_version: str
+    champion_version: str | None
+    decision: str
+    reason: str
+    metric: str
+    strict: bool
+    adapter: str | None = None
+    values: dict[str, dict[str, float]] = field(default_factory=dict)   # metric -> self_old/cross/self_new
+    verdict: dict[str, Any] = field(default_factory=dict)
+    advice: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)              # per adapter / backfill numbers on refusal
+    run_id: str | None = None
+
+    @property
+    def moved(self) -> bool:
+        return self.decision == "promoted"
+
+
+def _client(tracking_uri: str, registry_uri: str | None = None):
+    return open_client(tracking_uri, registry_uri)
+
+
+MOVE_STATE = "move_state"
+PAUSE_VARIABLE = "COMPAT_TEST_GATE_PAUSE"  # tests only: "intent" or "moved" makes a move wait there to be killed
+
+
+def _pause_point(name: str) -> None:
+    """Let a test kill a real gate process between the steps of a move (never set in production)."""
+    if os.environ.get(PAUSE_VARIABLE) == name:
+        print(f"gate: paused at {name}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(60)
+
+
+def reconcile_moves(client: Any, model: str, alias: str, experiment: str = GATE_EXPERIMENT) -> list[str]:
+    """Settle every alias move of ``model``/``alias`` whose process died between intent and confirmation: confirmed
+    when the alias is at its ``new_version`` (the move happened), else recorded as ``interrupted`` (KILLED, alias
+    not moved). Returns the run ids settled."""
+    found = client.get_experiment_by_name(experiment)
+    if found is None or "'" in model or "'" in alias:
+        return []
+    runs = client.search_runs([found.experiment_id], f"tags.run_role = 'gate' and tags.registered_model = '{model}' "
+                              f"and tags.alias = '{alias}' and tags.{MOVE_STATE} = 'intended'", max_results=100)
+    settled = []
+    for run in runs:
+        tags = run.data.tags
+        current = version_by_alias(client, model, alias)
+        at = str(current.version) if current is not None else None
+        if at == tags.get("new_version"):
+            if tags.get("action") == "gate" and tags.get("previous_version"):
+                client.set_model_version_tag(model, tags["previous_version"], f"gate.{alias}.replaced_by",
+                                             tags["new_version"])
+            client.set_tag(run.info.run_id, MOVE_STATE, "confirmed")
+            client.set_tag(run.info.run_id, "reconciled", "alias found at the intended version: move confirmed")
+            client.set_terminated(run.info.run_id, "FINISHED")
+        else:
+            client.set_tag(run.info.run_id, MOVE_STATE, "interrupted")
+            client.set_tag(run.info.run_id, "intended_decision", tags.get("decision", ""))
+            client.set_tag(run.info.run_id, "decision", "interrupted")
+            client.set_tag(run.info.run_id, "new_version", at or "")
+            client.set_tag(run.info.run_id, "reason", f"the process stopped before the alias moved (alias at "
+                           f"{'v' + at if at else 'nothing'}); intended: {tags.get('reason', '')}"[:4000])
+            client.set_terminated(run.info.run_id, "KILLED")
+        settled.append(run.info.run_id)
+    return settled
+
+
+def _experiment_id(client: Any, name: str) -> str:
+    return ensure_experiment(client, name)
+
+
+def _version(client: Any, model: str, version: str) -> Any:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version(model, str(version))
+    except MlflowException as error:
+        raise ValueError(f"registered model {model!r} has no version {version!r} "
+                         f"({error.error_code}); list them with `mlflow models` or the MLflow UI") from None
+
+
+def _features(resolver: Any, model: str, version: str, config: Any, pools: dict, device: Any,
+              log: Callable[[str], None]) -> dict[str, tuple]:
+    """Features of ``models:/model/version`` on the query and gallery pools: split -> (features, labels, coarse)."""
+    folder = resolver(f"models:/{model}/{version}")
+    network = load_model(folder, map_location=device)
+    out = {}
+    for split, pool in pools.items():
+        started = time.perf_counter()
+        features = extract_pool_features(network, pool, config, device)
+        log(f"gate: version {version} {split} features {features.shape[0]} x {features.shape[1]} in "
+            f"{time.perf_counter() - started:.1f} s")
+        out[split] = (features, np.asarray(pool.labels), getattr(pool, "coarse_labels", None))
+    return out
+
+
+def _entry(query: tuple, gallery: tuple, config: Any, metric: str) -> float:
+    protocol = {**protocol_params(config.evaluation.model_dump()), "metric": metric}
+    return compute_entry(query, gallery, protocol, config)
+
+
+def _options_on_refusal(old: dict, new: dict, config: Any, metric: str, self_old: float, strict: bool,
+                        seed: int, log: Callable[[str], None] = print) -> tuple[dict, list[str]]:
+    """What the team can do: each adapter's verdict, and the re-indexed fraction that reaches the self-test; one
+    progress line per adapter and per curve point through ``log`` (fitting them takes minutes on a large set)."""
+    options: dict[str, Any] = {"adapters": {}}
+    advice = []
+    for number, kind in enumerate(ADAPTER_KINDS, 1):
+        started = time.monotonic()
+        outcome = fit_and_judge(kind, old["gallery"], new["query"], new["gallery"],
+                                lambda query, gallery, name: _entry(query, gallery, config, name), metric, self_old,
+                                strict=strict, seed=seed)
+        value, verdict = outcome.cross[metric], outcome.verdict
+        log(f"gate: adapter {number}/{len(ADAPTER_KINDS)} {kind}: M(new, old) {value:.4f} "
+            f"({'passes' if verdict['compatible'] else 'fails'}) in {time.monotonic() - started:.1f} s")
+        options["adapters"][kind] = {"cross": value, "compatible": verdict["compatible"], "margin": verdict["margin"]}
+    passing = [kind for kind, item in options["adapters"].items() if item["compatible"]]
+    if passing:
+        best = max(passing, key=lambda kind: options["adapters"][kind]["cross"])
+        advice.append(f"fit an adapter: with {best} the cross-test is {options['adapters'][best]['cross']:.4f} > "
+                      f"{self_old:.4f}; re-run with --adapter {best} (passing: {', '.join(passing)})")
+    else:
+        advice.append("no adapter makes the candidate compatible on this set "
+                      + ", ".join(f"{k} {v['cross']:.4f}" for k, v in options["adapters"].items()))
+    labels = 2 if config.evaluation.label_level == "coarse" else 1
+
+    def point(fraction: float, values: dict) -> None:
+        log(f"gate: backfill curve {fraction:.0%} re-embedded: {metric} {values[metric]:.4f}")
+
+    curve = backfill_curve(new["query"][0], new["query"][labels], old["gallery"][0], new["gallery"][0],
+                           new["gallery"][labels], backfill_order(len(new["gallery"][1]), "random", seed),
+                           metrics=(metric,), on_point=point)
+    options["backfill_random"] = curve
+    needed = next((f for f, v in zip(curve["fraction"], curve[metric]) if (v > self_old if strict else v >= self_old)),
+                  None)
+    if needed is None:
+        advice.append("backfill: even full re-indexing does not beat the champion's self-test on this set")
+    else:
+        advice.append(f"backfill: re-embedding {needed:.0%} of the gallery with the candidate (random order) gives "
+                      f"{curve[metric][curve['fraction'].index(needed)]:.4f} {'>' if strict else '>='} {self_old:.4f} "
+                      f"(full re-indexing: {curve[metric][-1]:.4f}); serve the candidate once that much is "
+                      f"re-embedded (see the backfilling curve in the gate run)")
+    return options, advice
+
+
+def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: str = DEFAULT_ALIAS,
+             adapter: str | None = None, strict: bool | None = None, dry_run: bool = False,
+             registry_uri: str | None = None, cache_dir: str | None = None, experiment: str = GATE_EXPERIMENT,
+             log: Callable[[str], None] = print) -> GateResult:
+    """Evaluate ``models:/model/candidate`` against the version behind ``alias``; move the alias when compatible.
+
+    config: a ScenarioConfig whose ``evaluation`` section names the held-out query/gallery sets and the metric
+    (``recall_at_1`` or ``map``). strict: None = ``config.evaluation.strict``. dry_run: decide and record, never move.
+    """
+    metric = config.evaluation.metric
+    if metric not in METRICS:
+        raise ValueError(f"evaluation.metric {metric!r}: the gate evaluates retrieval, expected one of {METRICS}")
+    if adapter is not None:
+        if adapter not in ADAPTER_KINDS:
+            raise ValueError(f"--adapter {adapter!r}: expected one of {list(ADAPTER_KINDS)}")
+    strict = config.evaluation.strict if strict is None else bool(strict)
+    client = _client(tracking_uri, registry_uri)
+    reconcile_moves(client, model, alias, experiment)
+    candidate_version = _version(client, model, candidate)
+    champion = version_by_alias(client, model, alias)
+    result = GateResult(model, alias, str(candidate_version.version), str(champion.version) if champion else None,
+                        "", "", metric, strict, adapter)
+    started_ms = int(time.time() * 1000)
+    if champion is None:
+        result.decision, result.reason = ("dry-run-pass" if dry_run else "promoted"), (
+            f"first promotion: alias {alias!r} of {model!r} is not set, so there is no {alias} to be compatible with; "
+            f"the candidate {'would become' if dry_run else 'becomes'} the first {alias} without a compatibility test")
+        result.advice = [f"no {alias} existed: nothing was evaluated; every later candidate is gated against "
+                         f"version {candidate_version.version}"]
+    elif str(champion.version) == str(candidate_version.version):
+        result.decision, result.reason = "refused", f"version {candidate} is already behind alias {alias!r}"
+    else:
+        check_pools_open_set(config)
+        pools = {"query": load_pool(config.evaluation.query_set, "evaluation.query_set"),
+                 "gallery": load_pool(config.evaluation.gallery_set, "evaluation.gallery_set")}
+        device = resolve_device(config.device)
+        resolver = MlflowModelResolver(client.tracking_uri, registry_uri, cache_dir)
+        old = _features(resolver, model, str(champion.version), config, pools, device, log)
+        new = _features(resolver, model, str(candidate_version.version), config, pools, device, log)
+        for name in METRICS:
+            result.values[name] = {"self_old": _entry(old["query"], old["gallery"], config, name),
+                                   "cross": _entry(new["query"], old["gallery"], config, name),
+                                   "self_new": _entry(new["query"], new["gallery"], config, name)}
+        fitted = None
+        if adapter is not None:
+            outcome = fit_and_judge(adapter, old["gallery"], new["query"], new["gallery"],
+                                    lambda query, gallery, name: _entry(query, gallery, config, name), metric,
+                                    result.values[metric]["self_old"], result.values[metric]["self_new"], strict,
+                                    METRICS, seed=config.seed)
+            fitted = outcome.adapter
+            for name in METRICS:
+                result.values[name][f"cross_{adapter}"] = outcome.cross[name]
+        numbers = result.values[metric]
+        cross = numbers[f"cross_{adapter}"] if adapter else numbers["cross"]
+        result.verdict = upgrade_verdict(cross, numbers["self_old"], numbers["self_new"], strict)
+        sign = ">" if strict else ">="
+        what = f"M(new{'+' + adapter if adapter else ''}, old) = {cross:.4f}"
+        if result.verdict["compatible"]:
+            result.decision = "dry-run-pass" if dry_run else "promoted"
+            result.reason = f"compatible: {what} {sign} M(old, old) = {numbers['self_old']:.4f}"
+        else:
+            result.decision = "dry-run-refuse" if dry_run else "refused"
+            result.reason = f"not compatible: {what} is not {sign} M(old, old) = {numbers['self_old']:.4f}"
+            log("gate: refused; measuring the options (each adapter, then a backfilling curve)")
+            result.options, result.advice = _options_on_refusal(old, new, config, metric, numbers["self_old"],
+                                                                strict, config.seed, log)
+        result.fitted_adapter = fitted  # type: ignore[attr-defined]
+    _record(client, experiment, result, candidate_version, champion, dry_run, started_ms)
+    return result
+
+
+def _record(client: Any, experiment: str, result: GateResult, candidate: Any, champion: Any, dry_run: bool,
+            started_ms: int | None = None) -> None:
+    """Gate run (tags, metrics, decision.json, adapter file), version tags, then the alias move."""
+    from mlflow.entities import Metric
+
+    moved = result.decision == "promoted"
+    tags = {"run_role": "gate", "action": "gate", "registered_model": result.model, "alias": result.alias,
+            "candidate_version": result.candidate_version, "previous_version": result.champion_version or "",
+            "new_version": result.candidate_version if moved else (result.champion_version or ""),
+            "decision": result.decision, "reason": result.reason[:4000], "metric": result.metric,
+            "strict": str(result.strict).lower(), "adapter": result.adapter or "", "dry_run": str(dry_run).lower(),
+            "first_promotion": str(champion is None).lower()}
+    if moved:
+        tags[MOVE_STATE] = "intended"
+    # the run spans the whole gate (features, adapters, curve), not only this recording
+    run = client.create_run(_experiment_id(client, experiment), start_time=started_ms, tags=tags,
+                            run_name=f"gate-{result.model}-v{result.candidate_version}")
+    result.run_id = run.info.run_id
+    now = int(time.time() * 1000)
+    metrics = [Metric(f"{name}/{part}", float(value), now, 0) for name, parts in result.values.items()
+               for part, value in parts.items()]
+    if result.verdict:
+        metrics.append(Metric("margin", float(result.verdict["margin"]), now, 0))
+        metrics.append(Metric("compatible", float(result.verdict["compatible"]), now, 0))
+    for kind, item in (result.options.get("adapters") or {}).items():
+        metrics.append(Metric(f"option/{kind}/cross", float(item["cross"]), now, 0))
+    curve = result.options.get("backfill_random")
+    if curve:
+        # step = percent of the gallery re-embedded; the percentage is also a metric of its own with the same
+        # steps, so the MLflow chart can use it as the x-axis by name ("backfill/percent_reembedded")
+        for fraction, value in zip(curve["fraction"], curve[result.metric]):
+            percent = int(round(100 * fraction))
+            metrics.append(Metric(f"backfill/random/{result.metric}", float(value), now, percent))
+            metrics.append(Metric("backfill/percent_reembedded", float(percent), now, percent))
+    if metrics:
+        client.log_batch(run.info.run_id, metrics=metrics, synchronous=True)
+    with tempfile.TemporaryDirectory(prefix="compat-gate-") as folder:
+        document = {key: value for key, value in asdict(result).items()}
+        Path(folder, "decision.json").write_text(json.dumps(document, indent=2))
+        fitted = getattr(result, "fitted_adapter", None)
+        if fitted is not None:
+            Path(folder, adapter_blob_name(result.adapter)).write_bytes(save_adapter(fitted))
+        if curve:
+            _plot_backfill(curve, result.metric, Path(folder, "backfill.png"))
+        client.log_artifacts(run.info.run_id, folder, "gate")
+    if not moved:
+        client.set_terminated(run.info.run_id, "FINISHED", end_time=int(time.time() * 1000))
+    _pause_point("intent")
+    prefix = f"gate.{result.alias}"
+    client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.decision", result.decision)
+    client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.run_id", run.info.run_id)
+    if result.verdict:
+        client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.margin",
+                                     f"{result.verdict['margin']:.6f}")
+    if moved:
+        if result.adapter:
+            client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.adapter", result.adapter)
+        client.set_registered_model_alias(result.model, result.alias, result.candidate_version)
+        _pause_point("moved")
+        if champion is not None:
+            client.set_model_version_tag(result.model, champion.version, f"{prefix}.replaced_by",
+                                         result.candidate_version)
+        client.set_tag(run.info.run_id, MOVE_STATE, "confirmed")
+        client.set_terminated(run.info.run_id, "FINISHED", end_time=int(time.time() * 1000))
+
+
+def _plot_backfill(curve: dict, metric: str, path: Path) -> None:
+    """The backfilling curve as a picture: x = percent of the gallery re-embedded, y = the metric (fraction)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(5, 3.5))
+    axes.plot([100 * f for f in curve["fraction"]], curve[metric], marker="o")
+    axes.set_xlabel("gallery re-embedded with the candidate (%)")
+    axes.set_ylabel(f"{metric} (fraction)")
+    axes.set_title("backfilling curve (random order)")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
+
+
+def alias_history(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, experiment: str = GATE_EXPERIMENT,
+                  registry_uri: str | None = None) -> list[dict]:
+    """Gate and rollback runs of ``model``/``alias``, oldest first: time, action, versions, decision, reason."""
+    client = _client(tracking_uri, registry_uri)
+    reconcile_moves(client, model, alias, experiment)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    if "'" in model or "'" in alias:
+        raise ValueError(f"model {model!r} / alias {alias!r}: quotes are not allowed")
+    runs = client.search_runs([found.experiment_id], f"tags.run_role = 'gate' and tags.registered_model = '{model}' "
+                              f"and tags.alias = '{alias}'", order_by=["attributes.start_time ASC"],
+                              max_results=1000)
+    rows = []
+    for run in runs:
+        tags = run.data.tags
+        rows.append({"time": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(run.info.start_time / 1000)),
+                     "start_ms": run.info.start_time, "run_id": run.info.run_id, "action": tags.get("action"),
+                     "candidate_version": tags.get("candidate_version"),
+                     "previous_version": tags.get("previous_version") or None,
+                     "new_version": tags.get("new_version") or None, "decision": tags.get("decision"),
+                     "adapter": tags.get("adapter") or None, "reason": tags.get("reason", ""),
+                     "margin": run.data.metrics.get("margin")})
+    return rows
+
+
+def refusal_of(history: list[dict], version: str) -> dict | None:
+    """The gate's latest decision on ``version`` when it was a refusal (a later promotion clears it), else None."""
+    decisions = [row for row in history if row["action"] == "gate" and row["candidate_version"] == str(version)
+                 and row["decision"] in ("promoted", "refused")]
+    return decisions[-1] if decisions and decisions[-1]["decision"] == "refused" else None
+
+
+def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_version: str | None = None,
+             reason: str = "", experiment: str = GATE_EXPERIMENT, registry_uri: str | None = None,
+             force: bool = False) -> dict:
+    """Move ``alias`` back to the version it pointed to before its last move (or to ``to_version``); recorded.
+
+    A target the gate refused (its latest gate decision) is installed only with ``force``, recorded as forced
+    (tag ``forced`` on the rollback run, the refusal's run id in ``overrides_refusal``); otherwise ValueError."""
+    client = _client(tracking_uri, registry_uri)
+    reconcile_moves(client, model, alias, experiment)
+    current = version_by_alias(client, model, alias)
+    if current is None:
+        raise ValueError(f"registered model {model!r}: alias {alias!r} is not set, nothing to roll back")
+    if to_version is None:
+        moves = [row for row in alias_history(tracking_uri, model, alias, experiment, registry_uri)
+                 if row["decision"] in ("promoted", "rolled-back") and row["new_version"] == str(current.version)]
+        if not moves or not moves[-1]["previous_version"]:
+            raise ValueError(f"registered model {model!r}: no recorded move of alias {alias!r} to version "
+                             f"{current.version} with a previous version; give the target with --to VERSION")
+        to_version = moves[-1]["previous_version"]
+    target = _version(client, model, to_version)
+    refused = refusal_of(alias_history(tracking_uri, model, alias, experiment, registry_uri), str(target.version))
+    if refused is not None and not force:
+        raise ValueError(f"registered model {model!r}: the gate refused version {target.version} for alias {alias!r} "
+                         f"on {refused['time']} UTC ({refused['reason']}; gate run {refused['run_id']}); installing "
+                         f"it breaks compatibility with the gallery; add --force to roll back to it anyway (recorded)")
+    tags = {"run_role": "gate", "action": "rollback", "registered_model": model, "alias": alias,
+            "candidate_version": str(target.version), "previous_version": str(current.version),
+            "new_version": str(target.version), "decision": "rolled-back",
+            "reason": (reason or f"rollback of alias {alias!r} from version {current.version} to {target.version}"),
+            MOVE_STATE: "intended", "forced": str(refused is not None).lower()}
+    if refused is not None:
+        tags["overrides_refusal"] = refused["run_id"]
+        tags["reason"] = f"FORCED over the gate's refusal (run {refused['run_id']}): {tags['reason']}"
+    run = client.create_run(_experiment_id(client, experiment), tags=tags,
+                            run_name=f"rollback-{model}-v{current.version}-to-v{target.version}")
+    _pause_point("intent")
+    client.set_registered_model_alias(model, alias, str(target.version))
+    _pause_point("moved")
+    client.set_model_version_tag(model, str(current.version), f"gate.{alias}.rolled_back_by", run.info.run_id)
+    client.set_model_version_tag(model, str(target.version), f"gate.{alias}.decision", "rolled-back")
+    client.set_tag(run.info.run_id, MOVE_STATE, "confirmed")
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return {"model": model, "alias": alias, "from_version": str(current.version), "to_version": str(target.version),
+            "run_id": run.info.run_id, "forced": refused is not None}
+
+
+__all__ = ["GateResult", "run_gate", "alias_history", "rollback", "reconcile_moves", "GATE_EXPERIMENT",
+           "DEFAULT_ALIAS"]

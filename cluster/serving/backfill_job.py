@@ -1,0 +1,151 @@
+"""``compat index backfill``: re-embed a served gallery with a new model version in the background.
+
+Items embedded by other versions are re-embedded in chunks (order: ``compat_core.upgrades.backfill_order.backfill_order``) by Ray
+tasks (the pipeline's extraction, ``pipelines.stages.dispatch.extract_pool_features``, on the chunk's images with the
+indexed pool's normalisation); the driver writes each chunk as a new shard and commits a manifest listing it, one
+HEAD swap per chunk, so the service (which polls HEAD) flips that chunk's items to the new version at once. After
+every chunk a probe, the config's evaluation query set embedded by the new version, is searched exactly as the
+service searches (``compat_core.retrieval.mixed_gallery``, with the adapter the gate installed) and its Recall@1 is logged
+to MLflow (experiment ``compat-backfill``) against the fraction re-embedded (step = per mille).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from cluster.model_registry.versions import MlflowModelResolver
+from cluster.serving.index_build import evaluation_labels, pool_of
+from cluster.serving.index_store import commit_manifest, load_index, read_manifest, shard_table, write_shard
+from cluster.serving.models import ModelRef, installed_adapter, load_served_model, resolve_model_ref
+from cluster.serving.ray_join import connect_ray
+from cluster.serving.state import build_state
+from cluster.tracking.client import ensure_experiment
+from compat_core.data.base import ArraySource
+from compat_core.retrieval.mixed_gallery import search_groups
+from compat_core.upgrades.backfill_order import backfill_order
+from pipelines.config.schema import PoolSpec
+from pipelines.stages.extraction import extract_pool_features
+from pipelines.stages.pools import load_pool
+
+EXPERIMENT = "compat-backfill"
+
+
+__all__ = ["run_backfill", "probe_recall_at_1", "EXPERIMENT"]
+
+
+def _embed_chunk(model_uri: str, tracking_uri: str, cache_dir: str | None, config: Any, images: np.ndarray,
+                 mean: list, std: list) -> np.ndarray:
+    """Ray task body: features of ``images`` by ``model_uri`` (a pinned models:/NAME/VERSION)."""
+    import torch
+
+    name, _, version = model_uri[len("models:/"):].partition("/")
+    resolver = MlflowModelResolver(tracking_uri, cache_dir=cache_dir)
+    model = load_served_model(resolver, ModelRef(name, version), "cpu")
+    source = ArraySource("backfill-chunk", images, np.zeros(len(images), dtype=np.int64), ["item"],
+                         mean=tuple(mean), std=tuple(std), hflip=False)
+    torch.set_num_threads(1)
+    return extract_pool_features(model, source, config, torch.device("cpu"))
+
+
+def probe_recall_at_1(index, query: np.ndarray, query_labels: np.ndarray, served_version: str,
+                      adapter: tuple | None, precision: str = "auto") -> float:
+    """Recall@1 (fraction) of ``query`` (embedded by ``served_version``) on ``index`` searched like the service."""
+    if index.labels is None:
+        raise ValueError("probe: the index has no labels; build it from a labelled pool")
+    state = build_state(ModelRef("probe", served_version), None, index, adapter, precision)
+    positions, _, _ = search_groups(query, state.groups, 1)
+    return float(np.mean(index.labels[positions[:, 0]] == np.asarray(query_labels)))
+
+
+def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chunk_rows: int = 256,
+                 order: str = "random", seed: int = 0, probe: bool = True, ray_address: str | None = None,
+                 cache_dir: str | None = None, in_flight: int = 2, log: Callable[[str], None] = print,
+                 ray_token_file: str | None = None) -> dict:
+    """Re-embed every item of ``root`` not embedded by the version behind ``model_uri``; returns a summary
+    (fractions, probe Recall@1 per chunk, MLflow run id, done)."""
+    import ray
+    import torch
+    from mlflow.entities import Metric
+
+    if chunk_rows < 1:
+        raise ValueError(f"--chunk-rows: expected a positive number of items, got {chunk_rows}")
+    if order != "random":
+        raise ValueError(f"--order {order!r}: the backfill supports 'random' (seeded)")
+    connect_ray(ray_address, ray_token_file)  # before anything is recorded: a cluster out of reach leaves no run
+    log(f"backfill: chunks re-embedded as Ray tasks on Ray cluster {ray.get_runtime_context().gcs_address}")
+    resolver = MlflowModelResolver(tracking_uri, cache_dir=cache_dir)
+    client = resolver.client
+    ref = resolve_model_ref(client, model_uri)
+    head, manifest = read_manifest(root)
+    index = load_index(root, head)
+    if not manifest.get("pool"):
+        raise ValueError(f"{root}: the manifest names no pool to re-embed from")
+    pool = load_pool(PoolSpec(**manifest["pool"]), "index manifest pool")
+    if len(pool) != index.size:
+        raise ValueError(f"{root}: the manifest's pool has {len(pool)} images, the index {index.size} items")
+    permutation = backfill_order(index.size, order, seed)
+    todo = permutation[index.versions[permutation] != ref.version]
+    chunks = [np.sort(todo[start:start + chunk_rows]) for start in range(0, todo.size, chunk_rows)]
+    adapter = installed_adapter(client, ref, model_uri.partition("@")[2] or "champion")
+    query, query_labels = None, None
+    if probe:
+        _, query_pool = pool_of(config, "query")
+        model = load_served_model(resolver, ref, "cpu")
+        query = torch.from_numpy(extract_pool_features(model, query_pool, config, torch.device("cpu")))
+        query_labels = evaluation_labels(config, query_pool)
+    run = client.create_run(ensure_experiment(client, EXPERIMENT), run_name=f"backfill-{ref.name}-v{ref.version}",
+                            tags={"run_role": "backfill", "registered_model": ref.name, "target_version": ref.version,
+                                  "index_root": root, "order": order, "start_manifest": head})
+    summary = {"run_id": run.info.run_id, "target_version": ref.version, "items": index.size,
+               "to_re_embed": int(todo.size), "chunks": len(chunks), "fraction": [], "probe_recall_at_1": [],
+               "done": False}
+
+    def record(current_index, done_items: int) -> None:
+        fraction = float(np.mean(current_index.versions == ref.version))
+        metrics = [Metric("backfill/fraction", fraction, int(time.time() * 1000), int(round(1000 * fraction))),
+                   Metric("backfill/items_done", float(done_items), int(time.time() * 1000),
+                          int(round(1000 * fraction)))]
+        summary["fraction"].append(fraction)
+        if probe:
+            value = probe_recall_at_1(current_index, query, query_labels, ref.version, adapter)
+            summary["probe_recall_at_1"].append(value)
+            metrics.append(Metric("probe/recall_at_1", value, int(time.time() * 1000), int(round(1000 * fraction))))
+        client.log_batch(run.info.run_id, metrics=metrics, synchronous=True)
+        log(f"backfill: {fraction:.1%} embedded by v{ref.version}"
+            + (f", probe Recall@1 {summary['probe_recall_at_1'][-1]:.4f}" if probe else ""))
+
+    record(index, 0)
+    task = ray.remote(num_cpus=1, max_retries=2)(_embed_chunk)
+    image = manifest["image"]
+    pinned = ref.uri
+    pending: dict[Any, np.ndarray] = {}
+    next_chunk, done_items = 0, 0
+    try:
+        while next_chunk < len(chunks) or pending:
+            while next_chunk < len(chunks) and len(pending) < in_flight:
+                positions = chunks[next_chunk]
+                pending[task.remote(pinned, tracking_uri, cache_dir, config, pool.read(positions), image["mean"],
+                                    image["std"])] = positions
+                next_chunk += 1
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            positions = pending.pop(ready[0])
+            features = ray.get(ready[0])
+            entry = write_shard(root, shard_table(positions, index.item_ids[positions], features, ref.version,
+                                                  index.payload_uris[positions],
+                                                  index.labels[positions] if index.labels is not None else None))
+            head_now, current = read_manifest(root)
+            done_items += positions.size
+            updated = {**current, "shards": current["shards"] + [entry], "parent": head_now,
+                       "created_unix": time.time(),
+                       "backfill": {"target_version": ref.version, "run_id": run.info.run_id,
+                                    "done": done_items, "total": int(todo.size)}}
+            head = commit_manifest(root, updated, expected_head=head_now)   # the chunk's atomic flip
+            index = load_index(root, head)
+            record(index, done_items)
+        summary["done"] = True
+        summary["manifest"] = head
+    finally:
+        client.set_terminated(run.info.run_id, "FINISHED" if summary["done"] else "FAILED")
+    return summary

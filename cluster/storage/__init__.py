@@ -1,0 +1,1 @@
+"""Object storage: S3 settings and filesystem, conditional writes, and dataset ingestion into Parquet shards."""

@@ -1,0 +1,136 @@
+"""MLflow stores and clients: tracking-URI checks (credentials moved out of the URI), the default SQLite store of
+a run directory, a lock around a SQLite store's creation, experiments, and batched param / metric logging."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from pipelines.config.redaction import redact_uri, split_uri_credentials
+
+
+def ensure_experiment(client: Any, name: str) -> str:
+    """Id of experiment ``name``, created when missing (concurrent creation tolerated). With a SQLite store its
+    artifacts go to ``<db folder>/mlartifacts``, never to ./mlruns of whatever folder the command ran in."""
+    from mlflow.exceptions import MlflowException
+
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        if found.lifecycle_stage == "deleted":
+            raise ValueError(f"experiment {name!r} is deleted on {redact_uri(client.tracking_uri)}; restore it "
+                             f"(mlflow experiments restore) or choose another experiment name")
+        return found.experiment_id
+    location = None
+    if client.tracking_uri.startswith("sqlite:///"):
+        location = (Path(client.tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_ALREADY_EXISTS":  # created concurrently by another driver
+            raise
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def default_tracking_uri(run_dir: str | os.PathLike) -> str:
+    """``sqlite:///<absolute run dir>/mlflow.db``; a remote (s3://) run directory needs an explicit tracking URI."""
+    text = os.fspath(run_dir)
+    if re.match(r"^[a-z][a-z0-9+.-]*://", text):
+        raise ValueError(f"tracking URI: run directory {text} is not local, so it cannot hold the default SQLite "
+                         f"database; give a tracking URI (http(s)://host:port or sqlite:///path)")
+    return f"sqlite:///{Path(text).resolve() / 'mlflow.db'}"
+
+
+def project_tracking_uri(run_dir: str | os.PathLike) -> str:
+    """Default store of ``compat run``: ``mlflow.db`` in the folder that HOLDS the run directory (``runs/mlflow.db``
+    for the default ``runs/{name}``), shared by every run kept there, so runs of different scenarios (ER and
+    d-Simplex-HOC) are compared in one MLflow UI; ``compat demo`` uses the same place for its two runs."""
+    text = os.fspath(run_dir)
+    if re.match(r"^[a-z][a-z0-9+.-]*://", text):
+        default_tracking_uri(text)  # raises the error that names the remote folder
+    return default_tracking_uri(Path(text).resolve().parent)
+
+
+@contextlib.contextmanager
+def sqlite_store_lock(tracking_uri: str) -> Iterator[None]:
+    """Exclusive lock on ``<db>.lock`` next to a SQLite store (no-op for servers): two processes that open a new
+    shared store at once would both run MLflow's schema migration, and one of them dies in it."""
+    if not tracking_uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    database = Path(tracking_uri[len("sqlite:///"):])
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{database}.lock", "a+") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def check_tracking_uri(uri: str) -> str:
+    """Accept ``sqlite:///PATH``, ``http://`` and ``https://`` tracking URIs; raise ValueError otherwise.
+
+    A ``user:password@`` part is moved into MLflow's standard ``MLFLOW_TRACKING_USERNAME`` /
+    ``MLFLOW_TRACKING_PASSWORD`` variables and the URI is returned without it, so the password is never printed,
+    logged, stored in a search folder or sent to Ray with the URI (local Ray workers inherit the variables)."""
+    if not isinstance(uri, str) or not re.match(r"^(sqlite:///.+|https?://[^/\s]+.*)$", uri):
+        raise ValueError(f"tracking URI {redact_uri(uri)!r}: expected sqlite:///PATH or an http(s):// MLflow "
+                         f"tracking server")
+    clean, user, password = split_uri_credentials(uri)
+    if user is not None:
+        os.environ["MLFLOW_TRACKING_USERNAME"] = user
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = password or ""
+    return clean
+
+
+def open_client(tracking_uri: str, registry_uri: str | None = None) -> Any:
+    """An MlflowClient for ``tracking_uri`` (checked; credentials moved out of the URI). A SQLite store is created or
+    migrated under :func:`sqlite_store_lock` first, so processes that open a fresh store at once take turns."""
+    from mlflow import MlflowClient
+
+    tracking_uri = check_tracking_uri(tracking_uri)
+    registry_uri = check_tracking_uri(registry_uri) if registry_uri else tracking_uri
+    with contextlib.ExitStack() as locks:
+        for uri in sorted(set((tracking_uri, registry_uri))):  # sorted: two stores are always locked in one order
+            locks.enter_context(sqlite_store_lock(uri))  # no-op for servers
+        # MLflow creates and migrates a SQLite store as the client (and its first registry call) opens it
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
+        if registry_uri.startswith("sqlite:///"):
+            client.search_registered_models(max_results=1)
+    return client
+
+
+def tracking_credentials_from_environment() -> None:
+    """``MLFLOW_TRACKING_URI`` with ``user:password@``: the credentials moved to MLflow's username / password
+    variables and the variable rewritten without them (call once, before Ray starts: workers inherit both)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri and split_uri_credentials(uri)[1] is not None:
+        os.environ["MLFLOW_TRACKING_URI"] = check_tracking_uri(uri)
+
+
+def log_params(client: Any, run_id: str, params: dict[str, str]) -> None:
+    """Log ``params`` (sorted by key) in batches of 100, the most MLflow accepts at once."""
+    from mlflow.entities import Param
+
+    items = [Param(key, value) for key, value in sorted(params.items())]
+    for start in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
+        client.log_batch(run_id, params=items[start:start + 100], synchronous=True)
+
+
+def log_metrics(client: Any, run_id: str, values: dict[str, Any], step: int) -> None:
+    """Log ``values`` (None skipped) at ``step`` with one timestamp (ms), in batches of 1000."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    metrics = [Metric(key, float(value), now, int(step)) for key, value in values.items() if value is not None]
+    for start in range(0, len(metrics), 1000):
+        client.log_batch(run_id, metrics=metrics[start:start + 1000], synchronous=True)
+
+
+__all__ = ["check_tracking_uri", "default_tracking_uri", "ensure_experiment", "log_metrics", "log_params",
+           "open_client", "project_tracking_uri", "sqlite_store_lock", "tracking_credentials_from_environment"]

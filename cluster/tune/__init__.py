@@ -1,0 +1,1 @@
+"""Hyper-parameter search over whole pipelines with Ray Tune and Optuna."""

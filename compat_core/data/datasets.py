@@ -1,0 +1,141 @@
+"""The dataset registry: one name per dataset, each reading its published on-disk format.
+
+Reader modules register themselves on import; they are imported lazily on the first lookup so that importing
+``compat_core.data`` stays cheap. ``root`` is a local folder or an ``s3://bucket/prefix`` URI; nothing is downloaded.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from compat_core.data.base import ImageSource
+from compat_core.registry import Registry
+
+DATASETS: Registry = Registry("dataset")
+
+# Importing each module registers its datasets. glyphs.py is written alongside this module and may be absent.
+READER_MODULES = (
+    "compat_core.data.formats.cifar",
+    "compat_core.data.formats.imagenet32",
+    "compat_core.data.formats.tinyimagenet",
+    "compat_core.data.formats.cub",
+    "compat_core.data.formats.casia",
+    "compat_core.data.formats.celeba",
+    "compat_core.data.formats.lfw",
+    "compat_core.data.formats.fashion_mnist",
+    "compat_core.data.formats.digits",
+    "compat_core.data.glyphs.dataset",
+    "compat_core.data.formats.shards",
+)
+_OPTIONAL_MODULES = frozenset({"compat_core.data.glyphs.dataset"})
+_imported = False
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a registered dataset reads.
+
+    ``splits``: accepted ``split`` values; ``layout``: the expected files and their line/record formats;
+    ``options``: accepted keyword options -> meaning and default; ``default_root``: used when ``root`` is None.
+    """
+
+    name: str
+    summary: str
+    splits: tuple[str, ...]
+    layout: str
+    options: Mapping[str, str] = field(default_factory=dict)
+    default_root: str | None = None
+    loader: Callable[..., ImageSource] | None = field(default=None, repr=False, compare=False)
+    generated: bool = False  # images made by the reader itself: ``root`` is only where it caches them, no input
+
+
+def register_dataset(
+    name: str,
+    *,
+    summary: str,
+    splits: tuple[str, ...],
+    layout: str,
+    options: Mapping[str, str] | None = None,
+    default_root: str | None = None,
+    generated: bool = False,
+):
+    """Decorator registering ``loader(root, split, **options) -> ImageSource`` under ``name`` with its description
+    (generated: the reader makes its images and reads no data from ``root``)."""
+
+    def _register(loader: Callable[..., ImageSource]) -> Callable[..., ImageSource]:
+        info = DatasetInfo(name, summary, tuple(splits), layout, dict(options or {}), default_root, loader,
+                           generated)
+        DATASETS.register(name, info)
+        return loader
+
+    return _register
+
+
+def _import_readers() -> None:
+    global _imported
+    if _imported:
+        return
+    for module in READER_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if module in _OPTIONAL_MODULES and exc.name == module:
+                continue
+            raise
+    _imported = True
+
+
+def dataset_names() -> list[str]:
+    """Every registered dataset name, sorted."""
+    _import_readers()
+    return DATASETS.names()
+
+
+def dataset_info(name: str) -> DatasetInfo:
+    """The :class:`DatasetInfo` of ``name`` (KeyError listing valid names when unknown)."""
+    _import_readers()
+    entry = DATASETS.get(name)
+    if isinstance(entry, DatasetInfo):
+        return entry
+    # A plain factory registered with DATASETS.register(name) directly: describe it from its docstring.
+    doc = inspect.getdoc(entry) or ""
+    return DatasetInfo(name, doc.split("\n", 1)[0], (), doc, {}, None, entry)
+
+
+def load_dataset(name: str, root: str | None = None, split: str | None = "train", **options) -> ImageSource:
+    """Open dataset ``name`` from ``root`` (local folder or ``s3://bucket/prefix``) as an :class:`ImageSource`.
+
+    ``split=None`` takes the dataset's own default (its first listed split; lfw has only "pairs"). ``split`` and
+    ``options`` are validated against :func:`dataset_info`; unknown values raise ValueError listing the
+    accepted ones. Labels of the returned source are 0-based class ids.
+    """
+    info = dataset_info(name)
+    if not isinstance(DATASETS.get(name), DatasetInfo):
+        return _call_plain_factory(info.loader, root, split, options)
+    if split is None:
+        split = info.splits[0]
+    if split not in info.splits:
+        raise ValueError(f"dataset {name!r}: unknown split {split!r}; valid splits: {', '.join(info.splits)}")
+    unknown = sorted(set(options) - set(info.options))
+    if unknown:
+        valid = ", ".join(sorted(info.options)) or "(none)"
+        raise ValueError(f"dataset {name!r}: unknown option(s) {unknown}; valid options: {valid}")
+    if root is None:
+        root = info.default_root
+    return info.loader(root=root, split=split, **options)
+
+
+def _call_plain_factory(factory, root, split, options) -> ImageSource:
+    parameters = inspect.signature(factory).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    kwargs = dict(options)
+    if split is not None:
+        kwargs["split"] = split
+    if root is not None or takes_any or "root" in parameters:
+        kwargs["root"] = root
+    return factory(**kwargs)
+
+
+__all__ = ["DATASETS", "DatasetInfo", "register_dataset", "load_dataset", "dataset_info", "dataset_names", "READER_MODULES"]

@@ -1,0 +1,1 @@
+"""Exact cosine retrieval: the staged top-k kernel, its candidate stages, the pruned search, the linear-head bridge and mixed-version galleries."""

@@ -1,0 +1,1 @@
+"""Model upgrades without re-indexing: adapters between embedding spaces and the order of partial backfilling."""

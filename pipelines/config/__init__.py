@@ -1,0 +1,1 @@
+"""Scenario configuration: the schema, loading with overrides, validation, local paths and the preflight of inputs."""

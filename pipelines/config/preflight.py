@@ -1,0 +1,162 @@
+"""One check of every input before any compute (``compat run`` / ``submit`` / ``tune``): a run that would stop
+hours in because of a missing file or a typo stops now, with every problem named by its config key.
+
+- data: every pool opens (the same readers the stages use) and no test class occurs in a training pool;
+- weights: every external weights source (``pretrain[*].init``, ``replacements[*].source``, ``initial_model``) is
+  resolved, is a regular file (``/dev/zero`` and FIFOs are refused before a byte is read), matches its pinned sha256
+  and loads strictly into the model the stage builds (every key, extras only through the ignore lists);
+- device: ``cuda`` on a machine (or cluster) without CUDA;
+- the run folder's bucket exists (``s3://``).
+Resource requests against the cluster are checked by the Ray backend for every stage before the first one starts.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from compat_core import io as cio
+from compat_core.models.weights import resolve_weights_source
+from pipelines.config.schema import PRETRAIN_PREFIX, ScenarioConfig
+from pipelines.graph.compile import _method_traits, pretrain_classifier
+from pipelines.graph.source_digests import file_digest
+from pipelines.stages.model_io import initial_model, load_weights_strictly
+from pipelines.stages.pools import check_pools_open_set, load_pool
+
+
+class PreflightError(ValueError):
+    """Inputs that cannot run; the message lists every problem as ``config key: what is wrong``."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        lines = [message if message.startswith(f"{key}:") else f"{key}: {message}" for key, message in problems]
+        super().__init__(f"{len(problems)} problem(s) before any compute:\n  " + "\n  ".join(lines))
+
+
+def data_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
+    """(config key, problem) for every pool that does not open, then the open-set guard across pools."""
+    pools = [("data", config.data)] + [(f"pretrain[{i}].pool", p.pool) for i, p in enumerate(config.pretrain)]
+    pools += [("evaluation.query_set", config.evaluation.query_set),
+              ("evaluation.gallery_set", config.evaluation.gallery_set)]
+    problems, seen = [], set()
+    for key, spec in pools:
+        identity = spec.model_dump_json()
+        if identity in seen:
+            continue
+        seen.add(identity)
+        try:
+            load_pool(spec, key)
+        except Exception as error:  # noqa: BLE001 - every reader failure is reported, none stops the listing
+            problems.append((key, str(error)))
+    if not problems:
+        try:
+            check_pools_open_set(config)
+        except ValueError as error:
+            problems.append(("evaluation", str(error)))
+    return problems
+
+
+def weights_sources(config: ScenarioConfig) -> list[dict[str, Any]]:
+    """Every external weights file the scenario names: config key, source, pinned sha256, ignore list, and what the
+    stage builds to load it into (backbone, backbone config, classifier, pretrained classes, seed)."""
+    method_classifier = _method_traits(config.method.name)["classifier"]
+    found = []
+    for index, spec in enumerate(config.pretrain):
+        if spec.init is not None:
+            found.append({"key": f"pretrain[{spec.name}].init", "source": spec.init, "sha256": spec.init_sha256,
+                          "ignore": spec.init_ignore_keys, "backbone": spec.backbone,
+                          "backbone_config": spec.backbone_config,
+                          "classifier": pretrain_classifier(config, index, method_classifier),
+                          "num_active": spec.num_classes,
+                          "seed": spec.seed if spec.seed is not None else config.seed})
+    for index, replacement in enumerate(config.replacements):
+        if not replacement.source.startswith(PRETRAIN_PREFIX):
+            found.append({"key": f"replacements[{index}].source", "source": replacement.source,
+                          "sha256": replacement.sha256, "ignore": replacement.ignore_keys,
+                          "backbone": replacement.backbone, "backbone_config": replacement.backbone_config,
+                          "classifier": method_classifier, "num_active": replacement.num_pretrain_classes or 0,
+                          "seed": config.seed})
+    if config.initial_model and not config.initial_model.startswith(PRETRAIN_PREFIX):
+        found.append({"key": "initial_model", "source": config.initial_model, "sha256": None,
+                      "ignore": config.initial_model_ignore_keys, "backbone": None, "backbone_config": None,
+                      "classifier": method_classifier, "num_active": 0, "seed": config.seed})
+    return found
+
+
+def weights_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
+    """(config key, problem) for every weights source that is missing, unreadable, not the pinned bytes, or does
+    not load strictly into the model its stage builds (the load is tried here, on CPU, then discarded)."""
+    problems = []
+    for entry in weights_sources(config):
+        key = entry["key"]
+        try:
+            resolve_weights_source(entry["source"])
+        except (OSError, ValueError) as error:
+            problems.append((key, f"weights source {entry['source']!r}: {error}"))
+            continue
+        digest = file_digest(entry["source"])
+        expected = (entry["sha256"] or "").lower() or None
+        if expected and digest != expected:
+            problems.append((key, f"sha256 mismatch for {entry['source']}: expected {expected}, actual {digest}"))
+            continue
+        try:
+            model = initial_model(config, entry["classifier"], entry["seed"], entry["backbone"],
+                                  entry["backbone_config"],
+                                  num_active=entry["num_active"] if entry["classifier"] == "learnable" else 0)
+            load_weights_strictly(model, entry["source"], digest, entry["ignore"], key)
+        except (OSError, ValueError, KeyError) as error:
+            message = str(error)
+            problems.append((key, message))
+    return problems
+
+
+def device_problems(config: ScenarioConfig, cluster_has_gpus: bool | None = None) -> list[tuple[str, str]]:
+    """``device: cuda[:N]`` where torch (or, on a cluster, Ray) sees no CUDA device."""
+    device = str(config.device)
+    if not device.startswith("cuda"):
+        return []
+    if cluster_has_gpus is None:
+        import torch
+
+        available = torch.cuda.is_available()
+        count = torch.cuda.device_count() if available else 0
+        where = "this machine"
+    else:
+        available, count, where = cluster_has_gpus, None, "the Ray cluster"
+    if not available:
+        return [("device", f"{device!r} but {where} has no CUDA device; use auto or cpu")]
+    index = device.partition(":")[2]
+    if count is not None and index.isdigit() and int(index) >= count:
+        return [("device", f"{device!r} but this machine has {count} CUDA device(s) (0..{count - 1})")]
+    return []
+
+
+def output_problems(run_dir: str) -> list[tuple[str, str]]:
+    """An ``s3://`` run folder whose bucket does not exist (named, with the endpoint)."""
+    if not str(run_dir).startswith("s3://"):
+        return []
+    bucket = str(run_dir)[len("s3://"):].split("/", 1)[0]
+    try:
+        cio.exists(f"s3://{bucket}/")
+        cio.list_dir(f"s3://{bucket}")
+    except FileNotFoundError as error:
+        return [("output.dir", f"bucket {bucket!r} of {run_dir} does not exist ({error})")]
+    except OSError as error:
+        return [("output.dir", f"cannot reach bucket {bucket!r} of {run_dir}: {error}")]
+    return []
+
+
+def preflight(config: ScenarioConfig, run_dir: str | None = None, cluster_has_gpus: bool | None = None,
+              check_device: bool = True) -> None:
+    """Raise PreflightError listing every problem (all of them, so one pass fixes a new machine); None when the
+    scenario can run. ``cluster_has_gpus``: judge ``device: cuda`` by the cluster instead of this machine."""
+    problems = data_problems(config)
+    problems += weights_problems(config)
+    if check_device:
+        problems += device_problems(config, cluster_has_gpus)
+    if run_dir is not None:
+        problems += output_problems(run_dir)
+    if problems:
+        raise PreflightError(problems)
+
+
+__all__ = ["PreflightError", "data_problems", "device_problems", "output_problems", "preflight", "weights_problems",
+           "weights_sources"]

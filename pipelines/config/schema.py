@@ -1,0 +1,463 @@
+"""Scenario configuration: the YAML schema and its cross-field validation before any compute (loading files,
+``--set`` overrides, error messages and the config hash: ``pipelines.config.load``).
+
+A scenario says which data make up the pre-training pools, the fine-tuning pool and the open-set query/gallery
+sets, how the fine-tuning classes are split into tasks, which backbone and how many d-Simplex slots (K) the models
+have, which method trains them, when third-party models replace the fine-tuned one, and how compatibility is
+measured. Validation never touches the data (paper configs name data roots that may not exist on this machine):
+what can only be checked against the data is checked when a stage starts.
+
+Conventions: task numbers are 0-based in code and files except ``replacements[i].at_task``, which is 1-based as in
+the papers. Learning rates are plain numbers; metrics are fractions in [0, 1].
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
+
+from pipelines.config.method_params import MethodParams
+from pipelines.graph.stage_kind import StageKind
+from pipelines.methods import METHODS
+from pipelines.training.settings import (
+    BOUND_FIELDS,
+    PRETRAIN_OVERRIDES,
+    SEED_LIMIT,
+    OptimizerSpec,
+    ScheduleSpec,
+    StrictModel,
+    TrainConfig,
+)
+
+PRETRAIN_PREFIX = "pretrain:"
+
+
+class Portion(StrictModel):
+    """A seeded, class-stratified part of a pool: per class, a ``fraction`` of its samples is ``first``, the rest ``second``.
+
+    Used to make a query and a gallery set out of one open-set test pool (query = first, gallery = second).
+    """
+
+    fraction: float = Field(0.5, gt=0.0, lt=1.0, description="share of each class's samples in the 'first' part")
+    take: Literal["first", "second"] = "first"
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT)
+
+
+class PoolSpec(StrictModel):
+    """One labelled image pool: ``load_dataset(dataset, root, split, **options)`` then optional filtering."""
+
+    dataset: str = Field(description="name in compat_core.data.DATASETS (e.g. glyphs, cifar100)")
+    root: str | None = Field(None, description="local folder or s3:// URI of the data; None = the reader's default")
+    split: str = "train"
+    options: dict[str, Any] = Field(default_factory=dict, description="extra keyword options of the dataset reader")
+    classes: list[int] | None = Field(None, description="dataset class ids to keep (None = all classes of the split)")
+    per_class: int | None = Field(None, ge=1, description="keep at most this many samples per class (first ones)")
+    portion: Portion | None = None
+    num_samples: int | None = Field(
+        None, ge=1, description="expected samples after filtering: used by `compat plan` estimates only"
+    )
+
+    def identity(self) -> tuple:
+        """What makes two pools draw from the same class space (for the open-set guard)."""
+        return (self.dataset, self.root, self.split, json.dumps(self.options, sort_keys=True, default=str))
+
+
+class ModelSpec(StrictModel):
+    backbone: str = Field(description="name in compat_core.models.BACKBONES")
+    backbone_config: dict[str, Any] = Field(default_factory=dict)
+    num_slots: int = Field(ge=2, description="K: d-Simplex classes pre-allocated; feature dimension is K - 1")
+    head: Literal["auto", "junction", "backbone"] = Field(
+        "auto", description="retrieval feature: 'junction' = Linear(m, K-1) output (d-Simplex methods need it); "
+        "'backbone' = the backbone output with the classifier on it (the papers' learnable-classifier baselines); "
+        "'auto' = backbone for learnable classifiers, junction for the d-Simplex")
+
+
+class ReplaySpec(StrictModel):
+    per_class: int = Field(20, ge=0, description="images kept per seen class (0 disables replay)")
+    strategy: Literal["random", "herding"] = "random"
+    epoch_length: Literal["task", "reference"] = Field(
+        "task", description="half-memory/half-task epochs: 'task' = one pass over the task data (batch_size // 2 task "
+        "samples per batch); 'reference' = (task + memory) // batch_size batches, as the public CL2R / IAM-CL2R code")
+
+
+def method_params_model(name: str) -> type[MethodParams]:
+    """The params model registered by method ``name`` (KeyError naming the valid methods)."""
+    return METHODS.get(name).Params
+
+
+class MethodSpec(StrictModel):
+    name: str = Field(description="name in pipelines.methods.METHODS (e.g. er, dsimplex-hoc)")
+    params: SerializeAsAny[MethodParams] = Field(
+        default_factory=MethodParams, description="method hyper-parameters: the Params model of method.name")
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if value not in METHODS:
+            raise ValueError(f"unknown method {value!r}; valid: {', '.join(METHODS.names())}")
+        return value
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _select_params(cls, value: Any, info: ValidationInfo) -> MethodParams:
+        name = info.data.get("name")
+        if name is None:
+            return MethodParams()  # the unknown name is the error reported
+        if isinstance(value, BaseModel):
+            value = dict(value)
+        return method_params_model(name).model_validate({} if value is None else value)
+
+
+class TaskSpec(StrictModel):
+    spec: str = Field(description="initial classes + increments, e.g. '10+6x15' (7 tasks)")
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="class-order seed (None: the scenario seed)")
+    order: Literal["seeded", "given"] = Field(
+        "seeded", description="'seeded': the sorted class ids shuffled with the seed; 'given': data.classes in the "
+        "order listed, else the classes in the dataset's id order (the reference codes' order)")
+
+    @field_validator("spec")
+    @classmethod
+    def _parse(cls, value: str) -> str:
+        parse_increments(value)
+        return value
+
+
+class PretrainSpec(StrictModel):
+    """A third-party model trained by the pipeline on its own class pool (slots 0..num_classes-1, left to right)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    pool: PoolSpec
+    num_classes: int = Field(ge=1, description="classes in the pool (checked against the data when the stage runs)")
+    epochs: int | None = Field(None, ge=1, description="None: training.epochs")
+    backbone: str | None = None
+    backbone_config: dict[str, Any] | None = None
+    optimizer: OptimizerSpec | None = None
+    schedule: ScheduleSpec | None = None
+    batch_size: int | None = Field(None, ge=2)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    init: str | None = Field(
+        None, description="external weights pre-training starts from (path / s3:// URI of a safetensors file or a torch "
+        "state dict read with weights_only=True, e.g. the published DINOv3 checkpoint); None: random initialisation")
+    init_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$",
+                                    description="expected sha256 of the init file (checked before loading)")
+    init_ignore_keys: list[str] | None = Field(
+        None, description="glob patterns of init checkpoint keys known not to fit (e.g. 'dino_head.*'); every other "
+        "key must load into the backbone and every backbone key must be loaded")
+    classifier: Literal["method", "simplex", "learnable"] = Field(
+        "method", description="classifier family the third-party model is trained with: 'method' (the method under "
+        "test's: d-Simplex or learnable, as the reference pre-trains each method's models) or one fixed family, so "
+        "that runs of different methods share the same third-party models (a learnable-classifier method adopts a "
+        "d-Simplex model with exactly its logits, see compat_core.models.learnable_from_simplex)")
+
+    def resolved_classifier(self, method_classifier: str) -> str:
+        """The classifier family this entry trains with, given the method's ('simplex' or 'learnable')."""
+        return method_classifier if self.classifier == "method" else self.classifier
+
+    @model_validator(mode="after")
+    def _sha_needs_init(self) -> "PretrainSpec":
+        if self.init_sha256 is not None and self.init is None:
+            raise ValueError("init_sha256 is set but init is not: give the weights file the digest belongs to")
+        return self
+
+
+class ReplacementSpec(StrictModel):
+    """At task ``at_task`` (1-based, as the papers) the fine-tuned model is replaced by another one, then fine-tuned."""
+
+    at_task: int = Field(description="1-based task number of the first task trained from the new model")
+    source: str = Field(description="path / URI / MLflow URI of external weights, or 'pretrain:<name>'")
+    backbone: str | None = Field(None, description="backbone of the new model (None: model.backbone)")
+    backbone_config: dict[str, Any] | None = None
+    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$")
+    ignore_keys: list[str] | None = Field(
+        None, description="glob patterns of source keys (or model keys) known not to fit; the rest must match exactly")
+    num_pretrain_classes: int | None = Field(
+        None, ge=0, description="slots 0.. used by the external model's own classes (for the K check)"
+    )
+    anchor: Literal["loaded", "replaced"] = Field(
+        "loaded", description="frozen old model of the replacement's first task: 'loaded' (the new model itself, as "
+        "the papers and their public code) or 'replaced' (this project's extension, not in the papers: the "
+        "fine-tuned model it replaces, so the new model is trained to be compatible with the index it inherits; "
+        "d-Simplex methods only)")
+    adapters: list[Literal["procrustes", "affine", "mlp", "fct", "fan"]] = Field(
+        default_factory=list,
+        description="adapters fitted between the replaced (old) and the new model at this replacement, evaluated "
+                    "and stored by an 'adapt' stage: procrustes|affine|mlp (new->old queries), fct|fan (old->new "
+                    "gallery)",
+    )
+    adapter_params: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per-adapter settings, e.g. {affine: {rank: 64}, mlp: {epochs: 30}}")
+
+
+class EvaluationSpec(StrictModel):
+    query_set: PoolSpec
+    gallery_set: PoolSpec
+    metric: Literal["recall_at_1", "map", "verification", "tar_at_far"] = "recall_at_1"
+    gallery: Literal["instances", "class_means"] = "instances"
+    label_level: Literal["fine", "coarse"] = "fine"
+    strict: bool = Field(True, description="compatibility criterion uses > (True) or >= (False)")
+    far: float = Field(1e-3, gt=0.0, lt=1.0, description="false-acceptance rate for tar_at_far")
+    verification_pairs: int = Field(3000, ge=1, description="positive (and as many negative) pairs for verification")
+    feature_dtype: Literal["float16", "float32"] = "float16"
+    features: Literal["auto", "direct", "bridge"] = Field(
+        "auto", description="what extract stores: d-dim features (direct) or m-dim embeddings for the exact "
+                            "linear-head bridge (bridge); auto: the bridge when d = K-1 > m (pipelines.stages.bridge_features)")
+    batch_size: int = Field(256, ge=1, description="extraction batch size")
+
+
+class StageResources(StrictModel):
+    """What one stage asks a scheduler for (Ray). ``num_gpus`` None: 1 when the cluster has GPUs, else 0."""
+
+    num_gpus: float | None = Field(None, ge=0)
+    num_cpus: float = Field(1, gt=0)
+    memory: int | None = Field(None, ge=0, description="bytes")
+    num_workers: int = Field(1, ge=1, description="data-parallel training workers (Ray Train, DDP), each with "
+                             "num_cpus / num_gpus / memory; > 1 only for pretrain and finetune, on the Ray backend")
+    custom: dict[str, float] = Field(default_factory=dict, description="Ray custom resources the stage needs, e.g. "
+                                     "{gpu_a100: 1} or {spot: 0.01}: it only runs on nodes that list them")
+    own_process: bool | None = Field(
+        None, description="run each training node (pretrain, finetune, replace) in a Ray worker process of its own "
+        "that exits after it (Ray's max_calls=1): everything the node held (optimiser state, allocator caches, a CUDA "
+        "context) goes back to the OS and the next node starts clean, at the price of one worker start (seconds) per "
+        "node; None: when the node asks for a GPU (Ray's own rule for GPU tasks), else reused workers")
+
+
+class ResourcesSpec(StrictModel):
+    pretrain: StageResources = Field(default_factory=StageResources)
+    finetune: StageResources = Field(default_factory=StageResources)
+    extract: StageResources = Field(default_factory=StageResources)
+    evaluate: StageResources = Field(default_factory=lambda: StageResources(num_gpus=0))
+    evaluation_actors: int | None = Field(None, ge=1, description="most matrix-entry tasks running at once on Ray "
+                                                                   "(None: as many as Ray places)")
+    autoscaling: bool = Field(False, description="the Ray cluster has an autoscaler: a stage no current node can "
+                              "hold waits for one (logged) instead of failing at once")
+
+    @model_validator(mode="after")
+    def _data_parallel_training_only(self) -> "ResourcesSpec":
+        for name in ("extract", "evaluate"):
+            if getattr(self, name).num_workers != 1:
+                raise ValueError(f"resources.{name}.num_workers must be 1 (only pretrain and finetune train "
+                                 f"data-parallel), got {getattr(self, name).num_workers}")
+        return self
+
+    def for_stage(self, kind: str) -> StageResources:
+        return getattr(self, StageKind(kind).config_section)
+
+
+class PaperSpec(StrictModel):
+    """What a shipped config reproduces and how it knowingly differs (printed by `compat plan`; not in the config hash)."""
+
+    reproduces: str = Field(description="paper and table/figure the scenario reproduces, e.g. 'CL2R (2026) Table II'")
+    divergences: list[str] = Field(default_factory=list, description="every deliberate difference from the papers' "
+                                   "text, with the quote and the reason")
+    public_code: list[str] = Field(default_factory=list, description="settings the papers do not state, taken from "
+                                   "the public code that produced the tables")
+    choices: list[str] = Field(default_factory=list, description="settings neither the papers nor their public code "
+                               "state, and our choice")
+
+
+class OutputSpec(StrictModel):
+    dir: str = Field("runs/{name}", description="run directory (local path or s3:// URI); {name} = scenario name")
+    shared_store: str | None = Field(
+        None, description="store (local folder or s3:// URI) of third-party models shared by runs: a pretrain stage "
+        "whose key is committed there is copied into the run instead of trained, and one this run trains is "
+        "published there; stage keys are content hashes, so only identical models are shared. Runs that train the "
+        "same model at once take turns (a claim per stage key); None: every run trains its own")
+    registered_model: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="MLflow registered model that every run of this scenario adds its versions to (aliases task-N "
+        "move to the newest run); None = the scenario name")
+
+
+class ScenarioConfig(StrictModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT, description="scenario seed in [0, 2^63); task t trains with seed*1000+t")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    data: PoolSpec = Field(description="the fine-tuning pool, split into tasks")
+    tasks: TaskSpec
+    model: ModelSpec
+    method: MethodSpec
+    training: TrainConfig = Field(default_factory=TrainConfig)
+    replay: ReplaySpec = Field(default_factory=ReplaySpec)
+    pretrain: list[PretrainSpec] = Field(default_factory=list)
+    initial_model: str | None = Field(
+        None, description="weights the first task starts from: 'pretrain:<name>', a path/URI, or None (random init)"
+    )
+    initial_model_ignore_keys: list[str] | None = Field(
+        None, description="glob patterns of initial_model checkpoint keys known not to fit (external files only)")
+    replacements: list[ReplacementSpec] = Field(default_factory=list)
+    evaluation: EvaluationSpec
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    output: OutputSpec = Field(default_factory=OutputSpec)
+    paper: PaperSpec | None = Field(None, description="which paper table the config reproduces, and divergences")
+
+    # ---- derived values -------------------------------------------------------------------------------------
+    @property
+    def increments(self) -> list[int]:
+        return parse_increments(self.tasks.spec)
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.increments)
+
+    @property
+    def task_seed(self) -> int:
+        return self.seed if self.tasks.seed is None else self.tasks.seed
+
+    def replacement_at(self, task: int) -> ReplacementSpec | None:
+        """The replacement whose first task is ``task`` (0-based), if any."""
+        for replacement in self.replacements:
+            if replacement.at_task - 1 == task:
+                return replacement
+        return None
+
+    def pretrain_spec(self, name: str) -> PretrainSpec:
+        for spec in self.pretrain:
+            if spec.name == name:
+                return spec
+        raise KeyError(f"no pretrain entry named {name!r}; defined: {[p.name for p in self.pretrain]}")
+
+    def output_dir(self) -> str:
+        return self.output.dir.replace("{name}", self.name)
+
+    def train_config(self, seed: int, device: str, pretrain: PretrainSpec | None = None) -> TrainConfig:
+        """What a stage trains with: the ``training`` section (with ``pretrain``'s overrides for a pre-training
+        stage, which always keeps its last epoch) and the values other sections own (BOUND_FIELDS) bound in."""
+        values = {"seed": seed, "device": str(device), "epoch_length": self.replay.epoch_length,
+                  "selection_strict": self.evaluation.strict, "eval_batch_size": self.evaluation.batch_size}
+        if pretrain is not None:
+            values.update({name: getattr(pretrain, name) for name in PRETRAIN_OVERRIDES
+                           if getattr(pretrain, name) is not None})
+            values["model_selection"] = "last"
+        return self.training.bound(**values)
+
+    # ---- cross-field validation -----------------------------------------------------------------------------
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "ScenarioConfig":
+        problems: list[str] = []
+        num_tasks = self.num_tasks
+        total_classes = sum(self.increments)
+        pretrain_names = [p.name for p in self.pretrain]
+        if self.seed * 1000 + num_tasks - 1 >= 2 ** 64:
+            problems.append(f"seed: {self.seed} is too large: task t trains with seed*1000+t, which must stay below "
+                            f"2^64 (torch's seed range); use a seed below {(2 ** 64 - num_tasks) // 1000}")
+        for name in sorted(self.training.model_fields_set & set(BOUND_FIELDS)):
+            problems.append(f"training.{name}: set by {BOUND_FIELDS[name]}, not in the training section")
+        duplicates = sorted({n for n in pretrain_names if pretrain_names.count(n) > 1})
+        if duplicates:
+            problems.append(f"pretrain: names must be unique, {duplicates} appear more than once")
+
+        def check_source(key: str, source: str) -> None:
+            if source.startswith(PRETRAIN_PREFIX) and source[len(PRETRAIN_PREFIX):] not in pretrain_names:
+                problems.append(
+                    f"{key}: {source!r} names no pretrain entry; define it under 'pretrain' (defined: {pretrain_names})"
+                )
+
+        if self.initial_model is not None:
+            check_source("initial_model", self.initial_model)
+        seen_tasks: dict[int, int] = {}
+        for index, replacement in enumerate(self.replacements):
+            key = f"replacements[{index}]"
+            if not 2 <= replacement.at_task <= num_tasks:
+                problems.append(
+                    f"{key}.at_task: must be in 2..{num_tasks} (1-based task number) for a {num_tasks}-task "
+                    f"sequence, got {replacement.at_task}"
+                )
+            if replacement.at_task in seen_tasks:
+                problems.append(
+                    f"{key}.at_task: task {replacement.at_task} is already replaced by "
+                    f"replacements[{seen_tasks[replacement.at_task]}]; use one replacement per task"
+                )
+            seen_tasks[replacement.at_task] = index
+            check_source(f"{key}.source", replacement.source)
+
+        # Slots: third-party classes fill 0.. left to right, fine-tuning classes K-1.. right to left; they must not meet.
+        left_slots = [0]
+        for spec in self.pretrain:
+            left_slots.append(spec.num_classes)
+        for index, replacement in enumerate(self.replacements):
+            if replacement.num_pretrain_classes is not None:
+                left_slots.append(replacement.num_pretrain_classes)
+        needed = max(left_slots) + total_classes
+        if self.model.num_slots < needed:
+            problems.append(
+                f"model.num_slots: K={self.model.num_slots} is too small: {total_classes} fine-tuning classes "
+                f"(tasks.spec {self.tasks.spec!r}) + {max(left_slots)} pre-training slots need K >= {needed}"
+            )
+        if self.data.classes is not None and len(set(self.data.classes)) != total_classes:
+            problems.append(
+                f"data.classes: {len(set(self.data.classes))} distinct classes listed but tasks.spec "
+                f"{self.tasks.spec!r} uses {total_classes}"
+            )
+
+        # Open-set guard on what is visible without the data: the same class space cannot feed training and test
+        # with overlapping (or unrestricted) class lists. The data-level check runs again when evaluation starts.
+        training_pools = [("data", self.data)] + [(f"pretrain[{i}].pool", p.pool) for i, p in enumerate(self.pretrain)]
+        for test_key, test_pool in (("evaluation.query_set", self.evaluation.query_set),
+                                    ("evaluation.gallery_set", self.evaluation.gallery_set)):
+            for train_key, train_pool in training_pools:
+                if train_pool.identity() != test_pool.identity():
+                    continue
+                if train_pool.classes is None or test_pool.classes is None:
+                    problems.append(
+                        f"{test_key}: draws from the same dataset split as {train_key} "
+                        f"({train_pool.dataset}/{train_pool.split}) without disjoint 'classes' lists; "
+                        f"the open-set protocol needs test classes never seen in training"
+                    )
+                    continue
+                overlap = sorted(set(train_pool.classes) & set(test_pool.classes))
+                if overlap:
+                    problems.append(
+                        f"{test_key}.classes: overlap with {train_key}.classes on {overlap[:10]}"
+                        f"{' ...' if len(overlap) > 10 else ''}; training and test classes must be disjoint"
+                    )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+MAX_TASKS = 10_000
+_INCREMENT_PATTERN = re.compile(r"^\s*(\d+)\s*(?:x\s*(\d+))?\s*$")
+
+
+def parse_increments(spec: str) -> list[int]:
+    """'10+6x15' -> [10, 15, 15, 15, 15, 15, 15]: classes per task (0-based task index = list position).
+
+    ``AxB`` means A tasks of B classes. Kept here so configs validate without the data package; it must agree
+    with ``compat_core.data.tasks.parse_increments`` (a test checks both on the shipped specs).
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"tasks.spec: expected text like '10+6x15', got {spec!r}")
+    counts: list[int] = []
+    for part in spec.split("+"):
+        match = _INCREMENT_PATTERN.match(part)
+        if not match:
+            raise ValueError(f"tasks.spec: cannot read {part.strip()!r} in {spec!r}; write N or AxB, e.g. '10+6x15'")
+        repeat = 1 if match.group(2) is None else int(match.group(1))
+        if len(counts) + repeat > MAX_TASKS:
+            raise ValueError(f"tasks.spec: {spec!r} has more than {MAX_TASKS} tasks; a scenario's matrix has T(T+1)/2 "
+                             f"entries, so keep T at most {MAX_TASKS}")
+        if match.group(2) is None:
+            counts.append(int(match.group(1)))
+        else:
+            counts.extend([int(match.group(2))] * repeat)
+    if not counts or min(counts) < 1:
+        raise ValueError(f"tasks.spec: every task needs at least one class, got {spec!r}")
+    return counts
+
+
+def resolved_head(config: ScenarioConfig, classifier: str) -> str:
+    """'junction' or 'backbone': the model head a scenario's models get (``model.head``, 'auto' resolved by the
+    method's classifier family: backbone output for learnable classifiers, as the papers' baselines)."""
+    if config.model.head != "auto":
+        return config.model.head
+    return "backbone" if classifier == "learnable" else "junction"
+
+
+__all__ = [
+    "ScenarioConfig", "PoolSpec", "PretrainSpec", "ReplacementSpec", "EvaluationSpec", "ReplaySpec", "MethodSpec",
+    "MethodParams", "ModelSpec", "TaskSpec", "StageResources", "ResourcesSpec", "PaperSpec", "parse_increments",
+    "resolved_head", "PRETRAIN_PREFIX",
+]

@@ -1,0 +1,290 @@
+"""The engine: one scheduling loop (:func:`run_graph`) runs a graph of stage and matrix-entry nodes on a backend.
+
+Backends: :class:`InProcessBackend` (``LocalExecutor``, ``compat run``, Tune trials, ``compat eval``) and the Ray
+backend in :mod:`cluster.ray.executor` (one Ray task per node). Both run every node with
+:func:`pipelines.stages.dispatch.execute_stage`. Nodes whose manifest is already committed are skipped, so a killed run
+started again resumes where it stopped; after the last node :func:`finalize_run` writes the run directory's
+contract files (config.yaml, matrix.json, metrics.json, then the reports when that module exists).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from compat_core import io as cio
+from pipelines.config.load import config_hash, dump_config, validate_config
+from pipelines.config.schema import ScenarioConfig
+from pipelines.engine.progress import ProgressReporter, StageEvent, StageRecord
+from pipelines.graph.compile import Stage, StageGraph
+from pipelines.graph.stage_kind import StageKind
+from pipelines.records.stage_records import CommittedStage, read_committed
+from pipelines.reports.run_report import write_reports
+from pipelines.results.assemble import RunResult, assemble_matrix, write_result
+from pipelines.stages.dispatch import execute_stage
+from pipelines.stages.upgrades import adapter_summaries
+from pipelines.store.run_store import RunStore
+from pipelines.store.shared_store import SharedStore
+from pipelines.training.checkpoints import collect_committed
+
+log = logging.getLogger(__name__)
+
+SHARED_POLL_S = 2.0  # how often a run waiting for another run's third-party model looks for it (seconds)
+
+
+@dataclass
+class Invocation:
+    """What one engine invocation did: node keys executed and skipped (already committed), seconds per node, and
+    the matrix and metrics once the graph is complete (a finished run's summary is ``reports.RunSummary``)."""
+
+    run_id: str
+    executed: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # includes the adopted ones
+    adopted: list[str] = field(default_factory=list)  # copied from output.shared_store instead of computed
+    published: list[str] = field(default_factory=list)  # computed here and published to output.shared_store
+    seconds: dict[str, float] = field(default_factory=dict)
+    matrix: dict | None = None
+    metrics: dict | None = None
+    result: RunResult | None = None  # the same, typed (what the engine emits to the tracker)
+
+
+class Backend:
+    """Where the engine's nodes run. ``submit`` starts one node (its parents are committed); ``wait`` blocks until
+    one submitted node is committed and returns ``(key, records, committed)`` (records to replay to the emit
+    callback; the node's CommittedStage, which the engine hands on with the "done" event), raising
+    that node's error; with ``timeout`` (seconds) it may return None when none finished by then (backends that run
+    nodes synchronously ignore it). ``close`` releases what the backend holds. ``slots``: nodes it runs at once
+    (None: as many as are ready; Ray queues and places them)."""
+
+    slots: int | None = None
+
+    def submit(self, stage: Stage, graph: StageGraph, store: RunStore) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> tuple[str, list, CommittedStage] | None:  # pragma: no cover
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class InProcessBackend(Backend):
+    """Runs nodes one at a time in this process, in the graph's order (records go straight to ``emit``)."""
+
+    slots = 1
+
+    def __init__(self, emit: Callable[[Any], None]) -> None:
+        self.emit = emit
+        self.queue: collections.deque = collections.deque()
+
+    def submit(self, stage: Stage, graph: StageGraph, store: RunStore) -> None:
+        refuse_data_parallel([stage])
+        self.queue.append((stage, graph, store))
+
+    def wait(self, timeout: float | None = None) -> tuple[str, list, CommittedStage]:
+        stage, graph, store = self.queue.popleft()
+        return stage.key, [], execute_stage(stage, graph.config, store, self.emit, code_version=graph.code_version)
+
+
+def refuse_data_parallel(stages: Iterable[Stage]) -> None:
+    """ValueError naming ``resources.<stage>.num_workers`` when a stage asks for more than one training worker."""
+    for stage in stages:
+        workers = stage.resources.num_workers
+        if workers > 1:
+            kind = StageKind(stage.kind).config_section
+            raise ValueError(f"resources.{kind}.num_workers = {workers}: data-parallel training runs on the Ray "
+                             f"backend (compat run --executor ray); the in-process backend trains with one "
+                             f"worker (set it to 1)")
+
+
+def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callable[[Any], None],
+              until: Iterable[str] | None = None, stop_after: int | None = None) -> Invocation:
+    """The one scheduling loop: submit every node whose parents are committed to ``backend``, wait for one, repeat.
+
+    until: node keys; only they and their ancestors run (Tune trials stop at a row, ``compat eval`` runs only the
+    entry nodes of another protocol). stop_after: submit at most this many nodes, then return (partial runs).
+    Committed nodes are skipped (a killed run resumes). When every node of the graph is committed, the run
+    directory's contract files are written (:func:`finalize_run`) and the RunResult is emitted.
+    """
+    prepare_run(graph.config, store)
+    summary = Invocation(run_id=uuid.uuid4().hex[:12])
+    needed = graph.ancestors(until) if until is not None else None
+    index_of = {stage.key: index for index, stage in enumerate(graph)}
+    total = len(graph)
+    done: set[str] = set()
+    pending: list[Stage] = []
+    shared_root = graph.config.output.shared_store
+    shared = SharedStore(shared_root) if shared_root else None
+
+    def skip(stage: Stage) -> None:
+        done.add(stage.key)
+        summary.skipped.append(stage.key)
+        # committed before this invocation: read once here, handed on like a "done" stage's record
+        emit(StageEvent(stage.key, stage.label, stage.kind, "skipped", index_of[stage.key], total,
+                        committed=read_committed(store, stage.key)))
+
+    def adopted(stage: Stage) -> bool:
+        if shared is None or not shared.covers(stage.kind) or not shared.adopt(stage.key, store):
+            return False
+        summary.adopted.append(stage.key)
+        return True
+
+    for stage in graph:
+        if needed is not None and stage.key not in needed:
+            continue
+        if store.has(stage.key) or adopted(stage):
+            skip(stage)
+        else:
+            pending.append(stage)
+    started: dict[str, float] = {}
+    try:
+        while pending or started:
+            progressed = waiting_elsewhere = False
+            ready = [s for s in pending if all(p in done for p in s.parents)]
+            for stage in sorted(ready, key=lambda s: not s.first):  # stable: graph order otherwise
+                if stop_after is not None and len(summary.executed) + len(started) >= stop_after:
+                    break
+                if backend.slots is not None and len(started) >= backend.slots:
+                    break
+                if shared is not None and shared.covers(stage.kind):
+                    if adopted(stage):  # another run published it since the scan
+                        pending.remove(stage)
+                        skip(stage)
+                        progressed = True
+                        continue
+                    if not shared.claim(stage.key):  # another run is training it: adopt it when published
+                        waiting_elsewhere = True
+                        continue
+                pending.remove(stage)
+                emit(StageEvent(stage.key, stage.label, stage.kind, "started", index_of[stage.key], total))
+                started[stage.key] = time.perf_counter()
+                backend.submit(stage, graph, store)
+            if not started:
+                if waiting_elsewhere:
+                    time.sleep(SHARED_POLL_S)
+                if waiting_elsewhere or progressed:
+                    continue
+                break  # stop_after reached
+            try:
+                # while another run trains a model this run needs, look for it every SHARED_POLL_S seconds
+                # instead of only when one of this run's own nodes finishes
+                outcome = backend.wait(timeout=SHARED_POLL_S if waiting_elsewhere else None)
+                if outcome is None:
+                    continue
+                key, records, committed = outcome
+            except BaseException as error:
+                failed = graph[getattr(error, "stage_key", None) or next(iter(started))]
+                emit(StageEvent(failed.key, failed.label, failed.kind, "failed", index_of[failed.key], total))
+                raise
+            for record in records:
+                emit(StageRecord(key, record))
+            seconds = time.perf_counter() - started.pop(key)
+            done.add(key)
+            summary.executed.append(key)
+            summary.seconds[key] = seconds
+            stage = graph[key]
+            emit(StageEvent(key, stage.label, stage.kind, "done", index_of[key], total, seconds, committed))
+            if shared is not None and shared.covers(stage.kind):
+                try:
+                    if shared.publish(key, store):
+                        summary.published.append(key)
+                except Exception as error:  # the run keeps its own copy; another run then trains it itself
+                    log.warning("stage %s could not be published to the shared store %s: %s", key, shared_root,
+                                error)
+    finally:
+        backend.close()
+        if shared is not None:
+            shared.close()
+    if summary.executed:
+        record_invocation(store, summary)
+        collect_committed(store)  # checkpoints of stages committed by a process that died before cleaning up
+    if all(store.has(stage.key) for stage in graph):
+        summary.result = finalize_run(graph, store)
+        summary.matrix, summary.metrics = summary.result.matrix.to_dict(), summary.result.metrics
+        emit(summary.result)  # the tracker logs the run's results from it
+    return summary
+
+
+class Executor:
+    """Runs every node of ``graph`` whose manifest is missing from ``store``; returns an Invocation."""
+
+    def run(self, graph: StageGraph, store: RunStore, until: Iterable[str] | None = None) -> Invocation:
+        raise NotImplementedError  # pragma: no cover - interface
+
+
+class LocalExecutor(Executor):
+    """The engine with the in-process backend: one node at a time in this process, with progress bars.
+
+    emit: callback receiving every record (stage events, training records, progress); defaults to a tqdm
+    ProgressReporter. stop_after: execute at most this many nodes, then return (tests, partial runs).
+    """
+
+    def __init__(self, emit: Callable[[Any], None] | None = None, progress: bool = True,
+                 stop_after: int | None = None) -> None:
+        self.emit = emit if emit is not None else ProgressReporter(enabled=progress)
+        self.stop_after = stop_after
+
+    def run(self, graph: StageGraph, store: RunStore, until: Iterable[str] | None = None) -> Invocation:
+        try:
+            refuse_data_parallel(graph)  # before any node computes
+            return run_graph(graph, store, InProcessBackend(self.emit), self.emit, until, self.stop_after)
+        finally:
+            close_emit(self.emit)
+
+
+def close_emit(emit: Any) -> None:
+    close = getattr(emit, "close", None)
+    if callable(close):
+        close()
+
+
+def prepare_run(config: ScenarioConfig, store: RunStore) -> None:
+    """Write the resolved config.yaml; refuse a run directory that holds a different scenario."""
+    text = dump_config(config)
+    try:
+        existing = store.read_text("config.yaml")
+    except FileNotFoundError:
+        existing = None
+    if existing is not None and existing != text:
+        import yaml
+
+        try:
+            same = config_hash(validate_config(yaml.safe_load(existing), "config.yaml")) == config_hash(config)
+        except ValueError:
+            same = False
+        if not same:
+            raise ValueError(f"run directory {store.root} holds another scenario (config.yaml differs); use a new "
+                             f"--output or resume with that run's own config")
+    store.write_text("config.yaml", text)
+
+
+def record_invocation(store: RunStore, summary: Invocation) -> None:
+    """One JSON file per executor invocation under executions/ (object stores cannot append to a log)."""
+    store.write_text(f"executions/{time.strftime('%Y%m%dT%H%M%S')}-{summary.run_id}.json", json.dumps({
+        "run_id": summary.run_id, "executed": summary.executed, "skipped": summary.skipped,
+        "seconds": summary.seconds}, indent=1))
+
+
+def read_invocations(store: RunStore) -> list[dict]:
+    """Every invocation record of a run directory, oldest first."""
+    folder = store.uri("executions")
+    if not cio.is_dir(folder):
+        return []
+    return [json.loads(store.read_text(f"executions/{name}")) for name in cio.list_dir(folder)]
+
+
+def finalize_run(graph: StageGraph, store: RunStore) -> RunResult:
+    """Write matrix.json and metrics.json (and the reports of a local run); returns them as a RunResult."""
+    result = RunResult.of(assemble_matrix(graph, store), graph.config.evaluation.strict)
+    write_result(store, result)
+    if getattr(graph, "adapt_stages", None):  # adapters at replacements: report input
+        store.write_text("adapters.json", json.dumps(adapter_summaries(graph, store), indent=2, allow_nan=False))
+    if store.is_local:
+        write_reports(store.base)
+    else:
+        log.info("reports are written for local run directories only; run `compat report` on a local copy")
+    return result

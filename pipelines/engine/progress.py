@@ -1,0 +1,157 @@
+"""Progress display for the local executor: one bar per stage (epochs for training, batches for extraction).
+
+The reporter is the ``emit`` callback stages receive: it accepts any record (training records with epoch, step,
+loss parts and images/s; extraction progress) and shows it; the MLflow tracker of the cluster package plugs into
+the same callback, so training code never calls a tracker directly.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from tqdm.auto import tqdm
+
+from pipelines.records.stage_records import CommittedStage
+
+
+@dataclass
+class StageEvent:
+    """Start/end/skip of a stage: ``status`` is started | done | skipped | failed; seconds only when done.
+    committed: when done or skipped, the committed record and its blob table (what a tracker logs and uploads)."""
+
+    stage_key: str
+    label: str
+    kind: str
+    status: str
+    index: int
+    total: int
+    seconds: float | None = None
+    committed: CommittedStage | None = None
+
+
+@dataclass
+class ProgressUpdate:
+    """Work done inside a stage: ``done`` of ``total`` units (``unit``: epoch | batch); images/s over the stage."""
+
+    stage_key: str
+    done: int
+    total: int
+    unit: str
+    images_per_second: float | None = None
+    loss: float | None = None
+
+
+@dataclass
+class StageRecord:
+    """A record tagged with the stage that produced it. Executors that run stages concurrently (Ray) wrap records in
+    it so that sinks such as the MLflow tracker need not guess which open stage a training record belongs to."""
+
+    stage_key: str
+    record: Any
+
+
+class ProgressReporter:
+    """Shows stages on stderr and forwards every record to ``sinks``.
+
+    On a terminal (and ``enabled``): one tqdm bar per stage (stage label, epoch, images/s, ETA). Otherwise (a log
+    file, CI, ``--no-progress``): flushed lines, one when a stage starts and ends and, inside long stages, one every
+    ``line_interval_s`` seconds with progress, images/s and ETA, never bars drawn into files.
+    """
+
+    def __init__(self, enabled: bool = True, sinks: list[Callable[[Any], None]] | None = None, stream=None,
+                 line_interval_s: float = 10.0, label: str = "") -> None:
+        self.sinks = list(sinks or [])
+        self.stream = stream or sys.stderr
+        isatty = getattr(self.stream, "isatty", None)
+        self.bars = bool(enabled and callable(isatty) and isatty())
+        self.line_interval_s = float(line_interval_s)
+        # lines of several processes sharing one terminal (compat demo) carry the scenario they belong to
+        self.label = f"[{label}] " if label else ""
+        self._bar: tqdm | None = None
+        self._stage: StageEvent | None = None
+        self._started = 0.0
+        self._last_line = 0.0
+
+    def __call__(self, record: Any) -> None:
+        for sink in self.sinks:
+            sink(record)
+        if isinstance(record, StageRecord):
+            record = record.record
+        if isinstance(record, StageEvent):
+            self._on_stage(record)
+        elif isinstance(record, ProgressUpdate):
+            self._on_progress(record)
+        else:
+            self._on_training_record(record)
+
+    def _on_stage(self, event: StageEvent) -> None:
+        prefix = f"{self.label}[{event.index + 1}/{event.total}] {event.label}"
+        if event.status == "started":
+            self._close()
+            self._stage = event
+            self._started = self._last_line = time.perf_counter()
+            if self.bars:
+                self._bar = tqdm(total=None, desc=prefix, file=self.stream, leave=False, dynamic_ncols=True)
+            else:
+                print(f"{prefix}: started", file=self.stream, flush=True)
+        else:
+            self._close()
+            extra = f" in {event.seconds:.1f} s" if event.seconds is not None else ""
+            print(f"{prefix}: {event.status}{extra}", file=self.stream, flush=True)
+
+    def _on_progress(self, update: ProgressUpdate) -> None:
+        if not self.bars:
+            self._progress_line(update)
+            return
+        if self._bar is None:
+            return
+        if self._bar.total != update.total:
+            self._bar.total = update.total
+            self._bar.unit = update.unit
+        self._bar.n = update.done
+        postfix = {}
+        if update.images_per_second is not None:
+            postfix["img/s"] = f"{update.images_per_second:.0f}"
+        if update.loss is not None:
+            postfix["loss"] = f"{update.loss:.3f}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.refresh()
+
+    def _progress_line(self, update: ProgressUpdate) -> None:
+        """A periodic flushed line for logs: done/total units, images/s, ETA from the stage's elapsed time."""
+        now = time.perf_counter()
+        if self._stage is None or now - self._last_line < self.line_interval_s or update.total <= 0:
+            return
+        self._last_line = now
+        elapsed = now - self._started
+        remaining = elapsed / max(update.done, 1) * max(update.total - update.done, 0)
+        speed = f", {update.images_per_second:.0f} img/s" if update.images_per_second is not None else ""
+        print(f"{self.label}[{self._stage.index + 1}/{self._stage.total}] {self._stage.label}: {update.unit} {update.done}/"
+              f"{update.total}{speed}, {elapsed:.0f} s elapsed, ETA {remaining:.0f} s", file=self.stream, flush=True)
+
+    def _on_training_record(self, record: Any) -> None:
+        # TrainRecord of pipelines.training.loop: epoch (0-based), epochs, images_per_second, loss
+        epoch = getattr(record, "epoch", None)
+        if epoch is None or self._stage is None:
+            return
+        total = getattr(record, "epochs", None) or getattr(record, "num_epochs", None)
+        loss = getattr(record, "loss", None)
+        self._on_progress(ProgressUpdate(
+            self._stage.stage_key, int(epoch) + 1, int(total) if total else int(epoch) + 1, "epoch",
+            getattr(record, "images_per_second", None), float(loss) if isinstance(loss, (int, float)) else None,
+        ))
+
+    def _close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def close(self) -> None:
+        """Close the open bar and every sink that can be closed (the tracker ends its runs there)."""
+        self._close()
+        for sink in self.sinks:
+            close = getattr(sink, "close", None)
+            if callable(close):
+                close()

@@ -1,0 +1,1 @@
+"""Typed records that stages return and the store persists, and their payloads."""

@@ -1,0 +1,1 @@
+"""What people read: run reports, figures and comparisons across runs."""

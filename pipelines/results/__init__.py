@@ -1,0 +1,1 @@
+"""A run's results: the matrix assembled from row records, its metrics, result files and protocol variants."""

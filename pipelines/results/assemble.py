@@ -1,0 +1,132 @@
+"""A run's results: the compatibility matrix assembled from committed row records, its metrics, and the result
+files ``matrix.json`` / ``metrics.json`` of a run directory (or of a ``compat eval`` variant folder in it).
+
+One path for all of them: the engine (:func:`pipelines.engine.executor.finalize_run`, which hands the :class:`RunResult` to
+the tracker), ``compat eval`` (:mod:`pipelines.results.variants`), Tune's report after each task
+(:mod:`cluster.tune.trial`) and the reports, which read the files back (:mod:`pipelines.results.run_files`). Values are fractions; metrics undefined on the matrix (e.g.
+pair metrics of one model) are ``None`` (``null`` in metrics.json).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from compat_core.evaluation.metrics import CompatibilityMatrix, metrics_by_task, summary_metrics
+from pipelines.config.schema import EvaluationSpec
+from pipelines.graph.compile import StageGraph
+from pipelines.records.stage_records import read_record
+from pipelines.store.run_store import RunStore
+
+MATRIX_FILE = "matrix.json"
+METRICS_FILE = "metrics.json"
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A complete run's matrix (T x T fractions, NaN above the diagonal) and its metrics.json document."""
+
+    matrix: CompatibilityMatrix
+    metrics: dict[str, Any]
+
+    @classmethod
+    def of(cls, matrix: CompatibilityMatrix, strict: bool) -> "RunResult":
+        """The result of ``matrix`` with its metrics under the ECC criterion ``strict`` (``>`` when True)."""
+        return cls(matrix, compute_metrics(matrix, strict))
+
+    def matrix_json(self) -> str:
+        """matrix.json text."""
+        return self.matrix.to_json()
+
+    def metrics_json(self) -> str:
+        """metrics.json text (no NaN: undefined metrics are null)."""
+        return json.dumps(self.metrics, indent=2, allow_nan=False)
+
+    def to_json(self) -> str:
+        """One JSON text of matrix.json's and metrics.json's content (a Tune trial's last report carries it as text,
+        which Tune's loggers store without turning it into metrics)."""
+        return json.dumps({"matrix": self.matrix.to_dict(), "metrics": self.metrics}, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: Any) -> "RunResult":
+        """Inverse of :meth:`to_json`; ValueError/KeyError name what is missing or malformed."""
+        try:
+            data = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as error:
+            raise ValueError(f"run result: expected the JSON text of RunResult.to_json, got {text!r:.80} ({error})")
+        if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
+            raise ValueError(f"run result: expected {{'matrix': {{...}}, 'metrics': {{...}}}}, got {text!r:.200}")
+        return cls(CompatibilityMatrix.from_dict(data.get("matrix")), data["metrics"])
+
+
+def matrix_values(store: RunStore, row_keys: Sequence[str], size: int | None = None) -> np.ndarray:
+    """``(size, size)`` fractions (default ``len(row_keys)``): row ``t`` from the committed row record
+    ``row_keys[t]``, NaN above the diagonal and in rows not given (a leading block, as Tune reports after a task)."""
+    size = len(row_keys) if size is None else size
+    values = np.full((size, size), np.nan)
+    for row, key in enumerate(row_keys):
+        values[row, : row + 1] = read_record(store, key).values
+    return values
+
+
+def assemble_matrix(graph: StageGraph, store: RunStore, row_keys: list[str] | None = None,
+                    evaluation: EvaluationSpec | None = None) -> CompatibilityMatrix:
+    """CompatibilityMatrix (T x T fractions, NaN above the diagonal) from the committed row records.
+
+    row_keys / evaluation: another protocol's rows and EvaluationSpec (``compat eval``); default the graph's own."""
+    config = graph.config
+    evaluation = evaluation or config.evaluation
+    T = config.num_tasks
+    values = matrix_values(store, row_keys or graph.evaluate_stages, T)
+    protocol = {
+        "metric": evaluation.metric,
+        "gallery": evaluation.gallery,
+        "label_level": evaluation.label_level,
+        "strict": evaluation.strict,
+        "query_set": f"{evaluation.query_set.dataset}/{evaluation.query_set.split}",
+        "gallery_set": f"{evaluation.gallery_set.dataset}/{evaluation.gallery_set.split}",
+        "replacements_at_task": [r.at_task for r in config.replacements],  # 1-based, as the papers
+    }
+    return CompatibilityMatrix(values, [f"task-{t + 1}" for t in range(T)], config.evaluation.metric, protocol)
+
+
+def _defined(value: Any) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def headline_metrics(values: Any, strict: bool = True) -> dict[str, float | None]:
+    """AC, AA, ACA, BC, FC (fractions; None when undefined, e.g. pair metrics of one model) of a ``(tau, tau)``
+    matrix or leading block (NaN above the diagonal): metrics.json, and Tune's report after each row."""
+    return {name: _defined(value) for name, value in
+            summary_metrics(np.asarray(values, dtype=np.float64), strict=strict).items()}
+
+
+def compute_metrics(matrix: CompatibilityMatrix, strict: bool) -> dict:
+    """metrics.json content: AC, AA, ACA, BC, FC (fractions; null when undefined) + AC_tau/AA_tau per task."""
+    curves = metrics_by_task(matrix.values, strict=strict)
+    return {
+        "units": "fraction",
+        "metric": matrix.metric,
+        "strict": strict,
+        "num_tasks": matrix.num_models,
+        **headline_metrics(matrix.values, strict),
+        "AC_tau": [_defined(v) for v in curves["AC_tau"]],
+        "AA_tau": [_defined(v) for v in curves["AA_tau"]],
+    }
+
+
+def write_result(store: RunStore, result: RunResult, folder: str = "") -> None:
+    """Write matrix.json and metrics.json at the top of the run directory, or in its sub-folder ``folder``."""
+    prefix = f"{folder}/" if folder else ""
+    store.write_text(f"{prefix}{MATRIX_FILE}", result.matrix_json())
+    store.write_text(f"{prefix}{METRICS_FILE}", result.metrics_json())
+
+
+def read_result(store: RunStore, folder: str = "") -> RunResult:
+    """The RunResult that :func:`write_result` wrote (FileNotFoundError when the run has no matrix.json yet)."""
+    prefix = f"{folder}/" if folder else ""
+    matrix = CompatibilityMatrix.from_json(store.read_text(f"{prefix}{MATRIX_FILE}"))
+    return RunResult(matrix, json.loads(store.read_text(f"{prefix}{METRICS_FILE}")))

@@ -1,0 +1,41 @@
+"""Protocol variants of a finished run (``compat eval``): the run's graph recompiled with another evaluation
+protocol, only the new entry and row nodes run from the committed features (nothing is re-extracted), and the
+variant's result written to ``eval-<variant>/`` (or to the run directory itself for the run's own protocol).
+"""
+from __future__ import annotations
+
+import yaml
+
+from pipelines.config.load import validate_config
+from pipelines.engine.executor import LocalExecutor
+from pipelines.graph.compile import add_evaluation, compile_scenario, protocol_params
+from pipelines.results.assemble import RunResult, assemble_matrix, write_result
+from pipelines.store.run_store import RunStore
+
+
+def evaluate_variant(run_dir: str, overrides: dict) -> tuple[dict, dict, str]:
+    """(matrix dict, metrics dict, output sub-folder or '') for the run under ``overrides`` of its evaluation.
+
+    The run's graph is recompiled with the other protocol added (:func:`pipelines.graph.compile.add_evaluation`) and the
+    engine runs only the new entry and row nodes (the same entry function as ``compat run``, FAN adapters included).
+    """
+    store = RunStore(run_dir)
+    document = yaml.safe_load(store.read_text("config.yaml"))
+    config = validate_config(document, f"{run_dir}/config.yaml")
+    graph = compile_scenario(config)
+    missing = [key for key in graph.extract_stages.values() if not store.has(key)]
+    if missing:
+        raise FileNotFoundError(f"{run_dir}: {len(missing)} feature extractions are not committed (e.g. {missing[0]}); "
+                                f"finish the run first with `compat run --resume {run_dir}`")
+    evaluation = config.evaluation.model_dump(mode="json")
+    evaluation.update({k: v for k, v in overrides.items() if v is not None})
+    varied = validate_config({**document, "evaluation": evaluation}, "evaluation variant").evaluation
+    rows = add_evaluation(graph, evaluation)
+    LocalExecutor(progress=False).run(graph, store, until=rows)
+    result = RunResult.of(assemble_matrix(graph, store, rows, varied), varied.strict)
+    protocol = protocol_params(evaluation)
+    same = rows == graph.evaluate_stages and varied.strict == config.evaluation.strict
+    folder = "" if same else "eval-" + "-".join(f"{protocol[k]}" for k in ("metric", "gallery", "label_level")) + \
+        ("" if varied.strict else "-nonstrict")
+    write_result(store, result, folder)
+    return result.matrix.to_dict(), result.metrics, folder

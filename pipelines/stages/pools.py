@@ -1,0 +1,180 @@
+"""Data pools of a scenario: opening a pool spec (dataset + filters, cached per process), the task sequence's class
+ids, class identities across splits, the data-level open-set guard (no training class in the query or gallery set),
+and the classifier slots of fine-tuning class positions.
+
+Class bookkeeping: the fine-tuning classes are numbered by *position* in task order (0 = first class of task 0).
+Slots are derived per model line: d-Simplex methods put position ``i`` in slot ``K-1-i`` (right to left, after the
+third-party classes in slots 0.. left to right); learnable classifiers put it at output ``P + i`` where ``P`` is the
+number of classes the model line was pre-trained on (0 without pre-training).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from compat_core.data.datasets import load_dataset
+from compat_core.data.replay_parquet import encoded_images
+from compat_core.data.stream import keep_rows
+from compat_core.data.tasks import build_task_sequence
+from compat_core.simplex import SlotMapper
+from pipelines.config.load import stable_hash
+from pipelines.config.schema import PoolSpec, ScenarioConfig
+
+
+class SubsetSource:
+    """An ImageSource view of ``indices`` of another source (class ids, names and statistics unchanged)."""
+
+    def __init__(self, source: Any, indices: np.ndarray, name: str | None = None) -> None:
+        self.source = source
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.name = name or source.name
+        self.labels = np.asarray(source.labels)[self.indices]
+        coarse = getattr(source, "coarse_labels", None)
+        self.coarse_labels = None if coarse is None else np.asarray(coarse)[self.indices]
+        fine = getattr(source, "fine_labels", None)
+        self.fine_labels = None if fine is None else np.asarray(fine)[self.indices]
+        self.class_names = source.class_names
+        self.image_shape = source.image_shape
+        self.mean = source.mean
+        self.std = source.std
+        self.hflip = source.hflip
+
+    def __len__(self) -> int:
+        return int(self.indices.shape[0])
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        return self.source.read(self.indices[np.asarray(indices, dtype=np.int64)])
+
+    def keep_rows(self, indices: np.ndarray) -> None:
+        """Keep rows ``indices`` resident in the underlying source (see ``compat_core.data.stream.keep_rows``)."""
+        keep_rows(self.source, self.indices[np.asarray(indices, dtype=np.int64)])
+
+    def encoded_images(self, indices: np.ndarray):
+        """The underlying source's encoded images of ``indices`` (replay shards store them), or None."""
+        return encoded_images(self.source, self.indices[np.asarray(indices, dtype=np.int64)])
+
+
+_POOL_CACHE: dict[str, Any] = {}
+
+
+def load_pool(spec: PoolSpec, key: str = "pool") -> Any:
+    """Open a pool (dataset + filters); cached in-process by its spec. Raises naming ``key`` when data is missing."""
+    # a relative local root means another folder after a chdir: the cache key holds the resolved location
+    root = spec.root
+    if root is not None and "://" not in root and not os.path.isabs(root):
+        root = os.path.abspath(root)
+    cache_key = json.dumps([spec.model_dump(mode="json"), root], sort_keys=True)
+    if cache_key in _POOL_CACHE:
+        return _POOL_CACHE[cache_key]
+    try:
+        source = load_dataset(spec.dataset, root=spec.root, split=spec.split, **spec.options)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{key}: data of {spec.dataset!r} (split {spec.split!r}, root {spec.root!r}) "
+                                f"not found: {error}") from error
+    labels = np.asarray(source.labels)
+    keep = np.ones(labels.shape[0], dtype=bool)
+    if spec.classes is not None:
+        unknown = sorted(set(spec.classes) - set(np.unique(labels).tolist()))
+        if unknown:
+            raise ValueError(f"{key}.classes: ids {unknown[:10]} do not occur in {spec.dataset}/{spec.split}")
+        keep &= np.isin(labels, np.asarray(spec.classes))
+    indices = np.flatnonzero(keep)
+    if spec.per_class is not None:
+        chosen = [indices[labels[indices] == c][: spec.per_class] for c in np.unique(labels[indices])]
+        indices = np.sort(np.concatenate(chosen)) if chosen else indices[:0]
+    if spec.portion is not None:
+        rng = np.random.default_rng(spec.portion.seed)
+        parts = []
+        for c in np.unique(labels[indices]):
+            members = indices[labels[indices] == c]
+            members = members[rng.permutation(members.shape[0])]
+            cut = int(round(spec.portion.fraction * members.shape[0]))
+            parts.append(members[:cut] if spec.portion.take == "first" else members[cut:])
+        indices = np.sort(np.concatenate(parts)) if parts else indices[:0]
+    if spec.num_samples is not None and indices.shape[0] != spec.num_samples:
+        raise ValueError(f"{key}.num_samples: config expects {spec.num_samples} samples, the data has "
+                         f"{indices.shape[0]} after filtering; fix num_samples or the filters")
+    pool = source if indices.shape[0] == labels.shape[0] else SubsetSource(source, indices)
+    _POOL_CACHE[cache_key] = pool
+    return pool
+
+
+def task_classes(config: ScenarioConfig) -> list[np.ndarray]:
+    """Dataset class ids of each task (0-based list index), by the seeded task-sequence builder."""
+    pool = load_pool(config.data, "data")
+    class_ids = np.unique(np.asarray(pool.labels))
+    total = sum(config.increments)
+    if class_ids.shape[0] < total:
+        raise ValueError(f"tasks.spec: {config.tasks.spec!r} needs {total} classes, data pool has {class_ids.shape[0]}")
+    if config.tasks.order == "given":
+        # the reference codes take classes in the dataset's id order (alphabetical for CIFAR) or a published list
+        class_ids = np.asarray(class_ids if config.data.classes is None else config.data.classes, dtype=np.int64)
+    sequence = build_task_sequence(class_ids, config.tasks.spec, config.task_seed, order=config.tasks.order)
+    return [np.asarray(t, dtype=np.int64) for t in sequence.tasks]
+
+
+def class_identities(pool: Any) -> np.ndarray:
+    """Sorted unique class identities of a pool, comparable across splits of one dataset: the global fine ids when
+    the reader keeps them (glyphs), else the class names of the labels (readers such as CelebA renumber labels per
+    split, but their class names are the published identities / synsets / class names)."""
+    fine = getattr(pool, "fine_labels", None)
+    if fine is not None:
+        return np.unique(np.asarray(fine)).astype(str)
+    names = np.asarray(pool.class_names, dtype=object)
+    return np.unique(names[np.unique(np.asarray(pool.labels))].astype(str))
+
+
+_OPEN_SET_CHECKED: set[str] = set()
+
+
+def check_pools_open_set(config: ScenarioConfig) -> None:
+    """Data-level open-set guard: no fine class of a training pool (fine-tuning data, every pre-training pool)
+    may occur in the query or gallery set. Raises ValueError naming both pools; checked once per process.
+
+    Class ids are compared only between pools of the *same* dataset (same registry name), since ids of different
+    datasets live in different spaces (CIFAR-100 id 3 is not CIFAR-10 id 3; CUB180 and CUB20 renumber their
+    classes). Pools of different datasets are disjoint by the protocol that pairs them (CIFAR-100 -> CIFAR-10,
+    CUB180 -> CUB20, CASIA-WebFace -> CelebA, ...), which each shipped config states in its ``paper`` section.
+    """
+    key = stable_hash([config.data.model_dump(mode="json"), [p.pool.model_dump(mode="json") for p in config.pretrain],
+                       config.evaluation.query_set.model_dump(mode="json"),
+                       config.evaluation.gallery_set.model_dump(mode="json"), os.getcwd()])
+    if key in _OPEN_SET_CHECKED:
+        return
+    training = [("data", config.data)] + [(f"pretrain[{p.name}].pool", p.pool) for p in config.pretrain]
+    tests = [("evaluation.query_set", config.evaluation.query_set),
+             ("evaluation.gallery_set", config.evaluation.gallery_set)]
+    for test_key, test_spec in tests:
+        same_dataset = [(k, s) for k, s in training if s.dataset == test_spec.dataset]
+        if not same_dataset:
+            continue
+        test_classes = class_identities(load_pool(test_spec, test_key))
+        for train_key, train_spec in same_dataset:
+            train_classes = class_identities(load_pool(train_spec, train_key))
+            overlap = np.intersect1d(train_classes, test_classes)
+            if overlap.size:
+                shown = overlap[:20].tolist()
+                raise ValueError(
+                    f"open-set violation: {overlap.size} class(es) of dataset {test_spec.dataset!r} appear in both "
+                    f"{train_key} and {test_key}: {shown}{' ...' if overlap.size > 20 else ''}; training and test "
+                    f"classes must be disjoint")
+    _OPEN_SET_CHECKED.add(key)
+
+
+def slot_of_positions(positions: np.ndarray, classifier: str, num_slots: int, pretrained_classes: int) -> np.ndarray:
+    """Classifier targets of fine-tuning class positions (see module docstring). Shapes (N,) -> (N,) int64.
+
+    d-Simplex slots go through :class:`compat_core.simplex.SlotMapper`, which refuses a position outside the K slots
+    or one whose slot a pre-trained class of the line already holds (slots 0..P-1)."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if classifier == "simplex":
+        mapper = SlotMapper(num_slots, pretrain_labels=np.arange(pretrained_classes), finetune_labels=positions)
+        return mapper.finetune_slots(positions)
+    return pretrained_classes + positions

@@ -1,0 +1,69 @@
+"""Mixed precision for training and feature extraction: the autocast setting ("auto" / "bf16" / "fp16" / "off"), its
+context, the measured choice behind "auto" (``compat_core.hardware.calibration``) and the model preparation that goes with it."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from compat_core.data.base import ImageSource
+from compat_core.data.transforms import make_transforms
+from compat_core.hardware.workloads import PROBE_BATCH, autocast_choice
+from compat_core.models.precision import autocast_context, has_convolutions, prepare_for_speed
+
+# "auto": bf16/fp16 autocast only where a measured step of this model is faster than fp32 (compat_core.hardware.calibration,
+# cached per machine); "bf16"/"fp16": forced; "off": fp32.
+AUTOCAST_MODES = ("auto", "bf16", "fp16", "off")
+_FORCED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_mode(value: Any) -> str:
+    """Normalise an autocast setting: True -> "auto", False -> "off", or one of AUTOCAST_MODES (ValueError else)."""
+    if value is True:
+        return "auto"
+    if value is False:
+        return "off"
+    if value not in AUTOCAST_MODES:
+        raise ValueError(f"autocast must be true, false or one of {AUTOCAST_MODES}, got {value!r}")
+    return value
+
+
+def precision_context(device: torch.device | str, mode: Any):
+    """The autocast context of ``mode`` (see AUTOCAST_MODES) on ``device``; a null context for fp32."""
+    mode = autocast_mode(mode)
+    device = torch.device(device)
+    if mode == "off":
+        return contextlib.nullcontext()
+    if mode == "auto":
+        return autocast_context(device, enabled=True)
+    return torch.autocast(device_type=device.type, dtype=_FORCED_DTYPES[mode])
+
+
+def resolve_autocast(mode: Any, device: torch.device | str, model: nn.Module, example: torch.Tensor,
+                     train: bool = True) -> str:
+    """Turn "auto" into "bf16"/"fp16"/"off": the measured faster step of ``model`` on batches shaped like
+    ``example`` (``compat_core.hardware.calibration.autocast_choice``, cached per machine); other modes are returned as is."""
+    mode = autocast_mode(mode)
+    if mode != "auto":
+        return mode
+    dtype = autocast_choice(device, model, example, train=train)
+    return {None: "off", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def example_batch(source: ImageSource, indices: np.ndarray, batch_size: int, device: torch.device) -> torch.Tensor:
+    """The calibration's probe batch: ``min(batch_size, PROBE_BATCH)`` images of ``source`` (the first ``indices``,
+    cycled when fewer), transformed as for evaluation. Only these images are read and decoded."""
+    picked = np.resize(np.asarray(indices, dtype=np.int64), min(int(batch_size), PROBE_BATCH))
+    images = torch.from_numpy(np.ascontiguousarray(source.read(picked)))
+    return make_transforms(source, train=False)(images.to(device))
+
+
+def prepare_model(model: nn.Module, device: torch.device | str, mode: Any) -> nn.Module:
+    """Move ``model`` to ``device``; conv nets go channels_last where the half path makes NHWC kernels pay."""
+    model = prepare_for_speed(model, device)
+    if autocast_mode(mode) in _FORCED_DTYPES and has_convolutions(model):
+        model = model.to(memory_format=torch.channels_last)
+    return model
