@@ -1,13 +1,15 @@
 """Running one parsed ``compat`` command (:func:`run_command`): its code module ``app.commands.<name>``, the
-tracking credentials and ``--tracking-uri`` checked before any Ray starts, and every error turned into one line
-with its fix (:func:`describe_error`). ``app.cli`` imports this module only once the arguments parsed."""
+tracking target resolved once (``args.tracking``, from ``--tracking-uri``, ``MLFLOW_TRACKING_URI`` or the machine's
+store) with credentials moved out of every URI before any Ray starts, and every error turned into one line with its
+fix (:func:`describe_error`). ``app.cli`` imports this module only once the arguments parsed."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
 
-from cluster.tracking.client import check_tracking_uri, tracking_credentials_from_environment
+from cluster.tracking.client import tracking_credentials_from_environment
+from cluster.tracking.store import resolve_tracking
 from pipelines.store.lease import RunFolderBusyError
 from pipelines.store.run_store import CorruptArtifactError
 
@@ -16,12 +18,13 @@ def run_command(args: argparse.Namespace) -> int:
     """Import ``app.commands.<args.command>`` and run it with ``args``; returns its exit code (see app.cli.main)."""
     module = importlib.import_module(f"app.commands.{args.command}")
     tracking_credentials_from_environment()  # before any Ray starts: a password never travels inside a URI
-    if getattr(args, "tracking_uri", None) not in (None, "none"):
+    if hasattr(args, "tracking_uri"):  # a command that tracks: its one tracking target, passed down as is
         try:
-            args.tracking_uri = check_tracking_uri(args.tracking_uri)
+            args.tracking = resolve_tracking(args.tracking_uri)
         except ValueError as error:
-            print(f"error: --tracking-uri: {error}", file=sys.stderr)
+            print(f"error: {error}", file=sys.stderr)
             return 2
+        del args.tracking_uri
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:

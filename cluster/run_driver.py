@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import re
 
 from cluster.model_registry.versions import register_mlflow_resolvers, version_by_alias
@@ -50,20 +49,20 @@ def model_sources_setup(config, tracking_uri: str | None):
     """When ``initial_model`` or a replacement source is an MLflow ``models:/`` or ``runs:/`` URI, register the MLflow
     URI resolvers in this process and return the same registration as a setup callable for Ray workers; else None.
 
-    The registry is the one of ``--tracking-uri`` (else ``MLFLOW_TRACKING_URI``); a ConfigError names the source
-    when neither is given."""
+    The registry is the one of the command's tracking store (``tracking_uri``, resolved once by
+    :func:`cluster.tracking.store.resolve_tracking`); a ConfigError names the source when tracking is off (None)."""
     sources = {f"replacements[{i}].source": r.source for i, r in enumerate(config.replacements)}
     sources["initial_model"] = config.initial_model or ""
     mlflow_sources = {key: uri for key, uri in sources.items() if uri.startswith(("models:/", "runs:/"))}
     if not mlflow_sources:
         return None
-    uri = tracking_uri if tracking_uri not in (None, "none") else os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri:
+    if tracking_uri is None:
         key, source = next(iter(mlflow_sources.items()))
-        raise ConfigError(f"{key}: {source!r} is read from an MLflow model registry; give --tracking-uri "
-                          f"http(s)://HOST:PORT (or set MLFLOW_TRACKING_URI) naming the server that holds it")
-    register_mlflow_resolvers(uri)
-    return functools.partial(register_mlflow_resolvers, uri)
+        raise ConfigError(f"{key}: {source!r} is read from an MLflow model registry, but tracking is off "
+                          f"(--tracking-uri none); give --tracking-uri http(s)://HOST:PORT (or set "
+                          f"MLFLOW_TRACKING_URI) naming the server that holds it")
+    register_mlflow_resolvers(tracking_uri)
+    return functools.partial(register_mlflow_resolvers, tracking_uri)
 
 
 def pin_model_aliases(config, tracking_uri: str | None):

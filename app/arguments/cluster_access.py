@@ -13,4 +13,5 @@ def add_cluster_access(parser: argparse.ArgumentParser, cluster: str = "Ray clus
     parser.add_argument("--ray-token-file", default=None, metavar="FILE",
                         help="the cluster's token (default: Ray's standard places, e.g. ~/.ray/auth_token)")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
-                        help="MLflow tracking server (default: $MLFLOW_TRACKING_URI)")
+                        help="MLflow tracking server holding the registry (default: $MLFLOW_TRACKING_URI, else "
+                        "the machine's store, as every compat command)")

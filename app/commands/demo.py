@@ -30,7 +30,6 @@ from pathlib import Path
 from app.printing import print_results
 from cluster.ray.executor import connect
 from cluster.run_driver import run_tracked
-from cluster.tracking.store import default_tracking_uri
 from cluster.tracking.tracker import create_tracker
 from compat_core.hardware import calibration
 from pipelines.config.load import ConfigError, load_config
@@ -55,8 +54,8 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
     """Run one demo scenario from this process; returns matrix, metrics, wall and CPU seconds of the run.
 
     threads: torch intra-op threads (None: leave torch's default; with executor "ray" and no ``address``: the CPUs
-    of an embedded Ray instance, default 1). progress: "bars", "lines" or "none". tracking_uri: None = SQLite in the
-    run folder. address: the Ray instance to attach to (the demo's shared one). CPU seconds count this process only.
+    of an embedded Ray instance, default 1). progress: "bars", "lines" or "none". tracking_uri: the resolved store
+    (None: tracking off). address: the Ray instance to attach to (the demo's shared one). CPU seconds count this process only.
     """
     import torch
 
@@ -65,7 +64,7 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
     config = load_config(config_path, overrides)
 
     with run_lease(run_dir):
-        tracker = create_tracker(tracking_uri, run_dir=run_dir, experiment=experiment)
+        tracker = create_tracker(tracking_uri, experiment=experiment)
         graph, store = compile_scenario(config), RunStore(run_dir)
         started = time.perf_counter()
         cpu_before = _cpu_seconds()
@@ -107,12 +106,11 @@ def run(args) -> int:
             overrides.append(f"output.shared_store={args.output.rstrip('/')}/{SHARED_FOLDER}")
         tasks.append((name, path, overrides, f"{args.output.rstrip('/')}/{name}"))
 
-    tracking_uri, experiment = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"), None
-    if tracking_uri != "none":
+    tracking_uri, experiment = args.tracking.uri, None
+    if tracking_uri is not None:
         # both scenarios in one store and one experiment, so the MLflow UI compares them side by side; created here
         # once, before the workers start, so they never race on the database migration
         os.makedirs(args.output, exist_ok=True)
-        tracking_uri = tracking_uri or default_tracking_uri()  # the machine's store: one UI for every command
         experiment = args.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "compat-demo"
         create_tracker(tracking_uri, experiment=experiment)._experiment(experiment)
     started = time.perf_counter()
@@ -169,7 +167,8 @@ def run(args) -> int:
     where = f"Ray tasks on one embedded local Ray instance ({address})" if address else "in-process"
     cpu_text = f"{cpu:.0f} s CPU (user+sys, {'driver processes only' if args.executor == 'ray' else 'all processes'})"
     print(f"demo: {wall:.0f} s wall, {cpu_text}, {jobs} job(s) on {cores} core(s), stages {where}; "
-          f"MLflow: {redact_uri(tracking_uri)} (experiment {experiment}; browse it with `compat ui`)")
+          + (f"MLflow: {redact_uri(tracking_uri)} (experiment {experiment}; browse it with `compat ui`)"
+             if tracking_uri is not None else "MLflow: off"))
     print(_calibration_used(_training_threads(tasks[0][1], args.overrides)))
     return 0
 

@@ -9,7 +9,8 @@
   version it pointed to before its last move (or to ``--to``); recorded like a decision.
 
 The tracking server: ``--tracking-uri`` (``http(s)://HOST:PORT`` or ``sqlite:///PATH``), default
-``$MLFLOW_TRACKING_URI``, else the machine's store (cluster.tracking.store). Numbers are fractions.
+``$MLFLOW_TRACKING_URI``, else the machine's store (resolved by app.dispatch, cluster.tracking.store). Numbers are
+fractions.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import json
 import sys
 
 from cluster.model_registry import gate
-from cluster.tracking.store import default_tracking_uri
 from pipelines.config.load import load_config
 
 _ACTIONS = ("history", "rollback")
@@ -53,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"expected exactly one MODEL after {action!r}, got {words}")
     model = words[0]
 
-    tracking_uri = args.tracking_uri or default_tracking_uri()  # MLFLOW_TRACKING_URI, else the machine's store
+    tracking_uri = args.tracking.uri
+    if tracking_uri is None:
+        return _fail("--tracking-uri none: the gate reads and records in an MLflow registry; name one")
     try:
         if action == "history":
             rows = gate.alias_history(tracking_uri, model, args.alias)

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 from cluster.serving.backfill_job import run_backfill
 from cluster.serving.index_build import build_index
@@ -29,10 +28,10 @@ def _config(args):
 
 
 def _tracking(args) -> str:
-    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri:
-        raise ValueError("--tracking-uri: give the MLflow tracking server (or set MLFLOW_TRACKING_URI)")
-    return uri
+    if args.tracking.uri is None:
+        raise ValueError(f"--tracking-uri none: compat index {args.action} reads the model from an MLflow registry; "
+                         f"name its tracking server")
+    return args.tracking.uri
 
 
 def run(args) -> int:

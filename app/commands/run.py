@@ -36,18 +36,19 @@ def resolve_run(args) -> tuple[object, str]:
 
 
 def make_tracker(args, run_dir: str):
-    """The MLflow tracker for this run (cluster.tracking.tracker; 'none' gives a no-op tracker). A run directory on S3 has
-    no place for the default SQLite file, so it tracks only with an explicit --tracking-uri or MLFLOW_TRACKING_URI."""
-    uri = getattr(args, "tracking_uri", None)
+    """The MLflow tracker for this run on ``args.tracking`` (resolved by app.dispatch; off: a no-op tracker). A run
+    directory on S3 tracks only into a store named with --tracking-uri or MLFLOW_TRACKING_URI, never into this
+    machine's store by default."""
+    uri = args.tracking.uri
     address = getattr(args, "address", None) or ""
     if getattr(args, "executor", "local") == "ray" and address.startswith(("http://", "https://")):
-        return create_tracker("none")  # the submitted job runs `compat run` itself and tracks there
-    if uri is None and cio.is_remote(run_dir) and not os.environ.get("MLFLOW_TRACKING_URI"):
+        return create_tracker(None)  # the submitted job runs `compat run` itself and tracks there
+    if uri is not None and not args.tracking.explicit and cio.is_remote(run_dir):
         print(f"note: run directory {run_dir} is remote; MLflow tracking is off (give --tracking-uri to track)",
               file=sys.stderr)
-        uri = "none"
+        uri = None
     experiment = getattr(args, "experiment", None) or os.environ.get("MLFLOW_EXPERIMENT_NAME") or None
-    return create_tracker(uri, run_dir=run_dir, experiment=experiment)
+    return create_tracker(uri, experiment=experiment)
 
 
 def preflight_data(config, run_dir: str | None = None, executor: str = "local") -> None:
@@ -64,7 +65,7 @@ def run(args) -> int:
         configure_object_storage()
     try:
         config, run_dir = resolve_run(args)
-        setup = model_sources_setup(config, args.tracking_uri)
+        setup = model_sources_setup(config, args.tracking.uri)
         if setup is not None:
             config = pin_model_aliases(config, setup.args[0])
     except (ConfigError, ValueError, FileNotFoundError) as error:
@@ -86,11 +87,7 @@ def run(args) -> int:
             key = store.resolve_key(prefix)
             store.forget(key)
             print(f"recompute: stage {key} uncommitted; it runs again", file=sys.stderr)
-        try:
-            tracker = make_tracker(args, run_dir)
-        except ValueError as error:
-            print(f"error: --tracking-uri: {error}", file=sys.stderr)
-            return 2
+        tracker = make_tracker(args, run_dir)
         summary = run_tracked(compile_scenario(config), store, tracker, args.executor, args.address,
                               progress=not args.no_progress, setup=setup)
     print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done)")

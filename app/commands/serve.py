@@ -8,7 +8,6 @@ every replica loads the new version and switches atomically. Binds 127.0.0.1 unl
 """
 from __future__ import annotations
 
-import os
 import time
 
 from cluster.serving.app import start
@@ -19,9 +18,10 @@ def run(args) -> int:
     import ray
     from ray import serve
 
-    tracking = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if not tracking:
-        raise ValueError("--tracking-uri: give the MLflow tracking server (or set MLFLOW_TRACKING_URI)")
+    tracking = args.tracking.uri
+    if tracking is None:
+        raise ValueError("--tracking-uri none: compat serve follows a model in an MLflow registry; name its "
+                         "tracking server")
     if args.replicas < 1:
         raise ValueError(f"--replicas: expected >= 1, got {args.replicas}")
     connect_ray(args.ray_address, args.ray_token_file)

@@ -51,7 +51,7 @@ def build_spec(args):
         base_config=absolute_local_paths(config_to_dict(config), cwd), space=space,
         objective=objective_metric(args.objective),
         samples=args.samples, concurrent=args.concurrent, scheduler=args.scheduler, seed=args.seed, storage=storage,
-        resources=resources, plugins=plugins, tracking_uri=args.tracking_uri,
+        resources=resources, plugins=plugins, tracking_uri=args.tracking.uri,
         mlflow_experiment=args.mlflow_experiment)
 
 

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from cluster.ray.local_head import free_port
-from cluster.tracking.store import default_tracking_uri
 
 
 def ui_command(tracking_uri: str, port: int) -> list[str]:
@@ -23,7 +22,10 @@ def ui_command(tracking_uri: str, port: int) -> list[str]:
 def run(args) -> int:
     import os
 
-    tracking_uri = args.tracking_uri or default_tracking_uri()
+    tracking_uri = args.tracking.uri
+    if tracking_uri is None:
+        print("error: --tracking-uri none: there is no store to show", file=sys.stderr)
+        return 2
     if tracking_uri.startswith(("http://", "https://")):
         print(f"{tracking_uri} is an MLflow server already: open it in a browser")
         return 0

@@ -75,10 +75,6 @@ class GateResult:
         return self.decision == "promoted"
 
 
-def _client(tracking_uri: str, registry_uri: str | None = None):
-    return open_client(tracking_uri, registry_uri)
-
-
 MOVE_STATE = "move_state"
 PAUSE_VARIABLE = "COMPAT_TEST_GATE_PAUSE"  # tests only: "intent" or "moved" makes a move wait there to be killed
 
@@ -204,7 +200,7 @@ def _options_on_refusal(old: dict, new: dict, config: Any, metric: str, self_old
 
 def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: str = DEFAULT_ALIAS,
              adapter: str | None = None, strict: bool | None = None, dry_run: bool = False,
-             registry_uri: str | None = None, cache_dir: str | None = None, experiment: str = GATE_EXPERIMENT,
+             cache_dir: str | None = None, experiment: str = GATE_EXPERIMENT,
              log: Callable[[str], None] = print) -> GateResult:
     """Evaluate ``models:/model/candidate`` against the version behind ``alias``; move the alias when compatible.
 
@@ -218,7 +214,7 @@ def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: 
         if adapter not in ADAPTER_KINDS:
             raise ValueError(f"--adapter {adapter!r}: expected one of {list(ADAPTER_KINDS)}")
     strict = config.evaluation.strict if strict is None else bool(strict)
-    client = _client(tracking_uri, registry_uri)
+    client = open_client(tracking_uri)
     reconcile_moves(client, model, alias, experiment)
     candidate_version = _version(client, model, candidate)
     champion = version_by_alias(client, model, alias)
@@ -238,7 +234,7 @@ def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: 
         pools = {"query": load_pool(config.evaluation.query_set, "evaluation.query_set"),
                  "gallery": load_pool(config.evaluation.gallery_set, "evaluation.gallery_set")}
         device = resolve_device(config.device)
-        resolver = MlflowModelResolver(client.tracking_uri, registry_uri, cache_dir)
+        resolver = MlflowModelResolver(tracking_uri, cache_dir)
         old = _features(resolver, model, str(champion.version), config, pools, device, log)
         new = _features(resolver, model, str(candidate_version.version), config, pools, device, log)
         for name in METRICS:
@@ -357,10 +353,10 @@ def _plot_backfill(curve: dict, metric: str, path: Path) -> None:
     pyplot.close(figure)
 
 
-def alias_history(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, experiment: str = GATE_EXPERIMENT,
-                  registry_uri: str | None = None) -> list[dict]:
+def alias_history(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS,
+                  experiment: str = GATE_EXPERIMENT) -> list[dict]:
     """Gate and rollback runs of ``model``/``alias``, oldest first: time, action, versions, decision, reason."""
-    client = _client(tracking_uri, registry_uri)
+    client = open_client(tracking_uri)
     reconcile_moves(client, model, alias, experiment)
     found = client.get_experiment_by_name(experiment)
     if found is None:
@@ -391,26 +387,25 @@ def refusal_of(history: list[dict], version: str) -> dict | None:
 
 
 def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_version: str | None = None,
-             reason: str = "", experiment: str = GATE_EXPERIMENT, registry_uri: str | None = None,
-             force: bool = False) -> dict:
+             reason: str = "", experiment: str = GATE_EXPERIMENT, force: bool = False) -> dict:
     """Move ``alias`` back to the version it pointed to before its last move (or to ``to_version``); recorded.
 
     A target the gate refused (its latest gate decision) is installed only with ``force``, recorded as forced
     (tag ``forced`` on the rollback run, the refusal's run id in ``overrides_refusal``); otherwise ValueError."""
-    client = _client(tracking_uri, registry_uri)
+    client = open_client(tracking_uri)
     reconcile_moves(client, model, alias, experiment)
     current = version_by_alias(client, model, alias)
     if current is None:
         raise ValueError(f"registered model {model!r}: alias {alias!r} is not set, nothing to roll back")
     if to_version is None:
-        moves = [row for row in alias_history(tracking_uri, model, alias, experiment, registry_uri)
+        moves = [row for row in alias_history(tracking_uri, model, alias, experiment)
                  if row["decision"] in ("promoted", "rolled-back") and row["new_version"] == str(current.version)]
         if not moves or not moves[-1]["previous_version"]:
             raise ValueError(f"registered model {model!r}: no recorded move of alias {alias!r} to version "
                              f"{current.version} with a previous version; give the target with --to VERSION")
         to_version = moves[-1]["previous_version"]
     target = _version(client, model, to_version)
-    refused = refusal_of(alias_history(tracking_uri, model, alias, experiment, registry_uri), str(target.version))
+    refused = refusal_of(alias_history(tracking_uri, model, alias, experiment), str(target.version))
     if refused is not None and not force:
         raise ValueError(f"registered model {model!r}: the gate refused version {target.version} for alias {alias!r} "
                          f"on {refused['time']} UTC ({refused['reason']}; gate run {refused['run_id']}); installing "

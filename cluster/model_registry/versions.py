@@ -189,11 +189,11 @@ class MlflowModelResolver:
     ``sha256`` tag is verified after download.
     """
 
-    def __init__(self, tracking_uri: str, registry_uri: str | None = None, cache_dir: str | os.PathLike | None = None):
+    def __init__(self, tracking_uri: str, cache_dir: str | os.PathLike | None = None):
         from mlflow import MlflowClient
 
         self.tracking_uri = tracking_uri
-        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri or tracking_uri)
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         self.cache_dir = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "compat-mlflow-cache"
         # one cache folder per tracking server: version numbers and run ids are only unique within a server
         self._cache = self.cache_dir / hashlib.sha256(tracking_uri.encode("utf-8")).hexdigest()[:12]
@@ -242,10 +242,9 @@ class MlflowModelResolver:
         return self.client.download_artifacts(run_id, path, dst_path=str(destination))
 
 
-def register_mlflow_resolvers(tracking_uri: str, registry_uri: str | None = None,
-                              cache_dir: str | os.PathLike | None = None) -> MlflowModelResolver:
+def register_mlflow_resolvers(tracking_uri: str, cache_dir: str | os.PathLike | None = None) -> MlflowModelResolver:
     """Register ``models`` and ``runs`` URI resolvers in compat_core.models.weights; returns the resolver."""
-    resolver = MlflowModelResolver(tracking_uri, registry_uri, cache_dir)
+    resolver = MlflowModelResolver(tracking_uri, cache_dir)
     register_uri_resolver("models", resolver)
     register_uri_resolver("runs", resolver)
     return resolver

@@ -1,5 +1,5 @@
-"""MLflow stores and clients: tracking-URI checks (credentials moved out of the URI), the default SQLite store of
-a run directory, a lock around a SQLite store's creation, experiments, and batched param / metric logging."""
+"""MLflow stores and clients: the tracking-URI check (credentials moved out of the URI), a lock around a SQLite
+store's creation, experiments, and batched param / metric logging."""
 from __future__ import annotations
 
 import contextlib
@@ -32,25 +32,6 @@ def ensure_experiment(client: Any, name: str) -> str:
         if error.error_code != "RESOURCE_ALREADY_EXISTS":  # created concurrently by another driver
             raise
         return client.get_experiment_by_name(name).experiment_id
-
-
-def default_tracking_uri(run_dir: str | os.PathLike) -> str:
-    """``sqlite:///<absolute run dir>/mlflow.db``; a remote (s3://) run directory needs an explicit tracking URI."""
-    text = os.fspath(run_dir)
-    if re.match(r"^[a-z][a-z0-9+.-]*://", text):
-        raise ValueError(f"tracking URI: run directory {text} is not local, so it cannot hold the default SQLite "
-                         f"database; give a tracking URI (http(s)://host:port or sqlite:///path)")
-    return f"sqlite:///{Path(text).resolve() / 'mlflow.db'}"
-
-
-def project_tracking_uri(run_dir: str | os.PathLike) -> str:
-    """Default store of ``compat run``: ``mlflow.db`` in the folder that HOLDS the run directory (``runs/mlflow.db``
-    for the default ``runs/{name}``), shared by every run kept there, so runs of different scenarios (ER and
-    d-Simplex-HOC) are compared in one MLflow UI; ``compat demo`` uses the same place for its two runs."""
-    text = os.fspath(run_dir)
-    if re.match(r"^[a-z][a-z0-9+.-]*://", text):
-        default_tracking_uri(text)  # raises the error that names the remote folder
-    return default_tracking_uri(Path(text).resolve().parent)
 
 
 @contextlib.contextmanager
@@ -88,19 +69,16 @@ def check_tracking_uri(uri: str) -> str:
     return clean
 
 
-def open_client(tracking_uri: str, registry_uri: str | None = None) -> Any:
-    """An MlflowClient for ``tracking_uri`` (checked; credentials moved out of the URI). A SQLite store is created or
+def open_client(tracking_uri: str) -> Any:
+    """An MlflowClient for ``tracking_uri`` and its model registry (as resolved by
+    :func:`cluster.tracking.store.resolve_tracking`: checked, without credentials). A SQLite store is created or
     migrated under :func:`sqlite_store_lock` first, so processes that open a fresh store at once take turns."""
     from mlflow import MlflowClient
 
-    tracking_uri = check_tracking_uri(tracking_uri)
-    registry_uri = check_tracking_uri(registry_uri) if registry_uri else tracking_uri
-    with contextlib.ExitStack() as locks:
-        for uri in sorted(set((tracking_uri, registry_uri))):  # sorted: two stores are always locked in one order
-            locks.enter_context(sqlite_store_lock(uri))  # no-op for servers
+    with sqlite_store_lock(tracking_uri):  # no-op for servers
         # MLflow creates and migrates a SQLite store as the client (and its first registry call) opens it
-        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
-        if registry_uri.startswith("sqlite:///"):
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        if tracking_uri.startswith("sqlite:///"):
             client.search_registered_models(max_results=1)
     return client
 
@@ -132,5 +110,5 @@ def log_metrics(client: Any, run_id: str, values: dict[str, Any], step: int) -> 
         client.log_batch(run_id, metrics=metrics[start:start + 1000], synchronous=True)
 
 
-__all__ = ["check_tracking_uri", "default_tracking_uri", "ensure_experiment", "log_metrics", "log_params",
-           "open_client", "project_tracking_uri", "sqlite_store_lock", "tracking_credentials_from_environment"]
+__all__ = ["check_tracking_uri", "ensure_experiment", "log_metrics", "log_params", "open_client", "sqlite_store_lock",
+           "tracking_credentials_from_environment"]

@@ -8,7 +8,7 @@ Stages never call a tracker; they emit plain records (``StageEvent``, ``TrainRec
 the executor's ``emit`` callback, and the engine emits the run's ``RunResult`` (matrix + metrics) once the graph is
 complete. A :class:`Tracker` is such a callback::
 
-    tracker = create_tracker(None, run_dir)                 # SQLite next to the run directory by default
+    tracker = create_tracker(tracking_uri)                  # app.dispatch resolves it; None: a NullTracker
     with tracker.pipeline(graph, store):                    # parent run; FAILED (and re-raise) on an exception
         LocalExecutor(emit=ProgressReporter(sinks=[tracker])).run(graph, store)
 
@@ -43,17 +43,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from cluster.model_registry.versions import ensure_registered_model, registered_model_name
-from cluster.tracking.client import (
-    check_tracking_uri,
-    ensure_experiment,
-    log_metrics,
-    log_params,
-    open_client,
-    tracking_credentials_from_environment,
-)
+from cluster.tracking.client import ensure_experiment, log_metrics, log_params, open_client
 from cluster.tracking.params import flatten_params
 from cluster.tracking.records import StageRecordLogging
-from cluster.tracking.store import default_tracking_uri as machine_default
 from pipelines.config.load import config_hash, config_to_dict, stable_hash
 from pipelines.engine.progress import StageEvent, StageRecord
 from pipelines.graph.stage_kind import StageKind
@@ -129,16 +121,12 @@ class NullTracker(Tracker):
     """Tracks nothing (``--tracking none``)."""
 
 
-def create_tracker(uri: str | None, run_dir: str | os.PathLike | None = None, **options: Any) -> Tracker:
-    """``"none"`` -> NullTracker; None -> MLFLOW_TRACKING_URI, else the machine's one store
-    (cluster.tracking.store: every compat command of the machine in one MLflow UI); else that URI. run_dir is
-    accepted for callers that name the run; the store no longer depends on it."""
-    if uri == "none":
-        return NullTracker()
+def create_tracker(uri: str | None, **options: Any) -> Tracker:
+    """An MlflowTracker on ``uri`` (a target resolved once by :func:`cluster.tracking.store.resolve_tracking`), or a
+    NullTracker when tracking is off (None). options: :class:`MlflowTracker` keyword arguments."""
     if uri is None:
-        tracking_credentials_from_environment()
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or None
-    return MlflowTracker(uri or machine_default(), **options)
+        return NullTracker()
+    return MlflowTracker(uri, **options)
 
 
 # ---- MLflow --------------------------------------------------------------------------------------------------------
@@ -157,11 +145,10 @@ class MlflowTracker(StageRecordLogging, Tracker):
     default :func:`pipeline_id_of`. register_models: register every model stage in the model registry.
     """
 
-    def __init__(self, tracking_uri: str, registry_uri: str | None = None, experiment: str | None = None,
-                 pipeline_id: str | None = None, register_models: bool = True) -> None:
-        self.tracking_uri = check_tracking_uri(tracking_uri)
-        self.registry_uri = check_tracking_uri(registry_uri) if registry_uri else self.tracking_uri
-        self.client = open_client(self.tracking_uri, self.registry_uri)  # a fresh SQLite store: one at a time
+    def __init__(self, tracking_uri: str, experiment: str | None = None, pipeline_id: str | None = None,
+                 register_models: bool = True) -> None:
+        self.tracking_uri = tracking_uri
+        self.client = open_client(self.tracking_uri)  # a fresh SQLite store: one at a time
         self.experiment_name = experiment
         self.fixed_pipeline_id = pipeline_id
         self.register_models = register_models

@@ -43,8 +43,6 @@ from cluster.ray.auth import prepare_client_auth
 from cluster.ray.loopback import prepare_for_address, prepare_loopback
 from cluster.ray.reach import require_answering, require_reachable
 from cluster.storage.s3 import configure_object_storage
-from cluster.tracking.client import check_tracking_uri
-from cluster.tracking.store import default_tracking_uri
 from cluster.tune.grid import spread_points
 from cluster.tune.space import parse_space
 from cluster.tune.spec import (
@@ -214,13 +212,10 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
     if cio.exists(cio.join(spec.experiment_path, SEARCH_FILE)):
         raise FileExistsError(f"{spec.experiment_path} already holds a search; continue it with "
                               f"`compat tune --resume {spec.experiment_path}` or choose another --name")
-    ensure_ray(address)
     if spec.tracking_uri is None:
-        spec.tracking_uri = default_tracking_uri()  # MLFLOW_TRACKING_URI, else the machine's one store
-
-    spec.tracking_uri = check_tracking_uri(spec.tracking_uri)  # never a password in search.json or trial params
-    if spec.tracking_uri.startswith("sqlite:///"):
-        Path(spec.tracking_uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        raise ValueError("--tracking-uri none: a search tracks every trial in MLflow; name a store, or leave the "
+                         "option out for this machine's store")
+    ensure_ray(address)
     experiment_id, spec.parent_run_id = open_search_run(spec)
     write_spec(spec)
 

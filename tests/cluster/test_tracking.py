@@ -20,7 +20,8 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 tiny.register()  # the scenario below names the tiny-synth dataset: configs validate only once it is registered
 
 from cluster.model_registry.versions import parse_model_uri, registered_model_name, task_alias
-from cluster.tracking.client import check_tracking_uri, default_tracking_uri, project_tracking_uri
+from cluster.tracking.client import check_tracking_uri
+from cluster.tracking.store import resolve_tracking
 from cluster.tracking.params import flatten_params, looks_like_secret
 from cluster.tracking.records import entry_metric_key
 from cluster.tracking.tracker import MlflowTracker, NullTracker, create_tracker
@@ -96,17 +97,11 @@ def test_naming_helpers():
         parse_model_uri("models:/a/b/c")
 
 
-def test_tracking_uri_defaults_to_sqlite_in_run_dir(tmp_path):
-    assert default_tracking_uri(tmp_path / "run") == f"sqlite:///{(tmp_path / 'run').resolve()}/mlflow.db"
-    assert project_tracking_uri(tmp_path / "runs" / "demo-er") == f"sqlite:///{(tmp_path / 'runs').resolve()}/mlflow.db"
-    with pytest.raises(ValueError, match="not local"):
-        default_tracking_uri("s3://bucket/run")
-    with pytest.raises(ValueError, match="not local"):
-        project_tracking_uri("s3://bucket/runs/run")
+def test_tracking_uri_is_checked_and_off_gives_the_null_tracker():
     assert check_tracking_uri("https://mlflow.example.com:5000") == "https://mlflow.example.com:5000"
     with pytest.raises(ValueError, match="tracking URI"):
         check_tracking_uri("ftp://host")
-    assert isinstance(create_tracker("none"), NullTracker)
+    assert isinstance(create_tracker(None), NullTracker)
 
 
 def test_tracking_uri_credentials_never_stay_in_the_uri(monkeypatch):
@@ -269,7 +264,7 @@ def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task:
     config = validate_config(scenario(str(run_dir)))
     graph = compile_scenario(config, version="test+0123")
     store = RunStore(run_dir)
-    tracker = create_tracker(tracking_uri, run_dir)
+    tracker = create_tracker(resolve_tracking(tracking_uri).uri)  # as app.dispatch resolves --tracking-uri
     with tracker.pipeline(graph, TrackerStore(run_dir)):
         LocalExecutor(emit=ProgressReporter(enabled=False, sinks=[tracker]), stop_after=stop_after).run(graph, store)
     if ray_job is not None:

@@ -50,12 +50,14 @@ def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, c
     from mlflow import MlflowClient
 
     from app.cli import main
+    from cluster.tracking.store import resolve_tracking
     from cluster.tune.runner import run_search
     from cluster.tune.spec import SearchSpec
 
     spec = SearchSpec(name="tiny-aa", base_config=_base_config(), space=SPACE, objective="AA", samples=3,
                       concurrent=2, scheduler="none", seed=1, storage=str(tmp_path / "searches"),
-                      resources={"cpu": 0.5, "gpu": 0.0}, plugins=[PLUGIN])
+                      resources={"cpu": 0.5, "gpu": 0.0}, plugins=[PLUGIN],
+                      tracking_uri=resolve_tracking(None).uri)  # what `compat tune` resolves without the option
     outcome = run_search(spec)
     assert outcome.complete and len(outcome.trials) == 3
     experiment = tmp_path / "searches" / "tiny-aa"
@@ -242,6 +244,7 @@ def test_search_spec_names_the_drivers_folders_for_relative_paths(tmp_path, monk
     import argparse
 
     from app.commands.tune import build_spec
+    from cluster.tracking.store import TrackingTarget
     from cluster.tune.spec import absolute_local_paths, trial_config
 
     base = _base_config()
@@ -256,7 +259,8 @@ def test_search_spec_names_the_drivers_folders_for_relative_paths(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     args = argparse.Namespace(config="scenario.yaml", space="space.yaml", overrides=[], plugins=[PLUGIN],
                               storage="runs/tune", concurrent=1, cpus_per_trial=None, gpus_per_trial=None,
-                              name="paths", objective="AA", samples=1, scheduler="none", seed=0, tracking_uri=None,
+                              name="paths", objective="AA", samples=1, scheduler="none", seed=0,
+                              tracking=TrackingTarget(None, "off"),
                               mlflow_experiment=None)
     spec = build_spec(args)
     assert spec.base_config["output"]["shared_store"] == str(tmp_path / "runs" / "demo" / "third-party")

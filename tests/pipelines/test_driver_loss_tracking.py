@@ -47,13 +47,14 @@ def test_resume_after_driver_loss_leaves_no_run_running_and_keeps_the_parent(tmp
     assert len(parents) == 1 and parents[0] in stale and len(stale) >= 2  # the parent and the stage in progress
 
     # a resume that stops before it reaches the interrupted stage (here: at once) still ends its run KILLED
+    from cluster.tracking.store import resolve_tracking
     from cluster.tracking.tracker import create_tracker
     from pipelines.config.load import load_config
     from pipelines.graph.compile import compile_scenario
     from pipelines.store.run_store import RunStore
 
     tiny.register()
-    tracker = create_tracker(None, run_dir)
+    tracker = create_tracker(resolve_tracking(None).uri)  # the machine's store, as `compat run` resolves it
     tracker.start(compile_scenario(load_config(str(run_dir / "config.yaml"))), RunStore(str(run_dir)))
     tracker.finish("KILLED")
     tracker.close()
