@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import functools
 import importlib
-import re
 
-from cluster.model_registry.versions import register_mlflow_resolvers, version_by_alias
+from cluster.model_registry.versions import pinned_model_uri, register_mlflow_resolvers
+from cluster.tracking.client import open_client
 from pipelines.config.load import ConfigError
-from pipelines.config.redaction import redact_uri
+from pipelines.config.model_uri import is_model_uri, parse_model_uri
 from pipelines.engine.executor import LocalExecutor
 from pipelines.engine.progress import ProgressReporter
 
@@ -53,7 +53,7 @@ def model_sources_setup(config, tracking_uri: str | None):
     :func:`cluster.tracking.store.resolve_tracking`); a ConfigError names the source when tracking is off (None)."""
     sources = {f"replacements[{i}].source": r.source for i, r in enumerate(config.replacements)}
     sources["initial_model"] = config.initial_model or ""
-    mlflow_sources = {key: uri for key, uri in sources.items() if uri.startswith(("models:/", "runs:/"))}
+    mlflow_sources = {key: uri for key, uri in sources.items() if is_model_uri(uri) or uri.startswith("runs:/")}
     if not mlflow_sources:
         return None
     if tracking_uri is None:
@@ -69,22 +69,21 @@ def pin_model_aliases(config, tracking_uri: str | None):
     """``models:/NAME@ALIAS`` sources rewritten as ``models:/NAME/VERSION`` (the version the alias names now), so
     the stage keys hash immutable content: moving the alias later never reuses stages trained from the old
     version, and config.yaml records which version was used. Other configs are returned unchanged."""
-    pattern = re.compile(r"^models:/(?P<name>[^/@]+)@(?P<alias>[A-Za-z0-9_-]+)/?$")
-    if not any(pattern.match(r.source) for r in config.replacements) and not pattern.match(config.initial_model or ""):
+    sources = {"initial_model": config.initial_model or ""}
+    sources.update({f"replacements[{i}].source": r.source for i, r in enumerate(config.replacements)})
+    aliased = {key: parse_model_uri(source, key) for key, source in sources.items() if is_model_uri(source)}
+    aliased = {key: uri for key, uri in aliased.items() if uri.alias is not None}
+    if not aliased:
         return config
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    client = open_client(tracking_uri)
 
     def pinned(key: str, source: str) -> str:
-        match = pattern.match(source or "")
-        if match is None:
+        if key not in aliased:
             return source
-        found = version_by_alias(client, match["name"], match["alias"])
-        if found is None:
-            raise FileNotFoundError(f"{key}: registered model {match['name']!r} has no alias {match['alias']!r} "
-                                    f"on {redact_uri(tracking_uri)}")
-        return f"models:/{match['name']}/{found.version}"
+        try:
+            return str(pinned_model_uri(client, aliased[key]))
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"{key}: {error}") from None
 
     replacements = [r.model_copy(update={"source": pinned(f"replacements[{i}].source", r.source)})
                     for i, r in enumerate(config.replacements)]

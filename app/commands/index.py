@@ -18,6 +18,7 @@ from cluster.serving.index_build import build_index
 from cluster.serving.index_store import load_index
 from cluster.serving.ray_join import resolve_ray_target
 from cluster.storage.s3 import configure_object_storage
+from pipelines.config.model_uri import parse_model_uri
 from pipelines.config.load import load_config
 
 
@@ -47,6 +48,7 @@ def run(args) -> int:
         return 0
     if not args.model:
         raise ValueError(f"compat index {args.action}: --model models:/NAME@ALIAS is required")
+    parse_model_uri(args.model, "--model")  # a typo fails here, before Ray or the registry is reached
     if args.action == "backfill":
         resolve_ray_target(args.ray_address)  # an address it cannot join fails now, not after the config is read
     config = _config(args)

@@ -12,6 +12,7 @@ import time
 
 from cluster.serving.app import start
 from cluster.serving.ray_join import connect_ray
+from pipelines.config.model_uri import parse_model_uri
 
 
 def run(args) -> int:
@@ -22,6 +23,7 @@ def run(args) -> int:
     if tracking is None:
         raise ValueError("--tracking-uri none: compat serve follows a model in an MLflow registry; name its "
                          "tracking server")
+    parse_model_uri(args.model, "--model")  # a typo fails here, before Ray starts
     if args.replicas < 1:
         raise ValueError(f"--replicas: expected >= 1, got {args.replicas}")
     connect_ray(args.ray_address, args.ray_token_file)

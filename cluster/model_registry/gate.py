@@ -35,6 +35,7 @@ import numpy as np
 
 from cluster.model_registry.versions import MlflowModelResolver, version_by_alias
 from cluster.tracking.client import ensure_experiment, open_client
+from pipelines.config.model_uri import ModelUri
 from compat_core.evaluation.metrics import upgrade_verdict
 from compat_core.models.compat_model import load_model
 from compat_core.upgrades.adapters import ADAPTER_KINDS, save_adapter
@@ -137,7 +138,7 @@ def _version(client: Any, model: str, version: str) -> Any:
 def _features(resolver: Any, model: str, version: str, config: Any, pools: dict, device: Any,
               log: Callable[[str], None]) -> dict[str, tuple]:
     """Features of ``models:/model/version`` on the query and gallery pools: split -> (features, labels, coarse)."""
-    folder = resolver(f"models:/{model}/{version}")
+    folder = resolver(str(ModelUri(model, str(version))))
     network = load_model(folder, map_location=device)
     out = {}
     for split, pool in pools.items():

@@ -33,10 +33,10 @@ from typing import Any
 
 from compat_core.models.compat_model import CONFIG_FILE, model_from_bytes
 from compat_core.models.weights import register_uri_resolver
+from pipelines.config.model_uri import LATEST, ModelUri, is_model_uri, parse_model_uri
 from pipelines.config.redaction import redact_uri
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
-_MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:/(?P<version>\d+|latest)|@(?P<alias>[A-Za-z0-9_-]+))/?$")
 _RUNS_URI = re.compile(r"^runs:/(?P<run_id>[0-9a-fA-F]{32})/(?P<path>.+)$")
 MODEL_ARTIFACT_PATH = "model"
 LATEST_ALIAS = "latest-task"
@@ -165,12 +165,27 @@ def version_by_alias(client: Any, name: str, alias: str) -> Any | None:
         raise
 
 
-def parse_model_uri(uri: str) -> tuple[str, str | None, str | None]:
-    """``models:/NAME/VERSION|latest`` or ``models:/NAME@ALIAS`` -> (name, version or None, alias or None)."""
-    match = _MODELS_URI.match(uri)
-    if match is None:
-        raise ValueError(f"model URI {uri!r}: expected models:/NAME/VERSION or models:/NAME@ALIAS")
-    return match["name"], match["version"], match["alias"]
+def model_version(client: Any, uri: ModelUri) -> Any:
+    """The ModelVersion ``uri`` names now: the one behind its alias, the highest for ``latest``, else that version.
+    FileNotFoundError naming the URI and the tracking server when the alias is not set or there is no version."""
+    if uri.alias is not None:
+        found = version_by_alias(client, uri.name, uri.alias)
+        if found is None:
+            raise FileNotFoundError(f"{uri}: registered model {uri.name!r} has no alias {uri.alias!r} "
+                                    f"(tracking server {redact_uri(client.tracking_uri)})")
+        return found
+    if uri.version == LATEST:
+        versions = client.search_model_versions(f"name = '{uri.name}'")
+        if not versions:
+            raise FileNotFoundError(f"{uri}: registered model {uri.name!r} has no versions "
+                                    f"(tracking server {redact_uri(client.tracking_uri)})")
+        return max(versions, key=lambda candidate: int(candidate.version))
+    return client.get_model_version(uri.name, uri.version)
+
+
+def pinned_model_uri(client: Any, uri: ModelUri) -> ModelUri:
+    """``models:/NAME/<version>`` of the version ``uri`` names now (a pinned URI is returned as is, unread)."""
+    return uri if uri.pinned else uri.at_version(model_version(client, uri).version)
 
 
 def _sha256_file(path: Path) -> str:
@@ -199,33 +214,21 @@ class MlflowModelResolver:
         self._cache = self.cache_dir / hashlib.sha256(tracking_uri.encode("utf-8")).hexdigest()[:12]
 
     def __call__(self, uri: str) -> str:
-        if uri.startswith("models:/"):
-            return self._resolve_model(uri)
+        if is_model_uri(uri):
+            return self._resolve_model(parse_model_uri(uri))
         match = _RUNS_URI.match(uri)
         if match is None:
             raise ValueError(f"run URI {uri!r}: expected runs:/<32 hex run id>/<artifact path>")
         downloaded = self._download(match["run_id"], match["path"], self._cache / "runs" / match["run_id"])
         return str(model_files_folder(downloaded)) if Path(downloaded).is_dir() else downloaded
 
-    def _resolve_model(self, uri: str) -> str:
-        name, version, alias = parse_model_uri(uri)
-        if alias is not None:
-            found = version_by_alias(self.client, name, alias)
-            if found is None:
-                raise FileNotFoundError(f"{uri}: registered model {name!r} has no alias {alias!r} "
-                                        f"(tracking server {redact_uri(self.tracking_uri)})")
-        elif version == "latest":
-            versions = self.client.search_model_versions(f"name = '{name}'")
-            if not versions:
-                raise FileNotFoundError(f"{uri}: registered model {name!r} has no versions ({redact_uri(self.tracking_uri)})")
-            found = max(versions, key=lambda candidate: int(candidate.version))
-        else:
-            found = self.client.get_model_version(name, version)
+    def _resolve_model(self, uri: ModelUri) -> str:
+        found = model_version(self.client, uri)
         source = _RUNS_URI.match(found.source or "")
         if source is None:
             raise ValueError(f"{uri}: version {found.version} has source {found.source!r}; expected runs:/RUN/PATH")
         folder = str(model_files_folder(self._download(source["run_id"], source["path"],
-                                                       self._cache / "models" / name / str(found.version))))
+                                                       self._cache / "models" / uri.name / str(found.version))))
         expected = (found.tags or {}).get("sha256")
         weights = Path(folder) / WEIGHTS_FILE
         if expected and weights.exists():
@@ -252,6 +255,6 @@ def register_mlflow_resolvers(tracking_uri: str, cache_dir: str | os.PathLike | 
 
 __all__ = [
     "registered_model_name", "task_alias", "ensure_registered_model", "find_version", "register_version",
-    "version_by_alias", "parse_model_uri", "LATEST_ALIAS", "MlflowModelResolver", "register_mlflow_resolvers",
+    "version_by_alias", "model_version", "pinned_model_uri", "LATEST_ALIAS", "MlflowModelResolver", "register_mlflow_resolvers",
     "MODEL_ARTIFACT_PATH", "write_model_folder", "model_files_folder",
 ]

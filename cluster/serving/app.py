@@ -25,11 +25,18 @@ from ray import serve
 
 from cluster.model_registry.versions import MlflowModelResolver
 from cluster.serving.index_store import load_index, read_head
-from cluster.serving.models import ModelRef, embed_images, installed_adapter, load_served_model, resolve_model_ref
+from cluster.serving.models import (
+    DEFAULT_ALIAS,
+    embed_images,
+    installed_adapter,
+    load_served_model,
+    resolve_model_ref,
+)
 from cluster.serving.state import ReplicaMetrics, ServingState, as_query_tensor, build_state, state_summary
 from cluster.storage.s3 import configure_object_storage
 from compat_core.retrieval.mixed_gallery import search_groups
 from compat_core.retrieval.search_request import RequestError, SearchLimits, parse_search_request
+from pipelines.config.model_uri import ModelUri, parse_model_uri
 
 LOG = logging.getLogger("compat.serve")
 DEFAULT_SETTINGS = {"poll_s": 2.0, "precision": "auto", "device": "cpu", "threads": 1, "cache_dir": None,
@@ -54,7 +61,8 @@ class SearchService:
             if not self.settings.get(key):
                 raise ValueError(f"serve settings: {key!r} is required")
         self.limits = SearchLimits(**self.settings["limits"])
-        self.alias = (self.settings.get("model") or "").partition("@")[2] or "champion"
+        self.alias = (parse_model_uri(self.settings["model"], "serve settings: 'model'").alias
+                      if self.settings.get("model") else None) or DEFAULT_ALIAS
         import torch
 
         torch.set_num_threads(int(self.settings["threads"]))
@@ -87,7 +95,7 @@ class SearchService:
             if self._state is not None and self._state.index.manifest_sha == head:
                 return False
             index = load_index(self.settings["index"], head)
-            ref = ModelRef(str(index.manifest["model"]["name"]), str(index.manifest["model"]["version"]))
+            ref = ModelUri(str(index.manifest["model"]["name"]), str(index.manifest["model"]["version"]))
             self._state = build_state(ref, None, index, None, self.settings["precision"])
             self.metrics.swaps += 1
             return True

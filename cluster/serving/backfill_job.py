@@ -18,13 +18,14 @@ import numpy as np
 from cluster.model_registry.versions import MlflowModelResolver
 from cluster.serving.index_build import evaluation_labels, pool_of
 from cluster.serving.index_store import commit_manifest, load_index, read_manifest, shard_table, write_shard
-from cluster.serving.models import ModelRef, installed_adapter, load_served_model, resolve_model_ref
+from cluster.serving.models import DEFAULT_ALIAS, installed_adapter, load_served_model, resolve_model_ref
 from cluster.serving.ray_join import connect_ray
 from cluster.serving.state import build_state
 from cluster.tracking.client import ensure_experiment
 from compat_core.data.base import ArraySource
 from compat_core.retrieval.mixed_gallery import search_groups
 from compat_core.upgrades.backfill_order import backfill_order
+from pipelines.config.model_uri import ModelUri, parse_model_uri
 from pipelines.config.schema import PoolSpec
 from pipelines.stages.extraction import extract_pool_features
 from pipelines.stages.pools import load_pool
@@ -35,14 +36,13 @@ EXPERIMENT = "compat-backfill"
 __all__ = ["run_backfill", "probe_recall_at_1", "EXPERIMENT"]
 
 
-def _embed_chunk(model_uri: str, tracking_uri: str, cache_dir: str | None, config: Any, images: np.ndarray,
+def _embed_chunk(model_uri: ModelUri, tracking_uri: str, cache_dir: str | None, config: Any, images: np.ndarray,
                  mean: list, std: list) -> np.ndarray:
     """Ray task body: features of ``images`` by ``model_uri`` (a pinned models:/NAME/VERSION)."""
     import torch
 
-    name, _, version = model_uri[len("models:/"):].partition("/")
     resolver = MlflowModelResolver(tracking_uri, cache_dir=cache_dir)
-    model = load_served_model(resolver, ModelRef(name, version), "cpu")
+    model = load_served_model(resolver, model_uri, "cpu")
     source = ArraySource("backfill-chunk", images, np.zeros(len(images), dtype=np.int64), ["item"],
                          mean=tuple(mean), std=tuple(std), hflip=False)
     torch.set_num_threads(1)
@@ -54,7 +54,7 @@ def probe_recall_at_1(index, query: np.ndarray, query_labels: np.ndarray, served
     """Recall@1 (fraction) of ``query`` (embedded by ``served_version``) on ``index`` searched like the service."""
     if index.labels is None:
         raise ValueError("probe: the index has no labels; build it from a labelled pool")
-    state = build_state(ModelRef("probe", served_version), None, index, adapter, precision)
+    state = build_state(ModelUri("probe", served_version), None, index, adapter, precision)
     positions, _, _ = search_groups(query, state.groups, 1)
     return float(np.mean(index.labels[positions[:, 0]] == np.asarray(query_labels)))
 
@@ -77,7 +77,8 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
     log(f"backfill: chunks re-embedded as Ray tasks on Ray cluster {ray.get_runtime_context().gcs_address}")
     resolver = MlflowModelResolver(tracking_uri, cache_dir=cache_dir)
     client = resolver.client
-    ref = resolve_model_ref(client, model_uri)
+    requested = parse_model_uri(model_uri, "--model")
+    ref = resolve_model_ref(client, requested)
     head, manifest = read_manifest(root)
     index = load_index(root, head)
     if not manifest.get("pool"):
@@ -88,7 +89,7 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
     permutation = backfill_order(index.size, order, seed)
     todo = permutation[index.versions[permutation] != ref.version]
     chunks = [np.sort(todo[start:start + chunk_rows]) for start in range(0, todo.size, chunk_rows)]
-    adapter = installed_adapter(client, ref, model_uri.partition("@")[2] or "champion")
+    adapter = installed_adapter(client, ref, requested.alias or DEFAULT_ALIAS)
     query, query_labels = None, None
     if probe:
         _, query_pool = pool_of(config, "query")
@@ -119,14 +120,13 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
     record(index, 0)
     task = ray.remote(num_cpus=1, max_retries=2)(_embed_chunk)
     image = manifest["image"]
-    pinned = ref.uri
     pending: dict[Any, np.ndarray] = {}
     next_chunk, done_items = 0, 0
     try:
         while next_chunk < len(chunks) or pending:
             while next_chunk < len(chunks) and len(pending) < in_flight:
                 positions = chunks[next_chunk]
-                pending[task.remote(pinned, tracking_uri, cache_dir, config, pool.read(positions), image["mean"],
+                pending[task.remote(ref, tracking_uri, cache_dir, config, pool.read(positions), image["mean"],
                                     image["std"])] = positions
                 next_chunk += 1
             ready, _ = ray.wait(list(pending), num_returns=1)

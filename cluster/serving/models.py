@@ -2,53 +2,35 @@
 adapter the gate installed with a version, and query embedding of images."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from cluster.model_registry.versions import parse_model_uri, version_by_alias
+from cluster.model_registry.versions import pinned_model_uri
 from compat_core.data.transforms import make_transforms
 from compat_core.models.compat_model import load_model
 from compat_core.models.precision import prepare_batch
 from compat_core.upgrades.adapters import load_adapter_bytes
+from pipelines.config.model_uri import ModelUri, parse_model_uri
 
-__all__ = ["ModelRef", "resolve_model_ref", "load_served_model", "installed_adapter", "embed_images"]
+__all__ = ["DEFAULT_ALIAS", "resolve_model_ref", "load_served_model", "installed_adapter", "embed_images"]
 
-
-@dataclass(frozen=True)
-class ModelRef:
-    name: str
-    version: str
-
-    @property
-    def uri(self) -> str:
-        return f"models:/{self.name}/{self.version}"
+DEFAULT_ALIAS = "champion"
 
 
-def resolve_model_ref(client: Any, uri: str) -> ModelRef:
-    """``models:/NAME@ALIAS`` | ``models:/NAME/VERSION`` | ``models:/NAME/latest`` -> the version behind it now."""
-    name, version, alias = parse_model_uri(uri)
-    if alias is not None:
-        found = version_by_alias(client, name, alias)
-        if found is None:
-            raise FileNotFoundError(f"{uri}: registered model {name!r} has no alias {alias!r}")
-        return ModelRef(name, str(found.version))
-    if version == "latest":
-        versions = client.search_model_versions(f"name = '{name}'")
-        if not versions:
-            raise FileNotFoundError(f"{uri}: registered model {name!r} has no versions")
-        return ModelRef(name, str(max(int(v.version) for v in versions)))
-    return ModelRef(name, str(version))
+def resolve_model_ref(client: Any, uri: str | ModelUri) -> ModelUri:
+    """``models:/NAME@ALIAS`` | ``models:/NAME/VERSION`` | ``models:/NAME/latest`` -> the pinned ModelUri of the
+    version behind it now."""
+    return pinned_model_uri(client, uri if isinstance(uri, ModelUri) else parse_model_uri(uri, "--model"))
 
 
-def load_served_model(resolver: Any, ref: ModelRef, device: str | torch.device = "cpu"):
+def load_served_model(resolver: Any, ref: ModelUri, device: str | torch.device = "cpu"):
     """The CompatModel of ``ref`` in eval mode (safetensors + JSON config, sha256-checked by the resolver)."""
     return load_model(resolver(ref.uri), map_location=device).eval()
 
 
-def installed_adapter(client: Any, ref: ModelRef, alias: str = "champion") -> tuple[str, str, Any] | None:
+def installed_adapter(client: Any, ref: ModelUri, alias: str = DEFAULT_ALIAS) -> tuple[str, str, Any] | None:
     """(adapter kind, version it maps to/from, Adapter) that ``compat gate --adapter`` installed when it moved
     ``alias`` to ``ref``, or None. The adapter file is the one logged with that gate run."""
     import tempfile

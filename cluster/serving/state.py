@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from cluster.serving.index_store import GalleryIndex
-from cluster.serving.models import ModelRef
 from compat_core.retrieval.mixed_gallery import VersionGroup, build_groups
 from compat_core.upgrades.adapters import GALLERY_ADAPTERS
+from pipelines.config.model_uri import ModelUri
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -26,7 +26,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 class ServingState:
     """Everything one request needs, never mutated after construction."""
 
-    ref: ModelRef
+    ref: ModelUri
     model: Any                        # CompatModel (eval) or None when the service embeds no images
     index: GalleryIndex
     groups: tuple[VersionGroup, ...]
@@ -41,7 +41,7 @@ class ServingState:
         return (self.ref.name, self.ref.version, self.index.manifest_sha)
 
 
-def build_state(ref: ModelRef, model: Any, index: GalleryIndex, adapter: tuple[str, str, Any] | None,
+def build_state(ref: ModelUri, model: Any, index: GalleryIndex, adapter: tuple[str, str, Any] | None,
                 precision: str) -> ServingState:
     """Version groups of ``index`` for queries of ``ref``; an installed adapter maps the group of its old version
     (query adapters map the query, gallery adapters such as FCT the group's stored embeddings)."""

@@ -12,6 +12,7 @@ from cluster.tracking.client import log_metrics, log_params, open_client
 from cluster.tracking.params import flatten_params
 from cluster.tune.spec import BEST_ALIAS, MODELS_KEY, OBJECTIVE_KEY, RESULT_KEY, TIME_ATTR, TRIAL_FILE, SearchSpec
 from compat_core import io as cio
+from pipelines.config.model_uri import ModelUri
 from pipelines.results.assemble import MATRIX_FILE, METRICS_FILE, RunResult
 from pipelines.store.run_store import RunStore
 
@@ -175,5 +176,5 @@ def register_best_models(spec: SearchSpec, best_trial_id: str, trial_run_id: str
             "trial_id": best_trial_id, "task_0based": task, "task_1based": task + 1,
             "sha256": manifest["blobs"]["model.safetensors"]["sha256"]}, aliases, artifact_path=artifact_path)
     client.set_tag(spec.parent_run_id, "best_trial_id", best_trial_id)
-    client.set_tag(spec.parent_run_id, "best_model_uri", f"models:/{spec.name}@{BEST_ALIAS}")
+    client.set_tag(spec.parent_run_id, "best_model_uri", str(ModelUri(spec.name, alias=BEST_ALIAS)))
     return version

@@ -18,6 +18,7 @@ from compat_core.data.datasets import dataset_info, dataset_names
 from compat_core.models.backbones import BACKBONES
 from pipelines.config.local_paths import absolute_config, check_overridden_roots
 from pipelines.config.method_params import error_lines
+from pipelines.config.model_uri import is_model_uri, parse_model_uri
 from pipelines.config.schema import ScenarioConfig, method_params_model, resolved_head
 from pipelines.methods import METHODS
 
@@ -86,9 +87,6 @@ def validate_config(document: dict, source: str = "<config>") -> ScenarioConfig:
     return config
 
 
-_MODEL_URI = re.compile(r"^models:/[^/@\s]+(/(\d+|latest)|@[A-Za-z0-9_-]+)/?$")
-
-
 def check_names(config: ScenarioConfig, source: str = "<config>") -> None:
     """Backbones, datasets, splits and dataset options against the registries, and ``models:/`` sources against the
     MLflow URI grammar, so a typo fails at load time with its key path and the valid names (not when a stage runs)."""
@@ -120,9 +118,11 @@ def check_names(config: ScenarioConfig, source: str = "<config>") -> None:
     if config.initial_model:
         sources["initial_model"] = config.initial_model
     for key, uri in sources.items():
-        if uri.startswith("models:") and not _MODEL_URI.match(uri):
-            problems.append(f"{key}: {uri!r} is not an MLflow model URI; expected models:/NAME@ALIAS (e.g. "
-                            f"models:/my-model@task-3), models:/NAME/VERSION or models:/NAME/latest")
+        if is_model_uri(uri):
+            try:
+                parse_model_uri(uri, key)
+            except ValueError as error:
+                problems.append(str(error))
     if problems:
         raise ConfigError(f"invalid scenario config {source}:\n  " + "\n  ".join(problems))
 

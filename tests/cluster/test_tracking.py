@@ -19,7 +19,7 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 
 tiny.register()  # the scenario below names the tiny-synth dataset: configs validate only once it is registered
 
-from cluster.model_registry.versions import parse_model_uri, registered_model_name, task_alias
+from cluster.model_registry.versions import registered_model_name, task_alias
 from cluster.tracking.client import check_tracking_uri
 from cluster.tracking.store import resolve_tracking
 from cluster.tracking.params import flatten_params, looks_like_secret
@@ -90,11 +90,6 @@ def test_naming_helpers():
     with pytest.raises(ValueError, match="output.registered_model"):
         registered_model_name("demo-er", "team/retrieval")
     assert task_alias(2) == "task-3"  # 0-based task 2 is the papers' third task
-    assert parse_model_uri("models:/demo-er-01234567@task-3") == ("demo-er-01234567", None, "task-3")
-    assert parse_model_uri("models:/demo-er-01234567/4") == ("demo-er-01234567", "4", None)
-    assert parse_model_uri("models:/demo-er-01234567/latest") == ("demo-er-01234567", "latest", None)
-    with pytest.raises(ValueError, match="models:/NAME"):
-        parse_model_uri("models:/a/b/c")
 
 
 def test_tracking_uri_is_checked_and_off_gives_the_null_tracker():

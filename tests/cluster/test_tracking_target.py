@@ -58,3 +58,25 @@ def test_dispatch_hands_the_resolved_target_down_and_drops_the_raw_flag(tmp_path
     bad = argparse.Namespace(command="ui", tracking_uri="mysql://nope", port=0, debug=False)
     assert run_command(bad) == 2
     assert "error: --tracking-uri: tracking URI 'mysql://nope'" in capsys.readouterr().err
+
+
+def test_index_build_reads_the_machine_store_without_the_option(tmp_path, monkeypatch, capsys):
+    """`compat index build` (like every command) uses the machine's store when neither --tracking-uri nor
+    MLFLOW_TRACKING_URI names one: the model is looked up there (an empty store: the alias is not set)."""
+    from pathlib import Path
+
+    from app.cli import main
+
+    monkeypatch.setenv("COMPAT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = Path(__file__).resolve().parents[2] / "configs" / "demo-er.yaml"
+    code = main(["index", "build", str(tmp_path / "index"), "--config", str(config), "--model",
+                 "models:/absent-model@champion"])
+    error = capsys.readouterr().err
+    assert code == 2
+    store = f"sqlite:///{tmp_path / 'home' / 'mlflow' / 'mlflow.db'}"
+    assert f"models:/absent-model@champion: registered model 'absent-model' has no alias 'champion' (tracking " \
+           f"server {store})" in error
+    assert main(["index", "build", str(tmp_path / "index"), "--config", str(config), "--model",
+                 "models:/absent-model:champion"]) == 2
+    assert "--model: 'models:/absent-model:champion' is not an MLflow model URI" in capsys.readouterr().err

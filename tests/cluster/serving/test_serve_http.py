@@ -56,7 +56,8 @@ def service(mlflow_server, ray_local, tmp_path_factory):
 
 def _features(service, version: str, pool: str) -> np.ndarray:
     from cluster.model_registry.versions import MlflowModelResolver
-    from cluster.serving.models import ModelRef, load_served_model
+    from cluster.serving.models import load_served_model
+    from pipelines.config.model_uri import ModelUri
     from pipelines.config.load import load_config
     from pipelines.stages.extraction import extract_pool_features
     from pipelines.stages.pools import load_pool
@@ -64,7 +65,7 @@ def _features(service, version: str, pool: str) -> np.ndarray:
     config = load_config(str(service["config"]))
     spec = config.evaluation.query_set if pool == "query" else config.evaluation.gallery_set
     resolver = MlflowModelResolver(service["tracking"], cache_dir=str(service["folder"] / "cache"))
-    model = load_served_model(resolver, ModelRef(NAME, version))
+    model = load_served_model(resolver, ModelUri(NAME, version))
     return extract_pool_features(model, load_pool(spec), config, torch.device("cpu"))
 
 
@@ -226,7 +227,8 @@ def test_gate_move_and_rollback_swap_live_under_load(service):
     stored gallery embeddings (recomputed here), never the other version's."""
     from cluster.model_registry.versions import MlflowModelResolver
     from cluster.serving.index_store import load_index
-    from cluster.serving.models import ModelRef, embed_images, load_served_model
+    from cluster.serving.models import embed_images, load_served_model
+    from pipelines.config.model_uri import ModelUri
     from pipelines.config.load import load_config
     from pipelines.stages.pools import load_pool
 
@@ -254,7 +256,7 @@ def test_gate_move_and_rollback_swap_live_under_load(service):
     image = index.manifest["image"]
     embedded = {}
     for version in (v1, v2):
-        model = load_served_model(resolver, ModelRef(NAME, version))
+        model = load_served_model(resolver, ModelUri(NAME, version))
         rows = embed_images(model, images, image["mean"], image["std"]).double().numpy()
         embedded[version] = rows / np.linalg.norm(rows, axis=1, keepdims=True)
     for _, row, _, doc, _ in load.answers:

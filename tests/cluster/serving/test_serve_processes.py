@@ -128,7 +128,8 @@ def test_serve_and_backfill_from_separate_shells_on_a_token_head(mlflow_server, 
         assert f"on Ray cluster {head.gcs_address}" in backfill.stdout  # the chunks ran on the head
         # the probe scores the evaluation's protocol (coarse labels here): at 100 % it is the self-test M(v2, v2)
         from cluster.model_registry.versions import MlflowModelResolver
-        from cluster.serving.models import ModelRef, load_served_model
+        from cluster.serving.models import load_served_model
+        from pipelines.config.model_uri import ModelUri
         from pipelines.config.load import load_config
         from pipelines.stages.entry_metrics import compute_entry
         from pipelines.stages.extraction import extract_pool_features
@@ -139,7 +140,7 @@ def test_serve_and_backfill_from_separate_shells_on_a_token_head(mlflow_server, 
                                     load_pool(scenario.evaluation.gallery_set))
         assert index.labels.tolist() == np.asarray(gallery_pool.coarse_labels).tolist()
         model = load_served_model(MlflowModelResolver(mlflow_server.tracking_uri, cache_dir=str(tmp_path / "models")),
-                                  ModelRef(NAME, v2))
+                                  ModelUri(NAME, v2))
         queries = extract_pool_features(model, query_pool, scenario, torch.device("cpu"))
         protocol = {"metric": "recall_at_1", "gallery": "instances", "label_level": "coarse"}
         self_test = compute_entry((queries, query_pool.labels, query_pool.coarse_labels),
