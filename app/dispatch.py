@@ -10,8 +10,8 @@ import sys
 
 from cluster.tracking.client import tracking_credentials_from_environment
 from cluster.tracking.store import resolve_tracking
+from compat_core.integrity import IntegrityError
 from pipelines.store.lease import RunFolderBusyError
-from pipelines.store.run_store import CorruptArtifactError
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -41,7 +41,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def describe_error(error: BaseException, args) -> tuple[str, int]:
     """(one-line message with the fix where one is known, exit code) for an exception a command raised."""
-    if isinstance(error, CorruptArtifactError):
+    if isinstance(error, IntegrityError):
         run_dir = getattr(args, "resume", None) or getattr(args, "output", None) or getattr(args, "run_dir", None) \
             or "RUN_DIR"
         fix = (f"; recompute that stage with: compat run --resume {run_dir} --recompute {error.stage_key[:24]}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable
 
@@ -17,6 +18,52 @@ import pyarrow.fs as pafs
 
 S3FilesystemFactory = Callable[[], pafs.FileSystem]
 _s3_factory: S3FilesystemFactory | None = None
+S3_SCHEME = "s3://"
+
+
+@dataclass(frozen=True)
+class S3Uri:
+    """An object-store location: ``bucket`` and ``key`` (the object name or prefix inside it, "" for the bucket
+    itself). ``str()`` is the ``s3://bucket/key`` URI, :attr:`path` the ``bucket/key`` path of ``pyarrow.fs``."""
+
+    bucket: str
+    key: str = ""
+
+    @classmethod
+    def parse(cls, uri: str | os.PathLike) -> "S3Uri":
+        """``s3://bucket/key`` -> S3Uri; ValueError naming the URI when it is not one (no scheme, no bucket)."""
+        text = os.fspath(uri)
+        if not is_s3(text):
+            raise ValueError(f"{text!r}: expected an s3://BUCKET/KEY URI")
+        bucket, _, key = text[len(S3_SCHEME):].partition("/")
+        if not bucket:
+            raise ValueError(f"{text!r}: no bucket; expected s3://BUCKET/KEY")
+        return cls(bucket, key)
+
+    @classmethod
+    def from_path(cls, path: str) -> "S3Uri":
+        """The location of a ``pyarrow.fs`` S3 path ``bucket/key`` (a leading '/' ignored; "" is the endpoint)."""
+        bucket, _, key = path.lstrip("/").partition("/")
+        return cls(bucket, key)
+
+    def __str__(self) -> str:
+        return f"{S3_SCHEME}{self.path}"
+
+    @property
+    def path(self) -> str:
+        """``bucket/key`` (``bucket`` alone for the bucket itself): the path inside the S3 filesystem."""
+        return f"{self.bucket}/{self.key}" if self.key else self.bucket
+
+    def where(self) -> str:
+        """Words naming the location for an error message: bucket, key and URI ("the store" for the endpoint)."""
+        if not self.bucket:
+            return "the store"
+        return f"bucket {self.bucket!r}, key {self.key!r} ({self})" if self.key else f"bucket {self.bucket!r}"
+
+
+def is_s3(uri: object) -> bool:
+    """True for an ``s3://`` URI string."""
+    return isinstance(uri, str) and uri.startswith(S3_SCHEME)
 
 
 def set_s3_filesystem_factory(factory: S3FilesystemFactory | None) -> S3FilesystemFactory | None:
@@ -66,8 +113,8 @@ def is_remote(uri: str | os.PathLike) -> bool:
 def resolve(uri: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
     """Split a URI into (filesystem, path inside it). Local paths and ``file://`` URIs use the local filesystem."""
     text = os.fspath(uri)
-    if text.startswith("s3://"):
-        return s3_filesystem(), text[len("s3://"):]
+    if is_s3(text):
+        return s3_filesystem(), S3Uri.parse(text).path
     if text.startswith("file://"):
         text = text[len("file://"):]
     if "://" in text:

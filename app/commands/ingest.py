@@ -8,7 +8,7 @@ import yaml
 from cluster.ray.executor import connect
 from cluster.storage.ingest import ingest
 from cluster.storage.s3 import configure_object_storage
-from compat_core.data.formats.shards import ShardIntegrityError
+from compat_core.integrity import IntegrityError
 
 
 def _options(pairs: list[str]) -> dict:
@@ -39,7 +39,7 @@ def run(args) -> int:
                               workers=args.workers, setup=setup)
             print(f"{args.dataset}/{split}: {manifest.rows} rows in {len(manifest.parts)} parts; use it with "
                   f"pool {{dataset: shards, root: {args.out}, split: {split}}}")
-    except (KeyError, ValueError, FileNotFoundError, ShardIntegrityError) as error:
+    except (KeyError, ValueError, FileNotFoundError, IntegrityError) as error:
         print(f"refused: {error}", file=sys.stderr)
         return 2
     return 0

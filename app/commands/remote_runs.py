@@ -60,7 +60,7 @@ def variant_parent(root: str, names: list[str] | None = None) -> str | None:
     """The run folder of an ``s3://`` ``compat eval`` variant folder (``RUN/eval-*/``: matrix.json, no config.yaml,
     the run's config.yaml one level up), else None. names: the files directly in ``root``, when already listed."""
     names = cio.list_dir(root) if names is None else names
-    if CONFIG_FILE in names or MATRIX_FILE not in names or "/" not in root[len("s3://"):]:
+    if CONFIG_FILE in names or MATRIX_FILE not in names or not cio.S3Uri.parse(root).key:
         return None
     parent = root.rsplit("/", 1)[0]
     return parent if cio.exists(cio.join(parent, CONFIG_FILE)) else None

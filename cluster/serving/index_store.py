@@ -10,15 +10,14 @@ Layout::
                                    (fixed_size_list<float32>[D]), model_version (string), payload_uri (string,
                                    nullable), label (int64, nullable)
 
-Every blob is named by the sha256 of its bytes and verified on read (``CorruptArtifactError`` names the file, the
-expected and the actual hash). A position may occur in several shards: the last shard listed wins, so a backfill
+Every blob is named by the sha256 of its bytes and verified on read (an ``IntegrityError`` names the file, the
+expected and the actual hash). Manifests are stored by the one manifest codec (:mod:`compat_core.codec`). A position may occur in several shards: the last shard listed wins, so a backfill
 writes the re-embedded rows of a chunk as a new shard and flips them all at once by committing a manifest that
 lists it (one HEAD swap); readers see either the whole chunk in the new version or none of it.
 """
 from __future__ import annotations
 
 import io
-import json
 import time
 from dataclasses import dataclass
 
@@ -27,7 +26,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from compat_core import io as cio
-from pipelines.store.run_store import CorruptArtifactError, sha256_bytes
+from compat_core.codec import decode_manifest, encode_manifest
+from compat_core.integrity import IntegrityError
+from pipelines.store.run_store import sha256_bytes
 
 FORMAT = "compat-gallery-index/1"
 HEAD = "HEAD"
@@ -103,10 +104,10 @@ def commit_manifest(root: str, manifest: dict, expected_head: str | None = None)
     if expected_head is not None and read_head(root) != expected_head:
         raise ValueError(f"{root}/HEAD moved from {expected_head[:12]} while this manifest was prepared "
                          "(another backfill or build?); re-run it")
-    data = json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8")
+    data = encode_manifest(manifest)
     digest = sha256_bytes(data)
     cio.write_bytes(cio.join(root, f"manifests/{digest}.json"), data)
-    cio.write_bytes(cio.join(root, HEAD), json.dumps({"manifest": digest}).encode("utf-8"))
+    cio.write_bytes(cio.join(root, HEAD), encode_manifest({"manifest": digest}))
     return digest
 
 
@@ -114,14 +115,13 @@ def read_head(root: str) -> str:
     """sha256 of the current manifest; FileNotFoundError naming the root when there is no index there."""
     uri = cio.join(root, HEAD)
     try:
-        document = json.loads(cio.read_bytes(uri))
+        data = cio.read_bytes(uri)
     except FileNotFoundError:
         raise FileNotFoundError(f"{uri}: no gallery index here; build one with `compat index build`") from None
-    except json.JSONDecodeError as error:
-        raise CorruptArtifactError(f"{uri}: not JSON ({error})") from None
-    digest = document.get("manifest") if isinstance(document, dict) else None
+    document = decode_manifest(data, uri, "gallery index HEAD")
+    digest = document.get("manifest")
     if not isinstance(digest, str) or len(digest) != 64:
-        raise CorruptArtifactError(f"{uri}: expected {{'manifest': '<sha256>'}}, got {document!r}"[:300])
+        raise IntegrityError(f"{uri}: expected {{'manifest': '<sha256>'}}, got {document!r}"[:300], uri=uri)
     return digest
 
 
@@ -129,14 +129,16 @@ def _verified(uri: str, expected: str) -> bytes:
     data = cio.read_bytes(uri)
     actual = sha256_bytes(data)
     if actual != expected:
-        raise CorruptArtifactError(f"{uri}: sha256 expected {expected}, actual {actual}")
+        raise IntegrityError(f"{uri}: sha256 expected {expected}, actual {actual}", uri=uri, field="sha256",
+                             expected=expected, actual=actual)
     return data
 
 
 def read_manifest(root: str, digest: str | None = None) -> tuple[str, dict]:
     """(sha256, manifest) of ``digest`` or of HEAD, verified."""
     digest = digest or read_head(root)
-    manifest = json.loads(_verified(cio.join(root, f"manifests/{digest}.json"), digest))
+    uri = cio.join(root, f"manifests/{digest}.json")
+    manifest = decode_manifest(_verified(uri, digest), uri, "gallery index manifest")
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{root}: manifest {digest[:12]} has format {manifest.get('format')!r}, expected {FORMAT}")
     return digest, manifest
@@ -158,10 +160,11 @@ def load_index(root: str, digest: str | None = None) -> GalleryIndex:
         table = pq.read_table(io.BytesIO(_verified(uri, entry["sha256"])))
         positions = table.column("position").to_numpy()
         if positions.size and (positions.min() < 0 or positions.max() >= count):
-            raise CorruptArtifactError(f"{uri}: positions outside 0..{count - 1}")
+            raise IntegrityError(f"{uri}: positions outside 0..{count - 1}", uri=uri)
         column = table.column("embedding").combine_chunks()
         if column.type.list_size != dim:
-            raise CorruptArtifactError(f"{uri}: embedding width {column.type.list_size}, manifest says {dim}")
+            raise IntegrityError(f"{uri}: embedding width {column.type.list_size}, manifest says {dim}", uri=uri,
+                                 field="embedding width", expected=dim, actual=column.type.list_size)
         embeddings[positions] = column.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)
         item_ids[positions] = table.column("item_id").to_pylist()
         versions[positions] = table.column("model_version").to_pylist()
@@ -172,7 +175,7 @@ def load_index(root: str, digest: str | None = None) -> GalleryIndex:
         has_label[positions] = valid
         seen[positions] = True
     if not seen.all():
-        raise CorruptArtifactError(f"{root}: manifest {digest[:12]} leaves {int((~seen).sum())} of {count} gallery "
-                                   f"positions without a row (e.g. {int(np.flatnonzero(~seen)[0])})")
+        raise IntegrityError(f"{root}: manifest {digest[:12]} leaves {int((~seen).sum())} of {count} gallery "
+                             f"positions without a row (e.g. {int(np.flatnonzero(~seen)[0])})")
     return GalleryIndex(digest, manifest, item_ids.astype(str), embeddings, versions.astype(str), payloads,
                         labels if has_label.all() else None)

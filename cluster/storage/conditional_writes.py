@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+from compat_core.io import S3Uri
 from pipelines.store.lease import PreconditionFailed
 
 
@@ -34,18 +35,13 @@ class S3ConditionalObjects:
                                   request_checksum_calculation="when_required"))
             return self._client
 
-    @staticmethod
-    def _split(uri: str) -> tuple[str, str]:
-        bucket, _, key = uri[len("s3://"):].partition("/")
-        return bucket, key
-
     def read(self, uri: str) -> tuple[bytes, str] | None:
         """(bytes, ETag) of the object, None when there is none."""
         from botocore.exceptions import ClientError
 
-        bucket, key = self._split(uri)
+        location = S3Uri.parse(uri)
         try:
-            response = self._s3().get_object(Bucket=bucket, Key=key)
+            response = self._s3().get_object(Bucket=location.bucket, Key=location.key)
         except ClientError as error:
             if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
                 return None
@@ -56,9 +52,9 @@ class S3ConditionalObjects:
         """The object's ETag now (None when it does not exist)."""
         from botocore.exceptions import ClientError
 
-        bucket, key = self._split(uri)
+        location = S3Uri.parse(uri)
         try:
-            return self._s3().head_object(Bucket=bucket, Key=key)["ETag"]
+            return self._s3().head_object(Bucket=location.bucket, Key=location.key)["ETag"]
         except ClientError as error:
             if error.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
                 return None
@@ -69,10 +65,10 @@ class S3ConditionalObjects:
         the new ETag; PreconditionFailed when the condition does not hold."""
         from botocore.exceptions import ClientError
 
-        bucket, key = self._split(uri)
+        location = S3Uri.parse(uri)
         conditions = {"IfNoneMatch": "*"} if create else {"IfMatch": if_match} if if_match else {}
         try:
-            return self._s3().put_object(Bucket=bucket, Key=key, Body=data, **conditions)["ETag"]
+            return self._s3().put_object(Bucket=location.bucket, Key=location.key, Body=data, **conditions)["ETag"]
         except ClientError as error:
             code = error.response.get("Error", {}).get("Code")
             status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")

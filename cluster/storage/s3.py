@@ -311,24 +311,14 @@ _NO_BUCKET_MARKERS = ("NO_SUCH_BUCKET", "NoSuchBucket")
 
 def uses_object_storage(config, run_dir: str) -> bool:
     """True when the run directory or any data root is an s3:// URI."""
-    return str(run_dir).startswith("s3://") or "s3://" in json.dumps(config.model_dump(mode="json"), default=str)
+    return cio.is_s3(str(run_dir)) or cio.S3_SCHEME in json.dumps(config.model_dump(mode="json"), default=str)
 
 
-def _split(path: str) -> tuple[str, str]:
-    bucket, _, key = path.lstrip("/").partition("/")
-    return bucket, key
-
-
-def _where(bucket: str | None, key: str | None) -> str:
-    if not bucket:
-        return "the store"
-    return f"bucket {bucket!r}, key {key!r} (s3://{bucket}/{key})" if key else f"bucket {bucket!r}"
-
-
-def storage_error_for(message: str, *, endpoint: str, operation: str, bucket: str | None, key: str | None,
+def storage_error_for(message: str, *, endpoint: str, operation: str, location: cio.S3Uri,
                       access_key_hint: str) -> StorageError | None:
-    """The translated error for a store failure message, or None when the message matches no known failure."""
-    where = _where(bucket, key)
+    """The translated error for a store failure message at ``location``, or None when the message matches no known
+    failure."""
+    where = location.where()
     if any(marker in message for marker in _UNREACHABLE_MARKERS):
         return StorageUnavailableError(
             f"S3 endpoint {endpoint} cannot be reached (connection refused or timed out) while {operation} "
@@ -342,7 +332,7 @@ def storage_error_for(message: str, *, endpoint: str, operation: str, bucket: st
             f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, shared credentials file). [{message}]"
         )
     if any(marker in message for marker in _NO_BUCKET_MARKERS):
-        return BucketNotFoundError(f"bucket {bucket!r} does not exist at S3 endpoint {endpoint} "
+        return BucketNotFoundError(f"bucket {location.bucket!r} does not exist at S3 endpoint {endpoint} "
                                    f"(while {operation} {where})")
     return None
 
@@ -365,17 +355,17 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
         return (_handler_from_access, (self.access,))
 
     def _fail(self, error: OSError, operation: str, path: str) -> OSError:
-        bucket, key = _split(path)
+        location = cio.S3Uri.from_path(path)
         settings = self.access.settings
         translated = storage_error_for(str(error), endpoint=settings.endpoint_display, operation=operation,
-                                       bucket=bucket, key=key, access_key_hint=self.access.access_key_hint)
+                                       location=location, access_key_hint=self.access.access_key_hint)
         if translated is not None:
             return translated
-        if isinstance(error, FileNotFoundError) and bucket and not self._bucket_exists(bucket):
-            return BucketNotFoundError(f"bucket {bucket!r} does not exist at S3 endpoint "
-                                       f"{settings.endpoint_display} (while {operation} {_where(bucket, key)})")
+        if isinstance(error, FileNotFoundError) and location.bucket and not self._bucket_exists(location.bucket):
+            return BucketNotFoundError(f"bucket {location.bucket!r} does not exist at S3 endpoint "
+                                       f"{settings.endpoint_display} (while {operation} {location.where()})")
         if isinstance(error, FileNotFoundError):
-            return FileNotFoundError(f"no object {_where(bucket, key)} at S3 endpoint {settings.endpoint_display} "
+            return FileNotFoundError(f"no object {location.where()} at S3 endpoint {settings.endpoint_display} "
                                      f"(while {operation})")
         return error
 
@@ -400,11 +390,11 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
             raise translated from None
 
     def _check_bucket_for_write(self, path: str) -> None:
-        bucket, key = _split(path)
-        if bucket and not self._bucket_exists(bucket):
+        location = cio.S3Uri.from_path(path)
+        if location.bucket and not self._bucket_exists(location.bucket):
             raise BucketNotFoundError(
-                f"bucket {bucket!r} does not exist at S3 endpoint {self.access.settings.endpoint_display} "
-                f"(writing {_where(bucket, key)}); create it first"
+                f"bucket {location.bucket!r} does not exist at S3 endpoint {self.access.settings.endpoint_display} "
+                f"(writing {location.where()}); create it first"
             )
 
     # ---- FileSystemHandler interface ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from compat_core import io as cio
+from compat_core.codec import encode_manifest, from_json
 from pipelines.config.load import ConfigError, apply_override, validate_config
 from pipelines.config.schema import parse_increments
 
@@ -228,24 +229,19 @@ class SearchSpec:
         return len(parse_increments(document["tasks"]["spec"]))
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__, indent=1, sort_keys=True)
+        """search.json: the stored form of every manifest (:func:`compat_core.codec.encode_manifest`)."""
+        return encode_manifest(self).decode("utf-8")
 
     @classmethod
     def from_json(cls, text: str, source: str = SEARCH_FILE) -> "SearchSpec":
+        """The spec of a search.json text; ValueError naming ``source`` and the keys when it is not one."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
             raise ValueError(f"{source}: not valid JSON ({error})") from None
         if not isinstance(data, dict):
             raise ValueError(f"{source}: expected a JSON object describing the search")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{source}: unknown key(s) {unknown}")
-        missing = sorted({"name", "base_config", "space"} - set(data))
-        if missing:
-            raise ValueError(f"{source}: missing key(s) {missing}")
-        return cls(**data)
+        return from_json(cls, data, source)
 
 
 MARKER_FILE = "compat-tune.json"

@@ -8,7 +8,7 @@ the same code)::
 
 A shard exists exactly when its manifest exists: a crash after the Parquet file and before the manifest leaves no
 shard, and writing again replaces the orphan. Readers verify size, sha256, row count, schema and every row's
-content hash, and raise :class:`CorruptShardError` naming bucket, key, expected and actual values.
+content hash, and raise :class:`~compat_core.integrity.IntegrityError` naming bucket, key, expected and actual values.
 
 Images of encoded sources (JPEG/PNG folders, CelebA, CASIA-WebFace, ingested encoded shards: any source with
 ``encoded_images(indices)``) are stored as their original encoded bytes (``image_encoding`` ``encoded/<decoder>``)
@@ -25,11 +25,10 @@ inside a RunStore stage (sha256-verified on read), and RunStore works on ``s3://
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import struct
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -38,8 +37,10 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from compat_core import io as cio
+from compat_core.codec import decode_manifest, encode_manifest, from_json
 from compat_core.data.encoded import DECODERS, ENCODED_PREFIX, EncodedImages
 from compat_core.data.replay import ReplayMemory
+from compat_core.integrity import IntegrityError
 
 SHARD_FORMAT = "compat-replay-shard/1"
 IMAGE_ENCODING = "raw-uint8-hwc"
@@ -58,20 +59,10 @@ REPLAY_SCHEMA = pa.schema([
 ])
 
 
-class CorruptShardError(IOError):
-    """A stored shard differs from its manifest. Attributes: bucket (None locally), key, field, expected, actual."""
-
-    def __init__(self, uri: str, field: str, expected: Any, actual: Any, detail: str = "") -> None:
-        self.uri = uri
-        self.bucket, self.key = _bucket_and_key(uri)
-        self.field = field
-        self.expected = expected
-        self.actual = actual
-        where = f"bucket {self.bucket!r}, key {self.key!r}" if self.bucket else f"local file {self.key!r}"
-        super().__init__(
-            f"corrupt replay shard {uri} ({where}): {field} expected {expected}, actual {actual}"
-            + (f"; {detail}" if detail else "")
-        )
+def corrupt_shard(uri: str, field: str, expected: Any, actual: Any, detail: str = "") -> IntegrityError:
+    """The integrity error of a replay shard that differs from its manifest or record (names bucket and key, or the
+    local file, then ``field``, the expected and the actual value)."""
+    return IntegrityError.mismatch("corrupt replay shard", uri, field, expected, actual, detail)
 
 
 @dataclass(frozen=True)
@@ -88,27 +79,19 @@ class ShardManifest:
     image_encoding: str = IMAGE_ENCODING
     format: str = SHARD_FORMAT
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
 
-    @classmethod
-    def from_json(cls, text: str, uri: str) -> "ShardManifest":
-        """Parse a manifest; raises CorruptShardError naming ``uri`` when it is not a version-1 manifest."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise CorruptShardError(uri, "manifest JSON", "valid JSON", f"invalid ({error})") from None
-        if not isinstance(data, dict):
-            raise CorruptShardError(uri, "manifest", "a JSON object", type(data).__name__)
-        if data.get("format") != SHARD_FORMAT:
-            raise CorruptShardError(uri, "manifest format", SHARD_FORMAT, data.get("format"))
-        expected = set(cls.__dataclass_fields__)
-        if set(data) != expected:
-            raise CorruptShardError(uri, "manifest fields", sorted(expected), sorted(data))
-        shape = data["image_shape"]
-        if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v >= 0 for v in shape)):
-            raise CorruptShardError(uri, "manifest image_shape", "[H, W, C] of integers >= 0", shape)
-        return cls(**{**data, "image_shape": tuple(shape)})
+def _read_manifest(data: bytes, uri: str) -> ShardManifest:
+    """The manifest stored at ``uri``; an integrity error naming ``uri`` when it is not a version-1 manifest."""
+    document = decode_manifest(data, uri, "corrupt replay shard")
+    if document.get("format") != SHARD_FORMAT:
+        raise corrupt_shard(uri, "manifest format", SHARD_FORMAT, document.get("format"))
+    expected = {spec.name for spec in fields(ShardManifest)}
+    if set(document) != expected:
+        raise corrupt_shard(uri, "manifest fields", sorted(expected), sorted(document))
+    shape = document["image_shape"]
+    if not (isinstance(shape, list) and len(shape) == 3 and all(isinstance(v, int) and v >= 0 for v in shape)):
+        raise corrupt_shard(uri, "manifest image_shape", "[H, W, C] of integers >= 0", shape)
+    return from_json(ShardManifest, document, uri)
 
 
 def encoded_images(source, indices) -> EncodedImages | None:
@@ -196,47 +179,47 @@ def write_replay_shard(store_or_root, task: int, memory: ReplayMemory, source) -
                              sha256=sink.sha256.hexdigest(), size=sink.size, rows=table.num_rows,
                              schema=str(table.schema), image_shape=tuple(int(v) for v in images.shape[1:]),
                              image_encoding=images.encoding if isinstance(images, EncodedImages) else IMAGE_ENCODING)
-    cio.write_bytes(manifest_uri, manifest.to_json().encode("utf-8"))
+    cio.write_bytes(manifest_uri, encode_manifest(manifest))
     return manifest
 
 
 def read_replay_shard(store_or_root, task: int) -> ReplayShard:
     """Read and verify the replay shard of 0-based ``task``.
 
-    Raises FileNotFoundError when no manifest is committed, CorruptShardError (naming bucket, key, expected and
+    Raises FileNotFoundError when no manifest is committed, IntegrityError (naming bucket, key, expected and
     actual) when the Parquet file is missing or differs in size, sha256, row count, schema or a row's content hash.
     """
     parquet_uri, manifest_uri = shard_uris(store_or_root, task)
     try:
-        manifest_text = cio.read_bytes(manifest_uri).decode("utf-8")
+        manifest_data = cio.read_bytes(manifest_uri)
     except FileNotFoundError as error:
         if type(error) is not FileNotFoundError:
             raise  # e.g. a missing bucket: its own message is more precise
         raise FileNotFoundError(f"replay shard of task {task} is not committed: no manifest at {manifest_uri}") \
             from None
-    manifest = ShardManifest.from_json(manifest_text, manifest_uri)
+    manifest = _read_manifest(manifest_data, manifest_uri)
     if manifest.task != task:
-        raise CorruptShardError(manifest_uri, "task", task, manifest.task)
+        raise corrupt_shard(manifest_uri, "task", task, manifest.task)
     try:
         data = cio.read_bytes(parquet_uri)
     except FileNotFoundError as error:
         if type(error) is not FileNotFoundError:
             raise
-        raise CorruptShardError(parquet_uri, "size", f"{manifest.size} bytes", "file missing") from None
+        raise corrupt_shard(parquet_uri, "size", f"{manifest.size} bytes", "file missing") from None
     if len(data) != manifest.size:
-        raise CorruptShardError(parquet_uri, "size", f"{manifest.size} bytes", f"{len(data)} bytes")
+        raise corrupt_shard(parquet_uri, "size", f"{manifest.size} bytes", f"{len(data)} bytes")
     actual_sha = hashlib.sha256(data).hexdigest()
     if actual_sha != manifest.sha256:
-        raise CorruptShardError(parquet_uri, "sha256", manifest.sha256, actual_sha)
+        raise corrupt_shard(parquet_uri, "sha256", manifest.sha256, actual_sha)
     try:
         table = pq.read_table(pa.BufferReader(data))
     except pa.ArrowException as error:
-        raise CorruptShardError(parquet_uri, "Parquet content", "a readable Parquet file", f"unreadable ({error})") \
+        raise corrupt_shard(parquet_uri, "Parquet content", "a readable Parquet file", f"unreadable ({error})") \
             from None
     if table.num_rows != manifest.rows:
-        raise CorruptShardError(parquet_uri, "row count", manifest.rows, table.num_rows)
+        raise corrupt_shard(parquet_uri, "row count", manifest.rows, table.num_rows)
     if str(table.schema) != manifest.schema:
-        raise CorruptShardError(parquet_uri, "schema", repr(manifest.schema), repr(str(table.schema)))
+        raise corrupt_shard(parquet_uri, "schema", repr(manifest.schema), repr(str(table.schema)))
     return _decode_table(table, manifest, parquet_uri)
 
 
@@ -337,7 +320,7 @@ def _replay_table(memory: ReplayMemory, images: "np.ndarray | EncodedImages") ->
 def _decode_table(table: pa.Table, manifest: ShardManifest, uri: str) -> ReplayShard:
     encodings = (IMAGE_ENCODING, *(ENCODED_PREFIX + d for d in DECODERS))
     if manifest.image_encoding not in encodings:
-        raise CorruptShardError(uri, "image_encoding", f"one of {encodings}", manifest.image_encoding)
+        raise corrupt_shard(uri, "image_encoding", f"one of {encodings}", manifest.image_encoding)
     ints = {name: table.column(name).to_numpy().astype(np.int64) for name in ("index", "label", "slot",
                                                                                 "source_task")}
     dims = [np.unique(table.column(name).to_numpy()) for name in ("height", "width", "channels")]
@@ -345,7 +328,7 @@ def _decode_table(table: pa.Table, manifest: ShardManifest, uri: str) -> ReplayS
     shape = tuple(manifest.image_shape)
     encoded = manifest.image_encoding != IMAGE_ENCODING
     if rows and (any(d.size != 1 for d in dims) or tuple(int(d[0]) for d in dims) != shape):
-        raise CorruptShardError(uri, "image shape", f"{shape} for every row",
+        raise corrupt_shard(uri, "image shape", f"{shape} for every row",
                                 f"heights {dims[0][:5].tolist()}, widths {dims[1][:5].tolist()}, "
                                 f"channels {dims[2][:5].tolist()}")
     if encoded:
@@ -357,7 +340,7 @@ def _decode_table(table: pa.Table, manifest: ShardManifest, uri: str) -> ReplayS
             actual = _row_hash(int(ints["index"][row]), int(ints["label"][row]), int(ints["slot"][row]),
                                int(ints["source_task"][row]), shape, blobs[row])
             if actual != hashes[row]:
-                raise CorruptShardError(uri, f"content hash of row {row}", hashes[row], actual)
+                raise corrupt_shard(uri, f"content hash of row {row}", hashes[row], actual)
         memory = ReplayMemory(indices=ints["index"], labels=ints["label"], slots=ints["slot"],
                               source_task=ints["source_task"])
         return ReplayShard(memory=memory, images=images, content_hashes=tuple(hashes), manifest=manifest)
@@ -368,21 +351,15 @@ def _decode_table(table: pa.Table, manifest: ShardManifest, uri: str) -> ReplayS
         expected_bytes = shape[0] * shape[1] * shape[2]
         for row, blob in enumerate(blobs):
             if len(blob) != expected_bytes:
-                raise CorruptShardError(uri, f"image bytes of row {row}", expected_bytes, len(blob))
+                raise corrupt_shard(uri, f"image bytes of row {row}", expected_bytes, len(blob))
         images = np.frombuffer(b"".join(blobs), dtype=np.uint8).reshape(rows, *shape)
     hashes = table.column("content_hash").to_pylist()
     for row in range(rows):
         actual = row_content_hash(int(ints["index"][row]), int(ints["label"][row]), int(ints["slot"][row]),
                                   int(ints["source_task"][row]), images[row])
         if actual != hashes[row]:
-            raise CorruptShardError(uri, f"content hash of row {row}", hashes[row], actual)
+            raise corrupt_shard(uri, f"content hash of row {row}", hashes[row], actual)
     memory = ReplayMemory(indices=ints["index"], labels=ints["label"], slots=ints["slot"],
                           source_task=ints["source_task"])
     return ReplayShard(memory=memory, images=images, content_hashes=tuple(hashes), manifest=manifest)
 
-
-def _bucket_and_key(uri: str) -> tuple[str | None, str]:
-    if uri.startswith("s3://"):
-        bucket, _, key = uri[len("s3://"):].partition("/")
-        return bucket, key
-    return None, uri

@@ -131,12 +131,12 @@ def device_problems(config: ScenarioConfig, cluster_has_gpus: bool | None = None
 
 def output_problems(run_dir: str) -> list[tuple[str, str]]:
     """An ``s3://`` run folder whose bucket does not exist (named, with the endpoint)."""
-    if not str(run_dir).startswith("s3://"):
+    if not cio.is_s3(str(run_dir)):
         return []
-    bucket = str(run_dir)[len("s3://"):].split("/", 1)[0]
+    bucket = cio.S3Uri.parse(str(run_dir)).bucket
     try:
-        cio.exists(f"s3://{bucket}/")
-        cio.list_dir(f"s3://{bucket}")
+        cio.exists(str(cio.S3Uri(bucket)))
+        cio.list_dir(str(cio.S3Uri(bucket)))
     except FileNotFoundError as error:
         return [("output.dir", f"bucket {bucket!r} of {run_dir} does not exist ({error})")]
     except OSError as error:

@@ -1,80 +1,32 @@
-"""Typed payloads of the stage records (:mod:`pipelines.records.stage_records`): the nested values a record carries (feature
-layout, evaluation protocol, training summary, weights report, replay shard, adapter results).
+"""Typed payloads of the stage records (:mod:`pipelines.records.stage_records`): the nested values a record carries
+(feature layout, evaluation protocol, training summary, weights report, replay shard, adapter results).
 
-Each payload is a dataclass whose JSON form is a plain mapping (:meth:`Payload.to_json`), exactly what the manifest
-holds: fields declared ``optional`` are left out of the mapping when they are None, so a record written before the
-field existed reads back and writes again to the same JSON. :meth:`Payload.from_json` refuses keys it does not
-know, naming them and where they were found.
+Each payload is a dataclass whose JSON form is a plain mapping, exactly what the manifest holds, written and read
+by the one record codec :mod:`compat_core.codec`: fields declared ``optional`` are left out of the mapping when they
+are None, so a record written before the field existed reads back and writes again to the same JSON; a key the
+payload does not know is refused, naming it and where it was found.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
+
+from compat_core.codec import from_json, optional, to_json
 
 P = TypeVar("P", bound="Payload")
 
 
-def optional(default: Any = None) -> Any:
-    """A payload field left out of the JSON mapping while it is None (``default``: its value when absent)."""
-    return field(default=default, metadata={"optional": True})
-
-
-def json_value(value: Any) -> Any:
-    """``value`` with every payload (also inside lists and mappings) replaced by its JSON mapping."""
-    if isinstance(value, Payload):
-        return value.to_json()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: json_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {key: json_value(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_value(item) for item in value]
-    return value
-
-
 class Payload:
-    """Base of the record payloads: JSON mapping <-> dataclass, with ``optional`` fields omitted while None.
-
-    NESTED: field name -> payload class of a nested mapping (read back typed by :meth:`from_json`)."""
-
-    NESTED: ClassVar[dict[str, type]] = {}
+    """Base of the record payloads: :meth:`to_json` / :meth:`from_json` through :mod:`compat_core.codec`."""
 
     def to_json(self) -> dict:
         """The manifest form: every field (nested payloads as mappings) but ``optional`` ones that are None."""
-        out = {}
-        for spec in dataclasses.fields(self):
-            value = getattr(self, spec.name)
-            if value is None and spec.metadata.get("optional"):
-                continue
-            out[spec.name] = json_value(value)
-        return out
+        return to_json(self)
 
     @classmethod
     def from_json(cls: type[P], data: dict, where: str = "") -> P:
         """The payload of a manifest mapping; ValueError naming ``where`` and the keys on a key it does not know."""
-        if isinstance(data, cls):
-            return data
-        if not isinstance(data, dict):
-            raise ValueError(f"{where or cls.__name__}: expected a mapping for {cls.__name__}, got "
-                             f"{type(data).__name__}")
-        names = [spec.name for spec in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(names))
-        if unknown:
-            raise ValueError(f"{where or cls.__name__}: unknown key(s) {unknown} for {cls.__name__}; known: "
-                             f"{', '.join(names)}")
-        missing = [spec.name for spec in dataclasses.fields(cls) if spec.name not in data
-                   and spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING]
-        if missing:
-            raise ValueError(f"{where or cls.__name__}: missing key(s) {missing} for {cls.__name__}")
-        values = dict(data)
-        for name, nested in cls.NESTED.items():
-            value, inner = values.get(name), f"{where}.{name}" if where else name
-            if isinstance(value, list):
-                values[name] = [nested.from_json(item, f"{inner}[{index}]") for index, item in enumerate(value)]
-            elif value is not None:
-                values[name] = nested.from_json(value, inner)
-        return cls(**values)
+        return from_json(cls, data, where)
 
 
 # ---- features ------------------------------------------------------------------------------------------------------
@@ -94,7 +46,6 @@ class FeatureLayout(Payload):
     ``has_coarse``, coarse_labels.npy. way: "direct" (d-dim features) or "bridge" (m-dim embeddings, ``dim`` = m =
     ``embed_dim``, d = ``feature_dim``, junction weights at ``head``); way_reason: why that way was taken."""
 
-    NESTED: ClassVar[dict[str, type]] = {"head": JunctionRef}
     shards: list[str]
     rows: int
     dim: int
@@ -220,7 +171,6 @@ class ReplayShard(ShardPart):
     every shard of the memory oldest first, this one last (None in records written before the memory was appended:
     then the shard holds the whole memory)."""
 
-    NESTED: ClassVar[dict[str, type]] = {"parts": ShardPart}
     parts: list[ShardPart] | None = optional()
 
     def memory_parts(self) -> list[ShardPart]:
@@ -231,19 +181,6 @@ class ReplayShard(ShardPart):
 
 
 # ---- adapters at a replacement -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MapOf:
-    """A record field that maps names (metrics, adapter kinds) to payloads of ``payload``."""
-
-    payload: type
-
-    def from_json(self, data: dict, where: str = "") -> dict:
-        """{name: payload} of a manifest mapping."""
-        if not isinstance(data, dict):
-            raise ValueError(f"{where}: expected a mapping of {self.payload.__name__}, got {type(data).__name__}")
-        return {name: self.payload.from_json(value, f"{where}.{name}") for name, value in data.items()}
-
-
 @dataclass(frozen=True)
 class CrossTests(Payload):
     """One metric's entries at an upgrade (fractions): M(Q_old, G_old), M(Q_new, G_new) and M(Q_new, G_old)."""
@@ -274,7 +211,6 @@ class AdapterResult(Payload):
     queries into the old), stored ``blob``, the ``params`` it was built with, last fit loss, fit + evaluation
     seconds, the cross-tests with it (fractions) and their verdict."""
 
-    NESTED: ClassVar[dict[str, type]] = {"verdict": UpgradeVerdict}
     direction: str
     blob: str
     params: dict
@@ -301,5 +237,5 @@ class BackfillCurves(Payload):
 
 
 __all__ = ["AdapterResult", "BackfillCurves", "CrossTests", "EntryFeatures", "EvaluationProtocol", "FeatureLayout",
-           "JunctionRef", "MapOf", "Payload", "ReplayShard", "ShardPart", "TrainingSummary", "UpgradeVerdict",
-           "WeightsReport", "json_value", "optional"]
+           "JunctionRef", "Payload", "ReplayShard", "ShardPart", "TrainingSummary", "UpgradeVerdict", "WeightsReport",
+           "optional"]

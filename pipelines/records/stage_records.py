@@ -1,7 +1,8 @@
 """Typed records of the stage graph: what each node produced, passed between stages as these dataclasses.
 
-A record becomes JSON only at the edges: in the store's manifest (:func:`record_to_json` when a stage commits,
-:func:`read_record` when a later stage or the engine reads it back) and in the tracker. Records hold blob names
+A record becomes JSON only at the edges, through the one record codec (:mod:`compat_core.codec`): in the store's
+manifest (:func:`record_to_json` when a stage commits, :func:`read_record` when a later stage or the engine reads it
+back) and in the tracker. Records hold blob names
 and run-relative locations, never tensors, so they travel to Ray workers and back as small objects.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
+from compat_core.codec import from_json, to_json
 from pipelines.records.payloads import (
     AdapterResult,
     BackfillCurves,
@@ -17,12 +19,10 @@ from pipelines.records.payloads import (
     EntryFeatures,
     EvaluationProtocol,
     FeatureLayout,
-    MapOf,
     ReplayShard,
     TrainingSummary,
     UpgradeVerdict,
     WeightsReport,
-    json_value,
 )
 
 
@@ -142,21 +142,13 @@ class AdaptersRecord:
 Record = Union[ModelRecord, FeatureRecord, EntryRecord, RowRecord, AdaptersRecord]
 RECORD_TYPES: dict[str, type] = {cls.TYPE: cls for cls in (ModelRecord, FeatureRecord, EntryRecord, RowRecord,
                                                           AdaptersRecord)}
-# Payload fields of each record type: read back typed from their manifest mappings.
-_PAYLOADS: dict[type, dict[str, Any]] = {ModelRecord: {"training": TrainingSummary, "weights": WeightsReport},
-                                          FeatureRecord: {"layout": FeatureLayout},
-                                          EntryRecord: {"features": EntryFeatures, "protocol": EvaluationProtocol},
-                                          RowRecord: {"protocol": EvaluationProtocol},
-                                          AdaptersRecord: {"baseline": MapOf(CrossTests), "verdict": UpgradeVerdict,
-                                                           "adapters": MapOf(AdapterResult),
-                                                           "backfill": BackfillCurves}}
 # What the store adds next to a record in its manifest (the graph node it came from, where it ran).
 _NODE_KEYS = ("type", "kind", "label", "placement")
 
 
 def record_to_json(record: Record, **node: Any) -> dict:
     """The manifest form of ``record``: its fields (nested records as mappings), its ``type`` and ``node`` keys."""
-    return {"type": record.TYPE, **json_value(record), **node}
+    return {"type": record.TYPE, **to_json(record), **node}
 
 
 def record_from_json(data: dict, stage_key: str | None = None) -> Record:
@@ -174,16 +166,7 @@ def record_from_json(data: dict, stage_key: str | None = None) -> Record:
     values = {name: value for name, value in data.items() if name in names}
     if stage_key is not None:
         values["stage_key"] = stage_key
-    if cls is ModelRecord and isinstance(values.get("memory"), dict):
-        memory = dict(values["memory"])
-        if memory.get("shard") is not None:
-            memory["shard"] = ReplayShard.from_json(memory["shard"], f"stage record {stage_key}: memory.shard")
-        values["memory"] = MemoryRecord(**memory)
-    where = f"stage record {stage_key or data.get('stage_key')}"
-    for name, payload in _PAYLOADS.get(cls, {}).items():
-        if values.get(name) is not None:
-            values[name] = payload.from_json(values[name], f"{where}: {name}")
-    return cls(**values)
+    return from_json(cls, values, f"stage record {stage_key or data.get('stage_key')}")
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,14 @@ import numpy as np
 
 from compat_core.data import replay
 from compat_core.data.replay import ReplayMemory
-from compat_core.data.replay_parquet import CorruptShardError, EncodedImages, concatenate_images, encoded_images
+from compat_core.data.replay_parquet import EncodedImages, concatenate_images, encoded_images
+from compat_core.integrity import IntegrityError
 from pipelines.config.schema import ScenarioConfig
 from pipelines.records.payloads import ReplayShard
 from pipelines.records.stage_records import ModelRecord
 from pipelines.stages.context import StageContext
 from pipelines.stages.replay_store import read_memory_shard, write_memory_shard
-from pipelines.store.run_store import CorruptArtifactError, RunStore
+from pipelines.store.run_store import RunStore
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -38,10 +39,10 @@ def memory_images_from_record(store: RunStore, model_record: ModelRecord | None,
         return None
     try:
         stored, images = read_memory_shard(store, shard)
-    except CorruptShardError as error:
+    except IntegrityError as error:
         # the stage that wrote the shard is the one to recompute (the CLI prints the --recompute fix)
-        raise CorruptArtifactError(str(error), stage_key=getattr(error, "stage_key", None)
-                                   or model_record.stage_key) from error
+        error.stage_key = error.stage_key or model_record.stage_key
+        raise
     if not np.array_equal(stored.indices, memory[0]) or not np.array_equal(stored.source_task, memory[2]):
         raise ValueError(f"replay shard {shard.folder} (task {shard.task}) does not hold the memory recorded "
                          f"with model stage {model_record.stage_key}")

@@ -19,13 +19,14 @@ from compat_core import io as cio
 from compat_core.data.encoded import EncodedImages
 from compat_core.data.replay import ReplayMemory
 from compat_core.data.replay_parquet import (
-    CorruptShardError,
     concatenate_images,
+    corrupt_shard,
     read_replay_shard,
     shard_uris,
     write_replay_shard,
 )
 from compat_core.data.stream import keep_rows
+from compat_core.integrity import IntegrityError
 from pipelines.records.payloads import ReplayShard, ShardPart
 
 REPLAY_FOLDER = "replay"
@@ -57,7 +58,7 @@ def memory_parts(shard: ReplayShard | dict) -> list[ShardPart]:
 
 def read_memory_shard(store, shard: ReplayShard | dict) -> tuple[ReplayMemory, np.ndarray]:
     """(memory, images uint8 (M, H, W, C) or EncodedImages decoded on indexing) of a recorded memory, its parts
-    concatenated; CorruptShardError naming bucket/key and the expected sha256 (and ``stage_key``, the stage that
+    concatenated; an IntegrityError naming bucket/key and the expected sha256 (and ``stage_key``, the stage that
     wrote the part) when a part is missing or differs from the record or its manifest."""
     memories, images = [], []
     for part in memory_parts(shard):
@@ -76,16 +77,16 @@ def _read_part(store, part: ShardPart) -> tuple[ReplayMemory, np.ndarray]:
     parquet_uri, manifest_uri = shard_uris(root, part.task)
     try:
         if not cio.exists(parquet_uri):
-            raise CorruptShardError(parquet_uri, "sha256", part.sha256, "file missing")
+            raise corrupt_shard(parquet_uri, "sha256", part.sha256, "file missing")
         try:
             loaded = read_replay_shard(root, part.task)
         except FileNotFoundError:
-            raise CorruptShardError(parquet_uri, "sha256", part.sha256, "shard missing (no manifest at "
-                                    f"{manifest_uri})") from None
+            raise corrupt_shard(parquet_uri, "sha256", part.sha256,
+                                f"shard missing (no manifest at {manifest_uri})") from None
         if loaded.manifest.sha256 != part.sha256:
-            raise CorruptShardError(parquet_uri, "sha256", part.sha256, loaded.manifest.sha256,
-                                    "the shard was rewritten after the model record was committed")
-    except CorruptShardError as error:
+            raise corrupt_shard(parquet_uri, "sha256", part.sha256, loaded.manifest.sha256,
+                                "the shard was rewritten after the model record was committed")
+    except IntegrityError as error:
         error.stage_key = part.stage_key  # the stage to recompute
         raise
     return loaded.memory, loaded.images

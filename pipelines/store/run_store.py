@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import io as _stdio
-import json
 import os
 import uuid
 from typing import Any, Mapping
@@ -23,20 +22,11 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from compat_core import io as cio
+from compat_core.codec import decode_manifest, encode_manifest
+from compat_core.integrity import IntegrityError
 from compat_core.safetensors_index import PREFIX_BYTES, header_length, parse_header, tensor_index
-from pipelines.records.payloads import FeatureLayout, Payload
+from pipelines.records.payloads import FeatureLayout
 from pipelines.store.lease import check_fence
-
-
-class CorruptArtifactError(IOError):
-    """A stored blob whose content does not match its manifest (message names path, expected and actual).
-
-    ``stage_key``: the committed stage the blob belongs to (``compat run --resume DIR --recompute KEY`` redoes it).
-    """
-
-    def __init__(self, message: str, stage_key: str | None = None) -> None:
-        super().__init__(message)
-        self.stage_key = stage_key
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -188,21 +178,16 @@ class RunStore:
             "blobs": infos,
             "code_version": code_version,
         }
-        text = json.dumps(manifest, indent=1, sort_keys=True, default=_json_default)
-        self._write(self.manifest_path(stage_key), text.encode("utf-8"))
-        return json.loads(text)
+        data = encode_manifest(manifest)
+        self._write(self.manifest_path(stage_key), data)
+        return decode_manifest(data, self._display(self.manifest_path(stage_key)), "stage manifest", stage_key)
 
     def load_manifest(self, stage_key: str) -> dict:
         path = self.manifest_path(stage_key)
         if self.fs.get_file_info(path).type != pafs.FileType.File:
             raise FileNotFoundError(f"stage {stage_key} has no committed manifest at {self._display(path)}")
         with self.fs.open_input_stream(path, compression=None) as handle:
-            text = handle.read().decode("utf-8")
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as error:
-            raise CorruptArtifactError(f"manifest {self._display(path)} is not valid JSON: {error}",
-                                       stage_key) from None
+            return decode_manifest(handle.read(), self._display(path), "stage manifest", stage_key)
 
     def load_record(self, stage_key: str) -> dict:
         """The record committed with the stage (raises FileNotFoundError when the stage is not done)."""
@@ -216,15 +201,17 @@ class RunStore:
         expected = manifest["blobs"][name]
         path = self.blob_path(stage_key, name)
         if self.fs.get_file_info(path).type != pafs.FileType.File:
-            raise CorruptArtifactError(f"{self._display(path)}: blob listed in the manifest is missing", stage_key)
+            raise IntegrityError(f"{self._display(path)}: blob listed in the manifest is missing",
+                                 uri=self._display(path), field="sha256", expected=expected["sha256"],
+                                 actual="file missing", stage_key=stage_key)
         with self.fs.open_input_stream(path, compression=None) as handle:
             data = handle.read()
         actual = sha256_bytes(data)
         if actual != expected["sha256"] or len(data) != expected["size"]:
-            raise CorruptArtifactError(
+            raise IntegrityError(
                 f"{self._display(path)}: sha256 expected {expected['sha256']} ({expected['size']} bytes), "
-                f"actual {actual} ({len(data)} bytes)", stage_key
-            )
+                f"actual {actual} ({len(data)} bytes)", uri=self._display(path), field="sha256",
+                expected=expected["sha256"], actual=actual, stage_key=stage_key)
         return data
 
     def read_tensors(self, stage_key: str, name: str, tensors: list[str], manifest: dict | None = None) -> dict:
@@ -264,8 +251,9 @@ class RunStore:
         data = cio.read_range(uri, offset, length)
         actual = sha256_bytes(data)
         if actual != sha256 or len(data) != length:
-            raise CorruptArtifactError(f"{where}: {what} (bytes {offset}..{offset + length}) sha256 expected "
-                                       f"{sha256 or '(not recorded)'}, actual {actual} ({len(data)} bytes)", stage_key)
+            raise IntegrityError(f"{where}: {what} (bytes {offset}..{offset + length}) sha256 expected "
+                                 f"{sha256 or '(not recorded)'}, actual {actual} ({len(data)} bytes)", uri=where,
+                                 field=f"{what} sha256", expected=sha256, actual=actual, stage_key=stage_key)
         return data
 
     def forget(self, stage_key: str) -> bool:
@@ -301,7 +289,7 @@ class RunStore:
         return decode_array(self.read_blob(stage_key, name, manifest))
 
     def _display(self, path: str) -> str:
-        return path if self.is_local else f"s3://{path}"
+        return path if self.is_local else str(cio.S3Uri.from_path(path))
 
 
 def feature_blobs(features: np.ndarray, labels: np.ndarray, coarse_labels: np.ndarray | None = None,
@@ -336,13 +324,3 @@ def _check_key(stage_key: str) -> None:
 def _check_blob_name(name: str) -> None:
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"blob name {name!r}: expected a file name without '/' that does not start with '.'")
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, Payload):
-        return value.to_json()
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"not JSON serialisable in a stage record: {type(value).__name__}")

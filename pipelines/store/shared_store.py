@@ -23,8 +23,9 @@ import logging
 import time
 from typing import Iterable
 
+from compat_core.integrity import IntegrityError
 from pipelines.store.lease import RunFolderBusyError, run_lease
-from pipelines.store.run_store import CorruptArtifactError, RunStore
+from pipelines.store.run_store import RunStore
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class SharedStore:
             return False
         try:
             size = copy_stage(self.store, store, stage_key)
-        except CorruptArtifactError as error:
+        except IntegrityError as error:
             # nothing was written to the run (every blob is verified before the first write); the bad copy is
             # uncommitted so that this run trains the model and publishes it again
             log.warning("shared store %s: %s; stage %s is uncommitted there and trained again", self.store.root,

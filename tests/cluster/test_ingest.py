@@ -15,7 +15,7 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 
 from cluster.storage.ingest import ingest  # noqa: E402
 from compat_core.data.datasets import DATASETS, load_dataset  # noqa: E402
-from compat_core.data.formats.shards import ShardIntegrityError  # noqa: E402
+from compat_core.integrity import IntegrityError  # noqa: E402
 
 SPLITS = ("finetune", "pretrain", "query", "gallery")
 
@@ -68,7 +68,7 @@ def test_corrupt_or_missing_part_names_key_and_expected_sha256(shards_root, dama
         data = bytearray(part.read_bytes())
         data[len(data) // 2] ^= 0xFF
         part.write_bytes(bytes(data))
-    with pytest.raises(ShardIntegrityError) as info:
+    with pytest.raises(IntegrityError) as info:
         load_dataset("shards", root=str(shards_root), split="query")
     message = str(info.value)
     assert str(part) in message and manifest["parts"][1]["sha256"] in message
@@ -96,7 +96,7 @@ def test_ingest_to_s3_and_corrupt_object_names_bucket_and_key(s3_bucket):
     np.testing.assert_array_equal(shards.read(np.arange(len(original))), original.read(np.arange(len(original))))
     client = boto3.client("s3")
     client.put_object(Bucket=s3_bucket, Key="ingested/query/part-00001.parquet", Body=b"not the stored part")
-    with pytest.raises(ShardIntegrityError) as info:
+    with pytest.raises(IntegrityError) as info:
         load_dataset("shards", root=uri, split="query")
     assert info.value.bucket == s3_bucket and info.value.key == "ingested/query/part-00001.parquet"
     assert manifest.parts[1].sha256 in str(info.value) and s3_bucket in str(info.value)

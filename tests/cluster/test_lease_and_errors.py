@@ -98,7 +98,7 @@ def test_corrupt_blob_prints_the_fix_and_recompute_repairs_the_run(tmp_path):
     assert "Traceback" not in broken.stderr
     assert f"recompute that stage with: compat run --resume {run_dir} --recompute {key[:24]}" in broken.stderr
     debug = _compat(tmp_path, "eval", str(run_dir), "--gallery", "class_means", "--debug")
-    assert "Traceback" in debug.stderr and "CorruptArtifactError" in debug.stderr
+    assert "Traceback" in debug.stderr and "IntegrityError" in debug.stderr
     fixed = _compat(tmp_path, "run", "--resume", str(run_dir), "--recompute", key[:24], "--no-progress",
                     "--tracking-uri", "none")
     assert fixed.returncode == 0, fixed.stderr[-2000:]

@@ -17,7 +17,8 @@ from compat_core import io as cio
 from compat_core.data import replay_parquet as shards
 from compat_core.data.base import ArraySource
 from compat_core.data.replay import ReplayMemory
-from compat_core.data.replay_parquet import CorruptShardError, read_replay_shard, shard_uris, write_replay_shard
+from compat_core.data.replay_parquet import read_replay_shard, shard_uris, write_replay_shard
+from compat_core.integrity import IntegrityError
 from pipelines.store.run_store import RunStore
 
 
@@ -115,7 +116,7 @@ def test_flipped_byte_is_reported_with_key_expected_and_actual_sha(tmp_path):
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     actual = hashlib.sha256(bytes(data)).hexdigest()
-    with pytest.raises(CorruptShardError) as caught:
+    with pytest.raises(IntegrityError) as caught:
         read_replay_shard(str(tmp_path), 0)
     error = caught.value
     assert (error.field, error.expected, error.actual) == ("sha256", manifest.sha256, actual)
@@ -128,10 +129,10 @@ def test_truncated_and_missing_files_are_size_errors(tmp_path):
     manifest = write_replay_shard(str(tmp_path), 0, memory, images)
     path = tmp_path / "shards" / "replay" / "task-000.parquet"
     path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(CorruptShardError, match=rf"size expected {manifest.size} bytes, actual 100 bytes"):
+    with pytest.raises(IntegrityError, match=rf"size expected {manifest.size} bytes, actual 100 bytes"):
         read_replay_shard(str(tmp_path), 0)
     path.unlink()
-    with pytest.raises(CorruptShardError, match="actual file missing"):
+    with pytest.raises(IntegrityError, match="actual file missing"):
         read_replay_shard(str(tmp_path), 0)
 
 
@@ -141,14 +142,14 @@ def test_row_count_and_schema_are_checked_against_the_manifest(tmp_path):
     manifest_path = tmp_path / "shards" / "replay" / "task-000.manifest.json"
     original = json.loads(manifest_path.read_text())
     manifest_path.write_text(json.dumps({**original, "rows": 6}))
-    with pytest.raises(CorruptShardError, match="row count expected 6, actual 5") as caught:
+    with pytest.raises(IntegrityError, match="row count expected 6, actual 5") as caught:
         read_replay_shard(str(tmp_path), 0)
     assert (caught.value.expected, caught.value.actual) == (6, 5)
     manifest_path.write_text(json.dumps({**original, "schema": "index: int32"}))
-    with pytest.raises(CorruptShardError, match="schema expected 'index: int32'"):
+    with pytest.raises(IntegrityError, match="schema expected 'index: int32'"):
         read_replay_shard(str(tmp_path), 0)
     manifest_path.write_text("{not json")
-    with pytest.raises(CorruptShardError, match="manifest JSON"):
+    with pytest.raises(IntegrityError, match="manifest JSON"):
         read_replay_shard(str(tmp_path), 0)
 
 
@@ -172,7 +173,7 @@ def test_row_content_hash_catches_a_consistently_rewritten_file(tmp_path):
     stored_hash = pq.read_table(path).column("content_hash")[2].as_py()
     header = struct.pack("<qqqqiii", 16, 12, 2, 0, 4, 3, 3)  # row 2: index 2*7+2, label 2%3+10, slot 2, task 0
     recomputed = hashlib.sha256(header + tampered[2].tobytes()).hexdigest()
-    with pytest.raises(CorruptShardError, match="content hash of row 2") as caught:
+    with pytest.raises(IntegrityError, match="content hash of row 2") as caught:
         read_replay_shard(str(tmp_path), 0)
     assert (caught.value.expected, caught.value.actual) == (stored_hash, recomputed)
 

@@ -23,7 +23,8 @@ from cluster.storage.s3 import (
 )
 from compat_core import io as cio
 from compat_core.data.replay import ReplayMemory
-from compat_core.data.replay_parquet import CorruptShardError, read_replay_shard, write_replay_shard
+from compat_core.data.replay_parquet import read_replay_shard, write_replay_shard
+from compat_core.integrity import IntegrityError
 from pipelines.stages.feature_store import read_features
 from pipelines.store.run_store import RunStore, feature_blobs
 
@@ -235,7 +236,7 @@ def test_replay_shard_on_s3_round_trip_and_corruption_names_bucket_key_expected_
     corrupted[len(corrupted) // 3] ^= 0x55
     client.put_object(Bucket=s3_bucket, Key=key, Body=bytes(corrupted))
     actual = hashlib.sha256(bytes(corrupted)).hexdigest()
-    with pytest.raises(CorruptShardError) as caught:
+    with pytest.raises(IntegrityError) as caught:
         read_replay_shard(root, 0)
     error = caught.value
     assert (error.bucket, error.key, error.field) == (s3_bucket, key, "sha256")

@@ -109,3 +109,39 @@ def test_factory_validation(restore_factory):
     cio.set_s3_filesystem_factory(lambda: "not a filesystem")
     with pytest.raises(TypeError, match="pyarrow.fs.FileSystem"):
         cio.resolve("s3://bkt/key")
+
+
+# ---- S3Uri: the one s3:// parse / format ----------------------------------------------------------------------------
+@pytest.mark.parametrize("text, bucket, key, path", [
+    ("s3://runs/demo-er/manifests/k.json", "runs", "demo-er/manifests/k.json", "runs/demo-er/manifests/k.json"),
+    ("s3://runs/prefix/", "runs", "prefix/", "runs/prefix/"),
+    ("s3://runs", "runs", "", "runs"),
+])
+def test_s3_uri_parse_and_format_round_trip(text, bucket, key, path):
+    from compat_core.io import S3Uri
+
+    location = S3Uri.parse(text)
+    assert (location.bucket, location.key, location.path) == (bucket, key, path)
+    assert str(location) == text and S3Uri.parse(str(location)) == location
+    assert S3Uri.from_path(path) == location and S3Uri.from_path("/" + path) == location
+
+
+@pytest.mark.parametrize("text", ["s3:///key", "s3://", "/local/path", "file:///x", "runs/key"])
+def test_s3_uri_errors_name_the_uri(text):
+    from compat_core.io import S3Uri
+
+    with pytest.raises(ValueError) as error:
+        S3Uri.parse(text)
+    assert repr(text) in str(error.value) and "s3://BUCKET/KEY" in str(error.value)
+
+
+def test_s3_uri_words_for_messages_and_resolve_uses_its_path():
+    from compat_core import io as cio
+    from compat_core.io import S3Uri
+
+    assert S3Uri("b", "k/x").where() == "bucket 'b', key 'k/x' (s3://b/k/x)"
+    assert S3Uri("b").where() == "bucket 'b'" and S3Uri.from_path("").where() == "the store"
+    assert cio.is_s3("s3://b/k") and not cio.is_s3("/b/k") and not cio.is_s3(None)
+    assert cio.resolve("s3://bucket/a/b.json")[1] == "bucket/a/b.json"
+    with pytest.raises(ValueError, match=r"'s3:///a': no bucket"):
+        cio.resolve("s3:///a")

@@ -8,7 +8,8 @@ from safetensors.torch import load, save
 from compat_core import io as cio
 from pipelines.records.payloads import JunctionRef
 from pipelines.stages import feature_store
-from pipelines.store.run_store import CorruptArtifactError, RunStore
+from compat_core.integrity import IntegrityError
+from pipelines.store.run_store import RunStore
 
 KEY = "finetune-t000-0123456789abcdef"
 
@@ -87,11 +88,11 @@ def test_corrupt_bytes_in_the_read_ranges_are_refused(tmp_path):
     raw, _, _ = store.read_tensors(KEY, "model.safetensors", ["junction.weight"])["junction.weight"]
     assert len(raw) == junction["length"]
     _flip(path, junction["offset"] + 3)
-    with pytest.raises(CorruptArtifactError, match="junction.weight .*sha256 expected") as error:
+    with pytest.raises(IntegrityError, match="junction.weight .*sha256 expected") as error:
         store.read_tensors(KEY, "model.safetensors", ["junction.weight"])
     assert error.value.stage_key == KEY
     _flip(path, 20)  # inside the JSON header: the offsets themselves are not trusted
-    with pytest.raises(CorruptArtifactError, match="header"):
+    with pytest.raises(IntegrityError, match="header"):
         store.read_tensors(KEY, "model.safetensors", ["junction.weight"])
 
 

@@ -5,7 +5,7 @@ import pytest
 import tiny_scenario_helpers as tiny
 import torch
 
-from compat_core.data.replay_parquet import CorruptShardError
+from compat_core.integrity import IntegrityError
 from pipelines.config.load import validate_config
 from pipelines.engine.executor import LocalExecutor
 from pipelines.graph.compile import compile_scenario
@@ -54,7 +54,7 @@ def test_a_corrupt_older_part_names_the_stage_that_wrote_it(run):
         damaged = bytearray(original)
         damaged[len(damaged) // 2] ^= 0xFF
         parquet.write_bytes(bytes(damaged))
-        with pytest.raises(CorruptShardError, match="sha256") as error:
+        with pytest.raises(IntegrityError, match="sha256") as error:
             read_memory_shard(store, store.load_record(last)["memory"]["shard"])
         assert error.value.stage_key == first and str(parquet) in str(error.value)
     finally:

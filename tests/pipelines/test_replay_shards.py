@@ -150,8 +150,7 @@ def test_old_tasks_source_is_never_read_and_the_matrix_is_unchanged(registered, 
 
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])
 def test_corrupt_or_missing_replay_shard_is_refused_before_training(registered, tmp_path, monkeypatch, damage):
-    from compat_core.data.replay_parquet import CorruptShardError
-    from pipelines.store.run_store import CorruptArtifactError
+    from compat_core.integrity import IntegrityError
 
     run_dir = tmp_path / "run"
     _run(_scenario("tiny-synth", run_dir), run_dir, monkeypatch)
@@ -175,8 +174,8 @@ def test_corrupt_or_missing_replay_shard_is_refused_before_training(registered, 
     while error is not None:
         chain.append(error)
         error = error.__cause__ or error.__context__
-    shard_errors = [e for e in chain if isinstance(e, CorruptShardError)]
+    shard_errors = [e for e in chain if isinstance(e, IntegrityError)]
     assert shard_errors, info.value
     assert str(parquet) in str(shard_errors[0]) and shard["sha256"] in str(shard_errors[0])
     # the CLI turns this into "recompute that stage with --recompute <the stage that wrote the shard>"
-    assert any(isinstance(e, CorruptArtifactError) and e.stage_key == first for e in chain)
+    assert shard_errors[0].stage_key == first

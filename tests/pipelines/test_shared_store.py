@@ -126,12 +126,12 @@ def test_shared_store_on_s3_round_trip(tmp_path, s3_bucket):
 
 
 def test_copy_stage_refuses_a_corrupt_blob(tmp_path):
-    from pipelines.store.run_store import CorruptArtifactError
+    from compat_core.integrity import IntegrityError
 
     source = RunStore(tmp_path / "a")
     source.commit("pretrain-p1-0123456789abcdef", {"x": 1}, {"model.safetensors": b"weights"})
     (tmp_path / "a" / "artifacts" / "pretrain-p1-0123456789abcdef" / "model.safetensors").write_bytes(b"tampered")
-    with pytest.raises(CorruptArtifactError, match="model.safetensors: sha256 expected"):
+    with pytest.raises(IntegrityError, match="model.safetensors: sha256 expected"):
         copy_stage(source, RunStore(tmp_path / "b"), "pretrain-p1-0123456789abcdef")
     assert not RunStore(tmp_path / "b").has("pretrain-p1-0123456789abcdef")
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from pipelines.stages.feature_store import read_features
-from pipelines.store.run_store import CorruptArtifactError, RunStore, feature_blobs, sha256_bytes
+from compat_core.integrity import IntegrityError
+from pipelines.store.run_store import RunStore, feature_blobs, sha256_bytes
 
 
 def test_commit_then_read_roundtrip(tmp_path):
@@ -49,7 +50,7 @@ def test_corrupted_blob_names_path_expected_and_actual(tmp_path):
     store.commit("s", {}, {"f.npy": b"good bytes"})
     blob = tmp_path / "run" / "artifacts" / "s" / "f.npy"
     blob.write_bytes(b"bad bytes!")
-    with pytest.raises(CorruptArtifactError) as error:
+    with pytest.raises(IntegrityError) as error:
         store.read_blob("s", "f.npy")
     message = str(error.value)
     assert str(blob) in message

@@ -12,16 +12,15 @@ decoded exactly like the source reader decodes them, in-memory arrays (CIFAR, gl
 sample order, with the same labels, class names and normalisation statistics.
 
 Opening a split checks every part against the manifest (size and sha256) before anything is returned, and raises
-:class:`ShardIntegrityError` naming bucket, key and the expected sha256 when a part is missing or differs.
+:class:`~compat_core.integrity.IntegrityError` naming bucket, key and the expected sha256 when a part is missing or differs.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import uuid
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 import numpy as np
@@ -30,8 +29,10 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from compat_core import io as cio
+from compat_core.codec import decode_manifest, encode_manifest, from_json
 from compat_core.data.datasets import DATASETS, DatasetInfo, register_dataset
 from compat_core.data.encoded import DECODERS, EncodedImages, decode_batch, decode_image
+from compat_core.integrity import IntegrityError
 
 FORMAT = "compat-dataset-shards/1"
 ENCODED = "encoded"  # the published JPEG/PNG bytes, decoded and fitted to image_shape on read
@@ -45,24 +46,9 @@ SCHEMA = pa.schema([
 DEFAULT_ROW_GROUP_BYTES = 32 * 1024 * 1024  # large ranged reads: one S3 GET brings tens of MB
 
 
-class ShardIntegrityError(IOError):
-    """A stored part differs from its manifest (or is missing). Attributes: uri, bucket (None locally), key,
-    field, expected, actual."""
-
-    def __init__(self, uri: str, field: str, expected: Any, actual: Any) -> None:
-        self.uri = os.fspath(uri)
-        self.bucket, self.key = bucket_and_key(self.uri)
-        self.field, self.expected, self.actual = field, expected, actual
-        where = f"bucket {self.bucket!r}, key {self.key!r}" if self.bucket else f"local file {self.key!r}"
-        super().__init__(f"dataset shard {self.uri} ({where}): {field} expected {expected}, actual {actual}")
-
-
-def bucket_and_key(uri: str) -> tuple[str | None, str]:
-    """(bucket, key) of an ``s3://`` URI; (None, path) for a local path."""
-    if uri.startswith("s3://"):
-        bucket, _, key = uri[len("s3://"):].partition("/")
-        return bucket, key
-    return None, uri
+def _corrupt(uri: str, field: str, expected: Any, actual: Any) -> IntegrityError:
+    """The integrity error of an ingested part or manifest (names bucket and key, or the local file)."""
+    return IntegrityError.mismatch("dataset shard", uri, field, expected, actual)
 
 
 @dataclass(frozen=True)
@@ -76,9 +62,6 @@ class PartRecord:
     size: int
     sha256: str
     row_groups: int
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -98,26 +81,17 @@ class DatasetManifest:
     coarse_labels: list[int] | None = None
     format: str = FORMAT
 
-    def to_json(self) -> str:
-        data = asdict(self)
-        return json.dumps(data, indent=1, sort_keys=True)
 
-    @classmethod
-    def from_json(cls, text: str, uri: str) -> "DatasetManifest":
-        """Parse a manifest; ShardIntegrityError naming ``uri`` when it is not a version-1 dataset manifest."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ShardIntegrityError(uri, "manifest JSON", "valid JSON", f"invalid ({error})") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ShardIntegrityError(uri, "manifest format", FORMAT, data.get("format") if isinstance(data, dict)
-                                      else type(data).__name__)
-        try:
-            parts = tuple(PartRecord(**part) for part in data.pop("parts"))
-            return cls(**{**data, "parts": parts, "image_shape": tuple(data["image_shape"]),
-                          "mean": tuple(data["mean"]), "std": tuple(data["std"])})
-        except (KeyError, TypeError) as error:
-            raise ShardIntegrityError(uri, "manifest fields", sorted(cls.__dataclass_fields__), f"{error}") from None
+def _read_manifest(data: bytes, uri: str) -> DatasetManifest:
+    """The dataset manifest stored at ``uri``; an integrity error naming ``uri`` when it is not a version-1 one."""
+    document = decode_manifest(data, uri, "dataset shard")
+    if document.get("format") != FORMAT:
+        raise _corrupt(uri, "manifest format", FORMAT, document.get("format"))
+    try:
+        return from_json(DatasetManifest, document, uri)
+    except (ValueError, TypeError) as error:
+        raise _corrupt(uri, "manifest fields", sorted(spec.name for spec in fields(DatasetManifest)),
+                       f"{error}") from None
 
 
 def split_root(root: str, split: str) -> str:
@@ -180,7 +154,7 @@ def write_part(folder: str, number: int, table: pa.Table, row_group_bytes: int =
     groups = -(-table.num_rows // rows_per_group) if table.num_rows else 0
     record = PartRecord(name=name, start=int(table.column("index")[0].as_py()) if table.num_rows else 0,
                         rows=table.num_rows, size=size, sha256=digest.hexdigest(), row_groups=groups)
-    cio.write_bytes(cio.join(folder, name.replace(".parquet", ".json")), record.to_json().encode())
+    cio.write_bytes(cio.join(folder, name.replace(".parquet", ".json")), encode_manifest(record))
     return record
 
 
@@ -191,40 +165,40 @@ def committed_part(folder: str, number: int, start: int, rows: int) -> PartRecor
     if not cio.exists(record_uri):
         return None
     try:
-        record = PartRecord(**json.loads(cio.read_bytes(record_uri)))
-    except (ValueError, TypeError):
+        record = from_json(PartRecord, decode_manifest(cio.read_bytes(record_uri), record_uri, "dataset part"))
+    except (ValueError, TypeError, IntegrityError):
         return None
     if record.start != start or record.rows != rows:
         return None
     try:
         verify_part(folder, record)
-    except ShardIntegrityError:
+    except IntegrityError:
         return None
     return record
 
 
 def write_manifest(folder: str, manifest: DatasetManifest) -> str:
     """Commit the manifest (the split exists from this moment). Returns its URI."""
-    return cio.write_bytes(cio.join(folder, MANIFEST_NAME), manifest.to_json().encode("utf-8"))
+    return cio.write_bytes(cio.join(folder, MANIFEST_NAME), encode_manifest(manifest))
 
 
 # ---- reading ------------------------------------------------------------------------------------------------------
 def verify_part(folder: str, record: PartRecord, check_sha256: bool = True) -> None:
-    """Raise ShardIntegrityError (bucket, key, expected sha256) when the part is missing or differs."""
+    """Raise IntegrityError (bucket, key, expected sha256) when the part is missing or differs."""
     uri = cio.join(folder, record.name)
     fs, path = cio.resolve(uri)
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.NotFound:
-        raise ShardIntegrityError(uri, "sha256", record.sha256, "file missing")
+        raise _corrupt(uri, "sha256", record.sha256, "file missing")
     if info.size != record.size:
-        raise ShardIntegrityError(uri, "sha256", f"{record.sha256} ({record.size} bytes)", f"{info.size} bytes")
+        raise _corrupt(uri, "sha256", f"{record.sha256} ({record.size} bytes)", f"{info.size} bytes")
     if check_sha256:
         digest = hashlib.sha256()
         with fs.open_input_stream(path) as handle:
             while chunk := handle.read(8 * 1024 * 1024):
                 digest.update(chunk)
         if digest.hexdigest() != record.sha256:
-            raise ShardIntegrityError(uri, "sha256", record.sha256, digest.hexdigest())
+            raise _corrupt(uri, "sha256", record.sha256, digest.hexdigest())
 
 
 def read_manifest(root: str, split: str) -> DatasetManifest:
@@ -232,7 +206,7 @@ def read_manifest(root: str, split: str) -> DatasetManifest:
     uri = cio.join(split_root(root, split), MANIFEST_NAME)
     if not cio.exists(uri):
         raise FileNotFoundError(f"shards: no manifest at {uri}; expected an ingested split (run `compat ingest`)")
-    return DatasetManifest.from_json(cio.read_bytes(uri).decode("utf-8"), uri)
+    return _read_manifest(cio.read_bytes(uri), uri)
 
 
 def _nothing_kept() -> tuple[np.ndarray, pa.Array]:
@@ -372,7 +346,7 @@ class ShardSource:
 
 def open_shards(root: str, split: str, verify: str = "sha256", decoder: str = "pil") -> ShardSource:
     """Open an ingested split after checking every part against the manifest (``verify``: "sha256" reads every
-    part once, "size" only compares sizes). Raises ShardIntegrityError naming bucket, key and expected sha256."""
+    part once, "size" only compares sizes). Raises IntegrityError naming bucket, key and expected sha256."""
     if verify not in ("sha256", "size"):
         raise ValueError(f"shards: option verify must be 'sha256' or 'size', got {verify!r}")
     folder = split_root(root, split)
@@ -384,7 +358,7 @@ def open_shards(root: str, split: str, verify: str = "sha256", decoder: str = "p
         labels.append(table.column("label").to_numpy().astype(np.int64))
     labels_array = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
     if labels_array.shape[0] != manifest.rows:
-        raise ShardIntegrityError(cio.join(folder, MANIFEST_NAME), "rows", manifest.rows, labels_array.shape[0])
+        raise _corrupt(cio.join(folder, MANIFEST_NAME), "rows", manifest.rows, labels_array.shape[0])
     dataset = manifest.source.get("dataset", "?")
     return ShardSource(f"{dataset}/{manifest.source.get('split', split)}", folder, manifest, labels_array,
                        decoder=decoder)
@@ -419,7 +393,6 @@ def load_shards(root: str | None, split: str, verify: str = "sha256", decoder: s
 __all__ = [
     "DatasetManifest",
     "PartRecord",
-    "ShardIntegrityError",
     "ShardSource",
     "committed_part",
     "open_shards",

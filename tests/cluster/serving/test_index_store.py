@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cluster.serving.index_store import commit_manifest, load_index, new_manifest, read_head, shard_table, write_shard
-from pipelines.store.run_store import CorruptArtifactError
+from compat_core.integrity import IntegrityError
 
 
 def _build(root: str, rng) -> tuple[np.ndarray, str]:
@@ -42,11 +42,11 @@ def test_round_trip_override_and_guards(tmp_path):
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with pytest.raises(CorruptArtifactError, match=entry["file"].split("/")[-1]):
+    with pytest.raises(IntegrityError, match=entry["file"].split("/")[-1]):
         load_index(root)
     # a manifest that leaves positions uncovered is refused
     commit_manifest(root, {**index.manifest, "shards": index.manifest["shards"][:1]})
-    with pytest.raises(CorruptArtifactError, match="5 of 10"):
+    with pytest.raises(IntegrityError, match="5 of 10"):
         load_index(root)
 
 
