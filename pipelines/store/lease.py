@@ -85,11 +85,12 @@ def run_lease(root: str) -> Iterator[None]:
 
 
 class _LocalLease:
-    """A held local lease: the lock file this holder opened (a stale holder's file is moved aside on takeover)."""
+    """A held local lease: the lock file this holder opened (a stale holder's file is moved aside on takeover) and
+    the owner mapping it rewrites at every heartbeat."""
 
-    def __init__(self, root: str, path: str, handle) -> None:
-        self.root, self.path, self.handle = root, path, handle
-        self.token = ""
+    def __init__(self, root: str, path: str, handle, owner: dict) -> None:
+        self.root, self.path, self.handle, self.owner = root, path, handle, owner
+        self.token = owner["token"]
         self.lock = threading.Lock()
         self.lost = False
 
@@ -100,8 +101,14 @@ class _LocalLease:
             self.handle.write(json.dumps(owner))
             self.handle.flush()
 
-    def check(self) -> None:
-        """LeaseLostError once another process moved this holder's lock file aside (it saw no heartbeat)."""
+    def renew(self) -> None:
+        """Rewrite the heartbeat in the lock file."""
+        self.owner["heartbeat"] = time.time()
+        self.write(self.owner)
+
+    def check(self, fresh: bool = False) -> None:
+        """LeaseLostError once another process moved this holder's lock file aside (it saw no heartbeat); one stat,
+        so every check is fresh."""
         if not self.lost:
             try:
                 self.lost = os.stat(self.path).st_ino != os.fstat(self.handle.fileno()).st_ino
@@ -111,6 +118,15 @@ class _LocalLease:
             raise LeaseLostError(f"{self.root}: this process (pid {os.getpid()}) lost its lease to another process "
                                  f"(no heartbeat for {stale_s():g} s, e.g. while it was paused); it stops without "
                                  f"writing")
+
+    def release(self) -> None:
+        """Mark the lease released (a worker still writing for this holder fails its fence from now on) and drop
+        the lock (closing the file)."""
+        if not self.lost:
+            self.owner["heartbeat"] = 0.0
+            with contextlib.suppress(OSError):
+                self.write(self.owner)
+        self.handle.close()
 
 
 def _read_lock_file(path: str, attempts: int = 5) -> dict:
@@ -163,16 +179,24 @@ def _local_lease(root: str) -> Iterator[None]:
             raise _busy(root, holder) from None
     mine = _owner()
     mine["heartbeat"] = time.time()
-    lease = _LocalLease(str(root).rstrip("/"), path, handle)
-    lease.token = mine["token"]
+    lease = _LocalLease(str(root).rstrip("/"), path, handle, mine)
     lease.write(mine)
+    with _hold(lease):
+        yield
+
+
+@contextlib.contextmanager
+def _hold(lease: "_LocalLease | _ObjectLease") -> Iterator[None]:
+    """The one heartbeat of both leases: ``lease.renew()`` every :func:`heartbeat_s` seconds on a daemon thread while
+    the block runs (until the lease is found lost), the lease registered for :func:`check_fence`; after the block it
+    is checked once more, so a holder that lost the lease while its block ran reports it (LeaseLostError); then the
+    heartbeat stops and the lease is released."""
     stop = threading.Event()
 
     def beat() -> None:
-        while not stop.wait(heartbeat_s()):
-            mine["heartbeat"] = time.time()
-            with contextlib.suppress(Exception):
-                lease.write(mine)
+        while not stop.wait(heartbeat_s()) and not lease.lost:
+            with contextlib.suppress(Exception):  # a missed beat only shortens the lease
+                lease.renew()
 
     thread = threading.Thread(target=beat, name="compat-lease-heartbeat", daemon=True)
     previous = _HELD.get(lease.root)
@@ -180,6 +204,7 @@ def _local_lease(root: str) -> Iterator[None]:
     thread.start()
     try:
         yield
+        lease.check(fresh=True)  # a holder that lost the lease while its block ran reports it
     finally:
         stop.set()
         thread.join(timeout=5)
@@ -187,11 +212,7 @@ def _local_lease(root: str) -> Iterator[None]:
             _HELD[lease.root] = previous
         else:
             _HELD.pop(lease.root, None)
-        if not lease.lost:  # released: a worker still writing for this holder fails its fence from now on
-            mine["heartbeat"] = 0.0
-            with contextlib.suppress(OSError):
-                lease.write(mine)
-        handle.close()  # closing drops the lock
+        lease.release()
 
 
 class _ObjectLease:
@@ -215,17 +236,26 @@ class _ObjectLease:
             except PreconditionFailed:
                 self.lost = True
 
-    def check(self) -> None:
+    def check(self, fresh: bool = False) -> None:
         """LeaseLostError when another driver took the lease over (checked against the object's ETag at most once
-        a second; always after a pause, e.g. SIGSTOP, longer than that)."""
+        a second, always after a pause, e.g. SIGSTOP, longer than that; every time when ``fresh``)."""
         with self.lock:
-            if not self.lost and time.monotonic() - self.verified > 1.0:
+            if not self.lost and (fresh or time.monotonic() - self.verified > 1.0):
                 self.lost = self.objects.etag(self.uri) != self.etag
                 self.verified = time.monotonic()
             if self.lost:
                 raise LeaseLostError(
                     f"run folder {self.root}: this process (pid {os.getpid()}) lost its lease to another driver "
                     f"(no heartbeat for {stale_s():g} s, e.g. while it was paused); it stops without writing")
+
+    def release(self) -> None:
+        """Mark the lease released, so the next driver takes it at once; conditional (If-Match), never over
+        another holder's lease."""
+        with self.lock:
+            if not self.lost:
+                self.owner["heartbeat"] = 0.0
+                with contextlib.suppress(Exception):
+                    self.objects.write(self.uri, json.dumps(self.owner).encode("utf-8"), if_match=self.etag)
 
 
 _HELD: dict[str, "_ObjectLease | _LocalLease | LeaseFence"] = {}
@@ -353,29 +383,5 @@ def _object_lease(root: str) -> Iterator[None]:
         now = objects.read(uri)
         raise _busy(root, json.loads(now[0].decode("utf-8")) if now else {}) from None
     lease = _ObjectLease(str(root).rstrip("/"), uri, mine, etag, objects)
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(heartbeat_s()) and not lease.lost:
-            with contextlib.suppress(Exception):  # a missed beat only shortens the lease
-                lease.renew()
-
-    thread = threading.Thread(target=beat, name="compat-lease-heartbeat", daemon=True)
-    previous = _HELD.get(lease.root)
-    _HELD[lease.root] = lease
-    thread.start()
-    try:
+    with _hold(lease):
         yield
-        lease.check()  # a holder that lost the lease while its block ran reports it
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-        if previous is not None:
-            _HELD[lease.root] = previous
-        else:
-            _HELD.pop(lease.root, None)
-        with lease.lock:
-            if not lease.lost:
-                mine["heartbeat"] = 0.0  # released: the next driver takes it at once
-                with contextlib.suppress(Exception):  # If-Match: never over another holder's lease
-                    objects.write(uri, json.dumps(mine).encode("utf-8"), if_match=lease.etag)
