@@ -35,21 +35,19 @@ import numpy as np
 
 from cluster.model_registry.versions import MlflowModelResolver, version_by_alias
 from cluster.tracking.client import ensure_experiment, open_client
-from pipelines.config.model_uri import ModelUri
-from compat_core.evaluation.metrics import upgrade_verdict
+from compat_core.evaluation.metrics import criterion_sign, is_compatible, upgrade_verdict
 from compat_core.models.compat_model import load_model
 from compat_core.upgrades.adapters import ADAPTER_KINDS, save_adapter
-from compat_core.upgrades.backfill_order import backfill_curve, backfill_order
+from pipelines.config.model_uri import ModelUri
 from pipelines.graph.compile import protocol_params
 from pipelines.stages.context import resolve_device
 from pipelines.stages.entry_metrics import compute_entry
 from pipelines.stages.extraction import extract_pool_features
 from pipelines.stages.pools import check_pools_open_set, load_pool
-from pipelines.stages.upgrades import adapter_blob_name, fit_and_judge
+from pipelines.stages.upgrades import METRICS, adapter_blob_name, cross_tests, study_upgrade
 
 GATE_EXPERIMENT = "compat-gate"
 DEFAULT_ALIAS = "champion"
-METRICS = ("recall_at_1", "map")
 
 
 @dataclass
@@ -157,19 +155,28 @@ def _entry(query: tuple, gallery: tuple, config: Any, metric: str) -> float:
 
 def _options_on_refusal(old: dict, new: dict, config: Any, metric: str, self_old: float, strict: bool,
                         seed: int, log: Callable[[str], None] = print) -> tuple[dict, list[str]]:
-    """What the team can do: each adapter's verdict, and the re-indexed fraction that reaches the self-test; one
-    progress line per adapter and per curve point through ``log`` (fitting them takes minutes on a large set)."""
-    options: dict[str, Any] = {"adapters": {}}
+    """What the team can do: each adapter's verdict, and the re-indexed fraction that reaches the self-test (the
+    pipeline's upgrade workflow, :func:`pipelines.stages.upgrades.study_upgrade`, on the judged metric, the curve from
+    the raw old gallery in random order); one progress line per adapter and per curve point through ``log`` (fitting
+    them takes minutes on a large set)."""
+
+    def adapter_done(index: int, kind: str, outcome: Any, seconds: float) -> None:
+        log(f"gate: adapter {index + 1}/{len(ADAPTER_KINDS)} {kind}: M(new, old) {outcome.cross[metric]:.4f} "
+            f"({'passes' if outcome.verdict['compatible'] else 'fails'}) in {seconds:.1f} s")
+
+    def point(fraction: float, values: dict) -> None:
+        log(f"gate: backfill curve {fraction:.0%} re-embedded: {metric} {values[metric]:.4f}")
+
+    study = study_upgrade(old["gallery"], new["query"], new["gallery"],
+                          lambda query, gallery, name: _entry(query, gallery, config, name), metric, self_old,
+                          strict=strict, kinds=ADAPTER_KINDS, metrics=(metric,), seed=seed, orders=("random",),
+                          label_level=config.evaluation.label_level, start_from_gallery_adapter=False,
+                          on_adapter=adapter_done, on_point=point)
+    options: dict[str, Any] = {"adapters": {kind: {"cross": outcome.cross[metric],
+                                                   "compatible": outcome.verdict["compatible"],
+                                                   "margin": outcome.verdict["margin"]}
+                                            for kind, outcome in study.adapters.items()}}
     advice = []
-    for number, kind in enumerate(ADAPTER_KINDS, 1):
-        started = time.monotonic()
-        outcome = fit_and_judge(kind, old["gallery"], new["query"], new["gallery"],
-                                lambda query, gallery, name: _entry(query, gallery, config, name), metric, self_old,
-                                strict=strict, seed=seed)
-        value, verdict = outcome.cross[metric], outcome.verdict
-        log(f"gate: adapter {number}/{len(ADAPTER_KINDS)} {kind}: M(new, old) {value:.4f} "
-            f"({'passes' if verdict['compatible'] else 'fails'}) in {time.monotonic() - started:.1f} s")
-        options["adapters"][kind] = {"cross": value, "compatible": verdict["compatible"], "margin": verdict["margin"]}
     passing = [kind for kind, item in options["adapters"].items() if item["compatible"]]
     if passing:
         best = max(passing, key=lambda kind: options["adapters"][kind]["cross"])
@@ -178,22 +185,13 @@ def _options_on_refusal(old: dict, new: dict, config: Any, metric: str, self_old
     else:
         advice.append("no adapter makes the candidate compatible on this set "
                       + ", ".join(f"{k} {v['cross']:.4f}" for k, v in options["adapters"].items()))
-    labels = 2 if config.evaluation.label_level == "coarse" else 1
-
-    def point(fraction: float, values: dict) -> None:
-        log(f"gate: backfill curve {fraction:.0%} re-embedded: {metric} {values[metric]:.4f}")
-
-    curve = backfill_curve(new["query"][0], new["query"][labels], old["gallery"][0], new["gallery"][0],
-                           new["gallery"][labels], backfill_order(len(new["gallery"][1]), "random", seed),
-                           metrics=(metric,), on_point=point)
-    options["backfill_random"] = curve
-    needed = next((f for f, v in zip(curve["fraction"], curve[metric]) if (v > self_old if strict else v >= self_old)),
-                  None)
+    curve = options["backfill_random"] = study.curves["random"]
+    needed = next((f for f, v in zip(curve["fraction"], curve[metric]) if is_compatible(v, self_old, strict)), None)
     if needed is None:
         advice.append("backfill: even full re-indexing does not beat the champion's self-test on this set")
     else:
         advice.append(f"backfill: re-embedding {needed:.0%} of the gallery with the candidate (random order) gives "
-                      f"{curve[metric][curve['fraction'].index(needed)]:.4f} {'>' if strict else '>='} {self_old:.4f} "
+                      f"{curve[metric][curve['fraction'].index(needed)]:.4f} {criterion_sign(strict)} {self_old:.4f} "
                       f"(full re-indexing: {curve[metric][-1]:.4f}); serve the candidate once that much is "
                       f"re-embedded (see the backfilling curve in the gate run)")
     return options, advice
@@ -238,23 +236,22 @@ def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: 
         resolver = MlflowModelResolver(tracking_uri, cache_dir)
         old = _features(resolver, model, str(champion.version), config, pools, device, log)
         new = _features(resolver, model, str(candidate_version.version), config, pools, device, log)
-        for name in METRICS:
-            result.values[name] = {"self_old": _entry(old["query"], old["gallery"], config, name),
-                                   "cross": _entry(new["query"], old["gallery"], config, name),
-                                   "self_new": _entry(new["query"], new["gallery"], config, name)}
+        entry = lambda query, gallery, name: _entry(query, gallery, config, name)  # noqa: E731
+        for name, tests in cross_tests(old["query"], old["gallery"], new["query"], new["gallery"], entry,
+                                       METRICS).items():
+            result.values[name] = {"self_old": tests.self_old, "cross": tests.cross, "self_new": tests.self_new}
         fitted = None
         if adapter is not None:
-            outcome = fit_and_judge(adapter, old["gallery"], new["query"], new["gallery"],
-                                    lambda query, gallery, name: _entry(query, gallery, config, name), metric,
-                                    result.values[metric]["self_old"], result.values[metric]["self_new"], strict,
-                                    METRICS, seed=config.seed)
-            fitted = outcome.adapter
+            study = study_upgrade(old["gallery"], new["query"], new["gallery"], entry, metric,
+                                  result.values[metric]["self_old"], self_new=result.values[metric]["self_new"],
+                                  strict=strict, kinds=(adapter,), metrics=METRICS, seed=config.seed, orders=())
+            fitted = study.adapters[adapter].adapter
             for name in METRICS:
-                result.values[name][f"cross_{adapter}"] = outcome.cross[name]
+                result.values[name][f"cross_{adapter}"] = study.adapters[adapter].cross[name]
         numbers = result.values[metric]
         cross = numbers[f"cross_{adapter}"] if adapter else numbers["cross"]
         result.verdict = upgrade_verdict(cross, numbers["self_old"], numbers["self_new"], strict)
-        sign = ">" if strict else ">="
+        sign = criterion_sign(strict)
         what = f"M(new{'+' + adapter if adapter else ''}, old) = {cross:.4f}"
         if result.verdict["compatible"]:
             result.decision = "dry-run-pass" if dry_run else "promoted"

@@ -33,8 +33,10 @@ __all__ = [
     "average_compatibility",
     "average_compatibility_accuracy",
     "backward_compatibility",
+    "criterion_sign",
     "empirical_compatibility",
     "forward_compatibility",
+    "is_compatible",
     "metrics_by_task",
     "summary_metrics",
     "update_gain",
@@ -84,12 +86,23 @@ def _leading_block(C: Any, tau: int | None, argument: str = "tau") -> np.ndarray
     return matrix[:tau, :tau]
 
 
+def is_compatible(cross: Any, self_old: Any, strict: bool = True) -> Any:
+    """The compatibility criterion, the one place it is written: ``cross > self_old`` (``>=`` when not strict), for
+    numbers (a bool) or arrays (element-wise; NaN compares False)."""
+    with np.errstate(invalid="ignore"):
+        return np.greater(cross, self_old) if strict else np.greater_equal(cross, self_old)
+
+
+def criterion_sign(strict: bool = True) -> str:
+    """The criterion's comparison as text: ``>`` (strict) or ``>=``."""
+    return ">" if strict else ">="
+
+
 def _compatible_mask(matrix: np.ndarray, strict: bool) -> np.ndarray:
     """Boolean (T, T): True at t > k where the cross-test beats the self-test of the gallery model k."""
     self_tests = np.diag(matrix)[np.newaxis, :]  # broadcast C[k, k] along each column k
-    with np.errstate(invalid="ignore"):  # NaN above the diagonal compares False, which is what we want
-        beats = matrix > self_tests if strict else matrix >= self_tests
-    return beats & np.tri(matrix.shape[0], k=-1, dtype=bool)
+    # NaN above the diagonal compares False, which is what we want
+    return is_compatible(matrix, self_tests, strict) & np.tri(matrix.shape[0], k=-1, dtype=bool)
 
 
 def empirical_compatibility(C: Any, strict: bool = True) -> np.ndarray:
@@ -397,7 +410,7 @@ class CompatibilityMatrix:
             # the trailing ' '/'*' marker sits after the number, so pad the dash to keep columns aligned
             row_cells = "".join((c if c != "-" else "- ").rjust(column_width + 2) for c in cells[t])
             lines.append((self.model_ids[t].ljust(label_width) + row_cells).rstrip())
-        comparison = ">" if self.strict else ">="
+        comparison = criterion_sign(self.strict)
         lines.append(
             f"legend: rows = query model, columns = gallery model, diagonal = self-test; "
             f"* = cross-test that fails the ECC (not C[t,k] {comparison} C[k,k]); - = undefined"
@@ -428,7 +441,7 @@ def upgrade_verdict(cross: float, self_old: float, self_new: float | None = None
                                                                      else ()):
         if not (isinstance(value, (int, float, np.floating)) and 0.0 <= float(value) <= 1.0):
             raise ValueError(f"upgrade verdict {name}: expected a fraction in [0, 1], got {value!r}")
-    compatible = cross > self_old if strict else cross >= self_old
+    compatible = is_compatible(float(cross), float(self_old), strict)
     result = {"compatible": bool(compatible), "strict": bool(strict), "cross": float(cross),
               "self_old": float(self_old), "margin": float(cross) - float(self_old), "self_new": None,
               "reindex_margin": None, "update_gain": None}

@@ -86,59 +86,118 @@ def fit_and_judge(kind: str, old_gallery: tuple, new_query: tuple, new_gallery: 
                           upgrade_verdict(cross[metric], self_old, self_new, strict))
 
 
+METRICS = ("recall_at_1", "map")
+
+
+def cross_tests(old_query: tuple, old_gallery: tuple, new_query: tuple, new_gallery: tuple,
+                entry: Callable[[tuple, tuple, str], float], metrics: Sequence[str] = METRICS) -> dict[str, CrossTests]:
+    """Per metric name, the entries of an upgrade (fractions): M(Q_old, G_old), M(Q_new, G_new), M(Q_new, G_old)."""
+    return {name: CrossTests(self_old=entry(old_query, old_gallery, name), self_new=entry(new_query, new_gallery, name),
+                             cross=entry(new_query, old_gallery, name)) for name in metrics}
+
+
+@dataclass(frozen=True)
+class UpgradeStudy:
+    """What a team can do at an upgrade old -> new: ``adapters`` (kind -> its :class:`AdapterOutcome`, in the order
+    fitted) with the seconds each took to fit and judge, and the partial-backfilling ``curves`` (order -> {"fraction":
+    [...], metric: [...]}, fractions) starting from ``start`` ("fct": the gallery adapter's transformed gallery, or
+    "old features")."""
+
+    adapters: dict[str, AdapterOutcome]
+    seconds: dict[str, float]
+    curves: dict[str, dict[str, list[float]]]
+    start: str
+
+
+def study_upgrade(old_gallery: tuple, new_query: tuple, new_gallery: tuple,
+                  entry: Callable[[tuple, tuple, str], float], metric: str, self_old: float, *,
+                  self_new: float | None = None, strict: bool = True, kinds: Sequence[str] = (),
+                  metrics: Sequence[str] | None = None, adapter_params: dict | None = None, seed: int = 0,
+                  orders: Sequence[str] = ("random",), label_level: str = "fine",
+                  start_from_gallery_adapter: bool = True,
+                  on_adapter: Callable[[int, str, AdapterOutcome, float], None] | None = None,
+                  on_curve: Callable[[int, str], None] | None = None,
+                  on_point: Callable[[float, dict], None] | None = None) -> UpgradeStudy:
+    """The one adapter-and-backfill workflow of an upgrade (the adapt stage's and the gate's).
+
+    Fits every adapter of ``kinds`` in order and judges it (:func:`fit_and_judge`: ``metric`` against ``self_old``,
+    ``metrics`` measured), then computes a backfilling curve per order of ``orders`` ("random", "uncertainty";
+    seeded by ``seed``) of new queries on the gallery re-embedded item by item, measured on ``metrics`` with the
+    labels of ``label_level``. The curves start from the last gallery adapter's transformed gallery when
+    ``start_from_gallery_adapter`` and one was fitted, else from the raw old gallery. Feature arguments are
+    ``(features, fine labels, coarse labels)`` tuples. Callbacks: on_adapter(index, kind, outcome, seconds) after each
+    adapter, on_curve(index, order) after each curve, on_point(fraction, values) after each curve point."""
+    as_float = lambda part: np.asarray(part[0], dtype=np.float32)  # noqa: E731
+    adapters, seconds, transformed = {}, {}, None
+    for index, kind in enumerate(kinds):
+        started = time.perf_counter()
+        outcome = fit_and_judge(kind, old_gallery, new_query, new_gallery, entry, metric, self_old, self_new, strict,
+                                metrics, (adapter_params or {}).get(kind, {}), seed)
+        adapters[kind], seconds[kind] = outcome, time.perf_counter() - started
+        if kind in GALLERY_ADAPTERS:
+            transformed = outcome.gallery[0]
+        if on_adapter is not None:
+            on_adapter(index, kind, outcome, seconds[kind])
+    use_transformed = start_from_gallery_adapter and transformed is not None
+    start_gallery = transformed if use_transformed else as_float(old_gallery)
+    labels = lambda part: part[2] if label_level == "coarse" else part[1]  # noqa: E731
+    scores = (uncertainty_scores(as_float(old_gallery), start_gallery, as_float(new_gallery))
+              if "uncertainty" in orders else None)
+    curves = {}
+    for index, order_name in enumerate(orders):
+        order = backfill_order(start_gallery.shape[0], order_name, seed=seed,
+                               scores=scores if order_name == "uncertainty" else None)
+        curves[order_name] = backfill_curve(as_float(new_query), labels(new_query), start_gallery,
+                                            as_float(new_gallery), labels(new_gallery), order,
+                                            metrics=tuple(metrics or METRICS), on_point=on_point)
+        if on_curve is not None:
+            on_curve(index, order_name)
+    return UpgradeStudy(adapters, seconds, curves, "fct" if use_transformed else "old features")
+
+
 def adapt_stage(ctx: StageContext) -> StageResult:
     """Fit every adapter listed at the replacement of task ``ctx.stage.task``; evaluate; backfilling curves."""
     config, stage = ctx.config, ctx.stage
     params = stage.params
     protocol = params["protocol"]
     metric = protocol["metric"]
-    if metric not in ("recall_at_1", "map"):
+    if metric not in METRICS:
         raise ValueError(f"replacements[].adapters: adapters are evaluated with recall_at_1 or map retrieval; "
                          f"evaluation.metric is {metric!r}")
     old_q, old_g, new_q, new_g = (read_features(ctx.store, key) for key in stage.parents)
-    as_float = lambda part: np.asarray(part[0], dtype=np.float32)  # noqa: E731
 
     def entry(query: tuple, gallery: tuple, name: str = metric) -> float:
         return compute_entry(query, gallery, _with_metric(protocol, name), config)
 
-    baseline = {name: CrossTests(self_old=entry(old_q, old_g, name), self_new=entry(new_q, new_g, name),
-                                 cross=entry(new_q, old_g, name)) for name in ("recall_at_1", "map")}
+    baseline = cross_tests(old_q, old_g, new_q, new_g, entry)
     strict = bool(params.get("strict", True))
-
-    def verdict(cross: float) -> UpgradeVerdict:
-        return UpgradeVerdict(**upgrade_verdict(cross, baseline[metric].self_old, baseline[metric].self_new, strict))
-
     record = AdaptersRecord(stage.key, int(stage.task), int(stage.task) - 1, metric, baseline,
-                            verdict(baseline[metric].cross))
-    blobs: dict[str, bytes] = {}
-    transformed_gallery = None
+                            UpgradeVerdict(**upgrade_verdict(baseline[metric].cross, baseline[metric].self_old,
+                                                             baseline[metric].self_new, strict)))
     kinds = list(params["adapters"])
-    for index, kind in enumerate(kinds):
-        started = time.perf_counter()
-        outcome = fit_and_judge(kind, old_g, new_q, new_g, entry, metric, baseline[metric].self_old,
-                                baseline[metric].self_new, strict, ("recall_at_1", "map"),
-                                params.get("adapter_params", {}).get(kind, {}), int(params.get("seed", 0)))
-        if kind in GALLERY_ADAPTERS:
-            transformed_gallery = outcome.gallery[0]
+    steps = len(kinds) + 2
+
+    def adapter_done(index: int, kind: str, outcome: AdapterOutcome, seconds: float) -> None:
+        ctx.emit(ProgressUpdate(stage.key, index + 1, steps, "adapter", 0.0))
+
+    def curve_done(index: int, order: str) -> None:
+        ctx.emit(ProgressUpdate(stage.key, len(kinds) + index + 1, steps, "backfill curve", 0.0))
+
+    study = study_upgrade(old_g, new_q, new_g, entry, metric, baseline[metric].self_old,
+                          self_new=baseline[metric].self_new, strict=strict, kinds=kinds, metrics=METRICS,
+                          adapter_params=params.get("adapter_params", {}), seed=int(params.get("seed", 0)),
+                          orders=("random", "uncertainty"), label_level=protocol["label_level"],
+                          on_adapter=adapter_done, on_curve=curve_done)
+    blobs: dict[str, bytes] = {}
+    for kind, outcome in study.adapters.items():
         blob = adapter_blob_name(kind)
         blobs[blob] = save_adapter(outcome.adapter)
         record.adapters[kind] = AdapterResult(outcome.adapter.direction, blob, outcome.settings,
-                                              outcome.adapter.fit_loss[-1], time.perf_counter() - started,
+                                              outcome.adapter.fit_loss[-1], study.seconds[kind],
                                               outcome.cross["recall_at_1"], outcome.cross["map"],
                                               UpgradeVerdict(**outcome.verdict))
-        ctx.emit(ProgressUpdate(stage.key, index + 1, len(kinds) + 2, "adapter", 0.0))
-
-    # partial backfilling: new queries on a gallery re-embedded item by item
-    start_gallery = transformed_gallery if transformed_gallery is not None else as_float(old_g)
-    labels = lambda part: part[2] if protocol["label_level"] == "coarse" else part[1]  # noqa: E731
-    scores = uncertainty_scores(as_float(old_g), start_gallery, as_float(new_g))
-    record.backfill.start = "fct" if transformed_gallery is not None else "old features"
-    for step, order_name in enumerate(("random", "uncertainty")):
-        order = backfill_order(start_gallery.shape[0], order_name, seed=int(params.get("seed", 0)),
-                               scores=scores if order_name == "uncertainty" else None)
-        setattr(record.backfill, order_name, backfill_curve(as_float(new_q), labels(new_q), start_gallery,
-                                                            as_float(new_g), labels(new_g), order))
-        ctx.emit(ProgressUpdate(stage.key, len(kinds) + step + 1, len(kinds) + 2, "backfill curve", 0.0))
+    record.backfill.start = study.start
+    record.backfill.random, record.backfill.uncertainty = study.curves["random"], study.curves["uncertainty"]
     return StageResult(record, blobs)
 
 
@@ -147,5 +206,5 @@ def adapter_summaries(graph: Any, store: Any) -> list[dict]:
     return [store.load_record(key) for task, key in sorted(graph.adapt_stages.items()) if store.has(key)]
 
 
-__all__ = ["AdapterOutcome", "adapt_stage", "fit_and_judge", "adapter_blob_name", "adapter_summaries",
-           "ADAPTER_BLOB_PREFIX"]
+__all__ = ["AdapterOutcome", "METRICS", "UpgradeStudy", "adapt_stage", "cross_tests", "fit_and_judge",
+           "adapter_blob_name", "adapter_summaries", "study_upgrade", "ADAPTER_BLOB_PREFIX"]

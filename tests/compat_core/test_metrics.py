@@ -318,3 +318,15 @@ def test_summary_matches_the_functions():
     assert summary["FC"] == pytest.approx(-0.09)
     non_strict = CompatibilityMatrix(np.array([[0.4, NAN], [0.4, 0.5]]), ["a", "b"], "recall_at_1", {"strict": False})
     assert non_strict.summary()["AC"] == 1.0
+
+
+def test_the_criterion_is_written_once_for_numbers_and_arrays():
+    from compat_core.evaluation.metrics import criterion_sign, is_compatible, upgrade_verdict
+
+    assert bool(is_compatible(0.61, 0.6)) and not bool(is_compatible(0.6, 0.6))
+    assert bool(is_compatible(0.6, 0.6, strict=False)) and not bool(is_compatible(0.59, 0.6, strict=False))
+    cross = np.array([0.7, 0.5, np.nan])
+    assert is_compatible(cross, 0.5).tolist() == [True, False, False]
+    assert is_compatible(cross, 0.5, strict=False).tolist() == [True, True, False]
+    assert (criterion_sign(True), criterion_sign(False)) == (">", ">=")
+    assert upgrade_verdict(0.6, 0.6)["compatible"] is False and upgrade_verdict(0.6, 0.6, strict=False)["compatible"]
