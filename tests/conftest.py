@@ -91,6 +91,29 @@ def s3_bucket(s3_server, s3_env, request):
     return name
 
 
+@pytest.fixture
+def fresh_object_storage(monkeypatch):
+    """This process as a command starts it: no S3 filesystem, conditional writes or access installed
+    (``cluster.storage.s3.configure_object_storage`` not called yet); whatever the test or the commands it runs
+    install is undone after the test."""
+    from cluster.storage import s3
+    from compat_core import io as cio
+    from pipelines.store import lease
+
+    monkeypatch.setattr(cio, "_s3_factory", None)
+    monkeypatch.setattr(lease, "_CONDITIONAL", None)
+    monkeypatch.setattr(s3, "_installed", None)
+
+
+@pytest.fixture
+def uri_resolvers(monkeypatch):
+    """The URI resolvers of compat_core.models.weights as they are now, restored after the test: resolvers the test
+    (or a command it runs) registers with ``register_uri_resolver`` are forgotten then."""
+    from compat_core.models import weights
+
+    monkeypatch.setattr(weights, "_URI_RESOLVERS", dict(weights._URI_RESOLVERS))
+
+
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
     """A real ``mlflow server`` (SQLite backend, one worker, job execution off) on 127.0.0.1 for the session."""

@@ -23,8 +23,6 @@ elsewhere records the decision as ``interrupted`` (the alias did not move) and e
 from __future__ import annotations
 
 import json
-import os
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -75,15 +73,12 @@ class GateResult:
 
 
 MOVE_STATE = "move_state"
-PAUSE_VARIABLE = "COMPAT_TEST_GATE_PAUSE"  # tests only: "intent" or "moved" makes a move wait there to be killed
+MOVE_STEPS = ("intent", "moved")  # the points between the steps of an alias move, as told to ``on_move_step``
+MoveStep = Callable[[str], None]
 
 
-def _pause_point(name: str) -> None:
-    """Let a test kill a real gate process between the steps of a move (never set in production)."""
-    if os.environ.get(PAUSE_VARIABLE) == name:
-        print(f"gate: paused at {name}", file=sys.stderr, flush=True)
-        while True:
-            time.sleep(60)
+def _no_step(step: str) -> None:
+    """The default ``on_move_step``: nothing happens between the steps of a move."""
 
 
 def reconcile_moves(client: Any, model: str, alias: str, experiment: str = GATE_EXPERIMENT) -> list[str]:
@@ -200,11 +195,13 @@ def _options_on_refusal(old: dict, new: dict, config: Any, metric: str, self_old
 def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: str = DEFAULT_ALIAS,
              adapter: str | None = None, strict: bool | None = None, dry_run: bool = False,
              cache_dir: str | None = None, experiment: str = GATE_EXPERIMENT,
-             log: Callable[[str], None] = print) -> GateResult:
+             log: Callable[[str], None] = print, on_move_step: MoveStep = _no_step) -> GateResult:
     """Evaluate ``models:/model/candidate`` against the version behind ``alias``; move the alias when compatible.
 
     config: a ScenarioConfig whose ``evaluation`` section names the held-out query/gallery sets and the metric
     (``recall_at_1`` or ``map``). strict: None = ``config.evaluation.strict``. dry_run: decide and record, never move.
+    on_move_step(step): called between the steps of the record and the alias move, with "intent" (the decision is
+    recorded, the alias not moved yet) and "moved" (moved, not yet confirmed); a caller can observe or stop there.
     """
     metric = config.evaluation.metric
     if metric not in METRICS:
@@ -263,12 +260,12 @@ def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: 
             result.options, result.advice = _options_on_refusal(old, new, config, metric, numbers["self_old"],
                                                                 strict, config.seed, log)
         result.fitted_adapter = fitted  # type: ignore[attr-defined]
-    _record(client, experiment, result, candidate_version, champion, dry_run, started_ms)
+    _record(client, experiment, result, candidate_version, champion, dry_run, started_ms, on_move_step)
     return result
 
 
 def _record(client: Any, experiment: str, result: GateResult, candidate: Any, champion: Any, dry_run: bool,
-            started_ms: int | None = None) -> None:
+            started_ms: int | None = None, on_move_step: MoveStep = _no_step) -> None:
     """Gate run (tags, metrics, decision.json, adapter file), version tags, then the alias move."""
     from mlflow.entities import Metric
 
@@ -314,7 +311,7 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
         client.log_artifacts(run.info.run_id, folder, "gate")
     if not moved:
         client.set_terminated(run.info.run_id, "FINISHED", end_time=int(time.time() * 1000))
-    _pause_point("intent")
+    on_move_step("intent")
     prefix = f"gate.{result.alias}"
     client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.decision", result.decision)
     client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.run_id", run.info.run_id)
@@ -325,7 +322,7 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
         if result.adapter:
             client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.adapter", result.adapter)
         client.set_registered_model_alias(result.model, result.alias, result.candidate_version)
-        _pause_point("moved")
+        on_move_step("moved")
         if champion is not None:
             client.set_model_version_tag(result.model, champion.version, f"{prefix}.replaced_by",
                                          result.candidate_version)
@@ -385,11 +382,13 @@ def refusal_of(history: list[dict], version: str) -> dict | None:
 
 
 def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_version: str | None = None,
-             reason: str = "", experiment: str = GATE_EXPERIMENT, force: bool = False) -> dict:
+             reason: str = "", experiment: str = GATE_EXPERIMENT, force: bool = False,
+             on_move_step: MoveStep = _no_step) -> dict:
     """Move ``alias`` back to the version it pointed to before its last move (or to ``to_version``); recorded.
 
     A target the gate refused (its latest gate decision) is installed only with ``force``, recorded as forced
-    (tag ``forced`` on the rollback run, the refusal's run id in ``overrides_refusal``); otherwise ValueError."""
+    (tag ``forced`` on the rollback run, the refusal's run id in ``overrides_refusal``); otherwise ValueError.
+    on_move_step: as for :func:`run_gate`."""
     client = open_client(tracking_uri)
     reconcile_moves(client, model, alias, experiment)
     current = version_by_alias(client, model, alias)
@@ -418,9 +417,9 @@ def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_versi
         tags["reason"] = f"FORCED over the gate's refusal (run {refused['run_id']}): {tags['reason']}"
     run = client.create_run(_experiment_id(client, experiment), tags=tags,
                             run_name=f"rollback-{model}-v{current.version}-to-v{target.version}")
-    _pause_point("intent")
+    on_move_step("intent")
     client.set_registered_model_alias(model, alias, str(target.version))
-    _pause_point("moved")
+    on_move_step("moved")
     client.set_model_version_tag(model, str(current.version), f"gate.{alias}.rolled_back_by", run.info.run_id)
     client.set_model_version_tag(model, str(target.version), f"gate.{alias}.decision", "rolled-back")
     client.set_tag(run.info.run_id, MOVE_STATE, "confirmed")
@@ -430,4 +429,4 @@ def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_versi
 
 
 __all__ = ["GateResult", "run_gate", "alias_history", "rollback", "reconcile_moves", "GATE_EXPERIMENT",
-           "DEFAULT_ALIAS"]
+           "DEFAULT_ALIAS", "MOVE_STEPS"]

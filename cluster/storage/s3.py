@@ -268,14 +268,6 @@ def configure_object_storage(access: S3Access | None = None) -> S3Access:
     return access
 
 
-def reset_object_storage() -> None:
-    """Restore compat_core.io's default (environment-only) S3 filesystem."""
-    global _installed
-    cio.set_s3_filesystem_factory(None)
-    set_conditional_objects(None)
-    _installed = None
-
-
 def installed_access() -> S3Access | None:
     """The :class:`S3Access` installed by :func:`configure_object_storage`, if any."""
     return _installed

@@ -16,7 +16,6 @@ from compat_core.models.weights import (
     LoadReport,
     load_external_weights,
     register_uri_resolver,
-    unregister_uri_resolver,
 )
 
 __all__ = [
@@ -38,5 +37,4 @@ __all__ = [
     "register_uri_resolver",
     "save_model",
     "small_test_config",
-    "unregister_uri_resolver",
 ]

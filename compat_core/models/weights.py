@@ -59,11 +59,6 @@ def register_uri_resolver(scheme: str, resolver: Callable[[str], str]) -> None:
     _URI_RESOLVERS[scheme] = resolver
 
 
-def unregister_uri_resolver(scheme: str) -> None:
-    """Remove a resolver added with ``register_uri_resolver`` (no error when absent)."""
-    _URI_RESOLVERS.pop(scheme, None)
-
-
 @dataclass
 class LoadReport:
     """What ``load_external_weights`` did. Key names are target-model names unless said otherwise."""

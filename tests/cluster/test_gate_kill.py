@@ -1,5 +1,6 @@
-"""`compat gate` and `compat gate rollback` killed (SIGKILL, a real process) between the steps of an alias move: the
-next gate / rollback / history reconciles, so history and the alias always agree."""
+"""A gate and a rollback killed (SIGKILL, a real process) between the steps of an alias move: the next gate /
+rollback / history reconciles, so history and the alias always agree. The process stops where the gate's
+``on_move_step`` callback tells it (the command line passes none)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,8 @@ import uuid
 from pathlib import Path
 
 import yaml
+
+from cluster.model_registry import gate as gate_module
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "pipelines"
@@ -32,12 +35,37 @@ def _versions(client, name: str, count: int, folder: Path) -> list[str]:
     return [str(v) for v in found]
 
 
-def _killed_at(point: str, args: list[str], env: dict) -> None:
-    """Run `compat ARGS` until it pauses at ``point`` of the move, then SIGKILL it."""
-    code = (f"import sys; sys.path.insert(0, {str(TINY)!r}); import tiny_scenario_helpers as t; t.register(); "
-            f"from app.cli import main; sys.exit(main({args!r}))")
-    process = subprocess.Popen([sys.executable, "-c", code], env={**env, "COMPAT_TEST_GATE_PAUSE": point},
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+_PAUSING = """
+import sys, time
+sys.path.insert(0, {tiny!r})
+import tiny_scenario_helpers as t
+t.register()
+from cluster.model_registry import gate
+from pipelines.config.load import load_config
+
+
+def pause(step):
+    if step == {point!r}:
+        print(f"gate: paused at {{step}}", file=sys.stderr, flush=True)
+        while True:
+            time.sleep(60)
+
+
+action, uri, name, value, config = {call!r}
+if action == "gate":
+    gate.run_gate(uri, name, value, load_config(config), on_move_step=pause)
+else:
+    gate.rollback(uri, name, to_version=value, on_move_step=pause)
+"""
+
+
+def _killed_at(point: str, call: tuple, env: dict) -> None:
+    """Run a gate or a rollback (``call``: action, tracking URI, model, candidate or target version, config) until
+    it pauses at ``point`` of the move, then SIGKILL it."""
+    assert point in gate_module.MOVE_STEPS
+    code = _PAUSING.format(tiny=str(TINY), point=point, call=call)
+    process = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         for line in process.stderr:
@@ -74,7 +102,7 @@ def test_a_killed_gate_or_rollback_never_leaves_history_and_alias_apart(mlflow_s
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny.scenario("er")))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    gate = ["gate", name, "--candidate", v1, "--config", str(config), "--tracking-uri", uri]
+    gate = ("gate", uri, name, v1, str(config))
 
     # killed after recording the intent, before the alias moved: history says interrupted, the alias is unset
     _killed_at("intent", gate, env)
@@ -87,7 +115,7 @@ def test_a_killed_gate_or_rollback_never_leaves_history_and_alias_apart(mlflow_s
     rows = _history(name, uri, capsys)
     assert [(r["decision"], r["new_version"]) for r in rows] == [("interrupted", None), ("promoted", v1)]
     # the same for a rollback: intent only -> interrupted (alias still v1); moved -> confirmed (alias v2)
-    rollback = ["gate", "rollback", name, "--to", v2, "--tracking-uri", uri]
+    rollback = ("rollback", uri, name, v2, None)
     _killed_at("intent", rollback, env)
     assert str(version_by_alias(client, name, "champion").version) == v1
     assert _history(name, uri, capsys)[-1]["decision"] == "interrupted"

@@ -32,10 +32,9 @@ def _upgrade(tmp_path: Path, name: str, source: str) -> dict:
     return document
 
 
-def test_models_alias_source_trains_and_evaluates_end_to_end(mlflow_server, tmp_path, monkeypatch):
+def test_models_alias_source_trains_and_evaluates_end_to_end(mlflow_server, tmp_path, monkeypatch, uri_resolvers):
     from mlflow import MlflowClient
 
-    from compat_core.models.weights import unregister_uri_resolver
     from pipelines.store.run_store import RunStore
 
     tiny.register()
@@ -49,21 +48,18 @@ def test_models_alias_source_trains_and_evaluates_end_to_end(mlflow_server, tmp_
     names = [m.name for m in MlflowClient(uri).search_registered_models("name LIKE 'registry-source-line%'")]
     assert names == ["registry-source-line"]  # the scenario's one registered model
     version = MlflowClient(uri).get_model_version_by_alias(names[0], "task-3")
-    # 2. a scenario whose replacement at task 3 is that registered model, by alias
-    try:
-        models_uri = f"models:/{names[0]}@task-3"
-        # without a registry to read it from, the command refuses before any compute, naming the key
-        assert main(["run", _write(tmp_path, "noreg", _upgrade(tmp_path, "noreg", models_uri)), "--tracking-uri",
-                     "none", "--no-progress"]) == 2
-        assert not (tmp_path / "noreg" / "manifests").exists()
-        assert main(["run", _write(tmp_path, "registry", _upgrade(tmp_path, "registry", models_uri)),
-                     "--tracking-uri", uri, "--no-progress"]) == 0
-        # the alias is pinned to the version it named, so moving it later cannot reuse these stages
-        used = yaml.safe_load((tmp_path / "registry" / "config.yaml").read_text())["replacements"][0]["source"]
-        assert used == f"models:/{names[0]}/{version.version}"
-    finally:
-        unregister_uri_resolver("models")
-        unregister_uri_resolver("runs")
+    # 2. a scenario whose replacement at task 3 is that registered model, by alias (the resolvers `compat run`
+    # registers for it are forgotten after the test: uri_resolvers)
+    models_uri = f"models:/{names[0]}@task-3"
+    # without a registry to read it from, the command refuses before any compute, naming the key
+    assert main(["run", _write(tmp_path, "noreg", _upgrade(tmp_path, "noreg", models_uri)), "--tracking-uri",
+                 "none", "--no-progress"]) == 2
+    assert not (tmp_path / "noreg" / "manifests").exists()
+    assert main(["run", _write(tmp_path, "registry", _upgrade(tmp_path, "registry", models_uri)),
+                 "--tracking-uri", uri, "--no-progress"]) == 0
+    # the alias is pinned to the version it named, so moving it later cannot reuse these stages
+    used = yaml.safe_load((tmp_path / "registry" / "config.yaml").read_text())["replacements"][0]["source"]
+    assert used == f"models:/{names[0]}/{version.version}"
     # 3. the same scenario with the source model's folder as a path: the same weights, so the same matrix
     store = RunStore(tmp_path / "source")
     graph_source = json.loads((tmp_path / "source" / "matrix.json").read_text())

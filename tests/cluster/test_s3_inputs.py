@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from cluster.storage.s3 import configure_object_storage, reset_object_storage
+from cluster.storage.s3 import configure_object_storage
 from compat_core import io as cio
 from compat_core.data import load_dataset
 from compat_core.models import create_model, load_external_weights, load_model, save_model
@@ -31,16 +31,13 @@ COLOURS = [(200, 30, 40), (20, 180, 60), (30, 50, 210), (128, 128, 128), (250, 2
 
 
 @pytest.fixture
-def object_store(s3_env, s3_bucket, monkeypatch, tmp_path):
+def object_store(s3_env, s3_bucket, monkeypatch, tmp_path, fresh_object_storage):
     """compat_core.io configured for the test server (from the AWS variables of ``s3_env``); the bucket name."""
     # No user-level AWS config may change the endpoint or credentials under test.
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    configure_object_storage()
-    try:
-        yield s3_bucket
-    finally:
-        reset_object_storage()
+    configure_object_storage()  # undone after the test (fresh_object_storage)
+    yield s3_bucket
 
 
 def _upload_tree(local_root: Path, uri: str) -> list[str]:

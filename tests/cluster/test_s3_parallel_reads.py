@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.storage.s3 import configure_object_storage, reset_object_storage
+from cluster.storage.s3 import configure_object_storage
 from compat_core import io as cio
 from compat_core.data import load_dataset
 from compat_core.data.formats import _shared
@@ -21,14 +21,11 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def object_store(s3_env, s3_bucket, monkeypatch, tmp_path):
+def object_store(s3_env, s3_bucket, monkeypatch, tmp_path, fresh_object_storage):
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    configure_object_storage()
-    try:
-        yield s3_bucket
-    finally:
-        reset_object_storage()
+    configure_object_storage()  # undone after the test (fresh_object_storage)
+    yield s3_bucket
 
 
 def _celeba(tmp_path: Path, bucket: str, images: int = 24) -> tuple[str, Path]:

@@ -118,19 +118,16 @@ def test_addressing_style_defaults_and_overrides(isolated_aws, monkeypatch):
 
 
 def test_secret_never_appears_in_logs_reprs_pickles_or_errors(s3_server, s3_env, s3_bucket, isolated_aws, caplog,
-                                                               monkeypatch):
+                                                               monkeypatch, fresh_object_storage):
     secret = s3_server.credentials.secret_key
     wrong_secret = "WRONG-" + secret[::-1]
     caplog.set_level(logging.DEBUG)  # every logger, botocore's request signing included
-    try:
-        access = storage.configure_object_storage()
-        cio.write_bytes(f"s3://{s3_bucket}/logged.txt", b"x")
-        bad = access_with_secret(monkeypatch, wrong_secret)
-        with pytest.raises(StorageAccessDeniedError) as caught:
-            bad.filesystem().open_input_stream(f"{s3_bucket}/logged.txt")
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
-    finally:
-        storage.reset_object_storage()
+    access = storage.configure_object_storage()  # undone after the test (fresh_object_storage)
+    cio.write_bytes(f"s3://{s3_bucket}/logged.txt", b"x")
+    bad = access_with_secret(monkeypatch, wrong_secret)
+    with pytest.raises(StorageAccessDeniedError) as caught:
+        bad.filesystem().open_input_stream(f"{s3_bucket}/logged.txt")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     assert any(r.name == "cluster.storage.s3" and "object storage configured" in r.getMessage()
                for r in caplog.records)
     assert any(r.name.startswith("botocore") for r in caplog.records)  # the capture saw the signed requests

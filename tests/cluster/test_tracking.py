@@ -339,9 +339,9 @@ def test_default_sqlite_run_holds_parent_nested_runs_metrics_and_tags(sqlite_run
     assert {"results/matrix.json", "results/matrix.csv", "results/metrics.json"} <= artifacts
 
 
-def test_models_are_registered_with_aliases_lineage_and_load_by_uri(sqlite_run, tmp_path):
+def test_models_are_registered_with_aliases_lineage_and_load_by_uri(sqlite_run, tmp_path, uri_resolvers):
     from cluster.model_registry.versions import register_mlflow_resolvers
-    from compat_core.models import create_model, load_external_weights, unregister_uri_resolver
+    from compat_core.models import create_model, load_external_weights
 
     run_dir, graph, store, tracker = sqlite_run
     client = tracker.client
@@ -361,22 +361,18 @@ def test_models_are_registered_with_aliases_lineage_and_load_by_uri(sqlite_run, 
     assert task3.tags["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
     assert task3.source == f"runs:/{task3.run_id}/model"
 
-    register_mlflow_resolvers(tracker.tracking_uri, cache_dir=tmp_path / "cache")
-    try:
-        torch.manual_seed(99)
-        model = create_model("cnn4", 10, classifier="learnable", backbone_config={"in_chans": 1, "width": 4},
-                             num_active_classes=4)
-        report = load_external_weights(model, f"models:/{name}@task-3", sha256=task3.tags["sha256"])
-        assert report.ok
-        from safetensors.torch import load_file
+    register_mlflow_resolvers(tracker.tracking_uri, cache_dir=tmp_path / "cache")  # forgotten after the test
+    torch.manual_seed(99)
+    model = create_model("cnn4", 10, classifier="learnable", backbone_config={"in_chans": 1, "width": 4},
+                         num_active_classes=4)
+    report = load_external_weights(model, f"models:/{name}@task-3", sha256=task3.tags["sha256"])
+    assert report.ok
+    from safetensors.torch import load_file
 
-        expected = load_file(str(weights))
-        for key, value in model.state_dict().items():
-            if key in expected:
-                assert torch.equal(value, expected[key]), key
-    finally:
-        unregister_uri_resolver("models")
-        unregister_uri_resolver("runs")
+    expected = load_file(str(weights))
+    for key, value in model.state_dict().items():
+        if key in expected:
+            assert torch.equal(value, expected[key]), key
 
 
 def test_resumed_pipeline_reuses_runs_and_versions(sqlite_run, monkeypatch):

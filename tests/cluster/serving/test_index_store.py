@@ -56,15 +56,12 @@ def test_missing_index_names_the_root(tmp_path):
 
 
 @pytest.mark.integration
-def test_index_on_s3(s3_bucket):
+def test_index_on_s3(s3_bucket, fresh_object_storage):
     from cluster.storage import s3 as storage
 
-    storage.configure_object_storage()
-    try:
-        root = f"s3://{s3_bucket}/galleries/a"
-        embeddings, head = _build(root, np.random.default_rng(1))
-        index = load_index(root)
-        assert index.manifest_sha == head
-        np.testing.assert_array_equal(index.embeddings, embeddings)
-    finally:
-        storage.reset_object_storage()
+    storage.configure_object_storage()  # undone after the test (fresh_object_storage)
+    root = f"s3://{s3_bucket}/galleries/a"
+    embeddings, head = _build(root, np.random.default_rng(1))
+    index = load_index(root)
+    assert index.manifest_sha == head
+    np.testing.assert_array_equal(index.embeddings, embeddings)

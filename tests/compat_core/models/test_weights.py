@@ -18,7 +18,6 @@ from compat_core.models import (
     register_uri_resolver,
     save_model,
     small_test_config,
-    unregister_uri_resolver,
 )
 
 
@@ -250,14 +249,15 @@ def test_slot_map_validation(tiny_model):
 
 
 def test_registered_uri_resolver_and_unknown_scheme(tmp_path, tiny_model):
+    from compat_core.models import weights
+
     save_model(tiny_model, str(tmp_path / "registered"))
-    register_uri_resolver("testmodels", lambda uri: str(tmp_path / uri.split(":/", 1)[1]))
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # the resolvers as they are now, restored at the end of the block
+        patch.setattr(weights, "_URI_RESOLVERS", dict(weights._URI_RESOLVERS))
+        register_uri_resolver("testmodels", lambda uri: str(tmp_path / uri.split(":/", 1)[1]))
         target = create_model("cnn4", 6, backbone_config={"width": 4})
         report = load_external_weights(target, "testmodels:/registered")  # a folder: its model.safetensors is used
         assert report.ok and report.source.endswith("model.safetensors")
-    finally:
-        unregister_uri_resolver("testmodels")
     with pytest.raises(ValueError, match="testmodels"):
         load_external_weights(target, "testmodels:/registered")
     with pytest.raises(FileNotFoundError, match="nowhere"):
