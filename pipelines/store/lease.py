@@ -10,6 +10,9 @@ replace it), so two drivers started together cannot both take it, a paused holde
 heartbeat over nor release its successor's lease, and every RunStore write of a holder checks first that the
 object still has its ETag (:func:`check_fence`): a stale holder's commits are refused with LeaseLostError.
 
+Both leases beat on the one heartbeat loop (:func:`_hold`) and are checked once more when their block ends: a holder
+that lost its lease while the block ran raises LeaseLostError instead of finishing as if it still held it.
+
 Processes that write for the holder (its Ray workers) do not hold the lease: the holder hands them its
 :func:`lease_fence` and they write inside :func:`hold_fence`, so their RunStore writes check that the holder still
 has the lease (the same lock file, the same owner token in the lease object) before each write.
