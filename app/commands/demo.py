@@ -55,7 +55,8 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
 
     threads: torch intra-op threads (None: leave torch's default; with executor "ray" and no ``address``: the CPUs
     of an embedded Ray instance, default 1). progress: "bars", "lines" or "none". tracking_uri: the resolved store
-    (None: tracking off). address: the Ray instance to attach to (the demo's shared one). CPU seconds count this process only.
+    (None: tracking off). address: the Ray instance to attach to (the demo's shared one). CPU seconds count this
+    process only.
     """
     import torch
 

@@ -19,6 +19,7 @@ import json
 import sys
 
 from cluster.model_registry import gate
+from compat_core.evaluation.metrics import criterion_sign
 from pipelines.config.load import load_config
 
 _ACTIONS = ("history", "rollback")
@@ -32,7 +33,7 @@ def _fail(message: str) -> int:
 def _print_gate(result) -> None:
     print(f"gate {result.model} v{result.candidate_version} -> alias {result.alias!r} "
           f"(behind it: {'v' + result.champion_version if result.champion_version else 'nothing'}); "
-          f"criterion M(new, old) {'>' if result.strict else '>='} M(old, old), fractions")
+          f"criterion M(new, old) {criterion_sign(result.strict)} M(old, old), fractions")
     if result.values:
         columns = [name for name in result.values[result.metric]]
         print(f"  {'metric':<12}" + "".join(f"{name:>18}" for name in columns))

@@ -18,8 +18,8 @@ from cluster.serving.index_build import build_index
 from cluster.serving.index_store import load_index
 from cluster.serving.ray_join import resolve_ray_target
 from cluster.storage.s3 import configure_object_storage
-from pipelines.config.model_uri import parse_model_uri
 from pipelines.config.load import load_config
+from pipelines.config.model_uri import parse_model_uri
 
 
 def _config(args):

@@ -255,6 +255,6 @@ def register_mlflow_resolvers(tracking_uri: str, cache_dir: str | os.PathLike | 
 
 __all__ = [
     "registered_model_name", "task_alias", "ensure_registered_model", "find_version", "register_version",
-    "version_by_alias", "model_version", "pinned_model_uri", "LATEST_ALIAS", "MlflowModelResolver", "register_mlflow_resolvers",
-    "MODEL_ARTIFACT_PATH", "write_model_folder", "model_files_folder",
+    "version_by_alias", "model_version", "pinned_model_uri", "LATEST_ALIAS", "MlflowModelResolver",
+    "register_mlflow_resolvers", "MODEL_ARTIFACT_PATH", "write_model_folder", "model_files_folder",
 ]

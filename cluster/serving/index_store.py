@@ -11,8 +11,8 @@ Layout::
                                    nullable), label (int64, nullable)
 
 Every blob is named by the sha256 of its bytes and verified on read (an ``IntegrityError`` names the file, the
-expected and the actual hash). Manifests are stored by the one manifest codec (:mod:`compat_core.codec`). A position may occur in several shards: the last shard listed wins, so a backfill
-writes the re-embedded rows of a chunk as a new shard and flips them all at once by committing a manifest that
+expected and the actual hash); manifests are stored by the one manifest codec (:mod:`compat_core.codec`). A position
+may occur in several shards: the last shard listed wins, so a backfill writes the re-embedded rows of a chunk as a new shard and flips them all at once by committing a manifest that
 lists it (one HEAD swap); readers see either the whole chunk in the new version or none of it.
 """
 from __future__ import annotations

@@ -12,7 +12,8 @@ decoded exactly like the source reader decodes them, in-memory arrays (CIFAR, gl
 sample order, with the same labels, class names and normalisation statistics.
 
 Opening a split checks every part against the manifest (size and sha256) before anything is returned, and raises
-:class:`~compat_core.integrity.IntegrityError` naming bucket, key and the expected sha256 when a part is missing or differs.
+an :class:`~compat_core.integrity.IntegrityError` naming bucket, key and the expected sha256 when a part is missing
+or differs.
 """
 from __future__ import annotations
 
