@@ -48,6 +48,14 @@ def seed_problems(config: ScenarioConfig) -> list[str]:
     return problems
 
 
+def training_problems(config: ScenarioConfig) -> list[str]:
+    """A pretrain entry's own epochs leave room for the training section's warm-up."""
+    warmup = config.training.warmup_epochs
+    return [f"pretrain[{i}].epochs: {spec.epochs} epochs leave no room for training.warmup_epochs = {warmup} "
+            f"(warm-up must be shorter than training); raise the epochs or lower the warm-up"
+            for i, spec in enumerate(config.pretrain) if spec.epochs is not None and warmup >= spec.epochs]
+
+
 def resource_problems(config: ScenarioConfig) -> list[str]:
     """Only training stages run data-parallel."""
     return [f"resources.{name}.num_workers must be 1 (only pretrain and finetune train data-parallel), got "
@@ -242,8 +250,8 @@ def evaluation_problems(config: ScenarioConfig) -> list[str]:
 
 
 RULES: tuple[Callable[[ScenarioConfig], list[str]], ...] = (
-    seed_problems, resource_problems, pretrain_problems, source_problems, replacement_problems, slot_problems,
-    open_set_problems, registry_problems, method_problems, evaluation_problems,
+    seed_problems, training_problems, resource_problems, pretrain_problems, source_problems, replacement_problems,
+    slot_problems, open_set_problems, registry_problems, method_problems, evaluation_problems,
 )
 
 __all__ = ["ConfigError", "MODEL_URI", "RULES", "bridge_obstacle", "config_problems", "model_sources", "validate"]

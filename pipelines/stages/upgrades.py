@@ -28,7 +28,8 @@ from pipelines.engine.progress import ProgressUpdate
 from pipelines.records.payloads import AdapterResult, CrossTests, UpgradeVerdict
 from pipelines.records.stage_records import AdaptersRecord
 from pipelines.stages.context import StageContext, StageResult
-from pipelines.stages.entry_metrics import compute_entry
+from pipelines.stages.entry_metrics import entry_metric
+from pipelines.stages.inputs import AdaptInputs
 from pipelines.stages.feature_store import read_features
 
 ADAPTER_BLOB_PREFIX = "adapter-"
@@ -36,10 +37,6 @@ ADAPTER_BLOB_PREFIX = "adapter-"
 
 def adapter_blob_name(kind: str) -> str:
     return f"{ADAPTER_BLOB_PREFIX}{kind}.safetensors"
-
-
-def _with_metric(protocol: dict, metric: str) -> dict:
-    return {**protocol, "metric": metric}
 
 
 @dataclass(frozen=True)
@@ -87,37 +84,33 @@ def fit_and_judge(kind: str, old_gallery: tuple, new_query: tuple, new_gallery: 
 
 
 def adapt_stage(ctx: StageContext) -> StageResult:
-    """Fit every adapter listed at the replacement of task ``ctx.stage.task``; evaluate; backfilling curves."""
-    config, stage = ctx.config, ctx.stage
-    params = stage.params
-    protocol = params["protocol"]
-    metric = protocol["metric"]
-    if metric not in ("recall_at_1", "map"):
-        raise ValueError(f"replacements[].adapters: adapters are evaluated with recall_at_1 or map retrieval; "
-                         f"evaluation.metric is {metric!r}")
+    """Fit every adapter listed at the replacement of task ``inputs.task``; evaluate; backfilling curves."""
+    stage = ctx.stage
+    inputs: AdaptInputs = ctx.inputs
+    metric = inputs.rules.protocol.metric  # recall_at_1 or map (pipelines.config.validate)
     old_q, old_g, new_q, new_g = (read_features(ctx.store, key) for key in stage.parents)
     as_float = lambda part: np.asarray(part[0], dtype=np.float32)  # noqa: E731
 
     def entry(query: tuple, gallery: tuple, name: str = metric) -> float:
-        return compute_entry(query, gallery, _with_metric(protocol, name), config)
+        return entry_metric(query, gallery, inputs.rules.with_metric(name))
 
     baseline = {name: CrossTests(self_old=entry(old_q, old_g, name), self_new=entry(new_q, new_g, name),
                                  cross=entry(new_q, old_g, name)) for name in ("recall_at_1", "map")}
-    strict = bool(params.get("strict", True))
 
     def verdict(cross: float) -> UpgradeVerdict:
-        return UpgradeVerdict(**upgrade_verdict(cross, baseline[metric].self_old, baseline[metric].self_new, strict))
+        return UpgradeVerdict(**upgrade_verdict(cross, baseline[metric].self_old, baseline[metric].self_new,
+                                                inputs.strict))
 
-    record = AdaptersRecord(stage.key, int(stage.task), int(stage.task) - 1, metric, baseline,
+    record = AdaptersRecord(stage.key, inputs.task, inputs.task - 1, metric, baseline,
                             verdict(baseline[metric].cross))
     blobs: dict[str, bytes] = {}
     transformed_gallery = None
-    kinds = list(params["adapters"])
+    kinds = list(inputs.adapters)
     for index, kind in enumerate(kinds):
         started = time.perf_counter()
         outcome = fit_and_judge(kind, old_g, new_q, new_g, entry, metric, baseline[metric].self_old,
-                                baseline[metric].self_new, strict, ("recall_at_1", "map"),
-                                params.get("adapter_params", {}).get(kind, {}), int(params.get("seed", 0)))
+                                baseline[metric].self_new, inputs.strict, ("recall_at_1", "map"),
+                                inputs.adapter_params.get(kind, {}), inputs.seed)
         if kind in GALLERY_ADAPTERS:
             transformed_gallery = outcome.gallery[0]
         blob = adapter_blob_name(kind)
@@ -130,11 +123,11 @@ def adapt_stage(ctx: StageContext) -> StageResult:
 
     # partial backfilling: new queries on a gallery re-embedded item by item
     start_gallery = transformed_gallery if transformed_gallery is not None else as_float(old_g)
-    labels = lambda part: part[2] if protocol["label_level"] == "coarse" else part[1]  # noqa: E731
+    labels = lambda part: part[2] if inputs.rules.protocol.label_level == "coarse" else part[1]  # noqa: E731
     scores = uncertainty_scores(as_float(old_g), start_gallery, as_float(new_g))
     record.backfill.start = "fct" if transformed_gallery is not None else "old features"
     for step, order_name in enumerate(("random", "uncertainty")):
-        order = backfill_order(start_gallery.shape[0], order_name, seed=int(params.get("seed", 0)),
+        order = backfill_order(start_gallery.shape[0], order_name, seed=inputs.seed,
                                scores=scores if order_name == "uncertainty" else None)
         setattr(record.backfill, order_name, backfill_curve(as_float(new_q), labels(new_q), start_gallery,
                                                             as_float(new_g), labels(new_g), order))
