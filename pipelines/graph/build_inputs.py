@@ -25,10 +25,14 @@ from pipelines.stages.inputs import (
 )
 from pipelines.training.settings import TrainConfig
 
-# TrainConfig fields a pre-training never reads (no replay memory, last-epoch selection): held at their defaults so
-# that the replay and evaluation sections never change a third-party model's key
-_UNREAD_BY_PRETRAINING = ("replay_sampling", "epoch_length", "selection_holdout", "selection_strict",
-                          "eval_batch_size")
+# TrainConfig fields only compatibility-based model selection reads, and those a pre-training never reads either (no
+# replay memory, last-epoch selection): held at their defaults where unread, so that they never change a key
+_SELECTION_ONLY = ("selection_holdout", "selection_strict")
+_UNREAD_BY_PRETRAINING = _SELECTION_ONLY + ("replay_sampling", "epoch_length", "eval_batch_size")
+
+
+def _defaults(names: tuple[str, ...]) -> dict:
+    return {name: TrainConfig.model_fields[name].default for name in names}
 
 
 def stage_threads(resources: StageResources) -> int:
@@ -71,14 +75,13 @@ def pretrain_inputs(config: ScenarioConfig, index: int) -> PretrainInputs:
     spec = config.pretrain[index]
     classifier = spec.resolved_classifier(method_classifier(config))
     seed = spec.seed if spec.seed is not None else config.seed
-    defaults = {name: TrainConfig.model_fields[name].default for name in _UNREAD_BY_PRETRAINING}
     init = None if spec.init is None else weights_file(spec.init, spec.init_sha256, spec.init_ignore_keys,
                                                        f"pretrain[{spec.name}].init")
     resources = config.resources.pretrain
     return PretrainInputs(
         name=spec.name, pool=spec.pool, num_classes=spec.num_classes, classifier=classifier, seed=seed,
         model=ModelShape.of(config, classifier, spec.backbone, spec.backbone_config), init=init,
-        training=TrainRecipe.of(config.train_config(seed, None, spec), **defaults),
+        training=TrainRecipe.of(config.train_config(seed, None, spec), **_defaults(_UNREAD_BY_PRETRAINING)),
         threads=stage_threads(resources), workers=resources.num_workers)
 
 
@@ -98,12 +101,11 @@ def train_inputs(config: ScenarioConfig, task: int) -> TrainInputs:
                              ignore_keys=config.initial_model_ignore_keys)
     resources = config.resources.for_stage(StageKind.REPLACE if replacement is not None else StageKind.FINETUNE)
     training = config.train_config(config.seed * 1000 + task, None)
-    # compatibility selection is the only reader of the criterion's strictness (it never changes a model otherwise)
-    strict = training.selection_strict if training.model_selection == "compatibility" else True
+    unread = () if training.model_selection == "compatibility" else _SELECTION_ONLY
     return TrainInputs(
         task=task, seed=config.seed, data=config.data, classes=ClassOrder.of(config, task),
         model=ModelShape.of(config, method_classifier(config)), method=config.method,
-        training=TrainRecipe.of(training, selection_strict=strict), replay=config.replay, start=start,
+        training=TrainRecipe.of(training, **_defaults(unread)), replay=config.replay, start=start,
         anchor=anchor, threads=stage_threads(resources), workers=resources.num_workers)
 
 
