@@ -20,7 +20,7 @@ from pipelines.graph.build_inputs import method_classifier
 from pipelines.graph.source_digests import file_digest
 from pipelines.stages.inputs import ModelShape
 from pipelines.stages.model_io import initial_model, load_weights_strictly
-from pipelines.stages.pools import check_pools_open_set, load_pool, scenario_task_classes
+from pipelines.stages.pools import check_pools_open_set, load_pool
 
 
 class PreflightError(ValueError):
@@ -33,8 +33,7 @@ class PreflightError(ValueError):
 
 
 def data_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
-    """(config key, problem) for every pool that does not open, then the classes the tasks need and the open-set
-    guard across pools."""
+    """(config key, problem) for every pool that does not open, then the open-set guard across pools."""
     pools = [("data", config.data)] + [(f"pretrain[{i}].pool", p.pool) for i, p in enumerate(config.pretrain)]
     pools += [("evaluation.query_set", config.evaluation.query_set),
               ("evaluation.gallery_set", config.evaluation.gallery_set)]
@@ -49,10 +48,6 @@ def data_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
         except Exception as error:  # noqa: BLE001 - every reader failure is reported, none stops the listing
             problems.append((key, str(error)))
     if not problems:
-        try:
-            scenario_task_classes(config)
-        except ValueError as error:
-            problems.append(("tasks.spec", str(error)))
         try:
             check_pools_open_set(config)
         except ValueError as error:

@@ -29,8 +29,8 @@ from pipelines.training.autocast import example_batch, precision_context, prepar
 def extract_stage(ctx: StageContext) -> StageResult:
     """Features of the parent model on the query or gallery set, once, stored as fp16 (default) shards."""
     inputs: ExtractInputs = ctx.inputs
-    if ctx.settings.open_set is not None:
-        check_open_set_pools(ctx.settings.open_set)  # the data-level guard, where the test pools are read
+    if ctx.settings.guards is not None:
+        check_open_set_pools(ctx.settings.guards.open_set)  # the data-level guard, where the test pools are read
     pool = load_pool(inputs.pool, f"evaluation.{inputs.split}_set")
     model_record = ctx.parents[ctx.stage.parents[0]]
     model = load_model_artifact(ctx.store, model_record, ctx.device)

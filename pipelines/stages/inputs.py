@@ -4,8 +4,8 @@ A stage function reads its inputs (``ctx.stage.inputs``), its parents' records, 
 run settings; never the scenario config. The stage key hashes the inputs' JSON form (``model_dump(mode="json")``),
 so what a stage reads is exactly what its key covers. Two kinds of value stay out of the key, each declared here:
 
-- how, not what: :class:`RunSettings` (device, checkpoint cadence, input workers and the data-level open-set guard)
-  travel beside the inputs in the stage context and change no output;
+- how, not what: :class:`RunSettings` (device, checkpoint cadence, input workers and the run's data guards) travel
+  beside the inputs in the stage context and change no output;
 - where, not what: a weights file's location (:attr:`WeightsFile.location`): its sha256 is in the key, so the same
   bytes at another path give the same key and other bytes at the same path another key. Config key paths that only
   name a value in error messages are left out too.
@@ -56,23 +56,39 @@ class OpenSetPools(FrozenInputs):
                           ("evaluation.gallery_set", config.evaluation.gallery_set)))
 
 
+class DataGuards(FrozenInputs):
+    """Checks of the whole run against the data, made where a stage reads it; they refuse a run, never change what
+    a stage computes: no training class in a test pool (checked by extract stages), and a fine-tuning pool with the
+    classes every task of the run needs (checked by each task, so the first task refuses a run that a later one
+    could not finish)."""
+
+    open_set: OpenSetPools
+    tasks_spec: str
+    task_classes: int
+
+    @classmethod
+    def of(cls, config: ScenarioConfig) -> "DataGuards":
+        return cls(open_set=OpenSetPools.of(config), tasks_spec=config.tasks.spec,
+                   task_classes=sum(config.increments))
+
+
 class RunSettings(FrozenInputs):
     """How a run's stages compute, not what: the same results for any of these values (HOW_NOT_WHAT of
-    ``pipelines.config.load``, the device a stage runs on, and the pools the open-set guard compares)."""
+    ``pipelines.config.load``, the device a stage runs on, and the run's data guards)."""
 
     device: str = Field(description="auto | cpu | cuda | cuda:N")
     checkpoint_every_epochs: int | None = None
     checkpoint_every_minutes: float = 10.0
     input_workers: int = 0
     prefetch_batches: int = 2
-    open_set: OpenSetPools | None = None
+    guards: DataGuards | None = None
 
     @classmethod
     def of(cls, config: ScenarioConfig) -> "RunSettings":
         training = config.training
         return cls(device=config.device, checkpoint_every_epochs=training.checkpoint_every_epochs,
                    checkpoint_every_minutes=training.checkpoint_every_minutes, input_workers=training.input_workers,
-                   prefetch_batches=training.prefetch_batches, open_set=OpenSetPools.of(config))
+                   prefetch_batches=training.prefetch_batches, guards=DataGuards.of(config))
 
     def training_values(self) -> dict[str, Any]:
         """The training loop's how-not-what settings (``TrainConfig`` fields)."""
@@ -305,7 +321,7 @@ class AdaptInputs(FrozenInputs):
 StageInputs = PretrainInputs | TrainInputs | ExtractInputs | EntryInputs | EvaluateInputs | AdaptInputs
 
 __all__ = [
-    "AdaptInputs", "ClassOrder", "EntryInputs", "EntryRules", "EvaluateInputs", "ExtractInputs", "Extraction",
+    "AdaptInputs", "ClassOrder", "DataGuards", "EntryInputs", "EntryRules", "EvaluateInputs", "ExtractInputs", "Extraction",
     "FrozenInputs", "MatrixProtocol", "ModelShape", "ModelSource", "OpenSetPools", "PretrainInputs", "RunSettings",
     "StageInputs", "TrainInputs", "TrainRecipe", "WeightsFile",
 ]

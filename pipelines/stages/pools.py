@@ -23,7 +23,7 @@ from compat_core.kinds import ClassifierFamily
 from compat_core.simplex import SlotMapper
 from pipelines.config.load import stable_hash
 from pipelines.config.schema import PoolSpec, ScenarioConfig
-from pipelines.stages.inputs import ClassOrder, OpenSetPools
+from pipelines.stages.inputs import ClassOrder, DataGuards, OpenSetPools
 
 
 class SubsetSource:
@@ -108,27 +108,28 @@ def load_pool(spec: PoolSpec, key: str = "pool") -> Any:
     return pool
 
 
-def task_classes(data: PoolSpec, classes: ClassOrder) -> list[np.ndarray]:
+def task_classes(data: PoolSpec, classes: ClassOrder, guards: DataGuards | None = None) -> list[np.ndarray]:
     """Dataset class ids of each task of ``classes`` (0-based list index), by the seeded task-sequence builder: a
     permutation of all the pool's classes (or the order given) cut into consecutive chunks, so the classes of a
-    task never depend on the tasks after it."""
+    task never depend on the tasks after it. ``guards``: the run's, whose tasks (all of them) the pool must hold."""
     pool = load_pool(data, "data")
     class_ids = np.unique(np.asarray(pool.labels))
-    total = sum(classes.increments)
+    spec, total = "+".join(str(count) for count in classes.increments), sum(classes.increments)
+    if guards is not None and guards.task_classes > total:
+        spec, total = guards.tasks_spec, guards.task_classes
     if class_ids.shape[0] < total:
-        raise ValueError(f"tasks.spec: {len(classes.increments)} tasks need {total} classes, data pool has "
-                         f"{class_ids.shape[0]}")
+        raise ValueError(f"tasks.spec: {spec!r} needs {total} classes, data pool has {class_ids.shape[0]}")
     if classes.order == "given":
         # the reference codes take classes in the dataset's id order (alphabetical for CIFAR) or a published list
         class_ids = np.asarray(class_ids if data.classes is None else data.classes, dtype=np.int64)
-    spec = "+".join(str(count) for count in classes.increments)
-    sequence = build_task_sequence(class_ids, spec, classes.seed, order=classes.order)
+    sequence = build_task_sequence(class_ids, "+".join(str(count) for count in classes.increments), classes.seed,
+                                   order=classes.order)
     return [np.asarray(t, dtype=np.int64) for t in sequence.tasks]
 
 
 def scenario_task_classes(config: ScenarioConfig) -> list[np.ndarray]:
     """:func:`task_classes` of every task of a scenario (planning and tests)."""
-    return task_classes(config.data, ClassOrder.of(config))
+    return task_classes(config.data, ClassOrder.of(config), DataGuards.of(config))
 
 
 def class_identities(pool: Any) -> np.ndarray:

@@ -193,7 +193,7 @@ def _open_task(ctx: StageContext) -> _Task:
     inputs: TrainInputs = ctx.inputs
     method = configured_method(inputs.method)
     pool = load_pool(inputs.data, "data")
-    tasks = task_classes(inputs.data, inputs.classes)
+    tasks = task_classes(inputs.data, inputs.classes, ctx.settings.guards)
     previous = ctx.parents[ctx.stage.parents[0]] if inputs.task > 0 else None
     memory = memory_from_record(ctx.store, previous)
     # the previous task's exemplars come from its replay shard (verified now, before any training), never from
