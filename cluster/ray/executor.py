@@ -176,7 +176,7 @@ class RayBackend(Backend):
         self.remote_own_process = ray.remote(max_calls=1, runtime_env=OWN_PROCESS_RUNTIME_ENV)(
             run_node_in_own_process)
         self.remote_data_parallel = ray.remote(run_data_parallel_node)
-        self.running: dict[Any, str] = {}
+        self.running: dict[Any, Stage] = {}
         self.running_entries = 0
         self.deferred: collections.deque = collections.deque()
         self.stats = {"tasks": 0, "computed": 0, "largest_result_bytes": 0, "pids": set()}
@@ -205,7 +205,7 @@ class RayBackend(Backend):
             ref = remote.options(**options, max_retries=self.max_retries, name=stage.label).remote(
                 root, stage, graph.settings, graph.code_version, max(1, int(math.floor(options["num_cpus"]))),
                 self.setup, installed_access(), fence)
-        self.running[ref] = stage.key
+        self.running[ref] = stage
         self.stats["tasks"] += 1
 
     def check_all(self, graph: StageGraph) -> None:
@@ -232,8 +232,9 @@ class RayBackend(Backend):
         finished, _ = ray.wait(list(self.running), num_returns=1, timeout=timeout)
         if not finished:
             return None
-        key = self.running.pop(finished[0])
-        if key.startswith("entry-") and self.max_entries is not None:
+        stage = self.running.pop(finished[0])
+        key = stage.key
+        if stage.kind == StageKind.ENTRY and self.max_entries is not None:
             self.running_entries -= 1
             if self.deferred:
                 self.submit(*self.deferred.popleft())
