@@ -97,7 +97,7 @@ class RunSettings(FrozenInputs):
                 "prefetch_batches": self.prefetch_batches}
 
 
-# ---- shared parts -----------------------------------------------------------------------------------------------------
+# ---- shared parts ----------------------------------------------------------------------------------------------------
 class TrainRecipe(FrozenInputs):
     """What a training stage trains with: the ``TrainConfig`` fields that change its model (the ``training`` section
     and the values other sections own, bound in), without the device and the settings of :class:`RunSettings`."""
@@ -239,7 +239,7 @@ class Extraction(FrozenInputs):
         return cls(method=config.method, batch_size=config.evaluation.batch_size, autocast=config.training.autocast)
 
 
-# ---- per kind ---------------------------------------------------------------------------------------------------------
+# ---- per kind --------------------------------------------------------------------------------------------------------
 class PretrainInputs(FrozenInputs):
     """A third-party model trained on its own pool (slots 0.., left to right): its entry with the fallbacks resolved
     (seed, backbone, classifier family, the training settings it uses)."""
@@ -321,7 +321,7 @@ class AdaptInputs(FrozenInputs):
 StageInputs = PretrainInputs | TrainInputs | ExtractInputs | EntryInputs | EvaluateInputs | AdaptInputs
 
 __all__ = [
-    "AdaptInputs", "ClassOrder", "DataGuards", "EntryInputs", "EntryRules", "EvaluateInputs", "ExtractInputs", "Extraction",
-    "FrozenInputs", "MatrixProtocol", "ModelShape", "ModelSource", "OpenSetPools", "PretrainInputs", "RunSettings",
-    "StageInputs", "TrainInputs", "TrainRecipe", "WeightsFile",
+    "AdaptInputs", "ClassOrder", "DataGuards", "EntryInputs", "EntryRules", "EvaluateInputs", "ExtractInputs",
+    "Extraction", "FrozenInputs", "MatrixProtocol", "ModelShape", "ModelSource", "OpenSetPools", "PretrainInputs",
+    "RunSettings", "StageInputs", "TrainInputs", "TrainRecipe", "WeightsFile",
 ]

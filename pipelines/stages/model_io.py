@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from compat_core.kinds import ClassifierFamily
 from compat_core.models import learnable_from_simplex, load_external_weights
 from compat_core.models.compat_model import (
     CONFIG_FILE,
@@ -17,7 +18,6 @@ from compat_core.models.compat_model import (
     model_from_bytes,
     model_to_bytes,
 )
-from compat_core.kinds import ClassifierFamily
 from pipelines.records.payloads import WeightsReport
 from pipelines.records.stage_records import ModelRecord
 from pipelines.stages.context import StageContext

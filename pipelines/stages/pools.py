@@ -180,7 +180,8 @@ def check_open_set_pools(pools: OpenSetPools) -> None:
     _OPEN_SET_CHECKED.add(key)
 
 
-def slot_of_positions(positions: np.ndarray, classifier: ClassifierFamily, num_slots: int, pretrained_classes: int) -> np.ndarray:
+def slot_of_positions(positions: np.ndarray, classifier: ClassifierFamily, num_slots: int,
+                      pretrained_classes: int) -> np.ndarray:
     """Classifier targets of fine-tuning class positions (see module docstring). Shapes (N,) -> (N,) int64.
 
     d-Simplex slots go through :class:`compat_core.simplex.SlotMapper`, which refuses a position outside the K slots
