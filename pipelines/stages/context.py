@@ -29,7 +29,7 @@ class StageResult:
 class StageContext:
     """Everything a stage function reads: its node (``stage.inputs``: what it computes from, all in its key), the run
     store, its committed parents' records (by key), where progress records go, the device it runs on and how it runs
-    (``settings``: checkpoint cadence, input workers, the open-set guard's pools; in no key)."""
+    (``settings``: checkpoint cadence, input workers, the run's data guards; in no key)."""
 
     stage: Stage
     store: RunStore
