@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from compat_core.kinds import AdapterKind, ClassifierFamily
+from pipelines.config.load import HOW_NOT_WHAT
 from pipelines.config.schema import (
     PRETRAIN_PREFIX,
     EvaluationSpec,
@@ -85,16 +86,12 @@ class RunSettings(FrozenInputs):
 
     @classmethod
     def of(cls, config: ScenarioConfig) -> "RunSettings":
-        training = config.training
-        return cls(device=config.device, checkpoint_every_epochs=training.checkpoint_every_epochs,
-                   checkpoint_every_minutes=training.checkpoint_every_minutes, input_workers=training.input_workers,
-                   prefetch_batches=training.prefetch_batches, guards=DataGuards.of(config))
+        return cls(device=config.device, guards=DataGuards.of(config),
+                   **{name: getattr(config.training, name) for name in HOW_NOT_WHAT})
 
     def training_values(self) -> dict[str, Any]:
         """The training loop's how-not-what settings (``TrainConfig`` fields)."""
-        return {"checkpoint_every_epochs": self.checkpoint_every_epochs,
-                "checkpoint_every_minutes": self.checkpoint_every_minutes, "input_workers": self.input_workers,
-                "prefetch_batches": self.prefetch_batches}
+        return {name: getattr(self, name) for name in HOW_NOT_WHAT}
 
 
 # ---- shared parts ----------------------------------------------------------------------------------------------------
