@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, SerializeAsAny, ValidationInfo, field_validator
 
 from compat_core.kinds import AdapterKind, ClassifierFamily
 from pipelines.config.method_params import MethodParams
@@ -155,12 +155,6 @@ class PretrainSpec(StrictModel):
     def resolved_classifier(self, method_classifier: ClassifierFamily) -> ClassifierFamily:
         """The classifier family this entry trains with, given the method's ('simplex' or 'learnable')."""
         return method_classifier if self.classifier == "method" else self.classifier
-
-    @model_validator(mode="after")
-    def _sha_needs_init(self) -> "PretrainSpec":
-        if self.init_sha256 is not None and self.init is None:
-            raise ValueError("init_sha256 is set but init is not: give the weights file the digest belongs to")
-        return self
 
 
 class ReplacementSpec(StrictModel):

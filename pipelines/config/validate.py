@@ -65,7 +65,8 @@ def resource_problems(config: ScenarioConfig) -> list[str]:
 
 # ---- pre-training and model sources ---------------------------------------------------------------------------------
 def pretrain_problems(config: ScenarioConfig) -> list[str]:
-    """Unique pretrain names; a pretrain entry's classifier family can feed the method."""
+    """Unique pretrain names; a pinned digest names a file; a pretrain entry's classifier family can feed the
+    method."""
     problems = []
     names = [spec.name for spec in config.pretrain]
     duplicates = sorted({name for name in names if names.count(name) > 1})
@@ -73,6 +74,9 @@ def pretrain_problems(config: ScenarioConfig) -> list[str]:
         problems.append(f"pretrain: names must be unique, {duplicates} appear more than once")
     method_classifier = METHODS.get(config.method.name).classifier
     for index, spec in enumerate(config.pretrain):
+        if spec.init_sha256 is not None and spec.init is None:
+            problems.append(f"pretrain[{index}].init_sha256: set but init is not; give the weights file the digest "
+                            f"belongs to (pretrain[{index}].init)")
         if spec.resolved_classifier(method_classifier) == "learnable" and method_classifier == "simplex":
             problems.append(f"pretrain[{index}].classifier: 'learnable' cannot feed method {config.method.name!r}, "
                             f"whose d-Simplex classifier needs a d-Simplex model; use 'simplex' or 'method'")

@@ -101,3 +101,11 @@ def test_shipped_configs_break_no_rule(path):
     from pipelines.config.schema import ScenarioConfig
 
     assert config_problems(ScenarioConfig.model_validate(yaml.safe_load(path.read_text()))) == []
+
+
+def test_a_pinned_init_digest_needs_its_file():
+    document = _document()
+    document["pretrain"][0]["init_sha256"] = "0" * 64
+    (line,) = _problems(document)
+    assert line.strip() == ("pretrain[0].init_sha256: set but init is not; give the weights file the digest belongs "
+                            "to (pretrain[0].init)")
