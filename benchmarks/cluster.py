@@ -80,7 +80,9 @@ def run_demo(quick: bool, stage_cpus: int, workdir: pathlib.Path) -> dict:
 def synthetic_matrix_graph(root: pathlib.Path, config, T: int, rows: int, dim: int, classes: int, seed: int = 0):
     """Commit T query and T gallery feature sets (fp16, class-clustered) as extract nodes of a graph holding only
     them; the matrix's entry and row nodes are added by :func:`pipelines.graph.compile.add_evaluation`."""
+    from pipelines.graph.build_inputs import extract_inputs
     from pipelines.graph.compile import Stage, StageGraph, add_evaluation
+    from pipelines.graph.stage_kind import StageKind
     from pipelines.store.run_store import RunStore, feature_blobs
 
     store = RunStore(root)
@@ -95,10 +97,10 @@ def synthetic_matrix_graph(root: pathlib.Path, config, T: int, rows: int, dim: i
             blobs, layout = feature_blobs(features, labels)
             key = f"extract-t{t:03d}-{split}-bench"
             store.commit(key, {"type": "features", "layout": layout, "num_classes_model": 0}, blobs)
-            graph.add(Stage(key, "extract", f"extract[t={t},{split}]", {}, (), config.resources.extract, task=t,
-                            split=split))
+            graph.add(Stage(key, StageKind.EXTRACT, f"extract[t={t},{split}]", extract_inputs(config, t, split), (),
+                            config.resources.extract, task=t, split=split))
             graph.extract_stages[(t, split)] = key
-    graph.evaluate_stages = add_evaluation(graph, config.evaluation.model_dump(mode="json"))
+    graph.evaluate_stages = add_evaluation(graph, config.evaluation)
     return store, graph
 
 

@@ -49,15 +49,16 @@ def build_task(config, task: int, folder: Path):
     from compat_core.data.replay_parquet import read_replay_shard, write_replay_shard
     from pipelines.methods import configured_method
     from pipelines.stages.model_io import initial_model
-    from pipelines.stages.pools import load_pool, slot_of_positions, task_classes
+    from pipelines.stages.inputs import ModelShape
+    from pipelines.stages.pools import load_pool, scenario_task_classes, slot_of_positions
     from pipelines.stages.replay_store import WithMemory
     from pipelines.training.task_data import TaskData
 
-    method = configured_method(config)
+    method = configured_method(config.method)
     classifier = method.classifier
     K = config.model.num_slots
     pool = load_pool(config.data, "data")
-    tasks = task_classes(config)
+    tasks = scenario_task_classes(config)
     labels = np.asarray(pool.labels)
     position_of = {int(c): i for i, c in enumerate(np.concatenate(tasks))}
     pretrained = config.pretrain[0].num_classes if (classifier == "learnable" and config.pretrain) else 0
@@ -83,7 +84,7 @@ def build_task(config, task: int, folder: Path):
                    **common)
     cases["new, input_workers 0"] = new
     cases["new, input_workers 1"] = new
-    model = initial_model(config, classifier, config.seed, num_active=pretrained)
+    model = initial_model(ModelShape.of(config, classifier), classifier, config.seed, num_active=pretrained)
     old = copy.deepcopy(model).eval() if method.needs_old_model else None
     return model, old, method, cases, config.train_config(config.seed * 1000 + task, "cpu")
 

@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-INFO_NCE_MASKINGS = ("standard", "reference", "paper")
+from compat_core.kinds import INFO_NCE_MASKINGS
 
 
 # ----------------------------------------------------------------------------------------------------------------

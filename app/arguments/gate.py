@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from compat_core.kinds import ADAPTER_KINDS
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("words", nargs="+", metavar="[history|rollback] MODEL",
@@ -14,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value (YAML-parsed; repeatable)")
     parser.add_argument("--alias", default="champion", help="registry alias to guard (default: champion)")
-    parser.add_argument("--adapter", choices=("procrustes", "affine", "mlp", "fct", "fan"),
+    parser.add_argument("--adapter", choices=ADAPTER_KINDS,
                         help="fit this adapter on paired gallery features and gate with it applied")
     parser.add_argument("--non-strict", action="store_true", help="criterion >= instead of > (default: the "
                         "config's evaluation.strict)")

@@ -37,7 +37,6 @@ from compat_core.evaluation.metrics import criterion_sign, is_compatible, upgrad
 from compat_core.models.compat_model import load_model
 from compat_core.upgrades.adapters import ADAPTER_KINDS, save_adapter
 from pipelines.config.model_uri import ModelUri
-from pipelines.graph.compile import protocol_params
 from pipelines.stages.context import resolve_device
 from pipelines.stages.entry_metrics import compute_entry
 from pipelines.stages.extraction import extract_pool_features
@@ -144,8 +143,7 @@ def _features(resolver: Any, model: str, version: str, config: Any, pools: dict,
 
 
 def _entry(query: tuple, gallery: tuple, config: Any, metric: str) -> float:
-    protocol = {**protocol_params(config.evaluation.model_dump()), "metric": metric}
-    return compute_entry(query, gallery, protocol, config)
+    return compute_entry(query, gallery, {"metric": metric}, config)
 
 
 def _options_on_refusal(old: dict, new: dict, config: Any, metric: str, self_old: float, strict: bool,

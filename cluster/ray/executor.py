@@ -47,6 +47,7 @@ from pipelines.engine.progress import ProgressReporter
 from pipelines.graph.compile import Stage, StageGraph
 from pipelines.graph.stage_kind import StageKind
 from pipelines.records.stage_records import CommittedStage
+from pipelines.stages.inputs import RunSettings
 from pipelines.results.assemble import read_result
 from pipelines.store.lease import LeaseFence, lease_fence
 from pipelines.store.run_store import RunStore
@@ -105,7 +106,7 @@ OWN_PROCESS_RUNTIME_ENV = {"env_vars": {"COMPAT_NODE_PROCESS": "own"}}  # merged
 DEFAULT_MAX_RETRIES = 3  # a transient failure (a node lost, an OOM kill): a few attempts, then the error surfaces
 
 
-def run_node(store_root: str, stage: Stage, config: Any, code_version: str, num_threads: int,
+def run_node(store_root: str, stage: Stage, settings: RunSettings, code_version: str, num_threads: int,
              setup: Callable[[], None] | None = None, storage_access: Any = None,
              fence: LeaseFence | None = None) -> NodeResult:
     """Body of a plain node's Ray task: torch limited to ``num_threads`` threads, then the one worker body
@@ -113,20 +114,20 @@ def run_node(store_root: str, stage: Stage, config: Any, code_version: str, num_
     import torch
 
     torch.set_num_threads(max(1, int(num_threads)))
-    return run_stage_in_worker(store_root, stage, config, code_version, setup=setup, storage_access=storage_access,
+    return run_stage_in_worker(store_root, stage, settings, code_version, setup=setup, storage_access=storage_access,
                                fence=fence)
 
 
-def run_node_in_own_process(store_root: str, stage: Stage, config: Any, code_version: str, num_threads: int,
+def run_node_in_own_process(store_root: str, stage: Stage, settings: RunSettings, code_version: str, num_threads: int,
                             setup: Callable[[], None] | None = None, storage_access: Any = None,
                             fence: LeaseFence | None = None) -> NodeResult:
     """:func:`run_node` for a node that :func:`runs_in_own_process`: submitted with ``max_calls=1``, so the Ray worker
     process exits after it and hands every byte the training held (optimiser state, the old model, allocator free
     lists, input workers) back to the OS; a later node starts in a fresh process, not on this one's high-water mark."""
-    return run_node(store_root, stage, config, code_version, num_threads, setup, storage_access, fence)
+    return run_node(store_root, stage, settings, code_version, num_threads, setup, storage_access, fence)
 
 
-def runs_in_own_process(kind: str, resources: StageResources, options: dict) -> bool:
+def runs_in_own_process(kind: StageKind, resources: StageResources, options: dict) -> bool:
     """Whether a node runs in a worker process of its own (``max_calls=1``): ``resources.own_process`` where set;
     else a training node that asks for a GPU, the rule Ray applies to ``@ray.remote(num_gpus=...)`` functions but not
     to GPUs requested through ``.options()``. Extractions and entries always reuse workers."""
@@ -175,7 +176,7 @@ class RayBackend(Backend):
         self.remote_own_process = ray.remote(max_calls=1, runtime_env=OWN_PROCESS_RUNTIME_ENV)(
             run_node_in_own_process)
         self.remote_data_parallel = ray.remote(run_data_parallel_node)
-        self.running: dict[Any, str] = {}
+        self.running: dict[Any, Stage] = {}
         self.running_entries = 0
         self.deferred: collections.deque = collections.deque()
         self.stats = {"tasks": 0, "computed": 0, "largest_result_bytes": 0, "pids": set()}
@@ -196,15 +197,15 @@ class RayBackend(Backend):
             # a Ray Train run of num_workers workers, each with `options`; the task that fits it holds nothing
             ref = self.remote_data_parallel.options(num_cpus=0, num_gpus=0, max_retries=self.max_retries,
                                                     name=stage.label).remote(
-                root, stage, graph.config, graph.code_version, options, self.max_retries, self.setup,
+                root, stage, graph.settings, graph.code_version, options, self.max_retries, self.setup,
                 installed_access(), fence)
         else:
             remote = (self.remote_own_process if runs_in_own_process(stage.kind, stage.resources, options)
                       else self.remote)
             ref = remote.options(**options, max_retries=self.max_retries, name=stage.label).remote(
-                root, stage, graph.config, graph.code_version, max(1, int(math.floor(options["num_cpus"]))),
+                root, stage, graph.settings, graph.code_version, max(1, int(math.floor(options["num_cpus"]))),
                 self.setup, installed_access(), fence)
-        self.running[ref] = stage.key
+        self.running[ref] = stage
         self.stats["tasks"] += 1
 
     def check_all(self, graph: StageGraph) -> None:
@@ -222,7 +223,7 @@ class RayBackend(Backend):
         if request in self.checked:
             return
         self.checked.add(request)
-        kind = StageKind(stage.kind).config_section
+        kind = stage.kind.config_section
         line = check_satisfiable(stage.label, f"resources.{kind}", options, self.nodes, autoscaling)
         if line:
             log.warning(line)
@@ -231,8 +232,9 @@ class RayBackend(Backend):
         finished, _ = ray.wait(list(self.running), num_returns=1, timeout=timeout)
         if not finished:
             return None
-        key = self.running.pop(finished[0])
-        if key.startswith("entry-") and self.max_entries is not None:
+        stage = self.running.pop(finished[0])
+        key = stage.key
+        if stage.kind == StageKind.ENTRY and self.max_entries is not None:
             self.running_entries -= 1
             if self.deferred:
                 self.submit(*self.deferred.popleft())

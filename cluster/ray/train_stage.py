@@ -27,6 +27,7 @@ from cluster.ray.worker import NodeResult, run_stage_in_worker
 from cluster.storage.s3 import configure_object_storage
 from compat_core import io as cio
 from pipelines.graph.compile import Stage
+from pipelines.stages.inputs import RunSettings
 from pipelines.store.lease import LeaseFence, hold_fence
 from pipelines.store.run_store import RunStore, sha256_bytes
 from pipelines.training.checkpoints import EpochCheckpoint, decode_state, encode_state
@@ -107,13 +108,14 @@ def train_storage(store_root: str, stage_key: str) -> tuple[str, Any]:
     return path, filesystem
 
 
-def run_data_parallel_node(store_root: str, stage: Stage, config: Any, code_version: str, options: dict,
+def run_data_parallel_node(store_root: str, stage: Stage, settings: RunSettings, code_version: str, options: dict,
                            max_failures: int, setup: Callable[[], None] | None = None,
                            storage_access: Any = None, fence: LeaseFence | None = None) -> NodeResult:
     """Body of a data-parallel node's Ray task: fit a TorchTrainer of ``stage.resources.num_workers`` workers.
 
-    options: the node's task options (per worker). fence: the driver's run-folder lease, which every worker (and
-    this task's cleanup) writes under. Returns rank 0's :class:`cluster.ray.worker.NodeResult`.
+    settings: how the run's stages run (``StageGraph.settings``). options: the node's task options (per worker).
+    fence: the driver's run-folder lease, which every worker (and this task's cleanup) writes under. Returns rank
+    0's :class:`cluster.ray.worker.NodeResult`.
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -124,7 +126,7 @@ def run_data_parallel_node(store_root: str, stage: Stage, config: Any, code_vers
     storage_path, filesystem = train_storage(store_root, stage.key)
     trainer = TorchTrainer(
         _train_worker,
-        train_loop_config={"store_root": store_root, "stage": stage, "config": config, "code_version": code_version,
+        train_loop_config={"store_root": store_root, "stage": stage, "settings": settings, "code_version": code_version,
                            "use_gpu": use_gpu, "setup": setup, "storage_access": storage_access,
                            "fence": fence},
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
@@ -155,7 +157,7 @@ def _train_worker(loop: dict) -> NodeResult:
     use_checkpoint_sink(RayTrainCheckpointSink)
     try:
         # the manifest names rank 0's node (it commits) and the size of the worker group
-        return run_stage_in_worker(loop["store_root"], loop["stage"], loop["config"], loop["code_version"],
+        return run_stage_in_worker(loop["store_root"], loop["stage"], loop["settings"], loop["code_version"],
                                    setup=loop["setup"], storage_access=loop["storage_access"], fence=loop["fence"],
                                    keep_records=context.get_world_rank() == 0,
                                    placement={"workers": context.get_world_size()})

@@ -23,6 +23,7 @@ from pipelines.engine.progress import ProgressUpdate
 from pipelines.graph.compile import Stage
 from pipelines.records.stage_records import CommittedStage, read_committed
 from pipelines.stages.dispatch import execute_stage
+from pipelines.stages.inputs import RunSettings
 from pipelines.store.lease import LeaseFence, hold_fence
 from pipelines.store.run_store import RunStore
 
@@ -44,12 +45,13 @@ class NodeResult:
     peak_rss_bytes: int | None = None
 
 
-def run_stage_in_worker(store_root: str, stage: Stage, config: Any, code_version: str, *,
+def run_stage_in_worker(store_root: str, stage: Stage, settings: RunSettings, code_version: str, *,
                         setup: Callable[[], None] | None = None, storage_access: Any = None,
                         fence: LeaseFence | None = None, keep_records: bool = True,
                         placement: dict | None = None) -> NodeResult:
     """Execute and commit ``stage`` in this Ray worker under the driver's ``fence``; returns its NodeResult.
 
+    settings: how the run's stages run (``StageGraph.settings``: device, checkpoint cadence, input workers).
     storage_access: the driver's S3 settings (an S3Access travels without secrets and resolves credentials from
     this worker's own AWS chain). keep_records: False for Ray Train ranks other than 0 (only rank 0's records reach
     the driver). placement: extra manifest placement fields (e.g. the worker group size).
@@ -65,7 +67,7 @@ def run_stage_in_worker(store_root: str, stage: Stage, config: Any, code_version
     # OS when it ends (else the next node, an extraction or an entry, starts with this one's high-water mark)
     reset_peak()
     try:
-        computed, committed = _execute(store, stage, config, code_version, node_id, records, keep_records,
+        computed, committed = _execute(store, stage, settings, code_version, node_id, records, keep_records,
                                        placement, fence, store_root)
     finally:
         peak = peak_resident_bytes()
@@ -74,7 +76,7 @@ def run_stage_in_worker(store_root: str, stage: Stage, config: Any, code_version
                       committed=committed, peak_rss_bytes=peak)
 
 
-def _execute(store: RunStore, stage: Stage, config: Any, code_version: str, node_id: str, records: list,
+def _execute(store: RunStore, stage: Stage, settings: RunSettings, code_version: str, node_id: str, records: list,
              keep_records: bool, placement: dict | None, fence: LeaseFence | None,
              store_root: str) -> tuple[bool, CommittedStage | None]:
     """Execute and commit ``stage`` under the fence unless it is committed already; whether it computed, and what
@@ -89,7 +91,7 @@ def _execute(store: RunStore, stage: Stage, config: Any, code_version: str, node
 
             # where the node ran goes into its manifest (a lost node's stage shows the survivor that redid it)
             where = {"node_id": node_id, "host": socket.gethostname(), "pid": os.getpid(), **(placement or {})}
-            committed = execute_stage(stage, config, store, emit, code_version=code_version, placement=where)
+            committed = execute_stage(stage, settings, store, emit, code_version=code_version, placement=where)
         else:
             committed = read_committed(store, stage.key) if keep_records else None
     return computed, committed

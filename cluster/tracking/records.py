@@ -154,7 +154,7 @@ class StageRecordLogging:
         for kind, entry in record.adapters.items():
             sha256 = committed.blobs[entry.blob]["sha256"]
             register_version(self.client, adapters_model, run_id, f"{stage.key}/{kind}",
-                             {"stage_kind": "adapt", "adapter": kind, "direction": entry.direction,
+                             {"stage_kind": StageKind.ADAPT, "adapter": kind, "direction": entry.direction,
                               "task_0based": task, "task_1based": task + 1, "sha256": sha256,
                               "compatible": str(entry.verdict.compatible).lower()},
                              [f"{kind}-task-{task + 1}"], artifact_path=f"adapters/{entry.blob}")

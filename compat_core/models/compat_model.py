@@ -30,12 +30,12 @@ from pyarrow.fs import LocalFileSystem
 from torch import nn
 
 from compat_core import io as cio
+from compat_core.kinds import CLASSIFIERS
 from compat_core.models.backbones import create_backbone
 from compat_core.simplex import NORMS as SIMPLEX_NORMS
 from compat_core.simplex import dsimplex_logits, dsimplex_rows
 from compat_core.validation import check_int
 
-CLASSIFIERS = ("simplex", "learnable")
 HEADS = ("junction", "backbone")
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ADAPTER_KINDS = ("procrustes", "affine", "mlp", "fct", "fan")
-QUERY_ADAPTERS = ("procrustes", "affine", "mlp")   # new -> old, applied to queries
-GALLERY_ADAPTERS = ("fct", "fan")                   # old -> new, applied to the gallery
+from compat_core.kinds import ADAPTER_KINDS, GALLERY_ADAPTERS, QUERY_ADAPTERS
+
 SEEDED_ADAPTERS = ("mlp", "fct", "fan")             # trained by gradient descent: take a ``seed``
 _FORMAT = "compat-adapter/1"
 
@@ -295,8 +294,8 @@ class FanAdapter(TrainedAdapter):
         return nn.Sequential(nn.Linear(d_in, self.hidden), nn.ReLU(inplace=True), nn.Linear(self.hidden, d_out))
 
 
-_CLASSES = {"procrustes": ProcrustesAdapter, "affine": AffineAdapter, "mlp": ResidualMlpAdapter, "fct": FctAdapter,
-            "fan": FanAdapter}
+# each class names its kind (compat_core.kinds.ADAPTER_KINDS lists them; a test keeps the two equal)
+_CLASSES = {cls.kind: cls for cls in (ProcrustesAdapter, AffineAdapter, ResidualMlpAdapter, FctAdapter, FanAdapter)}
 # FAN adapters stored before all adapters shared this format: bare Sequential tensors, no metadata
 _LEGACY_FAN_TENSORS = {"0.weight", "0.bias", "2.weight", "2.bias"}
 

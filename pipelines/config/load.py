@@ -1,6 +1,6 @@
 """Scenario configs from files to validated objects and back: ``--set`` overrides, validation with errors that name
-every bad key and list the valid ones, the cross-field checks that need the method registry, and the config as plain
-data, YAML and a stable hash. The schema itself is ``pipelines.config.schema``."""
+every bad key and list the valid ones, and the config as plain data, YAML and a stable hash. The schema itself is
+``pipelines.config.schema``, the cross-field rules ``pipelines.config.validate``."""
 from __future__ import annotations
 
 import copy
@@ -14,13 +14,10 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from compat_core import io
-from compat_core.data.datasets import dataset_info, dataset_names
-from compat_core.models.backbones import BACKBONES
 from pipelines.config.local_paths import absolute_config, check_overridden_roots
 from pipelines.config.method_params import error_lines
-from pipelines.config.model_uri import is_model_uri, parse_model_uri
-from pipelines.config.schema import ScenarioConfig, method_params_model, resolved_head
-from pipelines.methods import METHODS
+from pipelines.config.schema import ScenarioConfig, method_params_model
+from pipelines.config.validate import ConfigError, validate
 
 
 def apply_override(document: dict, assignment: str) -> None:
@@ -70,85 +67,16 @@ def format_validation_error(error: ValidationError, source: str, document: Any =
         error_lines(error, document, root or ScenarioConfig, method_params_model))
 
 
-class ConfigError(ValueError):
-    """A scenario config that cannot run; the message lists every problem with its key path."""
-
-
 def validate_config(document: dict, source: str = "<config>") -> ScenarioConfig:
-    """Validate a plain dict into a :class:`ScenarioConfig` (and the method's own parameter schema)."""
+    """Validate a plain dict into a :class:`ScenarioConfig`: the schema (each field, and the method's own parameter
+    schema), then every cross-field rule once (:func:`pipelines.config.validate.validate`)."""
     if not isinstance(document, dict):
         raise ConfigError(f"invalid scenario config {source}: expected a mapping at the top level")
     try:
         config = ScenarioConfig.model_validate(document)
     except ValidationError as error:
         raise ConfigError(format_validation_error(error, source, document)) from None
-    check_method(config, source)
-    check_names(config, source)
-    return config
-
-
-def check_names(config: ScenarioConfig, source: str = "<config>") -> None:
-    """Backbones, datasets, splits and dataset options against the registries, and ``models:/`` sources against the
-    MLflow URI grammar, so a typo fails at load time with its key path and the valid names (not when a stage runs)."""
-    problems = []
-    backbones = {"model.backbone": config.model.backbone}
-    backbones.update({f"pretrain[{i}].backbone": p.backbone for i, p in enumerate(config.pretrain) if p.backbone})
-    backbones.update({f"replacements[{i}].backbone": r.backbone for i, r in enumerate(config.replacements)
-                      if r.backbone})
-    for key, name in backbones.items():
-        if name not in BACKBONES:
-            problems.append(f"{key}: unknown backbone {name!r}; valid: {', '.join(BACKBONES.names())}")
-    pools = {"data": config.data, "evaluation.query_set": config.evaluation.query_set,
-             "evaluation.gallery_set": config.evaluation.gallery_set}
-    pools.update({f"pretrain[{i}].pool": p.pool for i, p in enumerate(config.pretrain)})
-    known = dataset_names()
-    for key, pool in pools.items():
-        if pool.dataset not in known:
-            problems.append(f"{key}.dataset: unknown dataset {pool.dataset!r}; valid: {', '.join(known)}")
-            continue
-        info = dataset_info(pool.dataset)
-        if info.splits and pool.split not in info.splits:
-            problems.append(f"{key}.split: dataset {pool.dataset!r} has no split {pool.split!r}; valid: "
-                            f"{', '.join(info.splits)}")
-        unknown = sorted(set(pool.options) - set(info.options)) if info.options or info.splits else []
-        if unknown:
-            problems.append(f"{key}.options: {pool.dataset!r} has no option(s) {unknown}; valid: "
-                            f"{', '.join(sorted(info.options)) or 'none'}")
-    sources = {f"replacements[{i}].source": r.source for i, r in enumerate(config.replacements)}
-    if config.initial_model:
-        sources["initial_model"] = config.initial_model
-    for key, uri in sources.items():
-        if is_model_uri(uri):
-            try:
-                parse_model_uri(uri, key)
-            except ValueError as error:
-                problems.append(str(error))
-    if problems:
-        raise ConfigError(f"invalid scenario config {source}:\n  " + "\n  ".join(problems))
-
-
-def check_method(config: ScenarioConfig, source: str = "<config>") -> None:
-    """What the method's class needs of the rest of the config (its name and params are checked by MethodSpec)."""
-    method_class = METHODS.get(config.method.name)
-    head = resolved_head(config, method_class.classifier)
-    if head == "backbone":
-        if method_class.classifier == "simplex":
-            raise ConfigError(f"invalid scenario config {source}:\n  model.head: 'backbone' needs a learnable-classifier "
-                              f"method; {config.method.name!r} uses the d-Simplex, which needs the junction")
-        others = [(f"pretrain[{i}]", p.backbone, p.backbone_config) for i, p in enumerate(config.pretrain)]
-        others += [(f"replacements[{i}]", r.backbone, r.backbone_config) for i, r in enumerate(config.replacements)]
-        for key, backbone, backbone_config in others:
-            if (backbone is not None and backbone != config.model.backbone) or (
-                    backbone_config is not None and backbone_config != config.model.backbone_config):
-                raise ConfigError(
-                    f"invalid scenario config {source}:\n  {key}.backbone: another architecture than model.backbone "
-                    f"with the backbone-output features of {config.method.name!r} gives features of another width "
-                    f"that no cross-model entry can compare; set model.head: junction (a shared K-1 junction)")
-    if getattr(method_class, "retrain_from_scratch", False) and (config.replacements or config.initial_model):
-        key = "replacements" if config.replacements else "initial_model"
-        raise ConfigError(
-            f"invalid scenario config {source}:\n  {key}: method {config.method.name!r} retrains every model from the "
-            f"same initial weights, so it never starts from third-party weights; remove '{key}'")
+    return validate(config, source)
 
 
 def read_document(path: str | os.PathLike) -> dict:

@@ -16,8 +16,9 @@ from typing import Any
 from compat_core import io as cio
 from compat_core.models.weights import resolve_weights_source
 from pipelines.config.schema import PRETRAIN_PREFIX, ScenarioConfig
-from pipelines.graph.compile import _method_traits, pretrain_classifier
+from pipelines.graph.build_inputs import method_classifier
 from pipelines.graph.source_digests import file_digest
+from pipelines.stages.inputs import ModelShape
 from pipelines.stages.model_io import initial_model, load_weights_strictly
 from pipelines.stages.pools import check_pools_open_set, load_pool
 
@@ -57,14 +58,14 @@ def data_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
 def weights_sources(config: ScenarioConfig) -> list[dict[str, Any]]:
     """Every external weights file the scenario names: config key, source, pinned sha256, ignore list, and what the
     stage builds to load it into (backbone, backbone config, classifier, pretrained classes, seed)."""
-    method_classifier = _method_traits(config.method.name)["classifier"]
+    line_classifier = method_classifier(config)
     found = []
-    for index, spec in enumerate(config.pretrain):
+    for spec in config.pretrain:
         if spec.init is not None:
             found.append({"key": f"pretrain[{spec.name}].init", "source": spec.init, "sha256": spec.init_sha256,
                           "ignore": spec.init_ignore_keys, "backbone": spec.backbone,
                           "backbone_config": spec.backbone_config,
-                          "classifier": pretrain_classifier(config, index, method_classifier),
+                          "classifier": spec.resolved_classifier(line_classifier),
                           "num_active": spec.num_classes,
                           "seed": spec.seed if spec.seed is not None else config.seed})
     for index, replacement in enumerate(config.replacements):
@@ -72,12 +73,12 @@ def weights_sources(config: ScenarioConfig) -> list[dict[str, Any]]:
             found.append({"key": f"replacements[{index}].source", "source": replacement.source,
                           "sha256": replacement.sha256, "ignore": replacement.ignore_keys,
                           "backbone": replacement.backbone, "backbone_config": replacement.backbone_config,
-                          "classifier": method_classifier, "num_active": replacement.num_pretrain_classes or 0,
+                          "classifier": line_classifier, "num_active": replacement.num_pretrain_classes or 0,
                           "seed": config.seed})
     if config.initial_model and not config.initial_model.startswith(PRETRAIN_PREFIX):
         found.append({"key": "initial_model", "source": config.initial_model, "sha256": None,
                       "ignore": config.initial_model_ignore_keys, "backbone": None, "backbone_config": None,
-                      "classifier": method_classifier, "num_active": 0, "seed": config.seed})
+                      "classifier": line_classifier, "num_active": 0, "seed": config.seed})
     return found
 
 
@@ -98,8 +99,8 @@ def weights_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
             problems.append((key, f"sha256 mismatch for {entry['source']}: expected {expected}, actual {digest}"))
             continue
         try:
-            model = initial_model(config, entry["classifier"], entry["seed"], entry["backbone"],
-                                  entry["backbone_config"],
+            shape = ModelShape.of(config, entry["classifier"], entry["backbone"], entry["backbone_config"])
+            model = initial_model(shape, entry["classifier"], entry["seed"],
                                   num_active=entry["num_active"] if entry["classifier"] == "learnable" else 0)
             load_weights_strictly(model, entry["source"], digest, entry["ignore"], key)
         except (OSError, ValueError, KeyError) as error:

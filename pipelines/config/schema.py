@@ -4,8 +4,9 @@
 A scenario says which data make up the pre-training pools, the fine-tuning pool and the open-set query/gallery
 sets, how the fine-tuning classes are split into tasks, which backbone and how many d-Simplex slots (K) the models
 have, which method trains them, when third-party models replace the fine-tuned one, and how compatibility is
-measured. Validation never touches the data (paper configs name data roots that may not exist on this machine):
-what can only be checked against the data is checked when a stage starts.
+measured. The schema checks each field (types, ranges, choices); every rule across fields is in
+``pipelines.config.validate``, run once at load. Validation never touches the data (paper configs name data roots
+that may not exist on this machine): what can only be checked against the data is checked where the data is read.
 
 Conventions: task numbers are 0-based in code and files except ``replacements[i].at_task``, which is 1-based as in
 the papers. Learning rates are plain numbers; metrics are fractions in [0, 1].
@@ -16,13 +17,13 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, SerializeAsAny, ValidationInfo, field_validator
 
+from compat_core.kinds import AdapterKind, ClassifierFamily
 from pipelines.config.method_params import MethodParams
 from pipelines.graph.stage_kind import StageKind
 from pipelines.methods import METHODS
 from pipelines.training.settings import (
-    BOUND_FIELDS,
     PRETRAIN_OVERRIDES,
     SEED_LIMIT,
     OptimizerSpec,
@@ -145,21 +146,15 @@ class PretrainSpec(StrictModel):
     init_ignore_keys: list[str] | None = Field(
         None, description="glob patterns of init checkpoint keys known not to fit (e.g. 'dino_head.*'); every other "
         "key must load into the backbone and every backbone key must be loaded")
-    classifier: Literal["method", "simplex", "learnable"] = Field(
+    classifier: Literal["method", ClassifierFamily] = Field(
         "method", description="classifier family the third-party model is trained with: 'method' (the method under "
         "test's: d-Simplex or learnable, as the reference pre-trains each method's models) or one fixed family, so "
         "that runs of different methods share the same third-party models (a learnable-classifier method adopts a "
         "d-Simplex model with exactly its logits, see compat_core.models.learnable_from_simplex)")
 
-    def resolved_classifier(self, method_classifier: str) -> str:
+    def resolved_classifier(self, method_classifier: ClassifierFamily) -> ClassifierFamily:
         """The classifier family this entry trains with, given the method's ('simplex' or 'learnable')."""
         return method_classifier if self.classifier == "method" else self.classifier
-
-    @model_validator(mode="after")
-    def _sha_needs_init(self) -> "PretrainSpec":
-        if self.init_sha256 is not None and self.init is None:
-            raise ValueError("init_sha256 is set but init is not: give the weights file the digest belongs to")
-        return self
 
 
 class ReplacementSpec(StrictModel):
@@ -180,7 +175,7 @@ class ReplacementSpec(StrictModel):
         "the papers and their public code) or 'replaced' (this project's extension, not in the papers: the "
         "fine-tuned model it replaces, so the new model is trained to be compatible with the index it inherits; "
         "d-Simplex methods only)")
-    adapters: list[Literal["procrustes", "affine", "mlp", "fct", "fan"]] = Field(
+    adapters: list[AdapterKind] = Field(
         default_factory=list,
         description="adapters fitted between the replaced (old) and the new model at this replacement, evaluated "
                     "and stored by an 'adapt' stage: procrustes|affine|mlp (new->old queries), fct|fan (old->new "
@@ -233,15 +228,8 @@ class ResourcesSpec(StrictModel):
     autoscaling: bool = Field(False, description="the Ray cluster has an autoscaler: a stage no current node can "
                               "hold waits for one (logged) instead of failing at once")
 
-    @model_validator(mode="after")
-    def _data_parallel_training_only(self) -> "ResourcesSpec":
-        for name in ("extract", "evaluate"):
-            if getattr(self, name).num_workers != 1:
-                raise ValueError(f"resources.{name}.num_workers must be 1 (only pretrain and finetune train "
-                                 f"data-parallel), got {getattr(self, name).num_workers}")
-        return self
-
-    def for_stage(self, kind: str) -> StageResources:
+    def for_stage(self, kind: StageKind) -> StageResources:
+        """The resources a stage of ``kind`` runs under (its ``resources.<section>``)."""
         return getattr(self, StageKind(kind).config_section)
 
 
@@ -322,100 +310,19 @@ class ScenarioConfig(StrictModel):
     def output_dir(self) -> str:
         return self.output.dir.replace("{name}", self.name)
 
-    def train_config(self, seed: int, device: str, pretrain: PretrainSpec | None = None) -> TrainConfig:
+    def train_config(self, seed: int, device: str | None, pretrain: PretrainSpec | None = None) -> TrainConfig:
         """What a stage trains with: the ``training`` section (with ``pretrain``'s overrides for a pre-training
-        stage, which always keeps its last epoch) and the values other sections own (BOUND_FIELDS) bound in."""
-        values = {"seed": seed, "device": str(device), "epoch_length": self.replay.epoch_length,
+        stage, which always keeps its last epoch) and the values other sections own (BOUND_FIELDS) bound in.
+        device None: left at the loop's default (a stage's inputs leave it out; it is bound where the stage runs)."""
+        values = {"seed": seed, "epoch_length": self.replay.epoch_length,
                   "selection_strict": self.evaluation.strict, "eval_batch_size": self.evaluation.batch_size}
+        if device is not None:
+            values["device"] = str(device)
         if pretrain is not None:
             values.update({name: getattr(pretrain, name) for name in PRETRAIN_OVERRIDES
                            if getattr(pretrain, name) is not None})
             values["model_selection"] = "last"
         return self.training.bound(**values)
-
-    # ---- cross-field validation -----------------------------------------------------------------------------
-    @model_validator(mode="after")
-    def _cross_checks(self) -> "ScenarioConfig":
-        problems: list[str] = []
-        num_tasks = self.num_tasks
-        total_classes = sum(self.increments)
-        pretrain_names = [p.name for p in self.pretrain]
-        if self.seed * 1000 + num_tasks - 1 >= 2 ** 64:
-            problems.append(f"seed: {self.seed} is too large: task t trains with seed*1000+t, which must stay below "
-                            f"2^64 (torch's seed range); use a seed below {(2 ** 64 - num_tasks) // 1000}")
-        for name in sorted(self.training.model_fields_set & set(BOUND_FIELDS)):
-            problems.append(f"training.{name}: set by {BOUND_FIELDS[name]}, not in the training section")
-        duplicates = sorted({n for n in pretrain_names if pretrain_names.count(n) > 1})
-        if duplicates:
-            problems.append(f"pretrain: names must be unique, {duplicates} appear more than once")
-
-        def check_source(key: str, source: str) -> None:
-            if source.startswith(PRETRAIN_PREFIX) and source[len(PRETRAIN_PREFIX):] not in pretrain_names:
-                problems.append(
-                    f"{key}: {source!r} names no pretrain entry; define it under 'pretrain' (defined: {pretrain_names})"
-                )
-
-        if self.initial_model is not None:
-            check_source("initial_model", self.initial_model)
-        seen_tasks: dict[int, int] = {}
-        for index, replacement in enumerate(self.replacements):
-            key = f"replacements[{index}]"
-            if not 2 <= replacement.at_task <= num_tasks:
-                problems.append(
-                    f"{key}.at_task: must be in 2..{num_tasks} (1-based task number) for a {num_tasks}-task "
-                    f"sequence, got {replacement.at_task}"
-                )
-            if replacement.at_task in seen_tasks:
-                problems.append(
-                    f"{key}.at_task: task {replacement.at_task} is already replaced by "
-                    f"replacements[{seen_tasks[replacement.at_task]}]; use one replacement per task"
-                )
-            seen_tasks[replacement.at_task] = index
-            check_source(f"{key}.source", replacement.source)
-
-        # Slots: third-party classes fill 0.. left to right, fine-tuning classes K-1.. right to left; they must not meet.
-        left_slots = [0]
-        for spec in self.pretrain:
-            left_slots.append(spec.num_classes)
-        for index, replacement in enumerate(self.replacements):
-            if replacement.num_pretrain_classes is not None:
-                left_slots.append(replacement.num_pretrain_classes)
-        needed = max(left_slots) + total_classes
-        if self.model.num_slots < needed:
-            problems.append(
-                f"model.num_slots: K={self.model.num_slots} is too small: {total_classes} fine-tuning classes "
-                f"(tasks.spec {self.tasks.spec!r}) + {max(left_slots)} pre-training slots need K >= {needed}"
-            )
-        if self.data.classes is not None and len(set(self.data.classes)) != total_classes:
-            problems.append(
-                f"data.classes: {len(set(self.data.classes))} distinct classes listed but tasks.spec "
-                f"{self.tasks.spec!r} uses {total_classes}"
-            )
-
-        # Open-set guard on what is visible without the data: the same class space cannot feed training and test
-        # with overlapping (or unrestricted) class lists. The data-level check runs again when evaluation starts.
-        training_pools = [("data", self.data)] + [(f"pretrain[{i}].pool", p.pool) for i, p in enumerate(self.pretrain)]
-        for test_key, test_pool in (("evaluation.query_set", self.evaluation.query_set),
-                                    ("evaluation.gallery_set", self.evaluation.gallery_set)):
-            for train_key, train_pool in training_pools:
-                if train_pool.identity() != test_pool.identity():
-                    continue
-                if train_pool.classes is None or test_pool.classes is None:
-                    problems.append(
-                        f"{test_key}: draws from the same dataset split as {train_key} "
-                        f"({train_pool.dataset}/{train_pool.split}) without disjoint 'classes' lists; "
-                        f"the open-set protocol needs test classes never seen in training"
-                    )
-                    continue
-                overlap = sorted(set(train_pool.classes) & set(test_pool.classes))
-                if overlap:
-                    problems.append(
-                        f"{test_key}.classes: overlap with {train_key}.classes on {overlap[:10]}"
-                        f"{' ...' if len(overlap) > 10 else ''}; training and test classes must be disjoint"
-                    )
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
 
 
 MAX_TASKS = 10_000
@@ -448,7 +355,7 @@ def parse_increments(spec: str) -> list[int]:
     return counts
 
 
-def resolved_head(config: ScenarioConfig, classifier: str) -> str:
+def resolved_head(config: ScenarioConfig, classifier: ClassifierFamily) -> str:
     """'junction' or 'backbone': the model head a scenario's models get (``model.head``, 'auto' resolved by the
     method's classifier family: backbone output for learnable classifiers, as the papers' baselines)."""
     if config.model.head != "auto":

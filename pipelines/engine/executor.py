@@ -87,7 +87,7 @@ class InProcessBackend(Backend):
 
     def wait(self, timeout: float | None = None) -> tuple[str, list, CommittedStage]:
         stage, graph, store = self.queue.popleft()
-        return stage.key, [], execute_stage(stage, graph.config, store, self.emit, code_version=graph.code_version)
+        return stage.key, [], execute_stage(stage, graph.settings, store, self.emit, code_version=graph.code_version)
 
 
 def refuse_data_parallel(stages: Iterable[Stage]) -> None:
@@ -95,7 +95,7 @@ def refuse_data_parallel(stages: Iterable[Stage]) -> None:
     for stage in stages:
         workers = stage.resources.num_workers
         if workers > 1:
-            kind = StageKind(stage.kind).config_section
+            kind = stage.kind.config_section
             raise ValueError(f"resources.{kind}.num_workers = {workers}: data-parallel training runs on the Ray "
                              f"backend (compat run --executor ray); the in-process backend trains with one "
                              f"worker (set it to 1)")

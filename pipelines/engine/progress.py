@@ -9,11 +9,15 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from tqdm.auto import tqdm
 
+from pipelines.graph.stage_kind import StageKind
 from pipelines.records.stage_records import CommittedStage
+
+
+StageStatus = Literal["started", "done", "skipped", "failed"]
 
 
 @dataclass
@@ -23,8 +27,8 @@ class StageEvent:
 
     stage_key: str
     label: str
-    kind: str
-    status: str
+    kind: StageKind
+    status: StageStatus
     index: int
     total: int
     seconds: float | None = None

@@ -14,42 +14,55 @@ Stage kinds (``t`` is the 0-based task index):
   the FAN adapters of tasks k+1..t when the method has them), computed by :func:`pipelines.stages.entries.entry_stage`.
 - ``evaluate`` (t): row ``t`` of the compatibility matrix, ``C[t, 0..t]``, assembled from its entry nodes.
 
-The key of a stage is ``<kind>-<label>-<16 hex>`` where the hex digest hashes (kind, config slice, parent keys,
-code version): a change to any input or to the source code gives new keys, so stale artifacts are never reused.
-A pretrain stage's slice holds only the training settings it uses (its own entry, the model, the seed, the
-classifier family, and the ``training`` values it falls back to: epochs, batch_size, optimizer, schedule, autocast),
-so changing how the fine-tuning tasks are trained keeps the third-party models.
+Each stage carries its typed, frozen inputs (``pipelines.stages.inputs``, built by
+``pipelines.graph.build_inputs``): the only thing its function reads besides its parents' records. The key of a
+stage is ``<kind>-<label>-<16 hex>`` where the hex digest hashes (kind, inputs as JSON, parent keys, code version): a
+change to any input or to the compute code gives new keys, so stale artifacts are never reused, and a task's inputs
+hold only what it consumes, so appending a task keeps every existing key.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 
-from pipelines.config.load import HOW_NOT_WHAT, config_to_dict, stable_hash
-from pipelines.config.schema import PRETRAIN_PREFIX, ScenarioConfig, StageResources, resolved_head
+from pipelines.config.load import stable_hash
+from pipelines.config.schema import EvaluationSpec, ScenarioConfig, StageResources
+from pipelines.graph.build_inputs import (
+    adapt_inputs,
+    extract_inputs,
+    pretrain_inputs,
+    stage_threads,
+    train_inputs,
+)
 from pipelines.graph.code_version import code_version
-from pipelines.graph.source_digests import hashed_source, is_file_source
 from pipelines.graph.stage_kind import StageKind
-from pipelines.methods import METHODS
-from pipelines.stages.bridge_features import feature_way, plan_lines
-from pipelines.training.settings import PRETRAIN_OVERRIDES
+from pipelines.stages.bridge_features import plan_lines
+from pipelines.stages.inputs import (
+    EntryInputs,
+    EntryRules,
+    EvaluateInputs,
+    FrozenInputs,
+    RunSettings,
+    StageInputs,
+)
 
-STAGE_KINDS = tuple(kind.value for kind in StageKind)
 SPLITS = ("query", "gallery")
+
+
 @dataclass(frozen=True)
 class Stage:
     """One node of the scenario graph.
 
-    key: unique, content-derived id (also the artifact folder / manifest name). kind: one of STAGE_KINDS.
-    label: short human name, e.g. ``finetune[t=3]``. task: 0-based task index (None for pretrain). split: query or
-    gallery for extract stages. params: the JSON config slice hashed into the key. parents: keys of the stages
-    whose records this stage reads. resources: what a scheduler should reserve.
+    key: unique, content-derived id (also the artifact folder / manifest name). kind: its StageKind. label: short
+    human name, e.g. ``finetune[t=3]``. inputs: the frozen, typed values its function reads (hashed into the key).
+    parents: keys of the stages whose records this stage reads. resources: what a scheduler should reserve.
+    task: 0-based task index (None for pretrain); split: query or gallery (extract); name: pretrain name.
     """
 
     key: str
-    kind: str
+    kind: StageKind
     label: str
-    params: dict[str, Any]
+    inputs: StageInputs
     parents: tuple[str, ...]
     resources: StageResources
     task: int | None = None
@@ -58,34 +71,31 @@ class Stage:
     first: bool = False  # submitted before the other ready stages (see compile_scenario: the longest pre-training)
 
 
-def stage_threads(resources: StageResources) -> int:
-    """torch intra-op threads a stage computes with, on every backend: its ``num_cpus`` (at least 1).
-
-    Float reductions (GEMM, convolutions) are split by thread count, so results depend on it: it is fixed per stage
-    and part of the stage key, so the same key gives the same bytes in-process, on Ray and after a resume.
-    """
-    return max(1, int(resources.num_cpus))
-
-
-def parallel_params(resources: StageResources) -> dict[str, int]:
-    """Key parameters of data-parallel training: ``{"workers": N}`` for N > 1 workers, else nothing (keys of
-    one-worker stages stay as they were). N changes float reduction order, so it is part of the key."""
-    return {"workers": int(resources.num_workers)} if resources.num_workers > 1 else {}
-
-
-def stage_key(kind: str, label: str, params: dict, parents: tuple[str, ...], version: str) -> str:
-    """Content key of a stage: ``<kind>-<label>-<first 16 hex of sha256(kind, params, parents, version)>``."""
-    digest = stable_hash({"kind": kind, "params": params, "parents": list(parents), "code": version})
+def stage_key(kind: StageKind, label: str, inputs: FrozenInputs, parents: tuple[str, ...], version: str) -> str:
+    """Content key of a stage: ``<kind>-<label>-<first 16 hex of sha256(kind, inputs, parents, version)>``."""
+    digest = stable_hash({"kind": str(kind), "inputs": inputs.model_dump(mode="json"), "parents": list(parents),
+                          "code": version})
     return f"{kind}-{label}-{digest[:16]}"
+
+
+def make_stage(kind: StageKind, key_label: str, label: str, inputs: StageInputs, parents: tuple[str, ...],
+               resources: StageResources, version: str, **where) -> Stage:
+    """A stage keyed by its inputs: ``key_label`` goes into the key (e.g. ``t003``), ``label`` is the human label
+    (e.g. ``finetune[t=3]``); ``where``: task, split, name, first."""
+    return Stage(stage_key(kind, key_label, inputs, parents, version), kind, label, inputs, parents, resources,
+                 **where)
 
 
 @dataclass
 class StageGraph:
-    """Stages in a topological order (every parent before its children) plus look-ups by role."""
+    """Stages in a topological order (every parent before its children) plus look-ups by role.
+
+    settings: how the stages run (device, checkpoint cadence, input workers), never part of a key."""
 
     config: ScenarioConfig
     stages: list[Stage] = field(default_factory=list)
     code_version: str = ""
+    settings: RunSettings | None = None
     model_stages: list[str] = field(default_factory=list)        # key of the model stage of task t
     pretrain_stages: dict[str, str] = field(default_factory=dict)  # pretrain name -> key
     extract_stages: dict[tuple[int, str], str] = field(default_factory=dict)  # (t, split) -> key
@@ -94,6 +104,8 @@ class StageGraph:
 
     def __post_init__(self) -> None:
         self._by_key = {stage.key: stage for stage in self.stages}
+        if self.settings is None:
+            self.settings = RunSettings.of(self.config)
 
     def add(self, stage: Stage) -> Stage:
         for parent in stage.parents:
@@ -130,9 +142,9 @@ class StageGraph:
     def __len__(self) -> int:
         return len(self.stages)
 
-    def count_by_kind(self) -> dict[str, int]:
+    def count_by_kind(self) -> dict[StageKind, int]:
         # optional kinds (adapt) appear only when the scenario has such stages
-        counts = {kind: 0 for kind in STAGE_KINDS if kind != StageKind.ADAPT or self.adapt_stages}
+        counts = {kind: 0 for kind in StageKind if kind != StageKind.ADAPT or self.adapt_stages}
         for stage in self.stages:
             counts[stage.kind] += 1
         return counts
@@ -141,204 +153,102 @@ class StageGraph:
         return [stage for stage in self.stages if key in stage.parents]
 
 
-def _method_traits(name: str) -> dict[str, Any]:
-    """Class-level traits of the method (classifier family, retraining) that change what stages do."""
-    method = METHODS.get(name)
-    return {
-        "classifier": getattr(method, "classifier", "simplex"),
-        "retrain_from_scratch": bool(getattr(method, "retrain_from_scratch", False)),
-        "training_free": bool(getattr(method, "training_free", False)),
-    }
-
-
-def pretrain_classifier(config: ScenarioConfig, index: int, method_classifier: str) -> str:
-    """Classifier family of ``config.pretrain[index]`` (its ``classifier``, 'method' resolved); ValueError naming the
-    key when the method cannot start from such a model."""
-    spec = config.pretrain[index]
-    classifier = spec.resolved_classifier(method_classifier)
-    key = f"pretrain[{index}].classifier"
-    if classifier == "learnable" and method_classifier == "simplex":
-        raise ValueError(f"{key}: 'learnable' cannot feed method {config.method.name!r}, whose d-Simplex classifier "
-                         f"needs a d-Simplex model; use 'simplex' or 'method'")
-    return classifier
-
-
 def compile_scenario(config: ScenarioConfig, version: str | None = None) -> StageGraph:
-    """Compile a validated scenario into its stage graph (no data is read)."""
-    version = code_version() if version is None else version
-    document = config_to_dict(config)
-    traits = _method_traits(config.method.name)
-    if config.evaluation.features == "bridge":  # refuse an impossible bridge before anything trains
-        feature_way(config, resolved_head(config, traits["classifier"]), 2, 1)
-    graph = StageGraph(config=config, code_version=version)
-    resources = config.resources
-    model_section = document["model"]
+    """Compile a validated scenario into its stage graph (no data is read): pre-training, the model line, feature
+    extraction, the matrix and the adapters at replacements."""
+    graph = StageGraph(config=config, code_version=code_version() if version is None else version)
+    add_pretraining(graph)
+    add_model_line(graph)
+    add_extraction(graph)
+    graph.evaluate_stages = add_evaluation(graph, config.evaluation)
+    add_adapters(graph)
+    return graph
 
-    # The pre-training of the most images-epochs (classes x epochs: pools hold about as many images per class) is
-    # submitted first: it is the stage the last replacement waits for, and started after the others it ends the
-    # run late (measured on the demo: 278 s from the start vs a start at 221 s when queued behind p1 and p2); the
-    # others follow in the order they are needed.
+
+def add_pretraining(graph: StageGraph) -> None:
+    """One pretrain stage per third-party model.
+
+    The pre-training of the most images-epochs (classes x epochs: pools hold about as many images per class) is
+    submitted first: it is the stage the last replacement waits for, and started after the others it ends the run
+    late (measured on the demo: 278 s from the start vs a start at 221 s when queued behind p1 and p2); the others
+    follow in the order they are needed."""
+    config = graph.config
     costs = [spec.num_classes * (spec.epochs or config.training.epochs) for spec in config.pretrain]
     longest = costs.index(max(costs)) if len(costs) > 1 else None
     for index, spec in enumerate(config.pretrain):
-        classifier = pretrain_classifier(config, index, traits["classifier"])
-        # the resolved family, never "method": an ER run and a d-Simplex run that both pre-train d-Simplex models
-        # get the same keys, so a shared store (output.shared_store) trains each third-party model once
-        entry = {**document["pretrain"][index], "classifier": classifier}
-        _hash_file_source(entry, "init", "init_sha256", "init_ignore_keys")
-        training = document["training"]
-        # only the training settings the pretrain stage falls back to (or always uses) enter its key, so tuning
-        # the fine-tuning schedule keeps already trained third-party models
-        resolved_training = {name: training[name] if entry.get(name) is None else entry[name]
-                             for name in PRETRAIN_OVERRIDES}
-        resolved_training["autocast"] = training["autocast"]
-        params = {
-            "pretrain": entry,
-            "defaults": {"model": model_section, "training": resolved_training, "seed": config.seed},
-            "classifier": classifier,
-            "threads": stage_threads(resources.pretrain),
-            **parallel_params(resources.pretrain),
-        }
-        stage = Stage(stage_key("pretrain", spec.name, params, (), version), "pretrain", f"pretrain[{spec.name}]",
-                      params, (), resources.pretrain, name=spec.name, first=index == longest)
-        graph.add(stage)
+        stage = graph.add(make_stage(StageKind.PRETRAIN, spec.name, f"pretrain[{spec.name}]",
+                                     pretrain_inputs(config, index), (), config.resources.pretrain,
+                                     graph.code_version, name=spec.name, first=index == longest))
         graph.pretrain_stages[spec.name] = stage.key
 
-    # What every task's training depends on, besides its own position and its parents.
-    shared = {
-        "data": document["data"],
-        "tasks": document["tasks"],
-        "seed": config.seed,
-        "model": model_section,
-        "method": document["method"],
-        "method_traits": traits,
-        # how often a stage checkpoints and how many processes decode its input do not change what it computes
-        "training": {k: v for k, v in document["training"].items() if k not in HOW_NOT_WHAT},
-        "replay": document["replay"],
-        "evaluation_for_selection": document["evaluation"] if config.training.model_selection == "compatibility"
-        else None,
-    }
 
-    def source_parents(source: str | None) -> tuple[str, ...]:
-        if source and source.startswith(PRETRAIN_PREFIX):
-            return (graph.pretrain_stages[source[len(PRETRAIN_PREFIX):]],)
-        return ()
-
+def add_model_line(graph: StageGraph) -> None:
+    """The model of every task: finetune from the previous task's model, or replace at a replacement's first task;
+    a ``pretrain:<name>`` start makes that pretrain stage a parent."""
+    config = graph.config
     previous: str | None = None
     for task in range(config.num_tasks):
-        replacement = config.replacement_at(task)
-        if replacement is not None:
-            if replacement.anchor == "replaced" and traits["classifier"] != "simplex":
-                index = config.replacements.index(replacement)
-                raise ValueError(f"replacements[{index}].anchor: 'replaced' needs a d-Simplex method (one fixed "
-                                 f"classifier shared by both lines); {config.method.name!r} has a "
-                                 f"{traits['classifier']} classifier whose outputs differ between the lines")
-            kind = "replace"
-            source = {name: value for name, value in
-                      document["replacements"][config.replacements.index(replacement)].items()
-                      if name not in ("adapters", "adapter_params")}  # adapters never retrain the model
-            _hash_file_source(source, "source", "sha256", "ignore_keys")
-            parents = (previous,) + source_parents(replacement.source)  # type: ignore[operator]
-        else:
-            kind = "finetune"
-            source = {"initial_model": config.initial_model} if task == 0 else None
-            if source is not None:
-                source["ignore_keys"] = config.initial_model_ignore_keys
-                _hash_file_source(source, "initial_model", None, "ignore_keys")
-            parents = ((previous,) if previous else ()) + (source_parents(config.initial_model) if task == 0 else ())
-        params = {"task": task, "shared": shared, "source": source, "threads": stage_threads(resources.for_stage(kind)),
-                  **parallel_params(resources.for_stage(kind))}
-        stage = Stage(stage_key(kind, f"t{task:03d}", params, parents, version), kind, f"{kind}[t={task}]", params,
-                      parents, resources.for_stage(kind), task=task)
-        graph.add(stage)
+        inputs = train_inputs(config, task)
+        kind = StageKind.REPLACE if inputs.replaces else StageKind.FINETUNE
+        parents = (previous,) if previous else ()
+        if inputs.start is not None and inputs.start.pretrain is not None:
+            parents += (graph.pretrain_stages[inputs.start.pretrain],)
+        stage = graph.add(make_stage(kind, f"t{task:03d}", f"{kind}[t={task}]", inputs, parents,
+                                     config.resources.for_stage(kind), graph.code_version, task=task))
         graph.model_stages.append(stage.key)
         previous = stage.key
 
-    evaluation = document["evaluation"]
-    extraction_params = {"feature_dtype": evaluation["feature_dtype"], "batch_size": evaluation["batch_size"],
-                         "features": evaluation["features"]}
+
+def add_extraction(graph: StageGraph) -> None:
+    """Query and gallery features of every model, once per model and split."""
+    config = graph.config
     for task, model_key in enumerate(graph.model_stages):
         for split in SPLITS:
-            params = {"split": split, "pool": evaluation[f"{split}_set"], **extraction_params,
-                      "method": document["method"], "threads": stage_threads(resources.extract)}
-            stage = Stage(stage_key("extract", f"t{task:03d}-{split}", params, (model_key,), version), "extract",
-                          f"extract[t={task},{split}]", params, (model_key,), resources.extract, task=task,
-                          split=split)
-            graph.add(stage)
+            stage = graph.add(make_stage(StageKind.EXTRACT, f"t{task:03d}-{split}", f"extract[t={task},{split}]",
+                                         extract_inputs(config, task, split), (model_key,), config.resources.extract,
+                                         graph.code_version, task=task, split=split))
             graph.extract_stages[(task, split)] = stage.key
 
-    graph.evaluate_stages = add_evaluation(graph, document["evaluation"])
 
-    # Adapters at a replacement: fitted on paired gallery features of the old (t-1) and new (t) models.
+def add_adapters(graph: StageGraph) -> None:
+    """Adapters at a replacement: fitted on paired gallery features of the old (t-1) and new (t) models."""
+    config = graph.config
     for index, replacement in enumerate(config.replacements):
         if not replacement.adapters:
             continue
         task = replacement.at_task - 1
-        parents = (graph.extract_stages[(task - 1, "query")], graph.extract_stages[(task - 1, "gallery")],
-                   graph.extract_stages[(task, "query")], graph.extract_stages[(task, "gallery")])
-        params = {"task": task, "adapters": document["replacements"][index]["adapters"],
-                  "adapter_params": document["replacements"][index]["adapter_params"], "seed": config.seed,
-                  "protocol": protocol_params(document["evaluation"]), "strict": config.evaluation.strict}
-        stage = Stage(stage_key("adapt", f"t{task:03d}", params, parents, version), "adapt", f"adapt[t={task}]",
-                      params, parents, resources.evaluate, task=task)
-        graph.add(stage)
+        parents = tuple(graph.extract_stages[(t, split)] for t in (task - 1, task) for split in SPLITS)
+        stage = graph.add(make_stage(StageKind.ADAPT, f"t{task:03d}", f"adapt[t={task}]", adapt_inputs(config, index),
+                                     parents, config.resources.evaluate, graph.code_version, task=task))
         graph.adapt_stages[task] = stage.key
-    return graph
 
 
-def _hash_file_source(entry: dict, path_key: str, sha_key: str | None, ignore_key: str) -> None:
-    """In a stage's config slice, a weights file is its sha256 (never its path; the pinned digest folded in), and
-    an unset ignore list is left out (keys of configs without one stay as they were)."""
-    if is_file_source(entry.get(path_key)):
-        entry[path_key] = hashed_source(entry[path_key], entry.get(sha_key) if sha_key else None)
-        if sha_key:
-            entry.pop(sha_key, None)
-    if entry.get(ignore_key) is None:
-        entry.pop(ignore_key, None)
-
-
-def add_evaluation(graph: StageGraph, evaluation: dict) -> list[str]:
+def add_evaluation(graph: StageGraph, evaluation: EvaluationSpec) -> list[str]:
     """Add the matrix of ``evaluation`` (a protocol) to ``graph``: one ``entry`` node per C[t, k] and one
     ``evaluate`` node per row t assembling its entries; returns the row keys (nodes already present are reused,
     so the graph's own protocol adds nothing). ``compat eval`` calls this with another protocol."""
-    protocol = protocol_params(evaluation)
+    rules = EntryRules.of(graph.config, evaluation)
     resources = graph.config.resources.evaluate
     rows = []
     for task in range(len(graph.model_stages)):
         query = graph.extract_stages[(task, "query")]
-        galleries = tuple(graph.extract_stages[(k, "gallery")] for k in range(task + 1))
+        # the gallery extracts of the whole row are parents: FAN adapters of tasks column+1..row come from them
+        parents = (query,) + tuple(graph.extract_stages[(k, "gallery")] for k in range(task + 1))
         entries = []
         for column in range(task + 1):
-            # the gallery extracts of the whole row are parents: FAN adapters of tasks column+1..row come from them
-            key = entry_key(query, galleries[column], protocol, task, column, galleries[column + 1:],
-                            stage_threads(resources))
-            if key not in graph:
-                graph.add(Stage(key, "entry", f"entry[{task},{column}]", {"row": task, "column": column,
-                                "protocol": protocol}, (query,) + galleries, resources, task=task))
-            entries.append(key)
-        params = {"row": task, "protocol": protocol}
-        key = stage_key("evaluate", f"t{task:03d}", params, tuple(entries), graph.code_version)
-        if key not in graph:
-            graph.add(Stage(key, "evaluate", f"evaluate[row={task}]", params, tuple(entries), resources, task=task))
-        rows.append(key)
+            inputs = EntryInputs(row=task, column=column, rules=rules, threads=stage_threads(resources))
+            stage = make_stage(StageKind.ENTRY, f"r{task:03d}-c{column:03d}", f"entry[{task},{column}]", inputs,
+                               parents, resources, graph.code_version, task=task)
+            if stage.key not in graph:
+                graph.add(stage)
+            entries.append(stage.key)
+        stage = make_stage(StageKind.EVALUATE, f"t{task:03d}", f"evaluate[row={task}]",
+                           EvaluateInputs(row=task, protocol=rules.protocol), tuple(entries), resources,
+                           graph.code_version, task=task)
+        if stage.key not in graph:
+            graph.add(stage)
+        rows.append(stage.key)
     return rows
-
-
-def protocol_params(evaluation: dict) -> dict:
-    """The evaluation settings that change a matrix entry (ECC strictness does not: it only changes metrics)."""
-    return {key: evaluation[key] for key in ("metric", "gallery", "label_level", "far", "verification_pairs")}
-
-
-def entry_key(query_extract: str, gallery_extract: str, protocol: dict, row: int, column: int,
-              adapter_extracts: tuple[str, ...] = (), threads: int = 1) -> str:
-    """Key of one matrix entry C[row, column] computed from two stored feature sets under ``protocol``.
-
-    adapter_extracts: gallery extracts of columns column+1..row, whose models may carry FAN adapters applied to the
-    gallery features (hashed too, so entries computed before adapters were applied are never reused). threads: the
-    torch threads the entry computes with (see :func:`stage_threads`)."""
-    digest = stable_hash({"query": query_extract, "gallery": gallery_extract, "protocol": protocol,
-                          "adapters": list(adapter_extracts), "threads": threads})
-    return f"entry-r{row:03d}-c{column:03d}-{digest[:16]}"
 
 
 # ---- estimates for `compat plan` --------------------------------------------------------------------------------

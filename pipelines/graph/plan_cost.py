@@ -28,12 +28,11 @@ from pipelines.config.schema import resolved_head
 from pipelines.graph.compile import StageGraph
 from pipelines.graph.stage_kind import StageKind
 from pipelines.methods import configured_method
-from pipelines.stages.pools import load_pool, slot_of_positions, task_classes
+from pipelines.stages.pools import load_pool, scenario_task_classes, slot_of_positions
 from pipelines.stages.training_stages import selection_split
 from pipelines.training.loop import SupervisedPretraining
 from pipelines.training.task_data import TaskData, epoch_batches
 
-TRAIN_KINDS = ("pretrain", "finetune", "replace")
 FORWARD_FRACTION = 1.0 / 3.0  # cost of a forward-only image relative to a training image
 
 
@@ -46,7 +45,7 @@ class StageImages:
 
     key: str
     label: str
-    kind: str
+    kind: StageKind
     epoch_images: int
     epochs: int
     train_images: int
@@ -66,10 +65,10 @@ def _epoch_images(data, method, train_config) -> int:
 def _task_stage_images(graph: StageGraph) -> dict[str, StageImages]:
     """StageImages of every finetune / replace stage, the replay memory simulated task by task as the stages do."""
     config = graph.config
-    method = configured_method(config)
+    method = configured_method(config.method)
     pool = load_pool(config.data, "data")
     labels = np.asarray(pool.labels)
-    tasks = task_classes(config)
+    tasks = scenario_task_classes(config)
     position_of = {int(c): i for i, c in enumerate(np.concatenate(tasks))}
     K = config.model.num_slots
     use_memory = method.uses_replay and config.replay.per_class > 0 and not method.retrain_from_scratch
@@ -82,7 +81,7 @@ def _task_stage_images(graph: StageGraph) -> dict[str, StageImages]:
         classes = np.concatenate(tasks[: task + 1]) if method.retrain_from_scratch else tasks[task]
         indices = np.flatnonzero(np.isin(labels, classes))
         if config.training.model_selection == "compatibility":
-            indices, _ = selection_split(config, pool, indices, seed)
+            indices, _ = selection_split(config.training.selection_holdout, pool, indices, seed)
         positions = np.asarray([position_of[int(c)] for c in labels[indices]], dtype=np.int64)
         memory_indices = memory_slots = None
         if use_memory and memory.indices.size:
@@ -120,14 +119,14 @@ def stage_images(graph: StageGraph) -> dict[str, StageImages]:
         data = TaskData(source=pool, task=0, indices=indices, slots=pretrain_slot(labels),
                         num_old_classes=0, num_new_classes=int(np.unique(labels).size))
         train_config = config.train_config(spec.seed if spec.seed is not None else config.seed, "cpu", spec)
-        per_epoch = _epoch_images(data, SupervisedPretraining(graph[key].params["classifier"]), train_config)
-        result[key] = StageImages(key, graph[key].label, "pretrain", per_epoch, train_config.epochs,
+        per_epoch = _epoch_images(data, SupervisedPretraining(graph[key].inputs.classifier), train_config)
+        result[key] = StageImages(key, graph[key].label, StageKind.PRETRAIN, per_epoch, train_config.epochs,
                                   per_epoch * train_config.epochs, 0)
     result.update(_task_stage_images(graph))
     sizes = {split: len(load_pool(getattr(config.evaluation, f"{split}_set"), f"evaluation.{split}_set"))
              for split in ("query", "gallery")}
     for (task, split), key in graph.extract_stages.items():
-        result[key] = StageImages(key, graph[key].label, "extract", sizes[split], 1, 0, sizes[split])
+        result[key] = StageImages(key, graph[key].label, StageKind.EXTRACT, sizes[split], 1, 0, sizes[split])
     return result
 
 
@@ -184,7 +183,7 @@ def cost_lines(graph: StageGraph, seconds_per_image: float | None, cost_source: 
     config = graph.config
     lines = ["cost: images per stage from the training loop's batch order (replay.epoch_length: "
              f"{config.replay.epoch_length}, batch {config.training.batch_size}; epochs x images per epoch)"]
-    by_kind: dict[str, list[StageImages]] = {}
+    by_kind: dict[StageKind, list[StageImages]] = {}
     for stage in graph:
         if stage.key in images:
             by_kind.setdefault(stage.kind, []).append(images[stage.key])
@@ -213,7 +212,7 @@ def cost_lines(graph: StageGraph, seconds_per_image: float | None, cost_source: 
     labels = " -> ".join(graph[key].label for key in plan.path)
     lines.append(f"  critical path: {plan.critical_hours:.2f} h with {plan.peak_stages} GPU(s) (workers of the "
                  f"earliest-start schedule busy at once): {labels}")
-    off_path = [graph[key].label for key in images if key not in plan.path and graph[key].kind in TRAIN_KINDS]
+    off_path = [graph[key].label for key in images if key not in plan.path and graph[key].kind.trains]
     if off_path:
         lines.append(f"  off the critical path (done before the path needs them): {', '.join(off_path)}")
     return lines
@@ -225,7 +224,7 @@ def calibrated_seconds_per_image(config, device: str) -> tuple[float, str]:
     divided by the step's batch. Raises ValueError saying which command measures it when nothing is cached."""
     import torch
 
-    classifier = configured_method(config).classifier
+    classifier = configured_method(config.method).classifier
     with torch.device("meta"):  # the architecture's signature only: no weights are allocated
         model = create_model(config.model.backbone, config.model.num_slots, classifier=classifier,
                              backbone_config=config.model.backbone_config, head=resolved_head(config, classifier))

@@ -3,8 +3,9 @@
 new keys, and the same bytes at another path give the same keys.
 
 The digest of each file is computed once per process (cached by resolved location, size and modification time for
-local files; by URI for object-store and registry sources, which are immutable once pinned) and travels in the stage
-params, so the stage that loads the file refuses other bytes (``load_external_weights(sha256=...)``).
+local files; by URI for object-store and registry sources, which are immutable once pinned) and travels in the
+stage's inputs (``pipelines.stages.inputs.WeightsFile``), so the stage that loads the file refuses other bytes
+(``load_external_weights(sha256=...)``).
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import Any
 
 from compat_core import io as cio
 from compat_core.models.weights import resolve_weights_source, sha256_of
-from pipelines.config.schema import PRETRAIN_PREFIX
 
 DIGEST_FIELD = "file_sha256"
 _CACHE: dict[tuple, str] = {}
@@ -39,11 +39,6 @@ def file_digest(source: str) -> str | None:
         return None
 
 
-def is_file_source(source: str | None) -> bool:
-    """True for a source that names a file (not empty, not a ``pretrain:<name>`` stage)."""
-    return bool(source) and not str(source).startswith(PRETRAIN_PREFIX)
-
-
 def hashed_source(source: str, expected_sha256: str | None = None) -> dict[str, Any]:
     """What a stage key hashes for a file source: ``{file_sha256: ...}`` (the expected digest when the config pins
     one, else the file's); ``{path, unreadable}`` when neither is known (such a run is refused by the preflight)."""
@@ -53,15 +48,4 @@ def hashed_source(source: str, expected_sha256: str | None = None) -> dict[str, 
     return {"path": str(source), "unreadable": True}
 
 
-def source_digest(params: dict) -> str | None:
-    """The file digest a stage's params hold for its weights source (pretrain init, replacement source or
-    initial model), or None."""
-    for holder, name in ((params.get("pretrain"), "init"), (params.get("source"), "source"),
-                         (params.get("source"), "initial_model")):
-        value = holder.get(name) if isinstance(holder, dict) else None
-        if isinstance(value, dict) and value.get(DIGEST_FIELD):
-            return value[DIGEST_FIELD]
-    return None
-
-
-__all__ = ["DIGEST_FIELD", "file_digest", "hashed_source", "is_file_source", "source_digest"]
+__all__ = ["DIGEST_FIELD", "file_digest", "hashed_source"]

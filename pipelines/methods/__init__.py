@@ -29,9 +29,9 @@ def get_method(name: str, **hparams: Any) -> Method:
     return METHODS.get(name)(**hparams)
 
 
-def configured_method(config: Any) -> Method:
-    """A fresh method object of a scenario config: ``config.method.name`` with ``config.method.params``."""
-    return get_method(config.method.name, **dict(config.method.params))
+def configured_method(spec: Any) -> Method:
+    """A fresh method object of a config's ``method`` section: ``spec.name`` with ``spec.params``."""
+    return get_method(spec.name, **dict(spec.params))
 
 
 __all__ = [

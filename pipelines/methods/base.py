@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch import nn
 
+from compat_core.kinds import CLASSIFIERS, ClassifierFamily
 from pipelines.config.method_params import MethodParams, error_lines
-
-CLASSIFIERS = ("simplex", "learnable")
 
 
 @dataclass
@@ -96,7 +95,7 @@ class Method:
     """
 
     name: ClassVar[str] = ""
-    classifier: ClassVar[str] = "simplex"
+    classifier: ClassVar[ClassifierFamily] = "simplex"
     uses_replay: ClassVar[bool] = False
     needs_old_model: ClassVar[bool] = False
     retrain_from_scratch: ClassVar[bool] = False

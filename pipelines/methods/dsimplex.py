@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field
 
+from compat_core.kinds import InfoNceMasking
 from compat_core.losses import (
-    INFO_NCE_MASKINGS,
     compatibility_info_nce,
     feature_distillation_loss,
     feature_distillation_weight,
@@ -39,14 +39,7 @@ class DSimplexHOC(Method):
     class Params(MethodParams):
         lam: float = Field(0.1, ge=0.0, le=1.0)
         rho: float = Field(10.0, gt=0.0)
-        masking: str = "standard"
-
-        @field_validator("masking")
-        @classmethod
-        def _known_masking(cls, value: str) -> str:
-            if value not in INFO_NCE_MASKINGS:
-                raise ValueError(f"must be one of {INFO_NCE_MASKINGS}, got {value!r}")
-            return value
+        masking: InfoNceMasking = "standard"
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)

@@ -78,7 +78,7 @@ class EntryFeatures(Payload):
 # ---- evaluation protocol -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EvaluationProtocol(Payload):
-    """The evaluation settings that change a matrix entry (``pipelines.graph.compile.protocol_params``): metric, gallery
+    """The evaluation settings that change a matrix entry (``pipelines.stages.inputs.MatrixProtocol``): metric, gallery
     ("instances" | "class_means"), label_level ("fine" | "coarse"), far (false-accept rate of the verification
     metric, a fraction) and verification_pairs (positive pairs, as many negatives)."""
 

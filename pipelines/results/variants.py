@@ -8,7 +8,7 @@ import yaml
 
 from pipelines.config.load import validate_config
 from pipelines.engine.executor import LocalExecutor
-from pipelines.graph.compile import add_evaluation, compile_scenario, protocol_params
+from pipelines.graph.compile import add_evaluation, compile_scenario
 from pipelines.results.assemble import RunResult, assemble_matrix, write_result
 from pipelines.store.run_store import RunStore
 
@@ -30,12 +30,11 @@ def evaluate_variant(run_dir: str, overrides: dict) -> tuple[dict, dict, str]:
     evaluation = config.evaluation.model_dump(mode="json")
     evaluation.update({k: v for k, v in overrides.items() if v is not None})
     varied = validate_config({**document, "evaluation": evaluation}, "evaluation variant").evaluation
-    rows = add_evaluation(graph, evaluation)
+    rows = add_evaluation(graph, varied)
     LocalExecutor(progress=False).run(graph, store, until=rows)
     result = RunResult.of(assemble_matrix(graph, store, rows, varied), varied.strict)
-    protocol = protocol_params(evaluation)
     same = rows == graph.evaluate_stages and varied.strict == config.evaluation.strict
-    folder = "" if same else "eval-" + "-".join(f"{protocol[k]}" for k in ("metric", "gallery", "label_level")) + \
+    folder = "" if same else f"eval-{varied.metric}-{varied.gallery}-{varied.label_level}" + \
         ("" if varied.strict else "-nonstrict")
     write_result(store, result, folder)
     return result.matrix.to_dict(), result.metrics, folder

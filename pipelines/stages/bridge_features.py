@@ -15,7 +15,7 @@ Entries from two bridge extracts, by metric:
   With B = [A_t A_k] and its Gram G = B^T B = V diag(w) V^T (fp64, (m_t + m_k) square), L = diag(sqrt(w)) V^T
   satisfies (L x).(L y) = (B x).(B y) for all x, y, so q' = L [q; 0] and g' = L [0; g] have exactly the cosines
   of the d-dim features (up to fp64 rounding) in at most m_t + m_k dimensions, and the entry runs through the same
-  ``compute_entry`` as direct features. Class means are linear in the unit features, so they carry over too.
+  ``entry_metric`` as direct features. Class means are linear in the unit features, so they carry over too.
 Fallback to d-dim features materialised from the embeddings (A h, fp32), recorded as way ``materialized``: when a
 feature adapter applies to the entry (FAN's psi, issue-16 adapters map d-dim features non-linearly), or when only
 one side of the entry was stored as embeddings. Any other reader of a bridge extract (``read_features``) gets the
@@ -31,12 +31,14 @@ import torch
 from compat_core.models.backbones import create_backbone
 from compat_core.retrieval.bridge import bridged_recall_at_1
 from pipelines.config.schema import resolved_head
+from pipelines.config.validate import bridge_obstacle
 from pipelines.methods import METHODS
 from pipelines.methods.fan import FAN
 from pipelines.records.payloads import EntryFeatures, FeatureLayout, JunctionRef
 from pipelines.records.stage_records import FeatureRecord
-from pipelines.stages.entry_metrics import compute_entry
+from pipelines.stages.entry_metrics import entry_metric
 from pipelines.stages.feature_store import cached_features, junction_gram, junction_head, read_embeddings
+from pipelines.stages.inputs import EntryRules
 from pipelines.store.run_store import RunStore, feature_blobs
 
 FEATURE_WAYS = ("auto", "direct", "bridge")
@@ -51,26 +53,22 @@ def embedding_width(backbone: str, backbone_config: dict | None = None) -> int:
         return int(create_backbone(backbone, **(backbone_config or {})).embed_dim)
 
 
-def _transforms_features(config) -> str | None:
-    """Why entries of this scenario map stored features through an adapter (None when they never do)."""
-    method = METHODS.get(config.method.name)
-    if isinstance(method, type) and issubclass(method, FAN):
-        return f"method {config.method.name} applies its feature adapters to gallery features"
+def _transforms_features(method: str) -> str | None:
+    """Why entries of ``method`` map stored features through an adapter (None when they never do)."""
+    method_class = METHODS.get(method)
+    if isinstance(method_class, type) and issubclass(method_class, FAN):
+        return f"method {method} applies its feature adapters to gallery features"
     return None
 
 
-def feature_way(config, head: str, feature_dim: int, embed_dim: int) -> tuple[str, str]:
-    """(way, reason) for an extract of a model with ``head`` (junction | backbone), d = ``feature_dim`` and
-    m = ``embed_dim`` under ``config.evaluation.features``. Raises ValueError when ``bridge`` is asked for a model
-    the bridge cannot represent."""
-    requested = config.evaluation.features
+def feature_way(requested: str, method: str, head: str, feature_dim: int, embed_dim: int) -> tuple[str, str]:
+    """(way, reason) for an extract of a model of ``method`` with ``head`` (junction | backbone), d =
+    ``feature_dim`` and m = ``embed_dim`` under ``requested`` (``evaluation.features``: auto | direct | bridge).
+    Raises ValueError when ``bridge`` is asked for a model the bridge cannot represent (configs that ask for it
+    are refused at load, ``pipelines.config.validate``)."""
     if requested == "direct":
         return "direct", "evaluation.features: direct"
-    impossible = None
-    if getattr(METHODS.get(config.method.name), "training_free", False):
-        impossible = f"method {config.method.name} stores logits, not junction features"
-    elif head != "junction":
-        impossible = "the model has no junction (model.head: backbone): its feature is the embedding itself"
+    impossible = bridge_obstacle(method, head)
     if impossible is not None:
         if requested == "bridge":
             raise ValueError(f"evaluation.features: 'bridge' is not possible here: {impossible}; use auto or direct")
@@ -79,16 +77,16 @@ def feature_way(config, head: str, feature_dim: int, embed_dim: int) -> tuple[st
         return "bridge", "evaluation.features: bridge"
     if feature_dim <= embed_dim:
         return "direct", f"d={feature_dim} <= m={embed_dim}: the embedding is not smaller than the feature"
-    transforms = _transforms_features(config)
+    transforms = _transforms_features(method)
     if transforms is not None:
         return "direct", f"{transforms} (entries would materialise the d-dim features anyway)"
     return "bridge", f"d={feature_dim} > m={embed_dim}"
 
 
-def model_feature_way(config, model) -> tuple[str, str]:
+def model_feature_way(requested: str, method: str, model) -> tuple[str, str]:
     """:func:`feature_way` of a loaded CompatModel."""
     head = "junction" if isinstance(model.junction, torch.nn.Linear) else "backbone"
-    return feature_way(config, head, int(model.feature_dim), int(model.embed_dim))
+    return feature_way(requested, method, head, int(model.feature_dim), int(model.embed_dim))
 
 
 # ---- storing -------------------------------------------------------------------------------------------------------
@@ -123,13 +121,14 @@ def isometric_coordinates(store: RunStore, query_head: JunctionRef,
     return (coordinates, coordinates) if same else (coordinates[:, :m_t], coordinates[:, m_t:])
 
 
-def bridge_entry(store: RunStore, query_key: str, gallery_key: str, protocol: dict, config,
+def bridge_entry(store: RunStore, query_key: str, gallery_key: str, rules: EntryRules,
                  device: torch.device | str = "cpu") -> tuple[float, str]:
     """Entry M(Q, G) of two bridge extracts (no adapter applies), searched on ``device``: (value, kernel used)."""
+    protocol = rules.protocol
     q_embed, q_labels, q_coarse, q_layout = read_embeddings(store, query_key)
     g_embed, g_labels, g_coarse, g_layout = read_embeddings(store, gallery_key)
-    if protocol["metric"] == "recall_at_1" and protocol["gallery"] == "instances":
-        if protocol["label_level"] == "coarse":
+    if protocol.metric == "recall_at_1" and protocol.gallery == "instances":
+        if protocol.label_level == "coarse":
             if q_coarse is None or g_coarse is None:
                 raise ValueError("evaluation.label_level: 'coarse' needs a dataset with coarse labels "
                                  "(this one has none)")
@@ -143,26 +142,25 @@ def bridge_entry(store: RunStore, query_key: str, gallery_key: str, protocol: di
     to_query, to_gallery = isometric_coordinates(store, q_layout.head, g_layout.head)
     q_coords = (torch.from_numpy(q_embed).double() @ to_query.t()).numpy()
     g_coords = (torch.from_numpy(g_embed).double() @ to_gallery.t()).numpy()
-    value = compute_entry((q_coords, q_labels, q_coarse), (g_coords, g_labels, g_coarse), protocol, config,
-                          device=device)
+    value = entry_metric((q_coords, q_labels, q_coarse), (g_coords, g_labels, g_coarse), rules, device=device)
     return float(value), f"isometric coordinates (r={to_query.shape[0]})"
 
 
-def entry_value(store: RunStore, config, query_record: FeatureRecord, gallery_record: FeatureRecord, protocol: dict,
+def entry_value(store: RunStore, rules: EntryRules, query_record: FeatureRecord, gallery_record: FeatureRecord,
                 adapters: list, device: torch.device | str = "cpu") -> tuple[float, EntryFeatures]:
-    """The value of one matrix entry, searched on ``device``, and how its features were used (way "bridge" |
-    "direct" | "materialized", kernel or reason, device, seconds). Direct extracts (and fallbacks) go through
-    ``compute_entry`` on d-dim features."""
+    """The value of one matrix entry under ``rules``, searched on ``device``, and how its features were used (way
+    "bridge" | "direct" | "materialized", kernel or reason, device, seconds). Direct extracts (and fallbacks) go
+    through ``entry_metric`` on d-dim features."""
     started = time.perf_counter()
     query_key, gallery_key = query_record.stage_key, gallery_record.stage_key
     ways = (query_record.layout.feature_way, gallery_record.layout.feature_way)
     if ways == ("bridge", "bridge") and not adapters:
-        value, kernel = bridge_entry(store, query_key, gallery_key, protocol, config, device)
+        value, kernel = bridge_entry(store, query_key, gallery_key, rules, device)
         how = EntryFeatures("bridge", kernel=kernel)
     else:
-        value = compute_entry(cached_features(store, query_key), cached_features(store, gallery_key), protocol,
-                              config, query_record.num_classes_model, gallery_record.num_classes_model,
-                              adapters=adapters, device=device)
+        value = entry_metric(cached_features(store, query_key), cached_features(store, gallery_key), rules,
+                             query_record.num_classes_model, gallery_record.num_classes_model, adapters=adapters,
+                             device=device)
         if "bridge" not in ways:
             how = EntryFeatures("direct")
         elif adapters:
@@ -184,8 +182,8 @@ def plan_lines(config, query_rows: int | None, gallery_rows: int | None, entries
     except Exception as error:  # noqa: BLE001 - a plan must print even when the backbone cannot be built here
         return [f"features: evaluation.features={config.evaluation.features}; embedding width unknown ({error})"]
     try:
-        way, reason = feature_way(config, resolved_head(config, getattr(METHODS.get(config.method.name), "classifier",
-                                                                         "simplex")), d, m)
+        head = resolved_head(config, METHODS.get(config.method.name).classifier)
+        way, reason = feature_way(config.evaluation.features, config.method.name, head, d, m)
     except ValueError as error:
         way, reason = "invalid", str(error)
     value_bytes = 2 if config.evaluation.feature_dtype == "float16" else 4

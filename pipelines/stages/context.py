@@ -1,6 +1,7 @@
-"""What a stage function receives and returns: the :class:`StageContext` (stage, config, run store, committed
-parent records, the progress ``emit`` and the torch device) and the :class:`StageResult` (typed record + blobs the
-engine commits), plus the device a config's ``device`` names."""
+"""What a stage function receives and returns: the :class:`StageContext` (its node with its typed inputs, the run
+store, its committed parents' records, the progress ``emit``, the torch device and the run's how-not-what settings)
+and the :class:`StageResult` (typed record + blobs the engine commits), plus the device a settings' ``device``
+names."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,9 +9,9 @@ from typing import Any, Callable
 
 import torch
 
-from pipelines.config.schema import ScenarioConfig
 from pipelines.graph.compile import Stage
 from pipelines.records.stage_records import Record
+from pipelines.stages.inputs import RunSettings
 from pipelines.store.run_store import RunStore
 
 Emit = Callable[[Any], None]
@@ -26,15 +27,20 @@ class StageResult:
 
 @dataclass
 class StageContext:
-    """Everything a stage function reads: its node, the scenario, the run store, its committed parents' records
-    (by key), where progress records go and the device it runs on."""
+    """Everything a stage function reads: its node (``stage.inputs``: what it computes from, all in its key), the run
+    store, its committed parents' records (by key), where progress records go, the device it runs on and how it runs
+    (``settings``: checkpoint cadence, input workers, the run's data guards; in no key)."""
 
     stage: Stage
-    config: ScenarioConfig
     store: RunStore
     parents: dict[str, Record]
     emit: Emit
     device: torch.device
+    settings: RunSettings
+
+    @property
+    def inputs(self) -> Any:
+        return self.stage.inputs
 
 
 def resolve_device(name: str) -> torch.device:

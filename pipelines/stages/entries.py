@@ -8,6 +8,7 @@ from pipelines.records.payloads import EvaluationProtocol
 from pipelines.records.stage_records import EntryRecord, FeatureRecord, RowRecord
 from pipelines.stages.bridge_features import entry_value
 from pipelines.stages.context import StageContext, StageResult
+from pipelines.stages.inputs import EntryInputs, EvaluateInputs, MatrixProtocol
 from pipelines.stages.model_io import ADAPTER_BLOB
 from pipelines.store.run_store import RunStore
 
@@ -35,19 +36,26 @@ def entry_stage(ctx: StageContext) -> StageResult:
     """The one function computing a matrix-entry record C[row, column]; parents = (query extract, gallery extracts
     of columns 0..row), so the FAN adapters of tasks column+1..row are applied to the gallery features."""
     stage = ctx.stage
-    row, column, protocol = int(stage.params["row"]), int(stage.params["column"]), stage.params["protocol"]
+    inputs: EntryInputs = ctx.inputs
+    row, column = inputs.row, inputs.column
     query_key, gallery_keys = stage.parents[0], stage.parents[1:]
     gallery_key = gallery_keys[column]
     adapters = entry_adapters(ctx.store, [ctx.parents[k] for k in gallery_keys], row, column)
-    value, features = entry_value(ctx.store, ctx.config, ctx.parents[query_key], ctx.parents[gallery_key], protocol,
+    value, features = entry_value(ctx.store, inputs.rules, ctx.parents[query_key], ctx.parents[gallery_key],
                                   adapters, ctx.device)
     return StageResult(EntryRecord(stage.key, row, column, value, query_key, gallery_key,
-                                   EvaluationProtocol.from_json(protocol, f"stage {stage.key}: protocol"), features))
+                                   protocol_record(inputs.rules.protocol, stage.key), features))
 
 
 def evaluate_stage(ctx: StageContext) -> StageResult:
     """Row t of the matrix, C[t, 0..t], from its committed entry nodes (its parents, in column order)."""
     stage = ctx.stage
-    protocol = EvaluationProtocol.from_json(stage.params["protocol"], f"stage {stage.key}: protocol")
+    inputs: EvaluateInputs = ctx.inputs
+    protocol = protocol_record(inputs.protocol, stage.key)
     values = [float(ctx.parents[key].value) for key in stage.parents]
-    return StageResult(RowRecord(stage.key, int(stage.task), values, list(stage.parents), protocol.metric, protocol))
+    return StageResult(RowRecord(stage.key, inputs.row, values, list(stage.parents), protocol.metric, protocol))
+
+
+def protocol_record(protocol: MatrixProtocol, stage_key: str) -> EvaluationProtocol:
+    """The protocol as the records hold it."""
+    return EvaluationProtocol.from_json(protocol.model_dump(mode="json"), f"stage {stage_key}: protocol")

@@ -1,4 +1,4 @@
-"""One matrix entry M(Q, G) from stored features (:func:`compute_entry`: retrieval or verification metrics, the
+"""One matrix entry M(Q, G) from stored features (:func:`entry_metric`: retrieval or verification metrics, the
 training-free methods' projection, gallery adapters) and the seeded verification pairs it draws."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from compat_core.retrieval import search as retrieval
 from compat_core.upgrades.adapters import apply_chain
 from pipelines.config.schema import ScenarioConfig
 from pipelines.methods import configured_method
+from pipelines.stages.inputs import EntryRules, MatrixProtocol
 
 
 def verification_pairs(query_labels: np.ndarray, gallery_labels: np.ndarray, count: int,
@@ -62,25 +63,37 @@ def verification_pairs(query_labels: np.ndarray, gallery_labels: np.ndarray, cou
 def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: ScenarioConfig,
                   query_classes: int = 0, gallery_classes: int = 0, adapters: list | None = None,
                   device: torch.device | str = "cpu") -> float:
+    """:func:`entry_metric` under ``protocol`` (protocol fields; the config's evaluation gives the ones left out)
+    and the rest of a scenario config's entry rules (commands that hold a config: ``compat gate``, serving)."""
+    rules = EntryRules.of(config)
+    fields = {**rules.protocol.model_dump(), **protocol}
+    rules = rules.model_copy(update={"protocol": MatrixProtocol.model_validate(fields)})
+    return entry_metric(query, gallery, rules, query_classes, gallery_classes, adapters, device)
+
+
+def entry_metric(query: tuple, gallery: tuple, rules: EntryRules, query_classes: int = 0, gallery_classes: int = 0,
+                 adapters: list | None = None, device: torch.device | str = "cpu") -> float:
     """One matrix entry M(Q, G) from stored features; ``query``/``gallery`` = (features, labels, coarse labels).
 
-    protocol: metric (recall_at_1 | map | verification | tar_at_far), gallery (instances | class_means),
-    label_level (fine | coarse), far, verification_pairs. query_classes / gallery_classes: classifier outputs of
-    the two models (PSP/LSP project the query into the gallery model's space). adapters: gallery adapters
-    (compat_core.upgrades.adapters, FAN's psi) that map the gallery model's features into the query model's space, oldest
-    first (see :func:`entry_adapters`), applied by :func:`compat_core.upgrades.adapters.apply_chain`.
-    device: where the retrieval metrics search (the entry stage's device: a GPU where the stage has one); the
-    top-1 is exact on every device. Returns a fraction in [0, 1].
+    rules: the protocol (metric recall_at_1 | map | verification | tar_at_far, gallery instances | class_means,
+    label_level fine | coarse, far, verification_pairs), the method (PSP/LSP project the query into the gallery
+    model's space), the seed of the verification pairs and whether query and gallery are the same images.
+    query_classes / gallery_classes: classifier outputs of the two models. adapters: gallery adapters
+    (compat_core.upgrades.adapters, FAN's psi) that map the gallery model's features into the query model's space,
+    oldest first (see :func:`pipelines.stages.entries.entry_adapters`), applied by
+    :func:`compat_core.upgrades.adapters.apply_chain`. device: where the retrieval metrics search (the entry stage's
+    device: a GPU where the stage has one); the top-1 is exact on every device. Returns a fraction in [0, 1].
     """
+    protocol = rules.protocol
     q_features, q_labels, q_coarse = query
     g_features, g_labels, g_coarse = gallery
-    if protocol["label_level"] == "coarse":
+    if protocol.label_level == "coarse":
         if q_coarse is None or g_coarse is None:
             raise ValueError("evaluation.label_level: 'coarse' needs a dataset with coarse labels (this one has none)")
         q_labels, g_labels = q_coarse, g_coarse
     q = torch.from_numpy(np.asarray(q_features, dtype=np.float32))
     g = torch.from_numpy(np.asarray(g_features, dtype=np.float32))
-    method = configured_method(config)
+    method = configured_method(rules.method)
     if getattr(method, "training_free", False):
         # features are logits; PSP/LSP project both into the class space of the older (gallery) model
         q = method.extract_features(q, num_classes_old=gallery_classes or None)
@@ -91,22 +104,21 @@ def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: Scenario
     g = torch.nn.functional.normalize(g.float(), dim=1)
     q_labels = np.asarray(q_labels, dtype=np.int64)
     g_labels = np.asarray(g_labels, dtype=np.int64)
-    metric = protocol["metric"]
+    metric = protocol.metric
     if metric in ("recall_at_1", "map"):
         q, g = q.to(device), g.to(device)
-        if protocol["gallery"] == "class_means":
+        if protocol.gallery == "class_means":
             g, g_labels = retrieval.class_mean_gallery(g, g_labels)
     if metric == "recall_at_1":
         value = retrieval.recall_at_1(q, q_labels, g, g_labels)
     elif metric == "map":
         value = retrieval.mean_average_precision(q, q_labels, g, g_labels)
     else:
-        same_pool = config.evaluation.query_set == config.evaluation.gallery_set
-        index_a, index_b, same = verification_pairs(q_labels, g_labels, int(protocol["verification_pairs"]),
-                                                    config.seed, same_pool=same_pool)
+        index_a, index_b, same = verification_pairs(q_labels, g_labels, int(protocol.verification_pairs),
+                                                    rules.seed, same_pool=rules.same_pool)
         if metric == "verification":
             value = verification.verification_accuracy(q[index_a], g[index_b], same)[0]
         else:
             scores = (q[index_a].double() * g[index_b].double()).sum(dim=1).numpy()
-            value = verification.tar_at_far(scores, same, far=protocol["far"])
+            value = verification.tar_at_far(scores, same, far=protocol.far)
     return float(value)

@@ -18,8 +18,9 @@ from pipelines.methods import configured_method
 from pipelines.records.stage_records import FeatureRecord
 from pipelines.stages.bridge_features import bridge_blobs, model_feature_way
 from pipelines.stages.context import StageContext, StageResult
+from pipelines.stages.inputs import Extraction, ExtractInputs
 from pipelines.stages.model_io import ADAPTER_BLOB, artifact_location, load_model_artifact
-from pipelines.stages.pools import check_pools_open_set, load_pool
+from pipelines.stages.pools import check_open_set_pools, load_pool
 from pipelines.store.run_store import feature_blobs
 from pipelines.training.autocast import example_batch, precision_context, prepare_model, resolve_autocast
 
@@ -27,11 +28,10 @@ from pipelines.training.autocast import example_batch, precision_context, prepar
 @torch.no_grad()
 def extract_stage(ctx: StageContext) -> StageResult:
     """Features of the parent model on the query or gallery set, once, stored as fp16 (default) shards."""
-    config = ctx.config
-    split = ctx.stage.split
-    check_pools_open_set(config)
-    spec = config.evaluation.query_set if split == "query" else config.evaluation.gallery_set
-    pool = load_pool(spec, f"evaluation.{split}_set")
+    inputs: ExtractInputs = ctx.inputs
+    if ctx.settings.guards is not None:
+        check_open_set_pools(ctx.settings.guards.open_set)  # the data-level guard, where the test pools are read
+    pool = load_pool(inputs.pool, f"evaluation.{inputs.split}_set")
     model_record = ctx.parents[ctx.stage.parents[0]]
     model = load_model_artifact(ctx.store, model_record, ctx.device)
     total = len(pool)
@@ -40,45 +40,54 @@ def extract_stage(ctx: StageContext) -> StageResult:
     def progress(done: int, batches: int, images_per_second: float) -> None:
         ctx.emit(ProgressUpdate(ctx.stage.key, done, batches, "batch", images_per_second))
 
-    way, reason = model_feature_way(config, model)  # bridge: store m-dim embeddings, entries use the exact bridge
-    features = extract_pool_features(model, pool, config, ctx.device, progress, embeddings=way == "bridge")
+    # bridge: store m-dim embeddings, entries use the exact bridge
+    way, reason = model_feature_way(inputs.features, inputs.extraction.method.name, model)
+    features = pool_features(model, pool, inputs.extraction, ctx.device, ctx.settings.input_workers, progress,
+                             embeddings=way == "bridge")
     seconds = time.perf_counter() - started
     coarse = getattr(pool, "coarse_labels", None)
     if way == "bridge":
         blobs, layout = bridge_blobs(features, model_record.stage_key, model.feature_dim, np.asarray(pool.labels),
-                                     coarse, config.evaluation.feature_dtype)
+                                     coarse, inputs.feature_dtype)
     else:
-        blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse,
-                                      dtype=config.evaluation.feature_dtype)
+        blobs, layout = feature_blobs(features, np.asarray(pool.labels), coarse, dtype=inputs.feature_dtype)
         layout.way = "direct"
     layout.way_reason = reason
     adapter = ADAPTER_BLOB if ADAPTER_BLOB in model_record.extra_blobs else None
-    record = FeatureRecord(ctx.stage.key, int(ctx.stage.task), split, artifact_location(ctx.stage.key), layout,
+    record = FeatureRecord(ctx.stage.key, inputs.task, inputs.split, artifact_location(ctx.stage.key), layout,
                            num_classes_model=model_record.num_active_classes, seconds=seconds,
                            images_per_second=total / max(seconds, 1e-9), model_stage_key=model_record.stage_key,
                            adapter_blob=adapter)
     return StageResult(record, blobs)
 
 
-@torch.no_grad()
 def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.device,
                           progress: Callable[[int, int, float], None] | None = None,
                           embeddings: bool = False) -> np.ndarray:
+    """:func:`pool_features` with the extraction settings of a scenario config (commands that hold one: ``compat
+    gate``, the serving index and backfill)."""
+    return pool_features(model, pool, Extraction.of(config), device, config.training.input_workers, progress,
+                         embeddings)
+
+
+@torch.no_grad()
+def pool_features(model, pool, extraction: Extraction, device: torch.device, input_workers: int = 0,
+                  progress: Callable[[int, int, float], None] | None = None, embeddings: bool = False) -> np.ndarray:
     """(N, D) float32 features of ``model`` on every image of ``pool`` (logits for training-free methods; the
     (N, m) backbone embeddings with ``embeddings``, for the linear-head bridge).
 
-    The one extraction path: extract stages and ``compat gate`` use it. The next batches are decoded on CPU
-    workers (``training.input_workers``) while the model runs. progress(batch, batches, images per s).
+    The one extraction path: extract stages and ``compat gate`` use it. The next batches are decoded on
+    ``input_workers`` CPU processes while the model runs. progress(batch, batches, images per s).
     """
-    batch_size = config.evaluation.batch_size
-    mode = config.training.autocast
+    batch_size = extraction.batch_size
+    mode = extraction.autocast
     if len(pool):
         # "auto": inference in half precision only where a measured forward pass of this model is faster
         mode = resolve_autocast(mode, device, model, example_batch(pool, np.arange(min(len(pool), batch_size)),
                                                                    batch_size, device), train=False)
     model = prepare_model(model, device, mode)
     model.eval()
-    method = configured_method(config)
+    method = configured_method(extraction.method)
     transform = make_transforms(pool, train=False)
     outputs = []
     started = time.perf_counter()
@@ -86,7 +95,7 @@ def extract_pool_features(model, pool, config: ScenarioConfig, device: torch.dev
     batches = max(1, -(-total // batch_size))
     stream = stream_batches(pool, np.arange(total), [np.arange(start, min(start + batch_size, total))
                                                      for start in range(0, total, batch_size)],
-                            workers=config.training.input_workers, pin_memory=device.type == "cuda")
+                            workers=input_workers, pin_memory=device.type == "cuda")
     with torch.no_grad():
         for batch_index, (positions, images) in enumerate(stream):
             images = images.to(device, non_blocking=True)

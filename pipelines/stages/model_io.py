@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from compat_core.kinds import ClassifierFamily
 from compat_core.models import learnable_from_simplex, load_external_weights
 from compat_core.models.compat_model import (
     CONFIG_FILE,
@@ -17,11 +18,10 @@ from compat_core.models.compat_model import (
     model_from_bytes,
     model_to_bytes,
 )
-from pipelines.config.schema import PRETRAIN_PREFIX, ScenarioConfig, resolved_head
-from pipelines.graph.source_digests import source_digest
 from pipelines.records.payloads import WeightsReport
 from pipelines.records.stage_records import ModelRecord
 from pipelines.stages.context import StageContext
+from pipelines.stages.inputs import ModelShape, ModelSource
 from pipelines.store.run_store import RunStore
 
 # Adapters a method exports (TrainResult.extra_state) are stored next to the model as extra-<name>.safetensors
@@ -56,16 +56,12 @@ def _seed_everything(seed: int) -> None:
     np.random.seed(seed % (2**32))
 
 
-def initial_model(config: ScenarioConfig, classifier: str, seed: int, backbone: str | None = None,
-                   backbone_config: dict | None = None, num_active: int = 0):
+def initial_model(shape: ModelShape, classifier: ClassifierFamily, seed: int, num_active: int = 0):
+    """A fresh model of ``shape`` with ``classifier``, its weights drawn after seeding torch and numpy with
+    ``seed``."""
     _seed_everything(seed)
-    # a d-Simplex model always has the junction (a third-party d-Simplex model of a scenario whose learnable
-    # method uses the backbone head is converted exactly when adopted, see load_source)
-    head = "junction" if classifier == "simplex" else resolved_head(config, classifier)
-    return create_model(backbone or config.model.backbone, config.model.num_slots, classifier=classifier,
-                        backbone_config=config.model.backbone_config if backbone_config is None else backbone_config,
-                        num_active_classes=num_active, head=head)
-
+    return create_model(shape.backbone, shape.num_slots, classifier=classifier, backbone_config=shape.backbone_config,
+                        num_active_classes=num_active, head=shape.head)
 
 
 def load_weights_strictly(model, source: str, sha256: str | None, ignore: list[str] | None,
@@ -80,30 +76,29 @@ def load_weights_strictly(model, source: str, sha256: str | None, ignore: list[s
     return WeightsReport.from_json({"key": key, **report.to_json()}, f"{key}: load report")
 
 
-def load_source(ctx: StageContext, source: str, classifier: str, backbone: str | None, backbone_config: dict | None,
-                 sha256: str | None, seed: int, num_pretrain_classes: int | None = None, ignore: list[str] | None = None,
-                 key: str = "source") -> tuple[Any, int, WeightsReport | None]:
+def load_source(ctx: StageContext, source: ModelSource, classifier: ClassifierFamily, head: str,
+                seed: int) -> tuple[Any, int, WeightsReport | None]:
     """Model to start from, P (classes it was pre-trained on) and the weights load report (None for a pretrain
-    stage's output): a pretrain stage's output or external weights."""
-    if source.startswith(PRETRAIN_PREFIX):
-        name = source[len(PRETRAIN_PREFIX):]
-        matches = [r for r in ctx.parents.values() if isinstance(r, ModelRecord) and r.pretrain_name == name]
+    stage's output): a pretrain stage's output (a parent; a d-Simplex one adopted by a learnable line keeps its
+    logits exactly, with the line's ``head``) or a weights file loaded strictly into a fresh model seeded ``seed``."""
+    if source.pretrain is not None:
+        matches = [r for r in ctx.parents.values() if isinstance(r, ModelRecord) and r.pretrain_name == source.pretrain]
         if not matches:
-            raise RuntimeError(f"stage {ctx.stage.label}: source {source!r} is not among its parents")
+            raise RuntimeError(f"stage {ctx.stage.label}: source {source.text!r} is not among its parents")
         record = matches[0]
         model = load_model_artifact(ctx.store, record, ctx.device)
         if record.classifier == "simplex" and classifier == "learnable":
             # a third-party model shared with d-Simplex runs (pretrain classifier: simplex): the same logits on
             # its classes, as this method's learnable head
-            model = learnable_from_simplex(model, record.pretrained_classes, resolved_head(ctx.config, classifier))
+            model = learnable_from_simplex(model, record.pretrained_classes, head)
         elif record.classifier != classifier:
-            raise ValueError(f"stage {ctx.stage.label}: {source!r} has a {record.classifier} classifier; method "
-                             f"{ctx.config.method.name!r} needs a {classifier} one (see pretrain classifier)")
+            raise ValueError(f"stage {ctx.stage.label}: {source.text!r} has a {record.classifier} classifier; this "
+                             f"line needs a {classifier} one (see pretrain classifier)")
         return model, record.pretrained_classes, None
-    pretrained = int(num_pretrain_classes or 0)
-    model = initial_model(ctx.config, classifier, seed, backbone, backbone_config,
-                           num_active=pretrained if classifier == "learnable" else 0)
-    report = load_weights_strictly(model, source, sha256 or source_digest(ctx.stage.params), ignore, key)
+    pretrained = int(source.num_pretrain_classes or 0)
+    model = initial_model(source.model, classifier, seed, num_active=pretrained if classifier == "learnable" else 0)
+    report = load_weights_strictly(model, source.file.location, source.file.sha256, source.file.ignore_keys,
+                                   source.file.config_key)
     return model.to(ctx.device), pretrained, report
 
 

@@ -19,9 +19,11 @@ from compat_core.data.datasets import load_dataset
 from compat_core.data.replay_parquet import encoded_images
 from compat_core.data.stream import keep_rows
 from compat_core.data.tasks import build_task_sequence
+from compat_core.kinds import ClassifierFamily
 from compat_core.simplex import SlotMapper
 from pipelines.config.load import stable_hash
 from pipelines.config.schema import PoolSpec, ScenarioConfig
+from pipelines.stages.inputs import ClassOrder, DataGuards, OpenSetPools
 
 
 class SubsetSource:
@@ -106,18 +108,28 @@ def load_pool(spec: PoolSpec, key: str = "pool") -> Any:
     return pool
 
 
-def task_classes(config: ScenarioConfig) -> list[np.ndarray]:
-    """Dataset class ids of each task (0-based list index), by the seeded task-sequence builder."""
-    pool = load_pool(config.data, "data")
+def task_classes(data: PoolSpec, classes: ClassOrder, guards: DataGuards | None = None) -> list[np.ndarray]:
+    """Dataset class ids of each task of ``classes`` (0-based list index), by the seeded task-sequence builder: a
+    permutation of all the pool's classes (or the order given) cut into consecutive chunks, so the classes of a
+    task never depend on the tasks after it. ``guards``: the run's, whose tasks (all of them) the pool must hold."""
+    pool = load_pool(data, "data")
     class_ids = np.unique(np.asarray(pool.labels))
-    total = sum(config.increments)
+    spec, total = "+".join(str(count) for count in classes.increments), sum(classes.increments)
+    if guards is not None and guards.task_classes > total:
+        spec, total = guards.tasks_spec, guards.task_classes
     if class_ids.shape[0] < total:
-        raise ValueError(f"tasks.spec: {config.tasks.spec!r} needs {total} classes, data pool has {class_ids.shape[0]}")
-    if config.tasks.order == "given":
+        raise ValueError(f"tasks.spec: {spec!r} needs {total} classes, data pool has {class_ids.shape[0]}")
+    if classes.order == "given":
         # the reference codes take classes in the dataset's id order (alphabetical for CIFAR) or a published list
-        class_ids = np.asarray(class_ids if config.data.classes is None else config.data.classes, dtype=np.int64)
-    sequence = build_task_sequence(class_ids, config.tasks.spec, config.task_seed, order=config.tasks.order)
+        class_ids = np.asarray(class_ids if data.classes is None else data.classes, dtype=np.int64)
+    sequence = build_task_sequence(class_ids, "+".join(str(count) for count in classes.increments), classes.seed,
+                                   order=classes.order)
     return [np.asarray(t, dtype=np.int64) for t in sequence.tasks]
+
+
+def scenario_task_classes(config: ScenarioConfig) -> list[np.ndarray]:
+    """:func:`task_classes` of every task of a scenario (planning and tests)."""
+    return task_classes(config.data, ClassOrder.of(config), DataGuards.of(config))
 
 
 def class_identities(pool: Any) -> np.ndarray:
@@ -135,6 +147,11 @@ _OPEN_SET_CHECKED: set[str] = set()
 
 
 def check_pools_open_set(config: ScenarioConfig) -> None:
+    """:func:`check_open_set_pools` of a scenario's pools."""
+    check_open_set_pools(OpenSetPools.of(config))
+
+
+def check_open_set_pools(pools: OpenSetPools) -> None:
     """Data-level open-set guard: no fine class of a training pool (fine-tuning data, every pre-training pool)
     may occur in the query or gallery set. Raises ValueError naming both pools; checked once per process.
 
@@ -143,16 +160,11 @@ def check_pools_open_set(config: ScenarioConfig) -> None:
     classes). Pools of different datasets are disjoint by the protocol that pairs them (CIFAR-100 -> CIFAR-10,
     CUB180 -> CUB20, CASIA-WebFace -> CelebA, ...), which each shipped config states in its ``paper`` section.
     """
-    key = stable_hash([config.data.model_dump(mode="json"), [p.pool.model_dump(mode="json") for p in config.pretrain],
-                       config.evaluation.query_set.model_dump(mode="json"),
-                       config.evaluation.gallery_set.model_dump(mode="json"), os.getcwd()])
+    key = stable_hash([pools.model_dump(mode="json"), os.getcwd()])
     if key in _OPEN_SET_CHECKED:
         return
-    training = [("data", config.data)] + [(f"pretrain[{p.name}].pool", p.pool) for p in config.pretrain]
-    tests = [("evaluation.query_set", config.evaluation.query_set),
-             ("evaluation.gallery_set", config.evaluation.gallery_set)]
-    for test_key, test_spec in tests:
-        same_dataset = [(k, s) for k, s in training if s.dataset == test_spec.dataset]
+    for test_key, test_spec in pools.tests:
+        same_dataset = [(k, s) for k, s in pools.training if s.dataset == test_spec.dataset]
         if not same_dataset:
             continue
         test_classes = class_identities(load_pool(test_spec, test_key))
@@ -168,7 +180,8 @@ def check_pools_open_set(config: ScenarioConfig) -> None:
     _OPEN_SET_CHECKED.add(key)
 
 
-def slot_of_positions(positions: np.ndarray, classifier: str, num_slots: int, pretrained_classes: int) -> np.ndarray:
+def slot_of_positions(positions: np.ndarray, classifier: ClassifierFamily, num_slots: int,
+                      pretrained_classes: int) -> np.ndarray:
     """Classifier targets of fine-tuning class positions (see module docstring). Shapes (N,) -> (N,) int64.
 
     d-Simplex slots go through :class:`compat_core.simplex.SlotMapper`, which refuses a position outside the K slots

@@ -9,7 +9,7 @@ from compat_core.data import replay
 from compat_core.data.replay import ReplayMemory
 from compat_core.data.replay_parquet import EncodedImages, concatenate_images, encoded_images
 from compat_core.integrity import IntegrityError
-from pipelines.config.schema import ScenarioConfig
+from pipelines.config.schema import ReplaySpec
 from pipelines.records.payloads import ReplayShard
 from pipelines.records.stage_records import ModelRecord
 from pipelines.stages.context import StageContext
@@ -90,15 +90,16 @@ def write_task_memory_shard(ctx: StageContext, task: int, memory: tuple, memory_
     return write_memory_shard(ctx.store, ctx.stage.key, task, record, images)
 
 
-def updated_memory(config: ScenarioConfig, memory: tuple, new_indices, new_positions, task: int,
+def updated_memory(replay_spec: ReplaySpec, seed: int, memory: tuple, new_indices, new_positions, task: int,
                    features: np.ndarray | None = None) -> tuple:
-    """Add ``per_class`` samples of each new class; old classes keep theirs (fixed quota per seen class).
+    """Add ``replay_spec.per_class`` samples of each new class; old classes keep theirs (fixed quota per seen class),
+    selected with seed ``seed * 1000 + task`` (``seed``: the scenario seed).
 
     features: (n, K-1) features of the new samples for ``replay.strategy: herding`` (None for random)."""
     indices, positions, tasks = memory
     current = replay.ReplayMemory(indices=indices, labels=positions, slots=positions, source_task=tasks)
     updated = replay.update_memory(current, new_indices, new_positions, new_positions, task,
-                                   config.replay.per_class, strategy=config.replay.strategy,
-                                   seed=config.seed * 1000 + task, features=features)
+                                   replay_spec.per_class, strategy=replay_spec.strategy,
+                                   seed=seed * 1000 + task, features=features)
     return (np.asarray(updated.indices, dtype=np.int64), np.asarray(updated.labels, dtype=np.int64),
             np.asarray(updated.source_task, dtype=np.int64))

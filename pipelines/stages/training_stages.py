@@ -3,19 +3,18 @@ of the scenario, then the replay memory update), with their epoch checkpoints, p
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from compat_core.upgrades.adapters import save_adapter
-from pipelines.config.schema import ScenarioConfig
 from pipelines.engine.progress import ProgressUpdate
-from pipelines.graph.source_digests import source_digest
-from pipelines.graph.stage_kind import StageKind
 from pipelines.methods import configured_method
 from pipelines.records.payloads import TrainingSummary
 from pipelines.records.stage_records import MemoryRecord, ModelRecord
 from pipelines.stages.context import StageContext, StageResult
+from pipelines.stages.inputs import PretrainInputs, TrainInputs
 from pipelines.stages.model_io import (
     artifact_location,
     frozen,
@@ -69,8 +68,7 @@ def _summary(result: Any) -> TrainingSummary:
 
 def _checkpoints(ctx: StageContext):
     """The stage's epoch checkpoints in the run store (None with ``training.checkpoint_every_epochs: 0``)."""
-    training = ctx.config.training
-    policy = policy_from_settings(training.checkpoint_every_epochs, training.checkpoint_every_minutes)
+    policy = policy_from_settings(ctx.settings.checkpoint_every_epochs, ctx.settings.checkpoint_every_minutes)
     if policy is None:
         return None
     # data-parallel ranks keep theirs through their launcher (Ray Train), written once, by rank 0
@@ -84,36 +82,34 @@ def pretrain_stage(ctx: StageContext) -> StageResult:
     same K, or a learnable classifier), as the reference pre-trains third-party models; ``classifier: simplex``
     trains one d-Simplex model that runs of every method share.
     """
-    config = ctx.config
-    spec = config.pretrain_spec(ctx.stage.name)
-    classifier = ctx.stage.params["classifier"]  # the entry's family, resolved by the graph
-    pool = load_pool(spec.pool, f"pretrain[{spec.name}].pool")
+    inputs: PretrainInputs = ctx.inputs
+    pool = load_pool(inputs.pool, f"pretrain[{inputs.name}].pool")
     labels = np.asarray(pool.labels)
     occupied = int(labels.max()) + 1 if labels.size else 0
-    if occupied != spec.num_classes or np.unique(labels).size != spec.num_classes:
-        raise ValueError(f"pretrain[{spec.name}].num_classes: config says {spec.num_classes}; the pool has "
+    if occupied != inputs.num_classes or np.unique(labels).size != inputs.num_classes:
+        raise ValueError(f"pretrain[{inputs.name}].num_classes: config says {inputs.num_classes}; the pool has "
                          f"{np.unique(labels).size} classes with labels up to {occupied - 1} (pre-training labels "
                          f"are the slots, so they must be exactly 0..num_classes-1)")
-    seed = spec.seed if spec.seed is not None else config.seed
-    model = initial_model(config, classifier, seed, spec.backbone, spec.backbone_config,
-                           num_active=spec.num_classes if classifier == "learnable" else 0)
+    learnable = inputs.classifier == "learnable"
+    model = initial_model(inputs.model, inputs.classifier, inputs.seed,
+                          num_active=inputs.num_classes if learnable else 0)
     weights = None
-    if spec.init is not None:
+    if inputs.init is not None:
         # fine-tune published weights (e.g. DINOv3) on the pool; the junction and classifier start fresh
-        weights = load_weights_strictly(model, spec.init, spec.init_sha256 or source_digest(ctx.stage.params),
-                                        spec.init_ignore_keys, f"pretrain[{spec.name}].init")
-        if spec.init_sha256 is None:
+        init = inputs.init
+        weights = load_weights_strictly(model, init.location, init.sha256, init.ignore_keys, init.config_key)
+        if not init.pinned:
             logging.getLogger(__name__).warning(
                 "pretrain[%s].init: no init_sha256 set; %s has sha256 %s: pin it with init_sha256: %s so that a "
-                "changed file is refused", spec.name, spec.init, weights.sha256, weights.sha256)
+                "changed file is refused", inputs.name, init.location, weights.sha256, weights.sha256)
     model = model.to(ctx.device)
-    model.config["pretrained_classes"] = spec.num_classes
-    result = pretrain_model(model, pool, np.arange(len(pool)), config.train_config(seed, ctx.device, spec),
+    model.config["pretrained_classes"] = inputs.num_classes
+    result = pretrain_model(model, pool, np.arange(len(pool)), inputs.training.train_config(ctx.device, ctx.settings),
                             on_record=ctx.emit, progress=_progress_hook(ctx), checkpoints=_checkpoints(ctx))
     record = ModelRecord(ctx.stage.key, artifact_location(ctx.stage.key), task=None, line=0,
-                         pretrained_classes=spec.num_classes, positions_seen=0, classifier=classifier,
-                         num_active_classes=spec.num_classes if classifier == "learnable" else 0,
-                         training=_summary(result), pretrain_name=spec.name, weights=weights)
+                         pretrained_classes=inputs.num_classes, positions_seen=0, classifier=inputs.classifier,
+                         num_active_classes=inputs.num_classes if learnable else 0,
+                         training=_summary(result), pretrain_name=inputs.name, weights=weights)
     return StageResult(record, model_blobs(result.model))
 
 
@@ -121,15 +117,15 @@ def _state_copy(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def selection_split(config: ScenarioConfig, pool, indices: np.ndarray, seed: int):
-    """CoReS Sec. 8.2 held-out split: ``selection_holdout`` of the task's samples per class, halved into query and
-    gallery; returns (training indices without them, SelectionSplit)."""
+def selection_split(holdout: float, pool, indices: np.ndarray, seed: int):
+    """CoReS Sec. 8.2 held-out split: ``holdout`` (``training.selection_holdout``) of the task's samples per class,
+    halved into query and gallery; returns (training indices without them, SelectionSplit)."""
     rng = np.random.default_rng(seed)
     labels = np.asarray(pool.labels)[indices]
     held_query, held_gallery = [], []
     for c in np.unique(labels):
         members = indices[labels == c][rng.permutation(int((labels == c).sum()))]
-        count = max(2, int(round(config.training.selection_holdout * members.size)))
+        count = max(2, int(round(holdout * members.size)))
         if count >= members.size:
             continue
         held = members[:count]
@@ -142,95 +138,180 @@ def selection_split(config: ScenarioConfig, pool, indices: np.ndarray, seed: int
     return remaining, SelectionSplit(pool, query, gallery)
 
 
-def train_task_stage(ctx: StageContext) -> StageResult:
-    """finetune(t) / replace(t): one task of the scenario, then the replay memory update."""
-    config = ctx.config
-    stage = ctx.stage
-    task = int(stage.task)
-    method = configured_method(config)
-    classifier = method.classifier
-    K = config.model.num_slots
-    pool = load_pool(config.data, "data")
-    tasks = task_classes(config)
-    position_of = {int(c): i for i, c in enumerate(np.concatenate(tasks))}
-    pool_labels = np.asarray(pool.labels)
-    first_position = sum(len(t) for t in tasks[:task])
-    seed = config.seed * 1000 + task
-    previous = ctx.parents[stage.parents[0]] if task > 0 else None
+@dataclass
+class _Task:
+    """What one task stage works with: its inputs, method, the fine-tuning pool and class order, and the line's
+    previous model record with the replay memory it left."""
+
+    ctx: StageContext
+    inputs: TrainInputs
+    method: Any
+    pool: Any
+    tasks: list[np.ndarray]
+    previous: ModelRecord | None
+    memory: tuple
+    memory_images: Any
+
+    @property
+    def task(self) -> int:
+        return self.inputs.task
+
+    @property
+    def seed(self) -> int:
+        """The task's training seed."""
+        return self.inputs.seed * 1000 + self.inputs.task
+
+    @property
+    def first_position(self) -> int:
+        """Class positions of the tasks before this one."""
+        return sum(len(t) for t in self.tasks[: self.task])
+
+    @property
+    def position_of(self) -> dict[int, int]:
+        return {int(c): i for i, c in enumerate(np.concatenate(self.tasks))}
+
+    @property
+    def use_memory(self) -> bool:
+        method = self.method
+        return method.uses_replay and self.inputs.replay.per_class > 0 and not method.retrain_from_scratch
+
+
+@dataclass
+class _Start:
+    """The model a task trains, the frozen old model (or None), P (classes of the line's pre-training), the line,
+    the external weights' load report and the initial state (methods that retrain from scratch)."""
+
+    model: Any
+    old_model: Any = None
+    pretrained: int = 0
+    line: int = 0
+    weights: Any = None
+    initial_state: dict | None = None
+
+
+def _open_task(ctx: StageContext) -> _Task:
+    inputs: TrainInputs = ctx.inputs
+    method = configured_method(inputs.method)
+    pool = load_pool(inputs.data, "data")
+    tasks = task_classes(inputs.data, inputs.classes, ctx.settings.guards)
+    previous = ctx.parents[ctx.stage.parents[0]] if inputs.task > 0 else None
     memory = memory_from_record(ctx.store, previous)
     # the previous task's exemplars come from its replay shard (verified now, before any training), never from
     # the old tasks' source data
     memory_images = memory_images_from_record(ctx.store, previous, memory)
-    replacement = config.replacement_at(task) if stage.kind == StageKind.REPLACE else None
-    wants_old = method.needs_old_model or config.training.model_selection == "compatibility"
+    return _Task(ctx, inputs, method, pool, tasks, previous, memory, memory_images)
 
-    initial_state = None
-    old_model = None
-    weights = None
+
+def _start(work: _Task) -> _Start:
+    """The model the task starts from (see the method docstring: fresh, loaded or the previous task's) and the old
+    model it stays compatible with."""
+    ctx, inputs, method, previous = work.ctx, work.inputs, work.method, work.previous
+    classifier = method.classifier
+    wants_old = method.needs_old_model or inputs.training.model_selection == "compatibility"
     if method.retrain_from_scratch:
         # CoReS: the same initial weights (seeded once) at every step; PSP/LSP: independently trained models, each
         # step with its own initial weights (the paper; CoReS Sec. 8.3 shows a shared start raises AC). All data so far.
-        init_seed = seed if getattr(method, "independent_init", False) else config.seed
-        model = initial_model(config, classifier, init_seed).to(ctx.device)
-        initial_state = _state_copy(model)
-        pretrained, line = 0, 0
+        init_seed = work.seed if getattr(method, "independent_init", False) else inputs.seed
+        model = initial_model(inputs.model, classifier, init_seed).to(ctx.device)
+        start = _Start(model, initial_state=_state_copy(model))
         if previous is not None and wants_old:
-            old_model = frozen(load_model_artifact(ctx.store, previous, ctx.device))
-        indices = np.flatnonzero(np.isin(pool_labels, np.concatenate(tasks[: task + 1])))
-    else:
-        if replacement is not None:
-            index = config.replacements.index(replacement)
-            model, pretrained, weights = load_source(ctx, replacement.source, classifier, replacement.backbone,
-                                                      replacement.backbone_config, replacement.sha256, config.seed,
-                                                      replacement.num_pretrain_classes, replacement.ignore_keys,
-                                                      f"replacements[{index}].source")
-            line = previous.line + 1
-            if replacement.anchor == "replaced":
+            start.old_model = frozen(load_model_artifact(ctx.store, previous, ctx.device))
+        return start
+    if inputs.start is not None:
+        model, pretrained, weights = load_source(ctx, inputs.start, classifier, inputs.model.head, inputs.seed)
+        start = _Start(model, pretrained=pretrained, weights=weights)
+        if inputs.replaces:
+            start.line = previous.line + 1
+            if inputs.anchor == "replaced":
                 # trained to be compatible with the model it replaces (its features are what the index holds)
-                old_model = frozen(load_model_artifact(ctx.store, previous, ctx.device))
+                start.old_model = frozen(load_model_artifact(ctx.store, previous, ctx.device))
             else:
-                old_model = frozen(model)  # the reference HOC anchors to the newly loaded model
-        elif task == 0 and config.initial_model:
-            model, pretrained, weights = load_source(ctx, config.initial_model, classifier, None, None, None,
-                                                      config.seed, ignore=config.initial_model_ignore_keys,
-                                                      key="initial_model")
-            line = 0
-            if wants_old:
-                # a line that starts from loaded weights anchors to them, at the first task as at a replacement
-                old_model = frozen(model)
-        elif task == 0:
-            model, pretrained, line = initial_model(config, classifier, config.seed).to(ctx.device), 0, 0
-        else:
-            model = load_model_artifact(ctx.store, previous, ctx.device)
-            pretrained, line = previous.pretrained_classes, previous.line
-            if wants_old:
-                old_model = frozen(model)
-        if classifier == "simplex" and model.num_slots != K:
-            raise ValueError(f"model.num_slots: the starting model of task {task + 1} (1-based) has "
-                             f"K={model.num_slots}, the scenario uses K={K}; a d-Simplex line needs one K throughout")
-        indices = np.flatnonzero(np.isin(pool_labels, tasks[task]))
+                start.old_model = frozen(model)  # the reference HOC anchors to the newly loaded model
+        elif wants_old:
+            # a line that starts from loaded weights anchors to them, at the first task as at a replacement
+            start.old_model = frozen(model)
+    elif work.task == 0:
+        start = _Start(initial_model(inputs.model, classifier, inputs.seed).to(ctx.device))
+    else:
+        model = load_model_artifact(ctx.store, previous, ctx.device)
+        start = _Start(model, pretrained=previous.pretrained_classes, line=previous.line)
+        if wants_old:
+            start.old_model = frozen(model)
+    K = inputs.model.num_slots
+    if classifier == "simplex" and start.model.num_slots != K:
+        raise ValueError(f"model.num_slots: the starting model of task {work.task + 1} (1-based) has "
+                         f"K={start.model.num_slots}, the scenario uses K={K}; a d-Simplex line needs one K throughout")
+    return start
 
+
+def _task_data(work: _Task, start: _Start) -> TaskData:
+    """The task's samples (all tasks so far for methods that retrain from scratch), their slots, the replay memory
+    and the held-out selection split."""
+    inputs, method, pool, tasks = work.inputs, work.method, work.pool, work.tasks
+    classifier, K = method.classifier, inputs.model.num_slots
+    pool_labels = np.asarray(pool.labels)
+    if method.retrain_from_scratch:
+        indices = np.flatnonzero(np.isin(pool_labels, np.concatenate(tasks[: work.task + 1])))
+    else:
+        indices = np.flatnonzero(np.isin(pool_labels, tasks[work.task]))
     selection = None
-    if config.training.model_selection == "compatibility":
-        indices, selection = selection_split(config, pool, indices, seed)
+    if inputs.training.model_selection == "compatibility":
+        indices, selection = selection_split(inputs.training.selection_holdout, pool, indices, work.seed)
+    position_of = work.position_of
     positions = np.asarray([position_of[int(c)] for c in pool_labels[indices]], dtype=np.int64)
-    use_memory = method.uses_replay and config.replay.per_class > 0 and not method.retrain_from_scratch
     memory_indices = memory_slots = None
     train_source = pool
-    if use_memory and memory[0].size:
-        memory_indices = memory[0]
-        memory_slots = slot_of_positions(memory[1], classifier, K, pretrained)
-        if memory_images is not None:
-            train_source = WithMemory(pool, memory_images, np.concatenate(tasks)[memory[1]])
+    if work.use_memory and work.memory[0].size:
+        memory_indices = work.memory[0]
+        memory_slots = slot_of_positions(work.memory[1], classifier, K, start.pretrained)
+        if work.memory_images is not None:
+            train_source = WithMemory(pool, work.memory_images, np.concatenate(tasks)[work.memory[1]])
             memory_indices = train_source.memory_indices()
+    first_position = work.first_position
     num_old = first_position if not method.retrain_from_scratch else 0
-    data = TaskData(
-        source=train_source, task=task, indices=indices, slots=slot_of_positions(positions, classifier, K, pretrained),
-        num_old_classes=num_old + (pretrained if classifier == "learnable" else 0),
-        num_new_classes=len(tasks[task]) + (first_position if method.retrain_from_scratch else 0),
-        memory_indices=memory_indices, memory_slots=memory_slots, initial_state=initial_state, selection=selection,
+    return TaskData(
+        source=train_source, task=work.task, indices=indices,
+        slots=slot_of_positions(positions, classifier, K, start.pretrained),
+        num_old_classes=num_old + (start.pretrained if classifier == "learnable" else 0),
+        num_new_classes=len(tasks[work.task]) + (first_position if method.retrain_from_scratch else 0),
+        memory_indices=memory_indices, memory_slots=memory_slots, initial_state=start.initial_state,
+        selection=selection,
     )
-    result = train_task(model, old_model, method, data, config.train_config(seed, ctx.device), on_record=ctx.emit,
+
+
+def _memory_update(work: _Task, trained, blobs: dict[str, bytes]) -> MemoryRecord:
+    """The replay memory after this task (its exemplars added), written to ``blobs`` and to the stage's replay
+    shard."""
+    ctx, inputs, pool, tasks, task = work.ctx, work.inputs, work.pool, work.tasks, work.task
+    pool_labels = np.asarray(pool.labels)
+    position_of = work.position_of
+    task_indices = np.flatnonzero(np.isin(pool_labels, tasks[task]))
+    task_positions = np.asarray([position_of[int(c)] for c in pool_labels[task_indices]], dtype=np.int64)
+    herding_features = None
+    if inputs.replay.strategy == "herding":
+        # iCaRL herding ranks the task's samples by the features of the model just trained (eval transforms)
+        herding_features = compute_features(trained, pool, task_indices,
+                                            inputs.training.train_config(ctx.device, ctx.settings)).numpy()
+    new_indices, new_positions, new_tasks = updated_memory(inputs.replay, inputs.seed, work.memory, task_indices,
+                                                           task_positions, task, herding_features)
+    blobs["memory-indices.npy"] = encode_array(new_indices)
+    blobs["memory-positions.npy"] = encode_array(new_positions)
+    blobs["memory-tasks.npy"] = encode_array(new_tasks)
+    previous = work.previous
+    previous_shard = previous.memory.shard if previous is not None and previous.memory is not None else None
+    shard = write_task_memory_shard(ctx, task, work.memory, work.memory_images, pool, new_indices, new_positions,
+                                    new_tasks, previous_shard)
+    return MemoryRecord("memory-indices.npy", "memory-positions.npy", "memory-tasks.npy", int(new_indices.shape[0]),
+                        inputs.replay.per_class, shard=shard)
+
+
+def train_task_stage(ctx: StageContext) -> StageResult:
+    """finetune(t) / replace(t): one task of the scenario, then the replay memory update."""
+    work = _open_task(ctx)
+    start = _start(work)
+    data = _task_data(work, start)
+    result = train_task(start.model, start.old_model, work.method, data,
+                        work.inputs.training.train_config(ctx.device, ctx.settings), on_record=ctx.emit,
                         progress=_progress_hook(ctx), checkpoints=_checkpoints(ctx))
     if not is_leader():  # data-parallel training: rank 0 builds and commits the artifacts, the other ranks nothing
         return StageResult(None)
@@ -242,31 +323,13 @@ def train_task_stage(ctx: StageContext) -> StageResult:
             name = f"extra-{module_name}.safetensors"
             blobs[name] = save_adapter(adapter)
             extra.append(name)
-
-    memory_record = None
-    if use_memory:
-        task_indices = np.flatnonzero(np.isin(pool_labels, tasks[task]))
-        task_positions = np.asarray([position_of[int(c)] for c in pool_labels[task_indices]], dtype=np.int64)
-        herding_features = None
-        if config.replay.strategy == "herding":
-            # iCaRL herding ranks the task's samples by the features of the model just trained (eval transforms)
-            herding_features = compute_features(trained, pool, task_indices,
-                                                config.train_config(seed, ctx.device)).numpy()
-        new_indices, new_positions, new_tasks = updated_memory(config, memory, task_indices, task_positions, task,
-                                                               herding_features)
-        blobs["memory-indices.npy"] = encode_array(new_indices)
-        blobs["memory-positions.npy"] = encode_array(new_positions)
-        blobs["memory-tasks.npy"] = encode_array(new_tasks)
-        memory_record = MemoryRecord("memory-indices.npy", "memory-positions.npy", "memory-tasks.npy",
-                                     int(new_indices.shape[0]), config.replay.per_class,
-                                     shard=write_task_memory_shard(ctx, task, memory, memory_images, pool, new_indices,
-                                                               new_positions, new_tasks,
-                                                               previous.memory.shard if previous is not None
-                                                               and previous.memory is not None else None))
+    memory_record = _memory_update(work, trained, blobs) if work.use_memory else None
+    classifier = work.method.classifier
     num_active = int(trained.num_active_classes) if classifier == "learnable" else 0
-    source = replacement.source if replacement is not None else (config.initial_model if task == 0 else None)
-    record = ModelRecord(stage.key, artifact_location(stage.key), task=task, line=line, pretrained_classes=pretrained,
-                         positions_seen=first_position + len(tasks[task]), classifier=classifier,
-                         num_active_classes=num_active, source=source, memory=memory_record, extra_blobs=extra,
-                         training=_summary(result), weights=weights)
+    start_text = work.inputs.start.text if work.inputs.start is not None else None
+    record = ModelRecord(ctx.stage.key, artifact_location(ctx.stage.key), task=work.task, line=start.line,
+                         pretrained_classes=start.pretrained,
+                         positions_seen=work.first_position + len(work.tasks[work.task]), classifier=classifier,
+                         num_active_classes=num_active, source=start_text, memory=memory_record, extra_blobs=extra,
+                         training=_summary(result), weights=start.weights)
     return StageResult(record, blobs)

@@ -28,7 +28,8 @@ from pipelines.engine.progress import ProgressUpdate
 from pipelines.records.payloads import AdapterResult, CrossTests, UpgradeVerdict
 from pipelines.records.stage_records import AdaptersRecord
 from pipelines.stages.context import StageContext, StageResult
-from pipelines.stages.entry_metrics import compute_entry
+from pipelines.stages.entry_metrics import entry_metric
+from pipelines.stages.inputs import AdaptInputs
 from pipelines.stages.feature_store import read_features
 
 ADAPTER_BLOB_PREFIX = "adapter-"
@@ -36,10 +37,6 @@ ADAPTER_BLOB_PREFIX = "adapter-"
 
 def adapter_blob_name(kind: str) -> str:
     return f"{ADAPTER_BLOB_PREFIX}{kind}.safetensors"
-
-
-def _with_metric(protocol: dict, metric: str) -> dict:
-    return {**protocol, "metric": metric}
 
 
 @dataclass(frozen=True)
@@ -156,25 +153,20 @@ def study_upgrade(old_gallery: tuple, new_query: tuple, new_gallery: tuple,
 
 
 def adapt_stage(ctx: StageContext) -> StageResult:
-    """Fit every adapter listed at the replacement of task ``ctx.stage.task``; evaluate; backfilling curves."""
-    config, stage = ctx.config, ctx.stage
-    params = stage.params
-    protocol = params["protocol"]
-    metric = protocol["metric"]
-    if metric not in METRICS:
-        raise ValueError(f"replacements[].adapters: adapters are evaluated with recall_at_1 or map retrieval; "
-                         f"evaluation.metric is {metric!r}")
+    """Fit every adapter listed at the replacement of task ``inputs.task``; evaluate; backfilling curves."""
+    stage = ctx.stage
+    inputs: AdaptInputs = ctx.inputs
+    metric = inputs.rules.protocol.metric  # recall_at_1 or map (pipelines.config.validate)
     old_q, old_g, new_q, new_g = (read_features(ctx.store, key) for key in stage.parents)
 
     def entry(query: tuple, gallery: tuple, name: str = metric) -> float:
-        return compute_entry(query, gallery, _with_metric(protocol, name), config)
+        return entry_metric(query, gallery, inputs.rules.with_metric(name))
 
     baseline = cross_tests(old_q, old_g, new_q, new_g, entry)
-    strict = bool(params.get("strict", True))
-    record = AdaptersRecord(stage.key, int(stage.task), int(stage.task) - 1, metric, baseline,
+    record = AdaptersRecord(stage.key, inputs.task, inputs.task - 1, metric, baseline,
                             UpgradeVerdict(**upgrade_verdict(baseline[metric].cross, baseline[metric].self_old,
-                                                             baseline[metric].self_new, strict)))
-    kinds = list(params["adapters"])
+                                                             baseline[metric].self_new, inputs.strict)))
+    kinds = list(inputs.adapters)
     steps = len(kinds) + 2
 
     def adapter_done(index: int, kind: str, outcome: AdapterOutcome, seconds: float) -> None:
@@ -184,9 +176,9 @@ def adapt_stage(ctx: StageContext) -> StageResult:
         ctx.emit(ProgressUpdate(stage.key, len(kinds) + index + 1, steps, "backfill curve", 0.0))
 
     study = study_upgrade(old_g, new_q, new_g, entry, metric, baseline[metric].self_old,
-                          self_new=baseline[metric].self_new, strict=strict, kinds=kinds, metrics=METRICS,
-                          adapter_params=params.get("adapter_params", {}), seed=int(params.get("seed", 0)),
-                          orders=("random", "uncertainty"), label_level=protocol["label_level"],
+                          self_new=baseline[metric].self_new, strict=inputs.strict, kinds=kinds, metrics=METRICS,
+                          adapter_params=inputs.adapter_params, seed=inputs.seed,
+                          orders=("random", "uncertainty"), label_level=inputs.rules.protocol.label_level,
                           on_adapter=adapter_done, on_curve=curve_done)
     blobs: dict[str, bytes] = {}
     for kind, outcome in study.adapters.items():

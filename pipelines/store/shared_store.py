@@ -24,13 +24,14 @@ import time
 from typing import Iterable
 
 from compat_core.integrity import IntegrityError
+from pipelines.graph.stage_kind import StageKind
 from pipelines.store.lease import RunFolderBusyError, run_lease
 from pipelines.store.run_store import RunStore
 
 log = logging.getLogger(__name__)
 
 REPORT_EVERY_S = 60.0  # a run waiting for another run's claim says so at most this often per stage
-SHARED_KINDS = ("pretrain",)  # stage kinds a shared store holds: the third-party models
+SHARED_KINDS = (StageKind.PRETRAIN,)  # stage kinds a shared store holds: the third-party models
 CLAIMS = "claims"
 
 
@@ -52,7 +53,7 @@ class SharedStore:
         self.reported: dict[str, float] = {}  # stage key -> when its wait was last reported (monotonic s)
 
     @staticmethod
-    def covers(kind: str) -> bool:
+    def covers(kind: StageKind) -> bool:
         """Whether stages of this kind are shared."""
         return kind in SHARED_KINDS
 

@@ -27,7 +27,7 @@ def _crash_once_setup(marker: str):
         import pipelines.stages.bridge_features as bridge_features
 
         tiny.register()
-        original = bridge_features.compute_entry
+        original = bridge_features.entry_metric
         if getattr(original, "_crashing", False):
             return
 
@@ -38,7 +38,7 @@ def _crash_once_setup(marker: str):
             return original(*args, **kwargs)
 
         crashing._crashing = True
-        bridge_features.compute_entry = crashing
+        bridge_features.entry_metric = crashing
     return setup
 
 

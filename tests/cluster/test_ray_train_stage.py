@@ -131,7 +131,7 @@ def test_engine_trains_a_finetune_stage_on_two_ray_train_workers(ray_train, tmp_
     RayExecutor(emit=events.append, setup=tiny.register).run(graph, RunStore(tmp_path / "ray"))
 
     (finetune,) = graph.model_stages
-    assert graph[finetune].params["workers"] == 2 and "workers" not in local_graph[local_graph.model_stages[0]].params
+    assert graph[finetune].inputs.workers == 2 and local_graph[local_graph.model_stages[0]].inputs.workers == 1
     records = _training_records(events, finetune)  # rank 0's per-epoch summaries, each epoch one step
     reference = [r for r in local_records if r.task == 0 and r.step <= 3][-3:]
     assert [r.step for r in records] == [r.step for r in reference] == [1, 2, 3]

@@ -177,7 +177,7 @@ def fake_stage_functions(fail_task: int | None = None) -> dict:
     from pipelines.stages.context import StageResult
 
     def model_stage(ctx):
-        stage, config = ctx.stage, ctx.config
+        stage = ctx.stage
         task = stage.task
         if fail_task is not None and task == fail_task:
             raise RuntimeError(f"injected failure in {stage.label}")
@@ -186,11 +186,8 @@ def fake_stage_functions(fail_task: int | None = None) -> dict:
                                      {"ce": train_loss(task or 0, step) - 0.5, "distill": 0.5}, 0.01 / step,
                                      100.0 * step, 0.1))
         seed = 1000 + (task if task is not None else 100 + int(stage.name[1:]))
-        source = None
-        if stage.kind == "replace":
-            source = config.replacement_at(task).source
-        elif task == 0:
-            source = config.initial_model
+        start = getattr(stage.inputs, "start", None)  # a replacement's source, or initial_model at task 0
+        source = start.text if start is not None else None
         record = ModelRecord(stage.key, ctx.store.uri(ctx.store.ARTIFACTS, stage.key), task,
                              1 if stage.kind == "replace" else 0, 4, 0 if task is None else 2 * task + 2,
                              "learnable", 4, source=source,
@@ -208,13 +205,13 @@ def fake_stage_functions(fail_task: int | None = None) -> dict:
     def evaluate_stage(ctx):
         row = ctx.stage.task
         record = RowRecord(ctx.stage.key, row, MATRIX[row], [f"e{row}{k}" for k in range(row + 1)],
-                           "recall_at_1", EvaluationProtocol.from_json(ctx.stage.params["protocol"]))
+                           "recall_at_1", EvaluationProtocol.from_json(ctx.stage.inputs.protocol.model_dump()))
         return StageResult(record)
 
     def entry_stage(ctx):
-        row, column = ctx.stage.params["row"], ctx.stage.params["column"]
+        row, column = ctx.stage.inputs.row, ctx.stage.inputs.column
         return StageResult(EntryRecord(ctx.stage.key, row, column, MATRIX[row][column], "", "",
-                                       EvaluationProtocol.from_json(ctx.stage.params["protocol"])))
+                                       EvaluationProtocol.from_json(ctx.stage.inputs.rules.protocol.model_dump())))
 
     return {"pretrain": model_stage, "finetune": model_stage, "replace": model_stage, "extract": extract_stage,
             "entry": entry_stage, "evaluate": evaluate_stage}

@@ -122,3 +122,16 @@ def test_fan_adapter_trained_jointly_chains_and_reads_legacy_files():
     legacy = {name: value for name, value in first.state_dict().items() if name != "shape"}
     restored = load_adapter_bytes(save(legacy))
     assert restored.kind == "fan" and torch.equal(restored.apply(x), first.apply(x))
+
+
+def test_each_listed_kind_has_one_class_of_that_kind_and_direction():
+    """compat_core.kinds lists the kinds once (config schema, `compat gate --adapter`); each builds its class."""
+    from compat_core.kinds import GALLERY_ADAPTERS, QUERY_ADAPTERS
+
+    assert ADAPTER_KINDS == QUERY_ADAPTERS + GALLERY_ADAPTERS
+    for kind in ADAPTER_KINDS:
+        adapter = make_adapter(kind)
+        assert adapter.kind == kind
+        assert adapter.direction == ("query" if kind in QUERY_ADAPTERS else "gallery")
+    with pytest.raises(ValueError, match=r"adapter 'rotation': expected one of \['procrustes', 'affine', 'mlp', "):
+        make_adapter("rotation")

@@ -151,25 +151,26 @@ def test_fan_adapters_fall_back_to_direct_features(tmp_path):
                                                                       if s.kind == "entry")}
     assert ways[(1, 0)] == "materialized" and ways[(0, 0)] == "bridge"
     auto = validate_config(_scenario(tmp_path / "auto", "auto") | {"method": {"name": "fan", "params": {}}})
-    way, reason = bridge_features.feature_way(auto, "junction", NUM_SLOTS - 1, 32)
+    way, reason = bridge_features.feature_way(auto.evaluation.features, auto.method.name, "junction", NUM_SLOTS - 1,
+                                              32)
     assert way == "direct" and "fan" in reason
 
 
 def test_feature_way_rules():
     config = validate_config(_scenario(Path("unused"), "auto"))
-    assert bridge_features.feature_way(config, "junction", 39, 32)[0] == "bridge"
-    assert bridge_features.feature_way(config, "junction", 9, 32)[0] == "direct"       # d <= m: nothing saved
-    assert bridge_features.feature_way(config, "backbone", 32, 32)[0] == "direct"
-    explicit = validate_config(_scenario(Path("unused"), "bridge"))
+    method = config.method.name
+    assert bridge_features.feature_way("auto", method, "junction", 39, 32)[0] == "bridge"
+    assert bridge_features.feature_way("auto", method, "junction", 9, 32)[0] == "direct"       # d <= m: nothing saved
+    assert bridge_features.feature_way("auto", method, "backbone", 32, 32)[0] == "direct"
     with pytest.raises(ValueError, match="evaluation.features: 'bridge' is not possible"):
-        bridge_features.feature_way(explicit, "backbone", 32, 32)
-    # refused when the graph is compiled, before anything trains
+        bridge_features.feature_way("bridge", method, "backbone", 32, 32)
+    # refused when the config is loaded, before anything trains
     baseline = _scenario(Path("unused"), "bridge")
     baseline["method"] = {"name": "er", "params": {}}
     with pytest.raises(ValueError, match="model has no junction"):
         compile_scenario(validate_config(baseline))
-    direct = validate_config(_scenario(Path("unused"), "direct"))
-    assert bridge_features.feature_way(direct, "junction", 39, 32) == ("direct", "evaluation.features: direct")
+    assert bridge_features.feature_way("direct", method, "junction", 39, 32) == ("direct",
+                                                                                "evaluation.features: direct")
 
 
 def test_plan_reports_both_ways_for_celeba():

@@ -189,7 +189,8 @@ def test_method_params_are_the_methods_pydantic_model_checked_at_load():
                                           r"\(got 1\.5\)"):
         validate_config(_with("method.params.lam", 1.5))
     with pytest.raises(ConfigError,
-                       match=r"method\.params\.masking: must be one of \('standard', 'reference', 'paper'\)"):
+                       match=r"method\.params\.masking: Input should be 'standard', 'reference' or 'paper' "
+                             r"\(got 'zero'\)"):
         validate_config(_with("method.params.masking", "zero"))
     with pytest.raises(ConfigError, match=r"method\.params\.rho: Input should be a valid number \(got '5'\)"):
         validate_config(_with("method.params.rho", "'5'"))

@@ -62,7 +62,7 @@ def test_unknown_or_bad_hparams_name_the_method_and_valid_names():
         get_method("dsimplex-hoc", **{"lambda": 0.5})
     with pytest.raises(ValueError, match="lam: Input should be less than or equal to 1"):
         get_method("dsimplex-hoc", lam=1.5)
-    with pytest.raises(ValueError, match=r"masking: must be one of \('standard', 'reference', 'paper'\)"):
+    with pytest.raises(ValueError, match=r"masking: Input should be 'standard', 'reference' or 'paper' \(got 'zero'\)"):
         get_method("dsimplex-hoc", masking="zero")
     with pytest.raises(ValueError, match=r"method 'dsimplex-fd': w_base: Input should be a valid number \(got '5'\)"):
         get_method("dsimplex-fd", w_base="5")

@@ -135,7 +135,7 @@ def test_retraining_methods_refuse_replacements(tmp_path):
 def test_herding_memory_matches_icarl_herding_on_the_trained_model(tmp_path):
     from compat_core.data.transforms import make_transforms
     from compat_core.models.compat_model import load_model
-    from pipelines.stages.pools import load_pool, task_classes
+    from pipelines.stages.pools import load_pool, scenario_task_classes
 
     document = tiny.method_scenario("er", tmp_path, replay={"per_class": 3, "strategy": "herding"})
     config, graph, store, summary = run_scenario(document)
@@ -145,7 +145,7 @@ def test_herding_memory_matches_icarl_herding_on_the_trained_model(tmp_path):
     model = load_model(store.uri(record["uri"])).eval()
     labels = np.asarray(pool.labels)
     expected = []
-    for class_id in task_classes(config)[0]:
+    for class_id in scenario_task_classes(config)[0]:
         rows = np.flatnonzero(labels == class_id)
         with torch.no_grad():
             images = make_transforms(pool, train=False)(torch.from_numpy(pool.read(rows)))
@@ -160,7 +160,7 @@ def test_herding_memory_matches_icarl_herding_on_the_trained_model(tmp_path):
             running += features[picked[-1]]
         expected.extend(rows[picked].tolist())
     assert sorted(stored.tolist()) == sorted(expected)
-    assert stored.size == 3 * len(task_classes(config)[0])
+    assert stored.size == 3 * len(scenario_task_classes(config)[0])
 
 
 def test_compatibility_model_selection_keeps_the_best_qualifying_epoch(tmp_path):

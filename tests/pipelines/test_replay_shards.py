@@ -114,7 +114,7 @@ def registered(monkeypatch):
         if name not in DATASETS:
             DATASETS.register(name, factory)
     config = validate_config(_scenario("tiny-synth", Path("unused")))
-    GUARD["task_of_class"] = {int(c): t for t, classes in enumerate(pools.task_classes(config)) for c in classes}
+    GUARD["task_of_class"] = {int(c): t for t, classes in enumerate(pools.scenario_task_classes(config)) for c in classes}
     torch.set_num_threads(1)
 
 

@@ -40,7 +40,7 @@ def test_pretrain_keys_follow_the_resolved_classifier_family(tmp_path):
     # "method" resolves to the method's family, so an ER run pre-training d-Simplex models needs HOC's exact models
     assert er_simplex.pretrain_stages == hoc.pretrain_stages
     assert er_own.pretrain_stages["p1"] != hoc.pretrain_stages["p1"]
-    assert er_own[er_own.pretrain_stages["p1"]].params["classifier"] == "learnable"
+    assert er_own[er_own.pretrain_stages["p1"]].inputs.classifier == "learnable"
     with pytest.raises(ValueError, match=r"pretrain\[0\]\.classifier: 'learnable' cannot feed method 'dsimplex-hoc'"):
         compile_scenario(_config("dsimplex-hoc", tmp_path / "d", None, "learnable"))
 
