@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from pipelines.store import lease as lease_module
-from pipelines.store.lease import RunFolderBusyError, run_lease
+from pipelines.store.lease import LeaseLostError, RunFolderBusyError, run_lease
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -75,12 +75,14 @@ def test_s3_lease_refuses_a_second_driver_and_is_released(s3_env, s3_bucket, mon
         thread.join(30)
         with run_lease(root):  # released on exit: the next driver takes it at once
             pass
-        # a dead driver's lease (no heartbeat for STALE_S) is taken over
+        # a dead driver's lease (no heartbeat for STALE_S) is taken over, and the holder it was taken from learns
+        # it when its block ends (it must not believe its writes were fenced)
         monkeypatch.setattr(lease_module, "STALE_S", 0.0)
-        with run_lease(root):
-            time.sleep(0.05)
+        with pytest.raises(LeaseLostError, match="lost its lease to another driver"):
             with run_lease(root):
-                pass
+                time.sleep(0.05)
+                with run_lease(root):
+                    pass
 
 
 def test_corrupt_blob_prints_the_fix_and_recompute_repairs_the_run(tmp_path):
