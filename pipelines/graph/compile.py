@@ -31,7 +31,7 @@ from pipelines.graph.code_version import code_version
 from pipelines.graph.source_digests import hashed_source, is_file_source
 from pipelines.graph.stage_kind import StageKind
 from pipelines.methods import METHODS
-from pipelines.stages.bridge_features import feature_way, plan_lines
+from pipelines.stages.feature_way import feature_way, plan_lines
 from pipelines.training.settings import PRETRAIN_OVERRIDES
 
 STAGE_KINDS = tuple(kind.value for kind in StageKind)
