@@ -9,7 +9,7 @@ import numpy as np
 
 from compat_core.upgrades.adapters import save_adapter
 from pipelines.config.schema import ScenarioConfig
-from pipelines.engine.progress import ProgressUpdate
+from pipelines.engine.events import ProgressUpdate
 from pipelines.graph.source_digests import source_digest
 from pipelines.graph.stage_kind import StageKind
 from pipelines.methods import configured_method

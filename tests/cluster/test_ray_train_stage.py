@@ -111,7 +111,7 @@ def _scenario(tmp: Path, workers: int) -> dict:
 
 
 def _training_records(events: list, key: str) -> list:
-    from pipelines.engine.progress import StageRecord
+    from pipelines.engine.events import StageRecord
 
     return [e.record for e in events if isinstance(e, StageRecord) and e.stage_key == key]
 

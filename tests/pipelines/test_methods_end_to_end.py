@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 from cluster.ray import executor as ray_executor
 from pipelines.config.load import ConfigError, validate_config
 from pipelines.engine.executor import LocalExecutor
-from pipelines.engine.progress import StageEvent
+from pipelines.engine.events import StageEvent
 from pipelines.graph.compile import compile_scenario
 from pipelines.methods import METHODS
 from pipelines.stages.feature_store import read_features
