@@ -53,12 +53,12 @@ def make_context(method, with_old: bool = True):
 
 
 def test_registry_holds_every_compared_method():
-    assert METHODS.names() == ALL_METHODS
+    assert set(ALL_METHODS) <= set(METHODS.names())  # a method added by one card module is listed too
     with pytest.raises(KeyError, match="valid method names: advbct-er, bct-er"):
         get_method("dsimplex")
 
 
-@pytest.mark.parametrize("name", ALL_METHODS)
+@pytest.mark.parametrize("name", METHODS.names())
 def test_card_names_its_objective_and_the_objective_carries_the_card(name):
     card = METHODS.get(name)
     method = get_method(name)
@@ -106,7 +106,7 @@ def test_spec_defaults():
     assert get_method("er").classifier == "learnable" and get_method("dsimplex-hoc").classifier == "simplex"
 
 
-@pytest.mark.parametrize("name", ALL_METHODS)
+@pytest.mark.parametrize("name", METHODS.names())
 def test_contract_one_step_trains(name):
     method = get_method(name)
     ctx, batch = make_context(method)
