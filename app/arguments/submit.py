@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from app.arguments.executor import add_executor_argument
+from app.arguments.cluster_access import add_executor_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from app.arguments.executor import add_executor_argument
+from app.arguments.cluster_access import add_executor_argument
 from app.cli import build_parser
 from pipelines.engine.backends import EXECUTORS
 
