@@ -13,7 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "torchvision", "timm", "ray", "mlflow")
-TORCH_FREE_COMMANDS = ("plan", "status", "logs", "ui", "report", "submit", "cluster", "theory")
+TORCH_FREE_COMMANDS = ("plan", "status", "logs", "ui", "gate", "report", "submit", "cluster", "theory")
 
 IMPORT_PROBE = """
 import importlib, json, sys
@@ -53,6 +53,13 @@ def test_compat_plan_of_a_shipped_config_runs_without_torch():
     # the card's width of cnn4 at width 32 is 8 * 32 = 256 (m), d = K - 1 = 1023: the bridge stores m values
     assert any(line.startswith("features: bridge (d=1023 > m=256)") for line in lines), lines
     assert any(line.startswith("cost: images per stage") for line in lines)
+
+
+def test_gate_history_of_a_model_without_decisions_runs_without_torch(tmp_path):
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    found = json.loads(_python("-c", RUN_PROBE, "gate", "history", "my-model", "--tracking-uri", store))
+    assert found["code"] == 0 and found["torch"] is False
+    assert found["out"].strip() == "alias 'champion' of my-model: 0 recorded decisions (oldest first)"
 
 
 def test_method_and_backbone_registries_load_without_torch():
