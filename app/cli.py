@@ -1,15 +1,17 @@
-"""The ``compat`` command line: one sub-command per name in :data:`COMMANDS`.
+"""The ``compat`` command line: one sub-command per pair of modules ``app.arguments.<name>`` / ``app.commands.<name>``.
 
 A command's arguments are ``app.arguments.<name>.add_arguments(parser)`` (argparse only) and its code is
-``app.commands.<name>.run(args) -> int``, run by :mod:`app.dispatch`; its one-line help is in :data:`COMMANDS`.
-Parsing, ``--help`` included, imports neither the command's code nor the dispatcher, so it never waits for torch,
-Ray or MLflow.
+``app.commands.<name>.run(args) -> int``, run by :mod:`app.dispatch`. Its one-line help is in :data:`COMMANDS` (which
+also orders ``compat --help``) or, for a command not listed there, the ``HELP`` string of its arguments module; such
+commands are found by listing ``app/commands`` and follow the listed ones in name order. Parsing, ``--help``
+included, imports neither the command's code nor the dispatcher, so it never waits for torch, Ray or MLflow.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import importlib.util
+import pkgutil
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Iterable
@@ -41,10 +43,25 @@ COMMANDS = {
 }
 
 
+def _has_modules(name: str) -> bool:
+    return (importlib.util.find_spec(f"app.commands.{name}") is not None
+            and importlib.util.find_spec(f"app.arguments.{name}") is not None)
+
+
 def available_commands() -> list[str]:
-    """Names of the commands whose modules are part of this build, in :data:`COMMANDS` order."""
-    return [name for name in COMMANDS if importlib.util.find_spec(f"app.commands.{name}") is not None
-            and importlib.util.find_spec(f"app.arguments.{name}") is not None]
+    """Names of the commands whose modules are part of this build: :data:`COMMANDS` order, then the other commands of
+    ``app/commands`` (with an arguments module) in name order."""
+    listed = [name for name in COMMANDS if _has_modules(name)]
+    commands = importlib.import_module("app.commands")
+    found = sorted(info.name for info in pkgutil.iter_modules(commands.__path__) if not info.ispkg)
+    return listed + [name for name in found if name not in COMMANDS and _has_modules(name)]
+
+
+def command_help(name: str) -> str:
+    """The one-line help of command ``name``: its :data:`COMMANDS` entry, else its arguments module's ``HELP``."""
+    if name in COMMANDS:
+        return COMMANDS[name]
+    return str(getattr(importlib.import_module(f"app.arguments.{name}"), "HELP", ""))
 
 
 def package_version() -> str:
@@ -67,7 +84,8 @@ def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"compat {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in available_commands():
-        command_parser = sub.add_parser(name, help=COMMANDS[name], description=COMMANDS[name])
+        text = command_help(name)
+        command_parser = sub.add_parser(name, help=text, description=text)
         if load is not None and name not in load:
             continue
         importlib.import_module(f"app.arguments.{name}").add_arguments(command_parser)
@@ -80,7 +98,7 @@ def requested_command(argv: list[str]) -> str | None:
     """The command named in ``argv`` (the first argument that is not an option; the top-level options take no
     value), or None."""
     first = next((arg for arg in argv if not arg.startswith("-")), None)
-    return first if first in COMMANDS else None
+    return first if first in COMMANDS or (first and first.isidentifier() and _has_modules(first)) else None
 
 
 def main(argv: list[str] | None = None) -> int:

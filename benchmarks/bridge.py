@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    from compat_core.models.backbones import embedding_width
     from pipelines.config.load import load_config
     from pipelines.stages import bridge_features, feature_store
     from pipelines.stages.feature_store import _FEATURE_CACHE
@@ -53,7 +54,7 @@ def main() -> None:
 
     config = load_config(Path(__file__).parents[1] / "configs" / "iam-cl2r-celeba-dinov3-t16.yaml")
     d = config.model.num_slots - 1
-    m = bridge_features.embedding_width(config.model.backbone, config.model.backbone_config)
+    m = embedding_width(config.model.backbone, config.model.backbone_config)
     protocol = {"metric": "recall_at_1", "gallery": "instances", "label_level": "fine", "far": 1e-3,
                 "verification_pairs": 3000}
     generator = torch.Generator().manual_seed(0)

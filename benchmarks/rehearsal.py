@@ -105,7 +105,7 @@ def write_dinov3(uri: str, backbone_config: dict) -> int:
     import torch
 
     from compat_core import io as cio
-    from compat_core.models import create_backbone
+    from compat_core.models.backbones import create_backbone
 
     torch.manual_seed(0)
     state = create_backbone("dinov3_vitb16", **backbone_config).state_dict()

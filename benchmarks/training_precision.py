@@ -25,7 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from compat_core.data.base import ArraySource  # noqa: E402
 from compat_core.hardware import calibration  # noqa: E402
-from compat_core.models import create_model  # noqa: E402
+from compat_core.models.compat_model import create_model
 from pipelines.methods import get_method  # noqa: E402
 from pipelines.training.autocast import example_batch, resolve_autocast  # noqa: E402
 from pipelines.training.loop import train_task  # noqa: E402

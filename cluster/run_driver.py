@@ -4,30 +4,27 @@ sources of a config (the registry's URI resolvers registered here and in Ray wor
 from __future__ import annotations
 
 import functools
-import importlib
 
+from cluster.executors import build_executor
 from cluster.model_registry.versions import pinned_model_uri, register_mlflow_resolvers
 from cluster.tracking.client import open_client
 from pipelines.config.load import ConfigError
 from pipelines.config.model_uri import is_model_uri, parse_model_uri
-from pipelines.engine.executor import LocalExecutor
+from pipelines.engine.backends import address_refusal
 from pipelines.engine.progress import ProgressReporter
 
 
 def make_executor(kind: str = "local", address: str | None = None, emit=None, progress: bool = True,
                   num_cpus: int | None = None, setup=None):
-    """LocalExecutor, or cluster.ray.executor.RayExecutor for kind "ray". ``emit`` receives every record; num_cpus:
-    CPUs of an embedded Ray instance (Ray only); setup: picklable callable run in a Ray worker before each node (e.g.
-    MLflow URI resolvers)."""
-    if kind == "ray":
-        # imported when chosen, as app.dispatch imports a command's module: a local run needs no Ray, so it runs on a
-        # machine without Ray (a bare GPU machine) and does not pay for importing it
-        ray_executor = importlib.import_module("cluster.ray.executor")
-        kwargs = {"num_cpus": num_cpus} if num_cpus is not None else {}
-        return ray_executor.RayExecutor(address=address, emit=emit, progress=progress, setup=setup, **kwargs)
-    if address:
-        raise SystemExit("--address applies to --executor ray only")
-    return LocalExecutor(emit=emit, progress=progress)
+    """The executor registered as ``kind`` (:data:`pipelines.engine.backends.EXECUTORS`: local, ray, ...), whose
+    module is imported only now: a local run needs no Ray, so it runs on a machine without Ray (a bare GPU machine)
+    and does not pay for importing it. ``emit`` receives every record; num_cpus: CPUs of an instance a cluster
+    executor starts itself; setup: picklable callable run in a cluster worker before each node (e.g. MLflow URI
+    resolvers)."""
+    refusal = address_refusal(kind, address)
+    if refusal is not None:
+        raise SystemExit(refusal)
+    return build_executor(kind, emit=emit, progress=progress, address=address, setup=setup, num_cpus=num_cpus)
 
 
 def run_tracked(graph, store, tracker, kind: str = "local", address: str | None = None, progress: bool = True,

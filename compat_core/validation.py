@@ -6,10 +6,10 @@ count as integers, ``bool`` never does (``True`` is an ``int`` in Python but nev
 from __future__ import annotations
 
 import numbers
+import sys
 from typing import Iterable
 
 import numpy as np
-import torch
 
 
 def check_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
@@ -41,12 +41,13 @@ def as_int_vector(name: str, values, items: str = "integers") -> np.ndarray:
     return array.astype(np.int64)
 
 
-def as_label_array(name: str, labels: Iterable[int] | np.ndarray | torch.Tensor) -> np.ndarray:
-    """0-based class labels (any iterable, numpy array or tensor of any shape) flattened to int64 ``(N,)``.
+def as_label_array(name: str, labels: Iterable[int] | np.ndarray) -> np.ndarray:
+    """0-based class labels (any iterable, numpy array or torch tensor of any shape) flattened to int64 ``(N,)``.
 
     Raises ValueError naming ``name`` for a non-integer dtype or a negative label (listing the negatives).
     """
-    if isinstance(labels, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor exists only once torch is imported: this module never imports it
+    if torch is not None and isinstance(labels, torch.Tensor):
         labels = labels.detach().cpu().numpy()
     array = np.asarray(list(labels) if not isinstance(labels, np.ndarray) else labels)
     if array.size == 0:

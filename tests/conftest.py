@@ -107,11 +107,11 @@ def fresh_object_storage(monkeypatch):
 
 @pytest.fixture
 def uri_resolvers(monkeypatch):
-    """The URI resolvers of compat_core.models.weights as they are now, restored after the test: resolvers the test
-    (or a command it runs) registers with ``register_uri_resolver`` are forgotten then."""
-    from compat_core.models import weights
+    """The URI resolvers of compat_core.models.weight_sources as they are now, restored after the test: resolvers the
+    test (or a command it runs) registers with ``register_uri_resolver`` are forgotten then."""
+    from compat_core.models import weight_sources
 
-    monkeypatch.setattr(weights, "_URI_RESOLVERS", dict(weights._URI_RESOLVERS))
+    monkeypatch.setattr(weight_sources, "_URI_RESOLVERS", dict(weight_sources._URI_RESOLVERS))
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,10 @@
-"""Arguments of ``compat run`` (the command itself is :mod:`app.commands.run`): argparse only,
-so that ``compat run --help`` imports none of the command's dependencies."""
+"""Arguments of ``compat run`` (the command itself is :mod:`app.commands.run`): argparse and the executor registry's
+cards only, so that ``compat run --help`` imports none of the command's dependencies."""
 from __future__ import annotations
 
 import argparse
+
+from app.arguments.cluster_access import add_executor_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -12,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR, skipping committed stages")
     parser.add_argument("--output", metavar="DIR", help="run directory (local path or s3:// URI); "
                                                          "default: the config's output.dir")
-    parser.add_argument("--executor", choices=("local", "ray"), default="local", help="where stages run")
+    add_executor_argument(parser, default="local", help="where stages run")
     parser.add_argument("--address", default=None, help="Ray address for --executor ray (auto | ray://... | http://...)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (log lines only)")
     parser.add_argument("--recompute", action="append", default=[], metavar="KEY",

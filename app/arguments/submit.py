@@ -1,8 +1,10 @@
-"""Arguments of ``compat submit`` (the command itself is :mod:`app.commands.submit`): argparse only,
-so that ``compat submit --help`` imports none of the command's dependencies."""
+"""Arguments of ``compat submit`` (the command itself is :mod:`app.commands.submit`): argparse and the executor
+registry's cards only, so that ``compat submit --help`` imports none of the command's dependencies."""
 from __future__ import annotations
 
 import argparse
+
+from app.arguments.cluster_access import add_executor_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-filesystem", action="store_true",
                         help="every node mounts this machine's local paths (run directory, data roots) at the same "
                              "place: submit them to a remote head as they are")
-    parser.add_argument("--executor", choices=("ray", "local"), default="ray",
-                        help="executor inside the job (default ray: stages spread over the cluster)")
+    add_executor_argument(parser, default="ray", help="executor inside the job, default ray: stages spread over the "
+                          "cluster")
     parser.add_argument("--python", default=None, metavar="PATH",
                         help="interpreter that runs the job on the cluster (default: this command's own interpreter "
                              "when the node has that file, e.g. a head started from the same .venv; else python "

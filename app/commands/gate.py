@@ -15,14 +15,18 @@ fractions.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
-from cluster.model_registry import gate
+from cluster.model_registry.alias_moves import alias_history, rollback
 from compat_core.evaluation.metrics import criterion_sign
 from pipelines.config.load import load_config
 
 _ACTIONS = ("history", "rollback")
+# the gate itself embeds images with the models (torch): imported by name only for a gate, so that `compat gate
+# history` and `rollback` import no torch
+GATE_MODULE = "cluster.model_registry.gate"
 
 
 def _fail(message: str) -> int:
@@ -59,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--tracking-uri none: the gate reads and records in an MLflow registry; name one")
     try:
         if action == "history":
-            rows = gate.alias_history(tracking_uri, model, args.alias)
+            rows = alias_history(tracking_uri, model, args.alias)
             if args.json:
                 print(json.dumps(rows, indent=2))
                 return 0
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
                       f"{' adapter ' + row['adapter'] if row['adapter'] else ''}{margin}  {row['reason']}")
             return 0
         if action == "rollback":
-            moved = gate.rollback(tracking_uri, model, args.alias, args.to_version, args.reason, force=args.force)
+            moved = rollback(tracking_uri, model, args.alias, args.to_version, args.reason, force=args.force)
             print(json.dumps(moved) if args.json else
                   f"rolled back alias {args.alias!r} of {model}: v{moved['from_version']} -> v{moved['to_version']} "
                   f"{'FORCED over the gate refusal ' if moved['forced'] else ''}(recorded: run {moved['run_id']})")
@@ -80,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             return _fail("a gate needs --candidate VERSION and --config YAML (the held-out evaluation sets)")
 
         config = load_config(args.config, args.overrides)
+        gate = importlib.import_module(GATE_MODULE)
         result = gate.run_gate(tracking_uri, model, args.candidate, config, args.alias, args.adapter,
                                strict=False if args.non_strict else None, dry_run=args.dry_run,
                                log=lambda line: print(line, file=sys.stderr))

@@ -1,15 +1,24 @@
-"""`compat plan CONFIG [--set ...]`: print the stage graph, resources, feature storage and matrix cost."""
+"""`compat plan CONFIG [--set ...]`: print the stage graph, resources, feature storage and matrix cost.
+
+The plan imports no torch: the config, the graph, the feature way and the cost come from method and backbone cards
+and the data's labels. Two options build models and so need torch: ``--check-data`` (every weights file is loaded
+into the model its stage builds, :mod:`pipelines.config.preflight`) and ``--calibrated`` (the model's architecture
+on the meta device, :mod:`pipelines.graph.calibrated_cost`); their modules are imported by name when asked for.
+"""
 from __future__ import annotations
 
+import importlib
 import sys
 
 from cluster.storage.s3 import configure_object_storage, uses_object_storage
 from pipelines.config.load import ConfigError, load_config
-from pipelines.config.preflight import data_problems, weights_problems
 from pipelines.graph.compile import compile_scenario, describe
-from pipelines.graph.plan_cost import calibrated_seconds_per_image, cost_lines
+from pipelines.graph.plan_cost import cost_lines
 from pipelines.graph.source_digests import file_digest
 from pipelines.store.run_store import RunStore
+
+PREFLIGHT_MODULE = "pipelines.config.preflight"  # --check-data: loads weights into models (torch)
+CALIBRATED_COST_MODULE = "pipelines.graph.calibrated_cost"  # --calibrated: the model on the meta device (torch)
 
 
 def run(args) -> int:
@@ -45,7 +54,8 @@ def describe_cost(graph, args) -> str:
             raise ValueError(f"--seconds-per-image: expected a positive number, got {args.seconds_per_image}")
         return "\n".join(cost_lines(graph, args.seconds_per_image, "given by --seconds-per-image"))
     if args.calibrated is not None:
-        seconds, source = calibrated_seconds_per_image(graph.config, args.calibrated)
+        calibrated = importlib.import_module(CALIBRATED_COST_MODULE)
+        seconds, source = calibrated.calibrated_seconds_per_image(graph.config, args.calibrated)
         return "\n".join(cost_lines(graph, seconds, source))
     return "\n".join(cost_lines(graph, None, ""))
 
@@ -74,7 +84,8 @@ def check_data(config) -> list[tuple[str, str]]:
         if digest is not None:
             print(f"pretrain[{index}].init: no init_sha256 set; {entry.init} has sha256 {digest}: "
                   f"pin it with pretrain[{index}].init_sha256")
-    return data_problems(config) + weights_problems(config)
+    preflight = importlib.import_module(PREFLIGHT_MODULE)
+    return preflight.data_problems(config) + preflight.weights_problems(config)
 
 
 def describe_paper(config) -> str:

@@ -5,6 +5,7 @@ import os
 import sys
 
 from app.printing import print_results
+from cluster.executors import EXECUTORS
 from cluster.run_driver import model_sources_setup, pin_model_aliases, run_tracked
 from cluster.storage.s3 import configure_object_storage, installed_access, uses_object_storage
 from cluster.tracking.tracker import create_tracker
@@ -53,9 +54,10 @@ def make_tracker(args, run_dir: str):
 
 def preflight_data(config, run_dir: str | None = None, executor: str = "local") -> None:
     """Before any stage: every pool opens, every weights source loads strictly, the device exists and the run
-    bucket exists (pipelines.config.preflight), so a run never trains for hours and then stops. On Ray the device is
-    judged by the cluster (the backend checks every stage's resources before the first starts)."""
-    preflight(config, run_dir, check_device=executor == "local")
+    bucket exists (pipelines.config.preflight), so a run never trains for hours and then stops. On a cluster
+    executor (Ray) the device is judged by the cluster (the backend checks every stage's resources before the first
+    starts)."""
+    preflight(config, run_dir, check_device=not EXECUTORS.get(executor).on_cluster)
 
 
 def run(args) -> int:

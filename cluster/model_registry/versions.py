@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from compat_core.models.compat_model import CONFIG_FILE, model_from_bytes
+from cluster.model_registry.alias_moves import version_by_alias
 from compat_core.models.weights import register_uri_resolver
 from pipelines.config.model_uri import LATEST, ModelUri, is_model_uri, parse_model_uri
 from pipelines.config.redaction import redact_uri
@@ -151,18 +152,6 @@ def model_files_folder(folder: str | os.PathLike) -> Path:
     folder = Path(folder)
     nested = folder / MODEL_FILES_SUBFOLDER
     return nested if (nested / WEIGHTS_FILE).exists() and not (folder / WEIGHTS_FILE).exists() else folder
-
-
-def version_by_alias(client: Any, name: str, alias: str) -> Any | None:
-    """ModelVersion behind ``alias`` or None when the alias is not set."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return client.get_model_version_by_alias(name, alias)
-    except MlflowException as error:
-        if error.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-            return None
-        raise
 
 
 def model_version(client: Any, uri: ModelUri) -> Any:

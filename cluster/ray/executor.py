@@ -41,6 +41,7 @@ from cluster.ray.resource_check import check_satisfiable
 from cluster.ray.train_stage import run_data_parallel_node
 from cluster.ray.worker import NodeResult, run_stage_in_worker
 from cluster.storage.s3 import installed_access
+from pipelines.config.load import config_to_dict
 from pipelines.config.schema import StageResources
 from pipelines.engine.executor import Backend, Executor, Invocation, close_emit, read_invocations, run_graph
 from pipelines.engine.progress import ProgressReporter
@@ -309,12 +310,11 @@ class RayExecutor(Executor):
             summary.skipped = list(invocations[-1]["skipped"])
             summary.seconds = dict(invocations[-1]["seconds"])
         try:
-            summary.result = read_result(store)
+            summary.result = read_result(store, config=config_to_dict(graph.config))
         except FileNotFoundError:
             log.warning("job %s succeeded but %s has no matrix.json reachable from here (a store local to the "
                         "cluster?)", outcome.submission_id, store.root)
             return summary
-        summary.matrix, summary.metrics = summary.result.matrix.to_dict(), summary.result.metrics
         self.emit(summary.result)
         return summary
 

@@ -19,7 +19,7 @@ import ray
 
 from cluster.storage.s3 import configure_object_storage
 from pipelines.engine.process_memory import peak_resident_bytes, release_freed_memory, reset_peak
-from pipelines.engine.progress import ProgressUpdate
+from pipelines.engine.events import ProgressUpdate
 from pipelines.graph.compile import Stage
 from pipelines.records.stage_records import CommittedStage, read_committed
 from pipelines.stages.dispatch import execute_stage

@@ -47,7 +47,7 @@ from cluster.tracking.client import ensure_experiment, log_metrics, log_params, 
 from cluster.tracking.params import flatten_params
 from cluster.tracking.records import StageRecordLogging
 from pipelines.config.load import config_hash, config_to_dict, stable_hash
-from pipelines.engine.progress import StageEvent, StageRecord
+from pipelines.engine.events import StageEvent, StageRecord
 from pipelines.graph.stage_kind import StageKind
 from pipelines.records.stage_records import CommittedStage
 from pipelines.results.assemble import RunResult

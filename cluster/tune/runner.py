@@ -29,6 +29,7 @@ registered model named after the search, aliases ``best`` (last task's model) an
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -66,7 +67,8 @@ from cluster.tune.spec import (
 from cluster.tune.tracking import mlflow_callback_class, open_search_run, register_best_models
 from cluster.tune.trial import trial_dirname, tune_trainable
 from compat_core import io as cio
-from pipelines.reports.compare import RUN_SOURCES, RunSource, load_run_summary
+from pipelines.reports.compare import RUN_SOURCES, RunSource
+from pipelines.results.run_files import load_run
 
 log = logging.getLogger(__name__)
 
@@ -339,22 +341,21 @@ def _finish(spec: SearchSpec, results) -> SearchOutcome:
 
 # ---- `compat compare` of a search ------------------------------------------------------------------------------------
 def load_search_summaries(path: Path, top: int = COMPARE_TOP_TRIALS) -> list:
-    """RunSummary of the ``top`` finished trials of a local search directory, best objective first."""
+    """RunResult of the ``top`` finished trials of a local search directory (named by trial and parameters), best
+    objective first."""
     spec = read_spec(str(path))
     runs = Path(path) / RUNS_FOLDER
     rows = []
     for run_dir in sorted(runs.iterdir()) if runs.is_dir() else []:
         if not (run_dir / "metrics.json").is_file():
             continue  # stopped early or unfinished: no full matrix to compare
-        summary = load_run_summary(run_dir)
         trial = json.loads((run_dir / TRIAL_FILE).read_text()) if (run_dir / TRIAL_FILE).is_file() else {}
         params = ", ".join(f"{key.rsplit('.', 1)[-1]}={_short(value)}"
                            for key, value in sorted((trial.get("params") or {}).items()))
-        summary.name = f"trial {run_dir.name}" + (f" ({params})" if params else "")
-        summary.label = summary.name
-        rows.append(summary)
+        name = f"trial {run_dir.name}" + (f" ({params})" if params else "")
+        rows.append(dataclasses.replace(load_run(run_dir), name=name, label=name))
     objective = spec.objective
-    rows.sort(key=lambda s: (math.isnan(s.metrics[objective]), -np.nan_to_num(s.metrics[objective], nan=0.0)))
+    rows.sort(key=lambda s: (math.isnan(s.headline[objective]), -np.nan_to_num(s.headline[objective], nan=0.0)))
     return rows[:top]
 
 

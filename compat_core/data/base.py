@@ -109,3 +109,12 @@ class ArraySource:
             std=self.std,
             hflip=self.hflip,
         )
+
+
+def keep_rows(source, indices: np.ndarray) -> None:
+    """Before a training task reads ``source[indices]`` in shuffled orders: let a source over row-group storage
+    (``keep_rows`` method: ingested shards, views of them) keep those rows' stored bytes in memory, so that random
+    batches decode from memory instead of re-reading whole row groups. Other sources: nothing to do."""
+    method = getattr(source, "keep_rows", None)
+    if method is not None:
+        method(np.asarray(indices, dtype=np.int64))

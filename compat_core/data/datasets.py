@@ -1,12 +1,14 @@
 """The dataset registry: one name per dataset, each reading its published on-disk format.
 
-Reader modules register themselves on import; they are imported lazily on the first lookup so that importing
-``compat_core.data`` stays cheap. ``root`` is a local folder or an ``s3://bucket/prefix`` URI; nothing is downloaded.
+Reader modules register themselves on import; every module of the reader packages (:data:`READER_PACKAGES`) is
+imported lazily on the first lookup, so importing ``compat_core.data`` stays cheap and a new format is one new module. ``root`` is a local folder or an ``s3://bucket/prefix`` URI; nothing is downloaded.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -15,21 +17,9 @@ from compat_core.registry import Registry
 
 DATASETS: Registry = Registry("dataset")
 
-# Importing each module registers its datasets. glyphs.py is written alongside this module and may be absent.
-READER_MODULES = (
-    "compat_core.data.formats.cifar",
-    "compat_core.data.formats.imagenet32",
-    "compat_core.data.formats.tinyimagenet",
-    "compat_core.data.formats.cub",
-    "compat_core.data.formats.casia",
-    "compat_core.data.formats.celeba",
-    "compat_core.data.formats.lfw",
-    "compat_core.data.formats.fashion_mnist",
-    "compat_core.data.formats.digits",
-    "compat_core.data.glyphs.dataset",
-    "compat_core.data.formats.shards",
-)
-_OPTIONAL_MODULES = frozenset({"compat_core.data.glyphs.dataset"})
+# Every module of these packages registers its datasets when imported (one module per published format; the glyph
+# generator); they are found by listing the packages, so a new format is one new module and no list changes here.
+READER_PACKAGES = ("compat_core.data.formats", "compat_core.data.glyphs")
 _imported = False
 
 
@@ -39,6 +29,8 @@ class DatasetInfo:
 
     ``splits``: accepted ``split`` values; ``layout``: the expected files and their line/record formats;
     ``options``: accepted keyword options -> meaning and default; ``default_root``: used when ``root`` is None.
+    ``derived_splits``: for a dataset whose splits depend on the others (``shards`` keeps its source split's name),
+    the callable that lists them once every reader is registered (:func:`dataset_info` fills ``splits`` from it).
     """
 
     name: str
@@ -49,24 +41,27 @@ class DatasetInfo:
     default_root: str | None = None
     loader: Callable[..., ImageSource] | None = field(default=None, repr=False, compare=False)
     generated: bool = False  # images made by the reader itself: ``root`` is only where it caches them, no input
+    derived_splits: Callable[[], tuple[str, ...]] | None = field(default=None, repr=False, compare=False)
 
 
 def register_dataset(
     name: str,
     *,
     summary: str,
-    splits: tuple[str, ...],
+    splits: tuple[str, ...] | Callable[[], tuple[str, ...]],
     layout: str,
     options: Mapping[str, str] | None = None,
     default_root: str | None = None,
     generated: bool = False,
 ):
     """Decorator registering ``loader(root, split, **options) -> ImageSource`` under ``name`` with its description
-    (generated: the reader makes its images and reads no data from ``root``)."""
+    (generated: the reader makes its images and reads no data from ``root``). ``splits``: the accepted split names,
+    or a callable listing them when the dataset is looked up (splits that depend on the other datasets)."""
 
     def _register(loader: Callable[..., ImageSource]) -> Callable[..., ImageSource]:
-        info = DatasetInfo(name, summary, tuple(splits), layout, dict(options or {}), default_root, loader,
-                           generated)
+        derived = splits if callable(splits) else None
+        info = DatasetInfo(name, summary, () if derived else tuple(splits), layout, dict(options or {}),
+                           default_root, loader, generated, derived)
         DATASETS.register(name, info)
         return loader
 
@@ -74,16 +69,15 @@ def register_dataset(
 
 
 def _import_readers() -> None:
+    """Import every reader module of :data:`READER_PACKAGES` once (each registers its datasets), in name order."""
     global _imported
     if _imported:
         return
-    for module in READER_MODULES:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if module in _OPTIONAL_MODULES and exc.name == module:
-                continue
-            raise
+    for package_name in READER_PACKAGES:
+        package = importlib.import_module(package_name)
+        for module in sorted(info.name for info in pkgutil.iter_modules(package.__path__)
+                             if not info.ispkg and not info.name.startswith("_")):
+            importlib.import_module(f"{package_name}.{module}")
     _imported = True
 
 
@@ -98,6 +92,8 @@ def dataset_info(name: str) -> DatasetInfo:
     _import_readers()
     entry = DATASETS.get(name)
     if isinstance(entry, DatasetInfo):
+        if entry.derived_splits is not None:
+            return dataclasses.replace(entry, splits=tuple(entry.derived_splits()))
         return entry
     # A plain factory registered with DATASETS.register(name) directly: describe it from its docstring.
     doc = inspect.getdoc(entry) or ""
@@ -138,4 +134,4 @@ def _call_plain_factory(factory, root, split, options) -> ImageSource:
     return factory(**kwargs)
 
 
-__all__ = ["DATASETS", "DatasetInfo", "register_dataset", "load_dataset", "dataset_info", "dataset_names", "READER_MODULES"]
+__all__ = ["DATASETS", "DatasetInfo", "register_dataset", "load_dataset", "dataset_info", "dataset_names", "READER_PACKAGES"]

@@ -17,6 +17,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from compat_core.data.base import keep_rows
+
 
 class _BatchReads(torch.utils.data.Dataset):
     """Item ``positions`` -> (positions, uint8 images of ``source[indices[positions]]``).
@@ -69,15 +71,6 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type == "cuda" and tensor.device.type == "cpu":
         return (tensor if tensor.is_pinned() else tensor.pin_memory()).to(device, non_blocking=True)
     return tensor.to(device)
-
-
-def keep_rows(source, indices: np.ndarray) -> None:
-    """Before a training task reads ``source[indices]`` in shuffled orders: let a source over row-group storage
-    (``keep_rows`` method: ingested shards, views of them) keep those rows' stored bytes in memory, so that random
-    batches decode from memory instead of re-reading whole row groups. Other sources: nothing to do."""
-    method = getattr(source, "keep_rows", None)
-    if method is not None:
-        method(np.asarray(indices, dtype=np.int64))
 
 
 def _worker_init(_: int) -> None:

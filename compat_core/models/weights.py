@@ -40,23 +40,15 @@ import torch
 from torch import nn
 
 from compat_core import io as cio
+from compat_core.models.weight_sources import (
+    register_uri_resolver,
+    resolve_weights_source,
+    sha256_of,
+)
 
-_URI_RESOLVERS: dict[str, Callable[[str], str]] = {}
 _CONTAINER_KEYS = ("state_dict", "model", "net", "module", "teacher", "model_ema")
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.")
 LAYOUTS = ("auto", "none", "meta_dinov3", "meta_dinov2", "iamcl2r")
-_HASH_CHUNK = 1 << 22
-
-
-def register_uri_resolver(scheme: str, resolver: Callable[[str], str]) -> None:
-    """Let ``load_external_weights`` accept ``scheme:...`` URIs; ``resolver(uri)`` returns a local file or folder."""
-    if not isinstance(scheme, str) or not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
-        raise ValueError(f"scheme must be a lower-case URI scheme such as 'models', got {scheme!r}")
-    if scheme in ("s3", "file"):
-        raise ValueError(f"scheme {scheme!r} is handled by compat_core.io and cannot be overridden")
-    if not callable(resolver):
-        raise TypeError(f"resolver for {scheme!r} must be callable (uri -> local path)")
-    _URI_RESOLVERS[scheme] = resolver
 
 
 @dataclass
@@ -116,45 +108,6 @@ class LoadReport:
             "unused_ignore": list(self.unused_ignore), "fresh": self.fresh[:10], "fresh_count": len(self.fresh),
             "resampled": self.resampled[:10],
         }
-
-
-def sha256_of(uri: str) -> str:
-    """Hex SHA-256 of a local file or object-store object, streamed in 4 MiB chunks."""
-    digest = hashlib.sha256()
-    with cio.open_input(uri) as handle:
-        while True:
-            chunk = handle.read(_HASH_CHUNK)
-            if not chunk:
-                break
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def resolve_weights_source(source: str) -> str:
-    """The file ``source`` names: a registered scheme resolver applied, a folder descended into its weights file;
-    FileNotFoundError / ValueError naming it otherwise."""
-    text = os.fspath(source)
-    scheme, sep, _ = text.partition(":")
-    if sep and scheme in _URI_RESOLVERS:
-        text = os.fspath(_URI_RESOLVERS[scheme](text))
-    elif sep and re.fullmatch(r"[a-z][a-z0-9+.-]+", scheme) and scheme not in ("s3", "file"):
-        known = ", ".join(sorted(_URI_RESOLVERS)) or "none registered"
-        raise ValueError(f"no resolver for URI scheme {scheme!r} in {text!r} (registered: {known}; "
-                         "built in: local paths, file://, s3://)")
-    if not cio.exists(text):
-        raise FileNotFoundError(f"weights source not found: {text}")
-    if not cio.is_remote(text) and not cio.is_dir(text) and not os.path.isfile(cio.resolve(text)[1]):
-        # a device (/dev/zero), FIFO or socket never ends: refused before a byte is read
-        raise ValueError(f"weights source {text} is not a regular file (a device, FIFO or socket)")
-    if cio.is_dir(text):
-        names = cio.list_dir(text)
-        candidates = [n for n in ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth") if n in names]
-        candidates += sorted(n for n in names if n.endswith(".safetensors") and n not in candidates)
-        if not candidates:
-            raise FileNotFoundError(f"folder {text} holds no weights file (expected model.safetensors or "
-                                    f"*.safetensors, pytorch_model.bin, model.pt/.pth); found {names[:20]}")
-        text = cio.join(text, candidates[0])
-    return text
 
 
 def _read_state(uri: str, data: bytes | None) -> tuple[dict[str, Any], str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from compat_core import io as cio
-from compat_core.models.weights import resolve_weights_source
+from compat_core.models.weight_sources import resolve_weights_source
 from pipelines.config.schema import PRETRAIN_PREFIX, ScenarioConfig
 from pipelines.graph.build_inputs import method_classifier
 from pipelines.graph.source_digests import file_digest

@@ -257,4 +257,4 @@ RULES: tuple[Callable[[ScenarioConfig], list[str]], ...] = (
     slot_problems, open_set_problems, registry_problems, method_problems, evaluation_problems,
 )
 
-__all__ = ["ConfigError", "MODEL_URI", "RULES", "bridge_obstacle", "config_problems", "model_sources", "validate"]
+__all__ = ["ConfigError", "RULES", "bridge_obstacle", "config_problems", "model_sources", "validate"]

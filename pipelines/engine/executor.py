@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from compat_core import io as cio
-from pipelines.config.load import config_hash, dump_config, validate_config
+from pipelines.config.load import config_hash, config_to_dict, dump_config, validate_config
 from pipelines.config.schema import ScenarioConfig
-from pipelines.engine.progress import ProgressReporter, StageEvent, StageRecord
+from pipelines.engine.events import StageEvent, StageRecord
+from pipelines.engine.progress import ProgressReporter
 from pipelines.graph.compile import Stage, StageGraph
 from pipelines.graph.stage_kind import StageKind
 from pipelines.records.stage_records import CommittedStage, read_committed
@@ -38,8 +39,8 @@ SHARED_POLL_S = 2.0  # how often a run waiting for another run's third-party mod
 
 @dataclass
 class Invocation:
-    """What one engine invocation did: node keys executed and skipped (already committed), seconds per node, and
-    the matrix and metrics once the graph is complete (a finished run's summary is ``reports.RunSummary``)."""
+    """What one engine invocation did: node keys executed and skipped (already committed), seconds per node, and the
+    run's :class:`RunResult` once the graph is complete (the record the tracker, reports and compare read)."""
 
     run_id: str
     executed: list[str] = field(default_factory=list)
@@ -47,9 +48,17 @@ class Invocation:
     adopted: list[str] = field(default_factory=list)  # copied from output.shared_store instead of computed
     published: list[str] = field(default_factory=list)  # computed here and published to output.shared_store
     seconds: dict[str, float] = field(default_factory=dict)
-    matrix: dict | None = None
-    metrics: dict | None = None
-    result: RunResult | None = None  # the same, typed (what the engine emits to the tracker)
+    result: RunResult | None = None  # what the engine emits to the tracker once every node is committed
+
+    @property
+    def matrix(self) -> dict | None:
+        """The result's matrix as plain data (matrix.json's content), None until the graph is complete."""
+        return None if self.result is None else self.result.matrix.to_dict()
+
+    @property
+    def metrics(self) -> dict | None:
+        """The result's metrics.json document, None until the graph is complete."""
+        return None if self.result is None else self.result.metrics
 
 
 class Backend:
@@ -204,7 +213,6 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
         collect_committed(store)  # checkpoints of stages committed by a process that died before cleaning up
     if all(store.has(stage.key) for stage in graph):
         summary.result = finalize_run(graph, store)
-        summary.matrix, summary.metrics = summary.result.matrix.to_dict(), summary.result.metrics
         emit(summary.result)  # the tracker logs the run's results from it
     return summary
 
@@ -279,7 +287,7 @@ def read_invocations(store: RunStore) -> list[dict]:
 
 def finalize_run(graph: StageGraph, store: RunStore) -> RunResult:
     """Write matrix.json and metrics.json (and the reports of a local run); returns them as a RunResult."""
-    result = RunResult.of(assemble_matrix(graph, store), graph.config.evaluation.strict)
+    result = RunResult.of(assemble_matrix(graph, store), graph.config.evaluation.strict, config_to_dict(graph.config))
     write_result(store, result)
     if getattr(graph, "adapt_stages", None):  # adapters at replacements: report input
         store.write_text("adapters.json", json.dumps(adapter_summaries(graph, store), indent=2, allow_nan=False))

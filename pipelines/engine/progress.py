@@ -1,59 +1,18 @@
 """Progress display for the local executor: one bar per stage (epochs for training, batches for extraction).
 
 The reporter is the ``emit`` callback stages receive: it accepts any record (training records with epoch, step,
-loss parts and images/s; extraction progress) and shows it; the MLflow tracker of the cluster package plugs into
-the same callback, so training code never calls a tracker directly.
+loss parts and images/s; extraction progress; the event types of :mod:`pipelines.engine.events`) and shows it; the
+MLflow tracker of the cluster package plugs into the same callback, so training code never calls a tracker directly.
 """
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
-from pipelines.graph.stage_kind import StageKind
-from pipelines.records.stage_records import CommittedStage
-
-
-StageStatus = Literal["started", "done", "skipped", "failed"]
-
-
-@dataclass
-class StageEvent:
-    """Start/end/skip of a stage: ``status`` is started | done | skipped | failed; seconds only when done.
-    committed: when done or skipped, the committed record and its blob table (what a tracker logs and uploads)."""
-
-    stage_key: str
-    label: str
-    kind: StageKind
-    status: StageStatus
-    index: int
-    total: int
-    seconds: float | None = None
-    committed: CommittedStage | None = None
-
-
-@dataclass
-class ProgressUpdate:
-    """Work done inside a stage: ``done`` of ``total`` units (``unit``: epoch | batch); images/s over the stage."""
-
-    stage_key: str
-    done: int
-    total: int
-    unit: str
-    images_per_second: float | None = None
-    loss: float | None = None
-
-
-@dataclass
-class StageRecord:
-    """A record tagged with the stage that produced it. Executors that run stages concurrently (Ray) wrap records in
-    it so that sinks such as the MLflow tracker need not guess which open stage a training record belongs to."""
-
-    stage_key: str
-    record: Any
+from pipelines.engine.events import ProgressUpdate, StageEvent, StageRecord
 
 
 class ProgressReporter:

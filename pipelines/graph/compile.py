@@ -36,7 +36,7 @@ from pipelines.graph.build_inputs import (
 )
 from pipelines.graph.code_version import code_version
 from pipelines.graph.stage_kind import StageKind
-from pipelines.stages.bridge_features import plan_lines
+from pipelines.stages.feature_way import plan_lines
 from pipelines.stages.inputs import (
     EntryInputs,
     EntryRules,

@@ -21,19 +21,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from compat_core.data import replay
-from compat_core.hardware import calibration
-from compat_core.models.compat_model import create_model
-from compat_core.simplex import pretrain_slot
-from pipelines.config.schema import resolved_head
+from compat_core.slots import pretrain_slot
 from pipelines.graph.compile import StageGraph
 from pipelines.graph.stage_kind import StageKind
-from pipelines.methods import configured_method
+from pipelines.methods import METHODS
 from pipelines.stages.pools import load_pool, scenario_task_classes, slot_of_positions
-from pipelines.stages.training_stages import selection_split
-from pipelines.training.loop import SupervisedPretraining
-from pipelines.training.task_data import TaskData, epoch_batches
+from pipelines.training.task_data import TaskData, epoch_batches, selection_split
 
 FORWARD_FRACTION = 1.0 / 3.0  # cost of a forward-only image relative to a training image
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    """What the batch order reads of a method: supervised pre-training mixes no replay memory into its batches."""
+
+    uses_replay: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ def _epoch_images(data, method, train_config) -> int:
 def _task_stage_images(graph: StageGraph) -> dict[str, StageImages]:
     """StageImages of every finetune / replace stage, the replay memory simulated task by task as the stages do."""
     config = graph.config
-    method = configured_method(config.method)
+    method = METHODS.get(config.method.name)  # the card: the traits the stages read, no torch
     pool = load_pool(config.data, "data")
     labels = np.asarray(pool.labels)
     tasks = scenario_task_classes(config)
@@ -119,7 +121,7 @@ def stage_images(graph: StageGraph) -> dict[str, StageImages]:
         data = TaskData(source=pool, task=0, indices=indices, slots=pretrain_slot(labels),
                         num_old_classes=0, num_new_classes=int(np.unique(labels).size))
         train_config = config.train_config(spec.seed if spec.seed is not None else config.seed, "cpu", spec)
-        per_epoch = _epoch_images(data, SupervisedPretraining(graph[key].inputs.classifier), train_config)
+        per_epoch = _epoch_images(data, _Sampling(uses_replay=False), train_config)
         result[key] = StageImages(key, graph[key].label, StageKind.PRETRAIN, per_epoch, train_config.epochs,
                                   per_epoch * train_config.epochs, 0)
     result.update(_task_stage_images(graph))
@@ -216,26 +218,3 @@ def cost_lines(graph: StageGraph, seconds_per_image: float | None, cost_source: 
     if off_path:
         lines.append(f"  off the critical path (done before the path needs them): {', '.join(off_path)}")
     return lines
-
-
-def calibrated_seconds_per_image(config, device: str) -> tuple[float, str]:
-    """Seconds per training image of the config's model from this machine's calibration cache (``compat calibrate
-    CONFIG --device DEVICE``): the cached training step of its architecture, in the precision ``auto`` chose,
-    divided by the step's batch. Raises ValueError saying which command measures it when nothing is cached."""
-    import torch
-
-    classifier = configured_method(config.method).classifier
-    with torch.device("meta"):  # the architecture's signature only: no weights are allocated
-        model = create_model(config.model.backbone, config.model.num_slots, classifier=classifier,
-                             backbone_config=config.model.backbone_config, head=resolved_head(config, classifier))
-    prefix = calibration.workload_signature(model, torch.zeros(1, 1), train=True).rsplit("-in", 1)[0] + "-in"
-    document = calibration.load(device) or {}
-    found = sorted((name, entry) for name, entry in (document.get("workloads") or {}).items()
-                   if name.startswith(prefix))
-    if not found:
-        raise ValueError(f"--calibrated {device}: no training step of {config.model.backbone} is cached for this "
-                         f"machine; run `compat calibrate {config.name}.yaml --device {device}` (the config file) first")
-    name, entry = found[-1]
-    batch = int(name.rsplit("-in", 1)[1].split("x")[0])
-    seconds = float(entry["seconds_per_step"][entry["choice"]]) / batch
-    return seconds, f"measured here: {name}, {entry['choice']}, batch {batch}, {calibration.cache_path(device)}"

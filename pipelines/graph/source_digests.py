@@ -13,7 +13,8 @@ import os
 from typing import Any
 
 from compat_core import io as cio
-from compat_core.models.weights import resolve_weights_source, sha256_of
+from compat_core.models.weight_sources import resolve_weights_source, sha256_of
+from pipelines.config.schema import PRETRAIN_PREFIX
 
 DIGEST_FIELD = "file_sha256"
 _CACHE: dict[tuple, str] = {}

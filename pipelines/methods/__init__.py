@@ -1,44 +1,46 @@
-"""Training recipes ("methods"): one registry, ``get_method(name, **hparams)`` builds one with validated settings.
+"""Training recipes ("methods"): one registry of torch-free cards, ``get_method(name, **hparams)`` builds one.
 
-Every method is a :class:`pipelines.methods.base.Method`; the training loop in :mod:`pipelines.training.loop` owns the
-model and optimiser and asks the method for its loss.
+:data:`METHODS` maps each name to its :class:`MethodCard` (hyper-parameter model, classifier family, traits), read by
+config validation and graph compilation without importing torch. Every module of ``pipelines/methods/cards/`` is
+imported here and registers its card, so a new method is one card module and one objective module, no list edited.
+:func:`get_method` builds the torch :class:`pipelines.methods.base.Method` a card names; the training loop in
+:mod:`pipelines.training.loop` owns the model and optimiser and asks that object for its loss.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
-from compat_core.registry import Registry
-from pipelines.methods.advbct import AdvBCTER
-from pipelines.methods.base import Batch, Method, TaskContext
-from pipelines.methods.bct import BCTER
-from pipelines.methods.cores import CoReS
-from pipelines.methods.cvs import CVS
-from pipelines.methods.dsimplex import DSimplexFD, DSimplexHOC
-from pipelines.methods.er import ER
-from pipelines.methods.fan import FAN
-from pipelines.methods.lce import LCEER
-from pipelines.methods.training_free import LSP, PSP
-
-METHODS: Registry = Registry("method")
-for _method_type in (ER, DSimplexHOC, DSimplexFD, CoReS, BCTER, LCEER, AdvBCTER, FAN, CVS, PSP, LSP):
-    METHODS.register(_method_type.name, _method_type)
+from pipelines.methods import cards
+from compat_core.kinds import CLASSIFIERS
+from pipelines.methods.card import METHODS, MethodCard, register_method
 
 
-def get_method(name: str, **hparams: Any) -> Method:
+def _register_cards() -> None:
+    """Import every card module of ``pipelines/methods/cards/`` (each registers its methods on import)."""
+    for module in sorted(info.name for info in pkgutil.iter_modules(cards.__path__) if not info.ispkg):
+        importlib.import_module(f"{cards.__name__}.{module}")
+
+
+_register_cards()
+
+
+def get_method(name: str, **hparams: Any):
     """A fresh method object; unknown names raise KeyError listing the valid ones, bad hparams raise ValueError."""
-    return METHODS.get(name)(**hparams)
+    return METHODS.get(name).build(**hparams)
 
 
-def configured_method(spec: Any) -> Method:
+def configured_method(spec: Any):
     """A fresh method object of a config's ``method`` section: ``spec.name`` with ``spec.params``."""
     return get_method(spec.name, **dict(spec.params))
 
 
 __all__ = [
-    "Batch",
+    "CLASSIFIERS",
     "METHODS",
-    "Method",
-    "TaskContext",
+    "MethodCard",
     "configured_method",
     "get_method",
+    "register_method",
 ]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import nn
 
 from compat_core.losses import bct_influence_loss
@@ -11,7 +10,6 @@ from pipelines.methods.base import (
     Batch,
     ClassStatistics,
     Method,
-    MethodParams,
     TaskContext,
     boundary_hinge,
     classification_cross_entropy,
@@ -21,6 +19,7 @@ from pipelines.methods.base import (
     old_features,
     reverse_gradient,
 )
+from pipelines.methods.cards import advbct as cards
 
 
 class AdvBCTER(Method):
@@ -38,17 +37,7 @@ class AdvBCTER(Method):
     hidden width 256, gradient-reversal scale 1. Without a previous model the loss is the CE alone.
     """
 
-    name = "advbct-er"
-    classifier = "learnable"
-    uses_replay = True
-    needs_old_model = True
-
-    class Params(MethodParams):
-        lam_influence: float = Field(1.0, ge=0.0)
-        lam_adv: float = Field(0.1, ge=0.0)
-        lam_boundary: float = Field(1.0, ge=0.0)
-        elasticity: float = Field(0.1, ge=0.0)
-        discriminator_hidden: int = Field(256, ge=1)
+    card = cards.ADVBCT_ER
 
     def __init__(self, **hparams) -> None:
         super().__init__(**hparams)

@@ -30,6 +30,12 @@ from torch import nn
 
 from compat_core.kinds import CLASSIFIERS, ClassifierFamily
 from pipelines.config.method_params import MethodParams, error_lines
+from pipelines.methods.card import MethodCard
+
+
+# what a Method class takes from its card
+_CARD_TRAITS = ("name", "classifier", "uses_replay", "needs_old_model", "retrain_from_scratch",
+                "requires_initial_state", "independent_init", "training_free", "adapts_gallery", "Params")
 
 
 @dataclass
@@ -87,22 +93,33 @@ class TaskContext:
 class Method:
     """Base class of every training recipe; see the module docstring for the contract.
 
-    Subclasses set the class attributes and ``Params`` (a pydantic :class:`MethodParams` whose fields carry the SPEC
-    defaults and ranges; ``method.params`` of a config is validated against it at load time), and implement
-    ``loss``. ``setup`` returns the extra trainable modules (adapters, discriminators), already on the context's
-    device. ``export_state`` returns the adapters that must outlive training, by name
-    (:class:`compat_core.upgrades.adapters.Adapter`; FAN's psi_t); the stage stores them next to the model.
+    A subclass sets ``card`` (its :class:`pipelines.methods.card.MethodCard`: name, ``Params``, classifier family and
+    traits, copied onto the class) and implements ``loss``; ``method.params`` of a config is validated against
+    ``Params`` at load time, and again here. ``setup`` returns the extra trainable modules (adapters,
+    discriminators), already on the context's device. ``export_state`` returns the adapters that must outlive
+    training, by name (:class:`compat_core.upgrades.adapters.Adapter`; FAN's psi_t); the stage stores them next to
+    the model. A class without a card (a test's recording method) sets the traits it needs itself.
     """
 
+    card: ClassVar[MethodCard | None] = None
     name: ClassVar[str] = ""
     classifier: ClassVar[ClassifierFamily] = "simplex"
     uses_replay: ClassVar[bool] = False
     needs_old_model: ClassVar[bool] = False
     retrain_from_scratch: ClassVar[bool] = False
     requires_initial_state: ClassVar[bool] = False
+    independent_init: ClassVar[bool] = False
     training_free: ClassVar[bool] = False
+    adapts_gallery: ClassVar[bool] = False
 
     Params: ClassVar[type[MethodParams]] = MethodParams
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        card = cls.__dict__.get("card")
+        if card is not None:
+            for trait in _CARD_TRAITS:
+                setattr(cls, trait, getattr(card, trait))
 
     def __init__(self, **hparams: Any) -> None:
         try:

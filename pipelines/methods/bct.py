@@ -2,18 +2,17 @@
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 
 from compat_core.losses import bct_influence_loss
 from pipelines.methods.base import (
     Batch,
     Method,
-    MethodParams,
     TaskContext,
     classification_cross_entropy,
     classifier_input,
     learnable_classifier,
 )
+from pipelines.methods.cards import bct as cards
 
 
 class BCTER(Method):
@@ -25,13 +24,7 @@ class BCTER(Method):
     retrained), batches half memory / half task data; without a previous model the loss is the CE alone.
     """
 
-    name = "bct-er"
-    classifier = "learnable"
-    uses_replay = True
-    needs_old_model = True
-
-    class Params(MethodParams):
-        lam: float = Field(1.0, ge=0.0)
+    card = cards.BCT_ER
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)

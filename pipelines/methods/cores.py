@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from compat_core.losses import simplex_cross_entropy
-from pipelines.methods.base import Batch, Method, MethodParams, TaskContext
+from pipelines.methods.base import Batch, Method, TaskContext
+from pipelines.methods.cards import cores as cards
 
 
 class CoReS(Method):
@@ -17,14 +18,7 @@ class CoReS(Method):
     (Sec. 8.2), which the loop implements.
     """
 
-    name = "cores"
-    classifier = "simplex"
-    uses_replay = False
-    needs_old_model = False
-    retrain_from_scratch = True
-    requires_initial_state = True
-
-    Params = MethodParams  # no hyper-parameters
+    card = cards.CORES  # no hyper-parameters
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)

@@ -3,16 +3,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 
 from pipelines.methods.base import (
     Batch,
     Method,
-    MethodParams,
     TaskContext,
     classification_cross_entropy,
     old_features,
 )
+from pipelines.methods.cards import cvs as cards
 
 
 class CVS(Method):
@@ -28,15 +27,7 @@ class CVS(Method):
     lam_relation 1, tau 0.1. Without a previous model the loss is the CE alone.
     """
 
-    name = "cvs"
-    classifier = "learnable"
-    uses_replay = True
-    needs_old_model = True
-
-    class Params(MethodParams):
-        lam_neighbour: float = Field(1.0, ge=0.0)
-        lam_relation: float = Field(1.0, ge=0.0)
-        tau: float = Field(0.1, gt=0.0)
+    card = cards.CVS
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)

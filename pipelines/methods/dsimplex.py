@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 
-from compat_core.kinds import InfoNceMasking
 from compat_core.losses import (
     compatibility_info_nce,
     feature_distillation_loss,
     feature_distillation_weight,
     simplex_cross_entropy,
 )
-from pipelines.methods.base import Batch, Method, MethodParams, TaskContext, old_features
+from pipelines.methods.base import Batch, Method, TaskContext, old_features
+from pipelines.methods.cards import dsimplex as cards
 
 
 class DSimplexHOC(Method):
@@ -31,15 +30,7 @@ class DSimplexHOC(Method):
     can be logged.
     """
 
-    name = "dsimplex-hoc"
-    classifier = "simplex"
-    uses_replay = True
-    needs_old_model = True
-
-    class Params(MethodParams):
-        lam: float = Field(0.1, ge=0.0, le=1.0)
-        rho: float = Field(10.0, gt=0.0)
-        masking: InfoNceMasking = "standard"
+    card = cards.DSIMPLEX_HOC
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)
@@ -62,13 +53,7 @@ class DSimplexFD(Method):
     old class (first task) the loss is the SCE alone.
     """
 
-    name = "dsimplex-fd"
-    classifier = "simplex"
-    uses_replay = True
-    needs_old_model = True
-
-    class Params(MethodParams):
-        w_base: float = Field(5.0, ge=0.0)
+    card = cards.DSIMPLEX_FD
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)

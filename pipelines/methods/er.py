@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from pipelines.methods.base import Batch, Method, MethodParams, TaskContext, classification_cross_entropy
+from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy
+from pipelines.methods.cards import er as cards
 
 
 class ER(Method):
@@ -13,12 +14,7 @@ class ER(Method):
     half memory, half task data (the public reference's sampler) when a memory exists. No compatibility term.
     """
 
-    name = "er"
-    classifier = "learnable"
-    uses_replay = True
-    needs_old_model = False
-
-    Params = MethodParams  # no hyper-parameters
+    card = cards.ER  # no hyper-parameters
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)

@@ -3,18 +3,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import nn
 
 from compat_core.upgrades.adapters import FanAdapter
 from pipelines.methods.base import (
     Batch,
     Method,
-    MethodParams,
     TaskContext,
     classification_cross_entropy,
     old_features,
 )
+from pipelines.methods.cards import fan as cards
 
 
 class FAN(Method):
@@ -32,15 +31,7 @@ class FAN(Method):
     lam_distill 1, lam_adapter 1, hidden 512. Without a previous model the loss is the CE alone and no adapter exists.
     """
 
-    name = "fan"
-    classifier = "learnable"
-    uses_replay = True
-    needs_old_model = True
-
-    class Params(MethodParams):
-        lam_distill: float = Field(1.0, ge=0.0)
-        lam_adapter: float = Field(1.0, ge=0.0)
-        adapter_hidden: int = Field(512, ge=1)
+    card = cards.FAN
 
     def __init__(self, **hparams) -> None:
         super().__init__(**hparams)

@@ -3,19 +3,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 
 from pipelines.methods.base import (
     Batch,
     ClassStatistics,
     Method,
-    MethodParams,
     TaskContext,
     boundary_hinge,
     classification_cross_entropy,
     learnable_classifier,
     old_class_statistics,
 )
+from pipelines.methods.cards import lce as cards
 
 
 class LCEER(Method):
@@ -33,14 +32,7 @@ class LCEER(Method):
     memory the loss is the CE alone.
     """
 
-    name = "lce-er"
-    classifier = "learnable"
-    uses_replay = True
-    needs_old_model = True
-
-    class Params(MethodParams):
-        lam_align: float = Field(1.0, ge=0.0)
-        lam_boundary: float = Field(1.0, ge=0.0)
+    card = cards.LCE_ER
 
     def __init__(self, **hparams) -> None:
         super().__init__(**hparams)

@@ -8,25 +8,15 @@ newer model's logits into an older model's class space (PSP: centred softmax, LS
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 
 from compat_core.evaluation.training_free import lsp, psp_from_logits
-from pipelines.methods.base import Batch, Method, MethodParams, TaskContext, classification_cross_entropy
+from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy
+from pipelines.methods.cards import training_free as cards
 
 
 class _TrainingFree(Method):
-    classifier = "learnable"
-    uses_replay = False
-    needs_old_model = False
-    retrain_from_scratch = True
-    independent_init = True  # every step draws its own initial weights (the paper trains independent models)
-    training_free = True
-
-    class Params(MethodParams):
-        top_k: int = Field(0, ge=0, description="0: no sparsification")
-        # The paper (App. G) scales logits by "a temperature factor of 12" in the training cross-entropy without
-        # saying which way; we use the usual temperature convention, CE(z / T). 1 = plain cross-entropy.
-        temperature: float = Field(1.0, gt=0.0)
+    """Shared by PSP and LSP: plain cross-entropy (logits / temperature) of an independently initialised model; every
+    step draws its own initial weights (the paper trains independent models, card trait independent_init)."""
 
     def loss(self, batch: Batch, ctx: TaskContext) -> tuple[torch.Tensor, dict[str, float]]:
         output = ctx.model(batch.images)
@@ -45,7 +35,7 @@ class PSP(_TrainingFree):
     training, as in the paper); top_k 0 means no sparsification (the paper's App. K uses 128).
     """
 
-    name = "psp"
+    card = cards.PSP
 
     def extract_features(self, model_output, num_classes_old: int | None = None, top_k: int | None = None) -> torch.Tensor:
         """(N, C_t) logits (or a ModelOutput) of the newer model -> (N, C_k) PSP unit features in the older space.
@@ -63,7 +53,7 @@ class LSP(_TrainingFree):
     Choices as for PSP; no centring (the paper's Eq. 6; compat_core.evaluation.training_free.lsp can centre).
     """
 
-    name = "lsp"
+    card = cards.LSP
 
     def extract_features(self, model_output, num_classes_old: int | None = None, top_k: int | None = None) -> torch.Tensor:
         """(N, C_t) logits (or a ModelOutput) -> (N, C_k) LSP unit features; arguments as ``PSP.extract_features``."""

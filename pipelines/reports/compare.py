@@ -1,9 +1,11 @@
-"""Summaries across runs for ``compat compare``: :func:`load_run_summary` turns one run into a :class:`RunSummary`;
-other inputs (e.g. a Ray Tune experiment directory with one run per trial) plug in as a :data:`RUN_SOURCES` entry,
-see :func:`load_runs`; the comparison table (markdown, CSV) and figure."""
+"""Runs side by side for ``compat compare``: each input becomes one or more
+:class:`pipelines.results.assemble.RunResult` (a run directory through :func:`pipelines.results.run_files.load_run`;
+other inputs, e.g. a Ray Tune experiment directory with one run per trial, plug in as a :data:`RUN_SOURCES` entry, see
+:func:`load_runs`); the comparison table (markdown, CSV) and figure."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import math
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ import numpy as np
 
 from compat_core.registry import Registry
 from pipelines.reports.figures import DPI, pyplot, save_figure
+from pipelines.results.assemble import RunResult
 from pipelines.results.run_files import (
     CONFIG_FILE,
     MATRIX_FILE,
@@ -30,59 +33,16 @@ from pipelines.results.run_files import (
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class RunSummary:
-    """One row of ``compat compare``: headline metrics (fractions, NaN undefined) and per-task curves of one run.
-
-    label: unique display name among the compared runs (``name`` unless two runs share it).
-    source: where it was loaded from (a run directory, or e.g. a trial of a search).
-    replacement_tasks: 1-based.
-    """
-
-    name: str
-    method: str
-    num_tasks: int
-    metrics: dict[str, float]
-    aa_tau: list[float]
-    ac_tau: list[float]
-    metric: str
-    gallery: str
-    replacement_tasks: list[int]
-    source: str
-    label: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.label:
-            self.label = self.name
-
-
 @dataclass(frozen=True)
 class RunSource:
     """A kind of compare input: ``matches(path)`` says whether ``load(path)`` can read it (one or more runs)."""
 
     description: str
     matches: Callable[[Path], bool]
-    load: Callable[[Path], list[RunSummary]]
+    load: Callable[[Path], list[RunResult]]
 
 
 RUN_SOURCES: Registry[RunSource] = Registry("run source")
-
-
-def load_run_summary(path: str | Path) -> RunSummary:
-    """Summary of one finished run directory (reads config.yaml, matrix.json, metrics.json)."""
-    results = load_run(path)
-    return RunSummary(
-        name=results.name,
-        method=results.method,
-        num_tasks=results.num_tasks,
-        metrics=dict(results.metrics),
-        aa_tau=list(results.aa_tau),
-        ac_tau=list(results.ac_tau),
-        metric=results.matrix.metric,
-        gallery=results.gallery,
-        replacement_tasks=list(results.replacement_tasks),
-        source=str(path),
-    )
 
 
 RUN_SOURCES.register(
@@ -90,59 +50,57 @@ RUN_SOURCES.register(
     RunSource(
         description=f"a run directory with {CONFIG_FILE}, {MATRIX_FILE} and {METRICS_FILE}",
         matches=lambda path: (path / METRICS_FILE).is_file() or (path / MATRIX_FILE).is_file(),
-        load=lambda path: [load_run_summary(path)],
+        load=lambda path: [load_run(path)],
     ),
 )
 
 
-def load_runs(paths: Sequence[str | Path]) -> list[RunSummary]:
-    """Summaries of every input, in input order; a path is read by the first :data:`RUN_SOURCES` entry (in name
+def load_runs(paths: Sequence[str | Path]) -> list[RunResult]:
+    """The runs of every input, in input order; a path is read by the first :data:`RUN_SOURCES` entry (in name
     order) whose ``matches`` accepts it, and may yield several runs (e.g. one per trial of a search).
 
     A path no source recognises goes to the run-directory loader so the error names the missing file. When two runs
     share a name their labels become ``name (source path)``.
     """
-    summaries: list[RunSummary] = []
+    runs: list[RunResult] = []
     for raw in paths:
         path = Path(raw)
         source = next((RUN_SOURCES.get(n) for n in RUN_SOURCES.names() if RUN_SOURCES.get(n).matches(path)), None)
-        summaries += source.load(path) if source is not None else [load_run_summary(path)]
-    names = [s.name for s in summaries]
-    for summary in summaries:
-        if names.count(summary.name) > 1:
-            summary.label = f"{summary.name} ({summary.source})"
-    return summaries
+        runs += source.load(path) if source is not None else [load_run(path)]
+    names = [run.name for run in runs]
+    return [dataclasses.replace(run, label=f"{run.name} ({run.source})") if names.count(run.name) > 1 else run
+            for run in runs]
 
 
 _COMPARE_HEADER = ["run", "method", "T", "AC", "AA", "ACA", "BC", "FC"]
 
 
-def compare_table_markdown(summaries: Sequence[RunSummary]) -> str:
+def compare_table_markdown(runs: Sequence[RunResult]) -> str:
     """Markdown table across runs: AC as a fraction, AA/ACA in percent, BC/FC in percentage points."""
     header = ["run", "method", "T", "AC (fraction)", "AA (%)", "ACA (%)", "BC (pp)", "FC (pp)", "metric / gallery"]
     rows = [
-        [s.label, s.method, str(s.num_tasks), *(format_metric(k, s.metrics[k]) for k in SUMMARY_METRICS),
+        [s.display_name, s.method, str(s.num_tasks), *(format_metric(k, s.headline[k]) for k in SUMMARY_METRICS),
          f"{s.metric} / {s.gallery}"]
-        for s in summaries
+        for s in runs
     ]
     return markdown_table(header, rows, ["---", "---", "---:"] + ["---:"] * 5 + ["---"])
 
 
-def compare_table_csv(summaries: Sequence[RunSummary]) -> str:
+def compare_table_csv(runs: Sequence[RunResult]) -> str:
     """CSV across runs with every metric as an unrounded fraction (BC/FC signed), for scripts."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow([*_COMPARE_HEADER, "metric", "gallery", "replacement_tasks", "source"])
-    for s in summaries:
+    for s in runs:
         writer.writerow([
-            s.label, s.method, s.num_tasks,
-            *("" if math.isnan(s.metrics[k]) else repr(s.metrics[k]) for k in SUMMARY_METRICS),
+            s.display_name, s.method, s.num_tasks,
+            *("" if math.isnan(s.headline[k]) else repr(s.headline[k]) for k in SUMMARY_METRICS),
             s.metric, s.gallery, " ".join(str(t) for t in s.replacement_tasks), s.source,
         ])
     return buffer.getvalue()
 
 
-def compare_figure(summaries: Sequence[RunSummary]):
+def compare_figure(runs: Sequence[RunResult]):
     """Left: AA_tau (percent) of every run on one axis, replacements marked; right: grouped bars of AC/AA/ACA.
 
     AC is drawn as percent of pairs so the three bars share one axis. Returns (fig, (curves_ax, bars_ax)).
@@ -152,18 +110,18 @@ def compare_figure(summaries: Sequence[RunSummary]):
                                        width_ratios=(3, 2))
     colors = plt.get_cmap("tab10")
     markers = "osD^v<>ph*"
-    for index, s in enumerate(summaries):
+    for index, s in enumerate(runs):
         color = colors(index % 10)
         taus = np.arange(1, s.num_tasks + 1)
         curves.plot(taus, 100.0 * np.asarray(s.aa_tau), marker=markers[index % len(markers)], color=color,
-                    linewidth=2, label=s.label)
+                    linewidth=2, label=s.display_name)
         for task in s.replacement_tasks:
             # a ring on the curve rather than a full-height line: runs may replace at different tasks
             curves.plot(task, 100.0 * s.aa_tau[task - 1], marker="o", markersize=15, markerfacecolor="none",
                         markeredgewidth=1.8, color=color, linestyle="none")
     curves.plot([], [], marker="o", markersize=12, markerfacecolor="none", markeredgewidth=1.8, color="#444444",
                 linestyle="none", label="replacement enters (ring)")
-    max_tasks = max(s.num_tasks for s in summaries)
+    max_tasks = max(s.num_tasks for s in runs)
     curves.set_xlabel("tau: number of tasks seen (1-based)")
     curves.set_ylabel("AA_tau (percent)")
     curves.set_xlim(0.5, max_tasks + 0.5)
@@ -174,13 +132,14 @@ def compare_figure(summaries: Sequence[RunSummary]):
     curves.set_title("AA_tau across tasks", fontsize=11)
 
     groups = ("AC", "AA", "ACA")
-    width = 0.8 / max(len(summaries), 1)
+    width = 0.8 / max(len(runs), 1)
     positions = np.arange(len(groups))
-    for index, s in enumerate(summaries):
-        heights = [100.0 * s.metrics[key] for key in groups]
+    for index, s in enumerate(runs):
+        heights = [100.0 * s.headline[key] for key in groups]
         offsets = positions - 0.4 + width * (index + 0.5)
-        drawn = bars.bar(offsets, np.nan_to_num(heights), width=width * 0.95, color=colors(index % 10), label=s.label)
-        if len(summaries) <= 6:  # with more runs the numbers overlap; compare.md has them
+        drawn = bars.bar(offsets, np.nan_to_num(heights), width=width * 0.95, color=colors(index % 10),
+                         label=s.display_name)
+        if len(runs) <= 6:  # with more runs the numbers overlap; compare.md has them
             bars.bar_label(drawn, labels=["n/a" if math.isnan(h) else f"{h:.1f}" for h in heights], fontsize=8,
                            padding=2)
     bars.set_xticks(positions, ["AC (% of pairs)", "AA (%)", "ACA (%)"])
@@ -191,10 +150,10 @@ def compare_figure(summaries: Sequence[RunSummary]):
     return fig, (curves, bars)
 
 
-def write_compare(summaries: Sequence[RunSummary], output_dir: str | Path) -> dict[str, Path]:
+def write_compare(runs: Sequence[RunResult], output_dir: str | Path) -> dict[str, Path]:
     """Write ``compare.md``, ``compare.csv`` and ``compare.png`` into ``output_dir`` (created if missing)."""
-    if not summaries:
-        raise ValueError("write_compare: expected at least one run summary, got none")
+    if not runs:
+        raise ValueError("write_compare: expected at least one run, got none")
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -203,7 +162,7 @@ def write_compare(summaries: Sequence[RunSummary], output_dir: str | Path) -> di
         "png": output_dir / "compare.png",
     }
     notes = []
-    protocols = {(s.metric, s.gallery) for s in summaries}
+    protocols = {(s.metric, s.gallery) for s in runs}
     if len(protocols) > 1:
         notes.append("> **Note**: the runs use different metrics or gallery protocols; their numbers are not "
                      "directly comparable.")
@@ -212,7 +171,7 @@ def write_compare(summaries: Sequence[RunSummary], output_dir: str | Path) -> di
         "",
         "AC is a fraction of model pairs; AA and ACA are percent; BC and FC are percentage points (pp).",
         "",
-        compare_table_markdown(summaries),
+        compare_table_markdown(runs),
         "",
         *notes,
         *([""] if notes else []),
@@ -220,6 +179,6 @@ def write_compare(summaries: Sequence[RunSummary], output_dir: str | Path) -> di
         "",
     ])
     write_text_atomically(paths["markdown"], text)
-    write_text_atomically(paths["csv"], compare_table_csv(summaries))
-    save_figure(compare_figure(summaries)[0], paths["png"])
+    write_text_atomically(paths["csv"], compare_table_csv(runs))
+    save_figure(compare_figure(runs)[0], paths["png"])
     return paths

@@ -8,7 +8,8 @@ from typing import Sequence
 
 import numpy as np
 
-from pipelines.results.run_files import RunResults, criterion_text, format_metric, metric_display_name
+from pipelines.results.assemble import RunResult
+from pipelines.results.run_files import criterion_text, format_metric, metric_display_name
 
 # Light red for failing cross-tests; the value colour map is blue so the two never get confused.
 FAIL_COLOR = "#f7b2b2"
@@ -36,7 +37,7 @@ def _text_color(rgba: Sequence[float]) -> str:
     return "white" if luminance < 0.5 else "black"
 
 
-def matrix_figure(results: RunResults):
+def matrix_figure(results: RunResult):
     """Heatmap of the matrix in percent as a matplotlib Figure (the caller saves or closes it); returns (fig, ax).
 
     Data coordinates: cell ``[t, k]`` (0-based query t, gallery k) is centred at ``(x=k, y=t)``; row 0 at the top.
@@ -94,7 +95,7 @@ def matrix_figure(results: RunResults):
     for spine in ("top", "right"):
         ax.spines[spine].set_visible(False)
 
-    summary = results.metrics
+    summary = results.headline
     ax.set_title(
         f"{results.name}: method {results.method}\n"
         f"{metric_display_name(results.matrix.metric)} (percent), gallery: {results.gallery};   "
@@ -124,7 +125,7 @@ def _replacement_lines(ax, tasks: Sequence[int], label_first: bool) -> None:
                    label="replacement" if label_first and index == 0 else None)
 
 
-def aa_tau_figure(results: RunResults):
+def aa_tau_figure(results: RunResult):
     """Two panels over tau = 1..T: AA_tau and the self-tests (percent) on top, AC_tau (fraction) below."""
     plt = pyplot()
     T = results.num_tasks

@@ -20,6 +20,7 @@ from typing import Sequence
 
 from pipelines.reports.figures import aa_tau_figure, matrix_figure, save_figure
 from pipelines.reports.upgrades import BACKFILL_PNG, backfill_figure, load_upgrades, section_markdown
+from pipelines.results.assemble import RunResult
 from pipelines.results.run_files import (
     CURVES_PNG,
     MATRIX_CSV,
@@ -28,7 +29,6 @@ from pipelines.results.run_files import (
     REPORT_FILE,
     SUMMARY_FORMAT,
     SUMMARY_METRICS,
-    RunResults,
     criterion_text,
     format_metric,
     load_run,
@@ -44,9 +44,9 @@ from pipelines.results.run_files import (
 
 
 
-def summary_table_markdown(results: RunResults) -> str:
+def summary_table_markdown(results: RunResult) -> str:
     """Markdown table of AC, AA, ACA, BC, FC with each one's unit (AC fraction; others percent / points)."""
-    rows = [[key, format_metric(key, results.metrics[key]), SUMMARY_FORMAT[key][2]] for key in SUMMARY_METRICS]
+    rows = [[key, format_metric(key, results.headline[key]), SUMMARY_FORMAT[key][2]] for key in SUMMARY_METRICS]
     return markdown_table(["metric", "value", "unit"], rows, ["---", "---:", "---"])
 
 
@@ -55,7 +55,7 @@ def _task_label(task: int, replacement_tasks: Sequence[int]) -> str:
     return f"{task} (R)" if task in replacement_tasks else str(task)
 
 
-def matrix_table_markdown(results: RunResults) -> str:
+def matrix_table_markdown(results: RunResult) -> str:
     """The matrix in percent (2 decimals): rows = query model, columns = gallery model, 1-based tasks.
 
     Self-tests are bold, failing cross-tests end with ``✗``, ``-`` marks the undefined upper triangle.
@@ -76,7 +76,7 @@ def matrix_table_markdown(results: RunResults) -> str:
     return markdown_table(header, rows, ["---"] + ["---:"] * T)
 
 
-def per_task_table_markdown(results: RunResults) -> str:
+def per_task_table_markdown(results: RunResult) -> str:
     """tau, AC_tau (fraction), AA_tau (percent), self-test (percent) and the replacement entering at that task."""
     rows = []
     for index in range(results.num_tasks):
@@ -96,7 +96,7 @@ def per_task_table_markdown(results: RunResults) -> str:
     )
 
 
-def render_report_markdown(results: RunResults, images: dict[str, str] | None = None) -> str:
+def render_report_markdown(results: RunResult, images: dict[str, str] | None = None) -> str:
     """The text of ``report.md``; ``images`` maps a caption to a path relative to the run directory."""
     matrix = results.matrix
     metric = metric_display_name(matrix.metric)
@@ -162,7 +162,7 @@ def write_reports(run_dir: str | Path) -> dict[str, Path]:
     return write_run_reports(load_run(run_dir))
 
 
-def write_run_reports(results: RunResults) -> dict[str, Path]:
+def write_run_reports(results: RunResult) -> dict[str, Path]:
     """:func:`write_reports` for an already loaded run; files go to ``results.run_dir``."""
     run_dir = results.run_dir
     paths = {

@@ -1,21 +1,30 @@
-"""A run's results: the compatibility matrix assembled from committed row records, its metrics, and the result
-files ``matrix.json`` / ``metrics.json`` of a run directory (or of a ``compat eval`` variant folder in it).
+"""A run's results: the one record of them (:class:`RunResult`), the compatibility matrix assembled from committed
+row records, its metrics, and the result files ``matrix.json`` / ``metrics.json`` of a run directory (or of a
+``compat eval`` variant folder in it).
 
-One path for all of them: the engine (:func:`pipelines.engine.executor.finalize_run`, which hands the :class:`RunResult` to
-the tracker), ``compat eval`` (:mod:`pipelines.results.variants`), Tune's report after each task
-(:mod:`cluster.tune.trial`) and the reports, which read the files back (:mod:`pipelines.results.run_files`). Values are fractions; metrics undefined on the matrix (e.g.
-pair metrics of one model) are ``None`` (``null`` in metrics.json).
+One record and one path for all of them: the engine (:func:`pipelines.engine.executor.finalize_run`, which hands the
+:class:`RunResult` to the tracker and returns it in the invocation), ``compat eval``
+(:mod:`pipelines.results.variants`), Tune's report after each task (:mod:`cluster.tune.trial`), a Ray Job's results
+read back from its store, and the reports and ``compat compare``, which read the files back with the run's config
+(:func:`pipelines.results.run_files.load_run`). Values are fractions; metrics undefined on the matrix (e.g. pair
+metrics of one model) are ``None`` (``null`` in metrics.json).
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from compat_core.evaluation.metrics import CompatibilityMatrix, metrics_by_task, summary_metrics
+from compat_core.evaluation.metrics import (
+    CompatibilityMatrix,
+    empirical_compatibility,
+    metrics_by_task,
+    summary_metrics,
+)
 from pipelines.config.schema import EvaluationSpec
 from pipelines.graph.compile import StageGraph
 from pipelines.records.stage_records import read_record
@@ -23,20 +32,97 @@ from pipelines.store.run_store import RunStore
 
 MATRIX_FILE = "matrix.json"
 METRICS_FILE = "metrics.json"
+HEADLINE_METRICS = ("AC", "AA", "ACA", "BC", "FC")
 
 
 @dataclass(frozen=True)
 class RunResult:
-    """A complete run's matrix (T x T fractions, NaN above the diagonal) and its metrics.json document."""
+    """A complete run's results, the one record the engine returns and emits, the result files hold, the reports show,
+    ``compat compare`` lines up and a remote run (Ray Job, Tune trial) hands back.
+
+    matrix: T x T fractions, NaN above the diagonal. metrics: the metrics.json document (fractions; ``None`` where
+    undefined, e.g. pair metrics of one model). config: the resolved scenario as plain data (config.yaml), when
+    known. run_dir: the local folder it was read from (a run directory or its ``eval-*`` variant folder), when read
+    from one. name: the run's name (the config's; ``<run>/<folder>`` for a variant). source: where it was loaded
+    from (a run directory, a trial of a search); label: its display name among compared runs (default ``name``).
+    warnings: inconsistencies found while reading it (shown in the report, never silently dropped).
+    """
 
     matrix: CompatibilityMatrix
     metrics: dict[str, Any]
+    config: dict[str, Any] | None = None
+    run_dir: Path | None = None
+    name: str = ""
+    source: str = ""
+    label: str = ""
+    warnings: list[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, matrix: CompatibilityMatrix, strict: bool) -> "RunResult":
+    def of(cls, matrix: CompatibilityMatrix, strict: bool, config: dict[str, Any] | None = None) -> "RunResult":
         """The result of ``matrix`` with its metrics under the ECC criterion ``strict`` (``>`` when True)."""
-        return cls(matrix, compute_metrics(matrix, strict))
+        name = str((config or {}).get("name") or "")
+        return cls(matrix, compute_metrics(matrix, strict), config, name=name)
 
+    # ---- what the reports read ------------------------------------------------------------------------------------
+    @property
+    def display_name(self) -> str:
+        """``label``, else ``name``: how compare tables and plots name the run."""
+        return self.label or self.name
+
+    @property
+    def method(self) -> str:
+        """The method's name from the config ('' when the config is unknown)."""
+        method = (self.config or {}).get("method")
+        return str(method.get("name", "") if isinstance(method, dict) else method or "")
+
+    @property
+    def num_tasks(self) -> int:
+        """T, the number of models (rows of the matrix)."""
+        return self.matrix.num_models
+
+    @property
+    def metric(self) -> str:
+        """The retrieval metric of the matrix entries (e.g. recall_at_1)."""
+        return self.matrix.metric
+
+    @property
+    def gallery(self) -> str:
+        """Gallery protocol (``instances`` or ``class_means``) from matrix.json, ``unknown`` when not recorded."""
+        return str(self.matrix.protocol.get("gallery", "unknown"))
+
+    @property
+    def headline(self) -> dict[str, float]:
+        """AC, AA, ACA, BC, FC as fractions, NaN where undefined (metrics.json's null)."""
+        return {key: _as_float(self.metrics.get(key)) for key in HEADLINE_METRICS}
+
+    @property
+    def ac_tau(self) -> list[float]:
+        """AC over the first tau tasks, tau = 1..T (fractions, NaN undefined)."""
+        return [_as_float(value) for value in self.metrics.get("AC_tau") or []]
+
+    @property
+    def aa_tau(self) -> list[float]:
+        """AA over the first tau tasks, tau = 1..T (fractions, NaN undefined)."""
+        return [_as_float(value) for value in self.metrics.get("AA_tau") or []]
+
+    @property
+    def replacement_sources(self) -> dict[int, str]:
+        """1-based task number -> weights source of every replacement in the config, by task."""
+        entries = (self.config or {}).get("replacements") or []
+        return dict(sorted((int(entry["at_task"]), str(entry.get("source", ""))) for entry in entries))
+
+    @property
+    def replacement_tasks(self) -> list[int]:
+        """1-based task numbers where a replacement model enters, sorted."""
+        return list(self.replacement_sources)
+
+    @property
+    def failing(self) -> np.ndarray:
+        """Bool (T, T), True at cross-tests (t > k, 0-based) that fail the empirical compatibility criterion."""
+        T = self.num_tasks
+        return np.tri(T, k=-1, dtype=bool) & ~empirical_compatibility(self.matrix.values, strict=self.matrix.strict)
+
+    # ---- result files and their travel ----------------------------------------------------------------------------
     def matrix_json(self) -> str:
         """matrix.json text."""
         return self.matrix.to_json()
@@ -60,6 +146,10 @@ class RunResult:
         if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
             raise ValueError(f"run result: expected {{'matrix': {{...}}, 'metrics': {{...}}}}, got {text!r:.200}")
         return cls(CompatibilityMatrix.from_dict(data.get("matrix")), data["metrics"])
+
+
+def _as_float(value: Any) -> float:
+    return float("nan") if value is None else float(value)
 
 
 def matrix_values(store: RunStore, row_keys: Sequence[str], size: int | None = None) -> np.ndarray:
@@ -125,8 +215,10 @@ def write_result(store: RunStore, result: RunResult, folder: str = "") -> None:
     store.write_text(f"{prefix}{METRICS_FILE}", result.metrics_json())
 
 
-def read_result(store: RunStore, folder: str = "") -> RunResult:
-    """The RunResult that :func:`write_result` wrote (FileNotFoundError when the run has no matrix.json yet)."""
+def read_result(store: RunStore, folder: str = "", config: dict[str, Any] | None = None) -> RunResult:
+    """The RunResult that :func:`write_result` wrote (FileNotFoundError when the run has no matrix.json yet), with
+    ``config`` (the run's resolved config as plain data) when given."""
     prefix = f"{folder}/" if folder else ""
     matrix = CompatibilityMatrix.from_json(store.read_text(f"{prefix}{MATRIX_FILE}"))
-    return RunResult(matrix, json.loads(store.read_text(f"{prefix}{METRICS_FILE}")))
+    name = str((config or {}).get("name") or "")
+    return RunResult(matrix, json.loads(store.read_text(f"{prefix}{METRICS_FILE}")), config, name=name)

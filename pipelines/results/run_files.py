@@ -1,20 +1,18 @@
-"""A finished run directory read back and checked: ``config.yaml``, ``matrix.json`` and ``metrics.json`` as a
-:class:`RunResults` (fractions; the metrics checked against a recomputation from the matrix), the file names of a run
-directory, and readable metric names.
+"""A finished run directory read back and checked: ``config.yaml``, ``matrix.json`` and ``metrics.json`` as the
+run's :class:`pipelines.results.assemble.RunResult` (fractions; the metrics checked against a recomputation from the
+matrix), the file names of a run directory, and readable metric names.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import yaml
 
-from compat_core.evaluation.metrics import CompatibilityMatrix, empirical_compatibility, metrics_by_task
-from pipelines.results.assemble import MATRIX_FILE, METRICS_FILE
+from compat_core.evaluation.metrics import CompatibilityMatrix, metrics_by_task
+from pipelines.results.assemble import HEADLINE_METRICS, MATRIX_FILE, METRICS_FILE, RunResult
 
 CONFIG_FILE = "config.yaml"
 REPORT_FILE = "report.md"
@@ -22,7 +20,7 @@ MATRIX_PNG = "matrix.png"
 CURVES_PNG = "aa_tau.png"
 MATRIX_CSV = "matrix.csv"
 
-SUMMARY_METRICS = ("AC", "AA", "ACA", "BC", "FC")
+SUMMARY_METRICS = HEADLINE_METRICS
 
 _METRIC_NAMES = {
     "recall_at_1": "Recall@1",
@@ -43,46 +41,6 @@ def metric_display_name(metric: str) -> str:
 # --------------------------------------------------------------------------------------------------------------------
 # Loading a run directory
 # --------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunResults:
-    """Everything the reports show about one finished run.
-
-    metrics: ``AC``, ``AA``, ``ACA``, ``BC``, ``FC`` as fractions (NaN where undefined, e.g. pair metrics with T=1).
-    ac_tau / aa_tau: length T, entry ``i`` is the metric over the first ``i + 1`` tasks (fractions, NaN undefined).
-    replacement_tasks: 1-based task numbers where a replacement model enters, sorted.
-    replacement_sources: 1-based task number -> weights source written in config.yaml.
-    warnings: inconsistencies found while loading (shown in the report, never silently dropped).
-    """
-
-    run_dir: Path
-    name: str
-    method: str
-    matrix: CompatibilityMatrix
-    metrics: dict[str, float]
-    ac_tau: list[float]
-    aa_tau: list[float]
-    replacement_tasks: list[int]
-    replacement_sources: dict[int, str]
-    config: dict[str, Any]
-    warnings: list[str] = field(default_factory=list)
-
-    @property
-    def num_tasks(self) -> int:
-        """T, the number of models (rows of the matrix)."""
-        return self.matrix.num_models
-
-    @property
-    def gallery(self) -> str:
-        """Gallery protocol (``instances`` or ``class_means``) from matrix.json, ``unknown`` when not recorded."""
-        return str(self.matrix.protocol.get("gallery", "unknown"))
-
-    @property
-    def failing(self) -> np.ndarray:
-        """Bool (T, T), True at cross-tests (t > k, 0-based) that fail the empirical compatibility criterion."""
-        T = self.num_tasks
-        return np.tri(T, k=-1, dtype=bool) & ~empirical_compatibility(self.matrix.values, strict=self.matrix.strict)
 
 
 def _require_file(run_dir: Path, name: str) -> Path:
@@ -185,7 +143,7 @@ def _variant_parent(run_dir: Path) -> Path | None:
     return parent if (parent / CONFIG_FILE).is_file() else None
 
 
-def load_run(run_dir: str | Path) -> RunResults:
+def load_run(run_dir: str | Path) -> RunResult:
     """Read ``config.yaml``, ``matrix.json`` and ``metrics.json`` of a finished run directory.
 
     A ``compat eval`` variant folder (``RUN/eval-<variant>/`` with matrix.json and metrics.json but no config.yaml)
@@ -215,7 +173,8 @@ def load_run(run_dir: str | Path) -> RunResults:
     except (ValueError, KeyError) as error:
         # KeyError's str() quotes its message; args[0] is the message itself
         raise ValueError(f"{matrix_path}: {error.args[0] if error.args else error}") from None
-    metrics, ac_tau, aa_tau = _parse_metrics(_read_json(metrics_path), metrics_path, matrix.num_models)
+    document = _read_json(metrics_path)
+    metrics, ac_tau, aa_tau = _parse_metrics(document, metrics_path, matrix.num_models)
 
     method = config.get("method")
     method_name = method.get("name") if isinstance(method, dict) else method
@@ -228,20 +187,9 @@ def load_run(run_dir: str | Path) -> RunResults:
         name = (variant_of or run_dir).resolve().name  # a hand-made config may lack a name; the folder still names it
     if variant_of is not None:
         name = f"{name}/{run_dir.name}"
-    sources = _parse_replacements(config, config_path, matrix.num_models)
-    return RunResults(
-        run_dir=run_dir,
-        name=name,
-        method=method_name,
-        matrix=matrix,
-        metrics=metrics,
-        ac_tau=ac_tau,
-        aa_tau=aa_tau,
-        replacement_tasks=list(sources),
-        replacement_sources=sources,
-        config=config,
-        warnings=_consistency_warnings(matrix, metrics, ac_tau, aa_tau),
-    )
+    _parse_replacements(config, config_path, matrix.num_models)
+    return RunResult(matrix, document, config, run_dir=run_dir, name=name, source=str(run_dir),
+                     warnings=_consistency_warnings(matrix, metrics, ac_tau, aa_tau))
 
 
 # How each summary metric is shown: (scale, decimals, unit text).
@@ -254,9 +202,10 @@ SUMMARY_FORMAT = {
 }
 
 
-def format_metric(key: str, value: float) -> str:
+def format_metric(key: str, value: float | None) -> str:
+    """``value`` (a fraction; None or NaN: undefined) as the reports show ``key``: scaled, rounded, signed."""
     scale, decimals, _ = SUMMARY_FORMAT[key]
-    if math.isnan(value):
+    if value is None or math.isnan(value):
         return "n/a"
     signed = key in ("BC", "FC")
     return f"{scale * value:+.{decimals}f}" if signed else f"{scale * value:.{decimals}f}"

@@ -6,8 +6,8 @@ and nothing is lost: cos(A_t q, A_k g) = q^T (A_t^T A_k) g / (||A_t q|| ||A_k g|
 
 ``evaluation.features``: ``direct`` stores f (fp16 by default); ``bridge`` stores h (same dtype) and references A in
 the model's own weights (``model.safetensors`` of the model stage, read once per process); ``auto`` (default) picks
-the bridge where it is exact and cheaper (:func:`feature_way`). The extract record's ``layout.way`` and each entry
-record's ``features`` say which way was used.
+the bridge where it is exact and cheaper (:mod:`pipelines.stages.feature_way`). The extract record's ``layout.way``
+and each entry record's ``features`` say which way was used.
 
 Entries from two bridge extracts, by metric:
 - ``recall_at_1`` (gallery ``instances``): ``compat_core.retrieval.bridge.bridged_recall_at_1``, the exact top-1 kernel.
@@ -28,12 +28,8 @@ import time
 import numpy as np
 import torch
 
-from compat_core.models.backbones import create_backbone
 from compat_core.retrieval.bridge import bridged_recall_at_1
-from pipelines.config.schema import resolved_head
-from pipelines.config.validate import bridge_obstacle
-from pipelines.methods import METHODS
-from pipelines.methods.fan import FAN
+from pipelines.stages.feature_way import feature_way
 from pipelines.records.payloads import EntryFeatures, FeatureLayout, JunctionRef
 from pipelines.records.stage_records import FeatureRecord
 from pipelines.stages.entry_metrics import entry_metric
@@ -41,48 +37,11 @@ from pipelines.stages.feature_store import cached_features, junction_gram, junct
 from pipelines.stages.inputs import EntryRules
 from pipelines.store.run_store import RunStore, feature_blobs
 
-FEATURE_WAYS = ("auto", "direct", "bridge")
 WEIGHTS_BLOB = "model.safetensors"
 JUNCTION_TENSOR = "junction.weight"
 
 
-# ---- which way -----------------------------------------------------------------------------------------------------
-def embedding_width(backbone: str, backbone_config: dict | None = None) -> int:
-    """m of a registered backbone, built on the meta device (no memory, no weights)."""
-    with torch.device("meta"):
-        return int(create_backbone(backbone, **(backbone_config or {})).embed_dim)
-
-
-def _transforms_features(method: str) -> str | None:
-    """Why entries of ``method`` map stored features through an adapter (None when they never do)."""
-    method_class = METHODS.get(method)
-    if isinstance(method_class, type) and issubclass(method_class, FAN):
-        return f"method {method} applies its feature adapters to gallery features"
-    return None
-
-
-def feature_way(requested: str, method: str, head: str, feature_dim: int, embed_dim: int) -> tuple[str, str]:
-    """(way, reason) for an extract of a model of ``method`` with ``head`` (junction | backbone), d =
-    ``feature_dim`` and m = ``embed_dim`` under ``requested`` (``evaluation.features``: auto | direct | bridge).
-    Raises ValueError when ``bridge`` is asked for a model the bridge cannot represent (configs that ask for it
-    are refused at load, ``pipelines.config.validate``)."""
-    if requested == "direct":
-        return "direct", "evaluation.features: direct"
-    impossible = bridge_obstacle(method, head)
-    if impossible is not None:
-        if requested == "bridge":
-            raise ValueError(f"evaluation.features: 'bridge' is not possible here: {impossible}; use auto or direct")
-        return "direct", impossible
-    if requested == "bridge":
-        return "bridge", "evaluation.features: bridge"
-    if feature_dim <= embed_dim:
-        return "direct", f"d={feature_dim} <= m={embed_dim}: the embedding is not smaller than the feature"
-    transforms = _transforms_features(method)
-    if transforms is not None:
-        return "direct", f"{transforms} (entries would materialise the d-dim features anyway)"
-    return "bridge", f"d={feature_dim} > m={embed_dim}"
-
-
+# ---- which way (the rules: pipelines.stages.feature_way) ---------------------------------------------------
 def model_feature_way(requested: str, method: str, model) -> tuple[str, str]:
     """:func:`feature_way` of a loaded CompatModel."""
     head = "junction" if isinstance(model.junction, torch.nn.Linear) else "backbone"
@@ -170,33 +129,3 @@ def entry_value(store: RunStore, rules: EntryRules, query_record: FeatureRecord,
     how.seconds = time.perf_counter() - started
     how.device = str(device)
     return value, how
-
-
-# ---- plan ------------------------------------------------------------------------------------------------------------
-def plan_lines(config, query_rows: int | None, gallery_rows: int | None, entries: int) -> list[str]:
-    """`compat plan` lines: which way ``evaluation.features`` takes, storage per image per model and the similarity
-    cost of an entry both ways (FLOPs count multiply-adds as 2)."""
-    d = config.model.num_slots - 1
-    try:
-        m = embedding_width(config.model.backbone, config.model.backbone_config)
-    except Exception as error:  # noqa: BLE001 - a plan must print even when the backbone cannot be built here
-        return [f"features: evaluation.features={config.evaluation.features}; embedding width unknown ({error})"]
-    try:
-        head = resolved_head(config, METHODS.get(config.method.name).classifier)
-        way, reason = feature_way(config.evaluation.features, config.method.name, head, d, m)
-    except ValueError as error:
-        way, reason = "invalid", str(error)
-    value_bytes = 2 if config.evaluation.feature_dtype == "float16" else 4
-    lines = [f"features: {way} ({reason}); evaluation.features={config.evaluation.features}",
-             f"  storage per image per model: direct {d * value_bytes} B (d={d}), bridge {m * value_bytes} B "
-             f"(m={m}; the head A, {d * m * 4 / 2**20:.1f} MiB fp32, is read from the model weights)"]
-    if query_rows is not None and gallery_rows is not None:
-        direct = 2.0 * query_rows * gallery_rows * d
-        # A_t^T A_k and A_k^T A_k (2 d m^2), the gallery map (2 Ng m^2), the m-dim search (2 Nq Ng m)
-        bridge = 2.0 * 2 * d * m * m + 2.0 * gallery_rows * m * m + 2.0 * query_rows * gallery_rows * m
-        lines.append(f"  similarity cost per entry: direct {direct:.3e} FLOPs, bridge {bridge:.3e} FLOPs "
-                     f"({direct / bridge:.1f}x less); {entries} entries")
-    else:
-        lines.append(f"  similarity cost per entry: direct 2*Nq*Ng*{d} FLOPs, bridge 2*Nq*Ng*{m} + 2*Ng*{m}^2 + "
-                     f"{4.0 * d * m * m:.3e} (the m x m head products) FLOPs; {entries} entries")
-    return lines

@@ -13,7 +13,7 @@ from compat_core.data.stream import stream_batches
 from compat_core.data.transforms import make_transforms
 from compat_core.models.precision import prepare_batch
 from pipelines.config.schema import ScenarioConfig
-from pipelines.engine.progress import ProgressUpdate
+from pipelines.engine.events import ProgressUpdate
 from pipelines.methods import configured_method
 from pipelines.records.stage_records import FeatureRecord
 from pipelines.stages.bridge_features import bridge_blobs, model_feature_way

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from compat_core.kinds import ClassifierFamily
-from compat_core.models import learnable_from_simplex, load_external_weights
+from compat_core.models.compat_model import learnable_from_simplex
+from compat_core.models.weights import load_external_weights
 from compat_core.models.compat_model import (
     CONFIG_FILE,
     WEIGHTS_FILE,

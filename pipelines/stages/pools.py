@@ -17,10 +17,10 @@ import numpy as np
 
 from compat_core.data.datasets import load_dataset
 from compat_core.data.replay_parquet import encoded_images
-from compat_core.data.stream import keep_rows
+from compat_core.data.base import keep_rows
 from compat_core.data.tasks import build_task_sequence
 from compat_core.kinds import ClassifierFamily
-from compat_core.simplex import SlotMapper
+from compat_core.slots import SlotMapper
 from pipelines.config.load import stable_hash
 from pipelines.config.schema import PoolSpec, ScenarioConfig
 from pipelines.stages.inputs import ClassOrder, DataGuards, OpenSetPools
@@ -184,7 +184,7 @@ def slot_of_positions(positions: np.ndarray, classifier: ClassifierFamily, num_s
                       pretrained_classes: int) -> np.ndarray:
     """Classifier targets of fine-tuning class positions (see module docstring). Shapes (N,) -> (N,) int64.
 
-    d-Simplex slots go through :class:`compat_core.simplex.SlotMapper`, which refuses a position outside the K slots
+    d-Simplex slots go through :class:`compat_core.slots.SlotMapper`, which refuses a position outside the K slots
     or one whose slot a pre-trained class of the line already holds (slots 0..P-1)."""
     positions = np.asarray(positions, dtype=np.int64)
     if classifier == "simplex":

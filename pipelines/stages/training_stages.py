@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from compat_core.upgrades.adapters import save_adapter
-from pipelines.engine.progress import ProgressUpdate
+from pipelines.engine.events import ProgressUpdate
 from pipelines.methods import configured_method
 from pipelines.records.payloads import TrainingSummary
 from pipelines.records.stage_records import MemoryRecord, ModelRecord
@@ -36,7 +36,7 @@ from pipelines.store.run_store import encode_array
 from pipelines.training.checkpoints import StoreCheckpointSink, policy_from_settings
 from pipelines.training.distributed import is_leader, launcher_checkpoint_sink
 from pipelines.training.loop import compute_features, pretrain_model, train_task
-from pipelines.training.task_data import SelectionSplit, TaskData
+from pipelines.training.task_data import TaskData, selection_split
 
 
 def _progress_hook(ctx: StageContext):
@@ -115,27 +115,6 @@ def pretrain_stage(ctx: StageContext) -> StageResult:
 
 def _state_copy(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def selection_split(holdout: float, pool, indices: np.ndarray, seed: int):
-    """CoReS Sec. 8.2 held-out split: ``holdout`` (``training.selection_holdout``) of the task's samples per class,
-    halved into query and gallery; returns (training indices without them, SelectionSplit)."""
-    rng = np.random.default_rng(seed)
-    labels = np.asarray(pool.labels)[indices]
-    held_query, held_gallery = [], []
-    for c in np.unique(labels):
-        members = indices[labels == c][rng.permutation(int((labels == c).sum()))]
-        count = max(2, int(round(holdout * members.size)))
-        if count >= members.size:
-            continue
-        held = members[:count]
-        held_query.append(held[: count // 2])
-        held_gallery.append(held[count // 2:])
-    if not held_query:
-        raise ValueError("training.selection_holdout: no class has enough samples for a held-out split")
-    query, gallery = np.concatenate(held_query), np.concatenate(held_gallery)
-    remaining = np.setdiff1d(indices, np.concatenate([query, gallery]))
-    return remaining, SelectionSplit(pool, query, gallery)
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 from compat_core.evaluation.metrics import upgrade_verdict
 from compat_core.upgrades.adapters import GALLERY_ADAPTERS, SEEDED_ADAPTERS, make_adapter, save_adapter
 from compat_core.upgrades.backfill_order import backfill_curve, backfill_order, uncertainty_scores
-from pipelines.engine.progress import ProgressUpdate
+from pipelines.engine.events import ProgressUpdate
 from pipelines.records.payloads import AdapterResult, CrossTests, UpgradeVerdict
 from pipelines.records.stage_records import AdaptersRecord
 from pipelines.stages.context import StageContext, StageResult

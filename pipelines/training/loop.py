@@ -35,11 +35,11 @@ from pipelines.training.checkpoints import CheckpointSink, EpochCheckpoint, pree
 from pipelines.training.records import ProgressHook, TrainRecord, TrainResult, _Window
 from pipelines.training.settings import TrainConfig
 from pipelines.training.state import restore_training_state, training_state
+from pipelines.training.batches import _Loader
 from pipelines.training.task_data import (
     SelectionSplit,
     TaskData,
     _augment_seed,
-    _Loader,
     _steps_per_epoch,
     epoch_batches,
 )

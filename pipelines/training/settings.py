@@ -7,6 +7,7 @@ Kept free of torch so configs validate without it.
 """
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -14,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_LR = 10.0  # a learning rate above this diverges at once with every optimiser the project has
 MAX_INPUT_WORKERS = 64  # each worker holds a process and its pipes: thousands exhaust the open-file limit
 SEED_LIMIT = 2 ** 63  # seeds are in [0, 2^63)
+
+
+_PLAIN_DEVICE = re.compile(r"(cpu|meta|mps|cuda)(:\d+)?")
 
 
 class StrictModel(BaseModel):
@@ -109,7 +113,9 @@ class TrainConfig(StrictModel):
     @field_validator("device")
     @classmethod
     def _torch_device(cls, value: str) -> str:
-        import torch  # only when a device is given (a stage binding it), so configs validate without torch
+        if _PLAIN_DEVICE.fullmatch(value):  # torch.device accepts these as they are: no torch needed (compat plan)
+            return value
+        import torch  # only for other device strings, so configs validate and plans count without torch
 
         try:
             torch.device(value)

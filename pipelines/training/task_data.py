@@ -1,21 +1,27 @@
 """The data of one training task (``TaskData``, the held-out ``SelectionSplit``) and how the loop walks it: seeded
-batch order per epoch (``epoch_batches``) and the loader that turns position batches into device batches."""
+batch order per epoch (``epoch_batches``). Numpy only, so ``compat plan`` counts a stage's images with the very
+sampler the loop steps through without importing torch; the loader that turns position batches into device batches
+is :mod:`pipelines.training.batches`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
 
 import numpy as np
-import torch
-from torch import nn
 
 from compat_core.data.base import ImageSource
 from compat_core.data.replay import half_and_half_batches
-from compat_core.data.stream import to_device
-from compat_core.data.transforms import make_transforms
-from compat_core.models.precision import prepare_batch
-from pipelines.methods.base import Batch, Method
 from pipelines.training.settings import TrainConfig
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Sampling(Protocol):
+    """What the batch order reads of a method (a :class:`pipelines.methods.base.Method` or its card): whether its
+    batches mix in the replay memory."""
+
+    uses_replay: bool
 
 
 @dataclass
@@ -102,7 +108,7 @@ def _augment_seed(seed: int, task: int) -> int:
     return int(np.random.SeedSequence([seed, task, 0, 1]).generate_state(1)[0])
 
 
-def epoch_batches(data: TaskData, method: Method, config: TrainConfig, epoch: int) -> Iterator[np.ndarray]:
+def epoch_batches(data: TaskData, method: Sampling, config: TrainConfig, epoch: int) -> Iterator[np.ndarray]:
     """Batches of positions for one epoch: ``< len(indices)`` are task samples, the rest memory samples.
 
     Replay methods with a memory use ``half_and_half_batches`` (or a joint shuffle with ``replay_sampling:
@@ -130,44 +136,28 @@ def epoch_batches(data: TaskData, method: Method, config: TrainConfig, epoch: in
             yield positions
 
 
-def _steps_per_epoch(data: TaskData, method: Method, config: TrainConfig) -> int:
+def _steps_per_epoch(data: TaskData, method: Sampling, config: TrainConfig) -> int:
     # counted from epoch 0 of the same sampler (sizes do not depend on the epoch's seed)
     return sum(1 for _ in epoch_batches(data, method, config, 0))
 
 
-class _Loader:
-    """Turns position batches into device ``Batch`` objects (read uint8 -> device -> transforms)."""
-
-    def __init__(self, data: TaskData, model: nn.Module, device: torch.device, train: bool, augment: bool,
-                 seed: int) -> None:
-        self.data = data
-        self.model = model
-        self.device = device
-        # augmentation draws from its own generator so that it repeats exactly for a given (seed, task)
-        self.transform = make_transforms(data.source, train=train and augment, seed=seed)
-        if data.has_memory:
-            self.all_indices = np.concatenate([data.indices, data.memory_indices])
-            self.all_slots = np.concatenate([data.slots, data.memory_slots])
-        else:
-            self.all_indices, self.all_slots = data.indices, data.slots
-        self.num_task = data.indices.size
-
-    def batch(self, positions: np.ndarray, images: torch.Tensor | None = None,
-              rows: tuple[int, int] | None = None) -> Batch:
-        """The device batch of ``positions``; ``images`` (uint8, already read, e.g. by the stream) or read here.
-
-        rows: data-parallel training: ``images`` are rows [start, stop) of the global batch ``positions``."""
-        if images is None:
-            local = positions if rows is None else positions[rows[0] : rows[1]]
-            images = torch.from_numpy(np.ascontiguousarray(self.data.source.read(self.all_indices[local])))
-        draws = None if rows is None else (*rows, positions.size)
-        images = prepare_batch(self.transform(images.to(self.device, non_blocking=True), draws), self.model)
-        # pinned + non_blocking on CUDA: the host prepares the next step while this one runs (no sync per step)
-        targets = to_device(torch.from_numpy(self.all_slots[positions]), self.device)
-        is_memory = to_device(torch.from_numpy(positions >= self.num_task), self.device)
-        return Batch(images=images, targets=targets, is_memory=is_memory, rows=rows)
-
-    def memory_batches(self, batch_size: int) -> Iterator[Batch]:
-        positions = np.arange(self.num_task, self.all_indices.size, dtype=np.int64)
-        for start in range(0, positions.size, batch_size):
-            yield self.batch(positions[start : start + batch_size])
+def selection_split(holdout: float, pool: ImageSource, indices: np.ndarray,
+                    seed: int) -> tuple[np.ndarray, SelectionSplit]:
+    """CoReS Sec. 8.2 held-out split: ``holdout`` (``training.selection_holdout``) of the task's samples per class,
+    halved into query and gallery; returns (training indices without them, SelectionSplit)."""
+    rng = np.random.default_rng(seed)
+    labels = np.asarray(pool.labels)[indices]
+    held_query, held_gallery = [], []
+    for c in np.unique(labels):
+        members = indices[labels == c][rng.permutation(int((labels == c).sum()))]
+        count = max(2, int(round(holdout * members.size)))
+        if count >= members.size:
+            continue
+        held = members[:count]
+        held_query.append(held[: count // 2])
+        held_gallery.append(held[count // 2:])
+    if not held_query:
+        raise ValueError("training.selection_holdout: no class has enough samples for a held-out split")
+    query, gallery = np.concatenate(held_query), np.concatenate(held_gallery)
+    remaining = np.setdiff1d(indices, np.concatenate([query, gallery]))
+    return remaining, SelectionSplit(pool, query, gallery)

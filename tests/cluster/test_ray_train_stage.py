@@ -33,7 +33,7 @@ BACKBONE = {"backbone": "lenetpp", "backbone_config": {"in_chans": 1, "img_size"
 
 def _task():
     """HOC task 2 of 2: a model and its frozen copy as the old model, a replay memory, crop augmentation on."""
-    from compat_core.models import create_model
+    from compat_core.models.compat_model import create_model
     from compat_core.models.compat_model import frozen_copy
     from pipelines.methods import get_method
     from pipelines.training.settings import TrainConfig
@@ -111,7 +111,7 @@ def _scenario(tmp: Path, workers: int) -> dict:
 
 
 def _training_records(events: list, key: str) -> list:
-    from pipelines.engine.progress import StageRecord
+    from pipelines.engine.events import StageRecord
 
     return [e.record for e in events if isinstance(e, StageRecord) and e.stage_key == key]
 

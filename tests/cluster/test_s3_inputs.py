@@ -19,7 +19,8 @@ from safetensors.torch import save as safetensors_bytes
 from cluster.storage.s3 import configure_object_storage
 from compat_core import io as cio
 from compat_core.data import load_dataset
-from compat_core.models import create_model, load_external_weights, load_model, save_model
+from compat_core.models.compat_model import create_model, load_model, save_model
+from compat_core.models.weights import load_external_weights
 
 # The published-format writers live next to the dataset-reader tests (rootdir-style imports, no package).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compat_core" / "data"))

@@ -160,7 +160,7 @@ def scenario(output: str) -> dict:
 
 
 def model_blobs(seed: int) -> dict[str, bytes]:
-    from compat_core.models import create_model, save_model
+    from compat_core.models.compat_model import create_model, save_model
 
     torch.manual_seed(seed)
     model = create_model("cnn4", 10, classifier="learnable", backbone_config={"in_chans": 1, "width": 4},
@@ -338,7 +338,8 @@ def test_default_sqlite_run_holds_parent_nested_runs_metrics_and_tags(sqlite_run
 
 def test_models_are_registered_with_aliases_lineage_and_load_by_uri(sqlite_run, tmp_path, uri_resolvers):
     from cluster.model_registry.versions import register_mlflow_resolvers
-    from compat_core.models import create_model, load_external_weights
+    from compat_core.models.compat_model import create_model
+    from compat_core.models.weights import load_external_weights
 
     run_dir, graph, store, tracker = sqlite_run
     client = tracker.client

@@ -87,7 +87,7 @@ def write_all(root: Path) -> Path:
 
 def write_init_checkpoint(path: Path, backbone_config: dict) -> Path:
     """A torch state dict of the tiny backbone, saved like a published checkpoint (read with weights_only=True)."""
-    from compat_core.models import create_backbone
+    from compat_core.models.backbones import create_backbone
 
     torch.manual_seed(123)
     backbone = create_backbone("cnn4", **backbone_config)

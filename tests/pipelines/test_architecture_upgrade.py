@@ -8,7 +8,7 @@ import numpy as np
 import tiny_scenario_helpers as tiny
 import torch
 
-from compat_core.models import load_model
+from compat_core.models.compat_model import load_model
 from compat_core.retrieval.search import recall_at_1
 from pipelines.config.load import validate_config
 from pipelines.engine.executor import LocalExecutor

@@ -17,6 +17,7 @@ from pipelines.engine.executor import LocalExecutor
 from pipelines.graph.compile import compile_scenario, describe
 from pipelines.records.payloads import JunctionRef
 from pipelines.stages import bridge_features
+from pipelines.stages.feature_way import feature_way
 from pipelines.stages.feature_store import read_features
 from pipelines.store.run_store import RunStore
 
@@ -151,7 +152,7 @@ def test_fan_adapters_fall_back_to_direct_features(tmp_path):
                                                                       if s.kind == "entry")}
     assert ways[(1, 0)] == "materialized" and ways[(0, 0)] == "bridge"
     auto = validate_config(_scenario(tmp_path / "auto", "auto") | {"method": {"name": "fan", "params": {}}})
-    way, reason = bridge_features.feature_way(auto.evaluation.features, auto.method.name, "junction", NUM_SLOTS - 1,
+    way, reason = feature_way(auto.evaluation.features, auto.method.name, "junction", NUM_SLOTS - 1,
                                               32)
     assert way == "direct" and "fan" in reason
 
@@ -159,17 +160,17 @@ def test_fan_adapters_fall_back_to_direct_features(tmp_path):
 def test_feature_way_rules():
     config = validate_config(_scenario(Path("unused"), "auto"))
     method = config.method.name
-    assert bridge_features.feature_way("auto", method, "junction", 39, 32)[0] == "bridge"
-    assert bridge_features.feature_way("auto", method, "junction", 9, 32)[0] == "direct"       # d <= m: nothing saved
-    assert bridge_features.feature_way("auto", method, "backbone", 32, 32)[0] == "direct"
+    assert feature_way("auto", method, "junction", 39, 32)[0] == "bridge"
+    assert feature_way("auto", method, "junction", 9, 32)[0] == "direct"       # d <= m: nothing saved
+    assert feature_way("auto", method, "backbone", 32, 32)[0] == "direct"
     with pytest.raises(ValueError, match="evaluation.features: 'bridge' is not possible"):
-        bridge_features.feature_way("bridge", method, "backbone", 32, 32)
+        feature_way("bridge", method, "backbone", 32, 32)
     # refused when the config is loaded, before anything trains
     baseline = _scenario(Path("unused"), "bridge")
     baseline["method"] = {"name": "er", "params": {}}
     with pytest.raises(ValueError, match="model has no junction"):
         compile_scenario(validate_config(baseline))
-    assert bridge_features.feature_way("direct", method, "junction", 39, 32) == ("direct",
+    assert feature_way("direct", method, "junction", 39, 32) == ("direct",
                                                                                 "evaluation.features: direct")
 
 

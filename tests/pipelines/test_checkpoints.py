@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core.models import frozen_copy
+from compat_core.models.compat_model import frozen_copy
 from pipelines.methods import get_method
 from pipelines.store.run_store import RunStore
 from pipelines.training.checkpoints import (
@@ -165,7 +165,7 @@ torch.set_num_threads(1)
 import numpy as np
 from test_training import config, task_data, tiny_model
 from compat_core.data.base import ArraySource
-from compat_core.models import frozen_copy
+from compat_core.models.compat_model import frozen_copy
 from pipelines.training.checkpoints import CheckpointPolicy, StoreCheckpointSink
 from pipelines.methods import get_method
 from pipelines.store.run_store import RunStore

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core.models import create_model, frozen_copy
+from compat_core.models.compat_model import create_model, frozen_copy
 from compat_core.simplex import dsimplex
 from pipelines.methods import get_method
 from pipelines.training.loop import train_task

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 from cluster.ray import executor as ray_executor
 from pipelines.config.load import ConfigError, validate_config
 from pipelines.engine.executor import LocalExecutor
-from pipelines.engine.progress import StageEvent
+from pipelines.engine.events import StageEvent
 from pipelines.graph.compile import compile_scenario
 from pipelines.methods import METHODS
 from pipelines.stages.feature_store import read_features
@@ -108,7 +108,7 @@ def test_method_runs_end_to_end_and_matrix_matches_fp64_brute_force(tmp_path, me
     if method not in ("psp", "lsp"):
         # d-Simplex methods retrieve on the K-1 junction output; learnable-classifier baselines on the backbone
         # output (m = cnn4's embedding width), as the papers' reference ER
-        from compat_core.models import create_backbone
+        from compat_core.models.backbones import create_backbone
 
         width = (config.model.num_slots - 1 if METHODS.get(method).classifier == "simplex"
                  else create_backbone("cnn4", in_chans=1, width=4).embed_dim)

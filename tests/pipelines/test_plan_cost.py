@@ -101,7 +101,7 @@ def test_cost_without_readable_data_says_so(tmp_path):
 
 
 def test_calibrated_cost_without_a_measurement_names_the_command(tmp_path, monkeypatch):
-    from pipelines.graph.plan_cost import calibrated_seconds_per_image
+    from pipelines.graph.calibrated_cost import calibrated_seconds_per_image
 
     tiny.register()
     monkeypatch.setenv("COMPAT_CALIBRATION_DIR", str(tmp_path / "empty-cache"))
@@ -113,7 +113,7 @@ def test_calibrated_cost_without_a_measurement_names_the_command(tmp_path, monke
 def test_calibrated_cost_is_the_cached_training_step_over_its_batch(tmp_path, monkeypatch):
     from compat_core.hardware import calibration
     from compat_core.models.compat_model import create_model
-    from pipelines.graph.plan_cost import calibrated_seconds_per_image
+    from pipelines.graph.calibrated_cost import calibrated_seconds_per_image
 
     tiny.register()
     config = _config(tmp_path)

@@ -25,7 +25,7 @@ def _config(tmp_path, **changes) -> str:
 
 def _tiny_model_file(path, seed: int = 5) -> str:
     """Weights of exactly the model a tiny-scenario stage builds (cnn4 width 4, 1 channel, K = 10)."""
-    from compat_core.models import create_model
+    from compat_core.models.compat_model import create_model
 
     torch.manual_seed(seed)
     model = create_model("cnn4", 10, backbone_config={"in_chans": 1, "width": 4})
@@ -77,7 +77,7 @@ def test_external_weights_report_is_in_the_stage_record_and_mlflow(tmp_path, cap
     manifests = [json.loads(p.read_text()) for p in (tmp_path / "run" / "manifests").glob("replace-*.json")]
     assert len(manifests) == 1
     report = manifests[0]["record"]["weights"]
-    from compat_core.models import create_model
+    from compat_core.models.compat_model import create_model
 
     target_keys = len(create_model("cnn4", 10, backbone_config={"in_chans": 1, "width": 4}).state_dict())
     assert report["key"] == "replacements[0].source" and report["loaded"] == report["target_keys"] == target_keys

@@ -309,12 +309,12 @@ def test_compare_accepts_a_registered_source(tmp_path, monkeypatch):
     source = reports_compare.RunSource(
         description="test search directory",
         matches=lambda path: (path / "experiment_state.json").is_file(),
-        load=lambda path: [reports_compare.load_run_summary(trial) for trial in sorted(path.glob("trial_*"))],
+        load=lambda path: [reports_results.load_run(trial) for trial in sorted(path.glob("trial_*"))],
     )
     monkeypatch.setitem(reports_compare.RUN_SOURCES._entries, "test-search", source)
     summaries = reports_compare.load_runs([tmp_path / "search", make_run(tmp_path / "single", MATRIX_3, METRICS_3)])
     assert [s.name for s in summaries] == ["trial-0", "trial-1", "toy-hoc"]
-    assert summaries[0].source == str(trials[0]) and math.isclose(summaries[2].metrics["AC"], 2 / 3)
+    assert summaries[0].source == str(trials[0]) and math.isclose(summaries[2].headline["AC"], 2 / 3)
 
 
 def test_compare_command_errors(tmp_path, capsys):

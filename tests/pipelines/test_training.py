@@ -9,7 +9,7 @@ import torch
 
 import pipelines.training.loop as training
 from compat_core.data.base import ArraySource
-from compat_core.models import create_model, frozen_copy
+from compat_core.models.compat_model import create_model, frozen_copy
 from pipelines.methods import get_method
 from pipelines.methods.base import Batch, Method, TaskContext
 from pipelines.training.loop import pretrain_model, snapshot_state, train_task

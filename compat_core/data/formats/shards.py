@@ -366,12 +366,12 @@ def open_shards(root: str, split: str, verify: str = "sha256", decoder: str = "p
 
 
 def _known_splits() -> tuple[str, ...]:
-    """Every split name of the datasets registered so far (this module is imported last), plus common ones: an
-    ingested split keeps its source split's name."""
+    """Every split name of the other registered datasets, plus common ones: an ingested split keeps its source split's
+    name. Called when ``shards`` is looked up, once every reader is registered."""
     names = {"train", "test", "val", "valid", "pairs", "finetune", "pretrain", "query", "gallery", "all"}
     for name in DATASETS.names():
         entry = DATASETS.get(name)
-        if isinstance(entry, DatasetInfo):
+        if isinstance(entry, DatasetInfo) and entry.derived_splits is None:
             names.update(entry.splits)
     return tuple(sorted(names))
 
@@ -379,7 +379,7 @@ def _known_splits() -> tuple[str, ...]:
 @register_dataset(
     "shards",
     summary="a dataset split ingested by `compat ingest` into Parquet shards (verified against its manifest)",
-    splits=_known_splits(),
+    splits=_known_splits,
     layout="<root>/<split>/manifest.json and part-NNNNN.parquet files written by `compat ingest`",
     options={"verify": "'sha256' (default: hash every part before use) or 'size' (sizes only, for huge splits)",
              "decoder": "'pil' (default: pixels identical to the published reader) or 'torchvision' (batched "

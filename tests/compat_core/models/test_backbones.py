@@ -6,7 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from compat_core.models import BACKBONES, create_backbone, create_model, small_test_config
+from compat_core.models.backbones import BACKBONES, create_backbone, small_test_config
+
+from compat_core.models.compat_model import create_model
+from compat_core.models.backbones import embedding_width
 from compat_core.models.resnet_cifar import _OptionAShortcut
 
 # Embedding width m of each backbone at its default configuration (papers / torchvision / timm model cards).
@@ -44,6 +47,26 @@ def test_default_embed_dim(name):
     with torch.device(device):
         backbone = create_backbone(name)
     assert backbone.embed_dim == EXPECTED_EMBED_DIM[name]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_card_width_is_the_published_width_and_the_built_width(name):
+    # the card answers without building (compat plan); it must agree with the papers' width and with the module
+    assert embedding_width(name) == EXPECTED_EMBED_DIM[name]
+    config = small_test_config(name)
+    with torch.device("cpu" if name == "regnety_400mf_tv" else "meta"):  # torchvision's RegNet needs real tensors
+        built = create_backbone(name, **config)
+    assert embedding_width(name, config) == built.embed_dim
+
+
+def test_card_width_follows_the_width_options():
+    # hand-worked: cnn4 ends with 8w channels, CIFAR ResNet-18 with 8 * base_width, ResNet-50 with 4 * 8 * base_width
+    assert embedding_width("cnn4", {"width": 5}) == 40
+    assert embedding_width("resnet18_cifar", {"base_width": 3}) == 24
+    assert embedding_width("resnet50_cifar", {"base_width": 3}) == 96
+    assert embedding_width("dinov3_vits16", {"embed_dim": 96, "num_heads": 3}) == 96
+    with pytest.raises(KeyError, match="valid backbone names: cnn4"):
+        embedding_width("cnn5")
 
 
 @pytest.mark.parametrize("name", NAMES)

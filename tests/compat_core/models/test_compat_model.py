@@ -8,18 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core.models import (
-    CompatModel,
-    autocast_context,
-    create_backbone,
-    create_model,
-    frozen_copy,
-    load_model,
-    precision,
-    prepare_batch,
-    prepare_for_speed,
-    save_model,
-)
+from compat_core.models import precision
+
+from compat_core.models.backbones import create_backbone
+
+from compat_core.models.compat_model import CompatModel, create_model, frozen_copy, load_model, save_model
+
+from compat_core.models.precision import autocast_context, prepare_batch, prepare_for_speed
 from compat_core.simplex import dsimplex
 
 
@@ -238,7 +233,7 @@ def test_backbone_head_retrieves_on_the_backbone_output(tmp_path):
 @pytest.mark.parametrize("head", ["backbone", "junction"])
 def test_learnable_from_simplex_keeps_the_logits_of_the_pretrained_slots(head):
     """fp64 reference built by hand: logits of slot c = <J e, p_c> with p_c the d-Simplex prototype (SPEC §3)."""
-    from compat_core.models import learnable_from_simplex
+    from compat_core.models.compat_model import learnable_from_simplex
     from compat_core.simplex import dsimplex
 
     torch.manual_seed(3)
@@ -259,7 +254,7 @@ def test_learnable_from_simplex_keeps_the_logits_of_the_pretrained_slots(head):
 
 
 def test_learnable_from_simplex_refuses_other_models():
-    from compat_core.models import learnable_from_simplex
+    from compat_core.models.compat_model import learnable_from_simplex
 
     learnable = create_model("cnn4", 12, classifier="learnable", num_active_classes=3,
                              backbone_config={"in_chans": 1, "width": 4})

@@ -16,7 +16,11 @@ import timm
 import torch
 from timm.models.eva import checkpoint_filter_fn
 
-from compat_core.models import create_backbone, create_model, load_external_weights
+from compat_core.models.backbones import create_backbone
+
+from compat_core.models.compat_model import create_model
+
+from compat_core.models.weights import load_external_weights
 
 EMBED, HEADS, MLP_HIDDEN, STORAGE_TOKENS, PATCH, ROPE_BASE = 768, 12, 3072, 4, 16, 100.0
 HEAD_DIM = EMBED // HEADS

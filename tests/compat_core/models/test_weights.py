@@ -9,16 +9,11 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from compat_core.models import (
-    BACKBONES,
-    create_backbone,
-    create_model,
-    load_external_weights,
-    load_model,
-    register_uri_resolver,
-    save_model,
-    small_test_config,
-)
+from compat_core.models.backbones import BACKBONES, create_backbone, small_test_config
+
+from compat_core.models.compat_model import create_model, load_model, save_model
+
+from compat_core.models.weights import load_external_weights, register_uri_resolver
 
 
 def _side(name: str, config: dict) -> int:
@@ -249,11 +244,11 @@ def test_slot_map_validation(tiny_model):
 
 
 def test_registered_uri_resolver_and_unknown_scheme(tmp_path, tiny_model):
-    from compat_core.models import weights
+    from compat_core.models import weight_sources
 
     save_model(tiny_model, str(tmp_path / "registered"))
     with pytest.MonkeyPatch.context() as patch:  # the resolvers as they are now, restored at the end of the block
-        patch.setattr(weights, "_URI_RESOLVERS", dict(weights._URI_RESOLVERS))
+        patch.setattr(weight_sources, "_URI_RESOLVERS", dict(weight_sources._URI_RESOLVERS))
         register_uri_resolver("testmodels", lambda uri: str(tmp_path / uri.split(":/", 1)[1]))
         target = create_model("cnn4", 6, backbone_config={"width": 4})
         report = load_external_weights(target, "testmodels:/registered")  # a folder: its model.safetensors is used

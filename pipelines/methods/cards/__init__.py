@@ -1,0 +1,1 @@
+"""Method cards: one torch-free module per method family, each registering its MethodCard(s) on import."""
