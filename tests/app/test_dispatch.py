@@ -10,8 +10,8 @@ import types
 import pytest
 
 from app.dispatch import describe_error, run_command
+from compat_core.integrity import IntegrityError
 from pipelines.store.lease import RunFolderBusyError
-from pipelines.store.run_store import CorruptArtifactError
 
 
 def _command(monkeypatch, behaviour) -> str:
@@ -34,7 +34,7 @@ def _raises(error: BaseException):
 
 def test_a_corrupt_artifact_names_the_recompute_command(monkeypatch, capsys):
     key = "finetune-t1-0123456789abcdef0123456789"
-    _command(monkeypatch, _raises(CorruptArtifactError("model.safetensors: sha256 mismatch", stage_key=key)))
+    _command(monkeypatch, _raises(IntegrityError("model.safetensors: sha256 mismatch", stage_key=key)))
     assert run_command(_args(resume="runs/x")) == 1
     lines = capsys.readouterr().err.splitlines()
     # the key is cut to its first 24 characters, a unique prefix --recompute accepts
@@ -48,7 +48,7 @@ def test_a_corrupt_artifact_names_the_recompute_command(monkeypatch, capsys):
     (FileNotFoundError("data/x: missing"), "data/x: missing", 2),
     (RunFolderBusyError("runs/x is held by pid 7"), "runs/x is held by pid 7", 1),
     (RuntimeError("worker died"), "RuntimeError: worker died", 1),
-    (CorruptArtifactError("blob differs"), "blob differs", 1),  # no stage key: no recompute hint
+    (IntegrityError("blob differs"), "blob differs", 1),  # no stage key: no recompute hint
 ])
 def test_each_error_kind_gives_one_line_and_its_exit_code(error, line, code):
     assert describe_error(error, _args()) == (line, code)
@@ -76,15 +76,16 @@ def test_a_bad_tracking_uri_is_refused_before_the_command_runs(monkeypatch, caps
     _command(monkeypatch, lambda args: ran.append(args) or 0)
     assert run_command(_args(tracking_uri="ftp://host/store")) == 2
     assert ran == [] and capsys.readouterr().err.startswith("error: --tracking-uri: tracking URI 'ftp://host/store'")
-    # 'none' switches tracking off and is passed on as it is
-    assert run_command(_args(tracking_uri="none")) == 0 and ran[0].tracking_uri == "none"
+    # 'none' switches tracking off: the command receives the resolved target, without a URI
+    assert run_command(_args(tracking_uri="none")) == 0 and ran[0].tracking.uri is None
+    assert not hasattr(ran[0], "tracking_uri")
 
 
 def test_credentials_in_a_tracking_uri_move_to_mlflows_variables(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
     seen = []
-    _command(monkeypatch, lambda args: seen.append(args.tracking_uri) or 0)
+    _command(monkeypatch, lambda args: seen.append(args.tracking.uri) or 0)
     assert run_command(_args(tracking_uri="http://alice:s3cret@127.0.0.1:5000")) == 0
     assert seen == ["http://127.0.0.1:5000"]
     assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == ("alice", "s3cret")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from pipelines.graph.source_digests import DIGEST_FIELD, file_digest, hashed_source, is_file_source, source_digest
+from pipelines.graph.source_digests import DIGEST_FIELD, file_digest, hashed_source
 
 
 def test_file_digest_is_the_sha256_and_follows_the_file(tmp_path):
@@ -31,11 +31,3 @@ def test_hashed_source_prefers_the_pinned_digest(tmp_path):
     assert hashed_source(str(path)) == {DIGEST_FIELD: hashlib.sha256(b"abc").hexdigest()}
     assert hashed_source(str(path), "AB" * 32) == {DIGEST_FIELD: "ab" * 32}  # lower case, not the file's
     assert hashed_source(str(tmp_path / "gone.pt")) == {"path": str(tmp_path / "gone.pt"), "unreadable": True}
-
-
-def test_file_sources_and_the_digest_a_stage_holds():
-    assert is_file_source("weights/w.pt") and not is_file_source("pretrain:p1") and not is_file_source(None)
-    assert source_digest({"pretrain": {"init": {DIGEST_FIELD: "d1"}}}) == "d1"
-    assert source_digest({"source": {"source": {DIGEST_FIELD: "d2"}}}) == "d2"
-    assert source_digest({"source": {"initial_model": {DIGEST_FIELD: "d3"}}}) == "d3"
-    assert source_digest({"source": {"source": "pretrain:p1"}}) is None

@@ -61,20 +61,12 @@ def test_replay_batches_are_half_memory_half_task():
 
 
 def test_selection_split_holds_out_a_share_of_each_class():
-    @dataclass
-    class Training:
-        selection_holdout: float
-
-    @dataclass
-    class Config:
-        training: Training
-
     # class 0: 6 samples -> round(0.5 * 6) = 3 held (1 query, 2 gallery); class 1: 4 -> 2 held (1 + 1);
     # class 2: 2 samples -> max(2, 1) = 2 >= 2: the whole class would go, so none is held
     labels = np.array([0] * 6 + [1] * 4 + [2] * 2)
     pool = _source(labels)
     indices = np.arange(labels.size)
-    remaining, split = selection_split(Config(Training(0.5)), pool, indices, seed=0)
+    remaining, split = selection_split(0.5, pool, indices, seed=0)
     assert isinstance(split, SelectionSplit)
     assert split.query_indices.size == 2 and split.gallery_indices.size == 3
     assert sorted(labels[split.query_indices].tolist()) == [0, 1]
@@ -82,4 +74,4 @@ def test_selection_split_holds_out_a_share_of_each_class():
     held = np.concatenate([split.query_indices, split.gallery_indices])
     assert sorted(np.concatenate([remaining, held]).tolist()) == list(range(12))
     with pytest.raises(ValueError, match="selection_holdout: no class has enough samples"):
-        selection_split(Config(Training(0.5)), pool, np.array([10, 11]), seed=0)
+        selection_split(0.5, pool, np.array([10, 11]), seed=0)
