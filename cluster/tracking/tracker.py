@@ -10,7 +10,11 @@ complete. A :class:`Tracker` is such a callback::
 
     tracker = create_tracker(None, run_dir)                 # SQLite next to the run directory by default
     with tracker.pipeline(graph, store):                    # parent run; FAILED (and re-raise) on an exception
-        LocalExecutor(emit=ProgressReporter(sinks=[tracker])).run(graph, store)
+        invocation = LocalExecutor(emit=ProgressReporter(sinks=[tracker])).run(graph, store)
+        if invocation.result is not None:                   # reports before the scope ends: they are logged too
+            write_store_reports(store)
+
+(``cluster.run_driver.run_tracked`` does this for the commands.)
 
 What MLflow holds (one experiment per scenario name):
 

@@ -14,6 +14,7 @@ comparison of runs in ``pipelines.reports.compare``; this module renders ``repor
 """
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Sequence
@@ -36,6 +37,9 @@ from pipelines.results.run_files import (
     metric_display_name,
     write_text_atomically,
 )
+from pipelines.store.run_store import RunStore
+
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------------------------------
 # Text and Markdown
@@ -160,6 +164,17 @@ def write_reports(run_dir: str | Path) -> dict[str, Path]:
     :func:`load_run` when the run directory is incomplete or malformed.
     """
     return write_run_reports(load_run(run_dir))
+
+
+def write_store_reports(store: RunStore) -> dict[str, Path]:
+    """:func:`write_reports` for the finished run in ``store`` (what a command does with the engine's result).
+
+    A run directory in object storage is not rendered here (``{}``): ``compat report RUN_DIR`` renders it from a
+    local copy and uploads the files."""
+    if not store.is_local:
+        log.info("reports are written for local run directories only; run `compat report %s`", store.root)
+        return {}
+    return write_reports(store.base)
 
 
 def write_run_reports(results: RunResults) -> dict[str, Path]:
