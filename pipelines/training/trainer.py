@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -140,7 +140,7 @@ class EpochPlan:
     epoch: int
     batches: list[np.ndarray]
     skip: int
-    local: list[np.ndarray] = field(repr=False)
+    local: list[np.ndarray]
 
 
 def plan_epochs(data: TaskData, method: Method, config: TrainConfig, start: ResumePoint,
