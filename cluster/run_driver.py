@@ -13,7 +13,7 @@ from pipelines.config.load import ConfigError
 from pipelines.config.redaction import redact_uri
 from pipelines.engine.executor import LocalExecutor
 from pipelines.engine.progress import ProgressReporter
-from pipelines.reports.run_report import write_store_reports
+from pipelines.reports.run_report import ReportWriter
 
 
 def make_executor(kind: str = "local", address: str | None = None, emit=None, progress: bool = True,
@@ -42,15 +42,15 @@ def run_tracked(graph, store, tracker, kind: str = "local", address: str | None 
                 sinks: tuple = (), num_cpus: int | None = None, setup=None, label: str = "", on_executor=None):
     """Run ``graph`` on the chosen executor inside the tracker's pipeline scope; every record goes to the progress
     display (bars when ``progress`` and on a terminal, else flushed lines, prefixed with ``label`` when given), the
-    tracker and ``sinks``. A run the engine completed gets its reports (report.md, matrix.png, ...) before the
-    tracker closes the run, so that the tracker logs them. ``on_executor(executor)`` is called after the run (e.g.
-    to read RayExecutor.last_stats). Returns the executor's Invocation."""
-    emit = ProgressReporter(enabled=progress, sinks=[tracker, *sinks], label=label)
+    tracker and ``sinks``. A run the engine completes gets its reports (report.md, matrix.png, ...) when the engine
+    emits its result (:class:`ReportWriter`), before the executor closes the tracker, which logs them.
+    ``on_executor(executor)`` is called after the run (e.g. to read RayExecutor.last_stats). Returns the executor's
+    Invocation."""
+    reports = [] if submits_job(kind, address) else [ReportWriter(store)]
+    emit = ProgressReporter(enabled=progress, sinks=[*reports, tracker, *sinks], label=label)
     executor = make_executor(kind, address, emit, progress, num_cpus, setup)
     with tracker.pipeline(graph, store):
         summary = executor.run(graph, store)
-        if summary.result is not None and not submits_job(kind, address):
-            write_store_reports(store)
     if on_executor is not None:
         on_executor(executor)
     return summary

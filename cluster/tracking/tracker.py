@@ -10,11 +10,10 @@ complete. A :class:`Tracker` is such a callback::
 
     tracker = create_tracker(None, run_dir)                 # SQLite next to the run directory by default
     with tracker.pipeline(graph, store):                    # parent run; FAILED (and re-raise) on an exception
-        invocation = LocalExecutor(emit=ProgressReporter(sinks=[tracker])).run(graph, store)
-        if invocation.result is not None:                   # reports before the scope ends: they are logged too
-            write_store_reports(store)
+        LocalExecutor(emit=ProgressReporter(sinks=[ReportWriter(store), tracker])).run(graph, store)
 
-(``cluster.run_driver.run_tracked`` does this for the commands.)
+(``cluster.run_driver.run_tracked`` does this for the commands; ``ReportWriter`` writes the reports when the engine
+emits the result, so that the tracker, closed with the executor, logs them.)
 
 What MLflow holds (one experiment per scenario name):
 

@@ -109,7 +109,7 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
     entry nodes of another protocol). stop_after: submit at most this many nodes, then return (partial runs).
     Committed nodes are skipped (a killed run resumes). When every node of the graph is committed, the run's result
     files are written (:func:`finalize_run`), the RunResult is emitted and returned in ``Invocation.result``; the
-    caller writes the reports from it (:func:`pipelines.reports.run_report.write_store_reports`).
+    caller then writes the reports (:func:`pipelines.reports.run_report.write_store_reports`).
     """
     prepare_run(graph.config, store)
     schedule = _Schedule(graph, store, backend, emit, stop_after)

@@ -37,6 +37,7 @@ from pipelines.results.run_files import (
     metric_display_name,
     write_text_atomically,
 )
+from pipelines.results.assemble import RunResult
 from pipelines.store.run_store import RunStore
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,19 @@ def write_store_reports(store: RunStore) -> dict[str, Path]:
         log.info("reports are written for local run directories only; run `compat report %s`", store.root)
         return {}
     return write_reports(store.base)
+
+
+class ReportWriter:
+    """An emit sink that writes the reports of the run in ``store`` (:func:`write_store_reports`) when the engine
+    emits the run's RunResult, i.e. before the executor closes its sinks: a tracker ending its run there finds and
+    logs them."""
+
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+
+    def __call__(self, record: object) -> None:
+        if isinstance(record, RunResult):
+            write_store_reports(self.store)
 
 
 def write_run_reports(results: RunResults) -> dict[str, Path]:
