@@ -21,6 +21,7 @@ from typing import Sequence
 
 from pipelines.reports.figures import aa_tau_figure, matrix_figure, save_figure
 from pipelines.reports.upgrades import BACKFILL_PNG, backfill_figure, load_upgrades, section_markdown
+from pipelines.results.assemble import RunResult
 from pipelines.results.run_files import (
     CURVES_PNG,
     MATRIX_CSV,
@@ -37,7 +38,6 @@ from pipelines.results.run_files import (
     metric_display_name,
     write_text_atomically,
 )
-from pipelines.results.assemble import RunResult
 from pipelines.store.run_store import RunStore
 
 log = logging.getLogger(__name__)
