@@ -100,7 +100,9 @@ def main() -> None:
         raise SystemExit("--task must be >= 1 (task 0 has no replay memory)")
 
     import pipelines.training.loop as training
+    import pipelines.training.trainer as trainer
     from pipelines.config.load import load_config
+    from pipelines.training.task_data import epoch_batches
 
     core = sorted(os.sched_getaffinity(0))[0]
     os.sched_setaffinity(0, {core})
@@ -114,7 +116,7 @@ def main() -> None:
           f"replay exemplars, batch {train_config.batch_size}, autocast {train_config.autocast}, "
           f"{args.epochs} epoch(s) per case")
     initial = copy.deepcopy(model)  # a learnable classifier grows during a task: each run starts from a copy
-    streamed = training.stream_batches
+    streamed = trainer.stream_batches
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}  # (wall s, CPU s) per run
     weights: dict[str, dict] = {}
     names = list(cases)
@@ -124,7 +126,7 @@ def main() -> None:
             model = copy.deepcopy(initial)
             workers = 1 if name.endswith("input_workers 1") else 0
             settings = train_config.model_copy(update={"epochs": args.epochs, "input_workers": workers})
-            training.stream_batches = previous_reads if name == "previous" else streamed
+            trainer.stream_batches = previous_reads if name == "previous" else streamed
             try:
                 cpu = cpu_seconds()
                 started = time.perf_counter()
@@ -132,7 +134,7 @@ def main() -> None:
                 wall = time.perf_counter() - started
                 cpu = cpu_seconds() - cpu
             finally:
-                training.stream_batches = streamed
+                trainer.stream_batches = streamed
             if round_:
                 runs[name].append((wall, cpu))
             weights[name] = {k: v.detach().clone() for k, v in result.model.state_dict().items()}
@@ -145,13 +147,13 @@ def main() -> None:
               f"{cpu_epoch:.2f} CPU-s per epoch = {cpu_epoch / base_cpu:.3f}x previous (this process and its input "
               f"workers: does not depend on other programs' load)")
     # the input path alone, same batches, no model: what the loaders themselves cost per batch
-    batches = list(training.epoch_batches(data, method, train_config, 0))
+    batches = list(epoch_batches(data, method, train_config, 0))
     for name, reader in (("previous", previous_reads), ("new, input_workers 0", streamed)):
         task_data = cases[name]
         rows = np.concatenate([task_data.indices, task_data.memory_indices])
         cpu = cpu_seconds()
         for _ in range(20):
-            training.keep_rows(task_data.source, rows)
+            trainer.keep_rows(task_data.source, rows)
             for _ in reader(task_data.source, rows, batches, workers=0):
                 pass
         print(f"input path alone, {name}: {(cpu_seconds() - cpu) / 20 / len(batches) * 1e3:.3f} ms CPU per batch "

@@ -52,11 +52,13 @@ def fresh_pools() -> None:
 def run_pipeline(config) -> dict:
     from pipelines.engine.executor import LocalExecutor
     from pipelines.graph.compile import compile_scenario
+    from pipelines.reports.run_report import write_store_reports
     from pipelines.store.run_store import RunStore
 
     fresh_pools()
     with tempfile.TemporaryDirectory(prefix="overhead-pipeline-") as folder:
         summary = LocalExecutor(progress=False).run(compile_scenario(config), RunStore(folder))
+        write_store_reports(RunStore(folder))  # as `compat run` does
     return {"matrix": np.array([[np.nan if v is None else v for v in row] for row in summary.matrix["values"]])}
 
 

@@ -12,6 +12,7 @@ from pipelines.config.load import ConfigError
 from pipelines.config.model_uri import is_model_uri, parse_model_uri
 from pipelines.engine.backends import address_refusal
 from pipelines.engine.progress import ProgressReporter
+from pipelines.reports.run_report import ReportWriter
 
 
 def make_executor(kind: str = "local", address: str | None = None, emit=None, progress: bool = True,
@@ -27,13 +28,22 @@ def make_executor(kind: str = "local", address: str | None = None, emit=None, pr
     return build_executor(kind, emit=emit, progress=progress, address=address, setup=setup, num_cpus=num_cpus)
 
 
+def submits_job(kind: str, address: str | None) -> bool:
+    """Whether the run is submitted as a Ray Job (``--executor ray --address http(s)://...``): the job runs
+    `compat run` on the cluster, which tracks the run and writes its reports there."""
+    return kind == "ray" and (address or "").startswith(("http://", "https://"))
+
+
 def run_tracked(graph, store, tracker, kind: str = "local", address: str | None = None, progress: bool = True,
                 sinks: tuple = (), num_cpus: int | None = None, setup=None, label: str = "", on_executor=None):
     """Run ``graph`` on the chosen executor inside the tracker's pipeline scope; every record goes to the progress
     display (bars when ``progress`` and on a terminal, else flushed lines, prefixed with ``label`` when given), the
-    tracker and ``sinks``. ``on_executor(executor)`` is called after the run (e.g. to read RayExecutor.last_stats).
-    Returns the executor's Invocation."""
-    emit = ProgressReporter(enabled=progress, sinks=[tracker, *sinks], label=label)
+    tracker and ``sinks``. A run the engine completes gets its reports (report.md, matrix.png, ...) when the engine
+    emits its result (:class:`ReportWriter`), before the executor closes the tracker, which logs them.
+    ``on_executor(executor)`` is called after the run (e.g. to read RayExecutor.last_stats). Returns the executor's
+    Invocation."""
+    reports = [] if submits_job(kind, address) else [ReportWriter(store)]
+    emit = ProgressReporter(enabled=progress, sinks=[*reports, tracker, *sinks], label=label)
     executor = make_executor(kind, address, emit, progress, num_cpus, setup)
     with tracker.pipeline(graph, store):
         summary = executor.run(graph, store)
@@ -88,4 +98,4 @@ def pin_model_aliases(config, tracking_uri: str | None):
                                      "initial_model": pinned("initial_model", config.initial_model)})
 
 
-__all__ = ["make_executor", "model_sources_setup", "pin_model_aliases", "run_tracked"]
+__all__ = ["make_executor", "model_sources_setup", "pin_model_aliases", "run_tracked", "submits_job"]

@@ -93,27 +93,12 @@ def run(args) -> int:
     if jobs < 1:
         print("error: --jobs must be >= 1", file=sys.stderr)
         return 2
-    tasks = []
-    for name, file_name in DEMOS:
-        path = str(configs_dir() / file_name)
-        try:
-            load_config(path, args.overrides)  # refuse bad overrides before any worker starts
-        except (ConfigError, ValueError, FileNotFoundError) as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-        overrides = list(args.overrides)
-        if not any(item.startswith("output.shared_store=") for item in overrides):
-            # one store of third-party models for both scenarios, next to their run folders
-            overrides.append(f"output.shared_store={args.output.rstrip('/')}/{SHARED_FOLDER}")
-        tasks.append((name, path, overrides, f"{args.output.rstrip('/')}/{name}"))
-
-    tracking_uri, experiment = args.tracking.uri, None
-    if tracking_uri is not None:
-        # both scenarios in one store and one experiment, so the MLflow UI compares them side by side; created here
-        # once, before the workers start, so they never race on the database migration
-        os.makedirs(args.output, exist_ok=True)
-        experiment = args.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "compat-demo"
-        create_tracker(tracking_uri, experiment=experiment)._experiment(experiment)
+    try:
+        tasks = _demo_tasks(args.overrides, args.output)
+    except (ConfigError, ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    tracking_uri, experiment = _tracking_target(args)
     started = time.perf_counter()
     address = None
     if args.executor == "ray":
@@ -123,22 +108,7 @@ def run(args) -> int:
         connect(None, num_cpus=cores)
         address = ray.get_runtime_context().gcs_address
     try:
-        if jobs == 1:
-            progress = "none" if args.no_progress else "bars"
-            threads = cores if args.executor == "ray" else None
-            results = [run_one(*task, threads=threads, progress=progress, executor=args.executor,
-                               tracking_uri=tracking_uri, experiment=experiment, address=address) for task in tasks]
-        else:
-            import multiprocessing
-
-            threads = max(1, cores // min(jobs, len(tasks)))
-            progress = "none" if args.no_progress else "lines"
-            # spawn: a fresh interpreter per worker (fork would copy this process's torch thread pools)
-            with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
-                                     mp_context=multiprocessing.get_context("spawn")) as pool:
-                futures = [pool.submit(run_one, *task, threads, progress, args.executor, tracking_uri, experiment,
-                                       address) for task in tasks]
-                results = [future.result() for future in futures]
+        results = _run_scenarios(tasks, jobs, cores, args, tracking_uri, experiment, address)
     finally:
         if address is not None:
             import ray
@@ -147,7 +117,66 @@ def run(args) -> int:
     wall = time.perf_counter() - started
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = _cpu_seconds() + children.ru_utime + children.ru_stime
+    _print_results(results, args.output)
+    where = f"Ray tasks on one embedded local Ray instance ({address})" if address else "in-process"
+    cpu_text = f"{cpu:.0f} s CPU (user+sys, {'driver processes only' if args.executor == 'ray' else 'all processes'})"
+    print(f"demo: {wall:.0f} s wall, {cpu_text}, {jobs} job(s) on {cores} core(s), stages {where}; "
+          + (f"MLflow: {redact_uri(tracking_uri)} (experiment {experiment}; browse it with `compat ui`)"
+             if tracking_uri is not None else "MLflow: off"))
+    print(_calibration_used(_training_threads(tasks[0][1], args.overrides)))
+    return 0
 
+
+def _demo_tasks(overrides: list[str], output: str) -> list[tuple[str, str, list[str], str]]:
+    """(name, config path, overrides, run folder) of each demo scenario; bad overrides are refused (ConfigError)
+    before any worker starts. Both share ``<output>/third-party`` unless ``output.shared_store`` is set."""
+    tasks = []
+    for name, file_name in DEMOS:
+        path = str(configs_dir() / file_name)
+        load_config(path, overrides)  # refuse bad overrides before any worker starts
+        scenario_overrides = list(overrides)
+        if not any(item.startswith("output.shared_store=") for item in scenario_overrides):
+            # one store of third-party models for both scenarios, next to their run folders
+            scenario_overrides.append(f"output.shared_store={output.rstrip('/')}/{SHARED_FOLDER}")
+        tasks.append((name, path, scenario_overrides, f"{output.rstrip('/')}/{name}"))
+    return tasks
+
+
+def _tracking_target(args) -> tuple[str | None, str | None]:
+    """(tracking URI, experiment) of both scenarios. Unless tracking is off, both go to one store and one
+    experiment, so the MLflow UI compares them side by side; the experiment is created here once, before the
+    workers start, so they never race on the database migration."""
+    tracking_uri, experiment = args.tracking.uri, None
+    if tracking_uri is not None:
+        os.makedirs(args.output, exist_ok=True)
+        experiment = args.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "compat-demo"
+        create_tracker(tracking_uri, experiment=experiment)._experiment(experiment)
+    return tracking_uri, experiment
+
+
+def _run_scenarios(tasks: list, jobs: int, cores: int, args, tracking_uri: str, experiment: str | None,
+                   address: str | None) -> list[dict]:
+    """Run the scenarios one after the other with every core (``jobs`` 1), or in ``jobs`` spawned worker
+    processes sharing the cores; returns :func:`run_one`'s results in the order of ``tasks``."""
+    if jobs == 1:
+        progress = "none" if args.no_progress else "bars"
+        threads = cores if args.executor == "ray" else None
+        return [run_one(*task, threads=threads, progress=progress, executor=args.executor,
+                        tracking_uri=tracking_uri, experiment=experiment, address=address) for task in tasks]
+    import multiprocessing
+
+    threads = max(1, cores // min(jobs, len(tasks)))
+    progress = "none" if args.no_progress else "lines"
+    # spawn: a fresh interpreter per worker (fork would copy this process's torch thread pools)
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(run_one, *task, threads, progress, args.executor, tracking_uri, experiment,
+                               address) for task in tasks]
+        return [future.result() for future in futures]
+
+
+def _print_results(results: list[dict], output: str) -> None:
+    """Each scenario's run, matrix and metrics, the two methods compared, and their matrices side by side."""
     for result in results:
         on_ray = f"; Ray instance {result['ray_address']}" if result.get("ray_address") else ""
         shared = (f", {result['published']} third-party model(s) trained and shared, {result['adopted']} taken "
@@ -163,15 +192,8 @@ def run(args) -> int:
               f"({hoc['AA'] / er['AA']:.2f}x)")
     pictures = [Path(result["run_dir"]) / "matrix.png" for result in results]
     if all(picture.is_file() for picture in pictures):
-        combined = side_by_side(pictures, Path(args.output) / "matrices.png")
+        combined = side_by_side(pictures, Path(output) / "matrices.png")
         print(f"\nmatrices side by side ({', '.join(result['name'] for result in results)}): {combined}")
-    where = f"Ray tasks on one embedded local Ray instance ({address})" if address else "in-process"
-    cpu_text = f"{cpu:.0f} s CPU (user+sys, {'driver processes only' if args.executor == 'ray' else 'all processes'})"
-    print(f"demo: {wall:.0f} s wall, {cpu_text}, {jobs} job(s) on {cores} core(s), stages {where}; "
-          + (f"MLflow: {redact_uri(tracking_uri)} (experiment {experiment}; browse it with `compat ui`)"
-             if tracking_uri is not None else "MLflow: off"))
-    print(_calibration_used(_training_threads(tasks[0][1], args.overrides)))
-    return 0
 
 
 def _training_threads(config_path: str, overrides: list[str]) -> int:

@@ -10,6 +10,7 @@ import sys
 
 from app.printing import print_results
 from cluster.storage.s3 import configure_object_storage
+from pipelines.reports.run_report import write_store_reports
 from pipelines.results.variants import evaluate_variant
 from pipelines.store.lease import RunFolderBusyError, run_lease
 
@@ -22,7 +23,7 @@ def run(args) -> int:
         if str(args.run_dir).startswith("s3://"):
             configure_object_storage()  # S3 settings and credentials from the standard AWS chain (profiles too)
         with run_lease(str(args.run_dir)):  # it writes into the run folder: never beside a running driver
-            matrix, metrics, folder = evaluate_variant(args.run_dir, overrides)
+            matrix, metrics, folder = evaluate_variant(args.run_dir, overrides, on_run_complete=write_store_reports)
     except (FileNotFoundError, ValueError, RunFolderBusyError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -66,8 +66,6 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
     """Re-embed every item of ``root`` not embedded by the version behind ``model_uri``; returns a summary
     (fractions, probe Recall@1 per chunk, MLflow run id, done)."""
     import ray
-    import torch
-    from mlflow.entities import Metric
 
     if chunk_rows < 1:
         raise ValueError(f"--chunk-rows: expected a positive number of items, got {chunk_rows}")
@@ -79,6 +77,38 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
     client = resolver.client
     requested = parse_model_uri(model_uri, "--model")
     ref = resolve_model_ref(client, requested)
+    head, manifest, index, pool = _open_index(root)
+    permutation = backfill_order(index.size, order, seed)
+    todo = permutation[index.versions[permutation] != ref.version]
+    chunks = [np.sort(todo[start:start + chunk_rows]) for start in range(0, todo.size, chunk_rows)]
+    adapter = installed_adapter(client, ref, requested.alias or DEFAULT_ALIAS)
+    probe_set = (*_probe_queries(resolver, ref, config), adapter) if probe else None
+    run = client.create_run(ensure_experiment(client, EXPERIMENT), run_name=f"backfill-{ref.name}-v{ref.version}",
+                            tags={"run_role": "backfill", "registered_model": ref.name, "target_version": ref.version,
+                                  "index_root": root, "order": order, "start_manifest": head})
+    summary = {"run_id": run.info.run_id, "target_version": ref.version, "items": index.size,
+               "to_re_embed": int(todo.size), "chunks": len(chunks), "fraction": [], "probe_recall_at_1": [],
+               "done": False}
+    record = _ProgressLog(client, run.info.run_id, ref.version, summary, log, probe_set)
+    record(index, 0)
+    task = ray.remote(num_cpus=1, max_retries=2)(_embed_chunk)
+    image = manifest["image"]
+
+    def embed(positions: np.ndarray):
+        return task.remote(ref, tracking_uri, cache_dir, config, pool.read(positions), image["mean"], image["std"])
+
+    try:
+        head = _re_embed_chunks(root, head, index, chunks, embed, record, ref.version, run.info.run_id,
+                                int(todo.size), in_flight)
+        summary["done"] = True
+        summary["manifest"] = head
+    finally:
+        client.set_terminated(run.info.run_id, "FINISHED" if summary["done"] else "FAILED")
+    return summary
+
+
+def _open_index(root: str):
+    """(HEAD, its manifest, the index, the pool its items were embedded from) of a served gallery."""
     head, manifest = read_manifest(root)
     index = load_index(root, head)
     if not manifest.get("pool"):
@@ -86,66 +116,71 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
     pool = load_pool(PoolSpec(**manifest["pool"]), "index manifest pool")
     if len(pool) != index.size:
         raise ValueError(f"{root}: the manifest's pool has {len(pool)} images, the index {index.size} items")
-    permutation = backfill_order(index.size, order, seed)
-    todo = permutation[index.versions[permutation] != ref.version]
-    chunks = [np.sort(todo[start:start + chunk_rows]) for start in range(0, todo.size, chunk_rows)]
-    adapter = installed_adapter(client, ref, requested.alias or DEFAULT_ALIAS)
-    query, query_labels = None, None
-    if probe:
-        _, query_pool = pool_of(config, "query")
-        model = load_served_model(resolver, ref, "cpu")
-        query = torch.from_numpy(extract_pool_features(model, query_pool, config, torch.device("cpu")))
-        query_labels = evaluation_labels(config, query_pool)
-    run = client.create_run(ensure_experiment(client, EXPERIMENT), run_name=f"backfill-{ref.name}-v{ref.version}",
-                            tags={"run_role": "backfill", "registered_model": ref.name, "target_version": ref.version,
-                                  "index_root": root, "order": order, "start_manifest": head})
-    summary = {"run_id": run.info.run_id, "target_version": ref.version, "items": index.size,
-               "to_re_embed": int(todo.size), "chunks": len(chunks), "fraction": [], "probe_recall_at_1": [],
-               "done": False}
+    return head, manifest, index, pool
 
-    def record(current_index, done_items: int) -> None:
-        fraction = float(np.mean(current_index.versions == ref.version))
+
+def _probe_queries(resolver: MlflowModelResolver, ref: ModelUri, config: Any) -> tuple[Any, np.ndarray]:
+    """The config's evaluation query set embedded by the target version, and its labels (the probe)."""
+    import torch
+
+    _, query_pool = pool_of(config, "query")
+    model = load_served_model(resolver, ref, "cpu")
+    query = torch.from_numpy(extract_pool_features(model, query_pool, config, torch.device("cpu")))
+    return query, evaluation_labels(config, query_pool)
+
+
+class _ProgressLog:
+    """After each chunk: the fraction of items embedded by the target version (and the probe's Recall@1, when a
+    probe set ``(query, labels, adapter)`` is given) to MLflow (step = per mille), the summary and ``log``."""
+
+    def __init__(self, client: Any, run_id: str, version: str, summary: dict, log: Callable[[str], None],
+                 probe_set: tuple | None) -> None:
+        self.client, self.run_id, self.version, self.summary, self.log = client, run_id, version, summary, log
+        self.probe_set = probe_set
+
+    def __call__(self, current_index, done_items: int) -> None:
+        from mlflow.entities import Metric
+
+        fraction = float(np.mean(current_index.versions == self.version))
         metrics = [Metric("backfill/fraction", fraction, int(time.time() * 1000), int(round(1000 * fraction))),
                    Metric("backfill/items_done", float(done_items), int(time.time() * 1000),
                           int(round(1000 * fraction)))]
-        summary["fraction"].append(fraction)
-        if probe:
-            value = probe_recall_at_1(current_index, query, query_labels, ref.version, adapter)
-            summary["probe_recall_at_1"].append(value)
+        self.summary["fraction"].append(fraction)
+        if self.probe_set is not None:
+            query, query_labels, adapter = self.probe_set
+            value = probe_recall_at_1(current_index, query, query_labels, self.version, adapter)
+            self.summary["probe_recall_at_1"].append(value)
             metrics.append(Metric("probe/recall_at_1", value, int(time.time() * 1000), int(round(1000 * fraction))))
-        client.log_batch(run.info.run_id, metrics=metrics, synchronous=True)
-        log(f"backfill: {fraction:.1%} embedded by v{ref.version}"
-            + (f", probe Recall@1 {summary['probe_recall_at_1'][-1]:.4f}" if probe else ""))
+        self.client.log_batch(self.run_id, metrics=metrics, synchronous=True)
+        self.log(f"backfill: {fraction:.1%} embedded by v{self.version}"
+                 + (f", probe Recall@1 {self.summary['probe_recall_at_1'][-1]:.4f}" if self.probe_set else ""))
 
-    record(index, 0)
-    task = ray.remote(num_cpus=1, max_retries=2)(_embed_chunk)
-    image = manifest["image"]
+
+def _re_embed_chunks(root: str, head: str, index, chunks: list[np.ndarray], embed: Callable[[np.ndarray], Any],
+                     record: _ProgressLog, version: str, run_id: str, total: int, in_flight: int) -> str:
+    """Re-embed ``chunks`` (``embed(positions)`` starts a Ray task; at most ``in_flight`` run at once) and commit
+    each finished one as a new shard, one HEAD swap per chunk; returns the last HEAD."""
+    import ray
+
     pending: dict[Any, np.ndarray] = {}
     next_chunk, done_items = 0, 0
-    try:
-        while next_chunk < len(chunks) or pending:
-            while next_chunk < len(chunks) and len(pending) < in_flight:
-                positions = chunks[next_chunk]
-                pending[task.remote(ref, tracking_uri, cache_dir, config, pool.read(positions), image["mean"],
-                                    image["std"])] = positions
-                next_chunk += 1
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            positions = pending.pop(ready[0])
-            features = ray.get(ready[0])
-            entry = write_shard(root, shard_table(positions, index.item_ids[positions], features, ref.version,
-                                                  index.payload_uris[positions],
-                                                  index.labels[positions] if index.labels is not None else None))
-            head_now, current = read_manifest(root)
-            done_items += positions.size
-            updated = {**current, "shards": current["shards"] + [entry], "parent": head_now,
-                       "created_unix": time.time(),
-                       "backfill": {"target_version": ref.version, "run_id": run.info.run_id,
-                                    "done": done_items, "total": int(todo.size)}}
-            head = commit_manifest(root, updated, expected_head=head_now)   # the chunk's atomic flip
-            index = load_index(root, head)
-            record(index, done_items)
-        summary["done"] = True
-        summary["manifest"] = head
-    finally:
-        client.set_terminated(run.info.run_id, "FINISHED" if summary["done"] else "FAILED")
-    return summary
+    while next_chunk < len(chunks) or pending:
+        while next_chunk < len(chunks) and len(pending) < in_flight:
+            positions = chunks[next_chunk]
+            pending[embed(positions)] = positions
+            next_chunk += 1
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        positions = pending.pop(ready[0])
+        features = ray.get(ready[0])
+        entry = write_shard(root, shard_table(positions, index.item_ids[positions], features, version,
+                                              index.payload_uris[positions],
+                                              index.labels[positions] if index.labels is not None else None))
+        head_now, current = read_manifest(root)
+        done_items += positions.size
+        updated = {**current, "shards": current["shards"] + [entry], "parent": head_now,
+                   "created_unix": time.time(),
+                   "backfill": {"target_version": version, "run_id": run_id, "done": done_items, "total": total}}
+        head = commit_manifest(root, updated, expected_head=head_now)   # the chunk's atomic flip
+        index = load_index(root, head)
+        record(index, done_items)
+    return head

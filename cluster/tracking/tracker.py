@@ -10,7 +10,10 @@ complete. A :class:`Tracker` is such a callback::
 
     tracker = create_tracker(tracking_uri)                  # app.dispatch resolves it; None: a NullTracker
     with tracker.pipeline(graph, store):                    # parent run; FAILED (and re-raise) on an exception
-        LocalExecutor(emit=ProgressReporter(sinks=[tracker])).run(graph, store)
+        LocalExecutor(emit=ProgressReporter(sinks=[ReportWriter(store), tracker])).run(graph, store)
+
+(``cluster.run_driver.run_tracked`` does this for the commands; ``ReportWriter`` writes the reports when the engine
+emits the result, so that the tracker, closed with the executor, logs them.)
 
 What MLflow holds (one experiment per scenario name):
 

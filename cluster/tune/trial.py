@@ -24,6 +24,7 @@ from compat_core import io as cio
 from pipelines.engine.executor import LocalExecutor, close_emit, prepare_run
 from pipelines.graph.compile import compile_scenario
 from pipelines.records.stage_records import ModelRecord
+from pipelines.reports.run_report import write_store_reports
 from pipelines.results.assemble import headline_metrics, matrix_values
 from pipelines.store.run_store import RunStore
 
@@ -85,9 +86,11 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
     T = config.num_tasks
     last_metrics: dict = {}
     for task in range(T):
-        # the engine up to row `task` (the last call completes the graph and writes matrix.json / metrics.json /
-        # reports before the last report: the driver logs them on completion)
+        # the engine up to row `task` (the last call completes the graph and writes matrix.json / metrics.json; the
+        # reports follow before the last report: the driver logs them on completion)
         invocation = engine.run(graph, store, until=graph.evaluate_stages[: task + 1])
+        if invocation.result is not None:
+            write_store_reports(store)
         completed = task + 1
         if completed <= start_after or completed < first:
             continue

@@ -297,78 +297,70 @@ def _assign_slots(slot_map: Sequence[Any] | int, num_slots: int | None, report: 
     report.pretrained_class_ids = [c.item() if hasattr(c, "item") else c for c in class_ids]
 
 
-def load_external_weights(
-    model_or_backbone: nn.Module,
-    source: str | os.PathLike | Mapping[str, Any],
-    sha256: str | None = None,
-    strict: bool = True,
-    key_map: str | Mapping[str, str] | Callable[[str], str | None] | None = None,
-    slot_map: Sequence[Any] | int | None = None,
-    ignore: Sequence[str] = (),
-) -> LoadReport:
-    """Load third-party weights into ``model_or_backbone`` in place and report what matched (see module doc).
+class _IgnoreRules:
+    """The ``ignore`` glob patterns of a load; remembers which ones matched a key."""
 
-    ``sha256``: expected hex digest of the file; a mismatch raises ValueError naming both digests.
-    ``key_map``: a layout name from ``LAYOUTS`` (default auto-detection), a prefix mapping ``{old: new}``
-    applied after wrapper stripping, or a callable ``key -> new key | None`` (None drops the key).
-    ``slot_map``: the third-party model's class ids in its output order (or their count n); they take d-Simplex
-    slots 0..n-1 left to right. Recorded in the report and, for a CompatModel, in ``model.config["pretrained_slots"]``.
-    ``strict`` (default): raise ValueError with the counts and up to 10 names of missing / unexpected /
-    mis-shaped keys, before anything is loaded; ``strict=False`` loads what matches (the report says what did not).
-    ``ignore``: glob patterns (``fnmatch``) of keys known not to fit: a source key (after renaming) or a target key
-    matching one is neither loaded nor counted as unexpected / missing, and is listed in ``report.ignored``.
-    """
-    ignore = [ignore] if isinstance(ignore, str) else list(ignore)
-    for pattern in ignore:
-        if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"ignore: expected non-empty key patterns (glob, e.g. 'dino_head.*'), got {pattern!r}")
+    def __init__(self, patterns: Sequence[str] | str) -> None:
+        self.patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+        for pattern in self.patterns:
+            if not isinstance(pattern, str) or not pattern:
+                raise ValueError(f"ignore: expected non-empty key patterns (glob, e.g. 'dino_head.*'), got {pattern!r}")
+        self.used: set[str] = set()
+
+    def __call__(self, name: str) -> bool:
+        hits = [p for p in self.patterns if fnmatch.fnmatchcase(name, p)]
+        self.used.update(hits)
+        return bool(hits)
+
+    def unused(self) -> list[str]:
+        return [p for p in self.patterns if p not in self.used]
+
+
+def _read_source(source: str | os.PathLike | Mapping[str, Any],
+                 sha256: str | None) -> tuple[dict[str, Any], str, str, str | None]:
+    """(raw state, format, source name, sha256 of the file or None) of a weights source, the digest checked."""
     if isinstance(source, Mapping):
         if sha256 is not None:
             raise ValueError("sha256 applies to a file; an in-memory state dict has no file to hash")
-        raw: dict[str, Any] = dict(source)
-        fmt, source_name, digest = "state_dict", "<state dict>", None
-    else:
-        source_name = resolve_weights_source(os.fspath(source))
-        data = cio.read_bytes(source_name) if cio.is_remote(source_name) else None
-        digest = hashlib.sha256(data).hexdigest() if data is not None else sha256_of(source_name)
-        if sha256 is not None and digest.lower() != sha256.strip().lower():
-            raise ValueError(f"sha256 mismatch for {source_name}: expected {sha256.strip().lower()}, actual {digest}")
-        raw, fmt = _read_state(source_name, data)
+        return dict(source), "state_dict", "<state dict>", None
+    source_name = resolve_weights_source(os.fspath(source))
+    data = cio.read_bytes(source_name) if cio.is_remote(source_name) else None
+    digest = hashlib.sha256(data).hexdigest() if data is not None else sha256_of(source_name)
+    if sha256 is not None and digest.lower() != sha256.strip().lower():
+        raise ValueError(f"sha256 mismatch for {source_name}: expected {sha256.strip().lower()}, actual {digest}")
+    raw, fmt = _read_state(source_name, data)
+    return raw, fmt, source_name, digest
 
-    state = strip_wrapper_prefixes(_unwrap(raw))
-    target_state = model_or_backbone.state_dict()
-    target_keys = set(target_state)
-    is_compat = hasattr(model_or_backbone, "junction") and hasattr(model_or_backbone, "backbone")
 
+def _layout_of(state: Mapping[str, Any], key_map: Any) -> str:
+    """The key layout to apply: detected (``None`` / ``"auto"``), named, or ``"custom"`` for a mapping/callable."""
     if key_map is None or key_map == "auto":
-        layout = detect_layout(list(state))
-    elif isinstance(key_map, str):
+        return detect_layout(list(state))
+    if isinstance(key_map, str):
         if key_map not in LAYOUTS:
-            raise ValueError(
-                f"key_map layout must be one of {LAYOUTS}, a prefix mapping or a callable; got {key_map!r}"
-            )
-        layout = key_map
-    else:
-        layout = "custom"
-    report = LoadReport(source=str(source_name), format=fmt, layout=layout, sha256=digest)
-    if layout in _REMAPPERS:
-        if layout == "iamcl2r":
-            state = _REMAPPERS[layout](state, target_keys, report)
-        else:
-            # Meta layouts name the ViT's own parameters; strip a DINO "backbone." wrapper before renaming.
-            state = {k.removeprefix("backbone."): v for k, v in state.items()}
-            state = _REMAPPERS[layout](state, target_keys, report)
-    elif layout == "custom":
-        state = _apply_key_map(state, key_map, report)  # type: ignore[arg-type]
+            raise ValueError(f"key_map layout must be one of {LAYOUTS}, a prefix mapping or a callable; "
+                             f"got {key_map!r}")
+        return key_map
+    return "custom"
 
-    backbone_module = getattr(model_or_backbone, "backbone", model_or_backbone) if is_compat else model_or_backbone
-    used_patterns: set[str] = set()
 
-    def ignored(name: str) -> bool:
-        hits = [p for p in ignore if fnmatch.fnmatchcase(name, p)]
-        used_patterns.update(hits)
-        return bool(hits)
+def _remap(state: dict[str, torch.Tensor], layout: str, key_map: Any, target_keys: set[str],
+           report: LoadReport) -> dict[str, torch.Tensor]:
+    """``state`` renamed to the target's names by ``layout`` (conversions recorded in ``report.dropped``)."""
+    if layout == "iamcl2r":
+        return _REMAPPERS[layout](state, target_keys, report)
+    if layout in _REMAPPERS:  # Meta layouts name the ViT's own parameters: a DINO "backbone." wrapper goes first
+        return _REMAPPERS[layout]({k.removeprefix("backbone."): v for k, v in state.items()}, target_keys, report)
+    if layout == "custom":
+        return _apply_key_map(state, key_map, report)
+    return state
 
+
+def _match(state: Mapping[str, torch.Tensor], target_state: Mapping[str, torch.Tensor], backbone_module: nn.Module,
+           is_compat: bool, ignored: _IgnoreRules, report: LoadReport) -> dict[str, torch.Tensor]:
+    """Target name -> tensor for each source key that lands in the target (a ViT ``pos_embed`` resampled to the
+    grid of ``backbone_module``); ignored, unexpected and mis-shaped keys go to the report."""
+    target_keys = set(target_state)
     matched: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         candidates = [key, f"backbone.{key}"] if is_compat else [key, key.removeprefix("backbone.")]
@@ -390,6 +382,12 @@ def load_external_weights(
             value = resampled
             report.resampled.append(name)
         matched[name] = value
+    return matched
+
+
+def _account_targets(report: LoadReport, target_keys: set[str], matched: Mapping[str, torch.Tensor], is_compat: bool,
+                     ignored: _IgnoreRules) -> None:
+    """Fill the report's loaded / fresh / missing / ignored lists from the target keys the match left unfilled."""
     report.loaded = sorted(matched)
     report.target_keys = len(target_keys)
     head_keys = {k for k in target_keys if not k.startswith("backbone.")} if is_compat else set()
@@ -399,13 +397,44 @@ def load_external_weights(
     unfilled = sorted(target_keys - set(matched) - set(report.fresh))
     report.missing = [k for k in unfilled if not ignored(k)]
     report.ignored = sorted(report.ignored + [k for k in unfilled if k not in report.missing])
-    report.unused_ignore = [p for p in ignore if p not in used_patterns]
+    report.unused_ignore = ignored.unused()
     report.unexpected.sort()
 
-    num_slots = getattr(model_or_backbone, "num_slots", None)
-    if slot_map is not None:
-        _assign_slots(slot_map, num_slots, report)
 
+def load_external_weights(
+    model_or_backbone: nn.Module,
+    source: str | os.PathLike | Mapping[str, Any],
+    sha256: str | None = None,
+    strict: bool = True,
+    key_map: str | Mapping[str, str] | Callable[[str], str | None] | None = None,
+    slot_map: Sequence[Any] | int | None = None,
+    ignore: Sequence[str] = (),
+) -> LoadReport:
+    """Load third-party weights into ``model_or_backbone`` in place and report what matched (see module doc).
+
+    ``sha256``: expected hex digest of the file; a mismatch raises ValueError naming both digests.
+    ``key_map``: a layout name from ``LAYOUTS`` (default auto-detection), a prefix mapping ``{old: new}``
+    applied after wrapper stripping, or a callable ``key -> new key | None`` (None drops the key).
+    ``slot_map``: the third-party model's class ids in its output order (or their count n); they take d-Simplex
+    slots 0..n-1 left to right. Recorded in the report and, for a CompatModel, in ``model.config["pretrained_slots"]``.
+    ``strict`` (default): raise ValueError with the counts and up to 10 names of missing / unexpected /
+    mis-shaped keys, before anything is loaded; ``strict=False`` loads what matches (the report says what did not).
+    ``ignore``: glob patterns (``fnmatch``) of keys known not to fit: a source key (after renaming) or a target key
+    matching one is neither loaded nor counted as unexpected / missing, and is listed in ``report.ignored``.
+    """
+    ignored = _IgnoreRules(ignore)
+    raw, fmt, source_name, digest = _read_source(source, sha256)
+    state = strip_wrapper_prefixes(_unwrap(raw))
+    target_state = model_or_backbone.state_dict()
+    is_compat = hasattr(model_or_backbone, "junction") and hasattr(model_or_backbone, "backbone")
+    layout = _layout_of(state, key_map)
+    report = LoadReport(source=str(source_name), format=fmt, layout=layout, sha256=digest)
+    state = _remap(state, layout, key_map, set(target_state), report)
+    backbone_module = getattr(model_or_backbone, "backbone", model_or_backbone) if is_compat else model_or_backbone
+    matched = _match(state, target_state, backbone_module, is_compat, ignored, report)
+    _account_targets(report, set(target_state), matched, is_compat, ignored)
+    if slot_map is not None:
+        _assign_slots(slot_map, getattr(model_or_backbone, "num_slots", None), report)
     if strict and not report.ok:
         raise ValueError(
             f"weights from {report.source} do not fit the model ({len(report.loaded)} of {report.target_keys} "

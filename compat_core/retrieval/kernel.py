@@ -129,93 +129,113 @@ def _search_chunk(space: _Space, queries: _Queries, start: int, stop: int, k: in
     if start_stage == "fp64":
         _full_fp64(space, queries, torch.arange(start, stop, device=result.index.device), k, result)
         return
-    dim = space.dim
     # fp16's range (65504) would overflow on raw rows of large norm: it keeps unit rows
     fp16 = start_stage == "half" and space.half_dtype == torch.float16
-    q32 = None if fp16 else queries.raw_rows(start, stop)
+    q32, norm32, dev32, ref = _chunk_queries(queries, start, stop, raw=not fp16)
+    bound32 = _stage_bound(dev32, norm32, space.norm32_max, space.dev32_max, space.dim, ref_norm=ref)
+    single_ok = k == 1 and not want_scores
+    if start_stage == "half":
+        lower = _exact_lower(q32, space.stage32, bound32)
+        rows, cand, fp32_rows = _half_candidates(space, q32, norm32, dev32, ref, k, lower)
+        pairs = int((cand >= 0).sum())
+        rescored = (pairs + fp32_rows.numel() * space.size) / max(1, stop - start)
+        _rescore_candidates(space, queries, q32, bound32, rows, cand, pairs, k, single_ok, result, start)
+    else:
+        fp32_rows = torch.arange(stop - start, device=q32.device)
+        rescored = 0.0
+    if fp32_rows.numel():
+        _search_fp32_rows(space, queries, q32, bound32, fp32_rows, k, single_ok, result, start)
+    return rescored
+
+
+def _chunk_queries(queries: _Queries, start: int, stop: int, raw: bool):
+    """(q32, norm32, dev32, ref) of query rows start..stop-1: the fp32 rows the stages rank, fp64 upper bounds on
+    their norms and on their deviation from the exact rows, and the reference norm of the stage bounds."""
+    q32 = queries.raw_rows(start, stop) if raw else None
     if q32 is not None:
         # the stages rank the raw fp32 rows r: a positive factor per row changes neither the order nor the ties of
         # a row, and every bound below holds for r with ||r|| <= norm32 (the unit-row bounds scaled by ||r||; r is
         # the exact input, so no input deviation); the fp64 stage still scores unit rows
         norm32 = queries.norm32[start:stop]
-        dev32 = torch.zeros_like(norm32)
-        ref = norm32
+        return q32, norm32, torch.zeros_like(norm32), norm32
+    q32 = queries.fp32(start, stop)
+    norm32 = _norm32_upper(q32)
+    dev32 = 3.0 * _U32 * (1.0 + 1e-12) * torch.ones_like(norm32)      # ||q32 - q||, q the fp64 unit row
+    return q32, norm32, dev32, 1.0 + 1e-12
+
+
+def _half_candidates(space: _Space, q32: torch.Tensor, norm32: torch.Tensor, dev32: torch.Tensor, ref,
+                     k: int, lower: Callable):
+    """The candidate stage (int8, bf16 or fp16 products, on the low-rank coordinates when the space has a basis):
+    (rows with candidates, their candidates padded with -1, rows too wide for candidates: full fp32 rows)."""
+    if space.projection is None:
+        x32, dev_x, ref_norm, half_dim, residual = q32, dev32, ref, space.dim, 0.0
     else:
-        q32 = queries.fp32(start, stop)
-        norm32 = _norm32_upper(q32)
-        dev32 = 3.0 * _U32 * (1.0 + 1e-12) * torch.ones_like(norm32)      # ||q32 - q||, q the fp64 unit row
-        ref = 1.0 + 1e-12
-    bound32 = _stage_bound(dev32, norm32, space.norm32_max, space.dev32_max, dim, ref_norm=ref)
-    lower = _exact_lower(q32, space.stage32, bound32)
-    single_ok = k == 1 and not want_scores
-    offset = start
-    if start_stage == "half":
-        if space.projection is None:
-            x32, dev_x, ref_norm, half_dim, residual = q32, dev32, ref, dim, 0.0
-        else:
-            x32, dev_x = _project_queries(q32, norm32, dev32, space.projection)
-            ref_norm, half_dim = space.projection.basis_norm * ref, space.projection.basis.shape[1]
-            residual = ref * space.projection.residual_max          # |q.(g - U y)| <= ||q|| ||res||
-        cap = max(k + 1, min(_MAX_CANDIDATES, space.size // _GATHER_VS_DENSE)) + k
-        if space.half_dtype == torch.int8 and k == 1:
-            scores = None
-            rows, cand, fp32_rows = int8_top1_candidates(x32, dev_x, space, ref_norm, residual, cap, _round_down,
-                                                         lower)
-        elif space.half_dtype == torch.int8:
-            scores, bound_h, out_unit = _int8_stage(x32, dev_x, space, ref_norm, residual)
-        else:
-            qh = x32.to(space.half_dtype)
-            qh32 = qh.float()
-            dev_h = _norm32_upper(qh32 - x32) + dev_x                     # the difference is exact in fp32
-            bound_h = _stage_bound(dev_h, _norm32_upper(qh32), space.norm_half_max, space.dev_half_max, half_dim,
-                                   absolute=2.0 ** -24 + residual,        # subnormal outputs: absolute rounding
-                                   ref_norm=ref_norm)
-            scores, out_unit = _half_scores(qh, space.half_t)
-            del qh, qh32
-        del x32
-        # (cap: wider candidate sets are cheaper as full fp32 rows, one dense product, than as gathered rows)
-        if scores is not None and k == 1:
-            rows, cand, fp32_rows = _select_top1(scores, bound_h, cap, out_unit, lower)
-        elif scores is not None:
-            rows, cand, fp32_rows = _select(scores, bound_h, k, cap, out_unit)
-        del scores
-        pairs = int((cand >= 0).sum())
-        rescored = (pairs + fp32_rows.numel() * space.size) / max(1, stop - start)
-        # a few candidates per row: many small operations, on one thread; wide windows (int8 on full-rank rows,
-        # ~100,000 pairs per chunk) give each operation enough work for the thread pool
-        serial = _one_thread() if pairs < _PARALLEL_PAIRS else contextlib.nullcontext()
-        with serial:
-            if single_ok:
-                rows, cand = _take_singles(rows, cand, result, offset)
-            if rows.numel():
-                # half-precision candidates: re-score in fp32 and narrow them with the fp32 bound
-                s32 = _candidate_scores32(q32, cand, space.stage32, rows)
-                cand = _filter(s32, cand, bound32[rows], k)
-                if single_ok:
-                    rows, cand = _take_singles(rows, cand, result, offset)
-                _finish_exact(space, queries, cand, rows + offset, k, result)
+        x32, dev_x = _project_queries(q32, norm32, dev32, space.projection)
+        ref_norm, half_dim = space.projection.basis_norm * ref, space.projection.basis.shape[1]
+        residual = ref * space.projection.residual_max          # |q.(g - U y)| <= ||q|| ||res||
+    # (cap: wider candidate sets are cheaper as full fp32 rows, one dense product, than as gathered rows)
+    cap = max(k + 1, min(_MAX_CANDIDATES, space.size // _GATHER_VS_DENSE)) + k
+    if space.half_dtype == torch.int8 and k == 1:
+        return int8_top1_candidates(x32, dev_x, space, ref_norm, residual, cap, _round_down, lower)
+    if space.half_dtype == torch.int8:
+        scores, bound_h, out_unit = _int8_stage(x32, dev_x, space, ref_norm, residual)
     else:
-        fp32_rows = torch.arange(stop - start, device=q32.device)
-        rescored = 0.0
-    if fp32_rows.numel():
-        # full fp32 rows against a transposed view: the fp32 BLAS takes it at near full speed
-        # every row (no candidate stage, or all of them too wide for it): no copy of the chunk's rows; the wide rows
-        # of the top-1 selection come in two runs, so only sorted, as many as the chunk's, they are 0..n-1
-        fp32_rows = torch.sort(fp32_rows).values
-        every = fp32_rows.numel() == q32.shape[0]
-        scores = (q32 if every else q32[fp32_rows]) @ space.stage32.t()
-        row_bound = bound32 if every else bound32[fp32_rows]
-        if k == 1:
-            local, cand, wide = _select_top1(scores, row_bound, _MAX_CANDIDATES + k)
-        else:
-            local, cand, wide = _select(scores, row_bound, k, _MAX_CANDIDATES + k)
-        del scores
-        rows = fp32_rows[local]
+        qh = x32.to(space.half_dtype)
+        qh32 = qh.float()
+        dev_h = _norm32_upper(qh32 - x32) + dev_x                     # the difference is exact in fp32
+        bound_h = _stage_bound(dev_h, _norm32_upper(qh32), space.norm_half_max, space.dev_half_max, half_dim,
+                               absolute=2.0 ** -24 + residual,        # subnormal outputs: absolute rounding
+                               ref_norm=ref_norm)
+        scores, out_unit = _half_scores(qh, space.half_t)
+        del qh, qh32
+    del x32
+    if k == 1:
+        return _select_top1(scores, bound_h, cap, out_unit, lower)
+    return _select(scores, bound_h, k, cap, out_unit)
+
+
+def _rescore_candidates(space: _Space, queries: _Queries, q32: torch.Tensor, bound32: torch.Tensor,
+                        rows: torch.Tensor, cand: torch.Tensor, pairs: int, k: int, single_ok: bool,
+                        result: _Result, offset: int) -> None:
+    """The candidate stage's candidates re-scored in fp32, narrowed with the fp32 bound and finished exactly (rows
+    left with a single candidate are answered at once when only the top-1 index is asked for)."""
+    # a few candidates per row: many small operations, on one thread; wide windows (int8 on full-rank rows,
+    # ~100,000 pairs per chunk) give each operation enough work for the thread pool
+    serial = _one_thread() if pairs < _PARALLEL_PAIRS else contextlib.nullcontext()
+    with serial:
         if single_ok:
             rows, cand = _take_singles(rows, cand, result, offset)
-        _finish_exact(space, queries, cand, rows + offset, k, result)
-        _full_fp64(space, queries, fp32_rows[wide] + offset, k, result)
-    return rescored
+        if rows.numel():
+            # half-precision candidates: re-score in fp32 and narrow them with the fp32 bound
+            s32 = _candidate_scores32(q32, cand, space.stage32, rows)
+            cand = _filter(s32, cand, bound32[rows], k)
+            if single_ok:
+                rows, cand = _take_singles(rows, cand, result, offset)
+            _finish_exact(space, queries, cand, rows + offset, k, result)
+
+
+def _search_fp32_rows(space: _Space, queries: _Queries, q32: torch.Tensor, bound32: torch.Tensor,
+                      fp32_rows: torch.Tensor, k: int, single_ok: bool, result: _Result, offset: int) -> None:
+    """Chunk rows ``fp32_rows`` (0-based in the chunk) against the whole gallery in fp32, their candidates finished
+    exactly; rows still too wide go to the fp64 stage."""
+    # full fp32 rows against a transposed view: the fp32 BLAS takes it at near full speed
+    # every row (no candidate stage, or all of them too wide for it): no copy of the chunk's rows; the wide rows
+    # of the top-1 selection come in two runs, so only sorted, as many as the chunk's, they are 0..n-1
+    fp32_rows = torch.sort(fp32_rows).values
+    every = fp32_rows.numel() == q32.shape[0]
+    scores = (q32 if every else q32[fp32_rows]) @ space.stage32.t()
+    row_bound = bound32 if every else bound32[fp32_rows]
+    if k == 1:
+        local, cand, wide = _select_top1(scores, row_bound, _MAX_CANDIDATES + k)
+    else:
+        local, cand, wide = _select(scores, row_bound, k, _MAX_CANDIDATES + k)
+    del scores
+    rows = fp32_rows[local]
+    if single_ok:
+        rows, cand = _take_singles(rows, cand, result, offset)
+    _finish_exact(space, queries, cand, rows + offset, k, result)
+    _full_fp64(space, queries, fp32_rows[wide] + offset, k, result)
 
 
 def _exact_lower(q32: torch.Tensor, stage32: torch.Tensor, bound32: torch.Tensor):

@@ -3,8 +3,9 @@
 Backends: :class:`InProcessBackend` (``LocalExecutor``, ``compat run``, Tune trials, ``compat eval``) and the Ray
 backend in :mod:`cluster.ray.executor` (one Ray task per node). Both run every node with
 :func:`pipelines.stages.dispatch.execute_stage`. Nodes whose manifest is already committed are skipped, so a killed run
-started again resumes where it stopped; after the last node :func:`finalize_run` writes the run directory's
-contract files (config.yaml, matrix.json, metrics.json, then the reports when that module exists).
+started again resumes where it stopped; after the last node :func:`finalize_run` writes the run's result files
+(config.yaml is written first, then matrix.json, metrics.json) and the engine returns the typed result; the reports
+(report.md, matrix.png, ...) are the caller's (:func:`pipelines.reports.run_report.write_store_reports`).
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from pipelines.engine.progress import ProgressReporter
 from pipelines.graph.compile import Stage, StageGraph
 from pipelines.graph.stage_kind import StageKind
 from pipelines.records.stage_records import CommittedStage, read_committed
-from pipelines.reports.run_report import write_reports
 from pipelines.results.assemble import RunResult, assemble_matrix, write_result
 from pipelines.stages.dispatch import execute_stage
 from pipelines.stages.upgrades import adapter_summaries
@@ -116,98 +116,20 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
 
     until: node keys; only they and their ancestors run (Tune trials stop at a row, ``compat eval`` runs only the
     entry nodes of another protocol). stop_after: submit at most this many nodes, then return (partial runs).
-    Committed nodes are skipped (a killed run resumes). When every node of the graph is committed, the run
-    directory's contract files are written (:func:`finalize_run`) and the RunResult is emitted.
+    Committed nodes are skipped (a killed run resumes). When every node of the graph is committed, the run's result
+    files are written (:func:`finalize_run`), the RunResult is emitted and returned in ``Invocation.result``; the
+    caller then writes the reports (:func:`pipelines.reports.run_report.write_store_reports`).
     """
     prepare_run(graph.config, store)
-    summary = Invocation(run_id=uuid.uuid4().hex[:12])
-    needed = graph.ancestors(until) if until is not None else None
-    index_of = {stage.key: index for index, stage in enumerate(graph)}
-    total = len(graph)
-    done: set[str] = set()
-    pending: list[Stage] = []
-    shared_root = graph.config.output.shared_store
-    shared = SharedStore(shared_root) if shared_root else None
-
-    def skip(stage: Stage) -> None:
-        done.add(stage.key)
-        summary.skipped.append(stage.key)
-        # committed before this invocation: read once here, handed on like a "done" stage's record
-        emit(StageEvent(stage.key, stage.label, stage.kind, "skipped", index_of[stage.key], total,
-                        committed=read_committed(store, stage.key)))
-
-    def adopted(stage: Stage) -> bool:
-        if shared is None or not shared.covers(stage.kind) or not shared.adopt(stage.key, store):
-            return False
-        summary.adopted.append(stage.key)
-        return True
-
-    for stage in graph:
-        if needed is not None and stage.key not in needed:
-            continue
-        if store.has(stage.key) or adopted(stage):
-            skip(stage)
-        else:
-            pending.append(stage)
-    started: dict[str, float] = {}
+    schedule = _Schedule(graph, store, backend, emit, stop_after)
+    schedule.scan(graph.ancestors(until) if until is not None else None)
     try:
-        while pending or started:
-            progressed = waiting_elsewhere = False
-            ready = [s for s in pending if all(p in done for p in s.parents)]
-            for stage in sorted(ready, key=lambda s: not s.first):  # stable: graph order otherwise
-                if stop_after is not None and len(summary.executed) + len(started) >= stop_after:
-                    break
-                if backend.slots is not None and len(started) >= backend.slots:
-                    break
-                if shared is not None and shared.covers(stage.kind):
-                    if adopted(stage):  # another run published it since the scan
-                        pending.remove(stage)
-                        skip(stage)
-                        progressed = True
-                        continue
-                    if not shared.claim(stage.key):  # another run is training it: adopt it when published
-                        waiting_elsewhere = True
-                        continue
-                pending.remove(stage)
-                emit(StageEvent(stage.key, stage.label, stage.kind, "started", index_of[stage.key], total))
-                started[stage.key] = time.perf_counter()
-                backend.submit(stage, graph, store)
-            if not started:
-                if waiting_elsewhere:
-                    time.sleep(SHARED_POLL_S)
-                if waiting_elsewhere or progressed:
-                    continue
-                break  # stop_after reached
-            try:
-                # while another run trains a model this run needs, look for it every SHARED_POLL_S seconds
-                # instead of only when one of this run's own nodes finishes
-                outcome = backend.wait(timeout=SHARED_POLL_S if waiting_elsewhere else None)
-                if outcome is None:
-                    continue
-                key, records, committed = outcome
-            except BaseException as error:
-                failed = graph[getattr(error, "stage_key", None) or next(iter(started))]
-                emit(StageEvent(failed.key, failed.label, failed.kind, "failed", index_of[failed.key], total))
-                raise
-            for record in records:
-                emit(StageRecord(key, record))
-            seconds = time.perf_counter() - started.pop(key)
-            done.add(key)
-            summary.executed.append(key)
-            summary.seconds[key] = seconds
-            stage = graph[key]
-            emit(StageEvent(key, stage.label, stage.kind, "done", index_of[key], total, seconds, committed))
-            if shared is not None and shared.covers(stage.kind):
-                try:
-                    if shared.publish(key, store):
-                        summary.published.append(key)
-                except Exception as error:  # the run keeps its own copy; another run then trains it itself
-                    log.warning("stage %s could not be published to the shared store %s: %s", key, shared_root,
-                                error)
+        schedule.run()
     finally:
         backend.close()
-        if shared is not None:
-            shared.close()
+        if schedule.shared is not None:
+            schedule.shared.close()
+    summary = schedule.summary
     if summary.executed:
         record_invocation(store, summary)
         collect_committed(store)  # checkpoints of stages committed by a process that died before cleaning up
@@ -215,6 +137,119 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
         summary.result = finalize_run(graph, store)
         emit(summary.result)  # the tracker logs the run's results from it
     return summary
+
+
+class _Schedule:
+    """The state of one :func:`run_graph` call: nodes done, pending and started, and the shared store of
+    third-party models (``output.shared_store``) that nodes may be adopted from or published to."""
+
+    def __init__(self, graph: StageGraph, store: RunStore, backend: Backend, emit: Callable[[Any], None],
+                 stop_after: int | None) -> None:
+        self.graph, self.store, self.backend, self.emit, self.stop_after = graph, store, backend, emit, stop_after
+        self.summary = Invocation(run_id=uuid.uuid4().hex[:12])
+        self.index_of = {stage.key: index for index, stage in enumerate(graph)}
+        self.total = len(graph)
+        self.done: set[str] = set()
+        self.pending: list[Stage] = []
+        self.started: dict[str, float] = {}  # submitted node -> perf_counter at submission
+        self.shared_root = graph.config.output.shared_store
+        self.shared = SharedStore(self.shared_root) if self.shared_root else None
+
+    def _event(self, stage: Stage, status: str, seconds: float | None = None,
+               committed: CommittedStage | None = None) -> None:
+        self.emit(StageEvent(stage.key, stage.label, stage.kind, status, self.index_of[stage.key], self.total,
+                             seconds, committed))
+
+    def _skip(self, stage: Stage) -> None:
+        self.done.add(stage.key)
+        self.summary.skipped.append(stage.key)
+        # committed before this invocation: read once here, handed on like a "done" stage's record
+        self._event(stage, "skipped", committed=read_committed(self.store, stage.key))
+
+    def _adopted(self, stage: Stage) -> bool:
+        if self.shared is None or not self.shared.covers(stage.kind) or not self.shared.adopt(stage.key, self.store):
+            return False
+        self.summary.adopted.append(stage.key)
+        return True
+
+    def scan(self, needed: set[str] | None) -> None:
+        """Skip the committed (or adopted) nodes among ``needed`` (None: all), queue the others in graph order."""
+        for stage in self.graph:
+            if needed is not None and stage.key not in needed:
+                continue
+            if self.store.has(stage.key) or self._adopted(stage):
+                self._skip(stage)
+            else:
+                self.pending.append(stage)
+
+    def run(self) -> None:
+        """Submit ready nodes and wait for one at a time until none is pending or ``stop_after`` is reached."""
+        while self.pending or self.started:
+            progressed, waiting_elsewhere = self._submit_ready()
+            if not self.started:
+                if waiting_elsewhere:
+                    time.sleep(SHARED_POLL_S)
+                if waiting_elsewhere or progressed:
+                    continue
+                break  # stop_after reached
+            # while another run trains a model this run needs, look for it every SHARED_POLL_S seconds
+            # instead of only when one of this run's own nodes finishes
+            outcome = self._wait(timeout=SHARED_POLL_S if waiting_elsewhere else None)
+            if outcome is not None:
+                self._complete(*outcome)
+
+    def _submit_ready(self) -> tuple[bool, bool]:
+        """Submit the nodes whose parents are done (``first`` nodes first, graph order otherwise) as far as
+        ``stop_after`` and the backend's slots allow. Returns (a node was adopted from the shared store, a node
+        waits for another run that claimed it)."""
+        progressed = waiting_elsewhere = False
+        ready = [s for s in self.pending if all(p in self.done for p in s.parents)]
+        for stage in sorted(ready, key=lambda s: not s.first):  # stable: graph order otherwise
+            if self.stop_after is not None and len(self.summary.executed) + len(self.started) >= self.stop_after:
+                break
+            if self.backend.slots is not None and len(self.started) >= self.backend.slots:
+                break
+            if self.shared is not None and self.shared.covers(stage.kind):
+                if self._adopted(stage):  # another run published it since the scan
+                    self.pending.remove(stage)
+                    self._skip(stage)
+                    progressed = True
+                    continue
+                if not self.shared.claim(stage.key):  # another run is training it: adopt it when published
+                    waiting_elsewhere = True
+                    continue
+            self.pending.remove(stage)
+            self._event(stage, "started")
+            self.started[stage.key] = time.perf_counter()
+            self.backend.submit(stage, self.graph, self.store)
+        return progressed, waiting_elsewhere
+
+    def _wait(self, timeout: float | None) -> tuple[str, list, CommittedStage] | None:
+        """The backend's next finished node (None at ``timeout``); a node's error is emitted as "failed", raised."""
+        try:
+            return self.backend.wait(timeout=timeout)
+        except BaseException as error:
+            failed = self.graph[getattr(error, "stage_key", None) or next(iter(self.started))]
+            self._event(failed, "failed")
+            raise
+
+    def _complete(self, key: str, records: list, committed: CommittedStage) -> None:
+        """Hand on a finished node's records and "done" event; publish it when the shared store covers it."""
+        for record in records:
+            self.emit(StageRecord(key, record))
+        seconds = time.perf_counter() - self.started.pop(key)
+        self.done.add(key)
+        self.summary.executed.append(key)
+        self.summary.seconds[key] = seconds
+        stage = self.graph[key]
+        self._event(stage, "done", seconds, committed)
+        if self.shared is not None and self.shared.covers(stage.kind):
+            try:
+                if self.shared.publish(key, self.store):
+                    self.summary.published.append(key)
+            except Exception as error:  # the run keeps its own copy; another run then trains it itself
+                log.warning("stage %s could not be published to the shared store %s: %s", key, self.shared_root,
+                            error)
 
 
 class Executor:
@@ -286,13 +321,10 @@ def read_invocations(store: RunStore) -> list[dict]:
 
 
 def finalize_run(graph: StageGraph, store: RunStore) -> RunResult:
-    """Write matrix.json and metrics.json (and the reports of a local run); returns them as a RunResult."""
+    """Write the run's result files (matrix.json, metrics.json, adapters.json at replacements with adapters);
+    returns them as a RunResult (the reports are the caller's: they render it)."""
     result = RunResult.of(assemble_matrix(graph, store), graph.config.evaluation.strict, config_to_dict(graph.config))
     write_result(store, result)
     if getattr(graph, "adapt_stages", None):  # adapters at replacements: report input
         store.write_text("adapters.json", json.dumps(adapter_summaries(graph, store), indent=2, allow_nan=False))
-    if store.is_local:
-        write_reports(store.base)
-    else:
-        log.info("reports are written for local run directories only; run `compat report` on a local copy")
     return result

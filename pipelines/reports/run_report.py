@@ -14,6 +14,7 @@ comparison of runs in ``pipelines.reports.compare``; this module renders ``repor
 """
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Sequence
@@ -36,6 +37,9 @@ from pipelines.results.run_files import (
     metric_display_name,
     write_text_atomically,
 )
+from pipelines.store.run_store import RunStore
+
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------------------------------
 # Text and Markdown
@@ -160,6 +164,30 @@ def write_reports(run_dir: str | Path) -> dict[str, Path]:
     :func:`load_run` when the run directory is incomplete or malformed.
     """
     return write_run_reports(load_run(run_dir))
+
+
+def write_store_reports(store: RunStore) -> dict[str, Path]:
+    """:func:`write_reports` for the finished run in ``store`` (what a command does with the engine's result).
+
+    A run directory in object storage is not rendered here (``{}``): ``compat report RUN_DIR`` renders it from a
+    local copy and uploads the files."""
+    if not store.is_local:
+        log.info("reports are written for local run directories only; run `compat report %s`", store.root)
+        return {}
+    return write_reports(store.base)
+
+
+class ReportWriter:
+    """An emit sink that writes the reports of the run in ``store`` (:func:`write_store_reports`) when the engine
+    emits the run's RunResult, i.e. before the executor closes its sinks: a tracker ending its run there finds and
+    logs them."""
+
+    def __init__(self, store: RunStore) -> None:
+        self.store = store
+
+    def __call__(self, record: object) -> None:
+        if isinstance(record, RunResult):
+            write_store_reports(self.store)
 
 
 def write_run_reports(results: RunResult) -> dict[str, Path]:

@@ -62,6 +62,10 @@ def test_demo_runs_both_scenarios_on_one_ray_instance_identical_to_separate_runs
                      for name, _ in DEMOS}
     assert pretrain_keys["er"] == pretrain_keys["dsimplex-hoc"] and len(pretrain_keys["er"]) == 1
     assert list(_manifests(output / "third-party")) == pretrain_keys["er"]
+    for name, _ in DEMOS:  # the run directory contract, and both matrices side by side
+        assert {"config.yaml", "matrix.json", "metrics.json", "report.md", "matrix.png"} <= {
+            path.name for path in (output / name).iterdir()}, name
+    assert (output / "matrices.png").is_file()
 
     for name, file_name in DEMOS:
         alone = tmp_path / "alone" / name

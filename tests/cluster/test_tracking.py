@@ -245,6 +245,7 @@ def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task:
     from pipelines.engine.executor import LocalExecutor
     from pipelines.engine.progress import ProgressReporter
     from pipelines.graph.compile import compile_scenario
+    from pipelines.reports.run_report import ReportWriter
     from pipelines.stages import dispatch as stages
 
     for kind, function in fake_stage_functions(fail_task).items():
@@ -258,7 +259,9 @@ def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task:
     store = RunStore(run_dir)
     tracker = create_tracker(resolve_tracking(tracking_uri).uri)  # as app.dispatch resolves --tracking-uri
     with tracker.pipeline(graph, TrackerStore(run_dir)):
-        LocalExecutor(emit=ProgressReporter(enabled=False, sinks=[tracker]), stop_after=stop_after).run(graph, store)
+        # the reports as the commands write them (cluster.run_driver.run_tracked)
+        LocalExecutor(emit=ProgressReporter(enabled=False, sinks=[ReportWriter(store), tracker]),
+                      stop_after=stop_after).run(graph, store)
     if ray_job is not None:
         monkeypatch.delitem(__import__("sys").modules, "ray")
     return graph, store, tracker

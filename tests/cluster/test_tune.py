@@ -225,6 +225,8 @@ def test_trials_share_third_party_models_whose_key_the_sampled_values_leave_alon
     assert RunStore(tmp_path / "searches" / "shared" / "third-party").stage_keys() == pretrain["t1"]
     assert pretrain["t1"][0] in _executed(str(runs), "t1")
     assert pretrain["t1"][0] not in _executed(str(runs), "t2")
+    for name in ("t1", "t2"):  # a complete trial's run folder has its reports (the search's tracking logs them)
+        assert {"matrix.json", "metrics.json", "report.md", "matrix.png"} <= {p.name for p in (runs / name).iterdir()}
     # a search without the shared folder (its base config names another store) trains its own: same matrix
     base = _base_config()
     base["output"]["shared_store"] = str(tmp_path / "elsewhere")

@@ -58,3 +58,6 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
 
     for name in ("matrix.json", "metrics.json"):
         assert json.loads((killed_dir / name).read_text()) == json.loads((reference_dir / name).read_text()), name
+    for run_dir in (reference_dir, killed_dir):  # the run directory contract of `compat run`
+        assert {"config.yaml", "matrix.json", "metrics.json", "report.md", "matrix.png"} <= {
+            path.name for path in run_dir.iterdir()}, run_dir

@@ -96,8 +96,10 @@ def test_method_runs_end_to_end_and_matrix_matches_fp64_brute_force(tmp_path, me
     from app.cli import main
 
     before = set(store.stage_keys())
+    assert (tmp_path / "matrix.json").is_file() and not (tmp_path / "report.md").exists()  # the engine: results only
     assert main(["eval", str(tmp_path)]) == 0
     assert set(store.stage_keys()) == before
+    assert (tmp_path / "report.md").is_file() and (tmp_path / "matrix.png").is_file()  # the command: the reports
     assert json.loads((tmp_path / "matrix.json").read_text())["values"] == values
     assert main(["eval", str(tmp_path), "--gallery", "class_means"]) == 0
     variant = json.loads((tmp_path / "eval-recall_at_1-class_means-fine" / "matrix.json").read_text())["values"]

@@ -7,6 +7,7 @@ import torch
 
 import pipelines.stages.training_stages as train_stages
 import pipelines.training.loop as training
+import pipelines.training.trainer as trainer
 from pipelines.config.load import validate_config
 from pipelines.engine.executor import LocalExecutor
 from pipelines.graph.compile import compile_scenario
@@ -30,7 +31,7 @@ def test_plan_counts_equal_the_images_the_sampler_yields(tmp_path, monkeypatch):
 
     # count what the training loop actually consumes: every batch the input stream yields to train_task
     seen: dict[tuple[str, int], int] = {}
-    real_train_task, real_stream = training.train_task, training.stream_batches
+    real_train_task, real_stream = training.train_task, trainer.stream_batches
 
     def counting_train_task(model, old_model, method, data, config, **kwargs):
         key = (method.name, data.task)
@@ -41,11 +42,11 @@ def test_plan_counts_equal_the_images_the_sampler_yields(tmp_path, monkeypatch):
                 seen[key] += int(np.asarray(positions).size)
                 yield positions, images
 
-        monkeypatch.setattr(training, "stream_batches", counting_stream)
+        monkeypatch.setattr(trainer, "stream_batches", counting_stream)
         try:
             return real_train_task(model, old_model, method, data, config, **kwargs)
         finally:
-            monkeypatch.setattr(training, "stream_batches", real_stream)
+            monkeypatch.setattr(trainer, "stream_batches", real_stream)
 
     monkeypatch.setattr(training, "train_task", counting_train_task)  # pre-training runs it from inside training
     monkeypatch.setattr(train_stages, "train_task", counting_train_task)

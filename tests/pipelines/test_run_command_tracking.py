@@ -45,6 +45,9 @@ def test_run_tracks_in_the_machine_sqlite_store_by_default(tmp_path, monkeypatch
     metrics = json.loads((run_dir / "metrics.json").read_text())
     for name in ("AA",):
         assert abs(parent.data.metrics[name] - metrics[name]) < 1e-12
+    # the reports `compat run` wrote into the run folder are logged with the results
+    results = {artifact.path for artifact in client.list_artifacts(parent.info.run_id, "results")}
+    assert {"results/report.md", "results/matrix.png", "results/metrics.json"} <= results, results
     # a model version per model stage: 3 fine-tuned/replaced tasks + the third-party model
     name = parent.data.tags.get("registered_model") or next(
         model.name for model in client.search_registered_models())

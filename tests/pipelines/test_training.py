@@ -1,4 +1,4 @@
-"""Tests of the shared training loop (pipelines.training.loop)."""
+"""Tests of the shared training loop (pipelines.training.loop and its trainer, pipelines.training.trainer)."""
 from __future__ import annotations
 
 import math
@@ -8,13 +8,15 @@ import pytest
 import torch
 
 import pipelines.training.loop as training
+import pipelines.training.selection as selection
 from compat_core.data.base import ArraySource
 from compat_core.models.compat_model import create_model, frozen_copy
 from pipelines.methods import get_method
 from pipelines.methods.base import Batch, Method, TaskContext
 from pipelines.training.loop import pretrain_model, snapshot_state, train_task
 from pipelines.training.settings import TrainConfig
-from pipelines.training.task_data import SelectionSplit, TaskData, epoch_batches
+from pipelines.training.task_data import SelectionSplit, TaskData, _steps_per_epoch, epoch_batches
+from pipelines.training.trainer import lr_factor
 
 K = 16
 CLASSES = 6
@@ -111,7 +113,7 @@ def test_records_schedule_and_progress(source):
     cfg = config(epochs=3, schedule={"name": "cosine"}, optimizer={"lr": 0.1})
     result = train_task(tiny_model("learnable", classes=3), None, get_method("er"), data, cfg,
                         on_record=records.append, progress=lambda *args: progress.append(args))
-    steps = training._steps_per_epoch(data, get_method("er"), cfg)
+    steps = _steps_per_epoch(data, get_method("er"), cfg)
     total = 3 * steps
     assert [r.epoch for r in records] == [0, 1, 2]
     assert [r.step for r in records] == [steps, 2 * steps, 3 * steps]
@@ -131,8 +133,8 @@ def test_mixed_precision_run_keeps_fp32_weights(source):
 
 
 def test_step_schedule_and_warmup_factors():
-    factor = training._lr_factor(config(epochs=4, schedule={"name": "step", "milestones": [2, 3], "gamma": 0.5},
-                                         warmup_epochs=1), 10)
+    factor = lr_factor(config(epochs=4, schedule={"name": "step", "milestones": [2, 3], "gamma": 0.5},
+                              warmup_epochs=1), 10)
     assert [factor(s) for s in (0, 4, 9, 10, 19, 20, 30)] == [0.1, 0.5, 1.0, 1.0, 1.0, 0.5, 0.25]
 
 
@@ -162,7 +164,7 @@ def test_compatibility_selection_keeps_best_self_test_among_compatible_epochs(so
     per_epoch = [(0.9, 0.4), (0.6, 0.55), (0.7, 0.6), (0.8, 0.5)]
     for strict, expected_epoch in ((True, 2), (False, 3)):
         script = [old_self] + [value for pair in per_epoch for value in pair]
-        monkeypatch.setattr(training, "recall_at_1", lambda *args: script.pop(0))
+        monkeypatch.setattr(selection, "recall_at_1", lambda *args: script.pop(0))
         snapshots = {}
         model = tiny_model()
         split = SelectionSplit(source, np.arange(0, 48, 2), np.arange(1, 48, 2))
@@ -304,7 +306,7 @@ def test_input_workers_start_once_for_all_epochs_and_read_every_batch(source):
     watched = _PidRecordingSource(source)
     streamed = train_task(tiny_model(), None, get_method("dsimplex-hoc"), task_data(watched, "simplex"),
                           config(epochs=3, input_workers=1)).model
-    steps = 3 * sum(1 for _ in training.epoch_batches(data, get_method("dsimplex-hoc"), config(epochs=3), 0))
+    steps = 3 * sum(1 for _ in epoch_batches(data, get_method("dsimplex-hoc"), config(epochs=3), 0))
     pids = watched.pids[: steps + 1].tolist()
     assert pids[steps] == 0 and 0 not in pids[:steps]           # every step's batch read, nothing more
     assert len(set(pids[:steps])) == 1 and pids[0] != os.getpid()  # by one worker process, forked once

@@ -159,14 +159,7 @@ def load_glyphs(
     set); both None means ``~/.cache/compat/glyphs``. seed: rendering seed; layout_seed: pool assignment seed.
     mean/std are per (pool, style) over the whole rendered pool, so every split of a pool normalises alike.
     """
-    if split not in _POOL_OF_SPLIT:
-        raise ValueError(f"glyphs: unknown split {split!r}; expected one of {', '.join(SPLITS)}")
-    pool = _POOL_OF_SPLIT[split]
-    style_name = style if style is not None else _DEFAULT_STYLE_OF_POOL[pool]
-    if style_name not in STYLES:
-        raise ValueError(f"glyphs: unknown style {style_name!r}; expected one of {', '.join(sorted(STYLES))}")
-    if label_level not in ("fine", "coarse"):
-        raise ValueError(f"glyphs: label_level must be 'fine' or 'coarse', got {label_level!r}")
+    pool, style_name = _check_split_and_style(split, style, label_level)
     images_per_class = _check_positive_int(images_per_class, "images_per_class")
     seed = _check_positive_int(seed, "seed", minimum=0)
     layout_seed = _check_positive_int(layout_seed, "layout_seed", minimum=0)
@@ -180,24 +173,7 @@ def load_glyphs(
     catalogue = glyph_catalogue(cache_root, layout_seed)
     style_spec = STYLES[style_name]
     rendered = _render_pool(catalogue, pool, style_spec, images_per_class, seed, image_size, cache_root, layout_seed)
-
-    keep = None
-    pool_ids = catalogue.pools[pool]
-    if pool == "pretrain":
-        if split != "pretrain":
-            if pool_size is not None:
-                raise ValueError(f"glyphs: give either split {split!r} or pool_size, not both")
-            pool_size = PRETRAIN_POOL_SIZES[int(split[-1]) - 1]
-        if pool_size is not None:
-            pool_size = _check_positive_int(pool_size, "pool_size")
-            if pool_size > len(pool_ids):
-                raise ValueError(f"glyphs: pool_size {pool_size} exceeds the {len(pool_ids)} pretrain classes")
-            # Prefixes of the fixed pretrain order: every smaller pool is nested in every larger one.
-            keep = select_class_samples(rendered.labels, pool_ids[:pool_size])
-    elif split in ("test-query", "val-query"):
-        keep = np.flatnonzero(rendered.instance_ids % 2 == 1)
-    elif split in ("test-gallery", "val-gallery"):
-        keep = np.flatnonzero(rendered.instance_ids % 2 == 0)
+    keep = _split_rows(split, pool, pool_size, catalogue.pools[pool], rendered)
 
     def pick(values: np.ndarray) -> np.ndarray:
         return values if keep is None else values[keep]
@@ -228,6 +204,40 @@ def load_glyphs(
         from_cache=rendered.from_cache,
         render_seconds=rendered.render_seconds,
     )
+
+
+def _check_split_and_style(split: str, style: str | None, label_level: str) -> tuple[str, str]:
+    """(pool, style name) of a split; ValueError naming the valid splits, styles or label levels."""
+    if split not in _POOL_OF_SPLIT:
+        raise ValueError(f"glyphs: unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+    pool = _POOL_OF_SPLIT[split]
+    style_name = style if style is not None else _DEFAULT_STYLE_OF_POOL[pool]
+    if style_name not in STYLES:
+        raise ValueError(f"glyphs: unknown style {style_name!r}; expected one of {', '.join(sorted(STYLES))}")
+    if label_level not in ("fine", "coarse"):
+        raise ValueError(f"glyphs: label_level must be 'fine' or 'coarse', got {label_level!r}")
+    return pool, style_name
+
+
+def _split_rows(split: str, pool: str, pool_size: int | None, pool_ids, rendered) -> np.ndarray | None:
+    """Rows of the rendered pool that the split keeps (None: all): a prefix of the pretrain classes, or the odd /
+    even instances of every class for the query / gallery halves."""
+    if pool == "pretrain":
+        if split != "pretrain":
+            if pool_size is not None:
+                raise ValueError(f"glyphs: give either split {split!r} or pool_size, not both")
+            pool_size = PRETRAIN_POOL_SIZES[int(split[-1]) - 1]
+        if pool_size is not None:
+            pool_size = _check_positive_int(pool_size, "pool_size")
+            if pool_size > len(pool_ids):
+                raise ValueError(f"glyphs: pool_size {pool_size} exceeds the {len(pool_ids)} pretrain classes")
+            # Prefixes of the fixed pretrain order: every smaller pool is nested in every larger one.
+            return select_class_samples(rendered.labels, pool_ids[:pool_size])
+    elif split in ("test-query", "val-query"):
+        return np.flatnonzero(rendered.instance_ids % 2 == 1)
+    elif split in ("test-gallery", "val-gallery"):
+        return np.flatnonzero(rendered.instance_ids % 2 == 0)
+    return None
 
 
 def glyph_set_summary(
