@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compat_core.models import frozen_copy
+from compat_core.models.compat_model import frozen_copy
 from pipelines.methods import get_method
 from pipelines.training.checkpoints import CheckpointPolicy, EpochCheckpoint, decode_state, encode_state
 from pipelines.training.distributed import DataParallel
