@@ -29,7 +29,7 @@ def one_run(config_path: str, every: int, epochs: int, folder: Path) -> dict:
 
     import pipelines.training.checkpoints as checkpoints
     from pipelines.config.load import load_config
-    from pipelines.engine.executor import LocalExecutor
+    from pipelines.engine.runner import LocalExecutor
     from pipelines.graph.compile import compile_scenario
     from pipelines.store.run_store import RunStore
 

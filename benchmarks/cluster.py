@@ -43,9 +43,9 @@ def demo_overrides(quick: bool, stage_cpus: int) -> tuple[list[str], list[str]]:
 def run_demo(quick: bool, stage_cpus: int, workdir: pathlib.Path) -> dict:
     import torch
 
-    from cluster.ray.executor import RayExecutor
+    from cluster.ray.task_backend import RayExecutor
     from pipelines.config.load import load_config
-    from pipelines.engine.executor import LocalExecutor
+    from pipelines.engine.runner import LocalExecutor
     from pipelines.graph.compile import compile_scenario
     from pipelines.store.run_store import RunStore
 
@@ -110,7 +110,7 @@ def run_matrix(quick: bool, workdir: pathlib.Path) -> dict:
     untimed first pass) before the clock."""
     import ray
 
-    from cluster.ray.executor import RayExecutor, connect
+    from cluster.ray.task_backend import RayExecutor, connect
     from pipelines.config.load import load_config
 
     T = 7

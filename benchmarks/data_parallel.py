@@ -26,7 +26,7 @@ BACKBONES = {"lenetpp": {"in_chans": 1, "img_size": 16, "embed_dim": 8}, "cnn4":
 
 def make_task(options: dict):
     """(model, old model, method, TaskData, TrainConfig) of the benchmark task, the same in every process."""
-    from compat_core.data.base import ArraySource
+    from compat_core.data.source import ArraySource
     from compat_core.models.compat_model import create_model
     from compat_core.models.compat_model import frozen_copy
     from pipelines.methods import get_method

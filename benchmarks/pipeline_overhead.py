@@ -50,7 +50,7 @@ def fresh_pools() -> None:
 
 # ---- the pipeline side --------------------------------------------------------------------------------------------
 def run_pipeline(config) -> dict:
-    from pipelines.engine.executor import LocalExecutor
+    from pipelines.engine.runner import LocalExecutor
     from pipelines.graph.compile import compile_scenario
     from pipelines.reports.run_report import write_store_reports
     from pipelines.store.run_store import RunStore

@@ -382,7 +382,7 @@ def main() -> int:
 
 def report(graph, planned, output, wall, driver_rss, sampler, requests_before, requests_after, mlflow_db,
            mlflow_uri) -> None:
-    from pipelines.engine.executor import read_invocations
+    from pipelines.engine.runner import read_invocations
     from pipelines.store.run_store import RunStore
 
     store = RunStore(output)

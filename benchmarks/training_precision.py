@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from compat_core.data.base import ArraySource  # noqa: E402
+from compat_core.data.source import ArraySource  # noqa: E402
 from compat_core.hardware import calibration  # noqa: E402
 from compat_core.models.compat_model import create_model
 from pipelines.methods import get_method  # noqa: E402

@@ -28,7 +28,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from app.printing import print_results
-from cluster.ray.executor import connect
+from cluster.ray.task_backend import connect
 from cluster.run_driver import run_tracked
 from cluster.tracking.tracker import create_tracker
 from compat_core.hardware import calibration

@@ -5,7 +5,7 @@ import sys
 
 import yaml
 
-from cluster.ray.executor import connect
+from cluster.ray.task_backend import connect
 from cluster.storage.ingest import ingest
 from cluster.storage.s3 import configure_object_storage
 from compat_core.integrity import IntegrityError

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from cluster.tune.grid import coverage_text, spread_points
 from cluster.tune.runner import default_resources, ensure_ray, resume_search, run_search
-from cluster.tune.space import load_space
+from cluster.tune.search_space import load_space
 from cluster.tune.spec import (
     SearchSpec,
     absolute_fixed_values,

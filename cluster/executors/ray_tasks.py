@@ -1,4 +1,4 @@
-"""The Ray executor: every node of the graph is one Ray task on a cluster (``cluster.ray.executor``, imported only
+"""The Ray executor: every node of the graph is one Ray task on a cluster (``cluster.ray.task_backend``, imported only
 when a run builds it)."""
 from __future__ import annotations
 
@@ -6,4 +6,4 @@ from pipelines.engine.backends import ExecutorCard, register_executor
 
 RAY = register_executor(ExecutorCard(
     "ray", "every node a Ray task on the cluster --address names, else on an embedded local Ray instance",
-    "cluster.ray.executor:RayExecutor", on_cluster=True))
+    "cluster.ray.task_backend:RayExecutor", on_cluster=True))

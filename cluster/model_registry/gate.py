@@ -45,7 +45,7 @@ from pipelines.stages.context import resolve_device
 from pipelines.stages.entry_metrics import compute_entry
 from pipelines.stages.extraction import extract_pool_features
 from pipelines.stages.pools import check_pools_open_set, load_pool
-from pipelines.stages.upgrades import METRICS, adapter_blob_name, cross_tests, study_upgrade
+from pipelines.stages.adapt import METRICS, adapter_blob_name, cross_tests, study_upgrade
 
 
 
@@ -95,7 +95,7 @@ def _entry(query: tuple, gallery: tuple, config: Any, metric: str) -> float:
 def _options_on_refusal(old: dict, new: dict, config: Any, metric: str, self_old: float, strict: bool,
                         seed: int, log: Callable[[str], None] = print) -> tuple[dict, list[str]]:
     """What the team can do: each adapter's verdict, and the re-indexed fraction that reaches the self-test (the
-    pipeline's upgrade workflow, :func:`pipelines.stages.upgrades.study_upgrade`, on the judged metric, the curve from
+    pipeline's upgrade workflow, :func:`pipelines.stages.adapt.study_upgrade`, on the judged metric, the curve from
     the raw old gallery in random order); one progress line per adapter and per curve point through ``log`` (fitting
     them takes minutes on a large set)."""
 

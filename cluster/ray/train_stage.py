@@ -1,9 +1,9 @@
 """Data-parallel training stages on Ray Train: ``resources.<stage>.num_workers: N`` runs one stage on N workers.
 
-The engine's Ray backend (:mod:`cluster.ray.executor`) submits such a node as a small Ray task (no CPU of its own)
+The engine's Ray backend (:mod:`cluster.ray.task_backend`) submits such a node as a small Ray task (no CPU of its own)
 that runs a ``TorchTrainer`` of N workers, each holding the stage's ``num_cpus`` / ``num_gpus`` / ``memory`` (one
 GPU each and NCCL when the stage asks for GPUs, gloo on CPUs). Every worker runs the same stage function
-(:func:`pipelines.stages.dispatch.execute_stage`); training inside it shards each global batch over the ranks and computes
+(:func:`pipelines.stages.execute.execute_stage`); training inside it shards each global batch over the ranks and computes
 the loss of the global batch (:mod:`pipelines.training.distributed`). Rank 0 commits the stage's artifacts and returns its
 training records (the Result's return value); the other ranks write nothing. Ray Train's own run state goes under
 ``ray-train/<stage key>`` of the run store (a local folder or ``s3://``), so nothing needs a shared filesystem.

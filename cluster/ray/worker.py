@@ -2,7 +2,7 @@
 data-parallel stage), and the typed result (:class:`NodeResult`) it hands back to the driver.
 
 The body installs the driver's S3 settings and the worker setup, skips a stage found committed (a retried task),
-runs :func:`pipelines.stages.dispatch.execute_stage` (which commits the stage) and returns what the driver needs, all under
+runs :func:`pipelines.stages.execute.execute_stage` (which commits the stage) and returns what the driver needs, all under
 the run folder's fence: the driver's lease (:func:`pipelines.store.lease.lease_fence`) travels with the task, and every
 write of the worker's RunStore first checks that the driver still holds it, so a worker whose driver lost the lease
 (paused past the stale time and taken over by another driver) commits nothing and fails with LeaseLostError naming
@@ -22,7 +22,7 @@ from pipelines.engine.process_memory import peak_resident_bytes, release_freed_m
 from pipelines.engine.events import ProgressUpdate
 from pipelines.graph.compile import Stage
 from pipelines.records.stage_records import CommittedStage, read_committed
-from pipelines.stages.dispatch import execute_stage
+from pipelines.stages.execute import execute_stage
 from pipelines.stages.inputs import RunSettings
 from pipelines.store.lease import LeaseFence, hold_fence
 from pipelines.store.run_store import RunStore

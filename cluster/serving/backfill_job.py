@@ -1,7 +1,7 @@
 """``compat index backfill``: re-embed a served gallery with a new model version in the background.
 
 Items embedded by other versions are re-embedded in chunks (order: ``compat_core.upgrades.backfill_order.backfill_order``) by Ray
-tasks (the pipeline's extraction, ``pipelines.stages.dispatch.extract_pool_features``, on the chunk's images with the
+tasks (the pipeline's extraction, ``pipelines.stages.execute.extract_pool_features``, on the chunk's images with the
 indexed pool's normalisation); the driver writes each chunk as a new shard and commits a manifest listing it, one
 HEAD swap per chunk, so the service (which polls HEAD) flips that chunk's items to the new version at once. After
 every chunk a probe, the config's evaluation query set embedded by the new version, is searched exactly as the
@@ -22,7 +22,7 @@ from cluster.serving.models import DEFAULT_ALIAS, installed_adapter, load_served
 from cluster.serving.ray_join import connect_ray
 from cluster.serving.state import build_state
 from cluster.tracking.client import ensure_experiment
-from compat_core.data.base import ArraySource
+from compat_core.data.source import ArraySource
 from compat_core.retrieval.mixed_gallery import search_groups
 from compat_core.upgrades.backfill_order import backfill_order
 from pipelines.config.model_uri import ModelUri, parse_model_uri

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.ray.auth import prepare_client_auth, require_token_if_needed
-from cluster.ray.executor import connect
+from cluster.ray.task_backend import connect
 from cluster.ray.local_head import default_state_dir, read_state
 from cluster.ray.loopback import prepare_loopback
 
@@ -80,7 +80,7 @@ def resolve_ray_target(address: str | None, state_dir: str | Path | None = None)
 
 def connect_ray(address: str | None, token_file: str | None = None, state_dir: str | Path | None = None) -> RayTarget:
     """Join the cluster named by ``address`` (see :func:`resolve_ray_target`) through the project's one Ray entry
-    point (``cluster.ray.executor.connect``); returns where it joined. A loopback address needs this process's Ray
+    point (``cluster.ray.task_backend.connect``); returns where it joined. A loopback address needs this process's Ray
     to keep 127.0.0.1 too (otherwise Ray rewrites it to the machine's address)."""
     target = resolve_ray_target(address, state_dir)
     if target.address is not None:

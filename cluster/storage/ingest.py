@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cluster.ray.executor import connect
+from cluster.ray.task_backend import connect
 from compat_core import io as cio
 from compat_core.data.datasets import load_dataset
 from compat_core.data.formats import shards as fmt

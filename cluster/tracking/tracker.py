@@ -1,7 +1,7 @@
 """Experiment tracking: pipeline records -> MLflow runs, metrics, artifacts and registered model versions.
 
 This module owns the tracker interface and the MLflow tracker's runs (pipeline and stage scopes, resume); what each
-record logs is in cluster.tracking.records, stores and clients in cluster.tracking.client, params without secrets in
+record logs is in cluster.tracking.record_logging, stores and clients in cluster.tracking.client, params without secrets in
 cluster.tracking.params.
 
 Stages never call a tracker; they emit plain records (``StageEvent``, ``TrainRecord``, ``ProgressUpdate``) through
@@ -48,7 +48,7 @@ from typing import Any, Iterator
 from cluster.model_registry.versions import ensure_registered_model, registered_model_name
 from cluster.tracking.client import ensure_experiment, log_metrics, log_params, open_client
 from cluster.tracking.params import flatten_params
-from cluster.tracking.records import StageRecordLogging
+from cluster.tracking.record_logging import StageRecordLogging
 from pipelines.config.load import config_hash, config_to_dict, stable_hash
 from pipelines.engine.events import StageEvent, StageRecord
 from pipelines.graph.stage_kind import StageKind
@@ -345,7 +345,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
         this invocation) and end its run FINISHED. The store is read only for the blobs the tracker uploads."""
         if committed is None:
             raise ValueError(f"stage {key}: the engine's event carries no committed record; the tracker logs "
-                             f"stages from the engine's events only (pipelines.engine.executor.run_graph)")
+                             f"stages from the engine's events only (pipelines.engine.runner.run_graph)")
         if key not in self._open:
             self._open_stage(self.graph[key])
         opened = self._open[key]

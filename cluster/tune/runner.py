@@ -45,7 +45,7 @@ from cluster.ray.loopback import prepare_for_address, prepare_loopback
 from cluster.ray.reach import require_answering, require_reachable
 from cluster.storage.s3 import configure_object_storage
 from cluster.tune.grid import spread_points
-from cluster.tune.space import parse_space
+from cluster.tune.search_space import parse_space
 from cluster.tune.spec import (
     COMPARE_TOP_TRIALS,
     OBJECTIVE_KEY,

@@ -167,7 +167,7 @@ def check_space_against_config(base: dict, space) -> int:
 class SearchSpec:
     """Everything a search needs, JSON-serialisable (stored as ``search.json``; resume and trials read it).
 
-    base_config: the resolved scenario config (dict). space: the space mapping (cluster.tune.space grammar).
+    base_config: the resolved scenario config (dict). space: the space mapping (cluster.tune.search_space grammar).
     objective: metric key (ACA, AC, AA, BC, FC), maximised. samples: trials in all. concurrent: trials at once.
     scheduler: ``asha`` or ``none``. seed: Optuna sampler seed. storage: storage root (local absolute path or
     s3:// URI); the experiment lives in ``<storage>/<name>``. resources: per trial, ``{"cpu": float, "gpu": float}``.

@@ -21,7 +21,7 @@ from cluster.tune.spec import (
     trial_config,
 )
 from compat_core import io as cio
-from pipelines.engine.executor import LocalExecutor, close_emit, prepare_run
+from pipelines.engine.runner import LocalExecutor, close_emit, prepare_run
 from pipelines.graph.compile import compile_scenario
 from pipelines.records.stage_records import ModelRecord
 from pipelines.reports.run_report import write_store_reports

@@ -12,7 +12,7 @@ import pkgutil
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from compat_core.data.base import ImageSource
+from compat_core.data.source import ImageSource
 from compat_core.registry import Registry
 
 DATASETS: Registry = Registry("dataset")

@@ -17,7 +17,7 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
-from compat_core.data.base import keep_rows
+from compat_core.data.source import keep_rows
 
 
 class _BatchReads(torch.utils.data.Dataset):

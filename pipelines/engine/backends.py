@@ -1,7 +1,7 @@
 """The registry of executors: where ``compat run --executor NAME`` runs a graph's nodes.
 
 An executor is named by an :class:`ExecutorCard`: its name (the ``--executor`` choice), a one-line help, the
-``"module:Class"`` of its :class:`pipelines.engine.executor.Executor` (imported only when a run builds one, so the
+``"module:Class"`` of its :class:`pipelines.engine.runner.Executor` (imported only when a run builds one, so the
 card of the Ray executor is read without importing Ray, and argument parsing stays light) and whether its nodes run
 on a cluster's workers (``--address`` names the cluster, and the device is judged there). The in-process executor is
 registered here; the cluster layer registers its own from the modules of ``cluster/executors/``. Every ``--executor``
@@ -80,7 +80,7 @@ def build_executor(name: str, emit: Callable[[Any], None] | None = None, progres
 
 LOCAL = register_executor(ExecutorCard(
     "local", "every node in this process, one after the other, without Ray",
-    "pipelines.engine.executor:LocalExecutor"))
+    "pipelines.engine.runner:LocalExecutor"))
 
 
 __all__ = ["EXECUTORS", "ExecutorCard", "LOCAL", "address_refusal", "build_executor", "executor_names",

@@ -9,7 +9,7 @@ Stage kinds (``t`` is the 0-based task index):
   from them with the loaded model as the frozen "old" model (as the reference HOC does).
 - ``extract`` (t, split): features of model ``t`` on the query or gallery set (once per model and split).
 - ``adapt`` (t): at a replacement with ``adapters``, adapters between models t-1 and t fitted on paired gallery
-  features, their cross-tests and the partial-backfilling curves (pipelines/stages/upgrades.py).
+  features, their cross-tests and the partial-backfilling curves (pipelines/stages/adapt.py).
 - ``entry`` (t, k): one matrix entry ``C[t, k]`` (query features of model t against the gallery of model k, through
   the FAN adapters of tasks k+1..t when the method has them), computed by :func:`pipelines.stages.entries.entry_stage`.
 - ``evaluate`` (t): row ``t`` of the compatibility matrix, ``C[t, 0..t]``, assembled from its entry nodes.

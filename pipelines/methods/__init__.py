@@ -3,7 +3,7 @@
 :data:`METHODS` maps each name to its :class:`MethodCard` (hyper-parameter model, classifier family, traits), read by
 config validation and graph compilation without importing torch. Every module of ``pipelines/methods/cards/`` is
 imported here and registers its card, so a new method is one card module and one objective module, no list edited.
-:func:`get_method` builds the torch :class:`pipelines.methods.base.Method` a card names; the training loop in
+:func:`get_method` builds the torch :class:`pipelines.methods.objective.Method` a card names; the training loop in
 :mod:`pipelines.training.loop` owns the model and optimiser and asks that object for its loss.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from compat_core.losses import bct_influence_loss
-from pipelines.methods.base import (
+from pipelines.methods.objective import (
     Batch,
     Method,
     TaskContext,

@@ -2,7 +2,7 @@
 classifier family, traits) and the registry of every card, :data:`METHODS`.
 
 A method is a card (``pipelines/methods/cards/<name>.py``: torch-free, read when a config is validated or a graph
-compiled) and its training objective (``pipelines/methods/<name>.py``: the torch :class:`pipelines.methods.base.Method`
+compiled) and its training objective (``pipelines/methods/<name>.py``: the torch :class:`pipelines.methods.objective.Method`
 subclass), which the card names by dotted path and :meth:`MethodCard.build` imports only when a stage trains or
 extracts. Cards register themselves when :mod:`pipelines.methods` imports every module of ``cards/``, so adding a method
 edits no list.

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from compat_core.losses import simplex_cross_entropy
-from pipelines.methods.base import Batch, Method, TaskContext
+from pipelines.methods.objective import Batch, Method, TaskContext
 from pipelines.methods.cards import cores as cards
 
 

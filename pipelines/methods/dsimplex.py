@@ -9,7 +9,7 @@ from compat_core.losses import (
     feature_distillation_weight,
     simplex_cross_entropy,
 )
-from pipelines.methods.base import Batch, Method, TaskContext, old_features
+from pipelines.methods.objective import Batch, Method, TaskContext, old_features
 from pipelines.methods.cards import dsimplex as cards
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy
+from pipelines.methods.objective import Batch, Method, TaskContext, classification_cross_entropy
 from pipelines.methods.cards import er as cards
 
 

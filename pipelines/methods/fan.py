@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compat_core.upgrades.adapters import FanAdapter
-from pipelines.methods.base import (
+from pipelines.methods.objective import (
     Batch,
     Method,
     TaskContext,

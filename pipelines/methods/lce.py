@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipelines.methods.base import (
+from pipelines.methods.objective import (
     Batch,
     ClassStatistics,
     Method,

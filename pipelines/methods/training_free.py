@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from compat_core.evaluation.training_free import lsp, psp_from_logits
-from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy
+from compat_core.evaluation.psp_lsp import lsp, psp_from_logits
+from pipelines.methods.objective import Batch, Method, TaskContext, classification_cross_entropy
 from pipelines.methods.cards import training_free as cards
 
 
@@ -50,7 +50,7 @@ class PSP(_TrainingFree):
 class LSP(_TrainingFree):
     """Logit Simplex Projection features ``z / ||z||`` (first C_k logits) of independently trained models.
 
-    Choices as for PSP; no centring (the paper's Eq. 6; compat_core.evaluation.training_free.lsp can centre).
+    Choices as for PSP; no centring (the paper's Eq. 6; compat_core.evaluation.psp_lsp.lsp can centre).
     """
 
     card = cards.LSP

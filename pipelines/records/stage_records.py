@@ -123,7 +123,7 @@ class RowRecord:
 
 @dataclass
 class AdaptersRecord:
-    """Adapters fitted at a replacement (pipelines.stages.upgrades): the cross-tests without (``baseline``) and with each
+    """Adapters fitted at a replacement (pipelines.stages.adapt): the cross-tests without (``baseline``) and with each
     adapter, their verdicts, and partial-backfilling curves. task: 0-based first task of the new model."""
 
     TYPE: ClassVar[str] = "adapters"

@@ -1,5 +1,5 @@
 """Report section for model upgrades: the gate's verdict at each replacement, without and with each adapter, and
-the partial-backfilling curves (``adapters.json`` written by the run's ``adapt`` stages, see pipelines/stages/upgrades.py).
+the partial-backfilling curves (``adapters.json`` written by the run's ``adapt`` stages, see pipelines/stages/adapt.py).
 
 The verdict without an adapter comes from the matrix itself: at a replacement entering at task ``t`` (1-based) the
 gate compares the cross-test C[t, t-1] with the self-test C[t-1, t-1] (what ``compat gate`` decides when the new

@@ -2,7 +2,7 @@
 row records, its metrics, and the result files ``matrix.json`` / ``metrics.json`` of a run directory (or of a
 ``compat eval`` variant folder in it).
 
-One record and one path for all of them: the engine (:func:`pipelines.engine.executor.finalize_run`, which hands the
+One record and one path for all of them: the engine (:func:`pipelines.engine.runner.finalize_run`, which hands the
 :class:`RunResult` to the tracker and returns it in the invocation), ``compat eval``
 (:mod:`pipelines.results.variants`), Tune's report after each task (:mod:`cluster.tune.trial`), a Ray Job's results
 read back from its store, and the reports and ``compat compare``, which read the files back with the run's config

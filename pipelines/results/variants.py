@@ -9,7 +9,7 @@ from typing import Any, Callable
 import yaml
 
 from pipelines.config.load import validate_config
-from pipelines.engine.executor import LocalExecutor
+from pipelines.engine.runner import LocalExecutor
 from pipelines.graph.compile import add_evaluation, compile_scenario
 from pipelines.results.assemble import RunResult, assemble_matrix, write_result
 from pipelines.store.run_store import RunStore

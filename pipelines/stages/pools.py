@@ -17,7 +17,7 @@ import numpy as np
 
 from compat_core.data.datasets import load_dataset
 from compat_core.data.replay_parquet import encoded_images
-from compat_core.data.base import keep_rows
+from compat_core.data.source import keep_rows
 from compat_core.data.tasks import build_task_sequence
 from compat_core.kinds import ClassifierFamily
 from compat_core.slots import SlotMapper

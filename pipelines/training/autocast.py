@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compat_core.data.base import ImageSource
+from compat_core.data.source import ImageSource
 from compat_core.data.transforms import make_transforms
 from compat_core.hardware.workloads import PROBE_BATCH, autocast_choice
 from compat_core.models.precision import autocast_context, has_convolutions, prepare_for_speed

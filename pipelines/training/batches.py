@@ -1,6 +1,6 @@
 """Device batches of one training task: ``_Loader`` reads the images of a batch of positions (task samples first,
 then replay memory, as :func:`pipelines.training.task_data.epoch_batches` numbers them), moves them to the device,
-applies the task's transforms and returns a :class:`pipelines.methods.base.Batch`."""
+applies the task's transforms and returns a :class:`pipelines.methods.objective.Batch`."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -12,7 +12,7 @@ from torch import nn
 from compat_core.data.stream import to_device
 from compat_core.data.transforms import make_transforms
 from compat_core.models.precision import prepare_batch
-from pipelines.methods.base import Batch
+from pipelines.methods.objective import Batch
 from pipelines.training.task_data import TaskData
 
 

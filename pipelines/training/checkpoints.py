@@ -41,7 +41,7 @@ class EpochCheckpoint:
     """Training state after ``epochs_done`` completed epochs of a stage (plus ``state["step_in_epoch"]`` steps of
     the next one when written on SIGTERM between two epochs).
 
-    state: what :func:`pipelines.training.state.training_state` builds: model, optimiser, scheduler, RNG states (torch,
+    state: what :func:`pipelines.training.loop_state.training_state` builds: model, optimiser, scheduler, RNG states (torch,
     numpy, python, augmentation), sampler position, method extra modules, model-selection state, records so far.
     """
 

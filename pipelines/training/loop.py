@@ -17,10 +17,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from compat_core.data.base import ImageSource
+from compat_core.data.source import ImageSource
 from compat_core.losses import simplex_cross_entropy
 from compat_core.simplex import pretrain_slot
-from pipelines.methods.base import Batch, Method, TaskContext, classification_cross_entropy
+from pipelines.methods.objective import Batch, Method, TaskContext, classification_cross_entropy
 from pipelines.training.checkpoints import CheckpointSink
 from pipelines.training.records import ProgressHook, TrainRecord, TrainResult
 from pipelines.training.selection import compute_features, snapshot_state

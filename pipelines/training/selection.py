@@ -9,14 +9,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from compat_core.data.base import ImageSource
+from compat_core.data.source import ImageSource
 from compat_core.data.stream import stream_batches
 from compat_core.data.transforms import make_transforms
 from compat_core.evaluation.metrics import upgrade_verdict
 from compat_core.models.precision import prepare_batch
 from compat_core.retrieval.search import recall_at_1
 from compat_core.upgrades.adapters import apply_chain
-from pipelines.methods.base import Method
+from pipelines.methods.objective import Method
 from pipelines.training.autocast import precision_context
 from pipelines.training.settings import TrainConfig
 from pipelines.training.task_data import SelectionSplit

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
 
 import numpy as np
 
-from compat_core.data.base import ImageSource
+from compat_core.data.source import ImageSource
 from compat_core.data.replay import half_and_half_batches
 from pipelines.training.settings import TrainConfig
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class Sampling(Protocol):
-    """What the batch order reads of a method (a :class:`pipelines.methods.base.Method` or its card): whether its
+    """What the batch order reads of a method (a :class:`pipelines.methods.objective.Method` or its card): whether its
     batches mix in the replay memory."""
 
     uses_replay: bool

@@ -25,14 +25,14 @@ import torch
 from torch import nn
 
 from compat_core.data.stream import keep_rows, stream_batches
-from pipelines.methods.base import Method, TaskContext
+from pipelines.methods.objective import Method, TaskContext
 from pipelines.training import distributed
 from pipelines.training.autocast import autocast_mode, example_batch, precision_context, prepare_model, resolve_autocast
 from pipelines.training.checkpoints import CheckpointSink, EpochCheckpoint, PreemptionFlag, preemption_guard
 from pipelines.training.records import ProgressHook, TrainRecord, TrainResult, _Window
 from pipelines.training.selection import CompatibilitySelector
 from pipelines.training.settings import TrainConfig
-from pipelines.training.state import restore_training_state, training_state
+from pipelines.training.loop_state import restore_training_state, training_state
 from pipelines.training.batches import _Loader
 from pipelines.training.task_data import TaskData, _augment_seed, _steps_per_epoch, epoch_batches
 
@@ -416,7 +416,7 @@ class Trainer:
         return bool(periodic or preempted)
 
     def save_checkpoint(self, epochs_done: int, step_in_epoch: int) -> None:
-        """The whole loop state (:func:`pipelines.training.state.training_state`) to the checkpoint sink."""
+        """The whole loop state (:func:`pipelines.training.loop_state.training_state`) to the checkpoint sink."""
         write_started = time.perf_counter()
         state = training_state(self.model, self.optimizer, self.scheduler, epochs_done=epochs_done,
                                step_in_epoch=step_in_epoch, step=self.stats.step, extra_modules=self.extra_modules,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cluster.tune.grid import coverage_text, grid_size, spread_points
-from cluster.tune.space import load_space, parse_space
+from cluster.tune.search_space import load_space, parse_space
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_SPACE = ROOT / "configs" / "spaces" / "demo.yaml"

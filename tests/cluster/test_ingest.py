@@ -104,7 +104,7 @@ def test_ingest_to_s3_and_corrupt_object_names_bucket_and_key(s3_bucket):
 
 def _run_matrix(scenario: dict, run_dir: Path) -> list:
     from pipelines.config.load import validate_config
-    from pipelines.engine.executor import LocalExecutor
+    from pipelines.engine.runner import LocalExecutor
     from pipelines.graph.compile import compile_scenario
     from pipelines.store.run_store import RunStore
 

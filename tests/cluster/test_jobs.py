@@ -229,7 +229,7 @@ def test_driver_address_on_loopback_reaches_the_head_there(ray_head, tmp_path):
     task) instead of dialling the machine's other address and hanging; an unreachable port fails within 10 s."""
     port = GCS_PORTS[ray_head]
     root = Path(__file__).resolve().parents[2]
-    code = ("import sys, time, ray; from cluster.ray.executor import connect; connect(sys.argv[1]); "
+    code = ("import sys, time, ray; from cluster.ray.task_backend import connect; connect(sys.argv[1]); "
             "print('task', ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=120), flush=True); ray.shutdown()")
     env = dict(os.environ, PYTHONPATH=str(root), RAY_AUTH_MODE="disabled")
     for name in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
 from pipelines.config.load import validate_config  # noqa: E402
-from pipelines.engine.executor import LocalExecutor  # noqa: E402
+from pipelines.engine.runner import LocalExecutor  # noqa: E402
 from pipelines.graph.compile import compile_scenario  # noqa: E402
 from pipelines.store.run_store import RunStore  # noqa: E402
 
@@ -151,7 +151,7 @@ def _placements(store: RunStore, graph) -> dict[str, str]:
 def test_two_worker_nodes_with_only_s3_shared_give_the_local_matrix(nodes, reference, s3_bucket):
     import ray
 
-    from cluster.ray.executor import RayExecutor
+    from cluster.ray.task_backend import RayExecutor
 
     graph, matrix, metrics = reference
     store = RunStore(f"s3://{s3_bucket}/run")
@@ -183,7 +183,7 @@ def _slow_and_reporting_setup(marker_dir: str, finetune_key: str, entry_key: str
 
         import ray as _ray
 
-        import pipelines.stages.dispatch as stages
+        import pipelines.stages.execute as stages
         import pipelines.stages.entries as entries
         import pipelines.training.checkpoints as checkpoints
 
@@ -241,7 +241,7 @@ def test_a_worker_node_lost_mid_finetune_and_mid_entry_still_gives_the_local_mat
     run ends with the matrix of the in-process backend."""
     import threading
 
-    from cluster.ray.executor import RayExecutor
+    from cluster.ray.task_backend import RayExecutor
 
     graph, matrix, metrics = reference
     nodes.ensure_two_workers()
@@ -288,7 +288,7 @@ def test_a_gpu_stage_waits_for_a_gpu_node_and_says_so(nodes, reference, s3_bucke
     import logging
     import threading
 
-    from cluster.ray.executor import RayExecutor
+    from cluster.ray.task_backend import RayExecutor
 
     graph, matrix, _ = reference
     document = _document(graph.config.output.dir)
@@ -298,7 +298,7 @@ def test_a_gpu_stage_waits_for_a_gpu_node_and_says_so(nodes, reference, s3_bucke
     assert [s.key for s in gpu_graph] == [s.key for s in graph]
     nodes.ensure_two_workers()
     store = RunStore(f"s3://{s3_bucket}/run")
-    caplog.set_level(logging.WARNING, logger="cluster.ray.executor")
+    caplog.set_level(logging.WARNING, logger="cluster.ray.task_backend")
     outcome: dict = {}
     runner = threading.Thread(target=lambda: outcome.update(summary=RayExecutor(progress=False, setup=tiny.register)
                                                             .run(gpu_graph, store)), daemon=True)

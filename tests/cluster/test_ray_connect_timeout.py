@@ -35,7 +35,7 @@ def _driver(code: str, timeout_s: str) -> subprocess.CompletedProcess:
 
 def test_ray_executor_connect_to_a_silent_head_fails_naming_the_address(silent_port):
     # its own process: this one may already hold the session's Ray, and connect() then reuses it
-    result = _driver(f"from cluster.ray.executor import connect; connect('127.0.0.1:{silent_port}')", "2")
+    result = _driver(f"from cluster.ray.task_backend import connect; connect('127.0.0.1:{silent_port}')", "2")
     assert result.returncode != 0
     assert "ConnectionError" in result.stderr
     assert f"the Ray cluster at 127.0.0.1:{silent_port} accepted the connection but did not answer within 2 s" \

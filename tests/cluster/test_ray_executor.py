@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
 from pipelines.config.load import validate_config  # noqa: E402
-from pipelines.engine.executor import LocalExecutor  # noqa: E402
+from pipelines.engine.runner import LocalExecutor  # noqa: E402
 from pipelines.graph.compile import compile_scenario  # noqa: E402
 from pipelines.methods import METHODS  # noqa: E402
 from pipelines.store.run_store import RunStore  # noqa: E402
@@ -60,7 +60,7 @@ def tiny_runs(tmp_path_factory, ray_local):
     """The tiny scenario run by the LocalExecutor (1 torch thread) and by the RayExecutor (1-CPU actors)."""
     import ray
 
-    from cluster.ray.executor import RayExecutor
+    from cluster.ray.task_backend import RayExecutor
 
     tiny.register()
     # the helper module lives outside the package: ship it to the workers by value
@@ -113,7 +113,7 @@ def test_results_crossing_ray_are_small(tiny_runs):
 
 
 def test_own_process_policy_follows_the_config_then_rays_gpu_rule():
-    from cluster.ray.executor import runs_in_own_process
+    from cluster.ray.task_backend import runs_in_own_process
     from pipelines.config.schema import StageResources
 
     cpu, gpu = {"num_cpus": 1.0, "num_gpus": 0.0}, {"num_cpus": 1.0, "num_gpus": 1.0}
@@ -140,7 +140,7 @@ def test_training_nodes_run_in_worker_processes_of_their_own(tiny_runs):
 
 
 def test_rerun_skips_every_committed_stage(tiny_runs):
-    from cluster.ray.executor import RayExecutor
+    from cluster.ray.task_backend import RayExecutor
 
     executor = RayExecutor(progress=False, setup=tiny.register)
     again = executor.run(tiny_runs["graph"], RunStore(tiny_runs["ray"]))
@@ -152,7 +152,7 @@ def test_killed_worker_is_retried_and_loses_nothing_committed(tiny_runs, tmp_pat
     """Row 2's entries are removed; the first entry task kills its worker process. Ray retries it, the run ends
     with the reference matrix, committed entries are not rewritten, and the driver never reads a feature array."""
     import pipelines.stages.feature_store as feature_store
-    from cluster.ray.executor import RayExecutor
+    from cluster.ray.task_backend import RayExecutor
 
     graph, run_dir = tiny_runs["graph"], tiny_runs["ray"]
     reference = json.loads((tiny_runs["local"] / "matrix.json").read_text())
@@ -187,7 +187,7 @@ def test_every_method_gives_bit_identical_matrices_on_every_backend_and_in_compa
     adapters of later tasks; PSP/LSP project stored logits into the gallery model's class space."""
     import ray
 
-    from cluster.ray.executor import RayExecutor
+    from cluster.ray.task_backend import RayExecutor
     from cluster.tune.spec import SearchSpec
     from cluster.tune.trial import run_trial_pipeline
     from pipelines.config.load import config_to_dict

@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import json, os, re, subprocess, time
-from cluster.ray.executor import connect
+from cluster.ray.task_backend import connect
 connect(num_cpus=1)
 import ray
 

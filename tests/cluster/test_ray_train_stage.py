@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
 from pipelines.config.load import validate_config  # noqa: E402
-from pipelines.engine.executor import LocalExecutor  # noqa: E402
+from pipelines.engine.runner import LocalExecutor  # noqa: E402
 from pipelines.graph.compile import compile_scenario  # noqa: E402
 from pipelines.store.run_store import RunStore  # noqa: E402
 
@@ -117,7 +117,7 @@ def _training_records(events: list, key: str) -> list:
 
 
 def test_engine_trains_a_finetune_stage_on_two_ray_train_workers(ray_train, tmp_path):
-    from cluster.ray.executor import RayExecutor
+    from cluster.ray.task_backend import RayExecutor
     from pipelines.training.records import TrainRecord
 
     tiny.register()

@@ -74,7 +74,7 @@ def _hold_commit_setup(root: str, stage_key: str, reached: str, taken: str):
 def test_a_worker_whose_driver_lost_the_lease_commits_nothing(ray_local, tmp_path, monkeypatch):
     import ray
 
-    from cluster.ray.executor import NodeFailed, RayExecutor
+    from cluster.ray.task_backend import NodeFailed, RayExecutor
 
     tiny.register()
     ray.cloudpickle.register_pickle_by_value(tiny)

@@ -30,7 +30,7 @@ def test_request_no_node_covers_is_refused_with_stage_and_resource():
 def test_custom_resources_are_checked_and_named():
     """resources.<kind>.custom (Ray custom resources) must be on the same node as the rest of the request."""
     nodes = NODES + [{"Alive": True, "Resources": {"CPU": 1.0, "spot": 1.0}}]
-    from cluster.ray.executor import task_options
+    from cluster.ray.task_backend import task_options
     from pipelines.config.schema import StageResources
 
     options = task_options(StageResources(num_cpus=1, custom={"spot": 0.5}), "cpu", False)
@@ -64,7 +64,7 @@ def test_the_ray_engine_refuses_an_unsatisfiable_stage_before_it_hangs(ray_local
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
     import tiny_scenario_helpers as tiny
 
-    from cluster.ray.executor import RayExecutor
+    from cluster.ray.task_backend import RayExecutor
     from pipelines.config.load import validate_config
     from pipelines.graph.compile import compile_scenario
     from pipelines.store.run_store import RunStore

@@ -7,7 +7,7 @@ import numpy as np
 import optuna
 import pytest
 
-from cluster.tune.space import SearchSpaceError, parse_space
+from cluster.tune.search_space import SearchSpaceError, parse_space
 from cluster.tune.spec import apply_values, objective_metric, trial_config
 from pipelines.results.assemble import headline_metrics
 

@@ -15,7 +15,7 @@ import pytest
 
 from compat_core import io as cio
 from compat_core.data import replay_parquet as shards
-from compat_core.data.base import ArraySource
+from compat_core.data.source import ArraySource
 from compat_core.data.replay import ReplayMemory
 from compat_core.data.replay_parquet import read_replay_shard, shard_uris, write_replay_shard
 from compat_core.integrity import IntegrityError

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
 from pipelines.config.load import validate_config  # noqa: E402
-from pipelines.engine.executor import LocalExecutor  # noqa: E402
+from pipelines.engine.runner import LocalExecutor  # noqa: E402
 from pipelines.graph.compile import compile_scenario  # noqa: E402
 from pipelines.store.run_store import RunStore  # noqa: E402
 
@@ -46,7 +46,7 @@ def _die_after_checkpoint_setup(marker: str, stage_key: str, epochs_done: int):
 def test_training_worker_killed_after_a_checkpoint_resumes_from_it(ray_local, tmp_path):
     import ray
 
-    from cluster.ray.executor import RayExecutor
+    from cluster.ray.task_backend import RayExecutor
 
     tiny.register()
     ray.cloudpickle.register_pickle_by_value(tiny)
@@ -103,7 +103,7 @@ def test_sigterm_to_a_training_worker_saves_mid_epoch_and_the_retry_resumes(ray_
     boundary, its worker ends, Ray retries the task, and the retry continues from that step: same matrix."""
     import ray
 
-    from cluster.ray.executor import RayExecutor
+    from cluster.ray.task_backend import RayExecutor
 
     tiny.register()
     ray.cloudpickle.register_pickle_by_value(tiny)

@@ -23,7 +23,7 @@ from cluster.model_registry.versions import registered_model_name, task_alias
 from cluster.tracking.client import check_tracking_uri
 from cluster.tracking.store import resolve_tracking
 from cluster.tracking.params import flatten_params, looks_like_secret
-from cluster.tracking.records import entry_metric_key
+from cluster.tracking.record_logging import entry_metric_key
 from cluster.tracking.tracker import MlflowTracker, NullTracker, create_tracker
 from pipelines.store.run_store import RunStore
 
@@ -242,11 +242,11 @@ def run_tracked(run_dir: Path, tracking_uri: str | None, monkeypatch, fail_task:
     Returns (graph, store, tracker). Re-raises a stage failure after the tracker has closed the runs.
     """
     from pipelines.config.load import validate_config
-    from pipelines.engine.executor import LocalExecutor
+    from pipelines.engine.runner import LocalExecutor
     from pipelines.engine.progress import ProgressReporter
     from pipelines.graph.compile import compile_scenario
     from pipelines.reports.run_report import ReportWriter
-    from pipelines.stages import dispatch as stages
+    from pipelines.stages import execute as stages
 
     for kind, function in fake_stage_functions(fail_task).items():
         monkeypatch.setitem(stages.STAGE_FUNCTIONS, kind, function)

@@ -65,7 +65,7 @@ def test_shipped_demo_space_task_count_and_sampler_never_repeat():
     import yaml
     from ray.tune.search.optuna import OptunaSearch
 
-    from cluster.tune.space import parse_space
+    from cluster.tune.search_space import parse_space
     from pipelines.config.load import config_to_dict, load_config
 
     base = config_to_dict(load_config(CONFIGS / "demo-dsimplex-hoc.yaml"))
@@ -108,7 +108,7 @@ def test_unreachable_addresses_fail_fast_with_a_clear_message():
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", f"from cluster.ray.executor import connect; connect('127.0.0.1:{port}')"],
+    done = subprocess.run([sys.executable, "-c", f"from cluster.ray.task_backend import connect; connect('127.0.0.1:{port}')"],
                           env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert f"ConnectionError: cannot reach the Ray cluster at 127.0.0.1:{port}" in done.stderr

@@ -165,7 +165,7 @@ def test_training_auto_is_bit_identical_whether_measured_now_or_cached(calibrati
     # weights as the forced mode the calibration chose
     import numpy as np
 
-    from compat_core.data.base import ArraySource
+    from compat_core.data.source import ArraySource
     from compat_core.models.compat_model import create_model
     from pipelines.methods import get_method
     from pipelines.training.loop import train_task

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core.evaluation.training_free import lsp, psp, psp_from_logits
+from compat_core.evaluation.psp_lsp import lsp, psp, psp_from_logits
 
 
 def test_psp_own_space_hand_worked():

@@ -11,7 +11,7 @@ import torch
 from compat_core.models.compat_model import load_model
 from compat_core.retrieval.search import recall_at_1
 from pipelines.config.load import validate_config
-from pipelines.engine.executor import LocalExecutor
+from pipelines.engine.runner import LocalExecutor
 from pipelines.graph.compile import compile_scenario
 from pipelines.stages.feature_store import read_features
 from pipelines.store.run_store import RunStore

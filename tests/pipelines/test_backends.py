@@ -9,7 +9,7 @@ import torch
 from pipelines.config.load import validate_config
 from pipelines.engine import backends
 from pipelines.engine.backends import EXECUTORS, ExecutorCard, address_refusal, build_executor
-from pipelines.engine.executor import Executor, InProcessBackend, LocalExecutor, run_graph
+from pipelines.engine.runner import Executor, InProcessBackend, LocalExecutor, run_graph
 from pipelines.graph.compile import compile_scenario
 from pipelines.store.run_store import RunStore
 

@@ -13,7 +13,7 @@ import torch
 import pipelines.stages.feature_store as feature_store
 import pipelines.stages.pools as pools
 from pipelines.config.load import validate_config
-from pipelines.engine.executor import LocalExecutor
+from pipelines.engine.runner import LocalExecutor
 from pipelines.graph.compile import compile_scenario, describe
 from pipelines.records.payloads import JunctionRef
 from pipelines.stages import bridge_features

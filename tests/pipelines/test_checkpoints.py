@@ -164,7 +164,7 @@ sys.path.insert(0, {here!r})
 torch.set_num_threads(1)
 import numpy as np
 from test_training import config, task_data, tiny_model
-from compat_core.data.base import ArraySource
+from compat_core.data.source import ArraySource
 from compat_core.models.compat_model import frozen_copy
 from pipelines.training.checkpoints import CheckpointPolicy, StoreCheckpointSink
 from pipelines.methods import get_method
@@ -241,7 +241,7 @@ def test_stage_killed_after_a_checkpoint_resumes_to_the_same_matrix_and_checkpoi
     with the matrix of a run without checkpoints (same stage keys: the interval is not part of them); no checkpoint
     is left once the stages are committed."""
     import pipelines.training.checkpoints as checkpoints
-    from pipelines.engine.executor import LocalExecutor
+    from pipelines.engine.runner import LocalExecutor
 
     torch.set_num_threads(1)
     reference_graph = _tiny_graph(tmp_path / "reference", every=0)
@@ -285,7 +285,7 @@ def test_sigterm_to_compat_run_saves_the_stage_and_resume_finishes_it_identicall
     import yaml
     from test_executor_resume import HERE, _run
 
-    from pipelines.engine.executor import LocalExecutor
+    from pipelines.engine.runner import LocalExecutor
 
     torch.set_num_threads(1)
     graph = _tiny_graph(tmp_path / "reference", every=1)

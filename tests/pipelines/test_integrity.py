@@ -10,7 +10,7 @@ import tiny_scenario_helpers as tiny
 import torch
 
 from pipelines.config.load import validate_config
-from pipelines.engine.executor import LocalExecutor
+from pipelines.engine.runner import LocalExecutor
 from pipelines.graph.compile import compile_scenario
 from pipelines.stages.feature_store import read_features
 from pipelines.store.run_store import RunStore

@@ -13,7 +13,7 @@ from compat_core.losses import INFO_NCE_MASKINGS, hoc_loss, simplex_cross_entrop
 from compat_core.models.compat_model import create_model, frozen_copy
 from compat_core.upgrades.adapters import FanAdapter, apply_chain, load_adapter_bytes, save_adapter
 from pipelines.methods import METHODS, get_method
-from pipelines.methods.base import Batch, ClassStatistics, TaskContext, boundary_hinge
+from pipelines.methods.objective import Batch, ClassStatistics, TaskContext, boundary_hinge
 from pipelines.methods.cards.dsimplex import HOCParams
 from pipelines.methods.cvs import relation_distillation
 

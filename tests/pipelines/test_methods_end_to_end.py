@@ -14,9 +14,9 @@ import torch
 import yaml
 from safetensors.numpy import load_file
 
-from cluster.ray import executor as ray_executor
+from cluster.ray import task_backend as ray_executor
 from pipelines.config.load import ConfigError, validate_config
-from pipelines.engine.executor import LocalExecutor
+from pipelines.engine.runner import LocalExecutor
 from pipelines.engine.events import StageEvent
 from pipelines.graph.compile import compile_scenario
 from pipelines.methods import METHODS
@@ -230,7 +230,7 @@ def test_run_dispatches_to_the_ray_executor(tmp_path, monkeypatch):
 
         def run(self, graph, store):
             calls["stages"] = len(graph)
-            from pipelines.engine.executor import Invocation
+            from pipelines.engine.runner import Invocation
 
             return Invocation(run_id="fake")
 

@@ -115,7 +115,7 @@ def test_pretrain_init_is_loaded_and_its_digest_checked(data_dir, tmp_path, monk
     """The pre-training stage starts from the init checkpoint (its backbone weights, not a random draw); without
     init_sha256 it logs the file's digest for the user to pin, and a wrong sha256 stops the stage naming the key."""
     from pipelines.config.load import validate_config
-    from pipelines.engine.executor import LocalExecutor
+    from pipelines.engine.runner import LocalExecutor
     from pipelines.graph.compile import compile_scenario
     from pipelines.store.run_store import RunStore
 
@@ -205,7 +205,7 @@ def test_iam_cl2r_t7_sampler_steps_per_epoch_are_task_plus_memory_over_batch():
     assert config.replay.epoch_length == "reference"
     train = config.train_config(0, "cpu")
     num_task, num_memory = 15 * 300, 25 * 20  # task 3: 15 classes x 300 images; memory: 25 classes x 20
-    from compat_core.data.base import ArraySource
+    from compat_core.data.source import ArraySource
 
     total = num_task + num_memory
     source = ArraySource("counts", np.zeros((total, 1, 1, 1), np.uint8), np.zeros(total, np.int64), ["c"])

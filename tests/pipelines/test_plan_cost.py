@@ -9,7 +9,7 @@ import pipelines.stages.training_stages as train_stages
 import pipelines.training.loop as training
 import pipelines.training.trainer as trainer
 from pipelines.config.load import validate_config
-from pipelines.engine.executor import LocalExecutor
+from pipelines.engine.runner import LocalExecutor
 from pipelines.graph.compile import compile_scenario
 from pipelines.graph.plan_cost import FORWARD_FRACTION, cost_lines, schedule, stage_images
 from pipelines.store.run_store import RunStore

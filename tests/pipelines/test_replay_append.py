@@ -7,7 +7,7 @@ import torch
 
 from compat_core.integrity import IntegrityError
 from pipelines.config.load import validate_config
-from pipelines.engine.executor import LocalExecutor
+from pipelines.engine.runner import LocalExecutor
 from pipelines.graph.compile import compile_scenario
 from pipelines.stages.replay_store import memory_parts, read_memory_shard
 from pipelines.store.run_store import RunStore

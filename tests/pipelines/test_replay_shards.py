@@ -13,7 +13,7 @@ import pipelines.stages.pools as pools
 import pipelines.stages.training_stages as train_stages
 from compat_core.data.datasets import DATASETS
 from pipelines.config.load import validate_config
-from pipelines.engine.executor import LocalExecutor
+from pipelines.engine.runner import LocalExecutor
 from pipelines.graph.compile import compile_scenario
 from pipelines.store.run_store import RunStore
 

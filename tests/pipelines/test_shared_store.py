@@ -10,7 +10,7 @@ import tiny_scenario_helpers as tiny
 import torch
 
 from pipelines.config.load import validate_config
-from pipelines.engine.executor import LocalExecutor
+from pipelines.engine.runner import LocalExecutor
 from pipelines.graph.compile import compile_scenario
 from pipelines.store.run_store import RunStore
 from pipelines.store.shared_store import SharedStore, copy_stage
@@ -165,7 +165,7 @@ def test_a_corrupt_shared_copy_is_trained_again_and_republished(tmp_path, caplog
 
 def test_the_longest_pretraining_is_submitted_first(tmp_path):
     """Classes x epochs decides (p2: 4 x 3 = 12 > p1: 4 x 1); then graph order."""
-    from pipelines.engine.executor import Backend, run_graph
+    from pipelines.engine.runner import Backend, run_graph
 
     document = tiny.scenario("dsimplex-hoc", output=str(tmp_path))
     document["pretrain"].append({"name": "p2", "pool": {"dataset": "tiny-synth", "split": "pretrain"},

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from compat_core.data.base import ArraySource
+from compat_core.data.source import ArraySource
 from pipelines.training.settings import TrainConfig
 from pipelines.training.task_data import SelectionSplit, TaskData, _steps_per_epoch, epoch_batches, selection_split
 

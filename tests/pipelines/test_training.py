@@ -9,10 +9,10 @@ import torch
 
 import pipelines.training.loop as training
 import pipelines.training.selection as selection
-from compat_core.data.base import ArraySource
+from compat_core.data.source import ArraySource
 from compat_core.models.compat_model import create_model, frozen_copy
 from pipelines.methods import get_method
-from pipelines.methods.base import Batch, Method, TaskContext
+from pipelines.methods.objective import Batch, Method, TaskContext
 from pipelines.training.loop import pretrain_model, snapshot_state, train_task
 from pipelines.training.settings import TrainConfig
 from pipelines.training.task_data import SelectionSplit, TaskData, _steps_per_epoch, epoch_batches

@@ -1,4 +1,4 @@
-"""The one adapter-and-backfill workflow of an upgrade (pipelines.stages.upgrades.study_upgrade), shared by the adapt
+"""The one adapter-and-backfill workflow of an upgrade (pipelines.stages.adapt.study_upgrade), shared by the adapt
 stage and the compatibility gate, on a hand-made upgrade: the new model is the old one rotated, so the Procrustes
 adapter undoes it exactly, and every number is checked against an fp64 brute-force Recall@1 written here."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipelines.stages.upgrades import cross_tests, study_upgrade
+from pipelines.stages.adapt import cross_tests, study_upgrade
 
 
 def _recall_at_1(query: tuple, gallery: tuple, metric: str = "recall_at_1") -> float:

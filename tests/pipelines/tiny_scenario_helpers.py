@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from compat_core.data.base import ArraySource
+from compat_core.data.source import ArraySource
 
 POOLS = {  # split -> global class ids (pretrain classes are 0-based: they are the d-Simplex slots)
     "pretrain": list(range(0, 4)),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from compat_core import io
-from compat_core.data.base import ArraySource
+from compat_core.data.source import ArraySource
 from compat_core.data.datasets import register_dataset
 from compat_core.data.formats._shared import (
     decode_names,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from compat_core.data.base import ArraySource
+from compat_core.data.source import ArraySource
 from compat_core.data.datasets import register_dataset
 
 SKLEARN_MAX = 16  # load_digits pixels are counts 0..16 of the 4x4 blocks set in the original 32x32 bitmaps

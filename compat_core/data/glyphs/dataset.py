@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from compat_core.data.base import ArraySource
+from compat_core.data.source import ArraySource
 from compat_core.data.datasets import register_dataset
 from compat_core.data.glyphs.catalogue import (
     DEFAULT_IMAGE_SIZE,

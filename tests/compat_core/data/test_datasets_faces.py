@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from compat_core.data import load_dataset
-from compat_core.data.base import ImageSource
+from compat_core.data.source import ImageSource
 from compat_core.data.formats.casia import RecordIOFile, unpack_irheader
 from compat_core.data.formats.celeba import check_identity_disjointness
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from compat_core.data import dataset_info, dataset_names, load_dataset
-from compat_core.data.base import ImageSource
+from compat_core.data.source import ImageSource
 from compat_core.data.datasets import _call_plain_factory
 
 EXPECTED_NAMES = {"cifar10", "cifar100", "cifar100r", "tinyimagenet200", "tinyimagenet20", "cub200", "cub180", "cub20",

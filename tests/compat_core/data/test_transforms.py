@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from compat_core.data.base import ArraySource
+from compat_core.data.source import ArraySource
 from compat_core.data.transforms import make_transforms
 
 

@@ -1,8 +1,8 @@
 """The engine: one scheduling loop (:func:`run_graph`) runs a graph of stage and matrix-entry nodes on a backend.
 
 Backends: :class:`InProcessBackend` (``LocalExecutor``, ``compat run``, Tune trials, ``compat eval``) and the Ray
-backend in :mod:`cluster.ray.executor` (one Ray task per node). Both run every node with
-:func:`pipelines.stages.dispatch.execute_stage`. Nodes whose manifest is already committed are skipped, so a killed run
+backend in :mod:`cluster.ray.task_backend` (one Ray task per node). Both run every node with
+:func:`pipelines.stages.execute.execute_stage`. Nodes whose manifest is already committed are skipped, so a killed run
 started again resumes where it stopped; after the last node :func:`finalize_run` writes the run's result files
 (config.yaml is written first, then matrix.json, metrics.json) and the engine returns the typed result; the reports
 (report.md, matrix.png, ...) are the caller's (:func:`pipelines.reports.run_report.write_store_reports`).
@@ -26,8 +26,8 @@ from pipelines.graph.compile import Stage, StageGraph
 from pipelines.graph.stage_kind import StageKind
 from pipelines.records.stage_records import CommittedStage, read_committed
 from pipelines.results.assemble import RunResult, assemble_matrix, write_result
-from pipelines.stages.dispatch import execute_stage
-from pipelines.stages.upgrades import adapter_summaries
+from pipelines.stages.execute import execute_stage
+from pipelines.stages.adapt import adapter_summaries
 from pipelines.store.run_store import RunStore
 from pipelines.store.shared_store import SharedStore
 from pipelines.training.checkpoints import collect_committed

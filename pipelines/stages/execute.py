@@ -7,7 +7,7 @@ the manifest) by
 :func:`execute_stage`. Records hold URIs, never tensors, so the same functions run in-process (LocalExecutor) or
 inside Ray actors (cluster package) with a local or S3 store. Training progress goes through ``emit(record)``;
 stages never call a tracker. The functions by kind: ``pipelines.stages.training_stages`` (pretrain, finetune, replace),
-``pipelines.stages.extraction`` (extract), ``pipelines.stages.entries`` (entry, evaluate), ``pipelines.stages.upgrades`` (adapt).
+``pipelines.stages.extraction`` (extract), ``pipelines.stages.entries`` (entry, evaluate), ``pipelines.stages.adapt`` (adapt).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pipelines.stages.entries import entry_stage, evaluate_stage
 from pipelines.stages.extraction import extract_stage
 from pipelines.stages.inputs import RunSettings
 from pipelines.stages.training_stages import pretrain_stage, train_task_stage
-from pipelines.stages.upgrades import adapt_stage
+from pipelines.stages.adapt import adapt_stage
 from pipelines.store.run_store import RunStore
 from pipelines.training.checkpoints import collect_garbage
 from pipelines.training.distributed import is_leader

@@ -1,6 +1,6 @@
 """Ray backend of the engine: every node of the graph (stage or matrix entry) is one Ray task.
 
-- :func:`pipelines.engine.executor.run_graph` (the same loop as in-process runs) submits a node as soon as its parents are
+- :func:`pipelines.engine.runner.run_graph` (the same loop as in-process runs) submits a node as soon as its parents are
   committed; this backend turns it into a Ray task with the node's ``resources.<kind>`` (``num_cpus``,
   ``num_gpus``, ``memory`` in bytes) and lets Ray place and queue it. Ray reuses its worker processes between
   extractions, entries and evaluations, so Python and torch start once per worker (each node gives its freed memory
@@ -10,7 +10,7 @@
 - ``num_gpus`` None: 0 with ``device: cpu``, 1 with ``device: cuda[:N]`` (Ray queues the task until a GPU node
   exists, e.g. one an autoscaler adds), and with ``device: auto`` 1 when the cluster lists GPUs when the run starts.
 - Matrix entries are tasks too; a worker process keeps the last feature sets it read
-  (:func:`pipelines.stages.dispatch.cached_features`), so entries of one row read their query once per worker.
+  (:func:`pipelines.stages.execute.cached_features`), so entries of one row read their query once per worker.
 - ``resources.<stage>.num_workers`` > 1 (pretrain, finetune): the node is a Ray Train run of that many workers,
   each with the stage's resources (:mod:`cluster.ray.train_stage`); rank 0 commits the stage.
 - Tasks retry ``max_retries`` times after a worker or node failure; a node found committed when its (retried) task
@@ -43,7 +43,7 @@ from cluster.ray.worker import NodeResult, run_stage_in_worker
 from cluster.storage.s3 import installed_access
 from pipelines.config.load import config_to_dict
 from pipelines.config.schema import StageResources
-from pipelines.engine.executor import Backend, Executor, Invocation, close_emit, read_invocations, run_graph
+from pipelines.engine.runner import Backend, Executor, Invocation, close_emit, read_invocations, run_graph
 from pipelines.engine.progress import ProgressReporter
 from pipelines.graph.compile import Stage, StageGraph
 from pipelines.graph.stage_kind import StageKind
