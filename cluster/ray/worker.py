@@ -18,14 +18,18 @@ from typing import Any, Callable
 import ray
 
 from cluster.storage.s3 import configure_object_storage
+from pipelines.engine.events import ProgressUpdate, StageEvent
 from pipelines.engine.process_memory import peak_resident_bytes, release_freed_memory, reset_peak
-from pipelines.engine.events import ProgressUpdate
+from pipelines.engine.progress import ProgressReporter
 from pipelines.graph.compile import Stage
 from pipelines.records.stage_records import CommittedStage, read_committed
 from pipelines.stages.execute import execute_stage
 from pipelines.stages.inputs import RunSettings
 from pipelines.store.lease import LeaseFence, hold_fence
 from pipelines.store.run_store import RunStore
+
+# seconds between a stage worker's progress lines in the driver's log
+WORKER_LINE_INTERVAL_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -84,9 +88,15 @@ def _execute(store: RunStore, stage: Stage, settings: RunSettings, code_version:
     with hold_fence(store_root, fence):  # a driver that already lost its lease gets no work done either
         computed = not store.has(stage.key)
         if computed:
+            # per-step progress stays in the worker, shown as its own periodic lines (Ray forwards a worker's output
+            # to the driver's log); only summaries are worth the trip to the driver
+            lines = ProgressReporter(enabled=False, line_interval_s=WORKER_LINE_INTERVAL_S)
+            lines.follow(StageEvent(stage.key, stage.label, stage.kind, "started", 0, 0))
+
             def emit(record: Any) -> None:
-                # per-step progress stays in the worker: only summaries are worth the trip to the driver
-                if keep_records and not isinstance(record, ProgressUpdate):
+                if isinstance(record, ProgressUpdate):
+                    lines(record)
+                elif keep_records:
                     records.append(record)
 
             # where the node ran goes into its manifest (a lost node's stage shows the survivor that redid it)

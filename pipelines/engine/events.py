@@ -31,7 +31,8 @@ class StageEvent:
 
 @dataclass
 class ProgressUpdate:
-    """Work done inside a stage: ``done`` of ``total`` units (``unit``: epoch | batch); images/s over the stage."""
+    """Work done inside a stage: ``done`` of ``total`` units (``unit``: step | batch | ...); images/s over the stage;
+    for training steps, the epoch in progress (1-based) of ``epochs``."""
 
     stage_key: str
     done: int
@@ -39,6 +40,8 @@ class ProgressUpdate:
     unit: str
     images_per_second: float | None = None
     loss: float | None = None
+    epoch: int | None = None
+    epochs: int | None = None
 
 
 @dataclass

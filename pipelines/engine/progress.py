@@ -1,4 +1,5 @@
-"""Progress display for the local executor: one bar per stage (epochs for training, batches for extraction).
+"""Progress display for every executor: one bar per stage (steps for training, with the epoch in progress; batches
+for extraction). On a Ray cluster each stage's worker shows its own lines (Ray forwards them to the driver's log).
 
 The reporter is the ``emit`` callback stages receive: it accepts any record (training records with epoch, step,
 loss parts and images/s; extraction progress; the event types of :mod:`pipelines.engine.events`) and shows it; the
@@ -46,15 +47,24 @@ class ProgressReporter:
             self._on_stage(record)
         elif isinstance(record, ProgressUpdate):
             self._on_progress(record)
-        else:
-            self._on_training_record(record)
+        # training summaries (per epoch) go to the sinks only: the steps' updates already show the epoch in progress
+
+    def _prefix(self, event: StageEvent) -> str:
+        """``[label] [i/n] stage``; without the counter where the position in the graph is not known (total 0)."""
+        counter = f"[{event.index + 1}/{event.total}] " if event.total else ""
+        return f"{self.label}{counter}{event.label}"
+
+    def follow(self, event: StageEvent) -> None:
+        """Show the progress of ``event``'s stage from now on without announcing it (a stage worker whose driver
+        announces the start and the end)."""
+        self._close()
+        self._stage = event
+        self._started = self._last_line = time.perf_counter()
 
     def _on_stage(self, event: StageEvent) -> None:
-        prefix = f"{self.label}[{event.index + 1}/{event.total}] {event.label}"
+        prefix = self._prefix(event)
         if event.status == "started":
-            self._close()
-            self._stage = event
-            self._started = self._last_line = time.perf_counter()
+            self.follow(event)
             if self.bars:
                 self._bar = tqdm(total=None, desc=prefix, file=self.stream, leave=False, dynamic_ncols=True)
             else:
@@ -79,6 +89,8 @@ class ProgressReporter:
             postfix["img/s"] = f"{update.images_per_second:.0f}"
         if update.loss is not None:
             postfix["loss"] = f"{update.loss:.3f}"
+        if update.epoch is not None and update.epochs:
+            postfix["epoch"] = f"{update.epoch}/{update.epochs}"
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.refresh()
 
@@ -91,20 +103,9 @@ class ProgressReporter:
         elapsed = now - self._started
         remaining = elapsed / max(update.done, 1) * max(update.total - update.done, 0)
         speed = f", {update.images_per_second:.0f} img/s" if update.images_per_second is not None else ""
-        print(f"{self.label}[{self._stage.index + 1}/{self._stage.total}] {self._stage.label}: {update.unit} {update.done}/"
-              f"{update.total}{speed}, {elapsed:.0f} s elapsed, ETA {remaining:.0f} s", file=self.stream, flush=True)
-
-    def _on_training_record(self, record: Any) -> None:
-        # TrainRecord of pipelines.training.loop: epoch (0-based), epochs, images_per_second, loss
-        epoch = getattr(record, "epoch", None)
-        if epoch is None or self._stage is None:
-            return
-        total = getattr(record, "epochs", None) or getattr(record, "num_epochs", None)
-        loss = getattr(record, "loss", None)
-        self._on_progress(ProgressUpdate(
-            self._stage.stage_key, int(epoch) + 1, int(total) if total else int(epoch) + 1, "epoch",
-            getattr(record, "images_per_second", None), float(loss) if isinstance(loss, (int, float)) else None,
-        ))
+        epoch = f"epoch {update.epoch}/{update.epochs}, " if update.epoch is not None and update.epochs else ""
+        print(f"{self._prefix(self._stage)}: {epoch}{update.unit} {update.done}/{update.total}{speed}, "
+              f"{elapsed:.0f} s elapsed, ETA {remaining:.0f} s", file=self.stream, flush=True)
 
     def _close(self) -> None:
         if self._bar is not None:

@@ -40,9 +40,12 @@ from pipelines.training.task_data import TaskData, selection_split
 
 
 def _progress_hook(ctx: StageContext):
-    """train_task's per-step progress -> ProgressUpdate records (epoch bar with images/s and ETA)."""
+    """train_task's per-step progress -> ProgressUpdate records (steps of the stage, the epoch in progress of the
+    recipe's epochs, images/s)."""
+    epochs = int(ctx.inputs.training.epochs)
+
     def hook(epoch: int, step: int, total_steps: int, images_per_s: float) -> None:
-        ctx.emit(ProgressUpdate(ctx.stage.key, step, total_steps, "step", images_per_s))
+        ctx.emit(ProgressUpdate(ctx.stage.key, step, total_steps, "step", images_per_s, epoch=epoch + 1, epochs=epochs))
     return hook
 
 
