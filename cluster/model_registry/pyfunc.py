@@ -8,9 +8,9 @@ form of K, never stored) and reads the weights as safetensors::
     features = model.predict(images)                   # float32 (B, C, H, W) normalised images -> (B, d) features
     compat_model = model.unwrap_python_model().model   # the CompatModel itself (``.features(x)``, ``.logits(x)``)
 
-Needs the ``compat-learning`` package installed where it is loaded.
+Needs the ``compat-learning`` package installed where it is loaded. No postponed annotations here: MLflow reads
+the ``predict`` type hint as an object (an ndarray: no schema inferred, no warning).
 """
-from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
@@ -34,11 +34,18 @@ class CompatPyfuncModel(PythonModel):
         config = Path(context.artifacts[CONFIG_ARTIFACT])
         self.model = model_from_bytes(config.read_bytes(), weights.read_bytes(), where=str(weights.parent)).eval()
 
-    def predict(self, context, model_input, params: dict | None = None) -> np.ndarray:
-        """Features ``(B, d)`` float32 of images ``(B, C, H, W)`` (float, normalised as the model was trained)."""
-        images = torch.as_tensor(np.asarray(model_input, dtype=np.float32))
+    def predict(self, context, model_input: np.ndarray, params: dict | None = None) -> np.ndarray:
+        """Features ``(B, d)`` float32, L2-normalised, of images ``(B, C, H, W)``: floating point, already normalised as
+        the model was trained (the run's data transform: scaled to [0, 1], then mean/std of its dataset); this
+        method does not normalise. Anything else (uint8 pixels, ``(B, H, W, C)``) is refused naming the layout."""
+        images = np.asarray(model_input)
+        channels_last = images.ndim == 4 and images.shape[-1] in (1, 3) and images.shape[1] not in (1, 3)
+        if images.ndim != 4 or not np.issubdtype(images.dtype, np.floating) or channels_last:
+            raise ValueError(f"model_input: expected normalised float images (B, C, H, W) (NCHW), got "
+                             f"{images.dtype} {tuple(images.shape)}; convert uint8 (B, H, W, C) pixels with "
+                             f"x.transpose(0, 3, 1, 2) / 255, then normalise with the mean and std of the run's data")
         with torch.no_grad():
-            return self.model.features(images).numpy()
+            return self.model.features(torch.as_tensor(images, dtype=torch.float32)).numpy()
 
 
 mlflow.models.set_model(CompatPyfuncModel())
