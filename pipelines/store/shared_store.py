@@ -86,8 +86,10 @@ class SharedStore:
             now = time.monotonic()
             if now - self.reported.get(stage_key, -1e9) >= REPORT_EVERY_S:  # say what the run waits for
                 self.reported[stage_key] = now
-                log.warning("waiting for stage %s: another run is training it for the shared store (%s)", stage_key,
-                            str(error).replace("run folder", "claim", 1))
+                holder = str(error).replace("run folder", "claim", 1).split("; wait for it", 1)[0]
+                log.warning("waiting for stage %s: another run is training it for the shared store %s (%s); this run "
+                            "goes on with its other stages and adopts that model once it is published", stage_key,
+                            self.store.root, holder)
             return False
         self.claims[stage_key] = stack
         return True

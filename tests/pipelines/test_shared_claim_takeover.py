@@ -41,7 +41,8 @@ def test_waiter_reports_and_takes_over_a_paused_holders_claim(tmp_path, monkeypa
         with caplog.at_level(logging.WARNING, logger="pipelines.store.shared_store"):
             assert not waiter.claim("pretrain-p1-0123456789abcdef")  # its heartbeat is fresh: wait
         assert f"waiting for stage pretrain-p1-0123456789abcdef" in caplog.text and f"pid {holder.pid}" in caplog.text
-        assert "last heartbeat" in caplog.text
+        assert "last heartbeat" in caplog.text and "adopts that model once it is published" in caplog.text
+        assert "--output" not in caplog.text  # the run folder's advice does not apply to a claim it waits for
         deadline = time.monotonic() + 30
         while not waiter.claim("pretrain-p1-0123456789abcdef"):  # taken over once no heartbeat for 2 s
             assert time.monotonic() < deadline, "a paused holder's claim was never taken over"
