@@ -119,8 +119,9 @@ def compare_figure(runs: Sequence[RunResult]):
             # a ring on the curve rather than a full-height line: runs may replace at different tasks
             curves.plot(task, 100.0 * s.aa_tau[task - 1], marker="o", markersize=15, markerfacecolor="none",
                         markeredgewidth=1.8, color=color, linestyle="none")
-    curves.plot([], [], marker="o", markersize=12, markerfacecolor="none", markeredgewidth=1.8, color="#444444",
-                linestyle="none", label="replacement enters (ring)")
+    if any(s.replacement_tasks for s in runs):  # the legend names the ring only where one is drawn
+        curves.plot([], [], marker="o", markersize=12, markerfacecolor="none", markeredgewidth=1.8, color="#444444",
+                    linestyle="none", label="replacement enters (ring)")
     max_tasks = max(s.num_tasks for s in runs)
     curves.set_xlabel("tau: number of tasks seen (1-based)")
     curves.set_ylabel("AA_tau (percent)")

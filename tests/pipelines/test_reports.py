@@ -281,6 +281,21 @@ def test_compare_figure_has_every_run(tmp_path):
     plt.close(fig)
 
 
+def test_compare_legend_names_the_ring_only_where_a_replacement_is_drawn(tmp_path):
+    import matplotlib.pyplot as plt
+
+    def legend_labels(replacements):
+        runs = reports_compare.load_runs([make_run(tmp_path / f"r{len(replacements)}", MATRIX_2, METRICS_2,
+                                                   replacements=replacements)])
+        fig, (curves, _) = reports_compare.compare_figure(runs)
+        labels = [text.get_text() for text in curves.get_legend().get_texts()]
+        plt.close(fig)
+        return labels
+
+    assert "replacement enters (ring)" not in legend_labels(())
+    assert "replacement enters (ring)" in legend_labels((2,))
+
+
 def test_eval_variant_folder_uses_the_run_config(tmp_path):
     """`compat eval` writes RUN/eval-<variant>/{matrix,metrics}.json without a config.yaml of its own."""
     run_dir = make_run(tmp_path / "run", MATRIX_3, METRICS_3)
