@@ -38,11 +38,21 @@ def run(args) -> int:
         problems = check_data(config)
         if problems:
             print(f"data: {len(problems)} problem(s):")
-            for key, message in problems:
-                print(f"  {message}" if message.startswith(f"{key}:") else f"  {key}: {message}")
+            for keys, message in group_problems(problems):
+                print(f"  {', '.join(keys)}: {message}")
             return 1
         print("data: every pool opened")
     return 0
+
+
+def group_problems(problems: list[tuple[str, str]]) -> list[tuple[list[str], str]]:
+    """Problems with the same text under several keys (three pools on one missing root) as one line naming every
+    key, in first-seen order; a message that starts with its own key is shown without the repeat."""
+    grouped: dict[str, list[str]] = {}
+    for key, message in problems:
+        text = message[len(key) + 1:].lstrip() if message.startswith(f"{key}:") else message
+        grouped.setdefault(text, []).append(key)
+    return [(keys, text) for text, keys in grouped.items()]
 
 
 def describe_cost(graph, args) -> str:
