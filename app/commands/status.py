@@ -7,7 +7,12 @@ import time
 from cluster.ray.jobs import job_client, list_pipeline_jobs, status_name
 
 
+HEADER = ("SUBMISSION ID", "STATUS", "STARTED", "MESSAGE")
+
+
 def run(args) -> int:
+    where = args.address or "the address in RAY_API_SERVER_ADDRESS / RAY_ADDRESS"
+    print(f"asking the Ray job server at {where}...", file=sys.stderr, flush=True)
     try:
         client = job_client(args.address, args.ray_token_file)
         if args.submission_id:
@@ -22,8 +27,10 @@ def run(args) -> int:
     if not jobs:
         print("no compat jobs on this cluster")
         return 0
-    for job in jobs:
-        started = "-" if job["start_time"] is None else time.strftime("%Y-%m-%d %H:%M:%S",
-                                                                     time.localtime(job["start_time"]))
-        print(f"{job['submission_id']:<60} {job['status']:<10} {started}")
+    rows = [(job["submission_id"], job["status"],
+             "-" if job["start_time"] is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["start_time"])),
+             job["message"].splitlines()[0][:80] if job["message"] else "") for job in jobs]
+    width = max(len(row[0]) for row in rows + [HEADER])
+    for row in [HEADER] + rows:
+        print(f"{row[0]:<{width}}  {row[1]:<10}  {row[2]:<19}  {row[3]}".rstrip())
     return 0

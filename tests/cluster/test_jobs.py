@@ -177,6 +177,7 @@ def test_job_round_trip_and_idempotent_resubmission(ray_head, tmp_path, capsys):
     assert main(["status", "--address", ray_head]) == 0
     listing = capsys.readouterr().out
     assert re.search(rf"^{re.escape(base_id)}\s+SUCCEEDED", listing, flags=re.M)
+    assert re.match(r"SUBMISSION ID\s+STATUS\s+STARTED\s+MESSAGE\n", listing)  # a header names the columns
 
 
 def test_failed_job_is_resubmitted_as_a_new_attempt(ray_head):
