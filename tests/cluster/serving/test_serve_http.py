@@ -156,6 +156,12 @@ BAD_REQUESTS = [  # (what, body or raw bytes, content type, expected status, fie
     ("empty body", b"", None, 400, "body"),
     ("wrong content type", b"{}", "text/plain", 415, "content-type"),
     ("body too large", {"embedding": [0.1] * 9, "pad": "x" * (70 << 10)}, None, 413, "body"),
+    ("400-digit integer", b'{"embedding": [' + b"7" * 400 + b', 1, 1, 1, 1, 1, 1, 1, 1]}', None, 400, "embedding"),
+    ("5000-digit integer", b'{"embedding": [0.1, 1, 1, 1, 1, 1, 1, 1, 1], "k": ' + b"7" * 5000 + b"}", None, 400,
+     "body"),
+    ("norm underflows", {"embedding": [1e-300] * 9}, None, 400, "embedding"),
+    ("30k-deep nesting (60 KB, under the body limit)", b'{"embedding": ' + b"[" * 30_000 + b"]" * 30_000 + b"}",
+     None, 400, "body"),
 ]
 
 
