@@ -40,6 +40,8 @@ def _raise_stop(signum, _frame) -> None:
 
 
 def run(args) -> int:
+    import ray
+
     tracking = args.tracking.uri
     if tracking is None:
         raise ValueError("--tracking-uri none: compat serve follows a model in an MLflow registry; name its "
@@ -52,8 +54,6 @@ def run(args) -> int:
     settings = {"index": args.index, "model": args.model, "tracking_uri": tracking, "poll_s": args.poll_s,
                 "precision": args.precision, "device": "cuda" if args.num_gpus > 0 else "cpu",
                 "threads": args.threads, "limits": {"max_k": args.max_k, "max_body_bytes": args.max_body_bytes}}
-    import ray
-
     # no cluster named and none joined yet: connect_ray starts a local instance, which this command then owns
     owns_ray = resolve_ray_target(args.ray_address).address is None and not ray.is_initialized()
     previous = {signum: signal.signal(signum, _raise_stop) for signum in STOP_SIGNALS}
