@@ -1,14 +1,18 @@
 """The search service as a Ray Serve application (``compat serve``).
 
 HTTP is Serve's own proxy and its Starlette request objects (``__call__(request)``): no other web stack. Routes:
-``POST /search`` (see ``compat_core.retrieval.search_request``), ``GET /healthz`` (200 with the served versions, 503 while
-no model is loaded), ``GET /metrics`` (Prometheus text of the replica that answered).
+``POST /search`` (see ``compat_core.retrieval.search_request``; the body is read as it arrives and refused past
+``max_body_bytes``), ``GET /healthz`` (200 with the served versions, ``"status": "ok"``, or ``"degraded"`` with the
+alias's target version and the error while that version cannot be loaded; 503 while no model is loaded),
+``GET /metrics`` (Prometheus text of the replica that answered). Every replica keeps its own ports on 127.0.0.1
+(``cluster.serving.replica_ports``).
 
 Each replica polls the registry alias (``models:/NAME@ALIAS``) and the index HEAD every ``poll_s`` seconds on a
 background thread, which also makes the first load (until it succeeds the replica answers, 503 "loading"); on a
 change it loads the new model version (and the adapter the gate installed with it), builds
 a complete ``ServingState`` and swaps its reference in one assignment (``cluster.serving.state``). A failed load
-keeps the current state (counted in ``compat_model_swap_errors_total``) and is retried at the next poll.
+keeps the current state (counted in ``compat_model_swap_errors_total``, reported by /healthz) and is retried at the
+next poll.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """`compat serve` as a process with its own local Ray instance (real Ray Serve, a real MLflow server, HTTP on
 127.0.0.1): every socket any process of the command listens on is on loopback, /healthz says "degraded" while the
 alias names a version the service cannot load, a signal stops every process the command started, an alias naming
-no version and a first load that fails end the command with a non-zero exit and a one-line error."""
+no version, a first load that fails and settings that open replica ports end the command with a non-zero exit and
+a one-line error."""
 from __future__ import annotations
 
 import os
@@ -180,3 +181,12 @@ def test_a_first_load_that_fails_ends_the_command_non_zero(served, tmp_path):
     assert code == 1 and len(errors) == 1, text[-3000:]
     assert f"models:/{NAME}@broken: the first load failed" in errors[0], errors[0]
     assert "serving " not in text
+
+
+def test_settings_that_open_replica_ports_are_refused_before_ray_starts(served):
+    result = run_compat("serve", served["root"], "--model", f"models:/{NAME}@champion", "--port", str(free_port()),
+                        env=dict(served["env"], RAY_SERVE_ENABLE_DIRECT_INGRESS="1"), timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    first = result.stderr.splitlines()[0]
+    assert first.startswith("error: compat serve's environment: RAY_SERVE_ENABLE_DIRECT_INGRESS=1 makes Ray Serve")
+    assert "Unset RAY_SERVE_ENABLE_DIRECT_INGRESS" in first and "serving" not in result.stdout
