@@ -10,6 +10,7 @@ replica's own process), binds it to 127.0.0.1, and refuses to start the replica 
 """
 from __future__ import annotations
 
+import inspect
 import os
 
 LOOPBACK = "127.0.0.1"
@@ -38,6 +39,16 @@ def refuse_exposing_settings(where: str, environ: dict | None = None) -> None:
                          f"serve` and of the Ray cluster's nodes)")
 
 
+def opens_grpc_ports_only_through(module, function: str) -> bool:
+    """Whether the source of ``module`` opens gRPC ports only by calling ``function`` (no direct
+    ``add_insecure_port`` / ``add_secure_port``); False when its source cannot be read."""
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
+    return f"{function}(" in source and "add_insecure_port(" not in source and "add_secure_port(" not in source
+
+
 def keep_replica_ports_on_loopback() -> None:
     """In a replica's process, before Serve starts its inter-deployment gRPC server: bind that server to
     127.0.0.1. Raises RuntimeError when this Ray Serve opens it some other way (nothing then guarantees loopback),
@@ -46,12 +57,12 @@ def keep_replica_ports_on_loopback() -> None:
 
     refuse_exposing_settings("the search service's replica environment")
     bind = getattr(replica, "add_port_to_grpc_server", None)
-    if bind is None or not callable(bind):
+    if bind is None or not callable(bind) or not opens_grpc_ports_only_through(replica, "add_port_to_grpc_server"):
         import ray
 
-        raise RuntimeError(f"ray {ray.__version__}: the Serve replica no longer opens its gRPC server through "
-                           f"add_port_to_grpc_server, so compat serve cannot keep that port on {LOOPBACK} and refuses "
-                           f"to start the replica; use a ray release whose replica does (tested: 2.60)")
+        raise RuntimeError(f"ray {ray.__version__}: the Serve replica no longer opens its gRPC server only "
+                           f"through add_port_to_grpc_server, so compat serve cannot keep that port on {LOOPBACK} "
+                           f"and refuses to start the replica; use a ray release whose replica does (tested: 2.60)")
     if getattr(bind, _MARK, False):
         return
 
@@ -63,4 +74,5 @@ def keep_replica_ports_on_loopback() -> None:
     replica.add_port_to_grpc_server = bind_on_loopback
 
 
-__all__ = ["LOOPBACK", "exposing_settings", "keep_replica_ports_on_loopback", "refuse_exposing_settings"]
+__all__ = ["LOOPBACK", "exposing_settings", "keep_replica_ports_on_loopback", "opens_grpc_ports_only_through",
+           "refuse_exposing_settings"]

@@ -3,6 +3,7 @@
 ports to other hosts are refused by name."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +13,12 @@ import ray  # noqa: F401 - Ray ships psutil: importing ray first puts it on the 
 import psutil  # noqa: I001
 from ray.serve._private import replica
 
-from cluster.serving.replica_ports import exposing_settings, keep_replica_ports_on_loopback, refuse_exposing_settings
+from cluster.serving.replica_ports import (
+    exposing_settings,
+    keep_replica_ports_on_loopback,
+    opens_grpc_ports_only_through,
+    refuse_exposing_settings,
+)
 
 
 def _listening_addresses(port: int) -> set[str]:
@@ -51,3 +57,21 @@ def test_settings_that_open_replica_ports_are_refused_by_name(name):
     assert exposing_settings({name: "0"}) == []
     with pytest.raises(ValueError, match=f"{name}=1 makes Ray Serve reach replicas over ports open to other hosts"):
         refuse_exposing_settings("the test's environment", {name: "1"})
+
+
+def _module_from(path, text: str):
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_replica_that_opens_a_port_another_way_is_not_trusted(tmp_path):
+    assert opens_grpc_ports_only_through(replica, "add_port_to_grpc_server")   # the installed Ray Serve
+    through = _module_from(tmp_path / "through.py", "def start(server, bind):\n    return bind(server, '[::]:0')\n")
+    direct = _module_from(tmp_path / "direct.py", "def start(server, bind):\n    bind(server, '[::]:0')\n"
+                                                   "    return server.add_insecure_port('[::]:0')\n")
+    assert opens_grpc_ports_only_through(through, "bind")
+    assert not opens_grpc_ports_only_through(direct, "bind")
+    assert not opens_grpc_ports_only_through(through, "add_port_to_grpc_server")
