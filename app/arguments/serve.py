@@ -23,5 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-k", type=int, default=100)
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20)
     add_cluster_access(parser, "Ray cluster")
+    parser.add_argument("--first-load-timeout-s", type=float, default=300.0, help="seconds the command waits for "
+                        "the first replica to load the model before it gives up (default 300)")
     parser.add_argument("--for-seconds", type=float, default=None, help="stop after this long (default: until "
                         "interrupted)")

@@ -5,19 +5,42 @@
 gallery items (id, exact cosine score, the model version that embedded each item). ``GET /healthz``,
 ``GET /metrics`` (Prometheus). The service follows the alias: when ``compat gate`` moves it (or rolls it back),
 every replica loads the new version and switches atomically. Binds 127.0.0.1 unless ``--host`` says otherwise.
+
+The command fails at once when the alias names no version, and exits non-zero when the first load of the model
+fails. SIGTERM or SIGINT stops what it started: the application on a cluster it joined, or the whole local Ray
+instance (every process of it) it started itself.
 """
 from __future__ import annotations
 
+import signal
+import sys
 import time
 
-from cluster.serving.app import start
-from cluster.serving.ray_join import connect_ray
+from cluster.model_registry.versions import MlflowModelResolver
+from cluster.ray.process_tree import descendants, stop_processes
+from cluster.serving.app import APP_NAME, start, wait_first_load
+from cluster.serving.models import resolve_model_ref
+from cluster.serving.ray_join import connect_ray, resolve_ray_target
+from cluster.serving.replica_ports import refuse_exposing_settings
 from pipelines.config.model_uri import parse_model_uri
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequested(KeyboardInterrupt):
+    """SIGTERM or SIGINT arrived: stop the service."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stop(signum, _frame) -> None:
+    raise StopRequested(signum)
 
 
 def run(args) -> int:
     import ray
-    from ray import serve
 
     tracking = args.tracking.uri
     if tracking is None:
@@ -26,19 +49,62 @@ def run(args) -> int:
     parse_model_uri(args.model, "--model")  # a typo fails here, before Ray starts
     if args.replicas < 1:
         raise ValueError(f"--replicas: expected >= 1, got {args.replicas}")
-    connect_ray(args.ray_address, args.ray_token_file)
+    refuse_exposing_settings("compat serve's environment")
+    resolve_model_ref(MlflowModelResolver(tracking).client, args.model)  # an alias naming no version fails here
     settings = {"index": args.index, "model": args.model, "tracking_uri": tracking, "poll_s": args.poll_s,
                 "precision": args.precision, "device": "cuda" if args.num_gpus > 0 else "cpu",
                 "threads": args.threads, "limits": {"max_k": args.max_k, "max_body_bytes": args.max_body_bytes}}
+    # no cluster named and none joined yet: connect_ray starts a local instance, which this command then owns
+    owns_ray = resolve_ray_target(args.ray_address).address is None and not ray.is_initialized()
+    previous = {signum: signal.signal(signum, _raise_stop) for signum in STOP_SIGNALS}
+    try:
+        connect_ray(args.ray_address, args.ray_token_file)
+        for signum in STOP_SIGNALS:  # ray.init installs its own SIGTERM handler, which skips this cleanup
+            signal.signal(signum, _raise_stop)
+        _serve(args, settings)
+        return 0
+    except StopRequested as stop:
+        print(f"compat serve: {signal.Signals(stop.signum).name} received, stopping", file=sys.stderr, flush=True)
+        return 128 + stop.signum
+    finally:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        _stop(owns_ray)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _serve(args, settings: dict) -> None:
+    import ray
+
     url = start(settings, args.host, args.port, num_replicas=args.replicas, num_cpus=args.num_cpus,
                 num_gpus=args.num_gpus)
+    wait_first_load(url, args.model, args.first_load_timeout_s)
     print(f"serving {args.index} with {args.model} at {url} (POST /search, GET /healthz, GET /metrics); Ray "
           f"cluster {ray.get_runtime_context().gcs_address} (`compat index backfill ... --ray-address` it)",
           flush=True)
+    deadline = None if args.for_seconds is None else time.monotonic() + args.for_seconds
+    while deadline is None or time.monotonic() < deadline:
+        time.sleep(1.0)
+
+
+def _stop(owns_ray: bool) -> None:
+    """Remove the application; when this command started the local Ray instance, stop all of it."""
+    import ray
+    from ray import serve
+
+    if not owns_ray:
+        if ray.is_initialized():
+            try:
+                serve.delete(APP_NAME)
+            except Exception as error:  # noqa: BLE001 - nothing of ours to remove (Serve never started)
+                print(f"compat serve: application {APP_NAME} not removed ({type(error).__name__}: {error})",
+                      file=sys.stderr)
+        return
+    started = descendants()
     try:
-        deadline = None if args.for_seconds is None else time.monotonic() + args.for_seconds
-        while deadline is None or time.monotonic() < deadline:
-            time.sleep(1.0)
+        if ray.is_initialized():
+            serve.shutdown()
     finally:
-        serve.shutdown()
-    return 0
+        ray.shutdown()
+        stop_processes(started, grace_s=15.0, what="processes of the local Ray instance compat serve started")

@@ -1,14 +1,18 @@
 """The search service as a Ray Serve application (``compat serve``).
 
 HTTP is Serve's own proxy and its Starlette request objects (``__call__(request)``): no other web stack. Routes:
-``POST /search`` (see ``compat_core.retrieval.search_request``), ``GET /healthz`` (200 with the served versions, 503 while
-no model is loaded), ``GET /metrics`` (Prometheus text of the replica that answered).
+``POST /search`` (see ``compat_core.retrieval.search_request``; the body is read as it arrives and refused past
+``max_body_bytes``), ``GET /healthz`` (200 with the served versions, ``"status": "ok"``, or ``"degraded"`` with the
+alias's target version and the error while that version cannot be loaded; 503 while no model is loaded),
+``GET /metrics`` (Prometheus text of the replica that answered). Every replica keeps its own ports on 127.0.0.1
+(``cluster.serving.replica_ports``).
 
 Each replica polls the registry alias (``models:/NAME@ALIAS``) and the index HEAD every ``poll_s`` seconds on a
 background thread, which also makes the first load (until it succeeds the replica answers, 503 "loading"); on a
 change it loads the new model version (and the adapter the gate installed with it), builds
 a complete ``ServingState`` and swaps its reference in one assignment (``cluster.serving.state``). A failed load
-keeps the current state (counted in ``compat_model_swap_errors_total``) and is retried at the next poll.
+keeps the current state (counted in ``compat_model_swap_errors_total``, reported by /healthz) and is retried at the
+next poll.
 """
 from __future__ import annotations
 
@@ -16,8 +20,11 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from typing import Any
 
 import numpy as np
@@ -32,6 +39,7 @@ from cluster.serving.models import (
     load_served_model,
     resolve_model_ref,
 )
+from cluster.serving.replica_ports import keep_replica_ports_on_loopback
 from cluster.serving.state import ReplicaMetrics, ServingState, as_query_tensor, build_state, state_summary
 from cluster.storage.s3 import configure_object_storage
 from compat_core.retrieval.mixed_gallery import search_groups
@@ -39,6 +47,7 @@ from compat_core.retrieval.search_request import RequestError, SearchLimits, par
 from pipelines.config.model_uri import ModelUri, parse_model_uri
 
 LOG = logging.getLogger("compat.serve")
+APP_NAME = "compat-search"
 DEFAULT_SETTINGS = {"poll_s": 2.0, "precision": "auto", "device": "cpu", "threads": 1, "cache_dir": None,
                     "limits": {}, "first_load_wait_s": 20.0}
 
@@ -49,12 +58,30 @@ def _json(document: Any, status: int = 200):
     return Response(json.dumps(document, allow_nan=False), status_code=status, media_type="application/json")
 
 
+async def read_limited_body(request, limit: int) -> bytes:
+    """The request body, read message by message as it arrives; RequestError 413 naming ``body`` once more than
+    ``limit`` bytes came in (at once when a declared Content-Length is over it), chunked bodies included: a replica
+    holds at most ``limit`` bytes plus one message of a body it refuses."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise RequestError(413, "body", f"{length} bytes is over the limit of {limit} bytes")
+    chunks, received = [], 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > limit:
+            raise RequestError(413, "body", f"over the limit of {limit} bytes (stopped reading after {received} "
+                                            f"bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 class SearchService:
     """One replica. settings: index (root URI), model (models:/ URI), tracking_uri, poll_s, precision, device,
     threads (torch intra-op threads), cache_dir, limits (SearchLimits fields), first_load_wait_s (how long a search
     that reaches a replica still making its first load waits for it, seconds). Plain JSON values only."""
 
     def __init__(self, settings: dict) -> None:
+        keep_replica_ports_on_loopback()   # Serve opens the replica's gRPC port right after this constructor
         self.settings = {**DEFAULT_SETTINGS, **settings}
         # model None: an embedding-only service of the index's own model version (no registry, no images)
         for key in ("index",) + (("model", "tracking_uri") if self.settings.get("model") else ()):
@@ -69,6 +96,7 @@ class SearchService:
         self._state: ServingState | None = None
         self.metrics = ReplicaMetrics(f"{os.getpid()}")
         self.last_error: str | None = None
+        self.alias_target: ModelUri | None = None   # the version the alias named at the last check
         self._stop = threading.Event()
         self._resolver = None
         self._prepare_storage()
@@ -101,6 +129,7 @@ class SearchService:
             return True
         client, resolver = self._client_and_resolver()
         ref = resolve_model_ref(client, self.settings["model"])
+        self.alias_target = ref
         head = read_head(self.settings["index"])
         current = self._state
         if current is not None and current.key == (ref.name, ref.version, head):
@@ -130,6 +159,7 @@ class SearchService:
         while True:
             try:
                 self.refresh()
+                self.last_error = None   # loaded, or nothing to load: the served state is the alias's target
             except Exception as error:  # noqa: BLE001 - keep serving the current state (503 until a first load)
                 self._note_error(error)
             if self._stop.wait(float(self.settings["poll_s"])):
@@ -173,11 +203,8 @@ class SearchService:
         if path == "/healthz":
             if state is None:
                 return _json({"status": "loading", "error": self.last_error}, 503)
-            return _json({"status": "ok", "replica": self.metrics.replica, **state_summary(state)})
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
-            raise RequestError(413, "body", f"{length} bytes is over the limit of {self.limits.max_body_bytes} bytes")
-        body = await request.body()
+            return _json(self._health(state))
+        body = await read_limited_body(request, self.limits.max_body_bytes)
         if state is None:
             state = await self._first_state()
         if state is None:
@@ -196,6 +223,17 @@ class SearchService:
         if parsed.image is not None and state.model is None:
             raise RequestError(400, "image", "no model to embed images; send 'embedding'")
         return _json(await self._batched((state, parsed)))
+
+    def _health(self, state: ServingState) -> dict:
+        """/healthz of a loaded replica: "ok", or "degraded" (still 200: it answers with the version it loaded) while
+        the alias's target could not be checked or loaded, naming that target and the error."""
+        document = {"status": "ok", "replica": self.metrics.replica, **state_summary(state)}
+        if self.last_error is not None:
+            target = self.alias_target
+            document["status"] = "degraded"
+            document["alias"] = {"uri": self.settings.get("model"), "error": self.last_error,
+                                 "target_version": target.version if target is not None else None}
+        return document
 
     async def _first_state(self) -> ServingState | None:
         """The state once the first load succeeds, waiting up to ``first_load_wait_s`` while it is in progress (a
@@ -264,7 +302,7 @@ def deployment(num_replicas: int = 1, num_cpus: float = 1.0, num_gpus: float = 0
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus})
 
 
-def start(settings: dict, host: str = "127.0.0.1", port: int = 8000, app_name: str = "compat-search",
+def start(settings: dict, host: str = "127.0.0.1", port: int = 8000, app_name: str = APP_NAME,
           **resources) -> str:
     """Start Serve's HTTP proxy on host:port (127.0.0.1 unless configured) and deploy the service; returns its
     base URL. Ray must be initialised."""
@@ -273,4 +311,43 @@ def start(settings: dict, host: str = "127.0.0.1", port: int = 8000, app_name: s
     return f"http://{host}:{port}"
 
 
-__all__ = ["SearchService", "deployment", "start", "DEFAULT_SETTINGS"]
+def _healthz(url: str) -> tuple[int | None, dict | None]:
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        try:
+            return error.code, json.loads(error.read())
+        except ValueError:
+            return error.code, None
+    except (OSError, ValueError):   # the proxy not listening yet, or an answer that is not JSON
+        return None, None
+
+
+def wait_first_load(url: str, model: str, timeout_s: float = 300.0, progress_s: float = 10.0) -> dict:
+    """The /healthz document of the service at ``url`` once a replica loaded its first model, polled every 0.5 s
+    and reported on stderr every ``progress_s`` seconds. RuntimeError with the replica's one-line error when that
+    first load failed, TimeoutError when no replica loaded within ``timeout_s`` seconds."""
+    host, _, port = url.split("://", 1)[-1].rpartition(":")
+    probe = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '[::]', '') else host}:{port}"
+    started = time.monotonic()
+    noted = started
+    while True:
+        status, health = _healthz(probe)
+        if status == 200 and health is not None:
+            return health
+        if health is not None and health.get("error"):
+            error = " ".join(str(health["error"]).split())[:800]
+            raise RuntimeError(f"--model {model}: the first load failed: {error}")
+        elapsed = time.monotonic() - started
+        if elapsed >= timeout_s:
+            raise TimeoutError(f"--model {model}: no replica of {probe} loaded it within {timeout_s:.0f} s (last "
+                               f"/healthz: {status} {health}); raise --first-load-timeout-s for a large model")
+        if time.monotonic() - noted >= progress_s:
+            noted = time.monotonic()
+            print(f"waiting for the first load of {model} at {probe}/healthz ({elapsed:.0f} s of {timeout_s:.0f} s)",
+                  file=sys.stderr, flush=True)
+        time.sleep(0.5)
+
+
+__all__ = ["APP_NAME", "SearchService", "deployment", "start", "wait_first_load", "DEFAULT_SETTINGS"]

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from compat_core.retrieval.mixed_gallery import unit_rows
+
 __all__ = ["RequestError", "SearchLimits", "SearchRequest", "parse_search_request", "decode_image"]
 
 FIELDS = ("image", "embedding", "k", "model_version", "include_payload")
@@ -59,6 +61,19 @@ def _reject_constant(name: str):
     raise RequestError(400, "body", f"JSON constant {name} is not a number; send finite numbers only")
 
 
+def _parse_json(body: bytes):
+    """The JSON document of ``body``; RequestError 400 naming ``body`` for invalid JSON, integers of more digits
+    than Python converts, and nesting deeper than the interpreter's recursion limit."""
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except RequestError:
+        raise
+    except RecursionError:
+        raise RequestError(400, "body", "JSON nested too deeply; a search request is a flat object") from None
+    except ValueError as error:   # JSONDecodeError, UnicodeDecodeError, an integer over the digit limit
+        raise RequestError(400, "body", f"not valid JSON ({error})"[:300]) from None
+
+
 def parse_search_request(body: bytes, content_type: str | None, *, dim: int, image_shape: tuple[int, int, int] | None,
                          gallery_size: int, limits: SearchLimits = SearchLimits()) -> SearchRequest:
     """The validated request, or RequestError (413 too large, 415 wrong media type, 400 otherwise)."""
@@ -68,12 +83,7 @@ def parse_search_request(body: bytes, content_type: str | None, *, dim: int, ima
         raise RequestError(413, "body", f"{len(body)} bytes is over the limit of {limits.max_body_bytes} bytes")
     if not body.strip():
         raise RequestError(400, "body", "empty; expected a JSON object with 'embedding' or 'image'")
-    try:
-        document = json.loads(body, parse_constant=_reject_constant)
-    except RequestError:
-        raise
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise RequestError(400, "body", f"not valid JSON ({error})") from None
+    document = _parse_json(body)
     if not isinstance(document, dict):
         raise RequestError(400, "body", f"expected a JSON object, got a JSON {type(document).__name__}")
     unknown = sorted(set(document) - set(FIELDS))
@@ -107,8 +117,9 @@ def _parse_k(value, gallery_size: int, limits: SearchLimits) -> int:
         raise RequestError(400, "k", f"expected an integer, got {type(value).__name__} {value!r}"[:200])
     top = min(limits.max_k, gallery_size)
     if not 1 <= value <= top:
+        shown = str(value) if abs(value) < 10 ** 20 else f"an integer of {len(str(abs(value)))} digits"
         raise RequestError(400, "k", f"out of range: expected 1 <= k <= {top} (max_k {limits.max_k}, gallery size "
-                                     f"{gallery_size}), got {value}")
+                                     f"{gallery_size}), got {shown}")
     return value
 
 
@@ -121,14 +132,23 @@ def _parse_embedding(value, dim: int) -> np.ndarray:
     for position, item in enumerate(value):
         if isinstance(item, bool) or not isinstance(item, (int, float)):
             raise RequestError(400, "embedding", f"item {position} is {type(item).__name__}; expected a number")
-        if not math.isfinite(item):
-            raise RequestError(400, "embedding", f"item {position} is not finite")
+        try:
+            finite = math.isfinite(item)
+        except OverflowError:   # an integer beyond float64
+            finite = False
+        if not finite:
+            raise RequestError(400, "embedding", f"item {position} is not a finite float64 number")
     array = np.asarray(value, dtype=np.float64)
     if not np.all(np.isfinite(array.astype(np.float32))):
         raise RequestError(400, "embedding", "a value overflows float32")
     if not np.any(array):
         raise RequestError(400, "embedding", "all zeros; a zero vector has no direction to search")
-    return array.astype(np.float32)
+    embedding = array.astype(np.float32)
+    norm = float(np.linalg.norm(unit_rows(embedding[None]).double().numpy()))
+    if not abs(norm - 1.0) < 1e-3:
+        raise RequestError(400, "embedding", "the vector's float32 norm underflows or overflows (largest magnitude "
+                                             f"{float(np.abs(array).max()):.3g}); scale it towards unit length")
+    return embedding
 
 
 def decode_image(value, image_shape: tuple[int, int, int], limits: SearchLimits = SearchLimits()) -> np.ndarray:

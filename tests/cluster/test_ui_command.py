@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from urllib.request import urlopen
+
+import pytest
+import ray  # noqa: F401 - Ray ships psutil: importing ray first puts it on the path
+import psutil  # noqa: I001
 
 from cluster.ray.local_head import free_port
 
@@ -52,3 +57,34 @@ def test_compat_ui_serves_the_machine_store_on_loopback(tmp_path):
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=30)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_compat_ui_stops_the_mlflow_server_and_its_workers(tmp_path, stop):
+    env = dict(os.environ, COMPAT_HOME=str(tmp_path / "compat-home"), PYTHONPATH=str(ROOT))
+    env.pop("MLFLOW_TRACKING_URI", None)
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "app.cli", "ui", "--port", str(port)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "compat ui did not come up"
+                time.sleep(0.5)
+        tree = psutil.Process(process.pid).children(recursive=True)
+        assert any("mlflow" in " ".join(child.cmdline()) for child in tree), [child.cmdline() for child in tree]
+        os.kill(process.pid, stop)   # the command only, as `kill PID` does
+        assert process.wait(timeout=60) == 0, process.stdout.read()
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        living = [f"{child.name()}({child.pid})" for child in alive
+                  if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
+        assert not living, f"left running after {stop.name}: {living}"
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)

@@ -1,13 +1,15 @@
 """The prepared-gallery kernel path and the exact merge of version groups against fp64 brute force (pure, fast)."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from compat_core.retrieval.mixed_gallery import build_groups, search_groups
 from compat_core.retrieval.search import PRECISIONS, PreparedGallery, nearest_neighbours, search_prepared
-from compat_core.retrieval.search_request import RequestError, parse_search_request
+from compat_core.retrieval.search_request import RequestError, SearchLimits, parse_search_request
 
 
 def brute(query: np.ndarray, gallery: np.ndarray, k: int):
@@ -99,3 +101,38 @@ def test_request_parsing_accepts_a_valid_embedding_and_defaults():
     with pytest.raises(RequestError) as caught:
         parse_search_request(b'{"image": "AAAA"}', None, dim=3, image_shape=None, gallery_size=50)
     assert caught.value.field == "image" and caught.value.status == 400
+
+
+HOSTILE_BODIES = [  # (what, body, field named)
+    ("400-digit integer item", b'{"embedding": [' + b"9" * 400 + b', 1, 1]}', "embedding"),
+    ("5000-digit integer k", b'{"embedding": [1, 1, 1], "k": ' + b"9" * 5000 + b"}", "body"),
+    ("400-digit integer k", b'{"embedding": [1, 1, 1], "k": ' + b"9" * 400 + b"}", "k"),
+    ("norm underflows float32", json.dumps({"embedding": [1e-300] * 3}).encode(), "embedding"),
+    ("squared norm underflows float32", json.dumps({"embedding": [1e-30] * 3}).encode(), "embedding"),
+    ("norm overflows float32", json.dumps({"embedding": [3e38] * 3}).encode(), "embedding"),
+    ("100k-deep nesting", b'{"embedding": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "body"),
+]
+
+
+@pytest.mark.parametrize("what,body,field", HOSTILE_BODIES, ids=[h[0] for h in HOSTILE_BODIES])
+def test_hostile_numbers_and_nesting_are_400_naming_the_field(what, body, field):
+    with pytest.raises(RequestError) as caught:
+        parse_search_request(body, "application/json", dim=3, image_shape=None, gallery_size=50,
+                             limits=SearchLimits(max_body_bytes=1 << 20))
+    assert (caught.value.status, caught.value.field) == (400, field), (what, caught.value)
+    assert len(caught.value.message) < 400
+
+
+def test_tiny_but_representable_embeddings_are_accepted():
+    """A norm of 3e-12 is above the 1e-12 floor of the kernel's normalisation: accepted, and the kernel ranks it
+    like the unit vector (1/3, 2/3, 2/3); 3e-13 is below it and refused."""
+    parsed = parse_search_request(json.dumps({"embedding": [1e-12, 2e-12, 2e-12]}).encode(), None, dim=3,
+                                  image_shape=None, gallery_size=50)
+    gallery = np.asarray([[1, 0, 0], [1 / 3, 2 / 3, 2 / 3], [0, 1, 0]], dtype=np.float32)
+    groups = build_groups(gallery, np.asarray(["1"] * 3), "fp32")
+    positions, scores, _ = search_groups(torch.as_tensor(parsed.embedding[None]), groups, 3)
+    assert positions[0].tolist() == [1, 2, 0]
+    np.testing.assert_allclose(scores[0], [1.0, 2 / 3, 1 / 3], atol=1e-6)
+    with pytest.raises(RequestError, match="norm underflows"):
+        parse_search_request(json.dumps({"embedding": [1e-13, 2e-13, 2e-13]}).encode(), None, dim=3,
+                             image_shape=None, gallery_size=50)

@@ -4,6 +4,10 @@ evaluation's Recall@1, bad requests are 4xx naming the field, a gate move is swa
 from __future__ import annotations
 
 import base64
+import json
+import re
+import select
+import socket
 import threading
 import time
 
@@ -156,6 +160,12 @@ BAD_REQUESTS = [  # (what, body or raw bytes, content type, expected status, fie
     ("empty body", b"", None, 400, "body"),
     ("wrong content type", b"{}", "text/plain", 415, "content-type"),
     ("body too large", {"embedding": [0.1] * 9, "pad": "x" * (70 << 10)}, None, 413, "body"),
+    ("400-digit integer", b'{"embedding": [' + b"7" * 400 + b', 1, 1, 1, 1, 1, 1, 1, 1]}', None, 400, "embedding"),
+    ("5000-digit integer", b'{"embedding": [0.1, 1, 1, 1, 1, 1, 1, 1, 1], "k": ' + b"7" * 5000 + b"}", None, 400,
+     "body"),
+    ("norm underflows", {"embedding": [1e-300] * 9}, None, 400, "embedding"),
+    ("30k-deep nesting (60 KB, under the body limit)", b'{"embedding": ' + b"[" * 30_000 + b"]" * 30_000 + b"}",
+     None, 400, "body"),
 ]
 
 
@@ -166,6 +176,53 @@ def test_bad_requests_are_4xx_naming_the_field(service, what, body, content_type
                                raw=raw, content_type=content_type or "application/json")
     assert got == status, (what, answer)
     assert answer["error"]["field"] == field, (what, answer)
+
+
+def _send_chunked(url: str, path: str, chunk: bytes, chunks: int) -> tuple[int, int, dict]:
+    """POST ``chunks`` x ``chunk`` with Transfer-Encoding: chunked, stopping as soon as the server answers;
+    (bytes of body sent, status, JSON answer)."""
+    host, port = url.split("://")[1].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Transfer-Encoding: chunked\r\n\r\n".encode())
+    sent, framed = 0, f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+    try:
+        for _ in range(chunks):
+            if select.select([sock], [], [], 0)[0]:
+                break   # the answer came: stop sending
+            sock.sendall(framed)
+            sent += len(chunk)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    reader = sock.makefile("rb")
+    status = int(reader.readline().split()[1])
+    headers = {}
+    while (line := reader.readline().strip()):
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    answer = json.loads(reader.read(int(headers["content-length"])))
+    sock.close()
+    return sent, status, answer
+
+
+def test_a_chunked_body_over_the_limit_is_refused_without_reading_it_whole(service):
+    """128 MiB sent chunked (no Content-Length) to a service with a 64 KiB limit: 413 naming the body, the
+    replica stopped reading within one message of the limit and its memory did not take the body in (Serve's HTTP
+    proxy itself queues what the client sends until the answer is out)."""
+    import psutil
+
+    limit, chunk, chunks = 64 << 10, b"x" * (256 << 10), 512
+    replicas = set()
+    while len(replicas) < 2:
+        replicas.add(int(helpers.call(service["url"], "/healthz")[1]["replica"]))
+    before = {pid: psutil.Process(pid).memory_info().rss for pid in replicas}
+    _, status, answer = _send_chunked(service["url"], "/search", chunk, chunks)
+    assert status == 413 and answer["error"]["field"] == "body", answer
+    read = int(re.search(r"stopped reading after (\d+) bytes", answer["error"]["message"]).group(1))
+    assert limit < read <= limit + len(chunk) + (64 << 10), answer
+    growth = max(psutil.Process(pid).memory_info().rss - before[pid] for pid in replicas)
+    assert growth < len(chunk) * chunks // 4, f"a replica grew by {growth} bytes"
+    assert helpers.call(service["url"], "/search", {"embedding": [0.1] * 9, "k": 1})[0] == 200
 
 
 def test_routes_and_methods(service):

@@ -150,6 +150,17 @@ def test_serve_and_backfill_from_separate_shells_on_a_token_head(mlflow_server, 
         outputs = up.stdout + up.stderr + backfill.stdout + backfill.stderr + refused.stderr + serve_log.read_text()
         assert token not in outputs
         assert re.search(r"backfill: 100\.0% embedded by v" + v2, backfill.stdout)
+
+        # Ctrl-C: on a cluster it joined, `compat serve` removes its application and leaves the head running
+        os.killpg(serving.pid, signal.SIGINT)
+        assert serving.wait(120) == 130, serve_log.read_text()[-3000:]
+        try:
+            status = helpers.call(url, "/healthz", timeout=10)[0]
+        except OSError:
+            status = None
+        assert status != 200
+        os.kill(head.pid, 0)   # the head is still there (ProcessLookupError otherwise)
+        assert compat("cluster", "status", env=shell).returncode == 0
     finally:
         if serving is not None and serving.poll() is None:
             os.killpg(serving.pid, signal.SIGINT)  # Ctrl-C: `compat serve` shuts Serve down and exits

@@ -1,0 +1,192 @@
+"""`compat serve` as a process with its own local Ray instance (real Ray Serve, a real MLflow server, HTTP on
+127.0.0.1): every socket any process of the command listens on is on loopback, /healthz says "degraded" while the
+alias names a version the service cannot load, a signal stops every process the command started, an alias naming
+no version, a first load that fails and settings that open replica ports end the command with a non-zero exit and
+a one-line error."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import ray  # noqa: F401 - Ray ships psutil: importing ray first puts it on the path
+import psutil  # noqa: I001
+import serving_helpers as helpers
+from local_services import free_port
+from user_shell import PYTHON, user_env
+from user_shell import compat as run_compat
+
+from app.cli import main
+
+pytestmark = pytest.mark.integration
+NAME = "serve-lifecycle-test"
+LOOPBACK_ADDRESSES = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+
+
+def register_unloadable_version(client, name: str, folder: Path) -> str:
+    """A version whose config is a real cnn4's and whose weights file is 1,000 zero bytes (its sha256 tag matches,
+    so only loading the weights fails)."""
+    from cluster.model_registry.versions import register_version, write_model_folder
+    from cluster.tracking.client import ensure_experiment
+    from compat_core.models.compat_model import create_model, model_to_bytes
+    from pipelines.store.run_store import sha256_bytes
+
+    blobs = model_to_bytes(create_model("cnn4", num_slots=10, backbone_config={"in_chans": 1, "width": 4}))
+    target = write_model_folder(folder / "unloadable", blobs["config.json"], blobs["model.safetensors"])
+    weights = bytes(1000)
+    files = list(target.rglob("model.safetensors"))
+    assert len(files) == 1, files
+    files[0].write_bytes(weights)   # after the folder was written: the registry holds what a broken upload leaves
+    run = client.create_run(ensure_experiment(client, "serve-test-models"))
+    client.log_artifacts(run.info.run_id, str(target), "model")
+    client.set_terminated(run.info.run_id)
+    return str(register_version(client, name, run.info.run_id, "unloadable", {"sha256": sha256_bytes(weights)},
+                                []).version)
+
+
+@pytest.fixture(scope="module")
+def served(mlflow_server, tmp_path_factory):
+    """v1 (loadable, @champion) and v2 (unloadable) of one model; the tiny gallery indexed by v1."""
+    from mlflow import MlflowClient
+
+    folder = tmp_path_factory.mktemp("serve-lifecycle")
+    client = MlflowClient(mlflow_server.tracking_uri)
+    v1 = helpers.register_random_model(client, NAME, 0, folder)
+    client.set_registered_model_alias(NAME, "champion", v1)
+    v2 = register_unloadable_version(client, NAME, folder)
+    client.set_registered_model_alias(NAME, "broken", v2)
+    config = helpers.write_config(folder)
+    root = str(folder / "index")
+    assert main(["index", "build", root, "--config", str(config), "--model", f"models:/{NAME}@champion",
+                 "--tracking-uri", mlflow_server.tracking_uri]) == 0
+    home = folder / "home"
+    home.mkdir()
+    env = user_env(home, MLFLOW_TRACKING_URI=mlflow_server.tracking_uri, XDG_CACHE_HOME=str(folder / "cache"))
+    return {"client": client, "v1": v1, "v2": v2, "root": root, "env": env, "folder": folder}
+
+
+def _start(served, model: str, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    with log.open("w") as handle:
+        process = subprocess.Popen([PYTHON, "-m", "app.cli", "serve", served["root"], "--model", model, "--port",
+                                    str(port), "--num-cpus", "0", "--poll-s", "0.3"], env=served["env"],
+                                   stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def _wait_for(process: subprocess.Popen, log: Path, what: str, check, timeout_s: float = 300.0):
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert process.poll() is None, f"compat serve exited {process.returncode}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s} s:\n{log.read_text()[-3000:]}"
+        time.sleep(0.5)
+    return found
+
+
+def _health(url: str):
+    try:
+        return helpers.call(url, "/healthz", timeout=10)
+    except OSError:
+        return None, None
+
+
+def _living(processes: list) -> list:
+    living = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                living.append(f"{process.name()}({process.pid})")
+        except psutil.NoSuchProcess:
+            continue
+    return living
+
+
+def _listening(processes: list) -> dict:
+    """(address, port) -> process name of every listening TCP socket of ``processes``."""
+    sockets = {}
+    for process in processes:
+        try:
+            for connection in process.net_connections(kind="inet"):
+                if connection.status == psutil.CONN_LISTEN and connection.type == socket.SOCK_STREAM:
+                    sockets[(connection.laddr.ip, connection.laddr.port)] = process.name()
+        except psutil.NoSuchProcess:
+            continue
+    return sockets
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_every_port_is_on_loopback_degraded_is_reported_and_a_signal_stops_every_process(served, tmp_path, stop):
+    log = tmp_path / "serve.log"
+    process, url = _start(served, f"models:/{NAME}@champion", log)
+    try:
+        _wait_for(process, log, "serving line", lambda: "serving " in log.read_text())
+        status, health = _health(url)
+        assert status == 200 and health["status"] == "ok" and health["model_version"] == served["v1"]
+        tree = [psutil.Process(process.pid)] + psutil.Process(process.pid).children(recursive=True)
+        listening = _listening(tree)
+        names = " ".join(process.name() for process in tree)
+        assert all(part in names for part in ("raylet", "gcs_server", "DashboardAgent", "RuntimeEnvAgent",
+                                              "ServeReplica", "ProxyActor")), names
+        assert ("127.0.0.1", int(url.rpartition(":")[2])) in listening
+        assert any("ServeReplica" in name for name in listening.values()), listening  # its gRPC server, too
+        exposed = {address: name for address, name in listening.items() if address[0] not in LOOPBACK_ADDRESSES}
+        assert not exposed, f"listening beyond loopback: {exposed}"
+
+        served["client"].set_registered_model_alias(NAME, "champion", served["v2"])   # a version it cannot load
+        try:
+            status, health = _wait_for(process, log, "degraded /healthz",
+                                       lambda: (lambda h: h if h[0] and h[1].get("status") == "degraded" else None)(
+                                           _health(url)), timeout_s=120)
+        finally:
+            served["client"].set_registered_model_alias(NAME, "champion", served["v1"])
+        assert status == 200 and health["model_version"] == served["v1"]   # still answering with v1
+        assert health["alias"]["target_version"] == served["v2"] and health["alias"]["error"]
+        assert helpers.call(url, "/search", {"embedding": [0.1] * 9, "k": 1})[0] == 200
+        _wait_for(process, log, "ok /healthz again", lambda: _health(url)[1].get("status") == "ok", timeout_s=120)
+
+        os.kill(process.pid, stop)   # the command only, as `kill PID` does
+        assert process.wait(timeout=180) == 128 + stop, log.read_text()[-3000:]
+        _, alive = psutil.wait_procs(tree[1:], timeout=30)
+        assert not _living(alive), f"left running after {stop.name}: {_living(alive)}"
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", int(url.rpartition(":")[2])), timeout=5).close()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_an_alias_naming_no_version_fails_before_ray_starts(served):
+    result = run_compat("serve", served["root"], "--model", f"models:/{NAME}@nosuchalias", "--port",
+                        str(free_port()), env=served["env"], timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    first = result.stderr.splitlines()[0]
+    assert first.startswith("error: ") and "no alias 'nosuchalias'" in first, result.stderr
+    assert "serving" not in result.stdout and "Started Serve" not in result.stderr
+
+
+def test_a_first_load_that_fails_ends_the_command_non_zero(served, tmp_path):
+    log = tmp_path / "serve.log"
+    process, _ = _start(served, f"models:/{NAME}@broken", log)
+    try:
+        code = process.wait(timeout=300)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert code == 1 and len(errors) == 1, text[-3000:]
+    assert f"models:/{NAME}@broken: the first load failed" in errors[0], errors[0]
+    assert "serving " not in text
+
+
+def test_settings_that_open_replica_ports_are_refused_before_ray_starts(served):
+    result = run_compat("serve", served["root"], "--model", f"models:/{NAME}@champion", "--port", str(free_port()),
+                        env=dict(served["env"], RAY_SERVE_ENABLE_DIRECT_INGRESS="1"), timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    first = result.stderr.splitlines()[0]
+    assert first.startswith("error: compat serve's environment: RAY_SERVE_ENABLE_DIRECT_INGRESS=1 makes Ray Serve")
+    assert "Unset RAY_SERVE_ENABLE_DIRECT_INGRESS" in first and "serving" not in result.stdout
