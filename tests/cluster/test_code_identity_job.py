@@ -49,6 +49,12 @@ def stage_manifests(run_dir: Path) -> dict[str, dict]:
     return {path.stem: json.loads(path.read_text()) for path in sorted((run_dir / "manifests").glob("*.json"))}
 
 
+def blob_digests(manifests: dict[str, dict]) -> dict[str, dict[str, str]]:
+    """stage key -> {blob name: sha256} (a manifest's record also says where the stage ran, which may differ)."""
+    return {key: {name: blob["sha256"] for name, blob in manifest["blobs"].items()}
+            for key, manifest in manifests.items()}
+
+
 def staging_folder(folder: Path, scenario: dict) -> Path:
     folder.mkdir(parents=True)
     (folder / "scenario.yaml").write_text(yaml.safe_dump(scenario, sort_keys=False))
@@ -85,9 +91,7 @@ def test_local_run_and_ray_job_have_the_same_stage_keys_and_code_version(ray_hea
     assert len(local) > 10 and sorted(job) == sorted(local)  # 100 % of the stage keys equal
     assert {manifest["code_version"] for manifest in local.values()} == {code_version()}
     assert {manifest["code_version"] for manifest in job.values()} == {code_version()}
-    digests = {key: {name: blob["sha256"] for name, blob in manifest["blobs"].items()} for key, manifest in local.items()}
-    assert {key: {name: blob["sha256"] for name, blob in manifest["blobs"].items()}
-            for key, manifest in job.items()} == digests  # and the same bytes under each key
+    assert blob_digests(job) == blob_digests(local)  # and the same bytes under each key
 
     # the same job env with the packages of a copy whose loss differs: the job hashes another code version
     copy = tmp_path / "edited"
