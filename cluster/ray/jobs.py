@@ -218,6 +218,7 @@ def submit_pipeline(config: Any, address: str | None, output: str | None = None,
     stream = stream or sys.stdout
     config = absolute_config(config)
     output = absolute_location(output or config.output_dir())
+    config = config.model_copy(update={"output": config.output.model_copy(update={"dir": output})})
     if not shared_filesystem:
         require_paths_reachable(config, output, address)
     client = job_client(address, token_file)
