@@ -5,6 +5,7 @@ changes, the manifests, config.yaml, the report and the MLflow params."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import tiny_scenario_helpers as tiny
 import torch
@@ -13,10 +14,13 @@ import yaml
 from app.cli import main
 from compat_core.hardware import calibration
 from compat_core.hardware.workloads import PROBE_BATCH
-from pipelines.config.load import validate_config
+from pipelines.config.load import load_config, validate_config
 from pipelines.graph.code_version import code_version
 from pipelines.graph.compile import compile_scenario
 from pipelines.stages.run_precision import precision_probe, resolve_run_precision
+from pipelines.training.settings import precision_name
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _manifests(run_dir) -> dict[str, dict]:
@@ -127,3 +131,9 @@ def test_resolved_precision_is_in_manifests_config_report_and_mlflow_params(tmp_
     runs = client.search_runs([client.get_experiment_by_name("tiny-dsimplex-hoc").experiment_id], max_results=100)
     (parent,) = [run for run in runs if run.data.tags.get("run_role") == "pipeline"]
     assert parent.data.params["training.autocast"] == "bf16"
+
+
+def test_the_shipped_demo_configs_pin_fp32():
+    for name in ("demo-er.yaml", "demo-dsimplex-hoc.yaml"):
+        config = load_config(CONFIGS / name)
+        assert precision_name(config.training.autocast) == "fp32", name
