@@ -92,6 +92,9 @@ def test_local_run_and_ray_job_have_the_same_stage_keys_and_code_version(ray_hea
     assert {manifest["code_version"] for manifest in local.values()} == {code_version()}
     assert {manifest["code_version"] for manifest in job.values()} == {code_version()}
     assert blob_digests(job) == blob_digests(local)  # and the same bytes under each key
+    # each run's config.yaml names the folder it ran in (the staged scenario said output.dir: .../unused)
+    assert yaml.safe_load((job_dir / "config.yaml").read_text())["output"]["dir"] == str(job_dir)
+    assert yaml.safe_load((local_dir / "config.yaml").read_text())["output"]["dir"] == str(local_dir)
 
     # the same job env with the packages of a copy whose loss differs: the job hashes another code version
     copy = tmp_path / "edited"
