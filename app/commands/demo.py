@@ -190,8 +190,8 @@ def _print_results(results: list[dict], output: str) -> None:
         shared = (f", {result['published']} third-party model(s) trained and shared, {result['adopted']} taken "
                   f"from the shared store" if result.get("adopted") or result.get("published") else "")
         print(f"\n== {result['name']}: {result['run_dir']} ({result['wall_s']:.0f} s wall, {result['cpu_s']:.0f} s CPU "
-              f"of its driver; {result['executed']} stages run, {result['skipped']} already done{shared}{on_ray}; "
-              f"precision {result['precision']}) ==")
+              f"of its driver; {result['executed']} stages run, {result['skipped']} already done{shared}; "
+              f"precision {result['precision']}{on_ray}) ==")
         if result["matrix"] is not None:
             print_results(result["matrix"], result["metrics"])
     by_name = {result["name"]: result["metrics"] for result in results}
