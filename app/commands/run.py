@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 
 from app.printing import print_results
@@ -37,6 +38,14 @@ def resolve_run(args) -> tuple[object, str]:
     if args.output:
         output = args.output
     return config, absolute_location(output or config.output_dir())
+
+
+def run_origin(args) -> RunOrigin:
+    """The command line and overrides config.yaml records: those of ``compat submit`` for a submitted job (its
+    hidden ``--origin-command`` / ``--origin-set``), else this command's own."""
+    if getattr(args, "origin_command", None):
+        return RunOrigin(tuple(shlex.split(args.origin_command)), tuple(args.origin_set))
+    return RunOrigin.of_command(getattr(args, "argv", None) or [], args.overrides)
 
 
 def make_tracker(args, run_dir: str):
@@ -95,7 +104,7 @@ def run(args) -> int:
             print(f"recompute: stage {key} uncommitted; it runs again", file=sys.stderr)
         tracker = make_tracker(args, run_dir)
         graph = compile_scenario(config)
-        graph.origin = RunOrigin.of_command(getattr(args, "argv", None) or [], args.overrides)
+        graph.origin = run_origin(args)
         summary = run_tracked(graph, store, tracker, args.executor, args.address,
                               progress=not args.no_progress, setup=setup)
     print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done; "

@@ -5,6 +5,7 @@ changes, the manifests, config.yaml, the report and the MLflow params."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import tiny_scenario_helpers as tiny
@@ -12,9 +13,11 @@ import torch
 import yaml
 
 from app.cli import main
+from cluster.ray import jobs
 from compat_core.hardware import calibration
 from compat_core.hardware.workloads import PROBE_BATCH
 from pipelines.config.load import load_config, validate_config
+from pipelines.config.run_origin import RunOrigin
 from pipelines.graph.code_version import code_version
 from pipelines.graph.compile import compile_scenario
 from pipelines.stages.run_precision import precision_probe, resolve_run_precision
@@ -137,3 +140,28 @@ def test_the_shipped_demo_configs_pin_fp32():
     for name in ("demo-er.yaml", "demo-dsimplex-hoc.yaml"):
         config = load_config(CONFIGS / name)
         assert precision_name(config.training.autocast) == "fp32", name
+
+
+def test_a_submitted_job_records_the_submit_command_and_its_overrides(tmp_path, capsys):
+    """`compat submit` stages the overridden scenario and the job runs `compat run` on it: the job's config.yaml
+    names the submit command and its overrides (passed on the job's command line), with credentials redacted."""
+    origin = RunOrigin.of_command(["submit", "c.yaml", "--set", "training.epochs=2", "--tracking-uri",
+                                   "http://user:hunter2@127.0.0.1:5000"], ["training.epochs=2"])
+    entrypoint = jobs.pipeline_entrypoint("/runs/hoc", origin=origin)
+    assert "hunter2" not in entrypoint
+    arguments = shlex.split(entrypoint.split('exec "$py" -m app.cli ', 1)[1])
+    assert arguments[-4:] == ["--origin-command", "compat submit c.yaml --set training.epochs=2 --tracking-uri "
+                              "'http://user:***@127.0.0.1:5000'", "--origin-set", "training.epochs=2"]
+
+    tiny.register()
+    path = tmp_path / "scenario.yaml"
+    path.write_text(yaml.safe_dump(tiny.scenario("dsimplex-hoc", output=str(tmp_path / "run"))))
+    arguments[arguments.index("scenario.yaml")] = str(path)
+    arguments[arguments.index("--executor") + 1] = "local"  # the job's command line, run here in-process
+    arguments.remove("--address"), arguments.remove("auto")
+    arguments[arguments.index("--output") + 1] = str(tmp_path / "run")
+    assert main([*arguments, "--tracking-uri", "none"]) == 0
+    header = (tmp_path / "run" / "config.yaml").read_text().splitlines()
+    assert ("# command: compat submit c.yaml --set training.epochs=2 --tracking-uri "
+            "'http://user:***@127.0.0.1:5000'") in header
+    assert "# overrides: training.epochs=2" in header
