@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     command = requested_command(argv)
     parser = build_parser(load=[command] if command else [])
     args = parser.parse_args(argv)
+    args.argv = argv  # the command line as given (a run records it with its results)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2

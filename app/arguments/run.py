@@ -27,3 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MLflow tracking: sqlite:///PATH or http(s)://HOST:PORT; 'none' disables it; default: "
                              "$MLFLOW_TRACKING_URI, else the machine's one store (~/.local/share/compat/mlflow; "
                              "`compat ui` shows it)")
+    # what a submitted job records as its origin in config.yaml: the command and overrides `compat submit` was given
+    # (the job itself runs `compat run` on the staged, already overridden scenario)
+    parser.add_argument("--origin-command", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--origin-set", action="append", default=[], help=argparse.SUPPRESS)

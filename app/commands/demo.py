@@ -33,11 +33,15 @@ from cluster.run_driver import run_tracked
 from cluster.tracking.tracker import create_tracker
 from compat_core.hardware import calibration
 from pipelines.config.load import ConfigError, load_config
+from pipelines.config.local_paths import absolute_location
 from pipelines.config.redaction import redact_uri
+from pipelines.config.run_origin import RunOrigin
 from pipelines.graph.compile import compile_scenario, stage_threads
 from pipelines.reports.picture_grid import side_by_side
 from pipelines.store.lease import run_lease
+from pipelines.stages.run_precision import resolve_run_precision
 from pipelines.store.run_store import RunStore
+from pipelines.training.settings import precision_name
 
 DEMOS = (("er", "demo-er.yaml"), ("dsimplex-hoc", "demo-dsimplex-hoc.yaml"))
 SHARED_FOLDER = "third-party"  # <output>/third-party: the shared store of both scenarios' third-party models
@@ -50,23 +54,24 @@ def configs_dir() -> Path:
 
 def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, threads: int | None,
             progress: str, executor: str = "local", tracking_uri: str | None = None,
-            experiment: str | None = None, address: str | None = None) -> dict:
+            experiment: str | None = None, address: str | None = None, command: tuple[str, ...] = ()) -> dict:
     """Run one demo scenario from this process; returns matrix, metrics, wall and CPU seconds of the run.
 
     threads: torch intra-op threads (None: leave torch's default; with executor "ray" and no ``address``: the CPUs
     of an embedded Ray instance, default 1). progress: "bars", "lines" or "none". tracking_uri: the resolved store
     (None: tracking off). address: the Ray instance to attach to (the demo's shared one). CPU seconds count this
-    process only.
+    process only. command: the demo's command line (recorded in each run's config.yaml).
     """
     import torch
 
     if threads is not None:
         torch.set_num_threads(threads)
-    config = load_config(config_path, overrides)
+    config = resolve_run_precision(load_config(config_path, overrides))
 
     with run_lease(run_dir):
         tracker = create_tracker(tracking_uri, experiment=experiment)
         graph, store = compile_scenario(config), RunStore(run_dir)
+        graph.origin = RunOrigin.of_command(command, overrides)
         started = time.perf_counter()
         cpu_before = _cpu_seconds()
         stats: dict = {}
@@ -78,7 +83,8 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
     return {"name": name, "run_dir": run_dir, "matrix": summary.matrix, "metrics": summary.metrics,
             "wall_s": time.perf_counter() - started, "cpu_s": _cpu_seconds() - cpu_before,
             "executed": len(summary.executed), "skipped": len(summary.skipped), "ray_address": ray_address,
-            "adopted": len(summary.adopted), "published": len(summary.published)}
+            "adopted": len(summary.adopted), "published": len(summary.published),
+            "precision": precision_name(config.training.autocast)}
 
 
 def _cpu_seconds() -> float:
@@ -131,6 +137,7 @@ def _demo_tasks(overrides: list[str], output: str) -> list[tuple[str, str, list[
     """(name, config path, overrides, run folder) of each demo scenario; bad overrides are refused (ConfigError)
     before any worker starts. Both share ``<output>/third-party`` unless ``output.shared_store`` is set."""
     tasks = []
+    output = absolute_location(output)  # once: every run folder, the shared store and the records are absolute
     for name, file_name in DEMOS:
         path = str(configs_dir() / file_name)
         load_config(path, overrides)  # refuse bad overrides before any worker starts
@@ -162,7 +169,8 @@ def _run_scenarios(tasks: list, jobs: int, cores: int, args, tracking_uri: str, 
         progress = "none" if args.no_progress else "bars"
         threads = cores if args.executor == "ray" else None
         return [run_one(*task, threads=threads, progress=progress, executor=args.executor,
-                        tracking_uri=tracking_uri, experiment=experiment, address=address) for task in tasks]
+                        tracking_uri=tracking_uri, experiment=experiment, address=address,
+                        command=tuple(getattr(args, "argv", ()))) for task in tasks]
     import multiprocessing
 
     threads = max(1, cores // min(jobs, len(tasks)))
@@ -171,7 +179,7 @@ def _run_scenarios(tasks: list, jobs: int, cores: int, args, tracking_uri: str, 
     with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)),
                              mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(run_one, *task, threads, progress, args.executor, tracking_uri, experiment,
-                               address) for task in tasks]
+                               address, tuple(getattr(args, "argv", ()))) for task in tasks]
         return [future.result() for future in futures]
 
 
@@ -182,7 +190,8 @@ def _print_results(results: list[dict], output: str) -> None:
         shared = (f", {result['published']} third-party model(s) trained and shared, {result['adopted']} taken "
                   f"from the shared store" if result.get("adopted") or result.get("published") else "")
         print(f"\n== {result['name']}: {result['run_dir']} ({result['wall_s']:.0f} s wall, {result['cpu_s']:.0f} s CPU "
-              f"of its driver; {result['executed']} stages run, {result['skipped']} already done{shared}{on_ray}) ==")
+              f"of its driver; {result['executed']} stages run, {result['skipped']} already done{shared}; "
+              f"precision {result['precision']}{on_ray}) ==")
         if result["matrix"] is not None:
             print_results(result["matrix"], result["metrics"])
     by_name = {result["name"]: result["metrics"] for result in results}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 
 from app.printing import print_results
@@ -14,9 +15,12 @@ from pipelines.config.load import ConfigError, load_config
 from pipelines.config.local_paths import absolute_location
 from pipelines.config.preflight import preflight
 from pipelines.config.redaction import redact_uri
+from pipelines.config.run_origin import RunOrigin
 from pipelines.graph.compile import compile_scenario
+from pipelines.stages.run_precision import resolve_run_precision
 from pipelines.store.lease import run_lease
 from pipelines.store.run_store import RunStore
+from pipelines.training.settings import precision_name
 
 
 def resolve_run(args) -> tuple[object, str]:
@@ -34,6 +38,14 @@ def resolve_run(args) -> tuple[object, str]:
     if args.output:
         output = args.output
     return config, absolute_location(output or config.output_dir())
+
+
+def run_origin(args) -> RunOrigin:
+    """The command line and overrides config.yaml records: those of ``compat submit`` for a submitted job (its
+    hidden ``--origin-command`` / ``--origin-set``), else this command's own."""
+    if getattr(args, "origin_command", None):
+        return RunOrigin(tuple(shlex.split(args.origin_command)), tuple(args.origin_set))
+    return RunOrigin.of_command(getattr(args, "argv", None) or [], args.overrides)
 
 
 def make_tracker(args, run_dir: str):
@@ -79,6 +91,7 @@ def run(args) -> int:
     if not (args.address or "").startswith(("http://", "https://")):  # a submitted job checks on the cluster
         try:
             preflight_data(config, run_dir, args.executor)
+            config = resolve_run_precision(config)  # once, here, before any stage (a submitted job resolves there)
         except (FileNotFoundError, ValueError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
@@ -90,9 +103,12 @@ def run(args) -> int:
             store.forget(key)
             print(f"recompute: stage {key} uncommitted; it runs again", file=sys.stderr)
         tracker = make_tracker(args, run_dir)
-        summary = run_tracked(compile_scenario(config), store, tracker, args.executor, args.address,
+        graph = compile_scenario(config)
+        graph.origin = run_origin(args)
+        summary = run_tracked(graph, store, tracker, args.executor, args.address,
                               progress=not args.no_progress, setup=setup)
-    print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done)")
+    print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done; "
+          f"precision {precision_name(config.training.autocast)}, code {graph.code_version})")
     if getattr(tracker, "tracking_uri", None):
         print(f"MLflow: {redact_uri(tracker.tracking_uri)} (experiment {tracker.experiment_name or config.name}, "
               f"registered model {tracker.model_name or '-'})")

@@ -7,6 +7,7 @@ import sys
 
 from cluster.ray.jobs import submit_pipeline
 from pipelines.config.load import ConfigError, load_config
+from pipelines.config.run_origin import RunOrigin
 
 
 def run(args) -> int:
@@ -14,7 +15,8 @@ def run(args) -> int:
         config = load_config(args.config, args.overrides)
         outcome = submit_pipeline(config, args.address, output=args.output, wait=args.wait, follow=args.follow,
                                   timeout_s=args.timeout, executor=args.executor, python=args.python,
-                                  shared_filesystem=args.shared_filesystem, token_file=args.ray_token_file)
+                                  shared_filesystem=args.shared_filesystem, token_file=args.ray_token_file,
+                                  origin=RunOrigin.of_command(getattr(args, "argv", None) or [], args.overrides))
     except (ConfigError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -3,7 +3,9 @@
 A pipeline job is the resolved scenario (``--set`` overrides applied) written to ``scenario.yaml`` in a staging
 folder that becomes the job's ``working_dir``; the project's packages (compat_core, pipelines, cluster, app) travel as
 ``py_modules`` (caches, ``.venv``, ``runs``, ``.git`` never do). The entrypoint is
-``PYTHON -m app.cli run scenario.yaml --executor ray --address auto --output OUT`` (= ``compat run``).
+``PYTHON -m app.cli run scenario.yaml --executor ray --address auto --output OUT`` (= ``compat run``), with the
+submitting command and its ``--set`` overrides passed on as ``--origin-command`` / ``--origin-set``, which the run
+records in its config.yaml (the staged scenario already holds the overridden values).
 
 Interpreter (``compat submit --python``): Ray runs the entrypoint in a shell with the head's environment, so a bare
 ``python`` is whatever comes first on the PATH of the process that started the head: the system Python when the head
@@ -42,6 +44,7 @@ from cluster.ray.auth import prepare_client_auth, require_token_if_needed
 from cluster.ray.reach import host_port, is_this_machine, require_answering, require_reachable
 from pipelines.config.load import config_hash, dump_config, stable_hash
 from pipelines.config.local_paths import absolute_config, absolute_location, is_local_path, local_config_paths
+from pipelines.config.run_origin import RunOrigin
 from pipelines.graph.code_version import package_folder
 
 ID_PREFIX = "compat-"
@@ -190,34 +193,40 @@ def python_command(arguments: list[str], python: str | None = None) -> str:
 
 
 def pipeline_entrypoint(output: str | None, config_file: str = "scenario.yaml", executor: str = "ray",
-                        python: str | None = None) -> str:
+                        python: str | None = None, origin: RunOrigin | None = None) -> str:
     """Shell command the job runs: ``compat run`` on the staged scenario (module form, so the uploaded packages are
     imported rather than whatever ``compat`` is installed on the node), with the interpreter of
-    :func:`python_command`."""
+    :func:`python_command`. origin: the submitting command and its overrides, which the job records in the run's
+    config.yaml (credentials already redacted by :class:`RunOrigin`)."""
     command = ["-m", "app.cli", "run", config_file, "--executor", executor, "--no-progress"]
     if executor == "ray":
         command += ["--address", "auto"]
     if output:
         command += ["--output", output]
+    if origin is not None and origin.command:
+        command += ["--origin-command", shlex.join(origin.command)]
+        command += [item for override in origin.overrides for item in ("--origin-set", override)]
     return python_command(command, python)
 
 
 def submit_pipeline(config: Any, address: str | None, output: str | None = None, wait: bool = False,
                     follow: bool = False, timeout_s: float | None = None, stream: TextIO | None = None,
                     executor: str = "ray", python: str | None = None,
-                    shared_filesystem: bool = False, token_file: str | None = None) -> SubmitOutcome:
+                    shared_filesystem: bool = False, token_file: str | None = None,
+                    origin: RunOrigin | None = None) -> SubmitOutcome:
     """Submit a validated scenario as a Ray Job (no-op when already pending/running/succeeded).
 
     output: run directory (s3://... for a multi-node cluster; default: the config's output.dir); local paths are
     made absolute here, where the user typed them, and refused when the head is on another machine unless
     ``shared_filesystem`` says every node mounts them at the same place (:func:`require_paths_reachable`).
     wait: block until the job ends; follow: print its logs meanwhile. python: the job's interpreter (None: the
-    submitting one when the node has it, see :func:`python_command`). Returns the outcome, with the final status
-    when waiting.
+    submitting one when the node has it, see :func:`python_command`). origin: the command line and overrides the
+    job records in config.yaml. Returns the outcome, with the final status when waiting.
     """
     stream = stream or sys.stdout
     config = absolute_config(config)
     output = absolute_location(output or config.output_dir())
+    config = config.model_copy(update={"output": config.output.model_copy(update={"dir": output})})
     if not shared_filesystem:
         require_paths_reachable(config, output, address)
     client = job_client(address, token_file)
@@ -225,7 +234,7 @@ def submit_pipeline(config: Any, address: str | None, output: str | None = None,
     with tempfile.TemporaryDirectory(prefix="compat-submit-") as staging:
         Path(staging, "scenario.yaml").write_text(dump_config(config))
         outcome = submit_entrypoint(
-            client, base_id, pipeline_entrypoint(output, executor=executor, python=python),
+            client, base_id, pipeline_entrypoint(output, executor=executor, python=python, origin=origin),
             pipeline_runtime_env(staging),
             metadata={"compat_scenario": str(config.name), "compat_config_hash": config_hash(config)[:16],
                       "compat_output": str(output)},

@@ -299,7 +299,8 @@ class RayExecutor(Executor):
     def _run_as_job(self, graph: StageGraph, store: RunStore) -> Invocation:
         """Submit the pipeline as a Ray Job writing to ``store`` and wait; the job's results are read back from the
         store once and emitted as the run's RunResult (the job's engine ran elsewhere)."""
-        outcome = submit_pipeline(graph.config, self.address, output=store.root, wait=True, follow=True)
+        outcome = submit_pipeline(graph.config, self.address, output=store.root, wait=True, follow=True,
+                                  origin=graph.origin)
         if outcome.status != "SUCCEEDED":
             raise RuntimeError(f"Ray job {outcome.submission_id} ended {outcome.status}; "
                                f"see `compat logs {outcome.submission_id} --address {self.address}`")

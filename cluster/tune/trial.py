@@ -26,6 +26,7 @@ from pipelines.graph.compile import compile_scenario
 from pipelines.records.stage_records import ModelRecord
 from pipelines.reports.run_report import write_store_reports
 from pipelines.results.assemble import headline_metrics, matrix_values
+from pipelines.stages.run_precision import resolve_run_precision
 from pipelines.store.run_store import RunStore
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,9 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
     run_dir = spec.run_dir(trial_id)
     config = trial_config(spec.base_config, spec.space.get("fixed") or {}, sampled, run_dir,
                           source=f"trial {trial_id}", shared_store=spec.shared_store)
-    graph = compile_scenario(config)
+    graph = compile_scenario(resolve_run_precision(config))  # autocast: auto measured once, in the trial's process
     store = RunStore(run_dir)
-    prepare_run(config, store)
+    prepare_run(graph, store)
     cio.write_bytes(cio.join(run_dir, TRIAL_FILE), json.dumps({"trial_id": trial_id, "params": sampled},
                                                                indent=1, sort_keys=True).encode("utf-8"))
     collector = ModelCollector(emit or _log_emit)

@@ -17,8 +17,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+import yaml
+
 from compat_core import io as cio
 from pipelines.config.load import config_hash, config_to_dict, dump_config, validate_config
+from pipelines.config.local_paths import absolute_location
+from pipelines.config.run_origin import RunOrigin, config_header
 from pipelines.config.schema import ScenarioConfig
 from pipelines.engine.events import StageEvent, StageRecord
 from pipelines.engine.progress import ProgressReporter
@@ -31,6 +35,7 @@ from pipelines.stages.adapt import adapter_summaries
 from pipelines.store.run_store import RunStore
 from pipelines.store.shared_store import SharedStore
 from pipelines.training.checkpoints import collect_committed
+from pipelines.training.settings import precision_name
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +125,7 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
     files are written (:func:`finalize_run`), the RunResult is emitted and returned in ``Invocation.result``; the
     caller then writes the reports (:func:`pipelines.reports.run_report.write_store_reports`).
     """
-    prepare_run(graph.config, store)
+    prepare_run(graph, store)
     schedule = _Schedule(graph, store, backend, emit, stop_after)
     schedule.scan(graph.ancestors(until) if until is not None else None)
     try:
@@ -131,7 +136,7 @@ def run_graph(graph: StageGraph, store: RunStore, backend: Backend, emit: Callab
             schedule.shared.close()
     summary = schedule.summary
     if summary.executed:
-        record_invocation(store, summary)
+        record_invocation(store, summary, graph)
         collect_committed(store)  # checkpoints of stages committed by a process that died before cleaning up
     if all(store.has(stage.key) for stage in graph):
         summary.result = finalize_run(graph, store)
@@ -285,16 +290,27 @@ def close_emit(emit: Any) -> None:
         close()
 
 
-def prepare_run(config: ScenarioConfig, store: RunStore) -> None:
-    """Write the resolved config.yaml; refuse a run directory that holds a different scenario."""
-    text = dump_config(config)
+def recorded_config(config: ScenarioConfig, store: RunStore) -> ScenarioConfig:
+    """``config`` as it runs in ``store``: ``output.dir`` is the run folder itself (absolute when local), whatever
+    ``--output`` or the config's own ``output.dir`` said."""
+    return config.model_copy(update={"output": config.output.model_copy(
+        update={"dir": absolute_location(store.root)})})
+
+
+def prepare_run(graph: StageGraph, store: RunStore) -> None:
+    """Write config.yaml (:func:`recorded_config` under the header of :func:`config_header`); refuse a run folder
+    that holds a different scenario. A folder whose config.yaml records this very run (same config, code version
+    and precision) keeps it, so the header names the command that started the run."""
+    config = recorded_config(graph.config, store)
+    text = config_header(graph.origin, graph.code_version, precision_name(config.training.autocast),
+                         config.output.dir) + dump_config(config)
     try:
         existing = store.read_text("config.yaml")
     except FileNotFoundError:
         existing = None
-    if existing is not None and existing != text:
-        import yaml
-
+    if existing is not None and _without_origin(existing) == _without_origin(text):
+        return
+    if existing is not None:
         try:
             same = config_hash(validate_config(yaml.safe_load(existing), "config.yaml")) == config_hash(config)
         except ValueError:
@@ -305,11 +321,20 @@ def prepare_run(config: ScenarioConfig, store: RunStore) -> None:
     store.write_text("config.yaml", text)
 
 
-def record_invocation(store: RunStore, summary: Invocation) -> None:
-    """One JSON file per executor invocation under executions/ (object stores cannot append to a log)."""
+def _without_origin(text: str) -> str:
+    """config.yaml without its command and overrides lines (what differs between a run and its resumption)."""
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not line.startswith(("# command:", "# overrides:")))
+
+
+def record_invocation(store: RunStore, summary: Invocation, graph: StageGraph) -> None:
+    """One JSON file per executor invocation under executions/ (object stores cannot append to a log): the nodes it
+    ran and skipped, seconds per node, its code version, precision, command line and overrides."""
     store.write_text(f"executions/{time.strftime('%Y%m%dT%H%M%S')}-{summary.run_id}.json", json.dumps({
         "run_id": summary.run_id, "executed": summary.executed, "skipped": summary.skipped,
-        "seconds": summary.seconds}, indent=1))
+        "seconds": summary.seconds, "code_version": graph.code_version,
+        "precision": precision_name(graph.config.training.autocast),
+        **(graph.origin or RunOrigin()).as_json()}, indent=1))
 
 
 def read_invocations(store: RunStore) -> list[dict]:
@@ -323,7 +348,8 @@ def read_invocations(store: RunStore) -> list[dict]:
 def finalize_run(graph: StageGraph, store: RunStore) -> RunResult:
     """Write the run's result files (matrix.json, metrics.json, adapters.json at replacements with adapters);
     returns them as a RunResult (the reports are the caller's: they render it)."""
-    result = RunResult.of(assemble_matrix(graph, store), graph.config.evaluation.strict, config_to_dict(graph.config))
+    result = RunResult.of(assemble_matrix(graph, store), graph.config.evaluation.strict,
+                          config_to_dict(recorded_config(graph.config, store)))
     write_result(store, result)
     if getattr(graph, "adapt_stages", None):  # adapters at replacements: report input
         store.write_text("adapters.json", json.dumps(adapter_summaries(graph, store), indent=2, allow_nan=False))

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from pipelines.config.load import stable_hash
+from pipelines.config.run_origin import RunOrigin
 from pipelines.config.schema import EvaluationSpec, ScenarioConfig, StageResources
 from pipelines.graph.build_inputs import (
     adapt_inputs,
@@ -90,12 +91,14 @@ def make_stage(kind: StageKind, key_label: str, label: str, inputs: StageInputs,
 class StageGraph:
     """Stages in a topological order (every parent before its children) plus look-ups by role.
 
-    settings: how the stages run (device, checkpoint cadence, input workers), never part of a key."""
+    settings: how the stages run (device, checkpoint cadence, input workers), never part of a key. origin: the
+    command line and overrides the run was started with (recorded in config.yaml, never part of a key)."""
 
     config: ScenarioConfig
     stages: list[Stage] = field(default_factory=list)
     code_version: str = ""
     settings: RunSettings | None = None
+    origin: RunOrigin | None = None
     model_stages: list[str] = field(default_factory=list)        # key of the model stage of task t
     pretrain_stages: dict[str, str] = field(default_factory=dict)  # pretrain name -> key
     extract_stages: dict[tuple[int, str], str] = field(default_factory=dict)  # (t, split) -> key

@@ -116,6 +116,7 @@ def render_report_markdown(results: RunResult, images: dict[str, str] | None = N
         f"- compatibility criterion: cross-test {criterion_text(matrix.strict)} "
         f"({'strict' if matrix.strict else 'non-strict'}); {int(failing.sum())} of {pairs} cross-tests fail it",
         f"- replacements at tasks (1-based): {replaced}",
+        f"- precision: {results.precision or 'unknown'} (`training.autocast` as resolved for this run)",
         "",
     ]
     if results.warnings:

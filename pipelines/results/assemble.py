@@ -26,6 +26,7 @@ from compat_core.evaluation.metrics import (
     summary_metrics,
 )
 from pipelines.config.schema import EvaluationSpec
+from pipelines.training.settings import precision_name
 from pipelines.graph.compile import StageGraph
 from pipelines.records.stage_records import read_record
 from pipelines.store.run_store import RunStore
@@ -68,6 +69,13 @@ class RunResult:
     def display_name(self) -> str:
         """``label``, else ``name``: how compare tables and plots name the run."""
         return self.label or self.name
+
+    @property
+    def precision(self) -> str | None:
+        """fp32 | bf16 | fp16 the run trained and extracted in (its resolved ``training.autocast``), None when the
+        config is unknown."""
+        training = (self.config or {}).get("training") or {}
+        return precision_name(training["autocast"]) if "autocast" in training else None
 
     @property
     def method(self) -> str:

@@ -70,7 +70,8 @@ def execute_stage(stage: Stage, settings: RunSettings, store: RunStore, emit: Em
     node = {"kind": stage.kind, "label": stage.label}
     if placement is not None:
         node["placement"] = dict(placement)
-    manifest = store.commit(stage.key, record_to_json(result.record, **node), result.blobs, code_version=code_version)
+    manifest = store.commit(stage.key, record_to_json(result.record, **node), result.blobs, code_version=code_version,
+                            precision=stage.inputs.precision)
     if stage.kind.trains:
         collect_garbage(store, stage.key)  # the committed model supersedes its epoch checkpoints
     return committed_stage(manifest)

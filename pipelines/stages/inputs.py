@@ -30,7 +30,7 @@ from pipelines.config.schema import (
     ScenarioConfig,
     resolved_head,
 )
-from pipelines.training.settings import OptimizerSpec, ScheduleSpec, TrainConfig
+from pipelines.training.settings import OptimizerSpec, ScheduleSpec, TrainConfig, autocast_mode, precision_name
 
 Autocast = bool | Literal["auto", "bf16", "fp16", "off"]
 Split = Literal["query", "gallery"]
@@ -40,6 +40,12 @@ class FrozenInputs(BaseModel):
     """Base of every input model: immutable, unknown fields refused (its JSON form is what a key hashes)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @property
+    def precision(self) -> str | None:
+        """fp32 | bf16 | fp16 the stage computes in (``training.autocast`` as resolved for the run; "auto" when it
+        was not), None for a stage whose output no precision setting changes."""
+        return None
 
 
 # ---- how a stage runs (never in a key) ------------------------------------------------------------------------------
@@ -120,7 +126,9 @@ class TrainRecipe(FrozenInputs):
     def of(cls, config: TrainConfig, **fixed: Any) -> "TrainRecipe":
         """The recipe of a bound ``config``; ``fixed``: fields set to a value of their own (a field the stage never
         reads, so that it never changes the key)."""
-        return cls.model_validate({**{name: getattr(config, name) for name in cls.model_fields}, **fixed})
+        values = {name: getattr(config, name) for name in cls.model_fields}
+        values["autocast"] = autocast_mode(values["autocast"])  # true/false and auto/off: one spelling per key
+        return cls.model_validate({**values, **fixed})
 
     def train_config(self, device: Any, settings: RunSettings) -> TrainConfig:
         """The loop's TrainConfig on ``device`` with the run's how-not-what settings."""
@@ -233,7 +241,8 @@ class Extraction(FrozenInputs):
 
     @classmethod
     def of(cls, config: ScenarioConfig) -> "Extraction":
-        return cls(method=config.method, batch_size=config.evaluation.batch_size, autocast=config.training.autocast)
+        return cls(method=config.method, batch_size=config.evaluation.batch_size,
+                   autocast=autocast_mode(config.training.autocast))
 
 
 # ---- per kind --------------------------------------------------------------------------------------------------------
@@ -251,6 +260,10 @@ class PretrainInputs(FrozenInputs):
     training: TrainRecipe
     threads: int
     workers: int
+
+    @property
+    def precision(self) -> str:
+        return precision_name(self.training.autocast)
 
 
 class TrainInputs(FrozenInputs):
@@ -274,6 +287,10 @@ class TrainInputs(FrozenInputs):
     def replaces(self) -> bool:
         return self.anchor is not None
 
+    @property
+    def precision(self) -> str:
+        return precision_name(self.training.autocast)
+
 
 class ExtractInputs(FrozenInputs):
     """Features of model t on the query or gallery set."""
@@ -285,6 +302,10 @@ class ExtractInputs(FrozenInputs):
     features: Literal["auto", "direct", "bridge"]
     feature_dtype: Literal["float16", "float32"]
     threads: int
+
+    @property
+    def precision(self) -> str:
+        return precision_name(self.extraction.autocast)
 
 
 class EntryInputs(FrozenInputs):

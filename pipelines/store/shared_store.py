@@ -40,7 +40,8 @@ def copy_stage(source: RunStore, target: RunStore, stage_key: str) -> int:
     never shows a stage whose blobs are missing); returns the bytes copied."""
     manifest = source.load_manifest(stage_key)
     blobs = {name: source.read_blob(stage_key, name, manifest) for name in sorted(manifest["blobs"])}
-    target.commit(stage_key, manifest["record"], blobs, code_version=manifest.get("code_version"))
+    target.commit(stage_key, manifest["record"], blobs, code_version=manifest.get("code_version"),
+                  precision=manifest.get("precision"))
     return sum(len(data) for data in blobs.values())
 
 

@@ -13,26 +13,15 @@ from compat_core.data.source import ImageSource
 from compat_core.data.transforms import make_transforms
 from compat_core.hardware.workloads import PROBE_BATCH, autocast_choice
 from compat_core.models.precision import autocast_context, has_convolutions, prepare_for_speed
+from pipelines.training.settings import autocast_mode
 
 # "auto": bf16/fp16 autocast only where a measured step of this model is faster than fp32 (compat_core.hardware.calibration,
 # cached per machine); "bf16"/"fp16": forced; "off": fp32.
-AUTOCAST_MODES = ("auto", "bf16", "fp16", "off")
 _FORCED_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def autocast_mode(value: Any) -> str:
-    """Normalise an autocast setting: True -> "auto", False -> "off", or one of AUTOCAST_MODES (ValueError else)."""
-    if value is True:
-        return "auto"
-    if value is False:
-        return "off"
-    if value not in AUTOCAST_MODES:
-        raise ValueError(f"autocast must be true, false or one of {AUTOCAST_MODES}, got {value!r}")
-    return value
-
-
 def precision_context(device: torch.device | str, mode: Any):
-    """The autocast context of ``mode`` (see AUTOCAST_MODES) on ``device``; a null context for fp32."""
+    """The autocast context of ``mode`` (auto, bf16, fp16 or off) on ``device``; a null context for fp32."""
     mode = autocast_mode(mode)
     device = torch.device(device)
     if mode == "off":

@@ -18,6 +18,25 @@ SEED_LIMIT = 2 ** 63  # seeds are in [0, 2^63)
 
 
 _PLAIN_DEVICE = re.compile(r"(cpu|meta|mps|cuda)(:\d+)?")
+AUTOCAST_MODES = ("auto", "bf16", "fp16", "off")
+# the arithmetic each resolved autocast setting trains and extracts in ("auto": not resolved yet)
+PRECISION_NAMES = {"off": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": "auto"}
+
+
+def autocast_mode(value: object) -> str:
+    """Normalise an autocast setting: True -> "auto", False -> "off", or one of AUTOCAST_MODES (ValueError else)."""
+    if value is True:
+        return "auto"
+    if value is False:
+        return "off"
+    if value not in AUTOCAST_MODES:
+        raise ValueError(f"autocast must be true, false or one of {AUTOCAST_MODES}, got {value!r}")
+    return str(value)
+
+
+def precision_name(value: object) -> str:
+    """fp32 | bf16 | fp16 (or auto, unresolved) of an autocast setting."""
+    return PRECISION_NAMES[autocast_mode(value)]
 
 
 class StrictModel(BaseModel):
@@ -134,4 +153,5 @@ class TrainConfig(StrictModel):
         return type(self).model_validate({**dict(self), **values})
 
 
-__all__ = ["BOUND_FIELDS", "OptimizerSpec", "PRETRAIN_OVERRIDES", "ScheduleSpec", "StrictModel", "TrainConfig"]
+__all__ = ["AUTOCAST_MODES", "BOUND_FIELDS", "OptimizerSpec", "PRECISION_NAMES", "autocast_mode", "precision_name",
+           "PRETRAIN_OVERRIDES", "ScheduleSpec", "StrictModel", "TrainConfig"]
