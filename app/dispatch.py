@@ -8,7 +8,9 @@ import argparse
 import importlib
 import sys
 
-from cluster.tracking.client import tracking_credentials_from_environment
+from cluster.tracking.client import (
+    bound_mlflow_http_retries, tracking_credentials_from_environment, wait_for_tracking_server,
+)
 from cluster.tracking.store import resolve_tracking
 from compat_core.integrity import IntegrityError
 from pipelines.store.lease import RunFolderBusyError
@@ -18,6 +20,7 @@ def run_command(args: argparse.Namespace) -> int:
     """Import ``app.commands.<args.command>`` and run it with ``args``; returns its exit code (see app.cli.main)."""
     module = importlib.import_module(f"app.commands.{args.command}")
     tracking_credentials_from_environment()  # before any Ray starts: a password never travels inside a URI
+    bound_mlflow_http_retries()
     if hasattr(args, "tracking_uri"):  # a command that tracks: its one tracking target, passed down as is
         try:
             args.tracking = resolve_tracking(args.tracking_uri)
@@ -25,6 +28,12 @@ def run_command(args: argparse.Namespace) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
         del args.tracking_uri
+        try:
+            if args.tracking.uri is not None:
+                wait_for_tracking_server(args.tracking.uri)
+        except ConnectionError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
