@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Iterator
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 
 ADDRESSING_STYLES = ("path", "virtual")
 ADDRESSING_STYLE_ENV = "COMPAT_S3_ADDRESSING_STYLE"
+REQUEST_TIMEOUT_ENV = "COMPAT_S3_REQUEST_TIMEOUT_S"
+WAIT_NOTICE_S = 5.0  # a request slower than this says what it waits for
 DEFAULT_REGION = "us-east-1"
 
 
@@ -69,7 +72,9 @@ class S3Settings:
     """Everything about an S3 endpoint except the credentials: safe to log, pickle and record as run params.
 
     endpoint_url: ``scheme://host[:port]`` of an S3-compatible store, or None for AWS.
-    connect_timeout_s / request_timeout_s: seconds. max_attempts: total tries per request (1 = no retry).
+    connect_timeout_s / request_timeout_s: seconds (request: how long a transfer may stall without a byte, so a
+    frozen server fails a try after that long; ``COMPAT_S3_REQUEST_TIMEOUT_S`` sets it). max_attempts: total tries
+    per request (1 = no retry); a request on a dead endpoint ends after about max_attempts x request_timeout_s.
     """
 
     endpoint_url: str | None
@@ -78,7 +83,7 @@ class S3Settings:
     profile: str | None = None
     max_attempts: int = 3
     connect_timeout_s: float = 2.0
-    request_timeout_s: float = 30.0
+    request_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.addressing_style not in ADDRESSING_STYLES:
@@ -147,8 +152,13 @@ def _settings_from_session(session: botocore.session.Session, profile: str | Non
             max_attempts = int(configured) if configured else 3
         except ValueError:
             raise StorageConfigError(f"AWS max_attempts must be an integer, got {configured!r}") from None
+    request_timeout = os.environ.get(REQUEST_TIMEOUT_ENV)
+    try:
+        timeouts = {"request_timeout_s": float(request_timeout)} if request_timeout else {}
+    except ValueError:
+        raise StorageConfigError(f"{REQUEST_TIMEOUT_ENV} must be a number of seconds, got {request_timeout!r}") from None
     return S3Settings(endpoint_url=endpoint_url.rstrip("/") if endpoint_url else None, region=region,
-                      addressing_style=style, profile=profile, max_attempts=max_attempts)
+                      addressing_style=style, profile=profile, max_attempts=max_attempts, **timeouts)
 
 
 def mask_access_key(access_key: str | None) -> str:
@@ -373,6 +383,14 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
         return found
 
     def _call(self, operation: str, path: str, function, *args):
+        settings = self.access.settings
+        notice = threading.Timer(WAIT_NOTICE_S, lambda: print(
+            f"waiting for the S3 endpoint {settings.endpoint_display} ({operation} "
+            f"{cio.S3Uri.from_path(path).where()}): no answer for {WAIT_NOTICE_S:g} s; giving up after "
+            f"{settings.max_attempts} tries of {settings.request_timeout_s:g} s without progress", file=sys.stderr,
+            flush=True))
+        notice.daemon = True
+        notice.start()
         try:
             return function(*args)
         except OSError as error:
@@ -380,6 +398,8 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
             if translated is error:
                 raise
             raise translated from None
+        finally:
+            notice.cancel()
 
     def _check_bucket_for_write(self, path: str) -> None:
         location = cio.S3Uri.from_path(path)
