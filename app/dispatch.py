@@ -48,8 +48,28 @@ def run_command(args: argparse.Namespace) -> int:
         return code
 
 
+def task_cause(error: BaseException) -> tuple[BaseException, str | None]:
+    """(the exception a Ray task raised, the task's function name) for Ray's wrapper of it (whose text holds the
+    remote traceback), else (error, None); nested wrappers are unwrapped too. Ray is not imported."""
+    where = None
+    while type(error).__name__.startswith("RayTaskError") and isinstance(getattr(error, "cause", None),
+                                                                           BaseException):
+        where = where or getattr(error, "function_name", None) or ""  # Ray's typed wrappers keep only the cause
+        error = error.cause
+    return error, where
+
+
 def describe_error(error: BaseException, args) -> tuple[str, int]:
-    """(one-line message with the fix where one is known, exit code) for an exception a command raised."""
+    """(one-line message with the fix where one is known, exit code) for an exception a command raised; an error
+    raised in a Ray task is described by its cause, with the task named."""
+    error, task = task_cause(error)
+    message, code = _describe(error, args)
+    if task is None:
+        return message, code
+    return f"{message} (raised in {'Ray task ' + task if task else 'a Ray task'})", code
+
+
+def _describe(error: BaseException, args) -> tuple[str, int]:
     if isinstance(error, IntegrityError):
         run_dir = getattr(args, "resume", None) or getattr(args, "output", None) or getattr(args, "run_dir", None) \
             or "RUN_DIR"
@@ -64,4 +84,4 @@ def describe_error(error: BaseException, args) -> tuple[str, int]:
     return f"{type(error).__name__}: {error}", 1
 
 
-__all__ = ["describe_error", "run_command"]
+__all__ = ["describe_error", "run_command", "task_cause"]

@@ -183,3 +183,30 @@ def test_the_memory_estimate_counts_the_parameters_of_the_model_a_stage_builds(t
     for hook in hooks:
         hook.remove()
     assert estimate.parts["activations"] == 2 * 4 * sum(outputs)
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("int8", "tensor 'junction.weight' has dtype int8; expected floating-point weights"),
+    ("nan", "tensor 'junction.weight' holds 3 non-finite value(s) (NaN or inf)"),
+])
+def test_quantised_or_non_finite_replacement_weights_are_refused_naming_file_and_key(damage, expected, tmp_path,
+                                                                                      capsys):
+    """int8 weights passed the shape-only check and failed 15 stages later with a norm error; NaN weights got the
+    advice to lower the learning rate. Both are refused before any stage, naming the config key, file and key."""
+    from safetensors.torch import load_file
+
+    path = _tiny_model_file(tmp_path / "replacement.safetensors")
+    state = load_file(path)
+    if damage == "int8":
+        state["junction.weight"] = (state["junction.weight"] * 100).to(torch.int8)
+    else:
+        state["junction.weight"][0, :3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    save_file(state, path)
+    config = _config(tmp_path)
+    code = main(["run", config, "--no-progress", "--tracking-uri", "none",
+                 "--set", f"replacements=[{{at_task: 3, source: {path}}}]"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"replacements[0].source: weights file {path}: {expected}" in err
+    assert "training.optimizer.lr" not in err
+    assert not (tmp_path / "run" / "manifests").exists() or not list((tmp_path / "run" / "manifests").iterdir())
