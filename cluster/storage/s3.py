@@ -73,9 +73,8 @@ class S3Settings:
     """Everything about an S3 endpoint except the credentials: safe to log, pickle and record as run params.
 
     endpoint_url: ``scheme://host[:port]`` of an S3-compatible store, or None for AWS.
-    connect_timeout_s / request_timeout_s: seconds (request: how long a transfer may stall without a byte, so a
-    frozen server fails a try after that long; ``COMPAT_S3_REQUEST_TIMEOUT_S`` sets it). max_attempts: total tries
-    per request (1 = no retry); a request on a dead endpoint ends after about max_attempts x request_timeout_s.
+    connect_timeout_s / request_timeout_s: seconds (request: how long a try may stall without a byte;
+    ``COMPAT_S3_REQUEST_TIMEOUT_S``). max_attempts: total tries per request (1 = no retry).
     """
 
     endpoint_url: str | None
