@@ -165,9 +165,10 @@ def refusal_of(history: list[dict], version: str) -> dict | None:
 
 
 def held_alias(history: list[dict], version: str) -> bool:
-    """Whether ``version`` held the alias after a completed move (a promotion or a rollback) in ``history``."""
-    return any(row["new_version"] == str(version) and row["decision"] in ("promoted", "rolled-back")
-               for row in history)
+    """Whether ``version`` held the alias according to ``history``: moved there by a completed move (a promotion or
+    a rollback), or behind it when one moved it away."""
+    return any(str(version) in (row["new_version"], row["previous_version"])
+               and row["decision"] in ("promoted", "rolled-back") for row in history)
 
 
 def _last_previous(history: list[dict], model: str, alias: str, current: str) -> str:
