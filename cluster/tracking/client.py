@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -74,10 +75,10 @@ def check_tracking_uri(uri: str) -> str:
 
 WAIT_VARIABLE = "COMPAT_TRACKING_WAIT_S"
 DEFAULT_WAIT_S = 20.0
-# MLflow's own HTTP retries (7 tries, backoff factor 2: minutes of silence on a dead server) bounded for the whole
-# command: 4 tries 1, 2, 4, 8 s apart, 30 s per request; a variable the user set wins
-MLFLOW_HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "4", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                      "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+# MLflow's own HTTP retries (7 retries, backoff factor 2: minutes of silence on a server that went away) bounded
+# for the whole command: 4 retries 1, 2, 4, 8 s apart (MLflow's per-request timeout is kept for large uploads); a
+# variable the user set wins
+MLFLOW_HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "4", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 
 
 def bound_mlflow_http_retries() -> None:
@@ -108,6 +109,8 @@ def wait_for_tracking_server(uri: str, total_s: float | None = None, log: Callab
         except HTTPError:
             return  # an HTTP answer (401, 404, ...): a server is there
         except (URLError, OSError, ValueError) as error:
+            if isinstance(getattr(error, "reason", error), ssl.SSLError):
+                return  # a TLS server answered; MLflow applies its own certificate settings
             reason = str(getattr(error, "reason", error))
         left = total_s - (time.monotonic() - started)
         if left <= 0:
