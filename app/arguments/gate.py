@@ -23,8 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="decide and record, never move the alias")
     parser.add_argument("--to", dest="to_version", metavar="VERSION", help="rollback target version")
     parser.add_argument("--reason", default="", help="rollback reason recorded in MLflow")
-    parser.add_argument("--force", action="store_true", help="rollback: install a version the gate refused "
-                                                             "(recorded as forced)")
+    parser.add_argument("--force", action="store_true", help="rollback: install a version the gate refused or one "
+                                                             "that never held the alias (recorded as forced)")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking server (default: $MLFLOW_TRACKING_URI, else the machine's store where "
                              "compat run registers its models; see compat ui)")

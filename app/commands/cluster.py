@@ -13,7 +13,7 @@ def run(args) -> int:
             state = start_head(args.name, args.state_dir, num_cpus=args.num_cpus,
                                object_store_memory=args.object_store_memory, dashboard_port=args.dashboard_port,
                                auth=args.auth)
-        except (FileExistsError, RuntimeError) as error:
+        except (FileExistsError, PermissionError, RuntimeError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
         _describe(state, started=True)

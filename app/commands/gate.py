@@ -3,10 +3,14 @@
 - ``compat gate MODEL --candidate VERSION --config CONFIG [--alias champion] [--adapter KIND] [--non-strict]
   [--dry-run]``: evaluate the candidate against the version behind the alias on the config's evaluation sets
   (override with ``--set evaluation.query_set.split=...``), move the alias only when M(new, old) > M(old, old).
-  Exit 0 when promoted (or a dry run passes), 1 when refused, 2 on bad input.
+  Exit 0 when promoted (or a dry run passes, or the candidate already holds the alias), 1 when refused, 2 on bad
+  input.
 - ``compat gate history MODEL [--alias champion]``: every gate decision and rollback of the alias, oldest first.
-- ``compat gate rollback MODEL [--alias champion] [--to VERSION] [--reason TEXT]``: move the alias back to the
-  version it pointed to before its last move (or to ``--to``); recorded like a decision.
+- ``compat gate rollback MODEL [--alias champion] [--to VERSION] [--reason TEXT] [--force]``: move the alias back
+  to the version it pointed to before its last move (or to ``--to``, a version that held the alias before; another
+  one, or one the gate refused, only with ``--force``); the target is loaded and compared with the version behind
+  the alias first (feature width and kind); recorded like a decision.
+- A gate of the version already behind the alias changes nothing (decision ``unchanged``, exit 0).
 
 The tracking server: ``--tracking-uri`` (``http(s)://HOST:PORT`` or ``sqlite:///PATH``), default
 ``$MLFLOW_TRACKING_URI``, else the machine's store (resolved by app.dispatch, cluster.tracking.store). Numbers are
@@ -19,13 +23,13 @@ import importlib
 import json
 import sys
 
-from cluster.model_registry.alias_moves import alias_history, rollback
+from cluster.model_registry.alias_moves import alias_history
 from compat_core.evaluation.metrics import criterion_sign
 from pipelines.config.load import load_config
 
 _ACTIONS = ("history", "rollback")
-# the gate itself embeds images with the models (torch): imported by name only for a gate, so that `compat gate
-# history` and `rollback` import no torch
+# the gate itself embeds images with the models and a rollback loads its target (torch): imported by name only
+# for those, so that `compat gate history` imports no torch
 GATE_MODULE = "cluster.model_registry.gate"
 
 
@@ -75,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
                       f"{' adapter ' + row['adapter'] if row['adapter'] else ''}{margin}  {row['reason']}")
             return 0
         if action == "rollback":
-            moved = rollback(tracking_uri, model, args.alias, args.to_version, args.reason, force=args.force)
+            gate = importlib.import_module(GATE_MODULE)
+            moved = gate.rollback(tracking_uri, model, args.alias, args.to_version, args.reason, force=args.force,
+                                  log=lambda line: print(line, file=sys.stderr))
             print(json.dumps(moved) if args.json else
                   f"rolled back alias {args.alias!r} of {model}: v{moved['from_version']} -> v{moved['to_version']} "
                   f"{'FORCED over the gate refusal ' if moved['forced'] else ''}(recorded: run {moved['run_id']})")
@@ -96,4 +102,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(asdict(result), indent=2))
     else:
         _print_gate(result)
-    return 0 if result.decision in ("promoted", "dry-run-pass") else 1
+    return 0 if result.decision in ("promoted", "unchanged", "dry-run-pass") else 1

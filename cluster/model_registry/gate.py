@@ -11,14 +11,19 @@ is applied with it; the adapter file is logged with the gate run and its kind ta
 
 Every decision is a run of the MLflow experiment ``compat-gate`` (tags ``run_role=gate``, ``action=gate|rollback``,
 ``registered_model``, ``alias``, ``candidate_version``, ``previous_version`` (behind the alias before),
-``new_version`` (behind it after), ``decision``, ``reason``; metrics in fractions) and tags on the versions
-(``gate.<alias>.decision``, ``gate.<alias>.run_id``, ``gate.<alias>.margin``). :func:`alias_history` lists those
-runs; :func:`rollback` moves the alias back to the version it pointed to before its last move.
+``new_version`` (behind it after), ``decision``, ``reason``; metrics in fractions). Only a move writes the version
+tags that say how a version came to hold the alias (``gate.<alias>.decision``, ``.run_id``, ``.margin``,
+``.adapter``: the search service reads the adapter file of that run); a refusal or a dry run tags the candidate with
+``gate.<alias>.last_decision`` / ``.last_run_id`` only, and a gate of the version already behind the alias
+(decision ``unchanged``) writes no version tag. :func:`alias_history` lists the runs; :func:`rollback` moves the
+alias back to a version that held it before, after loading it and comparing it with the current holder.
 
-A move survives a kill at any point: its run is created first with tag ``move_state=intended`` (left RUNNING), then
-the version tags and the alias move, then ``move_state=confirmed`` and FINISHED. Every later gate, rollback or history
-reconciles an intent left behind (:func:`reconcile_moves`): the alias at the intended version confirms it; the alias
-elsewhere records the decision as ``interrupted`` (the alias did not move) and ends the run KILLED.
+A move survives a kill at any point (``MOVE_STEPS``): its run is created first with tag ``move_state=intended``
+(left RUNNING) and the candidate's install tags as they were (``prior.<name>``), then the candidate's install tags,
+then the alias move, then the replaced version's tags, ``move_state=confirmed`` and FINISHED. Every later gate,
+rollback or history reconciles an intent left behind (:func:`reconcile_moves`): the alias at the intended version
+confirms it (and writes the tags that follow the move); the alias elsewhere records the decision as
+``interrupted``, puts the candidate's install tags back and ends the run KILLED.
 """
 from __future__ import annotations
 
@@ -32,9 +37,10 @@ from typing import Any, Callable
 import numpy as np
 
 from cluster.model_registry.alias_moves import (
-    DEFAULT_ALIAS, GATE_EXPERIMENT, MOVE_STATE, MOVE_STEPS, MoveStep, _experiment_id, _no_step, _version,
-    alias_history, reconcile_moves, refusal_of, rollback, version_by_alias,
+    DEFAULT_ALIAS, GATE_EXPERIMENT, MOVE_STATE, MOVE_STEPS, PRIOR, MoveStep, _experiment_id, _no_step, _version,
+    after_move, alias_history, install_tags, reconcile_moves, set_version_tags, version_by_alias,
 )
+from cluster.model_registry import alias_moves
 from cluster.model_registry.versions import MlflowModelResolver
 from cluster.tracking.client import ensure_experiment, open_client
 from compat_core.evaluation.metrics import criterion_sign, is_compatible, upgrade_verdict
@@ -51,7 +57,8 @@ from pipelines.stages.adapt import METRICS, adapter_blob_name, cross_tests, stud
 
 @dataclass
 class GateResult:
-    """One gate decision. decision: promoted | refused | dry-run-pass | dry-run-refuse; numbers are fractions."""
+    """One gate decision. decision: promoted | refused | unchanged (the candidate is already behind the alias) |
+    dry-run-pass | dry-run-refuse; numbers are fractions."""
 
     model: str
     alias: str
@@ -77,7 +84,10 @@ def _features(resolver: Any, model: str, version: str, config: Any, pools: dict,
               log: Callable[[str], None]) -> dict[str, tuple]:
     """Features of ``models:/model/version`` on the query and gallery pools: split -> (features, labels, coarse)."""
     folder = resolver(str(ModelUri(model, str(version))))
-    network = load_model(folder, map_location=device)
+    try:
+        network = load_model(folder, map_location=device)
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"models:/{model}/{version} cannot be loaded: {error}") from None
     out = {}
     for split, pool in pools.items():
         started = time.perf_counter()
@@ -168,7 +178,9 @@ def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: 
         result.advice = [f"no {alias} existed: nothing was evaluated; every later candidate is gated against "
                          f"version {candidate_version.version}"]
     elif str(champion.version) == str(candidate_version.version):
-        result.decision, result.reason = "refused", f"version {candidate} is already behind alias {alias!r}"
+        result.decision = "unchanged"
+        result.reason = (f"version {candidate_version.version} is already behind alias {alias!r}: nothing to "
+                         f"evaluate, the alias and the version's tags are left as they are")
     else:
         check_pools_open_set(config)
         pools = {"query": load_pool(config.evaluation.query_set, "evaluation.query_set"),
@@ -208,11 +220,8 @@ def run_gate(tracking_uri: str, model: str, candidate: str, config: Any, alias: 
     return result
 
 
-def _record(client: Any, experiment: str, result: GateResult, candidate: Any, champion: Any, dry_run: bool,
-            started_ms: int | None = None, on_move_step: MoveStep = _no_step) -> None:
-    """Gate run (tags, metrics, decision.json, adapter file), version tags, then the alias move."""
-    from mlflow.entities import Metric
-
+def _run_tags(result: GateResult, candidate: Any, champion: Any, dry_run: bool) -> dict[str, str]:
+    """The gate run's tags; a promotion also keeps the candidate's install tags before it (``prior.<name>``)."""
     moved = result.decision == "promoted"
     tags = {"run_role": "gate", "action": "gate", "registered_model": result.model, "alias": result.alias,
             "candidate_version": result.candidate_version, "previous_version": result.champion_version or "",
@@ -222,10 +231,14 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
             "first_promotion": str(champion is None).lower()}
     if moved:
         tags[MOVE_STATE] = "intended"
-    # the run spans the whole gate (features, adapters, curve), not only this recording
-    run = client.create_run(_experiment_id(client, experiment), start_time=started_ms, tags=tags,
-                            run_name=f"gate-{result.model}-v{result.candidate_version}")
-    result.run_id = run.info.run_id
+        tags.update({PRIOR + name: value for name, value in install_tags(candidate, result.alias).items()})
+    return tags
+
+
+def _log_numbers(client: Any, run_id: str, result: GateResult) -> None:
+    """The gate's metrics, decision.json, the fitted adapter file and the backfilling curve, on its run."""
+    from mlflow.entities import Metric
+
     now = int(time.time() * 1000)
     metrics = [Metric(f"{name}/{part}", float(value), now, 0) for name, parts in result.values.items()
                for part, value in parts.items()]
@@ -243,7 +256,7 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
             metrics.append(Metric(f"backfill/random/{result.metric}", float(value), now, percent))
             metrics.append(Metric("backfill/percent_reembedded", float(percent), now, percent))
     if metrics:
-        client.log_batch(run.info.run_id, metrics=metrics, synchronous=True)
+        client.log_batch(run_id, metrics=metrics, synchronous=True)
     with tempfile.TemporaryDirectory(prefix="compat-gate-") as folder:
         document = {key: value for key, value in asdict(result).items()}
         Path(folder, "decision.json").write_text(json.dumps(document, indent=2))
@@ -252,26 +265,85 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
             Path(folder, adapter_blob_name(result.adapter)).write_bytes(save_adapter(fitted))
         if curve:
             _plot_backfill(curve, result.metric, Path(folder, "backfill.png"))
-        client.log_artifacts(run.info.run_id, folder, "gate")
+        client.log_artifacts(run_id, folder, "gate")
+
+
+def _record(client: Any, experiment: str, result: GateResult, candidate: Any, champion: Any, dry_run: bool,
+            started_ms: int | None = None, on_move_step: MoveStep = _no_step) -> None:
+    """Gate run (tags, metrics, decision.json, adapter file), then, for a promotion only, the candidate's install
+    tags and the alias move. A decision that moves nothing writes no install tag: a refusal or a dry run tags the
+    candidate with ``last_decision`` / ``last_run_id`` only, and a gate of the version already behind the alias
+    (``unchanged``) writes no version tag at all, so the search service keeps the adapter its holder came with."""
+    moved = result.decision == "promoted"
+    # the run spans the whole gate (features, adapters, curve), not only this recording
+    tags = _run_tags(result, candidate, champion, dry_run)
+    run = client.create_run(_experiment_id(client, experiment), start_time=started_ms, tags=tags,
+                            run_name=f"gate-{result.model}-v{result.candidate_version}")
+    run_id = result.run_id = run.info.run_id
+    _log_numbers(client, run_id, result)
     if not moved:
-        client.set_terminated(run.info.run_id, "FINISHED", end_time=int(time.time() * 1000))
+        if result.decision != "unchanged":
+            set_version_tags(client, result.model, result.candidate_version, result.alias,
+                             {"last_decision": result.decision, "last_run_id": run_id})
+        client.set_terminated(run_id, "FINISHED", end_time=int(time.time() * 1000))
+        return
     on_move_step("intent")
-    prefix = f"gate.{result.alias}"
-    client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.decision", result.decision)
-    client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.run_id", run.info.run_id)
-    if result.verdict:
-        client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.margin",
-                                     f"{result.verdict['margin']:.6f}")
-    if moved:
-        if result.adapter:
-            client.set_model_version_tag(result.model, result.candidate_version, f"{prefix}.adapter", result.adapter)
-        client.set_registered_model_alias(result.model, result.alias, result.candidate_version)
-        on_move_step("moved")
-        if champion is not None:
-            client.set_model_version_tag(result.model, champion.version, f"{prefix}.replaced_by",
-                                         result.candidate_version)
-        client.set_tag(run.info.run_id, MOVE_STATE, "confirmed")
-        client.set_terminated(run.info.run_id, "FINISHED", end_time=int(time.time() * 1000))
+    set_version_tags(client, result.model, result.candidate_version, result.alias,
+                     {"decision": result.decision, "run_id": run_id, "adapter": result.adapter or "",
+                      "margin": f"{result.verdict['margin']:.6f}" if result.verdict else ""})
+    on_move_step("tagged")
+    client.set_registered_model_alias(result.model, result.alias, result.candidate_version)
+    on_move_step("moved")
+    after_move(client, result.model, result.alias, tags, run_id)
+    client.set_tag(run_id, MOVE_STATE, "confirmed")
+    client.set_terminated(run_id, "FINISHED", end_time=int(time.time() * 1000))
+
+
+def _served_model(resolver: Any, model: str, version: str) -> Any:
+    """The CompatModel of ``models:/model/version`` (sha256 tag, config, weights: names, shapes, dtypes, finite
+    values); ValueError naming the version and the cause."""
+    uri = str(ModelUri(model, str(version)))
+    try:
+        return load_model(resolver(uri), map_location="cpu")
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        raise ValueError(f"{uri} cannot be loaded: {error}") from None
+    except Exception as error:  # noqa: BLE001 - a reader's own error type (e.g. safetensors') for bad bytes
+        raise ValueError(f"{uri} cannot be loaded: {type(error).__name__}: {error}") from None
+
+
+def _feature_kind(network: Any) -> dict[str, Any]:
+    """What a gallery indexed by ``network`` needs of another model: the feature width and how it is made."""
+    return {"feature width": network.feature_dim, "head": network.head, "classifier": network.classifier_kind}
+
+
+def check_installable(tracking_uri: str, model: str, version: str, reference: str, cache_dir: str | None = None,
+                      log: Callable[[str], None] = print) -> None:
+    """Load ``models:/model/version`` and compare it with ``reference`` (the version behind the alias, whose
+    gallery the search service holds): ValueError when the target does not load or makes features of another width
+    or kind. A reference that does not load itself (a broken holder being rolled back) is said and skipped."""
+    resolver = MlflowModelResolver(tracking_uri, cache_dir)
+    target = _feature_kind(_served_model(resolver, model, version))
+    try:
+        expected = _feature_kind(_served_model(resolver, model, reference))
+    except ValueError as error:
+        log(f"gate: the version behind the alias does not load ({error}); version {version} is checked alone")
+        return
+    different = {key: (expected[key], target[key]) for key in target if target[key] != expected[key]}
+    if different:
+        raise ValueError(f"models:/{model}/{version} cannot replace version {reference}: "
+                         + ", ".join(f"{key} {new} instead of {old}" for key, (old, new) in different.items())
+                         + "; the gallery indexed for the current version cannot be searched with it")
+
+
+def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_version: str | None = None,
+             reason: str = "", experiment: str = GATE_EXPERIMENT, force: bool = False,
+             on_move_step: MoveStep = _no_step, cache_dir: str | None = None,
+             log: Callable[[str], None] = print) -> dict:
+    """:func:`cluster.model_registry.alias_moves.rollback` with the target loaded and compared with the version
+    behind the alias first (:func:`check_installable`)."""
+    return alias_moves.rollback(tracking_uri, model, alias, to_version, reason, experiment, force, on_move_step,
+                                check_target=lambda target, current: check_installable(
+                                    tracking_uri, model, target, current, cache_dir, log))
 
 
 def _plot_backfill(curve: dict, metric: str, path: Path) -> None:
@@ -292,5 +364,5 @@ def _plot_backfill(curve: dict, metric: str, path: Path) -> None:
     pyplot.close(figure)
 
 
-__all__ = ["GateResult", "run_gate", "alias_history", "rollback", "reconcile_moves", "GATE_EXPERIMENT",
-           "DEFAULT_ALIAS", "MOVE_STEPS"]
+__all__ = ["GateResult", "check_installable", "run_gate", "alias_history", "rollback", "reconcile_moves",
+           "GATE_EXPERIMENT", "DEFAULT_ALIAS", "MOVE_STEPS"]

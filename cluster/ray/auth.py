@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+import sys
 from pathlib import Path
+from typing import Callable
 from urllib.error import URLError
 from urllib.request import urlopen
 
@@ -59,6 +62,62 @@ def prepare_client_auth(token_file: str | None = None) -> str | None:
     return source
 
 
+def _note(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def create_token_file(path: Path) -> Path:
+    """A new token (Ray's own generator) in ``path``, created mode 0600 whatever the umask (its folder 0700 when
+    created here); FileExistsError when another process created it first."""
+    from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(generate_new_authentication_token())
+    return path
+
+
+def secure_token_file(path: Path, log: Callable[[str], None] = _note) -> None:
+    """A token file other users can read: made 0600 (said through ``log``) when it is this user's, else refused
+    (PermissionError naming the file, its owner and mode, and the fix). Never reads the token."""
+    info = path.stat()
+    if not info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return
+    mode = stat.filemode(info.st_mode)
+    if info.st_uid == os.getuid():
+        path.chmod(0o600)
+        log(f"note: the Ray token file {path} was readable by other users ({mode}); made it 0600 (owner only)")
+        return
+    raise PermissionError(f"the Ray token file {path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}), "
+                          f"and other users can read it ({mode}); it is not used: have its owner run chmod 600 on "
+                          f"it, or point {TOKEN_PATH_VARIABLE} at a token file only you can read")
+
+
+def token_for_embedded_ray(log: Callable[[str], None] = _note) -> None:
+    """Before this process starts an embedded Ray: in token mode (Ray's default when ``RAY_AUTH_MODE`` is unset)
+    Ray writes a missing ``~/.ray/auth_token`` with the umask's mode (0644), so it is created here first, 0600;
+    an existing one readable by others is secured (:func:`secure_token_file`)."""
+    if os.environ.get(MODE_VARIABLE, "token").lower() == "token":
+        prepare_token_file(log)
+
+
+def prepare_token_file(log: Callable[[str], None] = _note) -> None:
+    """The token file Ray will read (``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``) secured, or the default
+    one created 0600 when there is none; nothing when the token comes from ``RAY_AUTH_TOKEN``."""
+    if os.environ.get(TOKEN_VARIABLE):
+        return
+    named = os.environ.get(TOKEN_PATH_VARIABLE)
+    path = Path(named).expanduser() if named else default_token_path()
+    if path.is_file():
+        secure_token_file(path, log)
+    elif not named:
+        try:
+            create_token_file(path)
+        except FileExistsError:  # created by another process in between
+            secure_token_file(path, log)
+
+
 def _set_mode(mode: str) -> None:
     os.environ[MODE_VARIABLE] = mode
     try:  # Ray caches its config in the C++ layer: refresh it so this process sees the mode (as Ray itself does)
@@ -89,5 +148,5 @@ def require_token_if_needed(dashboard_url: str, source: str | None) -> None:
             f"give --ray-token-file FILE, or set {TOKEN_PATH_VARIABLE}=FILE (see docs/cluster.md)")
 
 
-__all__ = ["default_token_path", "head_requires_token", "prepare_client_auth", "require_token_if_needed",
-           "token_source"]
+__all__ = ["create_token_file", "default_token_path", "head_requires_token", "prepare_client_auth",
+           "prepare_token_file", "require_token_if_needed", "secure_token_file", "token_for_embedded_ray", "token_source"]

@@ -31,7 +31,7 @@ from pathlib import Path
 from urllib.error import HTTPError
 from urllib.request import urlopen
 
-from cluster.ray.auth import TOKEN_PATH_VARIABLE, TOKEN_VARIABLE, default_token_path
+from cluster.ray.auth import default_token_path, prepare_token_file, secure_token_file
 
 # ports Ray would otherwise take at fixed defaults; another Ray instance on the machine may hold them
 EXTRA_PORT_OPTIONS = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
@@ -78,18 +78,11 @@ def read_state(name: str = "local", state_dir: str | Path | None = None) -> Head
 
 
 def ensure_token() -> Path:
-    """Ray's standard token file, generated (mode 600) with Ray's own generator when it does not exist; a token
-    given as ``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH`` is used as it is (returns the default path anyway)."""
-    path = default_token_path()
-    if os.environ.get(TOKEN_VARIABLE) or os.environ.get(TOKEN_PATH_VARIABLE) or path.is_file():
-        return path
-    from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w") as handle:
-        handle.write(generate_new_authentication_token())
-    return path
+    """Ray's standard token file, generated mode 0600 with Ray's own generator when it does not exist; one other
+    users can read is made 0600 when it is this user's and refused otherwise; a token given as ``RAY_AUTH_TOKEN`` /
+    ``RAY_AUTH_TOKEN_PATH`` is used as it is, secured the same way (returns the default path anyway)."""
+    prepare_token_file()
+    return default_token_path()
 
 
 def start_head(name: str = "local", state_dir: str | Path | None = None, num_cpus: int | None = None,
@@ -133,6 +126,8 @@ def _start_once(name: str, state_dir: str | Path | None, num_cpus: int | None, o
     env.pop("RAY_ADDRESS", None)
     if auth == "token":
         ensure_token()
+    elif auth is None and default_token_path().is_file():  # Ray's default mode uses an existing token
+        secure_token_file(default_token_path())
     temp_dir = tempfile.mkdtemp(prefix="compat-ray-", dir="/tmp")
     port, dashboard_port = free_port(), dashboard_port or free_port()
     ray = ray_executable or str(Path(sys.executable).with_name("ray"))

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 
 import ray
 
-from cluster.ray.auth import prepare_client_auth
+from cluster.ray.auth import prepare_client_auth, token_for_embedded_ray
 from cluster.ray.jobs import submit_pipeline
 from cluster.ray.loopback import prepare_loopback
 from cluster.ray.reach import local_address_towards, require_answering, require_reachable
@@ -80,6 +80,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         ray.init(configure_logging=False)
     elif address is None:
         prepare_loopback()  # every port on 127.0.0.1, none on the machine's other interfaces
+        token_for_embedded_ray()  # Ray itself would write a missing token file readable by every user
         # address "local": always a new instance; without it ray.init joins the latest cluster another process
         # started on this machine (/tmp/ray/ray_current_cluster) and then refuses num_cpus
         ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,

@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Iterator
@@ -31,6 +32,7 @@ from urllib.parse import urlsplit
 import botocore.credentials
 import botocore.exceptions
 import botocore.session
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from cluster.storage.conditional_writes import S3ConditionalObjects
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 
 ADDRESSING_STYLES = ("path", "virtual")
 ADDRESSING_STYLE_ENV = "COMPAT_S3_ADDRESSING_STYLE"
+REQUEST_TIMEOUT_ENV = "COMPAT_S3_REQUEST_TIMEOUT_S"
+WAIT_NOTICE_S = 5.0  # a request slower than this says what it waits for
 DEFAULT_REGION = "us-east-1"
 
 
@@ -69,7 +73,8 @@ class S3Settings:
     """Everything about an S3 endpoint except the credentials: safe to log, pickle and record as run params.
 
     endpoint_url: ``scheme://host[:port]`` of an S3-compatible store, or None for AWS.
-    connect_timeout_s / request_timeout_s: seconds. max_attempts: total tries per request (1 = no retry).
+    connect_timeout_s / request_timeout_s: seconds (request: how long a try may stall without a byte;
+    ``COMPAT_S3_REQUEST_TIMEOUT_S``). max_attempts: total tries per request (1 = no retry).
     """
 
     endpoint_url: str | None
@@ -78,7 +83,7 @@ class S3Settings:
     profile: str | None = None
     max_attempts: int = 3
     connect_timeout_s: float = 2.0
-    request_timeout_s: float = 30.0
+    request_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.addressing_style not in ADDRESSING_STYLES:
@@ -147,8 +152,13 @@ def _settings_from_session(session: botocore.session.Session, profile: str | Non
             max_attempts = int(configured) if configured else 3
         except ValueError:
             raise StorageConfigError(f"AWS max_attempts must be an integer, got {configured!r}") from None
+    request_timeout = os.environ.get(REQUEST_TIMEOUT_ENV)
+    try:
+        timeouts = {"request_timeout_s": float(request_timeout)} if request_timeout else {}
+    except ValueError:
+        raise StorageConfigError(f"{REQUEST_TIMEOUT_ENV} must be a number of seconds, got {request_timeout!r}") from None
     return S3Settings(endpoint_url=endpoint_url.rstrip("/") if endpoint_url else None, region=region,
-                      addressing_style=style, profile=profile, max_attempts=max_attempts)
+                      addressing_style=style, profile=profile, max_attempts=max_attempts, **timeouts)
 
 
 def mask_access_key(access_key: str | None) -> str:
@@ -373,6 +383,14 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
         return found
 
     def _call(self, operation: str, path: str, function, *args):
+        settings = self.access.settings
+        notice = threading.Timer(WAIT_NOTICE_S, lambda: print(
+            f"waiting for the S3 endpoint {settings.endpoint_display} ({operation} "
+            f"{cio.S3Uri.from_path(path).where()}): no answer for {WAIT_NOTICE_S:g} s; giving up after "
+            f"{settings.max_attempts} tries of {settings.request_timeout_s:g} s without progress", file=sys.stderr,
+            flush=True))
+        notice.daemon = True
+        notice.start()
         try:
             return function(*args)
         except OSError as error:
@@ -380,6 +398,8 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
             if translated is error:
                 raise
             raise translated from None
+        finally:
+            notice.cancel()
 
     def _check_bucket_for_write(self, path: str) -> None:
         location = cio.S3Uri.from_path(path)
@@ -429,7 +449,8 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
         self._call("copying", src, self.inner.copy_file, src, dest)
 
     def open_input_stream(self, path):
-        return self._call("reading", path, self.inner.open_input_stream, path)
+        stream = self._call("reading", path, self.inner.open_input_stream, path)
+        return pa.PythonFile(_GuardedReads(stream, self, path), mode="r")
 
     def open_input_file(self, path):
         return self._call("reading", path, self.inner.open_input_file, path)
@@ -440,6 +461,38 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
 
     def open_append_stream(self, path, metadata):
         return self._call("appending to", path, functools.partial(self.inner.open_append_stream, compression=None, metadata=metadata), path)
+
+
+class _GuardedReads:
+    """A sequential object stream whose reads go through the handler's ``_call``: a stalled read says what it waits
+    for and its error names the endpoint and the object, like every other request."""
+
+    def __init__(self, stream, handler: _TranslatingS3Handler, path: str) -> None:
+        self.stream, self.handler, self.path = stream, handler, path
+
+    def read(self, size: int | None = -1) -> bytes:
+        whole = size is None or size < 0
+        return self.handler._call("reading", self.path, self.stream.read if whole else
+                                  functools.partial(self.stream.read, size))
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return False
+
+    def tell(self) -> int:
+        return self.stream.tell()
+
+    @property
+    def closed(self) -> bool:
+        return self.stream.closed
+
+    def close(self) -> None:
+        self.stream.close()
 
 
 def _handler_from_access(access: S3Access) -> _TranslatingS3Handler:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import ssl
+import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+from urllib.error import HTTPError, URLError
+from urllib.request import urlopen
 
 from pipelines.config.redaction import redact_uri, split_uri_credentials
 
@@ -69,6 +73,56 @@ def check_tracking_uri(uri: str) -> str:
     return clean
 
 
+WAIT_VARIABLE = "COMPAT_TRACKING_WAIT_S"
+DEFAULT_WAIT_S = 20.0
+# MLflow's own HTTP retries (7 retries, backoff factor 2: minutes of silence on a server that went away) bounded
+# for the whole command: 4 retries 1, 2, 4, 8 s apart (MLflow's per-request timeout is kept for large uploads); a
+# variable the user set wins
+MLFLOW_HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "4", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+
+
+def bound_mlflow_http_retries() -> None:
+    """Set MLflow's HTTP retry and timeout variables to :data:`MLFLOW_HTTP_LIMITS` where the user did not."""
+    for name, value in MLFLOW_HTTP_LIMITS.items():
+        os.environ.setdefault(name, value)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def wait_for_tracking_server(uri: str, total_s: float | None = None, log: Callable[[str], None] = _stderr) -> None:
+    """Wait until the MLflow server at the ``http(s)://`` ``uri`` answers HTTP (any status: the server is there),
+    retrying with backoff (0.5, 1, 2, 4 s ...) for at most ``total_s`` seconds (default ``$COMPAT_TRACKING_WAIT_S``,
+    else 20); says what it waits for after the first failed try. ConnectionError naming the URI otherwise. A
+    ``sqlite:///`` store is not probed."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    total_s = float(os.environ.get(WAIT_VARIABLE, DEFAULT_WAIT_S)) if total_s is None else total_s
+    shown, started, delay, tries, reason = redact_uri(uri), time.monotonic(), 0.5, 0, ""
+    while True:
+        tries += 1
+        left = total_s - (time.monotonic() - started)
+        try:
+            with urlopen(uri.rstrip("/") + "/health", timeout=max(min(5.0, left), 0.5)):
+                return
+        except HTTPError:
+            return  # an HTTP answer (401, 404, ...): a server is there
+        except (URLError, OSError, ValueError) as error:
+            if isinstance(getattr(error, "reason", error), ssl.SSLError):
+                return  # a TLS server answered; MLflow applies its own certificate settings
+            reason = str(getattr(error, "reason", error))
+        left = total_s - (time.monotonic() - started)
+        if left <= 0:
+            raise ConnectionError(f"the MLflow tracking server at {shown} does not answer ({reason}; {tries} tries "
+                                  f"in {time.monotonic() - started:.0f} s); start it, give another --tracking-uri, "
+                                  f"or --tracking-uri none to run without tracking")
+        if tries == 1:
+            log(f"waiting for the MLflow tracking server at {shown} ({reason}); retrying for up to {total_s:.0f} s")
+        time.sleep(min(delay, left))
+        delay = min(2 * delay, 5.0)
+
+
 def open_client(tracking_uri: str) -> Any:
     """An MlflowClient for ``tracking_uri`` and its model registry (as resolved by
     :func:`cluster.tracking.store.resolve_tracking`: checked, without credentials). A SQLite store is created or
@@ -110,5 +164,5 @@ def log_metrics(client: Any, run_id: str, values: dict[str, Any], step: int) -> 
         client.log_batch(run_id, metrics=metrics[start:start + 1000], synchronous=True)
 
 
-__all__ = ["check_tracking_uri", "ensure_experiment", "log_metrics", "log_params", "open_client", "sqlite_store_lock",
+__all__ = ["bound_mlflow_http_retries", "wait_for_tracking_server", "check_tracking_uri", "ensure_experiment", "log_metrics", "log_params", "open_client", "sqlite_store_lock",
            "tracking_credentials_from_environment"]

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.ray.auth import prepare_client_auth
+from cluster.ray.auth import prepare_client_auth, token_for_embedded_ray
 from cluster.ray.loopback import prepare_for_address, prepare_loopback
 from cluster.ray.reach import require_answering, require_reachable
 from cluster.storage.s3 import configure_object_storage
@@ -62,6 +62,7 @@ from cluster.tune.spec import (
     first_reported_task,
     load_plugins,
     read_spec,
+    seal_tuner_state,
     write_spec,
 )
 from cluster.tune.tracking import mlflow_callback_class, open_search_run, register_best_models
@@ -154,6 +155,7 @@ def ensure_ray(address: str | None) -> None:
         ray.init(address=address, configure_logging=False)
     else:
         prepare_loopback()
+        token_for_embedded_ray()  # Ray itself would write a missing token file readable by every user
         # address "local": a new embedded instance, never another process's cluster on this machine
         ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
                  object_store_memory=300 * 1024 * 1024)
@@ -238,6 +240,7 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
             callbacks=_callbacks(spec, experiment_id) + list(extra_callbacks or []),
             failure_config=tune.FailureConfig(max_failures=0), verbose=1),
     )
+    seal_tuner_state(spec.experiment_path)  # tuner.pkl is written by tune.Tuner(...), before any trial
     results = tuner.fit()
     return _finish(spec, results)
 

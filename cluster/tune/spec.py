@@ -4,7 +4,6 @@ absolute) and the plugins imported in every trial process."""
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -17,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.tune.marker import MARKER_FILE, SEARCH_FILE, TUNER_FILE, check_marker, seal_tuner_state, write_marker
 from compat_core import io as cio
 from compat_core.codec import encode_manifest, from_json
 from pipelines.config.load import ConfigError, apply_override, validate_config
 from pipelines.config.schema import parse_increments
 
-SEARCH_FILE = "search.json"
 RUNS_FOLDER = "runs"
 SHARED_FOLDER = "third-party"  # <experiment>/third-party: the trials' shared third-party models
 TRIAL_FILE = "trial.json"
@@ -244,36 +243,14 @@ class SearchSpec:
         return from_json(cls, data, source)
 
 
-MARKER_FILE = "compat-tune.json"
 
 
 def write_spec(spec: SearchSpec) -> str:
-    """Write ``search.json`` and the marker that says `compat tune` created this folder (with its sha256)."""
+    """Write ``search.json`` and the marker that says `compat tune` created this folder (pinning search.json)."""
     data = spec.to_json().encode("utf-8")
     uri = cio.write_bytes(cio.join(spec.experiment_path, SEARCH_FILE), data)
-    marker = {"created_by": "compat tune", "search_sha256": hashlib.sha256(data).hexdigest()}
-    cio.write_bytes(cio.join(spec.experiment_path, MARKER_FILE), json.dumps(marker).encode("utf-8"))
+    write_marker(spec.experiment_path, data)
     return uri
-
-
-def check_marker(experiment_path: str) -> None:
-    """Refuse a folder that `compat tune` did not create (or whose search.json changed since): ``--resume``
-    unpickles Ray Tune's experiment state from it, so only folders this tool wrote, from a trusted location, may
-    be resumed. Raises PermissionError naming the folder."""
-    marker_uri = cio.join(str(experiment_path), MARKER_FILE)
-    search_uri = cio.join(str(experiment_path), SEARCH_FILE)
-    missing = [name for name, uri in ((MARKER_FILE, marker_uri), (SEARCH_FILE, search_uri)) if not cio.exists(uri)]
-    if missing:
-        raise PermissionError(f"--resume {experiment_path}: {' and '.join(missing)} missing there; only a folder "
-                              f"created by `compat tune` can be resumed (resuming unpickles its Tune state)")
-    try:
-        marker = json.loads(cio.read_bytes(marker_uri).decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        marker = {}
-    actual = hashlib.sha256(cio.read_bytes(search_uri)).hexdigest()
-    if marker.get("created_by") != "compat tune" or marker.get("search_sha256") != actual:
-        raise PermissionError(f"--resume {experiment_path}: {SEARCH_FILE} does not match {MARKER_FILE} (sha256 "
-                              f"{actual}); the folder was changed outside `compat tune` and is not resumed")
 
 
 def check_local_folder_private(experiment_path: str) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 from compat_core import io as cio
 from compat_core.kinds import CLASSIFIERS
 from compat_core.models.backbones import create_backbone
+from compat_core.models.weight_checks import check_head_against_header, check_weight_values, safetensors_header
 from compat_core.simplex import NORMS as SIMPLEX_NORMS
 from compat_core.simplex import dsimplex_logits, dsimplex_rows
 from compat_core.validation import check_int
@@ -317,7 +318,9 @@ def load_model(uri: str, map_location: str | torch.device = "cpu") -> CompatMode
 def model_from_bytes(config_bytes: bytes, weights_bytes: bytes, where: str = "<bytes>",
                      map_location: str | torch.device = "cpu") -> CompatModel:
     """Rebuild a model from the contents of its config.json and model.safetensors (e.g. blobs already read and
-    verified by a run store); ``where`` names them in errors."""
+    verified by a run store); ``where`` names them in errors. The head's shapes in the weights' header are checked
+    against the config before anything is built (a config with a huge ``num_slots`` allocates nothing), and every
+    tensor must be floating point and finite."""
     from safetensors.torch import load as load_safetensors
 
     config_uri = cio.join(where, CONFIG_FILE)
@@ -329,8 +332,13 @@ def model_from_bytes(config_bytes: bytes, weights_bytes: bytes, where: str = "<b
     version = config.get("format_version", FORMAT_VERSION)
     if version > FORMAT_VERSION:
         raise ValueError(f"{config_uri} has format_version {version}; this code reads up to {FORMAT_VERSION}")
-    model = model_from_config(config)
+    for field in ("backbone", "num_slots"):
+        if field not in config:
+            raise KeyError(f"{config_uri} lacks {field!r}; got fields {sorted(config)}")
+    check_head_against_header(config, safetensors_header(weights_bytes, weights_uri), config_uri, weights_uri)
     state = load_safetensors(weights_bytes)
+    model = model_from_config(config)
+    check_weight_values(state, weights_uri, {k: v.is_floating_point() for k, v in model.state_dict().items()})
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
         raise ValueError(

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from compat_core import io as cio
+from compat_core.models.weight_checks import check_weight_values
 from compat_core.models.weight_sources import (
     register_uri_resolver,
     resolve_weights_source,
@@ -432,6 +433,8 @@ def load_external_weights(
     state = _remap(state, layout, key_map, set(target_state), report)
     backbone_module = getattr(model_or_backbone, "backbone", model_or_backbone) if is_compat else model_or_backbone
     matched = _match(state, target_state, backbone_module, is_compat, ignored, report)
+    check_weight_values(matched, f"weights file {report.source}",
+                        {name: target_state[name].is_floating_point() for name in matched})
     _account_targets(report, set(target_state), matched, is_compat, ignored)
     if slot_map is not None:
         _assign_slots(slot_map, getattr(model_or_backbone, "num_slots", None), report)

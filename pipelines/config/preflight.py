@@ -6,6 +6,9 @@ hours in because of a missing file or a typo stops now, with every problem named
   resolved, is a regular file (``/dev/zero`` and FIFOs are refused before a byte is read), matches its pinned sha256
   and loads strictly into the model the stage builds (every key, extras only through the ignore lists);
 - device: ``cuda`` on a machine (or cluster) without CUDA;
+- memory: each training stage's estimate (parameters, gradients, optimiser state, previous model, activations,
+  logits; :mod:`pipelines.config.memory`) against the memory this machine has for it (host RAM on CPU, free
+  device memory on CUDA), naming ``model.num_slots`` and the batch size;
 - the run folder's bucket exists (``s3://``).
 Resource requests against the cluster are checked by the Ray backend for every stage before the first one starts.
 """
@@ -15,6 +18,7 @@ from typing import Any
 
 from compat_core import io as cio
 from compat_core.models.weight_sources import resolve_weights_source
+from pipelines.config.memory import GIB, available_memory, training_memory
 from pipelines.config.schema import PRETRAIN_PREFIX, ScenarioConfig
 from pipelines.graph.build_inputs import method_classifier
 from pipelines.graph.source_digests import file_digest
@@ -130,6 +134,53 @@ def device_problems(config: ScenarioConfig, cluster_has_gpus: bool | None = None
     return []
 
 
+def _training_lines(config: ScenarioConfig) -> list[dict[str, Any]]:
+    """Every kind of training stage: its config key, backbone, classifier, batch size (and its key), data pool."""
+    line_classifier = method_classifier(config)
+    lines = [{"key": "model", "backbone": None, "backbone_config": None, "classifier": line_classifier,
+              "batch": config.training.batch_size, "batch_key": "training.batch_size", "pool": config.data}]
+    for spec in config.pretrain:
+        lines.append({"key": f"pretrain[{spec.name}]", "backbone": spec.backbone,
+                      "backbone_config": spec.backbone_config,
+                      "classifier": spec.resolved_classifier(line_classifier),
+                      "batch": spec.batch_size or config.training.batch_size,
+                      "batch_key": f"pretrain[{spec.name}].batch_size" if spec.batch_size else "training.batch_size",
+                      "pool": spec.pool})
+    for index, replacement in enumerate(config.replacements):
+        if replacement.backbone is not None:
+            lines.append({"key": f"replacements[{index}]", "backbone": replacement.backbone,
+                          "backbone_config": replacement.backbone_config, "classifier": line_classifier,
+                          "batch": config.training.batch_size, "batch_key": "training.batch_size",
+                          "pool": config.data})
+    return lines
+
+
+def memory_problems(config: ScenarioConfig, device: str | None = None) -> list[tuple[str, str]]:
+    """(config key, problem) for each training stage whose memory estimate exceeds what this machine has for it
+    (``device``: where the stages run, default the config's device, ``auto`` = CUDA when present)."""
+    import torch
+
+    device = str(device or config.device)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    room, what = available_memory(device)
+    problems = []
+    for line in _training_lines(config):
+        shape = ModelShape.of(config, line["classifier"], line["backbone"], line["backbone_config"])
+        try:
+            image_shape = tuple(load_pool(line["pool"], f"{line['key']} pool").image_shape)
+        except Exception:  # noqa: BLE001 - data problems are reported by data_problems; estimated without images
+            image_shape = None
+        estimate = training_memory(shape.backbone, shape.backbone_config, shape.num_slots, line["classifier"],
+                                   shape.head, line["batch"], image_shape)
+        if estimate.total > room:
+            problems.append(("model.num_slots", f"model.num_slots={shape.num_slots} with {line['batch_key']}="
+                             f"{line['batch']} ({line['key']}, backbone {shape.backbone}): a training stage needs "
+                             f"about {estimate.describe()}, but this machine has {room / GIB:.2f} GiB of {what}; "
+                             f"lower model.num_slots or {line['batch_key']}, or run the stage where it fits"))
+    return problems
+
+
 def output_problems(run_dir: str) -> list[tuple[str, str]]:
     """An ``s3://`` run folder whose bucket does not exist (named, with the endpoint)."""
     if not cio.is_s3(str(run_dir)):
@@ -153,11 +204,14 @@ def preflight(config: ScenarioConfig, run_dir: str | None = None, cluster_has_gp
     problems += weights_problems(config)
     if check_device:
         problems += device_problems(config, cluster_has_gpus)
+        if not problems:
+            problems += memory_problems(config)
     if run_dir is not None:
         problems += output_problems(run_dir)
     if problems:
         raise PreflightError(problems)
 
 
-__all__ = ["PreflightError", "data_problems", "device_problems", "output_problems", "preflight", "weights_problems",
+__all__ = ["PreflightError", "data_problems", "device_problems", "memory_problems", "output_problems", "preflight",
+           "weights_problems",
            "weights_sources"]

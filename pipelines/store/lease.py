@@ -3,7 +3,9 @@
 Local folders: an exclusive ``fcntl`` lock on ``<run>/.compat-lease`` (the kernel drops it when the process dies,
 so a killed run never blocks its resume). Object storage has no locks: the lease is an object
 ``<run>/.compat-lease.json`` holding an owner token and a heartbeat time, rewritten every ``HEARTBEAT_S`` seconds;
-a lease whose heartbeat is older than ``STALE_S`` belonged to a dead (or paused) driver and is taken over.
+a lease whose heartbeat is older than ``STALE_S`` belonged to a dead (or paused) driver and is taken over, and one
+whose holder was a process of this host (same hostname, boot and pid namespace) that no longer exists is taken over
+at once (:func:`holder_gone`; a holder on another host keeps the heartbeat timeout).
 
 Every write of the lease object is conditional (S3 ``If-None-Match: *`` to create it, ``If-Match: <ETag>`` to
 replace it), so two drivers started together cannot both take it, a paused holder that wakes up can neither
@@ -23,6 +25,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -61,8 +64,44 @@ def heartbeat_s() -> float:
     return float(os.environ.get("COMPAT_LEASE_HEARTBEAT_S", HEARTBEAT_S))
 
 
+def _process_space() -> str:
+    """Where this process's pid means something: the boot of this machine and its pid namespace (two containers
+    with one hostname, or a host that rebooted, never share it)."""
+    parts = []
+    for source, read in (("/proc/sys/kernel/random/boot_id", lambda p: open(p).read().strip()),
+                         ("/proc/self/ns/pid", os.readlink)):
+        try:
+            parts.append(read(source))
+        except OSError:
+            parts.append("?")
+    return "/".join(parts)
+
+
 def _owner() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "token": uuid.uuid4().hex}
+    return {"pid": os.getpid(), "host": socket.gethostname(), "space": _process_space(), "since": time.time(),
+            "token": uuid.uuid4().hex}
+
+
+def holder_gone(holder: dict) -> bool:
+    """Whether the lease ``holder`` is a process of this host (same hostname, boot and pid namespace) that no longer
+    exists: its lease is taken over at once. A holder on another host (or one recorded without these facts) is
+    judged by its heartbeat only."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or holder.get("space") != _process_space() \
+            or not isinstance(pid, int) or pid <= 0 or "?" in _process_space():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def _taken_over(root: str, holder: dict) -> None:
+    print(f"note: run folder {root}: its previous holder (pid {holder.get('pid')} on {holder.get('host')}) is gone; "
+          f"lease taken over", file=sys.stderr)
 
 
 def _busy(root: str, holder: dict) -> RunFolderBusyError:
@@ -174,7 +213,10 @@ def _local_lease(root: str) -> Iterator[None]:
             holder = _read_holder(handle)
             handle.close()
             beat = float(holder.get("heartbeat", holder.get("since", time.time())))
-            if attempt == 0 and time.time() - beat >= stale_s():
+            gone = holder_gone(holder)
+            if attempt == 0 and (gone or time.time() - beat >= stale_s()):
+                if gone:
+                    _taken_over(root, holder)
                 # the holder keeps its lock on the file moved aside; its next write finds it lost (check_fence)
                 with contextlib.suppress(FileNotFoundError):
                     os.replace(path, f"{path}.stale-{uuid.uuid4().hex[:8]}")
@@ -379,8 +421,11 @@ def _object_lease(root: str) -> Iterator[None]:
                 holder = json.loads(current[0].decode("utf-8"))
             except (json.JSONDecodeError, UnicodeDecodeError):
                 holder = {}
-            if time.time() - float(holder.get("heartbeat", 0)) < stale_s():
+            gone = holder_gone(holder)
+            if not gone and time.time() - float(holder.get("heartbeat", 0)) < stale_s():
                 raise _busy(root, holder)
+            if gone:
+                _taken_over(root, holder)
             etag = objects.write(uri, body, if_match=current[1])  # only over the stale lease just read
     except PreconditionFailed:
         now = objects.read(uri)

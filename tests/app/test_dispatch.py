@@ -81,11 +81,36 @@ def test_a_bad_tracking_uri_is_refused_before_the_command_runs(monkeypatch, caps
     assert not hasattr(ran[0], "tracking_uri")
 
 
-def test_credentials_in_a_tracking_uri_move_to_mlflows_variables(monkeypatch):
+def test_credentials_in_a_tracking_uri_move_to_mlflows_variables(monkeypatch, mlflow_server):
     monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
     monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
     seen = []
     _command(monkeypatch, lambda args: seen.append(args.tracking.uri) or 0)
-    assert run_command(_args(tracking_uri="http://alice:s3cret@127.0.0.1:5000")) == 0
-    assert seen == ["http://127.0.0.1:5000"]
+    server = mlflow_server.tracking_uri  # a real server: the command waits for its target to answer first
+    assert run_command(_args(tracking_uri=server.replace("http://", "http://alice:s3cret@"))) == 0
+    assert seen == [server]
     assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == ("alice", "s3cret")
+
+
+def test_an_error_raised_in_a_ray_task_is_one_line_with_its_cause(ray_local):
+    """A real Ray task fails: the command prints the cause the task raised, with the task named, not Ray's wrapper
+    text (which holds the remote traceback, shown only with --debug)."""
+    import argparse
+
+    import ray
+
+    from app.dispatch import describe_error
+
+    @ray.remote(max_retries=0)
+    def stage_in_worker():
+        raise ValueError("replacements[0].source: weights file /w.safetensors: tensor 'junction.weight' has dtype "
+                         "int8; expected floating-point weights")
+
+    with pytest.raises(Exception) as raised:
+        ray.get(stage_in_worker.remote())
+    assert 'File "' in str(raised.value)  # Ray's wrapper carries the remote traceback in its text
+    message, code = describe_error(raised.value, argparse.Namespace())
+    assert code == 2
+    assert message.startswith("replacements[0].source: weights file /w.safetensors: tensor 'junction.weight' has "
+                              "dtype int8; expected floating-point weights (raised in a Ray task)")
+    assert "\n" not in message and 'File "' not in message

@@ -6,6 +6,7 @@ import json
 import re
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
+from registry_models import register_files, tiny_model_files  # noqa: E402
 
 from app.cli import main  # noqa: E402
 from compat_core.upgrades.backfill_order import DEFAULT_FRACTIONS  # noqa: E402
@@ -91,7 +93,9 @@ def test_gate_promotes_refuses_records_and_rolls_back(tracked_run, mlflow_server
     assert gate_run.data.tags["decision"] == result["decision"]
     assert gate_run.data.tags["candidate_version"] == str(v2)
     assert gate_run.data.metrics["recall_at_1/cross"] == pytest.approx(cross, abs=1e-12)
-    assert client.get_model_version(name, v2).tags["gate.champion.decision"] == result["decision"]
+    # a promotion writes the install tags; a refusal only the candidate's last decision
+    tag = "gate.champion.decision" if result["decision"] == "promoted" else "gate.champion.last_decision"
+    assert client.get_model_version(name, v2).tags[tag] == result["decision"]
     champion_now = client.get_model_version_by_alias(name, "champion").version
 
     # identical weights registered as a new version: M(new, old) == M(old, old) exactly, so strict refuses and
@@ -108,7 +112,9 @@ def test_gate_promotes_refuses_records_and_rolls_back(tracked_run, mlflow_server
     assert len(re.findall(r"^gate: adapter \d/5 \w+: M\(new, old\)", captured.err, flags=re.M)) == 5
     assert len(re.findall(r"^gate: backfill curve \d+% re-embedded", captured.err, flags=re.M)) == \
         len(DEFAULT_FRACTIONS)
-    refused_run = client.get_run(client.get_model_version(name, twin).tags["gate.champion.run_id"])
+    twin_tags = client.get_model_version(name, twin).tags
+    assert "gate.champion.run_id" not in twin_tags and "gate.champion.decision" not in twin_tags
+    refused_run = client.get_run(twin_tags["gate.champion.last_run_id"])
     assert refused_run.info.end_time - refused_run.info.start_time >= 0.5 * wall_ms
     percent = client.get_metric_history(refused_run.info.run_id, "backfill/percent_reembedded")
     assert sorted((m.step, m.value) for m in percent) == [(round(100 * f), round(100 * f)) for f in DEFAULT_FRACTIONS]
@@ -155,3 +161,64 @@ def test_adapters_of_the_run_are_registered_and_bad_gate_input_is_refused(tracke
     assert "has no version '999'" in capsys.readouterr().err
     assert main(["gate", name, "--candidate", "1"] + uri) == 2
     assert "--config" in capsys.readouterr().err
+
+
+def _champion(client, name) -> str:
+    return str(client.get_model_version_by_alias(name, "champion").version)
+
+
+def test_a_gate_of_the_champion_writes_nothing_and_a_rollback_loads_a_version_that_held_the_alias(
+        mlflow_server, capsys, tmp_path):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_server.tracking_uri)
+    name = f"gate-rollback-{uuid.uuid4().hex[:6]}"
+    uri = ["--tracking-uri", mlflow_server.tracking_uri]
+    tiny.register()
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny.scenario("er")))
+    champion = register_files(client, name, tiny_model_files(seed=0), tmp_path)
+    assert main(["gate", name, "--candidate", champion, "--config", str(config)] + uri) == 0
+    tags_before = client.get_model_version(name, champion).tags
+    assert tags_before["gate.champion.decision"] == "promoted"
+
+    # gating the champion itself: nothing evaluated, exit 0, decision recorded, no tag of the version touched
+    capsys.readouterr()
+    assert main(["gate", name, "--candidate", champion, "--config", str(config)] + uri) == 0
+    assert "decision: unchanged" in capsys.readouterr().out
+    assert client.get_model_version(name, champion).tags == tags_before
+    assert _champion(client, name) == champion
+    assert _json_tail_of(["gate", "history", name, "--json"] + uri, capsys)[-1]["decision"] == "unchanged"
+
+    # a version that never held the alias: --force needed, recorded as forced
+    never = register_files(client, name, tiny_model_files(seed=1), tmp_path)
+    capsys.readouterr()
+    assert main(["gate", "rollback", name, "--to", never] + uri) == 2
+    assert f"version {never} never held alias 'champion'" in capsys.readouterr().err
+    assert _champion(client, name) == champion
+    assert main(["gate", "rollback", name, "--to", never, "--force"] + uri) == 0
+    assert _champion(client, name) == never
+    assert _json_tail_of(["gate", "history", name, "--json"] + uri, capsys)[-1]["reason"].startswith("FORCED")
+    # a no-op gate of the new holder, then plain rollbacks go back and forth between versions that held the alias
+    assert main(["gate", name, "--candidate", never, "--config", str(config)] + uri) == 0
+    assert main(["gate", "rollback", name] + uri) == 0
+    assert _champion(client, name) == champion
+    assert main(["gate", "rollback", name] + uri) == 0
+    assert _champion(client, name) == never
+    assert main(["gate", "rollback", name, "--to", champion] + uri) == 0
+    assert _champion(client, name) == champion
+    tags_now = client.get_model_version(name, champion).tags
+    assert {k: v for k, v in tags_now.items() if k in tags_before} == {**tags_before,
+                                                                        "gate.champion.decision": "rolled-back"}
+
+    # weights that do not load (1,000 zero bytes) or a model of another width: refused even with --force
+    zeros = register_files(client, name, {"config.json": tiny_model_files()["config.json"],
+                                          "model.safetensors": bytes(1000)}, tmp_path)
+    capsys.readouterr()
+    assert main(["gate", "rollback", name, "--to", zeros, "--force"] + uri) == 2
+    error = capsys.readouterr().err
+    assert f"models:/{name}/{zeros} cannot be loaded" in error and "not a safetensors file" in error
+    wider = register_files(client, name, tiny_model_files(num_slots=12), tmp_path)
+    assert main(["gate", "rollback", name, "--to", wider, "--force"] + uri) == 2
+    assert f"cannot replace version {champion}: feature width 11 instead of 9" in capsys.readouterr().err
+    assert _champion(client, name) == champion

@@ -20,19 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "pipelines"
 sys.path.insert(0, str(TINY))
 import tiny_scenario_helpers as tiny  # noqa: E402
+from registry_models import register_files, tiny_model_files  # noqa: E402
 
 
 def _versions(client, name: str, count: int, folder: Path) -> list[str]:
-    client.create_registered_model(name)
-    experiment = client.create_experiment(f"{name}-runs")
-    found = []
-    for index in range(count):
-        run = client.create_run(experiment)
-        (folder / "weights.txt").write_text(str(index))
-        client.log_artifact(run.info.run_id, str(folder / "weights.txt"), "model")
-        client.set_terminated(run.info.run_id)
-        found.append(client.create_model_version(name, f"runs:/{run.info.run_id}/model", run.info.run_id).version)
-    return [str(v) for v in found]
+    return [register_files(client, name, tiny_model_files(seed=index), folder) for index in range(count)]
 
 
 _PAUSING = """
@@ -55,7 +47,7 @@ action, uri, name, value, config = {call!r}
 if action == "gate":
     gate.run_gate(uri, name, value, load_config(config), on_move_step=pause)
 else:
-    gate.rollback(uri, name, to_version=value, on_move_step=pause)
+    gate.rollback(uri, name, to_version=value, on_move_step=pause, force=True)
 """
 
 
@@ -89,6 +81,11 @@ def _history(name: str, uri: str, capsys) -> list[dict]:
     return json.loads("\n".join(lines[max(i for i, line in enumerate(lines) if line in ("[", "[]")):]))
 
 
+def _install_tags(client, name: str, version: str) -> dict[str, str]:
+    tags = client.get_model_version(name, version).tags
+    return {key: value for key, value in tags.items() if key.startswith("gate.champion.")}
+
+
 def test_a_killed_gate_or_rollback_never_leaves_history_and_alias_apart(mlflow_server, tmp_path, capsys):
     from mlflow import MlflowClient
 
@@ -103,30 +100,47 @@ def test_a_killed_gate_or_rollback_never_leaves_history_and_alias_apart(mlflow_s
     config.write_text(yaml.safe_dump(tiny.scenario("er")))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     gate = ("gate", uri, name, v1, str(config))
+    assert gate_module.MOVE_STEPS == ("intent", "tagged", "moved")
 
     # killed after recording the intent, before the alias moved: history says interrupted, the alias is unset
     _killed_at("intent", gate, env)
     assert version_by_alias(client, name, "champion") is None
     rows = _history(name, uri, capsys)
     assert [(r["decision"], r["new_version"]) for r in rows] == [("interrupted", None)]
+    assert _install_tags(client, name, v1) == {}
+    # killed with the candidate's install tags written, before the alias moved: the tags are put back
+    _killed_at("tagged", gate, env)
+    assert version_by_alias(client, name, "champion") is None
+    assert _install_tags(client, name, v1)["gate.champion.decision"] == "promoted"
+    rows = _history(name, uri, capsys)
+    assert [(r["decision"], r["new_version"]) for r in rows] == [("interrupted", None)] * 2
+    assert _install_tags(client, name, v1) == {}
     # killed after the alias moved, before confirming: the move is confirmed by the next reader
     _killed_at("moved", gate, env)
     assert str(version_by_alias(client, name, "champion").version) == v1
     rows = _history(name, uri, capsys)
-    assert [(r["decision"], r["new_version"]) for r in rows] == [("interrupted", None), ("promoted", v1)]
-    # the same for a rollback: intent only -> interrupted (alias still v1); moved -> confirmed (alias v2)
+    assert [(r["decision"], r["new_version"]) for r in rows] == [("interrupted", None)] * 2 + [("promoted", v1)]
+    assert _install_tags(client, name, v1) == {"gate.champion.decision": "promoted",
+                                               "gate.champion.run_id": rows[-1]["run_id"]}
+    # the same for a rollback: intent or tagged only -> interrupted (alias still v1, no tag written); moved ->
+    # confirmed (alias v2) with the tags that follow the move written by the reader
     rollback = ("rollback", uri, name, v2, None)
-    _killed_at("intent", rollback, env)
-    assert str(version_by_alias(client, name, "champion").version) == v1
-    assert _history(name, uri, capsys)[-1]["decision"] == "interrupted"
+    for point in ("intent", "tagged"):
+        _killed_at(point, rollback, env)
+        assert str(version_by_alias(client, name, "champion").version) == v1
+        assert _history(name, uri, capsys)[-1]["decision"] == "interrupted"
+        assert "gate.champion.rolled_back_by" not in _install_tags(client, name, v1)
+        assert _install_tags(client, name, v2) == {}
     _killed_at("moved", rollback, env)
     rows = _history(name, uri, capsys)
     assert (rows[-1]["decision"], rows[-1]["new_version"]) == ("rolled-back", v2)
     assert str(version_by_alias(client, name, "champion").version) == v2
+    assert _install_tags(client, name, v1)["gate.champion.rolled_back_by"] == rows[-1]["run_id"]
+    assert _install_tags(client, name, v2) == {"gate.champion.decision": "rolled-back"}
     # every gate run is ended, none left RUNNING; the next rollback follows the recorded moves (v2 -> v1)
     runs = client.search_runs([client.get_experiment_by_name("compat-gate").experiment_id],
                               f"tags.registered_model = '{name}'")
-    assert sorted(r.info.status for r in runs) == ["FINISHED", "FINISHED", "KILLED", "KILLED"]
+    assert sorted(r.info.status for r in runs) == ["FINISHED"] * 2 + ["KILLED"] * 4
     from app.cli import main
 
     assert main(["gate", "rollback", name, "--tracking-uri", uri]) == 0

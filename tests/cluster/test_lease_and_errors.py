@@ -85,6 +85,59 @@ def test_s3_lease_refuses_a_second_driver_and_is_released(s3_env, s3_bucket, mon
                     pass
 
 
+_HOLDER = """
+import sys, time
+from cluster.storage.s3 import object_storage
+from pipelines.store.lease import run_lease
+with object_storage():
+    with run_lease(sys.argv[1]):
+        print("held", flush=True)
+        time.sleep(600)
+"""
+
+
+def _holder(root: str, env: dict) -> subprocess.Popen:
+    """A real driver process holding the s3:// lease of ``root`` (its heartbeat fresh) until it is killed."""
+    process = subprocess.Popen([sys.executable, "-c", _HOLDER, root], env={**env, "PYTHONPATH": str(ROOT)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = process.stdout.readline()
+    assert line.strip() == "held", process.stderr.read()[-3000:] if process.poll() is not None else line
+    return process
+
+
+def test_an_s3_lease_of_a_dead_process_on_this_host_is_taken_over_at_once(s3_env, s3_bucket, capsys):
+    """kill -9 of a driver on this host: its pid is gone, so the next driver takes the lease at once, though its
+    heartbeat is fresh (STALE_S is 90 s); a live holder's lease is still refused."""
+    from cluster.storage.s3 import object_storage
+
+    root = f"s3://{s3_bucket}/runs/killed"
+    env = {**os.environ, **s3_env}
+    live = _holder(root, env)
+    try:
+        with object_storage():
+            with pytest.raises(RunFolderBusyError, match=f"in use by another compat process \\(pid {live.pid} "):
+                with run_lease(root):
+                    pass
+    finally:
+        live.kill()
+        live.wait(30)
+    assert lease_module.stale_s() == 90.0
+    with object_storage():
+        with run_lease(root):  # the killed holder's heartbeat is seconds old: taken over because its pid is gone
+            pass
+    assert f"its previous holder (pid {live.pid} on " in capsys.readouterr().err
+
+
+def test_a_holder_on_another_host_is_judged_by_its_heartbeat_only():
+    import socket
+
+    assert not lease_module.holder_gone({"pid": 2 ** 22 + 7, "host": socket.gethostname() + "-other",
+                                         "space": lease_module._process_space()})
+    assert not lease_module.holder_gone({"pid": os.getpid(), "host": socket.gethostname(),
+                                         "space": lease_module._process_space()})   # alive
+    assert not lease_module.holder_gone({"pid": 2 ** 22 + 7, "host": socket.gethostname()})  # facts not recorded
+
+
 def test_corrupt_blob_prints_the_fix_and_recompute_repairs_the_run(tmp_path):
     config = tmp_path / "tiny.yaml"
     run_dir = tmp_path / "run"

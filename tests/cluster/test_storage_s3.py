@@ -275,3 +275,31 @@ def test_server_stopped_mid_run_then_restarted_resumes_with_nothing_lost(s3_serv
         store.commit("stage-b", {"step": 2}, {"w.bin": b"b" * 1000})
         assert store.stage_keys() == ["stage-a", "stage-b"]
         assert store.load_record("stage-b") == {"step": 2}
+
+
+def test_a_frozen_s3_server_is_waited_for_aloud_and_then_named(s3_server, s3_env, s3_bucket, isolated_aws,
+                                                                 monkeypatch, capsys):
+    """SIGSTOP on the real server (its port still accepts connections, nothing answers): a read says what it waits
+    for, gives up after max_attempts tries of request_timeout_s without progress and names the endpoint; the same
+    read works once the server runs again."""
+    import os
+    import signal
+
+    monkeypatch.setenv(storage.REQUEST_TIMEOUT_ENV, "3")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    with storage.object_storage(S3Access.from_environment()) as access:
+        assert (access.settings.request_timeout_s, access.settings.max_attempts) == (3.0, 2)
+        uri = f"s3://{s3_bucket}/frozen/blob"
+        cio.write_bytes(uri, b"kept")
+        capsys.readouterr()
+        os.killpg(s3_server.process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(OSError) as raised:
+                cio.read_bytes(uri)
+        finally:
+            os.killpg(s3_server.process.pid, signal.SIGCONT)
+        assert s3_env["AWS_ENDPOINT_URL"] in str(raised.value)
+        waited = capsys.readouterr().err
+        assert f"waiting for the S3 endpoint {s3_env['AWS_ENDPOINT_URL']} (" in waited
+        assert "giving up after 2 tries of 3 s without progress" in waited
+        assert cio.read_bytes(uri) == b"kept"

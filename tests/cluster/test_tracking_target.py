@@ -80,3 +80,42 @@ def test_index_build_reads_the_machine_store_without_the_option(tmp_path, monkey
     assert main(["index", "build", str(tmp_path / "index"), "--config", str(config), "--model",
                  "models:/absent-model:champion"]) == 2
     assert "--model: 'models:/absent-model:champion' is not an MLflow model URI" in capsys.readouterr().err
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("argv", [["gate", "history", "some-model"], ["run", "CONFIG", "--no-progress"]])
+def test_a_closed_tracking_port_fails_in_one_line_naming_the_uri(argv, tmp_path):
+    """The command says what it waits for, retries for the bounded time, then stops with one line naming the URI:
+    no MLflow exception, no traceback, before any stage."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+    import tiny_scenario_helpers as tiny
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny.scenario("er", output=str(tmp_path / "run"))))
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    root = Path(__file__).resolve().parents[2]
+    argv = [str(config) if word == "CONFIG" else word for word in argv]
+    done = subprocess.run([sys.executable, "-m", "app.cli", *argv, "--tracking-uri", uri], cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root), "COMPAT_TRACKING_WAIT_S": "3"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith(f"waiting for the MLflow tracking server at {uri} (")
+    assert lines[-1].startswith(f"error: the MLflow tracking server at {uri} does not answer (")
+    assert "retrying for up to 3 s" in lines[0] and "Traceback" not in done.stderr
+    assert "MlflowException" not in done.stderr and not (tmp_path / "run").exists()

@@ -2,14 +2,19 @@
 not create (no marker) or whose search.json was changed since (sha256 in the marker), before Ray starts."""
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import pickle
 from pathlib import Path
 
 import pytest
 
 from cluster.tune import runner as tune_module
+from cluster.tune import marker as marker_module
 from cluster.tune import spec as tune_spec
 from cluster.tune.grid import spread_points
+from compat_core import io as cio
 
 
 def test_resume_refuses_foreign_and_modified_folders(tmp_path):
@@ -23,19 +28,18 @@ def test_resume_refuses_foreign_and_modified_folders(tmp_path):
     tune_spec.write_spec(spec)
     tune_spec.check_marker(spec.experiment_path)  # written by compat tune: accepted
     marker = json.loads((tmp_path / "s" / tune_spec.MARKER_FILE).read_text())
-    import hashlib
-
-    assert marker["search_sha256"] == hashlib.sha256((tmp_path / "s" / "search.json").read_bytes()).hexdigest()
+    key = (tmp_path / "compat-home" / "tune-resume.key").read_bytes()
+    assert len(key) == 32 and (tmp_path / "compat-home" / "tune-resume.key").stat().st_mode & 0o777 == 0o600
+    search = (tmp_path / "s" / "search.json").read_bytes()
+    assert marker["search"] == hmac.new(key, search, hashlib.sha256).hexdigest()
     (tmp_path / "s" / "search.json").write_text(spec.to_json().replace('"samples": 8', '"samples": 9'))
-    with pytest.raises(PermissionError, match="does not match compat-tune.json"):
+    with pytest.raises(PermissionError, match="search.json does not match its hmac-sha256 in compat-tune.json"):
         tune_module.resume_search(str(tmp_path / "s"))
 
 
 def test_resume_never_imports_plugins_named_by_the_folder(tmp_path, capsys):
     """A folder whose search.json (and a re-forged marker) names a plugin: --resume without that --plugin is refused
     and the plugin's code never runs; the plugins of the command line are the ones trials import."""
-    import hashlib
-
     from app.cli import main
 
     ran = tmp_path / "plugin-ran"
@@ -44,8 +48,8 @@ def test_resume_never_imports_plugins_named_by_the_folder(tmp_path, capsys):
     spec = tune_spec.SearchSpec(name="s", base_config={}, space={}, storage=str(tmp_path), plugins=[str(plugin)])
     tune_spec.write_spec(spec)
     folder = tmp_path / "s"
-    marker = json.loads((folder / tune_spec.MARKER_FILE).read_text())  # anyone can re-compute the digest
-    marker["search_sha256"] = hashlib.sha256((folder / "search.json").read_bytes()).hexdigest()
+    marker = json.loads((folder / tune_spec.MARKER_FILE).read_text())  # re-forged by this user, who has the key
+    marker["search"] = marker_module.file_digest((folder / "search.json").read_bytes())
     (folder / tune_spec.MARKER_FILE).write_text(json.dumps(marker))
     assert main(["tune", "--resume", str(folder)]) == 2
     assert f"the search was started with --plugin {plugin}" in capsys.readouterr().err
@@ -54,6 +58,47 @@ def test_resume_never_imports_plugins_named_by_the_folder(tmp_path, capsys):
     with pytest.raises(PermissionError, match="writable by another user"):
         tune_module.resume_search(str(folder), plugins=[str(plugin)])
     assert not ran.exists()
+
+
+class _Planted:
+    """Unpickling it writes a file: the proof that a planted pickle ran."""
+
+    def __init__(self, proof: str) -> None:
+        self.proof = proof
+
+    def __reduce__(self):
+        return (Path(self.proof).write_text, ("unpickled",))
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_tuner_pkl_planted_or_changed_after_the_marker_is_refused_before_any_unpickle(where, tmp_path, request):
+    """tuner.pkl is pinned (keyed digest) once Tune wrote it; one planted in a folder whose marker pins none, or one
+    changed after it was pinned, is refused before Ray starts, in a local folder and in a bucket of the real S3
+    server, where no ownership check applies."""
+    proof = tmp_path / "planted-pickle-ran"
+    if where == "s3":
+        request.getfixturevalue("fresh_object_storage")
+        bucket = request.getfixturevalue("s3_bucket")
+        from cluster.storage.s3 import configure_object_storage
+
+        configure_object_storage()
+        storage = f"s3://{bucket}/searches"
+    else:
+        storage = str(tmp_path / "searches")
+    spec = tune_spec.SearchSpec(name="s", base_config={}, space={}, storage=storage)
+    tune_spec.write_spec(spec)
+    tuner = cio.join(spec.experiment_path, "tuner.pkl")
+    cio.write_bytes(tuner, pickle.dumps(_Planted(str(proof))))   # planted: the marker pins no tuner.pkl
+    with pytest.raises(PermissionError, match=r"tuner.pkl does not match its hmac-sha256 in compat-tune.json .* "
+                                              r"nothing in the folder is unpickled"):
+        tune_module.resume_search(spec.experiment_path)
+    cio.write_bytes(tuner, pickle.dumps({"state": "as Tune wrote it"}))
+    tune_spec.seal_tuner_state(spec.experiment_path)
+    tune_spec.check_marker(spec.experiment_path)  # pinned: accepted
+    cio.write_bytes(tuner, pickle.dumps(_Planted(str(proof))))   # changed after the marker
+    with pytest.raises(PermissionError, match="tuner.pkl does not match"):
+        tune_module.resume_search(spec.experiment_path)
+    assert not proof.exists()
 
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

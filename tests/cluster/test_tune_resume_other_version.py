@@ -19,7 +19,7 @@ def test_resume_of_a_search_saved_by_other_code_names_the_folder_and_the_fix(ray
                                                                               monkeypatch):
     import cluster.tune.runner as tune_module
     from app.cli import main
-    from cluster.tune.spec import SearchSpec, write_spec
+    from cluster.tune.spec import SearchSpec, seal_tuner_state, write_spec
     from pipelines.config.load import config_to_dict, validate_config
 
     tiny.register()
@@ -41,6 +41,7 @@ def test_resume_of_a_search_saved_by_other_code_names_the_folder_and_the_fix(ray
     state = pickle.dumps({"callbacks": [MlflowSearchCallback()]})
     monkeypatch.delattr(tune_module, "MlflowSearchCallback")
     (experiment / "tuner.pkl").write_bytes(state)
+    seal_tuner_state(str(experiment))  # as `compat tune` pins the tuner.pkl Tune wrote
 
     code = main(["tune", "--resume", str(experiment)])
     error = capsys.readouterr().err

@@ -149,3 +149,64 @@ def test_unreadable_sources_missing_data_and_devices_are_named(tmp_path, capsys)
         assert main(["run", config, "--no-progress", "--tracking-uri", "none", "--set", "device=cuda"]) == 2
         assert "device: 'cuda' but this machine has no CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "run" / "manifests").exists()
+
+
+def test_a_huge_num_slots_is_refused_before_compute_naming_the_key_and_the_estimate(tmp_path, capsys):
+    config = _config(tmp_path)
+    code = main(["run", config, "--no-progress", "--tracking-uri", "none", "--set", "model.num_slots=100000000"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "model.num_slots=100000000 with training.batch_size=8" in err
+    # junction 32 x 99999999 fp32 floats alone: 99999999 * 32 * 4 bytes = 11.92 GiB of parameters
+    assert "parameters 11.92" in err and "GiB of available host RAM" in err
+    assert not (tmp_path / "run" / "manifests").exists() or not list((tmp_path / "run" / "manifests").iterdir())
+
+
+def test_the_memory_estimate_counts_the_parameters_of_the_model_a_stage_builds(tmp_path):
+    from compat_core.models.compat_model import create_model
+    from pipelines.config.load import load_config
+    from pipelines.config.memory import training_memory
+    from pipelines.config.preflight import memory_problems
+
+    config = load_config(_config(tmp_path), [])
+    assert memory_problems(config) == []  # the tiny scenario fits
+    model = create_model("cnn4", 10, backbone_config={"in_chans": 1, "width": 4})
+    parameters = sum(p.numel() for p in model.parameters())
+    estimate = training_memory("cnn4", {"in_chans": 1, "width": 4}, 10, "simplex", "junction", 8, (16, 16, 1))
+    assert estimate.parts["parameters"] == 4 * parameters
+    assert estimate.parts["optimizer state"] == 8 * parameters
+    assert estimate.parts["logits and features"] == 3 * 8 * (10 + 9) * 4
+    # every module output of a batch of 8, once kept and once as a gradient (counted here on real tensors)
+    outputs = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: outputs.append(out.numel())) for m in model.backbone.modules()]
+    model.backbone(torch.zeros(8, 1, 16, 16))
+    for hook in hooks:
+        hook.remove()
+    assert estimate.parts["activations"] == 2 * 4 * sum(outputs)
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("int8", "tensor 'junction.weight' has dtype int8; expected floating-point weights"),
+    ("nan", "tensor 'junction.weight' holds 3 non-finite value(s) (NaN or inf)"),
+])
+def test_quantised_or_non_finite_replacement_weights_are_refused_naming_file_and_key(damage, expected, tmp_path,
+                                                                                      capsys):
+    """int8 weights passed the shape-only check and failed 15 stages later with a norm error; NaN weights got the
+    advice to lower the learning rate. Both are refused before any stage, naming the config key, file and key."""
+    from safetensors.torch import load_file
+
+    path = _tiny_model_file(tmp_path / "replacement.safetensors")
+    state = load_file(path)
+    if damage == "int8":
+        state["junction.weight"] = (state["junction.weight"] * 100).to(torch.int8)
+    else:
+        state["junction.weight"][0, :3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    save_file(state, path)
+    config = _config(tmp_path)
+    code = main(["run", config, "--no-progress", "--tracking-uri", "none",
+                 "--set", f"replacements=[{{at_task: 3, source: {path}}}]"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"replacements[0].source: weights file {path}: {expected}" in err
+    assert "training.optimizer.lr" not in err
+    assert not (tmp_path / "run" / "manifests").exists() or not list((tmp_path / "run" / "manifests").iterdir())

@@ -296,7 +296,7 @@ def test_gate_move_and_rollback_swap_live_under_load(service):
     tracking = ["--tracking-uri", service["tracking"]]
     with Load(service["url"], images) as load:
         time.sleep(1.5)
-        assert main(["gate", "rollback", NAME, "--to", v2, "--reason", "serve test"] + tracking) == 0
+        assert main(["gate", "rollback", NAME, "--to", v2, "--force", "--reason", "serve test"] + tracking) == 0
         _wait_for_version(service["url"], v2)
         time.sleep(1.0)
         assert main(["gate", "rollback", NAME] + tracking) == 0
@@ -371,7 +371,7 @@ def test_backfill_while_serving_flips_chunks_and_logs_the_probe_curve(service):
     tracking = ["--tracking-uri", service["tracking"]]
     config = load_config(str(service["config"]))
     query_pool = load_pool(config.evaluation.query_set)
-    assert main(["gate", "rollback", NAME, "--to", v2, "--reason", "backfill test"] + tracking) == 0
+    assert main(["gate", "rollback", NAME, "--to", v2, "--force", "--reason", "backfill test"] + tracking) == 0
     _wait_for_version(service["url"], v2)
     with Load(service["url"], query_pool.read(np.arange(6)), clients=2) as load:
         assert main(["index", "backfill", service["root"], "--config", str(service["config"]), "--model",

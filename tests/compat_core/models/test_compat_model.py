@@ -263,3 +263,47 @@ def test_learnable_from_simplex_refuses_other_models():
     simplex = create_model("cnn4", 12, backbone_config={"in_chans": 1, "width": 4})
     with pytest.raises(ValueError, match="num_classes 13 exceeds the model's K=12 slots"):
         learnable_from_simplex(simplex, 13)
+
+
+def _tiny_files() -> tuple[dict, dict]:
+    from compat_core.models.compat_model import model_to_bytes
+
+    torch.manual_seed(0)
+    model = create_model("cnn4", 10, backbone_config={"in_chans": 1, "width": 4})
+    files = model_to_bytes(model)
+    return json.loads(files["config.json"]), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_config_with_a_huge_num_slots_is_refused_from_the_header_before_anything_is_built(monkeypatch):
+    from safetensors.torch import save
+
+    from compat_core.models import compat_model
+
+    config, state = _tiny_files()
+    built = []
+    monkeypatch.setattr(compat_model, "model_from_config", lambda c: built.append(c))
+    huge = json.dumps({**config, "num_slots": 100_000_000}).encode()
+    with pytest.raises(ValueError, match=r"/m/config.json: num_slots=100000000 .* junction.weight of shape "
+                                         r"\(99999999, 32\), but /m/model.safetensors holds shape \(9, 32\)"):
+        compat_model.model_from_bytes(huge, save(state), "/m")
+    assert built == []  # refused from the numbers alone: no model, no junction of 99999999 x 32 floats
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("zeros", r"/m/model.safetensors: not a safetensors file \(header length 0 in a file of 1000 bytes\)"),
+    ("nan", r"/m/model.safetensors: tensor 'junction.weight' holds 2 non-finite value\(s\) \(NaN or inf\) of 288"),
+    ("int8", r"/m/model.safetensors: tensor 'junction.weight' has dtype int8; expected floating-point weights"),
+])
+def test_weights_that_are_not_finite_floats_are_refused_naming_file_and_key(damage, message):
+    from safetensors.torch import save
+
+    from compat_core.models.compat_model import model_from_bytes
+
+    config, state = _tiny_files()
+    if damage == "nan":
+        state["junction.weight"][0, :2] = torch.tensor([math.nan, math.inf])
+    elif damage == "int8":
+        state["junction.weight"] = state["junction.weight"].to(torch.int8)
+    weights = bytes(1000) if damage == "zeros" else save(state)
+    with pytest.raises(ValueError, match=message):
+        model_from_bytes(json.dumps(config).encode(), weights, "/m")
