@@ -8,6 +8,7 @@ from app.printing import print_results
 from cluster.executors import EXECUTORS
 from cluster.run_driver import model_sources_setup, pin_model_aliases, run_tracked
 from cluster.storage.s3 import configure_object_storage, installed_access, uses_object_storage
+from cluster.tracking.run_identity import AS_WRITTEN, run_intent
 from cluster.tracking.tracker import create_tracker
 from compat_core import io as cio
 from pipelines.config.load import ConfigError, load_config
@@ -36,10 +37,11 @@ def resolve_run(args) -> tuple[object, str]:
     return config, absolute_location(output or config.output_dir())
 
 
-def make_tracker(args, run_dir: str):
+def make_tracker(args, run_dir: str, config=None):
     """The MLflow tracker for this run on ``args.tracking`` (resolved by app.dispatch; off: a no-op tracker). A run
     directory on S3 tracks only into a store named with --tracking-uri or MLFLOW_TRACKING_URI, never into this
-    machine's store by default."""
+    machine's store by default. ``config`` (the validated config): judged against the file it came from, it says
+    whether ``--set`` changed what the file computes (then the run moves only its own registry aliases)."""
     uri = args.tracking.uri
     address = getattr(args, "address", None) or ""
     if getattr(args, "executor", "local") == "ray" and address.startswith(("http://", "https://")):
@@ -49,7 +51,9 @@ def make_tracker(args, run_dir: str):
               file=sys.stderr)
         uri = None
     experiment = getattr(args, "experiment", None) or os.environ.get("MLFLOW_EXPERIMENT_NAME") or None
-    return create_tracker(uri, experiment=experiment)
+    intent = run_intent(args.config or cio.join(args.resume, "config.yaml"), args.overrides, config) \
+        if config is not None else AS_WRITTEN
+    return create_tracker(uri, experiment=experiment, intent=intent)
 
 
 def preflight_data(config, run_dir: str | None = None, executor: str = "local") -> None:
@@ -89,7 +93,7 @@ def run(args) -> int:
             key = store.resolve_key(prefix)
             store.forget(key)
             print(f"recompute: stage {key} uncommitted; it runs again", file=sys.stderr)
-        tracker = make_tracker(args, run_dir)
+        tracker = make_tracker(args, run_dir, config)
         summary = run_tracked(compile_scenario(config), store, tracker, args.executor, args.address,
                               progress=not args.no_progress, setup=setup)
     print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done)")

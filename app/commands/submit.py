@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from cluster.ray.jobs import submit_pipeline
+from cluster.tracking.run_identity import run_intent
 from pipelines.config.load import ConfigError, load_config
 
 
@@ -14,7 +15,8 @@ def run(args) -> int:
         config = load_config(args.config, args.overrides)
         outcome = submit_pipeline(config, args.address, output=args.output, wait=args.wait, follow=args.follow,
                                   timeout_s=args.timeout, executor=args.executor, python=args.python,
-                                  shared_filesystem=args.shared_filesystem, token_file=args.ray_token_file)
+                                  shared_filesystem=args.shared_filesystem, token_file=args.ray_token_file,
+                                  scenario_aliases=run_intent(args.config, args.overrides, config).scenario_aliases)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
