@@ -8,7 +8,7 @@ from app.printing import print_results
 from cluster.executors import EXECUTORS
 from cluster.run_driver import model_sources_setup, pin_model_aliases, run_tracked
 from cluster.storage.s3 import configure_object_storage, installed_access, uses_object_storage
-from cluster.tracking.run_identity import AS_WRITTEN, run_intent
+from cluster.tracking.run_identity import AS_WRITTEN, run_intent, scoped_alias
 from cluster.tracking.tracker import create_tracker
 from compat_core import io as cio
 from pipelines.config.load import ConfigError, load_config
@@ -100,6 +100,11 @@ def run(args) -> int:
     if getattr(tracker, "tracking_uri", None):
         print(f"MLflow: {redact_uri(tracker.tracking_uri)} (experiment {tracker.experiment_name or config.name}, "
               f"registered model {tracker.model_name or '-'})")
+        if tracker.model_name:
+            bare = " and the scenario's bare aliases" if tracker.scenario_aliases else \
+                " (--set changed the config: the scenario's bare aliases stay where they are)"
+            print(f"aliases of this run: models:/{tracker.model_name}@{scoped_alias(tracker.run_name, 'task-N')}, "
+                  f"@{scoped_alias(tracker.run_name, 'latest-task')}{bare}")
     if summary.matrix is not None:
         print_results(summary.matrix, summary.metrics)
     return 0
