@@ -47,6 +47,7 @@ from cluster.model_registry.model_cache import (
     mismatch_error,
     private_dir,
 )
+from compat_core.integrity import IntegrityError
 from compat_core.models.weights import register_uri_resolver
 from pipelines.config.model_uri import LATEST, ModelUri, is_model_uri, parse_model_uri
 from pipelines.config.redaction import redact_uri
@@ -242,39 +243,59 @@ class MlflowModelResolver:
         destination = self._cache / "models" / uri.name / str(found.version)
         if expected is None:
             log.warning("%s: the version carries no content digest; downloaded anew and used unverified", what)
-            return str(model_files_folder(self._download(source["run_id"], source["path"], destination, False)))
-        if CONFIG_FILE not in expected:
-            log.warning("%s: only %s is covered by the version's sha256 tag (registered by an older compat); "
-                        "%s is read unverified", what, WEIGHTS_FILE, CONFIG_FILE)
+            return str(_model_location(self._download(source["run_id"], source["path"], destination, False)))
         for reuse in (True, False):
-            folder = model_files_folder(self._download(source["run_id"], source["path"], destination, reuse))
-            mismatch = first_mismatch(folder, expected)
+            downloaded = self._download(source["run_id"], source["path"], destination, reuse)
+            folder, files = _files_to_check(downloaded, expected)
+            if CONFIG_FILE not in files and downloaded.is_dir() and reuse:
+                log.warning("%s: only %s is covered by the version's sha256 tag (registered by an older compat); "
+                            "%s is read unverified", what, WEIGHTS_FILE, CONFIG_FILE)
+            mismatch = first_mismatch(folder, files)
             if mismatch is None:
-                return str(folder)
+                return str(_model_location(downloaded))
             if reuse:
                 log.warning("%s: cached %s differs from the version's digest; downloading it again", what,
                             mismatch[0])
         raise mismatch_error(what, folder, mismatch)
 
     def _download(self, run_id: str, path: str, destination: Path, reuse: bool) -> Path:
-        """``destination/path``: the cached copy when ``reuse`` and present, else downloaded into a private staging
-        folder and moved into place (a concurrent download that got there first is kept and verified by the
-        caller)."""
-        target = destination / path
-        if reuse and target.exists() and (target.is_file() or any(target.iterdir())):
-            return target
+        """The downloaded artifact ``path`` under ``destination`` (a folder keeps its path, MLflow puts a single file
+        at the top): the cached copy when ``reuse`` and present, else downloaded into a private staging folder and
+        moved into place (a concurrent download that got there first is kept and verified by the caller)."""
+        if reuse:
+            for cached in (destination / path, destination / Path(path).name):
+                if cached.is_file() or (cached.is_dir() and any(cached.iterdir())):
+                    return cached
         destination.parent.mkdir(parents=True, exist_ok=True)  # inside the private cache folder
         staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}-", dir=destination.parent))
         try:
-            self.client.download_artifacts(run_id, path, dst_path=str(staging))
+            relative = Path(self.client.download_artifacts(run_id, path, dst_path=str(staging))).relative_to(staging)
             shutil.rmtree(destination, ignore_errors=True)
-            os.replace(staging, destination)
-        except OSError:
-            if not target.exists():
-                raise
+            try:
+                os.replace(staging, destination)
+            except OSError:
+                if not destination.exists():
+                    raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        return target
+        return destination / relative
+
+
+def _model_location(downloaded: Path) -> Path:
+    """What a resolved version hands its reader: the folder of config.json + weights, or the one file logged."""
+    return model_files_folder(downloaded) if downloaded.is_dir() else downloaded
+
+
+def _files_to_check(downloaded: Path, expected: dict[str, str]) -> tuple[Path, dict[str, str]]:
+    """(folder, {file name: sha256}) to verify: a model folder's files, or a version logged as one file (an adapter)
+    checked against its one digest whatever its name."""
+    if downloaded.is_dir():
+        return model_files_folder(downloaded), expected
+    digest = expected.get(downloaded.name) or (next(iter(expected.values())) if len(expected) == 1 else None)
+    if digest is None:
+        raise IntegrityError(f"{downloaded}: the version's tags name {sorted(expected)}, not this file",
+                             uri=downloaded, field="files_sha256")
+    return downloaded.parent, {downloaded.name: digest}
 
 
 def register_mlflow_resolvers(tracking_uri: str, cache_dir: str | os.PathLike | None = None) -> MlflowModelResolver:

@@ -110,3 +110,27 @@ def test_registry_files_are_verified_before_use_and_the_cache_again_before_reuse
     os.chmod(tmp_path / "cache", 0o777)
     with pytest.raises(PermissionError, match="model cache"):
         MlflowModelResolver(mlflow_server.tracking_uri, cache_dir=tmp_path / "cache")
+
+
+def test_a_version_logged_as_one_file_is_verified_by_its_digest(mlflow_server, tmp_path):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_server.tracking_uri, registry_uri=mlflow_server.tracking_uri)
+    experiment = client.get_experiment_by_name("model-cache") or client.get_experiment(
+        client.create_experiment("model-cache"))
+    adapter = b"adapter weights"
+    versions = {}
+    for name, logged in (("cache-adapter", adapter), ("cache-adapter-bad", b"planted weights")):
+        run = client.create_run(experiment.experiment_id)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "procrustes.safetensors").write_bytes(logged)
+        client.log_artifact(run.info.run_id, str(tmp_path / name / "procrustes.safetensors"), "adapters")
+        client.create_registered_model(name)
+        digest = hashlib.sha256(adapter).hexdigest()
+        versions[name] = register_version(client, name, run.info.run_id, "adapter-key",
+                                          {"sha256": digest, **content_tags({"procrustes.safetensors": digest})},
+                                          ["procrustes-task-3"], artifact_path="adapters/procrustes.safetensors")
+    resolver = MlflowModelResolver(mlflow_server.tracking_uri, cache_dir=tmp_path / "cache")
+    assert Path(resolver("models:/cache-adapter@procrustes-task-3")).read_bytes() == adapter
+    with pytest.raises(IntegrityError, match=r"registered file procrustes\.safetensors"):
+        resolver("models:/cache-adapter-bad@procrustes-task-3")
