@@ -54,6 +54,16 @@ def test_a_smoke_run_never_takes_over_the_full_runs_aliases(mlflow_server, tmp_p
     assert aliases[f"{names[str(smoke)]}{ALIAS_SEPARATOR}latest-task"] != aliases["latest-task"]
     assert "champion" not in aliases  # only `compat gate` moves it
 
+    # the smoke run resumed from its folder (its config.yaml, no --set now): its own parent run, its own intent
+    assert main(["run", "--resume", str(smoke), *common]) == 0
+    experiment = client.get_experiment_by_name("aliases-by-intent").experiment_id
+    parents = client.search_runs([experiment], "tags.run_role = 'pipeline'")
+    assert sorted(run.data.tags["run_folder"] for run in parents) == [str(full), str(smoke)]
+    resumed = next(run for run in parents if run.data.tags["run_folder"] == str(smoke))
+    assert resumed.data.tags["resumes"] == "1" and resumed.data.tags["scenario_aliases"] == "false"
+    assert client.get_registered_model("tiny-dsimplex-hoc").aliases == aliases
+    assert len(client.search_model_versions("name = 'tiny-dsimplex-hoc'")) == len(versions)
+
 
 def test_overrides_that_change_nothing_computed_keep_the_scenario_aliases(tmp_path):
     from pipelines.config.load import load_config
