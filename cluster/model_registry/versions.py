@@ -10,8 +10,8 @@ Naming (user-facing, so task numbers are 1-based here as in the papers):
   task), ``latest-task`` for the model of the run's highest task (MLflow 3 reserves ``latest``: the highest version
   number), ``pretrain-<name>`` for a third-party model pre-trained by the pipeline. Every run moves them in its own
   namespace, ``<run name>__task-3`` (``cluster.tracking.run_identity``: run folder name + pipeline id, unique per
-  run); only a run whose ``--set`` overrides left its config file's results unchanged also moves the bare scenario
-  aliases (``task-3``). ``champion`` moves only through ``compat gate`` (:func:`register_version` refuses it);
+  run) while it runs; a complete run whose ``--set`` overrides left its config file's results unchanged then moves
+  the bare scenario aliases (``task-3``) all at once (:func:`move_scenario_aliases`). ``champion`` moves only through ``compat gate`` (:func:`register_version` refuses it);
 - version tags: ``stage_key`` (makes registration idempotent), ``stage_kind``, ``task_0based``, ``task_1based``,
   ``line``, the run's identity (``pipeline_id``, ``run_folder``, ``run_name``, ``config_hash``,
   ``overrides_digest``, ``code_version``, ``scenario_aliases``), the content digests ``files_sha256`` /
@@ -48,6 +48,7 @@ from cluster.model_registry.model_cache import (
     private_dir,
 )
 from compat_core.integrity import IntegrityError
+from compat_core.kinds import ADAPTER_KINDS
 from compat_core.models.weights import register_uri_resolver
 from pipelines.config.model_uri import LATEST, ModelUri, is_model_uri, parse_model_uri
 from pipelines.config.redaction import redact_uri
@@ -56,6 +57,8 @@ _NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
 _RUNS_URI = re.compile(r"^runs:/(?P<run_id>[0-9a-fA-F]{32})/(?P<path>.+)$")
 MODEL_ARTIFACT_PATH = "model"
 LATEST_ALIAS = "latest-task"
+# the bare aliases a complete run of an unchanged config moves (never champion, a search's best, or a run's own)
+_SCENARIO_ALIAS = re.compile(rf"^(?!.*__)(?:(({'|'.join(ADAPTER_KINDS)})-)?task-\d+|latest-task|pretrain-[A-Za-z0-9_-]+)$")
 WEIGHTS_FILE = "model.safetensors"
 MODEL_FILES_SUBFOLDER = "artifacts"  # where MLflow's pyfunc flavour keeps the declared artifacts
 # the pyfunc model written as code (MLflow's models-from-code): MLflow runs that file where the model is loaded;
@@ -130,6 +133,28 @@ def register_version(client: Any, name: str, run_id: str, stage_key: str, tags: 
     for alias in aliases:
         client.set_registered_model_alias(name, alias, version.version)
     return version
+
+
+def move_scenario_aliases(client: Any, name: str, run_prefix: str) -> dict[str, str]:
+    """Point the scenario's bare aliases of registered model ``name`` at one run: every alias ``<run_prefix>X`` gives
+    ``X`` its version, and a bare scenario alias (``task-N``, ``latest-task``, ``pretrain-NAME``, ``KIND-task-N``)
+    that run does not have is removed, so the bare aliases always name versions of one complete run. Returns the
+    bare aliases set ({alias: version}); nothing when the model does not exist."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        aliases = dict(client.get_registered_model(name).aliases or {})
+    except MlflowException as error:
+        if error.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return {}
+        raise
+    mine = {alias[len(run_prefix):]: str(version) for alias, version in aliases.items() if alias.startswith(run_prefix)}
+    for alias, version in sorted(mine.items()):
+        client.set_registered_model_alias(name, alias, version)
+    for alias in sorted(aliases):
+        if alias not in mine and _SCENARIO_ALIAS.match(alias):
+            client.delete_registered_model_alias(name, alias)
+    return mine
 
 
 def write_model_folder(folder: str | os.PathLike, config_bytes: bytes, weights_bytes: bytes) -> Path:
@@ -310,4 +335,5 @@ __all__ = [
     "registered_model_name", "task_alias", "ensure_registered_model", "find_version", "register_version",
     "version_by_alias", "model_version", "pinned_model_uri", "LATEST_ALIAS", "MlflowModelResolver",
     "register_mlflow_resolvers", "MODEL_ARTIFACT_PATH", "write_model_folder", "model_files_folder",
+    "move_scenario_aliases",
 ]

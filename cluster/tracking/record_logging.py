@@ -14,6 +14,7 @@ from cluster.model_registry.versions import (
     MODEL_ARTIFACT_PATH,
     ensure_registered_model,
     find_version,
+    move_scenario_aliases,
     register_version,
     task_alias,
     write_model_folder,
@@ -172,10 +173,19 @@ class StageRecordLogging:
         return {key: self._base_tags[key] for key in VERSION_IDENTITY_TAGS if key in self._base_tags}
 
     def _run_aliases(self, aliases: list[str]) -> list[str]:
-        """The aliases a version of this run takes: each in the run's namespace, and bare only when the run's config
-        file ran unchanged (``scenario_aliases``; see cluster.model_registry.versions)."""
-        scoped = [scoped_alias(self.run_name, alias) for alias in aliases]
-        return scoped + (list(aliases) if self.scenario_aliases else [])
+        """The aliases a version of this run takes while it runs: each in the run's namespace. The bare scenario
+        aliases move at the end of a complete run of an unchanged config (:meth:`_move_scenario_aliases`)."""
+        return [scoped_alias(self.run_name, alias) for alias in aliases]
+
+    def _move_scenario_aliases(self) -> None:
+        """A complete run whose config file ran unchanged (``scenario_aliases``) takes the scenario's bare aliases,
+        all at once, in the registered model and its adapters model (see cluster.model_registry.versions)."""
+        if not (self.register_models and self.model_name and self.scenario_aliases):
+            return
+        for name in (self.model_name, f"{self.model_name}-adapters"):
+            moved = move_scenario_aliases(self.client, name, scoped_alias(self.run_name, ""))
+            if moved:
+                log.info("%s: scenario aliases %s now name run %s", name, ", ".join(sorted(moved)), self.run_name)
 
     def _log_results(self, result: RunResult | None) -> None:
         """Summary metrics and result files of a complete run (the engine's RunResult), once per metrics.json

@@ -269,6 +269,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
             status = "FAILED" if self._failed else ("FINISHED" if complete else "KILLED")
         if status == "FINISHED":
             self._log_results(self._result)
+            self._move_scenario_aliases()
         self.client.set_terminated(self.parent_run_id, status)
         self.parent_run_id = None
 

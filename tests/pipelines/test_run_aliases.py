@@ -98,3 +98,28 @@ def test_registering_a_version_never_moves_champion():
 
     with pytest.raises(ValueError, match="compat gate"):
         register_version(object(), "m", "0" * 32, "k", {}, ["task-1", "champion"])  # refused before any call
+
+
+def test_scenario_aliases_move_all_at_once_to_one_run(mlflow_server):
+    from mlflow import MlflowClient
+
+    from cluster.model_registry.versions import move_scenario_aliases
+
+    client = MlflowClient(tracking_uri=mlflow_server.tracking_uri, registry_uri=mlflow_server.tracking_uri)
+    experiment = client.create_experiment("aliases-move-at-once")
+    run = client.create_run(experiment)
+    client.create_registered_model("move-at-once")
+    versions = [client.create_model_version("move-at-once", f"runs:/{run.info.run_id}/m{i}", run_id=run.info.run_id)
+                for i in range(3)]
+    v1, v2, v3 = (str(v.version) for v in versions)
+    for alias, version in {"a-1__task-1": v1, "a-1__task-2": v2, "a-1__latest-task": v2, "task-1": v3,
+                           "task-3": v3, "latest-task": v3, "champion": v3, "best-task-1": v3,
+                           "b-2__task-3": v3}.items():
+        client.set_registered_model_alias("move-at-once", alias, version)
+    assert move_scenario_aliases(client, "move-at-once", "a-1__") == {"task-1": v1, "task-2": v2,
+                                                                     "latest-task": v2}
+    after = {alias: str(version) for alias, version in client.get_registered_model("move-at-once").aliases.items()}
+    # task-3 named another run's version: removed, so that every bare alias names run a-1; the rest is untouched
+    assert after == {"a-1__task-1": v1, "a-1__task-2": v2, "a-1__latest-task": v2, "task-1": v1, "task-2": v2,
+                     "latest-task": v2, "champion": v3, "best-task-1": v3, "b-2__task-3": v3}
+    assert move_scenario_aliases(client, "no-such-model", "a-1__") == {}
