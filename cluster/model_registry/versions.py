@@ -249,6 +249,7 @@ class MlflowModelResolver:
         self._cache = self.cache_dir / hashlib.sha256(tracking_uri.encode("utf-8")).hexdigest()[:12]
 
     def __call__(self, uri: str) -> str:
+        private_dir(self.cache_dir)  # still this user's own: checked before every use, not only when created
         if is_model_uri(uri):
             return self._resolve_model(parse_model_uri(uri))
         match = _RUNS_URI.match(uri)

@@ -110,6 +110,8 @@ def test_registry_files_are_verified_before_use_and_the_cache_again_before_reuse
     os.chmod(tmp_path / "cache", 0o777)
     with pytest.raises(PermissionError, match="model cache"):
         MlflowModelResolver(mlflow_server.tracking_uri, cache_dir=tmp_path / "cache")
+    with pytest.raises(PermissionError, match="model cache"):
+        resolver("models:/cache-good@task-1")  # checked at every use, not only when the resolver was made
 
 
 def test_a_version_logged_as_one_file_is_verified_by_its_digest(mlflow_server, tmp_path):
