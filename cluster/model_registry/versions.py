@@ -6,12 +6,13 @@ Naming (user-facing, so task numbers are 1-based here as in the papers):
   ``--set output.registered_model=team-retrieval``), else the scenario ``name`` (see :func:`registered_model_name`).
   Every run of the scenario adds its versions there; a version keeps its run id and the run's identity as tags, so
   every run's models stay reachable as ``models:/NAME/V``;
-- aliases, each set twice at most: ``task-<t+1>`` for the model of 0-based task ``t`` (``task-1`` is the first
-  task), ``latest-task`` for the model of the run's highest task (MLflow 3 reserves ``latest``: the highest version
-  number), ``pretrain-<name>`` for a third-party model pre-trained by the pipeline. Every run moves them in its own
-  namespace, ``<run name>__task-3`` (``cluster.tracking.run_identity``: run folder name + pipeline id, unique per
-  run) while it runs; a complete run whose ``--set`` overrides left its config file's results unchanged then moves
-  the bare scenario aliases (``task-3``) all at once (:func:`move_scenario_aliases`). ``champion`` moves only through ``compat gate`` (:func:`register_version` refuses it);
+- aliases: ``task-<t+1>`` for the model of 0-based task ``t`` (``task-1`` is the first task), ``latest-task`` for
+  the model of the run's highest task (MLflow 3 reserves ``latest``: the highest version number), ``pretrain-<name>``
+  for a third-party model pre-trained by the pipeline. Every run sets them in its own namespace,
+  ``<run name>__task-3`` (``cluster.tracking.run_identity``: run folder name + pipeline id, unique per run), while
+  it runs; a complete run whose ``--set`` overrides left its config file's results unchanged then moves the bare
+  scenario aliases (``task-3``) all at once (:func:`move_scenario_aliases`). ``champion`` moves only through
+  ``compat gate`` (:func:`register_version` refuses it);
 - version tags: ``stage_key`` (makes registration idempotent), ``stage_kind``, ``task_0based``, ``task_1based``,
   ``line``, the run's identity (``pipeline_id``, ``run_folder``, ``run_name``, ``config_hash``,
   ``overrides_digest``, ``code_version``, ``scenario_aliases``), the content digests ``files_sha256`` /
@@ -58,7 +59,8 @@ _RUNS_URI = re.compile(r"^runs:/(?P<run_id>[0-9a-fA-F]{32})/(?P<path>.+)$")
 MODEL_ARTIFACT_PATH = "model"
 LATEST_ALIAS = "latest-task"
 # the bare aliases a complete run of an unchanged config moves (never champion, a search's best, or a run's own)
-_SCENARIO_ALIAS = re.compile(rf"^(?!.*__)(?:(({'|'.join(ADAPTER_KINDS)})-)?task-\d+|latest-task|pretrain-[A-Za-z0-9_-]+)$")
+_SCENARIO_ALIAS = re.compile(
+    rf"^(?!.*__)(?:(({'|'.join(ADAPTER_KINDS)})-)?task-\d+|latest-task|pretrain-[A-Za-z0-9_-]+)$")
 WEIGHTS_FILE = "model.safetensors"
 MODEL_FILES_SUBFOLDER = "artifacts"  # where MLflow's pyfunc flavour keeps the declared artifacts
 # the pyfunc model written as code (MLflow's models-from-code): MLflow runs that file where the model is loaded;

@@ -65,8 +65,8 @@ from pipelines.config.load import config_hash, config_to_dict
 from pipelines.engine.events import StageEvent, StageRecord
 from pipelines.graph.stage_kind import StageKind
 from pipelines.records.stage_records import CommittedStage
-from pipelines.store.lease import holds_lease
 from pipelines.results.assemble import RunResult
+from pipelines.store.lease import holds_lease
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +193,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
         self._failed = False
         self._result = None
         self._open.clear()
+        self.scenario_aliases = self.intent.scenario_aliases
         self._base_tags = self._identity_tags(graph)
         existing = self.client.search_runs(
             [self.experiment_id],
@@ -311,7 +312,8 @@ class MlflowTracker(StageRecordLogging, Tracker):
         stale = [runs[-1] for runs in self._stage_runs.values()
                  if runs and runs[-1].info.status in ("RUNNING", "SCHEDULED")]
         for run in stale:
-            self.client.set_tag(run.info.run_id, "ended_by", "resume: the run folder's lease passed to this driver, so the driver that ran it is gone")
+            self.client.set_tag(run.info.run_id, "ended_by",
+                                "resume: the run folder's lease passed to this driver, so the driver that ran it is gone")
             self.client.set_terminated(run.info.run_id, "KILLED")
             self._refresh(run.data.tags["stage_key"], run.info.run_id)
         previous = int(self.client.get_run(self.parent_run_id).data.tags.get("stale_runs_killed", "0"))
