@@ -17,9 +17,12 @@ pytestmark = pytest.mark.integration
 RELATIVE = "runs/demo/er"  # the demo's run folder, relative to the checkout it runs in
 
 
-def _runs(client, experiment_name: str) -> list:
+def _runs(client, experiment_name: str, under: Path) -> list:
+    """The runs of the experiment whose run folder is under ``under`` (the session's server holds other tests' runs
+    of the same scenario)."""
     experiment = client.get_experiment_by_name(experiment_name)
-    return client.search_runs([experiment.experiment_id], max_results=1000)
+    runs = client.search_runs([experiment.experiment_id], max_results=5000)
+    return [run for run in runs if run.data.tags.get("run_folder", "").startswith(f"{under}/")]
 
 
 def test_identity_helpers_name_the_absolute_folder(tmp_path, monkeypatch):
@@ -42,7 +45,7 @@ def test_one_config_in_two_checkouts_is_two_pipeline_runs_and_a_resume_continues
         with run_lease(RELATIVE):
             trackers.append(run_tracked(Path(RELATIVE), mlflow_server.tracking_uri, monkeypatch)[2])
     client = trackers[0].client
-    runs = _runs(client, "track-demo")
+    runs = _runs(client, "track-demo", tmp_path)
     parents = [run for run in runs if run.data.tags.get("run_role") == "pipeline"]
     assert len(parents) == 2
     assert sorted(run.data.tags["run_folder"] for run in parents) == [str(c / RELATIVE) for c in checkouts]
@@ -58,13 +61,13 @@ def test_one_config_in_two_checkouts_is_two_pipeline_runs_and_a_resume_continues
     monkeypatch.chdir(checkouts[0])  # the first checkout's run again: its own parent, resumed
     with run_lease(RELATIVE):
         resumed = run_tracked(Path(RELATIVE), mlflow_server.tracking_uri, monkeypatch)[2]
-    after = [run for run in _runs(client, "track-demo") if run.data.tags.get("run_role") == "pipeline"]
+    after = [run for run in _runs(client, "track-demo", tmp_path) if run.data.tags.get("run_role") == "pipeline"]
     assert sorted(run.info.run_id for run in after) == sorted(run.info.run_id for run in parents)
     mine = client.get_run(next(run.info.run_id for run in parents
                                if run.data.tags["pipeline_id"] == trackers[0].pipeline_id))
     assert resumed.pipeline_id == trackers[0].pipeline_id != trackers[1].pipeline_id
     assert mine.data.tags["resumes"] == "1" and mine.info.status == "FINISHED"
-    assert len(_runs(client, "track-demo")) == len(runs)  # nothing logged twice
+    assert len(_runs(client, "track-demo", tmp_path)) == len(runs)  # nothing logged twice
 
 
 INTRUDER = """
@@ -115,7 +118,7 @@ def test_a_live_run_is_never_ended_by_another_driver(mlflow_server, tmp_path, mo
         tracker_a = run_tracked(folder_a, mlflow_server.tracking_uri, monkeypatch)[2]
     assert "refused: pipeline run" in seen["intruder"] and "does not hold the run folder's lease" in seen["intruder"]
     assert seen["b"].pipeline_id != tracker_a.pipeline_id
-    runs = _runs(tracker_a.client, "track-demo")
+    runs = _runs(tracker_a.client, "track-demo", tmp_path)
     parents = {run.data.tags["run_folder"]: run for run in runs if run.data.tags.get("run_role") == "pipeline"}
     assert set(parents) == {str(folder_a), str(folder_b)}
     for folder, parent in parents.items():

@@ -10,6 +10,7 @@ import yaml
 from app.cli import main
 from cluster.tracking.run_identity import ALIAS_SEPARATOR, run_intent
 
+MODEL = "aliases-by-intent"
 SMOKE = ["--set", "tasks.spec=2+2", "--set", "replacements=[]"]
 
 
@@ -18,14 +19,16 @@ def test_a_smoke_run_never_takes_over_the_full_runs_aliases(mlflow_server, tmp_p
 
     tiny.register()
     config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(tiny.scenario("dsimplex-hoc")))
+    document = tiny.scenario("dsimplex-hoc")
+    document["name"] = MODEL  # a registered model of this test's own on the session's server
+    config.write_text(yaml.safe_dump(document))
     full, smoke = tmp_path / "runs" / "full", tmp_path / "runs" / "smoke"
     common = ["--no-progress", "--tracking-uri", mlflow_server.tracking_uri, "--experiment", "aliases-by-intent"]
     assert main(["run", str(config), "--output", str(full), *common]) == 0
     assert main(["run", str(config), "--output", str(smoke), *SMOKE, *common]) == 0
 
     client = MlflowClient(tracking_uri=mlflow_server.tracking_uri, registry_uri=mlflow_server.tracking_uri)
-    versions = {v.version: v for v in client.search_model_versions("name = 'tiny-dsimplex-hoc'")}
+    versions = {v.version: v for v in client.search_model_versions(f"name = '{MODEL}'")}
     assert len(versions) == 4 + 3  # full: p1 + 3 tasks; smoke: p1 + 2 tasks (another config hash: its own p1)
     by_folder = {str(full): [], str(smoke): []}
     for version in versions.values():
@@ -39,7 +42,7 @@ def test_a_smoke_run_never_takes_over_the_full_runs_aliases(mlflow_server, tmp_p
     assert {versions[n].tags["scenario_aliases"] for n in by_folder[str(smoke)]} == {"false"}
     assert {versions[n].tags["scenario_aliases"] for n in by_folder[str(full)]} == {"true"}
 
-    aliases = client.get_registered_model("tiny-dsimplex-hoc").aliases  # {alias: version}
+    aliases = client.get_registered_model(MODEL).aliases  # {alias: version}
     bare = {alias: str(number) for alias, number in aliases.items() if ALIAS_SEPARATOR not in alias}
     assert sorted(bare) == ["latest-task", "pretrain-p1", "task-1", "task-2", "task-3"]
     assert all(number in by_folder[str(full)] for number in bare.values())  # only the full run moved them
@@ -61,8 +64,8 @@ def test_a_smoke_run_never_takes_over_the_full_runs_aliases(mlflow_server, tmp_p
     assert sorted(run.data.tags["run_folder"] for run in parents) == [str(full), str(smoke)]
     resumed = next(run for run in parents if run.data.tags["run_folder"] == str(smoke))
     assert resumed.data.tags["resumes"] == "1" and resumed.data.tags["scenario_aliases"] == "false"
-    assert client.get_registered_model("tiny-dsimplex-hoc").aliases == aliases
-    assert len(client.search_model_versions("name = 'tiny-dsimplex-hoc'")) == len(versions)
+    assert client.get_registered_model(MODEL).aliases == aliases
+    assert len(client.search_model_versions(f"name = '{MODEL}'")) == len(versions)
 
 
 def test_overrides_that_change_nothing_computed_keep_the_scenario_aliases(tmp_path):
