@@ -30,6 +30,7 @@ from pathlib import Path
 from app.printing import print_results
 from cluster.ray.task_backend import connect
 from cluster.run_driver import run_tracked
+from cluster.tracking.run_identity import run_intent
 from cluster.tracking.tracker import create_tracker
 from compat_core.hardware import calibration
 from pipelines.config.load import ConfigError, load_config
@@ -69,7 +70,8 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
     config = resolve_run_precision(load_config(config_path, overrides))
 
     with run_lease(run_dir):
-        tracker = create_tracker(tracking_uri, experiment=experiment)
+        tracker = create_tracker(tracking_uri, experiment=experiment,
+                                 intent=run_intent(config_path, overrides, config))
         graph, store = compile_scenario(config), RunStore(run_dir)
         graph.origin = RunOrigin.of_command(command, overrides)
         started = time.perf_counter()

@@ -9,6 +9,7 @@ from app.printing import print_results
 from cluster.executors import EXECUTORS
 from cluster.run_driver import model_sources_setup, pin_model_aliases, run_tracked
 from cluster.storage.s3 import configure_object_storage, installed_access, uses_object_storage
+from cluster.tracking.run_identity import AS_WRITTEN, run_intent, scoped_alias
 from cluster.tracking.tracker import create_tracker
 from compat_core import io as cio
 from pipelines.config.load import ConfigError, load_config
@@ -48,10 +49,11 @@ def run_origin(args) -> RunOrigin:
     return RunOrigin.of_command(getattr(args, "argv", None) or [], args.overrides)
 
 
-def make_tracker(args, run_dir: str):
+def make_tracker(args, run_dir: str, config=None):
     """The MLflow tracker for this run on ``args.tracking`` (resolved by app.dispatch; off: a no-op tracker). A run
     directory on S3 tracks only into a store named with --tracking-uri or MLFLOW_TRACKING_URI, never into this
-    machine's store by default."""
+    machine's store by default. ``config`` (the validated config): judged against the file it came from, it says
+    whether ``--set`` changed what the file computes (then the run moves only its own registry aliases)."""
     uri = args.tracking.uri
     address = getattr(args, "address", None) or ""
     if getattr(args, "executor", "local") == "ray" and address.startswith(("http://", "https://")):
@@ -61,7 +63,9 @@ def make_tracker(args, run_dir: str):
               file=sys.stderr)
         uri = None
     experiment = getattr(args, "experiment", None) or os.environ.get("MLFLOW_EXPERIMENT_NAME") or None
-    return create_tracker(uri, experiment=experiment)
+    intent = run_intent(args.config or cio.join(args.resume, "config.yaml"), args.overrides, config) \
+        if config is not None else AS_WRITTEN
+    return create_tracker(uri, experiment=experiment, intent=intent)
 
 
 def preflight_data(config, run_dir: str | None = None, executor: str = "local") -> None:
@@ -102,7 +106,7 @@ def run(args) -> int:
             key = store.resolve_key(prefix)
             store.forget(key)
             print(f"recompute: stage {key} uncommitted; it runs again", file=sys.stderr)
-        tracker = make_tracker(args, run_dir)
+        tracker = make_tracker(args, run_dir, config)
         graph = compile_scenario(config)
         graph.origin = run_origin(args)
         summary = run_tracked(graph, store, tracker, args.executor, args.address,
@@ -112,6 +116,11 @@ def run(args) -> int:
     if getattr(tracker, "tracking_uri", None):
         print(f"MLflow: {redact_uri(tracker.tracking_uri)} (experiment {tracker.experiment_name or config.name}, "
               f"registered model {tracker.model_name or '-'})")
+        if tracker.model_name:
+            bare = " and the scenario's bare aliases" if tracker.scenario_aliases else \
+                " (--set changed the config: the scenario's bare aliases stay where they are)"
+            print(f"aliases of this run: models:/{tracker.model_name}@{scoped_alias(tracker.run_name, 'task-N')}, "
+                  f"@{scoped_alias(tracker.run_name, 'latest-task')}{bare}")
     if summary.matrix is not None:
         print_results(summary.matrix, summary.metrics)
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from cluster.ray.jobs import submit_pipeline
+from cluster.tracking.run_identity import run_intent
 from pipelines.config.load import ConfigError, load_config
 from pipelines.config.run_origin import RunOrigin
 
@@ -16,7 +17,8 @@ def run(args) -> int:
         outcome = submit_pipeline(config, args.address, output=args.output, wait=args.wait, follow=args.follow,
                                   timeout_s=args.timeout, executor=args.executor, python=args.python,
                                   shared_filesystem=args.shared_filesystem, token_file=args.ray_token_file,
-                                  origin=RunOrigin.of_command(getattr(args, "argv", None) or [], args.overrides))
+                                  origin=RunOrigin.of_command(getattr(args, "argv", None) or [], args.overrides),
+                                  scenario_aliases=run_intent(args.config, args.overrides, config).scenario_aliases)
     except (ConfigError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

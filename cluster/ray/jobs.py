@@ -42,6 +42,7 @@ from typing import Any, TextIO
 
 from cluster.ray.auth import prepare_client_auth, require_token_if_needed
 from cluster.ray.reach import host_port, is_this_machine, require_answering, require_reachable
+from cluster.tracking.run_identity import INTENT_METADATA_KEY
 from pipelines.config.load import config_hash, dump_config, stable_hash
 from pipelines.config.local_paths import absolute_config, absolute_location, is_local_path, local_config_paths
 from pipelines.config.run_origin import RunOrigin
@@ -213,7 +214,7 @@ def submit_pipeline(config: Any, address: str | None, output: str | None = None,
                     follow: bool = False, timeout_s: float | None = None, stream: TextIO | None = None,
                     executor: str = "ray", python: str | None = None,
                     shared_filesystem: bool = False, token_file: str | None = None,
-                    origin: RunOrigin | None = None) -> SubmitOutcome:
+                    origin: RunOrigin | None = None, scenario_aliases: bool = True) -> SubmitOutcome:
     """Submit a validated scenario as a Ray Job (no-op when already pending/running/succeeded).
 
     output: run directory (s3://... for a multi-node cluster; default: the config's output.dir); local paths are
@@ -221,7 +222,9 @@ def submit_pipeline(config: Any, address: str | None, output: str | None = None,
     ``shared_filesystem`` says every node mounts them at the same place (:func:`require_paths_reachable`).
     wait: block until the job ends; follow: print its logs meanwhile. python: the job's interpreter (None: the
     submitting one when the node has it, see :func:`python_command`). origin: the command line and overrides the
-    job records in config.yaml. Returns the outcome, with the final status when waiting.
+    job records in config.yaml. scenario_aliases: False when ``--set`` changed what the named config file computes
+    (cluster.tracking.run_identity.run_intent): the job then moves only its own registry aliases (sent as job
+    metadata, since the job runs the resolved scenario.yaml). Returns the outcome, with the final status when waiting.
     """
     stream = stream or sys.stdout
     config = absolute_config(config)
@@ -237,7 +240,7 @@ def submit_pipeline(config: Any, address: str | None, output: str | None = None,
             client, base_id, pipeline_entrypoint(output, executor=executor, python=python, origin=origin),
             pipeline_runtime_env(staging),
             metadata={"compat_scenario": str(config.name), "compat_config_hash": config_hash(config)[:16],
-                      "compat_output": str(output)},
+                      "compat_output": str(output), INTENT_METADATA_KEY: str(scenario_aliases).lower()},
         )
     outcome.output = output
     print(outcome.message, file=stream)

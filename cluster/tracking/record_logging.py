@@ -14,11 +14,14 @@ from cluster.model_registry.versions import (
     MODEL_ARTIFACT_PATH,
     ensure_registered_model,
     find_version,
+    move_scenario_aliases,
     register_version,
     task_alias,
     write_model_folder,
 )
+from cluster.model_registry.model_cache import content_tags
 from cluster.tracking.client import log_metrics
+from cluster.tracking.run_identity import scoped_alias
 from cluster.tracking.ui import link_model_versions, log_comparable_images, show_headline_in_name
 from compat_core import io as cio
 from pipelines.graph.stage_kind import StageKind
@@ -28,11 +31,14 @@ from pipelines.store.run_store import sha256_bytes
 
 log = logging.getLogger(__name__)
 
+VERSION_IDENTITY_TAGS = ("pipeline_id", "run_folder", "run_name", "config_hash", "overrides_digest", "code_version",
+                         "scenario_aliases")
+
 
 class StageRecordLogging:
     """Mixin of :class:`cluster.tracking.tracker.MlflowTracker`: logs records to the tracker's ``client`` for its ``graph``,
     ``store``, ``parent_run_id``, ``model_name``, ``pipeline_id`` and ``register_models``, and the stage runs it
-    keeps open in ``_open``."""
+    keeps open in ``_open``, its identity (``_base_tags``, ``run_name``, ``scenario_aliases``)."""
 
     def _on_train_record(self, record: Any, stage_key: str | None) -> None:
         run_id = self._run_for_train_record(record, stage_key)
@@ -93,8 +99,9 @@ class StageRecordLogging:
         self.client.set_tag(run_id, "model_sha256", sha256)
         if not self.register_models:
             return
-        tags = {"stage_kind": stage.kind, "line": record.line, "sha256": sha256,
-                "pipeline_id": self.pipeline_id, "code_version": self.graph.code_version}
+        files = {name: committed.blobs[name]["sha256"] for name in ("config.json", "model.safetensors")}
+        tags = {"stage_kind": stage.kind, "line": record.line, "sha256": sha256, **content_tags(files),
+                **self._identity_of_versions()}
         aliases: list[str] = []
         if stage.kind == StageKind.PRETRAIN:
             aliases.append(f"pretrain-{stage.name}")
@@ -103,7 +110,8 @@ class StageRecordLogging:
             tags.update(task_0based=task, task_1based=task + 1)
             aliases.append(task_alias(task))
             if task > 0:
-                parent = find_version(self.client, self.model_name, self.graph.model_stages[task - 1])
+                parent = find_version(self.client, self.model_name, self.graph.model_stages[task - 1],
+                                      self.pipeline_id)
                 if parent is not None:
                     tags["parent_version"] = parent.version
             source = record.source
@@ -111,13 +119,13 @@ class StageRecordLogging:
                 tags["external_source"] = source
                 if source.startswith("pretrain:") and source[len("pretrain:"):] in self.graph.pretrain_stages:
                     origin = find_version(self.client, self.model_name,
-                                          self.graph.pretrain_stages[source[len("pretrain:"):]])
+                                          self.graph.pretrain_stages[source[len("pretrain:"):]], self.pipeline_id)
                     if origin is not None:
                         tags["source_version"] = origin.version
             if task >= self._latest_task:  # this run's newest task model, even when an older run went further
                 self._latest_task = task
                 aliases.append(LATEST_ALIAS)
-        version = register_version(self.client, self.model_name, run_id, stage.key, tags, aliases)
+        version = register_version(self.client, self.model_name, run_id, stage.key, tags, self._run_aliases(aliases))
         self.client.set_tag(run_id, "registered_model", self.model_name)
         self.client.set_tag(run_id, "model_version", version.version)
 
@@ -156,8 +164,28 @@ class StageRecordLogging:
             register_version(self.client, adapters_model, run_id, f"{stage.key}/{kind}",
                              {"stage_kind": StageKind.ADAPT, "adapter": kind, "direction": entry.direction,
                               "task_0based": task, "task_1based": task + 1, "sha256": sha256,
+                              **content_tags({entry.blob: sha256}), **self._identity_of_versions(),
                               "compatible": str(entry.verdict.compatible).lower()},
-                             [f"{kind}-task-{task + 1}"], artifact_path=f"adapters/{entry.blob}")
+                             self._run_aliases([f"{kind}-task-{task + 1}"]), artifact_path=f"adapters/{entry.blob}")
+
+    def _identity_of_versions(self) -> dict[str, str]:
+        """The run's identity as version tags: which run folder, pipeline, config, overrides and code made it."""
+        return {key: self._base_tags[key] for key in VERSION_IDENTITY_TAGS if key in self._base_tags}
+
+    def _run_aliases(self, aliases: list[str]) -> list[str]:
+        """The aliases a version of this run takes while it runs: each in the run's namespace. The bare scenario
+        aliases move at the end of a complete run of an unchanged config (:meth:`_move_scenario_aliases`)."""
+        return [scoped_alias(self.run_name, alias) for alias in aliases]
+
+    def _move_scenario_aliases(self) -> None:
+        """A complete run whose config file ran unchanged (``scenario_aliases``) takes the scenario's bare aliases,
+        all at once, in the registered model and its adapters model (see cluster.model_registry.versions)."""
+        if not (self.register_models and self.model_name and self.scenario_aliases):
+            return
+        for name in (self.model_name, f"{self.model_name}-adapters"):
+            moved = move_scenario_aliases(self.client, name, scoped_alias(self.run_name, ""))
+            if moved:
+                log.info("%s: scenario aliases %s now name run %s", name, ", ".join(sorted(moved)), self.run_name)
 
     def _log_results(self, result: RunResult | None) -> None:
         """Summary metrics and result files of a complete run (the engine's RunResult), once per metrics.json

@@ -17,7 +17,9 @@ emits the result, so that the tracker, closed with the executor, logs them.)
 
 What MLflow holds (one experiment per scenario name):
 
-- parent run (tag ``run_role=pipeline``): tags ``pipeline_id``, ``config_hash``, ``code_version``, ``scenario``;
+- parent run (tag ``run_role=pipeline``): tags ``pipeline_id`` (config hash + absolute run folder, see
+  cluster.tracking.run_identity), ``config_hash``, ``code_version``, ``scenario``, ``run_folder``, ``run_name``,
+  ``overrides_digest``, ``scenario_aliases`` (whether the run may move the scenario's bare aliases);
   params = the validated config flattened with dot keys (secrets excluded, see :func:`flatten_params`); metrics
   ``compat/q{t}_g{k}`` = C[t, k] (query model t, gallery model k, **0-based** as in matrix.json) with step t;
   ``AC`` ``AA`` ``ACA`` ``BC`` ``FC`` (fractions, step T-1); ``AC_tau`` ``AA_tau`` with step = 0-based index of the
@@ -29,8 +31,10 @@ What MLflow holds (one experiment per scenario name):
   steps done in the task; ``stage/seconds``; model stages log ``model/`` (model.safetensors + config.json) and
   register it (see cluster.model_registry.versions); evaluate stages log their row's ``compat/q{t}_g{k}``.
 
-Resuming: the parent run is found by tags ``pipeline_id`` + ``config_hash`` and reopened (when it was still
-RUNNING, its driver died: the stage runs it left RUNNING are ended KILLED first, tag ``ended_by``); a stage whose run is
+Resuming: the parent run is found by tags ``pipeline_id`` + ``config_hash`` (so only a run of the same folder) and
+reopened. When it was still RUNNING, only a holder of the run folder's lease (pipelines.store.lease) continues it:
+holding the lease proves the driver that ran it is gone, so the stage runs it left RUNNING are ended KILLED first
+(tag ``ended_by``); a process without the lease is refused and marks nothing. A stage whose run is
 FINISHED is not logged again; an interrupted (RUNNING/KILLED) stage run is reused; a FAILED stage run stays FAILED
 as the record of that failure and the retry gets a new run with tag ``attempt`` incremented. A stage that was
 committed without tracking (skipped now) gets a run backfilled from its stored record (no per-step metrics).
@@ -49,20 +53,24 @@ from cluster.model_registry.versions import ensure_registered_model, registered_
 from cluster.tracking.client import ensure_experiment, log_metrics, log_params, open_client
 from cluster.tracking.params import flatten_params
 from cluster.tracking.record_logging import StageRecordLogging
-from pipelines.config.load import config_hash, config_to_dict, stable_hash
+from cluster.tracking.run_identity import (
+    AS_WRITTEN,
+    RunIntent,
+    pipeline_id_of,
+    run_location,
+    run_name_of,
+    submitted_intent,
+)
+from pipelines.config.load import config_hash, config_to_dict
 from pipelines.engine.events import StageEvent, StageRecord
 from pipelines.graph.stage_kind import StageKind
 from pipelines.records.stage_records import CommittedStage
 from pipelines.results.assemble import RunResult
+from pipelines.store.lease import holds_lease
 
 log = logging.getLogger(__name__)
 
 _TERMINAL = ("FINISHED", "FAILED", "KILLED")
-
-
-def pipeline_id_of(config_hash: str, run_root: str) -> str:
-    """Stable id of a pipeline = sha256 of (config hash, run root), 16 hex: the same run directory resumed keeps it."""
-    return stable_hash({"config_hash": config_hash, "run_root": run_root})[:16]
 
 
 def ray_job_id() -> str | None:
@@ -145,16 +153,19 @@ class MlflowTracker(StageRecordLogging, Tracker):
 
     tracking_uri: ``sqlite:///PATH`` or ``http(s)://HOST:PORT``; with SQLite, artifacts go to ``<db folder>/
     mlartifacts`` (a server decides its own artifact store). experiment: default = scenario name. pipeline_id:
-    default :func:`pipeline_id_of`. register_models: register every model stage in the model registry.
+    default :func:`cluster.tracking.run_identity.pipeline_id_of` of the config and the absolute run folder.
+    register_models: register every model stage in the model registry. intent: what the user asked for
+    (:func:`cluster.tracking.run_identity.run_intent`; default: the config file as written).
     """
 
     def __init__(self, tracking_uri: str, experiment: str | None = None, pipeline_id: str | None = None,
-                 register_models: bool = True) -> None:
+                 register_models: bool = True, intent: RunIntent = AS_WRITTEN) -> None:
         self.tracking_uri = tracking_uri
         self.client = open_client(self.tracking_uri)  # a fresh SQLite store: one at a time
         self.experiment_name = experiment
         self.fixed_pipeline_id = pipeline_id
         self.register_models = register_models
+        self.intent = intent
         self.graph: Any = None
         self.store: Any = None
         self.parent_run_id: str | None = None
@@ -162,6 +173,9 @@ class MlflowTracker(StageRecordLogging, Tracker):
         self.pipeline_id: str | None = None
         self.config_hash: str | None = None
         self.model_name: str | None = None
+        self.run_folder: str | None = None
+        self.run_name: str | None = None
+        self.scenario_aliases = intent.scenario_aliases
         self._stage_runs: dict[str, list[Any]] = {}
         self._open: dict[str, _OpenStage] = {}
         self._failed = False
@@ -172,49 +186,77 @@ class MlflowTracker(StageRecordLogging, Tracker):
         config = graph.config
         self.graph, self.store = graph, store
         self.config_hash = config_hash(config)
-        self.pipeline_id = self.fixed_pipeline_id or pipeline_id_of(self.config_hash, store.root)
+        self.run_folder = run_location(store.root)
+        self.pipeline_id = self.fixed_pipeline_id or pipeline_id_of(self.config_hash, self.run_folder)
+        self.run_name = run_name_of(self.run_folder, self.pipeline_id)
         self.experiment_id = self._experiment(self.experiment_name or config.name)
         self._failed = False
         self._result = None
         self._open.clear()
-        base_tags = {"pipeline_id": self.pipeline_id, "config_hash": self.config_hash,
-                     "code_version": graph.code_version, "scenario": config.name}
-        job = ray_job_id()
-        if job:
-            base_tags["ray_job_id"] = job
-        submission = ray_submission_id()
-        if submission:
-            base_tags["ray_submission_id"] = submission
-        self._base_tags = base_tags
+        self.scenario_aliases = self.intent.scenario_aliases
+        self._base_tags = self._identity_tags(graph)
         existing = self.client.search_runs(
             [self.experiment_id],
             f"tags.run_role = 'pipeline' and tags.pipeline_id = '{self.pipeline_id}' "
             f"and tags.config_hash = '{self.config_hash}'",
             order_by=["attributes.start_time ASC"], max_results=10)
+        if existing and existing[0].info.status == "RUNNING" and not holds_lease(store.root):
+            raise RuntimeError(
+                f"pipeline run {existing[0].info.run_id} of run folder {self.run_folder} is RUNNING and this process "
+                f"does not hold the run folder's lease (pipelines.store.lease.run_lease): its driver may be alive; "
+                f"take the lease before tracking (compat run / demo do), so a live run is never taken over")
         if existing:
-            self.parent_run_id = existing[0].info.run_id
-            resumes = int(existing[0].data.tags.get("resumes", "0")) + 1
-            self.client.update_run(self.parent_run_id, status="RUNNING")
-            self.client.set_tag(self.parent_run_id, "resumes", str(resumes))
-            if job:
-                self.client.set_tag(self.parent_run_id, "ray_job_id", job)
-            if submission:
-                self.client.set_tag(self.parent_run_id, "ray_submission_id", submission)
+            self._reopen_parent(existing[0])
         else:
-            run = self.client.create_run(self.experiment_id, tags={**base_tags, "run_role": "pipeline"},
-                                         run_name=f"{config.name}-{self.pipeline_id[:8]}")
-            self.parent_run_id = run.info.run_id
-            params, excluded = flatten_params(config_to_dict(config))
-            log_params(self.client, self.parent_run_id, params)
-            if excluded:
-                self.client.set_tag(self.parent_run_id, "params_excluded_as_secret", ",".join(sorted(excluded)))
+            self._create_parent(config)
         self._stage_runs = self._load_stage_runs()
         if existing and existing[0].info.status == "RUNNING":
-            self._reconcile_stale_runs()
+            self._reconcile_stale_runs()  # this process holds the lease: the driver that ran them is gone
         if self.register_models:
             self.model_name = registered_model_name(config.name, config.output.registered_model)
             ensure_registered_model(self.client, self.model_name, {"scenario": config.name})
             self._latest_task = -1  # latest-task follows this run's highest task (stages register in task order)
+
+    def _identity_tags(self, graph: Any) -> dict[str, str]:
+        """Tags of the parent and every stage run: who the run is (pipeline id, run folder and name, config hash,
+        code version, the overrides' digest) and where it runs (Ray job, submission)."""
+        submitted = submitted_intent()
+        if submitted is False:
+            self.scenario_aliases = False  # the submitter's overrides changed the config it named
+        tags = {"pipeline_id": self.pipeline_id, "config_hash": self.config_hash,
+                "code_version": graph.code_version, "scenario": graph.config.name, "run_folder": self.run_folder,
+                "run_name": self.run_name, "overrides_digest": self.intent.overrides_digest}
+        job = ray_job_id()
+        if job:
+            tags["ray_job_id"] = job
+        submission = ray_submission_id()
+        if submission:
+            tags["ray_submission_id"] = submission
+        return tags
+
+    def _reopen_parent(self, run: Any) -> None:
+        """Continue this run folder's own pipeline run; a resume keeps the intent the run was started with."""
+        self.parent_run_id = run.info.run_id
+        tags = run.data.tags
+        if tags.get("scenario_aliases") == "false":
+            self.scenario_aliases = False
+        resumes = int(tags.get("resumes", "0")) + 1
+        self.client.update_run(self.parent_run_id, status="RUNNING")
+        self.client.set_tag(self.parent_run_id, "resumes", str(resumes))
+        for key in ("ray_job_id", "ray_submission_id", "run_folder", "run_name"):
+            if key in self._base_tags and tags.get(key) != self._base_tags[key]:
+                self.client.set_tag(self.parent_run_id, key, self._base_tags[key])
+        self._base_tags["scenario_aliases"] = str(self.scenario_aliases).lower()
+
+    def _create_parent(self, config: Any) -> None:
+        self._base_tags["scenario_aliases"] = str(self.scenario_aliases).lower()
+        run = self.client.create_run(self.experiment_id, tags={**self._base_tags, "run_role": "pipeline"},
+                                     run_name=f"{config.name}-{self.pipeline_id[:8]}")
+        self.parent_run_id = run.info.run_id
+        params, excluded = flatten_params(config_to_dict(config))
+        log_params(self.client, self.parent_run_id, params)
+        if excluded:
+            self.client.set_tag(self.parent_run_id, "params_excluded_as_secret", ",".join(sorted(excluded)))
 
     def finish(self, status: str | None = None) -> None:
         if status is not None and status not in _TERMINAL:
@@ -228,6 +270,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
             status = "FAILED" if self._failed else ("FINISHED" if complete else "KILLED")
         if status == "FINISHED":
             self._log_results(self._result)
+            self._move_scenario_aliases()
         self.client.set_terminated(self.parent_run_id, status)
         self.parent_run_id = None
 
@@ -262,13 +305,15 @@ class MlflowTracker(StageRecordLogging, Tracker):
             self._backfill(event.stage_key, event.committed)
 
     def _reconcile_stale_runs(self) -> None:
-        """The pipeline run was still RUNNING when this resume started: its driver died (the run-folder lease
-        allows one live driver). Stage runs it left RUNNING are ended KILLED now (tag ``ended_by``) instead of
-        staying RUNNING forever; the stages that run again reopen them, under the same parent run."""
+        """The pipeline run was still RUNNING when this resume started and this process holds the run folder's lease
+        (checked by :meth:`start`): the driver that ran it is gone (the lease allows one live driver). Stage runs
+        it left RUNNING are ended KILLED now (tag ``ended_by``) instead of staying RUNNING forever; the stages that
+        run again reopen them, under the same parent run."""
         stale = [runs[-1] for runs in self._stage_runs.values()
                  if runs and runs[-1].info.status in ("RUNNING", "SCHEDULED")]
         for run in stale:
-            self.client.set_tag(run.info.run_id, "ended_by", "resume: the driver that ran it is gone")
+            self.client.set_tag(run.info.run_id, "ended_by",
+                                "resume: the run folder's lease passed to this driver, so the driver that ran it is gone")
             self.client.set_terminated(run.info.run_id, "KILLED")
             self._refresh(run.data.tags["stage_key"], run.info.run_id)
         previous = int(self.client.get_run(self.parent_run_id).data.tags.get("stale_runs_killed", "0"))
@@ -372,5 +417,4 @@ def _is_train_record(record: Any) -> bool:
     return all(hasattr(record, name) for name in ("task", "epoch", "step", "loss", "loss_parts", "lr", "images_per_s"))
 
 
-__all__ = ["MlflowTracker", "NullTracker", "Tracker", "create_tracker", "pipeline_id_of", "ray_job_id",
-           "ray_submission_id"]
+__all__ = ["MlflowTracker", "NullTracker", "Tracker", "create_tracker", "ray_job_id", "ray_submission_id"]

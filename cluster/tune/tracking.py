@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from cluster.model_registry.model_cache import content_tags
 from cluster.model_registry.versions import ensure_registered_model, register_version, write_model_folder
 from cluster.tracking.client import log_metrics, log_params, open_client
 from cluster.tracking.params import flatten_params
@@ -174,7 +175,9 @@ def register_best_models(spec: SearchSpec, best_trial_id: str, trial_run_id: str
         aliases = [f"best-task-{task + 1}"] + ([BEST_ALIAS] if task == spec.num_tasks - 1 else [])
         version = register_version(client, spec.name, trial_run_id, key, {
             "trial_id": best_trial_id, "task_0based": task, "task_1based": task + 1,
-            "sha256": manifest["blobs"]["model.safetensors"]["sha256"]}, aliases, artifact_path=artifact_path)
+            "sha256": manifest["blobs"]["model.safetensors"]["sha256"],
+            **content_tags({name: manifest["blobs"][name]["sha256"] for name in ("config.json", "model.safetensors")})},
+            aliases, artifact_path=artifact_path)
     client.set_tag(spec.parent_run_id, "best_trial_id", best_trial_id)
     client.set_tag(spec.parent_run_id, "best_model_uri", str(ModelUri(spec.name, alias=BEST_ALIAS)))
     return version

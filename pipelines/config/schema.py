@@ -254,8 +254,8 @@ class OutputSpec(StrictModel):
         "same model at once take turns (a claim per stage key); None: every run trains its own")
     registered_model: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_.-]+$",
-        description="MLflow registered model that every run of this scenario adds its versions to (aliases task-N "
-        "move to the newest run); None = the scenario name")
+        description="MLflow registered model that every run of this scenario adds its versions to (each run sets "
+        "<run name>__task-N; bare task-N only from a run of the config unchanged); None = the scenario name")
 
 
 class ScenarioConfig(StrictModel):

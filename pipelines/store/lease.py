@@ -224,7 +224,7 @@ def _local_lease(root: str) -> Iterator[None]:
             raise _busy(root, holder) from None
     mine = _owner()
     mine["heartbeat"] = time.time()
-    lease = _LocalLease(str(root).rstrip("/"), path, handle, mine)
+    lease = _LocalLease(_key(root), path, handle, mine)
     lease.write(mine)
     with _hold(lease):
         yield
@@ -315,10 +315,30 @@ def set_conditional_objects(objects):
     return previous
 
 
+def _key(root: str) -> str:
+    """The one spelling of a run folder for the leases this process holds: an absolute local path (a relative one
+    names the same folder as its absolute form), an object-store URI without its trailing slash."""
+    text = os.fspath(root).rstrip("/")
+    return text if cio.is_remote(text) else os.path.abspath(text)
+
+
+def holds_lease(root: str) -> bool:
+    """Whether this process holds the lease of run folder ``root`` now (taken with :func:`run_lease`, checked fresh:
+    not taken over since). A fence held for another process's lease (a worker) does not count."""
+    lease = _HELD.get(_key(root))
+    if not isinstance(lease, (_LocalLease, _ObjectLease)):
+        return False
+    try:
+        lease.check(fresh=True)
+    except LeaseLostError:
+        return False
+    return True
+
+
 def check_fence(root: str) -> None:
     """Raise LeaseLostError when this process held the lease of ``root`` and another driver has taken it over;
     every write of a RunStore calls this, so a paused driver that wakes up commits nothing."""
-    lease = _HELD.get(str(root).rstrip("/"))
+    lease = _HELD.get(_key(root))
     if lease is not None:
         lease.check()
 
@@ -371,7 +391,7 @@ class LeaseFence:
 def lease_fence(root: str) -> LeaseFence | None:
     """The fence of the lease this process holds on ``root`` (None when it holds none), for the processes that
     write for it: they write inside :func:`hold_fence`."""
-    lease = _HELD.get(str(root).rstrip("/"))
+    lease = _HELD.get(_key(root))
     if isinstance(lease, _LocalLease):
         return LeaseFence(lease.root, f"pid {os.getpid()} on {socket.gethostname()}",
                           lock_file=os.path.abspath(lease.path), inode=os.fstat(lease.handle.fileno()).st_ino,
@@ -390,7 +410,7 @@ def hold_fence(root: str, fence: LeaseFence | None) -> Iterator[None]:
         yield
         return
     fence.check()
-    key = str(root).rstrip("/")
+    key = _key(root)
     previous = _HELD.get(key)
     _HELD[key] = fence
     try:
@@ -430,6 +450,6 @@ def _object_lease(root: str) -> Iterator[None]:
     except PreconditionFailed:
         now = objects.read(uri)
         raise _busy(root, json.loads(now[0].decode("utf-8")) if now else {}) from None
-    lease = _ObjectLease(str(root).rstrip("/"), uri, mine, etag, objects)
+    lease = _ObjectLease(_key(root), uri, mine, etag, objects)
     with _hold(lease):
         yield

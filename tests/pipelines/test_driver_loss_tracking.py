@@ -8,6 +8,8 @@ import sqlite3
 import time
 from pathlib import Path
 
+import pytest
+
 import tiny_scenario_helpers as tiny
 import yaml
 from test_executor_resume import HERE, _run
@@ -54,9 +56,16 @@ def test_resume_after_driver_loss_leaves_no_run_running_and_keeps_the_parent(tmp
     from pipelines.store.run_store import RunStore
 
     tiny.register()
+    from pipelines.store.lease import run_lease
+
     tracker = create_tracker(resolve_tracking(None).uri)  # the machine's store, as `compat run` resolves it
-    tracker.start(compile_scenario(load_config(str(run_dir / "config.yaml"))), RunStore(str(run_dir)))
-    tracker.finish("KILLED")
+    graph = compile_scenario(load_config(str(run_dir / "config.yaml")))
+    with pytest.raises(RuntimeError, match="does not hold the run folder's lease"):
+        tracker.start(graph, RunStore(str(run_dir)))  # without the lease the driver may be alive: nothing marked
+    assert {status for uuid, status, _ in _statuses(database) if uuid in stale} == {"RUNNING"}
+    with run_lease(str(run_dir)):  # the lease passed to this process: the driver that ran the stages is gone
+        tracker.start(graph, RunStore(str(run_dir)))
+        tracker.finish("KILLED")
     tracker.close()
     early = dict((uuid, status) for uuid, status, _ in _statuses(database))
     assert {early[uuid] for uuid in stale} == {"KILLED"}
