@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.model_registry.versions import ensure_registered_model, register_version, write_model_folder
-from cluster.tracking.client import log_metrics, log_params, open_client
+from cluster.tracking.client import ensure_experiment, log_metrics, log_params, open_client
 from cluster.tracking.params import flatten_params
 from cluster.tune.spec import BEST_ALIAS, MODELS_KEY, OBJECTIVE_KEY, RESULT_KEY, TIME_ATTR, TRIAL_FILE, SearchSpec
 from compat_core import io as cio
@@ -125,14 +125,7 @@ def open_search_run(spec: SearchSpec) -> tuple[str, str]:
     """Create (or reopen on resume) the search's parent MLflow run; returns (experiment_id, parent_run_id)."""
     client = open_client(spec.tracking_uri)
     experiment_name = spec.mlflow_experiment or f"{spec.base_config['name']}-search"
-    found = client.get_experiment_by_name(experiment_name)
-    if found is None:
-        location = None
-        if spec.tracking_uri.startswith("sqlite:///"):
-            location = (Path(spec.tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
-        experiment_id = client.create_experiment(experiment_name, artifact_location=location)
-    else:
-        experiment_id = found.experiment_id
+    experiment_id = ensure_experiment(client, experiment_name)
     if spec.parent_run_id:
         client.update_run(spec.parent_run_id, status="RUNNING")
         return experiment_id, spec.parent_run_id

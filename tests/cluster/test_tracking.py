@@ -20,7 +20,7 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 tiny.register()  # the scenario below names the tiny-synth dataset: configs validate only once it is registered
 
 from cluster.model_registry.versions import registered_model_name, task_alias
-from cluster.tracking.client import check_tracking_uri
+from cluster.tracking.client import EXPERIMENT_KIND_TAG, check_tracking_uri, ensure_experiment, open_client
 from cluster.tracking.store import resolve_tracking
 from cluster.tracking.params import flatten_params, looks_like_secret
 from cluster.tracking.record_logging import entry_metric_key
@@ -434,9 +434,12 @@ def test_pipeline_run_is_readable_in_the_ui_without_configuration(sqlite_run):
     run_dir, graph, store, tracker = sqlite_run
     client = tracker.client
     experiment = client.get_experiment_by_name("track-demo")
+    assert experiment.tags[EXPERIMENT_KIND_TAG] == "custom_model_development"  # MLflow UI: runs table, not traces
     parent = client.search_runs([experiment.experiment_id], f"tags.run_role = 'pipeline' and "
                                 f"tags.pipeline_id = '{tracker.pipeline_id}'")[0]
     metrics = json.loads((run_dir / "metrics.json").read_text())
+    for name in ("AC", "AA", "ACA", "BC", "FC"):  # metric columns the runs table can show, as metrics.json has them
+        assert parent.data.metrics[name] == pytest.approx(metrics[name], abs=1e-12), name
     pictures = sorted(name for name in ("matrix.png", "aa_tau.png") if (run_dir / name).exists())
     assert pictures, "the run folder has no result picture to log"
     top_level = {a.path for a in client.list_artifacts(parent.info.run_id) if not a.is_dir}
@@ -454,3 +457,16 @@ def test_pipeline_run_is_readable_in_the_ui_without_configuration(sqlite_run):
     for item in listed:
         name, version = item.split("/")
         assert f"(#/models/{name}/versions/{version})" in note
+
+
+def test_experiments_the_product_uses_open_as_model_training_in_the_ui(tmp_path):
+    client = open_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    created = ensure_experiment(client, "fresh")
+    older = client.create_experiment("made-before")  # e.g. by an earlier version, without a kind
+    chosen = client.create_experiment("chosen", tags={EXPERIMENT_KIND_TAG: "genai_development"})
+    assert ensure_experiment(client, "made-before") == older and ensure_experiment(client, "chosen") == chosen
+    kinds = {name: client.get_experiment_by_name(name).tags.get(EXPERIMENT_KIND_TAG)
+             for name in ("fresh", "made-before", "chosen")}
+    assert kinds == {"fresh": "custom_model_development", "made-before": "custom_model_development",
+                     "chosen": "genai_development"}  # a kind set by the user in the UI stays theirs
+    assert created == client.get_experiment_by_name("fresh").experiment_id
