@@ -1,12 +1,16 @@
-"""`compat ui [--port N] [--tracking-uri URI]`: the MLflow UI on 127.0.0.1 over the store every compat command
-tracks into (runs, demos, searches, gate decisions), until Ctrl+C."""
+"""`compat ui [--port N] [--tracking-uri URI] [--experiment NAME]`: the MLflow UI on 127.0.0.1 over the store every
+compat command tracks into (runs, demos, searches, gate decisions), until Ctrl+C; prints the URL of the experiments
+list (or of one experiment's runs) in the UI's model-training mode."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 from cluster.ray.local_head import free_port
+from cluster.tracking.client import open_client
+from cluster.tracking.ui import ui_page_url
 
 
 def ui_command(tracking_uri: str, port: int) -> list[str]:
@@ -19,19 +23,31 @@ def ui_command(tracking_uri: str, port: int) -> list[str]:
     return command
 
 
-def run(args) -> int:
-    import os
+def experiment_id_of(tracking_uri: str, name: str) -> str | None:
+    """Id of the live experiment ``name`` in the store, None when it has none."""
+    found = open_client(tracking_uri).get_experiment_by_name(name)
+    return found.experiment_id if found is not None and found.lifecycle_stage == "active" else None
 
+
+def run(args) -> int:
     tracking_uri = args.tracking.uri
     if tracking_uri is None:
         print("error: --tracking-uri none: there is no store to show", file=sys.stderr)
         return 2
     if tracking_uri.startswith(("http://", "https://")):
-        print(f"{tracking_uri} is an MLflow server already: open it in a browser")
+        experiment_id = experiment_id_of(tracking_uri, args.experiment) if args.experiment else None
+        print(f"{tracking_uri} is an MLflow server already: open {ui_page_url(tracking_uri, experiment_id)}")
         return 0
+    experiment_id = None
+    if args.experiment:
+        experiment_id = experiment_id_of(tracking_uri, args.experiment)
+        if experiment_id is None:
+            print(f"error: --experiment {args.experiment}: no such experiment in {tracking_uri}", file=sys.stderr)
+            return 2
     port = args.port or free_port()
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    print(f"MLflow UI: http://127.0.0.1:{port}  (store {tracking_uri}; Ctrl+C stops it)", flush=True)
+    print(f"MLflow UI: {ui_page_url(f'http://127.0.0.1:{port}', experiment_id)}  (store {tracking_uri}; Ctrl+C "
+          f"stops it)", flush=True)
     process = subprocess.Popen(ui_command(tracking_uri, port), env=env)
     try:
         return process.wait()

@@ -9,17 +9,14 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from cluster.tracking.ui import EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND, experiment_ui_tags
 from pipelines.config.redaction import redact_uri, split_uri_credentials
-
-# MLflow 3's UI picks an experiment's page from this tag: the runs table and charts ("model training") rather than
-# the traces overview of GenAI experiments
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-MODEL_TRAINING_KIND = "custom_model_development"
 
 
 def ensure_experiment(client: Any, name: str) -> str:
     """Id of experiment ``name``, created when missing (concurrent creation tolerated) and marked as a model-training
-    experiment for MLflow's UI (an existing one without a kind is marked as it is used). With a SQLite store its
+    experiment for MLflow's UI with the summary metrics' runs view (:func:`cluster.tracking.ui.experiment_ui_tags`;
+    an existing experiment gets those it lacks as it is used, a kind set in the UI stays). With a SQLite store its
     artifacts go to ``<db folder>/mlartifacts``, never to ./mlruns of whatever folder the command ran in."""
     from mlflow.exceptions import MlflowException
 
@@ -28,15 +25,15 @@ def ensure_experiment(client: Any, name: str) -> str:
         if found.lifecycle_stage == "deleted":
             raise ValueError(f"experiment {name!r} is deleted on {redact_uri(client.tracking_uri)}; restore it "
                              f"(mlflow experiments restore) or choose another experiment name")
-        if EXPERIMENT_KIND_TAG not in (found.tags or {}):  # a kind the user chose in the UI is theirs
-            client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
+        for key, value in experiment_ui_tags().items():
+            if key not in (found.tags or {}):
+                client.set_experiment_tag(found.experiment_id, key, value)
         return found.experiment_id
     location = None
     if client.tracking_uri.startswith("sqlite:///"):
         location = (Path(client.tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
     try:
-        return client.create_experiment(name, artifact_location=location,
-                                        tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND})
+        return client.create_experiment(name, artifact_location=location, tags=experiment_ui_tags())
     except MlflowException as error:
         if error.error_code != "RESOURCE_ALREADY_EXISTS":  # created concurrently by another driver
             raise
@@ -119,5 +116,5 @@ def log_metrics(client: Any, run_id: str, values: dict[str, Any], step: int) -> 
         client.log_batch(run_id, metrics=metrics[start:start + 1000], synchronous=True)
 
 
-__all__ = ["EXPERIMENT_KIND_TAG", "MODEL_TRAINING_KIND", "check_tracking_uri", "ensure_experiment", "log_metrics", "log_params", "open_client", "sqlite_store_lock",
-           "tracking_credentials_from_environment"]
+__all__ = ["EXPERIMENT_KIND_TAG", "MODEL_TRAINING_KIND", "check_tracking_uri", "ensure_experiment", "log_metrics",
+           "log_params", "open_client", "sqlite_store_lock", "tracking_credentials_from_environment"]
