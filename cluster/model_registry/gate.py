@@ -224,7 +224,7 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
         tags[MOVE_STATE] = "intended"
     # the run spans the whole gate (features, adapters, curve), not only this recording
     run = client.create_run(_experiment_id(client, experiment), start_time=started_ms, tags=tags,
-                            run_name=f"gate-{result.model}-v{result.candidate_version}")
+                            run_name=f"gate-{result.model}-v{result.candidate_version}-{result.decision}")
     result.run_id = run.info.run_id
     now = int(time.time() * 1000)
     metrics = [Metric(f"{name}/{part}", float(value), now, 0) for name, parts in result.values.items()
