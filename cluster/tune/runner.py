@@ -64,7 +64,13 @@ from cluster.tune.spec import (
     read_spec,
     write_spec,
 )
-from cluster.tune.tracking import mlflow_callback_class, open_search_run, register_best_models
+from cluster.tune.tracking import (
+    mark_best_trial,
+    mlflow_callback_class,
+    open_search_run,
+    params_text,
+    register_best_models,
+)
 from cluster.tune.trial import trial_dirname, tune_trainable
 from compat_core import io as cio
 from pipelines.reports.compare import RUN_SOURCES, RunSource
@@ -330,6 +336,7 @@ def _finish(spec: SearchSpec, results) -> SearchOutcome:
                                        max_results=1)
             if found:
                 version = register_best_models(spec, best.trial_id, found[0].info.run_id, reported[best.trial_id])
+                mark_best_trial(client, spec, found[0].info.run_id, best.objective)
             client.log_metric(spec.parent_run_id, f"best_{OBJECTIVE_KEY}", best.objective)
         client.set_terminated(spec.parent_run_id, "FINISHED")
     else:
@@ -350,17 +357,12 @@ def load_search_summaries(path: Path, top: int = COMPARE_TOP_TRIALS) -> list:
         if not (run_dir / "metrics.json").is_file():
             continue  # stopped early or unfinished: no full matrix to compare
         trial = json.loads((run_dir / TRIAL_FILE).read_text()) if (run_dir / TRIAL_FILE).is_file() else {}
-        params = ", ".join(f"{key.rsplit('.', 1)[-1]}={_short(value)}"
-                           for key, value in sorted((trial.get("params") or {}).items()))
+        params = params_text(trial.get("params") or {})
         name = f"trial {run_dir.name}" + (f" ({params})" if params else "")
         rows.append(dataclasses.replace(load_run(run_dir), name=name, label=name))
     objective = spec.objective
     rows.sort(key=lambda s: (math.isnan(s.headline[objective]), -np.nan_to_num(s.headline[objective], nan=0.0)))
     return rows[:top]
-
-
-def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def register_run_source() -> None:

@@ -97,6 +97,11 @@ def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, c
             assert metric.value == pytest.approx(_mean_lower(matrix[: metric.step, : metric.step]), abs=1e-12)
         artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "results")}
         assert {"results/matrix.json", "results/metrics.json"} <= artifacts
+        # named by its sampled values and final objective; only the best trial tagged best=true
+        shown = ", ".join(f"{key.rsplit('.', 1)[-1]}={value:.4g}" for key, value in sorted(sampled.items()))
+        assert run.info.run_name == f"trial-{trial_id} ({shown}) | AA {expected[trial_id]:.3f}"
+        assert run.data.tags.get("best") == ("true" if trial_id == best_id else None)
+    assert parent.info.run_name == f"tiny-aa | best AA {expected[best_id]:.3f}"
     best = client.get_model_version_by_alias("tiny-aa", "best")
     assert best.tags["trial_id"] == best_id and best.tags["task_1based"] == "3"
     assert client.get_model_version_by_alias("tiny-aa", "best-task-1").tags["trial_id"] == best_id
