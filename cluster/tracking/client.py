@@ -75,12 +75,18 @@ def check_tracking_uri(uri: str) -> str:
     return clean
 
 
+PROGRESS_BAR_VARIABLE = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+
+
 def open_client(tracking_uri: str) -> Any:
     """An MlflowClient for ``tracking_uri`` and its model registry (as resolved by
     :func:`cluster.tracking.store.resolve_tracking`: checked, without credentials). A SQLite store is created or
-    migrated under :func:`sqlite_store_lock` first, so processes that open a fresh store at once take turns."""
+    migrated under :func:`sqlite_store_lock` first, so processes that open a fresh store at once take turns.
+    MLflow's artifact download bars are switched off in this process (unless ``MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR``
+    is set): the product's downloads are small model files, and the bars only clutter its logs."""
     from mlflow import MlflowClient
 
+    os.environ.setdefault(PROGRESS_BAR_VARIABLE, "false")
     with sqlite_store_lock(tracking_uri):  # no-op for servers
         # MLflow creates and migrates a SQLite store as the client (and its first registry call) opens it
         client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)

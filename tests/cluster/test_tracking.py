@@ -470,3 +470,19 @@ def test_experiments_the_product_uses_open_as_model_training_in_the_ui(tmp_path)
     assert kinds == {"fresh": "custom_model_development", "made-before": "custom_model_development",
                      "chosen": "genai_development"}  # a kind set by the user in the UI stays theirs
     assert created == client.get_experiment_by_name("fresh").experiment_id
+
+
+def test_artifact_downloads_through_the_product_client_show_no_progress_bar(tmp_path, monkeypatch, capfd):
+    monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
+    client = open_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(ensure_experiment(client, "downloads"))
+    for index in range(3):
+        (tmp_path / f"part-{index}.txt").write_text(str(index))
+        client.log_artifact(run.info.run_id, str(tmp_path / f"part-{index}.txt"), "parts")
+    capfd.readouterr()
+    folder = client.download_artifacts(run.info.run_id, "parts", str(tmp_path / "down"))
+    assert sorted(p.read_text() for p in Path(folder).iterdir()) == ["0", "1", "2"]
+    assert "Downloading artifacts" not in capfd.readouterr().err
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "true")  # a user who wants them gets them
+    client.download_artifacts(run.info.run_id, "parts", str(tmp_path / "again"))
+    assert "Downloading artifacts" in capfd.readouterr().err
