@@ -45,6 +45,7 @@ from cluster.ray.loopback import prepare_for_address, prepare_loopback
 from cluster.ray.reach import require_answering, require_reachable
 from cluster.storage.s3 import configure_object_storage
 from cluster.tune.grid import spread_points
+from cluster.tune.progress import progress_callback_class
 from cluster.tune.search_space import parse_space
 from cluster.tune.spec import (
     COMPARE_TOP_TRIALS,
@@ -121,7 +122,8 @@ def _trainable(spec: SearchSpec):
 
 def _callbacks(spec: SearchSpec, experiment_id: str) -> list:
     return [mlflow_callback_class()(spec.tracking_uri, experiment_id, spec.parent_run_id, spec.name,
-                                    spec.objective, spec.num_tasks)]
+                                    spec.objective, spec.num_tasks),
+            progress_callback_class()(spec.objective, spec.num_tasks, spec.samples)]
 
 
 _AWS_SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SECURITY_TOKEN", "AWS_SESSION_TOKEN")
@@ -242,7 +244,7 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
         run_config=tune.RunConfig(
             name=spec.name, storage_path=storage_path, storage_filesystem=filesystem,
             callbacks=_callbacks(spec, experiment_id) + list(extra_callbacks or []),
-            failure_config=tune.FailureConfig(max_failures=0), verbose=1),
+            failure_config=tune.FailureConfig(max_failures=0), verbose=0),  # lines: cluster.tune.progress
     )
     results = tuner.fit()
     return _finish(spec, results)

@@ -3,7 +3,6 @@ Tune function trainable around it."""
 from __future__ import annotations
 
 import json
-import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from cluster.tune.spec import (
     trial_config,
 )
 from compat_core import io as cio
+from pipelines.engine.progress import ProgressReporter
 from pipelines.engine.runner import LocalExecutor, close_emit, prepare_run
 from pipelines.graph.compile import compile_scenario
 from pipelines.records.stage_records import ModelRecord
@@ -28,17 +28,9 @@ from pipelines.reports.run_report import write_store_reports
 from pipelines.results.assemble import headline_metrics, matrix_values
 from pipelines.store.run_store import RunStore
 
-log = logging.getLogger(__name__)
 
 
 # ---- the trainable ---------------------------------------------------------------------------------------------------
-def _log_emit(record: Any) -> None:
-    """Stage events of a trial go to the trial's log (its stdout is collected by Ray)."""
-    status = getattr(record, "status", None)
-    if status in ("done", "failed"):
-        log.info("%s %s", getattr(record, "label", record), status)
-
-
 class ModelCollector:
     """Emit callback of a trial: forwards every record to ``emit`` and keeps, from the engine's done / skipped
     events, each task model's stage key and blob table (what the driver registers for the best trial)."""
@@ -79,7 +71,9 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
     prepare_run(config, store)
     cio.write_bytes(cio.join(run_dir, TRIAL_FILE), json.dumps({"trial_id": trial_id, "params": sampled},
                                                                indent=1, sort_keys=True).encode("utf-8"))
-    collector = ModelCollector(emit or _log_emit)
+    # stage lines (started / done, and epoch, images/s, ETA every 10 s inside a stage) in the trial's log, which Ray
+    # forwards to the search's driver: labelled with the trial
+    collector = ModelCollector(emit or ProgressReporter(enabled=False, label=f"trial {trial_id}"))
     engine = LocalExecutor(emit=collector, progress=False)
     strict = config.evaluation.strict
     first = first_reported_task(spec.objective)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,6 +60,7 @@ def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, c
                       resources={"cpu": 0.5, "gpu": 0.0}, plugins=[PLUGIN],
                       tracking_uri=resolve_tracking(None).uri)  # what `compat tune` resolves without the option
     outcome = run_search(spec)
+    printed = capsys.readouterr().out
     assert outcome.complete and len(outcome.trials) == 3
     experiment = tmp_path / "searches" / "tiny-aa"
     expected = {}
@@ -77,6 +79,10 @@ def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, c
         assert sorted(executed) == sorted(stages)
     best_id = max(expected, key=expected.get)
     assert outcome.best.trial_id == best_id
+    for trial_id, value in expected.items():  # a line per trial report, with the objective it reported
+        assert re.search(rf"^\[search \d+ s\] trial {trial_id} \(lam=.*\): task 3/3 reported, AA {value:.4f}$",
+                         printed, flags=re.M), printed
+        assert re.search(rf"^\[search \d+ s\] trial {trial_id} .*: finished$", printed, flags=re.M), printed
 
     client = MlflowClient(tracking_uri=spec.tracking_uri)  # the machine's store (conftest: this test's own)
     assert spec.tracking_uri == f"sqlite:///{tmp_path / 'compat-home' / 'mlflow' / 'mlflow.db'}"
@@ -210,7 +216,7 @@ def test_interrupted_search_resumes_to_the_requested_total(search_storage, tmp_p
         assert _executed(runs_root, name) == executed_before[name]
 
 
-def test_trials_share_third_party_models_whose_key_the_sampled_values_leave_alone(tmp_path):
+def test_trials_share_third_party_models_whose_key_the_sampled_values_leave_alone(tmp_path, capsys):
     """Two trials that differ only in a method parameter need the same third-party model: the first trains and
     publishes it in <experiment>/third-party, the second copies it (no pretrain stage executed) and computes the
     matrix a trial training its own copy computes."""
@@ -224,6 +230,9 @@ def test_trials_share_third_party_models_whose_key_the_sampled_values_leave_alon
     for trial_id, lam in (("t1", 0.0), ("t2", 1.0)):
         run_trial_pipeline(spec, {"method.params.lam": lam, "training.optimizer.lr": 0.01}, trial_id,
                            report=lambda metrics, tasks: None)
+        # the trial's stage lines (which Ray forwards to the search's driver) say which trial they belong to
+        assert re.search(rf"^\[trial {trial_id}\] \[\d+/\d+\] finetune\S*: done in", capsys.readouterr().err,
+                         flags=re.M)
     pretrain = {name: sorted(p.stem for p in (runs / name / "manifests").glob("pretrain-*.json"))
                 for name in ("t1", "t2")}
     assert pretrain["t1"] == pretrain["t2"] and len(pretrain["t1"]) == 1
