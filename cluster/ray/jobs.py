@@ -178,12 +178,12 @@ def no_agent_error(address: str, waited_s: float) -> RuntimeError:
     host, _ = host_port(address, 8265)
     held = ""
     if is_this_machine(host) and port_taken(DEFAULT_AGENT_PORT):
-        held = f" (port {DEFAULT_AGENT_PORT}, the default, is in use on this machine)"
+        held = f"; port {DEFAULT_AGENT_PORT}, the default, is in use on this machine"
     return RuntimeError(
         f"the Ray head at {address} accepts no jobs: its job agent is not running (Ray answered \"No available agent "
-        f"to submit job\" for {waited_s:.0f} s). Usually the agent could not bind its port{held}, held by another Ray "
-        f"instance on the head's machine (its session_latest/logs/dashboard_agent.log says so). Fix: stop the other "
-        f"Ray instance, or restart this head with a free agent port: `ray stop` then `ray start --head "
+        f"to submit job\" for {waited_s:.0f} s). Usually the agent could not bind its port, taken by another Ray "
+        f"instance on the head's machine{held} (the head's session_latest/logs/dashboard_agent.log says so). Fix: "
+        f"stop the other Ray instance, or start this head again with a free agent port: `ray start --head "
         f"--dashboard-agent-listen-port={free_port()}` (`compat cluster up` picks free ports itself)")
 
 
