@@ -16,7 +16,7 @@ from pipelines.config.redaction import redact_uri, split_uri_credentials
 def ensure_experiment(client: Any, name: str) -> str:
     """Id of experiment ``name``, created when missing (concurrent creation tolerated) and marked as a model-training
     experiment for MLflow's UI with the summary metrics' runs view (:func:`cluster.tracking.ui.experiment_ui_tags`;
-    an existing experiment gets those it lacks as it is used, a kind set in the UI stays). With a SQLite store its
+    an existing experiment gets them as it is used, except that a kind set in the UI stays). With a SQLite store its
     artifacts go to ``<db folder>/mlartifacts``, never to ./mlruns of whatever folder the command ran in."""
     from mlflow.exceptions import MlflowException
 
@@ -26,7 +26,9 @@ def ensure_experiment(client: Any, name: str) -> str:
             raise ValueError(f"experiment {name!r} is deleted on {redact_uri(client.tracking_uri)}; restore it "
                              f"(mlflow experiments restore) or choose another experiment name")
         for key, value in experiment_ui_tags().items():
-            if key not in (found.tags or {}):
+            current = (found.tags or {}).get(key)
+            # a kind chosen in the UI stays; the product's own view follows this version of the product
+            if current is None or (key != EXPERIMENT_KIND_TAG and current != value):
                 client.set_experiment_tag(found.experiment_id, key, value)
         return found.experiment_id
     location = None

@@ -10,8 +10,8 @@
 - **The runs table first.** MLflow 3 opens on a GenAI home page; the experiments the product uses are marked as
   model-training experiments (:func:`cluster.tracking.client.ensure_experiment`) and ``compat ui`` prints the URL of
   the experiments list (or one experiment's runs) in the UI's model-training mode (:func:`ui_page_url`). Each
-  experiment also holds a runs-table view (MLflow's shared view state, :data:`RESULTS_VIEW`) whose columns are the
-  summary metrics AC AA ACA BC FC; that URL opens it.
+  experiment also holds a view (MLflow's shared view state, :data:`RESULTS_VIEW`) whose runs table has the summary
+  metrics AC AA ACA BC FC as columns and whose chart view starts with them and the heatmaps; that URL opens it.
 - **Links to the registered model versions.** A version is created from the stage run that trained it, so the
   pipeline (parent) run's page lists none; its description (``mlflow.note.content``) links each version, and the
   tag ``registered_versions`` lists them.
@@ -38,9 +38,19 @@ MODEL_TRAINING_VIEW = "workflowType=machine_learning"  # the UI's mode of model 
 
 
 def experiment_ui_tags() -> dict[str, str]:
-    """Tags of an experiment the product uses: a model-training experiment, with the runs-table view
-    :data:`RESULTS_VIEW` whose columns are the summary metrics (AC, AA, ACA, BC, FC)."""
-    view = {"selectedColumns": [f"metrics.`{name}`" for name in SUMMARY_METRICS]}
+    """Tags of an experiment the product uses: a model-training experiment, with the view :data:`RESULTS_VIEW`
+    whose runs table has the summary metrics (AC, AA, ACA, BC, FC) as columns and whose chart view starts with a
+    "Results" section: a bar chart per summary metric and the heatmaps' image grid (MLflow adds the other metrics'
+    charts after it)."""
+    section = "compat-results"
+    charts = [{"uuid": f"compat-{name}", "type": "BAR", "metricSectionId": section, "metricKey": name,
+               "dataAccessKey": name, "isGenerated": False, "deleted": False} for name in SUMMARY_METRICS]
+    charts.append({"uuid": "compat-heatmaps", "type": "IMAGE", "metricSectionId": section,
+                   "imageKeys": list(COMPARABLE_IMAGES.values()), "step": 0, "showRunParams": False,
+                   "isGenerated": False, "deleted": False})
+    view = {"selectedColumns": [f"metrics.`{name}`" for name in SUMMARY_METRICS],
+            "compareRunSections": [{"uuid": section, "name": "Results", "display": True, "isReordered": False}],
+            "compareRunCharts": charts}
     return {EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND, f"{SHARED_VIEW_TAG_PREFIX}{RESULTS_VIEW}": json.dumps(view)}
 
 

@@ -270,8 +270,8 @@ def compat_ui(tracking_uri: str, experiment: str):
 
 def test_compat_ui_opens_on_the_runs_with_their_summary_metrics_and_heatmap(tmp_path, monkeypatch):
     """A tiny run tracked into a SQLite store; the URL `compat ui --experiment` prints opens the runs table in
-    model-training mode with AC AA ACA BC FC as columns (values as metrics.json has them), and the run's artifact
-    view shows its heatmap."""
+    model-training mode with AC AA ACA BC FC as columns (values as metrics.json has them), its chart view starts
+    with the heatmaps' image grid, and the run's artifact view shows its heatmap."""
     _require_chromium()
     import json
 
@@ -313,11 +313,19 @@ def test_compat_ui_opens_on_the_runs_with_their_summary_metrics_and_heatmap(tmp_
             assert page.get_by_text("Model training").count() and page.get_by_text("Traces 0").count() == 0
             _close_side_panel(page)
             page.screenshot(path=str(screenshot))
+            # the same view's chart mode starts with the summary metrics and the heatmaps' image grid
+            page.goto(f"{url}&compareRunsMode=CHART")
+            page.get_by_text("Results", exact=True).first.wait_for(timeout=60_000)
+            page.wait_for_function(f"{_LOADED_PICTURES}.some(src => src.includes('compat_matrix'))", timeout=60_000)
+            charts_shot = tmp_path / "mlflow-ui-results-charts.png"
+            page.screenshot(path=str(charts_shot))
             page.goto(f"{url.split('/#/')[0]}/#/experiments/{experiment_id}/runs/{run_id}/artifacts/matrix.png")
-            page.wait_for_function(f"{_LOADED_PICTURES}.length >= 1", timeout=60_000)
+            # the artifact view shows a file from a blob: URL (the charts' pictures come from get-artifact)
+            page.wait_for_function(f"{_LOADED_PICTURES}.some(src => src.startsWith('blob:'))", timeout=60_000)
             heatmaps = [src for src in page.evaluate(_LOADED_PICTURES) if src.startswith("blob:")]
             page.screenshot(path=str(heatmap_shot))
     for name, value in shown.items():
         assert value == pytest.approx(metrics[name], abs=5e-4), f"{name}: UI {value}, metrics.json {metrics[name]}"
     assert heatmaps, "the artifact view shows no heatmap"
-    print(f"MLflow UI screenshots: {keep_screenshot(screenshot)}, {keep_screenshot(heatmap_shot)}")
+    print(f"MLflow UI screenshots: {keep_screenshot(screenshot)}, {keep_screenshot(charts_shot)}, "
+          f"{keep_screenshot(heatmap_shot)}")

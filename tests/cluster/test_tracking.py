@@ -25,6 +25,7 @@ from cluster.tracking.store import resolve_tracking
 from cluster.tracking.params import flatten_params, looks_like_secret
 from cluster.tracking.record_logging import entry_metric_key
 from cluster.tracking.tracker import MlflowTracker, NullTracker, create_tracker
+from cluster.tracking.ui import RESULTS_VIEW
 from pipelines.store.run_store import RunStore
 
 # C[t, k] (0-based query t, gallery k); exact binary fractions so that hand arithmetic is exact
@@ -470,6 +471,11 @@ def test_experiments_the_product_uses_open_as_model_training_in_the_ui(tmp_path)
     assert kinds == {"fresh": "custom_model_development", "made-before": "custom_model_development",
                      "chosen": "genai_development"}  # a kind set by the user in the UI stays theirs
     assert created == client.get_experiment_by_name("fresh").experiment_id
+    view = f"mlflow.sharedViewState.{RESULTS_VIEW}"
+    client.set_experiment_tag(created, view, "{}")  # written by an older version of the product
+    ensure_experiment(client, "fresh")
+    columns = json.loads(client.get_experiment(created).tags[view])["selectedColumns"]
+    assert columns == [f"metrics.`{name}`" for name in ("AC", "AA", "ACA", "BC", "FC")]
 
 
 def test_artifact_downloads_through_the_product_client_show_no_progress_bar(tmp_path, monkeypatch, capfd):
