@@ -4,6 +4,7 @@ list (or of one experiment's runs) in the UI's model-training mode."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,10 @@ def experiment_id_of(tracking_uri: str, name: str) -> str | None:
     return found.experiment_id if found is not None and found.lifecycle_stage == "active" else None
 
 
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args) -> int:
     tracking_uri = args.tracking.uri
     if tracking_uri is None:
@@ -49,6 +54,7 @@ def run(args) -> int:
     print(f"MLflow UI: {ui_page_url(f'http://127.0.0.1:{port}', experiment_id)}  (store {tracking_uri}; Ctrl+C "
           f"stops it)", flush=True)
     process = subprocess.Popen(ui_command(tracking_uri, port), env=env)
+    signal.signal(signal.SIGTERM, _interrupt)  # a terminated `compat ui` stops its server too
     try:
         return process.wait()
     except KeyboardInterrupt:

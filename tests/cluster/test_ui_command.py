@@ -49,6 +49,13 @@ def test_compat_ui_serves_the_machine_store_on_loopback(tmp_path):
         assert body["experiment"]["experiment_id"] == experiment
         listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
         assert f"127.0.0.1:{port}" in listening and f"0.0.0.0:{port}" not in listening
+        process.send_signal(signal.SIGTERM)  # to `compat ui` alone, as a service manager stops it
+        assert process.wait(timeout=60) == 0
+        deadline = time.monotonic() + 30
+        while f"127.0.0.1:{port}" in subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "the MLflow server outlived compat ui"
+            time.sleep(0.5)
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=30)
