@@ -30,6 +30,14 @@ def experiment_id_of(tracking_uri: str, name: str) -> str | None:
     return found.experiment_id if found is not None and found.lifecycle_stage == "active" else None
 
 
+def recent_experiments(tracking_uri: str, limit: int = 8) -> list[tuple[str, str]]:
+    """(name, id) of the store's live experiments that hold runs, most recently updated first."""
+    client = open_client(tracking_uri)
+    found = client.search_experiments(max_results=limit + 1, order_by=["last_update_time DESC"])
+    return [(e.name, e.experiment_id) for e in found
+            if e.lifecycle_stage == "active" and client.search_runs([e.experiment_id], max_results=1)][:limit]
+
+
 def _interrupt(signum: int, frame) -> None:
     raise KeyboardInterrupt
 
@@ -51,8 +59,11 @@ def run(args) -> int:
             return 2
     port = args.port or free_port()
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    print(f"MLflow UI: {ui_page_url(f'http://127.0.0.1:{port}', experiment_id)}  (store {tracking_uri}; Ctrl+C "
-          f"stops it)", flush=True)
+    base = f"http://127.0.0.1:{port}"
+    print(f"MLflow UI: {ui_page_url(base, experiment_id)}  (store {tracking_uri}; Ctrl+C stops it)", flush=True)
+    if experiment_id is None:
+        for name, found in recent_experiments(tracking_uri):  # each one's runs with the summary metrics
+            print(f"  {name}: {ui_page_url(base, found)}", flush=True)
     process = subprocess.Popen(ui_command(tracking_uri, port), env=env)
     signal.signal(signal.SIGTERM, _interrupt)  # a terminated `compat ui` stops its server too
     try:

@@ -35,7 +35,12 @@ def test_compat_ui_serves_the_machine_store_on_loopback(tmp_path):
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         first_line = process.stdout.readline()
-        assert first_line.startswith(f"MLflow UI: http://127.0.0.1:{port}") and uri in first_line, first_line
+        assert first_line.startswith(f"MLflow UI: http://127.0.0.1:{port}/#/experiments?workflowType=machine_learning")
+        assert uri in first_line, first_line
+        # then each experiment with runs and the URL of its runs table (the empty Default experiment is left out)
+        assert process.stdout.readline().strip() == (f"ui-check: http://127.0.0.1:{port}/#/experiments/{experiment}"
+                                                     f"/runs?viewStateShareKey=compat-results&"
+                                                     f"workflowType=machine_learning")
         deadline = time.monotonic() + 90
         while True:
             try:
