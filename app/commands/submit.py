@@ -1,6 +1,7 @@
 """`compat submit CONFIG --address http://HOST:8265 [--set K=V] [--output DIR] [--wait [--no-follow]]`: run a
-scenario as a Ray Job on a cluster (``--wait`` prints the job's logs as they come). Resubmitting the same scenario is a no-op while its job is pending, running or done;
-after a failure it submits a new attempt (``-r2``, ...) that resumes from the committed stages."""
+scenario as a Ray Job on a cluster (``--wait`` prints the job's logs as they come). Resubmitting the same scenario is
+a no-op while its job is pending, running or done; after a failure it submits a new attempt (``-r2``, ...) that
+resumes from the committed stages."""
 from __future__ import annotations
 
 import sys
