@@ -20,6 +20,7 @@ from cluster.tune.spec import (
     trial_config,
 )
 from compat_core import io as cio
+from pipelines.engine.events import StageEvent, StageRecord
 from pipelines.engine.progress import ProgressReporter
 from pipelines.engine.runner import LocalExecutor, close_emit, prepare_run
 from pipelines.graph.compile import compile_scenario
@@ -31,6 +32,24 @@ from pipelines.store.run_store import RunStore
 
 
 # ---- the trainable ---------------------------------------------------------------------------------------------------
+class TrialLines:
+    """Emit callback of a trial: its stage lines (started / done, and epoch, images/s, ETA every 10 s inside a stage)
+    in the trial's log, which Ray forwards to the search's driver, labelled ``[trial <id>]``. Stages an earlier task's
+    invocation committed (skipped again by each later one) are not repeated."""
+
+    def __init__(self, trial_id: str) -> None:
+        self.reporter = ProgressReporter(enabled=False, label=f"trial {trial_id}")
+
+    def __call__(self, record: Any) -> None:
+        event = record.record if isinstance(record, StageRecord) else record
+        if isinstance(event, StageEvent) and event.status == "skipped":
+            return
+        self.reporter(record)
+
+    def close(self) -> None:
+        self.reporter.close()
+
+
 class ModelCollector:
     """Emit callback of a trial: forwards every record to ``emit`` and keeps, from the engine's done / skipped
     events, each task model's stage key and blob table (what the driver registers for the best trial)."""
@@ -71,9 +90,7 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
     prepare_run(config, store)
     cio.write_bytes(cio.join(run_dir, TRIAL_FILE), json.dumps({"trial_id": trial_id, "params": sampled},
                                                                indent=1, sort_keys=True).encode("utf-8"))
-    # stage lines (started / done, and epoch, images/s, ETA every 10 s inside a stage) in the trial's log, which Ray
-    # forwards to the search's driver: labelled with the trial
-    collector = ModelCollector(emit or ProgressReporter(enabled=False, label=f"trial {trial_id}"))
+    collector = ModelCollector(emit or TrialLines(trial_id))
     engine = LocalExecutor(emit=collector, progress=False)
     strict = config.evaluation.strict
     first = first_reported_task(spec.objective)
