@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="interpreter that runs the job on the cluster (default: this command's own interpreter "
                              "when the node has that file, e.g. a head started from the same .venv; else python "
                              "from the node's PATH)")
-    parser.add_argument("--wait", action="store_true", help="wait until the job ends; exit 0 only if it SUCCEEDED")
-    parser.add_argument("--follow", action="store_true", help="with --wait: print the job's logs as they come")
+    parser.add_argument("--wait", action="store_true", help="wait until the job ends, printing its logs as they "
+                                                             "come; exit 0 only if it SUCCEEDED")
+    parser.add_argument("--follow", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --wait: print the job's logs (progress lines) as they come (default; --no-follow: "
+                             "only the final status)")
     parser.add_argument("--timeout", type=float, default=None, metavar="S", help="with --wait: give up after S s")

@@ -129,7 +129,8 @@ def run(args) -> int:
     where = f"Ray tasks on one embedded local Ray instance ({address})" if address else "in-process"
     cpu_text = f"{cpu:.0f} s CPU (user+sys, {'driver processes only' if args.executor == 'ray' else 'all processes'})"
     print(f"demo: {wall:.0f} s wall, {cpu_text}, {jobs} job(s) on {cores} core(s), stages {where}; "
-          + (f"MLflow: {redact_uri(tracking_uri)} (experiment {experiment}; browse it with `compat ui`)"
+          + (f"MLflow: {redact_uri(tracking_uri)} (experiment {experiment}; browse it with "
+             f"`compat ui --experiment {experiment}`)"
              if tracking_uri is not None else "MLflow: off"))
     print(_calibration_used(_training_threads(tasks[0][1], args.overrides)))
     return 0

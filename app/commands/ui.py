@@ -1,5 +1,6 @@
-"""`compat ui [--port N] [--tracking-uri URI]`: the MLflow UI on 127.0.0.1 over the store every compat command
-tracks into (runs, demos, searches, gate decisions), until Ctrl+C."""
+"""`compat ui [--port N] [--tracking-uri URI] [--experiment NAME]`: the MLflow UI on 127.0.0.1 over the store every
+compat command tracks into (runs, demos, searches, gate decisions), until Ctrl+C; prints the URL of the experiments
+list (or of one experiment's runs) in the UI's model-training mode."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,8 @@ import time
 from pathlib import Path
 
 from cluster.ray.local_head import free_port
+from cluster.tracking.client import open_client
+from cluster.tracking.ui import ui_page_url
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STOP_GRACE_S = 20.0
@@ -25,17 +28,42 @@ def ui_command(tracking_uri: str, port: int) -> list[str]:
     return command
 
 
+def experiment_id_of(tracking_uri: str, name: str) -> str | None:
+    """Id of the live experiment ``name`` in the store, None when it has none."""
+    found = open_client(tracking_uri).get_experiment_by_name(name)
+    return found.experiment_id if found is not None and found.lifecycle_stage == "active" else None
+
+
+def recent_experiments(tracking_uri: str, limit: int = 8) -> list[tuple[str, str]]:
+    """(name, id) of the store's live experiments that hold runs, most recently updated first."""
+    client = open_client(tracking_uri)
+    found = client.search_experiments(max_results=limit + 1, order_by=["last_update_time DESC"])
+    return [(e.name, e.experiment_id) for e in found
+            if e.lifecycle_stage == "active" and client.search_runs([e.experiment_id], max_results=1)][:limit]
+
+
 def run(args) -> int:
     tracking_uri = args.tracking.uri
     if tracking_uri is None:
         print("error: --tracking-uri none: there is no store to show", file=sys.stderr)
         return 2
     if tracking_uri.startswith(("http://", "https://")):
-        print(f"{tracking_uri} is an MLflow server already: open it in a browser")
+        experiment_id = experiment_id_of(tracking_uri, args.experiment) if args.experiment else None
+        print(f"{tracking_uri} is an MLflow server already: open {ui_page_url(tracking_uri, experiment_id)}")
         return 0
+    experiment_id = None
+    if args.experiment:
+        experiment_id = experiment_id_of(tracking_uri, args.experiment)
+        if experiment_id is None:
+            print(f"error: --experiment {args.experiment}: no such experiment in {tracking_uri}", file=sys.stderr)
+            return 2
     port = args.port or free_port()
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    print(f"MLflow UI: http://127.0.0.1:{port}  (store {tracking_uri}; Ctrl+C stops it)", flush=True)
+    base = f"http://127.0.0.1:{port}"
+    print(f"MLflow UI: {ui_page_url(base, experiment_id)}  (store {tracking_uri}; Ctrl+C stops it)", flush=True)
+    if experiment_id is None:
+        for name, found in recent_experiments(tracking_uri):  # each one's runs with the summary metrics
+            print(f"  {name}: {ui_page_url(base, found)}", flush=True)
     received: list[int] = []
     previous = {signum: signal.signal(signum, lambda signum, _frame: received.append(signum))
                 for signum in STOP_SIGNALS}

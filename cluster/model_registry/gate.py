@@ -278,7 +278,7 @@ def _record(client: Any, experiment: str, result: GateResult, candidate: Any, ch
     # the run spans the whole gate (features, adapters, curve), not only this recording
     tags = _run_tags(result, candidate, champion, dry_run)
     run = client.create_run(_experiment_id(client, experiment), start_time=started_ms, tags=tags,
-                            run_name=f"gate-{result.model}-v{result.candidate_version}")
+                            run_name=f"gate-{result.model}-v{result.candidate_version}-{result.decision}")
     run_id = result.run_id = run.info.run_id
     _log_numbers(client, run_id, result)
     if not moved:

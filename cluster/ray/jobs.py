@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import socket
 import sys
 import tempfile
 import time
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from cluster.ray.auth import prepare_client_auth, require_token_if_needed
+from cluster.ray.local_head import free_port
 from cluster.ray.reach import host_port, is_this_machine, require_answering, require_reachable
 from cluster.tracking.run_identity import INTENT_METADATA_KEY
 from pipelines.config.load import config_hash, dump_config, stable_hash
@@ -148,20 +150,52 @@ def submit_entrypoint(client, base_id: str, entrypoint: str, runtime_env: dict |
                          f"submitted {submission_id}{previous}")
 
 
+NO_AGENT_TEXT = "no available agent"  # Ray's answer when the head's job agent never registered
+AGENT_PATIENCE_S = 15.0
+DEFAULT_AGENT_PORT = 52365  # ray start's --dashboard-agent-listen-port
+
+
 def _submit_with_retry(client, entrypoint: str, submission_id: str, runtime_env: dict, metadata: dict,
-                       patience_s: float = 60.0) -> None:
-    """submit_job, retried while the head answers "no available agent" (its job agent starts after the
-    dashboard; a freshly started head says so for some seconds)."""
-    deadline = time.monotonic() + patience_s
+                       patience_s: float = AGENT_PATIENCE_S) -> None:
+    """submit_job, retried while the head answers "no available agent" and another attempt can end within
+    ``patience_s`` seconds of the first (the head itself waits 10 s for its agent before answering so); then
+    :func:`no_agent_error`."""
+    started = time.monotonic()
     while True:
+        attempt_started = time.monotonic()
         try:
             client.submit_job(entrypoint=entrypoint, submission_id=submission_id, runtime_env=runtime_env,
                               metadata=metadata)
             return
         except RuntimeError as error:
-            if "no available agent" not in str(error).lower() or time.monotonic() > deadline:
+            if NO_AGENT_TEXT not in str(error).lower():
                 raise
+            now = time.monotonic()
+            if now + (now - attempt_started) + 1.0 > started + patience_s:
+                raise no_agent_error(client.get_address(), now - started) from error
             time.sleep(1.0)
+
+
+def no_agent_error(address: str, waited_s: float) -> RuntimeError:
+    """One line for a head that accepts no job: its job agent is not running, in practice because the agent could
+    not bind its port (another Ray instance on the machine holds the default one); names the fix."""
+    host, _ = host_port(address, 8265)
+    held = ""
+    if is_this_machine(host) and port_taken(DEFAULT_AGENT_PORT):
+        held = f"; port {DEFAULT_AGENT_PORT}, the default, is in use on this machine"
+    return RuntimeError(
+        f"the Ray head at {address} accepts no jobs: its job agent is not running (Ray answered \"No available agent "
+        f"to submit job\" for {waited_s:.0f} s). Usually the agent could not bind its port, taken by another Ray "
+        f"instance on the head's machine{held} (the head's session_latest/logs/dashboard_agent.log says so). Fix: "
+        f"stop the other Ray instance, or start this head again with a free agent port: `ray start --head "
+        f"--dashboard-agent-listen-port={free_port()}` (`compat cluster up` picks free ports itself)")
+
+
+def port_taken(port: int) -> bool:
+    """Whether a process listens on TCP ``port`` of 127.0.0.1."""
+    with socket.socket() as probe:
+        probe.settimeout(1.0)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def pipeline_runtime_env(staging_dir: str | Path) -> dict:

@@ -13,11 +13,14 @@ from typing import Any, Callable, Iterator
 from urllib.error import HTTPError, URLError
 from urllib.request import urlopen
 
+from cluster.tracking.ui import EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND, experiment_ui_tags
 from pipelines.config.redaction import redact_uri, split_uri_credentials
 
 
 def ensure_experiment(client: Any, name: str) -> str:
-    """Id of experiment ``name``, created when missing (concurrent creation tolerated). With a SQLite store its
+    """Id of experiment ``name``, created when missing (concurrent creation tolerated) and marked as a model-training
+    experiment for MLflow's UI with the summary metrics' runs view (:func:`cluster.tracking.ui.experiment_ui_tags`;
+    an existing experiment gets them as it is used, except that a kind set in the UI stays). With a SQLite store its
     artifacts go to ``<db folder>/mlartifacts``, never to ./mlruns of whatever folder the command ran in."""
     from mlflow.exceptions import MlflowException
 
@@ -26,12 +29,17 @@ def ensure_experiment(client: Any, name: str) -> str:
         if found.lifecycle_stage == "deleted":
             raise ValueError(f"experiment {name!r} is deleted on {redact_uri(client.tracking_uri)}; restore it "
                              f"(mlflow experiments restore) or choose another experiment name")
+        for key, value in experiment_ui_tags().items():
+            current = (found.tags or {}).get(key)
+            # a kind chosen in the UI stays; the product's own view follows this version of the product
+            if current is None or (key != EXPERIMENT_KIND_TAG and current != value):
+                client.set_experiment_tag(found.experiment_id, key, value)
         return found.experiment_id
     location = None
     if client.tracking_uri.startswith("sqlite:///"):
         location = (Path(client.tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
     try:
-        return client.create_experiment(name, artifact_location=location)
+        return client.create_experiment(name, artifact_location=location, tags=experiment_ui_tags())
     except MlflowException as error:
         if error.error_code != "RESOURCE_ALREADY_EXISTS":  # created concurrently by another driver
             raise
@@ -123,12 +131,18 @@ def wait_for_tracking_server(uri: str, total_s: float | None = None, log: Callab
         delay = min(2 * delay, 5.0)
 
 
+PROGRESS_BAR_VARIABLE = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+
+
 def open_client(tracking_uri: str) -> Any:
     """An MlflowClient for ``tracking_uri`` and its model registry (as resolved by
     :func:`cluster.tracking.store.resolve_tracking`: checked, without credentials). A SQLite store is created or
-    migrated under :func:`sqlite_store_lock` first, so processes that open a fresh store at once take turns."""
+    migrated under :func:`sqlite_store_lock` first, so processes that open a fresh store at once take turns.
+    MLflow's artifact download bars are switched off in this process (unless ``MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR``
+    is set): the product's downloads are small model files, and the bars only clutter its logs."""
     from mlflow import MlflowClient
 
+    os.environ.setdefault(PROGRESS_BAR_VARIABLE, "false")
     with sqlite_store_lock(tracking_uri):  # no-op for servers
         # MLflow creates and migrates a SQLite store as the client (and its first registry call) opens it
         client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
@@ -164,5 +178,6 @@ def log_metrics(client: Any, run_id: str, values: dict[str, Any], step: int) -> 
         client.log_batch(run_id, metrics=metrics[start:start + 1000], synchronous=True)
 
 
-__all__ = ["bound_mlflow_http_retries", "wait_for_tracking_server", "check_tracking_uri", "ensure_experiment", "log_metrics", "log_params", "open_client", "sqlite_store_lock",
-           "tracking_credentials_from_environment"]
+__all__ = ["EXPERIMENT_KIND_TAG", "MODEL_TRAINING_KIND", "bound_mlflow_http_retries", "check_tracking_uri",
+           "ensure_experiment", "log_metrics", "log_params", "open_client", "sqlite_store_lock",
+           "tracking_credentials_from_environment", "wait_for_tracking_server"]

@@ -7,19 +7,60 @@
 - **Headline metrics in the run list.** The runs table shows run names but no metric column until the user picks
   one, so a finished pipeline run's name ends with its headline metrics (``AC 0.952 AA 0.657 BC 0.047 FC -0.061``);
   the metrics themselves are logged as usual.
+- **The runs table first.** MLflow 3 opens on a GenAI home page; the experiments the product uses are marked as
+  model-training experiments (:func:`cluster.tracking.client.ensure_experiment`) and ``compat ui`` prints the URL of
+  the experiments list (or one experiment's runs) in the UI's model-training mode (:func:`ui_page_url`). Each
+  experiment also holds a view (MLflow's shared view state, :data:`RESULTS_VIEW`) whose runs table has the summary
+  metrics AC AA ACA BC FC as columns and whose chart view starts with them and the heatmaps; that URL opens it.
 - **Links to the registered model versions.** A version is created from the stage run that trained it, so the
   pipeline (parent) run's page lists none; its description (``mlflow.note.content``) links each version, and the
   tag ``registered_versions`` lists them.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 HEADLINE = ("AC", "AA", "BC", "FC")
+SUMMARY_METRICS = ("AC", "AA", "ACA", "BC", "FC")  # a pipeline run's headline metrics, logged as metrics
+# MLflow 3's UI picks an experiment's page from this tag: the runs table and charts ("model training") rather than
+# the traces overview of GenAI experiments
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"
+# a runs-table view stored in the experiment (MLflow's "share view" state) that shows the summary metrics as columns
+RESULTS_VIEW = "compat-results"
+SHARED_VIEW_TAG_PREFIX = "mlflow.sharedViewState."
 COMPARABLE_IMAGES = {"matrix.png": "compat_matrix", "aa_tau.png": "compat_aa_tau"}
 NAME_SEPARATOR = " | "
+MODEL_TRAINING_VIEW = "workflowType=machine_learning"  # the UI's mode of model training (GenAI is its default)
+
+
+def experiment_ui_tags() -> dict[str, str]:
+    """Tags of an experiment the product uses: a model-training experiment, with the view :data:`RESULTS_VIEW`
+    whose runs table has the summary metrics (AC, AA, ACA, BC, FC) as columns and whose chart view starts with a
+    "Results" section: a bar chart per summary metric and the heatmaps' image grid (MLflow adds the other metrics'
+    charts after it)."""
+    section = "compat-results"
+    charts = [{"uuid": f"compat-{name}", "type": "BAR", "metricSectionId": section, "metricKey": name,
+               "dataAccessKey": name, "isGenerated": False, "deleted": False} for name in SUMMARY_METRICS]
+    charts.append({"uuid": "compat-heatmaps", "type": "IMAGE", "metricSectionId": section,
+                   "imageKeys": list(COMPARABLE_IMAGES.values()), "step": 0, "showRunParams": False,
+                   "isGenerated": False, "deleted": False})
+    view = {"selectedColumns": [f"metrics.`{name}`" for name in SUMMARY_METRICS],
+            "compareRunSections": [{"uuid": section, "name": "Results", "display": True, "isReordered": False}],
+            "compareRunCharts": charts}
+    return {EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND, f"{SHARED_VIEW_TAG_PREFIX}{RESULTS_VIEW}": json.dumps(view)}
+
+
+def ui_page_url(base: str, experiment_id: str | None = None) -> str:
+    """URL of the MLflow UI at ``base`` on the experiments list, or on the runs table of ``experiment_id`` in the
+    view :data:`RESULTS_VIEW`, in the UI's model-training mode."""
+    if experiment_id is None:
+        return f"{base.rstrip('/')}/#/experiments?{MODEL_TRAINING_VIEW}"
+    return (f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={RESULTS_VIEW}&"
+            f"{MODEL_TRAINING_VIEW}")
 
 
 def log_comparable_images(client: Any, run_id: str, folder: str | os.PathLike) -> list[str]:
@@ -78,5 +119,6 @@ def link_model_versions(client: Any, run_id: str, model_name: str | None, pipeli
     return listed
 
 
-__all__ = ["COMPARABLE_IMAGES", "HEADLINE", "headline_text", "link_model_versions", "log_comparable_images",
-           "show_headline_in_name"]
+__all__ = ["COMPARABLE_IMAGES", "EXPERIMENT_KIND_TAG", "HEADLINE", "MODEL_TRAINING_KIND", "RESULTS_VIEW",
+           "SUMMARY_METRICS", "experiment_ui_tags", "headline_text", "link_model_versions", "log_comparable_images",
+           "show_headline_in_name", "ui_page_url"]

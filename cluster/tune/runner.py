@@ -45,6 +45,7 @@ from cluster.ray.loopback import prepare_for_address, prepare_loopback
 from cluster.ray.reach import require_answering, require_reachable
 from cluster.storage.s3 import configure_object_storage
 from cluster.tune.grid import spread_points
+from cluster.tune.progress import progress_callback_class
 from cluster.tune.search_space import parse_space
 from cluster.tune.spec import (
     COMPARE_TOP_TRIALS,
@@ -65,7 +66,13 @@ from cluster.tune.spec import (
     seal_tuner_state,
     write_spec,
 )
-from cluster.tune.tracking import mlflow_callback_class, open_search_run, register_best_models
+from cluster.tune.tracking import (
+    mark_best_trial,
+    mlflow_callback_class,
+    open_search_run,
+    params_text,
+    register_best_models,
+)
 from cluster.tune.trial import trial_dirname, tune_trainable
 from compat_core import io as cio
 from pipelines.reports.compare import RUN_SOURCES, RunSource
@@ -116,7 +123,8 @@ def _trainable(spec: SearchSpec):
 
 def _callbacks(spec: SearchSpec, experiment_id: str) -> list:
     return [mlflow_callback_class()(spec.tracking_uri, experiment_id, spec.parent_run_id, spec.name,
-                                    spec.objective, spec.num_tasks)]
+                                    spec.objective, spec.num_tasks),
+            progress_callback_class()(spec.objective, spec.num_tasks, spec.samples)]
 
 
 _AWS_SECRET_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SECURITY_TOKEN", "AWS_SESSION_TOKEN")
@@ -238,7 +246,7 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
         run_config=tune.RunConfig(
             name=spec.name, storage_path=storage_path, storage_filesystem=filesystem,
             callbacks=_callbacks(spec, experiment_id) + list(extra_callbacks or []),
-            failure_config=tune.FailureConfig(max_failures=0), verbose=1),
+            failure_config=tune.FailureConfig(max_failures=0), verbose=0),  # lines: cluster.tune.progress
     )
     seal_tuner_state(spec.experiment_path)  # tuner.pkl is written by tune.Tuner(...), before any trial
     results = tuner.fit()
@@ -333,6 +341,7 @@ def _finish(spec: SearchSpec, results) -> SearchOutcome:
                                        max_results=1)
             if found:
                 version = register_best_models(spec, best.trial_id, found[0].info.run_id, reported[best.trial_id])
+                mark_best_trial(client, spec, found[0].info.run_id, best.objective)
             client.log_metric(spec.parent_run_id, f"best_{OBJECTIVE_KEY}", best.objective)
         client.set_terminated(spec.parent_run_id, "FINISHED")
     else:
@@ -353,17 +362,12 @@ def load_search_summaries(path: Path, top: int = COMPARE_TOP_TRIALS) -> list:
         if not (run_dir / "metrics.json").is_file():
             continue  # stopped early or unfinished: no full matrix to compare
         trial = json.loads((run_dir / TRIAL_FILE).read_text()) if (run_dir / TRIAL_FILE).is_file() else {}
-        params = ", ".join(f"{key.rsplit('.', 1)[-1]}={_short(value)}"
-                           for key, value in sorted((trial.get("params") or {}).items()))
+        params = params_text(trial.get("params") or {})
         name = f"trial {run_dir.name}" + (f" ({params})" if params else "")
         rows.append(dataclasses.replace(load_run(run_dir), name=name, label=name))
     objective = spec.objective
     rows.sort(key=lambda s: (math.isnan(s.headline[objective]), -np.nan_to_num(s.headline[objective], nan=0.0)))
     return rows[:top]
-
-
-def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def register_run_source() -> None:

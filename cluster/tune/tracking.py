@@ -9,13 +9,34 @@ from typing import Any
 
 from cluster.model_registry.model_cache import content_tags
 from cluster.model_registry.versions import ensure_registered_model, register_version, write_model_folder
-from cluster.tracking.client import log_metrics, log_params, open_client
+from cluster.tracking.client import ensure_experiment, log_metrics, log_params, open_client
 from cluster.tracking.params import flatten_params
+from cluster.tracking.ui import NAME_SEPARATOR
 from cluster.tune.spec import BEST_ALIAS, MODELS_KEY, OBJECTIVE_KEY, RESULT_KEY, TIME_ATTR, TRIAL_FILE, SearchSpec
 from compat_core import io as cio
 from pipelines.config.model_uri import ModelUri
 from pipelines.results.assemble import MATRIX_FILE, METRICS_FILE, RunResult
 from pipelines.store.run_store import RunStore
+
+
+BEST_TRIAL_TAG = "best"
+
+
+# ---- names in the MLflow UI ------------------------------------------------------------------------------------------
+def short_value(value: Any) -> str:
+    """A sampled value as a name shows it: floats with 4 significant digits."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def params_text(params: dict) -> str:
+    """``lam=0.1, rho=10`` from sampled parameters (dotted config keys shortened to their last part, sorted)."""
+    return ", ".join(f"{key.rsplit('.', 1)[-1]}={short_value(value)}" for key, value in sorted(params.items()))
+
+
+def trial_run_name(trial_id: str, params: dict, objective: str | None = None, value: float | None = None) -> str:
+    """``trial-<id> (lam=0.1, rho=10)``, with `` | AA 0.733`` once the trial reported its objective (fraction)."""
+    name = f"trial-{trial_id}" + (f" ({params_text(params)})" if params else "")
+    return name if value is None else f"{name}{NAME_SEPARATOR}{objective} {value:.3f}"
 
 
 # ---- MLflow ----------------------------------------------------------------------------------------------------------
@@ -81,7 +102,8 @@ class _MlflowSearchCallbackMixin:
             if found[0].info.status != "RUNNING":
                 self.client.update_run(run_id, status="RUNNING")
         else:
-            run = self.client.create_run(self.experiment_id, run_name=f"trial-{trial_id}", tags={
+            run = self.client.create_run(self.experiment_id, run_name=trial_run_name(trial_id, trial.config or {}),
+                                         tags={
                 "mlflow.parentRunId": self.parent_run_id, "run_role": "trial", "trial_id": trial_id,
                 "search": self.search_name, "objective_metric": self.objective})
             run_id = run.info.run_id
@@ -95,7 +117,11 @@ class _MlflowSearchCallbackMixin:
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         values = {key: result.get(key) for key in (OBJECTIVE_KEY, "AC", "AA", "ACA", "BC", "FC")}
-        log_metrics(self.client, self.run_for(trial), values, step=int(result.get(TIME_ATTR, 0)))
+        run_id = self.run_for(trial)
+        log_metrics(self.client, run_id, values, step=int(result.get(TIME_ATTR, 0)))
+        if values[OBJECTIVE_KEY] is not None:
+            self.client.set_tag(run_id, "mlflow.runName", trial_run_name(
+                trial.trial_id, trial.config or {}, self.objective, float(values[OBJECTIVE_KEY])))
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         run_id = self.run_for(trial)
@@ -126,14 +152,7 @@ def open_search_run(spec: SearchSpec) -> tuple[str, str]:
     """Create (or reopen on resume) the search's parent MLflow run; returns (experiment_id, parent_run_id)."""
     client = open_client(spec.tracking_uri)
     experiment_name = spec.mlflow_experiment or f"{spec.base_config['name']}-search"
-    found = client.get_experiment_by_name(experiment_name)
-    if found is None:
-        location = None
-        if spec.tracking_uri.startswith("sqlite:///"):
-            location = (Path(spec.tracking_uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
-        experiment_id = client.create_experiment(experiment_name, artifact_location=location)
-    else:
-        experiment_id = found.experiment_id
+    experiment_id = ensure_experiment(client, experiment_name)
     if spec.parent_run_id:
         client.update_run(spec.parent_run_id, status="RUNNING")
         return experiment_id, spec.parent_run_id
@@ -181,3 +200,11 @@ def register_best_models(spec: SearchSpec, best_trial_id: str, trial_run_id: str
     client.set_tag(spec.parent_run_id, "best_trial_id", best_trial_id)
     client.set_tag(spec.parent_run_id, "best_model_uri", str(ModelUri(spec.name, alias=BEST_ALIAS)))
     return version
+
+
+def mark_best_trial(client: Any, spec: SearchSpec, trial_run_id: str, objective: float) -> None:
+    """Tag the best trial's run ``best=true`` and name the search's run after the best objective value:
+    ``<search> | best AA 0.733`` (fraction)."""
+    client.set_tag(trial_run_id, BEST_TRIAL_TAG, "true")
+    client.set_tag(spec.parent_run_id, "mlflow.runName",
+                   f"{spec.name}{NAME_SEPARATOR}best {spec.objective} {objective:.3f}")

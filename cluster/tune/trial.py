@@ -3,7 +3,6 @@ Tune function trainable around it."""
 from __future__ import annotations
 
 import json
-import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,8 @@ from cluster.tune.spec import (
     trial_config,
 )
 from compat_core import io as cio
+from pipelines.engine.events import StageEvent, StageRecord
+from pipelines.engine.progress import ProgressReporter
 from pipelines.engine.runner import LocalExecutor, close_emit, prepare_run
 from pipelines.graph.compile import compile_scenario
 from pipelines.records.stage_records import ModelRecord
@@ -29,15 +30,25 @@ from pipelines.results.assemble import headline_metrics, matrix_values
 from pipelines.stages.run_precision import resolve_run_precision
 from pipelines.store.run_store import RunStore
 
-log = logging.getLogger(__name__)
 
 
 # ---- the trainable ---------------------------------------------------------------------------------------------------
-def _log_emit(record: Any) -> None:
-    """Stage events of a trial go to the trial's log (its stdout is collected by Ray)."""
-    status = getattr(record, "status", None)
-    if status in ("done", "failed"):
-        log.info("%s %s", getattr(record, "label", record), status)
+class TrialLines:
+    """Emit callback of a trial: its stage lines (started / done, and epoch, images/s, ETA every 10 s inside a stage)
+    in the trial's log, which Ray forwards to the search's driver, labelled ``[trial <id>]``. Stages an earlier task's
+    invocation committed (skipped again by each later one) are not repeated."""
+
+    def __init__(self, trial_id: str) -> None:
+        self.reporter = ProgressReporter(enabled=False, label=f"trial {trial_id}")
+
+    def __call__(self, record: Any) -> None:
+        event = record.record if isinstance(record, StageRecord) else record
+        if isinstance(event, StageEvent) and event.status == "skipped":
+            return
+        self.reporter(record)
+
+    def close(self) -> None:
+        self.reporter.close()
 
 
 class ModelCollector:
@@ -80,7 +91,7 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
     prepare_run(graph, store)
     cio.write_bytes(cio.join(run_dir, TRIAL_FILE), json.dumps({"trial_id": trial_id, "params": sampled},
                                                                indent=1, sort_keys=True).encode("utf-8"))
-    collector = ModelCollector(emit or _log_emit)
+    collector = ModelCollector(emit or TrialLines(trial_id))
     engine = LocalExecutor(emit=collector, progress=False)
     strict = config.evaluation.strict
     first = first_reported_task(spec.objective)

@@ -14,7 +14,9 @@ from pipelines.engine.backends import EXECUTORS
 PROMISED = [
     (["run", "c.yaml"], {"executor": "local", "overrides": [], "recompute": [], "resume": None, "address": None,
                          "tracking_uri": None, "no_progress": False}),
-    (["submit", "c.yaml"], {"executor": "ray", "wait": False, "follow": False, "shared_filesystem": False}),
+    (["submit", "c.yaml"], {"executor": "ray", "wait": False, "follow": True, "shared_filesystem": False}),
+    (["submit", "c.yaml", "--wait"], {"wait": True, "follow": True}),  # "printing its logs as they come"
+    (["submit", "c.yaml", "--wait", "--no-follow"], {"wait": True, "follow": False}),
     (["plan", "c.yaml"], {"check_data": False, "no_cost": False, "seconds_per_image": None, "calibrated": None}),
     (["ui"], {"port": 5000, "tracking_uri": None}),  # "default 5000"
     (["tune", "c.yaml"], {"samples": 8, "concurrent": 1, "objective": "aca", "scheduler": "asha",

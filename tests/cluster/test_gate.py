@@ -92,6 +92,7 @@ def test_gate_promotes_refuses_records_and_rolls_back(tracked_run, mlflow_server
     gate_run = client.get_run(result["run_id"])
     assert gate_run.data.tags["decision"] == result["decision"]
     assert gate_run.data.tags["candidate_version"] == str(v2)
+    assert gate_run.info.run_name == f"gate-{name}-v{v2}-{result['decision']}"  # the decision in the runs table
     assert gate_run.data.metrics["recall_at_1/cross"] == pytest.approx(cross, abs=1e-12)
     # a promotion writes the install tags; a refusal only the candidate's last decision
     tag = "gate.champion.decision" if result["decision"] == "promoted" else "gate.champion.last_decision"
@@ -115,6 +116,7 @@ def test_gate_promotes_refuses_records_and_rolls_back(tracked_run, mlflow_server
     twin_tags = client.get_model_version(name, twin).tags
     assert "gate.champion.run_id" not in twin_tags and "gate.champion.decision" not in twin_tags
     refused_run = client.get_run(twin_tags["gate.champion.last_run_id"])
+    assert refused_run.info.run_name == f"gate-{name}-v{twin}-refused"
     assert refused_run.info.end_time - refused_run.info.start_time >= 0.5 * wall_ms
     percent = client.get_metric_history(refused_run.info.run_id, "backfill/percent_reembedded")
     assert sorted((m.step, m.value) for m in percent) == [(round(100 * f), round(100 * f)) for f in DEFAULT_FRACTIONS]

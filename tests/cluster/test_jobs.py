@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.request import urlopen
 
@@ -63,11 +64,18 @@ GCS_PORTS: dict[str, int] = {}
 @pytest.fixture(scope="module")
 def ray_head():
     """`ray start --head --block` on loopback, token auth disabled (acceptable on 127.0.0.1 only); yields its URL."""
+    with started_head() as address:
+        yield address
+
+
+@contextmanager
+def started_head(ports: dict[str, int] | None = None):
+    """A head as :func:`ray_head` starts it; ``ports`` overrides the port options it is given (name -> port)."""
     temp_dir = tempfile.mkdtemp(prefix="rayjob-", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
     port, dashboard_port = _free_port(), _free_port()
     # every fixed default port gets a free one: another Ray on this machine (the ray_local fixture, other users)
     # may hold the defaults, and the job agent then silently disables its HTTP server
-    extra_ports = [f"--{name}={_free_port()}" for name in (
+    extra_ports = [f"--{name}={(ports or {}).get(name) or _free_port()}" for name in (
         "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
         "ray-client-server-port", "node-manager-port", "object-manager-port")]
     # the venv is NOT on the head's PATH (nor VIRTUAL_ENV set): `.venv/bin/ray start` from a shell that never
@@ -238,3 +246,48 @@ def test_driver_address_on_loopback_reaches_the_head_there(ray_head, tmp_path):
     done = subprocess.run([sys.executable, "-c", code, f"127.0.0.1:{port}"], env=env, capture_output=True,
                           text=True, timeout=240)
     assert done.returncode == 0 and "task 42" in done.stdout, done.stderr[-3000:]
+
+
+RAY_NO_AGENT = RuntimeError("Request failed with status code 500: No available agent to submit job, please try again "
+                            "later..")  # Ray 2.60's JobSubmissionClient, word for word
+
+
+class _HeadWithoutAgent:
+    """A job client whose head answers as one whose job agent never started."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def submit_job(self, **request) -> None:
+        self.calls += 1
+        raise RAY_NO_AGENT
+
+    def get_address(self) -> str:
+        return "http://127.0.0.1:8265"
+
+
+def test_a_head_without_job_agent_is_one_line_naming_the_cause_and_the_fix():
+    client = _HeadWithoutAgent()
+    with pytest.raises(RuntimeError) as raised:
+        jobs._submit_with_retry(client, "true", "compat-x", {}, {}, patience_s=3.0)
+    message = str(raised.value)
+    assert client.calls >= 2  # quick answers are retried within the patience
+    assert "\n" not in message and "http://127.0.0.1:8265 accepts no jobs" in message
+    assert "No available agent" in message and "dashboard_agent.log" in message
+    port = int(re.search(r"ray start --head --dashboard-agent-listen-port=(\d+)", message).group(1))
+    with socket.socket() as probe:  # the port it suggests is free
+        probe.bind(("127.0.0.1", port))
+
+
+def test_submitting_to_a_head_whose_agent_port_is_taken_fails_with_the_fix(tmp_path):
+    """A real `ray start --head` whose job agent cannot bind its listen port (held here, as another Ray instance
+    holds the default one): the submission ends in one line naming the port option, not Ray's 500."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        with started_head({"dashboard-agent-listen-port": taken}) as address:
+            client = jobs.job_client(address)
+            with pytest.raises(RuntimeError, match=r"accepts no jobs.*--dashboard-agent-listen-port=\d+"):
+                jobs.submit_entrypoint(client, f"compat-no-agent-{os.getpid()}", THEORY,
+                                       jobs.pipeline_runtime_env(tmp_path))

@@ -8,6 +8,7 @@ touches no other Ray instance on the machine.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -91,6 +92,9 @@ def test_submit_with_relative_output_lands_where_the_user_asked(token_head, tmp_
                        env=env, cwd=work, timeout=260)
     assert submitted.returncode == 0, submitted.stdout[-3000:] + submitted.stderr[-3000:]
     assert f"run directory: {work / 'results' / 'tiny'}" in submitted.stdout
+    # --wait streams the job's own progress lines as they come, before the command's summary
+    streamed = re.search(r"^\[\d+/\d+\] evaluate\[row=1\]: done", submitted.stdout, flags=re.M)
+    assert streamed and streamed.start() < submitted.stdout.index("submission id: "), submitted.stdout[-3000:]
     matrix = json.loads((work / "results" / "tiny" / "matrix.json").read_text())
     assert len(matrix["values"]) == 2 and matrix["values"][1][1] is not None
     submission_id = submitted.stdout.split("submission id: ")[1].split()[0]

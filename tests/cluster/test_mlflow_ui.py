@@ -29,9 +29,9 @@ def _require_chromium() -> None:
 
 
 @contextmanager
-def runs_page(tracking_uri: str, experiment_id: str, profile: Path, viewport: dict):
-    """Headless Chromium on the runs table of an experiment; ``profile`` is a fresh, empty folder (Playwright passes
-    it to Chromium as --user-data-dir). The browser is closed on exit."""
+def browser_page(url: str, profile: Path, viewport: dict):
+    """Headless Chromium on ``url``; ``profile`` is a fresh, empty folder (Playwright passes it to Chromium as
+    --user-data-dir). The browser is closed on exit."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
@@ -39,10 +39,15 @@ def runs_page(tracking_uri: str, experiment_id: str, profile: Path, viewport: di
             str(profile), executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_FLAGS, viewport=viewport)
         try:
             page = browser.new_page()
-            page.goto(f"{tracking_uri}/#/experiments/{experiment_id}/runs", wait_until="load")
+            page.goto(url, wait_until="load")
             yield page
         finally:
             browser.close()
+
+
+def runs_page(tracking_uri: str, experiment_id: str, profile: Path, viewport: dict):
+    """Headless Chromium on the runs table of an experiment (see :func:`browser_page`)."""
+    return browser_page(f"{tracking_uri}/#/experiments/{experiment_id}/runs", profile, viewport)
 
 
 def keep_screenshot(screenshot: Path) -> Path:
@@ -226,3 +231,101 @@ _READ_COMPARE_VIEW = """() => {
   for (const link of links) metrics[link.textContent.trim()] = rows[link.parentElement.style.top];
   return {runs, metrics};
 }"""
+
+
+@contextmanager
+def compat_ui(tracking_uri: str, experiment: str):
+    """`compat ui --experiment NAME` over ``tracking_uri`` on a free loopback port; yields the URL it prints once the
+    server answers. The server is stopped on exit."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from urllib.request import urlopen
+
+    from cluster.ray.local_head import free_port
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "app.cli", "ui", "--port", str(port), "--tracking-uri",
+                                tracking_uri, "--experiment", experiment],
+                               env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        first_line = process.stdout.readline()
+        found = re.match(r"MLflow UI: (\S+)", first_line)
+        assert found, first_line
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "compat ui did not come up"
+                time.sleep(0.5)
+        yield found.group(1)
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+def test_compat_ui_opens_on_the_runs_with_their_summary_metrics_and_heatmap(tmp_path, monkeypatch):
+    """A tiny run tracked into a SQLite store; the URL `compat ui --experiment` prints opens the runs table in
+    model-training mode with AC AA ACA BC FC as columns (values as metrics.json has them), its chart view starts
+    with the heatmaps' image grid, and the run's artifact view shows its heatmap."""
+    _require_chromium()
+    import json
+
+    import torch
+    import yaml
+    from mlflow import MlflowClient
+
+    from app.cli import main
+
+    tiny.register()
+    torch.set_num_threads(1)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracking_uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    document = tiny.scenario("dsimplex-hoc", output=str(tmp_path / "run"))
+    document["name"] = "ui-open"
+    document.pop("pretrain")
+    document["replacements"] = []
+    document["tasks"]["spec"] = "2+2"
+    config = tmp_path / "ui-open.yaml"
+    config.write_text(yaml.safe_dump(document))
+    assert main(["run", str(config), "--tracking-uri", tracking_uri, "--experiment", "ui-open", "--no-progress"]) == 0
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    client = MlflowClient(tracking_uri)
+    experiment_id = client.get_experiment_by_name("ui-open").experiment_id
+    run_id = client.search_runs([experiment_id], "tags.run_role = 'pipeline'")[0].info.run_id
+
+    screenshot, heatmap_shot = tmp_path / "mlflow-ui-runs-table.png", tmp_path / "mlflow-ui-run-heatmap.png"
+    with compat_ui(tracking_uri, "ui-open") as url:
+        assert f"#/experiments/{experiment_id}/runs?" in url and "workflowType=machine_learning" in url
+        with browser_page(url, tmp_path / "profile", {"width": 1600, "height": 900}) as page:
+            shown = {}
+            for name in ("AC", "AA", "ACA", "BC", "FC"):  # columns of the view the URL opens, none chosen by hand
+                page.locator(f'[role="columnheader"][col-id="metrics.`{name}`"]').wait_for(timeout=60_000)
+            row = page.get_by_role("row").filter(has_text="ui-open-").first
+            index = row.get_attribute("row-index")
+            for name in ("AC", "AA"):
+                cell = page.locator(f'[role="row"][row-index="{index}"] [role="gridcell"][col-id="metrics.`{name}`"]')
+                shown[name] = float(cell.first.inner_text().strip())
+            assert page.get_by_text("Model training").count() and page.get_by_text("Traces 0").count() == 0
+            _close_side_panel(page)
+            page.screenshot(path=str(screenshot))
+            # the same view's chart mode starts with the summary metrics and the heatmaps' image grid
+            page.goto(f"{url}&compareRunsMode=CHART")
+            page.get_by_text("Results", exact=True).first.wait_for(timeout=60_000)
+            page.wait_for_function(f"{_LOADED_PICTURES}.some(src => src.includes('compat_matrix'))", timeout=60_000)
+            charts_shot = tmp_path / "mlflow-ui-results-charts.png"
+            page.screenshot(path=str(charts_shot))
+            page.goto(f"{url.split('/#/')[0]}/#/experiments/{experiment_id}/runs/{run_id}/artifacts/matrix.png")
+            # the artifact view shows a file from a blob: URL (the charts' pictures come from get-artifact)
+            page.wait_for_function(f"{_LOADED_PICTURES}.some(src => src.startsWith('blob:'))", timeout=60_000)
+            heatmaps = [src for src in page.evaluate(_LOADED_PICTURES) if src.startswith("blob:")]
+            page.screenshot(path=str(heatmap_shot))
+    for name, value in shown.items():
+        assert value == pytest.approx(metrics[name], abs=5e-4), f"{name}: UI {value}, metrics.json {metrics[name]}"
+    assert heatmaps, "the artifact view shows no heatmap"
+    print(f"MLflow UI screenshots: {keep_screenshot(screenshot)}, {keep_screenshot(charts_shot)}, "
+          f"{keep_screenshot(heatmap_shot)}")

@@ -20,11 +20,12 @@ import tiny_scenario_helpers as tiny  # noqa: E402
 tiny.register()  # the scenario below names the tiny-synth dataset: configs validate only once it is registered
 
 from cluster.model_registry.versions import registered_model_name, task_alias
-from cluster.tracking.client import check_tracking_uri
+from cluster.tracking.client import EXPERIMENT_KIND_TAG, check_tracking_uri, ensure_experiment, open_client
 from cluster.tracking.store import resolve_tracking
 from cluster.tracking.params import flatten_params, looks_like_secret
 from cluster.tracking.record_logging import entry_metric_key
 from cluster.tracking.tracker import MlflowTracker, NullTracker, create_tracker
+from cluster.tracking.ui import RESULTS_VIEW
 from pipelines.store.run_store import RunStore
 
 # C[t, k] (0-based query t, gallery k); exact binary fractions so that hand arithmetic is exact
@@ -434,9 +435,12 @@ def test_pipeline_run_is_readable_in_the_ui_without_configuration(sqlite_run):
     run_dir, graph, store, tracker = sqlite_run
     client = tracker.client
     experiment = client.get_experiment_by_name("track-demo")
+    assert experiment.tags[EXPERIMENT_KIND_TAG] == "custom_model_development"  # MLflow UI: runs table, not traces
     parent = client.search_runs([experiment.experiment_id], f"tags.run_role = 'pipeline' and "
                                 f"tags.pipeline_id = '{tracker.pipeline_id}'")[0]
     metrics = json.loads((run_dir / "metrics.json").read_text())
+    for name in ("AC", "AA", "ACA", "BC", "FC"):  # metric columns the runs table can show, as metrics.json has them
+        assert parent.data.metrics[name] == pytest.approx(metrics[name], abs=1e-12), name
     pictures = sorted(name for name in ("matrix.png", "aa_tau.png") if (run_dir / name).exists())
     assert pictures, "the run folder has no result picture to log"
     top_level = {a.path for a in client.list_artifacts(parent.info.run_id) if not a.is_dir}
@@ -454,3 +458,37 @@ def test_pipeline_run_is_readable_in_the_ui_without_configuration(sqlite_run):
     for item in listed:
         name, version = item.split("/")
         assert f"(#/models/{name}/versions/{version})" in note
+
+
+def test_experiments_the_product_uses_open_as_model_training_in_the_ui(tmp_path):
+    client = open_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    created = ensure_experiment(client, "fresh")
+    older = client.create_experiment("made-before")  # e.g. by an earlier version, without a kind
+    chosen = client.create_experiment("chosen", tags={EXPERIMENT_KIND_TAG: "genai_development"})
+    assert ensure_experiment(client, "made-before") == older and ensure_experiment(client, "chosen") == chosen
+    kinds = {name: client.get_experiment_by_name(name).tags.get(EXPERIMENT_KIND_TAG)
+             for name in ("fresh", "made-before", "chosen")}
+    assert kinds == {"fresh": "custom_model_development", "made-before": "custom_model_development",
+                     "chosen": "genai_development"}  # a kind set by the user in the UI stays theirs
+    assert created == client.get_experiment_by_name("fresh").experiment_id
+    view = f"mlflow.sharedViewState.{RESULTS_VIEW}"
+    client.set_experiment_tag(created, view, "{}")  # written by an older version of the product
+    ensure_experiment(client, "fresh")
+    columns = json.loads(client.get_experiment(created).tags[view])["selectedColumns"]
+    assert columns == [f"metrics.`{name}`" for name in ("AC", "AA", "ACA", "BC", "FC")]
+
+
+def test_artifact_downloads_through_the_product_client_show_no_progress_bar(tmp_path, monkeypatch, capfd):
+    monkeypatch.delenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", raising=False)
+    client = open_client(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(ensure_experiment(client, "downloads"))
+    for index in range(3):
+        (tmp_path / f"part-{index}.txt").write_text(str(index))
+        client.log_artifact(run.info.run_id, str(tmp_path / f"part-{index}.txt"), "parts")
+    capfd.readouterr()
+    folder = client.download_artifacts(run.info.run_id, "parts", str(tmp_path / "down"))
+    assert sorted(p.read_text() for p in Path(folder).iterdir()) == ["0", "1", "2"]
+    assert "Downloading artifacts" not in capfd.readouterr().err
+    monkeypatch.setenv("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "true")  # a user who wants them gets them
+    client.download_artifacts(run.info.run_id, "parts", str(tmp_path / "again"))
+    assert "Downloading artifacts" in capfd.readouterr().err

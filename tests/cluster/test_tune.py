@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,6 +60,7 @@ def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, c
                       resources={"cpu": 0.5, "gpu": 0.0}, plugins=[PLUGIN],
                       tracking_uri=resolve_tracking(None).uri)  # what `compat tune` resolves without the option
     outcome = run_search(spec)
+    printed = capsys.readouterr().out
     assert outcome.complete and len(outcome.trials) == 3
     experiment = tmp_path / "searches" / "tiny-aa"
     expected = {}
@@ -77,6 +79,10 @@ def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, c
         assert sorted(executed) == sorted(stages)
     best_id = max(expected, key=expected.get)
     assert outcome.best.trial_id == best_id
+    for trial_id, value in expected.items():  # a line per trial report, with the objective it reported
+        assert re.search(rf"^\[search \d+ s\] trial {trial_id} \(lam=.*\): task 3/3 reported, AA {value:.4f}$",
+                         printed, flags=re.M), printed
+        assert re.search(rf"^\[search \d+ s\] trial {trial_id} .*: finished$", printed, flags=re.M), printed
 
     client = MlflowClient(tracking_uri=spec.tracking_uri)  # the machine's store (conftest: this test's own)
     assert spec.tracking_uri == f"sqlite:///{tmp_path / 'compat-home' / 'mlflow' / 'mlflow.db'}"
@@ -97,6 +103,11 @@ def test_search_tracks_every_trial_and_registers_the_best(ray_local, tmp_path, c
             assert metric.value == pytest.approx(_mean_lower(matrix[: metric.step, : metric.step]), abs=1e-12)
         artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "results")}
         assert {"results/matrix.json", "results/metrics.json"} <= artifacts
+        # named by its sampled values and final objective; only the best trial tagged best=true
+        shown = ", ".join(f"{key.rsplit('.', 1)[-1]}={value:.4g}" for key, value in sorted(sampled.items()))
+        assert run.info.run_name == f"trial-{trial_id} ({shown}) | AA {expected[trial_id]:.3f}"
+        assert run.data.tags.get("best") == ("true" if trial_id == best_id else None)
+    assert parent.info.run_name == f"tiny-aa | best AA {expected[best_id]:.3f}"
     best = client.get_model_version_by_alias("tiny-aa", "best")
     assert best.tags["trial_id"] == best_id and best.tags["task_1based"] == "3"
     assert client.get_model_version_by_alias("tiny-aa", "best-task-1").tags["trial_id"] == best_id
@@ -205,7 +216,7 @@ def test_interrupted_search_resumes_to_the_requested_total(search_storage, tmp_p
         assert _executed(runs_root, name) == executed_before[name]
 
 
-def test_trials_share_third_party_models_whose_key_the_sampled_values_leave_alone(tmp_path):
+def test_trials_share_third_party_models_whose_key_the_sampled_values_leave_alone(tmp_path, capsys):
     """Two trials that differ only in a method parameter need the same third-party model: the first trains and
     publishes it in <experiment>/third-party, the second copies it (no pretrain stage executed) and computes the
     matrix a trial training its own copy computes."""
@@ -219,6 +230,12 @@ def test_trials_share_third_party_models_whose_key_the_sampled_values_leave_alon
     for trial_id, lam in (("t1", 0.0), ("t2", 1.0)):
         run_trial_pipeline(spec, {"method.params.lam": lam, "training.optimizer.lr": 0.01}, trial_id,
                            report=lambda metrics, tasks: None)
+        # the trial's stage lines (which Ray forwards to the search's driver) say which trial they belong to, once
+        # per stage although each task's invocation of the engine passes the earlier tasks' stages again
+        lines = capsys.readouterr().err
+        assert re.search(rf"^\[trial {trial_id}\] \[\d+/\d+\] finetune\S*: done in", lines, flags=re.M)
+        assert len(re.findall(r"^\[trial \w+\] \[\d+/\d+\] finetune\[t=0\]: done", lines, flags=re.M)) == 1
+        assert ": skipped" not in lines
     pretrain = {name: sorted(p.stem for p in (runs / name / "manifests").glob("pretrain-*.json"))
                 for name in ("t1", "t2")}
     assert pretrain["t1"] == pretrain["t2"] and len(pretrain["t1"]) == 1

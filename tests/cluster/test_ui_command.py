@@ -40,7 +40,12 @@ def test_compat_ui_serves_the_machine_store_on_loopback(tmp_path):
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         first_line = process.stdout.readline()
-        assert first_line.startswith(f"MLflow UI: http://127.0.0.1:{port}") and uri in first_line, first_line
+        assert first_line.startswith(f"MLflow UI: http://127.0.0.1:{port}/#/experiments?workflowType=machine_learning")
+        assert uri in first_line, first_line
+        # then each experiment with runs and the URL of its runs table (the empty Default experiment is left out)
+        assert process.stdout.readline().strip() == (f"ui-check: http://127.0.0.1:{port}/#/experiments/{experiment}"
+                                                     f"/runs?viewStateShareKey=compat-results&"
+                                                     f"workflowType=machine_learning")
         deadline = time.monotonic() + 90
         while True:
             try:
@@ -54,9 +59,16 @@ def test_compat_ui_serves_the_machine_store_on_loopback(tmp_path):
         assert body["experiment"]["experiment_id"] == experiment
         listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout
         assert f"127.0.0.1:{port}" in listening and f"0.0.0.0:{port}" not in listening
+        process.send_signal(signal.SIGTERM)  # to `compat ui` alone, as a service manager stops it
+        assert process.wait(timeout=60) == 0
+        deadline = time.monotonic() + 30
+        while f"127.0.0.1:{port}" in subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "the MLflow server outlived compat ui"
+            time.sleep(0.5)
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=30)
 
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
