@@ -71,7 +71,8 @@ def scoped_alias(run_name: str, alias: str) -> str:
 def run_intent(config_path: str | os.PathLike | None, overrides: list[str] | None, config) -> RunIntent:
     """The intent of running ``config`` (the validated config with ``overrides`` applied) from ``config_path``:
     scenario aliases only when the overrides leave the file's config hash unchanged (a file that validates only
-    with its overrides counts as changed)."""
+    with its overrides counts as changed). The file is read again with and without the overrides, so what the run
+    resolved since (its precision) never counts as an override."""
     overrides = list(overrides or [])
     digest = stable_hash(overrides)[:16]
     if not overrides:
@@ -79,7 +80,8 @@ def run_intent(config_path: str | os.PathLike | None, overrides: list[str] | Non
     if config_path is None:
         return RunIntent(digest, False)
     try:
-        unchanged = config_hash(load_config(config_path, [])) == config_hash(config)
+        # both read from the file as the user wrote it: what the run resolves later (its precision) is not an override
+        unchanged = config_hash(load_config(config_path, [])) == config_hash(load_config(config_path, overrides))
     except ConfigError:
         unchanged = False
     return RunIntent(digest, unchanged)

@@ -77,6 +77,11 @@ def test_overrides_that_change_nothing_computed_keep_the_scenario_aliases(tmp_pa
     same = ["output.shared_store=/tmp/shared", "description=another words"]
     assert run_intent(config, [], load_config(config)).scenario_aliases
     assert run_intent(config, same, load_config(config, same)).scenario_aliases
+    # the precision a run resolves on its machine is not an override: the config it runs with may say bf16 where the
+    # file says auto, and its intent is still the file's
+    resolved = load_config(config, same)
+    resolved.training.autocast = "bf16" if resolved.training.autocast != "bf16" else "off"
+    assert run_intent(config, same, resolved).scenario_aliases
     changed = ["training.epochs=2"]
     intent = run_intent(config, changed, load_config(config, changed))
     assert not intent.scenario_aliases and intent.overrides_digest != run_intent(config, [], None).overrides_digest
