@@ -27,7 +27,8 @@ import torch
 
 from compat_core.retrieval.search import PreparedGallery, search_candidates, search_prepared
 
-__all__ = ["KINDS", "AnnIndex", "build_ann", "tune_ann", "ann_search", "candidate_count", "recall_of_exact"]
+__all__ = ["KINDS", "AnnIndex", "build_ann", "tune_ann", "ann_search", "candidate_count", "candidate_rule",
+           "default_params", "recall_of_exact"]
 
 KINDS = ("flat", "ivf", "hnsw", "ivfpq")
 _MIN_CANDIDATES = 32
@@ -39,11 +40,17 @@ _HNSW_EF_CONSTRUCTION = 64
 _EF_LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
-def candidate_count(k: int, size: int, kind: str = "ivf") -> int:
-    """Rows the approximate stage returns per query for a top-k: max(4 k, 32), four times that for the compressed
-    ``ivfpq`` (its codes rank more coarsely), at most the gallery size."""
+def candidate_rule(kind: str) -> dict:
+    """How many rows the approximate stage returns per query: {"per_k": a, "min": b} means max(a k, b). Four
+    candidates per result, at least 32; four times that for the compressed ``ivfpq`` (its codes rank coarsely)."""
     factor = _PQ_CANDIDATE_FACTOR if kind == "ivfpq" else 1
-    return int(min(size, factor * max(_CANDIDATES_PER_K * k, _MIN_CANDIDATES)))
+    return {"per_k": factor * _CANDIDATES_PER_K, "min": factor * _MIN_CANDIDATES}
+
+
+def candidate_count(k: int, size: int, kind: str = "ivf") -> int:
+    """Rows the approximate stage returns per query for a top-k (:func:`candidate_rule`), at most ``size``."""
+    rule = candidate_rule(kind)
+    return int(min(size, max(rule["per_k"] * k, rule["min"])))
 
 
 def _faiss():
