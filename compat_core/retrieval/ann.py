@@ -1,7 +1,8 @@
 """Approximate candidate stage over a gallery (faiss), its exact re-ranking, and the choice of its search effort.
 
 An ``AnnIndex`` holds a faiss structure over the gallery's L2-normalised fp32 rows (inner product = cosine):
-``ivf`` (IVF-Flat), ``hnsw`` (HNSW-Flat) or ``ivfpq`` (IVF with product-quantised codes, the compressed option).
+``ivf`` (IVF-Flat with the rows stored in fp16, as the gallery's fp16 storage: faiss' ``IndexIVFScalarQuantizer``
+QT_fp16), ``hnsw`` (HNSW-Flat) or ``ivfpq`` (IVF with product-quantised codes, the compressed option).
 A search asks it for ``candidate_count(k)`` rows per query and re-ranks them with the exact kernel's fp64 scores
 (``compat_core.retrieval.search.search_candidates``): the answer is the exact top-k whenever the candidates hold
 it, with exact ties broken by the lowest gallery row as the exact search does. ``flat`` is the exact kernel alone
@@ -28,7 +29,7 @@ import torch
 from compat_core.retrieval.search import PreparedGallery, search_candidates, search_prepared
 
 __all__ = ["KINDS", "AnnIndex", "build_ann", "tune_ann", "ann_search", "candidate_count", "candidate_rule",
-           "default_params", "recall_of_exact"]
+           "default_params", "effort_ladder", "recall_of_exact"]
 
 KINDS = ("flat", "ivf", "hnsw", "ivfpq")
 _MIN_CANDIDATES = 32
@@ -163,7 +164,8 @@ def build_ann(gallery, kind: str, params: dict | None = None, seed: int = 0) -> 
     else:
         quantizer = faiss.IndexFlatIP(dim)
         if kind == "ivf":
-            index = faiss.IndexIVFFlat(quantizer, dim, int(params["nlist"]), faiss.METRIC_INNER_PRODUCT)
+            index = faiss.IndexIVFScalarQuantizer(quantizer, dim, int(params["nlist"]),
+                                                  faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
         else:
             index = faiss.IndexIVFPQ(quantizer, dim, int(params["nlist"]), int(params["pq_m"]),
                                      int(params["pq_bits"]), faiss.METRIC_INNER_PRODUCT)
@@ -210,7 +212,8 @@ def recall_of_exact(approximate_top1, exact_top1) -> float:
     return float(np.mean(a == e))
 
 
-def _efforts(ann: AnnIndex) -> list[dict]:
+def effort_ladder(ann: AnnIndex) -> list[dict]:
+    """The search efforts tried, smallest first: nprobe 1, 2, 4, ... nlist (IVF kinds), efSearch 16 ... 2048."""
     if ann.kind == "hnsw":
         return [{"efSearch": ef} for ef in _EF_LADDER]
     nlist = int(ann.params["nlist"])
@@ -229,7 +232,7 @@ def tune_ann(ann: AnnIndex, prepared: PreparedGallery, sample, recall: float) ->
     queries = torch.from_numpy(_unit32(sample, "query sample"))
     exact, _ = search_prepared(queries, prepared, 1, return_scores=False)
     curve = []
-    for effort in _efforts(ann):
+    for effort in effort_ladder(ann):
         ann.set_effort(effort)
         top1, _ = ann_search(queries, prepared, ann, 1)
         reached = recall_of_exact(top1[:, 0].numpy(), exact[:, 0].numpy())

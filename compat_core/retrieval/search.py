@@ -94,12 +94,15 @@ in ``compat_core.retrieval.candidates``; this module holds the public entry poin
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
 from compat_core.hardware.torch_settings import ieee_fp32 as _ieee_fp32
+from compat_core.hardware.torch_settings import one_thread
 from compat_core.retrieval import pruned as retrieval_pruned
-from compat_core.retrieval.kernel import _default_chunk, _finish_exact, _Queries, _Result, _search
+from compat_core.retrieval.kernel import _PARALLEL_PAIRS, _default_chunk, _finish_exact, _Queries, _Result, _search
 from compat_core.retrieval.space import _direct_space, _half_dtype_for, _inverse_norms, _with_stage
 
 __all__ = [
@@ -277,7 +280,9 @@ def search_candidates(query, prepared: PreparedGallery, candidates, k: int = 1):
     if bool(short.any()):
         raise ValueError(f"candidates: query row {int(torch.nonzero(short)[0, 0])} has fewer than k = {k} "
                          "distinct gallery rows")
-    with torch.inference_mode(), _ieee_fp32():
+    # few pairs: one thread (the kernel's re-scoring rule), as thread hand-offs cost more than the products
+    small = query.device.type == "cpu" and cand.numel() < _PARALLEL_PAIRS
+    with torch.inference_mode(), _ieee_fp32(), one_thread() if small else contextlib.nullcontext():
         queries = _Queries("query", query, raw=True)
         result = _Result(queries.count, k, query.device, True)
         _finish_exact(prepared._space, queries, cand, torch.arange(queries.count, device=query.device), k, result)

@@ -132,3 +132,26 @@ def test_default_params_follow_the_size():
     assert default_params("ivf", 30, 9) == {"nlist": 1}
     assert default_params("ivfpq", 200_000, 512) == {"nlist": 894, "pq_m": 128, "pq_bits": 8}
     assert default_params("hnsw", 10, 4) == {"M": 32, "efConstruction": 64}
+
+
+def test_version_group_uses_the_structure_only_over_the_rows_it_was_built_on(data):
+    from compat_core.retrieval.mixed_gallery import build_groups, search_groups
+
+    gallery, sample, _, _ = data
+    ann = build_ann(gallery, "ivf")
+    ann.set_effort({"nprobe": int(ann.params["nlist"])})
+    versions = np.array(["1"] * gallery.shape[0])
+    groups = build_groups(gallery.numpy(), versions, ann=ann, ann_version="1")
+    assert groups[0].ann is ann
+    positions, scores, _ = search_groups(sample[:20], groups, 3)
+    for row in range(20):
+        order, expected = _brute(sample[row], gallery, 3)
+        assert positions[row].tolist() == order.tolist()
+        np.testing.assert_allclose(scores[row], expected, rtol=0, atol=1e-6)   # the query is made unit in fp32
+    backfilled = versions.copy()
+    backfilled[[3, 30]] = "2"   # two rows re-embedded by another version: the structure no longer covers group "1"
+    assert all(g.ann is None for g in build_groups(gallery.numpy(), backfilled, ann=ann, ann_version="1"))
+    adapted = build_groups(gallery.numpy(), versions, gallery_maps={"1": lambda rows: rows * 2}, ann=ann,
+                           ann_version="1")
+    assert adapted[0].ann is None
+    assert build_groups(gallery.numpy(), versions, ann=ann, ann_version="7")[0].ann is None
