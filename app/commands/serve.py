@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from cluster.serving.app import start
+from cluster.serving.app import preflight, start
 from cluster.serving.ray_join import connect_ray
 from pipelines.config.model_uri import parse_model_uri
 
@@ -26,10 +26,11 @@ def run(args) -> int:
     parse_model_uri(args.model, "--model")  # a typo fails here, before Ray starts
     if args.replicas < 1:
         raise ValueError(f"--replicas: expected >= 1, got {args.replicas}")
-    connect_ray(args.ray_address, args.ray_token_file)
     settings = {"index": args.index, "model": args.model, "tracking_uri": tracking, "poll_s": args.poll_s,
                 "precision": args.precision, "device": "cuda" if args.num_gpus > 0 else "cpu",
                 "threads": args.threads, "limits": {"max_k": args.max_k, "max_body_bytes": args.max_body_bytes}}
+    preflight(settings)  # a model the index cannot take is refused here, before Ray starts
+    connect_ray(args.ray_address, args.ray_token_file)
     url = start(settings, args.host, args.port, num_replicas=args.replicas, num_cpus=args.num_cpus,
                 num_gpus=args.num_gpus)
     print(f"serving {args.index} with {args.model} at {url} (POST /search, GET /healthz, GET /metrics); Ray "

@@ -24,7 +24,7 @@ import numpy as np
 from ray import serve
 
 from cluster.model_registry.versions import MlflowModelResolver
-from cluster.serving.index_store import load_index, read_head
+from cluster.serving.index_store import load_index, read_head, read_manifest
 from cluster.serving.models import (
     DEFAULT_ALIAS,
     embed_images,
@@ -32,7 +32,14 @@ from cluster.serving.models import (
     load_served_model,
     resolve_model_ref,
 )
-from cluster.serving.state import ReplicaMetrics, ServingState, as_query_tensor, build_state, state_summary
+from cluster.serving.state import (
+    ReplicaMetrics,
+    ServingState,
+    as_query_tensor,
+    build_state,
+    check_servable,
+    state_summary,
+)
 from cluster.storage.s3 import configure_object_storage
 from compat_core.retrieval.mixed_gallery import search_groups
 from compat_core.retrieval.search_request import RequestError, SearchLimits, parse_search_request
@@ -66,6 +73,9 @@ class SearchService:
         import torch
 
         torch.set_num_threads(int(self.settings["threads"]))
+        import faiss
+
+        faiss.omp_set_num_threads(int(self.settings["threads"]))
         self._state: ServingState | None = None
         self.metrics = ReplicaMetrics(f"{os.getpid()}")
         self.last_error: str | None = None
@@ -96,6 +106,7 @@ class SearchService:
                 return False
             index = load_index(self.settings["index"], head)
             ref = ModelUri(str(index.manifest["model"]["name"]), str(index.manifest["model"]["version"]))
+            check_servable(index.manifest, self.settings["index"], ref.uri, None)
             self._state = build_state(ref, None, index, None, self.settings["precision"])
             self.metrics.swaps += 1
             return True
@@ -109,11 +120,9 @@ class SearchService:
             load_served_model(resolver, ref, self.settings["device"])
         index = current.index if current is not None and current.index.manifest_sha == head else \
             load_index(self.settings["index"], head)
+        check_servable(index.manifest, self.settings["index"], ref.uri, getattr(model, "feature_dim", None))
         adapter = installed_adapter(client, ref, self.alias)
         state = build_state(ref, model, index, adapter, self.settings["precision"])
-        if state.index.dim != getattr(model, "feature_dim", state.index.dim):
-            raise ValueError(f"model {ref.uri} makes {model.feature_dim}-d features, the index at "
-                             f"{self.settings['index']} holds {state.index.dim}-d embeddings")
         self._state = state          # the one atomic switch
         self.metrics.swaps += 1
         self.last_error = None
@@ -257,6 +266,23 @@ def _answer(state: ServingState, parsed, positions, scores, groups) -> dict:
             "k": parsed.k, "results": results}
 
 
+def preflight(settings: dict) -> None:
+    """Refuse, before any replica starts, a model whose features the index cannot take (``check_servable``): the
+    index manifest at HEAD and the model version behind the alias now, loaded once here."""
+    settings = {**DEFAULT_SETTINGS, **settings}
+    if str(settings["index"]).startswith("s3://"):
+        configure_object_storage()
+    _, manifest = read_manifest(settings["index"])
+    if not settings.get("model"):
+        check_servable(manifest, settings["index"], f"models:/{manifest['model']['name']}/"
+                       f"{manifest['model']['version']}", None)
+        return
+    resolver = MlflowModelResolver(settings["tracking_uri"], cache_dir=settings.get("cache_dir"))
+    ref = resolve_model_ref(resolver.client, settings["model"])
+    model = load_served_model(resolver, ref, "cpu")
+    check_servable(manifest, settings["index"], ref.uri, getattr(model, "feature_dim", None))
+
+
 def deployment(num_replicas: int = 1, num_cpus: float = 1.0, num_gpus: float = 0.0, max_ongoing_requests: int = 8):
     """The Serve deployment of :class:`SearchService` with these resources."""
     return serve.deployment(SearchService, name="compat-search").options(
@@ -273,4 +299,4 @@ def start(settings: dict, host: str = "127.0.0.1", port: int = 8000, app_name: s
     return f"http://{host}:{port}"
 
 
-__all__ = ["SearchService", "deployment", "start", "DEFAULT_SETTINGS"]
+__all__ = ["SearchService", "deployment", "preflight", "start", "DEFAULT_SETTINGS"]
