@@ -41,6 +41,7 @@ from cluster.serving.state import (
     state_summary,
 )
 from cluster.storage.s3 import configure_object_storage
+from compat_core.retrieval.ann import set_faiss_threads
 from compat_core.retrieval.mixed_gallery import search_groups
 from compat_core.retrieval.search_request import RequestError, SearchLimits, parse_search_request
 from pipelines.config.model_uri import ModelUri, parse_model_uri
@@ -73,9 +74,6 @@ class SearchService:
         import torch
 
         torch.set_num_threads(int(self.settings["threads"]))
-        import faiss
-
-        faiss.omp_set_num_threads(int(self.settings["threads"]))
         self._state: ServingState | None = None
         self.metrics = ReplicaMetrics(f"{os.getpid()}")
         self.last_error: str | None = None
@@ -107,6 +105,7 @@ class SearchService:
             index = load_index(self.settings["index"], head)
             ref = ModelUri(str(index.manifest["model"]["name"]), str(index.manifest["model"]["version"]))
             check_servable(index.manifest, self.settings["index"], ref.uri, None)
+            self._use_threads(index)
             self._state = build_state(ref, None, index, None, self.settings["precision"])
             self.metrics.swaps += 1
             return True
@@ -121,6 +120,7 @@ class SearchService:
         index = current.index if current is not None and current.index.manifest_sha == head else \
             load_index(self.settings["index"], head)
         check_servable(index.manifest, self.settings["index"], ref.uri, getattr(model, "feature_dim", None))
+        self._use_threads(index)
         adapter = installed_adapter(client, ref, self.alias)
         state = build_state(ref, model, index, adapter, self.settings["precision"])
         self._state = state          # the one atomic switch
@@ -129,6 +129,11 @@ class SearchService:
         LOG.info("serving %s version %s, index %s (%s)", ref.name, ref.version, head[:12],
                  state_summary(state)["items_by_version"])
         return True
+
+    def _use_threads(self, index) -> None:
+        """The replica's thread count for faiss too, once an index with an approximate structure is loaded."""
+        if index.ann is not None:
+            set_faiss_threads(int(self.settings["threads"]))
 
     def _note_error(self, error: BaseException) -> None:
         self.metrics.swap_errors += 1

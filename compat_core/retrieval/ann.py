@@ -29,7 +29,8 @@ import torch
 from compat_core.retrieval.search import PreparedGallery, search_candidates, search_prepared
 
 __all__ = ["KINDS", "AnnIndex", "build_ann", "tune_ann", "ann_search", "candidate_count", "candidate_rule",
-           "default_params", "effort_ladder", "recall_of_exact"]
+           "default_params", "effort_ladder", "recall_of_exact",
+           "set_faiss_threads"]
 
 KINDS = ("flat", "ivf", "hnsw", "ivfpq")
 _MIN_CANDIDATES = 32
@@ -58,6 +59,11 @@ def _faiss():
     import faiss
 
     return faiss
+
+
+def set_faiss_threads(count: int) -> None:
+    """faiss' OpenMP thread count for this process (searches of every structure)."""
+    _faiss().omp_set_num_threads(int(count))
 
 
 def _unit32(rows, name: str = "gallery") -> np.ndarray:
