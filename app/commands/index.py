@@ -1,8 +1,10 @@
 """``compat index``: gallery indexes for ``compat serve`` (logic: :mod:`cluster.serving`).
 
 - ``compat index build ROOT --config CONFIG --model models:/NAME@champion [--pool gallery|query]
-  [--shard-rows N] [--payload-prefix URI]``: embed the config's evaluation gallery (or query) pool with that model
-  version and write content-addressed Parquet shards and a manifest at ROOT (a folder or ``s3://bucket/prefix``).
+  [--shard-rows N] [--payload-prefix URI] [--kind flat|ivf|hnsw|ivfpq --recall R --sample N --seed S]``: embed the
+  config's evaluation gallery (or query) pool with that model version and write content-addressed Parquet shards
+  and a manifest at ROOT (a folder or ``s3://bucket/prefix``); with ``--kind`` other than flat, a faiss structure
+  beside them whose search effort reaches Recall@1 of exact >= R on N held-out rows of the other pool.
 - ``compat index backfill ROOT --config CONFIG --model models:/NAME@champion [--chunk-rows N] [--order
   random] [--probe query|none]``: re-embed the items of other versions with that model version in chunks as
   Ray tasks, flipping each chunk in one manifest swap while ``compat serve`` answers; progress and a probe Recall@1
@@ -14,8 +16,8 @@ from __future__ import annotations
 import json
 
 from cluster.serving.backfill_job import run_backfill
-from cluster.serving.index_build import build_index
-from cluster.serving.index_store import load_index
+from cluster.serving.index_build import AnnSettings, build_index
+from cluster.serving.index_store import load_index, search_entry
 from cluster.serving.ray_join import resolve_ray_target
 from cluster.storage.s3 import configure_object_storage
 from pipelines.config.load import load_config
@@ -43,17 +45,20 @@ def run(args) -> int:
         versions = {str(v): int((index.versions == v).sum()) for v in sorted(set(index.versions.tolist()))}
         print(json.dumps({"manifest": index.manifest_sha, "items": index.size, "dim": index.dim,
                           "items_by_version": versions, "model": index.manifest.get("model"),
-                          "shards": len(index.manifest["shards"]), "backfill": index.manifest.get("backfill")},
+                          "shards": len(index.manifest["shards"]), "backfill": index.manifest.get("backfill"),
+                          "search": {k: v for k, v in search_entry(index.manifest).items() if k != "curve"}},
                          indent=2))
         return 0
     if not args.model:
         raise ValueError(f"compat index {args.action}: --model models:/NAME@ALIAS is required")
     parse_model_uri(args.model, "--model")  # a typo fails here, before Ray or the registry is reached
+    ann = AnnSettings(args.kind, args.recall, args.sample, args.seed) if args.action == "build" else None
     if args.action == "backfill":
         resolve_ray_target(args.ray_address)  # an address it cannot join fails now, not after the config is read
     config = _config(args)
     if args.action == "build":
-        build_index(args.root, config, args.model, _tracking(args), args.pool, args.shard_rows, args.payload_prefix)
+        build_index(args.root, config, args.model, _tracking(args), args.pool, args.shard_rows, args.payload_prefix,
+                    ann=ann)
         return 0
 
     summary = run_backfill(args.root, config, args.model, _tracking(args), chunk_rows=args.chunk_rows,

@@ -18,7 +18,7 @@ import time
 
 from cluster.model_registry.versions import MlflowModelResolver
 from cluster.ray.process_tree import descendants, stop_processes
-from cluster.serving.app import APP_NAME, start, wait_first_load
+from cluster.serving.app import APP_NAME, preflight, start, wait_first_load
 from cluster.serving.models import resolve_model_ref
 from cluster.serving.ray_join import connect_ray, resolve_ray_target
 from cluster.serving.replica_ports import refuse_exposing_settings
@@ -54,6 +54,7 @@ def run(args) -> int:
     settings = {"index": args.index, "model": args.model, "tracking_uri": tracking, "poll_s": args.poll_s,
                 "precision": args.precision, "device": "cuda" if args.num_gpus > 0 else "cpu",
                 "threads": args.threads, "limits": {"max_k": args.max_k, "max_body_bytes": args.max_body_bytes}}
+    preflight(settings)  # a model the index cannot take is refused here, before Ray starts
     # no cluster named and none joined yet: connect_ray starts a local instance, which this command then owns
     owns_ray = resolve_ray_target(args.ray_address).address is None and not ray.is_initialized()
     previous = {signum: signal.signal(signum, _raise_stop) for signum in STOP_SIGNALS}

@@ -31,7 +31,7 @@ import numpy as np
 from ray import serve
 
 from cluster.model_registry.versions import MlflowModelResolver
-from cluster.serving.index_store import load_index, read_head
+from cluster.serving.index_store import load_index, read_head, read_manifest
 from cluster.serving.models import (
     DEFAULT_ALIAS,
     embed_images,
@@ -40,8 +40,16 @@ from cluster.serving.models import (
     resolve_model_ref,
 )
 from cluster.serving.replica_ports import keep_replica_ports_on_loopback
-from cluster.serving.state import ReplicaMetrics, ServingState, as_query_tensor, build_state, state_summary
+from cluster.serving.state import (
+    ReplicaMetrics,
+    ServingState,
+    as_query_tensor,
+    build_state,
+    check_servable,
+    state_summary,
+)
 from cluster.storage.s3 import configure_object_storage
+from compat_core.retrieval.ann import set_faiss_threads
 from compat_core.retrieval.mixed_gallery import search_groups
 from compat_core.retrieval.search_request import RequestError, SearchLimits, parse_search_request
 from pipelines.config.model_uri import ModelUri, parse_model_uri
@@ -124,6 +132,8 @@ class SearchService:
                 return False
             index = load_index(self.settings["index"], head)
             ref = ModelUri(str(index.manifest["model"]["name"]), str(index.manifest["model"]["version"]))
+            check_servable(index.manifest, self.settings["index"], ref.uri, None)
+            self._use_threads(index)
             self._state = build_state(ref, None, index, None, self.settings["precision"])
             self.metrics.swaps += 1
             return True
@@ -138,17 +148,21 @@ class SearchService:
             load_served_model(resolver, ref, self.settings["device"])
         index = current.index if current is not None and current.index.manifest_sha == head else \
             load_index(self.settings["index"], head)
+        check_servable(index.manifest, self.settings["index"], ref.uri, getattr(model, "feature_dim", None))
+        self._use_threads(index)
         adapter = installed_adapter(client, ref, self.alias)
         state = build_state(ref, model, index, adapter, self.settings["precision"])
-        if state.index.dim != getattr(model, "feature_dim", state.index.dim):
-            raise ValueError(f"model {ref.uri} makes {model.feature_dim}-d features, the index at "
-                             f"{self.settings['index']} holds {state.index.dim}-d embeddings")
         self._state = state          # the one atomic switch
         self.metrics.swaps += 1
         self.last_error = None
         LOG.info("serving %s version %s, index %s (%s)", ref.name, ref.version, head[:12],
                  state_summary(state)["items_by_version"])
         return True
+
+    def _use_threads(self, index) -> None:
+        """The replica's thread count for faiss too, once an index with an approximate structure is loaded."""
+        if index.ann is not None:
+            set_faiss_threads(int(self.settings["threads"]))
 
     def _note_error(self, error: BaseException) -> None:
         self.metrics.swap_errors += 1
@@ -295,6 +309,23 @@ def _answer(state: ServingState, parsed, positions, scores, groups) -> dict:
             "k": parsed.k, "results": results}
 
 
+def preflight(settings: dict) -> None:
+    """Refuse, before any replica starts, a model whose features the index cannot take (``check_servable``): the
+    index manifest at HEAD and the model version behind the alias now, loaded once here."""
+    settings = {**DEFAULT_SETTINGS, **settings}
+    if str(settings["index"]).startswith("s3://"):
+        configure_object_storage()
+    _, manifest = read_manifest(settings["index"])
+    if not settings.get("model"):
+        check_servable(manifest, settings["index"], f"models:/{manifest['model']['name']}/"
+                       f"{manifest['model']['version']}", None)
+        return
+    resolver = MlflowModelResolver(settings["tracking_uri"], cache_dir=settings.get("cache_dir"))
+    ref = resolve_model_ref(resolver.client, settings["model"])
+    model = load_served_model(resolver, ref, "cpu")
+    check_servable(manifest, settings["index"], ref.uri, getattr(model, "feature_dim", None))
+
+
 def deployment(num_replicas: int = 1, num_cpus: float = 1.0, num_gpus: float = 0.0, max_ongoing_requests: int = 8):
     """The Serve deployment of :class:`SearchService` with these resources."""
     return serve.deployment(SearchService, name="compat-search").options(
@@ -350,4 +381,4 @@ def wait_first_load(url: str, model: str, timeout_s: float = 300.0, progress_s: 
         time.sleep(0.5)
 
 
-__all__ = ["APP_NAME", "SearchService", "deployment", "start", "wait_first_load", "DEFAULT_SETTINGS"]
+__all__ = ["APP_NAME", "SearchService", "deployment", "preflight", "start", "wait_first_load", "DEFAULT_SETTINGS"]

@@ -9,6 +9,9 @@ Layout::
     ROOT/shards/<sha256>.parquet   rows: position (int64, 0-based gallery position), item_id (string), embedding
                                    (fixed_size_list<float32>[D]), model_version (string), payload_uri (string,
                                    nullable), label (int64, nullable)
+    ROOT/ann/<sha256>.faiss        the approximate search structure of an index built with --kind ivf / hnsw /
+                                   ivfpq (``faiss.serialize_index`` bytes), described by the manifest's "search"
+                                   entry: kind, build parameters, search effort, the measured recall and its sample
 
 Every blob is named by the sha256 of its bytes and verified on read (an ``IntegrityError`` names the file, the
 expected and the actual hash); manifests are stored by the one manifest codec (:mod:`compat_core.codec`). A position
@@ -28,13 +31,14 @@ import pyarrow.parquet as pq
 from compat_core import io as cio
 from compat_core.codec import decode_manifest, encode_manifest
 from compat_core.integrity import IntegrityError
+from compat_core.retrieval.ann import AnnIndex
 from pipelines.store.run_store import sha256_bytes
 
 FORMAT = "compat-gallery-index/1"
 HEAD = "HEAD"
 
 __all__ = ["GalleryIndex", "shard_table", "write_shard", "commit_manifest", "read_head", "read_manifest",
-           "load_index", "new_manifest", "FORMAT"]
+           "load_index", "new_manifest", "write_ann", "search_entry", "FORMAT"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,11 @@ class GalleryIndex:
     versions: np.ndarray          # (N,) str: the model version that embedded each item
     payload_uris: np.ndarray      # (N,) object (str or None)
     labels: np.ndarray | None     # (N,) int64 or None
+    ann: AnnIndex | None = None   # the approximate structure over the rows of manifest["search"]["model_version"]
+
+    @property
+    def search_kind(self) -> str:
+        return str(search_entry(self.manifest)["kind"])
 
     @property
     def size(self) -> int:
@@ -90,6 +99,34 @@ def write_shard(root: str, table: pa.Table) -> dict:
         cio.write_bytes(target, data)
     versions = sorted(set(table.column("model_version").to_pylist()))
     return {"file": name, "sha256": digest, "rows": table.num_rows, "model_versions": versions}
+
+
+def write_ann(root: str, data: bytes) -> dict:
+    """Write an approximate structure's bytes (content-addressed); returns its file entry."""
+    digest = sha256_bytes(data)
+    name = f"ann/{digest}.faiss"
+    target = cio.join(root, name)
+    if not cio.exists(target):
+        cio.write_bytes(target, data)
+    return {"file": name, "sha256": digest, "bytes": len(data)}
+
+
+def search_entry(manifest: dict) -> dict:
+    """The manifest's "search" entry ({"kind": "flat"} for an exact-only index)."""
+    return manifest.get("search") or {"kind": "flat"}
+
+
+def _load_ann(root: str, manifest: dict, dim: int) -> AnnIndex | None:
+    entry = search_entry(manifest)
+    if entry["kind"] == "flat":
+        return None
+    uri = cio.join(root, entry["file"])
+    ann = AnnIndex.from_bytes(_verified(uri, entry["sha256"]), entry["kind"], entry["params"], entry["effort"], uri)
+    if ann.dim != dim or ann.size != int(entry["rows"]):
+        raise IntegrityError(f"{uri}: {ann.size} x {ann.dim} rows, the manifest says {entry['rows']} x {dim}",
+                             uri=uri, field="ann rows", expected=[int(entry["rows"]), dim],
+                             actual=[ann.size, ann.dim])
+    return ann
 
 
 def new_manifest(dim: int, count: int, model: dict, shards: list[dict], image: dict | None = None,
@@ -178,4 +215,4 @@ def load_index(root: str, digest: str | None = None) -> GalleryIndex:
         raise IntegrityError(f"{root}: manifest {digest[:12]} leaves {int((~seen).sum())} of {count} gallery "
                              f"positions without a row (e.g. {int(np.flatnonzero(~seen)[0])})")
     return GalleryIndex(digest, manifest, item_ids.astype(str), embeddings, versions.astype(str), payloads,
-                        labels if has_label.all() else None)
+                        labels if has_label.all() else None, _load_ann(root, manifest, dim))

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from cluster.serving.index_store import GalleryIndex
+from cluster.serving.index_store import GalleryIndex, search_entry
+from compat_core.retrieval.ann import KINDS
 from compat_core.retrieval.mixed_gallery import VersionGroup, build_groups
 from compat_core.upgrades.adapters import GALLERY_ADAPTERS
 from pipelines.config.model_uri import ModelUri
@@ -54,11 +55,28 @@ def build_state(ref: ModelUri, model: Any, index: GalleryIndex, adapter: tuple[s
             else:
                 query_maps[old_version] = lambda rows, f=fitted: f.apply(rows).float()
             applied = (kind, old_version)
-    groups = build_groups(index.embeddings, index.versions, precision, query_maps, gallery_maps)
+    groups = build_groups(index.embeddings, index.versions, precision, query_maps, gallery_maps, index.ann,
+                          search_entry(index.manifest).get("model_version"))
     image = index.manifest.get("image") or {}
     shape = tuple(int(x) for x in image["shape"]) if image.get("shape") else None
     return ServingState(ref, model, index, groups, applied, shape, tuple(image.get("mean") or ()) or None,
                         tuple(image.get("std") or ()) or None)
+
+
+def check_servable(manifest: dict, root: str, model_uri: str, feature_dim: int | None) -> None:
+    """Refuse (ValueError naming both) a model whose features the index (its ``manifest``) cannot take: another
+    width than the index's rows, or an index whose search structure is of a kind or metric this service does not
+    search."""
+    entry = search_entry(manifest)
+    dim = int(manifest["dim"])
+    kind = entry.get("kind")
+    if kind not in KINDS or (kind != "flat" and entry.get("metric") != "cosine"):
+        raise ValueError(f"index at {root}: search kind {kind!r} with metric {entry.get('metric')!r} cannot serve "
+                         f"model {model_uri}: this service searches {', '.join(KINDS)} over cosine similarity")
+    if feature_dim is not None and int(feature_dim) != dim:
+        raise ValueError(f"model {model_uri} makes {int(feature_dim)}-d features, the index at {root} holds "
+                         f"{dim}-d embeddings ({kind} search); serve a model of width {dim} or build an index "
+                         f"with this one (compat index build)")
 
 
 class ReplicaMetrics:
@@ -134,13 +152,24 @@ class ReplicaMetrics:
         return "\n".join(lines) + "\n"
 
 
+def search_summary(state: ServingState) -> dict:
+    """The index's search kind, its effort and measured recall, and the version groups it answers (the rest are
+    searched exactly)."""
+    entry = search_entry(state.index.manifest)
+    summary = {"kind": entry["kind"], "approximate_groups": [g.version for g in state.groups if g.ann is not None]}
+    if entry["kind"] != "flat":
+        summary.update({key: entry.get(key) for key in ("params", "effort", "candidates", "recall", "recall_target",
+                                                         "sample", "model_version")})
+    return summary
+
+
 def state_summary(state: ServingState) -> dict:
     versions, counts = np.unique(state.index.versions, return_counts=True)
     return {"model": state.ref.name, "model_version": state.ref.version, "index_manifest": state.index.manifest_sha,
             "items": state.index.size, "dim": state.index.dim,
             "items_by_version": {str(v): int(c) for v, c in zip(versions, counts)},
             "adapter": {"kind": state.adapter[0], "old_version": state.adapter[1]} if state.adapter else None,
-            "loaded_unix": state.loaded_unix}
+            "search": search_summary(state), "loaded_unix": state.loaded_unix}
 
 
 def as_query_tensor(rows) -> torch.Tensor:

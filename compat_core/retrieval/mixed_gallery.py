@@ -3,7 +3,9 @@
 The gallery is split into version groups; each group is searched with the query embedding that belongs to it (the
 serving model's embedding for its own and compatible groups, that embedding passed through a query adapter for an
 older group that is not compatible) by the exact kernel (``compat_core.retrieval.search``), and the per-group top-k lists
-are merged by (score descending, gallery position ascending). That merge is exact: every item of the global top-k
+are merged by (score descending, gallery position ascending). A group may carry an approximate structure over its
+rows (``compat_core.retrieval.ann``): its top-k is then the structure's candidates re-ranked exactly, equal to the
+exact top-k whenever the candidates hold it. That merge is exact: every item of the global top-k
 is in its group's top-k, and inside a group the kernel breaks exact ties by the lowest row, which is the lowest
 gallery position because a group's rows keep the gallery order.
 """
@@ -15,6 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from compat_core.retrieval.ann import AnnIndex, ann_search
 from compat_core.retrieval.search import PreparedGallery, search_prepared
 
 __all__ = ["VersionGroup", "build_groups", "search_groups", "unit_rows"]
@@ -30,21 +33,26 @@ def unit_rows(features) -> torch.Tensor:
 class VersionGroup:
     """The gallery items of one model version. positions: (n,) int64 ascending gallery positions; prepared: their
     unit embeddings ready for the kernel; query_map: embedding of the serving model -> this group's query space
-    (None: as is)."""
+    (None: as is); ann: an approximate structure over exactly these rows (None: exact search)."""
 
     version: str
     positions: np.ndarray
     prepared: PreparedGallery
     query_map: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ann: AnnIndex | None = None
 
 
 def build_groups(embeddings: np.ndarray, versions: np.ndarray, precision: str = "auto",
                  query_maps: dict[str, Callable] | None = None,
-                 gallery_maps: dict[str, Callable] | None = None) -> tuple[VersionGroup, ...]:
+                 gallery_maps: dict[str, Callable] | None = None, ann: AnnIndex | None = None,
+                 ann_version: str | None = None) -> tuple[VersionGroup, ...]:
     """Version groups of a gallery (embeddings (N, D) in gallery order, versions (N,) strings), prepared once.
 
     gallery_maps: version -> transformation of that group's stored embeddings into the serving model's space (a
     gallery adapter such as FCT); query_maps: version -> query adapter (new -> that version's space).
+    ann: a structure built over the first ``ann.size`` gallery rows as embedded by ``ann_version``; the group of
+    that version searches with it while it still holds all of those rows as stored (no gallery adapter, no row
+    re-embedded by another version), else exactly.
     """
     embeddings = np.asarray(embeddings, dtype=np.float32)
     versions = np.asarray(versions).astype(str)
@@ -56,8 +64,11 @@ def build_groups(embeddings: np.ndarray, versions: np.ndarray, precision: str = 
         rows = torch.from_numpy(embeddings[positions])
         if gallery_maps and version in gallery_maps:
             rows = gallery_maps[version](rows)
+        mapped = bool(gallery_maps and version in gallery_maps)
+        whole = (ann is not None and version == ann_version and not mapped and positions.shape[0] == ann.size
+                 and embeddings.shape[0] == ann.size)
         groups.append(VersionGroup(version, positions, PreparedGallery(unit_rows(rows), precision),
-                                   (query_maps or {}).get(version)))
+                                   (query_maps or {}).get(version), ann if whole else None))
     return tuple(groups)
 
 
@@ -77,7 +88,10 @@ def search_groups(query: torch.Tensor, groups: tuple[VersionGroup, ...], k: int)
     for number, group in enumerate(groups):
         q = query if group.query_map is None else unit_rows(group.query_map(query))
         take = min(k, group.positions.shape[0])
-        index, score = search_prepared(q, group.prepared, take)
+        if group.ann is not None:
+            index, score = ann_search(q, group.prepared, group.ann, take)
+        else:
+            index, score = search_prepared(q, group.prepared, take)
         parts_pos.append(group.positions[index.cpu().numpy()])
         parts_score.append(score.cpu().numpy())
         parts_group.append(np.full(index.shape, number, dtype=np.int64))

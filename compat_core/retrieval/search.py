@@ -94,12 +94,15 @@ in ``compat_core.retrieval.candidates``; this module holds the public entry poin
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
 from compat_core.hardware.torch_settings import ieee_fp32 as _ieee_fp32
+from compat_core.hardware.torch_settings import one_thread
 from compat_core.retrieval import pruned as retrieval_pruned
-from compat_core.retrieval.kernel import _default_chunk, _Queries, _search
+from compat_core.retrieval.kernel import _PARALLEL_PAIRS, _default_chunk, _finish_exact, _Queries, _Result, _search
 from compat_core.retrieval.space import _direct_space, _half_dtype_for, _inverse_norms, _with_stage
 
 __all__ = [
@@ -111,6 +114,7 @@ __all__ = [
     "PRECISIONS",
     "PreparedGallery",
     "search_prepared",
+    "search_candidates",
 ]
 
 PRECISIONS = ("auto", "int8", "half", "bf16", "fp16", "fp32", "fp64")
@@ -245,6 +249,43 @@ def search_prepared(query, prepared: PreparedGallery, k: int = 1, chunk_size: in
     with torch.inference_mode(), _ieee_fp32():
         queries = _Queries("query", query, raw=True)
         result = _search(space, queries, k, prepared.precision, chunk_size, return_scores, rebuild=prepared._rebuild)
+    return result.index, result.score
+
+
+def search_candidates(query, prepared: PreparedGallery, candidates, k: int = 1):
+    """Exact top-k of each query row among its own candidate gallery rows (an approximate stage's output).
+
+    candidates (Nq, C) int64 gallery rows, -1 for none; every row needs at least k distinct valid candidates
+    (ValueError otherwise). Scores are the fp64 reference scores of :func:`search_prepared`, bit for bit, ordered
+    by (score descending, gallery index ascending), so a candidate set holding the exact top-k gives exactly
+    :func:`search_prepared`'s answer. Returns (indices (Nq, k) int64, fp64 cosine scores (Nq, k))."""
+    if not isinstance(prepared, PreparedGallery):
+        raise TypeError(f"prepared: expected a PreparedGallery, got {type(prepared).__name__}")
+    query = _as_matrix("query", query, prepared.gallery.device)
+    _check_same_dim(query, prepared.gallery)
+    cand = torch.as_tensor(np.asarray(candidates), dtype=torch.long, device=query.device)
+    if cand.ndim != 2 or cand.shape[0] != query.shape[0]:
+        raise ValueError(f"candidates: expected shape ({query.shape[0]}, C), got {tuple(cand.shape)}")
+    if bool((cand >= prepared.size).any()) or bool((cand < -1).any()):
+        raise ValueError(f"candidates: expected gallery rows in 0..{prepared.size - 1} or -1")
+    # ascending rows with duplicates and padding (-1) moved to the end: the fp64 stage's stable sort then breaks
+    # exact ties by the lowest gallery row
+    cand = torch.where(cand < 0, prepared.size, cand).sort(dim=1).values
+    repeated = torch.zeros_like(cand, dtype=torch.bool)
+    repeated[:, 1:] = cand[:, 1:] == cand[:, :-1]
+    cand = torch.where(repeated | (cand >= prepared.size), -1, cand)
+    cand = torch.where(cand < 0, prepared.size, cand).sort(dim=1).values
+    cand = torch.where(cand >= prepared.size, -1, cand)
+    short = (cand >= 0).sum(dim=1) < k
+    if bool(short.any()):
+        raise ValueError(f"candidates: query row {int(torch.nonzero(short)[0, 0])} has fewer than k = {k} "
+                         "distinct gallery rows")
+    # few pairs: one thread (the kernel's re-scoring rule), as thread hand-offs cost more than the products
+    small = query.device.type == "cpu" and cand.numel() < _PARALLEL_PAIRS
+    with torch.inference_mode(), _ieee_fp32(), one_thread() if small else contextlib.nullcontext():
+        queries = _Queries("query", query, raw=True)
+        result = _Result(queries.count, k, query.device, True)
+        _finish_exact(prepared._space, queries, cand, torch.arange(queries.count, device=query.device), k, result)
     return result.index, result.score
 
 

@@ -17,8 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
 
 
-def register_random_model(client, name: str, seed: int, folder: Path, rotation_seed: int | None = None) -> str:
-    """A randomly initialised cnn4 (width 4, 9-d features) registered as a new version of ``name``; its version.
+def register_random_model(client, name: str, seed: int, folder: Path, rotation_seed: int | None = None,
+                          num_slots: int = 10) -> str:
+    """A randomly initialised cnn4 (width 4, num_slots - 1 = 9-d features) registered as a new version of ``name``;
+    its version.
     rotation_seed: the junction is left-multiplied by a random orthogonal matrix, so the features are exactly those
     of ``seed``'s model rotated (an old-model-compatible space only through that rotation)."""
     import torch
@@ -29,14 +31,14 @@ def register_random_model(client, name: str, seed: int, folder: Path, rotation_s
     from pipelines.store.run_store import sha256_bytes
 
     torch.manual_seed(seed)
-    model = create_model("cnn4", num_slots=10, backbone_config={"in_chans": 1, "width": 4}).eval()
+    model = create_model("cnn4", num_slots=num_slots, backbone_config={"in_chans": 1, "width": 4}).eval()
     if rotation_seed is not None:
         rng = np.random.default_rng(rotation_seed)
         rotation = torch.from_numpy(np.linalg.qr(rng.standard_normal((9, 9)))[0]).float()
         with torch.no_grad():
             model.junction.weight.copy_(rotation @ model.junction.weight)
     blobs = model_to_bytes(model)
-    target = write_model_folder(folder / f"model-{seed}-{rotation_seed}", blobs["config.json"], blobs["model.safetensors"])
+    target = write_model_folder(folder / f"model-{seed}-{rotation_seed}-{num_slots}", blobs["config.json"], blobs["model.safetensors"])
     run = client.create_run(ensure_experiment(client, "serve-test-models"))
     client.log_artifacts(run.info.run_id, str(target), "model")
     client.set_terminated(run.info.run_id)

@@ -65,3 +65,43 @@ def test_index_on_s3(s3_bucket, fresh_object_storage):
     index = load_index(root)
     assert index.manifest_sha == head
     np.testing.assert_array_equal(index.embeddings, embeddings)
+
+
+def test_ann_structure_beside_the_shards_is_digest_checked(tmp_path):
+    """An index built with an approximate structure: the "search" entry records kind, parameters, the measured
+    recall on the held-out sample and its seed; the structure loads with the index and a changed byte is refused."""
+    from cluster.serving.index_build import AnnSettings, build_search_entry
+    from compat_core.retrieval.ann import ann_search
+    from compat_core.retrieval.search import PreparedGallery
+
+    rng = np.random.default_rng(3)
+    centres = rng.standard_normal((20, 16))
+    gallery = (centres[rng.integers(0, 20, 2000)] + 0.3 * rng.standard_normal((2000, 16))).astype(np.float32)
+    queries = (centres[rng.integers(0, 20, 300)] + 0.3 * rng.standard_normal((300, 16))).astype(np.float32)
+    root = str(tmp_path / "index")
+    shards = [write_shard(root, shard_table(np.arange(2000), [str(i) for i in range(2000)], gallery, "4"))]
+    search = build_search_entry(root, gallery, queries, AnnSettings("ivf", 0.99, 200, 7), "4", log=lambda _: None)
+    assert search["kind"] == "ivf" and search["recall"] >= 0.99 and search["sample"] == {"pool": "query",
+                                                                                            "size": 200, "seed": 7}
+    assert search["rows"] == 2000 and search["model_version"] == "4" and search["file"].startswith("ann/")
+    commit_manifest(root, new_manifest(16, 2000, {"name": "m", "version": "4"}, shards, search=search))
+    index = load_index(root)
+    assert index.search_kind == "ivf" and index.ann.effort == search["effort"]
+    # the stored effort reproduces the recall measured at build time on the same seeded sample
+    rows = np.sort(np.random.default_rng(7).choice(300, 200, replace=False))
+    prepared = PreparedGallery(gallery / np.linalg.norm(gallery, axis=1, keepdims=True))
+    q = queries[rows].astype(np.float64)
+    exact = np.argmax((gallery / np.linalg.norm(gallery, axis=1, keepdims=True)).astype(np.float64)
+                      @ (q / np.linalg.norm(q, axis=1, keepdims=True)).T, axis=0)
+    top1, _ = ann_search(queries[rows], prepared, index.ann, 1)
+    assert float(np.mean(top1[:, 0].numpy() == exact)) == search["recall"]
+    victim = tmp_path / "index" / search["file"]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=search["sha256"]):
+        load_index(root)
+    with pytest.raises(ValueError, match="--kind 'annoy': expected one of flat, ivf, hnsw, ivfpq"):
+        AnnSettings("annoy")
+    with pytest.raises(ValueError, match=r"--recall 0: expected a fraction of exact Recall@1 in \(0, 1\]"):
+        AnnSettings("ivf", 0)

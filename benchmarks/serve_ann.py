@@ -1,0 +1,200 @@
+"""Approximate gallery search benchmark (a script, not a test): ``python benchmarks/serve_ann.py [--rows N]``.
+
+One run on one synthetic gallery (fp16 storage; ``--data clustered``: benchmarks/retrieval.py's ``clustered`` rows,
+``--classes`` centres plus noise; ``--data junction``: its rows shaped like trained junction features), measuring for
+each method: build seconds, bytes it holds in memory (and their ratio to the raw fp16 rows), queries per second
+(batches of ``--batch`` queries per call, as a replica batches concurrent requests; median of ``--repeats``
+interleaved passes) and Recall@1 of exact (the fraction of queries whose top-1 row equals the exact kernel's):
+
+- flat: the exact kernel (``search_prepared`` on a ``PreparedGallery``), the baseline of every ratio;
+- faiss alone: IVF (fp16 rows) and HNSW, each at the smallest search effort whose own top-1 reaches ``--recall``
+  of exact on a held-out tuning sample (the same rule as the product's);
+- product: the same structures as candidates (``compat_core.retrieval.ann``), re-ranked exactly, effort chosen by
+  ``tune_ann`` on the same tuning sample; plus IVF-PQ (the compressed option).
+
+Tuning and measured queries are disjoint samples of the query distribution. Prints the CPU model, threads, the
+load average (the machine may be shared), and the table with ratios to the exact kernel and to faiss alone at the
+same recall target, all measured in this run. Writes benchmarks/results/serve_ann.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from retrieval import clustered, cpu_model, junction_clustered  # noqa: E402
+
+from compat_core.retrieval.ann import (  # noqa: E402
+    AnnIndex,
+    ann_search,
+    build_ann,
+    effort_ladder,
+    recall_of_exact,
+    tune_ann,
+)
+from compat_core.retrieval.search import PreparedGallery, search_prepared  # noqa: E402
+
+
+def gallery_and_queries(args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gallery fp16 (N, D), tuning queries fp32, measured queries fp32): unit rows, disjoint query samples."""
+    count = args.queries + args.tune
+    if args.data == "junction":
+        gallery, _ = junction_clustered(args.rows, args.dim, 512, 1)
+        queries, _ = junction_clustered(count, args.dim, 512, 0)
+    else:
+        queries, _, centres = clustered(count, args.dim, args.classes, args.noise, 0)
+        gallery, _, _ = clustered(args.rows, args.dim, args.classes, args.noise, 1, centres)
+    gallery = torch.nn.functional.normalize(gallery.float(), dim=1).half()
+    queries = torch.nn.functional.normalize(queries.float(), dim=1)
+    return gallery, queries[:args.tune].contiguous(), queries[args.tune:].contiguous()
+
+
+def prepared_bytes(prepared: PreparedGallery) -> int:
+    """Bytes of the tensors the exact kernel's prepared gallery holds (each storage counted once)."""
+    space = prepared._space
+    tensors = [prepared.gallery, space.stage32, space.half_t]
+    if space.projection is not None:
+        tensors += [space.projection.basis, space.projection.coords]
+    seen, total = set(), 0
+    for tensor in tensors:
+        if tensor is not None and tensor.untyped_storage().data_ptr() not in seen:
+            seen.add(tensor.untyped_storage().data_ptr())
+            total += tensor.untyped_storage().nbytes()
+    return total
+
+
+def throughput(search, queries: torch.Tensor, batch: int) -> tuple[float, np.ndarray]:
+    """(queries per second, top-1 rows) of ``search(batch_rows) -> top-1 rows`` over all queries in batches."""
+    started = time.perf_counter()
+    top1 = [np.asarray(search(queries[i:i + batch])) for i in range(0, queries.shape[0], batch)]
+    return queries.shape[0] / (time.perf_counter() - started), np.concatenate(top1)
+
+
+def faiss_top1(ann):
+    return lambda rows: ann.index.search(rows.numpy(), 1)[1][:, 0]
+
+
+def tune_faiss_alone(ann, sample: torch.Tensor, exact: np.ndarray, recall: float) -> tuple[dict, float]:
+    """The smallest effort of ``ann``'s ladder at which faiss' own top-1 reaches ``recall`` of exact on the tuning
+    sample (else the largest); (effort, recall there)."""
+    reached = 0.0
+    for effort in effort_ladder(ann):
+        ann.set_effort(effort)
+        reached = recall_of_exact(faiss_top1(ann)(sample), exact)
+        if reached >= recall:
+            break
+    return dict(ann.effort), reached
+
+
+def build_methods(args, gallery, tune_q) -> tuple[dict, PreparedGallery]:
+    """Every method's search function, build seconds, bytes and tuned effort."""
+    started = time.perf_counter()
+    prepared = PreparedGallery(gallery.float(), "auto")
+    flat_seconds = time.perf_counter() - started
+    flat_bytes = prepared_bytes(prepared)
+    exact_tune = search_prepared(tune_q, prepared, 1, return_scores=False)[0][:, 0].numpy()
+    methods = {"flat (exact kernel)": {"build_s": flat_seconds, "bytes": flat_bytes, "effort": {},
+                                       "search": lambda rows: search_prepared(rows, prepared, 1, return_scores=False)
+                                       [0][:, 0].numpy()}}
+    for kind in args.kinds:
+        started = time.perf_counter()
+        ann = build_ann(gallery.float(), kind, seed=0)
+        seconds = time.perf_counter() - started
+        size = ann.bytes_in_memory()
+        print(f"  built {kind} {ann.params} in {seconds:.1f} s ({size / 2 ** 20:.1f} MiB)", flush=True)
+        if kind != "ivfpq":
+            effort, reached = tune_faiss_alone(ann, tune_q, exact_tune, args.recall)
+            alone = AnnIndex.from_bytes(ann.to_bytes(), kind, ann.params, effort)
+            methods[f"faiss {kind} alone"] = {"build_s": seconds, "bytes": size, "effort": effort,
+                                              "tune_recall": reached, "search": faiss_top1(alone), "kind": kind}
+        measured = tune_ann(ann, prepared, tune_q, args.recall)
+        methods[f"{kind} + exact re-rank"] = {
+            "build_s": seconds + flat_seconds, "bytes": size + flat_bytes, "effort": dict(ann.effort),
+            "tune_recall": measured["recall"], "kind": kind,
+            "search": lambda rows, a=ann: ann_search(rows, prepared, a, 1)[0][:, 0].numpy()}
+        print(f"  tuned {kind}: product {ann.effort} ({measured['recall']:.4f}); faiss alone "
+              f"{methods.get(f'faiss {kind} alone', {}).get('effort')}", flush=True)
+    return methods, prepared
+
+
+def measure(args, methods: dict, queries: torch.Tensor) -> None:
+    """QPS (median of interleaved repeats) and Recall@1 of exact of every method, into ``methods``."""
+    exact = None
+    for _ in range(args.repeats):
+        for name, method in methods.items():
+            qps, top1 = throughput(method["search"], queries, args.batch)
+            method.setdefault("qps_runs", []).append(qps)
+            if name.startswith("flat"):
+                exact = top1
+            method["top1"] = top1
+    for method in methods.values():
+        method["qps"] = statistics.median(method["qps_runs"])
+        method["recall"] = recall_of_exact(method.pop("top1"), exact)
+
+
+def table(args, methods: dict) -> list[dict]:
+    raw = args.rows * args.dim * 2
+    exact_qps = methods["flat (exact kernel)"]["qps"]
+    rows = []
+    print(f"\n{'method':28} {'build s':>8} {'MiB':>9} {'x fp16':>7} {'q/s':>9} {'x exact':>8} {'x faiss':>8} "
+          f"{'R@1 of exact':>13}  effort")
+    for name, m in methods.items():
+        alone = methods.get(f"faiss {m.get('kind')} alone")
+        versus = m["qps"] / alone["qps"] if alone and "re-rank" in name else None
+        row = {"method": name, "build_s": m["build_s"], "bytes": m["bytes"], "bytes_vs_fp16": m["bytes"] / raw,
+               "qps": m["qps"], "qps_vs_exact": m["qps"] / exact_qps, "qps_vs_faiss": versus,
+               "recall_of_exact": m["recall"], "effort": m["effort"], "tune_recall": m.get("tune_recall")}
+        rows.append(row)
+        print(f"{name:28} {m['build_s']:8.1f} {m['bytes'] / 2 ** 20:9.1f} {m['bytes'] / raw:7.2f} {m['qps']:9.0f} "
+              f"{row['qps_vs_exact']:8.2f} {'' if versus is None else f'{versus:8.2f}':>8} {m['recall']:13.4f}  "
+              f"{m['effort']}")
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--data", choices=("clustered", "junction"), default="clustered")
+    parser.add_argument("--classes", type=int, default=1000, help="cluster centres (--data clustered)")
+    parser.add_argument("--noise", type=float, default=1.0, help="noise norm around a unit centre (clustered)")
+    parser.add_argument("--queries", type=int, default=2000, help="measured queries")
+    parser.add_argument("--tune", type=int, default=1000, help="held-out tuning queries")
+    parser.add_argument("--recall", type=float, default=0.99)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kinds", default="ivf,hnsw,ivfpq")
+    args = parser.parse_args(argv)
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    import faiss
+
+    torch.set_num_threads(args.threads)
+    faiss.omp_set_num_threads(args.threads)
+    print(f"CPU {cpu_model()}, {args.threads} threads, load {os.getloadavg()[0]:.1f}; {args.rows} x {args.dim} "
+          f"{args.data} fp16 gallery, {args.queries} measured + {args.tune} tuning queries, batches of {args.batch}, "
+          f"Recall@1 target {args.recall} of exact", flush=True)
+    gallery, tune_q, queries = gallery_and_queries(args)
+    methods, _ = build_methods(args, gallery, tune_q)
+    measure(args, methods, queries)
+    rows = table(args, methods)
+    print(f"load after: {os.getloadavg()[0]:.1f}")
+    out = pathlib.Path(__file__).resolve().parent / "results" / "serve_ann.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"cpu": cpu_model(), "args": vars(args), "date": time.strftime("%Y-%m-%d"),
+                               "rows": rows}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

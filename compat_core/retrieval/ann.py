@@ -1,0 +1,252 @@
+"""Approximate candidate stage over a gallery (faiss), its exact re-ranking, and the choice of its search effort.
+
+An ``AnnIndex`` holds a faiss structure over the gallery's L2-normalised fp32 rows (inner product = cosine):
+``ivf`` (IVF-Flat with the rows stored in fp16, as the gallery's fp16 storage: faiss' ``IndexIVFScalarQuantizer``
+QT_fp16), ``hnsw`` (HNSW-Flat) or ``ivfpq`` (IVF with product-quantised codes, the compressed option).
+A search asks it for ``candidate_count(k)`` rows per query and re-ranks them with the exact kernel's fp64 scores
+(``compat_core.retrieval.search.search_candidates``): the answer is the exact top-k whenever the candidates hold
+it, with exact ties broken by the lowest gallery row as the exact search does. ``flat`` is the exact kernel alone
+(no structure).
+
+The search effort (``nprobe`` for the IVF kinds, ``efSearch`` for HNSW) is chosen by measurement
+(:func:`tune_ann`): the smallest effort of a doubling ladder whose answers' top-1 equals the exact top-1 on at
+least ``recall`` of a held-out query sample ("Recall@1 of exact"). The structure's build parameters follow fixed
+rules recorded with it (``nlist`` = 2 sqrt(N) lists trained on at most 40 rows per list, HNSW degree M = 32,
+PQ with 8-bit codes over D/4 sub-vectors where D allows: 1/8 of the fp16 rows' bytes).
+
+faiss is imported inside the functions that use it (a heavy optional dependency); the index travels as
+``faiss.serialize_index`` bytes, never pickled.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from compat_core.retrieval.search import PreparedGallery, search_candidates, search_prepared
+
+__all__ = ["KINDS", "AnnIndex", "build_ann", "tune_ann", "ann_search", "candidate_count", "candidate_rule",
+           "default_params", "effort_ladder", "recall_of_exact",
+           "set_faiss_threads"]
+
+KINDS = ("flat", "ivf", "hnsw", "ivfpq")
+_MIN_CANDIDATES = 32
+_CANDIDATES_PER_K = 4
+_TRAIN_ROWS_PER_LIST = 40    # faiss k-means asks for at least 39 training rows per centroid
+_PQ_CANDIDATE_FACTOR = 4
+_HNSW_M = 32
+_HNSW_EF_CONSTRUCTION = 64
+_EF_LADDER = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def candidate_rule(kind: str) -> dict:
+    """How many rows the approximate stage returns per query: {"per_k": a, "min": b} means max(a k, b). Four
+    candidates per result, at least 32; four times that for the compressed ``ivfpq`` (its codes rank coarsely)."""
+    factor = _PQ_CANDIDATE_FACTOR if kind == "ivfpq" else 1
+    return {"per_k": factor * _CANDIDATES_PER_K, "min": factor * _MIN_CANDIDATES}
+
+
+def candidate_count(k: int, size: int, kind: str = "ivf") -> int:
+    """Rows the approximate stage returns per query for a top-k (:func:`candidate_rule`), at most ``size``."""
+    rule = candidate_rule(kind)
+    return int(min(size, max(rule["per_k"] * k, rule["min"])))
+
+
+def _faiss():
+    import faiss
+
+    return faiss
+
+
+def set_faiss_threads(count: int) -> None:
+    """faiss' OpenMP thread count for this process (searches of every structure)."""
+    _faiss().omp_set_num_threads(int(count))
+
+
+def _unit32(rows, name: str = "gallery") -> np.ndarray:
+    array = rows.detach().cpu().float().numpy() if torch.is_tensor(rows) else np.asarray(rows, dtype=np.float32)
+    if array.ndim != 2 or array.shape[0] == 0 or array.shape[1] == 0:
+        raise ValueError(f"{name}: expected a non-empty (rows, dim) array, got shape {array.shape}")
+    norms = np.linalg.norm(array.astype(np.float64), axis=1)
+    if not np.all(np.isfinite(norms) & (norms > 0)):
+        row = int(np.flatnonzero(~(np.isfinite(norms) & (norms > 0)))[0])
+        raise ValueError(f"{name}: row {row} has zero or non-finite norm; cosine similarity is undefined")
+    return np.ascontiguousarray((array / norms[:, None]).astype(np.float32))
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind: expected one of {KINDS}, got {kind!r}")
+
+
+def default_params(kind: str, size: int, dim: int) -> dict:
+    """The structure's build parameters for ``size`` rows of width ``dim`` (the rules in the module docstring)."""
+    _check_kind(kind)
+    if kind == "hnsw":
+        return {"M": _HNSW_M, "efConstruction": _HNSW_EF_CONSTRUCTION}
+    if kind == "flat":
+        return {}
+    # faiss k-means wants ~39 training rows per list: fewer lists on small galleries, one at the least
+    params = {"nlist": int(max(1, min(round(2 * math.sqrt(size)), size // 39)))}
+    if kind == "ivfpq":
+        divisors = [m for m in range(1, dim + 1) if dim % m == 0 and m <= max(1, dim // 4)]
+        params["pq_m"] = divisors[-1]
+        params["pq_bits"] = int(max(1, min(8, math.floor(math.log2(max(2, size // 39))))))
+    return params
+
+
+@dataclass
+class AnnIndex:
+    """A faiss structure over a gallery's unit rows. kind: one of ``KINDS`` but "flat"; params: build parameters;
+    effort: the search effort in use ({"nprobe": n} or {"efSearch": n})."""
+
+    kind: str
+    params: dict
+    index: object
+    effort: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return int(self.index.ntotal)
+
+    @property
+    def dim(self) -> int:
+        return int(self.index.d)
+
+    def set_effort(self, effort: dict) -> None:
+        """Use search effort ``effort`` ({"nprobe": n} for ivf / ivfpq, {"efSearch": n} for hnsw)."""
+        key = "efSearch" if self.kind == "hnsw" else "nprobe"
+        if set(effort) != {key} or int(effort[key]) < 1:
+            raise ValueError(f"effort: a {self.kind} index takes {{'{key}': positive int}}, got {effort!r}")
+        if self.kind == "hnsw":
+            self.index.hnsw.efSearch = int(effort[key])
+        else:
+            _faiss().extract_index_ivf(self.index).nprobe = int(effort[key])
+        self.effort = {key: int(effort[key])}
+
+    def candidates(self, query, count: int) -> np.ndarray:
+        """(Nq, count) int64 gallery rows of the structure's best ``count`` per query (-1 where it found fewer)."""
+        _, rows = self.index.search(_unit32(query, "query"), int(count))
+        return rows.astype(np.int64, copy=False)
+
+    def to_bytes(self) -> bytes:
+        """The structure as ``faiss.serialize_index`` bytes."""
+        return _faiss().serialize_index(self.index).tobytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, kind: str, params: dict, effort: dict, source: str = "ann index") -> "AnnIndex":
+        """The structure of :meth:`to_bytes`; ValueError naming ``source`` when the bytes are not a faiss index."""
+        _check_kind(kind)
+        faiss = _faiss()
+        try:
+            index = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
+        except RuntimeError as error:
+            raise ValueError(f"{source}: not a faiss index ({str(error).splitlines()[0][:200]})") from None
+        ann = cls(kind, dict(params), index)
+        ann.set_effort(effort)
+        return ann
+
+    def bytes_in_memory(self) -> int:
+        """Size of the serialized structure (what a process holds of it), bytes."""
+        return len(self.to_bytes())
+
+
+def build_ann(gallery, kind: str, params: dict | None = None, seed: int = 0) -> AnnIndex:
+    """Build a ``kind`` structure over the gallery's rows (L2-normalised here); params default to
+    :func:`default_params`. The IVF kinds train on a seeded sample of at most 40 rows per list."""
+    _check_kind(kind)
+    if kind == "flat":
+        raise ValueError("kind 'flat' is the exact kernel alone; it builds no approximate structure")
+    faiss = _faiss()
+    rows = _unit32(gallery)
+    size, dim = rows.shape
+    params = {**default_params(kind, size, dim), **(params or {})}
+    if kind == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, int(params["M"]), faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = int(params["efConstruction"])
+    else:
+        quantizer = faiss.IndexFlatIP(dim)
+        if kind == "ivf":
+            index = faiss.IndexIVFScalarQuantizer(quantizer, dim, int(params["nlist"]),
+                                                  faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+        else:
+            index = faiss.IndexIVFPQ(quantizer, dim, int(params["nlist"]), int(params["pq_m"]),
+                                     int(params["pq_bits"]), faiss.METRIC_INNER_PRODUCT)
+        index.cp.seed = int(seed)
+        train_rows = min(size, _TRAIN_ROWS_PER_LIST * max(int(params["nlist"]), 2 ** int(params.get("pq_bits", 0))))
+        sample = np.sort(np.random.default_rng(seed).choice(size, train_rows, replace=False))
+        index.train(rows[sample])
+        index.own_fields = True
+        quantizer.this.disown()
+    index.add(rows)
+    ann = AnnIndex(kind, params, index)
+    ann.set_effort({"efSearch": _EF_LADDER[0]} if kind == "hnsw" else {"nprobe": 1})
+    return ann
+
+
+def ann_search(query, prepared: PreparedGallery, ann: AnnIndex, k: int = 1):
+    """Top-k of each query row: ``ann``'s candidates re-ranked exactly (fp64 reference scores, ties by the lowest
+    gallery row); rows for which the structure found fewer than k rows are searched exactly over the whole gallery.
+    Returns (indices (Nq, k) int64 tensor, fp64 cosine scores (Nq, k) tensor)."""
+    if ann.size != prepared.size or ann.dim != prepared.dim:
+        raise ValueError(f"ann index of {ann.size} x {ann.dim} rows does not match the gallery's "
+                         f"{prepared.size} x {prepared.dim}")
+    if not 1 <= k <= prepared.size:
+        raise ValueError(f"k: expected 1 <= k <= gallery size ({prepared.size}), got {k}")
+    query = torch.as_tensor(np.asarray(query, dtype=np.float32)) if not torch.is_tensor(query) else query.float()
+    cand = ann.candidates(query, candidate_count(k, prepared.size, ann.kind))
+    short = (cand >= 0).sum(axis=1) < k
+    index = torch.empty((query.shape[0], k), dtype=torch.long)
+    score = torch.empty((query.shape[0], k), dtype=torch.float64)
+    if (~short).any():
+        rows = torch.from_numpy(np.flatnonzero(~short))
+        index[rows], score[rows] = search_candidates(query[rows], prepared, cand[~short], k)
+    if short.any():
+        rows = torch.from_numpy(np.flatnonzero(short))
+        index[rows], score[rows] = search_prepared(query[rows], prepared, k)
+    return index, score
+
+
+def recall_of_exact(approximate_top1, exact_top1) -> float:
+    """Fraction of queries whose approximate top-1 gallery row equals the exact top-1 row."""
+    a, e = np.asarray(approximate_top1).reshape(-1), np.asarray(exact_top1).reshape(-1)
+    if a.shape != e.shape or a.size == 0:
+        raise ValueError(f"top-1 rows: expected two equal non-empty shapes, got {a.shape} and {e.shape}")
+    return float(np.mean(a == e))
+
+
+def effort_ladder(ann: AnnIndex) -> list[dict]:
+    """The search efforts tried, smallest first: nprobe 1, 2, 4, ... nlist (IVF kinds), efSearch 16 ... 2048."""
+    if ann.kind == "hnsw":
+        return [{"efSearch": ef} for ef in _EF_LADDER]
+    nlist = int(ann.params["nlist"])
+    ladder = [2 ** i for i in range(int(math.log2(nlist)) + 1)]
+    return [{"nprobe": n} for n in ladder + ([nlist] if ladder[-1] != nlist else [])]
+
+
+def tune_ann(ann: AnnIndex, prepared: PreparedGallery, sample, recall: float) -> dict:
+    """Set ``ann``'s search effort to the smallest of its ladder whose re-ranked top-1 equals the exact top-1 on
+    at least ``recall`` of the query rows ``sample`` (held out: not gallery rows). Returns the measurement
+    ({"effort", "recall", "sample_size", "curve": [[effort value, recall], ...], "seconds"}); ValueError naming
+    the best recall reached when no effort reaches the target."""
+    if not 0.0 < float(recall) <= 1.0:
+        raise ValueError(f"recall: expected a fraction in (0, 1], got {recall!r}")
+    started = time.perf_counter()
+    queries = torch.from_numpy(_unit32(sample, "query sample"))
+    exact, _ = search_prepared(queries, prepared, 1, return_scores=False)
+    curve = []
+    for effort in effort_ladder(ann):
+        ann.set_effort(effort)
+        top1, _ = ann_search(queries, prepared, ann, 1)
+        reached = recall_of_exact(top1[:, 0].numpy(), exact[:, 0].numpy())
+        curve.append([next(iter(effort.values())), reached])
+        if reached >= recall:
+            return {"effort": dict(effort), "recall": reached, "sample_size": int(queries.shape[0]),
+                    "curve": curve, "seconds": time.perf_counter() - started}
+    best = max(value for _, value in curve)
+    raise ValueError(f"recall {recall}: the {ann.kind} index reached at most {best:.4f} of exact Recall@1 on "
+                     f"{queries.shape[0]} held-out queries (efforts {[e for e, _ in curve]}); lower --recall or use "
+                     f"--kind ivf / hnsw / flat")

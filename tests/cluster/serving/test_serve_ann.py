@@ -1,0 +1,150 @@
+"""`compat index build --kind hnsw` + `compat serve` over HTTP on 127.0.0.1 (real Serve, real MLflow registry, randomly
+initialised registered models): the approximate index answers as the exact search does, a newer model (through the
+adapter the gate installed) searches the old index unchanged, and a model of another width is refused before any
+replica starts."""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import serving_helpers as helpers
+import torch
+from local_services import free_port
+
+from app.cli import main
+
+pytestmark = pytest.mark.integration
+NAME = "serve-ann-test"
+
+
+@pytest.fixture(scope="module")
+def ann_service(mlflow_server, ray_local, tmp_path_factory):
+    """v1 (@champion, by the gate) and v2 = v1's network with a rotated junction; v1's gallery indexed twice
+    (flat and hnsw) and served by two Serve applications on one proxy."""
+    from mlflow import MlflowClient
+    from ray import serve
+
+    from cluster.serving.app import deployment, start
+
+    folder = tmp_path_factory.mktemp("serve-ann")
+    client = MlflowClient(mlflow_server.tracking_uri)
+    v1 = helpers.register_random_model(client, NAME, 0, folder)
+    v2 = helpers.register_random_model(client, NAME, 0, folder, rotation_seed=5)
+    config = helpers.write_config(folder)
+    tracking = ["--tracking-uri", mlflow_server.tracking_uri]
+    assert main(["gate", NAME, "--candidate", v1, "--config", str(config)] + tracking) == 0
+    roots = {kind: str(folder / f"index-{kind}") for kind in ("flat", "hnsw")}
+    for kind, root in roots.items():
+        assert main(["index", "build", root, "--config", str(config), "--model", f"models:/{NAME}@champion",
+                     "--kind", kind, "--recall", "0.99", "--sample", "30", "--seed", "3"] + tracking) == 0
+
+    def settings(kind):
+        return {"index": roots[kind], "model": f"models:/{NAME}@champion", "tracking_uri": mlflow_server.tracking_uri,
+                "poll_s": 0.3, "cache_dir": str(folder / "cache")}
+
+    url = start(settings("hnsw"), "127.0.0.1", free_port(), num_replicas=1, num_cpus=0)
+    serve.run(deployment(num_replicas=1, num_cpus=0).options(name="flat").bind(settings("flat")), name="flat",
+              route_prefix="/flat")
+    for base in (url, url + "/flat"):
+        deadline = time.monotonic() + 120
+        while (health := helpers.call(base, "/healthz"))[0] != 200:
+            assert time.monotonic() < deadline, f"{base} not loaded within 120 s: {health}"
+            time.sleep(0.2)
+    yield {"url": url, "flat": url + "/flat", "client": client, "versions": (v1, v2), "config": config,
+           "roots": roots, "folder": folder, "tracking": tracking, "tracking_uri": mlflow_server.tracking_uri}
+    serve.shutdown()
+
+
+def _features(ann_service, version: str, pool: str) -> np.ndarray:
+    from cluster.model_registry.versions import MlflowModelResolver
+    from cluster.serving.models import load_served_model
+    from pipelines.config.load import load_config
+    from pipelines.config.model_uri import ModelUri
+    from pipelines.stages.extraction import extract_pool_features
+    from pipelines.stages.pools import load_pool
+
+    config = load_config(str(ann_service["config"]))
+    spec = config.evaluation.query_set if pool == "query" else config.evaluation.gallery_set
+    resolver = MlflowModelResolver(ann_service["tracking_uri"], cache_dir=str(ann_service["folder"] / "cache"))
+    model = load_served_model(resolver, ModelUri(NAME, version))
+    return extract_pool_features(model, load_pool(spec), config, torch.device("cpu"))
+
+
+def _brute(query: np.ndarray, gallery: np.ndarray, k: int):
+    q = query.astype(np.float64) / np.linalg.norm(query.astype(np.float64))
+    g = gallery.astype(np.float64) / np.linalg.norm(gallery.astype(np.float64), axis=1, keepdims=True)
+    scores = g @ q
+    order = np.lexsort((np.arange(g.shape[0]), -scores))[:k]
+    return order, scores[order]
+
+
+def test_hnsw_index_answers_equal_the_exact_search(ann_service, capsys):
+    v1 = ann_service["versions"][0]
+    status, health = helpers.call(ann_service["url"], "/healthz")
+    assert status == 200 and health["model_version"] == v1
+    search = health["search"]
+    assert search["kind"] == "hnsw" and search["approximate_groups"] == [v1] and search["model_version"] == v1
+    assert search["recall"] >= search["recall_target"] == 0.99 and search["sample"] == {"pool": "query", "size": 30,
+                                                                                          "seed": 3}
+    assert helpers.call(ann_service["flat"], "/healthz")[1]["search"] == {"kind": "flat", "approximate_groups": []}
+    assert main(["index", "show", ann_service["roots"]["hnsw"]]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["search"]["kind"] == "hnsw" and shown["search"]["effort"] == search["effort"]
+    gallery, queries = _features(ann_service, v1, "gallery"), _features(ann_service, v1, "query")
+    for row in range(queries.shape[0]):
+        body = {"embedding": queries[row].tolist(), "k": 5}
+        status, answer = helpers.call(ann_service["url"], "/search", body)
+        assert status == 200, answer
+        order, scores = _brute(queries[row], gallery, 5)
+        assert [r["position"] for r in answer["results"]] == order.tolist()
+        np.testing.assert_allclose([r["score"] for r in answer["results"]], scores, rtol=0, atol=1e-6)
+        flat = helpers.call(ann_service["flat"], "/search", body)[1]
+        assert [r["score"] for r in answer["results"]] == [r["score"] for r in flat["results"]]
+
+
+def test_a_newer_model_searches_the_old_index_unchanged(ann_service):
+    """The gate promotes the rotated v2 with a procrustes adapter; both services switch to v2 + adapter, the hnsw
+    index (built by v1, same manifest) still answers v1's group approximately, and the answers equal the flat
+    service's and those before the upgrade."""
+    from pipelines.config.load import load_config
+    from pipelines.stages.pools import load_pool
+
+    v1, v2 = ann_service["versions"]
+    url, flat = ann_service["url"], ann_service["flat"]
+    config = load_config(str(ann_service["config"]))
+    images = [helpers.png_base64(image) for image in load_pool(config.evaluation.query_set).read(np.arange(12))]
+    manifest = helpers.call(url, "/healthz")[1]["index_manifest"]
+    before = [helpers.call(url, "/search", {"image": image, "k": 3})[1] for image in images]
+    assert main(["gate", NAME, "--candidate", v2, "--config", str(ann_service["config"]), "--adapter", "procrustes",
+                 "--non-strict"] + ann_service["tracking"]) == 0
+    for base in (url, flat):
+        deadline = time.monotonic() + 60
+        while helpers.call(base, "/healthz")[1]["model_version"] != v2:
+            assert time.monotonic() < deadline, f"{base} did not switch to {v2} within 60 s"
+            time.sleep(0.1)
+    health = helpers.call(url, "/healthz")[1]
+    assert health["adapter"] == {"kind": "procrustes", "old_version": v1} and health["index_manifest"] == manifest
+    assert health["search"]["kind"] == "hnsw" and health["search"]["approximate_groups"] == [v1]
+    for image, old in zip(images, before):
+        new = helpers.call(url, "/search", {"image": image, "k": 3})[1]
+        exact = helpers.call(flat, "/search", {"image": image, "k": 3})[1]
+        assert new["model_version"] == v2 and {r["adapter"] for r in new["results"]} == {"procrustes"}
+        assert [r["position"] for r in new["results"]] == [r["position"] for r in exact["results"]]
+        assert [r["score"] for r in new["results"]] == [r["score"] for r in exact["results"]]
+        assert [r["position"] for r in new["results"]] == [r["position"] for r in old["results"]]
+
+
+def test_a_model_of_another_width_is_refused_before_serving(ann_service):
+    from cluster.serving.app import preflight
+
+    wide = helpers.register_random_model(ann_service["client"], NAME + "-wide", 0, ann_service["folder"],
+                                         num_slots=12)
+    root = ann_service["roots"]["hnsw"]
+    settings = {"index": root, "model": f"models:/{NAME}-wide/{wide}", "tracking_uri": ann_service["tracking_uri"],
+                "cache_dir": str(ann_service["folder"] / "cache")}
+    with pytest.raises(ValueError, match=rf"model models:/{NAME}-wide/{wide} makes 11-d features, the index at "
+                                         rf"{root} holds 9-d embeddings \(hnsw search\)"):
+        preflight(settings)
+    preflight({**settings, "model": f"models:/{NAME}/{ann_service['versions'][0]}"})
