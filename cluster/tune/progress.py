@@ -8,21 +8,14 @@ import sys
 import time
 from typing import Any, TextIO
 
+from cluster.tune.callbacks import lazy_callback_class
 from cluster.tune.spec import OBJECTIVE_KEY, TIME_ATTR
 from cluster.tune.tracking import params_text
 
 
 def progress_callback_class():
     """The Tune callback class, built on first use so that importing this module does not import Ray (slow)."""
-    existing = globals().get("_PROGRESS_CALLBACK_CLASS")
-    if existing is not None:
-        return existing
-    from ray.tune import Callback
-
-    cls = type("TrialProgressLines", (_TrialProgressLinesMixin, Callback), {"__module__": __name__})
-    cls.__doc__ = _TrialProgressLinesMixin.__doc__
-    globals()["_PROGRESS_CALLBACK_CLASS"] = cls
-    return cls
+    return lazy_callback_class(globals(), "TrialProgressLines", _TrialProgressLinesMixin)
 
 
 def __getattr__(name: str):

@@ -12,6 +12,7 @@ from cluster.model_registry.versions import ensure_registered_model, register_ve
 from cluster.tracking.client import ensure_experiment, log_metrics, log_params, open_client
 from cluster.tracking.params import flatten_params
 from cluster.tracking.ui import NAME_SEPARATOR
+from cluster.tune.callbacks import lazy_callback_class
 from cluster.tune.spec import BEST_ALIAS, MODELS_KEY, OBJECTIVE_KEY, RESULT_KEY, TIME_ATTR, TRIAL_FILE, SearchSpec
 from compat_core import io as cio
 from pipelines.config.model_uri import ModelUri
@@ -42,15 +43,7 @@ def trial_run_name(trial_id: str, params: dict, objective: str | None = None, va
 # ---- MLflow ----------------------------------------------------------------------------------------------------------
 def mlflow_callback_class():
     """The Tune callback class, built on first use so that importing this module does not import Ray (slow)."""
-    existing = globals().get("_MLFLOW_CALLBACK_CLASS")
-    if existing is not None:
-        return existing
-    from ray.tune import Callback
-
-    cls = type("MlflowSearchCallback", (_MlflowSearchCallbackMixin, Callback), {"__module__": __name__})
-    cls.__doc__ = _MlflowSearchCallbackMixin.__doc__
-    globals()["_MLFLOW_CALLBACK_CLASS"] = cls
-    return cls
+    return lazy_callback_class(globals(), "MlflowSearchCallback", _MlflowSearchCallbackMixin)
 
 
 def __getattr__(name: str):
