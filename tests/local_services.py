@@ -62,6 +62,19 @@ def _wait_until(check, timeout_s: float, what: str, process: subprocess.Popen, l
     raise TimeoutError(f"{what} was not ready after {timeout_s:.0f} s; see {log_path}")
 
 
+def wait_for_ui(process: subprocess.Popen, port: int, timeout_s: float = 90.0) -> None:
+    """Poll ``compat ui``'s MLflow server at 127.0.0.1:``port`` until ``/health`` answers; fails when the command
+    exits first or ``timeout_s`` seconds pass."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+            return
+        except OSError:
+            assert process.poll() is None and time.monotonic() < deadline, "compat ui did not come up"
+            time.sleep(0.5)
+
+
 def _stop(process: subprocess.Popen | None, timeout_s: float = 15.0) -> None:
     if process is None or process.poll() is not None:
         return

@@ -20,6 +20,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 sys.path.insert(0, str(ROOT / "tests" / "pipelines"))
 import tiny_scenario_helpers as tiny  # noqa: E402
+from local_services import wait_for_ui  # noqa: E402
 
 
 def _require_chromium() -> None:
@@ -240,8 +241,6 @@ def compat_ui(tracking_uri: str, experiment: str):
     import os
     import signal
     import subprocess
-    import time
-    from urllib.request import urlopen
 
     from cluster.ray.local_head import free_port
 
@@ -254,14 +253,7 @@ def compat_ui(tracking_uri: str, experiment: str):
         first_line = process.stdout.readline()
         found = re.match(r"MLflow UI: (\S+)", first_line)
         assert found, first_line
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, "compat ui did not come up"
-                time.sleep(0.5)
+        wait_for_ui(process, port, 120)
         yield found.group(1)
     finally:
         os.killpg(process.pid, signal.SIGTERM)

@@ -17,6 +17,7 @@ import ray  # noqa: F401 - Ray ships psutil: importing ray first puts it on the 
 import psutil  # noqa: I001
 
 from cluster.ray.local_head import free_port
+from local_services import wait_for_ui
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,14 +47,7 @@ def test_compat_ui_serves_the_machine_store_on_loopback(tmp_path):
         assert process.stdout.readline().strip() == (f"ui-check: http://127.0.0.1:{port}/#/experiments/{experiment}"
                                                      f"/runs?viewStateShareKey=compat-results&"
                                                      f"workflowType=machine_learning")
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, "compat ui did not come up"
-                time.sleep(0.5)
+        wait_for_ui(process, port, 90)
         body = json.loads(urlopen(f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/get-by-name"
                                   f"?experiment_name=ui-check", timeout=10).read())
         assert body["experiment"]["experiment_id"] == experiment
@@ -79,14 +73,7 @@ def test_a_signal_to_compat_ui_stops_the_mlflow_server_and_its_workers(tmp_path,
     process = subprocess.Popen([sys.executable, "-m", "app.cli", "ui", "--port", str(port)], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, "compat ui did not come up"
-                time.sleep(0.5)
+        wait_for_ui(process, port, 90)
         tree = psutil.Process(process.pid).children(recursive=True)
         assert any("mlflow" in " ".join(child.cmdline()) for child in tree), [child.cmdline() for child in tree]
         os.kill(process.pid, stop)   # the command only, as `kill PID` does
