@@ -1,0 +1,217 @@
+"""A task given by its own data (``tasks.sources``): next month's identities as a folder in the published
+CASIA-WebFace layout, appended after a class-incremental split of another folder.
+
+The own-data task's classes take the class positions after the earlier tasks' (its identities in name order), its
+stage keys hold the data's content digest and nothing of later tasks, the replay memory is appended (the earlier
+shard's bytes unchanged), and the two refusals (identities of an earlier task, K too small) name the fix before any
+compute.
+"""
+import hashlib
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from compat_core.slots import SlotMapper
+from pipelines.config.load import validate_config
+from pipelines.config.preflight import data_problems
+from pipelines.config.validate import ConfigError
+from pipelines.engine.runner import LocalExecutor
+from pipelines.graph.compile import compile_scenario
+from pipelines.graph.stage_kind import StageKind
+from pipelines.stages.pools import load_pool
+from pipelines.stages.replay_store import memory_parts, read_memory_shard
+from pipelines.store.run_store import RunStore
+
+# The published-format writers live next to the dataset-reader tests (rootdir-style imports, no package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compat_core" / "data"))
+import fixtures_published as fx  # noqa: E402
+
+SPLIT_IDS = ["id0001", "id0002", "id0003", "id0004"]  # tasks.spec "4": task 1 (1-based)
+NEW_IDS = ["id0103", "id0101", "id0102"]               # next month's identities: task 2
+TEST_IDS = ["id0201", "id0202", "id0203"]              # open-set query / gallery identities
+PER_IDENTITY = 6
+K = 8
+PER_CLASS = 2
+
+
+def write_identities(root: Path, identities: list[str], per_identity: int = PER_IDENTITY) -> Path:
+    """<root>/CASIA-WebFace/<identity>/NNN.jpg: one fixed colour pattern per identity plus noise (16x16 RGB)."""
+    rng = np.random.default_rng(len(identities))
+    for identity in identities:
+        pattern = np.random.default_rng(int(identity[2:])).integers(0, 256, size=(16, 16, 3))
+        for k in range(per_identity):
+            pixels = np.clip(pattern + rng.normal(0, 20, size=pattern.shape), 0, 255).astype(np.uint8)
+            fx.write_image(root / "CASIA-WebFace" / identity / f"{k + 1:03d}.jpg", pixels)
+    return root
+
+
+def casia(root) -> dict:
+    return {"dataset": "casia_webface", "root": str(root), "options": {"image_size": 16}}
+
+
+def scenario(data_root: Path, output: Path, sources: list[dict] | None = None, num_slots: int = K) -> dict:
+    tests = casia(data_root / "test")
+    return {
+        "name": "task-sources", "seed": 0, "device": "cpu",
+        "data": casia(data_root / "split"),
+        "tasks": {"spec": "4", **({"sources": sources} if sources else {})},
+        "model": {"backbone": "cnn4", "backbone_config": {"in_chans": 3, "width": 4}, "num_slots": num_slots},
+        "method": {"name": "dsimplex-hoc"},
+        "training": {"optimizer": {"name": "sgd", "lr": 0.01}, "epochs": 1, "batch_size": 8, "autocast": False},
+        "replay": {"per_class": PER_CLASS},
+        "evaluation": {"query_set": {**tests, "portion": {"take": "first"}},
+                       "gallery_set": {**tests, "portion": {"take": "second"}}, "batch_size": 16},
+        "output": {"dir": str(output)},
+    }
+
+
+def next_month(root: Path, name: str = "2026-12", num_classes: int = 3) -> dict:
+    return {"name": name, "data": casia(root), "num_classes": num_classes}
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("faces")
+    write_identities(root / "split", SPLIT_IDS)
+    write_identities(root / "new", NEW_IDS)
+    write_identities(root / "test", TEST_IDS)
+    return root
+
+
+def folder_digest(root: Path) -> str:
+    """The documented data digest, computed here from the files: sha256 over 'name\\tsize\\tsha256\\n' in name order."""
+    lines = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        lines.append(f"{path.relative_to(root).as_posix()}\t{len(data)}\t{hashlib.sha256(data).hexdigest()}\n")
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+# ---- config and keys (no compute) -------------------------------------------------------------------------------------
+def test_earlier_keys_do_not_see_the_own_data_task_and_its_key_holds_the_data(data_root, tmp_path):
+    base = compile_scenario(validate_config(scenario(data_root, tmp_path / "run")))
+    config = validate_config(scenario(data_root, tmp_path / "run", [next_month(data_root / "new")]))
+    grown = compile_scenario(config)
+    assert config.num_tasks == 2 and len(grown.model_stages) == 2
+    # every stage of the split-only scenario has the same key in the scenario with the own-data task
+    assert [stage.key for stage in base] == [stage.key for stage in grown if stage.key in base]
+    assert len(grown) - len(base) == 1 + 2 + 2 + 1  # its training, two extractions, entries [1,0] [1,1], row 1
+    own = grown[grown.model_stages[1]]
+    assert own.kind == StageKind.FINETUNE and own.parents == (base.model_stages[0],)
+    source = own.inputs.own_data
+    assert source.sha256 == folder_digest(data_root / "new")
+    assert (source.first_position, source.num_classes, source.pool.root) == (4, 3, None)
+    assert own.inputs.data is None and own.inputs.classes is None
+
+    # the same bytes elsewhere: the same keys; one changed image: new keys for the own-data task and what follows
+    moved = tmp_path / "moved"
+    shutil.copytree(data_root / "new", moved)
+    assert compile_scenario(validate_config(scenario(data_root, tmp_path / "run", [next_month(moved)]))).model_stages \
+        == grown.model_stages
+    image = moved / "CASIA-WebFace" / "id0101" / "001.jpg"
+    image.write_bytes(image.read_bytes() + b"\0")
+    changed = compile_scenario(validate_config(scenario(data_root, tmp_path / "run", [next_month(moved)])))
+    assert changed.model_stages[0] == grown.model_stages[0] and changed.model_stages[1] != grown.model_stages[1]
+
+
+def test_k_too_small_for_the_classes_to_come_says_the_free_slots_and_the_k_that_fits(data_root, tmp_path):
+    document = scenario(data_root, tmp_path / "run", [next_month(data_root / "new"), next_month(data_root / "x", "2027-01", 2)],
+                        num_slots=8)
+    # 4 split classes + 3 of the first source fill 7 of K = 8 slots: the second source's 2 classes do not fit
+    with pytest.raises(ConfigError) as error:
+        validate_config(document)
+    message = str(error.value)
+    assert "model.num_slots: K=8 is too small for tasks.sources[1] ('2027-01', task 3)" in message
+    assert "only 1 slot(s) remain free" in message and "set model.num_slots: 9" in message
+
+
+def test_config_refusals_name_the_key(data_root, tmp_path):
+    twice = scenario(data_root, tmp_path / "run", [next_month(data_root / "new"), next_month(data_root / "new")],
+                     num_slots=12)
+    with pytest.raises(ConfigError, match=r"tasks.sources: names must be unique, \['2026-12'\]"):
+        validate_config(twice)
+    unknown = scenario(data_root, tmp_path / "run", [{**next_month(data_root / "new"),
+                                                      "data": {"dataset": "casia", "root": "x"}}])
+    with pytest.raises(ConfigError, match=r"tasks.sources\[0\].data.dataset: unknown dataset 'casia'; valid: .*casia_webface"):
+        validate_config(unknown)
+    retraining = {**scenario(data_root, tmp_path / "run", [next_month(data_root / "new")]), "method": {"name": "cores"}}
+    with pytest.raises(ConfigError, match=r"tasks.sources: method 'cores' retrains every model on the data of all"):
+        validate_config(retraining)
+
+
+def test_identities_of_earlier_tasks_are_refused_named_and_counted(data_root, tmp_path):
+    clash = write_identities(tmp_path / "clash", ["id0002", "id0104", "id0004"])
+    config = validate_config(scenario(data_root, tmp_path / "run", [next_month(clash)]))
+    problems = dict(data_problems(config))
+    message = problems["tasks.sources[0].data"]
+    assert "2 of its 3 classes are already classes of earlier tasks (tasks.spec): ['id0002', 'id0004']" in message
+    wrong_count = validate_config(scenario(data_root, tmp_path / "run", [next_month(data_root / "new", num_classes=2)]))
+    assert "set num_classes: 3" in dict(data_problems(wrong_count))["tasks.sources[0]"]
+    assert data_problems(validate_config(scenario(data_root, tmp_path / "run", [next_month(data_root / "new")]))) == []
+
+
+# ---- end to end -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def grown_run(data_root, tmp_path_factory):
+    """The split-only scenario run first; then the scenario with next month's task, run over the committed stages
+    of the first run (its artifacts, manifests and replay shards: what appending a task to a finished run finds)."""
+    torch.set_num_threads(1)
+    first_dir, run_dir = tmp_path_factory.mktemp("first"), tmp_path_factory.mktemp("grown")
+    base = compile_scenario(validate_config(scenario(data_root, first_dir)))
+    LocalExecutor(progress=False).run(base, RunStore(first_dir))
+    for folder in ("artifacts", "manifests", "replay"):
+        shutil.copytree(first_dir / folder, run_dir / folder)
+    first_shard = sorted((run_dir / "replay" / base.model_stages[0]).rglob("*"))
+    before = {path: path.read_bytes() for path in first_shard if path.is_file()}
+    grown = compile_scenario(validate_config(scenario(data_root, run_dir, [next_month(data_root / "new")])))
+    invocation = LocalExecutor(progress=False).run(grown, RunStore(run_dir))
+    return base, grown, invocation, run_dir, before
+
+
+def test_grown_run_computes_only_the_new_task_and_its_matrix_row(grown_run):
+    base, grown, invocation, _, _ = grown_run
+    assert set(invocation.skipped) == {stage.key for stage in base}
+    assert sorted(grown[key].label for key in invocation.executed) == [
+        "entry[1,0]", "entry[1,1]", "evaluate[row=1]", "extract[t=1,gallery]", "extract[t=1,query]", "finetune[t=1]"]
+    values = np.asarray(invocation.result.matrix.values, dtype=np.float64)
+    assert values.shape == (2, 2) and np.isnan(values[0, 1]) and np.isfinite(values[np.tril_indices(2)]).all()
+
+
+def test_own_data_classes_take_the_slots_after_the_earlier_tasks(grown_run, data_root):
+    _, grown, _, run_dir, _ = grown_run
+    store, key = RunStore(run_dir), grown.model_stages[1]
+    record = store.load_record(key)
+    assert record["positions_seen"] == 4 + 3
+    memory, _ = read_memory_shard(store, record["memory"]["shard"])
+    own_rows = memory.source_task == 1
+    pool = load_pool(grown[key].inputs.own_data.pool_spec())
+    identities = np.asarray(pool.class_names)[np.asarray(pool.labels)[memory.indices[own_rows]]]
+    # hand-computed: positions 0..3 are the split task's; the new identities follow in name order (4, 5, 6), and the
+    # d-Simplex puts position p in slot K-1-p, right to left
+    expected_slot = {"id0101": 3, "id0102": 2, "id0103": 1}
+    slots = SlotMapper(K, finetune_labels=np.arange(7)).finetune_slots(memory.labels[own_rows])
+    assert [expected_slot[name] for name in identities] == slots.tolist()
+    assert sorted(set(identities)) == sorted(NEW_IDS)
+    # the split task's classes kept positions 0..3
+    assert sorted(set(memory.labels[~own_rows].tolist())) == [0, 1, 2, 3]
+
+
+def test_the_memory_is_appended_and_the_earlier_shard_is_unchanged(grown_run):
+    base, grown, _, run_dir, before = grown_run
+    store = RunStore(run_dir)
+    assert before and all(path.read_bytes() == data for path, data in before.items())
+    first = store.load_record(base.model_stages[0])["memory"]["shard"]
+    shard = store.load_record(grown.model_stages[1])["memory"]["shard"]
+    parts = memory_parts(shard)
+    assert [p.stage_key for p in parts] == list(grown.model_stages)
+    assert (parts[0].sha256, parts[0].rows) == (first["sha256"], first["rows"]) == (first["sha256"], 4 * PER_CLASS)
+    assert parts[1].rows == 3 * PER_CLASS  # the method's rule: a fixed quota per class, only the new classes added
+    earlier, _ = read_memory_shard(store, first)
+    memory, images = read_memory_shard(store, shard)
+    assert np.array_equal(memory.indices[:earlier.indices.size], earlier.indices)
+    assert memory.source_task.tolist() == [0] * (4 * PER_CLASS) + [1] * (3 * PER_CLASS)
+    assert images.shape[0] == 7 * PER_CLASS
