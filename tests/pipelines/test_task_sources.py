@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 import torch
 
+from compat_core import io as cio
 from compat_core.slots import SlotMapper
 from pipelines.config.load import validate_config
 from pipelines.config.preflight import data_problems
 from pipelines.config.validate import ConfigError
 from pipelines.engine.runner import LocalExecutor
 from pipelines.graph.compile import compile_scenario
+from pipelines.graph.plan_cost import stage_images
 from pipelines.graph.stage_kind import StageKind
 from pipelines.stages.pools import load_pool
 from pipelines.stages.replay_store import memory_parts, read_memory_shard
@@ -215,3 +217,49 @@ def test_the_memory_is_appended_and_the_earlier_shard_is_unchanged(grown_run):
     assert np.array_equal(memory.indices[:earlier.indices.size], earlier.indices)
     assert memory.source_task.tolist() == [0] * (4 * PER_CLASS) + [1] * (3 * PER_CLASS)
     assert images.shape[0] == 7 * PER_CLASS
+
+
+def test_plan_counts_the_own_data_task_with_the_earlier_exemplars(grown_run):
+    _, grown, _, _, _ = grown_run
+    images = stage_images(grown)[grown.model_stages[1]]
+    # 18 images of the 3 new identities, 4 per half-batch: 4 batches (the rest of 2 dropped) of 4 task + 4 memory
+    # samples drawn from the split task's 4 x 2 exemplars
+    assert (images.epoch_images, images.memory, images.train_images) == (32, 4 * PER_CLASS, 32)
+
+
+# ---- from the S3 test server ----------------------------------------------------------------------------------------
+@pytest.fixture
+def object_store(s3_env, s3_bucket, monkeypatch, tmp_path, fresh_object_storage):
+    """compat_core.io configured for the test S3 server (from the AWS variables of ``s3_env``); the bucket name."""
+    from cluster.storage.s3 import configure_object_storage
+
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    configure_object_storage()
+    yield s3_bucket
+
+
+@pytest.mark.integration
+def test_own_data_task_read_from_a_bucket_trains_what_the_local_folder_trains(object_store, grown_run, data_root,
+                                                                             tmp_path):
+    base, grown, local_invocation, local_dir, _ = grown_run
+    uri = f"s3://{object_store}/faces/2026-12"
+    local_root = data_root / "new"
+    for path in sorted(p for p in local_root.rglob("*") if p.is_file()):
+        cio.write_bytes(cio.join(uri, path.relative_to(local_root).as_posix()), path.read_bytes())
+    run_dir = tmp_path / "s3-run"
+    earlier = {stage.key for stage in base}
+    for folder in ("artifacts", "manifests", "replay"):  # the finished split-only run's committed stages
+        (run_dir / folder).mkdir(parents=True)
+        for entry in (local_dir / folder).iterdir():
+            if entry.name.removesuffix(".json") in earlier:
+                (shutil.copytree if entry.is_dir() else shutil.copy)(entry, run_dir / folder / entry.name)
+    from_bucket = compile_scenario(validate_config(scenario(data_root, run_dir, [next_month(uri)])))
+    # the same bytes in a bucket: the same keys as from the local folder (the data's digest, not its place)
+    assert [stage.key for stage in from_bucket] == [stage.key for stage in grown]
+    invocation = LocalExecutor(progress=False).run(from_bucket, RunStore(run_dir))
+    assert set(invocation.skipped) == earlier and len(invocation.executed) == 6
+    np.testing.assert_array_equal(invocation.result.matrix.values, local_invocation.result.matrix.values)
+    key = grown.model_stages[1]
+    assert memory_parts(RunStore(run_dir).load_record(key)["memory"]["shard"]) == \
+        memory_parts(RunStore(local_dir).load_record(key)["memory"]["shard"])
