@@ -24,7 +24,7 @@ from pipelines.engine.runner import LocalExecutor
 from pipelines.graph.compile import compile_scenario
 from pipelines.graph.plan_cost import stage_images
 from pipelines.graph.stage_kind import StageKind
-from pipelines.stages.pools import load_pool
+from pipelines.stages.pools import identities_of, load_pool, own_task_classes
 from pipelines.stages.replay_store import memory_parts, read_memory_shard
 from pipelines.store.run_store import RunStore
 
@@ -263,3 +263,30 @@ def test_own_data_task_read_from_a_bucket_trains_what_the_local_folder_trains(ob
     key = grown.model_stages[1]
     assert memory_parts(RunStore(run_dir).load_record(key)["memory"]["shard"]) == \
         memory_parts(RunStore(local_dir).load_record(key)["memory"]["shard"])
+
+
+def test_own_data_task_from_compat_ingest_shards_is_keyed_by_the_manifest(data_root, tmp_path):
+    from cluster.storage.ingest import ingest
+
+    out = tmp_path / "ingested"
+    ingest("casia_webface", str(data_root / "new"), "train", str(out), options={"image_size": 16}, progress=None)
+    source = {"name": "2026-12", "data": {"dataset": "shards", "root": str(out), "split": "train"}, "num_classes": 3}
+    config = validate_config(scenario(data_root, tmp_path / "run", [source]))
+    assert data_problems(config) == []
+    own = compile_scenario(config)[compile_scenario(config).model_stages[1]].inputs.own_data
+    manifest = (out / "train" / "manifest.json").read_bytes()  # it pins every part's sha256
+    expected = hashlib.sha256(f"manifest.json\t{len(manifest)}\t{hashlib.sha256(manifest).hexdigest()}\n".encode())
+    assert own.sha256 == expected.hexdigest()
+    pool, class_ids = own_task_classes(own)
+    assert identities_of(pool, class_ids).tolist() == sorted(NEW_IDS)
+
+
+def test_a_learnable_classifier_grows_by_the_own_data_classes(data_root, tmp_path):
+    torch.set_num_threads(1)
+    document = {**scenario(data_root, tmp_path / "run", [next_month(data_root / "new")]), "method": {"name": "er"}}
+    graph = compile_scenario(validate_config(document))
+    invocation = LocalExecutor(progress=False).run(graph, RunStore(tmp_path / "run"))
+    record = RunStore(tmp_path / "run").load_record(graph.model_stages[1])
+    # outputs 0..3 for the split task's classes, 4..6 for the new identities (no pre-training: P = 0)
+    assert (record["num_active_classes"], record["positions_seen"]) == (7, 7)
+    assert np.asarray(invocation.result.matrix.values).shape == (2, 2)
