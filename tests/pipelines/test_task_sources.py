@@ -18,6 +18,7 @@ import torch
 from compat_core import io as cio
 from compat_core.slots import SlotMapper
 from pipelines.config.load import validate_config
+from pipelines.config.local_paths import absolute_config, local_config_paths
 from pipelines.config.preflight import data_problems
 from pipelines.config.validate import ConfigError
 from pipelines.engine.runner import LocalExecutor
@@ -290,3 +291,12 @@ def test_a_learnable_classifier_grows_by_the_own_data_classes(data_root, tmp_pat
     # outputs 0..3 for the split task's classes, 4..6 for the new identities (no pre-training: P = 0)
     assert (record["num_active_classes"], record["positions_seen"]) == (7, 7)
     assert np.asarray(invocation.result.matrix.values).shape == (2, 2)
+
+
+def test_a_relative_root_of_own_data_is_made_absolute_where_the_command_is_typed(data_root, tmp_path, monkeypatch):
+    monkeypatch.chdir(data_root)
+    config = validate_config(scenario(data_root, tmp_path / "run", [next_month(Path("new"))]))
+    assert local_config_paths(config)["tasks.sources[0].data.root"] == "new"
+    moved = absolute_config(config)
+    assert moved.tasks.sources[0].data.root == str(data_root / "new")
+    assert moved.tasks.sources[0].model_copy(update={"data": config.tasks.sources[0].data}) == config.tasks.sources[0]
