@@ -26,7 +26,7 @@ from pipelines.graph.build_inputs import method_classifier
 from pipelines.graph.source_digests import file_digest
 from pipelines.stages.inputs import ModelShape
 from pipelines.stages.model_io import initial_model, load_weights_strictly
-from pipelines.stages.pools import check_pools_open_set, load_pool, task_source_problems
+from pipelines.stages.pools import check_pools_open_set, load_pool, task_source_data_problems
 
 
 class PreflightError(ValueError):
@@ -59,7 +59,7 @@ def data_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
             check_pools_open_set(config)
         except ValueError as error:
             problems.append(("evaluation", str(error)))
-        problems += task_source_problems(config)
+        problems += task_source_data_problems(config)
     return problems
 
 

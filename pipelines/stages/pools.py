@@ -2,7 +2,9 @@
 ids, class identities across splits, the data-level open-set guard (no training class in the query or gallery set),
 and the classifier slots of fine-tuning class positions.
 
-Class bookkeeping: the fine-tuning classes are numbered by *position* in task order (0 = first class of task 0).
+Class bookkeeping: the fine-tuning classes are numbered by *position* in task order (0 = first class of task 0); a
+task given by its own data (``tasks.sources``) numbers its pool's classes, in class-id order, after every earlier
+task's, and its data is checked against the digest its key holds and against the earlier tasks' identities.
 Slots are derived per model line: d-Simplex methods put position ``i`` in slot ``K-1-i`` (right to left, after the
 third-party classes in slots 0.. left to right); learnable classifiers put it at output ``P + i`` where ``P`` is the
 number of classes the model line was pre-trained on (0 without pre-training).
@@ -152,7 +154,7 @@ def identities_of(pool: Any, class_ids: np.ndarray) -> np.ndarray:
     return names[np.asarray(class_ids, dtype=np.int64)].astype(str)
 
 
-def task_source_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
+def task_source_data_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
     """(config key, problem) for each ``tasks.sources`` entry whose data does not hold its declared classes, whose
     images differ in shape from the fine-tuning pool's (the replay memory mixes them), or whose classes (by
     identity) were already a class of an earlier task: named and counted, with the fix."""

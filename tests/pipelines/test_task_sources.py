@@ -300,3 +300,25 @@ def test_a_relative_root_of_own_data_is_made_absolute_where_the_command_is_typed
     moved = absolute_config(config)
     assert moved.tasks.sources[0].data.root == str(data_root / "new")
     assert moved.tasks.sources[0].model_copy(update={"data": config.tasks.sources[0].data}) == config.tasks.sources[0]
+
+
+def test_compat_run_refuses_identities_of_earlier_tasks_before_any_stage(data_root, tmp_path, capsys):
+    import yaml
+
+    from app.cli import main
+
+    clash = write_identities(tmp_path / "clash", ["id0003", "id0105"])
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(scenario(data_root, tmp_path / "run", [next_month(clash, num_classes=2)])))
+    assert main(["run", str(config), "--no-progress", "--tracking-uri", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "tasks.sources[0].data: 1 of its 2 classes are already classes of earlier tasks (tasks.spec): ['id0003']" \
+        in err
+    assert not list((tmp_path / "run").glob("manifests/*.json"))
+
+
+def test_own_data_with_a_test_identity_breaks_the_open_set_protocol(data_root, tmp_path):
+    leaking = write_identities(tmp_path / "leaking", ["id0106", "id0202"])
+    config = validate_config(scenario(data_root, tmp_path / "run", [next_month(leaking, num_classes=2)]))
+    message = dict(data_problems(config))["evaluation"]
+    assert "open-set violation" in message and "tasks.sources[0].data" in message and "id0202" in message
