@@ -322,3 +322,17 @@ def test_own_data_with_a_test_identity_breaks_the_open_set_protocol(data_root, t
     config = validate_config(scenario(data_root, tmp_path / "run", [next_month(leaking, num_classes=2)]))
     message = dict(data_problems(config))["evaluation"]
     assert "open-set violation" in message and "tasks.sources[0].data" in message and "id0202" in message
+
+
+@pytest.mark.integration
+def test_own_data_task_on_ray_gives_the_local_matrix_bit_for_bit(grown_run, data_root, tmp_path, ray_local):
+    from cluster.ray.task_backend import RayExecutor
+
+    _, grown, local_invocation, local_dir, _ = grown_run
+    graph = compile_scenario(validate_config(scenario(data_root, tmp_path / "ray", [next_month(data_root / "new")])))
+    assert [stage.key for stage in graph] == [stage.key for stage in grown]
+    invocation = RayExecutor(progress=False).run(graph, RunStore(tmp_path / "ray"))
+    assert invocation.result.matrix.values.tobytes() == local_invocation.result.matrix.values.tobytes()
+    key = grown.model_stages[1]
+    assert memory_parts(RunStore(tmp_path / "ray").load_record(key)["memory"]["shard"]) == \
+        memory_parts(RunStore(local_dir).load_record(key)["memory"]["shard"])
