@@ -392,6 +392,7 @@ def resolved_head(config: ScenarioConfig, classifier: ClassifierFamily) -> str:
 
 __all__ = [
     "ScenarioConfig", "PoolSpec", "PretrainSpec", "ReplacementSpec", "EvaluationSpec", "ReplaySpec", "MethodSpec",
-    "MethodParams", "ModelSpec", "TaskSpec", "TaskSourceSpec", "StageResources", "ResourcesSpec", "PaperSpec", "parse_increments",
+    "MethodParams", "ModelSpec", "TaskSpec", "TaskSourceSpec", "StageResources", "ResourcesSpec", "PaperSpec",
+    "parse_increments",
     "resolved_head", "PRETRAIN_PREFIX",
 ]

@@ -292,7 +292,8 @@ def describe(graph: StageGraph) -> str:
     """Human-readable plan: stages with parents and resources, then the estimates."""
     config = graph.config
     sources = "".join(f" + {source.name}" for source in config.tasks.sources)
-    lines = [f"scenario {config.name}: {config.num_tasks} tasks ({config.tasks.spec}{sources}), method {config.method.name}, "
+    lines = [f"scenario {config.name}: {config.num_tasks} tasks ({config.tasks.spec}{sources}), "
+             f"method {config.method.name}, "
              f"K={config.model.num_slots}, code {graph.code_version}"]
     counts = graph.count_by_kind()
     lines.append("stages: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + f" ({len(graph)} in all)")

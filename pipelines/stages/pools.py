@@ -162,7 +162,8 @@ def task_source_data_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
         return []
     problems = []
     split_pool = load_pool(config.data, "data")
-    earlier = {str(name): "tasks.spec" for name in identities_of(split_pool, np.concatenate(scenario_task_classes(config)))}
+    split_classes = np.concatenate(scenario_task_classes(config))
+    earlier = {str(name): "tasks.spec" for name in identities_of(split_pool, split_classes)}
     for index, spec in enumerate(config.tasks.sources):
         key = f"tasks.sources[{index}]"
         try:
@@ -180,8 +181,9 @@ def task_source_data_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
         clashes = sorted(name for name in set(names.tolist()) if name in earlier)
         if clashes:
             where = sorted({earlier[name] for name in clashes})
+            shown = f"{clashes[:20]}{' ...' if len(clashes) > 20 else ''}"
             problems.append((f"{key}.data", f"{len(clashes)} of its {names.size} classes are already classes of "
-                             f"earlier tasks ({', '.join(where)}): {clashes[:20]}{' ...' if len(clashes) > 20 else ''}; "
+                             f"earlier tasks ({', '.join(where)}): {shown}; "
                              f"a task brings new classes only: remove those identities from {spec.data.root} (or "
                              f"keep them out with {key}.data.classes)"))
         earlier.update({str(name): key for name in names})

@@ -17,7 +17,7 @@ import torch
 
 from compat_core import io as cio
 from compat_core.slots import SlotMapper
-from pipelines.config.load import validate_config
+from pipelines.config.load import HOW_NOT_WHAT, config_hash, stable_hash, validate_config
 from pipelines.config.local_paths import absolute_config, local_config_paths
 from pipelines.config.preflight import data_problems
 from pipelines.config.validate import ConfigError
@@ -94,7 +94,7 @@ def folder_digest(root: Path) -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
-# ---- config and keys (no compute) -------------------------------------------------------------------------------------
+# ---- config and keys (no compute) -----------------------------------------------------------------------------------
 def test_earlier_keys_do_not_see_the_own_data_task_and_its_key_holds_the_data(data_root, tmp_path):
     base = compile_scenario(validate_config(scenario(data_root, tmp_path / "run")))
     config = validate_config(scenario(data_root, tmp_path / "run", [next_month(data_root / "new")]))
@@ -122,8 +122,8 @@ def test_earlier_keys_do_not_see_the_own_data_task_and_its_key_holds_the_data(da
 
 
 def test_k_too_small_for_the_classes_to_come_says_the_free_slots_and_the_k_that_fits(data_root, tmp_path):
-    document = scenario(data_root, tmp_path / "run", [next_month(data_root / "new"), next_month(data_root / "x", "2027-01", 2)],
-                        num_slots=8)
+    sources = [next_month(data_root / "new"), next_month(data_root / "x", "2027-01", 2)]
+    document = scenario(data_root, tmp_path / "run", sources, num_slots=8)
     # 4 split classes + 3 of the first source fill 7 of K = 8 slots: the second source's 2 classes do not fit
     with pytest.raises(ConfigError) as error:
         validate_config(document)
@@ -139,7 +139,8 @@ def test_config_refusals_name_the_key(data_root, tmp_path):
         validate_config(twice)
     unknown = scenario(data_root, tmp_path / "run", [{**next_month(data_root / "new"),
                                                       "data": {"dataset": "casia", "root": "x"}}])
-    with pytest.raises(ConfigError, match=r"tasks.sources\[0\].data.dataset: unknown dataset 'casia'; valid: .*casia_webface"):
+    with pytest.raises(ConfigError,
+                       match=r"tasks.sources\[0\].data.dataset: unknown dataset 'casia'; valid: .*casia_webface"):
         validate_config(unknown)
     retraining = {**scenario(data_root, tmp_path / "run", [next_month(data_root / "new")]), "method": {"name": "cores"}}
     with pytest.raises(ConfigError, match=r"tasks.sources: method 'cores' retrains every model on the data of all"):
@@ -336,3 +337,16 @@ def test_own_data_task_on_ray_gives_the_local_matrix_bit_for_bit(grown_run, data
     key = grown.model_stages[1]
     assert memory_parts(RunStore(tmp_path / "ray").load_record(key)["memory"]["shard"]) == \
         memory_parts(RunStore(local_dir).load_record(key)["memory"]["shard"])
+
+
+def test_config_hash_of_a_scenario_without_own_data_tasks_is_unchanged(data_root, tmp_path):
+    document = scenario(data_root, tmp_path / "run")
+    data = validate_config(document).model_dump(mode="json")
+    for name in ("output", "resources", "description", "paper", "initial_model_ignore_keys"):
+        data.pop(name)
+    data["tasks"].pop("sources")
+    for key in HOW_NOT_WHAT:
+        data["training"].pop(key)
+    assert config_hash(validate_config(document)) == stable_hash(data)
+    grown = validate_config(scenario(data_root, tmp_path / "run", [next_month(data_root / "new")]))
+    assert config_hash(grown) != config_hash(validate_config(document))
