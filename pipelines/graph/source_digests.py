@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -31,6 +33,8 @@ SHARDS_MANIFEST = "manifest.json"
 _CACHE: dict[tuple, str] = {}
 _DATA_CACHE: dict[tuple, str] = {}
 _LOG = logging.getLogger(__name__)
+HASH_THREADS = 8  # concurrent file reads while hashing a data folder
+PROGRESS_S = 30.0  # seconds between progress lines of a long hash
 
 
 def _cache_key(resolved: str) -> tuple:
@@ -93,20 +97,41 @@ def data_digest(pool: PoolSpec) -> str | None:
         listing = tuple((info.path[len(base_path):].lstrip("/"), info.size, info.mtime_ns) for info in files)
         key = (base if cio.is_remote(base) else os.path.realpath(base_path), listing)
         if key not in _DATA_CACHE:
-            if len(files) > 1000:
-                _LOG.info("hashing %d files (%.1f MiB) of %s for the stage keys", len(files),
-                          sum(info.size or 0 for info in files) / 2 ** 20, pool.root)
             digest = hashlib.sha256()
-            for (name, size, _), info in zip(listing, files):
-                content = hashlib.sha256()
-                with fs.open_input_stream(info.path, compression=None) as stream:
-                    while chunk := stream.read(1 << 20):
-                        content.update(chunk)
-                digest.update(f"{name}\t{size}\t{content.hexdigest()}\n".encode())
+            contents = _content_digests(fs, files, str(pool.root))
+            for (name, size, _), content in zip(listing, contents):
+                digest.update(f"{name}\t{size}\t{content}\n".encode())
             _DATA_CACHE[key] = digest.hexdigest()
         return _DATA_CACHE[key]
     except (OSError, ValueError):
         return None
+
+
+def _file_sha256(fs: pafs.FileSystem, path: str) -> str:
+    content = hashlib.sha256()
+    with fs.open_input_stream(path, compression=None) as stream:
+        while chunk := stream.read(1 << 20):
+            content.update(chunk)
+    return content.hexdigest()
+
+
+def _content_digests(fs: pafs.FileSystem, files: list[pafs.FileInfo], where: str) -> list[str]:
+    """sha256 of each file, in order, read by HASH_THREADS threads (object stores answer each read after a round
+    trip); a log line every PROGRESS_S seconds with files/s, MiB/s and the ETA while it lasts."""
+    total_bytes = sum(info.size or 0 for info in files)
+    started = last = time.monotonic()
+    done_bytes, digests = 0, []
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        for info, digest in zip(files, pool.map(lambda info: _file_sha256(fs, info.path), files)):
+            digests.append(digest)
+            done_bytes += info.size or 0
+            now = time.monotonic()
+            if now - last >= PROGRESS_S and len(digests) < len(files):
+                last, rate = now, done_bytes / max(now - started, 1e-9)
+                _LOG.info("hashing %s for the stage keys: %d/%d files, %.1f files/s, %.1f MiB/s, ETA %.0f s", where,
+                          len(digests), len(files), len(digests) / (now - started), rate / 2 ** 20,
+                          (total_bytes - done_bytes) / max(rate, 1e-9))
+    return digests
 
 
 __all__ = ["DIGEST_FIELD", "data_digest", "file_digest", "hashed_source"]
