@@ -223,9 +223,10 @@ class SearchSpec:
 
     @property
     def num_tasks(self) -> int:
-        """Tasks of every trial: the base config's, after the space's ``fixed`` overrides (which may set tasks.spec)."""
+        """Tasks of every trial: the base config's, after the space's ``fixed`` overrides (which may set tasks.spec),
+        and one per ``tasks.sources`` entry."""
         document = apply_values(self.base_config, dict((self.space or {}).get("fixed") or {}))
-        return len(parse_increments(document["tasks"]["spec"]))
+        return len(parse_increments(document["tasks"]["spec"])) + len(document["tasks"].get("sources") or [])
 
     def to_json(self) -> str:
         """search.json: the stored form of every manifest (:func:`compat_core.codec.encode_manifest`)."""

@@ -140,6 +140,8 @@ def config_hash(config: ScenarioConfig) -> str:
                          data.get("pretrain", [])), *((entry, "ignore_keys") for entry in data.get("replacements", []))]:
         if holder.get(name) is None:  # unset ignore lists leave the hash of configs written without them alone
             holder.pop(name, None)
+    if not data.get("tasks", {}).get("sources"):  # no own-data task: the hash of configs written without them
+        data.get("tasks", {}).pop("sources", None)
     for key in HOW_NOT_WHAT:  # where work is saved and how the input is read, not what it computes
         data.get("training", {}).pop(key, None)
     return stable_hash(data)

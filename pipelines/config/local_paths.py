@@ -43,6 +43,8 @@ def config_paths(config: Any) -> dict[str, str]:
     pool("data", config.data)
     pool("evaluation.query_set", config.evaluation.query_set)
     pool("evaluation.gallery_set", config.evaluation.gallery_set)
+    for index, source in enumerate(config.tasks.sources):
+        pool(f"tasks.sources[{index}].data", source.data)
     for index, spec in enumerate(config.pretrain):
         pool(f"pretrain[{index}].pool", spec.pool)
         if spec.init:
@@ -78,8 +80,11 @@ def absolute_config(config: Any) -> Any:
                                                       "gallery_set": pool(config.evaluation.gallery_set)})
     output = config.output.model_copy(update={"dir": absolute_location(config.output.dir),
                                               "shared_store": absolute_location(config.output.shared_store)})
+    sources = [source.model_copy(update={"data": pool(source.data)}) for source in config.tasks.sources]
+    tasks = config.tasks.model_copy(update={"sources": sources})
     return config.model_copy(update={
-        "data": pool(config.data), "evaluation": evaluation, "pretrain": pretrain, "replacements": replacements,
+        "data": pool(config.data), "tasks": tasks, "evaluation": evaluation, "pretrain": pretrain,
+        "replacements": replacements,
         "initial_model": absolute_location(config.initial_model), "output": output})
 
 
@@ -90,6 +95,7 @@ def check_overridden_roots(before: Any, after: Any) -> None:
     pools = {"data": after.data, "evaluation.query_set": after.evaluation.query_set,
              "evaluation.gallery_set": after.evaluation.gallery_set}
     pools.update({f"pretrain[{i}].pool": spec.pool for i, spec in enumerate(after.pretrain)})
+    pools.update({f"tasks.sources[{i}].data": source.data for i, source in enumerate(after.tasks.sources)})
     old, new = config_paths(before), config_paths(after)
     problems = []
     for key, pool in pools.items():

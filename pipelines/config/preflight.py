@@ -1,7 +1,9 @@
 """One check of every input before any compute (``compat run`` / ``submit`` / ``tune``): a run that would stop
 hours in because of a missing file or a typo stops now, with every problem named by its config key.
 
-- data: every pool opens (the same readers the stages use) and no test class occurs in a training pool;
+- data: every pool opens (the same readers the stages use) and no test class occurs in a training pool; a task given
+  by its own data (``tasks.sources``) holds the classes it declares, at the fine-tuning pool's image size, and none
+  of them (by identity) is a class of an earlier task;
 - weights: every external weights source (``pretrain[*].init``, ``replacements[*].source``, ``initial_model``) is
   resolved, is a regular file (``/dev/zero`` and FIFOs are refused before a byte is read), matches its pinned sha256
   and loads strictly into the model the stage builds (every key, extras only through the ignore lists);
@@ -24,7 +26,7 @@ from pipelines.graph.build_inputs import method_classifier
 from pipelines.graph.source_digests import file_digest
 from pipelines.stages.inputs import ModelShape
 from pipelines.stages.model_io import initial_model, load_weights_strictly
-from pipelines.stages.pools import check_pools_open_set, load_pool
+from pipelines.stages.pools import check_pools_open_set, load_pool, task_source_data_problems
 
 
 class PreflightError(ValueError):
@@ -39,6 +41,7 @@ class PreflightError(ValueError):
 def data_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
     """(config key, problem) for every pool that does not open, then the open-set guard across pools."""
     pools = [("data", config.data)] + [(f"pretrain[{i}].pool", p.pool) for i, p in enumerate(config.pretrain)]
+    pools += [(f"tasks.sources[{i}].data", s.data) for i, s in enumerate(config.tasks.sources)]
     pools += [("evaluation.query_set", config.evaluation.query_set),
               ("evaluation.gallery_set", config.evaluation.gallery_set)]
     problems, seen = [], set()
@@ -56,6 +59,7 @@ def data_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
             check_pools_open_set(config)
         except ValueError as error:
             problems.append(("evaluation", str(error)))
+        problems += task_source_data_problems(config)
     return problems
 
 
@@ -146,6 +150,10 @@ def _training_lines(config: ScenarioConfig) -> list[dict[str, Any]]:
                       "batch": spec.batch_size or config.training.batch_size,
                       "batch_key": f"pretrain[{spec.name}].batch_size" if spec.batch_size else "training.batch_size",
                       "pool": spec.pool})
+    for index, source in enumerate(config.tasks.sources):
+        lines.append({"key": f"tasks.sources[{index}]", "backbone": None, "backbone_config": None,
+                      "classifier": line_classifier, "batch": config.training.batch_size,
+                      "batch_key": "training.batch_size", "pool": source.data})
     for index, replacement in enumerate(config.replacements):
         if replacement.backbone is not None:
             lines.append({"key": f"replacements[{index}]", "backbone": replacement.backbone,

@@ -111,12 +111,28 @@ class MethodSpec(StrictModel):
         return method_params_model(name).model_validate({} if value is None else value)
 
 
+class TaskSourceSpec(StrictModel):
+    """A task given by its own data (``tasks.sources[i]``): every class of ``data`` is new and takes the class
+    positions (so the slots) after those of every earlier task; the tasks of ``tasks.spec`` come first, then the
+    sources in the order listed, so appending a source never changes an earlier task's classes, slots or keys."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="short name of the batch of classes, e.g. 2026-12")
+    data: PoolSpec = Field(description="the task's pool: a published format the readers know (local folder or "
+                           "s3:// prefix in data.root) or the Parquet shards of `compat ingest` (dataset: shards)")
+    num_classes: int = Field(ge=1, description="classes (identities) in the pool: the K check uses it at load; "
+                             "checked against the data before any compute")
+
+
 class TaskSpec(StrictModel):
     spec: str = Field(description="initial classes + increments, e.g. '10+6x15' (7 tasks)")
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT, description="class-order seed (None: the scenario seed)")
     order: Literal["seeded", "given"] = Field(
         "seeded", description="'seeded': the sorted class ids shuffled with the seed; 'given': data.classes in the "
         "order listed, else the classes in the dataset's id order (the reference codes' order)")
+
+    sources: list[TaskSourceSpec] = Field(
+        default_factory=list, description="tasks given by their own data, appended after the tasks of 'spec' "
+        "(task len(spec's tasks) + i, 0-based, is sources[i]): next month's identities are a new entry here")
 
     @field_validator("spec")
     @classmethod
@@ -287,8 +303,19 @@ class ScenarioConfig(StrictModel):
         return parse_increments(self.tasks.spec)
 
     @property
-    def num_tasks(self) -> int:
+    def num_split_tasks(self) -> int:
+        """Tasks cut from ``data`` by ``tasks.spec`` (they come first)."""
         return len(self.increments)
+
+    @property
+    def num_tasks(self) -> int:
+        """Every task: the split tasks, then one per ``tasks.sources`` entry."""
+        return len(self.increments) + len(self.tasks.sources)
+
+    def task_source(self, task: int) -> "TaskSourceSpec | None":
+        """The ``tasks.sources`` entry of 0-based ``task`` (None for a task cut from ``data``)."""
+        index = task - len(self.increments)
+        return self.tasks.sources[index] if 0 <= index < len(self.tasks.sources) else None
 
     @property
     def task_seed(self) -> int:
@@ -365,6 +392,7 @@ def resolved_head(config: ScenarioConfig, classifier: ClassifierFamily) -> str:
 
 __all__ = [
     "ScenarioConfig", "PoolSpec", "PretrainSpec", "ReplacementSpec", "EvaluationSpec", "ReplaySpec", "MethodSpec",
-    "MethodParams", "ModelSpec", "TaskSpec", "StageResources", "ResourcesSpec", "PaperSpec", "parse_increments",
+    "MethodParams", "ModelSpec", "TaskSpec", "TaskSourceSpec", "StageResources", "ResourcesSpec", "PaperSpec",
+    "parse_increments",
     "resolved_head", "PRETRAIN_PREFIX",
 ]

@@ -145,9 +145,45 @@ def slot_problems(config: ScenarioConfig) -> list[str]:
         problems.append(f"model.num_slots: K={config.model.num_slots} is too small: {total_classes} fine-tuning "
                         f"classes (tasks.spec {config.tasks.spec!r}) + {max(left_slots)} pre-training slots need "
                         f"K >= {needed}")
+    else:
+        problems += task_source_slot_problems(config, max(left_slots), total_classes)
     if config.data.classes is not None and len(set(config.data.classes)) != total_classes:
         problems.append(f"data.classes: {len(set(config.data.classes))} distinct classes listed but tasks.spec "
                         f"{config.tasks.spec!r} uses {total_classes}")
+    return problems
+
+
+def task_source_slot_problems(config: ScenarioConfig, pretrain_slots: int, split_classes: int) -> list[str]:
+    """The first ``tasks.sources`` entry whose classes no longer fit in the K slots: how many slots remain free after
+    the tasks before it, and the K that holds every task listed (K is in every stage key: a larger K is a new run)."""
+    K = config.model.num_slots
+    used = pretrain_slots + split_classes
+    needed = used + sum(source.num_classes for source in config.tasks.sources)
+    for index, source in enumerate(config.tasks.sources):
+        if used + source.num_classes > K:
+            task = config.num_split_tasks + index + 1
+            return [f"model.num_slots: K={K} is too small for tasks.sources[{index}] ({source.name!r}, task {task}): "
+                    f"it brings {source.num_classes} classes but only {K - used} slot(s) remain free after the "
+                    f"tasks before it ({pretrain_slots} pre-training slots + {used - pretrain_slots} classes of "
+                    f"tasks 1..{task - 1}); set model.num_slots: {needed} to hold every task listed (K is part of "
+                    f"every stage key, so a larger K is a new run: pre-allocate K for the classes to come)"]
+        used += source.num_classes
+    return []
+
+
+def task_source_problems(config: ScenarioConfig) -> list[str]:
+    """``tasks.sources``: unique names; a method that retrains on every task's data so far, or one without replay
+    exemplars stored as shards, cannot take a task from another pool."""
+    problems = []
+    names = [source.name for source in config.tasks.sources]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        problems.append(f"tasks.sources: names must be unique, {duplicates} appear more than once")
+    method = METHODS.get(config.method.name)
+    if config.tasks.sources and method.retrain_from_scratch:
+        problems.append(f"tasks.sources: method {config.method.name!r} retrains every model on the data of all "
+                        f"tasks so far, which a task given by its own data does not keep; use a method that "
+                        f"fine-tunes task after task (e.g. er, dsimplex-hoc) or put the classes in tasks.spec")
     return problems
 
 
@@ -156,6 +192,7 @@ def open_set_problems(config: ScenarioConfig) -> list[str]:
     with overlapping (or unrestricted) class lists (the data-level guard runs where the test pools are read)."""
     problems = []
     training_pools = [("data", config.data)] + [(f"pretrain[{i}].pool", p.pool) for i, p in enumerate(config.pretrain)]
+    training_pools += [(f"tasks.sources[{i}].data", s.data) for i, s in enumerate(config.tasks.sources)]
     for test_key, test_pool in (("evaluation.query_set", config.evaluation.query_set),
                                 ("evaluation.gallery_set", config.evaluation.gallery_set)):
         for train_key, train_pool in training_pools:
@@ -179,6 +216,7 @@ def pools(config: ScenarioConfig) -> dict[str, PoolSpec]:
     found = {"data": config.data, "evaluation.query_set": config.evaluation.query_set,
              "evaluation.gallery_set": config.evaluation.gallery_set}
     found.update({f"pretrain[{i}].pool": p.pool for i, p in enumerate(config.pretrain)})
+    found.update({f"tasks.sources[{i}].data": s.data for i, s in enumerate(config.tasks.sources)})
     return found
 
 
@@ -254,7 +292,7 @@ def evaluation_problems(config: ScenarioConfig) -> list[str]:
 
 RULES: tuple[Callable[[ScenarioConfig], list[str]], ...] = (
     seed_problems, training_problems, resource_problems, pretrain_problems, source_problems, replacement_problems,
-    slot_problems, open_set_problems, registry_problems, method_problems, evaluation_problems,
+    slot_problems, task_source_problems, open_set_problems, registry_problems, method_problems, evaluation_problems,
 )
 
 __all__ = ["ConfigError", "RULES", "bridge_obstacle", "config_problems", "model_sources", "validate"]

@@ -7,7 +7,7 @@ inputs hold only what it consumes, so the inputs (and keys) of tasks 0..t do not
 from __future__ import annotations
 
 from pipelines.config.schema import PRETRAIN_PREFIX, ScenarioConfig, StageResources
-from pipelines.graph.source_digests import hashed_source
+from pipelines.graph.source_digests import data_digest, hashed_source
 from pipelines.graph.stage_kind import StageKind
 from pipelines.methods import METHODS
 from pipelines.stages.inputs import (
@@ -19,6 +19,7 @@ from pipelines.stages.inputs import (
     ModelShape,
     ModelSource,
     PretrainInputs,
+    TaskSource,
     TrainInputs,
     TrainRecipe,
     WeightsFile,
@@ -102,11 +103,27 @@ def train_inputs(config: ScenarioConfig, task: int) -> TrainInputs:
     resources = config.resources.for_stage(StageKind.REPLACE if replacement is not None else StageKind.FINETUNE)
     training = config.train_config(config.seed * 1000 + task, None)
     unread = () if training.model_selection == "compatibility" else _SELECTION_ONLY
+    own_data = task_source(config, task)
     return TrainInputs(
-        task=task, seed=config.seed, data=config.data, classes=ClassOrder.of(config, task),
+        task=task, seed=config.seed, data=None if own_data else config.data,
+        classes=None if own_data else ClassOrder.of(config, task), own_data=own_data,
         model=ModelShape.of(config, method_classifier(config)), method=config.method,
         training=TrainRecipe.of(training, **_defaults(unread)), replay=config.replay, start=start,
         anchor=anchor, threads=stage_threads(resources), workers=resources.num_workers)
+
+
+def task_source(config: ScenarioConfig, task: int) -> TaskSource | None:
+    """The own data of 0-based ``task`` (``tasks.sources``) with its content digest and first class position (every
+    class of the split tasks and of the sources before it); None for a task cut from ``data``."""
+    spec = config.task_source(task)
+    if spec is None:
+        return None
+    index = task - config.num_split_tasks
+    first = sum(config.increments) + sum(source.num_classes for source in config.tasks.sources[:index])
+    digest = data_digest(spec.data)
+    pool = spec.data.model_copy(update={"root": None}) if digest else spec.data
+    return TaskSource(name=spec.name, pool=pool, sha256=digest, num_classes=spec.num_classes, first_position=first,
+                      location=spec.data.root if digest else None, config_key=f"tasks.sources[{index}]")
 
 
 def extract_inputs(config: ScenarioConfig, task: int, split: str) -> ExtractInputs:
@@ -125,4 +142,4 @@ def adapt_inputs(config: ScenarioConfig, index: int) -> AdaptInputs:
 
 
 __all__ = ["adapt_inputs", "extract_inputs", "method_classifier", "model_source", "pretrain_inputs",
-           "stage_threads", "train_inputs", "weights_file"]
+           "stage_threads", "task_source", "train_inputs", "weights_file"]

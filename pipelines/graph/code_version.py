@@ -40,7 +40,7 @@ OUTSIDE_THE_KEY = {
     "pipelines.engine.process_memory": "returns freed memory to the system",
     "pipelines.graph.compile": "the Stage record and the key derivation (the key holds inputs and parents)",
     "pipelines.graph.stage_kind": "kind names, hashed into every key as values",
-    "pipelines.graph.source_digests": "sha256 of weights files, hashed into inputs as values",
+    "pipelines.graph.source_digests": "sha256 of weights files and task data, hashed into inputs as values",
     "pipelines.store.lease": "the run folder's single-writer lease",
 }
 

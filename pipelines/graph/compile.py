@@ -291,7 +291,9 @@ def estimate(graph: StageGraph) -> PlanEstimate:
 def describe(graph: StageGraph) -> str:
     """Human-readable plan: stages with parents and resources, then the estimates."""
     config = graph.config
-    lines = [f"scenario {config.name}: {config.num_tasks} tasks ({config.tasks.spec}), method {config.method.name}, "
+    sources = "".join(f" + {source.name}" for source in config.tasks.sources)
+    lines = [f"scenario {config.name}: {config.num_tasks} tasks ({config.tasks.spec}{sources}), "
+             f"method {config.method.name}, "
              f"K={config.model.num_slots}, code {graph.code_version}"]
     counts = graph.count_by_kind()
     lines.append("stages: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + f" ({len(graph)} in all)")

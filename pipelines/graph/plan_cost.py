@@ -25,7 +25,7 @@ from compat_core.slots import pretrain_slot
 from pipelines.graph.compile import StageGraph
 from pipelines.graph.stage_kind import StageKind
 from pipelines.methods import METHODS
-from pipelines.stages.pools import load_pool, scenario_task_classes, slot_of_positions
+from pipelines.stages.pools import load_pool, own_task_classes, scenario_task_classes, slot_of_positions
 from pipelines.training.task_data import TaskData, epoch_batches, selection_split
 
 FORWARD_FRACTION = 1.0 / 3.0  # cost of a forward-only image relative to a training image
@@ -64,12 +64,32 @@ def _epoch_images(data, method, train_config) -> int:
     return int(sum(positions.size for positions in epoch_batches(data, method, train_config, 0)))
 
 
+@dataclass(frozen=True)
+class _PoolWithMemory:
+    """What the sampler reads of a task's source followed by ``memory`` replay rows (its length and name): a task of
+    its own data trains with earlier exemplars of other pools, as rows after its own (the stage's WithMemory)."""
+
+    name: str
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def _task_pool(graph: StageGraph, task: int, pool, tasks: list[np.ndarray], position_of: dict[int, int]):
+    """(pool, class ids of the task, class id -> position) of ``task``: a split task or one of its own data."""
+    own = graph[graph.model_stages[task]].inputs.own_data
+    if own is None:
+        return pool, tasks[task], position_of
+    own_pool, class_ids = own_task_classes(own)
+    return own_pool, class_ids, {int(c): own.first_position + i for i, c in enumerate(class_ids)}
+
+
 def _task_stage_images(graph: StageGraph) -> dict[str, StageImages]:
     """StageImages of every finetune / replace stage, the replay memory simulated task by task as the stages do."""
     config = graph.config
     method = METHODS.get(config.method.name)  # the card: the traits the stages read, no torch
     pool = load_pool(config.data, "data")
-    labels = np.asarray(pool.labels)
     tasks = scenario_task_classes(config)
     position_of = {int(c): i for i, c in enumerate(np.concatenate(tasks))}
     K = config.model.num_slots
@@ -80,17 +100,23 @@ def _task_stage_images(graph: StageGraph) -> dict[str, StageImages]:
     for task, key in enumerate(graph.model_stages):
         stage = graph[key]
         seed = config.seed * 1000 + task
-        classes = np.concatenate(tasks[: task + 1]) if method.retrain_from_scratch else tasks[task]
-        indices = np.flatnonzero(np.isin(labels, classes))
+        task_pool, task_class_ids, task_position_of = _task_pool(graph, task, pool, tasks, position_of)
+        task_labels = np.asarray(task_pool.labels)
+        classes = np.concatenate(tasks[: task + 1]) if method.retrain_from_scratch else task_class_ids
+        indices = np.flatnonzero(np.isin(task_labels, classes))
         if config.training.model_selection == "compatibility":
-            indices, _ = selection_split(config.training.selection_holdout, pool, indices, seed)
-        positions = np.asarray([position_of[int(c)] for c in labels[indices]], dtype=np.int64)
+            indices, _ = selection_split(config.training.selection_holdout, task_pool, indices, seed)
+        positions = np.asarray([task_position_of[int(c)] for c in task_labels[indices]], dtype=np.int64)
         memory_indices = memory_slots = None
+        source = task_pool
         if use_memory and memory.indices.size:
             memory_indices = np.asarray(memory.indices, dtype=np.int64)
             memory_slots = slot_of_positions(np.asarray(memory.labels), "simplex", K, 0)
-        data = TaskData(source=pool, task=task, indices=indices, slots=slot_of_positions(positions, "simplex", K, 0),
-                        num_old_classes=0, num_new_classes=len(tasks[task]), memory_indices=memory_indices,
+            if task_pool is not pool:  # earlier exemplars are rows after the task's own (see _PoolWithMemory)
+                source = _PoolWithMemory(task_pool.name, len(task_pool) + memory_indices.size)
+                memory_indices = np.arange(len(task_pool), len(source), dtype=np.int64)
+        data = TaskData(source=source, task=task, indices=indices, slots=slot_of_positions(positions, "simplex", K, 0),
+                        num_old_classes=0, num_new_classes=len(task_class_ids), memory_indices=memory_indices,
                         memory_slots=memory_slots)
         train_config = config.train_config(seed, "cpu")
         per_epoch = _epoch_images(data, method, train_config)
@@ -101,8 +127,8 @@ def _task_stage_images(graph: StageGraph) -> dict[str, StageImages]:
         result[key] = StageImages(key, stage.label, stage.kind, per_epoch, train_config.epochs, trained,
                                   trained if has_old else 0, 0 if memory_indices is None else memory_indices.size)
         if use_memory:  # the memory the next task trains with (the quota per class does not depend on the strategy)
-            task_indices = np.flatnonzero(np.isin(labels, tasks[task]))
-            task_positions = np.asarray([position_of[int(c)] for c in labels[task_indices]], dtype=np.int64)
+            task_indices = np.flatnonzero(np.isin(task_labels, task_class_ids))
+            task_positions = np.asarray([task_position_of[int(c)] for c in task_labels[task_indices]], dtype=np.int64)
             memory = replay.update_memory(memory, task_indices, task_positions, task_positions, task,
                                           config.replay.per_class, strategy="random", seed=seed)
     return result

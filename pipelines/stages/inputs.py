@@ -58,7 +58,8 @@ class OpenSetPools(FrozenInputs):
     @classmethod
     def of(cls, config: ScenarioConfig) -> "OpenSetPools":
         return cls(training=(("data", config.data),) + tuple((f"pretrain[{p.name}].pool", p.pool)
-                                                              for p in config.pretrain),
+                                                              for p in config.pretrain)
+                   + tuple((f"tasks.sources[{i}].data", s.data) for i, s in enumerate(config.tasks.sources)),
                    tests=(("evaluation.query_set", config.evaluation.query_set),
                           ("evaluation.gallery_set", config.evaluation.gallery_set)))
 
@@ -197,6 +198,27 @@ class ClassOrder(FrozenInputs):
         return cls(order=config.tasks.order, seed=config.task_seed, increments=tuple(increments))
 
 
+class TaskSource(FrozenInputs):
+    """A task given by its own data (``tasks.sources[i]``): its pool, the data's content digest, its classes and the
+    first class position they take (the classes of every earlier task come before). Its classes are the pool's in
+    class-id order, positions ``first_position ..``; nothing of a later task is here. Where, not what: with a
+    digest, the pool's ``root`` is left out of the key (``location``), as a weights file's path is: the same data in
+    a local folder or a bucket gives the same key, other data at the same place another key."""
+
+    name: str
+    pool: PoolSpec = Field(description="the pool, its root cleared when the digest stands for the data")
+    sha256: str | None = Field(description="content digest of the pool's data (pipelines.graph.source_digests."
+                               "data_digest); None for a pool without a root or one unreadable when compiled")
+    num_classes: int
+    first_position: int = Field(description="classes of the tasks before this one")
+    location: str | None = Field(None, exclude=True, description="the pool's root as the config writes it")
+    config_key: str = Field(exclude=True, description="e.g. tasks.sources[0], for error messages")
+
+    def pool_spec(self) -> PoolSpec:
+        """The pool as the config names it (root included): what the stage opens."""
+        return self.pool if self.location is None else self.pool.model_copy(update={"root": self.location})
+
+
 class MatrixProtocol(FrozenInputs):
     """The evaluation settings that change a matrix entry (ECC strictness does not: it only changes metrics)."""
 
@@ -272,8 +294,9 @@ class TrainInputs(FrozenInputs):
 
     task: int
     seed: int = Field(description="the scenario seed: fresh models, loaded sources; the task trains with seed*1000+t")
-    data: PoolSpec
-    classes: ClassOrder
+    data: PoolSpec | None = Field(description="the pool the task is cut from (None: a task given by its own data)")
+    classes: ClassOrder | None = Field(description="the split's class order up to the task (None: own data)")
+    own_data: TaskSource | None = Field(None, description="the task's own data (tasks.sources), else None")
     model: ModelShape
     method: MethodSpec
     training: TrainRecipe
@@ -341,5 +364,5 @@ StageInputs = PretrainInputs | TrainInputs | ExtractInputs | EntryInputs | Evalu
 __all__ = [
     "AdaptInputs", "ClassOrder", "DataGuards", "EntryInputs", "EntryRules", "EvaluateInputs", "ExtractInputs",
     "Extraction", "FrozenInputs", "MatrixProtocol", "ModelShape", "ModelSource", "OpenSetPools", "PretrainInputs",
-    "RunSettings", "StageInputs", "TrainInputs", "TrainRecipe", "WeightsFile",
+    "RunSettings", "StageInputs", "TaskSource", "TrainInputs", "TrainRecipe", "WeightsFile",
 ]

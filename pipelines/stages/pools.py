@@ -2,7 +2,9 @@
 ids, class identities across splits, the data-level open-set guard (no training class in the query or gallery set),
 and the classifier slots of fine-tuning class positions.
 
-Class bookkeeping: the fine-tuning classes are numbered by *position* in task order (0 = first class of task 0).
+Class bookkeeping: the fine-tuning classes are numbered by *position* in task order (0 = first class of task 0); a
+task given by its own data (``tasks.sources``) numbers its pool's classes, in class-id order, after every earlier
+task's, and its data is checked against the digest its key holds and against the earlier tasks' identities.
 Slots are derived per model line: d-Simplex methods put position ``i`` in slot ``K-1-i`` (right to left, after the
 third-party classes in slots 0.. left to right); learnable classifiers put it at output ``P + i`` where ``P`` is the
 number of classes the model line was pre-trained on (0 without pre-training).
@@ -23,7 +25,8 @@ from compat_core.kinds import ClassifierFamily
 from compat_core.slots import SlotMapper
 from pipelines.config.load import stable_hash
 from pipelines.config.schema import PoolSpec, ScenarioConfig
-from pipelines.stages.inputs import ClassOrder, DataGuards, OpenSetPools
+from pipelines.graph.source_digests import data_digest
+from pipelines.stages.inputs import ClassOrder, DataGuards, OpenSetPools, TaskSource
 
 
 class SubsetSource:
@@ -125,6 +128,66 @@ def task_classes(data: PoolSpec, classes: ClassOrder, guards: DataGuards | None 
     sequence = build_task_sequence(class_ids, "+".join(str(count) for count in classes.increments), classes.seed,
                                    order=classes.order)
     return [np.asarray(t, dtype=np.int64) for t in sequence.tasks]
+
+
+def own_task_classes(source: TaskSource) -> tuple[Any, np.ndarray]:
+    """(pool, sorted class ids) of a task given by its own data, once the data is the data its key holds (the
+    content digest) and has the classes its entry declares; raises naming ``tasks.sources[i]`` otherwise."""
+    key, spec = source.config_key, source.pool_spec()
+    if source.sha256 is not None:
+        digest = data_digest(spec)
+        if digest != source.sha256:
+            raise ValueError(f"{key}.data: the data at {spec.root} is not the data this stage's key was made "
+                             f"from (sha256 {source.sha256}, now {digest or 'unreadable'}); data of a task never "
+                             f"changes under its key: run again to compile the new data into new keys")
+    pool = load_pool(spec, f"{key}.data")
+    class_ids = np.unique(np.asarray(pool.labels))
+    if class_ids.size != source.num_classes:
+        raise ValueError(f"{key}.num_classes: the entry says {source.num_classes}, the data at "
+                         f"{spec.root} holds {class_ids.size} classes; set num_classes: {class_ids.size}")
+    return pool, class_ids.astype(np.int64)
+
+
+def identities_of(pool: Any, class_ids: np.ndarray) -> np.ndarray:
+    """Class identities (the readers' class names: identity folders, published identity ids) of ``class_ids``."""
+    names = np.asarray(pool.class_names, dtype=object)
+    return names[np.asarray(class_ids, dtype=np.int64)].astype(str)
+
+
+def task_source_data_problems(config: ScenarioConfig) -> list[tuple[str, str]]:
+    """(config key, problem) for each ``tasks.sources`` entry whose data does not hold its declared classes, whose
+    images differ in shape from the fine-tuning pool's (the replay memory mixes them), or whose classes (by
+    identity) were already a class of an earlier task: named and counted, with the fix."""
+    if not config.tasks.sources:
+        return []
+    problems = []
+    split_pool = load_pool(config.data, "data")
+    split_classes = np.concatenate(scenario_task_classes(config))
+    earlier = {str(name): "tasks.spec" for name in identities_of(split_pool, split_classes)}
+    for index, spec in enumerate(config.tasks.sources):
+        key = f"tasks.sources[{index}]"
+        try:
+            pool, class_ids = own_task_classes(TaskSource(name=spec.name, pool=spec.data, sha256=None,
+                                                         num_classes=spec.num_classes, first_position=0,
+                                                         config_key=key))
+        except (OSError, ValueError) as error:
+            problems.append((key, str(error)))
+            continue
+        if tuple(pool.image_shape) != tuple(split_pool.image_shape):
+            problems.append((f"{key}.data", f"images are {tuple(pool.image_shape)} (H, W, C), the fine-tuning "
+                             f"pool's (data) are {tuple(split_pool.image_shape)}; the replay memory mixes them, so "
+                             f"read both at one size (the reader's image_size option)"))
+        names = identities_of(pool, class_ids)
+        clashes = sorted(name for name in set(names.tolist()) if name in earlier)
+        if clashes:
+            where = sorted({earlier[name] for name in clashes})
+            shown = f"{clashes[:20]}{' ...' if len(clashes) > 20 else ''}"
+            problems.append((f"{key}.data", f"{len(clashes)} of its {names.size} classes are already classes of "
+                             f"earlier tasks ({', '.join(where)}): {shown}; "
+                             f"a task brings new classes only: remove those identities from {spec.data.root} (or "
+                             f"keep them out with {key}.data.classes)"))
+        earlier.update({str(name): key for name in names})
+    return problems
 
 
 def scenario_task_classes(config: ScenarioConfig) -> list[np.ndarray]:

@@ -24,7 +24,7 @@ from pipelines.stages.model_io import (
     load_weights_strictly,
     model_blobs,
 )
-from pipelines.stages.pools import load_pool, slot_of_positions, task_classes
+from pipelines.stages.pools import load_pool, own_task_classes, slot_of_positions, task_classes
 from pipelines.stages.replay_memory import (
     memory_from_record,
     memory_images_from_record,
@@ -122,8 +122,9 @@ def _state_copy(model) -> dict:
 
 @dataclass
 class _Task:
-    """What one task stage works with: its inputs, method, the fine-tuning pool and class order, and the line's
-    previous model record with the replay memory it left."""
+    """What one task stage works with: its inputs, method, its pool and class order (``tasks``: the class ids of the
+    split's tasks 0..t; for a task given by its own data, ``[its class ids]`` with ``own_first`` the positions of
+    the tasks before it), and the line's previous model record with the replay memory it left."""
 
     ctx: StageContext
     inputs: TrainInputs
@@ -133,6 +134,12 @@ class _Task:
     previous: ModelRecord | None
     memory: tuple
     memory_images: Any
+    own_first: int | None = None
+
+    @property
+    def classes(self) -> np.ndarray:
+        """Class ids (in the task's pool) of this task's classes."""
+        return self.tasks[-1] if self.own_first is not None else self.tasks[self.task]
 
     @property
     def task(self) -> int:
@@ -146,11 +153,21 @@ class _Task:
     @property
     def first_position(self) -> int:
         """Class positions of the tasks before this one."""
+        if self.own_first is not None:
+            return self.own_first
         return sum(len(t) for t in self.tasks[: self.task])
 
     @property
     def position_of(self) -> dict[int, int]:
-        return {int(c): i for i, c in enumerate(np.concatenate(self.tasks))}
+        """Class id (in the task's pool) -> class position, for the classes of the pool's tasks."""
+        first = self.own_first or 0
+        return {int(c): first + i for i, c in enumerate(np.concatenate(self.tasks))}
+
+    def memory_labels(self) -> np.ndarray:
+        """Class ids, in the task's pool, of the replay rows (-1: a class of another pool's task)."""
+        if self.own_first is None:
+            return np.concatenate(self.tasks)[self.memory[1]]
+        return np.full(self.memory[1].shape[0], -1, dtype=np.int64)
 
     @property
     def use_memory(self) -> bool:
@@ -174,14 +191,23 @@ class _Start:
 def _open_task(ctx: StageContext) -> _Task:
     inputs: TrainInputs = ctx.inputs
     method = configured_method(inputs.method)
-    pool = load_pool(inputs.data, "data")
-    tasks = task_classes(inputs.data, inputs.classes, ctx.settings.guards)
+    own_first = None
+    if inputs.own_data is not None:
+        pool, class_ids = own_task_classes(inputs.own_data)
+        tasks, own_first = [class_ids], inputs.own_data.first_position
+    else:
+        pool = load_pool(inputs.data, "data")
+        tasks = task_classes(inputs.data, inputs.classes, ctx.settings.guards)
     previous = ctx.parents[ctx.stage.parents[0]] if inputs.task > 0 else None
     memory = memory_from_record(ctx.store, previous)
     # the previous task's exemplars come from its replay shard (verified now, before any training), never from
     # the old tasks' source data
     memory_images = memory_images_from_record(ctx.store, previous, memory)
-    return _Task(ctx, inputs, method, pool, tasks, previous, memory, memory_images)
+    if own_first is not None and memory[0].size and memory_images is None:
+        raise ValueError(f"{inputs.own_data.config_key}: the replay memory of task {inputs.task} (1-based) has no "
+                         f"replay shard (a run written before shards), and a task of its own data cannot read the "
+                         f"earlier exemplars from their pools; start a new run")
+    return _Task(ctx, inputs, method, pool, tasks, previous, memory, memory_images, own_first)
 
 
 def _start(work: _Task) -> _Start:
@@ -235,7 +261,7 @@ def _task_data(work: _Task, start: _Start) -> TaskData:
     if method.retrain_from_scratch:
         indices = np.flatnonzero(np.isin(pool_labels, np.concatenate(tasks[: work.task + 1])))
     else:
-        indices = np.flatnonzero(np.isin(pool_labels, tasks[work.task]))
+        indices = np.flatnonzero(np.isin(pool_labels, work.classes))
     selection = None
     if inputs.training.model_selection == "compatibility":
         indices, selection = selection_split(inputs.training.selection_holdout, pool, indices, work.seed)
@@ -247,7 +273,7 @@ def _task_data(work: _Task, start: _Start) -> TaskData:
         memory_indices = work.memory[0]
         memory_slots = slot_of_positions(work.memory[1], classifier, K, start.pretrained)
         if work.memory_images is not None:
-            train_source = WithMemory(pool, work.memory_images, np.concatenate(tasks)[work.memory[1]])
+            train_source = WithMemory(pool, work.memory_images, work.memory_labels())
             memory_indices = train_source.memory_indices()
     first_position = work.first_position
     num_old = first_position if not method.retrain_from_scratch else 0
@@ -255,7 +281,7 @@ def _task_data(work: _Task, start: _Start) -> TaskData:
         source=train_source, task=work.task, indices=indices,
         slots=slot_of_positions(positions, classifier, K, start.pretrained),
         num_old_classes=num_old + (start.pretrained if classifier == "learnable" else 0),
-        num_new_classes=len(tasks[work.task]) + (first_position if method.retrain_from_scratch else 0),
+        num_new_classes=len(work.classes) + (first_position if method.retrain_from_scratch else 0),
         memory_indices=memory_indices, memory_slots=memory_slots, initial_state=start.initial_state,
         selection=selection,
     )
@@ -264,10 +290,10 @@ def _task_data(work: _Task, start: _Start) -> TaskData:
 def _memory_update(work: _Task, trained, blobs: dict[str, bytes]) -> MemoryRecord:
     """The replay memory after this task (its exemplars added), written to ``blobs`` and to the stage's replay
     shard."""
-    ctx, inputs, pool, tasks, task = work.ctx, work.inputs, work.pool, work.tasks, work.task
+    ctx, inputs, pool, task = work.ctx, work.inputs, work.pool, work.task
     pool_labels = np.asarray(pool.labels)
     position_of = work.position_of
-    task_indices = np.flatnonzero(np.isin(pool_labels, tasks[task]))
+    task_indices = np.flatnonzero(np.isin(pool_labels, work.classes))
     task_positions = np.asarray([position_of[int(c)] for c in pool_labels[task_indices]], dtype=np.int64)
     herding_features = None
     if inputs.replay.strategy == "herding":
@@ -311,7 +337,7 @@ def train_task_stage(ctx: StageContext) -> StageResult:
     start_text = work.inputs.start.text if work.inputs.start is not None else None
     record = ModelRecord(ctx.stage.key, artifact_location(ctx.stage.key), task=work.task, line=start.line,
                          pretrained_classes=start.pretrained,
-                         positions_seen=work.first_position + len(work.tasks[work.task]), classifier=classifier,
+                         positions_seen=work.first_position + len(work.classes), classifier=classifier,
                          num_active_classes=num_active, source=start_text, memory=memory_record, extra_blobs=extra,
                          training=_summary(result), weights=start.weights)
     return StageResult(record, blobs)
