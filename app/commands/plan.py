@@ -117,4 +117,10 @@ def describe_paper(config) -> str:
     if paper is not None and paper.choices:
         lines.append("  choices where the papers and their public code are silent:")
         lines += [f"    - {item}" for item in paper.choices]
+    if config.evaluation.closed_set:
+        lines.append(CLOSED_SET_LINE)
     return "\n".join(lines)
+
+
+CLOSED_SET_LINE = ("evaluation.closed_set: true (open-set guard overridden: the query and gallery sets may hold "
+                   "classes the models were trained on)")

@@ -54,13 +54,15 @@ class OpenSetPools(FrozenInputs):
 
     training: tuple[tuple[str, PoolSpec], ...]
     tests: tuple[tuple[str, PoolSpec], ...]
+    closed_set: bool = False  # evaluation.closed_set: the guard is overridden by name
 
     @classmethod
     def of(cls, config: ScenarioConfig) -> "OpenSetPools":
         return cls(training=(("data", config.data),) + tuple((f"pretrain[{p.name}].pool", p.pool)
                                                               for p in config.pretrain),
                    tests=(("evaluation.query_set", config.evaluation.query_set),
-                          ("evaluation.gallery_set", config.evaluation.gallery_set)))
+                          ("evaluation.gallery_set", config.evaluation.gallery_set)),
+                   closed_set=config.evaluation.closed_set)
 
 
 class DataGuards(FrozenInputs):
