@@ -117,6 +117,9 @@ def describe_paper(config) -> str:
     if paper is not None and paper.choices:
         lines.append("  choices where the papers and their public code are silent:")
         lines += [f"    - {item}" for item in paper.choices]
+    if paper is not None and paper.public_code_differences:
+        lines.append("  differences from the public code (its value and file:line):")
+        lines += [f"    - {item}" for item in paper.public_code_differences]
     if config.evaluation.closed_set:
         lines.append(CLOSED_SET_LINE)
     return "\n".join(lines)

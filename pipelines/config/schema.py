@@ -247,6 +247,9 @@ class PaperSpec(StrictModel):
                                    "the public code that produced the tables")
     choices: list[str] = Field(default_factory=list, description="settings neither the papers nor their public code "
                                "state, and our choice")
+    public_code_differences: list[str] = Field(
+        default_factory=list, description="settings where this config differs from the public code that produced "
+        "the tables, each with the public code's value and its file:line (and the --set that follows it, if any)")
 
 
 class OutputSpec(StrictModel):

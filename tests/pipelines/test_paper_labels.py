@@ -22,7 +22,8 @@ PAPER_IAM = "iam-cl2r-cvpr-2024.txt"
 PAPER_CORES = "cores-tpami-2023.txt"
 PAPER_PSP = "probability-simplex-is-compatible.txt"
 # which papers a config's citations may refer to (the numbering styles differ: the 2026 paper's tables are Roman)
-CITED_PAPERS = {"cl2r-": [PAPER_2026], "iam-cl2r-": [PAPER_2026, PAPER_IAM], "demo-": [PAPER_2026, PAPER_IAM],
+PAPER_CL2R = "cl2r-tomm-2023.txt"
+CITED_PAPERS = {"cl2r-": [PAPER_2026, PAPER_CL2R], "iam-cl2r-": [PAPER_2026, PAPER_IAM], "demo-": [PAPER_2026, PAPER_IAM],
                 "cores-": [PAPER_CORES], "psp-": [PAPER_PSP], "lsp-": [PAPER_PSP]}
 
 CITATION = re.compile(
@@ -79,7 +80,8 @@ def _label_found(texts: list[str], kind: str, label: str, panels: list[str]) -> 
 
 def _paper_strings(document: dict) -> list[str]:
     paper = document.get("paper") or {}
-    return [paper.get("reproduces", "")] + [item for key in ("divergences", "public_code", "choices")
+    return [paper.get("reproduces", "")] + [item for key in ("divergences", "public_code", "choices",
+                                                                         "public_code_differences")
                                             for item in paper.get(key, [])]
 
 
