@@ -77,7 +77,8 @@ class TaskContext:
     classes introduced by this task (count). hparams: the method's validated hyper-parameters. device: where the
     batches live. iterate_memory: None, or a callable returning an iterator of :class:`Batch` over the replay
     memory with evaluation transforms (each memory sample once), for methods that summarise old classes in
-    ``setup``.
+    ``setup``. iterate_task: the same over the task's own samples (each once), for methods that summarise the
+    task's new classes in ``setup`` (BCT's synthesised old-classifier rows).
     """
 
     model: nn.Module
@@ -88,6 +89,7 @@ class TaskContext:
     hparams: Any
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     iterate_memory: Callable[[], Iterator[Batch]] | None = None
+    iterate_task: Callable[[], Iterator[Batch]] | None = None
 
 
 class Method:

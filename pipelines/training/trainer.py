@@ -278,14 +278,15 @@ class Trainer:
         """The method's task context and setup (in eval mode: setup statistics such as old-class centres must not
         update batch-norm buffers); the extra modules it returns train with the model."""
         data, config = self.data, self.config
+        # summaries taken in setup (old-class centres, synthesised classifier rows) see un-augmented images
+        eval_loader = _Loader(data, self.model, self.device, train=False, augment=False, seed=0)
         memory_iterator = None
         if data.has_memory:
-            # summaries of the memory taken in setup (old-class centres) see un-augmented images
-            eval_loader = _Loader(data, self.model, self.device, train=False, augment=False, seed=0)
             memory_iterator = lambda: eval_loader.memory_batches(config.eval_batch_size)  # noqa: E731
         self.ctx = TaskContext(model=self.model, old_model=self.old_model, task=data.task,
                                num_old_classes=data.num_old_classes, num_new_classes=data.num_new_classes,
-                               hparams=self.method.hparams, device=self.device, iterate_memory=memory_iterator)
+                               hparams=self.method.hparams, device=self.device, iterate_memory=memory_iterator,
+                               iterate_task=lambda: eval_loader.task_batches(config.eval_batch_size))
         self.model.eval()
         with precision_context(self.device, config.autocast):
             self.extra_modules = self.method.setup(self.ctx)

@@ -49,8 +49,12 @@ def make_context(method, with_old: bool = True):
         keep = batch.is_memory
         yield Batch(images=batch.images[keep], targets=batch.targets[keep], is_memory=batch.is_memory[keep])
 
+    def iterate_task():
+        keep = ~batch.is_memory
+        yield Batch(images=batch.images[keep], targets=batch.targets[keep], is_memory=batch.is_memory[keep])
+
     ctx = TaskContext(model=model, old_model=old, task=1, num_old_classes=NUM_OLD, num_new_classes=NUM_NEW,
-                      hparams=method.hparams, iterate_memory=iterate_memory)
+                      hparams=method.hparams, iterate_memory=iterate_memory, iterate_task=iterate_task)
     return ctx, batch
 
 
@@ -178,20 +182,50 @@ def test_fd_distils_memory_samples_only():
     assert float(parts_without["fd"]) == 0.0 and loss_without.item() == pytest.approx(sce, rel=1e-6)
 
 
-def test_bct_influence_term_uses_old_head_on_new_features_for_old_classes():
+def bct_influence_loop(new_inputs, old_inputs, targets, old_weight, num_old):
+    """BCT's influence loss written out in fp64 loops: the old classifier's rows for old classes, for each new class
+    the mean of the old model's classifier inputs over its images, then the mean over samples of
+    -log softmax(W x_new)[y]."""
+    rows = [list(map(float, row)) for row in old_weight]
+    for c in range(num_old, int(max(targets)) + 1):
+        members = [old_inputs[i] for i in range(len(targets)) if targets[i] == c]
+        rows.append([sum(float(m[j]) for m in members) / len(members) for j in range(len(old_weight[0]))])
+    total = 0.0
+    for i, y in enumerate(targets):
+        logits = [sum(float(new_inputs[i][j]) * row[j] for j in range(len(row))) for row in rows]
+        top = max(logits)
+        total += -(logits[int(y)] - top - math.log(sum(math.exp(v - top) for v in logits)))
+    return total / len(targets)
+
+
+def test_bct_influence_loss_with_synthesised_new_class_rows_equals_the_fp64_loop():
+    """Every sample counts: old classes through the old head, the task's new classes through rows synthesised as the
+    mean old-model classifier input of their images (BCT's new-class classifier)."""
     method = get_method("bct-er", lam=0.5)
     ctx, batch = make_context(method)
     ctx.model.eval()
+    method.setup(ctx)
     loss, parts = method.loss(batch, ctx)
-    projection = ctx.model(batch.images).projection.detach().double().numpy()
-    old_weight = ctx.old_model.classifier.weight.double().numpy()  # (3, K-1)
-    logits = projection @ old_weight.T
-    targets = batch.targets.numpy()
-    selected = targets < NUM_OLD
-    log_probs = logits - np.log(np.exp(logits).sum(1, keepdims=True))
-    influence = float(-log_probs[selected, targets[selected]].mean())
-    assert float(parts["influence"]) == pytest.approx(influence, rel=1e-5)
-    assert loss.item() == pytest.approx(float(parts["ce"]) + 0.5 * influence, rel=1e-5)
+    with torch.no_grad():
+        new_inputs = ctx.model(batch.images).projection.double().numpy()
+        old_inputs = ctx.old_model(batch.images).projection.double().numpy()
+    old_weight = ctx.old_model.classifier.weight.detach().double().numpy()  # (3, K-1), no bias
+    assert ctx.old_model.classifier.bias is None
+    targets = batch.targets.tolist()
+    assert max(targets) >= NUM_OLD and sum(t >= NUM_OLD for t in targets) == 4  # new-class samples are scored
+    expected = bct_influence_loop(new_inputs, old_inputs, targets, old_weight, NUM_OLD)
+    assert float(parts["influence"]) == pytest.approx(expected, rel=1e-5)
+    assert loss.item() == pytest.approx(float(parts["ce"]) + 0.5 * expected, rel=1e-5)
+    # the old-class-only variant (the earlier approximation) is a different number
+    old_only = bct_influence_loop(new_inputs[:4], old_inputs[:4], targets[:4], old_weight, NUM_OLD)
+    assert abs(old_only - expected) > 1e-3
+
+
+def test_bct_needs_setup_before_the_loss():
+    method = get_method("bct-er")
+    ctx, batch = make_context(method)
+    with pytest.raises(ValueError, match="bct-er: setup"):
+        method.loss(batch, ctx)
 
 
 def test_boundary_hinge_by_hand():

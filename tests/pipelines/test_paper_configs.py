@@ -274,3 +274,14 @@ def test_iam_and_cl2r_configs_label_order_anchor_decay_and_normalisation_with_th
         if name.startswith("cl2r-"):
             assert document["training"]["optimizer"]["weight_decay"] == 0.0002
             assert "weight decay 2e-4" in choices and "TOMM 2023" in choices, name
+
+
+def test_plan_prints_what_a_baseline_takes_from_its_paper(capsys):
+    from pipelines.methods import METHODS
+
+    assert main(["plan", str(CONFIGS / "cl2r-cifar100-10-t7.yaml"), "--set", "method.name=bct-er",
+                 "--set", "method.params={}"]) == 0
+    out = capsys.readouterr().out
+    assert "  method bct-er, from its paper:" in out
+    for item in METHODS.get("bct-er").paper:
+        assert f"    - {item}" in out
