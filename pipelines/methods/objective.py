@@ -183,12 +183,14 @@ class ClassStatistics:
     """Old-model class summaries over the replay memory, in the old model's L2-normalised feature space.
 
     centres: (C_old, d) unit class-mean directions (zero rows for classes without memory samples); radius:
-    (C_old,) mean cosine distance (1 - cos) of the class's old features to its centre; present: (C_old,) bool.
+    (C_old,) mean cosine distance (1 - cos) of the class's old features to its centre; farthest: (C_old,) the
+    largest such distance (the class's farthest member, LCE's boundary); present: (C_old,) bool.
     """
 
     centres: torch.Tensor
     radius: torch.Tensor
     present: torch.Tensor
+    farthest: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -215,19 +217,25 @@ def old_class_statistics(ctx: TaskContext, num_classes: int) -> ClassStatistics 
         return None
     centres = F.normalize(sums, dim=1)
     distance_sums = torch.zeros(num_classes, dtype=torch.float64, device=ctx.device)
+    farthest = torch.zeros(num_classes, dtype=torch.float64, device=ctx.device)
     for features, targets in stored:
-        distance_sums.index_add_(0, targets, 1.0 - (features * centres[targets]).sum(dim=1))
+        distances = 1.0 - (features * centres[targets]).sum(dim=1)
+        distance_sums.index_add_(0, targets, distances)
+        farthest.scatter_reduce_(0, targets, distances, reduce="amax")
     present = counts > 0
     radius = torch.where(present, distance_sums / counts.clamp_min(1.0), torch.zeros_like(distance_sums))
-    return ClassStatistics(centres=centres.float(), radius=radius.float(), present=present)
+    return ClassStatistics(centres=centres.float(), radius=radius.float(), present=present,
+                           farthest=farthest.float())
 
 
 def boundary_hinge(
-    new_features: torch.Tensor, targets: torch.Tensor, stats: ClassStatistics, scale: float = 1.0
+    new_features: torch.Tensor, targets: torch.Tensor, stats: ClassStatistics, scale: float = 1.0,
+    radius: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean ``relu((1 - cos(new_i, c_{y_i})) - scale * r_{y_i})`` over samples of classes in ``stats`` (0 if none).
 
-    Pulls a new feature inside the old class's boundary (the radius of the old features around their centre).
+    Pulls a new feature inside the old class's boundary: ``r`` is ``radius`` (C_old,) when given (LCE: the
+    farthest member's distance), else the mean distance of the old features to their centre.
     """
     num_classes = stats.centres.shape[0]
     valid = targets < num_classes
@@ -235,7 +243,8 @@ def boundary_hinge(
     valid = valid & stats.present[safe]
     new_unit = F.normalize(new_features.float(), dim=1)
     distance = 1.0 - (new_unit * stats.centres[safe]).sum(dim=1)
-    hinge = F.relu(distance - scale * stats.radius[safe]) * valid.float()
+    bound = stats.radius if radius is None else radius
+    hinge = F.relu(distance - scale * bound[safe]) * valid.float()
     return hinge.sum() / valid.float().sum().clamp_min(1.0)
 
 

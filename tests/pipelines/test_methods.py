@@ -253,6 +253,38 @@ def test_lce_statistics_are_old_class_centres_over_memory():
     radius0 = np.mean([1 - old[0] @ centre0, 1 - old[3] @ centre0])
     assert float(method.stats.radius[0]) == pytest.approx(radius0, abs=1e-5)
     assert float(method.stats.radius[1]) == pytest.approx(0.0, abs=1e-6)  # one sample is its own centre
+    farthest0 = max(1 - old[0] @ centre0, 1 - old[3] @ centre0)
+    assert float(method.stats.farthest[0]) == pytest.approx(farthest0, abs=1e-5)
+
+
+def test_lce_loss_equals_the_fp64_loop_of_its_terms():
+    """CE + 100 * mean((W_c / ||W_c|| - centre_c)^2) + 1 * mean over old-class samples of
+    max(min_j cos(old_j, centre_y) - cos(new_i, centre_y), 0), every term written out over classes and samples."""
+    method = get_method("lce-er")
+    assert (method.hparams.lam_align, method.hparams.lam_boundary) == (100.0, 1.0)
+    ctx, batch = make_context(method)
+    ctx.model.eval()
+    method.setup(ctx)
+    loss, parts = method.loss(batch, ctx)
+    with torch.no_grad():
+        old = [list(map(float, row)) for row in ctx.old_model(batch.images[:4]).features.double()]
+        new = [list(map(float, row)) for row in ctx.model(batch.images).features.double()]
+    weight = [list(map(float, row)) for row in ctx.model.classifier.weight.detach().double()]
+    targets = batch.targets.tolist()
+    dot = lambda a, b: sum(x * y for x, y in zip(a, b))  # noqa: E731
+    unit = lambda a: [x / math.sqrt(dot(a, a)) for x in a]  # noqa: E731
+    centres, lowest = {}, {}
+    for c in range(NUM_OLD):
+        members = [old[i] for i in range(4) if targets[i] == c]
+        centres[c] = unit([sum(m[j] for m in members) for j in range(len(members[0]))])
+        lowest[c] = min(dot(m, centres[c]) for m in members)
+    dim = len(weight[0])
+    align = sum((unit(weight[c])[j] - centres[c][j]) ** 2 for c in centres for j in range(dim)) / (len(centres) * dim)
+    hinges = [max(lowest[y] - dot(new[i], centres[y]), 0.0) for i, y in enumerate(targets) if y < NUM_OLD]
+    boundary = sum(hinges) / len(hinges)
+    assert float(parts["align"]) == pytest.approx(align, rel=1e-4)
+    assert float(parts["boundary"]) == pytest.approx(boundary, rel=1e-4, abs=1e-6)
+    assert loss.item() == pytest.approx(float(parts["ce"]) + 100.0 * align + boundary, rel=1e-4)
 
 
 def test_psp_and_lsp_features_by_hand():
