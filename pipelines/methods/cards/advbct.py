@@ -15,6 +15,18 @@ class AdvBCTParams(MethodParams):
     discriminator_hidden: int = Field(256, ge=1)
 
 
+PAPER = (
+    "NOT AdvBCT as its paper defines it (Pan et al., CVPR 2023, whose text is not in the project's paper set): an "
+    "approximation of its two ideas, an adversarial alignment of new and old feature distributions (gradient "
+    "reversal) and an elastic boundary around each old class, on top of the BCT influence term",
+    "its weights are this project's choices, not the paper's: lam_influence 1, lam_adv 0.1 (constant), "
+    "lam_boundary 1, elasticity 0.1 (a fixed enlargement of the mean cosine radius), discriminator d -> 256 -> 1, "
+    "gradient-reversal scale 1",
+    "known differences from a released re-implementation of the official code (yuleung/MixBCT BCT_Methods/AdvBCT): no "
+    "influence term; adversarial weight 4 x (E - e + 1) / E with the DANN schedule on the reversal; a learned "
+    "elastic radius per class from the farthest old feature (Euclidean on unit features), weight 4",
+)
+
 ADVBCT_ER = register_method(MethodCard(
     name="advbct-er", Params=AdvBCTParams, classifier="learnable", uses_replay=True, needs_old_model=True,
-    objective="pipelines.methods.advbct:AdvBCTER"))
+    objective="pipelines.methods.advbct:AdvBCTER", paper=PAPER))
