@@ -312,11 +312,11 @@ def test_cvs_relation_distillation_zero_iff_same_structure():
 
 def test_fan_adapters_compose_and_round_trip():
     """FAN's psi is the ``fan`` kind of the common adapter interface: stored and reloaded as every adapter is."""
-    method = get_method("fan", adapter_hidden=8)
+    method = get_method("fan", adapter_hidden=8, adapter_epochs=2)
     ctx, batch = make_context(method)
-    modules = method.setup(ctx)
+    assert method.setup(ctx) == []  # nothing trains with the model: psi is fitted after the update
     exported = method.export_state()["adapter"]
-    assert isinstance(exported, FanAdapter) and modules == [exported.net]
+    assert isinstance(exported, FanAdapter)
     rebuilt = load_adapter_bytes(save_adapter(exported))
     assert (rebuilt.kind, rebuilt.direction) == ("fan", "gallery")
     features = torch.nn.functional.normalize(torch.randn(3, K - 1), dim=1)
@@ -330,3 +330,33 @@ def test_fan_adapters_compose_and_round_trip():
     torch.testing.assert_close(twice, apply_chain(once, [rebuilt]))
     with pytest.raises(ValueError, match="expected metadata format"):
         load_adapter_bytes(__import__("safetensors.torch", fromlist=["save"]).save({"w": torch.ones(2)}))
+
+
+def test_fan_update_loss_and_adapter_fitted_after_the_update_on_old_new_pairs():
+    """The update's loss is CE + (1 - cos(new, old)) (fp64 loop); psi is fitted once training is over, on the pairs
+    (old model, updated model) of every task and memory image: the same weights as fitting a FanAdapter on pairs
+    computed here, and its fit lowers the pairs' squared error."""
+    method = get_method("fan", adapter_hidden=8, adapter_epochs=5, adapter_lr=1e-2)
+    ctx, batch = make_context(method)
+    ctx.model.eval()
+    method.setup(ctx)
+    loss, parts = method.loss(batch, ctx)
+    with torch.no_grad():
+        new = [list(map(float, r)) for r in torch.nn.functional.normalize(ctx.model(batch.images).features.double())]
+        old = [list(map(float, r)) for r in torch.nn.functional.normalize(ctx.old_model(batch.images).features.double())]
+    distill = sum(1.0 - sum(a * b for a, b in zip(n, o)) for n, o in zip(new, old)) / len(new)
+    assert float(parts["distill"]) == pytest.approx(distill, rel=1e-5)
+    assert loss.item() == pytest.approx(float(parts["ce"]) + distill, rel=1e-5)
+    ctx.model.train()
+    adapter = method.export_state()["adapter"]
+    assert ctx.model.training  # the pairs were taken in eval mode and the mode restored
+    task, memory = ~batch.is_memory, batch.is_memory
+    order = torch.cat([torch.nonzero(task).flatten(), torch.nonzero(memory).flatten()])  # task images first, then memory
+    ctx.model.eval()
+    with torch.no_grad():
+        old_pairs = ctx.old_model(batch.images[order]).features.float()
+        new_pairs = ctx.model(batch.images[order]).features.float()
+    reference = FanAdapter(hidden=8, epochs=5, lr=1e-2, seed=ctx.task).fit(old_pairs, new_pairs)
+    for name, value in adapter.net.state_dict().items():
+        torch.testing.assert_close(value, reference.net.state_dict()[name])
+    assert adapter.fit_loss[-1] < adapter.fit_loss[0]
