@@ -22,9 +22,12 @@ PAPER = (
     "its weights are this project's choices, not the paper's: lam_influence 1, lam_adv 0.1 (constant), "
     "lam_boundary 1, elasticity 0.1 (a fixed enlargement of the mean cosine radius), discriminator d -> 256 -> 1, "
     "gradient-reversal scale 1",
-    "known differences from a released re-implementation of the official code (yuleung/MixBCT BCT_Methods/AdvBCT): no "
-    "influence term; adversarial weight 4 x (E - e + 1) / E with the DANN schedule on the reversal; a learned "
-    "elastic radius per class from the farthest old feature (Euclidean on unit features), weight 4",
+    "known differences from the authors' released code (Ashespt/AdvBCT trainer/trainer.py, compatible loss "
+    "'bct_limit' with ELASTIC_BOUNDARY, configs/new_AdvBct.yml): there the total is CE + boundary + adversarial x "
+    "(E - e + 1) / E (epoch e of E, 0-based), no BCT influence term; the gradient reversal follows the DANN schedule "
+    "2 / (1 + exp(-10 p)) - 1 over training progress p; the boundary is the Euclidean distance of the unit new "
+    "feature to the old class centre beyond the class's largest old distance, moved by a learned elastic term "
+    "towards the threshold 1.0, averaged over the violating samples only",
 )
 
 ADVBCT_ER = register_method(MethodCard(
