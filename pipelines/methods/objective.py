@@ -90,6 +90,15 @@ class TaskContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     iterate_memory: Callable[[], Iterator[Batch]] | None = None
     iterate_task: Callable[[], Iterator[Batch]] | None = None
+    step: int = 0  # optimiser steps taken in this task before the current batch (the trainer sets it)
+    steps_per_epoch: int = 0
+    epochs: int = 0
+
+    def progress(self) -> tuple[int, float]:
+        """(0-based epoch, fraction of the task's steps done) of the current batch; (0, 0.0) outside a trainer."""
+        if self.steps_per_epoch <= 0 or self.epochs <= 0:
+            return 0, 0.0
+        return self.step // self.steps_per_epoch, self.step / (self.steps_per_epoch * self.epochs)
 
 
 class Method:
@@ -191,6 +200,7 @@ class ClassStatistics:
     radius: torch.Tensor
     present: torch.Tensor
     farthest: torch.Tensor | None = None
+    count: torch.Tensor | None = None  # (C_old,) old features summarised per class
 
 
 @torch.no_grad()
@@ -225,7 +235,7 @@ def old_class_statistics(ctx: TaskContext, num_classes: int) -> ClassStatistics 
     present = counts > 0
     radius = torch.where(present, distance_sums / counts.clamp_min(1.0), torch.zeros_like(distance_sums))
     return ClassStatistics(centres=centres.float(), radius=radius.float(), present=present,
-                           farthest=farthest.float())
+                           farthest=farthest.float(), count=counts.long())
 
 
 def boundary_hinge(

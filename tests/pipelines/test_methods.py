@@ -360,3 +360,88 @@ def test_fan_update_loss_and_adapter_fitted_after_the_update_on_old_new_pairs():
     for name, value in adapter.net.state_dict().items():
         torch.testing.assert_close(value, reference.net.state_dict()[name])
     assert adapter.fit_loss[-1] < adapter.fit_loss[0]
+
+
+def test_advbct_loss_equals_the_fp64_loop_of_the_authors_terms():
+    """CE + 1 * elastic boundary + 1 * (E - e + 1) / E * (NLL(D(new), 0) + NLL(D(old), 1)), every term written out:
+    the discriminator with batch-statistics BatchNorm, the boundary r_max +- sigmoid(w) |r_max - 1| in Euclidean
+    distance of unit features, averaged over violating samples; at step 5 of 4 epochs x 2 steps (epoch 2)."""
+    method = get_method("advbct-er")
+    assert (method.hparams.lam_boundary, method.hparams.lam_adv, method.hparams.threshold) == (1.0, 1.0, 1.0)
+    ctx, batch = make_context(method)
+    ctx.model.eval()
+    discriminator, elastic = method.setup(ctx)
+    ctx.step, ctx.steps_per_epoch, ctx.epochs = 5, 2, 4
+    assert ctx.progress() == (2, 5 / 8)
+    loss, parts = method.loss(batch, ctx)
+    to_lists = lambda t: [list(map(float, row)) for row in t.detach().double()]  # noqa: E731
+    with torch.no_grad():
+        new_emb = to_lists(ctx.model(batch.images).projection)
+        old_emb = to_lists(ctx.old_model(batch.images).projection)
+        new_feat = to_lists(ctx.model(batch.images).features)
+        old_feat = to_lists(ctx.old_model(batch.images[:4]).features)
+    targets = batch.targets.tolist()
+    dot = lambda a, b: sum(x * y for x, y in zip(a, b))  # noqa: E731
+    unit = lambda a: [x / math.sqrt(dot(a, a)) for x in a]  # noqa: E731
+    dist = lambda a, b: math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b)))  # noqa: E731
+
+    def discriminate(rows):
+        w1, b1 = to_lists(discriminator[0].weight), [float(v) for v in discriminator[0].bias]
+        gamma, beta = [float(v) for v in discriminator[1].weight], [float(v) for v in discriminator[1].bias]
+        w2, b2 = to_lists(discriminator[3].weight), [float(v) for v in discriminator[3].bias]
+        hidden = [[dot(w, x) + b for w, b in zip(w1, b1)] for x in rows]
+        n = len(rows)
+        for k in range(len(b1)):
+            mean = sum(h[k] for h in hidden) / n
+            var = sum((h[k] - mean) ** 2 for h in hidden) / n
+            for h in hidden:
+                h[k] = max(gamma[k] * (h[k] - mean) / math.sqrt(var + 1e-5) + beta[k], 0.0)
+        out = []
+        for h in hidden:
+            logits = [dot(w, h) + b for w, b in zip(w2, b2)]
+            top = max(logits)
+            norm = top + math.log(sum(math.exp(v - top) for v in logits))
+            out.append([v - norm for v in logits])
+        return out
+
+    adversarial = (-sum(row[0] for row in discriminate(new_emb)) / 8) + (-sum(row[1] for row in discriminate(old_emb)) / 8)
+    weights = [float(v) for v in elastic.weight]
+    hinges = []
+    for i, y in enumerate(targets):
+        members = [unit(old_feat[j]) for j in range(4) if targets[j] == y]
+        if y >= NUM_OLD or len(members) < 2:
+            continue
+        centre = unit([sum(m[k] for m in members) for k in range(len(members[0]))])
+        r_max = max(dist(m, centre) for m in members)
+        shift = abs(r_max - 1.0) / (1.0 + math.exp(-weights[y]))
+        radius = r_max + shift if r_max < 1.0 else r_max - shift
+        hinges.append(max(dist(unit(new_feat[i]), centre) - radius, 0.0))
+    violating = [h for h in hinges if h > 0]
+    boundary = sum(violating) / len(violating) if violating else 0.0
+    assert len(hinges) == 2  # the two samples of class 0, the only old class with two memory features
+    assert float(parts["adversarial"]) == pytest.approx(adversarial, rel=1e-4)
+    assert float(parts["boundary"]) == pytest.approx(boundary, rel=1e-4, abs=1e-6)
+    assert loss.item() == pytest.approx(float(parts["ce"]) + boundary + 0.75 * adversarial, rel=1e-4)
+
+
+def test_advbct_reverses_the_new_embeddings_gradient_by_the_dann_factor():
+    """The discriminator's loss reaches the new model negated and scaled by 2 / (1 + exp(-10 p)) - 1."""
+    method = get_method("advbct-er", lam_boundary=0.0)
+    ctx, batch = make_context(method)
+    ctx.model.eval()
+    discriminator, _ = method.setup(ctx)
+    ctx.step, ctx.steps_per_epoch, ctx.epochs = 3, 2, 4
+    alpha = 2.0 / (1.0 + math.exp(-10.0 * 3 / 8)) - 1.0
+    captured = {}
+    handle = ctx.model.junction.register_forward_hook(lambda m, i, o: captured.__setitem__("out", o))
+    loss, _ = method.loss(batch, ctx)
+    handle.remove()
+    out = captured["out"]
+    (total_grad,) = torch.autograd.grad(loss, out, retain_graph=True)
+    ce = torch.nn.functional.cross_entropy(ctx.model.logits_from_projection(out).float(), batch.targets)
+    (ce_grad,) = torch.autograd.grad(ce, out)
+    reversed_grad = total_grad - ce_grad  # the adversarial term's share (decay (4 - 1 + 1) / 4 = 1)
+    embedding = captured["out"].detach().clone().requires_grad_(True)
+    direct = torch.nn.functional.nll_loss(discriminator(embedding), torch.zeros(8, dtype=torch.long))
+    direct.backward()
+    torch.testing.assert_close(reversed_grad, -alpha * embedding.grad, rtol=1e-4, atol=1e-7)

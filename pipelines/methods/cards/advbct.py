@@ -8,26 +8,30 @@ from pipelines.methods.card import MethodCard, MethodParams, register_method
 
 
 class AdvBCTParams(MethodParams):
-    lam_influence: float = Field(1.0, ge=0.0)
-    lam_adv: float = Field(0.1, ge=0.0)
-    lam_boundary: float = Field(1.0, ge=0.0)
-    elasticity: float = Field(0.1, ge=0.0)
-    discriminator_hidden: int = Field(256, ge=1)
+    lam_boundary: float = Field(1.0, ge=0.0, description="weight of the elastic boundary loss (authors' code: 1)")
+    lam_adv: float = Field(1.0, ge=0.0, description="weight of the adversarial loss before its epoch decay "
+                           "(E - e + 1) / E (authors' code: 1)")
+    threshold: float = Field(1.0, gt=0.0, description="the radius the elastic boundary moves towards (authors' "
+                             "code: TRAIN.THRESHOLD 1.0)")
+    discriminator_hidden: int = Field(100, ge=1, description="hidden width of the discriminator (authors' code: 100)")
 
 
 PAPER = (
-    "NOT AdvBCT as its paper defines it (Pan et al., CVPR 2023, whose text is not in the project's paper set): an "
-    "approximation of its two ideas, an adversarial alignment of new and old feature distributions (gradient "
-    "reversal) and an elastic boundary around each old class, on top of the BCT influence term",
-    "its weights are this project's choices, not the paper's: lam_influence 1, lam_adv 0.1 (constant), "
-    "lam_boundary 1, elasticity 0.1 (a fixed enlargement of the mean cosine radius), discriminator d -> 256 -> 1, "
-    "gradient-reversal scale 1",
-    "known differences from the authors' released code (Ashespt/AdvBCT trainer/trainer.py, compatible loss "
-    "'bct_limit' with ELASTIC_BOUNDARY, configs/new_AdvBct.yml): there the total is CE + boundary + adversarial x "
-    "(E - e + 1) / E (epoch e of E, 0-based), no BCT influence term; the gradient reversal follows the DANN schedule "
-    "2 / (1 + exp(-10 p)) - 1 over training progress p; the boundary is the Euclidean distance of the unit new "
-    "feature to the old class centre beyond the class's largest old distance, moved by a learned elastic term "
-    "towards the threshold 1.0, averaged over the violating samples only",
+    "AdvBCT (Pan et al., CVPR 2023) as the authors' released code defines it (Ashespt/AdvBCT: trainer/trainer.py, "
+    "models/base_model.py, models/modules.py, configs/new_AdvBct.yml; the paper's text is not in the project's "
+    "paper set, so its sentences are not quoted): CE + lam_boundary x elastic boundary + lam_adv x (E - e + 1) / E x "
+    "adversarial, at epoch e (0-based) of E, without a BCT influence term",
+    "adversarial: a discriminator Linear(d, 100)-BatchNorm-ReLU-Linear(100, 2)-LogSoftmax tells the old model's "
+    "embeddings (label 1) from the new model's (label 0, through a gradient reversal scaled by 2 / (1 + exp(-10 p)) "
+    "- 1 at training progress p), NLL of each, summed",
+    "elastic boundary: for a sample of an old class with more than one old feature, max(||unit(new) - c_y|| - r_y, "
+    "0) with c_y the old unit class centre and r_y = r_max +- sigmoid(w_y) |r_max - threshold| (+ when r_max < "
+    "threshold), r_max the largest Euclidean distance of the class's unit old features to c_y and w_y a learned "
+    "weight per class (initialised uniform in [-1, 1]); averaged over the violating samples only",
+    "choices (the lifelong setting the paper does not have): class centres and radii from the old model over the "
+    "replay memory, computed once per task with evaluation transforms; softmax cross-entropy on the learnable "
+    "classifier (the authors' landmark runs use ArcFace); embeddings are the junction outputs (the authors' are the "
+    "BatchNorm-ed projection)",
 )
 
 ADVBCT_ER = register_method(MethodCard(
