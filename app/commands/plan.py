@@ -15,6 +15,7 @@ from pipelines.config.load import ConfigError, load_config
 from pipelines.graph.compile import compile_scenario, describe
 from pipelines.graph.plan_cost import cost_lines
 from pipelines.graph.source_digests import file_digest
+from pipelines.methods import METHODS
 from pipelines.store.run_store import RunStore
 
 PREFLIGHT_MODULE = "pipelines.config.preflight"  # --check-data: loads weights into models (torch)
@@ -117,4 +118,17 @@ def describe_paper(config) -> str:
     if paper is not None and paper.choices:
         lines.append("  choices where the papers and their public code are silent:")
         lines += [f"    - {item}" for item in paper.choices]
+    if paper is not None and paper.public_code_differences:
+        lines.append("  differences from the public code (its value and file:line):")
+        lines += [f"    - {item}" for item in paper.public_code_differences]
+    card = METHODS.get(config.method.name)
+    if card.paper:
+        lines.append(f"  method {card.name}, from its paper:")
+        lines += [f"    - {item}" for item in card.paper]
+    if config.evaluation.closed_set:
+        lines.append(CLOSED_SET_LINE)
     return "\n".join(lines)
+
+
+CLOSED_SET_LINE = ("evaluation.closed_set: true (open-set guard overridden: the query and gallery sets may hold "
+                   "classes the models were trained on)")

@@ -42,6 +42,12 @@ class DatasetInfo:
     loader: Callable[..., ImageSource] | None = field(default=None, repr=False, compare=False)
     generated: bool = False  # images made by the reader itself: ``root`` is only where it caches them, no input
     derived_splits: Callable[[], tuple[str, ...]] | None = field(default=None, repr=False, compare=False)
+    class_space: str | None = None  # datasets naming the same class space compare class identities (None: own name)
+
+    @property
+    def space(self) -> str:
+        """The class space of this dataset: datasets of one space share class identities (CIFAR100R, CIFAR-100)."""
+        return self.class_space or self.name
 
 
 def register_dataset(
@@ -53,15 +59,18 @@ def register_dataset(
     options: Mapping[str, str] | None = None,
     default_root: str | None = None,
     generated: bool = False,
+    class_space: str | None = None,
 ):
     """Decorator registering ``loader(root, split, **options) -> ImageSource`` under ``name`` with its description
     (generated: the reader makes its images and reads no data from ``root``). ``splits``: the accepted split names,
-    or a callable listing them when the dataset is looked up (splits that depend on the other datasets)."""
+    or a callable listing them when the dataset is looked up (splits that depend on the other datasets).
+    ``class_space``: the name of the dataset whose classes this one draws from (a subsample of another dataset), so
+    the open-set guard compares their class identities; None: a class space of its own."""
 
     def _register(loader: Callable[..., ImageSource]) -> Callable[..., ImageSource]:
         derived = splits if callable(splits) else None
         info = DatasetInfo(name, summary, () if derived else tuple(splits), layout, dict(options or {}),
-                           default_root, loader, generated, derived)
+                           default_root, loader, generated, derived, class_space)
         DATASETS.register(name, info)
         return loader
 

@@ -11,9 +11,8 @@ Directions (what ``source`` and ``target`` are):
   ridge regression), ``mlp`` (residual MLP);
 - the gallery transformations map the **old** model's gallery features into the **new** model's space, so the
   gallery is upgraded without re-running the new model on its images: ``fct`` (FCT-style, Ramanujan et al. 2022,
-  GELU MLP) and ``fan`` (FAN's psi, Iscen et al. 2020: Linear-ReLU-Linear). The FAN method trains its ``fan``
-  adapter jointly with the model (:meth:`TrainedAdapter.build` + :meth:`TrainedAdapter.objective`); every other
-  trained adapter is fitted offline by ``fit``. Adapters chain (:func:`apply_chain`): FAN maps a gallery of model
+  GELU MLP) and ``fan`` (FAN's psi, Iscen et al. 2020: Linear-ReLU-Linear). Trained adapters are fitted by ``fit``
+  on paired features (the FAN method fits its ``fan`` adapter after each model update). Adapters chain (:func:`apply_chain`): FAN maps a gallery of model
   k into model t's space through psi_{k+1}, ..., psi_t.
 
 Features are L2-normalised before fitting and before applying (retrieval is by cosine similarity); outputs are not
@@ -189,7 +188,7 @@ class TrainedAdapter(Adapter):
 
     ``build(d_in, d_out)`` creates the network (initial weights drawn from torch's global generator);
     ``objective(x, y)`` is the differentiable loss on normalised paired features, shared by ``fit`` (Adam, seeded)
-    and by a method that trains the adapter jointly with its model (FAN).
+    and by any method that trains an adapter jointly with its model.
     """
 
     def __init__(self, hidden: int = 512, epochs: int = 30, lr: float = 1e-3, batch_size: int = 256,
@@ -284,7 +283,7 @@ class FanAdapter(TrainedAdapter):
     """FAN's adaptation network psi (Iscen et al., ECCV 2020), old -> new gallery: ``W2 ReLU(W1 x + b1) + b2``.
 
     Tensor names are those of ``nn.Sequential(Linear, ReLU, Linear)`` (``0.weight`` ... ``2.bias``). The FAN
-    method trains it jointly with the model; ``fit`` trains it offline on paired features like the other MLPs.
+    method fits it with ``fit`` after each model update, on paired features of the old and the updated model.
     """
 
     kind = "fan"

@@ -208,6 +208,10 @@ class EvaluationSpec(StrictModel):
     gallery: Literal["instances", "class_means"] = "instances"
     label_level: Literal["fine", "coarse"] = "fine"
     strict: bool = Field(True, description="compatibility criterion uses > (True) or >= (False)")
+    closed_set: bool = Field(
+        False, description="the named override of the open-set guard: True lets the query and gallery sets hold "
+        "training classes (a closed-set protocol, e.g. PSP Tab. 1(a) on the CIFAR100 test set); `compat plan` prints "
+        "it. False (default): a test class seen in training refuses the run")
     far: float = Field(1e-3, gt=0.0, lt=1.0, description="false-acceptance rate for tar_at_far")
     verification_pairs: int = Field(3000, ge=1, description="positive (and as many negative) pairs for verification")
     feature_dtype: Literal["float16", "float32"] = "float16"
@@ -259,6 +263,9 @@ class PaperSpec(StrictModel):
                                    "the public code that produced the tables")
     choices: list[str] = Field(default_factory=list, description="settings neither the papers nor their public code "
                                "state, and our choice")
+    public_code_differences: list[str] = Field(
+        default_factory=list, description="settings where this config differs from the public code that produced "
+        "the tables, each with the public code's value and its file:line (and the --set that follows it, if any)")
 
 
 class OutputSpec(StrictModel):

@@ -191,6 +191,8 @@ def open_set_problems(config: ScenarioConfig) -> list[str]:
     """The open-set guard on what is visible without the data: the same class space cannot feed training and test
     with overlapping (or unrestricted) class lists (the data-level guard runs where the test pools are read)."""
     problems = []
+    if config.evaluation.closed_set:
+        return problems  # the named override: test classes may be training classes (printed by `compat plan`)
     training_pools = [("data", config.data)] + [(f"pretrain[{i}].pool", p.pool) for i, p in enumerate(config.pretrain)]
     training_pools += [(f"tasks.sources[{i}].data", s.data) for i, s in enumerate(config.tasks.sources)]
     for test_key, test_pool in (("evaluation.query_set", config.evaluation.query_set),
@@ -201,7 +203,8 @@ def open_set_problems(config: ScenarioConfig) -> list[str]:
             if train_pool.classes is None or test_pool.classes is None:
                 problems.append(f"{test_key}: draws from the same dataset split as {train_key} "
                                 f"({train_pool.dataset}/{train_pool.split}) without disjoint 'classes' lists; "
-                                f"the open-set protocol needs test classes never seen in training")
+                                f"the open-set protocol needs test classes never seen in training (a closed-set "
+                                f"protocol: evaluation.closed_set: true)")
                 continue
             overlap = sorted(set(train_pool.classes) & set(test_pool.classes))
             if overlap:

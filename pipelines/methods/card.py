@@ -33,6 +33,8 @@ class MethodCard:
     requires_initial_state (the loop restarts from the weights drawn once for the sequence), independent_init (every
     step draws its own initial weights), training_free (compatibility comes from projecting the classifier outputs at
     extraction), adapts_gallery (matrix entries map gallery features through adapters the method trains).
+    paper: what the method takes from its own paper (formula, weights) and which values the paper leaves open and
+    are choices here, one line each; `compat plan` prints them under the config's paper section.
     """
 
     name: str
@@ -46,6 +48,7 @@ class MethodCard:
     independent_init: bool = False
     training_free: bool = False
     adapts_gallery: bool = False
+    paper: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.classifier not in CLASSIFIERS:

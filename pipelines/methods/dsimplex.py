@@ -24,8 +24,8 @@ class DSimplexHOC(Method):
     lam). At a replacement the old model is the newly loaded one (the stage passes it), as in the reference, or the
     model it replaces with ``replacements[].anchor: replaced`` (InfoNCE then pulls the new model onto the features the
     index holds: what the upgrade gate M(new, old) > M(old, old) asks for); so is
-    the loaded ``initial_model`` at the first task (a choice: the papers do not say, and without it the first
-    fine-tuned model drifted so far from its third-party start that no later model stayed compatible with it). The
+    the loaded ``initial_model`` at the first task (the public IAM-CL2R code's behaviour: it counts task 1 among the
+    replacement tasks, so the first task's old model is the pre-trained one; the papers do not say). The
     total equals ``compat_core.losses.hoc_loss`` on the same tensors; its two terms are computed once each so they
     can be logged.
     """

@@ -20,16 +20,14 @@ from pipelines.methods.cards import lce as cards
 class LCEER(Method):
     """``CE + lam_align * L_align + lam_boundary * L_boundary`` (LCE's alignment + compatible-boundary terms).
 
-    - L_align: the new classifier's prototypes of old classes are aligned with the old model's class centres,
-      ``mean_c (1 - cos(W_new[c], centre_old[c]))``. LCE learns a transformation between the two spaces; here both
-      live in the same (K-1)-dim junction space and the new model starts from the old one, so the identity
-      mapping is used (the variant the 2026 paper mentions: "direct comparison using an identity mapping").
+    - L_align: the new classifier's L2-normalised prototypes of old classes against the old model's class centres,
+      ``mean over classes and dimensions of (W_new[c] / ||W_new[c]|| - centre_old[c])^2`` (= mean_c (2 - 2 cos) / d),
+      with the identity mapping (both live in the same junction space and the new model starts from the old one).
     - L_boundary: a new feature of an old class must fall inside that class's old boundary,
-      ``relu((1 - cos(new_i, centre_{y_i})) - r_{y_i})`` with ``r`` the old features' mean cosine distance to their
-      centre.
-    Centres and radii are computed once per task with the frozen old model over the replay memory (the only old
-    data available). Defaults lam_align 1, lam_boundary 1 (LCE uses unit weights). Without a previous model or
-    memory the loss is the CE alone.
+      ``relu(min_j cos(old_j, c_y) - cos(new_i, c_y))``: the farthest old member of the class sets the boundary.
+    Centres and boundaries are computed once per task with the frozen old model over the replay memory (the only old
+    data available). Defaults lam_align 100, lam_boundary 1 (the authors' released code). Without a previous model
+    or memory the loss is the CE alone.
     """
 
     card = cards.LCE_ER
@@ -55,8 +53,9 @@ class LCEER(Method):
         num_old = stats.centres.shape[0]
         prototypes = F.normalize(head.weight[:num_old].float(), dim=1)
         present = stats.present.float()
-        align = ((1.0 - (prototypes * stats.centres).sum(dim=1)) * present).sum() / present.sum().clamp_min(1.0)
-        boundary = boundary_hinge(output.features, batch.targets, stats)
+        squared = ((prototypes - stats.centres) ** 2).sum(dim=1)
+        align = (squared * present).sum() / (present.sum().clamp_min(1.0) * prototypes.shape[1])
+        boundary = boundary_hinge(output.features, batch.targets, stats, radius=stats.farthest)
         hp = self.hparams
         total = ce + hp.lam_align * align + hp.lam_boundary * boundary
         return total, {"ce": ce.detach(), "align": align.detach(), "boundary": boundary.detach()}

@@ -77,7 +77,8 @@ class TaskContext:
     classes introduced by this task (count). hparams: the method's validated hyper-parameters. device: where the
     batches live. iterate_memory: None, or a callable returning an iterator of :class:`Batch` over the replay
     memory with evaluation transforms (each memory sample once), for methods that summarise old classes in
-    ``setup``.
+    ``setup``. iterate_task: the same over the task's own samples (each once), for methods that summarise the
+    task's new classes in ``setup`` (BCT's synthesised old-classifier rows).
     """
 
     model: nn.Module
@@ -88,6 +89,16 @@ class TaskContext:
     hparams: Any
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     iterate_memory: Callable[[], Iterator[Batch]] | None = None
+    iterate_task: Callable[[], Iterator[Batch]] | None = None
+    step: int = 0  # optimiser steps taken in this task before the current batch (the trainer sets it)
+    steps_per_epoch: int = 0
+    epochs: int = 0
+
+    def progress(self) -> tuple[int, float]:
+        """(0-based epoch, fraction of the task's steps done) of the current batch; (0, 0.0) outside a trainer."""
+        if self.steps_per_epoch <= 0 or self.epochs <= 0:
+            return 0, 0.0
+        return self.step // self.steps_per_epoch, self.step / (self.steps_per_epoch * self.epochs)
 
 
 class Method:
@@ -181,12 +192,15 @@ class ClassStatistics:
     """Old-model class summaries over the replay memory, in the old model's L2-normalised feature space.
 
     centres: (C_old, d) unit class-mean directions (zero rows for classes without memory samples); radius:
-    (C_old,) mean cosine distance (1 - cos) of the class's old features to its centre; present: (C_old,) bool.
+    (C_old,) mean cosine distance (1 - cos) of the class's old features to its centre; farthest: (C_old,) the
+    largest such distance (the class's farthest member, LCE's boundary); present: (C_old,) bool.
     """
 
     centres: torch.Tensor
     radius: torch.Tensor
     present: torch.Tensor
+    farthest: torch.Tensor | None = None
+    count: torch.Tensor | None = None  # (C_old,) old features summarised per class
 
 
 @torch.no_grad()
@@ -213,19 +227,25 @@ def old_class_statistics(ctx: TaskContext, num_classes: int) -> ClassStatistics 
         return None
     centres = F.normalize(sums, dim=1)
     distance_sums = torch.zeros(num_classes, dtype=torch.float64, device=ctx.device)
+    farthest = torch.zeros(num_classes, dtype=torch.float64, device=ctx.device)
     for features, targets in stored:
-        distance_sums.index_add_(0, targets, 1.0 - (features * centres[targets]).sum(dim=1))
+        distances = 1.0 - (features * centres[targets]).sum(dim=1)
+        distance_sums.index_add_(0, targets, distances)
+        farthest.scatter_reduce_(0, targets, distances, reduce="amax")
     present = counts > 0
     radius = torch.where(present, distance_sums / counts.clamp_min(1.0), torch.zeros_like(distance_sums))
-    return ClassStatistics(centres=centres.float(), radius=radius.float(), present=present)
+    return ClassStatistics(centres=centres.float(), radius=radius.float(), present=present,
+                           farthest=farthest.float(), count=counts.long())
 
 
 def boundary_hinge(
-    new_features: torch.Tensor, targets: torch.Tensor, stats: ClassStatistics, scale: float = 1.0
+    new_features: torch.Tensor, targets: torch.Tensor, stats: ClassStatistics, scale: float = 1.0,
+    radius: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean ``relu((1 - cos(new_i, c_{y_i})) - scale * r_{y_i})`` over samples of classes in ``stats`` (0 if none).
 
-    Pulls a new feature inside the old class's boundary (the radius of the old features around their centre).
+    Pulls a new feature inside the old class's boundary: ``r`` is ``radius`` (C_old,) when given (LCE: the
+    farthest member's distance), else the mean distance of the old features to their centre.
     """
     num_classes = stats.centres.shape[0]
     valid = targets < num_classes
@@ -233,7 +253,8 @@ def boundary_hinge(
     valid = valid & stats.present[safe]
     new_unit = F.normalize(new_features.float(), dim=1)
     distance = 1.0 - (new_unit * stats.centres[safe]).sum(dim=1)
-    hinge = F.relu(distance - scale * stats.radius[safe]) * valid.float()
+    bound = stats.radius if radius is None else radius
+    hinge = F.relu(distance - scale * bound[safe]) * valid.float()
     return hinge.sum() / valid.float().sum().clamp_min(1.0)
 
 

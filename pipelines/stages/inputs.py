@@ -54,6 +54,7 @@ class OpenSetPools(FrozenInputs):
 
     training: tuple[tuple[str, PoolSpec], ...]
     tests: tuple[tuple[str, PoolSpec], ...]
+    closed_set: bool = False  # evaluation.closed_set: the guard is overridden by name
 
     @classmethod
     def of(cls, config: ScenarioConfig) -> "OpenSetPools":
@@ -61,7 +62,8 @@ class OpenSetPools(FrozenInputs):
                                                               for p in config.pretrain)
                    + tuple((f"tasks.sources[{i}].data", s.data) for i, s in enumerate(config.tasks.sources)),
                    tests=(("evaluation.query_set", config.evaluation.query_set),
-                          ("evaluation.gallery_set", config.evaluation.gallery_set)))
+                          ("evaluation.gallery_set", config.evaluation.gallery_set)),
+                   closed_set=config.evaluation.closed_set)
 
 
 class DataGuards(FrozenInputs):

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from compat_core.data.datasets import load_dataset
+from compat_core.data.datasets import dataset_info, load_dataset
 from compat_core.data.replay_parquet import encoded_images
 from compat_core.data.source import keep_rows
 from compat_core.data.tasks import build_task_sequence
@@ -216,30 +216,36 @@ def check_pools_open_set(config: ScenarioConfig) -> None:
 
 def check_open_set_pools(pools: OpenSetPools) -> None:
     """Data-level open-set guard: no fine class of a training pool (fine-tuning data, every pre-training pool)
-    may occur in the query or gallery set. Raises ValueError naming both pools; checked once per process.
+    may occur in the query or gallery set. Raises ValueError naming both pools and the override; checked once per
+    process. ``pools.closed_set`` (``evaluation.closed_set: true``) is the named override: nothing is checked.
 
-    Class ids are compared only between pools of the *same* dataset (same registry name), since ids of different
-    datasets live in different spaces (CIFAR-100 id 3 is not CIFAR-10 id 3; CUB180 and CUB20 renumber their
-    classes). Pools of different datasets are disjoint by the protocol that pairs them (CIFAR-100 -> CIFAR-10,
-    CUB180 -> CUB20, CASIA-WebFace -> CelebA, ...), which each shipped config states in its ``paper`` section.
+    Class ids are compared only between pools of the same *class space* (a dataset and those registered as drawing
+    from it, e.g. ``cifar100r`` and ``cifar100``), since ids of different datasets live in different spaces
+    (CIFAR-100 id 3 is not CIFAR-10 id 3; CUB180 and CUB20 renumber their classes). Pools of different spaces are
+    disjoint by the protocol that pairs them (CIFAR-100 -> CIFAR-10, CUB180 -> CUB20, CASIA-WebFace -> CelebA, ...),
+    which each shipped config states in its ``paper`` section.
     """
+    if pools.closed_set:
+        return
     key = stable_hash([pools.model_dump(mode="json"), os.getcwd()])
     if key in _OPEN_SET_CHECKED:
         return
     for test_key, test_spec in pools.tests:
-        same_dataset = [(k, s) for k, s in pools.training if s.dataset == test_spec.dataset]
-        if not same_dataset:
+        test_space = dataset_info(test_spec.dataset).space
+        same_space = [(k, s) for k, s in pools.training if dataset_info(s.dataset).space == test_space]
+        if not same_space:
             continue
         test_classes = class_identities(load_pool(test_spec, test_key))
-        for train_key, train_spec in same_dataset:
+        for train_key, train_spec in same_space:
             train_classes = class_identities(load_pool(train_spec, train_key))
             overlap = np.intersect1d(train_classes, test_classes)
             if overlap.size:
                 shown = overlap[:20].tolist()
                 raise ValueError(
-                    f"open-set violation: {overlap.size} class(es) of dataset {test_spec.dataset!r} appear in both "
-                    f"{train_key} and {test_key}: {shown}{' ...' if overlap.size > 20 else ''}; training and test "
-                    f"classes must be disjoint")
+                    f"open-set violation: {overlap.size} class(es) of class space {test_space!r} appear in both "
+                    f"{train_key} ({train_spec.dataset}) and {test_key} ({test_spec.dataset}): {shown}"
+                    f"{' ...' if overlap.size > 20 else ''}; training and test classes must be disjoint, or set "
+                    f"evaluation.closed_set: true for a closed-set protocol (test classes seen in training)")
     _OPEN_SET_CHECKED.add(key)
 
 

@@ -52,3 +52,8 @@ class _Loader:
         positions = np.arange(self.num_task, self.all_indices.size, dtype=np.int64)
         for start in range(0, positions.size, batch_size):
             yield self.batch(positions[start : start + batch_size])
+
+    def task_batches(self, batch_size: int) -> Iterator[Batch]:
+        positions = np.arange(0, self.num_task, dtype=np.int64)
+        for start in range(0, positions.size, batch_size):
+            yield self.batch(positions[start : start + batch_size])

@@ -278,14 +278,16 @@ class Trainer:
         """The method's task context and setup (in eval mode: setup statistics such as old-class centres must not
         update batch-norm buffers); the extra modules it returns train with the model."""
         data, config = self.data, self.config
+        # summaries taken in setup (old-class centres, synthesised classifier rows) see un-augmented images
+        eval_loader = _Loader(data, self.model, self.device, train=False, augment=False, seed=0)
         memory_iterator = None
         if data.has_memory:
-            # summaries of the memory taken in setup (old-class centres) see un-augmented images
-            eval_loader = _Loader(data, self.model, self.device, train=False, augment=False, seed=0)
             memory_iterator = lambda: eval_loader.memory_batches(config.eval_batch_size)  # noqa: E731
         self.ctx = TaskContext(model=self.model, old_model=self.old_model, task=data.task,
                                num_old_classes=data.num_old_classes, num_new_classes=data.num_new_classes,
-                               hparams=self.method.hparams, device=self.device, iterate_memory=memory_iterator)
+                               hparams=self.method.hparams, device=self.device, iterate_memory=memory_iterator,
+                               iterate_task=lambda: eval_loader.task_batches(config.eval_batch_size),
+                               steps_per_epoch=self.steps_per_epoch, epochs=config.epochs)
         self.model.eval()
         with precision_context(self.device, config.autocast):
             self.extra_modules = self.method.setup(self.ctx)
@@ -367,6 +369,7 @@ class Trainer:
             for wrapper in (self.ctx.model, self.ctx.old_model):
                 if wrapper is not None:
                     wrapper.total = positions.size
+        self.ctx.step = self.stats.step
         with precision_context(self.device, self.config.autocast):
             loss, parts = self.method.loss(batch, self.ctx)
         self.optimizer.zero_grad(set_to_none=True)

@@ -195,12 +195,12 @@ def test_method_params_are_the_methods_pydantic_model_checked_at_load():
     with pytest.raises(ConfigError, match=r"method\.params\.rho: Input should be a valid number \(got '5'\)"):
         validate_config(_with("method.params.rho", "'5'"))
     document = _with("method.name", "fan")  # the demo's HOC params belong to another method
-    with pytest.raises(ConfigError, match=r"method\.params\.lam: unknown key; valid: adapter_hidden, lam_adapter, "
-                                          r"lam_distill"):
+    with pytest.raises(ConfigError, match=r"method\.params\.lam: unknown key; valid: adapter_epochs, adapter_hidden, "
+                                          r"adapter_lr, lam_distill"):
         validate_config(document)
     document["method"]["params"] = {"adapter_hidden": 8}
     params = validate_config(document).method.params
-    assert params.model_dump() == {"lam_distill": 1.0, "lam_adapter": 1.0, "adapter_hidden": 8}
+    assert params.model_dump() == {"lam_distill": 1.0, "adapter_hidden": 8, "adapter_epochs": 30, "adapter_lr": 1e-3}
     from pipelines.config.load import config_to_dict
 
     assert config_to_dict(validate_config(document))["method"]["params"]["adapter_hidden"] == 8

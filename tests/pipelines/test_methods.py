@@ -49,8 +49,12 @@ def make_context(method, with_old: bool = True):
         keep = batch.is_memory
         yield Batch(images=batch.images[keep], targets=batch.targets[keep], is_memory=batch.is_memory[keep])
 
+    def iterate_task():
+        keep = ~batch.is_memory
+        yield Batch(images=batch.images[keep], targets=batch.targets[keep], is_memory=batch.is_memory[keep])
+
     ctx = TaskContext(model=model, old_model=old, task=1, num_old_classes=NUM_OLD, num_new_classes=NUM_NEW,
-                      hparams=method.hparams, iterate_memory=iterate_memory)
+                      hparams=method.hparams, iterate_memory=iterate_memory, iterate_task=iterate_task)
     return ctx, batch
 
 
@@ -178,20 +182,50 @@ def test_fd_distils_memory_samples_only():
     assert float(parts_without["fd"]) == 0.0 and loss_without.item() == pytest.approx(sce, rel=1e-6)
 
 
-def test_bct_influence_term_uses_old_head_on_new_features_for_old_classes():
+def bct_influence_loop(new_inputs, old_inputs, targets, old_weight, num_old):
+    """BCT's influence loss written out in fp64 loops: the old classifier's rows for old classes, for each new class
+    the mean of the old model's classifier inputs over its images, then the mean over samples of
+    -log softmax(W x_new)[y]."""
+    rows = [list(map(float, row)) for row in old_weight]
+    for c in range(num_old, int(max(targets)) + 1):
+        members = [old_inputs[i] for i in range(len(targets)) if targets[i] == c]
+        rows.append([sum(float(m[j]) for m in members) / len(members) for j in range(len(old_weight[0]))])
+    total = 0.0
+    for i, y in enumerate(targets):
+        logits = [sum(float(new_inputs[i][j]) * row[j] for j in range(len(row))) for row in rows]
+        top = max(logits)
+        total += -(logits[int(y)] - top - math.log(sum(math.exp(v - top) for v in logits)))
+    return total / len(targets)
+
+
+def test_bct_influence_loss_with_synthesised_new_class_rows_equals_the_fp64_loop():
+    """Every sample counts: old classes through the old head, the task's new classes through rows synthesised as the
+    mean old-model classifier input of their images (BCT's new-class classifier)."""
     method = get_method("bct-er", lam=0.5)
     ctx, batch = make_context(method)
     ctx.model.eval()
+    method.setup(ctx)
     loss, parts = method.loss(batch, ctx)
-    projection = ctx.model(batch.images).projection.detach().double().numpy()
-    old_weight = ctx.old_model.classifier.weight.double().numpy()  # (3, K-1)
-    logits = projection @ old_weight.T
-    targets = batch.targets.numpy()
-    selected = targets < NUM_OLD
-    log_probs = logits - np.log(np.exp(logits).sum(1, keepdims=True))
-    influence = float(-log_probs[selected, targets[selected]].mean())
-    assert float(parts["influence"]) == pytest.approx(influence, rel=1e-5)
-    assert loss.item() == pytest.approx(float(parts["ce"]) + 0.5 * influence, rel=1e-5)
+    with torch.no_grad():
+        new_inputs = ctx.model(batch.images).projection.double().numpy()
+        old_inputs = ctx.old_model(batch.images).projection.double().numpy()
+    old_weight = ctx.old_model.classifier.weight.detach().double().numpy()  # (3, K-1), no bias
+    assert ctx.old_model.classifier.bias is None
+    targets = batch.targets.tolist()
+    assert max(targets) >= NUM_OLD and sum(t >= NUM_OLD for t in targets) == 4  # new-class samples are scored
+    expected = bct_influence_loop(new_inputs, old_inputs, targets, old_weight, NUM_OLD)
+    assert float(parts["influence"]) == pytest.approx(expected, rel=1e-5)
+    assert loss.item() == pytest.approx(float(parts["ce"]) + 0.5 * expected, rel=1e-5)
+    # the old-class-only variant (the earlier approximation) is a different number
+    old_only = bct_influence_loop(new_inputs[:4], old_inputs[:4], targets[:4], old_weight, NUM_OLD)
+    assert abs(old_only - expected) > 1e-3
+
+
+def test_bct_needs_setup_before_the_loss():
+    method = get_method("bct-er")
+    ctx, batch = make_context(method)
+    with pytest.raises(ValueError, match="bct-er: setup"):
+        method.loss(batch, ctx)
 
 
 def test_boundary_hinge_by_hand():
@@ -219,6 +253,38 @@ def test_lce_statistics_are_old_class_centres_over_memory():
     radius0 = np.mean([1 - old[0] @ centre0, 1 - old[3] @ centre0])
     assert float(method.stats.radius[0]) == pytest.approx(radius0, abs=1e-5)
     assert float(method.stats.radius[1]) == pytest.approx(0.0, abs=1e-6)  # one sample is its own centre
+    farthest0 = max(1 - old[0] @ centre0, 1 - old[3] @ centre0)
+    assert float(method.stats.farthest[0]) == pytest.approx(farthest0, abs=1e-5)
+
+
+def test_lce_loss_equals_the_fp64_loop_of_its_terms():
+    """CE + 100 * mean((W_c / ||W_c|| - centre_c)^2) + 1 * mean over old-class samples of
+    max(min_j cos(old_j, centre_y) - cos(new_i, centre_y), 0), every term written out over classes and samples."""
+    method = get_method("lce-er")
+    assert (method.hparams.lam_align, method.hparams.lam_boundary) == (100.0, 1.0)
+    ctx, batch = make_context(method)
+    ctx.model.eval()
+    method.setup(ctx)
+    loss, parts = method.loss(batch, ctx)
+    with torch.no_grad():
+        old = [list(map(float, row)) for row in ctx.old_model(batch.images[:4]).features.double()]
+        new = [list(map(float, row)) for row in ctx.model(batch.images).features.double()]
+    weight = [list(map(float, row)) for row in ctx.model.classifier.weight.detach().double()]
+    targets = batch.targets.tolist()
+    dot = lambda a, b: sum(x * y for x, y in zip(a, b))  # noqa: E731
+    unit = lambda a: [x / math.sqrt(dot(a, a)) for x in a]  # noqa: E731
+    centres, lowest = {}, {}
+    for c in range(NUM_OLD):
+        members = [old[i] for i in range(4) if targets[i] == c]
+        centres[c] = unit([sum(m[j] for m in members) for j in range(len(members[0]))])
+        lowest[c] = min(dot(m, centres[c]) for m in members)
+    dim = len(weight[0])
+    align = sum((unit(weight[c])[j] - centres[c][j]) ** 2 for c in centres for j in range(dim)) / (len(centres) * dim)
+    hinges = [max(lowest[y] - dot(new[i], centres[y]), 0.0) for i, y in enumerate(targets) if y < NUM_OLD]
+    boundary = sum(hinges) / len(hinges)
+    assert float(parts["align"]) == pytest.approx(align, rel=1e-4)
+    assert float(parts["boundary"]) == pytest.approx(boundary, rel=1e-4, abs=1e-6)
+    assert loss.item() == pytest.approx(float(parts["ce"]) + 100.0 * align + boundary, rel=1e-4)
 
 
 def test_psp_and_lsp_features_by_hand():
@@ -246,11 +312,11 @@ def test_cvs_relation_distillation_zero_iff_same_structure():
 
 def test_fan_adapters_compose_and_round_trip():
     """FAN's psi is the ``fan`` kind of the common adapter interface: stored and reloaded as every adapter is."""
-    method = get_method("fan", adapter_hidden=8)
+    method = get_method("fan", adapter_hidden=8, adapter_epochs=2)
     ctx, batch = make_context(method)
-    modules = method.setup(ctx)
+    assert method.setup(ctx) == []  # nothing trains with the model: psi is fitted after the update
     exported = method.export_state()["adapter"]
-    assert isinstance(exported, FanAdapter) and modules == [exported.net]
+    assert isinstance(exported, FanAdapter)
     rebuilt = load_adapter_bytes(save_adapter(exported))
     assert (rebuilt.kind, rebuilt.direction) == ("fan", "gallery")
     features = torch.nn.functional.normalize(torch.randn(3, K - 1), dim=1)
@@ -264,3 +330,118 @@ def test_fan_adapters_compose_and_round_trip():
     torch.testing.assert_close(twice, apply_chain(once, [rebuilt]))
     with pytest.raises(ValueError, match="expected metadata format"):
         load_adapter_bytes(__import__("safetensors.torch", fromlist=["save"]).save({"w": torch.ones(2)}))
+
+
+def test_fan_update_loss_and_adapter_fitted_after_the_update_on_old_new_pairs():
+    """The update's loss is CE + (1 - cos(new, old)) (fp64 loop); psi is fitted once training is over, on the pairs
+    (old model, updated model) of every task and memory image: the same weights as fitting a FanAdapter on pairs
+    computed here, and its fit lowers the pairs' squared error."""
+    method = get_method("fan", adapter_hidden=8, adapter_epochs=5, adapter_lr=1e-2)
+    ctx, batch = make_context(method)
+    ctx.model.eval()
+    method.setup(ctx)
+    loss, parts = method.loss(batch, ctx)
+    with torch.no_grad():
+        new = [list(map(float, r)) for r in torch.nn.functional.normalize(ctx.model(batch.images).features.double())]
+        old = [list(map(float, r)) for r in torch.nn.functional.normalize(ctx.old_model(batch.images).features.double())]
+    distill = sum(1.0 - sum(a * b for a, b in zip(n, o)) for n, o in zip(new, old)) / len(new)
+    assert float(parts["distill"]) == pytest.approx(distill, rel=1e-5)
+    assert loss.item() == pytest.approx(float(parts["ce"]) + distill, rel=1e-5)
+    ctx.model.train()
+    adapter = method.export_state()["adapter"]
+    assert ctx.model.training  # the pairs were taken in eval mode and the mode restored
+    task, memory = ~batch.is_memory, batch.is_memory
+    order = torch.cat([torch.nonzero(task).flatten(), torch.nonzero(memory).flatten()])  # task images first, then memory
+    ctx.model.eval()
+    with torch.no_grad():
+        old_pairs = ctx.old_model(batch.images[order]).features.float()
+        new_pairs = ctx.model(batch.images[order]).features.float()
+    reference = FanAdapter(hidden=8, epochs=5, lr=1e-2, seed=ctx.task).fit(old_pairs, new_pairs)
+    for name, value in adapter.net.state_dict().items():
+        torch.testing.assert_close(value, reference.net.state_dict()[name])
+    assert adapter.fit_loss[-1] < adapter.fit_loss[0]
+
+
+def test_advbct_loss_equals_the_fp64_loop_of_the_authors_terms():
+    """CE + 1 * elastic boundary + 1 * (E - e + 1) / E * (NLL(D(new), 0) + NLL(D(old), 1)), every term written out:
+    the discriminator with batch-statistics BatchNorm, the boundary r_max +- sigmoid(w) |r_max - 1| in Euclidean
+    distance of unit features, averaged over violating samples; at step 5 of 4 epochs x 2 steps (epoch 2)."""
+    method = get_method("advbct-er")
+    assert (method.hparams.lam_boundary, method.hparams.lam_adv, method.hparams.threshold) == (1.0, 1.0, 1.0)
+    ctx, batch = make_context(method)
+    ctx.model.eval()
+    discriminator, elastic = method.setup(ctx)
+    ctx.step, ctx.steps_per_epoch, ctx.epochs = 5, 2, 4
+    assert ctx.progress() == (2, 5 / 8)
+    loss, parts = method.loss(batch, ctx)
+    to_lists = lambda t: [list(map(float, row)) for row in t.detach().double()]  # noqa: E731
+    with torch.no_grad():
+        new_emb = to_lists(ctx.model(batch.images).projection)
+        old_emb = to_lists(ctx.old_model(batch.images).projection)
+        new_feat = to_lists(ctx.model(batch.images).features)
+        old_feat = to_lists(ctx.old_model(batch.images[:4]).features)
+    targets = batch.targets.tolist()
+    dot = lambda a, b: sum(x * y for x, y in zip(a, b))  # noqa: E731
+    unit = lambda a: [x / math.sqrt(dot(a, a)) for x in a]  # noqa: E731
+    dist = lambda a, b: math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b)))  # noqa: E731
+
+    def discriminate(rows):
+        w1, b1 = to_lists(discriminator[0].weight), [float(v) for v in discriminator[0].bias]
+        gamma, beta = [float(v) for v in discriminator[1].weight], [float(v) for v in discriminator[1].bias]
+        w2, b2 = to_lists(discriminator[3].weight), [float(v) for v in discriminator[3].bias]
+        hidden = [[dot(w, x) + b for w, b in zip(w1, b1)] for x in rows]
+        n = len(rows)
+        for k in range(len(b1)):
+            mean = sum(h[k] for h in hidden) / n
+            var = sum((h[k] - mean) ** 2 for h in hidden) / n
+            for h in hidden:
+                h[k] = max(gamma[k] * (h[k] - mean) / math.sqrt(var + 1e-5) + beta[k], 0.0)
+        out = []
+        for h in hidden:
+            logits = [dot(w, h) + b for w, b in zip(w2, b2)]
+            top = max(logits)
+            norm = top + math.log(sum(math.exp(v - top) for v in logits))
+            out.append([v - norm for v in logits])
+        return out
+
+    adversarial = (-sum(row[0] for row in discriminate(new_emb)) / 8) + (-sum(row[1] for row in discriminate(old_emb)) / 8)
+    weights = [float(v) for v in elastic.weight]
+    hinges = []
+    for i, y in enumerate(targets):
+        members = [unit(old_feat[j]) for j in range(4) if targets[j] == y]
+        if y >= NUM_OLD or len(members) < 2:
+            continue
+        centre = unit([sum(m[k] for m in members) for k in range(len(members[0]))])
+        r_max = max(dist(m, centre) for m in members)
+        shift = abs(r_max - 1.0) / (1.0 + math.exp(-weights[y]))
+        radius = r_max + shift if r_max < 1.0 else r_max - shift
+        hinges.append(max(dist(unit(new_feat[i]), centre) - radius, 0.0))
+    violating = [h for h in hinges if h > 0]
+    boundary = sum(violating) / len(violating) if violating else 0.0
+    assert len(hinges) == 2  # the two samples of class 0, the only old class with two memory features
+    assert float(parts["adversarial"]) == pytest.approx(adversarial, rel=1e-4)
+    assert float(parts["boundary"]) == pytest.approx(boundary, rel=1e-4, abs=1e-6)
+    assert loss.item() == pytest.approx(float(parts["ce"]) + boundary + 0.75 * adversarial, rel=1e-4)
+
+
+def test_advbct_reverses_the_new_embeddings_gradient_by_the_dann_factor():
+    """The discriminator's loss reaches the new model negated and scaled by 2 / (1 + exp(-10 p)) - 1."""
+    method = get_method("advbct-er", lam_boundary=0.0)
+    ctx, batch = make_context(method)
+    ctx.model.eval()
+    discriminator, _ = method.setup(ctx)
+    ctx.step, ctx.steps_per_epoch, ctx.epochs = 3, 2, 4
+    alpha = 2.0 / (1.0 + math.exp(-10.0 * 3 / 8)) - 1.0
+    captured = {}
+    handle = ctx.model.junction.register_forward_hook(lambda m, i, o: captured.__setitem__("out", o))
+    loss, _ = method.loss(batch, ctx)
+    handle.remove()
+    out = captured["out"]
+    (total_grad,) = torch.autograd.grad(loss, out, retain_graph=True)
+    ce = torch.nn.functional.cross_entropy(ctx.model.logits_from_projection(out).float(), batch.targets)
+    (ce_grad,) = torch.autograd.grad(ce, out)
+    reversed_grad = total_grad - ce_grad  # the adversarial term's share (decay (4 - 1 + 1) / 4 = 1)
+    embedding = captured["out"].detach().clone().requires_grad_(True)
+    direct = torch.nn.functional.nll_loss(discriminator(embedding), torch.zeros(8, dtype=torch.long))
+    direct.backward()
+    torch.testing.assert_close(reversed_grad, -alpha * embedding.grad, rtol=1e-4, atol=1e-7)

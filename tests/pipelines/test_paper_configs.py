@@ -62,7 +62,8 @@ def test_plan_names_the_table_and_the_divergences_of_every_paper_config(capsys):
         document = yaml.safe_load((CONFIGS / name).read_text())
         paper = document["paper"]
         assert f"paper: reproduces {paper['reproduces']}" in out, name
-        for item in paper["divergences"] + paper.get("public_code", []) + paper.get("choices", []):
+        for item in (paper["divergences"] + paper.get("public_code", []) + paper.get("choices", [])
+                     + paper.get("public_code_differences", [])):
             assert f"- {item}" in out, (name, item)
 
 
@@ -246,3 +247,41 @@ def test_version_and_missing_data_without_traceback(tmp_path, monkeypatch, capsy
     err = capsys.readouterr().err
     assert "problem(s) before any compute:\n  data: data of 'cifar100'" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "manifests").exists()  # detected before any stage
+
+
+def test_iam_and_cl2r_configs_label_order_anchor_decay_and_normalisation_with_their_sources():
+    """Class order, first-task anchor, weight decay and normalisation are each labelled with where they come from:
+    the public code's file:line, a paper sentence, or a choice; the per-pool normalisation is listed as a
+    difference from the public code (it is not the public code's behaviour)."""
+    for name in PAPER_CONFIGS:
+        if not name.startswith(("iam-cl2r-", "cl2r-")):
+            continue
+        document = yaml.safe_load((CONFIGS / name).read_text())
+        paper, order = document["paper"], document["tasks"].get("order", "seeded")
+        public, choices = " ".join(paper.get("public_code", [])), " ".join(paper.get("choices", []))
+        differences = " ".join(paper.get("public_code_differences", []))
+        everything = " ".join([public, choices, differences, " ".join(paper["divergences"])])
+        assert "normalises each dataset with its own" not in everything, name
+        if name.startswith("iam-cl2r-cifar100r") or name.startswith("cl2r-cifar100"):
+            assert order == "given" and "tasks.order: given" in public and "ClassIncremental" in public, name
+            assert "normalisation" in differences and "0.2675" in differences, name
+        else:
+            assert order == "seeded" or "celeba" in name, name
+        if name.startswith("cl2r-cub") or name.startswith("cl2r-tinyimagenet"):
+            assert "class order seeded" in choices, name
+        if name.startswith("iam-cl2r-"):
+            assert "anchored" in public and "main.py:79-80" in public and "anchored" not in choices, name
+        if name.startswith("cl2r-"):
+            assert document["training"]["optimizer"]["weight_decay"] == 0.0002
+            assert "weight decay 2e-4" in choices and "TOMM 2023" in choices, name
+
+
+def test_plan_prints_what_a_baseline_takes_from_its_paper(capsys):
+    from pipelines.methods import METHODS
+
+    assert main(["plan", str(CONFIGS / "cl2r-cifar100-10-t7.yaml"), "--set", "method.name=bct-er",
+                 "--set", "method.params={}"]) == 0
+    out = capsys.readouterr().out
+    assert "  method bct-er, from its paper:" in out
+    for item in METHODS.get("bct-er").paper:
+        assert f"    - {item}" in out

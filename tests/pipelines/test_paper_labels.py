@@ -22,7 +22,8 @@ PAPER_IAM = "iam-cl2r-cvpr-2024.txt"
 PAPER_CORES = "cores-tpami-2023.txt"
 PAPER_PSP = "probability-simplex-is-compatible.txt"
 # which papers a config's citations may refer to (the numbering styles differ: the 2026 paper's tables are Roman)
-CITED_PAPERS = {"cl2r-": [PAPER_2026], "iam-cl2r-": [PAPER_2026, PAPER_IAM], "demo-": [PAPER_2026, PAPER_IAM],
+PAPER_CL2R = "cl2r-tomm-2023.txt"
+CITED_PAPERS = {"cl2r-": [PAPER_2026, PAPER_CL2R], "iam-cl2r-": [PAPER_2026, PAPER_IAM], "demo-": [PAPER_2026, PAPER_IAM],
                 "cores-": [PAPER_CORES], "psp-": [PAPER_PSP], "lsp-": [PAPER_PSP]}
 
 CITATION = re.compile(
@@ -79,7 +80,8 @@ def _label_found(texts: list[str], kind: str, label: str, panels: list[str]) -> 
 
 def _paper_strings(document: dict) -> list[str]:
     paper = document.get("paper") or {}
-    return [paper.get("reproduces", "")] + [item for key in ("divergences", "public_code", "choices")
+    return [paper.get("reproduces", "")] + [item for key in ("divergences", "public_code", "choices",
+                                                                         "public_code_differences")
                                             for item in paper.get(key, [])]
 
 
@@ -124,3 +126,17 @@ def test_the_checker_rejects_labels_the_papers_do_not_have():
     assert _label_found(cores, "figure", "5", list("hi")) and not _label_found(cores, "figure", "5", ["k"])
     assert "CIFAR" not in _normalised(cores[0]).split("Fig. 6. ")[1][:200]  # CoReS Fig. 6 is the LFW result
     assert _label_found(paper_2026, "table", "VII", []) and not _label_found(paper_2026, "table", "XI", [])
+
+
+def test_method_cards_quote_only_the_papers_words():
+    """A baseline card's paper lines (printed by `compat plan`) quote only sentences found in the paper set."""
+    from pipelines.methods import METHODS
+
+    texts = [_normalised(_read(paper)) for paper in (PAPER_2026, PAPER_IAM, PAPER_CL2R, PAPER_CORES, PAPER_PSP)]
+    quoted = 0
+    for name in METHODS.names():
+        for item in METHODS.get(name).paper:
+            for quote in QUOTE.findall(item):
+                assert any(_normalised(quote) in text for text in texts), f"{name}: quote not in the papers: {quote!r}"
+                quoted += 1
+    assert quoted >= 2

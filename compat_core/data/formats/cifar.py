@@ -111,6 +111,7 @@ def _load_cifar100_split(split: str, root: str | None, dataset: str) -> ArraySou
     summary="CIFAR-100, 100 fine / 20 coarse classes, 50,000 train / 10,000 test 32x32 RGB images",
     splits=("train", "test"),
     layout=CIFAR100_LAYOUT,
+    class_space="cifar100",
 )
 def load_cifar100(root: str | None, split: str) -> ArraySource:
     """CIFAR-100 with fine labels as ``labels`` and the 20 superclasses as ``coarse_labels`` (both 0-based)."""
@@ -132,6 +133,7 @@ def first_per_class(labels: np.ndarray, per_class: int) -> np.ndarray:
     "split 'test' is the full CIFAR-100 test set",
     splits=("train", "test"),
     layout=CIFAR100_LAYOUT,
+    class_space="cifar100",
     options={"per_class": f"images kept per class from the training file, in file order (default {CIFAR100R_PER_CLASS})"},
 )
 def load_cifar100r(root: str | None, split: str, per_class: int = CIFAR100R_PER_CLASS) -> ArraySource:
