@@ -163,3 +163,25 @@ def test_a_grown_config_judged_without_compute(tmp_path):
                                  "entry[2,1]", "entry[2,2]", "evaluate[row=2]")
     with pytest.raises(ValueError, match=r"RUN holds another scenario: 7 of its 19 computed stages"):
         judge_growth(after, before, "v1", "RUN")  # shrinking is not growing
+
+
+DEMO_GROWTH = [  # the demo's ER (configs/demo-er.yaml): T -> T + 1 computes 1 model, 2 extractions, T + 1 entries, 1 row
+    ("10+1x15", "10+2x15", 0, {"finetune": 1, "extract": 2, "entry": 3, "evaluate": 1}),
+    ("10+2x15", "10+3x15", 1, {"finetune": 1, "extract": 2, "entry": 4, "evaluate": 1}),  # after the replacement
+    ("10+1x15", "10+2x15", 1, {"replace": 1, "extract": 2, "entry": 3, "evaluate": 1}),  # the replacement arrives
+]
+
+
+@pytest.mark.parametrize("short_spec, long_spec, replacements, kinds", DEMO_GROWTH)
+def test_the_demo_er_grown_by_one_task(short_spec, long_spec, replacements, kinds):
+    from compat_core.data.tasks import parse_increments
+    from pipelines.config.load import validate_config
+    from pipelines.engine.growth import judge_growth
+
+    demo = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "demo-er.yaml").read_text())
+    short, long = json.loads(json.dumps(demo)), json.loads(json.dumps(demo))
+    short["tasks"]["spec"], long["tasks"]["spec"] = short_spec, long_spec
+    long["replacements"] = demo["replacements"][:replacements]
+    short["replacements"] = [r for r in long["replacements"] if r["at_task"] <= len(parse_increments(short_spec))]
+    growth = judge_growth(validate_config(short), validate_config(long), "v1", "RUN")
+    assert growth.new_kinds == kinds
