@@ -87,6 +87,13 @@ def judge_growth(previous: ScenarioConfig, config: ScenarioConfig, code_version:
     if before_hash == after_hash:
         return None
     differences = config_differences(config_to_dict(previous), config_to_dict(config))
+    renamed = [f"{key}: {old} -> {new}" for key, old, new in (
+        ("name", previous.name, config.name),
+        ("output.registered_model", previous.output.registered_model, config.output.registered_model)) if old != new]
+    if renamed:
+        raise ValueError(f"run directory {where}: {'; '.join(renamed)}: a run keeps its name and registered model as "
+                         f"it grows (its MLflow experiment, versions and aliases are found by them); give another "
+                         f"--output for a run under another name")
     before = compile_scenario(previous, version=code_version)
     after = compile_scenario(config, version=code_version)
     changed = [stage.label for stage in before if stage.key not in after]

@@ -163,6 +163,9 @@ def test_a_grown_config_judged_without_compute(tmp_path):
                                  "entry[2,1]", "entry[2,2]", "evaluate[row=2]")
     with pytest.raises(ValueError, match=r"RUN holds another scenario: 7 of its 19 computed stages"):
         judge_growth(after, before, "v1", "RUN")  # shrinking is not growing
+    renamed = after.model_copy(update={"name": "other"})
+    with pytest.raises(ValueError, match=r"RUN: name: tiny-er -> other: a run keeps its name"):
+        judge_growth(before, renamed, "v1", "RUN")  # its MLflow experiment and registered model follow the name
 
 
 DEMO_GROWTH = [  # the demo's ER (configs/demo-er.yaml): T -> T + 1 computes 1 model, 2 extractions, T + 1 entries, 1 row
