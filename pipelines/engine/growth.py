@@ -19,11 +19,14 @@ import json
 import time
 from dataclasses import dataclass
 
+import yaml
+
 from compat_core import io as cio
-from pipelines.config.load import config_hash, config_to_dict
+from pipelines.config.load import config_hash, config_to_dict, validate_config
 from pipelines.config.run_origin import RunOrigin
 from pipelines.config.schema import ScenarioConfig
 from pipelines.graph.compile import compile_scenario
+from pipelines.training.settings import autocast_mode
 
 GROWTH_FOLDER = "extensions"
 IGNORED_SECTIONS = ("output", "resources", "description", "paper")  # in no config hash (see config_hash)
@@ -114,6 +117,20 @@ def judge_growth(previous: ScenarioConfig, config: ScenarioConfig, code_version:
                   tuple(stage.label for stage in new), dict(sorted(kinds.items())), tuple(differences))
 
 
+def judge_folder(config: ScenarioConfig, root: str, code_version: str) -> Growth | None:
+    """:func:`judge_growth` of ``config`` against the config.yaml of the run folder ``root`` (None when it has none
+    yet), for a caller that decides before the run starts elsewhere (``compat submit``). An unresolved
+    ``training.autocast: auto`` is judged as the recorded run resolved it (the run resolves it where it runs)."""
+    path = cio.join(root, "config.yaml")
+    if not cio.exists(path):
+        return None
+    previous = validate_config(yaml.safe_load(cio.read_bytes(path).decode("utf-8")), f"{path}")
+    if autocast_mode(config.training.autocast) == "auto":
+        config = config.model_copy(update={"training": config.training.model_copy(
+            update={"autocast": previous.training.autocast})})
+    return judge_growth(previous, config, code_version, root)
+
+
 def read_growth(store) -> list[dict]:
     """Every growth record of a run folder (``extensions/*.json``), oldest first; [] for a run never grown."""
     folder = store.uri(GROWTH_FOLDER)
@@ -149,4 +166,4 @@ def growth_header(store) -> str:
 
 
 __all__ = ["GROWTH_FOLDER", "Growth", "config_differences", "founding_config_hash", "growth_header",
-           "judge_growth", "read_growth", "record_growth"]
+           "judge_folder", "judge_growth", "read_growth", "record_growth"]

@@ -188,3 +188,24 @@ def test_the_demo_er_grown_by_one_task(short_spec, long_spec, replacements, kind
     short["replacements"] = [r for r in long["replacements"] if r["at_task"] <= len(parse_increments(short_spec))]
     growth = judge_growth(validate_config(short), validate_config(long), "v1", "RUN")
     assert growth.new_kinds == kinds
+
+
+def test_compat_submit_refuses_a_change_to_an_existing_task_before_submitting(tmp_path, capsys):
+    """The run folder is readable here: the refusal comes before any job is submitted (the address answers
+    nothing; it is never contacted)."""
+    short, _ = short_and_long(tmp_path)
+    run_dir = tmp_path / "run"
+    assert main(["run", str(short), "--output", str(run_dir), *QUIET]) == 0
+    capsys.readouterr()
+    assert main(["submit", str(short), "--address", "http://127.0.0.1:9", "--output", str(run_dir),
+                 "--set", "tasks.spec=2+2x2", "--set", "training.epochs=3"]) == 2
+    error = capsys.readouterr().err
+    assert "holds another scenario" in error and "training.epochs: 1 -> 3" in error, error
+    # what submit accepts: the appended task, also from a config whose precision is resolved where the job runs
+    from pipelines.config.load import load_config
+    from pipelines.engine.growth import judge_folder
+    from pipelines.graph.code_version import code_version
+
+    grown = load_config(short, ["tasks.spec=2+2x2", "training.autocast=auto"])
+    assert judge_folder(grown, str(run_dir), code_version()).new_kinds == NEW_TASK
+    assert judge_folder(grown, str(tmp_path / "elsewhere"), code_version()) is None  # a new run folder
