@@ -7,7 +7,7 @@ import sys
 
 from app.printing import print_results
 from cluster.executors import EXECUTORS
-from cluster.run_driver import model_sources_setup, pin_model_aliases, run_tracked
+from cluster.run_driver import model_sources_setup, pin_model_aliases, run_tracked, submits_job
 from cluster.storage.s3 import configure_object_storage, installed_access, uses_object_storage
 from cluster.tracking.run_identity import AS_WRITTEN, run_intent, scoped_alias
 from cluster.tracking.tracker import create_tracker
@@ -17,6 +17,7 @@ from pipelines.config.local_paths import absolute_location
 from pipelines.config.preflight import preflight
 from pipelines.config.redaction import redact_uri
 from pipelines.config.run_origin import RunOrigin
+from pipelines.engine.runner import prepare_run
 from pipelines.graph.compile import compile_scenario
 from pipelines.stages.run_precision import resolve_run_precision
 from pipelines.store.lease import run_lease
@@ -106,9 +107,15 @@ def run(args) -> int:
             key = store.resolve_key(prefix)
             store.forget(key)
             print(f"recompute: stage {key} uncommitted; it runs again", file=sys.stderr)
-        tracker = make_tracker(args, run_dir, config)
         graph = compile_scenario(config)
         graph.origin = run_origin(args)
+        if not submits_job(args.executor, args.address):  # a submitted job judges it on the cluster
+            try:
+                prepare_run(graph, store)  # a grown config recorded, any other change refused: before tracking
+            except ValueError as error:
+                print(f"error: {error}", file=sys.stderr)
+                return 2
+        tracker = make_tracker(args, run_dir, config)
         summary = run_tracked(graph, store, tracker, args.executor, args.address,
                               progress=not args.no_progress, setup=setup)
     print(f"run directory: {run_dir} ({len(summary.executed)} stages run, {len(summary.skipped)} already done; "

@@ -48,7 +48,8 @@ from cluster.tracking.run_identity import INTENT_METADATA_KEY
 from pipelines.config.load import config_hash, dump_config, stable_hash
 from pipelines.config.local_paths import absolute_config, absolute_location, is_local_path, local_config_paths
 from pipelines.config.run_origin import RunOrigin
-from pipelines.graph.code_version import package_folder
+from pipelines.engine.growth import judge_folder
+from pipelines.graph.code_version import code_version, package_folder
 
 ID_PREFIX = "compat-"
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
@@ -266,6 +267,8 @@ def submit_pipeline(config: Any, address: str | None, output: str | None = None,
     config = config.model_copy(update={"output": config.output.model_copy(update={"dir": output})})
     if not shared_filesystem:
         require_paths_reachable(config, output, address)
+    if is_local_path(output):  # a run folder this machine reads: a change that is no growth is refused here
+        judge_folder(config, output, code_version())  # (the job judges it again, before any stage, on the cluster)
     client = job_client(address, token_file)
     base_id = submission_id_for(config, output)
     with tempfile.TemporaryDirectory(prefix="compat-submit-") as staging:

@@ -3,6 +3,8 @@
 - **Location**: the absolute run folder, or for ``s3://`` the URI with the S3 endpoint it lives on (two stores may
   hold the same bucket name). The pipeline id hashes (config hash, location), so two runs of one config into two
   folders (two clones, two ``--output``) are two MLflow pipeline runs, and a resume of one folder continues its own.
+  The config hash is the one the run was started with: a run grown by appended tasks or replacements
+  (pipelines.engine.growth) keeps its pipeline id.
 - **Run name**: ``<folder name>-<8 hex of the pipeline id>`` (characters MLflow refuses in an alias become ``-``),
   unique per run folder and config, readable in the UI and in ``models:/NAME@ALIAS``.
 - **Intent**: whether ``--set`` overrides changed what the named config file computes (its config hash; overrides
@@ -52,7 +54,8 @@ def run_location(root: str) -> str:
 
 def pipeline_id_of(config_hash_hex: str, location: str) -> str:
     """Stable id of a pipeline = sha256 of (config hash, :func:`run_location`), 16 hex: the same run folder and
-    config resumed keep it; another folder or another config is another pipeline."""
+    config resumed keep it; another folder or another config is another pipeline. ``config_hash_hex``: the hash
+    of the config the run was started with (its founding config, also after it grew)."""
     return stable_hash({"config_hash": config_hash_hex, "run_root": location})[:16]
 
 

@@ -17,7 +17,7 @@ emits the result, so that the tracker, closed with the executor, logs them.)
 
 What MLflow holds (one experiment per scenario name):
 
-- parent run (tag ``run_role=pipeline``): tags ``pipeline_id`` (config hash + absolute run folder, see
+- parent run (tag ``run_role=pipeline``): tags ``pipeline_id`` (founding config hash + absolute run folder, see
   cluster.tracking.run_identity), ``config_hash``, ``code_version``, ``scenario``, ``run_folder``, ``run_name``,
   ``overrides_digest``, ``scenario_aliases`` (whether the run may move the scenario's bare aliases);
   params = the validated config flattened with dot keys (secrets excluded, see :func:`flatten_params`); metrics
@@ -31,8 +31,10 @@ What MLflow holds (one experiment per scenario name):
   steps done in the task; ``stage/seconds``; model stages log ``model/`` (model.safetensors + config.json) and
   register it (see cluster.model_registry.versions); evaluate stages log their row's ``compat/q{t}_g{k}``.
 
-Resuming: the parent run is found by tags ``pipeline_id`` + ``config_hash`` (so only a run of the same folder) and
-reopened. When it was still RUNNING, only a holder of the run folder's lease (pipelines.store.lease) continues it:
+Resuming: the parent run is found by tag ``pipeline_id`` (so only a run of the same folder and founding config) and
+reopened. A run grown by appended tasks or replacements (pipelines.engine.growth) keeps the pipeline id of the config
+it was started with, so it continues its parent run: new stage runs, the matrix metrics of the new row at its step,
+the next registered version with ``parent_version`` naming the previous task's; see :meth:`_record_growth`. When it was still RUNNING, only a holder of the run folder's lease (pipelines.store.lease) continues it:
 holding the lease proves the driver that ran it is gone, so the stage runs it left RUNNING are ended KILLED first
 (tag ``ended_by``); a process without the lease is refused and marks nothing. A stage whose run is
 FINISHED is not logged again; an interrupted (RUNNING/KILLED) stage run is reused; a FAILED stage run stays FAILED
@@ -63,6 +65,7 @@ from cluster.tracking.run_identity import (
 )
 from pipelines.config.load import config_hash, config_to_dict
 from pipelines.engine.events import StageEvent, StageRecord
+from pipelines.engine.growth import read_growth
 from pipelines.graph.stage_kind import StageKind
 from pipelines.records.stage_records import CommittedStage
 from pipelines.results.assemble import RunResult
@@ -172,6 +175,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
         self.experiment_id: str | None = None
         self.pipeline_id: str | None = None
         self.config_hash: str | None = None
+        self.growth: list[dict] = []  # the run folder's growth records (pipelines.engine.growth)
         self.model_name: str | None = None
         self.run_folder: str | None = None
         self.run_name: str | None = None
@@ -187,7 +191,9 @@ class MlflowTracker(StageRecordLogging, Tracker):
         self.graph, self.store = graph, store
         self.config_hash = config_hash(config)
         self.run_folder = run_location(store.root)
-        self.pipeline_id = self.fixed_pipeline_id or pipeline_id_of(self.config_hash, self.run_folder)
+        self.growth = read_growth(store)  # a grown run keeps the identity of the config it was started with
+        founding = self.growth[0]["founding_config_hash"] if self.growth else self.config_hash
+        self.pipeline_id = self.fixed_pipeline_id or pipeline_id_of(founding, self.run_folder)
         self.run_name = run_name_of(self.run_folder, self.pipeline_id)
         self.experiment_id = self._experiment(self.experiment_name or config.name)
         self._failed = False
@@ -197,8 +203,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
         self._base_tags = self._identity_tags(graph)
         existing = self.client.search_runs(
             [self.experiment_id],
-            f"tags.run_role = 'pipeline' and tags.pipeline_id = '{self.pipeline_id}' "
-            f"and tags.config_hash = '{self.config_hash}'",
+            f"tags.run_role = 'pipeline' and tags.pipeline_id = '{self.pipeline_id}'",
             order_by=["attributes.start_time ASC"], max_results=10)
         if existing and existing[0].info.status == "RUNNING" and not holds_lease(store.root):
             raise RuntimeError(
@@ -207,6 +212,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
                 f"take the lease before tracking (compat run / demo do), so a live run is never taken over")
         if existing:
             self._reopen_parent(existing[0])
+            self._record_growth(existing[0], config)
         else:
             self._create_parent(config)
         self._stage_runs = self._load_stage_runs()
@@ -247,6 +253,25 @@ class MlflowTracker(StageRecordLogging, Tracker):
             if key in self._base_tags and tags.get(key) != self._base_tags[key]:
                 self.client.set_tag(self.parent_run_id, key, self._base_tags[key])
         self._base_tags["scenario_aliases"] = str(self.scenario_aliases).lower()
+
+    def _record_growth(self, run: Any, config: Any) -> None:
+        """A grown run (appended tasks or replacements, pipelines.engine.growth) continues its pipeline run: tag
+        ``config_hash`` becomes the grown config's, ``grown`` counts the growths, ``grown_from_config_hash`` names
+        the previous config; params new to the config are logged, and the changed ones (MLflow params never change)
+        go to the tag ``grown_params`` (``key: old -> new``)."""
+        if run.data.tags.get("config_hash") == self.config_hash or not self.growth:
+            return
+        last = self.growth[-1]
+        self.client.set_tag(self.parent_run_id, "config_hash", self.config_hash)
+        self.client.set_tag(self.parent_run_id, "grown", str(len(self.growth)))
+        self.client.set_tag(self.parent_run_id, "grown_from_config_hash", last["previous_config_hash"])
+        params, _excluded = flatten_params(config_to_dict(config))
+        logged = run.data.params
+        log_params(self.client, self.parent_run_id, {key: value for key, value in params.items() if key not in logged})
+        changed = [f"{key}: {logged[key]} -> {value}" for key, value in params.items()
+                   if key in logged and str(logged[key]) != str(value)]
+        if changed:
+            self.client.set_tag(self.parent_run_id, "grown_params", "; ".join(changed)[:4900])
 
     def _create_parent(self, config: Any) -> None:
         self._base_tags["scenario_aliases"] = str(self.scenario_aliases).lower()

@@ -20,11 +20,12 @@ from typing import Any, Callable, Iterable
 import yaml
 
 from compat_core import io as cio
-from pipelines.config.load import config_hash, config_to_dict, dump_config, validate_config
+from pipelines.config.load import config_to_dict, dump_config, validate_config
 from pipelines.config.local_paths import absolute_location
 from pipelines.config.run_origin import RunOrigin, config_header
 from pipelines.config.schema import ScenarioConfig
 from pipelines.engine.events import StageEvent, StageRecord
+from pipelines.engine.growth import growth_header, judge_growth, record_growth
 from pipelines.engine.progress import ProgressReporter
 from pipelines.graph.compile import Stage, StageGraph
 from pipelines.graph.stage_kind import StageKind
@@ -300,24 +301,27 @@ def recorded_config(config: ScenarioConfig, store: RunStore) -> ScenarioConfig:
 def prepare_run(graph: StageGraph, store: RunStore) -> None:
     """Write config.yaml (:func:`recorded_config` under the header of :func:`config_header`); refuse a run folder
     that holds a different scenario. A folder whose config.yaml records this very run (same config, code version
-    and precision) keeps it, so the header names the command that started the run."""
+    and precision) keeps it, so the header names the command that started the run. A config that grows the recorded
+    run (appended tasks or replacements, every computed stage keeping its key: :func:`judge_growth`) is recorded
+    under extensions/ and becomes the run's config.yaml; any other change is refused with the keys that differ."""
     config = recorded_config(graph.config, store)
-    text = config_header(graph.origin, graph.code_version, precision_name(config.training.autocast),
-                         config.output.dir) + dump_config(config)
     try:
         existing = store.read_text("config.yaml")
     except FileNotFoundError:
         existing = None
-    if existing is not None and _without_origin(existing) == _without_origin(text):
-        return
     if existing is not None:
         try:
-            same = config_hash(validate_config(yaml.safe_load(existing), "config.yaml")) == config_hash(config)
-        except ValueError:
-            same = False
-        if not same:
-            raise ValueError(f"run directory {store.root} holds another scenario (config.yaml differs); use a new "
-                             f"--output or resume with that run's own config")
+            previous = validate_config(yaml.safe_load(existing), "config.yaml")
+        except ValueError as error:
+            raise ValueError(f"run directory {store.root}: its config.yaml no longer validates ({error}); use a new "
+                             f"--output") from None
+        growth = judge_growth(previous, config, graph.code_version, store.root)
+        if growth is not None:
+            record_growth(store, growth, graph.origin, graph.code_version)
+    text = config_header(graph.origin, graph.code_version, precision_name(config.training.autocast),
+                         config.output.dir) + growth_header(store) + dump_config(config)
+    if existing is not None and _without_origin(existing) == _without_origin(text):
+        return
     store.write_text("config.yaml", text)
 
 
