@@ -91,7 +91,8 @@ def method_params_model(name: str) -> type[MethodParams]:
 class MethodSpec(StrictModel):
     name: str = Field(description="name in pipelines.methods.METHODS (e.g. er, dsimplex-hoc)")
     params: SerializeAsAny[MethodParams] = Field(
-        default_factory=MethodParams, description="method hyper-parameters: the Params model of method.name")
+        default_factory=MethodParams, validate_default=True,  # omitted params are the method's defaults, typed
+        description="method hyper-parameters: the Params model of method.name")
 
     @field_validator("name")
     @classmethod

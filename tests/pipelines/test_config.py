@@ -4,8 +4,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config.load import ConfigError, apply_override, load_config, validate_config
+from pipelines.config.load import ConfigError, apply_override, config_to_dict, load_config, validate_config
 from pipelines.config.schema import parse_increments
+from pipelines.graph.compile import compile_scenario
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -201,9 +202,22 @@ def test_method_params_are_the_methods_pydantic_model_checked_at_load():
     document["method"]["params"] = {"adapter_hidden": 8}
     params = validate_config(document).method.params
     assert params.model_dump() == {"lam_distill": 1.0, "adapter_hidden": 8, "adapter_epochs": 30, "adapter_lr": 1e-3}
-    from pipelines.config.load import config_to_dict
-
     assert config_to_dict(validate_config(document))["method"]["params"]["adapter_hidden"] == 8
+
+
+def test_omitted_method_params_are_the_methods_defaults_and_keep_the_stage_keys():
+    """A config without method.params and the same config with the method's defaults written out are one piece of
+    work: one validated config, one config hash, the same stage keys (config.yaml writes the defaults out, and
+    running it must reproduce the run's keys)."""
+    omitted = _demo()
+    omitted["method"].pop("params", None)
+    written = yaml.safe_load(yaml.safe_dump(omitted))
+    written["method"]["params"] = {"lam": 0.1, "rho": 10.0, "masking": "standard"}  # HOCParams' defaults
+    configs = validate_config(omitted), validate_config(written)
+    assert configs[0].method.params.model_dump() == {"lam": 0.1, "rho": 10.0, "masking": "standard"}
+    assert config_to_dict(configs[0]) == config_to_dict(configs[1])
+    keys = [[stage.key for stage in compile_scenario(config)] for config in configs]
+    assert keys[0] == keys[1]
 
 
 def test_unknown_key_lists_the_valid_keys_of_its_section():

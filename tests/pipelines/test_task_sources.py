@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
+from app.cli import main
 from compat_core import io as cio
 from compat_core.slots import SlotMapper
 from pipelines.config.load import HOW_NOT_WHAT, config_hash, stable_hash, validate_config
@@ -304,10 +306,6 @@ def test_a_relative_root_of_own_data_is_made_absolute_where_the_command_is_typed
 
 
 def test_compat_run_refuses_identities_of_earlier_tasks_before_any_stage(data_root, tmp_path, capsys):
-    import yaml
-
-    from app.cli import main
-
     clash = write_identities(tmp_path / "clash", ["id0003", "id0105"])
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(scenario(data_root, tmp_path / "run", [next_month(clash, num_classes=2)])))
@@ -350,3 +348,24 @@ def test_config_hash_of_a_scenario_without_own_data_tasks_is_unchanged(data_root
     assert config_hash(validate_config(document)) == stable_hash(data)
     grown = validate_config(scenario(data_root, tmp_path / "run", [next_month(data_root / "new")]))
     assert config_hash(grown) != config_hash(validate_config(document))
+
+
+def test_a_finished_run_grows_by_next_months_folder_through_compat_run_resume(data_root, tmp_path):
+    """The user's path: the split-only run finished, next month's folder appended to its config file as a
+    ``tasks.sources`` entry, and ``compat run CONFIG --resume RUN``: only the new task's six stages run, and the grown
+    matrix equals byte for byte the matrix of the longer scenario run from scratch in another folder."""
+    torch.set_num_threads(1)
+    run_dir, scratch = tmp_path / "run", tmp_path / "scratch"
+    first, grown = tmp_path / "month0.yaml", tmp_path / "month1.yaml"
+    first.write_text(yaml.safe_dump(scenario(data_root, run_dir)))
+    grown.write_text(yaml.safe_dump(scenario(data_root, run_dir, [next_month(data_root / "new")])))
+    quiet = ["--no-progress", "--tracking-uri", "none"]
+    assert main(["run", str(first), *quiet]) == 0
+    before = {path.name: path.read_bytes() for path in (run_dir / "manifests").glob("*.json")}
+    assert main(["run", str(grown), "--resume", str(run_dir), *quiet]) == 0
+    after = {path.name: path.read_bytes() for path in (run_dir / "manifests").glob("*.json")}
+    assert {name: after[name] for name in before} == before and len(after) == len(before) + 6
+    assert len(list((run_dir / "extensions").glob("*.json"))) == 1
+    assert main(["run", str(grown), "--output", str(scratch), *quiet]) == 0
+    for name in ("matrix.json", "metrics.json"):
+        assert (run_dir / name).read_bytes() == (scratch / name).read_bytes(), name
