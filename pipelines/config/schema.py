@@ -320,7 +320,7 @@ class ScenarioConfig(StrictModel):
         """Every task: the split tasks, then one per ``tasks.sources`` entry."""
         return len(self.increments) + len(self.tasks.sources)
 
-    def task_source(self, task: int) -> "TaskSourceSpec | None":
+    def task_source(self, task: int) -> TaskSourceSpec | None:
         """The ``tasks.sources`` entry of 0-based ``task`` (None for a task cut from ``data``)."""
         index = task - len(self.increments)
         return self.tasks.sources[index] if 0 <= index < len(self.tasks.sources) else None
@@ -399,8 +399,21 @@ def resolved_head(config: ScenarioConfig, classifier: ClassifierFamily) -> str:
 
 
 __all__ = [
-    "ScenarioConfig", "PoolSpec", "PretrainSpec", "ReplacementSpec", "EvaluationSpec", "ReplaySpec", "MethodSpec",
-    "MethodParams", "ModelSpec", "TaskSpec", "TaskSourceSpec", "StageResources", "ResourcesSpec", "PaperSpec",
+    "PRETRAIN_PREFIX",
+    "EvaluationSpec",
+    "MethodParams",
+    "MethodSpec",
+    "ModelSpec",
+    "PaperSpec",
+    "PoolSpec",
+    "PretrainSpec",
+    "ReplacementSpec",
+    "ReplaySpec",
+    "ResourcesSpec",
+    "ScenarioConfig",
+    "StageResources",
+    "TaskSourceSpec",
+    "TaskSpec",
     "parse_increments",
-    "resolved_head", "PRETRAIN_PREFIX",
+    "resolved_head",
 ]

@@ -4,7 +4,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.config.load import ConfigError, apply_override, config_to_dict, load_config, validate_config
+from pipelines.config.load import (
+    ConfigError,
+    apply_override,
+    config_to_dict,
+    load_config,
+    validate_config,
+)
 from pipelines.config.schema import parse_increments
 from pipelines.graph.compile import compile_scenario
 

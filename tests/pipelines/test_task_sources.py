@@ -19,7 +19,12 @@ import yaml
 from app.cli import main
 from compat_core import io as cio
 from compat_core.slots import SlotMapper
-from pipelines.config.load import HOW_NOT_WHAT, config_hash, stable_hash, validate_config
+from pipelines.config.load import (
+    HOW_NOT_WHAT,
+    config_hash,
+    stable_hash,
+    validate_config,
+)
 from pipelines.config.local_paths import absolute_config, local_config_paths
 from pipelines.config.preflight import data_problems
 from pipelines.config.validate import ConfigError
@@ -33,7 +38,7 @@ from pipelines.store.run_store import RunStore
 
 # The published-format writers live next to the dataset-reader tests (rootdir-style imports, no package).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compat_core" / "data"))
-import fixtures_published as fx  # noqa: E402
+import fixtures_published as fx
 
 SPLIT_IDS = ["id0001", "id0002", "id0003", "id0004"]  # tasks.spec "4": task 1 (1-based)
 NEW_IDS = ["id0103", "id0101", "id0102"]               # next month's identities: task 2
