@@ -12,6 +12,7 @@ import numpy as np
 from cluster.model_registry.versions import MlflowModelResolver
 from cluster.serving.index_store import commit_manifest, new_manifest, shard_table, write_ann, write_shard
 from cluster.serving.models import load_served_model, resolve_model_ref
+from cluster.serving.shards import write_sharded_index
 from compat_core.retrieval.ann import KINDS, build_ann, candidate_rule, tune_ann
 from compat_core.retrieval.mixed_gallery import unit_rows
 from compat_core.retrieval.search import PreparedGallery
@@ -70,10 +71,15 @@ def pool_image_spec(source: Any) -> dict:
 
 def build_index(root: str, config: Any, model_uri: str, tracking_uri: str, pool: str = "gallery",
                 shard_rows: int = 4096, payload_prefix: str | None = None, cache_dir: str | None = None,
-                log: Callable[[str], None] = print, ann: AnnSettings = AnnSettings()) -> tuple[str, dict]:
+                log: Callable[[str], None] = print, ann: AnnSettings = AnnSettings(),
+                shards: int = 1) -> tuple[str, dict]:
     """Embed the pool with the version behind ``model_uri`` (the extraction the pipeline uses) and commit an index
     at ``root``; returns (manifest sha256, manifest). payload_prefix: item i gets payload URI ``<prefix>/<i>``.
-    ann: the approximate structure to build beside the shards (kind "flat": none, the exact kernel alone)."""
+    ann: the approximate structure to build beside the shards (kind "flat": none, the exact kernel alone).
+    shards > 1: split the gallery by row range into that many indexes of their own (``cluster.serving.shards``);
+    returns (the shard set's sha256, the shard set)."""
+    if shards < 1:
+        raise ValueError(f"--shards: expected a positive number of shards, got {shards}")
     if shard_rows < 1:
         raise ValueError(f"--shard-rows: expected a positive number of rows, got {shard_rows}")
     if not isinstance(ann, AnnSettings):
@@ -88,22 +94,31 @@ def build_index(root: str, config: Any, model_uri: str, tracking_uri: str, pool:
     log(f"index: {features.shape[0]} x {features.shape[1]} embeddings by {ref.uri} in "
         f"{time.perf_counter() - started:.1f} s")
     labels = evaluation_labels(config, source)
-    shards = []
+    other = "query" if pool == "gallery" else "gallery"
+    held_out = extract_pool_features(model, pool_of(config, other)[1], config, device) if ann.kind != "flat" else None
+    if shards > 1:
+        def part_search(where, rows):
+            return (build_search_entry(where, rows, held_out, ann, ref.version, other, log) if held_out is not None
+                    else {"kind": "flat"})
+
+        return write_sharded_index(root, features, shards, {"name": ref.name, "version": ref.version},
+                                   search=part_search, labels=labels, shard_rows=shard_rows,
+                                   payload_prefix=payload_prefix, log=log, image=pool_image_spec(source),
+                                   pool=spec.model_dump(mode="json"))
+    files = []
     for start in range(0, features.shape[0], shard_rows):
         stop = min(features.shape[0], start + shard_rows)
         positions = np.arange(start, stop)
         payloads = [f"{payload_prefix.rstrip('/')}/{i}" for i in positions] if payload_prefix else None
-        shards.append(write_shard(root, shard_table(positions, [str(i) for i in positions], features[start:stop],
+        files.append(write_shard(root, shard_table(positions, [str(i) for i in positions], features[start:stop],
                                                     ref.version, payloads, labels[start:stop])))
     search = {"kind": "flat"}
-    if ann.kind != "flat":
-        other = "query" if pool == "gallery" else "gallery"
-        held_out = extract_pool_features(model, pool_of(config, other)[1], config, device)
+    if held_out is not None:
         search = build_search_entry(root, features, held_out, ann, ref.version, other, log)
     manifest = new_manifest(features.shape[1], features.shape[0], {"name": ref.name, "version": ref.version},
-                            shards, image=pool_image_spec(source), pool=spec.model_dump(mode="json"), search=search)
+                            files, image=pool_image_spec(source), pool=spec.model_dump(mode="json"), search=search)
     digest = commit_manifest(root, manifest)
-    log(f"index: {len(shards)} shards, manifest {digest[:12]} at {root}")
+    log(f"index: {len(files)} shards, manifest {digest[:12]} at {root}")
     return digest, manifest
 
 
