@@ -14,6 +14,7 @@ from cluster.serving.index_store import commit_manifest, new_manifest, shard_tab
 from cluster.serving.models import load_served_model, resolve_model_ref
 from cluster.serving.shards import write_sharded_index
 from compat_core.retrieval.ann import KINDS, build_ann, candidate_rule, tune_ann
+from compat_core.retrieval.ann_pq import tune_pq
 from compat_core.retrieval.mixed_gallery import unit_rows
 from compat_core.retrieval.search import PreparedGallery
 from pipelines.stages.context import resolve_device
@@ -130,11 +131,15 @@ def build_search_entry(root: str, features: np.ndarray, held_out: np.ndarray, an
     seeded sample of ``held_out`` query rows, store its bytes at ``root``; returns the manifest's "search" entry."""
     started = time.perf_counter()
     gallery = unit_rows(features)
-    structure = build_ann(gallery, ann.kind, seed=ann.seed)
-    built = time.perf_counter() - started
     take = min(ann.sample, held_out.shape[0])
     rows = np.sort(np.random.default_rng(ann.seed).choice(held_out.shape[0], take, replace=False))
-    measured = tune_ann(structure, PreparedGallery(gallery), held_out[rows], ann.recall)
+    if ann.kind == "ivfpq":   # the code size too is chosen by the recall target (the smallest that reaches it)
+        structure, measured = tune_pq(gallery, PreparedGallery(gallery), held_out[rows], ann.recall, ann.seed)
+        built = sum(entry[3] for entry in measured["pq_curve"])
+    else:
+        structure = build_ann(gallery, ann.kind, seed=ann.seed)
+        built = time.perf_counter() - started
+        measured = tune_ann(structure, PreparedGallery(gallery), held_out[rows], ann.recall)
     stored = write_ann(root, structure.to_bytes())
     log(f"index: {ann.kind} {structure.params} built in {built:.1f} s; {structure.effort} reaches Recall@1 of exact "
         f"{measured['recall']:.4f} >= {ann.recall} on {take} held-out {sample_pool} rows")
@@ -143,4 +148,5 @@ def build_search_entry(root: str, features: np.ndarray, held_out: np.ndarray, an
             "metric": "cosine", "rows": int(features.shape[0]), "dim": int(features.shape[1]),
             "model_version": str(version), "recall_target": float(ann.recall), "recall": measured["recall"],
             "curve": measured["curve"], "sample": {"pool": sample_pool, "size": take, "seed": ann.seed},
-            "build_seconds": built, "tune_seconds": measured["seconds"]}
+            "build_seconds": built, "tune_seconds": measured["seconds"],
+            **({"pq_curve": measured["pq_curve"]} if "pq_curve" in measured else {})}
