@@ -83,6 +83,28 @@ async def read_limited_body(request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def request_path(request) -> str:
+    """The request's path within the application (its route prefix removed, no trailing slash)."""
+    path = request.url.path
+    prefix = request.scope.get("root_path", "").rstrip("/")   # the application's route prefix, if any
+    if prefix and path.startswith(prefix):
+        path = path[len(prefix):]
+    return path.rstrip("/") or "/"
+
+
+async def answer_route(route, request, path: str):
+    """``await route(request, path)``; a RequestError as its JSON error, anything else as a 500 that says what
+    broke (never a traceback to the client)."""
+    try:
+        return await route(request, path)
+    except RequestError as error:
+        return _json(error.to_json(), error.status)
+    except Exception as error:  # noqa: BLE001 - the 500 below
+        LOG.exception("request failed")
+        return _json({"error": {"status": 500, "field": None,
+                                "message": f"{type(error).__name__}: {error}"[:500]}}, 500)
+
+
 class SearchService:
     """One replica. settings: index (root URI), model (models:/ URI), tracking_uri, poll_s, precision, device,
     threads (torch intra-op threads), cache_dir, limits (SearchLimits fields), first_load_wait_s (how long a search
@@ -185,19 +207,8 @@ class SearchService:
     # ---- HTTP ----------------------------------------------------------------------------------------------------
     async def __call__(self, request):
         started = time.perf_counter()
-        path = request.url.path
-        prefix = request.scope.get("root_path", "").rstrip("/")   # the application's route prefix, if any
-        if prefix and path.startswith(prefix):
-            path = path[len(prefix):]
-        path = path.rstrip("/") or "/"
-        try:
-            response = await self._route(request, path)
-        except RequestError as error:
-            response = _json(error.to_json(), error.status)
-        except Exception as error:  # noqa: BLE001 - a 500 that says what broke, never a traceback to the client
-            LOG.exception("request failed")
-            response = _json({"error": {"status": 500, "field": None,
-                                        "message": f"{type(error).__name__}: {error}"[:500]}}, 500)
+        path = request_path(request)
+        response = await answer_route(self._route, request, path)
         self.metrics.observe(path if path in ("/search", "/healthz", "/metrics") else "other",
                              response.status_code, time.perf_counter() - started)
         return response

@@ -21,13 +21,21 @@ Every replica's ports stay on 127.0.0.1 (``keep_replica_ports_on_loopback`` in b
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 
 from ray import serve
 
-from cluster.serving.app import APP_NAME, DEFAULT_SETTINGS, _json, deployment, preflight, read_limited_body
+from cluster.serving.app import (
+    APP_NAME,
+    DEFAULT_SETTINGS,
+    _json,
+    answer_route,
+    deployment,
+    preflight,
+    read_limited_body,
+    request_path,
+)
 from cluster.serving.index_store import read_manifest
 from cluster.serving.replica_ports import keep_replica_ports_on_loopback
 from cluster.serving.shards import check_shard_set, part_root, read_shard_set
@@ -35,9 +43,9 @@ from cluster.serving.state import check_servable
 from compat_core.retrieval.search_request import RequestError, SearchLimits
 from compat_core.retrieval.shard_merge import merge_shard_topk
 
-LOG = logging.getLogger("compat.serve.shards")
 DEFAULT_RETRY_S = 30.0
 _HEALTH_TIMEOUT_S = 10.0
+_ROUTES = {"/search": "POST", "/healthz": "GET", "/metrics": "GET"}
 
 __all__ = ["ShardRouter", "preflight_sharded", "start_sharded", "shard_deployment_name", "DEFAULT_RETRY_S"]
 
@@ -69,36 +77,28 @@ class ShardRouter:
         self.retries = 0
 
     async def __call__(self, request):
-        path = request.url.path
-        prefix = request.scope.get("root_path", "").rstrip("/")
-        if prefix and path.startswith(prefix):
-            path = path[len(prefix):]
-        path = path.rstrip("/") or "/"
-        routes = {"/search": "POST", "/healthz": "GET", "/metrics": "GET"}
-        try:
-            if path not in routes:
-                raise RequestError(404, "path", f"{path!r} is not served; routes: {sorted(routes)}")
-            if request.method.upper() != routes[path]:
-                raise RequestError(405, "method", f"{path} takes {routes[path]}, got {request.method.upper()}")
-            if path == "/metrics":
-                from starlette.responses import PlainTextResponse
-
-                response = PlainTextResponse(self._metrics(), media_type="text/plain; version=0.0.4")
-            elif path == "/healthz":
-                response = _json(*reversed(await self._health()))
-            else:
-                body = await read_limited_body(request, self.limits.max_body_bytes)
-                response = _json(*reversed(await self.search(body, request.headers.get("content-type"))))
-        except RequestError as error:
-            response = _json(error.to_json(), error.status)
-        except Exception as error:  # noqa: BLE001 - a 500 that says what broke, never a traceback to the client
-            LOG.exception("request failed")
-            response = _json({"error": {"status": 500, "field": None,
-                                        "message": f"{type(error).__name__}: {error}"[:500]}}, 500)
+        path = request_path(request)
+        response = await answer_route(self._route, request, path)
         with self._lock:
-            key = (path if path in routes else "other", response.status_code)
+            key = (path if path in _ROUTES else "other", response.status_code)
             self.counts[key] = self.counts.get(key, 0) + 1
         return response
+
+    async def _route(self, request, path: str):
+        if path not in _ROUTES:
+            raise RequestError(404, "path", f"{path!r} is not served; routes: {sorted(_ROUTES)}")
+        if request.method.upper() != _ROUTES[path]:
+            raise RequestError(405, "method", f"{path} takes {_ROUTES[path]}, got {request.method.upper()}")
+        if path == "/metrics":
+            from starlette.responses import PlainTextResponse
+
+            return PlainTextResponse(self._metrics(), media_type="text/plain; version=0.0.4")
+        if path == "/healthz":
+            status, document = await self._health()
+        else:
+            body = await read_limited_body(request, self.limits.max_body_bytes)
+            status, document = await self.search(body, request.headers.get("content-type"))
+        return _json(document, status)
 
     async def _ask(self, number: int, body: bytes, content_type: str | None) -> tuple[int, dict]:
         try:

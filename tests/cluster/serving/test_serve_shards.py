@@ -19,13 +19,6 @@ ROWS, DIM, SHARDS, K = 3000, 16, 3, 5
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
 
-def _brute(query: np.ndarray, gallery: np.ndarray, k: int) -> list[int]:
-    g = gallery.astype(np.float64) / np.linalg.norm(gallery.astype(np.float64), axis=1, keepdims=True)
-    q = np.asarray(query, dtype=np.float32).astype(np.float64)
-    scores = g @ (q / np.linalg.norm(q))
-    return np.lexsort((np.arange(g.shape[0]), -scores))[:k].tolist()
-
-
 def _gallery() -> np.ndarray:
     rng = np.random.default_rng(0)
     centres = rng.standard_normal((30, DIM))
@@ -103,7 +96,7 @@ def test_answers_equal_brute_force_over_the_whole_gallery(sharded):
     for query in queries:
         status, answer = helpers.call(sharded["url"], "/search", {"embedding": query.tolist(), "k": K})
         assert status == 200, answer
-        assert [r["position"] for r in answer["results"]] == _brute(query, gallery, K)
+        assert [r["position"] for r in answer["results"]] == helpers.brute_rows(query, gallery, K)
         assert [r["id"] for r in answer["results"]] == [str(r["position"]) for r in answer["results"]]
         assert answer["index_manifest"] == sharded["digest"] and len(answer["shard_manifests"]) == SHARDS
     status, answer = helpers.call(sharded["url"], "/search", {"embedding": tie.tolist(), "k": 2})
@@ -132,7 +125,7 @@ def test_a_killed_shard_replica_is_restarted_with_no_failed_request_and_no_wrong
 
     gallery, url = sharded["gallery"], sharded["url"]
     queries = _queries(64, 2)
-    expected = [_brute(q, gallery, K) for q in queries]
+    expected = [helpers.brute_rows(q, gallery, K) for q in queries]
     outcomes: list[tuple[int, bool]] = []
     stop = threading.Event()
 

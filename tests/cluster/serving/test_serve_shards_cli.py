@@ -26,13 +26,6 @@ NAME = "serve-shards-cli-test"
 LOOPBACK_ADDRESSES = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
 
-def _brute(query: np.ndarray, gallery: np.ndarray, k: int) -> list[int]:
-    g = gallery.astype(np.float64) / np.linalg.norm(gallery.astype(np.float64), axis=1, keepdims=True)
-    q = np.asarray(query, dtype=np.float32).astype(np.float64)
-    scores = g @ (q / np.linalg.norm(q))
-    return np.lexsort((np.arange(g.shape[0]), -scores))[:k].tolist()
-
-
 def _listening(processes: list) -> dict:
     sockets = {}
     for process in processes:
@@ -92,7 +85,7 @@ def test_a_sharded_index_served_by_the_command_follows_an_alias_swap_under_load(
 
         rng = np.random.default_rng(0)
         queries = rng.standard_normal((20, gallery.shape[1])).astype(np.float32)
-        expected = [_brute(q, gallery, 5) for q in queries]
+        expected = [helpers.brute_rows(q, gallery, 5) for q in queries]
         outcomes, stop = [], threading.Event()
 
         def load(worker: int) -> None:
