@@ -10,7 +10,14 @@ interleaved passes) and Recall@1 of exact (the fraction of queries whose top-1 r
 - faiss alone: IVF (fp16 rows) and HNSW, each at the smallest search effort whose own top-1 reaches ``--recall``
   of exact on a held-out tuning sample (the same rule as the product's);
 - product: the same structures as candidates (``compat_core.retrieval.ann``), re-ranked exactly, effort chosen by
-  ``tune_ann`` on the same tuning sample; plus IVF-PQ (the compressed option).
+  ``tune_ann`` on the same tuning sample; plus IVF-PQ (the compressed option), its code size and effort chosen by
+  ``--pq-recall`` (``compat_core.retrieval.ann_pq.tune_pq``, as ``compat index build --kind ivfpq`` does), and
+  faiss IVF-PQ alone at the same target. Bytes are reported twice: the structure's ("struct x": what faiss holds)
+  and the product's (the structure plus the exact kernel's prepared gallery, which the re-rank reads);
+- ``--shards N``: the gallery split by row range into N parts searched in turn and merged exactly in this process
+  (``ann_shards.shard_methods``); with ``--serve``, also served over HTTP by Ray Serve, one replica vs N shard
+  deployments behind the router, with the replicas' resident memory (``ann_shards.serve_rates``). On one small
+  machine this measures the shard path and its overhead, not scaling.
 
 Tuning and measured queries are disjoint samples of the query distribution. Prints the CPU model, threads, the
 load average (the machine may be shared), and the table with ratios to the exact kernel and to faiss alone at the
@@ -160,7 +167,7 @@ def table(args, methods: dict) -> list[dict]:
           f"{'x faiss':>8} {'R@1 of exact':>13}  effort")
     for name, m in methods.items():
         alone = methods.get(f"faiss {m.get('kind')} alone")
-        versus = m["qps"] / alone["qps"] if alone and "re-rank" in name else None
+        versus = m["qps"] / alone["qps"] if alone and "re-rank" in name and "shards" not in name else None
         row = {"method": name, "build_s": m["build_s"], "structure_bytes": m["structure_bytes"],
                "structure_vs_fp16": m["structure_bytes"] / raw, "bytes": m["bytes"], "bytes_vs_fp16": m["bytes"] / raw,
                "qps": m["qps"], "qps_vs_exact": m["qps"] / exact_qps, "qps_vs_faiss": versus,
