@@ -10,7 +10,14 @@ interleaved passes) and Recall@1 of exact (the fraction of queries whose top-1 r
 - faiss alone: IVF (fp16 rows) and HNSW, each at the smallest search effort whose own top-1 reaches ``--recall``
   of exact on a held-out tuning sample (the same rule as the product's);
 - product: the same structures as candidates (``compat_core.retrieval.ann``), re-ranked exactly, effort chosen by
-  ``tune_ann`` on the same tuning sample; plus IVF-PQ (the compressed option).
+  ``tune_ann`` on the same tuning sample; plus IVF-PQ (the compressed option), its code size and effort chosen by
+  ``--pq-recall`` (``compat_core.retrieval.ann_pq.tune_pq``, as ``compat index build --kind ivfpq`` does), and
+  faiss IVF-PQ alone at the same target. Bytes are reported twice: the structure's ("struct x": what faiss holds)
+  and the product's (the structure plus the exact kernel's prepared gallery, which the re-rank reads);
+- ``--shards N``: the gallery split by row range into N parts searched in turn and merged exactly in this process
+  (``ann_shards.shard_methods``); with ``--serve``, also served over HTTP by Ray Serve, one replica vs N shard
+  deployments behind the router, with the replicas' resident memory (``ann_shards.serve_rates``). On one small
+  machine this measures the shard path and its overhead, not scaling.
 
 Tuning and measured queries are disjoint samples of the query distribution. Prints the CPU model, threads, the
 load average (the machine may be shared), and the table with ratios to the exact kernel and to faiss alone at the
@@ -42,7 +49,9 @@ from compat_core.retrieval.ann import (  # noqa: E402
     recall_of_exact,
     tune_ann,
 )
+from compat_core.retrieval.ann_pq import tune_pq  # noqa: E402
 from compat_core.retrieval.search import PreparedGallery, search_prepared  # noqa: E402
+from ann_shards import serve_rates, shard_methods  # noqa: E402
 
 
 def gallery_and_queries(args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,24 +112,32 @@ def build_methods(args, gallery, tune_q) -> tuple[dict, PreparedGallery]:
     flat_seconds = time.perf_counter() - started
     flat_bytes = prepared_bytes(prepared)
     exact_tune = search_prepared(tune_q, prepared, 1, return_scores=False)[0][:, 0].numpy()
-    methods = {"flat (exact kernel)": {"build_s": flat_seconds, "bytes": flat_bytes, "effort": {},
+    methods = {"flat (exact kernel)": {"build_s": flat_seconds, "bytes": flat_bytes, "structure_bytes": 0,
+                                       "effort": {},
                                        "search": lambda rows: search_prepared(rows, prepared, 1, return_scores=False)
                                        [0][:, 0].numpy()}}
     for kind in args.kinds:
         started = time.perf_counter()
-        ann = build_ann(gallery.float(), kind, seed=0)
+        target = args.pq_recall if kind == "ivfpq" else args.recall
+        if kind == "ivfpq":   # the code size chosen by the target as compat index build does (tune_pq)
+            ann, measured = tune_pq(gallery.float(), prepared, tune_q, target, seed=0)
+            print(f"  ivfpq codes tried [sub-vectors, bytes per row, recall, build s]: {measured['pq_curve']}")
+        else:
+            ann = build_ann(gallery.float(), kind, seed=0)
         seconds = time.perf_counter() - started
         size = ann.bytes_in_memory()
         print(f"  built {kind} {ann.params} in {seconds:.1f} s ({size / 2 ** 20:.1f} MiB)", flush=True)
+        effort, reached = tune_faiss_alone(ann, tune_q, exact_tune, target)
+        alone = AnnIndex.from_bytes(ann.to_bytes(), kind, ann.params, effort)
+        methods[f"faiss {kind} alone"] = {"build_s": seconds, "bytes": size, "structure_bytes": size,
+                                          "effort": effort, "tune_recall": reached, "search": faiss_top1(alone),
+                                          "kind": kind}
         if kind != "ivfpq":
-            effort, reached = tune_faiss_alone(ann, tune_q, exact_tune, args.recall)
-            alone = AnnIndex.from_bytes(ann.to_bytes(), kind, ann.params, effort)
-            methods[f"faiss {kind} alone"] = {"build_s": seconds, "bytes": size, "effort": effort,
-                                              "tune_recall": reached, "search": faiss_top1(alone), "kind": kind}
-        measured = tune_ann(ann, prepared, tune_q, args.recall)
+            measured = tune_ann(ann, prepared, tune_q, target)
+        # the exact re-rank reads the prepared gallery's rows: the product holds them beside the structure
         methods[f"{kind} + exact re-rank"] = {
-            "build_s": seconds + flat_seconds, "bytes": size + flat_bytes, "effort": dict(ann.effort),
-            "tune_recall": measured["recall"], "kind": kind,
+            "build_s": seconds + flat_seconds, "bytes": size + flat_bytes, "structure_bytes": size,
+            "effort": dict(ann.effort), "tune_recall": measured["recall"], "kind": kind,
             "search": lambda rows, a=ann: ann_search(rows, prepared, a, 1)[0][:, 0].numpy()}
         print(f"  tuned {kind}: product {ann.effort} ({measured['recall']:.4f}); faiss alone "
               f"{methods.get(f'faiss {kind} alone', {}).get('effort')}", flush=True)
@@ -146,16 +163,18 @@ def table(args, methods: dict) -> list[dict]:
     raw = args.rows * args.dim * 2
     exact_qps = methods["flat (exact kernel)"]["qps"]
     rows = []
-    print(f"\n{'method':28} {'build s':>8} {'MiB':>9} {'x fp16':>7} {'q/s':>9} {'x exact':>8} {'x faiss':>8} "
-          f"{'R@1 of exact':>13}  effort")
+    print(f"\n{'method':34} {'build s':>8} {'struct x':>8} {'MiB':>9} {'x fp16':>7} {'q/s':>9} {'x exact':>8} "
+          f"{'x faiss':>8} {'R@1 of exact':>13}  effort")
     for name, m in methods.items():
         alone = methods.get(f"faiss {m.get('kind')} alone")
-        versus = m["qps"] / alone["qps"] if alone and "re-rank" in name else None
-        row = {"method": name, "build_s": m["build_s"], "bytes": m["bytes"], "bytes_vs_fp16": m["bytes"] / raw,
+        versus = m["qps"] / alone["qps"] if alone and "re-rank" in name and "shards" not in name else None
+        row = {"method": name, "build_s": m["build_s"], "structure_bytes": m["structure_bytes"],
+               "structure_vs_fp16": m["structure_bytes"] / raw, "bytes": m["bytes"], "bytes_vs_fp16": m["bytes"] / raw,
                "qps": m["qps"], "qps_vs_exact": m["qps"] / exact_qps, "qps_vs_faiss": versus,
                "recall_of_exact": m["recall"], "effort": m["effort"], "tune_recall": m.get("tune_recall")}
         rows.append(row)
-        print(f"{name:28} {m['build_s']:8.1f} {m['bytes'] / 2 ** 20:9.1f} {m['bytes'] / raw:7.2f} {m['qps']:9.0f} "
+        print(f"{name:34} {m['build_s']:8.1f} {m['structure_bytes'] / raw:8.3f} {m['bytes'] / 2 ** 20:9.1f} "
+              f"{m['bytes'] / raw:7.2f} {m['qps']:9.0f} "
               f"{row['qps_vs_exact']:8.2f} {'' if versus is None else f'{versus:8.2f}':>8} {m['recall']:13.4f}  "
               f"{m['effort']}")
     return rows
@@ -171,6 +190,14 @@ def main(argv=None) -> int:
     parser.add_argument("--queries", type=int, default=2000, help="measured queries")
     parser.add_argument("--tune", type=int, default=1000, help="held-out tuning queries")
     parser.add_argument("--recall", type=float, default=0.99)
+    parser.add_argument("--pq-recall", type=float, default=0.95, help="Recall@1-of-exact target of ivfpq (its "
+                        "code size and effort), the issue's floor for the compressed option")
+    parser.add_argument("--shards", type=int, default=0, help="also measure the gallery split into this many "
+                        "shards: searched in turn and merged in this process (and over Ray Serve with --serve)")
+    parser.add_argument("--serve", action="store_true", help="with --shards: also serve the gallery over HTTP "
+                        "(one replica, then the shards behind the router) and measure both with --clients threads")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--serve-seconds", type=float, default=20.0)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -186,13 +213,30 @@ def main(argv=None) -> int:
           f"Recall@1 target {args.recall} of exact", flush=True)
     gallery, tune_q, queries = gallery_and_queries(args)
     methods, _ = build_methods(args, gallery, tune_q)
+    if args.shards:
+        methods.update(shard_methods(gallery, tune_q, args.shards, [k for k in args.kinds if k == "ivf"],
+                                     args.recall, prepared_bytes))
     measure(args, methods, queries)
     rows = table(args, methods)
+    served = []
+    if args.shards and args.serve:
+        exact = methods["flat (exact kernel)"]["search"](queries)
+        print(f"\nover HTTP (Ray Serve on this machine, {args.clients} client threads, {args.serve_seconds:.0f} s "
+              f"each, load {os.getloadavg()[0]:.1f}):", flush=True)
+        served = serve_rates(gallery, tune_q, queries, exact, args.shards, "ivf", args.recall, args.clients,
+                             args.serve_seconds)
+        base = served[0]["qps"]
+        for row in served:
+            row["qps_vs_one_replica"] = row["qps"] / base
+            print(f"{row['method']:34} {row['qps']:9.1f} q/s {row['qps_vs_one_replica']:6.2f}x  p50 "
+                  f"{row['p50_ms']:7.1f} ms  p95 {row['p95_ms']:7.1f} ms  failed {row['failed']}  R@1 of exact "
+                  f"{row['recall_of_exact']:.4f}  replica RSS MiB {row['replica_rss_mib']}")
     print(f"load after: {os.getloadavg()[0]:.1f}")
     out = pathlib.Path(__file__).resolve().parent / "results" / "serve_ann.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"cpu": cpu_model(), "args": vars(args), "date": time.strftime("%Y-%m-%d"),
-                               "rows": rows}, indent=2, default=str))
+                               "rows": rows, "served": served, "load_after": os.getloadavg()[0]}, indent=2,
+                              default=str))
     return 0
 
 

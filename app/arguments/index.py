@@ -16,6 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="URI", help="models:/NAME@ALIAS or models:/NAME/VERSION")
     parser.add_argument("--pool", default="gallery", choices=("gallery", "query"), help="pool to index (build)")
     parser.add_argument("--shard-rows", type=int, default=4096, help="rows per Parquet shard (build)")
+    parser.add_argument("--shards", type=int, default=1, help="split the gallery by row range into this many "
+                        "indexes of their own, each with its own structure, served by its own deployment (build)")
     parser.add_argument("--payload-prefix", default=None, help="item i gets payload URI PREFIX/i (build)")
     parser.add_argument("--kind", default="flat", choices=("flat", "ivf", "hnsw", "ivfpq"),
                         help="search structure (build): flat = the exact kernel alone; ivf / hnsw / ivfpq = faiss "

@@ -13,8 +13,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "models:/NAME/VERSION (pinned)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica")
+    parser.add_argument("--replicas", type=int, default=1, help="replicas (per shard, for a sharded index)")
+    parser.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica (of each shard, and of the "
+                        "shard router, for a sharded index)")
+    parser.add_argument("--shard-retry-s", type=float, default=30.0, help="sharded index: seconds the router keeps "
+                        "asking a lost or loading shard again before it answers 503 (default 30)")
     parser.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica (queries embedded there)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     parser.add_argument("--poll-s", type=float, default=2.0, help="seconds between alias / index checks")

@@ -5,6 +5,8 @@
 gallery items (id, exact cosine score, the model version that embedded each item). ``GET /healthz``,
 ``GET /metrics`` (Prometheus). The service follows the alias: when ``compat gate`` moves it (or rolls it back),
 every replica loads the new version and switches atomically. Binds 127.0.0.1 unless ``--host`` says otherwise.
+An index built with ``--shards S`` is served by S deployments (``--replicas`` replicas each) behind a router that
+fans every query out and merges the answers exactly (:mod:`cluster.serving.shard_router`).
 
 The command fails at once when the alias names no version, and exits non-zero when the first load of the model
 fails. SIGTERM or SIGINT stops what it started: the application on a cluster it joined, or the whole local Ray
@@ -22,6 +24,9 @@ from cluster.serving.app import APP_NAME, preflight, start, wait_first_load
 from cluster.serving.models import resolve_model_ref
 from cluster.serving.ray_join import connect_ray, resolve_ray_target
 from cluster.serving.replica_ports import refuse_exposing_settings
+from cluster.serving.shard_router import preflight_sharded, start_sharded
+from cluster.serving.shards import is_sharded
+from cluster.storage.s3 import configure_object_storage
 from pipelines.config.model_uri import parse_model_uri
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -54,7 +59,12 @@ def run(args) -> int:
     settings = {"index": args.index, "model": args.model, "tracking_uri": tracking, "poll_s": args.poll_s,
                 "precision": args.precision, "device": "cuda" if args.num_gpus > 0 else "cpu",
                 "threads": args.threads, "limits": {"max_k": args.max_k, "max_body_bytes": args.max_body_bytes}}
-    preflight(settings)  # a model the index cannot take is refused here, before Ray starts
+    if args.index.startswith("s3://"):
+        configure_object_storage()
+    sharded = is_sharded(args.index)
+    settings["shard_retry_s"] = args.shard_retry_s
+    # a model the index (every part of a sharded one) cannot take is refused here, before Ray starts
+    (preflight_sharded if sharded else preflight)(settings)
     # no cluster named and none joined yet: connect_ray starts a local instance, which this command then owns
     owns_ray = resolve_ray_target(args.ray_address).address is None and not ray.is_initialized()
     previous = {signum: signal.signal(signum, _raise_stop) for signum in STOP_SIGNALS}
@@ -62,7 +72,7 @@ def run(args) -> int:
         connect_ray(args.ray_address, args.ray_token_file)
         for signum in STOP_SIGNALS:  # ray.init installs its own SIGTERM handler, which skips this cleanup
             signal.signal(signum, _raise_stop)
-        _serve(args, settings)
+        _serve(args, settings, sharded)
         return 0
     except StopRequested as stop:
         print(f"compat serve: {signal.Signals(stop.signum).name} received, stopping", file=sys.stderr, flush=True)
@@ -75,11 +85,11 @@ def run(args) -> int:
             signal.signal(signum, handler)
 
 
-def _serve(args, settings: dict) -> None:
+def _serve(args, settings: dict, sharded: bool) -> None:
     import ray
 
-    url = start(settings, args.host, args.port, num_replicas=args.replicas, num_cpus=args.num_cpus,
-                num_gpus=args.num_gpus)
+    url = (start_sharded if sharded else start)(settings, args.host, args.port, num_replicas=args.replicas,
+                                                num_cpus=args.num_cpus, num_gpus=args.num_gpus)
     wait_first_load(url, args.model, args.first_load_timeout_s)
     print(f"serving {args.index} with {args.model} at {url} (POST /search, GET /healthz, GET /metrics); Ray "
           f"cluster {ray.get_runtime_context().gcs_address} (`compat index backfill ... --ray-address` it)",

@@ -83,6 +83,28 @@ async def read_limited_body(request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def request_path(request) -> str:
+    """The request's path within the application (its route prefix removed, no trailing slash)."""
+    path = request.url.path
+    prefix = request.scope.get("root_path", "").rstrip("/")   # the application's route prefix, if any
+    if prefix and path.startswith(prefix):
+        path = path[len(prefix):]
+    return path.rstrip("/") or "/"
+
+
+async def answer_route(route, request, path: str):
+    """``await route(request, path)``; a RequestError as its JSON error, anything else as a 500 that says what
+    broke (never a traceback to the client)."""
+    try:
+        return await route(request, path)
+    except RequestError as error:
+        return _json(error.to_json(), error.status)
+    except Exception as error:  # noqa: BLE001 - the 500 below
+        LOG.exception("request failed")
+        return _json({"error": {"status": 500, "field": None,
+                                "message": f"{type(error).__name__}: {error}"[:500]}}, 500)
+
+
 class SearchService:
     """One replica. settings: index (root URI), model (models:/ URI), tracking_uri, poll_s, precision, device,
     threads (torch intra-op threads), cache_dir, limits (SearchLimits fields), first_load_wait_s (how long a search
@@ -185,19 +207,8 @@ class SearchService:
     # ---- HTTP ----------------------------------------------------------------------------------------------------
     async def __call__(self, request):
         started = time.perf_counter()
-        path = request.url.path
-        prefix = request.scope.get("root_path", "").rstrip("/")   # the application's route prefix, if any
-        if prefix and path.startswith(prefix):
-            path = path[len(prefix):]
-        path = path.rstrip("/") or "/"
-        try:
-            response = await self._route(request, path)
-        except RequestError as error:
-            response = _json(error.to_json(), error.status)
-        except Exception as error:  # noqa: BLE001 - a 500 that says what broke, never a traceback to the client
-            LOG.exception("request failed")
-            response = _json({"error": {"status": 500, "field": None,
-                                        "message": f"{type(error).__name__}: {error}"[:500]}}, 500)
+        path = request_path(request)
+        response = await answer_route(self._route, request, path)
         self.metrics.observe(path if path in ("/search", "/healthz", "/metrics") else "other",
                              response.status_code, time.perf_counter() - started)
         return response
@@ -219,12 +230,33 @@ class SearchService:
                 return _json({"status": "loading", "error": self.last_error}, 503)
             return _json(self._health(state))
         body = await read_limited_body(request, self.limits.max_body_bytes)
+        return _json(await self._search(body, request.headers.get("content-type")))
+
+    async def search_body(self, body: bytes, content_type: str | None) -> tuple[int, dict]:
+        """(HTTP status, JSON document) of a /search body, as the route answers it: the call a shard router makes
+        through a deployment handle."""
+        try:
+            return 200, await self._search(body, content_type)
+        except RequestError as error:
+            return error.status, error.to_json()
+
+    async def health_document(self) -> tuple[int, dict]:
+        """(HTTP status, JSON document) of /healthz, plus the replica's Ray actor name and process id."""
+        import ray
+
+        state = self._state
+        where = {"actor": ray.get_runtime_context().get_actor_name(), "pid": os.getpid()}
+        if state is None:
+            return 503, {"status": "loading", "error": self.last_error, **where}
+        return 200, {**self._health(state), **where}
+
+    async def _search(self, body: bytes, content_type: str | None) -> dict:
+        state = self._state
         if state is None:
             state = await self._first_state()
         if state is None:
-            return _json({"error": {"status": 503, "field": None,
-                                    "message": f"no model loaded yet ({self.last_error or 'loading'}); retry"}}, 503)
-        parsed = parse_search_request(body, request.headers.get("content-type"), dim=state.index.dim,
+            raise RequestError(503, None, f"no model loaded yet ({self.last_error or 'loading'}); retry")
+        parsed = parse_search_request(body, content_type, dim=state.index.dim,
                                       image_shape=state.image_shape, gallery_size=state.index.size,
                                       limits=self.limits)
         if parsed.model_version is not None and parsed.model_version != state.ref.version:
@@ -236,7 +268,7 @@ class SearchService:
                                f"the service now embeds with {state.ref.version}; re-embed or retry")
         if parsed.image is not None and state.model is None:
             raise RequestError(400, "image", "no model to embed images; send 'embedding'")
-        return _json(await self._batched((state, parsed)))
+        return await self._batched((state, parsed))
 
     def _health(self, state: ServingState) -> dict:
         """/healthz of a loaded replica: "ok", or "degraded" (still 200: it answers with the version it loaded) while

@@ -12,7 +12,9 @@ import numpy as np
 from cluster.model_registry.versions import MlflowModelResolver
 from cluster.serving.index_store import commit_manifest, new_manifest, shard_table, write_ann, write_shard
 from cluster.serving.models import load_served_model, resolve_model_ref
+from cluster.serving.shards import write_sharded_index
 from compat_core.retrieval.ann import KINDS, build_ann, candidate_rule, tune_ann
+from compat_core.retrieval.ann_pq import tune_pq
 from compat_core.retrieval.mixed_gallery import unit_rows
 from compat_core.retrieval.search import PreparedGallery
 from pipelines.stages.context import resolve_device
@@ -70,10 +72,15 @@ def pool_image_spec(source: Any) -> dict:
 
 def build_index(root: str, config: Any, model_uri: str, tracking_uri: str, pool: str = "gallery",
                 shard_rows: int = 4096, payload_prefix: str | None = None, cache_dir: str | None = None,
-                log: Callable[[str], None] = print, ann: AnnSettings = AnnSettings()) -> tuple[str, dict]:
+                log: Callable[[str], None] = print, ann: AnnSettings = AnnSettings(),
+                shards: int = 1) -> tuple[str, dict]:
     """Embed the pool with the version behind ``model_uri`` (the extraction the pipeline uses) and commit an index
     at ``root``; returns (manifest sha256, manifest). payload_prefix: item i gets payload URI ``<prefix>/<i>``.
-    ann: the approximate structure to build beside the shards (kind "flat": none, the exact kernel alone)."""
+    ann: the approximate structure to build beside the shards (kind "flat": none, the exact kernel alone).
+    shards > 1: split the gallery by row range into that many indexes of their own (``cluster.serving.shards``);
+    returns (the shard set's sha256, the shard set)."""
+    if shards < 1:
+        raise ValueError(f"--shards: expected a positive number of shards, got {shards}")
     if shard_rows < 1:
         raise ValueError(f"--shard-rows: expected a positive number of rows, got {shard_rows}")
     if not isinstance(ann, AnnSettings):
@@ -88,22 +95,31 @@ def build_index(root: str, config: Any, model_uri: str, tracking_uri: str, pool:
     log(f"index: {features.shape[0]} x {features.shape[1]} embeddings by {ref.uri} in "
         f"{time.perf_counter() - started:.1f} s")
     labels = evaluation_labels(config, source)
-    shards = []
+    other = "query" if pool == "gallery" else "gallery"
+    held_out = extract_pool_features(model, pool_of(config, other)[1], config, device) if ann.kind != "flat" else None
+    if shards > 1:
+        def part_search(where, rows):
+            return (build_search_entry(where, rows, held_out, ann, ref.version, other, log) if held_out is not None
+                    else {"kind": "flat"})
+
+        return write_sharded_index(root, features, shards, {"name": ref.name, "version": ref.version},
+                                   search=part_search, labels=labels, shard_rows=shard_rows,
+                                   payload_prefix=payload_prefix, log=log, image=pool_image_spec(source),
+                                   pool=spec.model_dump(mode="json"))
+    files = []
     for start in range(0, features.shape[0], shard_rows):
         stop = min(features.shape[0], start + shard_rows)
         positions = np.arange(start, stop)
         payloads = [f"{payload_prefix.rstrip('/')}/{i}" for i in positions] if payload_prefix else None
-        shards.append(write_shard(root, shard_table(positions, [str(i) for i in positions], features[start:stop],
+        files.append(write_shard(root, shard_table(positions, [str(i) for i in positions], features[start:stop],
                                                     ref.version, payloads, labels[start:stop])))
     search = {"kind": "flat"}
-    if ann.kind != "flat":
-        other = "query" if pool == "gallery" else "gallery"
-        held_out = extract_pool_features(model, pool_of(config, other)[1], config, device)
+    if held_out is not None:
         search = build_search_entry(root, features, held_out, ann, ref.version, other, log)
     manifest = new_manifest(features.shape[1], features.shape[0], {"name": ref.name, "version": ref.version},
-                            shards, image=pool_image_spec(source), pool=spec.model_dump(mode="json"), search=search)
+                            files, image=pool_image_spec(source), pool=spec.model_dump(mode="json"), search=search)
     digest = commit_manifest(root, manifest)
-    log(f"index: {len(shards)} shards, manifest {digest[:12]} at {root}")
+    log(f"index: {len(files)} shards, manifest {digest[:12]} at {root}")
     return digest, manifest
 
 
@@ -115,11 +131,15 @@ def build_search_entry(root: str, features: np.ndarray, held_out: np.ndarray, an
     seeded sample of ``held_out`` query rows, store its bytes at ``root``; returns the manifest's "search" entry."""
     started = time.perf_counter()
     gallery = unit_rows(features)
-    structure = build_ann(gallery, ann.kind, seed=ann.seed)
-    built = time.perf_counter() - started
     take = min(ann.sample, held_out.shape[0])
     rows = np.sort(np.random.default_rng(ann.seed).choice(held_out.shape[0], take, replace=False))
-    measured = tune_ann(structure, PreparedGallery(gallery), held_out[rows], ann.recall)
+    if ann.kind == "ivfpq":   # the code size too is chosen by the recall target (the smallest that reaches it)
+        structure, measured = tune_pq(gallery, PreparedGallery(gallery), held_out[rows], ann.recall, ann.seed)
+        built = sum(entry[3] for entry in measured["pq_curve"])
+    else:
+        structure = build_ann(gallery, ann.kind, seed=ann.seed)
+        built = time.perf_counter() - started
+        measured = tune_ann(structure, PreparedGallery(gallery), held_out[rows], ann.recall)
     stored = write_ann(root, structure.to_bytes())
     log(f"index: {ann.kind} {structure.params} built in {built:.1f} s; {structure.effort} reaches Recall@1 of exact "
         f"{measured['recall']:.4f} >= {ann.recall} on {take} held-out {sample_pool} rows")
@@ -128,4 +148,5 @@ def build_search_entry(root: str, features: np.ndarray, held_out: np.ndarray, an
             "metric": "cosine", "rows": int(features.shape[0]), "dim": int(features.shape[1]),
             "model_version": str(version), "recall_target": float(ann.recall), "recall": measured["recall"],
             "curve": measured["curve"], "sample": {"pool": sample_pool, "size": take, "seed": ann.seed},
-            "build_seconds": built, "tune_seconds": measured["seconds"]}
+            "build_seconds": built, "tune_seconds": measured["seconds"],
+            **({"pq_curve": measured["pq_curve"]} if "pq_curve" in measured else {})}

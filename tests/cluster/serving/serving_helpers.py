@@ -82,3 +82,12 @@ def call(url: str, path: str, body=None, method: str | None = None, raw: bytes |
         return status, json.loads(text)
     except json.JSONDecodeError:
         return status, text
+
+
+def brute_rows(query, gallery, k: int) -> list[int]:
+    """The fp64 brute-force top-k gallery rows of one query by cosine similarity, ties to the lowest row."""
+    g = np.asarray(gallery, dtype=np.float32).astype(np.float64)
+    g /= np.linalg.norm(g, axis=1, keepdims=True)
+    q = np.asarray(query, dtype=np.float32).astype(np.float64)
+    scores = g @ (q / np.linalg.norm(q))
+    return np.lexsort((np.arange(g.shape[0]), -scores))[:k].tolist()
