@@ -39,7 +39,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from compat_core.models.compat_model import CONFIG_FILE, model_from_bytes
 from cluster.model_registry.alias_moves import DEFAULT_ALIAS, version_by_alias
 from cluster.model_registry.model_cache import (
     default_cache_dir,
@@ -48,8 +47,10 @@ from cluster.model_registry.model_cache import (
     mismatch_error,
     private_dir,
 )
+from cluster.tracking.client import open_client
 from compat_core.integrity import IntegrityError
 from compat_core.kinds import ADAPTER_KINDS
+from compat_core.models.compat_model import CONFIG_FILE, model_from_bytes
 from compat_core.models.weights import register_uri_resolver
 from pipelines.config.model_uri import LATEST, ModelUri, is_model_uri, parse_model_uri
 from pipelines.config.redaction import redact_uri
@@ -242,10 +243,8 @@ class MlflowModelResolver:
     """
 
     def __init__(self, tracking_uri: str, cache_dir: str | os.PathLike | None = None):
-        from mlflow import MlflowClient
-
         self.tracking_uri = tracking_uri
-        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        self.client = open_client(tracking_uri)  # the one way the product opens MLflow (no download bars)
         self.cache_dir = private_dir(cache_dir or default_cache_dir())
         # one cache folder per tracking server: version numbers and run ids are only unique within a server
         self._cache = self.cache_dir / hashlib.sha256(tracking_uri.encode("utf-8")).hexdigest()[:12]
