@@ -453,7 +453,9 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
         return pa.PythonFile(_GuardedReads(stream, self, path), mode="r")
 
     def open_input_file(self, path):
-        return self._call("reading", path, self.inner.open_input_file, path)
+        # random access (Parquet footers and column chunks, ranged reads): every read is a request of its own
+        handle = self._call("reading", path, self.inner.open_input_file, path)
+        return pa.PythonFile(_GuardedReads(handle, self, path, seekable=True), mode="r")
 
     def open_output_stream(self, path, metadata):
         self._check_bucket_for_write(path)
@@ -464,22 +466,35 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
 
 
 class _GuardedReads:
-    """A sequential object stream whose reads go through the handler's ``_call``: a stalled read says what it waits
-    for and its error names the endpoint and the object, like every other request."""
+    """An object stream (sequential) or file (``seekable``: random access, as Parquet reads) whose reads go through
+    the handler's ``_call``: a stalled read says within 5 s what it waits for (endpoint, bucket/key), ends after the
+    configured tries, and its error names the endpoint and the object, like every other request. Seeking only moves
+    the position (no request)."""
 
-    def __init__(self, stream, handler: _TranslatingS3Handler, path: str) -> None:
-        self.stream, self.handler, self.path = stream, handler, path
+    def __init__(self, stream, handler: _TranslatingS3Handler, path: str, seekable: bool = False) -> None:
+        self.stream, self.handler, self.path, self._seekable = stream, handler, path, seekable
 
     def read(self, size: int | None = -1) -> bytes:
         whole = size is None or size < 0
         return self.handler._call("reading", self.path, self.stream.read if whole else
                                   functools.partial(self.stream.read, size))
 
+    def read_buffer(self, size: int | None = -1):
+        """Like :meth:`read` without a copy (pyarrow's Python file wrapper uses it when present)."""
+        whole = size is None or size < 0
+        return self.handler._call("reading", self.path, self.stream.read_buffer if whole else
+                                  functools.partial(self.stream.read_buffer, size))
+
+    def seek(self, position: int, whence: int = 0) -> int:
+        if not self._seekable:
+            raise OSError(f"{self.path}: a sequential S3 stream cannot seek")
+        return self.stream.seek(position, whence)
+
     def readable(self) -> bool:
         return True
 
     def seekable(self) -> bool:
-        return False
+        return self._seekable
 
     def writable(self) -> bool:
         return False
