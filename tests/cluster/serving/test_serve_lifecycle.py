@@ -184,6 +184,40 @@ def test_a_first_load_that_fails_ends_the_command_non_zero(served, tmp_path):
     assert "serving " not in text
 
 
+def test_a_first_load_that_fails_only_in_the_replicas_ends_the_command_with_exit_1(served, tmp_path):
+    """The replicas' load environment differs from the command's: the head `compat serve` joins was started from a
+    shell whose COMPAT_MODEL_CACHE is a shared folder others may write (mode 0777). The command's own check loads
+    the model through its private cache and passes; every replica refuses the shared cache, so the first load fails
+    in the replicas only, and the command ends with exit 1 and one line carrying the replicas' error."""
+    from cluster.ray.local_head import read_state
+
+    shared = tmp_path / "shared-models"
+    shared.mkdir()
+    shared.chmod(0o777)
+    home, state_dir = tmp_path / "home", tmp_path / "heads"
+    home.mkdir()
+    head_shell = dict(served["env"], HOME=str(home), XDG_CACHE_HOME=str(tmp_path / "head-cache"),
+                      COMPAT_MODEL_CACHE=str(shared))
+    try:
+        up = run_compat("cluster", "up", "--num-cpus", "2", "--object-store-memory", "200000000", "--state-dir",
+                        str(state_dir), env=head_shell, timeout=600)
+        assert up.returncode == 0, up.stdout + up.stderr
+        head = read_state("local", state_dir)
+        # the same user (the head's token in ~/.ray/auth_token), the model cache of its own shell
+        result = run_compat("serve", served["root"], "--model", f"models:/{NAME}@champion", "--port",
+                            str(free_port()), "--num-cpus", "0", "--ray-address", head.gcs_address,
+                            "--first-load-timeout-s", "240", env=dict(served["env"], HOME=str(home)), timeout=600)
+    finally:
+        down = run_compat("cluster", "down", "--state-dir", str(state_dir), env=head_shell)
+    assert down.returncode == 0, down.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 1 and len(errors) == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"--model models:/{NAME}@champion: the first load failed: PermissionError: model cache {shared} is " \
+           f"writable by group and others (mode 0777)" in errors[0], errors[0]
+    assert "serving " not in result.stdout
+    assert list(shared.iterdir()) == []  # nothing was downloaded into the folder others may write
+
+
 def test_settings_that_open_replica_ports_are_refused_before_ray_starts(served):
     result = run_compat("serve", served["root"], "--model", f"models:/{NAME}@champion", "--port", str(free_port()),
                         env=dict(served["env"], RAY_SERVE_ENABLE_DIRECT_INGRESS="1"), timeout=120)
