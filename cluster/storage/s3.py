@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from cluster.storage.conditional_writes import S3ConditionalObjects
+from cluster.storage.s3_reads import GuardedReads
 from compat_core import io as cio
 from pipelines.store.lease import set_conditional_objects
 
@@ -450,12 +451,12 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
 
     def open_input_stream(self, path):
         stream = self._call("reading", path, self.inner.open_input_stream, path)
-        return pa.PythonFile(_GuardedReads(stream, self, path), mode="r")
+        return pa.PythonFile(GuardedReads(stream, self, path), mode="r")
 
     def open_input_file(self, path):
         # random access (Parquet footers and column chunks, ranged reads): every read is a request of its own
         handle = self._call("reading", path, self.inner.open_input_file, path)
-        return pa.PythonFile(_GuardedReads(handle, self, path, seekable=True), mode="r")
+        return pa.PythonFile(GuardedReads(handle, self, path, seekable=True), mode="r")
 
     def open_output_stream(self, path, metadata):
         self._check_bucket_for_write(path)
@@ -463,51 +464,6 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
 
     def open_append_stream(self, path, metadata):
         return self._call("appending to", path, functools.partial(self.inner.open_append_stream, compression=None, metadata=metadata), path)
-
-
-class _GuardedReads:
-    """An object stream (sequential) or file (``seekable``: random access, as Parquet reads) whose reads go through
-    the handler's ``_call``: a stalled read says within 5 s what it waits for (endpoint, bucket/key), ends after the
-    configured tries, and its error names the endpoint and the object, like every other request. Seeking only moves
-    the position (no request)."""
-
-    def __init__(self, stream, handler: _TranslatingS3Handler, path: str, seekable: bool = False) -> None:
-        self.stream, self.handler, self.path, self._seekable = stream, handler, path, seekable
-
-    def read(self, size: int | None = -1) -> bytes:
-        whole = size is None or size < 0
-        return self.handler._call("reading", self.path, self.stream.read if whole else
-                                  functools.partial(self.stream.read, size))
-
-    def read_buffer(self, size: int | None = -1):
-        """Like :meth:`read` without a copy (pyarrow's Python file wrapper uses it when present)."""
-        whole = size is None or size < 0
-        return self.handler._call("reading", self.path, self.stream.read_buffer if whole else
-                                  functools.partial(self.stream.read_buffer, size))
-
-    def seek(self, position: int, whence: int = 0) -> int:
-        if not self._seekable:
-            raise OSError(f"{self.path}: a sequential S3 stream cannot seek")
-        return self.stream.seek(position, whence)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return self._seekable
-
-    def writable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self.stream.tell()
-
-    @property
-    def closed(self) -> bool:
-        return self.stream.closed
-
-    def close(self) -> None:
-        self.stream.close()
 
 
 def _handler_from_access(access: S3Access) -> _TranslatingS3Handler:
