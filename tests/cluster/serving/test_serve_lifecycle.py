@@ -5,7 +5,9 @@ no version, a first load that fails and settings that open replica ports end the
 a one-line error."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -69,11 +71,11 @@ def served(mlflow_server, tmp_path_factory):
     return {"client": client, "v1": v1, "v2": v2, "root": root, "env": env, "folder": folder}
 
 
-def _start(served, model: str, log: Path) -> tuple[subprocess.Popen, str]:
+def _start(served, model: str, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     with log.open("w") as handle:
         process = subprocess.Popen([PYTHON, "-m", "app.cli", "serve", served["root"], "--model", model, "--port",
-                                    str(port), "--num-cpus", "0", "--poll-s", "0.3"], env=served["env"],
+                                    str(port), "--num-cpus", "0", "--poll-s", "0.3", *extra], env=served["env"],
                                    stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
     return process, f"http://127.0.0.1:{port}"
 
@@ -157,6 +159,53 @@ def test_every_port_is_on_loopback_degraded_is_reported_and_a_signal_stops_every
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def _refused_before_the_body(url: str, declared: int) -> tuple[int, dict]:
+    """Headers of a POST declaring ``declared`` body bytes, and no body: the answer (status, JSON)."""
+    port = int(url.rpartition(":")[2])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(f"POST /search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {declared}\r\n\r\n".encode())
+        reader = sock.makefile("rb")
+        status = int(reader.readline().split()[1])
+        headers = {}
+        while (line := reader.readline().strip()):
+            name, _, value = line.decode().partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return status, json.loads(reader.read(int(headers["content-length"])))
+
+
+def test_the_http_proxy_refuses_a_body_over_the_limit_before_holding_it(served, tmp_path):
+    """Serve's HTTP proxy of a `compat serve` that started its own Ray: a 400 MiB chunked POST is answered 413 by
+    the proxy once the limit (64 KiB) is passed, the proxy process grows by less than 16 MiB; a Content-Length over
+    the limit gets 413 though no byte of the body was sent; searches still work."""
+    limit, chunk, chunks = 64 << 10, b"x" * (256 << 10), 1600   # 1600 x 256 KiB = 400 MiB
+    log = tmp_path / "serve.log"
+    process, url = _start(served, f"models:/{NAME}@champion", log, "--max-body-bytes", str(limit))
+    try:
+        _wait_for(process, log, "serving line", lambda: "serving " in log.read_text())
+        tree = [psutil.Process(process.pid)] + psutil.Process(process.pid).children(recursive=True)
+        [proxy] = [p for p in tree if "ProxyActor" in p.name()]
+        before = proxy.memory_info().rss
+        sent, status, answer = helpers.send_chunked(url, "/search", chunk, chunks)
+        grown = proxy.memory_info().rss - before
+        assert status == 413 and answer["error"]["field"] == "body", answer
+        read = int(re.search(r"the HTTP proxy stopped reading after (\d+) bytes", answer["error"]["message"]).group(1))
+        assert limit < read <= limit + len(chunk), answer
+        assert sent < len(chunk) * chunks // 4, sent   # the client was stopped long before 400 MiB
+        assert grown < 16 << 20, f"the proxy grew by {grown / (1 << 20):.1f} MiB"
+        status, answer = _refused_before_the_body(url, 1 << 30)
+        assert status == 413 and "refused by the HTTP proxy before the body was read" in answer["error"]["message"]
+        assert helpers.call(url, "/search", {"embedding": [0.1] * 9, "k": 1})[0] == 200
+        print(f"proxy RSS growth {grown / (1 << 20):.2f} MiB; client sent {sent / (1 << 20):.2f} MiB; proxy read {read}")
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_an_alias_naming_no_version_fails_before_ray_starts(served):
