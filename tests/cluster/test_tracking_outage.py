@@ -105,3 +105,48 @@ def test_a_server_that_stops_answering_mid_run_is_named_and_the_run_goes_on(tmp_
         assert sorted(next(t["value"] for t in run["data"]["tags"] if t["key"] == "stage_label")
                       for run in children) == labels
         assert all(run["info"]["status"] == "FINISHED" for run in children)
+
+
+def test_a_record_the_server_does_not_take_stops_the_tracking_and_is_raised_at_the_end():
+    """Error path of the record queue (no server): the records before the failing one are handled in order, the
+    ones after it are dropped, one line says so, and drain() raises the error."""
+    from cluster.tracking.outage import RecordQueue, ServerWatch
+
+    handled, lines = [], []
+
+    def handle(record):
+        if record == 2:
+            raise ConnectionError("MLflow gave up after 5 tries")
+        handled.append(record)
+
+    records = RecordQueue(handle, ServerWatch("http://127.0.0.1:1", log=lines.append, answers=lambda uri: True))
+    for record in range(5):
+        records.put(record)
+    with pytest.raises(ConnectionError, match="gave up after 5 tries"):
+        records.drain()
+    assert handled == [0, 1]
+    assert len(lines) == 1 and lines[0].startswith("MLflow: tracking of this run stopped at a record the server at "
+                                                   "http://127.0.0.1:1 did not take (ConnectionError: ")
+
+
+def test_the_watch_speaks_once_per_outage_and_not_for_a_slow_server_that_answers():
+    """A request that waits past notice_s: silent while /health answers (slow, not gone); one notice when it does
+    not, and one line when the request completes."""
+    from cluster.tracking.outage import ServerWatch
+
+    lines, answering = [], [True]
+    watch = ServerWatch("http://127.0.0.1:1", notice_s=0.2, log=lines.append, answers=lambda uri: answering[0])
+    with watch.request(lambda back: "back" if back else "meanwhile"):
+        time.sleep(1.2)  # probed once after 0.2 s: it answers, so nothing is said
+        assert lines == []
+    answering[0] = False
+    with watch.request(lambda back: "back" if back else "meanwhile"):
+        deadline = time.monotonic() + 10
+        while not lines and time.monotonic() < deadline:
+            time.sleep(0.05)
+    watch.close()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("MLflow: the tracking server at http://127.0.0.1:1 does not answer (a request has "
+                               "waited ") and lines[0].endswith("; meanwhile")
+    assert lines[1].startswith("MLflow: the tracking server at http://127.0.0.1:1 answers again after ") and \
+        lines[1].endswith("; back")
