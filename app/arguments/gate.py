@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reason", default="", help="rollback reason recorded in MLflow")
     parser.add_argument("--force", action="store_true", help="rollback: install a version the gate refused or one "
                                                              "that never held the alias (recorded as forced)")
+    parser.add_argument("--index", dest="indexes", action="append", default=[], metavar="ROOT",
+                        help="rollback: a gallery index the alias serves (the ROOT of `compat serve ROOT`; "
+                             "repeatable): the target is refused unless that index can be served with it")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking server (default: $MLFLOW_TRACKING_URI, else the machine's store where "
                              "compat run registers its models; see compat ui)")

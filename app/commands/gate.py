@@ -6,10 +6,12 @@
   Exit 0 when promoted (or a dry run passes, or the candidate already holds the alias), 1 when refused, 2 on bad
   input.
 - ``compat gate history MODEL [--alias champion]``: every gate decision and rollback of the alias, oldest first.
-- ``compat gate rollback MODEL [--alias champion] [--to VERSION] [--reason TEXT] [--force]``: move the alias back
-  to the version it pointed to before its last move (or to ``--to``, a version that held the alias before; another
-  one, or one the gate refused, only with ``--force``); the target is loaded and compared with the version behind
-  the alias first (feature width and kind); recorded like a decision.
+- ``compat gate rollback MODEL [--alias champion] [--to VERSION] [--reason TEXT] [--force] [--index ROOT ...]``:
+  move the alias back to the version it pointed to before its last move (or to ``--to``, a version that held the
+  alias before; another one, or one the gate refused, only with ``--force``); the target is loaded and compared
+  with the version behind the alias first (feature width and kind) and, for each ``--index`` (a gallery index the
+  alias serves, as ``compat serve ROOT``), with what that index's HEAD was built with (model, width, search kind,
+  the kind of every version whose rows it holds, the target's installed adapter); recorded like a decision.
 - A gate of the version already behind the alias changes nothing (decision ``unchanged``, exit 0).
 
 The tracking server: ``--tracking-uri`` (``http(s)://HOST:PORT`` or ``sqlite:///PATH``), default
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         if action == "rollback":
             gate = importlib.import_module(GATE_MODULE)
             moved = gate.rollback(tracking_uri, model, args.alias, args.to_version, args.reason, force=args.force,
-                                  log=lambda line: print(line, file=sys.stderr))
+                                  log=lambda line: print(line, file=sys.stderr), indexes=tuple(args.indexes))
             print(json.dumps(moved) if args.json else
                   f"rolled back alias {args.alias!r} of {model}: v{moved['from_version']} -> v{moved['to_version']} "
                   f"{'FORCED over the gate refusal ' if moved['forced'] else ''}(recorded: run {moved['run_id']})")

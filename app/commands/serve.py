@@ -9,7 +9,9 @@ An index built with ``--shards S`` is served by S deployments (``--replicas`` re
 fans every query out and merges the answers exactly (:mod:`cluster.serving.shard_router`).
 
 The command fails at once when the alias names no version, and exits non-zero when the first load of the model
-fails. SIGTERM or SIGINT stops what it started: the application on a cluster it joined, or the whole local Ray
+fails. A local Ray instance it starts limits request bodies in Serve's HTTP proxy too
+(:mod:`cluster.serving.proxy_limits`): a body over ``--max-body-bytes`` is refused before the proxy or a replica
+holds it. SIGTERM or SIGINT stops what it started: the application on a cluster it joined, or the whole local Ray
 instance (every process of it) it started itself.
 """
 from __future__ import annotations
@@ -22,6 +24,8 @@ from cluster.model_registry.versions import MlflowModelResolver
 from cluster.ray.process_tree import descendants, stop_processes
 from cluster.serving.app import APP_NAME, preflight, start, wait_first_load
 from cluster.serving.models import resolve_model_ref
+from cluster.serving.proxy_limits import CALLBACK_VARIABLE as PROXY_CALLBACK_VARIABLE
+from cluster.serving.proxy_limits import install as install_proxy_limit
 from cluster.serving.ray_join import connect_ray, resolve_ray_target
 from cluster.serving.replica_ports import refuse_exposing_settings
 from cluster.serving.shard_router import preflight_sharded, start_sharded
@@ -67,6 +71,9 @@ def run(args) -> int:
     (preflight_sharded if sharded else preflight)(settings)
     # no cluster named and none joined yet: connect_ray starts a local instance, which this command then owns
     owns_ray = resolve_ray_target(args.ray_address).address is None and not ray.is_initialized()
+    if owns_ray and not install_proxy_limit(args.max_body_bytes):
+        print(f"compat serve: {PROXY_CALLBACK_VARIABLE} names another callback; Serve's HTTP proxy keeps it, so "
+              f"bodies are limited by the replicas only", file=sys.stderr)
     previous = {signum: signal.signal(signum, _raise_stop) for signum in STOP_SIGNALS}
     try:
         connect_ray(args.ray_address, args.ray_token_file)

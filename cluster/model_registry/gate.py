@@ -16,7 +16,8 @@ tags that say how a version came to hold the alias (``gate.<alias>.decision``, `
 ``.adapter``: the search service reads the adapter file of that run); a refusal or a dry run tags the candidate with
 ``gate.<alias>.last_decision`` / ``.last_run_id`` only, and a gate of the version already behind the alias
 (decision ``unchanged``) writes no version tag. :func:`alias_history` lists the runs; :func:`rollback` moves the
-alias back to a version that held it before, after loading it and comparing it with the current holder.
+alias back to a version that held it before, after loading it and comparing it with the current holder and with
+what each serving index named was built with (:func:`check_serving_index`).
 
 A move survives a kill at any point (``MOVE_STEPS``): its run is created first with tag ``move_state=intended``
 (left RUNNING) and the candidate's install tags as they were (``prior.<name>``), then the candidate's install tags,
@@ -42,6 +43,10 @@ from cluster.model_registry.alias_moves import (
 )
 from cluster.model_registry import alias_moves
 from cluster.model_registry.versions import MlflowModelResolver
+from cluster.serving.index_store import read_manifest
+from cluster.serving.models import installed_adapter
+from cluster.serving.state import check_servable
+from cluster.storage.s3 import configure_object_storage
 from cluster.tracking.client import ensure_experiment, open_client
 from compat_core.evaluation.metrics import criterion_sign, is_compatible, upgrade_verdict
 from compat_core.models.compat_model import load_model
@@ -335,15 +340,63 @@ def check_installable(tracking_uri: str, model: str, version: str, reference: st
                          + "; the gallery indexed for the current version cannot be searched with it")
 
 
+def check_serving_index(tracking_uri: str, model: str, version: str, root: str, alias: str = DEFAULT_ALIAS,
+                        cache_dir: str | None = None, log: Callable[[str], None] = print) -> None:
+    """Refuse (ValueError naming the index) a version that the gallery index at ``root`` cannot be served with.
+    The index is what ``compat serve ROOT`` searches: its HEAD manifest, written by ``compat index build`` (and
+    each backfill). Checked: the model it was built for (registered model name), its width and search kind
+    (:func:`cluster.serving.state.check_servable`), the feature kind (width, head, classifier) of every version
+    whose rows its shards hold, and the adapter the gate installed with ``version`` (its file must load: the service
+    applies it to the rows of the version it maps)."""
+    if str(root).startswith("s3://"):
+        configure_object_storage()
+    digest, manifest = read_manifest(root)
+    where = f"{root} (manifest {digest[:12]})"
+    built_for = str((manifest.get("model") or {}).get("name") or "")
+    if built_for and built_for != model:
+        raise ValueError(f"the index at {where} serves registered model {built_for!r}, not {model!r}; name the "
+                         f"index of this model's alias")
+    resolver = MlflowModelResolver(tracking_uri, cache_dir)
+    uri = str(ModelUri(model, str(version)))
+    target = _served_model(resolver, model, version)
+    check_servable(manifest, where, uri, getattr(target, "feature_dim", None))
+    wanted = _feature_kind(target)
+    held = sorted({str(v) for shard in manifest.get("shards") or [] for v in shard.get("model_versions") or []}
+                  - {str(version)}, key=lambda v: (len(v), v))
+    for other in held:
+        try:
+            kind = _feature_kind(_served_model(resolver, model, other))
+        except ValueError as error:
+            log(f"gate: version {other}, whose rows the index at {where} holds, does not load ({error}); not "
+                f"compared")
+            continue
+        different = {key: (kind[key], wanted[key]) for key in wanted if wanted[key] != kind[key]}
+        if different:
+            raise ValueError(f"{uri} cannot search the index at {where}: it holds rows embedded by version {other}, "
+                             f"and " + ", ".join(f"{key} {new} instead of {old}" for key, (old, new) in different.items())
+                             + "; re-index with `compat index build`, or roll back to a version of that kind")
+    try:
+        installed_adapter(resolver.client, ModelUri(model, str(version)), alias)
+    except Exception as error:  # noqa: BLE001 - any failure to fetch or read the adapter file refuses the target
+        raise ValueError(f"{uri} was installed with an adapter (tag gate.{alias}.adapter) that cannot be loaded now "
+                         f"({type(error).__name__}: {str(error)[:300]}); the service serving the index at {where} "
+                         f"could not apply it") from None
+
+
 def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_version: str | None = None,
              reason: str = "", experiment: str = GATE_EXPERIMENT, force: bool = False,
              on_move_step: MoveStep = _no_step, cache_dir: str | None = None,
-             log: Callable[[str], None] = print) -> dict:
+             log: Callable[[str], None] = print, indexes: tuple[str, ...] = ()) -> dict:
     """:func:`cluster.model_registry.alias_moves.rollback` with the target loaded and compared with the version
-    behind the alias first (:func:`check_installable`)."""
+    behind the alias first (:func:`check_installable`), and with each serving index named in ``indexes``
+    (:func:`check_serving_index`)."""
+    def check(target: str, current: str) -> None:
+        check_installable(tracking_uri, model, target, current, cache_dir, log)
+        for root in indexes:
+            check_serving_index(tracking_uri, model, target, root, alias, cache_dir, log)
+
     return alias_moves.rollback(tracking_uri, model, alias, to_version, reason, experiment, force, on_move_step,
-                                check_target=lambda target, current: check_installable(
-                                    tracking_uri, model, target, current, cache_dir, log))
+                                check_target=check)
 
 
 def _plot_backfill(curve: dict, metric: str, path: Path) -> None:
@@ -364,5 +417,5 @@ def _plot_backfill(curve: dict, metric: str, path: Path) -> None:
     pyplot.close(figure)
 
 
-__all__ = ["GateResult", "check_installable", "run_gate", "alias_history", "rollback", "reconcile_moves",
+__all__ = ["GateResult", "check_installable", "check_serving_index", "run_gate", "alias_history", "rollback", "reconcile_moves",
            "GATE_EXPERIMENT", "DEFAULT_ALIAS", "MOVE_STEPS"]

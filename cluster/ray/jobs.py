@@ -30,6 +30,7 @@ prints or forwards the token. See docs/cluster.md.
 """
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import shlex
@@ -55,6 +56,8 @@ ID_PREFIX = "compat-"
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 REUSABLE_STATUSES = ("PENDING", "RUNNING", "SUCCEEDED")  # a resubmission is a no-op while the latest is one of these
 PACKAGES = ("compat_core", "pipelines", "cluster", "app")
+# the memory preflight builds backbones on torch's meta device: imported only when a job is about to be submitted
+MEMORY_CHECK_MODULE = "cluster.ray.memory_check"
 # Patterns (gitignore syntax) kept out of what is uploaded to the cluster.
 RUNTIME_EXCLUDES = (".venv", ".git", "runs", "mlruns", "__pycache__", "*.pyc", "*.egg-info", ".pytest_cache",
                     "*.safetensors", "*.parquet")
@@ -259,7 +262,9 @@ def submit_pipeline(config: Any, address: str | None, output: str | None = None,
     submitting one when the node has it, see :func:`python_command`). origin: the command line and overrides the
     job records in config.yaml. scenario_aliases: False when ``--set`` changed what the named config file computes
     (cluster.tracking.run_identity.run_intent): the job then moves only its own registry aliases (sent as job
-    metadata, since the job runs the resolved scenario.yaml). Returns the outcome, with the final status when waiting.
+    metadata, since the job runs the resolved scenario.yaml). Before anything is submitted, a training stage that
+    no node of the cluster has the memory for is refused (PreflightError, cluster.ray.memory_check). Returns the
+    outcome, with the final status when waiting.
     """
     stream = stream or sys.stdout
     config = absolute_config(config)
@@ -270,6 +275,8 @@ def submit_pipeline(config: Any, address: str | None, output: str | None = None,
     if is_local_path(output):  # a run folder this machine reads: a change that is no growth is refused here
         judge_folder(config, output, code_version())  # (the job judges it again, before any stage, on the cluster)
     client = job_client(address, token_file)
+    # before anything is submitted: a training stage no node of the cluster has the memory for is refused here
+    importlib.import_module(MEMORY_CHECK_MODULE).check_job_memory(config, client.get_address())
     base_id = submission_id_for(config, output)
     with tempfile.TemporaryDirectory(prefix="compat-submit-") as staging:
         Path(staging, "scenario.yaml").write_text(dump_config(config))

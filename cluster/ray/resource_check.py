@@ -2,7 +2,7 @@
 
 A request is satisfiable when one alive node's *total* resources cover it (what is free now does not matter: Ray
 queues until it is). With an autoscaler the cluster may still grow, so nothing is refused then; the stage waits
-and the log says for what.
+and the log says for what. :func:`task_options` turns a stage's ``resources.<kind>`` into the Ray options it runs with.
 """
 from __future__ import annotations
 
@@ -17,6 +17,20 @@ class UnsatisfiableResourcesError(RuntimeError):
 
 def _describe(name: str, value: float) -> str:
     return f"{value / GIB:.1f} GiB" if name == "memory" else f"{value:g}"
+
+
+def task_options(resources: Any, device: str, cluster_has_gpus: bool) -> dict:
+    """Ray options of a node: num_cpus, num_gpus (None: 0 with ``device: cpu``, 1 with ``cuda[:N]``, and with
+    ``auto`` 1 when the cluster has GPUs), memory (bytes), custom resources."""
+    gpus = resources.num_gpus
+    if gpus is None:
+        gpus = 0.0 if device == "cpu" else 1.0 if device.startswith("cuda") else float(cluster_has_gpus)
+    options: dict[str, Any] = {"num_cpus": float(resources.num_cpus), "num_gpus": float(gpus)}
+    if resources.memory:
+        options["memory"] = int(resources.memory)
+    if getattr(resources, "custom", None):
+        options["resources"] = {name: float(value) for name, value in resources.custom.items()}
+    return options
 
 
 def check_satisfiable(label: str, config_key: str, request: dict[str, float], nodes: Iterable[dict[str, Any]],
@@ -40,3 +54,6 @@ def check_satisfiable(label: str, config_key: str, request: dict[str, float], no
         f"stage {label} asks for {', '.join(parts) or 'resources no single node has'}, more than any node of the "
         f"cluster has; lower {config_key} or add a bigger node (with an autoscaler, set resources.autoscaling: true "
         f"and the stage waits for one)")
+
+
+__all__ = ["UnsatisfiableResourcesError", "check_satisfiable", "task_options"]

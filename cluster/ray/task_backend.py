@@ -36,8 +36,9 @@ import ray
 from cluster.ray.auth import prepare_client_auth, token_for_embedded_ray
 from cluster.ray.jobs import submit_pipeline
 from cluster.ray.loopback import prepare_loopback
+from cluster.ray.memory_check import check_cluster_memory
 from cluster.ray.reach import local_address_towards, require_answering, require_reachable
-from cluster.ray.resource_check import check_satisfiable
+from cluster.ray.resource_check import check_satisfiable, task_options
 from cluster.ray.train_stage import run_data_parallel_node
 from cluster.ray.worker import NodeResult, run_stage_in_worker
 from cluster.storage.s3 import installed_access
@@ -148,19 +149,6 @@ class NodeFailed(RuntimeError):
         self.stage_key = stage_key
 
 
-def task_options(resources: Any, device: str, cluster_has_gpus: bool) -> dict:
-    """Ray options of a node: num_cpus, num_gpus (None resolved from ``device``, see the module docstring), memory."""
-    gpus = resources.num_gpus
-    if gpus is None:
-        gpus = 0.0 if device == "cpu" else 1.0 if device.startswith("cuda") else float(cluster_has_gpus)
-    options: dict[str, Any] = {"num_cpus": float(resources.num_cpus), "num_gpus": float(gpus)}
-    if resources.memory:
-        options["memory"] = int(resources.memory)
-    if getattr(resources, "custom", None):
-        options["resources"] = {name: float(value) for name, value in resources.custom.items()}
-    return options
-
-
 class RayBackend(Backend):
     """One Ray task per node (see the module docstring); ``wait`` returns the first node to finish."""
 
@@ -212,12 +200,18 @@ class RayBackend(Backend):
 
     def check_all(self, graph: StageGraph) -> None:
         """Every stage's request against the cluster, before the first one starts (a stage no node can hold is
-        refused now, not after the stages before it have trained); ``device: cuda`` on a cluster without GPUs."""
+        refused now, not after the stages before it have trained); ``device: cuda`` on a cluster without GPUs; the
+        memory a training stage needs against the largest node that can hold it (cluster.ray.memory_check)."""
         if str(graph.config.device).startswith("cuda") and not self.cluster_has_gpus:
             raise ValueError(f"device: {graph.config.device!r} but the Ray cluster has no GPU; use auto or cpu")
+        training = []
         for stage in graph:
-            self._check(stage, task_options(stage.resources, graph.config.device, self.cluster_has_gpus),
-                        graph.config.resources.autoscaling)
+            options = task_options(stage.resources, graph.config.device, self.cluster_has_gpus)
+            self._check(stage, options, graph.config.resources.autoscaling)
+            if StageKind(stage.kind).trains:
+                training.append(options)
+        if training:  # the training stages' memory estimate against the node that can hold them
+            check_cluster_memory(graph.config, self.nodes, training, graph.config.resources.autoscaling)
 
     def _check(self, stage: Stage, options: dict, autoscaling: bool) -> None:
         """Refuse (or, with an autoscaler, log) a request no alive node can hold, once per distinct request."""

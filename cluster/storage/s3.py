@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from cluster.storage.conditional_writes import S3ConditionalObjects
+from cluster.storage.s3_reads import GuardedReads
 from compat_core import io as cio
 from pipelines.store.lease import set_conditional_objects
 
@@ -450,10 +451,12 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
 
     def open_input_stream(self, path):
         stream = self._call("reading", path, self.inner.open_input_stream, path)
-        return pa.PythonFile(_GuardedReads(stream, self, path), mode="r")
+        return pa.PythonFile(GuardedReads(stream, self, path), mode="r")
 
     def open_input_file(self, path):
-        return self._call("reading", path, self.inner.open_input_file, path)
+        # random access (Parquet footers and column chunks, ranged reads): every read is a request of its own
+        handle = self._call("reading", path, self.inner.open_input_file, path)
+        return pa.PythonFile(GuardedReads(handle, self, path, seekable=True), mode="r")
 
     def open_output_stream(self, path, metadata):
         self._check_bucket_for_write(path)
@@ -461,38 +464,6 @@ class _TranslatingS3Handler(pafs.FileSystemHandler):
 
     def open_append_stream(self, path, metadata):
         return self._call("appending to", path, functools.partial(self.inner.open_append_stream, compression=None, metadata=metadata), path)
-
-
-class _GuardedReads:
-    """A sequential object stream whose reads go through the handler's ``_call``: a stalled read says what it waits
-    for and its error names the endpoint and the object, like every other request."""
-
-    def __init__(self, stream, handler: _TranslatingS3Handler, path: str) -> None:
-        self.stream, self.handler, self.path = stream, handler, path
-
-    def read(self, size: int | None = -1) -> bytes:
-        whole = size is None or size < 0
-        return self.handler._call("reading", self.path, self.stream.read if whole else
-                                  functools.partial(self.stream.read, size))
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def writable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self.stream.tell()
-
-    @property
-    def closed(self) -> bool:
-        return self.stream.closed
-
-    def close(self) -> None:
-        self.stream.close()
 
 
 def _handler_from_access(access: S3Access) -> _TranslatingS3Handler:

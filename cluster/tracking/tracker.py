@@ -53,6 +53,7 @@ from typing import Any, Iterator
 
 from cluster.model_registry.versions import ensure_registered_model, registered_model_name
 from cluster.tracking.client import ensure_experiment, log_metrics, log_params, open_client
+from cluster.tracking.outage import RecordQueue, ServerWatch
 from cluster.tracking.params import flatten_params
 from cluster.tracking.record_logging import StageRecordLogging
 from cluster.tracking.run_identity import (
@@ -137,10 +138,12 @@ class NullTracker(Tracker):
 
 def create_tracker(uri: str | None, **options: Any) -> Tracker:
     """An MlflowTracker on ``uri`` (a target resolved once by :func:`cluster.tracking.store.resolve_tracking`), or a
-    NullTracker when tracking is off (None). options: :class:`MlflowTracker` keyword arguments."""
+    NullTracker when tracking is off (None). On an ``http(s)://`` server its records are sent by a worker thread
+    (:class:`QueuedTracker`). options: :class:`MlflowTracker` keyword arguments."""
     if uri is None:
         return NullTracker()
-    return MlflowTracker(uri, **options)
+    tracker = MlflowTracker(uri, **options)
+    return QueuedTracker(tracker) if uri.startswith(("http://", "https://")) else tracker
 
 
 # ---- MLflow --------------------------------------------------------------------------------------------------------
@@ -438,8 +441,54 @@ class MlflowTracker(StageRecordLogging, Tracker):
         return ensure_experiment(self.client, name)
 
 
+class QueuedTracker(Tracker):
+    """An :class:`MlflowTracker` on a server whose records go to MLflow from one worker thread, in order
+    (:mod:`cluster.tracking.outage`): the stages never wait for the server, a server that stops answering is named
+    within 10 s with what the run does meanwhile, and a line says when it answers again. Other attributes are the
+    tracker's (``tracking_uri``, ``model_name``, ...)."""
+
+    def __init__(self, tracker: MlflowTracker) -> None:
+        self.tracker = tracker
+        self.watch = ServerWatch(tracker.tracking_uri)
+        self.records = RecordQueue(tracker, self.watch)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "tracker":
+            raise AttributeError(name)
+        return getattr(self.tracker, name)
+
+    def start(self, graph: Any, store: Any) -> None:
+        with self.watch.request(lambda back: "opening the run's tracking" if back
+                                else "the run's first stage waits for the run's tracking to open"):
+            self.tracker.start(graph, store)
+
+    def __call__(self, record: Any) -> None:
+        if self.tracker.parent_run_id is None:
+            self.tracker(record)  # refused at once, naming the scope to enter
+        self.records.put(record)
+
+    def finish(self, status: str | None = None) -> None:
+        """Send every queued record, then end the pipeline's runs (:meth:`MlflowTracker.finish`). A record the server
+        did not take is raised here as a ConnectionError naming the server, unless the run already failed (its own
+        error is the one to see)."""
+        try:
+            self.records.drain()
+        except Exception as error:  # noqa: BLE001 - the worker kept it; said in one line at the end
+            self.watch.close()
+            if status == "FAILED":
+                return
+            raise ConnectionError(
+                f"the MLflow tracking server at {self.watch.shown} did not take this run's records ({error}); its "
+                f"stages are committed in the run folder: `compat run --resume` of the folder logs them once the "
+                f"server answers") from error
+        with self.watch.request(lambda back: "ending the run's tracking" if back
+                                else "the run's stages are done; it ends once the server takes its last records"):
+            self.tracker.finish(status)
+        self.watch.close()
+
+
 def _is_train_record(record: Any) -> bool:
     return all(hasattr(record, name) for name in ("task", "epoch", "step", "loss", "loss_parts", "lr", "images_per_s"))
 
 
-__all__ = ["MlflowTracker", "NullTracker", "Tracker", "create_tracker", "ray_job_id", "ray_submission_id"]
+__all__ = ["MlflowTracker", "NullTracker", "QueuedTracker", "Tracker", "create_tracker", "ray_job_id", "ray_submission_id"]

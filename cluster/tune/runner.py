@@ -42,6 +42,7 @@ import numpy as np
 
 from cluster.ray.auth import prepare_client_auth, token_for_embedded_ray
 from cluster.ray.loopback import prepare_for_address, prepare_loopback
+from cluster.ray.memory_check import check_cluster_memory
 from cluster.ray.reach import require_answering, require_reachable
 from cluster.storage.s3 import configure_object_storage
 from cluster.tune.grid import spread_points
@@ -64,6 +65,7 @@ from cluster.tune.spec import (
     load_plugins,
     read_spec,
     seal_tuner_state,
+    trial_config,
     write_spec,
 )
 from cluster.tune.tracking import (
@@ -228,6 +230,7 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
         raise ValueError("--tracking-uri none: a search tracks every trial in MLflow; name a store, or leave the "
                          "option out for this machine's store")
     ensure_ray(address)
+    check_trials_memory(spec, space)  # before the search's MLflow run and search.json: nothing to clean up
     experiment_id, spec.parent_run_id = open_search_run(spec)
     write_spec(spec)
 
@@ -251,6 +254,28 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
     seal_tuner_state(spec.experiment_path)  # tuner.pkl is written by tune.Tuner(...), before any trial
     results = tuner.fit()
     return _finish(spec, results)
+
+
+MEMORY_KEYS = ("model", "training", "pretrain", "replacements", "data", "device", "method")
+
+
+def check_trials_memory(spec: SearchSpec, space) -> None:
+    """The memory preflight of a search: the training stages of the base config and of every representative point
+    of the space (both ends of each range, every categorical value) against the largest Ray node that can hold one
+    trial (its ``cpu`` / ``gpu``), before any trial starts (cluster.ray.memory_check; each trial alone: trials
+    running at once on one node share its memory)."""
+    import ray
+
+    nodes = ray.nodes()
+    request = {"num_cpus": float(spec.resources.get("cpu", 1.0)), "num_gpus": float(spec.resources.get("gpu", 0.0))}
+    seen = set()
+    for point in [{}] + space.representative_points():
+        config = trial_config(spec.base_config, space.fixed, point, "/tmp/compat-check",
+                              source=f"config with {point}")
+        identity = config.model_dump_json(include=set(MEMORY_KEYS))
+        if identity not in seen:
+            seen.add(identity)
+            check_cluster_memory(config, nodes, [request], config.resources.autoscaling)
 
 
 def resume_search(experiment_path: str, address: str | None = None, plugins: list[str] | None = None) -> SearchOutcome:

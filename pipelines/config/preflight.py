@@ -163,15 +163,20 @@ def _training_lines(config: ScenarioConfig) -> list[dict[str, Any]]:
     return lines
 
 
-def memory_problems(config: ScenarioConfig, device: str | None = None) -> list[tuple[str, str]]:
+def memory_problems(config: ScenarioConfig, device: str | None = None,
+                    room: tuple[int, str, str] | None = None) -> list[tuple[str, str]]:
     """(config key, problem) for each training stage whose memory estimate exceeds what this machine has for it
-    (``device``: where the stages run, default the config's device, ``auto`` = CUDA when present)."""
+    (``device``: where the stages run, default the config's device, ``auto`` = CUDA when present). ``room``: (bytes,
+    what they are, who has them) to compare with instead of this machine's memory (a cluster node's:
+    cluster.ray.memory_check)."""
     import torch
 
-    device = str(device or config.device)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    room, what = available_memory(device)
+    if room is None:
+        device = str(device or config.device)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        room = (*available_memory(device), "this machine")
+    room, what, holder = room
     problems = []
     for line in _training_lines(config):
         shape = ModelShape.of(config, line["classifier"], line["backbone"], line["backbone_config"])
@@ -184,7 +189,7 @@ def memory_problems(config: ScenarioConfig, device: str | None = None) -> list[t
         if estimate.total > room:
             problems.append(("model.num_slots", f"model.num_slots={shape.num_slots} with {line['batch_key']}="
                              f"{line['batch']} ({line['key']}, backbone {shape.backbone}): a training stage needs "
-                             f"about {estimate.describe()}, but this machine has {room / GIB:.2f} GiB of {what}; "
+                             f"about {estimate.describe()}, but {holder} has {room / GIB:.2f} GiB of {what}; "
                              f"lower model.num_slots or {line['batch_key']}, or run the stage where it fits"))
     return problems
 

@@ -224,3 +224,58 @@ def test_a_gate_of_the_champion_writes_nothing_and_a_rollback_loads_a_version_th
     assert main(["gate", "rollback", name, "--to", wider, "--force"] + uri) == 2
     assert f"cannot replace version {champion}: feature width 11 instead of 9" in capsys.readouterr().err
     assert _champion(client, name) == champion
+
+
+def test_a_rollback_is_checked_against_the_index_the_alias_serves(mlflow_server, capsys, tmp_path):
+    """The alias moved by hand onto weights that do not load (what a registry edit after a broken upload leaves):
+    the check against the champion cannot compare anything (the target is "checked alone"). With --index, the index
+    `compat serve` searches (built by `compat index build` with v1, 9-d) refuses a version of another width, of
+    another classifier kind, and one whose installed adapter file is gone; v1 is accepted."""
+    from mlflow import MlflowClient
+
+    from compat_core.models.compat_model import create_model, model_to_bytes
+
+    client = MlflowClient(mlflow_server.tracking_uri)
+    name = f"gate-index-{uuid.uuid4().hex[:6]}"
+    uri = ["--tracking-uri", mlflow_server.tracking_uri]
+    tiny.register()
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny.scenario("er")))
+    v1 = register_files(client, name, tiny_model_files(seed=0), tmp_path)
+    assert main(["gate", name, "--candidate", v1, "--config", str(config)] + uri) == 0
+    root = tmp_path / "index"
+    assert main(["index", "build", str(root), "--config", str(config), "--model", f"models:/{name}@champion"]
+                + uri) == 0
+    zeros = register_files(client, name, {"config.json": tiny_model_files()["config.json"],
+                                          "model.safetensors": bytes(1000)}, tmp_path)
+    client.set_registered_model_alias(name, "champion", zeros)
+    wider = register_files(client, name, tiny_model_files(num_slots=12), tmp_path)
+    learnable = register_files(client, name, model_to_bytes(create_model(
+        "cnn4", 10, classifier="learnable", backbone_config={"in_chans": 1, "width": 4})), tmp_path)
+    # the install tags of a version whose gate run does not hold the adapter file they name
+    orphan = register_files(client, name, tiny_model_files(seed=2), tmp_path)
+    gate_run = client.create_run(client.get_experiment_by_name(f"{name}-runs").experiment_id,
+                                 tags={"previous_version": v1})
+    client.set_terminated(gate_run.info.run_id)
+    client.set_model_version_tag(name, orphan, "gate.champion.adapter", "procrustes")
+    client.set_model_version_tag(name, orphan, "gate.champion.run_id", gate_run.info.run_id)
+
+    index = ["--index", str(root)]
+    capsys.readouterr()
+    assert main(["gate", "rollback", name, "--to", wider, "--force"] + index + uri) == 2
+    error = capsys.readouterr().err
+    assert f"the version behind the alias does not load (models:/{name}/{zeros} cannot be loaded" in error
+    assert f"version {wider} is checked alone" in error  # the champion check let it through; the index did not
+    assert f"model models:/{name}/{wider} makes 11-d features, the index at {root} (manifest " in error
+    assert "holds 9-d embeddings (flat search)" in error
+    assert main(["gate", "rollback", name, "--to", learnable, "--force"] + index + uri) == 2
+    error = capsys.readouterr().err
+    assert (f"models:/{name}/{learnable} cannot search the index at {root} (manifest " in error
+            and f"it holds rows embedded by version {v1}, and classifier learnable instead of simplex" in error), error
+    assert main(["gate", "rollback", name, "--to", orphan, "--force"] + index + uri) == 2
+    error = capsys.readouterr().err
+    assert f"models:/{name}/{orphan} was installed with an adapter (tag gate.champion.adapter)" in error, error
+    assert _champion(client, name) == zeros  # nothing moved
+    # v1, which held the alias and built the index: accepted
+    assert main(["gate", "rollback", name, "--to", v1] + index + uri) == 0
+    assert _champion(client, name) == v1

@@ -291,3 +291,26 @@ def test_submitting_to_a_head_whose_agent_port_is_taken_fails_with_the_fix(tmp_p
             with pytest.raises(RuntimeError, match=r"accepts no jobs.*--dashboard-agent-listen-port=\d+"):
                 jobs.submit_entrypoint(client, f"compat-no-agent-{os.getpid()}", THEORY,
                                        jobs.pipeline_runtime_env(tmp_path))
+
+
+def test_submit_refuses_a_training_stage_no_node_has_the_memory_for(ray_head, tmp_path, capsys):
+    """`compat submit --set model.num_slots=100000000` against a real head: exit 2 before anything is submitted,
+    naming the key, the estimate and the `memory` total the head's node reports (read here through the same
+    state API, independently of the check)."""
+    from ray.util.state import list_nodes
+
+    from app.cli import main
+
+    tiny.register()
+    config = tmp_path / "tiny.yaml"
+    config.write_text(json.dumps(tiny.scenario("dsimplex-hoc", output=str(tmp_path / "run"))))
+    code = main(["submit", str(config), "--address", ray_head, "--set", "model.num_slots=100000000"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    # junction 32 x 99999999 fp32 floats: 99999999 * 32 * 4 bytes = 11.92 GiB of parameters (hand-worked)
+    assert "model.num_slots=100000000 with training.batch_size=8" in err and "parameters 11.92" in err
+    [node] = list_nodes(address=ray_head)
+    memory = node.resources_total["memory"] / float(1 << 30)
+    assert f"the largest Ray node that can hold the stage (127.0.0.1, of 1) has {memory:.2f} GiB" in err
+    client = jobs.job_client(ray_head)
+    assert not [job for job in client.list_jobs() if (job.submission_id or "").startswith("compat-tiny")]

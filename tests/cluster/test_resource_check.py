@@ -83,3 +83,20 @@ def test_the_ray_engine_refuses_an_unsatisfiable_stage_before_it_hangs(ray_local
         RayExecutor(progress=False, setup=tiny.register).run(compile_scenario(validate_config(document)),
                                                              RunStore(str(tmp_path / "run")))
     assert not manifests.exists() or not list(manifests.iterdir())
+
+
+def test_the_memory_preflight_compares_with_the_largest_node_that_can_hold_the_stage():
+    """A bigger node that lacks the stage's GPU does not count; a dead node does not count; the chosen node's
+    `memory` total and address are what the refusal names."""
+    from cluster.ray.memory_check import node_memory_room
+
+    gib = 1 << 30
+    nodes = [{"Alive": True, "NodeManagerAddress": "10.0.0.1", "Resources": {"CPU": 8, "memory": 64 * gib}},
+             {"Alive": True, "NodeManagerAddress": "10.0.0.2", "Resources": {"CPU": 8, "GPU": 1, "memory": 16 * gib}},
+             {"Alive": False, "NodeManagerAddress": "10.0.0.3",
+              "Resources": {"CPU": 8, "GPU": 1, "memory": 128 * gib}}]
+    room, what, holder = node_memory_room(nodes, [{"num_cpus": 1, "num_gpus": 1}])
+    assert room == 16 * gib and "10.0.0.2, of 1" in holder and "`memory` resource" in what
+    room, _, holder = node_memory_room(nodes, [{"num_cpus": 1, "num_gpus": 0}])
+    assert room == 64 * gib and "10.0.0.1, of 2" in holder
+    assert node_memory_room(nodes, [{"num_cpus": 16}]) is None  # no node holds it (the resource check says so)

@@ -303,3 +303,49 @@ def test_a_frozen_s3_server_is_waited_for_aloud_and_then_named(s3_server, s3_env
         assert f"waiting for the S3 endpoint {s3_env['AWS_ENDPOINT_URL']} (" in waited
         assert "giving up after 2 tries of 3 s without progress" in waited
         assert cio.read_bytes(uri) == b"kept"
+
+
+def test_a_parquet_random_access_read_from_a_frozen_server_says_what_it_waits_for(s3_server, s3_env, s3_bucket,
+                                                                                  isolated_aws, monkeypatch, capsys):
+    """Ingested shards opened (footer read) while the server answers, then SIGSTOP: the row-group read that follows
+    (a ranged GET of the open file, not a new open) says within 5 s what it waits for, naming bucket and key, and
+    ends after the configured tries with an error naming the endpoint; the same file reads once the server runs."""
+    import os
+    import signal
+    import sys
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipelines"))
+    import tiny_scenario_helpers as tiny
+
+    from cluster.storage.ingest import ingest
+    from compat_core.data.datasets import load_dataset
+
+    tiny.register()
+    monkeypatch.setenv(storage.REQUEST_TIMEOUT_ENV, "3")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    with storage.object_storage(S3Access.from_environment()):
+        root = f"s3://{s3_bucket}/ingested"
+        ingest("tiny-synth", None, "query", root, rows_per_part=11, workers=0, progress=None)
+        shards = load_dataset("shards", root=root, split="query", verify="size")
+        key = f"ingested/query/{shards.manifest.parts[1].name}"
+        part = pq.ParquetFile(cio.open_input(f"s3://{s3_bucket}/{key}"))  # opened: its footer is read
+        capsys.readouterr()
+        os.killpg(s3_server.process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(OSError) as raised:
+                part.read_row_group(0, columns=["image"])
+        finally:
+            os.killpg(s3_server.process.pid, signal.SIGCONT)
+        assert s3_env["AWS_ENDPOINT_URL"] in str(raised.value)
+        waited = capsys.readouterr().err
+        assert (f"waiting for the S3 endpoint {s3_env['AWS_ENDPOINT_URL']} (reading bucket {s3_bucket!r}, key "
+                f"{key!r} (s3://{s3_bucket}/{key})): no answer for 5 s; giving up after 2 tries of 3 s without "
+                f"progress") in waited
+        # the server runs again: the same open file reads the row group, equal to the source's rows 11.. of part 1
+        images = part.read_row_group(0, columns=["image"]).column("image").to_pylist()
+        original = load_dataset("tiny-synth", split="query")
+        np.testing.assert_array_equal(shards.read(np.arange(11, 11 + len(images))),
+                                      original.read(np.arange(11, 11 + len(images))))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import select
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -91,3 +93,32 @@ def brute_rows(query, gallery, k: int) -> list[int]:
     q = np.asarray(query, dtype=np.float32).astype(np.float64)
     scores = g @ (q / np.linalg.norm(q))
     return np.lexsort((np.arange(g.shape[0]), -scores))[:k].tolist()
+
+
+def send_chunked(url: str, path: str, chunk: bytes, chunks: int) -> tuple[int, int, dict]:
+    """POST ``chunks`` x ``chunk`` with Transfer-Encoding: chunked, stopping as soon as the server answers (or stops
+    reading for 10 s, or closes); (bytes of body sent, status, JSON answer)."""
+    host, port = url.split("://")[1].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Transfer-Encoding: chunked\r\n\r\n".encode())
+    sent, framed = 0, f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+    sock.settimeout(10)
+    try:
+        for _ in range(chunks):
+            if select.select([sock], [], [], 0)[0]:
+                break   # the answer came: stop sending
+            sock.sendall(framed)
+            sent += len(chunk)
+    except (BrokenPipeError, ConnectionResetError, socket.timeout):
+        pass
+    sock.settimeout(60)
+    reader = sock.makefile("rb")
+    status = int(reader.readline().split()[1])
+    headers = {}
+    while (line := reader.readline().strip()):
+        name, _, value = line.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    answer = json.loads(reader.read(int(headers["content-length"])))
+    sock.close()
+    return sent, status, answer

@@ -6,8 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import select
-import socket
 import threading
 import time
 
@@ -178,33 +176,6 @@ def test_bad_requests_are_4xx_naming_the_field(service, what, body, content_type
     assert answer["error"]["field"] == field, (what, answer)
 
 
-def _send_chunked(url: str, path: str, chunk: bytes, chunks: int) -> tuple[int, int, dict]:
-    """POST ``chunks`` x ``chunk`` with Transfer-Encoding: chunked, stopping as soon as the server answers;
-    (bytes of body sent, status, JSON answer)."""
-    host, port = url.split("://")[1].split(":")
-    sock = socket.create_connection((host, int(port)), timeout=60)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Transfer-Encoding: chunked\r\n\r\n".encode())
-    sent, framed = 0, f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
-    try:
-        for _ in range(chunks):
-            if select.select([sock], [], [], 0)[0]:
-                break   # the answer came: stop sending
-            sock.sendall(framed)
-            sent += len(chunk)
-    except (BrokenPipeError, ConnectionResetError):
-        pass
-    reader = sock.makefile("rb")
-    status = int(reader.readline().split()[1])
-    headers = {}
-    while (line := reader.readline().strip()):
-        name, _, value = line.decode().partition(":")
-        headers[name.strip().lower()] = value.strip()
-    answer = json.loads(reader.read(int(headers["content-length"])))
-    sock.close()
-    return sent, status, answer
-
-
 def test_a_chunked_body_over_the_limit_is_refused_without_reading_it_whole(service):
     """128 MiB sent chunked (no Content-Length) to a service with a 64 KiB limit: 413 naming the body, the
     replica stopped reading within one message of the limit and its memory did not take the body in (Serve's HTTP
@@ -216,7 +187,7 @@ def test_a_chunked_body_over_the_limit_is_refused_without_reading_it_whole(servi
     while len(replicas) < 2:
         replicas.add(int(helpers.call(service["url"], "/healthz")[1]["replica"]))
     before = {pid: psutil.Process(pid).memory_info().rss for pid in replicas}
-    _, status, answer = _send_chunked(service["url"], "/search", chunk, chunks)
+    _, status, answer = helpers.send_chunked(service["url"], "/search", chunk, chunks)
     assert status == 413 and answer["error"]["field"] == "body", answer
     read = int(re.search(r"stopped reading after (\d+) bytes", answer["error"]["message"]).group(1))
     assert limit < read <= limit + len(chunk) + (64 << 10), answer

@@ -5,7 +5,9 @@ no version, a first load that fails and settings that open replica ports end the
 a one-line error."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -69,11 +71,11 @@ def served(mlflow_server, tmp_path_factory):
     return {"client": client, "v1": v1, "v2": v2, "root": root, "env": env, "folder": folder}
 
 
-def _start(served, model: str, log: Path) -> tuple[subprocess.Popen, str]:
+def _start(served, model: str, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     with log.open("w") as handle:
         process = subprocess.Popen([PYTHON, "-m", "app.cli", "serve", served["root"], "--model", model, "--port",
-                                    str(port), "--num-cpus", "0", "--poll-s", "0.3"], env=served["env"],
+                                    str(port), "--num-cpus", "0", "--poll-s", "0.3", *extra], env=served["env"],
                                    stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
     return process, f"http://127.0.0.1:{port}"
 
@@ -159,6 +161,53 @@ def test_every_port_is_on_loopback_degraded_is_reported_and_a_signal_stops_every
             os.killpg(process.pid, signal.SIGKILL)
 
 
+def _refused_before_the_body(url: str, declared: int) -> tuple[int, dict]:
+    """Headers of a POST declaring ``declared`` body bytes, and no body: the answer (status, JSON)."""
+    port = int(url.rpartition(":")[2])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(f"POST /search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {declared}\r\n\r\n".encode())
+        reader = sock.makefile("rb")
+        status = int(reader.readline().split()[1])
+        headers = {}
+        while (line := reader.readline().strip()):
+            name, _, value = line.decode().partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return status, json.loads(reader.read(int(headers["content-length"])))
+
+
+def test_the_http_proxy_refuses_a_body_over_the_limit_before_holding_it(served, tmp_path):
+    """Serve's HTTP proxy of a `compat serve` that started its own Ray: a 400 MiB chunked POST is answered 413 by
+    the proxy once the limit (64 KiB) is passed, the proxy process grows by less than 16 MiB; a Content-Length over
+    the limit gets 413 though no byte of the body was sent; searches still work."""
+    limit, chunk, chunks = 64 << 10, b"x" * (256 << 10), 1600   # 1600 x 256 KiB = 400 MiB
+    log = tmp_path / "serve.log"
+    process, url = _start(served, f"models:/{NAME}@champion", log, "--max-body-bytes", str(limit))
+    try:
+        _wait_for(process, log, "serving line", lambda: "serving " in log.read_text())
+        tree = [psutil.Process(process.pid)] + psutil.Process(process.pid).children(recursive=True)
+        [proxy] = [p for p in tree if "ProxyActor" in p.name()]
+        before = proxy.memory_info().rss
+        sent, status, answer = helpers.send_chunked(url, "/search", chunk, chunks)
+        grown = proxy.memory_info().rss - before
+        assert status == 413 and answer["error"]["field"] == "body", answer
+        read = int(re.search(r"the HTTP proxy stopped reading after (\d+) bytes", answer["error"]["message"]).group(1))
+        assert limit < read <= limit + len(chunk), answer
+        assert sent < len(chunk) * chunks // 4, sent   # the client was stopped long before 400 MiB
+        assert grown < 16 << 20, f"the proxy grew by {grown / (1 << 20):.1f} MiB"
+        status, answer = _refused_before_the_body(url, 1 << 30)
+        assert status == 413 and "refused by the HTTP proxy before the body was read" in answer["error"]["message"]
+        assert helpers.call(url, "/search", {"embedding": [0.1] * 9, "k": 1})[0] == 200
+        print(f"proxy RSS growth {grown / (1 << 20):.2f} MiB; client sent {sent / (1 << 20):.2f} MiB; proxy read {read}")
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+
+
 def test_an_alias_naming_no_version_fails_before_ray_starts(served):
     result = run_compat("serve", served["root"], "--model", f"models:/{NAME}@nosuchalias", "--port",
                         str(free_port()), env=served["env"], timeout=120)
@@ -182,6 +231,40 @@ def test_a_first_load_that_fails_ends_the_command_non_zero(served, tmp_path):
     assert code == 2 and len(errors) == 1, text[-3000:]
     assert "model.safetensors: not a safetensors file" in errors[0], errors[0]
     assert "serving " not in text
+
+
+def test_a_first_load_that_fails_only_in_the_replicas_ends_the_command_with_exit_1(served, tmp_path):
+    """The replicas' load environment differs from the command's: the head `compat serve` joins was started from a
+    shell whose COMPAT_MODEL_CACHE is a shared folder others may write (mode 0777). The command's own check loads
+    the model through its private cache and passes; every replica refuses the shared cache, so the first load fails
+    in the replicas only, and the command ends with exit 1 and one line carrying the replicas' error."""
+    from cluster.ray.local_head import read_state
+
+    shared = tmp_path / "shared-models"
+    shared.mkdir()
+    shared.chmod(0o777)
+    home, state_dir = tmp_path / "home", tmp_path / "heads"
+    home.mkdir()
+    head_shell = dict(served["env"], HOME=str(home), XDG_CACHE_HOME=str(tmp_path / "head-cache"),
+                      COMPAT_MODEL_CACHE=str(shared))
+    try:
+        up = run_compat("cluster", "up", "--num-cpus", "2", "--object-store-memory", "200000000", "--state-dir",
+                        str(state_dir), env=head_shell, timeout=600)
+        assert up.returncode == 0, up.stdout + up.stderr
+        head = read_state("local", state_dir)
+        # the same user (the head's token in ~/.ray/auth_token), the model cache of its own shell
+        result = run_compat("serve", served["root"], "--model", f"models:/{NAME}@champion", "--port",
+                            str(free_port()), "--num-cpus", "0", "--ray-address", head.gcs_address,
+                            "--first-load-timeout-s", "240", env=dict(served["env"], HOME=str(home)), timeout=600)
+    finally:
+        down = run_compat("cluster", "down", "--state-dir", str(state_dir), env=head_shell)
+    assert down.returncode == 0, down.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 1 and len(errors) == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"--model models:/{NAME}@champion: the first load failed: PermissionError: model cache {shared} is " \
+           f"writable by group and others (mode 0777)" in errors[0], errors[0]
+    assert "serving " not in result.stdout
+    assert list(shared.iterdir()) == []  # nothing was downloaded into the folder others may write
 
 
 def test_settings_that_open_replica_ports_are_refused_before_ray_starts(served):
