@@ -45,6 +45,10 @@ def service(mlflow_server, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_version(url, process, log, v1)
+        deadline = time.monotonic() + 60   # the command's ready line, printed once the first load is seen
+        while f"API reference {url}/docs" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert f"API reference {url}/docs" in log.read_text(), log.read_text()[-3000:]
         yield {"url": url, "client": client, "v1": v1, "v2": v2, "process": process, "log": log}
     finally:
         process.terminate()
