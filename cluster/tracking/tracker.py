@@ -61,6 +61,7 @@ from cluster.tracking.run_identity import (
     run_name_of,
     submitted_intent,
 )
+from cluster.tracking.ui import summary_placeholders
 from pipelines.config.load import config_hash, config_to_dict
 from pipelines.engine.events import StageEvent, StageRecord
 from pipelines.graph.stage_kind import StageKind
@@ -253,6 +254,8 @@ class MlflowTracker(StageRecordLogging, Tracker):
         run = self.client.create_run(self.experiment_id, tags={**self._base_tags, "run_role": "pipeline"},
                                      run_name=f"{config.name}-{self.pipeline_id[:8]}")
         self.parent_run_id = run.info.run_id
+        # first metrics of the run: MLflow's compare-runs page plots the first metric the compared runs share
+        log_metrics(self.client, self.parent_run_id, summary_placeholders(), step=0)
         params, excluded = flatten_params(config_to_dict(config))
         log_params(self.client, self.parent_run_id, params)
         if excluded:
