@@ -262,10 +262,16 @@ def test_parallel_coordinates_of_two_pipeline_runs_show_the_summary_metrics(mlfl
         page.goto(f"{ui_page_url(mlflow_server.tracking_uri, experiment_id)}&compareRunsMode=CHART", wait_until="load")
         page.get_by_text("Results", exact=True).first.wait_for(timeout=60_000)
         _close_side_panel(page)
-        chart = page.get_by_text("method.name", exact=False)
+        chart = page.get_by_text("Parallel Coordinates", exact=False)   # the card's title (its plot comes later)
         try:
-            chart.first.wait_for(timeout=60_000)
-            chart.first.scroll_into_view_if_needed()   # the charts view draws a chart once it is on screen
+            page.get_by_text("Image grid", exact=True).first.wait_for(timeout=60_000)
+            page.mouse.move(900, 700)   # over the charts: the view adds a card to the page once it is scrolled to
+            for _ in range(20):
+                if chart.count():
+                    break
+                page.mouse.wheel(0, 400)
+                page.wait_for_timeout(500)
+            chart.first.scroll_into_view_if_needed()
             page.wait_for_function(f"{titles_js}.length >= 5", timeout=60_000)
         except Exception:
             page.screenshot(path=str(chart_shot), full_page=True)
