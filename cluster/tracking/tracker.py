@@ -56,9 +56,11 @@ from cluster.tracking.record_logging import StageRecordLogging
 from cluster.tracking.run_identity import (
     AS_WRITTEN,
     RunIntent,
+    check_run_name,
     pipeline_id_of,
     run_location,
     run_name_of,
+    scoped_alias,
     submitted_intent,
 )
 from cluster.tracking.ui import summary_placeholders
@@ -160,8 +162,9 @@ class MlflowTracker(StageRecordLogging, Tracker):
     """
 
     def __init__(self, tracking_uri: str, experiment: str | None = None, pipeline_id: str | None = None,
-                 register_models: bool = True, intent: RunIntent = AS_WRITTEN) -> None:
+                 register_models: bool = True, intent: RunIntent = AS_WRITTEN, run_name: str | None = None) -> None:
         self.tracking_uri = tracking_uri
+        self.fixed_run_name = None if run_name is None else check_run_name(run_name)
         self.client = open_client(self.tracking_uri)  # a fresh SQLite store: one at a time
         self.experiment_name = experiment
         self.fixed_pipeline_id = pipeline_id
@@ -189,7 +192,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
         self.config_hash = config_hash(config)
         self.run_folder = run_location(store.root)
         self.pipeline_id = self.fixed_pipeline_id or pipeline_id_of(self.config_hash, self.run_folder)
-        self.run_name = run_name_of(self.run_folder, self.pipeline_id)
+        self.run_name = self.fixed_run_name or run_name_of(self.run_folder, self.pipeline_id)
         self.experiment_id = self._experiment(self.experiment_name or config.name)
         self._failed = False
         self._result = None
@@ -201,6 +204,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
             f"tags.run_role = 'pipeline' and tags.pipeline_id = '{self.pipeline_id}' "
             f"and tags.config_hash = '{self.config_hash}'",
             order_by=["attributes.start_time ASC"], max_results=10)
+        self._refuse_a_taken_run_name()
         if existing and existing[0].info.status == "RUNNING" and not holds_lease(store.root):
             raise RuntimeError(
                 f"pipeline run {existing[0].info.run_id} of run folder {self.run_folder} is RUNNING and this process "
@@ -217,6 +221,20 @@ class MlflowTracker(StageRecordLogging, Tracker):
             self.model_name = registered_model_name(config.name, config.output.registered_model)
             ensure_registered_model(self.client, self.model_name, {"scenario": config.name})
             self._latest_task = -1  # latest-task follows this run's highest task (stages register in task order)
+
+    def _refuse_a_taken_run_name(self) -> None:
+        """A run name given with --run-name that another pipeline (another config or run folder) of this experiment
+        already carries would let this run move that run's aliases: RuntimeError naming the other run folder."""
+        if self.fixed_run_name is None:
+            return
+        others = [run for run in self.client.search_runs(
+            [self.experiment_id], f"tags.run_role = 'pipeline' and tags.run_name = '{self.run_name}'", max_results=10)
+            if run.data.tags.get("pipeline_id") != self.pipeline_id]
+        if others:
+            raise RuntimeError(f"--run-name {self.run_name}: already the name of pipeline run {others[0].info.run_id} "
+                               f"(run folder {others[0].data.tags.get('run_folder')}); its registry aliases "
+                               f"({scoped_alias(self.run_name, 'task-N')}) would be moved by this run: choose "
+                               f"another name")
 
     def _identity_tags(self, graph: Any) -> dict[str, str]:
         """Tags of the parent and every stage run: who the run is (pipeline id, run folder and name, config hash,
@@ -252,7 +270,7 @@ class MlflowTracker(StageRecordLogging, Tracker):
     def _create_parent(self, config: Any) -> None:
         self._base_tags["scenario_aliases"] = str(self.scenario_aliases).lower()
         run = self.client.create_run(self.experiment_id, tags={**self._base_tags, "run_role": "pipeline"},
-                                     run_name=f"{config.name}-{self.pipeline_id[:8]}")
+                                     run_name=self.fixed_run_name or f"{config.name}-{self.pipeline_id[:8]}")
         self.parent_run_id = run.info.run_id
         # first metrics of the run: MLflow's compare-runs page plots the first metric the compared runs share
         log_metrics(self.client, self.parent_run_id, summary_placeholders(), step=0)
