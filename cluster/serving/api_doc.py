@@ -175,7 +175,8 @@ def openapi_document(state, limits: SearchLimits) -> dict:
               "responses": {"200": {"description": "the k nearest items", "content": _json_content("SearchResponse")},
                             **_errors(400, 409, 413, 415, 500, 503)}}
     health = {"summary": "The served model, index and search structure",
-              "responses": {"200": {"description": "loaded (status ok or degraded)", "content": _json_content("Health")},
+              "responses": {"200": {"description": "loaded (status ok or degraded)",
+                                    "content": _json_content("Health")},
                             "503": {"description": "no model loaded yet (status loading)",
                                     "content": _json_content("Health")}}}
     text = {"text/plain": {"schema": {"type": "string"}}}
@@ -250,7 +251,8 @@ def docs_html(document: dict) -> str:
                 parts.append(f"<p>Example request: {html.escape(example['summary'])}</p>"
                              f"<pre>{html.escape(json.dumps(example['value']))}</pre>")
             rows = "".join(f"<tr><td>{code}</td><td>{html.escape(answer['description'])}</td><td>"
-                           f"{html.escape(_body_text(answer))}</td></tr>" for code, answer in operation["responses"].items())
+                           f"{html.escape(_body_text(answer))}</td></tr>"
+                           for code, answer in operation["responses"].items())
             parts.append(f"<table><tr><th>status</th><th>meaning</th><th>body</th></tr>{rows}</table>")
     parts.append("<h2>Objects</h2>")
     parts += [_schema_table(name, schema) for name, schema in document["components"]["schemas"].items()]

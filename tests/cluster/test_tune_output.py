@@ -45,8 +45,9 @@ def _tune(tmp_path: Path, name: str, plugin: str, samples: int) -> subprocess.Co
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_AIR_NEW_OUTPUT", None)
     command = [sys.executable, "-m", "app.cli", "tune", str(config), "--space", str(space), "--samples", str(samples),
-               "--concurrent", "1", "--scheduler", "none", "--objective", "aa", "--storage", str(tmp_path / "searches"), "--name", name,
-               "--plugin", plugin, "--cpus-per-trial", "1", "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
+               "--concurrent", "1", "--scheduler", "none", "--objective", "aa", "--storage", str(tmp_path / "searches"),
+               "--name", name, "--plugin", plugin, "--cpus-per-trial", "1",
+               "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
