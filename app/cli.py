@@ -40,6 +40,7 @@ COMMANDS = {
     "calibrate": "Measure (or --show) which arithmetic is fast here: GEMM fp32/bf16/fp16/int8 and autocast per model.",
     "index": "gallery indexes for `compat serve`: build from a pool and a model version, backfill, show",
     "serve": "serve a gallery index to queries embedded by a registry model (Ray Serve; follows the @champion alias)",
+    "models": "registry housekeeping: `compat models prune` removes per-run aliases of run folders that are gone",
 }
 
 

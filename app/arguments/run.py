@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experiment", default=None, metavar="NAME",
                         help="MLflow experiment (default: $MLFLOW_EXPERIMENT_NAME, else the scenario name); put "
                              "runs you compare (e.g. ER and d-Simplex-HOC) in one experiment")
+    parser.add_argument("--run-name", default=None, metavar="NAME",
+                        help="the run's name in MLflow and the prefix of its registry aliases (NAME__task-3); "
+                             "default: <run folder name>-<first 8 characters of the pipeline id>")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking: sqlite:///PATH or http(s)://HOST:PORT; 'none' disables it; default: "
                              "$MLFLOW_TRACKING_URI, else the machine's one store (~/.local/share/compat/mlflow; "

@@ -9,7 +9,7 @@ from app.printing import print_results
 from cluster.executors import EXECUTORS
 from cluster.run_driver import model_sources_setup, pin_model_aliases, run_tracked, submits_job
 from cluster.storage.s3 import configure_object_storage, installed_access, uses_object_storage
-from cluster.tracking.run_identity import AS_WRITTEN, run_intent, scoped_alias
+from cluster.tracking.run_identity import AS_WRITTEN, check_run_name, run_intent, scoped_alias
 from cluster.tracking.tracker import create_tracker
 from compat_core import io as cio
 from pipelines.config.load import ConfigError, load_config
@@ -66,7 +66,7 @@ def make_tracker(args, run_dir: str, config=None):
     experiment = getattr(args, "experiment", None) or os.environ.get("MLFLOW_EXPERIMENT_NAME") or None
     intent = run_intent(args.config or cio.join(args.resume, "config.yaml"), args.overrides, config) \
         if config is not None else AS_WRITTEN
-    return create_tracker(uri, experiment=experiment, intent=intent)
+    return create_tracker(uri, experiment=experiment, intent=intent, run_name=getattr(args, "run_name", None))
 
 
 def preflight_data(config, run_dir: str | None = None, executor: str = "local") -> None:
@@ -83,6 +83,8 @@ def run(args) -> int:
 
         configure_object_storage()
     try:
+        if getattr(args, "run_name", None) is not None:
+            check_run_name(args.run_name)
         config, run_dir = resolve_run(args)
         setup = model_sources_setup(config, args.tracking.uri)
         if setup is not None:

@@ -98,7 +98,8 @@ def _serve(args, settings: dict, sharded: bool) -> None:
     url = (start_sharded if sharded else start)(settings, args.host, args.port, num_replicas=args.replicas,
                                                 num_cpus=args.num_cpus, num_gpus=args.num_gpus)
     wait_first_load(url, args.model, args.first_load_timeout_s)
-    print(f"serving {args.index} with {args.model} at {url} (POST /search, GET /healthz, GET /metrics); Ray "
+    print(f"serving {args.index} with {args.model} at {url} (POST /search, GET /healthz, GET /metrics; API reference "
+          f"{url}/docs); Ray "
           f"cluster {ray.get_runtime_context().gcs_address} (`compat index backfill ... --ray-address` it)",
           flush=True)
     deadline = None if args.for_seconds is None else time.monotonic() + args.for_seconds

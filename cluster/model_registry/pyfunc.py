@@ -8,7 +8,10 @@ form of K, never stored) and reads the weights as safetensors::
     features = model.predict(images)                   # float32 (B, C, H, W) normalised images -> (B, d) features
     compat_model = model.unwrap_python_model().model   # the CompatModel itself (``.features(x)``, ``.logits(x)``)
 
-Needs the ``compat-learning`` package installed where it is loaded. No postponed annotations here: MLflow reads
+Loading verifies ``model.safetensors`` and ``config.json`` against the sha256 digests written into its ``MLmodel``
+(``model_config``: ``files_sha256`` and ``content_sha256``, the same values as the registered version's tags) and
+raises ``IntegrityError`` naming the file that differs. Needs the ``compat-learning`` package installed where it is
+loaded. No postponed annotations here: MLflow reads
 the ``predict`` type hint as an object (an ndarray: no schema inferred, no warning).
 """
 
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 from mlflow.pyfunc import PythonModel
 
+from cluster.model_registry.model_cache import expected_files, first_mismatch, mismatch_error
 from cluster.model_registry.versions import CONFIG_ARTIFACT, WEIGHTS_ARTIFACT
 from compat_core.models.compat_model import model_from_bytes
 
@@ -30,8 +34,17 @@ class CompatPyfuncModel(PythonModel):
     model: Any = None
 
     def load_context(self, context) -> None:
+        """Verify the files against the digests recorded when the model was written (the ones the registered
+        version's ``files_sha256`` / ``content_sha256`` tags carry; IntegrityError naming the file that differs),
+        then build the model."""
         weights = Path(context.artifacts[WEIGHTS_ARTIFACT])
         config = Path(context.artifacts[CONFIG_ARTIFACT])
+        recorded = dict(getattr(context, "model_config", None) or {})
+        expected = expected_files(recorded, f"MLflow model at {weights.parent.parent}")
+        if expected is not None:
+            mismatch = first_mismatch(weights.parent, expected)
+            if mismatch is not None:
+                raise mismatch_error(f"MLflow model at {weights.parent.parent}", weights.parent, mismatch)
         self.model = model_from_bytes(config.read_bytes(), weights.read_bytes(), where=str(weights.parent)).eval()
 
     def predict(self, context, model_input: np.ndarray, params: dict | None = None) -> np.ndarray:

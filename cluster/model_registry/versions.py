@@ -41,6 +41,7 @@ from typing import Any
 
 from cluster.model_registry.alias_moves import DEFAULT_ALIAS, version_by_alias
 from cluster.model_registry.model_cache import (
+    content_tags,
     default_cache_dir,
     expected_files,
     first_mismatch,
@@ -192,9 +193,12 @@ def write_model_folder(folder: str | os.PathLike, config_bytes: bytes, weights_b
         level = quiet.level
         quiet.setLevel(logging.ERROR)  # models-from-code notes on every save
         try:
+            # the digests the version's tags carry, also in MLmodel for the pyfunc's own check at load time
+            files = {WEIGHTS_FILE: hashlib.sha256(weights_bytes).hexdigest(),
+                     CONFIG_FILE: hashlib.sha256(config_bytes).hexdigest()}
             mlflow.pyfunc.save_model(str(target), python_model=str(PYFUNC_MODEL_FILE),
                                      artifacts={WEIGHTS_ARTIFACT: str(weights), CONFIG_ARTIFACT: str(config)},
-                                     pip_requirements=requirements)
+                                     pip_requirements=requirements, model_config=content_tags(files))
         finally:
             quiet.setLevel(level)
     return target

@@ -4,7 +4,8 @@ HTTP is Serve's own proxy and its Starlette request objects (``__call__(request)
 ``POST /search`` (see ``compat_core.retrieval.search_request``; the body is read as it arrives and refused past
 ``max_body_bytes``), ``GET /healthz`` (200 with the served versions, ``"status": "ok"``, or ``"degraded"`` with the
 alias's target version and the error while that version cannot be loaded; 503 while no model is loaded),
-``GET /metrics`` (Prometheus text of the replica that answered). Every replica keeps its own ports on 127.0.0.1
+``GET /metrics`` (Prometheus text of the replica that answered), ``GET /openapi.json`` and ``GET /docs`` (the API
+reference for what the replica serves, ``cluster.serving.api_doc``). Every replica keeps its own ports on 127.0.0.1
 (``cluster.serving.replica_ports``).
 
 Each replica polls the registry alias (``models:/NAME@ALIAS``) and the index HEAD every ``poll_s`` seconds on a
@@ -31,6 +32,7 @@ import numpy as np
 from ray import serve
 
 from cluster.model_registry.versions import MlflowModelResolver
+from cluster.serving.api_doc import docs_html, openapi_document
 from cluster.serving.index_store import load_index, read_head, read_manifest
 from cluster.serving.models import (
     DEFAULT_ALIAS,
@@ -56,6 +58,7 @@ from pipelines.config.model_uri import ModelUri, parse_model_uri
 
 LOG = logging.getLogger("compat.serve")
 APP_NAME = "compat-search"
+ROUTES = {"/search": "POST", "/healthz": "GET", "/metrics": "GET", "/openapi.json": "GET", "/docs": "GET"}
 DEFAULT_SETTINGS = {"poll_s": 2.0, "precision": "auto", "device": "cpu", "threads": 1, "cache_dir": None,
                     "limits": {}, "first_load_wait_s": 20.0}
 
@@ -209,20 +212,22 @@ class SearchService:
         started = time.perf_counter()
         path = request_path(request)
         response = await answer_route(self._route, request, path)
-        self.metrics.observe(path if path in ("/search", "/healthz", "/metrics") else "other",
+        self.metrics.observe(path if path in ROUTES else "other",
                              response.status_code, time.perf_counter() - started)
         return response
 
     async def _route(self, request, path: str):
-        from starlette.responses import PlainTextResponse
+        from starlette.responses import HTMLResponse, PlainTextResponse
 
         method = request.method.upper()
-        routes = {"/search": "POST", "/healthz": "GET", "/metrics": "GET"}
-        if path not in routes:
-            raise RequestError(404, "path", f"{path!r} is not served; routes: {sorted(routes)}")
-        if method != routes[path]:
-            raise RequestError(405, "method", f"{path} takes {routes[path]}, got {method}")
+        if path not in ROUTES:
+            raise RequestError(404, "path", f"{path!r} is not served; routes: {sorted(ROUTES)} (reference: /docs)")
+        if method != ROUTES[path]:
+            raise RequestError(405, "method", f"{path} takes {ROUTES[path]}, got {method}")
         state = self._state
+        if path in ("/openapi.json", "/docs"):
+            document = openapi_document(state, self.limits)
+            return _json(document) if path == "/openapi.json" else HTMLResponse(docs_html(document))
         if path == "/metrics":
             return PlainTextResponse(self.metrics.render(state), media_type="text/plain; version=0.0.4")
         if path == "/healthz":

@@ -66,6 +66,17 @@ def run_name_of(location: str, pipeline_id: str) -> str:
     return f"{safe}-{pipeline_id[:8]}"
 
 
+def check_run_name(name: str, what: str = "--run-name") -> str:
+    """``name`` when it can prefix a run's aliases (letters, digits, '-' and '_', at most 64 characters, no
+    ``__``, which separates the run name from the alias); ValueError naming ``what`` otherwise."""
+    if not name or len(name) > 64 or _ALIAS_UNSAFE.search(name) or ALIAS_SEPARATOR in name \
+            or name.startswith(("-", "_")) or name.endswith(("-", "_")):
+        raise ValueError(f"{what} {name!r}: expected 1 to 64 letters, digits, '-' or '_' (not starting or ending "
+                         f"with them, no {ALIAS_SEPARATOR!r}): it prefixes the run's registry aliases, e.g. "
+                         f"{scoped_alias('my-run', 'task-3')}")
+    return name
+
+
 def scoped_alias(run_name: str, alias: str) -> str:
     """The alias ``alias`` of one run: ``<run name>__<alias>`` (e.g. ``er-1a2b3c4d__task-3``)."""
     return f"{run_name}{ALIAS_SEPARATOR}{alias}"
@@ -104,4 +115,4 @@ def submitted_intent() -> bool | None:
 
 
 __all__ = ["ALIAS_SEPARATOR", "AS_WRITTEN", "INTENT_METADATA_KEY", "RunIntent", "pipeline_id_of", "run_intent",
-           "run_location", "run_name_of", "scoped_alias", "submitted_intent"]
+           "check_run_name", "run_location", "run_name_of", "scoped_alias", "submitted_intent"]

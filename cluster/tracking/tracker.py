@@ -59,11 +59,14 @@ from cluster.tracking.record_logging import StageRecordLogging
 from cluster.tracking.run_identity import (
     AS_WRITTEN,
     RunIntent,
+    check_run_name,
     pipeline_id_of,
     run_location,
     run_name_of,
+    scoped_alias,
     submitted_intent,
 )
+from cluster.tracking.ui import summary_placeholders
 from pipelines.config.load import config_hash, config_to_dict
 from pipelines.engine.events import StageEvent, StageRecord
 from pipelines.engine.growth import read_growth
@@ -165,8 +168,9 @@ class MlflowTracker(StageRecordLogging, Tracker):
     """
 
     def __init__(self, tracking_uri: str, experiment: str | None = None, pipeline_id: str | None = None,
-                 register_models: bool = True, intent: RunIntent = AS_WRITTEN) -> None:
+                 register_models: bool = True, intent: RunIntent = AS_WRITTEN, run_name: str | None = None) -> None:
         self.tracking_uri = tracking_uri
+        self.fixed_run_name = None if run_name is None else check_run_name(run_name)
         self.client = open_client(self.tracking_uri)  # a fresh SQLite store: one at a time
         self.experiment_name = experiment
         self.fixed_pipeline_id = pipeline_id
@@ -197,17 +201,25 @@ class MlflowTracker(StageRecordLogging, Tracker):
         self.growth = read_growth(store)  # a grown run keeps the identity of the config it was started with
         founding = self.growth[0]["founding_config_hash"] if self.growth else self.config_hash
         self.pipeline_id = self.fixed_pipeline_id or pipeline_id_of(founding, self.run_folder)
-        self.run_name = run_name_of(self.run_folder, self.pipeline_id)
+        self.run_name = self.fixed_run_name or run_name_of(self.run_folder, self.pipeline_id)
         self.experiment_id = self._experiment(self.experiment_name or config.name)
         self._failed = False
         self._result = None
         self._open.clear()
         self.scenario_aliases = self.intent.scenario_aliases
-        self._base_tags = self._identity_tags(graph)
         existing = self.client.search_runs(
             [self.experiment_id],
             f"tags.run_role = 'pipeline' and tags.pipeline_id = '{self.pipeline_id}'",
             order_by=["attributes.start_time ASC"], max_results=10)
+        if existing:  # a resumed or grown run keeps the name (and alias prefix) it was started with
+            kept = existing[0].data.tags.get("run_name", self.run_name)
+            if self.fixed_run_name and self.fixed_run_name != kept:
+                raise ValueError(f"--run-name {self.fixed_run_name}: the run in {self.run_folder} is named {kept!r} "
+                                 f"(its aliases are {kept}__task-N); resume it without --run-name or with "
+                                 f"--run-name {kept}")
+            self.run_name = kept
+        self._base_tags = self._identity_tags(graph)
+        self._refuse_a_taken_run_name()
         if existing and existing[0].info.status == "RUNNING" and not holds_lease(store.root):
             raise RuntimeError(
                 f"pipeline run {existing[0].info.run_id} of run folder {self.run_folder} is RUNNING and this process "
@@ -225,6 +237,20 @@ class MlflowTracker(StageRecordLogging, Tracker):
             self.model_name = registered_model_name(config.name, config.output.registered_model)
             ensure_registered_model(self.client, self.model_name, {"scenario": config.name})
             self._latest_task = -1  # latest-task follows this run's highest task (stages register in task order)
+
+    def _refuse_a_taken_run_name(self) -> None:
+        """A run name given with --run-name that another pipeline (another config or run folder) of this experiment
+        already carries would let this run move that run's aliases: RuntimeError naming the other run folder."""
+        if self.fixed_run_name is None:
+            return
+        others = [run for run in self.client.search_runs(
+            [self.experiment_id], f"tags.run_role = 'pipeline' and tags.run_name = '{self.run_name}'", max_results=10)
+            if run.data.tags.get("pipeline_id") != self.pipeline_id]
+        if others:
+            raise RuntimeError(f"--run-name {self.run_name}: already the name of pipeline run {others[0].info.run_id} "
+                               f"(run folder {others[0].data.tags.get('run_folder')}); its registry aliases "
+                               f"({scoped_alias(self.run_name, 'task-N')}) would be moved by this run: choose "
+                               f"another name")
 
     def _identity_tags(self, graph: Any) -> dict[str, str]:
         """Tags of the parent and every stage run: who the run is (pipeline id, run folder and name, config hash,
@@ -279,8 +305,10 @@ class MlflowTracker(StageRecordLogging, Tracker):
     def _create_parent(self, config: Any) -> None:
         self._base_tags["scenario_aliases"] = str(self.scenario_aliases).lower()
         run = self.client.create_run(self.experiment_id, tags={**self._base_tags, "run_role": "pipeline"},
-                                     run_name=f"{config.name}-{self.pipeline_id[:8]}")
+                                     run_name=self.fixed_run_name or f"{config.name}-{self.pipeline_id[:8]}")
         self.parent_run_id = run.info.run_id
+        # first metrics of the run: MLflow's compare-runs page plots the first metric the compared runs share
+        log_metrics(self.client, self.parent_run_id, summary_placeholders(), step=0)
         params, excluded = flatten_params(config_to_dict(config))
         log_params(self.client, self.parent_run_id, params)
         if excluded:

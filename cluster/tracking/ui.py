@@ -12,6 +12,14 @@
   the experiments list (or one experiment's runs) in the UI's model-training mode (:func:`ui_page_url`). Each
   experiment also holds a view (MLflow's shared view state, :data:`RESULTS_VIEW`) whose runs table has the summary
   metrics AC AA ACA BC FC as columns and whose chart view starts with them and the heatmaps; that URL opens it.
+- **Parallel coordinates of the results.** MLflow's compare-runs page (select runs, "Compare") plots by default
+  the (at most three, alphabetically first) params whose values differ between the runs against ONE metric: the
+  first one the runs share, in the order the server lists the first run's metrics, which is the order they were
+  first logged. A pipeline run therefore logs its summary metrics first, as NaN at step 0 ("not computed yet"; the
+  result is the value at the last task's step, which is what the runs table and charts show), so that plot starts
+  with AC. The page offers no way to choose more default metrics (AA is one click in its "Metrics" box); the
+  :data:`RESULTS_VIEW` chart view therefore also holds a parallel-coordinates chart of the method against AC, AA,
+  BC and FC.
 - **Links to the registered model versions.** A version is created from the stage run that trained it, so the
   pipeline (parent) run's page lists none; its description (``mlflow.note.content``) links each version, and the
   tag ``registered_versions`` lists them.
@@ -25,6 +33,7 @@ from typing import Any
 
 HEADLINE = ("AC", "AA", "BC", "FC")
 SUMMARY_METRICS = ("AC", "AA", "ACA", "BC", "FC")  # a pipeline run's headline metrics, logged as metrics
+PARALLEL_PARAMS = ("method.name",)   # the parallel-coordinates chart's param axes (the config's method)
 # MLflow 3's UI picks an experiment's page from this tag: the runs table and charts ("model training") rather than
 # the traces overview of GenAI experiments
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
@@ -40,7 +49,8 @@ MODEL_TRAINING_VIEW = "workflowType=machine_learning"  # the UI's mode of model 
 def experiment_ui_tags() -> dict[str, str]:
     """Tags of an experiment the product uses: a model-training experiment, with the view :data:`RESULTS_VIEW`
     whose runs table has the summary metrics (AC, AA, ACA, BC, FC) as columns and whose chart view starts with a
-    "Results" section: a bar chart per summary metric and the heatmaps' image grid (MLflow adds the other metrics'
+    "Results" section: a bar chart per summary metric, the heatmaps' image grid and a parallel-coordinates chart of
+    the method against AC, AA, BC and FC (MLflow adds the other metrics'
     charts after it)."""
     section = "compat-results"
     charts = [{"uuid": f"compat-{name}", "type": "BAR", "metricSectionId": section, "metricKey": name,
@@ -48,10 +58,20 @@ def experiment_ui_tags() -> dict[str, str]:
     charts.append({"uuid": "compat-heatmaps", "type": "IMAGE", "metricSectionId": section,
                    "imageKeys": list(COMPARABLE_IMAGES.values()), "step": 0, "showRunParams": False,
                    "isGenerated": False, "deleted": False})
+    charts.append({"uuid": "compat-parallel", "type": "PARALLEL", "metricSectionId": section,
+                   "selectedParams": list(PARALLEL_PARAMS), "selectedMetrics": list(HEADLINE), "showAllRuns": False,
+                   "isGenerated": False, "deleted": False})
     view = {"selectedColumns": [f"metrics.`{name}`" for name in SUMMARY_METRICS],
             "compareRunSections": [{"uuid": section, "name": "Results", "display": True, "isReordered": False}],
             "compareRunCharts": charts}
     return {EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND, f"{SHARED_VIEW_TAG_PREFIX}{RESULTS_VIEW}": json.dumps(view)}
+
+
+def summary_placeholders() -> dict[str, float]:
+    """The summary metrics as NaN, logged at step 0 when a pipeline run starts so that they are its first metrics
+    (the compare-runs page plots the first metric the compared runs share); the result overwrites them at the last
+    task's step."""
+    return {name: float("nan") for name in SUMMARY_METRICS}
 
 
 def ui_page_url(base: str, experiment_id: str | None = None) -> str:
@@ -119,6 +139,7 @@ def link_model_versions(client: Any, run_id: str, model_name: str | None, pipeli
     return listed
 
 
-__all__ = ["COMPARABLE_IMAGES", "EXPERIMENT_KIND_TAG", "HEADLINE", "MODEL_TRAINING_KIND", "RESULTS_VIEW",
-           "SUMMARY_METRICS", "experiment_ui_tags", "headline_text", "link_model_versions", "log_comparable_images",
+__all__ = ["COMPARABLE_IMAGES", "EXPERIMENT_KIND_TAG", "HEADLINE", "MODEL_TRAINING_KIND", "PARALLEL_PARAMS",
+           "RESULTS_VIEW", "SUMMARY_METRICS", "experiment_ui_tags", "headline_text", "link_model_versions",
+           "log_comparable_images", "summary_placeholders",
            "show_headline_in_name", "ui_page_url"]

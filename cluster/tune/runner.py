@@ -29,11 +29,13 @@ registered model named after the search, aliases ``best`` (last task's model) an
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import pickle
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,9 +195,32 @@ def make_sampler(space, seed: int):
     import optuna
 
     parameters = list(getattr(space, "parameters", []))
+    # the study's "created in memory" line and the sampler's "experimental" warning are about our choice, not the
+    # user's; Optuna's warnings and errors still show
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     if parameters and all(p.type == "categorical" and not p.when for p in parameters):
-        return optuna.samplers.BruteForceSampler(seed=seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.BruteForceSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed)
+
+
+@contextlib.contextmanager
+def tune_output():
+    """Ray Tune without its own start-up box ("Configuration for experiment", "View detailed results here"):
+    the driver prints a line per trial event (:mod:`cluster.tune.progress`). Tune's new output engine prints that
+    box whatever the verbosity; its classic reporter at verbosity 0 prints nothing but errors (failed trials are
+    still logged and raised). A ``RAY_AIR_NEW_OUTPUT`` the user set is kept."""
+    import os
+
+    if "RAY_AIR_NEW_OUTPUT" in os.environ:
+        yield
+        return
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
 
 
 def optuna_searcher(space, samples: int, seed: int):
@@ -252,7 +277,8 @@ def run_search(spec: SearchSpec, address: str | None = None, extra_callbacks: li
             failure_config=tune.FailureConfig(max_failures=0), verbose=0),  # lines: cluster.tune.progress
     )
     seal_tuner_state(spec.experiment_path)  # tuner.pkl is written by tune.Tuner(...), before any trial
-    results = tuner.fit()
+    with tune_output():
+        results = tuner.fit()
     return _finish(spec, results)
 
 
@@ -324,7 +350,8 @@ def resume_search(experiment_path: str, address: str | None = None, plugins: lis
             f"{experiment_path}`); to go on, start a new search: `compat tune CONFIG --space SPACE --objective "
             f"{spec.objective.lower()} --samples {spec.samples} --storage {spec.storage} --name NEW_NAME`") from error
     open_search_run(spec)  # after the state loaded: a refused resume leaves the search's MLflow run as it was
-    results = tuner.fit()
+    with tune_output():
+        results = tuner.fit()
     return _finish(spec, results)
 
 

@@ -3,6 +3,7 @@ Tune function trainable around it."""
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ from pipelines.results.assemble import headline_metrics, matrix_values
 from pipelines.stages.run_precision import resolve_run_precision
 from pipelines.store.run_store import RunStore
 
+# the loggers of Ray Train storage that announce every checkpoint at INFO
+CHECKPOINT_LOGGERS = ("ray.train._internal.storage", "ray.train.v2._internal.execution.storage")
 
 
 # ---- the trainable ---------------------------------------------------------------------------------------------------
@@ -134,6 +137,11 @@ def tune_trainable(config: dict, spec_json: str = "") -> None:
     if checkpoint is not None:
         with checkpoint.as_directory() as folder:
             start_after = int(json.loads(Path(folder, "progress.json").read_text())[TIME_ATTR])
+
+    # Ray logs "Checkpoint successfully created at: ..." at INFO for every report: the driver's line per reported
+    # task says it (cluster.tune.progress); its warnings and errors still show
+    for name in CHECKPOINT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
     def report(metrics: dict, completed: int) -> None:
         with tempfile.TemporaryDirectory(prefix="compat-tune-ckpt-") as folder:

@@ -19,10 +19,54 @@ import numpy as np
 
 from compat_core.retrieval.mixed_gallery import unit_rows
 
-__all__ = ["RequestError", "SearchLimits", "SearchRequest", "parse_search_request", "decode_image"]
+__all__ = ["RequestError", "SearchLimits", "SearchRequest", "RequestField", "REQUEST_FIELDS", "FIELDS",
+           "MODEL_VERSION_RULES", "parse_search_request", "decode_image"]
 
-FIELDS = ("image", "embedding", "k", "model_version", "include_payload")
 IMAGE_FORMATS = ("JPEG", "PNG")
+
+
+@dataclass(frozen=True)
+class RequestField:
+    """One field of a ``POST /search`` body as the API reference states it: its JSON Schema (OpenAPI 3.1), unit
+    and meaning. The parser accepts exactly these names (``FIELDS``) and the service's schema is built from them."""
+
+    name: str
+    schema: dict
+    unit: str
+    description: str
+
+
+MODEL_VERSION_RULES = (
+    "model_version is checked only for 'embedding' queries: omitted, the embedding is taken to be made by the "
+    "version the service embeds with (the service cannot tell; an embedding of another model of the same width is "
+    "searched as it is); equal to that version, it is searched; a version that embedded items of this index but "
+    "is not the serving one (after `compat gate` moved the alias, or during a backfill) is refused with 409 "
+    "(re-embed the query with the serving version, which /healthz names as model_version, or retry); a version "
+    "the index does not hold is refused with 400. With 'image' it is refused with 400: the service embeds images "
+    "itself with the serving version. Every answer names the version that searched (model_version).")
+
+REQUEST_FIELDS = (
+    RequestField("embedding", {"type": "array", "items": {"type": "number"}},
+                 "D float32 components (D: the index's embedding width, /healthz dim); any length, normalised by "
+                 "the service",
+                 "The query's feature vector made by the serving model version: finite numbers, not all zero. "
+                 "Exactly one of 'embedding' or 'image'."),
+    RequestField("image", {"type": "string", "contentEncoding": "base64", "contentMediaType": "image/png"},
+                 "base64 of JPEG or PNG file bytes; at most max_image_pixels decoded pixels (width x height) and "
+                 "max_body_bytes bytes of request body",
+                 "An image the service embeds with the serving model version: converted to the index's channels "
+                 "and resized (bilinear) to its image shape. Exactly one of 'embedding' or 'image'."),
+    RequestField("k", {"type": "integer", "minimum": 1, "default": 10},
+                 "gallery items (count); 1 <= k <= min(max_k, gallery size)",
+                 "How many nearest gallery items to return, best first."),
+    RequestField("model_version", {"type": ["string", "integer"]},
+                 "a model version of the served registered model (string; an integer is read as its string)",
+                 "The version that made 'embedding', checked against the serving version. " + MODEL_VERSION_RULES),
+    RequestField("include_payload", {"type": "boolean", "default": False},
+                 "flag",
+                 "Add each result's payload_uri (where the gallery item's bytes live)."),
+)
+FIELDS = tuple(field.name for field in REQUEST_FIELDS)
 
 
 class RequestError(ValueError):

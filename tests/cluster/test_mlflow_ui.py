@@ -126,11 +126,10 @@ def _close_side_panel(page) -> None:
         page.wait_for_timeout(300)
 
 
-def test_mlflow_ui_compares_the_er_and_dsimplex_hoc_runs_of_one_experiment(mlflow_server, tmp_path, monkeypatch):
-    """Issue 12, item 10: both demo scenarios (shrunk: tiny data, 2 tasks, 1 epoch) run by `compat run --experiment`
-    into one experiment; in Chromium both runs are selected in the runs table and MLflow's compare view opened; the
-    AC and AA it shows for each run equal that run's metrics.json (the page rounds to 3 decimals)."""
-    _require_chromium()
+@pytest.fixture(scope="module")
+def compared_runs(mlflow_server, tmp_path_factory):
+    """Both demo scenarios (shrunk: tiny data, 2 tasks, 1 epoch) run by `compat run --experiment` into one
+    experiment: (experiment id, {run id: scenario}, {scenario: metrics.json})."""
     import json
 
     import torch
@@ -141,44 +140,60 @@ def test_mlflow_ui_compares_the_er_and_dsimplex_hoc_runs_of_one_experiment(mlflo
 
     tiny.register()
     torch.set_num_threads(1)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    folder = tmp_path_factory.mktemp("ui-compare")
     experiment = "ui-demo-compare"
     metrics = {}
-    for method in ("er", "dsimplex-hoc"):  # the demo's two scenarios, shrunk like the other tiny tests
-        document = tiny.scenario(method, output=str(tmp_path / method))
-        document["name"] = f"demo-{method}"
-        document.pop("pretrain")
-        document["replacements"] = []
-        document["tasks"]["spec"] = "2+2"
-        config = tmp_path / f"{method}.yaml"
-        config.write_text(yaml.safe_dump(document))
-        assert main(["run", str(config), "--tracking-uri", mlflow_server.tracking_uri, "--experiment", experiment,
-                     "--no-progress"]) == 0
-        metrics[f"demo-{method}"] = json.loads((tmp_path / method / "metrics.json").read_text())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        patch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+        for method in ("er", "dsimplex-hoc"):  # the demo's two scenarios, shrunk like the other tiny tests
+            document = tiny.scenario(method, output=str(folder / method))
+            document["name"] = f"demo-{method}"
+            document.pop("pretrain")
+            document["replacements"] = []
+            document["tasks"]["spec"] = "2+2"
+            config = folder / f"{method}.yaml"
+            config.write_text(yaml.safe_dump(document))
+            assert main(["run", str(config), "--tracking-uri", mlflow_server.tracking_uri, "--experiment",
+                         experiment, "--no-progress"]) == 0
+            metrics[f"demo-{method}"] = json.loads((folder / method / "metrics.json").read_text())
     client = MlflowClient(tracking_uri=mlflow_server.tracking_uri)
     experiment_id = client.get_experiment_by_name(experiment).experiment_id
     parents = client.search_runs([experiment_id], "tags.run_role = 'pipeline'")
     run_scenario = {run.info.run_id: run.data.tags["scenario"] for run in parents}
     assert sorted(run_scenario.values()) == ["demo-dsimplex-hoc", "demo-er"]
+    return experiment_id, run_scenario, metrics
+
+
+def _open_compare_view(page) -> list[str]:
+    """Select both demo runs in the runs table and open MLflow's compare-runs page; the runs' table colours."""
+    colours = []
+    for scenario in ("demo-er", "demo-dsimplex-hoc"):
+        row = page.get_by_role("row").filter(has_text=f"{scenario}-").first
+        row.wait_for(timeout=60_000)
+        colours += re.findall(r"#[0-9a-f]{6}", row.inner_text())
+        row.get_by_role("checkbox").first.check(force=True)  # ag-grid's row selection box
+    page.get_by_role("button", name="Compare").first.click()
+    page.locator('a[title="Plot chart"]').first.wait_for(timeout=60_000)
+    _close_side_panel(page)
+    return colours
+
+
+def test_mlflow_ui_compares_the_er_and_dsimplex_hoc_runs_of_one_experiment(mlflow_server, compared_runs, tmp_path):
+    """Both demo runs are selected in the runs table and MLflow's compare view opened; the
+    AC and AA it shows for each run equal that run's metrics.json (the page rounds to 3 decimals)."""
+    _require_chromium()
+    experiment_id, run_scenario, metrics = compared_runs
     assert metrics["demo-er"]["AA"] != metrics["demo-dsimplex-hoc"]["AA"]  # so a swapped column would be caught
 
     screenshot = tmp_path / "mlflow-ui-compare-demo-runs.png"
     heatmap_shot = tmp_path / "mlflow-ui-compare-heatmaps.png"
     viewport = {"width": 1600, "height": 1000}
     with runs_page(mlflow_server.tracking_uri, experiment_id, tmp_path / "profile", viewport) as page:
-        colours = []
-        for scenario in ("demo-er", "demo-dsimplex-hoc"):
-            row = page.get_by_role("row").filter(has_text=f"{scenario}-").first
-            row.wait_for(timeout=60_000)
-            colours += re.findall(r"#[0-9a-f]{6}", row.inner_text())
-            row.get_by_role("checkbox").first.check(force=True)  # ag-grid's row selection box
+        colours = _open_compare_view(page)
         # each run shows its chart colour; MLflow picks it by hashing the run id into a palette of 29, so two runs
         # share one about once in 29 searches (seen in CI: both '#f2be88') - distinctness is not MLflow's promise
         assert len(colours) == 2
-        page.get_by_role("button", name="Compare").first.click()
-        page.locator('a[title="Plot chart"]').first.wait_for(timeout=60_000)
-        _close_side_panel(page)
         shown = page.evaluate(_READ_COMPARE_VIEW)
         # for the picture: fold the long Parameters section so run names and metrics are on one screen
         page.get_by_text("Parameters", exact=True).first.click()
@@ -210,6 +225,69 @@ def test_mlflow_ui_compares_the_er_and_dsimplex_hoc_runs_of_one_experiment(mlflo
     assert len(sources) == 2, sources  # two heatmaps, one per compared run
     stable = keep_screenshot(screenshot)
     print(f"MLflow compare view screenshots: {stable}, {keep_screenshot(heatmap_shot)}")
+
+
+def test_parallel_coordinates_of_two_pipeline_runs_show_the_summary_metrics(mlflow_server, compared_runs, tmp_path):
+    """The compare-runs page's parallel-coordinates plot of the two demo runs starts with AC as its metric axis
+    (MLflow plots the first metric the runs share; a pipeline run logs its summary metrics first) and no task/*
+    metric; AA is one choice in its Metrics box away. The experiment's results view (what `compat ui` opens) has a
+    parallel-coordinates chart of the method against AC, AA, BC and FC for the runs shown."""
+    _require_chromium()
+    from cluster.tracking.ui import ui_page_url
+
+    experiment_id, run_scenario, metrics = compared_runs
+    # axis titles: plotly's parcoords on the compare-runs page, MLflow's own (d3) one in the charts view
+    titles_js = ("(() => [...document.querySelectorAll('.parcoords .y-axis .axis-heading .axis-title, "
+                 ".parcoords .dimension .axis .label')].map(t => t.textContent.trim()))()")
+    compare_shot, chart_shot = tmp_path / "mlflow-ui-compare-parallel.png", tmp_path / "mlflow-ui-results-parallel.png"
+    viewport = {"width": 1600, "height": 1000}
+    with runs_page(mlflow_server.tracking_uri, experiment_id, tmp_path / "profile", viewport) as page:
+        _open_compare_view(page)
+        plot = page.locator(".pcp-plot")
+        plot.first.scroll_into_view_if_needed()
+        page.wait_for_function(f"{titles_js}.length > 0", timeout=60_000)
+        default_axes = page.evaluate(titles_js)
+        # the panel's Metrics box: AA added by hand (MLflow offers no way to preselect a second metric)
+        metrics_box = page.locator(".pcp-plot").first.locator("xpath=preceding::*[normalize-space(text())="
+                                                                "'Metrics:']/following::*[@role='combobox'][1]")
+        metrics_box.first.click()
+        page.get_by_title("AA", exact=True).last.click()   # the list's visible item (the role=option one is not)
+        page.keyboard.press("Escape")
+        page.wait_for_function(f"{titles_js}.includes('AA')", timeout=30_000)
+        page.locator(".pcp-plot").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(compare_shot))
+        ticks = page.evaluate("(() => [...document.querySelectorAll('.parcoords .y-axis')].map(axis => "
+                              "[axis.querySelector('.axis-title')?.textContent.trim(), [...axis.querySelectorAll("
+                              "'.tick text')].map(t => t.textContent.trim())]))()")
+        page.goto(f"{ui_page_url(mlflow_server.tracking_uri, experiment_id)}&compareRunsMode=CHART", wait_until="load")
+        page.get_by_text("Results", exact=True).first.wait_for(timeout=60_000)
+        _close_side_panel(page)
+        chart = page.get_by_text("Parallel Coordinates", exact=False)   # the card's title (its plot comes later)
+        try:
+            page.get_by_text("Image grid", exact=True).first.wait_for(timeout=60_000)
+            page.mouse.move(900, 700)   # over the charts: the view adds a card to the page once it is scrolled to
+            for _ in range(20):
+                if chart.count():
+                    break
+                page.mouse.wheel(0, 400)
+                page.wait_for_timeout(500)
+            chart.first.scroll_into_view_if_needed()
+            page.wait_for_function(f"{titles_js}.length >= 5", timeout=60_000)
+        except Exception:
+            page.screenshot(path=str(chart_shot), full_page=True)
+            print(f"results view when the parallel chart did not show: {keep_screenshot(chart_shot)}")
+            raise
+        chart_axes = page.evaluate(titles_js)
+        page.locator(".parcoords").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(chart_shot))
+    metric_axes = [title for title in default_axes if title in metrics["demo-er"] or title.startswith("task/")]
+    assert metric_axes == ["AC"], default_axes
+    # the AC axis covers the two runs' AC values (its ticks' range; the tiny runs' AC may be equal, even 0)
+    ac_ticks = [float(t.replace("\u2212", "-")) for title, texts in ticks if title == "AC" for t in texts if t]
+    low, high = sorted(metrics[name]["AC"] for name in metrics)
+    assert ac_ticks and min(ac_ticks) <= low + 1e-4 and high - 1e-4 <= max(ac_ticks), (ac_ticks, low, high)
+    assert {"method.name", "AC", "AA", "BC", "FC"} <= set(chart_axes), chart_axes
+    print(f"MLflow parallel-coordinates screenshots: {keep_screenshot(compare_shot)}, {keep_screenshot(chart_shot)}")
 
 
 # sources of the pictures the page shows, loaded and large (heatmaps; icons and avatars are smaller than 100 px)

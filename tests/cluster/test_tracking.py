@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -333,7 +334,12 @@ def test_default_sqlite_run_holds_parent_nested_runs_metrics_and_tags(sqlite_run
         for k, value in enumerate(row):
             assert rows[t + 1][k] == value
     for name, value in EXPECTED.items():
-        assert metric_history(client, parent.info.run_id, name) == pytest.approx({3: value}, abs=1e-12), name
+        history = metric_history(client, parent.info.run_id, name)
+        # NaN at step 0 (logged when the run started: "not computed yet"), the result at the last task's step
+        assert list(history) == [0, 3] and math.isnan(history[0]), (name, history)
+        assert history[3] == pytest.approx(value, abs=1e-12) and parent.data.metrics[name] == history[3], name
+    # the summary metrics are the run's first metrics (MLflow's compare-runs page plots the first shared one)
+    assert list(parent.data.metrics)[:5] == ["AC", "AA", "ACA", "BC", "FC"], list(parent.data.metrics)[:8]
     assert metric_history(client, parent.info.run_id, "AC_tau") == pytest.approx(EXPECTED_AC_TAU, abs=1e-12)
     assert metric_history(client, parent.info.run_id, "AA_tau") == pytest.approx(EXPECTED_AA_TAU, abs=1e-12)
     artifacts = {f.path for f in client.list_artifacts(parent.info.run_id, "results")}
@@ -394,8 +400,8 @@ def test_resumed_pipeline_reuses_runs_and_versions(sqlite_run, monkeypatch):
     parent = next(r for r in after if r.data.tags.get("run_role") == "pipeline")
     assert parent.info.status == "FINISHED" and parent.data.tags["resumes"] == "1"
     assert parent.data.tags["ray_submission_id"] == "compat-track-demo-0123456789ab"
-    # the summary metrics were not logged a second time
-    assert len(client.get_metric_history(parent.info.run_id, "AC")) == 1
+    # the summary metrics were not logged a second time (nor their placeholder: the resumed run is not new)
+    assert sorted(m.step for m in client.get_metric_history(parent.info.run_id, "AC")) == [0, 3]
 
 
 def test_failed_stage_ends_failed_and_retry_gets_a_new_attempt(sqlite_run, tmp_path, monkeypatch):
