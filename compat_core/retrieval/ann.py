@@ -29,9 +29,8 @@ import torch
 from compat_core.retrieval.rerank import compact, rerank_vectors, stored_inverse_norms, survivors, unit_queries
 from compat_core.retrieval.search import PreparedGallery, search_candidates, search_prepared
 
-__all__ = ["KINDS", "STORED_EXACT", "AnnIndex", "build_ann", "tune_ann", "ann_search", "candidate_count", "candidate_rule",
-           "default_params", "effort_ladder", "recall_of_exact",
-           "set_faiss_threads"]
+__all__ = ["KINDS", "STORED_EXACT", "AnnIndex", "build_ann", "tune_ann", "ann_search", "candidate_count",
+           "candidate_rule", "default_params", "effort_ladder", "recall_of_exact", "set_faiss_threads"]
 
 KINDS = ("flat", "ivf", "hnsw", "ivfpq")
 STORED_EXACT = ("ivf", "hnsw")   # structures holding the rows themselves (fp16, fp32): the re-rank reads them there

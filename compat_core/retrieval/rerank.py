@@ -42,7 +42,7 @@ def survivors(scores32: np.ndarray, cand: np.ndarray, inverse: np.ndarray, dim: 
     valid = cand >= 0
     scaled = np.where(valid, scores32.astype(np.float64) * inverse[np.where(valid, cand, 0)], -np.inf)
     take = min(k, scaled.shape[1])
-    kth = -np.partition(-scaled, take - 1, axis=1)[:, take - 1:take]
+    kth = scaled.max(axis=1, keepdims=True) if take == 1 else -np.partition(-scaled, take - 1, axis=1)[:, take - 1:take]
     bound = _structure_bound(dim)
     return valid & (scaled + bound >= kth - bound)
 
@@ -50,7 +50,10 @@ def survivors(scores32: np.ndarray, cand: np.ndarray, inverse: np.ndarray, dim: 
 def compact(keep: np.ndarray, cand: np.ndarray) -> np.ndarray:
     """(Nq, W) int64: each row's kept candidates first (in their order), -1 after them; W = the widest row's
     count (at least 1)."""
-    width = max(1, int(keep.sum(axis=1).max()))
+    counts = keep.sum(axis=1)
+    width = max(1, int(counts.max()))
+    if width == 1 and counts.min() == 1:     # one survivor a row (the usual k = 1 case)
+        return np.take_along_axis(cand, keep.argmax(axis=1)[:, None], 1)
     first = np.argsort(~keep, axis=1, kind="stable")[:, :width]
     return np.where(np.take_along_axis(keep, first, 1), np.take_along_axis(cand, first, 1), -1)
 
@@ -67,8 +70,8 @@ def unit_queries(query: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
     """(fp64 unit rows q = query / ||query|| as the exact search's reference takes them, their fp32 rounding as a
     C-contiguous array for the structure); ValueError naming the first row of zero or non-finite norm."""
     norms = torch.linalg.vector_norm(query, dim=1, dtype=torch.float64)
-    bad = ~(torch.isfinite(norms) & (norms > 0))
-    if bool(bad.any()):
+    if not float(norms.min()) > 0 or not math.isfinite(float(norms.max())):     # NaN fails the first test
+        bad = ~(torch.isfinite(norms) & (norms > 0))
         raise ValueError(f"query: row {int(torch.nonzero(bad)[0, 0])} has zero or non-finite norm; cosine "
                          "similarity is undefined")
     q64 = query.double() * (1.0 / norms)[:, None]
@@ -78,9 +81,9 @@ def unit_queries(query: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
 def rerank_vectors(q64: torch.Tensor, cand: torch.Tensor, vectors: torch.Tensor, inverse: torch.Tensor, k: int):
     """Exact top-k of each query row among its candidates.
 
-    q64 (Nq, D) fp64 unit query rows (:func:`unit_queries`); cand (Nq, C) int64 gallery rows, -1 for none (distinct within a
-    row); vectors (Nq, C, D) float32: the stored rows of ``cand`` (anything where cand is -1); inverse (N,) fp64:
-    the stored rows' inverse norms (:func:`stored_inverse_norms`). Rows with fewer than k valid candidates get -1
+    q64 (Nq, D) fp64 unit query rows (:func:`unit_queries`); cand (Nq, C) int64 gallery rows, -1 for none
+    (distinct within a row); vectors (Nq, C, D) float32: the stored rows of ``cand`` (anything where cand is -1);
+    inverse (N,) fp64: the stored rows' inverse norms (:func:`stored_inverse_norms`). Rows with fewer than k valid candidates get -1
     and -inf past their last valid one (the caller completes them). Returns (indices (Nq, k) int64, fp64 cosine
     scores (Nq, k))."""
     count, width = cand.shape
@@ -95,6 +98,8 @@ def rerank_vectors(q64: torch.Tensor, cand: torch.Tensor, vectors: torch.Tensor,
     pairs.mul_(inverse[rows.reshape(-1)].unsqueeze(1))
     pairs.view(count, width, dim).mul_(q64.unsqueeze(1))
     scores = pairs.sum(dim=1).view(count, width).masked_fill_(~valid, -math.inf)
+    if width == 1:      # one candidate a row (k = 1 and one survivor each): nothing to order
+        return cand, scores
     # candidates in ascending row order (padding last), then a stable sort by score: ties go to the lowest row
     ascending = torch.where(valid, cand, torch.iinfo(torch.int64).max).sort(dim=1).indices
     scores = torch.gather(scores, 1, ascending)

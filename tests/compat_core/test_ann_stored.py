@@ -32,13 +32,14 @@ def _fp16_gallery(count: int, dim: int, seed: int):
 
 
 def _brute(query: torch.Tensor, gallery: torch.Tensor, k: int, allowed: np.ndarray | None = None):
-    """fp64 top-k by (score descending, row ascending), optionally among ``allowed`` rows only."""
-    q = query.double().numpy()
-    g = gallery.double().numpy()
-    scores = (g / np.linalg.norm(g, axis=1, keepdims=True)) @ (q / np.linalg.norm(q))
-    rows = np.arange(g.shape[0]) if allowed is None else np.unique(allowed[allowed >= 0])
-    order = rows[np.lexsort((rows, -scores[rows]))][:k]
-    return order, scores[order]
+    """fp64 top-k, a stable sort of the negated cosines (ties: lowest row first), optionally among ``allowed``."""
+    unit = gallery.double().numpy()
+    unit /= np.linalg.norm(unit, axis=1, keepdims=True)
+    cosine = unit @ (query.double().numpy() / np.linalg.norm(query.double().numpy()))
+    if allowed is not None:
+        cosine[np.setdiff1d(np.arange(cosine.shape[0]), allowed)] = -np.inf
+    order = np.argsort(-cosine, kind="stable")[:k]
+    return order, cosine[order]
 
 
 @pytest.fixture(scope="module")
