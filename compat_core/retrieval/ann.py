@@ -14,6 +14,13 @@ least ``recall`` of a held-out query sample ("Recall@1 of exact"). The structure
 rules recorded with it (``nlist`` = 2 sqrt(N) lists trained on at most 40 rows per list, HNSW degree M = 32,
 PQ with 8-bit codes over D/4 sub-vectors where D allows: 1/8 of the fp16 rows' bytes).
 
+The IVF lists and HNSW's storage hold the rows themselves (fp16 rows, not residuals to a list centre; fp32 rows),
+so these two can also re-rank without the gallery's prepared rows (``ann_search(query, None, ann, k)``): the
+structure's own fp32 scores of its candidates, scaled by each stored row's fp64 inverse norm, rule out every
+candidate that a proven bound keeps from the top-k (``compat_core.retrieval.rerank``), and only the survivors
+(about one a query for top-1) are decoded and scored in fp64. The answer is then the exact top-k over the rows as
+stored, whenever the candidates hold it.
+
 faiss is imported inside the functions that use it (a heavy optional dependency); the index travels as
 ``faiss.serialize_index`` bytes, never pickled.
 """
@@ -243,7 +250,8 @@ def ann_search(query, prepared: PreparedGallery | None, ann: AnnIndex, k: int = 
     gallery row); rows for which the structure found fewer than k rows are searched exactly over the whole gallery.
     prepared: the gallery's rows prepared for the exact kernel, or None to re-rank from the structure's own stored
     rows (kinds ``STORED_EXACT``; the answer is then exact over the rows as stored, and nothing but the structure
-    and 8 bytes a row is held). Returns (indices (Nq, k) int64 tensor, fp64 cosine scores (Nq, k) tensor)."""
+    and 16 bytes a row is held; :meth:`AnnIndex.prepare_rerank` once before searching from several threads).
+    Returns (indices (Nq, k) int64 tensor, fp64 cosine scores (Nq, k) tensor)."""
     if prepared is None:
         return _search_stored(query, ann, k)
     if ann.size != prepared.size or ann.dim != prepared.dim:
