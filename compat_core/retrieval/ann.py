@@ -279,29 +279,30 @@ def _search_stored(query, ann: AnnIndex, k: int):
     if not 1 <= k <= ann.size:
         raise ValueError(f"k: expected 1 <= k <= gallery size ({ann.size}), got {k}")
     ann.prepare_rerank()
-    query = torch.as_tensor(np.asarray(query, dtype=np.float32)) if not torch.is_tensor(query) else query.float()
+    query = (query.detach().cpu().float() if torch.is_tensor(query)
+             else torch.as_tensor(np.asarray(query, dtype=np.float32)))
     q64, unit32 = unit_queries(query)
     scores32, cand = ann.scored_candidates(unit32, candidate_count(k, ann.size, ann.kind))
-    kept = compact(survivors(scores32, cand, ann.inverse.numpy(), ann.dim, k), cand)
+    inverse = ann.inverse.numpy()
+    kept = compact(survivors(scores32, cand, inverse, ann.dim, k), cand)
     vectors = np.zeros((kept.shape[0], kept.shape[1], ann.dim), dtype=np.float32)
     present = kept >= 0
     vectors[present] = ann.rows_of(kept[present])
-    kept, vectors = torch.from_numpy(kept), torch.from_numpy(vectors)
-    index, score = rerank_vectors(q64, kept, vectors, ann.inverse, k)
+    index, score = rerank_vectors(q64, kept, vectors, inverse, k)
     short = np.flatnonzero((cand >= 0).sum(axis=1) < k)
     if short.size:
-        short = torch.from_numpy(short)
         index[short], score[short] = _exhaustive_stored(q64[short], ann, k)
     return index, score
 
 
-def _exhaustive_stored(q64: torch.Tensor, ann: AnnIndex, k: int):
+def _exhaustive_stored(q64: np.ndarray, ann: AnnIndex, k: int):
     """Exact top-k over every stored row, block by block (rows the structure found fewer than k rows for)."""
     parts_index, parts_score = [], []
+    count, inverse = q64.shape[0], ann.inverse.numpy()
     for start in range(0, ann.size, _EXACT_BLOCK):
-        block = torch.from_numpy(ann.stored_rows(start, min(ann.size, start + _EXACT_BLOCK)))
-        rows = torch.arange(start, start + block.shape[0]).expand(q64.shape[0], -1)
-        index, score = rerank_vectors(q64, rows, block.expand(q64.shape[0], -1, -1), ann.inverse,
+        block = ann.stored_rows(start, min(ann.size, start + _EXACT_BLOCK))
+        rows = np.broadcast_to(np.arange(start, start + block.shape[0]), (count, block.shape[0]))
+        index, score = rerank_vectors(q64, rows, np.broadcast_to(block, (count, *block.shape)), inverse,
                                       min(k, block.shape[0]))
         parts_index.append(index)
         parts_score.append(score)

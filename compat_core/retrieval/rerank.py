@@ -66,42 +66,43 @@ def stored_inverse_norms(rows_of, size: int, block: int = 65536) -> torch.Tensor
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64)
 
 
-def unit_queries(query: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+def unit_queries(query: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """(fp64 unit rows q = query / ||query|| as the exact search's reference takes them, their fp32 rounding as a
     C-contiguous array for the structure); ValueError naming the first row of zero or non-finite norm."""
-    norms = torch.linalg.vector_norm(query, dim=1, dtype=torch.float64)
-    if not float(norms.min()) > 0 or not math.isfinite(float(norms.max())):     # NaN fails the first test
-        bad = ~(torch.isfinite(norms) & (norms > 0))
-        raise ValueError(f"query: row {int(torch.nonzero(bad)[0, 0])} has zero or non-finite norm; cosine "
+    norms = torch.linalg.vector_norm(query, dim=1, dtype=torch.float64).numpy()
+    if not norms.min() > 0 or not math.isfinite(norms.max()):     # NaN fails the first test
+        bad = ~(np.isfinite(norms) & (norms > 0))
+        raise ValueError(f"query: row {int(np.flatnonzero(bad)[0])} has zero or non-finite norm; cosine "
                          "similarity is undefined")
-    q64 = query.double() * (1.0 / norms)[:, None]
-    return q64, np.ascontiguousarray(q64.float().numpy())
+    q64 = query.numpy().astype(np.float64) * (1.0 / norms)[:, None]
+    return q64, np.ascontiguousarray(q64, dtype=np.float32)
 
 
-def rerank_vectors(q64: torch.Tensor, cand: torch.Tensor, vectors: torch.Tensor, inverse: torch.Tensor, k: int):
+def rerank_vectors(q64: np.ndarray, cand: np.ndarray, vectors: np.ndarray, inverse: np.ndarray, k: int):
     """Exact top-k of each query row among its candidates.
 
     q64 (Nq, D) fp64 unit query rows (:func:`unit_queries`); cand (Nq, C) int64 gallery rows, -1 for none
     (distinct within a row); vectors (Nq, C, D) float32: the stored rows of ``cand`` (anything where cand is -1);
-    inverse (N,) fp64: the stored rows' inverse norms (:func:`stored_inverse_norms`). Rows with fewer than k valid candidates get -1
-    and -inf past their last valid one (the caller completes them). Returns (indices (Nq, k) int64, fp64 cosine
-    scores (Nq, k))."""
+    inverse (N,) fp64: the stored rows' inverse norms (:func:`stored_inverse_norms`). Rows with fewer than k valid
+    candidates get -1 and -inf past their last valid one (the caller completes them). Returns (indices (Nq, k)
+    int64, fp64 cosine scores (Nq, k)) tensors. The elementwise products run in numpy (identical IEEE results,
+    a fraction of torch's cost per call on these small arrays), the sums in torch as the exact kernel's."""
     count, width = cand.shape
     dim = vectors.shape[-1]
     if width < k:       # fewer candidates than k: padding to k columns, answered -1 / -inf
-        cand = torch.nn.functional.pad(cand, (0, k - width), value=-1)
-        vectors = torch.nn.functional.pad(vectors, (0, 0, 0, k - width))
+        cand = np.pad(cand, ((0, 0), (0, k - width)), constant_values=-1)
+        vectors = np.pad(vectors, ((0, 0), (0, k - width), (0, 0)))
         width = k
     valid = cand >= 0
-    rows = torch.where(valid, cand, 0)
-    pairs = vectors.reshape(count * width, dim).double()
-    pairs.mul_(inverse[rows.reshape(-1)].unsqueeze(1))
-    pairs.view(count, width, dim).mul_(q64.unsqueeze(1))
-    scores = pairs.sum(dim=1).view(count, width).masked_fill_(~valid, -math.inf)
+    pairs = vectors.astype(np.float64) * inverse[np.where(valid, cand, 0)][:, :, None]
+    pairs *= q64[:, None, :]
+    sums = torch.from_numpy(pairs.reshape(count * width, dim)).sum(dim=1).numpy()
+    scores = np.where(valid, sums.reshape(count, width), -np.inf)
     if width == 1:      # one candidate a row (k = 1 and one survivor each): nothing to order
-        return cand, scores
+        return torch.from_numpy(cand), torch.from_numpy(scores)
     # candidates in ascending row order (padding last), then a stable sort by score: ties go to the lowest row
-    ascending = torch.where(valid, cand, torch.iinfo(torch.int64).max).sort(dim=1).indices
-    scores = torch.gather(scores, 1, ascending)
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-    return torch.gather(torch.gather(cand, 1, ascending), 1, order), torch.gather(scores, 1, order)
+    ascending = np.argsort(np.where(valid, cand, np.iinfo(np.int64).max), axis=1, kind="stable")
+    cand, scores = np.take_along_axis(cand, ascending, 1), np.take_along_axis(scores, ascending, 1)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return (torch.from_numpy(np.take_along_axis(cand, order, 1)),
+            torch.from_numpy(np.take_along_axis(scores, order, 1)))
