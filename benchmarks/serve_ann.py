@@ -10,10 +10,11 @@ interleaved passes) and Recall@1 of exact (the fraction of queries whose top-1 r
 - faiss alone: IVF (fp16 rows) and HNSW, each at the smallest search effort whose own top-1 reaches ``--recall``
   of exact on a held-out tuning sample (the same rule as the product's);
 - product: the same structures as candidates (``compat_core.retrieval.ann``), re-ranked exactly, effort chosen by
-  ``tune_ann`` on the same tuning sample; plus IVF-PQ (the compressed option), its code size and effort chosen by
-  ``--pq-recall`` (``compat_core.retrieval.ann_pq.tune_pq``, as ``compat index build --kind ivfpq`` does), and
-  faiss IVF-PQ alone at the same target. Bytes are reported twice: the structure's ("struct x": what faiss holds)
-  and the product's (the structure plus the exact kernel's prepared gallery, which the re-rank reads);
+  ``tune_ann`` on the same tuning sample; IVF and HNSW re-rank from the rows the structure stores (their bytes are
+  the structure and 16 bytes a row); plus IVF-PQ (the compressed option, lossy codes), its code size and effort
+  chosen by ``--pq-recall`` (``compat_core.retrieval.ann_pq.tune_pq``, as ``compat index build --kind ivfpq`` does),
+  re-ranked from the exact kernel's prepared gallery, and faiss IVF-PQ alone at the same target. Bytes are reported
+  twice: the structure's ("struct x": what faiss holds) and the product's (what the process holds to answer);
 - ``--shards N``: the gallery split by row range into N parts searched in turn and merged exactly in this process
   (``ann_shards.shard_methods``); with ``--serve``, also served over HTTP by Ray Serve, one replica vs N shard
   deployments behind the router, with the replicas' resident memory (``ann_shards.serve_rates``). On one small
@@ -42,6 +43,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from retrieval import clustered, cpu_model, junction_clustered  # noqa: E402
 
 from compat_core.retrieval.ann import (  # noqa: E402
+    STORED_EXACT,
     AnnIndex,
     ann_search,
     build_ann,
@@ -133,12 +135,20 @@ def build_methods(args, gallery, tune_q) -> tuple[dict, PreparedGallery]:
                                           "effort": effort, "tune_recall": reached, "search": faiss_top1(alone),
                                           "kind": kind}
         if kind != "ivfpq":
-            measured = tune_ann(ann, prepared, tune_q, target)
-        # the exact re-rank reads the prepared gallery's rows: the product holds them beside the structure
+        # the product re-ranks from the structure's own rows where it holds them exactly (ivf, hnsw): it holds the
+        # structure and 16 bytes a row; ivfpq's lossy codes need the exact kernel's prepared gallery beside
+        stored = kind in STORED_EXACT
+        if stored:
+            started = time.perf_counter()
+            ann.prepare_rerank()
+            seconds += time.perf_counter() - started
+        if kind != "ivfpq":   # ivfpq was tuned by tune_pq above
+            measured = tune_ann(ann, prepared, tune_q, target, from_storage=stored)
         methods[f"{kind} + exact re-rank"] = {
-            "build_s": seconds + flat_seconds, "bytes": size + flat_bytes, "structure_bytes": size,
+            "build_s": seconds + (0.0 if stored else flat_seconds),
+            "bytes": ann.bytes_in_memory() + (0 if stored else flat_bytes), "structure_bytes": size,
             "effort": dict(ann.effort), "tune_recall": measured["recall"], "kind": kind,
-            "search": lambda rows, a=ann: ann_search(rows, prepared, a, 1)[0][:, 0].numpy()}
+            "search": lambda rows, a=ann, p=None if stored else prepared: ann_search(rows, p, a, 1)[0][:, 0].numpy()}
         print(f"  tuned {kind}: product {ann.effort} ({measured['recall']:.4f}); faiss alone "
               f"{methods.get(f'faiss {kind} alone', {}).get('effort')}", flush=True)
     return methods, prepared

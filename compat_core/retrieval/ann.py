@@ -14,6 +14,13 @@ least ``recall`` of a held-out query sample ("Recall@1 of exact"). The structure
 rules recorded with it (``nlist`` = 2 sqrt(N) lists trained on at most 40 rows per list, HNSW degree M = 32,
 PQ with 8-bit codes over D/4 sub-vectors where D allows: 1/8 of the fp16 rows' bytes).
 
+The IVF lists and HNSW's storage hold the rows themselves (fp16 rows, not residuals to a list centre; fp32 rows),
+so these two can also re-rank without the gallery's prepared rows (``ann_search(query, None, ann, k)``): the
+structure's own fp32 scores of its candidates, scaled by each stored row's fp64 inverse norm, rule out every
+candidate that a proven bound keeps from the top-k (``compat_core.retrieval.rerank``), and only the survivors
+(about one a query for top-1) are decoded and scored in fp64. The answer is then the exact top-k over the rows as
+stored, whenever the candidates hold it.
+
 faiss is imported inside the functions that use it (a heavy optional dependency); the index travels as
 ``faiss.serialize_index`` bytes, never pickled.
 """
@@ -26,13 +33,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from compat_core.retrieval.rerank import compact, rerank_vectors, stored_inverse_norms, survivors, unit_queries
 from compat_core.retrieval.search import PreparedGallery, search_candidates, search_prepared
 
-__all__ = ["KINDS", "AnnIndex", "build_ann", "tune_ann", "ann_search", "candidate_count", "candidate_rule",
-           "default_params", "effort_ladder", "recall_of_exact",
-           "set_faiss_threads"]
+__all__ = ["KINDS", "STORED_EXACT", "AnnIndex", "build_ann", "tune_ann", "ann_search", "candidate_count",
+           "candidate_rule", "default_params", "effort_ladder", "recall_of_exact", "set_faiss_threads"]
 
 KINDS = ("flat", "ivf", "hnsw", "ivfpq")
+STORED_EXACT = ("ivf", "hnsw")   # structures holding the rows themselves (fp16, fp32): the re-rank reads them there
+_UNIT_SLACK = 2.0 ** -10         # rows whose norms are this close to 1 are stored as given (an fp16 unit gallery
+                                 # is then held bit for bit), others are normalised first
+_EXACT_BLOCK = 4096              # stored rows per block of the exhaustive fallback
 _MIN_CANDIDATES = 32
 _CANDIDATES_PER_K = 4
 _TRAIN_ROWS_PER_LIST = 40    # faiss k-means asks for at least 39 training rows per centroid
@@ -107,6 +118,7 @@ class AnnIndex:
     params: dict
     index: object
     effort: dict = field(default_factory=dict)
+    inverse: torch.Tensor | None = field(default=None, repr=False)   # (N,) fp64 inverse norms of the stored rows
 
     @property
     def size(self) -> int:
@@ -132,6 +144,40 @@ class AnnIndex:
         _, rows = self.index.search(_unit32(query, "query"), int(count))
         return rows.astype(np.int64, copy=False)
 
+    def stored_rows(self, start: int, stop: int) -> np.ndarray:
+        """(stop - start, D) float32: the structure's stored rows start..stop-1 as it holds them (fp16 rows of
+        ``ivf`` decoded exactly, fp32 rows of ``hnsw``); ValueError for ``ivfpq``, whose codes are lossy."""
+        self._check_stored()
+        return self.index.reconstruct_n(int(start), int(stop - start))
+
+    def prepare_rerank(self) -> "AnnIndex":
+        """Make the structure ready to re-rank from its own rows (kinds ``STORED_EXACT``): measure the stored
+        rows' fp64 inverse norms once (8 bytes a row) and give an IVF structure its row-to-list map (8 bytes a
+        row), so :func:`ann_search` needs no prepared gallery. Returns self."""
+        self._check_stored()
+        if self.kind == "ivf":
+            ivf = _faiss().extract_index_ivf(self.index)
+            if ivf.direct_map.type == _faiss().DirectMap.NoMap:
+                ivf.make_direct_map()
+        if self.inverse is None:
+            self.inverse = stored_inverse_norms(self.stored_rows, self.size)
+        return self
+
+    def rows_of(self, rows: np.ndarray) -> np.ndarray:
+        """(n, D) float32: the stored rows ``rows`` (int64 gallery rows; :meth:`prepare_rerank` first)."""
+        return self.index.reconstruct_batch(np.ascontiguousarray(rows, dtype=np.int64))
+
+    def scored_candidates(self, unit_query: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """((Nq, count) float32 inner products of the fp32 unit query rows ``unit_query`` and the stored rows,
+        (Nq, count) int64 gallery rows, -1 where the structure found fewer)."""
+        scores, rows = self.index.search(unit_query, int(count))
+        return scores, rows.astype(np.int64, copy=False)
+
+    def _check_stored(self) -> None:
+        if self.kind not in STORED_EXACT:
+            raise ValueError(f"a {self.kind} index does not hold its rows exactly (only {STORED_EXACT} do); "
+                             "re-rank it against the gallery's prepared rows")
+
     def to_bytes(self) -> bytes:
         """The structure as ``faiss.serialize_index`` bytes."""
         return _faiss().serialize_index(self.index).tobytes()
@@ -150,8 +196,19 @@ class AnnIndex:
         return ann
 
     def bytes_in_memory(self) -> int:
-        """Size of the serialized structure (what a process holds of it), bytes."""
-        return len(self.to_bytes())
+        """What a process holds of it, bytes: the serialized structure, plus the inverse norms once measured."""
+        return len(self.to_bytes()) + (0 if self.inverse is None else self.inverse.numel() * 8)
+
+
+def _stored_form(gallery) -> np.ndarray:
+    """The rows the structure stores: as given (fp32) where every norm is within ``_UNIT_SLACK`` of 1, so that
+    a unit gallery in fp16 is held exactly, else L2-normalised (inner product = cosine up to that slack)."""
+    array = gallery.detach().cpu().float().numpy() if torch.is_tensor(gallery) else np.asarray(gallery, np.float32)
+    if array.ndim == 2 and array.size:
+        norms = np.linalg.norm(array.astype(np.float64), axis=1)
+        if np.all(np.abs(norms - 1.0) <= _UNIT_SLACK):
+            return np.ascontiguousarray(array, dtype=np.float32)
+    return _unit32(array)
 
 
 def build_ann(gallery, kind: str, params: dict | None = None, seed: int = 0) -> AnnIndex:
@@ -161,7 +218,7 @@ def build_ann(gallery, kind: str, params: dict | None = None, seed: int = 0) -> 
     if kind == "flat":
         raise ValueError("kind 'flat' is the exact kernel alone; it builds no approximate structure")
     faiss = _faiss()
-    rows = _unit32(gallery)
+    rows = _stored_form(gallery)
     size, dim = rows.shape
     params = {**default_params(kind, size, dim), **(params or {})}
     if kind == "hnsw":
@@ -172,6 +229,7 @@ def build_ann(gallery, kind: str, params: dict | None = None, seed: int = 0) -> 
         if kind == "ivf":
             index = faiss.IndexIVFScalarQuantizer(quantizer, dim, int(params["nlist"]),
                                                   faiss.ScalarQuantizer.QT_fp16, faiss.METRIC_INNER_PRODUCT)
+            index.by_residual = False     # the lists hold the fp16 rows themselves, not residuals to a centre
         else:
             index = faiss.IndexIVFPQ(quantizer, dim, int(params["nlist"]), int(params["pq_m"]),
                                      int(params["pq_bits"]), faiss.METRIC_INNER_PRODUCT)
@@ -187,10 +245,15 @@ def build_ann(gallery, kind: str, params: dict | None = None, seed: int = 0) -> 
     return ann
 
 
-def ann_search(query, prepared: PreparedGallery, ann: AnnIndex, k: int = 1):
+def ann_search(query, prepared: PreparedGallery | None, ann: AnnIndex, k: int = 1):
     """Top-k of each query row: ``ann``'s candidates re-ranked exactly (fp64 reference scores, ties by the lowest
     gallery row); rows for which the structure found fewer than k rows are searched exactly over the whole gallery.
+    prepared: the gallery's rows prepared for the exact kernel, or None to re-rank from the structure's own stored
+    rows (kinds ``STORED_EXACT``; the answer is then exact over the rows as stored, and nothing but the structure
+    and 16 bytes a row is held; :meth:`AnnIndex.prepare_rerank` once before searching from several threads).
     Returns (indices (Nq, k) int64 tensor, fp64 cosine scores (Nq, k) tensor)."""
+    if prepared is None:
+        return _search_stored(query, ann, k)
     if ann.size != prepared.size or ann.dim != prepared.dim:
         raise ValueError(f"ann index of {ann.size} x {ann.dim} rows does not match the gallery's "
                          f"{prepared.size} x {prepared.dim}")
@@ -210,6 +273,45 @@ def ann_search(query, prepared: PreparedGallery, ann: AnnIndex, k: int = 1):
     return index, score
 
 
+def _search_stored(query, ann: AnnIndex, k: int):
+    """:func:`ann_search` re-ranking from the structure's stored rows: only the candidates that the structure's
+    own fp32 scores cannot rule out (``rerank.survivors``) are decoded and scored in fp64."""
+    if not 1 <= k <= ann.size:
+        raise ValueError(f"k: expected 1 <= k <= gallery size ({ann.size}), got {k}")
+    ann.prepare_rerank()
+    query = (query.detach().cpu().float() if torch.is_tensor(query)
+             else torch.as_tensor(np.asarray(query, dtype=np.float32)))
+    q64, unit32 = unit_queries(query)
+    scores32, cand = ann.scored_candidates(unit32, candidate_count(k, ann.size, ann.kind))
+    inverse = ann.inverse.numpy()
+    kept = compact(survivors(scores32, cand, inverse, ann.dim, k), cand)
+    vectors = np.zeros((kept.shape[0], kept.shape[1], ann.dim), dtype=np.float32)
+    present = kept >= 0
+    vectors[present] = ann.rows_of(kept[present])
+    index, score = rerank_vectors(q64, kept, vectors, inverse, k)
+    short = np.flatnonzero((cand >= 0).sum(axis=1) < k)
+    if short.size:
+        index[short], score[short] = _exhaustive_stored(q64[short], ann, k)
+    return index, score
+
+
+def _exhaustive_stored(q64: np.ndarray, ann: AnnIndex, k: int):
+    """Exact top-k over every stored row, block by block (rows the structure found fewer than k rows for)."""
+    parts_index, parts_score = [], []
+    count, inverse = q64.shape[0], ann.inverse.numpy()
+    for start in range(0, ann.size, _EXACT_BLOCK):
+        block = ann.stored_rows(start, min(ann.size, start + _EXACT_BLOCK))
+        rows = np.broadcast_to(np.arange(start, start + block.shape[0]), (count, block.shape[0]))
+        index, score = rerank_vectors(q64, rows, np.broadcast_to(block, (count, *block.shape)), inverse,
+                                      min(k, block.shape[0]))
+        parts_index.append(index)
+        parts_score.append(score)
+    index, score = torch.cat(parts_index, dim=1), torch.cat(parts_score, dim=1)
+    # blocks ascend in rows, so a stable sort by score keeps the lowest row first among exact ties
+    order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :k]
+    return torch.gather(index, 1, order), torch.gather(score, 1, order)
+
+
 def recall_of_exact(approximate_top1, exact_top1) -> float:
     """Fraction of queries whose approximate top-1 gallery row equals the exact top-1 row."""
     a, e = np.asarray(approximate_top1).reshape(-1), np.asarray(exact_top1).reshape(-1)
@@ -227,9 +329,11 @@ def effort_ladder(ann: AnnIndex) -> list[dict]:
     return [{"nprobe": n} for n in ladder + ([nlist] if ladder[-1] != nlist else [])]
 
 
-def tune_ann(ann: AnnIndex, prepared: PreparedGallery, sample, recall: float) -> dict:
+def tune_ann(ann: AnnIndex, prepared: PreparedGallery, sample, recall: float, from_storage: bool = False) -> dict:
     """Set ``ann``'s search effort to the smallest of its ladder whose re-ranked top-1 equals the exact top-1 on
-    at least ``recall`` of the query rows ``sample`` (held out: not gallery rows). Returns the measurement
+    at least ``recall`` of the query rows ``sample`` (held out: not gallery rows); the exact top-1 is
+    ``prepared``'s, the re-rank reads ``prepared`` or, with ``from_storage``, the structure's stored rows
+    (:func:`ann_search` with no prepared gallery). Returns the measurement
     ({"effort", "recall", "sample_size", "curve": [[effort value, recall], ...], "seconds"}); ValueError naming
     the best recall reached when no effort reaches the target."""
     if not 0.0 < float(recall) <= 1.0:
@@ -240,7 +344,7 @@ def tune_ann(ann: AnnIndex, prepared: PreparedGallery, sample, recall: float) ->
     curve = []
     for effort in effort_ladder(ann):
         ann.set_effort(effort)
-        top1, _ = ann_search(queries, prepared, ann, 1)
+        top1, _ = ann_search(queries, None if from_storage else prepared, ann, 1)
         reached = recall_of_exact(top1[:, 0].numpy(), exact[:, 0].numpy())
         curve.append([next(iter(effort.values())), reached])
         if reached >= recall:
