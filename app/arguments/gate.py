@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                              "that never held the alias (recorded as forced)")
     parser.add_argument("--index", dest="indexes", action="append", default=[], metavar="ROOT",
                         help="rollback: a gallery index the alias serves (the ROOT of `compat serve ROOT`; "
-                             "repeatable): the target is refused unless that index can be served with it")
+                             "repeatable), besides those `compat index build` recorded on the model: the target is "
+                             "refused unless every one can be served with it")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
                         help="MLflow tracking server (default: $MLFLOW_TRACKING_URI, else the machine's store where "
                              "compat run registers its models; see compat ui)")

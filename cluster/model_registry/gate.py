@@ -42,12 +42,15 @@ from cluster.model_registry.alias_moves import (
     after_move, alias_history, install_tags, reconcile_moves, set_version_tags, version_by_alias,
 )
 from cluster.model_registry import alias_moves
+from cluster.model_registry.serving_indexes import index_location, recorded_indexes
 from cluster.model_registry.versions import MlflowModelResolver
-from cluster.serving.index_store import read_manifest
+from cluster.serving.index_store import HEAD, read_manifest
 from cluster.serving.models import installed_adapter
+from cluster.serving.shards import is_sharded, part_root, read_shard_set
 from cluster.serving.state import check_servable
 from cluster.storage.s3 import configure_object_storage
 from cluster.tracking.client import ensure_experiment, open_client
+from compat_core import io as cio
 from compat_core.evaluation.metrics import criterion_sign, is_compatible, upgrade_verdict
 from compat_core.models.compat_model import load_model
 from compat_core.upgrades.adapters import ADAPTER_KINDS, save_adapter
@@ -388,12 +391,24 @@ def rollback(tracking_uri: str, model: str, alias: str = DEFAULT_ALIAS, to_versi
              on_move_step: MoveStep = _no_step, cache_dir: str | None = None,
              log: Callable[[str], None] = print, indexes: tuple[str, ...] = ()) -> dict:
     """:func:`cluster.model_registry.alias_moves.rollback` with the target loaded and compared with the version
-    behind the alias first (:func:`check_installable`), and with each serving index named in ``indexes``
-    (:func:`check_serving_index`)."""
+    behind the alias first (:func:`check_installable`), and with every serving index: those named in ``indexes``
+    and those ``compat index build`` recorded for the model (:mod:`cluster.model_registry.serving_indexes`; one that
+    is gone is said and skipped), each part of a sharded one (:func:`check_serving_index`)."""
+    named = [index_location(root) for root in indexes]
+    recorded = [root for root in recorded_indexes(open_client(tracking_uri), model) if root not in named]
+
     def check(target: str, current: str) -> None:
         check_installable(tracking_uri, model, target, current, cache_dir, log)
-        for root in indexes:
-            check_serving_index(tracking_uri, model, target, root, alias, cache_dir, log)
+        for root in named + recorded:
+            if str(root).startswith("s3://"):
+                configure_object_storage()
+            if root in recorded and not cio.exists(cio.join(root, HEAD)) and not is_sharded(root):
+                log(f"gate: the index at {root}, recorded when `compat index build` wrote it, is gone; not checked")
+                continue
+            parts = ([part_root(root, part) for part in read_shard_set(root)[1]["parts"]] if is_sharded(root)
+                     else [root])
+            for part in parts:
+                check_serving_index(tracking_uri, model, target, part, alias, cache_dir, log)
 
     return alias_moves.rollback(tracking_uri, model, alias, to_version, reason, experiment, force, on_move_step,
                                 check_target=check)

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from cluster.model_registry.serving_indexes import record_serving_index
 from cluster.model_registry.versions import MlflowModelResolver
 from cluster.serving.index_store import commit_manifest, new_manifest, shard_table, write_ann, write_shard
 from cluster.serving.models import load_served_model, resolve_model_ref
@@ -102,10 +103,12 @@ def build_index(root: str, config: Any, model_uri: str, tracking_uri: str, pool:
             return (build_search_entry(where, rows, held_out, ann, ref.version, other, log) if held_out is not None
                     else {"kind": "flat"})
 
-        return write_sharded_index(root, features, shards, {"name": ref.name, "version": ref.version},
-                                   search=part_search, labels=labels, shard_rows=shard_rows,
-                                   payload_prefix=payload_prefix, log=log, image=pool_image_spec(source),
-                                   pool=spec.model_dump(mode="json"))
+        committed = write_sharded_index(root, features, shards, {"name": ref.name, "version": ref.version},
+                                        search=part_search, labels=labels, shard_rows=shard_rows,
+                                        payload_prefix=payload_prefix, log=log, image=pool_image_spec(source),
+                                        pool=spec.model_dump(mode="json"))
+        record_serving_index(resolver.client, ref.name, root)  # a rollback checks its targets against it
+        return committed
     files = []
     for start in range(0, features.shape[0], shard_rows):
         stop = min(features.shape[0], start + shard_rows)
@@ -119,6 +122,7 @@ def build_index(root: str, config: Any, model_uri: str, tracking_uri: str, pool:
     manifest = new_manifest(features.shape[1], features.shape[0], {"name": ref.name, "version": ref.version},
                             files, image=pool_image_spec(source), pool=spec.model_dump(mode="json"), search=search)
     digest = commit_manifest(root, manifest)
+    record_serving_index(resolver.client, ref.name, root)  # a rollback checks its targets against it
     log(f"index: {len(files)} shards, manifest {digest[:12]} at {root}")
     return digest, manifest
 

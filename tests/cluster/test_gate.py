@@ -2,6 +2,7 @@
 on the model versions a real tiny pipeline run registered there (with adapters at its replacement)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -276,6 +277,15 @@ def test_a_rollback_is_checked_against_the_index_the_alias_serves(mlflow_server,
     error = capsys.readouterr().err
     assert f"models:/{name}/{orphan} was installed with an adapter (tag gate.champion.adapter)" in error, error
     assert _champion(client, name) == zeros  # nothing moved
-    # v1, which held the alias and built the index: accepted
-    assert main(["gate", "rollback", name, "--to", v1] + index + uri) == 0
+    # without --index: the index `compat index build` recorded on the registered model is checked all the same
+    assert client.get_registered_model(name).tags[
+        "serving_index." + hashlib.sha256(str(root).encode()).hexdigest()[:12]] == str(root)
+    assert main(["gate", "rollback", name, "--to", wider, "--force"] + uri) == 2
+    assert f"model models:/{name}/{wider} makes 11-d features, the index at {root} (manifest " in \
+        capsys.readouterr().err
+    # a recorded index that is gone is said and skipped; v1, which held the alias and built the index: accepted
+    client.set_registered_model_tag(name, "serving_index.000000000000", str(tmp_path / "gone"))
+    assert main(["gate", "rollback", name, "--to", v1] + uri) == 0
+    assert f"the index at {tmp_path / 'gone'}, recorded when `compat index build` wrote it, is gone; not checked" \
+        in capsys.readouterr().err
     assert _champion(client, name) == v1
