@@ -32,6 +32,7 @@ from urllib.error import HTTPError
 from urllib.request import urlopen
 
 from cluster.ray.auth import default_token_path, prepare_token_file, secure_token_file
+from cluster.serving.proxy_limits import head_environment
 
 # ports Ray would otherwise take at fixed defaults; another Ray instance on the machine may hold them
 EXTRA_PORT_OPTIONS = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
@@ -120,7 +121,8 @@ def _start_once(name: str, state_dir: str | Path | None, num_cpus: int | None, o
     if existing is not None and _alive(existing.pid):
         raise FileExistsError(f"a head named {name!r} is already running at {existing.address} (pid {existing.pid}); "
                               f"stop it with `compat cluster down --name {name}` or pick another --name")
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    # its Serve proxy refuses request bodies over the limit before holding them (a service on this head)
+    env = head_environment(dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"))
     if auth is not None:  # None: Ray's own default (token mode when a token exists in its standard places)
         env["RAY_AUTH_MODE"] = auth
     env.pop("RAY_ADDRESS", None)

@@ -13,7 +13,8 @@ proxy's memory until the replica's own 413 is out. Serve applies the Starlette m
 
 The proxy reads both variables once, when its process starts: :func:`install` sets them in this process before it
 starts Ray (a local instance that ``compat serve`` starts passes them to every worker it launches). A cluster
-``compat serve`` joins has the proxy its head's environment configured.
+``compat serve`` joins has the proxy its head's environment configured: ``compat cluster up`` starts its head with
+:func:`head_environment` (the default limit, or ``$COMPAT_SERVE_PROXY_MAX_BODY_BYTES`` as set when it starts).
 """
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ from typing import Any
 CALLBACK_VARIABLE = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "cluster.serving.proxy_limits:proxy_middlewares"
 LIMIT_VARIABLE = "COMPAT_SERVE_PROXY_MAX_BODY_BYTES"
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # compat serve's --max-body-bytes default
+
+
+def head_environment(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a Ray head whose Serve proxy limits request bodies: the callback and the limit (bytes) added
+    unless ``env`` already names them (a callback of the user's own is kept, and then no limit is set)."""
+    if env.get(CALLBACK_VARIABLE, CALLBACK) != CALLBACK:
+        return dict(env)
+    return {**env, CALLBACK_VARIABLE: CALLBACK, LIMIT_VARIABLE: env.get(LIMIT_VARIABLE) or str(DEFAULT_MAX_BODY_BYTES)}
 
 
 def install(max_body_bytes: int) -> bool:

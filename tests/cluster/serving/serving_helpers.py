@@ -122,3 +122,18 @@ def send_chunked(url: str, path: str, chunk: bytes, chunks: int) -> tuple[int, i
     answer = json.loads(reader.read(int(headers["content-length"])))
     sock.close()
     return sent, status, answer
+
+
+def refused_before_the_body(url: str, declared: int) -> tuple[int, dict]:
+    """Headers of a POST declaring ``declared`` body bytes, and no body: the answer (status, JSON)."""
+    port = int(url.rpartition(":")[2])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(f"POST /search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {declared}\r\n\r\n".encode())
+        reader = sock.makefile("rb")
+        status = int(reader.readline().split()[1])
+        headers = {}
+        while (line := reader.readline().strip()):
+            name, _, value = line.decode().partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return status, json.loads(reader.read(int(headers["content-length"])))

@@ -5,7 +5,6 @@ no version, a first load that fails and settings that open replica ports end the
 a one-line error."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -161,21 +160,6 @@ def test_every_port_is_on_loopback_degraded_is_reported_and_a_signal_stops_every
             os.killpg(process.pid, signal.SIGKILL)
 
 
-def _refused_before_the_body(url: str, declared: int) -> tuple[int, dict]:
-    """Headers of a POST declaring ``declared`` body bytes, and no body: the answer (status, JSON)."""
-    port = int(url.rpartition(":")[2])
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        sock.sendall(f"POST /search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {declared}\r\n\r\n".encode())
-        reader = sock.makefile("rb")
-        status = int(reader.readline().split()[1])
-        headers = {}
-        while (line := reader.readline().strip()):
-            name, _, value = line.decode().partition(":")
-            headers[name.strip().lower()] = value.strip()
-        return status, json.loads(reader.read(int(headers["content-length"])))
-
-
 def test_the_http_proxy_refuses_a_body_over_the_limit_before_holding_it(served, tmp_path):
     """Serve's HTTP proxy of a `compat serve` that started its own Ray: a 400 MiB chunked POST is answered 413 by
     the proxy once the limit (64 KiB) is passed, the proxy process grows by less than 16 MiB; a Content-Length over
@@ -195,7 +179,7 @@ def test_the_http_proxy_refuses_a_body_over_the_limit_before_holding_it(served, 
         assert limit < read <= limit + len(chunk), answer
         assert sent < len(chunk) * chunks // 4, sent   # the client was stopped long before 400 MiB
         assert grown < 16 << 20, f"the proxy grew by {grown / (1 << 20):.1f} MiB"
-        status, answer = _refused_before_the_body(url, 1 << 30)
+        status, answer = helpers.refused_before_the_body(url, 1 << 30)
         assert status == 413 and "refused by the HTTP proxy before the body was read" in answer["error"]["message"]
         assert helpers.call(url, "/search", {"embedding": [0.1] * 9, "k": 1})[0] == 200
         print(f"proxy RSS growth {grown / (1 << 20):.2f} MiB; client sent {sent / (1 << 20):.2f} MiB; proxy read {read}")

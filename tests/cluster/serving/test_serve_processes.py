@@ -92,6 +92,9 @@ def test_serve_and_backfill_from_separate_shells_on_a_token_head(mlflow_server, 
             assert serving.poll() is None, serve_log.read_text()[-3000:]
             time.sleep(0.2)
         assert f"Ray cluster {head.gcs_address}" in serve_log.read_text()  # the service runs on the head
+        # the head `compat cluster up` started has Serve's proxy refuse a body over the default 4 MiB unread
+        status, answer = helpers.refused_before_the_body(url, 1 << 30)
+        assert status == 413 and "refused by the HTTP proxy before the body was read" in answer["error"]["message"]
 
         client.set_registered_model_alias(NAME, "champion", v2)  # what `compat gate` does on a promotion
         _wait_healthz(url, serving, serve_log, lambda h: h["model_version"] == v2)
