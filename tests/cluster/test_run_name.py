@@ -63,3 +63,13 @@ def test_run_name_names_the_run_and_its_aliases(mlflow_server, tmp_path, monkeyp
     for bad in ("night.ly", "a__b", "-x", "x" * 65):
         assert main(["run", str(other), "--tracking-uri", uri, "--no-progress", f"--run-name={bad}"]) == 2
         assert capsys.readouterr().err.startswith(f"error: --run-name {bad!r}: expected 1 to 64 letters")
+
+    # a resume keeps the name the run was started with; another --run-name for it is refused with the fix
+    assert main(["run", "--resume", str(tmp_path / "first"), "--tracking-uri", uri, "--no-progress"]) == 0
+    assert [run.data.tags["run_name"] for run in client.search_runs([experiment], "tags.run_role = 'pipeline'")] \
+        == ["nightly-7"]
+    capsys.readouterr()
+    assert main(["run", "--resume", str(tmp_path / "first"), "--tracking-uri", uri, "--no-progress",
+                 "--run-name", "weekly"]) != 0
+    error = capsys.readouterr().err
+    assert "--run-name weekly: the run in" in error and "or with --run-name nightly-7" in error, error
