@@ -36,8 +36,8 @@ import torch
 from compat_core.retrieval.rerank import compact, rerank_vectors, stored_inverse_norms, survivors, unit_queries
 from compat_core.retrieval.search import PreparedGallery, search_candidates, search_prepared
 
-__all__ = ["KINDS", "STORED_EXACT", "AnnIndex", "build_ann", "tune_ann", "ann_search", "candidate_count",
-           "candidate_rule", "default_params", "effort_ladder", "recall_of_exact", "set_faiss_threads"]
+__all__ = ["KINDS", "STORED_EXACT", "AnnIndex", "AnnSubset", "build_ann", "tune_ann", "ann_search", "ann_subset",
+           "candidate_count", "candidate_rule", "default_params", "effort_ladder", "recall_of_exact", "set_faiss_threads"]
 
 KINDS = ("flat", "ivf", "hnsw", "ivfpq")
 STORED_EXACT = ("ivf", "hnsw")   # structures holding the rows themselves (fp16, fp32): the re-rank reads them there
@@ -139,10 +139,20 @@ class AnnIndex:
             _faiss().extract_index_ivf(self.index).nprobe = int(effort[key])
         self.effort = {key: int(effort[key])}
 
-    def candidates(self, query, count: int) -> np.ndarray:
-        """(Nq, count) int64 gallery rows of the structure's best ``count`` per query (-1 where it found fewer)."""
-        _, rows = self.index.search(_unit32(query, "query"), int(count))
+    def candidates(self, query, count: int, subset: "AnnSubset | None" = None) -> np.ndarray:
+        """(Nq, count) int64 gallery rows of the structure's best ``count`` per query (-1 where it found fewer);
+        subset: only its rows are searched (faiss' ID selector, at the search effort in use)."""
+        if subset is None:
+            _, rows = self.index.search(_unit32(query, "query"), int(count))
+        else:
+            _, rows = self.index.search(_unit32(query, "query"), int(count), params=self._search_params(subset))
         return rows.astype(np.int64, copy=False)
+
+    def _search_params(self, subset: "AnnSubset"):
+        faiss = _faiss()
+        if self.kind == "hnsw":
+            return faiss.SearchParametersHNSW(sel=subset.selector, efSearch=int(self.effort["efSearch"]))
+        return faiss.SearchParametersIVF(sel=subset.selector, nprobe=int(self.effort["nprobe"]))
 
     def stored_rows(self, start: int, stop: int) -> np.ndarray:
         """(stop - start, D) float32: the structure's stored rows start..stop-1 as it holds them (fp16 rows of
@@ -200,6 +210,29 @@ class AnnIndex:
         return len(self.to_bytes()) + (0 if self.inverse is None else self.inverse.numel() * 8)
 
 
+@dataclass(frozen=True)
+class AnnSubset:
+    """Some rows of a structure, the only ones a search may return (the rest are masked, not removed: the
+    structure stays as built). rows: (n,) int64 ascending structure rows; selector: faiss' ID selector over them."""
+
+    rows: np.ndarray
+    selector: object = field(repr=False)
+
+
+def ann_subset(ann: AnnIndex, rows) -> AnnSubset:
+    """The subset of ``ann``'s rows ``rows`` (distinct, ascending, within 0..size-1), built once (O(size) bits)."""
+    rows = np.ascontiguousarray(np.asarray(rows, dtype=np.int64))
+    if rows.ndim != 1 or rows.size == 0 or np.any(np.diff(rows) <= 0) or rows[0] < 0 or rows[-1] >= ann.size:
+        raise ValueError(f"subset rows: expected distinct ascending rows within 0..{ann.size - 1}, got "
+                         f"{rows.size} rows")
+    bits = np.zeros(ann.size, dtype=bool)
+    bits[rows] = True
+    bitmap = np.packbits(bits, bitorder="little")
+    selector = _faiss().IDSelectorBitmap(ann.size, _faiss().swig_ptr(bitmap))
+    selector.referenced_bitmap = bitmap     # the selector reads the array: keep it alive with it
+    return AnnSubset(rows, selector)
+
+
 def _stored_form(gallery) -> np.ndarray:
     """The rows the structure stores: as given (fp32) where every norm is within ``_UNIT_SLACK`` of 1, so that
     a unit gallery in fp16 is held exactly, else L2-normalised (inner product = cosine up to that slack)."""
@@ -245,13 +278,17 @@ def build_ann(gallery, kind: str, params: dict | None = None, seed: int = 0) -> 
     return ann
 
 
-def ann_search(query, prepared: PreparedGallery | None, ann: AnnIndex, k: int = 1):
+def ann_search(query, prepared: PreparedGallery | None, ann: AnnIndex, k: int = 1, subset: AnnSubset | None = None):
     """Top-k of each query row: ``ann``'s candidates re-ranked exactly (fp64 reference scores, ties by the lowest
     gallery row); rows for which the structure found fewer than k rows are searched exactly over the whole gallery.
     prepared: the gallery's rows prepared for the exact kernel, or None to re-rank from the structure's own stored
     rows (kinds ``STORED_EXACT``; the answer is then exact over the rows as stored, and nothing but the structure
     and 16 bytes a row is held; :meth:`AnnIndex.prepare_rerank` once before searching from several threads).
+    subset: search only these structure rows; ``prepared`` then holds exactly them, in the same order, and the
+    answer's indices are rows of ``prepared`` (needs ``prepared``).
     Returns (indices (Nq, k) int64 tensor, fp64 cosine scores (Nq, k) tensor)."""
+    if subset is not None:
+        return _search_subset(query, prepared, ann, k, subset)
     if prepared is None:
         return _search_stored(query, ann, k)
     if ann.size != prepared.size or ann.dim != prepared.dim:
@@ -261,6 +298,29 @@ def ann_search(query, prepared: PreparedGallery | None, ann: AnnIndex, k: int = 
         raise ValueError(f"k: expected 1 <= k <= gallery size ({prepared.size}), got {k}")
     query = torch.as_tensor(np.asarray(query, dtype=np.float32)) if not torch.is_tensor(query) else query.float()
     cand = ann.candidates(query, candidate_count(k, prepared.size, ann.kind))
+    short = (cand >= 0).sum(axis=1) < k
+    index = torch.empty((query.shape[0], k), dtype=torch.long)
+    score = torch.empty((query.shape[0], k), dtype=torch.float64)
+    if (~short).any():
+        rows = torch.from_numpy(np.flatnonzero(~short))
+        index[rows], score[rows] = search_candidates(query[rows], prepared, cand[~short], k)
+    if short.any():
+        rows = torch.from_numpy(np.flatnonzero(short))
+        index[rows], score[rows] = search_prepared(query[rows], prepared, k)
+    return index, score
+
+
+def _search_subset(query, prepared: PreparedGallery | None, ann: AnnIndex, k: int, subset: AnnSubset):
+    """:func:`ann_search` over the rows ``subset`` of the structure, re-ranked against ``prepared`` (its rows)."""
+    if prepared is None or prepared.size != subset.rows.size or ann.dim != prepared.dim:
+        raise ValueError(f"a subset search re-ranks against the subset's prepared rows: {subset.rows.size} x "
+                         f"{ann.dim} expected, got {None if prepared is None else (prepared.size, prepared.dim)}")
+    if not 1 <= k <= prepared.size:
+        raise ValueError(f"k: expected 1 <= k <= subset size ({prepared.size}), got {k}")
+    query = torch.as_tensor(np.asarray(query, dtype=np.float32)) if not torch.is_tensor(query) else query.float()
+    found = ann.candidates(query, candidate_count(k, prepared.size, ann.kind), subset)
+    # structure rows -> rows of the subset (every returned row is in it: the selector admits no other)
+    cand = np.where(found >= 0, np.searchsorted(subset.rows, np.maximum(found, 0)), -1)
     short = (cand >= 0).sum(axis=1) < k
     index = torch.empty((query.shape[0], k), dtype=torch.long)
     score = torch.empty((query.shape[0], k), dtype=torch.float64)
