@@ -39,7 +39,7 @@ def _recall_at_1(query: np.ndarray, query_labels, gallery: np.ndarray, gallery_l
     return float(np.mean(gallery_labels[top] == query_labels)), top
 
 
-@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+@pytest.mark.parametrize("kind", ["ivf", "hnsw", "ivfpq"])
 def test_probe_curve_of_a_backfill_into_a_mixed_gallery(kind):
     (labels, g_old, g_new), (probe_labels, q_old, q_new), (_, held_old, held_new) = _models(3)
     m_new_old, _ = _recall_at_1(q_new, probe_labels, g_old, labels)

@@ -153,7 +153,9 @@ def test_backfill_into_the_mixed_gallery_under_load(ann_service):
     from cluster.serving.index_build import evaluation_labels
     from cluster.serving.index_store import load_index, read_manifest
     from cluster.serving.models import installed_adapter, resolve_model_ref
+    from cluster.serving.state import build_state
     from pipelines.config.load import load_config
+    from pipelines.config.model_uri import ModelUri
     from pipelines.stages.pools import load_pool
 
     v1, v2 = ann_service["versions"]
@@ -210,6 +212,9 @@ def test_backfill_into_the_mixed_gallery_under_load(ann_service):
         assert [r["item_version"] for r in answer["results"]] == index.versions[order].tolist()
         np.testing.assert_allclose([r["score"] for r in answer["results"]], scores[order], rtol=0, atol=1e-4)
     assert len(manifests_seen) >= 2   # answers came from the index mid-backfill, not only before or after it
+    for index in indexes.values():     # each version group was searched through a structure, none exactly
+        groups = build_state(ModelUri(NAME, v2), None, index, adapter, "auto").groups
+        assert [g.version for g in groups if g.ann is not None] == sorted(set(index.versions.tolist()))
 
     # the probe curve against the M values by fp64 brute force
     labels = evaluation_labels(config, query_pool)
@@ -222,7 +227,8 @@ def test_backfill_into_the_mixed_gallery_under_load(ann_service):
     curve = [value for _, value in sorted((m.step, m.value) for m in
                                           client.get_metric_history(run.info.run_id, "probe/recall_at_1"))]
     print(f"probe curve {curve}; M(v2+adapter, v1) {m_new_old}, M(v1, v1) {m_old_old}, M(v2, v2) {m_new_new}; "
-          f"{len(statuses)} requests, {sum(s != 200 for s in statuses)} failed")
+          f"{len(statuses)} requests, {sum(s != 200 for s in statuses)} failed, answered from "
+          f"{len(manifests_seen)} manifests")
     assert len(curve) == 5 and curve[0] == m_new_old and curve[-1] == m_new_new
     assert min(curve) >= min(m_new_old, m_old_old)
 
