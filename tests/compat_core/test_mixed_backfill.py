@@ -78,3 +78,29 @@ def test_probe_curve_of_a_backfill_into_a_mixed_gallery(kind):
     print(f"{kind}: M(new,old) {m_new_old:.4f} M(old,old) {m_old_old:.4f} M(new,new) {m_new_new:.4f} curve {curve}")
     assert curve[0] == m_new_old and curve[-1] == m_new_new
     assert min(curve) >= floor
+
+
+@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+@pytest.mark.parametrize("kept", [5, 150])
+def test_a_masked_structure_re_ranks_from_its_own_rows(kind, kept):
+    """The re-rank from the structure's stored rows (no prepared gallery) over a subset: the fp64 brute force over
+    exactly the subset's stored rows, indices counted in the subset; a subset of 5 rows with k = 5 leaves the
+    structure short of candidates for some queries, which the exhaustive pass over the subset completes."""
+    from compat_core.retrieval.ann import ann_search, ann_subset
+
+    (_, g_old, _), (_, _, q_new), _ = _models(5)
+    structure = build_ann(unit_rows(g_old), kind, seed=0)
+    rows = np.sort(np.random.default_rng(1).choice(g_old.shape[0], kept, replace=False))
+    if kept > 5:   # the largest effort, so that the candidates hold the top-k (as a tuned effort does for top-1)
+        structure.set_effort({"efSearch": 512} if kind == "hnsw" else {"nprobe": int(structure.params["nlist"])})
+    else:          # the smallest: the structure finds fewer than 5 of the subset's rows for some queries
+        found = structure.candidates(q_new, 5, ann_subset(structure, rows))
+        assert ((found >= 0).sum(axis=1) < 5).any()
+    index, score = ann_search(torch.from_numpy(q_new), None, structure, 5, ann_subset(structure, rows))
+    stored = structure.stored_rows(0, structure.size)[rows].astype(np.float64)
+    stored /= np.linalg.norm(stored, axis=1, keepdims=True)
+    q = q_new.astype(np.float64) / np.linalg.norm(q_new.astype(np.float64), axis=1, keepdims=True)
+    for row, scores in enumerate(q @ stored.T):
+        order = np.lexsort((np.arange(kept), -scores))[:5]
+        assert index[row].tolist() == order.tolist()
+        np.testing.assert_allclose(score[row].numpy(), scores[order], rtol=0, atol=1e-12)
