@@ -190,6 +190,15 @@ class _BackfillStructure:
         return {"search_backfill": entry}
 
 
+def _chunk_manifest(current: dict, parent: str, shard: dict, searches: dict, backfill: dict) -> dict:
+    """The manifest that flips one chunk: ``current`` (the manifest at HEAD ``parent``) listing the chunk's
+    ``shard`` last, with the search entries of :meth:`_BackfillStructure.entries` ("search_backfill": None drops
+    it) and the backfill's progress."""
+    updated = {**current, **searches, "shards": current["shards"] + [shard], "parent": parent,
+               "created_unix": time.time(), "backfill": backfill}
+    return {key: value for key, value in updated.items() if not (key == "search_backfill" and value is None)}
+
+
 def _re_embed_chunks(root: str, head: str, index, chunks: list[np.ndarray], embed: Callable[[np.ndarray], Any],
                      record: _ProgressLog, version: str, run_id: str, total: int, in_flight: int,
                      structure: _BackfillStructure | None = None) -> str:
@@ -218,10 +227,8 @@ def _re_embed_chunks(root: str, head: str, index, chunks: list[np.ndarray], embe
             searches = structure.entries(embeddings, versions)
         head_now, current = read_manifest(root)
         done_items += positions.size
-        updated = {**current, **searches, "shards": current["shards"] + [entry], "parent": head_now,
-                   "created_unix": time.time(),
-                   "backfill": {"target_version": version, "run_id": run_id, "done": done_items, "total": total}}
-        updated = {key: value for key, value in updated.items() if not (key == "search_backfill" and value is None)}
+        updated = _chunk_manifest(current, head_now, entry, searches,
+                                  {"target_version": version, "run_id": run_id, "done": done_items, "total": total})
         head = commit_manifest(root, updated, expected_head=head_now)   # the chunk's atomic flip
         index = load_index(root, head)
         record(index, done_items)
