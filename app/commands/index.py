@@ -53,7 +53,9 @@ def run(args) -> int:
         print(json.dumps({"manifest": index.manifest_sha, "items": index.size, "dim": index.dim,
                           "items_by_version": versions, "model": index.manifest.get("model"),
                           "shards": len(index.manifest["shards"]), "backfill": index.manifest.get("backfill"),
-                          "search": {k: v for k, v in search_entry(index.manifest).items() if k != "curve"}},
+                          "search": {k: v for k, v in search_entry(index.manifest).items() if k != "curve"},
+                          **({"search_backfill": {k: v for k, v in index.manifest["search_backfill"].items()
+                                                  if k != "curve"}} if index.manifest.get("search_backfill") else {})},
                          indent=2))
         return 0
     if not args.model:

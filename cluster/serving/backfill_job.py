@@ -7,6 +7,13 @@ HEAD swap per chunk, so the service (which polls HEAD) flips that chunk's items 
 every chunk a probe, the config's evaluation query set embedded by the new version, is searched exactly as the
 service searches (``compat_core.retrieval.mixed_gallery``, with the adapter the gate installed) and its Recall@1 is logged
 to MLflow (experiment ``compat-backfill``) against the fraction re-embedded (step = per mille).
+
+An index with an approximate structure (``--kind ivf | hnsw | ivfpq``) gets a second structure of the same kind
+over the rows the new version holds, rebuilt with each chunk and committed in the same manifest as the chunk's
+rows (its search effort chosen by the same Recall@1-of-exact rule, target and sample size as the first one, on
+the config's evaluation query set embedded by the new version): the old structure keeps serving the rows not
+yet re-embedded (the others masked in it), the new one the re-embedded rows. When no row of the old structure's
+version is left, the new structure becomes the index's "search" entry and the old one is dropped from the manifest.
 """
 from __future__ import annotations
 
@@ -16,8 +23,9 @@ from typing import Any, Callable
 import numpy as np
 
 from cluster.model_registry.versions import MlflowModelResolver
-from cluster.serving.index_build import evaluation_labels, pool_of
-from cluster.serving.index_store import commit_manifest, load_index, read_manifest, shard_table, write_shard
+from cluster.serving.index_build import AnnSettings, build_search_entry, evaluation_labels, pool_of
+from cluster.serving.index_store import (commit_manifest, load_index, read_manifest, search_entry, shard_table,
+                                         write_shard)
 from cluster.serving.models import DEFAULT_ALIAS, installed_adapter, load_served_model, resolve_model_ref
 from cluster.serving.ray_join import connect_ray
 from cluster.serving.state import build_state
@@ -82,7 +90,11 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
     todo = permutation[index.versions[permutation] != ref.version]
     chunks = [np.sort(todo[start:start + chunk_rows]) for start in range(0, todo.size, chunk_rows)]
     adapter = installed_adapter(client, ref, requested.alias or DEFAULT_ALIAS)
-    probe_set = (*_probe_queries(resolver, ref, config), adapter) if probe else None
+    approximate = search_entry(manifest)["kind"] != "flat"
+    queries = _probe_queries(resolver, ref, config) if probe or approximate else None
+    probe_set = (*queries, adapter) if probe else None
+    structure = _BackfillStructure(root, search_entry(manifest), queries[0].numpy(), ref.version, log) \
+        if approximate else None
     run = client.create_run(ensure_experiment(client, EXPERIMENT), run_name=f"backfill-{ref.name}-v{ref.version}",
                             tags={"run_role": "backfill", "registered_model": ref.name, "target_version": ref.version,
                                   "index_root": root, "order": order, "start_manifest": head})
@@ -99,7 +111,7 @@ def run_backfill(root: str, config: Any, model_uri: str, tracking_uri: str, chun
 
     try:
         head = _re_embed_chunks(root, head, index, chunks, embed, record, ref.version, run.info.run_id,
-                                int(todo.size), in_flight)
+                                int(todo.size), in_flight, structure)
         summary["done"] = True
         summary["manifest"] = head
     finally:
@@ -156,10 +168,43 @@ class _ProgressLog:
                  + (f", probe Recall@1 {self.summary['probe_recall_at_1'][-1]:.4f}" if self.probe_set else ""))
 
 
+class _BackfillStructure:
+    """The manifest's search entries after a chunk: a structure of the old one's kind over the rows the target
+    version holds then ("search_backfill"), or, once it holds every row, that structure as "search" (the old
+    one retired). held_out: (Nq, D) query rows embedded by the target version, for the effort's recall rule."""
+
+    def __init__(self, root: str, old_entry: dict, held_out: np.ndarray, version: str,
+                 log: Callable[[str], None]) -> None:
+        sample = old_entry.get("sample") or {}
+        self.settings = AnnSettings(old_entry["kind"], float(old_entry.get("recall_target", 0.99)),
+                                    int(sample.get("size", 1000)), int(sample.get("seed", 0)))
+        self.root, self.held_out, self.version, self.log = root, held_out, version, log
+
+    def entries(self, embeddings: np.ndarray, versions: np.ndarray) -> dict:
+        """{"search": ..., "search_backfill": ... or None} for the gallery ``embeddings`` (N, D) / ``versions``."""
+        rows = np.flatnonzero(versions == self.version)
+        entry = build_search_entry(self.root, embeddings[rows], self.held_out, self.settings, self.version,
+                                   "query", self.log)
+        if rows.size == versions.size:
+            return {"search": entry, "search_backfill": None}
+        return {"search_backfill": entry}
+
+
+def _chunk_manifest(current: dict, parent: str, shard: dict, searches: dict, backfill: dict) -> dict:
+    """The manifest that flips one chunk: ``current`` (the manifest at HEAD ``parent``) listing the chunk's
+    ``shard`` last, with the search entries of :meth:`_BackfillStructure.entries` ("search_backfill": None drops
+    it) and the backfill's progress."""
+    updated = {**current, **searches, "shards": current["shards"] + [shard], "parent": parent,
+               "created_unix": time.time(), "backfill": backfill}
+    return {key: value for key, value in updated.items() if not (key == "search_backfill" and value is None)}
+
+
 def _re_embed_chunks(root: str, head: str, index, chunks: list[np.ndarray], embed: Callable[[np.ndarray], Any],
-                     record: _ProgressLog, version: str, run_id: str, total: int, in_flight: int) -> str:
+                     record: _ProgressLog, version: str, run_id: str, total: int, in_flight: int,
+                     structure: _BackfillStructure | None = None) -> str:
     """Re-embed ``chunks`` (``embed(positions)`` starts a Ray task; at most ``in_flight`` run at once) and commit
-    each finished one as a new shard, one HEAD swap per chunk; returns the last HEAD."""
+    each finished one as a new shard, one HEAD swap per chunk (with the new version's structure when
+    ``structure`` is given); returns the last HEAD."""
     import ray
 
     pending: dict[Any, np.ndarray] = {}
@@ -175,11 +220,15 @@ def _re_embed_chunks(root: str, head: str, index, chunks: list[np.ndarray], embe
         entry = write_shard(root, shard_table(positions, index.item_ids[positions], features, version,
                                               index.payload_uris[positions],
                                               index.labels[positions] if index.labels is not None else None))
+        searches = {}
+        if structure is not None:
+            embeddings, versions = index.embeddings.copy(), index.versions.copy()
+            embeddings[positions], versions[positions] = features, version
+            searches = structure.entries(embeddings, versions)
         head_now, current = read_manifest(root)
         done_items += positions.size
-        updated = {**current, "shards": current["shards"] + [entry], "parent": head_now,
-                   "created_unix": time.time(),
-                   "backfill": {"target_version": version, "run_id": run_id, "done": done_items, "total": total}}
+        updated = _chunk_manifest(current, head_now, entry, searches,
+                                  {"target_version": version, "run_id": run_id, "done": done_items, "total": total})
         head = commit_manifest(root, updated, expected_head=head_now)   # the chunk's atomic flip
         index = load_index(root, head)
         record(index, done_items)

@@ -11,7 +11,9 @@ Layout::
                                    nullable), label (int64, nullable)
     ROOT/ann/<sha256>.faiss        the approximate search structure of an index built with --kind ivf / hnsw /
                                    ivfpq (``faiss.serialize_index`` bytes), described by the manifest's "search"
-                                   entry: kind, build parameters, search effort, the measured recall and its sample
+                                   entry: kind, build parameters, search effort, the measured recall and its sample;
+                                   during a backfill into an approximate index, the "search_backfill" entry
+                                   describes a second structure of the same kind over the rows re-embedded so far
 
 Every blob is named by the sha256 of its bytes and verified on read (an ``IntegrityError`` names the file, the
 expected and the actual hash); manifests are stored by the one manifest codec (:mod:`compat_core.codec`). A position
@@ -53,6 +55,16 @@ class GalleryIndex:
     payload_uris: np.ndarray      # (N,) object (str or None)
     labels: np.ndarray | None     # (N,) int64 or None
     ann: AnnIndex | None = None   # the approximate structure over the rows of manifest["search"]["model_version"]
+    ann_backfill: AnnIndex | None = None   # manifest["search_backfill"]'s, over the rows re-embedded so far
+
+    def structures(self) -> dict[str, AnnIndex]:
+        """model version -> the approximate structure over its rows (empty for an exact-only index)."""
+        found = {}
+        for structure, entry in ((self.ann, search_entry(self.manifest)),
+                                 (self.ann_backfill, self.manifest.get("search_backfill") or {})):
+            if structure is not None and entry.get("model_version"):
+                found[str(entry["model_version"])] = structure
+        return found
 
     @property
     def search_kind(self) -> str:
@@ -116,9 +128,8 @@ def search_entry(manifest: dict) -> dict:
     return manifest.get("search") or {"kind": "flat"}
 
 
-def _load_ann(root: str, manifest: dict, dim: int) -> AnnIndex | None:
-    entry = search_entry(manifest)
-    if entry["kind"] == "flat":
+def _load_ann(root: str, entry: dict, dim: int) -> AnnIndex | None:
+    if entry.get("kind", "flat") == "flat":
         return None
     uri = cio.join(root, entry["file"])
     ann = AnnIndex.from_bytes(_verified(uri, entry["sha256"]), entry["kind"], entry["params"], entry["effort"], uri)
@@ -215,4 +226,5 @@ def load_index(root: str, digest: str | None = None) -> GalleryIndex:
         raise IntegrityError(f"{root}: manifest {digest[:12]} leaves {int((~seen).sum())} of {count} gallery "
                              f"positions without a row (e.g. {int(np.flatnonzero(~seen)[0])})")
     return GalleryIndex(digest, manifest, item_ids.astype(str), embeddings, versions.astype(str), payloads,
-                        labels if has_label.all() else None, _load_ann(root, manifest, dim))
+                        labels if has_label.all() else None, _load_ann(root, search_entry(manifest), dim),
+                        _load_ann(root, manifest.get("search_backfill") or {}, dim))

@@ -55,8 +55,8 @@ def build_state(ref: ModelUri, model: Any, index: GalleryIndex, adapter: tuple[s
             else:
                 query_maps[old_version] = lambda rows, f=fitted: f.apply(rows).float()
             applied = (kind, old_version)
-    groups = build_groups(index.embeddings, index.versions, precision, query_maps, gallery_maps, index.ann,
-                          search_entry(index.manifest).get("model_version"))
+    groups = build_groups(index.embeddings, index.versions, precision, query_maps, gallery_maps,
+                          structures=index.structures())
     image = index.manifest.get("image") or {}
     shape = tuple(int(x) for x in image["shape"]) if image.get("shape") else None
     return ServingState(ref, model, index, groups, applied, shape, tuple(image.get("mean") or ()) or None,
@@ -160,6 +160,10 @@ def search_summary(state: ServingState) -> dict:
     if entry["kind"] != "flat":
         summary.update({key: entry.get(key) for key in ("params", "effort", "candidates", "recall", "recall_target",
                                                          "sample", "model_version")})
+    backfill = state.index.manifest.get("search_backfill")
+    if backfill:
+        summary["backfill"] = {key: backfill.get(key) for key in ("model_version", "rows", "params", "effort",
+                                                                   "recall")}
     return summary
 
 

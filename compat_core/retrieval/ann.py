@@ -36,8 +36,8 @@ import torch
 from compat_core.retrieval.rerank import compact, rerank_vectors, stored_inverse_norms, survivors, unit_queries
 from compat_core.retrieval.search import PreparedGallery, search_candidates, search_prepared
 
-__all__ = ["KINDS", "STORED_EXACT", "AnnIndex", "build_ann", "tune_ann", "ann_search", "candidate_count",
-           "candidate_rule", "default_params", "effort_ladder", "recall_of_exact", "set_faiss_threads"]
+__all__ = ["KINDS", "STORED_EXACT", "AnnIndex", "AnnSubset", "build_ann", "tune_ann", "ann_search", "ann_subset",
+           "candidate_count", "candidate_rule", "default_params", "effort_ladder", "recall_of_exact", "set_faiss_threads"]
 
 KINDS = ("flat", "ivf", "hnsw", "ivfpq")
 STORED_EXACT = ("ivf", "hnsw")   # structures holding the rows themselves (fp16, fp32): the re-rank reads them there
@@ -139,10 +139,20 @@ class AnnIndex:
             _faiss().extract_index_ivf(self.index).nprobe = int(effort[key])
         self.effort = {key: int(effort[key])}
 
-    def candidates(self, query, count: int) -> np.ndarray:
-        """(Nq, count) int64 gallery rows of the structure's best ``count`` per query (-1 where it found fewer)."""
-        _, rows = self.index.search(_unit32(query, "query"), int(count))
+    def candidates(self, query, count: int, subset: "AnnSubset | None" = None) -> np.ndarray:
+        """(Nq, count) int64 gallery rows of the structure's best ``count`` per query (-1 where it found fewer);
+        subset: only its rows are searched (faiss' ID selector, at the search effort in use)."""
+        if subset is None:
+            _, rows = self.index.search(_unit32(query, "query"), int(count))
+        else:
+            _, rows = self.index.search(_unit32(query, "query"), int(count), params=self._search_params(subset))
         return rows.astype(np.int64, copy=False)
+
+    def _search_params(self, subset: "AnnSubset"):
+        faiss = _faiss()
+        if self.kind == "hnsw":
+            return faiss.SearchParametersHNSW(sel=subset.selector, efSearch=int(self.effort["efSearch"]))
+        return faiss.SearchParametersIVF(sel=subset.selector, nprobe=int(self.effort["nprobe"]))
 
     def stored_rows(self, start: int, stop: int) -> np.ndarray:
         """(stop - start, D) float32: the structure's stored rows start..stop-1 as it holds them (fp16 rows of
@@ -167,10 +177,14 @@ class AnnIndex:
         """(n, D) float32: the stored rows ``rows`` (int64 gallery rows; :meth:`prepare_rerank` first)."""
         return self.index.reconstruct_batch(np.ascontiguousarray(rows, dtype=np.int64))
 
-    def scored_candidates(self, unit_query: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    def scored_candidates(self, unit_query: np.ndarray, count: int,
+                          subset: "AnnSubset | None" = None) -> tuple[np.ndarray, np.ndarray]:
         """((Nq, count) float32 inner products of the fp32 unit query rows ``unit_query`` and the stored rows,
-        (Nq, count) int64 gallery rows, -1 where the structure found fewer)."""
-        scores, rows = self.index.search(unit_query, int(count))
+        (Nq, count) int64 gallery rows, -1 where the structure found fewer); subset: only its rows are searched."""
+        if subset is None:
+            scores, rows = self.index.search(unit_query, int(count))
+        else:
+            scores, rows = self.index.search(unit_query, int(count), params=self._search_params(subset))
         return scores, rows.astype(np.int64, copy=False)
 
     def _check_stored(self) -> None:
@@ -198,6 +212,29 @@ class AnnIndex:
     def bytes_in_memory(self) -> int:
         """What a process holds of it, bytes: the serialized structure, plus the inverse norms once measured."""
         return len(self.to_bytes()) + (0 if self.inverse is None else self.inverse.numel() * 8)
+
+
+@dataclass(frozen=True)
+class AnnSubset:
+    """Some rows of a structure, the only ones a search may return (the rest are masked, not removed: the
+    structure stays as built). rows: (n,) int64 ascending structure rows; selector: faiss' ID selector over them."""
+
+    rows: np.ndarray
+    selector: object = field(repr=False)
+
+
+def ann_subset(ann: AnnIndex, rows) -> AnnSubset:
+    """The subset of ``ann``'s rows ``rows`` (distinct, ascending, within 0..size-1), built once (O(size) bits)."""
+    rows = np.ascontiguousarray(np.asarray(rows, dtype=np.int64))
+    if rows.ndim != 1 or rows.size == 0 or np.any(np.diff(rows) <= 0) or rows[0] < 0 or rows[-1] >= ann.size:
+        raise ValueError(f"subset rows: expected distinct ascending rows within 0..{ann.size - 1}, got "
+                         f"{rows.size} rows")
+    bits = np.zeros(ann.size, dtype=bool)
+    bits[rows] = True
+    bitmap = np.packbits(bits, bitorder="little")
+    selector = _faiss().IDSelectorBitmap(ann.size, _faiss().swig_ptr(bitmap))
+    selector.referenced_bitmap = bitmap     # the selector reads the array: keep it alive with it
+    return AnnSubset(rows, selector)
 
 
 def _stored_form(gallery) -> np.ndarray:
@@ -245,15 +282,19 @@ def build_ann(gallery, kind: str, params: dict | None = None, seed: int = 0) -> 
     return ann
 
 
-def ann_search(query, prepared: PreparedGallery | None, ann: AnnIndex, k: int = 1):
+def ann_search(query, prepared: PreparedGallery | None, ann: AnnIndex, k: int = 1, subset: AnnSubset | None = None):
     """Top-k of each query row: ``ann``'s candidates re-ranked exactly (fp64 reference scores, ties by the lowest
     gallery row); rows for which the structure found fewer than k rows are searched exactly over the whole gallery.
     prepared: the gallery's rows prepared for the exact kernel, or None to re-rank from the structure's own stored
     rows (kinds ``STORED_EXACT``; the answer is then exact over the rows as stored, and nothing but the structure
     and 16 bytes a row is held; :meth:`AnnIndex.prepare_rerank` once before searching from several threads).
+    subset: search only these structure rows; the answer's indices are then rows of the subset (0 = its first),
+    and ``prepared``, when given, holds exactly the subset's rows in the same order.
     Returns (indices (Nq, k) int64 tensor, fp64 cosine scores (Nq, k) tensor)."""
     if prepared is None:
-        return _search_stored(query, ann, k)
+        return _search_stored(query, ann, k, subset)
+    if subset is not None:
+        return _search_subset(query, prepared, ann, k, subset)
     if ann.size != prepared.size or ann.dim != prepared.dim:
         raise ValueError(f"ann index of {ann.size} x {ann.dim} rows does not match the gallery's "
                          f"{prepared.size} x {prepared.dim}")
@@ -273,16 +314,40 @@ def ann_search(query, prepared: PreparedGallery | None, ann: AnnIndex, k: int = 
     return index, score
 
 
-def _search_stored(query, ann: AnnIndex, k: int):
+def _search_subset(query, prepared: PreparedGallery | None, ann: AnnIndex, k: int, subset: AnnSubset):
+    """:func:`ann_search` over the rows ``subset`` of the structure, re-ranked against ``prepared`` (its rows)."""
+    if prepared.size != subset.rows.size or ann.dim != prepared.dim:
+        raise ValueError(f"a subset search re-ranks against the subset's prepared rows: {subset.rows.size} x "
+                         f"{ann.dim} expected, got {prepared.size} x {prepared.dim}")
+    if not 1 <= k <= prepared.size:
+        raise ValueError(f"k: expected 1 <= k <= subset size ({prepared.size}), got {k}")
+    query = torch.as_tensor(np.asarray(query, dtype=np.float32)) if not torch.is_tensor(query) else query.float()
+    found = ann.candidates(query, candidate_count(k, prepared.size, ann.kind), subset)
+    # structure rows -> rows of the subset (every returned row is in it: the selector admits no other)
+    cand = np.where(found >= 0, np.searchsorted(subset.rows, np.maximum(found, 0)), -1)
+    short = (cand >= 0).sum(axis=1) < k
+    index = torch.empty((query.shape[0], k), dtype=torch.long)
+    score = torch.empty((query.shape[0], k), dtype=torch.float64)
+    if (~short).any():
+        rows = torch.from_numpy(np.flatnonzero(~short))
+        index[rows], score[rows] = search_candidates(query[rows], prepared, cand[~short], k)
+    if short.any():
+        rows = torch.from_numpy(np.flatnonzero(short))
+        index[rows], score[rows] = search_prepared(query[rows], prepared, k)
+    return index, score
+
+
+def _search_stored(query, ann: AnnIndex, k: int, subset: AnnSubset | None = None):
     """:func:`ann_search` re-ranking from the structure's stored rows: only the candidates that the structure's
     own fp32 scores cannot rule out (``rerank.survivors``) are decoded and scored in fp64."""
-    if not 1 <= k <= ann.size:
-        raise ValueError(f"k: expected 1 <= k <= gallery size ({ann.size}), got {k}")
+    size = ann.size if subset is None else int(subset.rows.size)
+    if not 1 <= k <= size:
+        raise ValueError(f"k: expected 1 <= k <= gallery size ({size}), got {k}")
     ann.prepare_rerank()
     query = (query.detach().cpu().float() if torch.is_tensor(query)
              else torch.as_tensor(np.asarray(query, dtype=np.float32)))
     q64, unit32 = unit_queries(query)
-    scores32, cand = ann.scored_candidates(unit32, candidate_count(k, ann.size, ann.kind))
+    scores32, cand = ann.scored_candidates(unit32, candidate_count(k, size, ann.kind), subset)
     inverse = ann.inverse.numpy()
     kept = compact(survivors(scores32, cand, inverse, ann.dim, k), cand)
     vectors = np.zeros((kept.shape[0], kept.shape[1], ann.dim), dtype=np.float32)
@@ -291,17 +356,27 @@ def _search_stored(query, ann: AnnIndex, k: int):
     index, score = rerank_vectors(q64, kept, vectors, inverse, k)
     short = np.flatnonzero((cand >= 0).sum(axis=1) < k)
     if short.size:
-        index[short], score[short] = _exhaustive_stored(q64[short], ann, k)
+        index[short], score[short] = _exhaustive_stored(q64[short], ann, k, subset)
+    if subset is not None:   # structure rows -> rows of the subset
+        found = index.numpy()
+        index = torch.from_numpy(np.where(found >= 0, np.searchsorted(subset.rows, np.maximum(found, 0)), -1))
     return index, score
 
 
-def _exhaustive_stored(q64: np.ndarray, ann: AnnIndex, k: int):
-    """Exact top-k over every stored row, block by block (rows the structure found fewer than k rows for)."""
+def _exhaustive_stored(q64: np.ndarray, ann: AnnIndex, k: int, subset: AnnSubset | None = None):
+    """Exact top-k over every stored row (of ``subset`` when given), block by block (rows the structure found
+    fewer than k rows for); indices are structure rows."""
     parts_index, parts_score = [], []
     count, inverse = q64.shape[0], ann.inverse.numpy()
-    for start in range(0, ann.size, _EXACT_BLOCK):
-        block = ann.stored_rows(start, min(ann.size, start + _EXACT_BLOCK))
-        rows = np.broadcast_to(np.arange(start, start + block.shape[0]), (count, block.shape[0]))
+    size = ann.size if subset is None else int(subset.rows.size)
+    for start in range(0, size, _EXACT_BLOCK):
+        if subset is None:
+            block = ann.stored_rows(start, min(size, start + _EXACT_BLOCK))
+            rows = np.broadcast_to(np.arange(start, start + block.shape[0]), (count, block.shape[0]))
+        else:
+            taken = subset.rows[start:start + _EXACT_BLOCK]
+            block = ann.rows_of(taken)
+            rows = np.broadcast_to(taken, (count, taken.size))
         index, score = rerank_vectors(q64, rows, np.broadcast_to(block, (count, *block.shape)), inverse,
                                       min(k, block.shape[0]))
         parts_index.append(index)

@@ -149,8 +149,12 @@ def test_version_group_uses_the_structure_only_over_the_rows_it_was_built_on(dat
         assert positions[row].tolist() == order.tolist()
         np.testing.assert_allclose(scores[row], expected, rtol=0, atol=1e-6)   # the query is made unit in fp32
     backfilled = versions.copy()
-    backfilled[[3, 30]] = "2"   # two rows re-embedded by another version: the structure no longer covers group "1"
-    assert all(g.ann is None for g in build_groups(gallery.numpy(), backfilled, ann=ann, ann_version="1"))
+    backfilled[[3, 30]] = "2"   # two rows re-embedded by another version: masked in the structure of group "1"
+    old, new = build_groups(gallery.numpy(), backfilled, ann=ann, ann_version="1")
+    assert old.ann is ann and old.ann_subset.rows.tolist() == old.positions.tolist() and new.ann is None
+    assert 3 not in old.positions and 30 not in old.positions
+    small = build_ann(gallery[:5], "hnsw")   # 5 rows: neither the gallery's 3000 nor group "2"'s 2
+    assert build_groups(gallery.numpy(), backfilled, structures={"2": small})[1].ann is None
     adapted = build_groups(gallery.numpy(), versions, gallery_maps={"1": lambda rows: rows * 2}, ann=ann,
                            ann_version="1")
     assert adapted[0].ann is None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cluster.serving.index_store import commit_manifest, load_index, new_manifest, read_head, shard_table, write_shard
+from cluster.serving.index_store import (commit_manifest, load_index, new_manifest, read_head, read_manifest,
+                                         shard_table, write_shard)
 from compat_core.integrity import IntegrityError
 
 
@@ -105,3 +106,45 @@ def test_ann_structure_beside_the_shards_is_digest_checked(tmp_path):
         AnnSettings("annoy")
     with pytest.raises(ValueError, match=r"--recall 0: expected a fraction of exact Recall@1 in \(0, 1\]"):
         AnnSettings("ivf", 0)
+
+
+def test_backfill_structures_flip_with_their_rows_and_the_old_one_retires(tmp_path, capsys):
+    """A chunk's manifest carries a structure over exactly the rows the new version holds ("search_backfill",
+    same kind, effort by the same recall rule) beside the old one, both loaded back and keyed by version; the
+    manifest of the last chunk has the new structure as "search" and no other; `compat index show` prints both."""
+    import json
+
+    from app.cli import main
+    from cluster.serving.backfill_job import _BackfillStructure, _chunk_manifest
+    from cluster.serving.index_build import AnnSettings, build_search_entry
+
+    rng = np.random.default_rng(3)
+    root = str(tmp_path / "index")
+    old, new, held_out = (rng.standard_normal((n, 8)).astype(np.float32) for n in (60, 60, 20))
+    shard = write_shard(root, shard_table(np.arange(60), [str(i) for i in range(60)], old, "1"))
+    search = build_search_entry(root, old, held_out, AnnSettings("hnsw", 1.0, 20, 0), "1", "query", log=print)
+    head = commit_manifest(root, new_manifest(8, 60, {"name": "m", "version": "1"}, [shard], search=search))
+    structure = _BackfillStructure(root, search, held_out, "2", log=print)
+    versions, embeddings = np.array(["1"] * 60), old.copy()
+    for chunk in (np.arange(0, 60, 3), np.setdiff1d(np.arange(60), np.arange(0, 60, 3))):
+        embeddings[chunk], versions[chunk] = new[chunk], "2"
+        entries = structure.entries(embeddings, versions)
+        entry = write_shard(root, shard_table(chunk, [str(i) for i in chunk], new[chunk], "2"))
+        _, manifest = read_manifest(root, head)
+        head = commit_manifest(root, _chunk_manifest(manifest, head, entry, entries, {"done": int(chunk.size)}),
+                               expected_head=head)
+        index = load_index(root)
+        if chunk.size == 20:
+            assert index.manifest["search"] == search and index.manifest["search_backfill"]["rows"] == 20
+            assert index.manifest["search_backfill"]["kind"] == "hnsw"
+            assert index.manifest["search_backfill"]["recall"] == 1.0 and index.ann_backfill.size == 20
+            assert {v: s.size for v, s in index.structures().items()} == {"1": 60, "2": 20}
+            capsys.readouterr()
+            assert main(["index", "show", root]) == 0
+            shown = json.loads(capsys.readouterr().out)
+            assert shown["search"]["model_version"] == "1" and shown["search_backfill"]["model_version"] == "2"
+            assert shown["search_backfill"]["rows"] == 20 and "curve" not in shown["search_backfill"]
+        else:
+            assert "search_backfill" not in index.manifest and index.manifest["search"]["model_version"] == "2"
+            assert index.manifest["search"]["rows"] == 60 and index.ann_backfill is None
+            assert {v: s.size for v, s in index.structures().items()} == {"2": 60}

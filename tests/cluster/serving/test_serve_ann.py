@@ -136,6 +136,103 @@ def test_a_newer_model_searches_the_old_index_unchanged(ann_service):
         assert [r["position"] for r in new["results"]] == [r["position"] for r in old["results"]]
 
 
+def _recall_at_1(query: np.ndarray, query_labels, gallery: np.ndarray, labels) -> float:
+    q = query.astype(np.float64) / np.linalg.norm(query.astype(np.float64), axis=1, keepdims=True)
+    g = gallery.astype(np.float64) / np.linalg.norm(gallery.astype(np.float64), axis=1, keepdims=True)
+    top = [np.lexsort((np.arange(g.shape[0]), -row))[0] for row in q @ g.T]
+    return float(np.mean(np.asarray(labels)[top] == np.asarray(query_labels)))
+
+
+def test_backfill_into_the_mixed_gallery_under_load(ann_service):
+    """After the upgrade to v2 (+ procrustes adapter), `compat index backfill` re-embeds the hnsw index's gallery in
+    chunks of 8 while clients query it: no failed request; every answer equals the fp64 brute force over the
+    gallery of the manifest it names (v1 rows scored with the adapted query, v2 rows with the v2 query); every
+    manifest of the backfill carries an hnsw structure over exactly the re-embedded rows beside v1's, the last one
+    v2's alone; the probe curve stays >= min(M(v2, v1), M(v1, v1)) and ends at M(v2, v2) (fp64 brute force)."""
+    from cluster.serving.backfill_job import EXPERIMENT
+    from cluster.serving.index_build import evaluation_labels
+    from cluster.serving.index_store import load_index, read_manifest
+    from cluster.serving.models import installed_adapter, resolve_model_ref
+    from cluster.serving.state import build_state
+    from pipelines.config.load import load_config
+    from pipelines.config.model_uri import ModelUri
+    from pipelines.stages.pools import load_pool
+
+    v1, v2 = ann_service["versions"]
+    root, url, client = ann_service["roots"]["hnsw"], ann_service["url"], ann_service["client"]
+    if helpers.call(url, "/healthz")[1]["model_version"] != v2:
+        test_a_newer_model_searches_the_old_index_unchanged(ann_service)
+    config = load_config(str(ann_service["config"]))
+    query_pool = load_pool(config.evaluation.query_set)
+    start_head, _ = read_manifest(root)
+    with helpers.Load(url, query_pool.read(np.arange(8)), clients=2) as load:
+        assert main(["index", "backfill", root, "--config", str(ann_service["config"]), "--model",
+                     f"models:/{NAME}@champion", "--chunk-rows", "8"] + ann_service["tracking"]) == 0
+        deadline = time.monotonic() + 60
+        while helpers.call(url, "/healthz")[1]["items_by_version"] != {v2: 30}:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(0.5)
+    statuses = [answer[2] for answer in load.answers]
+    assert statuses and set(statuses) == {200}, f"{statuses.count(200)} of {len(statuses)} answered 200"
+
+    # the manifests of the backfill, newest first: v1's structure plus one over the re-embedded rows, then v2's alone
+    chain, head = [], read_manifest(root)[0]
+    while head != start_head:
+        chain.append(read_manifest(root, head)[1])
+        head = chain[-1]["parent"]
+    assert len(chain) == 4
+    assert chain[0]["search"]["kind"] == "hnsw" and chain[0]["search"]["model_version"] == v2
+    assert chain[0]["search"]["rows"] == 30 and "search_backfill" not in chain[0]
+    for manifest in chain[1:]:
+        assert manifest["search"]["model_version"] == v1 and manifest["search"]["rows"] == 30
+        assert manifest["search_backfill"]["kind"] == "hnsw" and manifest["search_backfill"]["model_version"] == v2
+        assert manifest["search_backfill"]["rows"] == manifest["backfill"]["done"]
+        assert manifest["search_backfill"]["recall"] >= manifest["search"]["recall_target"]
+    final = helpers.call(url, "/healthz")[1]["search"]
+    assert final["approximate_groups"] == [v2] and final["model_version"] == v2 and "backfill" not in final
+
+    # every answer equals the fp64 brute force over the gallery of the manifest it names
+    adapter = installed_adapter(client, resolve_model_ref(client, f"models:/{NAME}@champion"))
+    assert adapter[:2] == ("procrustes", v1)
+    q2 = torch.from_numpy(_features(ann_service, v2, "query"))
+    adapted = adapter[2].apply(q2).float().numpy()
+    q2 = q2.numpy()
+    indexes, manifests_seen = {}, set()
+    for _, row, _, answer, _ in load.answers:
+        sha = answer["index_manifest"]
+        index = indexes.setdefault(sha, load_index(root, sha))
+        manifests_seen.add(sha)
+        g = index.embeddings.astype(np.float64) / np.linalg.norm(index.embeddings.astype(np.float64), axis=1,
+                                                                  keepdims=True)
+        scores = np.where(index.versions == v2, g @ (q2[row] / np.linalg.norm(q2[row])),
+                          g @ (adapted[row] / np.linalg.norm(adapted[row])))
+        order = np.lexsort((np.arange(g.shape[0]), -scores))[:3]
+        assert [r["position"] for r in answer["results"]] == order.tolist()
+        assert [r["item_version"] for r in answer["results"]] == index.versions[order].tolist()
+        np.testing.assert_allclose([r["score"] for r in answer["results"]], scores[order], rtol=0, atol=1e-4)
+    assert len(manifests_seen) >= 2   # answers came from the index mid-backfill, not only before or after it
+    for index in indexes.values():     # each version group was searched through a structure, none exactly
+        groups = build_state(ModelUri(NAME, v2), None, index, adapter, "auto").groups
+        assert [g.version for g in groups if g.ann is not None] == sorted(set(index.versions.tolist()))
+
+    # the probe curve against the M values by fp64 brute force
+    labels = evaluation_labels(config, query_pool)
+    g1, g2 = _features(ann_service, v1, "gallery"), _features(ann_service, v2, "gallery")
+    q1 = _features(ann_service, v1, "query")
+    m_new_old, m_old_old = _recall_at_1(adapted, labels, g1, index.labels), _recall_at_1(q1, labels, g1, index.labels)
+    m_new_new = _recall_at_1(q2, labels, g2, index.labels)
+    run = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id],
+                             f"tags.target_version = '{v2}' and tags.index_root = '{root}'")[0]
+    curve = [value for _, value in sorted((m.step, m.value) for m in
+                                          client.get_metric_history(run.info.run_id, "probe/recall_at_1"))]
+    print(f"probe curve {curve}; M(v2+adapter, v1) {m_new_old}, M(v1, v1) {m_old_old}, M(v2, v2) {m_new_new}; "
+          f"{len(statuses)} requests, {sum(s != 200 for s in statuses)} failed, answered from "
+          f"{len(manifests_seen)} manifests")
+    assert len(curve) == 5 and curve[0] == m_new_old and curve[-1] == m_new_new
+    assert min(curve) >= min(m_new_old, m_old_old)
+
+
 def test_a_model_of_another_width_is_refused_before_serving(ann_service):
     from cluster.serving.app import preflight
 

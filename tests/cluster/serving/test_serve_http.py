@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import threading
 import time
 
 import numpy as np
@@ -204,39 +203,7 @@ def test_routes_and_methods(service):
     assert status == 400 and answer["error"]["field"] == "model_version"   # version 2 embedded nothing here yet
 
 
-class Load:
-    """Clients sending image queries in a loop from threads; every answer kept with its query and send time."""
-
-    def __init__(self, url: str, images: np.ndarray, clients: int = 3, retries: int = 0) -> None:
-        self.url, self.images, self.retries = url, images, retries
-        self.answers: list[tuple[float, int, int, object, float]] = []   # (sent, query row, status, doc, seconds)
-        self.stop = threading.Event()
-        self.encoded = [helpers.png_base64(image) for image in images]
-        self.threads = [threading.Thread(target=self._loop, args=(seed,), daemon=True) for seed in range(clients)]
-
-    def _loop(self, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        while not self.stop.is_set():
-            row = int(rng.integers(len(self.images)))
-            sent = time.monotonic()
-            for attempt in range(self.retries + 1):
-                try:
-                    status, doc = helpers.call(self.url, "/search", {"image": self.encoded[row], "k": 3}, timeout=30)
-                except OSError as error:   # connection reset by a killed replica: a clean failure
-                    status, doc = 599, str(error)
-                if status == 200 or attempt == self.retries:
-                    break
-            self.answers.append((sent, row, status, doc, time.monotonic() - sent))
-
-    def __enter__(self) -> "Load":
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(60)
+Load = helpers.Load
 
 
 def _wait_for_version(url: str, version: str, timeout_s: float = 60.0) -> None:
