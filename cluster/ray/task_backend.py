@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterable
 import ray
 
 from cluster.ray.auth import prepare_client_auth, token_for_embedded_ray
+from cluster.ray.embedded import start_embedded
 from cluster.ray.jobs import submit_pipeline
 from cluster.ray.loopback import prepare_loopback
 from cluster.ray.memory_check import check_cluster_memory
@@ -84,8 +85,7 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
         token_for_embedded_ray()  # Ray itself would write a missing token file readable by every user
         # address "local": always a new instance; without it ray.init joins the latest cluster another process
         # started on this machine (/tmp/ray/ray_current_cluster) and then refuses num_cpus
-        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory,
-                 include_dashboard=False, _node_ip_address=LOOPBACK, configure_logging=False)
+        start_embedded(num_cpus=num_cpus, num_gpus=num_gpus, object_store_memory=object_store_memory)
     else:
         options: dict = {}
         if address != "auto":

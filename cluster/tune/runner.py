@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from cluster.ray.auth import prepare_client_auth, token_for_embedded_ray
+from cluster.ray.embedded import start_embedded
 from cluster.ray.loopback import prepare_for_address, prepare_loopback
 from cluster.ray.memory_check import check_cluster_memory
 from cluster.ray.reach import require_answering, require_reachable
@@ -169,8 +170,7 @@ def ensure_ray(address: str | None) -> None:
         prepare_loopback()
         token_for_embedded_ray()  # Ray itself would write a missing token file readable by every user
         # address "local": a new embedded instance, never another process's cluster on this machine
-        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
-                 object_store_memory=300 * 1024 * 1024)
+        start_embedded(object_store_memory=300 * 1024 * 1024)
 
 
 def default_resources(config, concurrent: int) -> dict:

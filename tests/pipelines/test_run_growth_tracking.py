@@ -5,6 +5,7 @@ holding the new stage runs and the new row's metrics at the new step; the task-3
 from __future__ import annotations
 
 import json
+import math
 import uuid
 
 import tiny_scenario_helpers as tiny
@@ -61,7 +62,8 @@ def test_a_grown_run_continues_its_pipeline_run_and_registers_the_next_version(m
         (point,) = client.get_metric_history(row.info.run_id, f"compat/q2_g{k}")
         assert (point.step, point.value) == (3, matrix[2][k])
     history = client.get_metric_history(grown.info.run_id, "AA")  # at step T (1-based): one point per length
-    assert sorted(point.step for point in history) == [2, 3]
+    assert sorted(point.step for point in history) == [0, 2, 3]  # step 0: the NaN placeholder logged at start
+    assert all(math.isnan(point.value) for point in history if point.step == 0)
     assert [point.value for point in history if point.step == 3] == [metrics["AA"]]
     assert {point.step for point in client.get_metric_history(grown.info.run_id, "AA_tau")} == {1, 2, 3}
 
