@@ -105,3 +105,36 @@ def test_ann_structure_beside_the_shards_is_digest_checked(tmp_path):
         AnnSettings("annoy")
     with pytest.raises(ValueError, match=r"--recall 0: expected a fraction of exact Recall@1 in \(0, 1\]"):
         AnnSettings("ivf", 0)
+
+
+@pytest.mark.parametrize("kind", ["ivf", "hnsw", "ivfpq"])
+def test_a_lean_load_keeps_the_rows_only_in_a_structure_that_holds_them_exactly(tmp_path, kind):
+    """lean: an IVF / HNSW index of one version is held by its structure alone (its stored rows read back equal the
+    fp16 rows given); IVF-PQ (lossy codes), a flat index and a gallery of two versions keep the loaded rows."""
+    from cluster.serving.index_build import AnnSettings, build_search_entry
+    from compat_core.retrieval.mixed_gallery import unit_rows
+
+    rng = np.random.default_rng(1)
+    root = str(tmp_path / "index")
+    rows = rng.standard_normal((400, 8))
+    rows = (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float16).astype(np.float32)
+    entry = build_search_entry(root, rows, rng.standard_normal((50, 8)), AnnSettings(kind, 0.5, 50, 0), "1")
+    shards = [write_shard(root, shard_table(np.arange(400), [f"id{i}" for i in range(400)], rows, "1"))]
+    head = commit_manifest(root, new_manifest(8, 400, {"name": "m", "version": "1"}, shards, search=entry))
+    lean = load_index(root, lean=True)
+    holds = kind != "ivfpq"
+    assert lean.rows_in_structure is holds and (lean.embeddings is None) is holds
+    assert (lean.size, lean.dim) == (400, 8) and lean.item_ids[399] == "id399"
+    # the build stores L2-normalised fp32 rows: IVF keeps them in fp16 (the given fp16 rows back), HNSW in fp32
+    unit = unit_rows(rows).numpy()
+    expected = {"ivf": rows[123], "hnsw": unit[123], "ivfpq": lean.embeddings[123] if not holds else None}[kind]
+    np.testing.assert_array_equal(lean.row(123), expected)
+    assert not load_index(root).rows_in_structure          # the default load keeps the rows
+    other = write_shard(root, shard_table([5], ["id5"], rows[6:7], "2"))
+    commit_manifest(root, {**lean.manifest, "shards": lean.manifest["shards"] + [other]}, expected_head=head)
+    mixed = load_index(root, lean=True)
+    assert not mixed.rows_in_structure and mixed.versions[5] == "2"
+    flat = str(tmp_path / "flat")
+    commit_manifest(flat, new_manifest(8, 400, {"name": "m", "version": "1"},
+                                       [write_shard(flat, shard_table(np.arange(400), range(400), rows, "1"))]))
+    assert not load_index(flat, lean=True).rows_in_structure
