@@ -5,8 +5,10 @@
   part after another in this process and merged exactly (``compat_core.retrieval.shard_merge``): the cost of
   fanning out and merging without any service.
 - :func:`serve_rates`: the same gallery served over HTTP by Ray Serve on this machine, once unsharded (one
-  replica, ``cluster.serving.app``) and once as N shard deployments behind the router
-  (``cluster.serving.shard_router``), measured by the same client threads: queries per second, latency
+  replica, ``cluster.serving.app``) and as N shard deployments behind the router
+  (``cluster.serving.shard_router``), the router sending each query to each shard as its own call
+  (``shard_batch`` 1) and batching concurrent queries into one call per shard (the default), measured by the same
+  client threads: queries per second, latency
   percentiles, failed requests, Recall@1 of exact, and the resident memory of each replica process.
 """
 from __future__ import annotations
@@ -167,9 +169,12 @@ def serve_rates(gallery: torch.Tensor, tune_q: torch.Tensor, queries: torch.Tens
         ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
                  configure_logging=False, log_to_driver=False)
         try:
-            for name, index, starter in ((f"serve {kind}, 1 replica", single, start),
-                                         (f"serve {kind}, {shards} shards + router", sharded, start_sharded)):
-                url = starter({"index": index, "poll_s": 30.0}, "127.0.0.1", _free_port(), num_replicas=1,
+            runs = ((f"serve {kind}, 1 replica", single, start, {}),
+                    (f"serve {kind}, {shards} shards + router, 1 query a call", sharded, start_sharded,
+                     {"shard_batch": 1}),
+                    (f"serve {kind}, {shards} shards + router, batched calls", sharded, start_sharded, {}))
+            for name, index, starter, extra in runs:
+                url = starter({"index": index, "poll_s": 30.0, **extra}, "127.0.0.1", _free_port(), num_replicas=1,
                               num_cpus=0)
                 health = _wait_ok(url)
                 pids = [s["pid"] for s in health["shards"]] if "shards" in health else [int(health["replica"])]

@@ -134,7 +134,6 @@ def build_methods(args, gallery, tune_q) -> tuple[dict, PreparedGallery]:
         methods[f"faiss {kind} alone"] = {"build_s": seconds, "bytes": size, "structure_bytes": size,
                                           "effort": effort, "tune_recall": reached, "search": faiss_top1(alone),
                                           "kind": kind}
-        if kind != "ivfpq":
         # the product re-ranks from the structure's own rows where it holds them exactly (ivf, hnsw): it holds the
         # structure and 16 bytes a row; ivfpq's lossy codes need the exact kernel's prepared gallery beside
         stored = kind in STORED_EXACT

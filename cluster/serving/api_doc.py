@@ -132,7 +132,7 @@ def _examples(state, top_k: int) -> dict:
         return {"embedding": {"summary": "an embedding (the served width D is known once a model is loaded)",
                               "value": {"embedding": [0.6, 0.8, 0.0], "k": 3}}}
     served = np.flatnonzero(state.index.versions == state.ref.version)
-    row = np.asarray(state.index.embeddings[int(served[0])], dtype=np.float64) if served.size else None
+    row = np.asarray(state.index.row(int(served[0])), dtype=np.float64) if served.size else None
     if row is None or not np.all(np.isfinite(row)) or not np.any(np.round(row, 6)):
         row = np.eye(1, int(state.index.dim))[0]
     examples = {"embedding": {"summary": f"an embedding made by version {state.ref.version} (a gallery row)",

@@ -54,6 +54,7 @@ from cluster.storage.s3 import configure_object_storage
 from compat_core.retrieval.ann import set_faiss_threads
 from compat_core.retrieval.mixed_gallery import search_groups
 from compat_core.retrieval.search_request import RequestError, SearchLimits, parse_search_request
+from compat_core.upgrades.adapters import GALLERY_ADAPTERS
 from pipelines.config.model_uri import ModelUri, parse_model_uri
 
 LOG = logging.getLogger("compat.serve")
@@ -155,7 +156,7 @@ class SearchService:
             head = read_head(self.settings["index"])
             if self._state is not None and self._state.index.manifest_sha == head:
                 return False
-            index = load_index(self.settings["index"], head)
+            index = load_index(self.settings["index"], head, lean=True)
             ref = ModelUri(str(index.manifest["model"]["name"]), str(index.manifest["model"]["version"]))
             check_servable(index.manifest, self.settings["index"], ref.uri, None)
             self._use_threads(index)
@@ -171,11 +172,13 @@ class SearchService:
             return False
         model = current.model if current is not None and current.ref == ref else \
             load_served_model(resolver, ref, self.settings["device"])
-        index = current.index if current is not None and current.index.manifest_sha == head else \
-            load_index(self.settings["index"], head)
+        adapter = installed_adapter(client, ref, self.alias)
+        # a gallery adapter maps the stored rows: those need the rows loaded besides the search structure
+        lean = adapter is None or adapter[0] not in GALLERY_ADAPTERS
+        index = current.index if current is not None and current.index.manifest_sha == head and \
+            (lean or not current.index.rows_in_structure) else load_index(self.settings["index"], head, lean=lean)
         check_servable(index.manifest, self.settings["index"], ref.uri, getattr(model, "feature_dim", None))
         self._use_threads(index)
-        adapter = installed_adapter(client, ref, self.alias)
         state = build_state(ref, model, index, adapter, self.settings["precision"])
         self._state = state          # the one atomic switch
         self.metrics.swaps += 1
@@ -244,6 +247,22 @@ class SearchService:
             return 200, await self._search(body, content_type)
         except RequestError as error:
             return error.status, error.to_json()
+
+    async def search_bodies(self, items: list[tuple[bytes, str | None]]) -> list[tuple[int, dict]]:
+        """:meth:`search_body` of each (body, content type) in ``items``, answered together (one call of a shard
+        router carrying the queries that reached it at once; the replica's kernel batches them). A failure other
+        than a refused request is that item's 503, which the router asks again."""
+        answers = await asyncio.gather(*(self.search_body(body, kind) for body, kind in items),
+                                       return_exceptions=True)
+        return [answer if not isinstance(answer, BaseException) else
+                (503, {"error": {"status": 503, "field": None,
+                                 "message": f"{type(answer).__name__}: {str(answer).splitlines()[0][:300]}"
+                                 if str(answer) else type(answer).__name__}})
+                for answer in answers]
+
+    async def api_document(self) -> dict:
+        """The OpenAPI document this replica serves at /openapi.json (the call a shard router makes)."""
+        return openapi_document(self._state, self.limits)
 
     async def health_document(self) -> tuple[int, dict]:
         """(HTTP status, JSON document) of /healthz, plus the replica's Ray actor name and process id."""

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from compat_core import io as cio
 from compat_core.codec import decode_manifest, encode_manifest
 from compat_core.integrity import IntegrityError
-from compat_core.retrieval.ann import AnnIndex
+from compat_core.retrieval.ann import STORED_EXACT, AnnIndex
 from pipelines.store.run_store import sha256_bytes
 
 FORMAT = "compat-gallery-index/1"
@@ -50,7 +50,7 @@ class GalleryIndex:
     manifest_sha: str
     manifest: dict
     item_ids: np.ndarray          # (N,) str
-    embeddings: np.ndarray        # (N, D) float32 as stored
+    embeddings: np.ndarray | None  # (N, D) float32 as stored; None when only the structure holds the rows
     versions: np.ndarray          # (N,) str: the model version that embedded each item
     payload_uris: np.ndarray      # (N,) object (str or None)
     labels: np.ndarray | None     # (N,) int64 or None
@@ -72,11 +72,23 @@ class GalleryIndex:
 
     @property
     def size(self) -> int:
-        return int(self.embeddings.shape[0])
+        return int(self.item_ids.shape[0])
 
     @property
     def dim(self) -> int:
-        return int(self.embeddings.shape[1])
+        return int(self.manifest["dim"])
+
+    @property
+    def rows_in_structure(self) -> bool:
+        """Whether the approximate structure alone holds the gallery's rows (``embeddings`` is None): it stores
+        them exactly (kinds ``STORED_EXACT``) and every row is of the version it was built over."""
+        return self.embeddings is None
+
+    def row(self, position: int) -> np.ndarray:
+        """(D,) float32: the stored row of gallery ``position`` (from the structure when it alone holds them)."""
+        if self.embeddings is not None:
+            return self.embeddings[int(position)]
+        return self.ann.stored_rows(int(position), int(position) + 1)[0]
 
 
 def shard_table(positions, item_ids, embeddings, version: str, payload_uris=None, labels=None) -> pa.Table:
@@ -192,28 +204,35 @@ def read_manifest(root: str, digest: str | None = None) -> tuple[str, dict]:
     return digest, manifest
 
 
-def load_index(root: str, digest: str | None = None) -> GalleryIndex:
-    """The index at HEAD (or manifest ``digest``): every shard verified, later shards overriding earlier ones."""
+def load_index(root: str, digest: str | None = None, lean: bool = False) -> GalleryIndex:
+    """The index at HEAD (or manifest ``digest``): every shard verified, later shards overriding earlier ones.
+    lean: when the approximate structure holds every row exactly (kinds ``STORED_EXACT``; the manifest lists only
+    rows of the version it was built over), the shards' embedding column is not loaded (``embeddings`` None) and
+    the structure is made ready to re-rank from its own rows (16 bytes a row); a search then answers exactly over
+    the rows as stored."""
     digest, manifest = read_manifest(root, digest)
     dim, count = int(manifest["dim"]), int(manifest["count"])
-    embeddings = np.zeros((count, dim), dtype=np.float32)
-    item_ids = np.empty(count, dtype=object)
-    versions = np.empty(count, dtype=object)
-    payloads = np.empty(count, dtype=object)
+    rows_in_structure = lean and _structure_holds_rows(manifest)
+    embeddings = None if rows_in_structure else np.zeros((count, dim), dtype=np.float32)
+    item_ids, versions, payloads = (np.empty(count, dtype=object) for _ in range(3))
     labels = np.full(count, -1, dtype=np.int64)
     has_label = np.zeros(count, dtype=bool)
     seen = np.zeros(count, dtype=bool)
     for entry in manifest["shards"]:
         uri = cio.join(root, entry["file"])
-        table = pq.read_table(io.BytesIO(_verified(uri, entry["sha256"])))
+        shard = pq.ParquetFile(io.BytesIO(_verified(uri, entry["sha256"])))
+        width = shard.schema_arrow.field("embedding").type.list_size
+        if width != dim:
+            raise IntegrityError(f"{uri}: embedding width {width}, manifest says {dim}", uri=uri,
+                                 field="embedding width", expected=dim, actual=width)
+        table = shard.read(columns=[name for name in shard.schema_arrow.names
+                                    if not (rows_in_structure and name == "embedding")])
         positions = table.column("position").to_numpy()
         if positions.size and (positions.min() < 0 or positions.max() >= count):
             raise IntegrityError(f"{uri}: positions outside 0..{count - 1}", uri=uri)
-        column = table.column("embedding").combine_chunks()
-        if column.type.list_size != dim:
-            raise IntegrityError(f"{uri}: embedding width {column.type.list_size}, manifest says {dim}", uri=uri,
-                                 field="embedding width", expected=dim, actual=column.type.list_size)
-        embeddings[positions] = column.flatten().to_numpy(zero_copy_only=False).reshape(-1, dim)
+        if embeddings is not None:
+            embeddings[positions] = table.column("embedding").combine_chunks().flatten().to_numpy(
+                zero_copy_only=False).reshape(-1, dim)
         item_ids[positions] = table.column("item_id").to_pylist()
         versions[positions] = table.column("model_version").to_pylist()
         payloads[positions] = table.column("payload_uri").to_pylist()
@@ -225,6 +244,24 @@ def load_index(root: str, digest: str | None = None) -> GalleryIndex:
     if not seen.all():
         raise IntegrityError(f"{root}: manifest {digest[:12]} leaves {int((~seen).sum())} of {count} gallery "
                              f"positions without a row (e.g. {int(np.flatnonzero(~seen)[0])})")
-    return GalleryIndex(digest, manifest, item_ids.astype(str), embeddings, versions.astype(str), payloads,
-                        labels if has_label.all() else None, _load_ann(root, search_entry(manifest), dim),
+    ann, versions = _load_ann(root, search_entry(manifest), dim), versions.astype(str)
+    if rows_in_structure:
+        built_for = str(search_entry(manifest)["model_version"])
+        if not np.all(versions == built_for):
+            raise IntegrityError(f"{root}: manifest {digest[:12]} lists shards of version {built_for} only, their "
+                                 f"rows say {sorted(set(versions.tolist()))}", uri=root, field="model_versions")
+        ann.prepare_rerank()
+    pa.default_memory_pool().release_unused()   # the shards' decoded columns are not kept
+    return GalleryIndex(digest, manifest, item_ids.astype(str), embeddings, versions, payloads,
+                        labels if has_label.all() else None, ann,
                         _load_ann(root, manifest.get("search_backfill") or {}, dim))
+
+
+def _structure_holds_rows(manifest: dict) -> bool:
+    """Whether the manifest's search structure holds every gallery row exactly: a kind of ``STORED_EXACT`` over all
+    ``count`` rows, every shard of the version it was built over, and no backfill under way."""
+    entry = search_entry(manifest)
+    built_for = entry.get("model_version")
+    return (entry["kind"] in STORED_EXACT and built_for is not None and not manifest.get("search_backfill")
+            and int(entry.get("rows", -1)) == int(manifest["count"])
+            and all(shard.get("model_versions") == [str(built_for)] for shard in manifest["shards"]))

@@ -4,8 +4,10 @@ Each part of the shard set is served by its own Serve deployment (``compat-searc
 :class:`cluster.serving.app.SearchService` over that part's index, following the alias and the part's HEAD as the
 unsharded service does). The ingress deployment, :class:`ShardRouter`, takes the HTTP routes:
 
-- ``POST /search``: the body goes unchanged to every shard (each validates, embeds and searches its own rows); the
-  shards' top-k answers are merged exactly (``compat_core.retrieval.shard_merge``: global row = offset + local row,
+- ``POST /search``: the body goes unchanged to every shard (each validates, embeds and searches its own rows);
+  bodies that reach the router together go to a shard as one call (``CallBatcher``: sent at once while fewer than
+  two calls to that shard are outstanding, else with the others that wait, at most ``shard_batch`` bodies a call;
+  ``shard_batch`` 1 sends every body alone at once), answered per body; the shards' top-k answers are merged exactly (``compat_core.retrieval.shard_merge``: global row = offset + local row,
   score descending, lowest global row on ties), so the answer is the unsharded exact search's. A shard call that
   fails (its replica lost, restarting, or still loading: 503) is retried, only that shard, with backoff up to
   ``shard_retry_s`` seconds; answers made by different model versions (an alias swap reaching the shards at
@@ -13,8 +15,11 @@ unsharded service does). The ingress deployment, :class:`ShardRouter`, takes the
   shard and its error.
 - ``GET /healthz``: 200 once every shard answers 200 (status "ok", or "degraded" when one is), with the shards'
   versions, manifests, replica actors and processes; 503 ("loading") while one is not loaded.
-- ``GET /metrics``: the router's requests by path and code and its shard retries (Prometheus text; each shard
-  replica keeps its own metrics).
+- ``GET /metrics``: the router's requests by path and code, its shard retries and shard calls (Prometheus text;
+  each shard replica keeps its own metrics).
+- ``GET /openapi.json``, ``GET /docs``: the API reference of the unsharded service (:mod:`cluster.serving.api_doc`),
+  as the first shard's replica makes it for its state, with a note that answers carry a shard number and global
+  positions.
 
 Every replica's ports stay on 127.0.0.1 (``keep_replica_ports_on_loopback`` in both constructors).
 """
@@ -26,6 +31,7 @@ import time
 
 from ray import serve
 
+from cluster.serving.api_doc import docs_html
 from cluster.serving.app import (
     APP_NAME,
     DEFAULT_SETTINGS,
@@ -36,6 +42,7 @@ from cluster.serving.app import (
     read_limited_body,
     request_path,
 )
+from cluster.serving.call_batcher import CallBatcher
 from cluster.serving.index_store import read_manifest
 from cluster.serving.replica_ports import keep_replica_ports_on_loopback
 from cluster.serving.shards import check_shard_set, part_root, read_shard_set
@@ -44,10 +51,13 @@ from compat_core.retrieval.search_request import RequestError, SearchLimits
 from compat_core.retrieval.shard_merge import merge_shard_topk
 
 DEFAULT_RETRY_S = 30.0
+DEFAULT_SHARD_BATCH = 32      # /search bodies per shard call at most
+_SHARD_CALLS_IN_FLIGHT = 2    # calls outstanding per shard before bodies wait and go together
 _HEALTH_TIMEOUT_S = 10.0
-_ROUTES = {"/search": "POST", "/healthz": "GET", "/metrics": "GET"}
+_ROUTES = {"/search": "POST", "/healthz": "GET", "/metrics": "GET", "/openapi.json": "GET", "/docs": "GET"}
 
-__all__ = ["ShardRouter", "preflight_sharded", "start_sharded", "shard_deployment_name", "DEFAULT_RETRY_S"]
+__all__ = ["ShardRouter", "preflight_sharded", "start_sharded", "shard_deployment_name", "DEFAULT_RETRY_S",
+           "DEFAULT_SHARD_BATCH"]
 
 
 def shard_deployment_name(number: int) -> str:
@@ -59,7 +69,8 @@ class _RetryableShard(Exception):
 
 
 class ShardRouter:
-    """The ingress of a sharded service. settings: the service's settings (``limits``, ``shard_retry_s``);
+    """The ingress of a sharded service. settings: the service's settings (``limits``, ``shard_retry_s``,
+    ``shard_batch``);
     shard_set: (sha256, document) of ``SHARDS.json``; shards: one deployment handle per part, in order."""
 
     def __init__(self, settings: dict, shard_set: tuple[str, dict], shards: list) -> None:
@@ -72,6 +83,10 @@ class ShardRouter:
         if len(shards) != len(self.offsets):
             raise ValueError(f"shard router: {len(shards)} shard deployments for {len(self.offsets)} parts")
         self.shards = shards
+        batch = int(self.settings.get("shard_batch", DEFAULT_SHARD_BATCH))
+        # shard_batch 1: every body its own call, as many in flight as requests (no waiting at the router)
+        in_flight = _SHARD_CALLS_IN_FLIGHT if batch > 1 else 1 << 30
+        self.batchers = [CallBatcher(shard.search_bodies.remote, batch, in_flight) for shard in shards]
         self._lock = threading.Lock()
         self.counts: dict[tuple[str, int], int] = {}
         self.retries = 0
@@ -93,6 +108,13 @@ class ShardRouter:
             from starlette.responses import PlainTextResponse
 
             return PlainTextResponse(self._metrics(), media_type="text/plain; version=0.0.4")
+        if path in ("/openapi.json", "/docs"):
+            document = await self._api_document()
+            if path == "/docs":
+                from starlette.responses import HTMLResponse
+
+                return HTMLResponse(docs_html(document))
+            return _json(document)
         if path == "/healthz":
             status, document = await self._health()
         else:
@@ -102,7 +124,7 @@ class ShardRouter:
 
     async def _ask(self, number: int, body: bytes, content_type: str | None) -> tuple[int, dict]:
         try:
-            status, document = await self.shards[number].search_body.remote(body, content_type)
+            status, document = await self.batchers[number].ask((body, content_type))
         except Exception as error:  # noqa: BLE001 - a lost or restarting replica: ask again
             raise _RetryableShard(f"shard {number}: {type(error).__name__}: {str(error).splitlines()[0][:300]}")
         if status == 503:
@@ -154,6 +176,20 @@ class ShardRouter:
         return {"model": first["model"], "model_version": first["model_version"], "index_manifest": self.set_sha,
                 "shard_manifests": [doc["index_manifest"] for doc in documents], "k": k, "results": results}
 
+    async def _api_document(self) -> dict:
+        """The unsharded service's OpenAPI document as the first shard makes it, noting the shard fields."""
+        try:
+            document = await asyncio.wait_for(self.shards[0].api_document.remote(), _HEALTH_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - a restarting shard: say so
+            raise RequestError(503, None, f"shard 0 did not give the API document ({type(error).__name__}); "
+                                          "retry") from None
+        info = document["info"]
+        info["description"] += (f" Sharded: {len(self.shards)} shards of {int(self.document['count'])} items in "
+                                f"all; each result also names its \"shard\" (number), positions are rows of the "
+                                f"whole gallery, and the answer lists \"shard_manifests\"; /healthz lists the "
+                                f"shards.")
+        return document
+
     async def _shard_health(self, number: int) -> tuple[int | None, dict]:
         try:
             return await asyncio.wait_for(self.shards[number].health_document.remote(), _HEALTH_TIMEOUT_S)
@@ -185,7 +221,13 @@ class ShardRouter:
             lines += ["# HELP compat_router_shard_retries_total Rounds of shard calls asked again (a shard lost, "
                       "loading, or answering with another model version).",
                       "# TYPE compat_router_shard_retries_total counter",
-                      f"compat_router_shard_retries_total {self.retries}"]
+                      f"compat_router_shard_retries_total {self.retries}",
+                      "# HELP compat_router_shard_calls_total Calls made to shards (each carries one or more "
+                      "/search bodies).", "# TYPE compat_router_shard_calls_total counter",
+                      f"compat_router_shard_calls_total {sum(b.calls for b in self.batchers)}",
+                      "# HELP compat_router_shard_call_bodies_total /search bodies those calls carried.",
+                      "# TYPE compat_router_shard_call_bodies_total counter",
+                      f"compat_router_shard_call_bodies_total {sum(b.items for b in self.batchers)}"]
         lines += ["# HELP compat_router_shards Shards the router fans a query out to.",
                   "# TYPE compat_router_shards gauge", f"compat_router_shards {len(self.shards)}"]
         return "\n".join(lines) + "\n"

@@ -55,8 +55,17 @@ def build_state(ref: ModelUri, model: Any, index: GalleryIndex, adapter: tuple[s
             else:
                 query_maps[old_version] = lambda rows, f=fitted: f.apply(rows).float()
             applied = (kind, old_version)
-    groups = build_groups(index.embeddings, index.versions, precision, query_maps, gallery_maps,
-                          structures=index.structures())
+    if index.rows_in_structure:
+        if gallery_maps:
+            raise ValueError(f"index {index.manifest_sha[:12]} was loaded with its rows in the search structure "
+                             "only; a gallery adapter needs them loaded (load_index(lean=False))")
+        version = str(index.versions[0])
+        # one group, re-ranked from the structure's own stored rows: no prepared copy of the gallery
+        groups = (VersionGroup(version, np.arange(index.size, dtype=np.int64), None, query_maps.get(version),
+                               index.ann),)
+    else:
+        groups = build_groups(index.embeddings, index.versions, precision, query_maps, gallery_maps,
+                              structures=index.structures())
     image = index.manifest.get("image") or {}
     shape = tuple(int(x) for x in image["shape"]) if image.get("shape") else None
     return ServingState(ref, model, index, groups, applied, shape, tuple(image.get("mean") or ()) or None,
@@ -158,6 +167,9 @@ def search_summary(state: ServingState) -> dict:
     entry = search_entry(state.index.manifest)
     summary = {"kind": entry["kind"], "approximate_groups": [g.version for g in state.groups if g.ann is not None]}
     if entry["kind"] != "flat":
+        # where the exact re-rank reads the rows: the structure's own stored rows (the replica holds no other
+        # copy of the gallery) or the gallery's rows prepared for the exact kernel
+        summary["rerank"] = "structure" if state.index.rows_in_structure else "gallery"
         summary.update({key: entry.get(key) for key in ("params", "effort", "candidates", "recall", "recall_target",
                                                          "sample", "model_version")})
     backfill = state.index.manifest.get("search_backfill")

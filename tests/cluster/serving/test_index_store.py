@@ -148,3 +148,84 @@ def test_backfill_structures_flip_with_their_rows_and_the_old_one_retires(tmp_pa
             assert "search_backfill" not in index.manifest and index.manifest["search"]["model_version"] == "2"
             assert index.manifest["search"]["rows"] == 60 and index.ann_backfill is None
             assert {v: s.size for v, s in index.structures().items()} == {"2": 60}
+
+
+@pytest.mark.parametrize("kind", ["ivf", "hnsw", "ivfpq"])
+def test_a_lean_load_keeps_the_rows_only_in_a_structure_that_holds_them_exactly(tmp_path, kind):
+    """lean: an IVF / HNSW index of one version is held by its structure alone (its stored rows read back equal the
+    fp16 rows given); IVF-PQ (lossy codes), a flat index and a gallery of two versions keep the loaded rows."""
+    from cluster.serving.index_build import AnnSettings, build_search_entry
+    from compat_core.retrieval.mixed_gallery import unit_rows
+
+    rng = np.random.default_rng(1)
+    root = str(tmp_path / "index")
+    rows = rng.standard_normal((400, 8))
+    rows = (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float16).astype(np.float32)
+    entry = build_search_entry(root, rows, rng.standard_normal((50, 8)), AnnSettings(kind, 0.5, 50, 0), "1")
+    shards = [write_shard(root, shard_table(np.arange(400), [f"id{i}" for i in range(400)], rows, "1"))]
+    head = commit_manifest(root, new_manifest(8, 400, {"name": "m", "version": "1"}, shards, search=entry))
+    lean = load_index(root, lean=True)
+    holds = kind != "ivfpq"
+    assert lean.rows_in_structure is holds and (lean.embeddings is None) is holds
+    assert (lean.size, lean.dim) == (400, 8) and lean.item_ids[399] == "id399"
+    # the build stores L2-normalised fp32 rows: IVF keeps them in fp16 (the given fp16 rows back), HNSW in fp32
+    unit = unit_rows(rows).numpy()
+    expected = {"ivf": rows[123], "hnsw": unit[123], "ivfpq": lean.embeddings[123] if not holds else None}[kind]
+    np.testing.assert_array_equal(lean.row(123), expected)
+    assert not load_index(root).rows_in_structure          # the default load keeps the rows
+    other = write_shard(root, shard_table([5], ["id5"], rows[6:7], "2"))
+    commit_manifest(root, {**lean.manifest, "shards": lean.manifest["shards"] + [other]}, expected_head=head)
+    mixed = load_index(root, lean=True)
+    assert not mixed.rows_in_structure and mixed.versions[5] == "2"
+    flat = str(tmp_path / "flat")
+    commit_manifest(flat, new_manifest(8, 400, {"name": "m", "version": "1"},
+                                       [write_shard(flat, shard_table(np.arange(400), range(400), rows, "1"))]))
+    assert not load_index(flat, lean=True).rows_in_structure
+
+
+def test_serving_state_of_a_lean_index_searches_the_stored_rows_and_refuses_a_gallery_adapter(tmp_path):
+    """build_state over a lean IVF index: one version group with no prepared gallery whose answers equal fp64 brute
+    force over the structure's stored rows (ties to the lowest row); a gallery adapter (it maps stored rows) needs
+    the rows loaded and is refused on a lean index, accepted on a full one."""
+    import torch
+
+    from cluster.serving.index_build import AnnSettings, build_search_entry
+    from cluster.serving.state import build_state
+    from compat_core.kinds import GALLERY_ADAPTERS
+    from compat_core.retrieval.mixed_gallery import search_groups, unit_rows
+    from pipelines.config.model_uri import ModelUri
+
+    rng = np.random.default_rng(2)
+    root = str(tmp_path / "index")
+    rows = rng.standard_normal((300, 8)).astype(np.float32)
+    rows[250] = rows[40]                                      # a tie: row 40 first
+    entry = build_search_entry(root, rows, rng.standard_normal((40, 8)), AnnSettings("ivf", 0.9, 40, 0), "1")
+    shards = [write_shard(root, shard_table(np.arange(300), [f"id{i}" for i in range(300)], rows, "1"))]
+    commit_manifest(root, new_manifest(8, 300, {"name": "m", "version": "1"}, shards, search=entry))
+    state = build_state(ModelUri("m", "1"), None, load_index(root, lean=True), None, "auto")
+    assert len(state.groups) == 1 and state.groups[0].prepared is None and state.groups[0].ann is not None
+    stored = state.index.ann.stored_rows(0, 300).astype(np.float64)
+    stored /= np.linalg.norm(stored, axis=1, keepdims=True)
+    queries = np.vstack([rows[40], rng.standard_normal((20, 8))]).astype(np.float32)
+    positions, scores, _ = search_groups(torch.from_numpy(queries), state.groups, 3)
+    answered = 0
+    for query, got, got_scores in zip(unit_rows(queries).double().numpy(), positions, scores):
+        brute = stored @ (query / np.linalg.norm(query))     # the fp32 unit query, scored in fp64
+        order = np.lexsort((np.arange(300), -brute))[:3]
+        if got.tolist() != order.tolist():    # the structure may miss a row; recall target 0.9, not 1
+            continue
+        answered += 1
+        np.testing.assert_allclose(got_scores, brute[order], rtol=0, atol=1e-12)
+    assert positions[0][:2].tolist() == [40, 250] and answered >= 18
+    adapter = (GALLERY_ADAPTERS[0], "1", None)
+    with pytest.raises(ValueError, match="gallery adapter needs them loaded"):
+        build_state(ModelUri("m", "2"), None, load_index(root, lean=True), adapter, "auto")
+    full = build_state(ModelUri("m", "2"), None, load_index(root), (GALLERY_ADAPTERS[0], "1", _Identity()), "auto")
+    assert full.groups[0].prepared is not None and full.groups[0].ann is None and full.adapter[1] == "1"
+
+
+class _Identity:
+    """A gallery adapter stand-in that leaves the rows as they are."""
+
+    def apply(self, rows):
+        return rows

@@ -35,7 +35,7 @@ def ann_service(mlflow_server, ray_local, tmp_path_factory):
     config = helpers.write_config(folder)
     tracking = ["--tracking-uri", mlflow_server.tracking_uri]
     assert main(["gate", NAME, "--candidate", v1, "--config", str(config)] + tracking) == 0
-    roots = {kind: str(folder / f"index-{kind}") for kind in ("flat", "hnsw")}
+    roots = {kind: str(folder / f"index-{kind}") for kind in ("flat", "hnsw", "ivf")}
     for kind, root in roots.items():
         assert main(["index", "build", root, "--config", str(config), "--model", f"models:/{NAME}@champion",
                      "--kind", kind, "--recall", "0.99", "--sample", "30", "--seed", "3"] + tracking) == 0
@@ -47,12 +47,14 @@ def ann_service(mlflow_server, ray_local, tmp_path_factory):
     url = start(settings("hnsw"), "127.0.0.1", free_port(), num_replicas=1, num_cpus=0)
     serve.run(deployment(num_replicas=1, num_cpus=0).options(name="flat").bind(settings("flat")), name="flat",
               route_prefix="/flat")
-    for base in (url, url + "/flat"):
+    serve.run(deployment(num_replicas=1, num_cpus=0).options(name="ivf").bind(settings("ivf")), name="ivf",
+              route_prefix="/ivf")
+    for base in (url, url + "/flat", url + "/ivf"):
         deadline = time.monotonic() + 120
         while (health := helpers.call(base, "/healthz"))[0] != 200:
             assert time.monotonic() < deadline, f"{base} not loaded within 120 s: {health}"
             time.sleep(0.2)
-    yield {"url": url, "flat": url + "/flat", "client": client, "versions": (v1, v2), "config": config,
+    yield {"url": url, "flat": url + "/flat", "ivf": url + "/ivf", "client": client, "versions": (v1, v2), "config": config,
            "roots": roots, "folder": folder, "tracking": tracking, "tracking_uri": mlflow_server.tracking_uri}
     serve.shutdown()
 
@@ -86,6 +88,7 @@ def test_hnsw_index_answers_equal_the_exact_search(ann_service, capsys):
     assert status == 200 and health["model_version"] == v1
     search = health["search"]
     assert search["kind"] == "hnsw" and search["approximate_groups"] == [v1] and search["model_version"] == v1
+    assert search["rerank"] == "structure"     # the replica holds the rows once, in the structure
     assert search["recall"] >= search["recall_target"] == 0.99 and search["sample"] == {"pool": "query", "size": 30,
                                                                                           "seed": 3}
     assert helpers.call(ann_service["flat"], "/healthz")[1]["search"] == {"kind": "flat", "approximate_groups": []}
@@ -101,7 +104,34 @@ def test_hnsw_index_answers_equal_the_exact_search(ann_service, capsys):
         assert [r["position"] for r in answer["results"]] == order.tolist()
         np.testing.assert_allclose([r["score"] for r in answer["results"]], scores, rtol=0, atol=1e-6)
         flat = helpers.call(ann_service["flat"], "/search", body)[1]
-        assert [r["score"] for r in answer["results"]] == [r["score"] for r in flat["results"]]
+        assert [r["position"] for r in answer["results"]] == [r["position"] for r in flat["results"]]
+        np.testing.assert_allclose([r["score"] for r in answer["results"]], [r["score"] for r in flat["results"]],
+                                   rtol=0, atol=1e-6)
+
+
+def test_ivf_replica_answers_exactly_over_its_stored_fp16_rows(ann_service):
+    """An IVF replica keeps no copy of the gallery but the structure's fp16 lists: every answer is the fp64 brute
+    force over those stored rows (read back from the index file), in its order (lowest row first on ties); a
+    stored row as the query finds itself first."""
+    from cluster.serving.index_store import load_index
+    from compat_core.retrieval.mixed_gallery import unit_rows
+
+    v1 = ann_service["versions"][0]
+    health = helpers.call(ann_service["ivf"], "/healthz")[1]
+    assert health["search"]["kind"] == "ivf" and health["search"]["rerank"] == "structure"
+    assert health["search"]["approximate_groups"] == [v1]
+    index = load_index(ann_service["roots"]["ivf"])
+    stored = index.ann.stored_rows(0, index.size).astype(np.float64)
+    np.testing.assert_array_equal(stored, stored.astype(np.float16).astype(np.float64))   # fp16 rows, as stored
+    assert load_index(ann_service["roots"]["ivf"], lean=True).embeddings is None
+    queries = _features(ann_service, v1, "query")
+    for query in list(queries) + [stored[3]]:
+        status, answer = helpers.call(ann_service["ivf"], "/search", {"embedding": query.tolist(), "k": 5})
+        assert status == 200, answer
+        # the service takes a query as the evaluation does (L2-normalised in fp32), then scores in fp64
+        order, scores = _brute(unit_rows(np.asarray(query, dtype=np.float32)[None])[0].double().numpy(), stored, 5)
+        assert [r["position"] for r in answer["results"]] == order.tolist()
+        np.testing.assert_allclose([r["score"] for r in answer["results"]], scores, rtol=0, atol=1e-12)
 
 
 def test_a_newer_model_searches_the_old_index_unchanged(ann_service):

@@ -120,6 +120,51 @@ def test_every_replica_port_is_on_loopback(sharded):
     assert {ip for ip, _ in listening} <= LOOPBACK, listening
 
 
+def _metric(url: str, name: str) -> int:
+    _, text = helpers.call(url, "/metrics")
+    return int(next(line for line in text.splitlines() if line.startswith(name + " ")).split()[-1])
+
+
+def test_concurrent_queries_go_to_each_shard_together_and_are_answered_each_exactly(sharded):
+    from concurrent.futures import ThreadPoolExecutor
+
+    gallery, url = sharded["gallery"], sharded["url"]
+    queries = _queries(96, 4)
+    calls, bodies = _metric(url, "compat_router_shard_calls_total"), _metric(url, "compat_router_shard_call_bodies_total")
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda q: helpers.call(url, "/search", {"embedding": q.tolist(), "k": K}), queries))
+    for query, (status, answer) in zip(queries, answers):
+        assert status == 200, answer
+        assert [r["position"] for r in answer["results"]] == helpers.brute_rows(query, gallery, K)
+    calls = _metric(url, "compat_router_shard_calls_total") - calls
+    bodies = _metric(url, "compat_router_shard_call_bodies_total") - bodies
+    assert bodies == SHARDS * len(queries) and calls < bodies, (calls, bodies)   # some calls carried several
+
+
+def test_the_sharded_service_serves_the_api_reference_of_one_replica(sharded):
+    from ray import serve
+
+    from cluster.serving.app import APP_NAME
+    from cluster.serving.shard_router import shard_deployment_name
+
+    url = sharded["url"]
+    status, document = helpers.call(url, "/openapi.json")
+    assert status == 200 and document["openapi"] == "3.1.0", document
+    assert set(document["paths"]) == {"/search", "/healthz", "/metrics", "/openapi.json", "/docs"}
+    one_replica = serve.get_deployment_handle(shard_deployment_name(0), APP_NAME).api_document.remote().result()
+    description = document["info"].pop("description")
+    assert description.startswith(one_replica["info"].pop("description"))
+    assert f"Sharded: {SHARDS} shards of {ROWS} items" in description
+    assert document == one_replica
+    example = document["paths"]["/search"]["post"]["requestBody"]["content"]["application/json"]["examples"]
+    status, answer = helpers.call(url, "/search", example["embedding"]["value"])
+    assert status == 200 and len(answer["results"]) == example["embedding"]["value"]["k"], answer
+    status, page = helpers.call(url, "/docs")
+    assert status == 200 and isinstance(page, str) and "<html" in page.lower()
+    for route in document["paths"]:
+        assert route in page, route
+
+
 @pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
 def test_a_killed_shard_replica_is_restarted_with_no_failed_request_and_no_wrong_answer(sharded, how):
     import os
