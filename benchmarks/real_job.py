@@ -10,7 +10,8 @@ What it does, in order, and what it reports (one table, as JSON and markdown, un
    ``identity_CelebA.txt``, ``list_eval_partition.txt``): 2 tasks of 512 identities with 12 train images each, and
    512 other identities with 4 test images each (CelebA's partitions are identity-disjoint). With an S3 server and Ray available (``--executor ray``, what the test suite's machine has),
    they are ingested into the local S3 server with ``compat ingest`` and read from the bucket.
-3. ``product``: ``compat run`` of the real config ``configs/iam-cl2r-celeba-dinov3-t16.yaml`` with its data roots
+3. ``product``: once per ``training.compile`` value (``--compile``; default off, then on: the eager and the
+   compiled step, the compile time inside the compiled run's time to first step) ``compat run`` of the real config ``configs/iam-cl2r-celeba-dinov3-t16.yaml`` with its data roots
    overridden, 2 of its 16 tasks (task 1 trains d-Simplex-HOC against the frozen task-0 model, K = 22,000), no
    third-party stages (random initial weights: speed does not depend on them) and a step budget
    (``training.steps_per_epoch``). From the stage records: images/s (mean over the task's steps, the wait for the
@@ -70,6 +71,7 @@ class Shape:
     backbone_config: dict
     entry_rows: int            # query = gallery rows of the matrix entry
     input_workers: int
+    compile_modes: tuple = ("off", "on")   # training.compile of each product run (eager, then compiled)
 
 
 FULL = Shape(image_size=224, num_slots=22000, identities_per_task=512, train_images=12, test_identities=512,
@@ -243,7 +245,8 @@ def _compat(arguments: list[str], env: dict, timeout_s: float) -> float:
     return time.perf_counter() - started
 
 
-def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeout_s: float) -> dict:
+def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeout_s: float,
+                compile_mode: str = "off") -> dict:
     """``compat run`` of the CelebA config at ``shape``; per-task numbers read back from the run's stage records."""
     from pipelines.store.run_store import RunStore
 
@@ -274,6 +277,7 @@ def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeou
             "pretrain": [], "initial_model": None, "replacements": [],
             "training.epochs": shape.epochs, "training.steps_per_epoch": shape.steps,
             "training.batch_size": shape.batch_size, "training.input_workers": shape.input_workers,
+            "training.compile": compile_mode,
             **{f"evaluation.{name}.{field}": pool[field] for name in ("query_set", "gallery_set")
                for field in ("dataset", "root", "options")},
             "resources.finetune": {"num_gpus": gpus, "num_cpus": cpus},
@@ -298,6 +302,7 @@ def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeou
                 entry_seconds += float(features.get("seconds") or 0.0)
             if not key.startswith("finetune-"):
                 continue
+            compiled = store.load_manifest(key).get("compile")
             training = record.get("training") or {}
             window = training.get("loop_unix_seconds") or [0.0, 0.0]
             first = training.get("first_step_seconds")
@@ -311,6 +316,7 @@ def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeou
                 "peak_gpu_memory_gib": (training["peak_device_memory_bytes"] / 2**30
                                         if training.get("peak_device_memory_bytes") else None),
                 "stage_seconds": seconds,
+                "compiled": compiled,
             })
         metrics = json.loads((work / "run" / "metrics.json").read_text())
         return {"executor": executor, "data": "s3 (ingested shards)" if server is not None else "local JPEG files",
@@ -435,13 +441,15 @@ def markdown(report: dict) -> str:
         row(f"product path ({workers} input workers)",
             f"compat run --executor {product.get('executor')}, data {product.get('data')}, "
             f"tracking {product.get('tracking')}, {product.get('wall_seconds', 0):.1f} s wall")
+        step = f"compile {product.get('compile', 'off')}"
         for task in product.get("tasks", []):
-            name = f"{workers} workers, task {task['task']} ({'HOC, frozen old model' if task['task'] else 'SCE only'})"
+            name = (f"{workers} workers, {step}, task {task['task']} "
+                    f"({'HOC, frozen old model' if task['task'] else 'SCE only'})")
             for key in ("images_per_s", "device_busy_fraction", "input_stall_fraction", "peak_gpu_memory_gib",
-                        "first_step_seconds"):
+                        "first_step_seconds", "compiled"):
                 row(f"{name}: {key}", task.get(key))
-        row(f"{workers} workers: product / bare (task 1, HOC)", product.get("product_over_bare"))
-        row(f"{workers} workers: matrix entries' device, seconds in all",
+        row(f"{workers} workers, {step}: product / bare eager (task 1, HOC)", product.get("product_over_bare"))
+        row(f"{workers} workers, {step}: matrix entries' device, seconds in all",
             f"{', '.join(product.get('entry_devices', []))}, {product.get('entry_seconds', 0):.2f} s")
     entry = report.get("entry", {})
     for key, value in entry.items():
@@ -460,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", action="append", default=[], choices=("tests", "product", "bare", "entry"))
     parser.add_argument("--input-workers", type=int, nargs="+", default=None,
                         help="run the product once per value of training.input_workers (default: the config's 3)")
+    parser.add_argument("--compile", nargs="+", default=None, choices=("off", "on", "auto"),
+                        help="run the product once per training.compile value (default: off, then on)")
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds allowed to each subprocess")
     args = parser.parse_args(argv)
     shape = SMOKE if args.smoke else FULL
@@ -490,11 +500,13 @@ def main(argv: list[str] | None = None) -> int:
             report["data"] = write_celeba(work / "celeba", shape)
             log(f"  {report['data']}")
             for workers in args.input_workers or [shape.input_workers]:
-                sized = Shape(**{**shape.__dict__, "input_workers": workers})
-                product = run_product(sized, work / f"workers-{workers}", work / "celeba", executor, args.timeout)
-                product["input_workers"] = workers
-                report.setdefault("products", []).append(product)
-                log(f"  {json.dumps(product)}")
+                for compile_mode in args.compile or shape.compile_modes:
+                    sized = Shape(**{**shape.__dict__, "input_workers": workers})
+                    product = run_product(sized, work / f"workers-{workers}-compile-{compile_mode}", work / "celeba",
+                                          executor, args.timeout, compile_mode)
+                    product["input_workers"], product["compile"] = workers, compile_mode
+                    report.setdefault("products", []).append(product)
+                    log(f"  {json.dumps(product)}")
             report["product"] = report["products"][0]
     if "bare" not in args.skip:
         log("bare PyTorch/timm step")
