@@ -91,6 +91,7 @@ class RunSettings(FrozenInputs):
     checkpoint_every_minutes: float = 10.0
     input_workers: int = 0
     prefetch_batches: int = 2
+    persistent_workers: bool = False
     guards: DataGuards | None = None
 
     @classmethod

@@ -118,6 +118,11 @@ class TrainConfig(StrictModel):
                                "of 224 px CelebA-sized JPEG from ingested shards with decoder torchvision, ~1,200 "
                                "with PIL, on one AMD EPYC core (benchmarks/input_pipeline.py)")
     prefetch_batches: int = Field(2, ge=1, description="batches read ahead per input worker")
+    persistent_workers: bool = Field(
+        False, description="keep the input workers alive after a task for the next task of the same pool in the same "
+        "process (no worker start-up from the second task on; compat_core.data.stream). Off by default: rows the "
+        "next task keeps in memory (ingested shards) are then read from storage by the workers. Not part of any "
+        "stage key")
     log_every_steps: int = Field(0, ge=0)
     checkpoint_every_epochs: int | None = Field(
         None, ge=0, description="pretrain / fine-tune stages save their training state to the run store at epoch "

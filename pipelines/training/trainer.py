@@ -360,7 +360,7 @@ class Trainer:
         plans = plan_epochs(self.data, self.method, self.config, start, self.parallel)
         stream = stream_batches(self.data.source, self.loader.all_indices, [b for plan in plans for b in plan.local],
                                 workers=self.config.input_workers, prefetch=self.config.prefetch_batches,
-                                pin_memory=self.device.type == "cuda")
+                                pin_memory=self.device.type == "cuda", persistent=self.config.persistent_workers)
         with preemption_guard(enabled=self.checkpoints is not None) as preempted, contextlib.closing(stream):
             for plan in plans:
                 self.run_epoch(plan, stream, preempted)
