@@ -24,6 +24,9 @@ What it does, in order, and what it reports (one table, as JSON and markdown, un
    d = 21,999, as stored: fp16) through the product's entry function (``pipelines.stages.entry_metrics.compute_entry``) on
    the GPU, as an entry stage with a GPU runs it, and on the CPU, both checked against an fp64 brute-force Recall@1.
 
+6. ``workers``: the second task's time to its first step with input workers started per task and with workers that
+   outlive the first task (``training.persistent_workers``), in one process (``benchmarks/persistent_workers.py``).
+
 Where Ray, MLflow or the S3 server are not installed (a bare GPU machine), step 3 runs the same stages through
 ``compat run --executor local --tracking-uri none`` and the table says so. Never reports a number it did not measure.
 """
@@ -418,6 +421,24 @@ def run_entry(shape: Shape, device: torch.device) -> dict:
     return result
 
 
+# ---- 6. input workers that outlive a task --------------------------------------------------------------------------
+def run_workers(shape: Shape, repeats: int) -> dict:
+    """The second task's time to its first step with input workers started per task and with persistent ones
+    (``training.persistent_workers``), two tasks in this process (``benchmarks/persistent_workers.py``)."""
+    spec = importlib.util.spec_from_file_location("persistent_workers", ROOT / "benchmarks" / "persistent_workers.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    source = bench.pool(256, 32)
+    workers = max(1, shape.input_workers)
+    times: dict[str, list[float]] = {"per_stage": [], "persistent": []}
+    for _ in range(repeats):
+        times["per_stage"].append(bench.second_task_first_step(source, workers, 2, False))
+        times["persistent"].append(bench.second_task_first_step(source, workers, 2, True))
+    per_stage, persistent = float(np.median(times["per_stage"])), float(np.median(times["persistent"]))
+    return {"input_workers": workers, "second_task_first_step_per_stage_s": per_stage,
+            "second_task_first_step_persistent_s": persistent, "persistent_over_per_stage": persistent / per_stage}
+
+
 # ---- report --------------------------------------------------------------------------------------------------------
 def markdown(report: dict) -> str:
     lines = [f"# real_job ({report['mode']}), {report['date']}", "",
@@ -451,6 +472,8 @@ def markdown(report: dict) -> str:
         row(f"{workers} workers, {step}: product / bare eager (task 1, HOC)", product.get("product_over_bare"))
         row(f"{workers} workers, {step}: matrix entries' device, seconds in all",
             f"{', '.join(product.get('entry_devices', []))}, {product.get('entry_seconds', 0):.2f} s")
+    for key, value in report.get("workers", {}).items():
+        row(f"input workers: {key}", value)
     entry = report.get("entry", {})
     for key, value in entry.items():
         row(f"matrix entry: {key}", value)
@@ -465,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: ray with S3 where Ray, MLflow and the S3 server are installed, else local")
     parser.add_argument("--steps", type=int, default=None, help="step budget per epoch (default: the shape's)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs per task (default: the shape's, 1)")
-    parser.add_argument("--skip", action="append", default=[], choices=("tests", "product", "bare", "entry"))
+    parser.add_argument("--skip", action="append", default=[],
+                        choices=("tests", "product", "bare", "entry", "workers"))
     parser.add_argument("--input-workers", type=int, nargs="+", default=None,
                         help="run the product once per value of training.input_workers (default: the config's 3)")
     parser.add_argument("--compile", nargs="+", default=None, choices=("off", "on", "auto"),
@@ -521,6 +545,10 @@ def main(argv: list[str] | None = None) -> int:
         log("one matrix entry at CelebA's shape")
         report["entry"] = run_entry(shape, device)
         log(f"  {report['entry']}")
+    if "workers" not in args.skip:
+        log("input workers per task against persistent workers (second task's time to first step)")
+        report["workers"] = run_workers(shape, 1 if args.smoke else 3)
+        log(f"  {report['workers']}")
     report["seconds"] = time.perf_counter() - started
     (out / "real_job.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "real_job.md").write_text(markdown(report))

@@ -34,6 +34,8 @@ def test_real_job_smoke_runs_the_product_path_and_reports(tmp_path):
     for mode, run in products.items():
         assert {task["compiled"] for task in run["tasks"]} == {mode}
         assert run["product_over_bare"] > 0
+    workers = report["workers"]
+    assert workers["second_task_first_step_per_stage_s"] > 0 and workers["second_task_first_step_persistent_s"] > 0
     entry = report["entry"]
     assert entry["product_entry_cpu_equal_to_fp64"]
     assert entry["product_entry_cpu_recall_at_1"] == entry["fp64_recall_at_1"]
