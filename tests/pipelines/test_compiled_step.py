@@ -145,3 +145,13 @@ def test_the_resolved_compile_setting_is_in_the_training_stage_key():
     assert on.model_dump() != off.model_dump()
     with pytest.raises(ValueError, match="compile"):
         TrainConfig(compile="yes")
+
+
+def test_calibrate_show_lists_the_compile_probe(tmp_path, monkeypatch):
+    from compat_core.hardware import calibration
+
+    monkeypatch.setenv("COMPAT_CALIBRATION_DIR", str(tmp_path))
+    calibration._update("cpu", "compile", "train-CNN4-x", {"eager_s": 0.01, "compiled_s": 0.005, "compile_s": 12.0,
+                                                          "probe_batch": 16})
+    shown = calibration.format_calibration(calibration.load("cpu"))
+    assert "compile train-CNN4-x: eager 10.0 ms, compiled 5.0 ms per step, compile 12.0 s" in shown
