@@ -10,7 +10,8 @@ What it does, in order, and what it reports (one table, as JSON and markdown, un
    ``identity_CelebA.txt``, ``list_eval_partition.txt``): 2 tasks of 512 identities with 12 train images each, and
    512 other identities with 4 test images each (CelebA's partitions are identity-disjoint). With an S3 server and Ray available (``--executor ray``, what the test suite's machine has),
    they are ingested into the local S3 server with ``compat ingest`` and read from the bucket.
-3. ``product``: ``compat run`` of the real config ``configs/iam-cl2r-celeba-dinov3-t16.yaml`` with its data roots
+3. ``product``: once per ``training.compile`` value (``--compile``; default off, then on: the eager and the
+   compiled step, the compile time inside the compiled run's time to first step) ``compat run`` of the real config ``configs/iam-cl2r-celeba-dinov3-t16.yaml`` with its data roots
    overridden, 2 of its 16 tasks (task 1 trains d-Simplex-HOC against the frozen task-0 model, K = 22,000), no
    third-party stages (random initial weights: speed does not depend on them) and a step budget
    (``training.steps_per_epoch``). From the stage records: images/s (mean over the task's steps, the wait for the
@@ -22,6 +23,9 @@ What it does, in order, and what it reports (one table, as JSON and markdown, un
 5. ``entry``: one matrix entry at CelebA's evaluation shape (about 10,000 query x 10,000 gallery features of
    d = 21,999, as stored: fp16) through the product's entry function (``pipelines.stages.entry_metrics.compute_entry``) on
    the GPU, as an entry stage with a GPU runs it, and on the CPU, both checked against an fp64 brute-force Recall@1.
+
+6. ``workers``: the second task's time to its first step with input workers started per task and with workers that
+   outlive the first task (``training.persistent_workers``), in one process (``benchmarks/persistent_workers.py``).
 
 Where Ray, MLflow or the S3 server are not installed (a bare GPU machine), step 3 runs the same stages through
 ``compat run --executor local --tracking-uri none`` and the table says so. Never reports a number it did not measure.
@@ -70,6 +74,7 @@ class Shape:
     backbone_config: dict
     entry_rows: int            # query = gallery rows of the matrix entry
     input_workers: int
+    compile_modes: tuple = ("off", "on")   # training.compile of each product run (eager, then compiled)
 
 
 FULL = Shape(image_size=224, num_slots=22000, identities_per_task=512, train_images=12, test_identities=512,
@@ -243,7 +248,8 @@ def _compat(arguments: list[str], env: dict, timeout_s: float) -> float:
     return time.perf_counter() - started
 
 
-def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeout_s: float) -> dict:
+def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeout_s: float,
+                compile_mode: str = "off") -> dict:
     """``compat run`` of the CelebA config at ``shape``; per-task numbers read back from the run's stage records."""
     from pipelines.store.run_store import RunStore
 
@@ -274,6 +280,7 @@ def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeou
             "pretrain": [], "initial_model": None, "replacements": [],
             "training.epochs": shape.epochs, "training.steps_per_epoch": shape.steps,
             "training.batch_size": shape.batch_size, "training.input_workers": shape.input_workers,
+            "training.compile": compile_mode,
             **{f"evaluation.{name}.{field}": pool[field] for name in ("query_set", "gallery_set")
                for field in ("dataset", "root", "options")},
             "resources.finetune": {"num_gpus": gpus, "num_cpus": cpus},
@@ -298,6 +305,7 @@ def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeou
                 entry_seconds += float(features.get("seconds") or 0.0)
             if not key.startswith("finetune-"):
                 continue
+            compiled = store.load_manifest(key).get("compile")
             training = record.get("training") or {}
             window = training.get("loop_unix_seconds") or [0.0, 0.0]
             first = training.get("first_step_seconds")
@@ -311,6 +319,7 @@ def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeou
                 "peak_gpu_memory_gib": (training["peak_device_memory_bytes"] / 2**30
                                         if training.get("peak_device_memory_bytes") else None),
                 "stage_seconds": seconds,
+                "compiled": compiled,
             })
         metrics = json.loads((work / "run" / "metrics.json").read_text())
         return {"executor": executor, "data": "s3 (ingested shards)" if server is not None else "local JPEG files",
@@ -412,6 +421,24 @@ def run_entry(shape: Shape, device: torch.device) -> dict:
     return result
 
 
+# ---- 6. input workers that outlive a task --------------------------------------------------------------------------
+def run_workers(shape: Shape, repeats: int) -> dict:
+    """The second task's time to its first step with input workers started per task and with persistent ones
+    (``training.persistent_workers``), two tasks in this process (``benchmarks/persistent_workers.py``)."""
+    spec = importlib.util.spec_from_file_location("persistent_workers", ROOT / "benchmarks" / "persistent_workers.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    source = bench.pool(256, 32)
+    workers = max(1, shape.input_workers)
+    times: dict[str, list[float]] = {"per_stage": [], "persistent": []}
+    for _ in range(repeats):
+        times["per_stage"].append(bench.second_task_first_step(source, workers, 2, False))
+        times["persistent"].append(bench.second_task_first_step(source, workers, 2, True))
+    per_stage, persistent = float(np.median(times["per_stage"])), float(np.median(times["persistent"]))
+    return {"input_workers": workers, "second_task_first_step_per_stage_s": per_stage,
+            "second_task_first_step_persistent_s": persistent, "persistent_over_per_stage": persistent / per_stage}
+
+
 # ---- report --------------------------------------------------------------------------------------------------------
 def markdown(report: dict) -> str:
     lines = [f"# real_job ({report['mode']}), {report['date']}", "",
@@ -435,14 +462,18 @@ def markdown(report: dict) -> str:
         row(f"product path ({workers} input workers)",
             f"compat run --executor {product.get('executor')}, data {product.get('data')}, "
             f"tracking {product.get('tracking')}, {product.get('wall_seconds', 0):.1f} s wall")
+        step = f"compile {product.get('compile', 'off')}"
         for task in product.get("tasks", []):
-            name = f"{workers} workers, task {task['task']} ({'HOC, frozen old model' if task['task'] else 'SCE only'})"
+            name = (f"{workers} workers, {step}, task {task['task']} "
+                    f"({'HOC, frozen old model' if task['task'] else 'SCE only'})")
             for key in ("images_per_s", "device_busy_fraction", "input_stall_fraction", "peak_gpu_memory_gib",
-                        "first_step_seconds"):
+                        "first_step_seconds", "compiled"):
                 row(f"{name}: {key}", task.get(key))
-        row(f"{workers} workers: product / bare (task 1, HOC)", product.get("product_over_bare"))
-        row(f"{workers} workers: matrix entries' device, seconds in all",
+        row(f"{workers} workers, {step}: product / bare eager (task 1, HOC)", product.get("product_over_bare"))
+        row(f"{workers} workers, {step}: matrix entries' device, seconds in all",
             f"{', '.join(product.get('entry_devices', []))}, {product.get('entry_seconds', 0):.2f} s")
+    for key, value in report.get("workers", {}).items():
+        row(f"input workers: {key}", value)
     entry = report.get("entry", {})
     for key, value in entry.items():
         row(f"matrix entry: {key}", value)
@@ -457,9 +488,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: ray with S3 where Ray, MLflow and the S3 server are installed, else local")
     parser.add_argument("--steps", type=int, default=None, help="step budget per epoch (default: the shape's)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs per task (default: the shape's, 1)")
-    parser.add_argument("--skip", action="append", default=[], choices=("tests", "product", "bare", "entry"))
+    parser.add_argument("--skip", action="append", default=[],
+                        choices=("tests", "product", "bare", "entry", "workers"))
     parser.add_argument("--input-workers", type=int, nargs="+", default=None,
                         help="run the product once per value of training.input_workers (default: the config's 3)")
+    parser.add_argument("--compile", nargs="+", default=None, choices=("off", "on", "auto"),
+                        help="run the product once per training.compile value (default: off, then on)")
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds allowed to each subprocess")
     args = parser.parse_args(argv)
     shape = SMOKE if args.smoke else FULL
@@ -490,11 +524,13 @@ def main(argv: list[str] | None = None) -> int:
             report["data"] = write_celeba(work / "celeba", shape)
             log(f"  {report['data']}")
             for workers in args.input_workers or [shape.input_workers]:
-                sized = Shape(**{**shape.__dict__, "input_workers": workers})
-                product = run_product(sized, work / f"workers-{workers}", work / "celeba", executor, args.timeout)
-                product["input_workers"] = workers
-                report.setdefault("products", []).append(product)
-                log(f"  {json.dumps(product)}")
+                for compile_mode in args.compile or shape.compile_modes:
+                    sized = Shape(**{**shape.__dict__, "input_workers": workers})
+                    product = run_product(sized, work / f"workers-{workers}-compile-{compile_mode}", work / "celeba",
+                                          executor, args.timeout, compile_mode)
+                    product["input_workers"], product["compile"] = workers, compile_mode
+                    report.setdefault("products", []).append(product)
+                    log(f"  {json.dumps(product)}")
             report["product"] = report["products"][0]
     if "bare" not in args.skip:
         log("bare PyTorch/timm step")
@@ -509,6 +545,10 @@ def main(argv: list[str] | None = None) -> int:
         log("one matrix entry at CelebA's shape")
         report["entry"] = run_entry(shape, device)
         log(f"  {report['entry']}")
+    if "workers" not in args.skip:
+        log("input workers per task against persistent workers (second task's time to first step)")
+        report["workers"] = run_workers(shape, 1 if args.smoke else 3)
+        log(f"  {report['workers']}")
     report["seconds"] = time.perf_counter() - started
     (out / "real_job.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "real_job.md").write_text(markdown(report))

@@ -9,6 +9,13 @@ host-to-device copy can be ``non_blocking``.
 
 ``workers=0`` reads in the calling thread, exactly as a plain loop (no processes to start: the right choice for
 tiny data and for a 1-2 core budget).
+
+``persistent=True`` keeps the workers of a source alive after the stream ends, for the next stream of the same
+source object in this process (the next task of a run: pools are cached per process, so consecutive stages on one
+executor process share the source): that stream starts without forking workers. The batches then travel as source
+rows, so any indices of the source can be read; the pool is rebuilt when the source, the worker count, the prefetch
+depth or the image shape differ, or a batch is larger than its buffers. Rows a later task asks a source over row-group
+storage to keep in memory (``keep_rows``) after the workers started are read from storage by them instead.
 """
 from __future__ import annotations
 
@@ -30,18 +37,20 @@ class _BatchReads(torch.utils.data.Dataset):
     with reused buffers) and a file-descriptor hand-over through a socket to the consumer (~1.5 ms of the
     consumer's CPU time per batch)."""
 
-    def __init__(self, source, indices: np.ndarray, buffers: list[list[torch.Tensor]] | None = None) -> None:
+    def __init__(self, source, indices: np.ndarray | None, buffers: list[list[torch.Tensor]] | None = None) -> None:
         self.source = source
-        self.indices = np.asarray(indices, dtype=np.int64)
+        self.indices = None if indices is None else np.asarray(indices, dtype=np.int64)  # None: items are rows
         self.buffers = buffers
         self._reads = 0
 
     def __len__(self) -> int:
-        return int(self.indices.shape[0])
+        return int(len(self.source) if self.indices is None else self.indices.shape[0])
 
     def read(self, positions) -> np.ndarray:
-        """uint8 images ``(n, H, W, C)`` of ``source[indices[positions]]``."""
-        return np.ascontiguousarray(self.source.read(self.indices[np.asarray(positions, dtype=np.int64)]))
+        """uint8 images ``(n, H, W, C)`` of ``source[indices[positions]]`` (of ``source[positions]`` without
+        indices)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        return np.ascontiguousarray(self.source.read(positions if self.indices is None else self.indices[positions]))
 
     def __getitem__(self, positions):
         positions = np.asarray(positions, dtype=np.int64)
@@ -80,8 +89,64 @@ def _worker_init(_: int) -> None:
     cv2.setNumThreads(1)
 
 
+class _Batches(torch.utils.data.Sampler):
+    """The sampler of a persistent pool: the rows of the current stream's batches, set before each pass."""
+
+    def __init__(self) -> None:
+        self.batches: list[np.ndarray] = []
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class _Pool:
+    """Workers of one source that outlive a stream: a DataLoader with persistent workers over source rows."""
+
+    def __init__(self, source, workers: int, prefetch: int, rows: int, shape: tuple[int, ...]) -> None:
+        self.source, self.workers, self.prefetch, self.rows, self.shape = source, workers, prefetch, rows, shape
+        self.buffers = [[torch.empty((rows, *shape), dtype=torch.uint8).share_memory_() for _ in range(prefetch + 2)]
+                        for _ in range(workers)]
+        self.sampler = _Batches()
+        self.loader = torch.utils.data.DataLoader(
+            _BatchReads(source, None, self.buffers), sampler=self.sampler, batch_size=None, num_workers=workers,
+            prefetch_factor=prefetch, collate_fn=_as_is, worker_init_fn=_worker_init, persistent_workers=True)
+
+    def fits(self, source, workers: int, prefetch: int, rows: int, shape: tuple[int, ...]) -> bool:
+        return (source is self.source and workers == self.workers and prefetch == self.prefetch
+                and rows <= self.rows and shape == self.shape)
+
+    def close(self) -> None:
+        """Stop the workers now (they also stop with the process)."""
+        iterator = getattr(self.loader, "_iterator", None)
+        if iterator is not None:
+            iterator._shutdown_workers()
+            self.loader._iterator = None
+
+
+_POOLS: dict[int, _Pool] = {}   # id(source) -> its persistent pool (one per source object in this process)
+
+
+def close_persistent_workers() -> None:
+    """Stop every persistent pool of this process."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def _persistent_pool(source, workers: int, prefetch: int, rows: int, shape: tuple[int, ...]) -> _Pool:
+    pool = _POOLS.get(id(source))
+    if pool is not None and not pool.fits(source, workers, prefetch, rows, shape):
+        pool.close()
+        pool = None
+    if pool is None:
+        pool = _POOLS[id(source)] = _Pool(source, workers, prefetch, rows, shape)
+    return pool
+
+
 def stream_batches(source, indices: np.ndarray, batches: Iterable[np.ndarray] | Sequence[np.ndarray], *,
-                   workers: int = 0, prefetch: int = 2, pin_memory: bool = False
+                   workers: int = 0, prefetch: int = 2, pin_memory: bool = False, persistent: bool = False
                    ) -> Iterator[tuple[np.ndarray, torch.Tensor]]:
     """Yield ``(positions, images)`` for each batch of ``batches`` in order: positions index ``indices``; images
     are uint8 ``(n, H, W, C)`` CPU tensors of ``source.read(indices[positions])`` (pinned when ``pin_memory``).
@@ -90,7 +155,8 @@ def stream_batches(source, indices: np.ndarray, batches: Iterable[np.ndarray] | 
     With workers, a yielded ``images`` tensor is a view of a shared buffer that its worker reuses: it stays valid
     while the consumer works on it and the next batch is drawn (each worker cycles through ``prefetch + 2``
     buffers, at most ``prefetch`` of them written ahead), but not beyond that: copy it (``.clone()``) to keep it.
-    Pinned batches (``pin_memory``) are copies already.
+    Pinned batches (``pin_memory``) are copies already. persistent: keep the workers for the next stream of the same
+    source (module docstring); one such stream of a source at a time.
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ValueError(f"workers must be an int >= 0 (decoding processes), got {workers!r}")
@@ -107,6 +173,14 @@ def stream_batches(source, indices: np.ndarray, batches: Iterable[np.ndarray] | 
     # consumer holds one, so the batch in use and the one before it are never overwritten
     rows = max((b.size for b in batches), default=0)
     shape = tuple(int(v) for v in source.image_shape)
+    if persistent:
+        pool = _persistent_pool(source, workers, prefetch, rows, shape)
+        indices = np.asarray(indices, dtype=np.int64)
+        pool.sampler.batches = [indices[positions] for positions in batches]
+        for positions, (_, worker, slot, count) in zip(batches, pool.loader):
+            images = pool.buffers[worker][slot][:count]
+            yield positions, (images.pin_memory() if pin_memory else images)
+        return
     buffers = [[torch.empty((rows, *shape), dtype=torch.uint8).share_memory_() for _ in range(prefetch + 2)]
                for _ in range(workers)]
     loader = torch.utils.data.DataLoader(
@@ -118,4 +192,4 @@ def stream_batches(source, indices: np.ndarray, batches: Iterable[np.ndarray] | 
         yield positions, (images.pin_memory() if pin_memory else images)
 
 
-__all__ = ["keep_rows", "stream_batches", "to_device"]
+__all__ = ["close_persistent_workers", "keep_rows", "stream_batches", "to_device"]

@@ -12,6 +12,8 @@ candidates are timed once per machine and device and the result is cached as JSO
   auto`` uses the faster (``autocast_choice`` in :mod:`compat_core.hardware.workloads`); the model is measured
   on a copy, so its weights, its batch-norm statistics and the global RNG state are untouched (results do not
   depend on whether the cache existed).
+- ``compile``: seconds of a training step eager and through ``torch.compile`` and the compile time itself
+  (``compat_core.hardware.compile_probe``: ``training.compile: auto``).
 
 Cache: ``$COMPAT_CALIBRATION_DIR`` or ``$XDG_CACHE_HOME/compat/calibration`` (default ``~/.cache/compat/
 calibration``), one file per key (device name, core count, torch threads, torch version, CPU-flag digest). A file
@@ -404,4 +406,7 @@ def format_calibration(document: dict[str, Any] | None, path: Path | None = None
         seconds = entry["seconds_per_step"]
         timings = ", ".join(f"{dtype} {value * 1e3:.1f} ms" for dtype, value in seconds.items())
         lines.append(f"  {name}: {timings} -> autocast auto = {entry['choice']}")
+    for name, entry in sorted((document.get("compile") or {}).items()):
+        lines.append(f"  compile {name}: eager {entry['eager_s'] * 1e3:.1f} ms, compiled {entry['compiled_s'] * 1e3:.1f} "
+                     f"ms per step, compile {entry['compile_s']:.1f} s (auto decides per stage from its steps)")
     return "\n".join(lines)

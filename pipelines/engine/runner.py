@@ -337,7 +337,7 @@ def record_invocation(store: RunStore, summary: Invocation, graph: StageGraph) -
     store.write_text(f"executions/{time.strftime('%Y%m%dT%H%M%S')}-{summary.run_id}.json", json.dumps({
         "run_id": summary.run_id, "executed": summary.executed, "skipped": summary.skipped,
         "seconds": summary.seconds, "code_version": graph.code_version,
-        "precision": precision_name(graph.config.training.autocast),
+        "precision": precision_name(graph.config.training.autocast), "compile": graph.config.training.compile,
         **(graph.origin or RunOrigin()).as_json()}, indent=1))
 
 

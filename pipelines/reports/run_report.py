@@ -117,6 +117,7 @@ def render_report_markdown(results: RunResult, images: dict[str, str] | None = N
         f"({'strict' if matrix.strict else 'non-strict'}); {int(failing.sum())} of {pairs} cross-tests fail it",
         f"- replacements at tasks (1-based): {replaced}",
         f"- precision: {results.precision or 'unknown'} (`training.autocast` as resolved for this run)",
+        f"- compiled training step: {results.compiled or 'unknown'} (`training.compile` as resolved for this run)",
         "",
     ]
     if results.warnings:

@@ -78,6 +78,14 @@ class RunResult:
         return precision_name(training["autocast"]) if "autocast" in training else None
 
     @property
+    def compiled(self) -> str | None:
+        """on | off: whether the run's training steps ran compiled (its resolved ``training.compile``; off for a
+        config written before the setting existed), None when the config is unknown."""
+        if self.config is None:
+            return None
+        return str(((self.config or {}).get("training") or {}).get("compile", "off"))
+
+    @property
     def method(self) -> str:
         """The method's name from the config ('' when the config is unknown)."""
         method = (self.config or {}).get("method")

@@ -60,6 +60,15 @@ def verification_pairs(query_labels: np.ndarray, gallery_labels: np.ndarray, cou
     return index_a[order], index_b[order], same[order]
 
 
+def _to_device(features, device: torch.device) -> torch.Tensor:
+    """(N, D) float32 features on ``device``: half/float rows cross as stored and are widened there; on the CPU
+    exactly the float32 array the host makes."""
+    array = np.asarray(features)
+    if device.type == "cpu" or array.dtype not in (np.float16, np.float32):
+        return torch.from_numpy(np.asarray(array, dtype=np.float32)).to(device)
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True).float()
+
+
 def compute_entry(query: tuple, gallery: tuple, protocol: dict, config: ScenarioConfig,
                   query_classes: int = 0, gallery_classes: int = 0, adapters: list | None = None,
                   device: torch.device | str = "cpu") -> float:
@@ -82,7 +91,8 @@ def entry_metric(query: tuple, gallery: tuple, rules: EntryRules, query_classes:
     (compat_core.upgrades.adapters, FAN's psi) that map the gallery model's features into the query model's space,
     oldest first (see :func:`pipelines.stages.entries.entry_adapters`), applied by
     :func:`compat_core.upgrades.adapters.apply_chain`. device: where the retrieval metrics search (the entry stage's
-    device: a GPU where the stage has one); the top-1 is exact on every device. Returns a fraction in [0, 1].
+    device: a GPU where the stage has one); their rows cross to it once as stored and are widened and normalised
+    there (no host round trip); the top-1 is exact on every device. Returns a fraction in [0, 1].
     """
     protocol = rules.protocol
     q_features, q_labels, q_coarse = query
@@ -91,9 +101,14 @@ def entry_metric(query: tuple, gallery: tuple, rules: EntryRules, query_classes:
         if q_coarse is None or g_coarse is None:
             raise ValueError("evaluation.label_level: 'coarse' needs a dataset with coarse labels (this one has none)")
         q_labels, g_labels = q_coarse, g_coarse
-    q = torch.from_numpy(np.asarray(q_features, dtype=np.float32))
-    g = torch.from_numpy(np.asarray(g_features, dtype=np.float32))
     method = configured_method(rules.method)
+    metric = protocol.metric
+    # the retrieval metrics search on ``device``: the stored rows (fp16 as stored: half the bytes) cross to it once
+    # and are widened and normalised there; projections, adapters and the verification pairs stay on the host
+    on_device = metric in ("recall_at_1", "map") and not adapters and not getattr(method, "training_free", False)
+    where = torch.device(device) if on_device else torch.device("cpu")
+    q = _to_device(q_features, where)
+    g = _to_device(g_features, where)
     if getattr(method, "training_free", False):
         # features are logits; PSP/LSP project both into the class space of the older (gallery) model
         q = method.extract_features(q, num_classes_old=gallery_classes or None)
@@ -104,7 +119,6 @@ def entry_metric(query: tuple, gallery: tuple, rules: EntryRules, query_classes:
     g = torch.nn.functional.normalize(g.float(), dim=1)
     q_labels = np.asarray(q_labels, dtype=np.int64)
     g_labels = np.asarray(g_labels, dtype=np.int64)
-    metric = protocol.metric
     if metric in ("recall_at_1", "map"):
         q, g = q.to(device), g.to(device)
         if protocol.gallery == "class_means":

@@ -91,6 +91,7 @@ class RunSettings(FrozenInputs):
     checkpoint_every_minutes: float = 10.0
     input_workers: int = 0
     prefetch_batches: int = 2
+    persistent_workers: bool = False
     guards: DataGuards | None = None
 
     @classmethod
@@ -117,6 +118,7 @@ class TrainRecipe(FrozenInputs):
     model_selection: Literal["last", "compatibility"]
     selection_holdout: float
     autocast: Autocast
+    compile: Literal["auto", "on", "off"]
     augment: bool
     replay_sampling: Literal["half_and_half", "mixed"]
     log_every_steps: int
@@ -289,6 +291,11 @@ class PretrainInputs(FrozenInputs):
     def precision(self) -> str:
         return precision_name(self.training.autocast)
 
+    @property
+    def compiled(self) -> str:
+        """on | off: whether the stage's training step runs compiled (``training.compile`` as resolved)."""
+        return self.training.compile
+
 
 class TrainInputs(FrozenInputs):
     """One task of the model line (finetune or replace): its data slice (pool and classes up to its task), the
@@ -315,6 +322,11 @@ class TrainInputs(FrozenInputs):
     @property
     def precision(self) -> str:
         return precision_name(self.training.autocast)
+
+    @property
+    def compiled(self) -> str:
+        """on | off: whether the stage's training step runs compiled (``training.compile`` as resolved)."""
+        return self.training.compile
 
 
 class ExtractInputs(FrozenInputs):

@@ -7,8 +7,17 @@ a batch of its fine-tuning pool, on the run's device. The resolved value replace
 every training and extract stage's key, in their manifests, in config.yaml and the MLflow params; stages never
 measure. A config that pins bf16 / fp16 / off is returned with its setting spelled as such (true -> auto,
 false -> off) and nothing is measured.
+
+``training.compile: auto`` is resolved the same way, after the precision and under it, to "on" or "off": a timed
+eager and compiled training step of the same model on the same batch, the compile time counted
+(``compat_core.hardware.compile_probe``, cached per machine, batch shape and torch version), compiled only where it
+pays over a fine-tuning stage's steps (``training.epochs`` times ``training.steps_per_epoch``, or one pass over an
+average task: the pool over the number of split tasks). The resolved value is in the training stages' keys,
+their manifests (``"compile"``), config.yaml, the MLflow params and report.md, like the precision.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -18,7 +27,7 @@ from pipelines.config.schema import ScenarioConfig, resolved_head
 from pipelines.graph.build_inputs import method_classifier
 from pipelines.stages.context import resolve_device
 from pipelines.stages.pools import load_pool
-from pipelines.training.autocast import example_batch, resolve_autocast
+from pipelines.training.autocast import example_batch, resolve_autocast, resolve_compile
 from pipelines.training.settings import autocast_mode
 
 
@@ -48,9 +57,37 @@ def resolve_run_precision(config: ScenarioConfig) -> ScenarioConfig:
                                  f"this driver does not have; pin training.autocast (bf16, fp16 or off)")
             model, example = precision_probe(config, device)
             mode = resolve_autocast("auto", device, model, example, train=True)
-    if mode == config.training.autocast:
+    compiled = resolve_run_compile(config, mode)
+    if mode == config.training.autocast and compiled == config.training.compile:
         return config
-    return config.model_copy(update={"training": config.training.model_copy(update={"autocast": mode})})
+    training = config.training.model_copy(update={"autocast": mode, "compile": compiled})
+    return config.model_copy(update={"training": training})
 
 
-__all__ = ["precision_probe", "resolve_run_precision"]
+def stage_steps(config: ScenarioConfig, pool_size: int) -> int:
+    """Optimiser steps of one fine-tuning stage as ``compile: auto`` weighs them: epochs times the configured cap,
+    else one pass over the pool split evenly over the tasks."""
+    training = config.training
+    tasks = max(1, config.num_split_tasks)
+    per_epoch = training.steps_per_epoch or max(1, math.ceil(pool_size / tasks / training.batch_size))
+    return training.epochs * per_epoch
+
+
+def resolve_run_compile(config: ScenarioConfig, autocast: str) -> str:
+    """``training.compile`` resolved under the resolved ``autocast``: on | off (see the module doc); ``auto`` is off
+    without measuring when calibration is off."""
+    mode = config.training.compile
+    if mode != "auto":
+        return mode
+    if not calibration_enabled():
+        return "off"
+    device = resolve_device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"training.compile: auto is measured on the run's device {config.device!r}, which this "
+                         f"driver does not have; pin training.compile (on or off)")
+    model, example = precision_probe(config, device)
+    steps = stage_steps(config, len(load_pool(config.data, "data")))
+    return resolve_compile("auto", device, model, example, steps, config.training.batch_size, autocast)
+
+
+__all__ = ["precision_probe", "resolve_run_compile", "resolve_run_precision", "stage_steps"]

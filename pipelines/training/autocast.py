@@ -11,6 +11,7 @@ from torch import nn
 
 from compat_core.data.source import ImageSource
 from compat_core.data.transforms import make_transforms
+from compat_core.hardware.compile_probe import compile_choice
 from compat_core.hardware.workloads import PROBE_BATCH, autocast_choice
 from compat_core.models.precision import autocast_context, has_convolutions, prepare_for_speed
 from pipelines.training.settings import autocast_mode
@@ -40,6 +41,17 @@ def resolve_autocast(mode: Any, device: torch.device | str, model: nn.Module, ex
         return mode
     dtype = autocast_choice(device, model, example, train=train)
     return {None: "off", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def resolve_compile(mode: str, device: torch.device | str, model: nn.Module, example: torch.Tensor, steps: int,
+                    batch_size: int, autocast: Any = "off") -> str:
+    """Turn ``training.compile: auto`` into "on"/"off": compiled where the timed probe says it pays over ``steps``
+    steps of ``batch_size`` under the resolved ``autocast`` (``compat_core.hardware.compile_probe``, cached per
+    machine, shape and torch version); "on"/"off" are returned as is."""
+    if mode != "auto":
+        return mode
+    dtype = _FORCED_DTYPES.get(autocast_mode(autocast))
+    return "on" if compile_choice(device, model, example, steps, batch_size, dtype) else "off"
 
 
 def example_batch(source: ImageSource, indices: np.ndarray, batch_size: int, device: torch.device) -> torch.Tensor:

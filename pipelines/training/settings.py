@@ -19,6 +19,7 @@ SEED_LIMIT = 2 ** 63  # seeds are in [0, 2^63)
 
 _PLAIN_DEVICE = re.compile(r"(cpu|meta|mps|cuda)(:\d+)?")
 AUTOCAST_MODES = ("auto", "bf16", "fp16", "off")
+COMPILE_MODES = ("auto", "on", "off")
 # the arithmetic each resolved autocast setting trains and extracts in ("auto": not resolved yet)
 PRECISION_NAMES = {"off": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": "auto"}
 
@@ -105,6 +106,11 @@ class TrainConfig(StrictModel):
     autocast: bool | Literal["auto", "bf16", "fp16", "off"] = Field(
         True, description="true/auto: bf16/fp16 autocast only where a measured step of the model is faster than fp32 "
         "(compat_core.hardware.calibration, cached per machine); bf16/fp16: force that dtype; false/off: fp32")
+    compile: Literal["auto", "on", "off"] = Field(
+        "off", description="on: the model's forward (and so its backward) compiled with torch.compile; auto: "
+        "compiled only where a timed probe (compile time counted, cached per machine, batch shape and torch version) "
+        "says it pays over the stage's steps; off (default): eager. Changes numerics at rounding level, so the "
+        "resolved value is in every training stage's key")
     augment: bool = Field(True, description="training augmentation of the dataset's transforms")
     replay_sampling: Literal["half_and_half", "mixed"] = "half_and_half"
     input_workers: int = Field(0, ge=0, le=MAX_INPUT_WORKERS, description="CPU processes that read and decode the next batches while a "
@@ -112,6 +118,11 @@ class TrainConfig(StrictModel):
                                "of 224 px CelebA-sized JPEG from ingested shards with decoder torchvision, ~1,200 "
                                "with PIL, on one AMD EPYC core (benchmarks/input_pipeline.py)")
     prefetch_batches: int = Field(2, ge=1, description="batches read ahead per input worker")
+    persistent_workers: bool = Field(
+        False, description="keep the input workers alive after a task for the next task of the same pool in the same "
+        "process (no worker start-up from the second task on; compat_core.data.stream). Off by default: rows the "
+        "next task keeps in memory (ingested shards) are then read from storage by the workers. Not part of any "
+        "stage key")
     log_every_steps: int = Field(0, ge=0)
     checkpoint_every_epochs: int | None = Field(
         None, ge=0, description="pretrain / fine-tune stages save their training state to the run store at epoch "
@@ -153,5 +164,5 @@ class TrainConfig(StrictModel):
         return type(self).model_validate({**dict(self), **values})
 
 
-__all__ = ["AUTOCAST_MODES", "BOUND_FIELDS", "OptimizerSpec", "PRECISION_NAMES", "autocast_mode", "precision_name",
+__all__ = ["AUTOCAST_MODES", "BOUND_FIELDS", "COMPILE_MODES", "OptimizerSpec", "PRECISION_NAMES", "autocast_mode", "precision_name",
            "PRETRAIN_OVERRIDES", "ScheduleSpec", "StrictModel", "TrainConfig"]

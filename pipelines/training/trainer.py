@@ -27,7 +27,8 @@ from torch import nn
 from compat_core.data.stream import keep_rows, stream_batches
 from pipelines.methods.objective import Method, TaskContext
 from pipelines.training import distributed
-from pipelines.training.autocast import autocast_mode, example_batch, precision_context, prepare_model, resolve_autocast
+from pipelines.training.autocast import (autocast_mode, example_batch, precision_context, prepare_model,
+                                         resolve_autocast, resolve_compile)
 from pipelines.training.checkpoints import CheckpointSink, EpochCheckpoint, PreemptionFlag, preemption_guard
 from pipelines.training.records import ProgressHook, TrainRecord, TrainResult, _Window
 from pipelines.training.selection import CompatibilitySelector
@@ -57,11 +58,14 @@ def lr_factor(config: TrainConfig, steps_per_epoch: int) -> Callable[[int], floa
 
 
 def make_optimizer(parameters: list[nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
-    """The optimiser of ``config.optimizer`` over ``parameters``."""
+    """The optimiser of ``config.optimizer`` over ``parameters``: the fused kernels (one launch for every parameter)
+    on CUDA; on the CPU the default per-parameter path, so CPU runs keep their numerics."""
     settings = config.optimizer
+    fused = {"fused": True} if torch.device(config.device).type == "cuda" else {}
     if settings.name == "sgd":
-        return torch.optim.SGD(parameters, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
-    return torch.optim.AdamW(parameters, lr=settings.lr, weight_decay=settings.weight_decay)
+        return torch.optim.SGD(parameters, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay,
+                               **fused)
+    return torch.optim.AdamW(parameters, lr=settings.lr, weight_decay=settings.weight_decay, **fused)
 
 
 def check_model_for_method(model: nn.Module, method: Method, data: TaskData) -> None:
@@ -226,6 +230,7 @@ class Trainer:
         self._prepare_data()
         self._setup_method()
         self._prepare_optimisation()
+        self._compile_step()
         if self.parallel is not None:
             self._wrap_data_parallel()
         if self.config.model_selection == "compatibility":
@@ -302,14 +307,34 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(self.config, self.steps_per_epoch))
         self.total_steps = self.config.epochs * self.steps_per_epoch
 
+    def _compile_step(self) -> None:
+        """``training.compile``: "auto" measured here when the run did not resolve it (a direct call of the loop;
+        every rank takes rank 0's choice); "on" makes the method see compiled forwards of the model and the old
+        model (sharing their parameters: checkpoints, selection and the result keep the plain modules)."""
+        config = self.config
+        if config.compile == "auto":
+            example = example_batch(self.data.source, self.data.indices, config.batch_size, self.device)
+            config = config.model_copy(update={"compile": resolve_compile(
+                "auto", self.device, self.model, example, self.total_steps, config.batch_size, config.autocast)})
+        if self.parallel is not None:
+            config = config.model_copy(update={"compile": self.parallel.agree(config.compile)})
+        self.config = config
+        self.step_model: nn.Module = self.model
+        if config.compile == "on":
+            self.step_model = torch.compile(self.model)
+            self.ctx.model = self.step_model
+            if self.old_model is not None:
+                self.ctx.old_model = torch.compile(self.old_model)
+
     def _wrap_data_parallel(self) -> None:
         """DDP over this rank's rows; the method sees global outputs of both models."""
         parallel, model, old_model = self.parallel, self.model, self.old_model
         parallel.check_batches([positions.size for positions in epoch_batches(self.data, self.method, self.config, 0)],
                                self.parallel_key)
-        self.ctx.model = distributed.GlobalBatchModel(distributed.wrap_model(model, self.device), model, parallel)
+        self.ctx.model = distributed.GlobalBatchModel(distributed.wrap_model(self.step_model, self.device), model,
+                                                      parallel)
         if old_model is not None:
-            self.ctx.old_model = distributed.GlobalBatchModel(old_model, old_model, parallel)
+            self.ctx.old_model = distributed.GlobalBatchModel(self.ctx.old_model, old_model, parallel)
 
     # ---- resume --------------------------------------------------------------------------------------------------
     def resume(self) -> ResumePoint:
@@ -335,7 +360,7 @@ class Trainer:
         plans = plan_epochs(self.data, self.method, self.config, start, self.parallel)
         stream = stream_batches(self.data.source, self.loader.all_indices, [b for plan in plans for b in plan.local],
                                 workers=self.config.input_workers, prefetch=self.config.prefetch_batches,
-                                pin_memory=self.device.type == "cuda")
+                                pin_memory=self.device.type == "cuda", persistent=self.config.persistent_workers)
         with preemption_guard(enabled=self.checkpoints is not None) as preempted, contextlib.closing(stream):
             for plan in plans:
                 self.run_epoch(plan, stream, preempted)

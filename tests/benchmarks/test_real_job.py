@@ -28,6 +28,14 @@ def test_real_job_smoke_runs_the_product_path_and_reports(tmp_path):
         assert task["images_per_s"] > 0 and 0.0 <= task["input_stall_fraction"] <= 1.0
         assert task["first_step_seconds"] > 0
     assert report["bare"]["images_per_s"] > 0
+    # the eager and the compiled step, each through the product path, each against the bare eager step
+    products = {product["compile"]: product for product in report["products"]}
+    assert sorted(products) == ["off", "on"]
+    for mode, run in products.items():
+        assert {task["compiled"] for task in run["tasks"]} == {mode}
+        assert run["product_over_bare"] > 0
+    workers = report["workers"]
+    assert workers["second_task_first_step_per_stage_s"] > 0 and workers["second_task_first_step_persistent_s"] > 0
     entry = report["entry"]
     assert entry["product_entry_cpu_equal_to_fp64"]
     assert entry["product_entry_cpu_recall_at_1"] == entry["fp64_recall_at_1"]

@@ -71,3 +71,42 @@ def test_a_read_of_another_shape_than_image_shape_names_both():
 
     with pytest.raises(ValueError, match=r"read returned images of shape \(5, 3, 2, 1\).*image_shape \(4, 4, 1\)"):
         list(stream_batches(Mislabelled(20), np.arange(20), [np.arange(5)], workers=1, prefetch=1))
+
+
+class _PidImages(_IndexImages):
+    """Images whose first pixel row holds the reading process's pid (mod 251) and the rest the row index."""
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        import os
+
+        images = super().read(indices)
+        images[:, 0] = os.getpid() % 251
+        return images
+
+
+def test_persistent_workers_serve_the_next_stream_of_the_same_source_without_new_processes():
+    """Two streams of one source with other index maps (two tasks of one pool): each batch holds its own rows, and
+    the second stream's batches are read by the first stream's worker processes; another source gets its own."""
+    from compat_core.data.stream import _POOLS, close_persistent_workers
+
+    source = _PidImages(300)
+    readers = []
+    try:
+        for seed, stop in ((0, 5), (1, None)):  # the first stream is left early, as a preempted task leaves it
+            indices = np.random.default_rng(seed).permutation(300)[:200]
+            batches = [np.arange(start, start + 10) for start in range(0, 200, 10)]
+            pids = set()
+            for count, (positions, images) in enumerate(stream_batches(source, indices, batches, workers=2, prefetch=1,
+                                                                       persistent=True)):
+                assert torch.equal(images[:, 1:], _expected(indices, positions)[:, 1:])
+                pids.update(images[:, 0].flatten().tolist())
+                if stop is not None and count + 1 == stop:
+                    break
+            readers.append(pids)
+        assert len(readers[1]) == 2 and readers[1] == readers[0]
+        other = _PidImages(300)
+        list(stream_batches(other, np.arange(300), [np.arange(10)], workers=2, prefetch=1, persistent=True))
+        assert id(other) in _POOLS and _POOLS[id(other)] is not _POOLS[id(source)]
+    finally:
+        close_persistent_workers()
+    assert not _POOLS
