@@ -302,6 +302,12 @@ def ann_search(query, prepared: PreparedGallery | None, ann: AnnIndex, k: int = 
         raise ValueError(f"k: expected 1 <= k <= gallery size ({prepared.size}), got {k}")
     query = torch.as_tensor(np.asarray(query, dtype=np.float32)) if not torch.is_tensor(query) else query.float()
     cand = ann.candidates(query, candidate_count(k, prepared.size, ann.kind))
+    return _rerank_prepared(query, prepared, cand, k)
+
+
+def _rerank_prepared(query: torch.Tensor, prepared: PreparedGallery, cand: np.ndarray, k: int):
+    """Candidates ``cand`` (rows of ``prepared``, -1 for none) re-ranked exactly; a query with fewer than ``k``
+    candidates is searched over every prepared row instead. (indices (Q, k) long, scores (Q, k) fp64)."""
     short = (cand >= 0).sum(axis=1) < k
     index = torch.empty((query.shape[0], k), dtype=torch.long)
     score = torch.empty((query.shape[0], k), dtype=torch.float64)
@@ -325,16 +331,7 @@ def _search_subset(query, prepared: PreparedGallery | None, ann: AnnIndex, k: in
     found = ann.candidates(query, candidate_count(k, prepared.size, ann.kind), subset)
     # structure rows -> rows of the subset (every returned row is in it: the selector admits no other)
     cand = np.where(found >= 0, np.searchsorted(subset.rows, np.maximum(found, 0)), -1)
-    short = (cand >= 0).sum(axis=1) < k
-    index = torch.empty((query.shape[0], k), dtype=torch.long)
-    score = torch.empty((query.shape[0], k), dtype=torch.float64)
-    if (~short).any():
-        rows = torch.from_numpy(np.flatnonzero(~short))
-        index[rows], score[rows] = search_candidates(query[rows], prepared, cand[~short], k)
-    if short.any():
-        rows = torch.from_numpy(np.flatnonzero(short))
-        index[rows], score[rows] = search_prepared(query[rows], prepared, k)
-    return index, score
+    return _rerank_prepared(query, prepared, cand, k)
 
 
 def _search_stored(query, ann: AnnIndex, k: int, subset: AnnSubset | None = None):

@@ -115,15 +115,20 @@ def send_chunked(url: str, path: str, chunk: bytes, chunks: int) -> tuple[int, i
     except (BrokenPipeError, ConnectionResetError, socket.timeout):
         pass
     sock.settimeout(60)
+    status, answer = read_json_answer(sock)
+    sock.close()
+    return sent, status, answer
+
+
+def read_json_answer(sock: socket.socket) -> tuple[int, dict]:
+    """(status, JSON body) of the HTTP answer read from ``sock`` (its Content-Length bytes)."""
     reader = sock.makefile("rb")
     status = int(reader.readline().split()[1])
     headers = {}
     while (line := reader.readline().strip()):
         name, _, value = line.decode().partition(":")
         headers[name.strip().lower()] = value.strip()
-    answer = json.loads(reader.read(int(headers["content-length"])))
-    sock.close()
-    return sent, status, answer
+    return status, json.loads(reader.read(int(headers["content-length"])))
 
 
 def refused_before_the_body(url: str, declared: int) -> tuple[int, dict]:
@@ -132,13 +137,7 @@ def refused_before_the_body(url: str, declared: int) -> tuple[int, dict]:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(f"POST /search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {declared}\r\n\r\n".encode())
-        reader = sock.makefile("rb")
-        status = int(reader.readline().split()[1])
-        headers = {}
-        while (line := reader.readline().strip()):
-            name, _, value = line.decode().partition(":")
-            headers[name.strip().lower()] = value.strip()
-        return status, json.loads(reader.read(int(headers["content-length"])))
+        return read_json_answer(sock)
 
 
 class Load:
