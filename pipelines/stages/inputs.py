@@ -272,7 +272,21 @@ class Extraction(FrozenInputs):
 
 
 # ---- per kind --------------------------------------------------------------------------------------------------------
-class PretrainInputs(FrozenInputs):
+class TrainingStageInputs(FrozenInputs):
+    """Base of the inputs of a stage that trains (its subclasses declare ``training: TrainRecipe``): its precision
+    and compile mode as resolved for the run."""
+
+    @property
+    def precision(self) -> str:
+        return precision_name(self.training.autocast)
+
+    @property
+    def compiled(self) -> str:
+        """on | off: whether the stage's training step runs compiled (``training.compile`` as resolved)."""
+        return self.training.compile
+
+
+class PretrainInputs(TrainingStageInputs):
     """A third-party model trained on its own pool (slots 0.., left to right): its entry with the fallbacks resolved
     (seed, backbone, classifier family, the training settings it uses)."""
 
@@ -287,17 +301,8 @@ class PretrainInputs(FrozenInputs):
     threads: int
     workers: int
 
-    @property
-    def precision(self) -> str:
-        return precision_name(self.training.autocast)
 
-    @property
-    def compiled(self) -> str:
-        """on | off: whether the stage's training step runs compiled (``training.compile`` as resolved)."""
-        return self.training.compile
-
-
-class TrainInputs(FrozenInputs):
+class TrainInputs(TrainingStageInputs):
     """One task of the model line (finetune or replace): its data slice (pool and classes up to its task), the
     model, the method, the training recipe and replay, and the weights it starts from at task 0 or a replacement."""
 
@@ -318,15 +323,6 @@ class TrainInputs(FrozenInputs):
     @property
     def replaces(self) -> bool:
         return self.anchor is not None
-
-    @property
-    def precision(self) -> str:
-        return precision_name(self.training.autocast)
-
-    @property
-    def compiled(self) -> str:
-        """on | off: whether the stage's training step runs compiled (``training.compile`` as resolved)."""
-        return self.training.compile
 
 
 class ExtractInputs(FrozenInputs):
