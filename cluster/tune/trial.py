@@ -103,7 +103,10 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
     for task in range(T):
         # the engine up to row `task` (the last call completes the graph and writes matrix.json / metrics.json; the
         # reports follow before the last report: the driver logs them on completion)
-        invocation = engine.run(graph, store, until=graph.evaluate_stages[: task + 1])
+        # the last task's call runs the whole graph, as `compat run` does: a stage no evaluation needs (a declared
+        # third-party model no task loads) still belongs to the run, and only a complete graph has a result
+        last = task == T - 1
+        invocation = engine.run(graph, store, until=None if last else graph.evaluate_stages[: task + 1])
         if invocation.result is not None:
             write_store_reports(store)
         completed = task + 1
@@ -114,7 +117,10 @@ def run_trial_pipeline(spec: SearchSpec, sampled: dict[str, Any], trial_id: str,
         last_metrics = {OBJECTIVE_KEY: metrics[spec.objective], TIME_ATTR: completed, "num_tasks": T,
                         **metrics, "run_dir": run_dir,
                         "matrix_row": [float(v) for v in values[completed - 1, :completed]]}
-        if invocation.result is not None:  # the graph is complete: the last task
+        if last:
+            if invocation.result is None:
+                raise RuntimeError(f"trial {trial_id}: every task ran but the run in {run_dir} is not complete; "
+                                   f"its result cannot be reported")
             # as JSON text: Tune's loggers keep text as it is instead of logging its numbers as metrics
             last_metrics.update({RESULT_KEY: invocation.result.to_json(),
                                  MODELS_KEY: json.dumps(collector.models, sort_keys=True)})

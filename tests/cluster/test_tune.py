@@ -256,6 +256,34 @@ def test_trials_share_third_party_models_whose_key_the_sampled_values_leave_alon
     np.testing.assert_array_equal(_matrix(tmp_path / "searches" / "alone" / "runs" / "t2"), _matrix(runs / "t2"))
 
 
+def test_a_trial_completes_its_whole_graph_and_reports_its_result(tmp_path):
+    """A scenario that declares a third-party model no task loads (no replacement names it): the trial still runs
+    that stage on its last task, as `compat run` does, so its run is complete, its last report holds the result the
+    search's tracking logs, and its matrix equals the one the report's row was read from."""
+    from cluster.tune.spec import MODELS_KEY, RESULT_KEY, SearchSpec
+    from cluster.tune.trial import run_trial_pipeline
+    from pipelines.results.assemble import RunResult
+
+    base = _base_config()
+    base["tasks"] = {"spec": "2+2"}
+    base["replacements"] = []
+    assert base["pretrain"] and base.get("initial_model") != f"pretrain:{base['pretrain'][0]['name']}"
+    spec = SearchSpec(name="whole", base_config=base, space=SPACE, objective="AA", samples=1, scheduler="none",
+                      storage=str(tmp_path / "searches"), plugins=[PLUGIN])
+    reports = []
+    last = run_trial_pipeline(spec, {"method.params.lam": 0.0, "training.optimizer.lr": 0.01}, "t1",
+                              report=lambda metrics, tasks: reports.append((tasks, dict(metrics))))
+    assert [tasks for tasks, _ in reports][-1] == 2
+    assert RESULT_KEY in last and MODELS_KEY in last
+    run_dir = tmp_path / "searches" / "whole" / "runs" / "t1"
+    assert sorted(p.stem.split("-")[1] for p in (run_dir / "manifests").glob("pretrain-*.json")) == ["p1"]
+    result = RunResult.from_json(last[RESULT_KEY])
+    matrix = _matrix(run_dir)
+    assert json.loads(result.metrics_json()) == json.loads((run_dir / "metrics.json").read_text())
+    assert result.metrics["AA"] == pytest.approx(_mean_lower(matrix), abs=1e-12) == last["AA"]
+    assert last["matrix_row"] == [float(v) for v in matrix[1, :2]]
+
+
 def test_search_spec_names_the_drivers_folders_for_relative_paths(tmp_path, monkeypatch):
     """Tune runs each trial in its own working folder: a relative shared store or data root in the config (or in the
     space's fixed values) must name the folder under the directory `compat tune` was started in, in every trial;
