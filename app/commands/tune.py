@@ -81,6 +81,12 @@ def run(args) -> int:
         print(f"compat tune: error: {error.args[0] if error.args else error}", file=sys.stderr)
         return 2
     print_outcome(outcome)
+    failed = [trial.trial_id for trial in outcome.trials if trial.status == "ERROR"]
+    if failed:  # as Tune's own run does by default: a search with a failed trial is not a success
+        print(f"compat tune: {len(failed)} of {len(outcome.trials)} trials failed ({', '.join(failed[:5])}"
+              f"{', ...' if len(failed) > 5 else ''}); their errors are above and in their trial folders",
+              file=sys.stderr)
+        return 1
     return 0 if outcome.complete else 1
 
 

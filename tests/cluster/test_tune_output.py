@@ -68,7 +68,8 @@ def test_a_failing_trial_still_shows_its_error(tmp_path):
     plugin.write_text(FAILING_PLUGIN)
     result = _tune(tmp_path, "failing", f"{plugin}:register", samples=1)
     output = result.stdout + result.stderr
-    # the search summary marks the trial (the command's exit status with failed trials is not what this test checks)
+    # the search summary marks the trial, and the command fails naming it
+    assert result.returncode == 1 and "compat tune: 1 of 1 trials failed (" in result.stderr, output[-3000:]
     assert any(line.split()[3:4] == ["ERROR"] for line in result.stdout.splitlines() if line.startswith("  ")), \
         result.stdout[-3000:]
     assert "planted failure inside the trial" in output, output[-3000:]
