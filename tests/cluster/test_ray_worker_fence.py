@@ -24,15 +24,25 @@ from pipelines.store.run_store import RunStore  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 
 TAKER = """
-import os, sys, time
-from pipelines.store.lease import run_lease
+import contextlib, os, sys, time
+from pipelines.store.lease import RunFolderBusyError, run_lease
 root, reached, taken, release = sys.argv[1:5]
 deadline = time.monotonic() + 300
 while not os.path.exists(reached):
     if time.monotonic() > deadline:
         sys.exit("the worker never reached the commit")
     time.sleep(0.1)
-with run_lease(root):  # the first driver's heartbeat is older than the stale time: taken over
+with contextlib.ExitStack() as held:
+    # warm workers can reach the commit before the first driver's heartbeat is stale: a second driver waits it out,
+    # then takes the lease over
+    while True:
+        try:
+            held.enter_context(run_lease(root))
+            break
+        except RunFolderBusyError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
     committed = sorted(n[:-5] for n in os.listdir(os.path.join(root, "manifests")) if n.endswith(".json")
                        and not n.startswith("."))
     with open(taken + ".tmp", "w") as handle:
