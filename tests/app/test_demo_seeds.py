@@ -44,7 +44,8 @@ def test_spread_and_table_hand_worked():
     rows = summarise(records)
     assert [(row["pool"], row["method"], row["seeds"]) for row in rows] == [("validation", "er", [0, 1, 2]),
                                                                           ("test", "er", [0, 1, 2])]
-    assert rows[0]["AC"]["mean"] == 0.5 and rows[0]["AC"]["std"] == 0.25 and rows[0]["AC"]["per_seed"] == [0.25, 0.5, 0.75]
+    assert rows[0]["AC"]["mean"] == 0.5 and rows[0]["AC"]["std"] == 0.25
+    assert rows[0]["AC"]["per_seed"] == [0.25, 0.5, 0.75]
     assert rows[0]["ACA"] == {"per_seed": [None, None, None]}  # no value, no spread
     assert math.isclose(rows[1]["BC"]["std"], 0.1) and rows[1]["BC"]["min"] == -0.2
     table = format_table(rows).splitlines()
