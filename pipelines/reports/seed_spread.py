@@ -34,7 +34,7 @@ def summarise(records: list[dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    """The rows of :func:`summarise` as a Markdown table: mean ± std (min-max) per metric, fractions."""
+    """The rows of :func:`summarise` as a Markdown table: mean ± std (min to max) per metric, fractions."""
     lines = ["| pool | method | seeds | " + " | ".join(METRICS) + " |", "| --- | --- | --- | " + " | ".join(
         "---" for _ in METRICS) + " |"]
     for row in rows:
@@ -42,7 +42,7 @@ def format_table(rows: list[dict]) -> str:
         for metric in METRICS:
             value = row[metric]
             cells.append("-" if "mean" not in value else
-                         f"{value['mean']:.3f} ± {value['std']:.3f} ({value['min']:.3f}-{value['max']:.3f})")
+                         f"{value['mean']:.3f} ± {value['std']:.3f} ({value['min']:.3f} to {value['max']:.3f})")
         lines.append(f"| {row['pool']} | {row['method']} | {','.join(str(s) for s in row['seeds'])} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -53,7 +53,7 @@ def write_table(records: list[dict], output: str, command: list[str]) -> tuple[P
     rows = summarise(records)
     folder = Path(output)
     folder.mkdir(parents=True, exist_ok=True)
-    text = ("Metrics over seeds (fractions; mean ± sample std (min-max)), `compat " + " ".join(command) + "`:\n\n"
+    text = ("Metrics over seeds (fractions; mean ± sample std (min to max)), `compat " + " ".join(command) + "`:\n\n"
             + format_table(rows) + "\n")
     markdown, document = folder / "seeds.md", folder / "seeds.json"
     markdown.write_text(text, encoding="utf-8")

@@ -50,8 +50,8 @@ def test_spread_and_table_hand_worked():
     assert math.isclose(rows[1]["BC"]["std"], 0.1) and rows[1]["BC"]["min"] == -0.2
     table = format_table(rows).splitlines()
     assert table[0] == "| pool | method | seeds | AC | AA | ACA | BC | FC |"
-    assert table[2] == ("| validation | er | 0,1,2 | 0.500 ± 0.250 (0.250-0.750) | 0.500 ± 0.000 (0.500-0.500) | - | "
-                        "-0.100 ± 0.100 (-0.200--0.000) | 0.000 ± 0.000 (0.000-0.000) |")
+    assert table[2] == ("| validation | er | 0,1,2 | 0.500 ± 0.250 (0.250 to 0.750) | 0.500 ± 0.000 (0.500 to 0.500) | - | "
+                        "-0.100 ± 0.100 (-0.200 to -0.000) | 0.000 ± 0.000 (0.000 to 0.000) |")
 
 
 def test_passes_test_first_then_validation_beside_it():
