@@ -19,4 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experiment", default=None, metavar="NAME",
                         help="MLflow experiment of both runs, compared side by side (default: "
                              "$MLFLOW_EXPERIMENT_NAME, else compat-demo)")
+    parser.add_argument("--seeds", default=None, metavar="S,S,...",
+                        help="run the demo once per seed (e.g. 0,1,2) into OUTPUT/seed-S, each evaluated on the "
+                             "validation and the test pool, and print and write (OUTPUT/seeds.md, seeds.json) AC, "
+                             "AA, ACA, BC, FC of both methods as mean and spread over the seeds; default: one run "
+                             "with the configs' seed, test pool only")
     parser.add_argument("--no-progress", action="store_true")

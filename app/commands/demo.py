@@ -17,6 +17,13 @@ The three third-party models are trained once for both scenarios: both configs p
 pretrain stages have the same keys, and both runs share ``<output>/third-party`` as ``output.shared_store``: the
 first run to need a model claims and trains it, publishes it there, and the other run copies it instead of
 training it (``pipelines.store.shared_store``).
+
+``--seeds 0,1,2`` runs the demo once per seed into ``<output>/seed-<s>/`` (``--set seed=<s>``: initialisation, batch
+order, replay memory and the third-party models follow it), evaluated on the test pool, then evaluates the same
+models on the validation pool (``val-query`` / ``val-gallery``) in ``<output>/seed-<s>/validation/``: a run folder
+holds one scenario, so the validation runs start from verified copies of the trained models (same stage keys) and
+only extract and score. It prints and writes (``<output>/seeds.md``, ``seeds.json``) the metrics of both methods
+as mean and spread over the seeds (``pipelines.reports.seed_spread``).
 """
 from __future__ import annotations
 
@@ -38,14 +45,21 @@ from pipelines.config.local_paths import absolute_location
 from pipelines.config.redaction import redact_uri
 from pipelines.config.run_origin import RunOrigin
 from pipelines.graph.compile import compile_scenario, stage_threads
+from pipelines.reports import seed_spread
 from pipelines.reports.picture_grid import side_by_side
 from pipelines.store.lease import run_lease
 from pipelines.stages.run_precision import resolve_run_precision
 from pipelines.store.run_store import RunStore
+from pipelines.store.shared_store import copy_stage
 from pipelines.training.settings import precision_name
 
 DEMOS = (("er", "demo-er.yaml"), ("dsimplex-hoc", "demo-dsimplex-hoc.yaml"))
 SHARED_FOLDER = "third-party"  # <output>/third-party: the shared store of both scenarios' third-party models
+# ``--seeds``: (pool, overrides that evaluate on it, sub-folder of the seed folder) of each seed's passes: the test
+# pool (the configs' own) first; the validation pass starts from copies of the test pass's trained models
+POOLS = (("test", [], ""),
+         ("validation", ["evaluation.query_set.split=val-query", "evaluation.gallery_set.split=val-gallery"],
+          "validation"))
 
 
 def configs_dir() -> Path:
@@ -89,6 +103,48 @@ def run_one(name: str, config_path: str, overrides: list[str], run_dir: str, thr
             "precision": precision_name(config.training.autocast)}
 
 
+def parse_seeds(text: str) -> list[int]:
+    """``"0,1,2"`` -> [0, 1, 2]: distinct integers >= 0 in the order given (ValueError naming the bad item)."""
+    seeds: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isdigit():
+            raise ValueError(f"--seeds: expected comma-separated integers >= 0 such as 0,1,2, got {item!r} in {text!r}")
+        if int(item) in seeds:
+            raise ValueError(f"--seeds: seed {item} is listed twice in {text!r}")
+        seeds.append(int(item))
+    return seeds
+
+
+def seed_passes(seeds: list[int], overrides: list[str], output: str) -> list[tuple[int, str, list[str], str]]:
+    """(seed, pool, overrides, output folder) of every pass, in the order they run: per seed the test pass into
+    ``<output>/seed-<s>``, then the validation pass into ``<output>/seed-<s>/validation``, which shares the test
+    pass's third-party models (its ``output.shared_store``)."""
+    passes = []
+    for seed in seeds:
+        folder = f"{output.rstrip('/')}/seed-{seed}"
+        for pool, pool_overrides, sub_folder in POOLS:
+            shared = [f"output.shared_store={folder}/{SHARED_FOLDER}"] if sub_folder else []
+            passes.append((seed, pool, [*overrides, f"seed={seed}", *pool_overrides, *shared],
+                           f"{folder}/{sub_folder}" if sub_folder else folder))
+    return passes
+
+
+def copy_trained_models(config_path: str, overrides: list[str], source_dir: str, run_dir: str) -> int:
+    """Copy the committed third-party and task models of ``config_path`` + ``overrides`` from the run folder
+    ``source_dir`` into ``run_dir`` (verified, as ``output.shared_store`` adopts a model), so that a run that differs
+    only in its evaluation trains nothing; returns the number of stages copied. Stage keys name their content, so
+    only models the scenario would train itself are copied."""
+    graph = compile_scenario(load_config(config_path, overrides))
+    source, target = RunStore(source_dir), RunStore(run_dir)
+    copied = 0
+    for key in [*graph.pretrain_stages.values(), *graph.model_stages]:
+        if source.has(key) and not target.has(key):
+            copy_stage(source, target, key)
+            copied += 1
+    return copied
+
+
 def _cpu_seconds() -> float:
     """User + system CPU seconds of this process so far."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -102,7 +158,11 @@ def run(args) -> int:
         print("error: --jobs must be >= 1", file=sys.stderr)
         return 2
     try:
-        tasks = _demo_tasks(args.overrides, args.output)
+        seeds = parse_seeds(args.seeds) if getattr(args, "seeds", None) else None
+        # every pass: (seed, pool, its scenarios); one pass on the configs' own seed and pools without --seeds
+        passes = ([(None, "test", _demo_tasks(args.overrides, args.output))] if seeds is None else
+                  [(seed, pool, _demo_tasks(overrides, output))
+                   for seed, pool, overrides, output in seed_passes(seeds, args.overrides, args.output)])
     except (ConfigError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -115,8 +175,18 @@ def run(args) -> int:
 
         connect(None, num_cpus=cores)
         address = ray.get_runtime_context().gcs_address
+    records = []
     try:
-        results = _run_scenarios(tasks, jobs, cores, args, tracking_uri, experiment, address)
+        for seed, pool, tasks in passes:
+            if pool == "validation":  # the test pass of this seed trained every model: copy them, train nothing
+                for name, path, overrides, run_dir in tasks:
+                    copy_trained_models(path, overrides, str(Path(run_dir).parent.parent / name), run_dir)
+            results = _run_scenarios(tasks, jobs, cores, args, tracking_uri, experiment, address)
+            if seed is not None:
+                print(f"\n#### seed {seed}, {pool} pool ({pool_splits(tasks)}) ####")
+            _print_results(results, str(Path(tasks[0][3]).parent), criteria=pool == "test")
+            records += [{"seed": seed, "pool": pool, "method": result["name"], "metrics": _scalars(result["metrics"]),
+                         "wall_s": result["wall_s"], "run_dir": result["run_dir"]} for result in results]
     finally:
         if address is not None:
             import ray
@@ -125,7 +195,8 @@ def run(args) -> int:
     wall = time.perf_counter() - started
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = _cpu_seconds() + children.ru_utime + children.ru_stime
-    _print_results(results, args.output)
+    if seeds is not None:
+        _print_seed_table(records, args)
     where = f"Ray tasks on one embedded local Ray instance ({address})" if address else "in-process"
     cpu_text = f"{cpu:.0f} s CPU (user+sys, {'driver processes only' if args.executor == 'ray' else 'all processes'})"
     print(f"demo: {wall:.0f} s wall, {cpu_text}, {jobs} job(s) on {cores} core(s), stages {where}; "
@@ -186,8 +257,34 @@ def _run_scenarios(tasks: list, jobs: int, cores: int, args, tracking_uri: str, 
         return [future.result() for future in futures]
 
 
-def _print_results(results: list[dict], output: str) -> None:
-    """Each scenario's run, matrix and metrics, the two methods compared, and their matrices side by side."""
+def pool_splits(tasks: list) -> str:
+    """'queries SPLIT, gallery SPLIT' of a pass's first scenario (both scenarios of a pass share them)."""
+    evaluation = load_config(tasks[0][1], tasks[0][2]).evaluation
+    return f"queries {evaluation.query_set.split}, gallery {evaluation.gallery_set.split}"
+
+
+def _scalars(metrics: dict | None) -> dict:
+    """The metrics the seed table reports (fractions; None where a run has none)."""
+    return {name: (metrics or {}).get(name) for name in seed_spread.METRICS}
+
+
+def _print_seed_table(records: list[dict], args) -> None:
+    """The mean and spread over the seeds of both pools, written next to the seed folders, and the README's
+    criteria on the test pool's means."""
+    markdown, document = seed_spread.write_table(records, args.output, list(getattr(args, "argv", ())))
+    print("\n" + markdown.read_text(encoding="utf-8"))
+    print(f"written to {markdown} and {document}")
+    means = {row["method"]: {name: row[name].get("mean") for name in seed_spread.METRICS}
+             for row in seed_spread.summarise(records) if row["pool"] == "test"}
+    er, hoc = means.get("er"), means.get("dsimplex-hoc")
+    if er and hoc and er.get("AA") and hoc.get("AA") is not None:
+        print("demo criteria (README) on the test pool's means over the seeds: " + "; ".join(
+            f"{name}: {'met' if met else 'NOT met'} ({value})" for name, met, value in demo_criteria(hoc, er)))
+
+
+def _print_results(results: list[dict], output: str, criteria: bool = True) -> None:
+    """Each scenario's run, matrix and metrics, the two methods compared (with the README's criteria when
+    ``criteria``: they judge the test pool), and their matrices side by side."""
     for result in results:
         on_ray = f"; Ray instance {result['ray_address']}" if result.get("ray_address") else ""
         shared = (f", {result['published']} third-party model(s) trained and shared, {result['adopted']} taken "
@@ -202,8 +299,9 @@ def _print_results(results: list[dict], output: str) -> None:
     if er and hoc and er.get("AA") and hoc.get("AA") is not None:
         print(f"\nd-Simplex-HOC vs ER: AC {hoc['AC']:.3f} vs {er['AC']:.3f}; AA {hoc['AA']:.3f} vs {er['AA']:.3f} "
               f"({hoc['AA'] / er['AA']:.2f}x)")
-        print("demo criteria (README): " + "; ".join(
-            f"{name}: {'met' if met else 'NOT met'} ({value})" for name, met, value in demo_criteria(hoc, er)))
+        if criteria:
+            print("demo criteria (README): " + "; ".join(
+                f"{name}: {'met' if met else 'NOT met'} ({value})" for name, met, value in demo_criteria(hoc, er)))
     pictures = [Path(result["run_dir"]) / "matrix.png" for result in results]
     if all(picture.is_file() for picture in pictures):
         combined = side_by_side(pictures, Path(output) / "matrices.png")

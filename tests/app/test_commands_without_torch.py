@@ -50,8 +50,8 @@ def test_compat_plan_of_a_shipped_config_runs_without_torch():
     # 5 finetune + 2 replace stages, 2 extracts per model, T(T+1)/2 = 28 entries, one evaluate row per task)
     assert lines[0].startswith("scenario demo-dsimplex-hoc: 7 tasks (10+6x15), method dsimplex-hoc, K=1024")
     assert lines[1] == "stages: 3 pretrain, 5 finetune, 2 replace, 14 extract, 28 entry, 7 evaluate (59 in all)"
-    # the card's width of cnn4 at width 32 is 8 * 32 = 256 (m), d = K - 1 = 1023: the bridge stores m values
-    assert any(line.startswith("features: bridge (d=1023 > m=256)") for line in lines), lines
+    # the card's width of cnn4 at width 16 is 8 * 16 = 128 (m), d = K - 1 = 1023: the bridge stores m values
+    assert any(line.startswith("features: bridge (d=1023 > m=128)") for line in lines), lines
     assert any(line.startswith("cost: images per stage") for line in lines)
 
 

@@ -175,7 +175,7 @@ def test_stages_train_with_the_training_section_and_the_values_other_sections_ow
     config = validate_config(document)
     assert isinstance(config.training, TrainConfig)
     task = config.train_config(1003, "cpu")
-    assert (task.seed, task.device, task.eval_batch_size, task.epoch_length) == (1003, "cpu", 64, "task")
+    assert (task.seed, task.device, task.eval_batch_size, task.epoch_length) == (1003, "cpu", 64, "reference")
     assert task.epochs == config.training.epochs and task.model_selection == "compatibility"
     assert task.optimizer == config.training.optimizer
     pretrain = config.train_config(5, "cpu", config.pretrain[0])

@@ -63,7 +63,7 @@ def test_keys_are_stable_and_sensitive(demo):
 
     assert config_hash(streamed) == config_hash(demo)
     # the gallery protocol changes only the matrix entries and rows
-    protocol = compile_scenario(load_config(CONFIGS / "demo-dsimplex-hoc.yaml", ["evaluation.gallery=class_means"]),
+    protocol = compile_scenario(load_config(CONFIGS / "demo-dsimplex-hoc.yaml", ["evaluation.gallery=instances"]),
                                 version="v1")
     changed = {s.kind for a, s in zip(first, protocol) if a.key != s.key}
     assert changed == {"entry", "evaluate"}

@@ -60,7 +60,7 @@ def test_adapters_need_a_retrieval_metric():
 
 def test_a_pretrain_entrys_epochs_leave_room_for_the_warmup():
     document = _document()
-    document["training"]["warmup_epochs"] = 12  # the pretrain entries train 12 epochs each
+    document["training"]["warmup_epochs"] = 6  # the pretrain entries train 5 epochs each, fine-tuning 8
     lines = _problems(document)
     assert [line.strip().split(":")[0] for line in lines] == ["pretrain[0].epochs", "pretrain[1].epochs",
                                                               "pretrain[2].epochs"]

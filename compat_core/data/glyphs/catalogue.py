@@ -1,6 +1,6 @@
 """The class catalogue of the glyph set: which characters are classes (eligible, drawn by enough fonts of every style,
 no homoglyphs or specks), their concepts (base letters) and the pools they are split into (``pretrain`` in its nested
-order, ``finetune``, ``test``), cached as JSON under the glyph cache folder.
+order, ``finetune``, ``test``, ``val``), cached as JSON under the glyph cache folder.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import tempfile
 import unicodedata
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,7 @@ import numpy as np
 from compat_core.data.glyphs.fonts import _REFERENCE_FONTS, STYLES, _charmap, _font, _font_fingerprint
 
 # Bump whenever rendering, the catalogue rules or the pool layout change: it is part of the cache key.
-GLYPHS_VERSION = "2"
+GLYPHS_VERSION = "3"
 
 PRETRAIN_POOL_SIZES: tuple[int, ...] = (100, 300, 600)
 FINETUNE_CLASSES = 100
@@ -27,6 +27,11 @@ TEST_MEMBERS_PER_CONCEPT = 4
 MIN_CONCEPT_MEMBERS = 4
 MIN_FONTS_PER_STYLE = 2
 DEFAULT_IMAGE_SIZE = 32
+# The held-out characters (in no training pool) are split by base letter between the validation and the test pool:
+# a seeded permutation of the held-out base letters, the first VALIDATION_LETTER_SHARE of them (rounded down) for
+# validation. The seed is [layout_seed, HELDOUT_SPLIT_SEED], recorded in the catalogue (``heldout_split``).
+HELDOUT_SPLIT_SEED = 0x76_61_6C  # "val"
+VALIDATION_LETTER_SHARE = 0.5
 
 # Font size (pixels) of the reference renders.
 _REFERENCE_SIZE = 24
@@ -92,6 +97,7 @@ class GlyphCatalogue:
     fonts: dict[str, tuple[tuple[str, ...], ...]]
     candidates_considered: int
     homoglyphs_dropped: int
+    heldout_split: dict = field(default_factory=dict)
 
     @property
     def num_classes(self) -> int:
@@ -110,6 +116,7 @@ class GlyphCatalogue:
             "fonts": {style: [list(names) for names in per_class] for style, per_class in self.fonts.items()},
             "candidates_considered": self.candidates_considered,
             "homoglyphs_dropped": self.homoglyphs_dropped,
+            "heldout_split": self.heldout_split,
         }
 
     @classmethod
@@ -122,6 +129,7 @@ class GlyphCatalogue:
             fonts={style: tuple(tuple(names) for names in per_class) for style, per_class in data["fonts"].items()},
             candidates_considered=int(data["candidates_considered"]),
             homoglyphs_dropped=int(data["homoglyphs_dropped"]),
+            heldout_split=dict(data["heldout_split"]),
         )
 
 
@@ -184,10 +192,12 @@ def build_catalogue(layout_seed: int = 0) -> GlyphCatalogue:
     """Choose the classes and split them into pools (deterministic for a given ``layout_seed`` and font set).
 
     Concepts are Latin base letters with >= MIN_CONCEPT_MEMBERS distinct forms. Fine-tuning takes each concept's
-    plain letter, then further forms round-robin over concepts until FINETUNE_CLASSES; the test pool takes up to
-    TEST_MEMBERS_PER_CONCEPT of the remaining forms per concept; everything else is shuffled into the pretrain order.
-    The validation pool takes up to TEST_MEMBERS_PER_CONCEPT forms per concept among the shuffled characters left
-    after the pretrain pool (the other pools are exactly as without it).
+    plain letter, then further forms round-robin over concepts until FINETUNE_CLASSES; up to
+    TEST_MEMBERS_PER_CONCEPT of the remaining forms per concept are held out; everything else is shuffled into the
+    pretrain order, and up to TEST_MEMBERS_PER_CONCEPT more forms per concept among the shuffled characters left
+    after the pretrain pool are held out too. The held-out characters (in no training pool) are split by base letter
+    into the validation and the test pool (:func:`split_held_out`), so both are drawn from one distribution and
+    never share a base letter.
     """
     chars, considered, dropped = _distinct_characters()
     rng = np.random.default_rng([layout_seed, 0x67_6C_79])
@@ -216,10 +226,8 @@ def build_catalogue(layout_seed: int = 0) -> GlyphCatalogue:
                 progressed = True
         if not progressed:
             raise ValueError(f"glyphs: only {len(finetune)} fine-tuning classes available, need {FINETUNE_CLASSES}")
-    test = []
-    for base in concepts:
-        test.extend(variants[base][taken[base]:taken[base] + TEST_MEMBERS_PER_CONCEPT])
-    used = set(finetune) | set(test)
+    held_out = {base: variants[base][taken[base]:taken[base] + TEST_MEMBERS_PER_CONCEPT] for base in concepts}
+    used = set(finetune) | {char for forms in held_out.values() for char in forms}
     rest = [char for char in chars if char not in used]
     shuffled = [rest[i] for i in rng.permutation(len(rest))]
     pretrain = shuffled[: PRETRAIN_POOL_SIZES[-1]]
@@ -228,8 +236,10 @@ def build_catalogue(layout_seed: int = 0) -> GlyphCatalogue:
             f"glyphs: only {len(pretrain)} classes left for pre-training, need {PRETRAIN_POOL_SIZES[-1]}"
         )
     left_over = shuffled[PRETRAIN_POOL_SIZES[-1]:]
-    val = [char for base in concepts
-           for char in [c for c in left_over if _concept_of(c) == base][:TEST_MEMBERS_PER_CONCEPT]]
+    for base in concepts:
+        held_out[base] = held_out[base] + [c for c in left_over if _concept_of(c) == base][:TEST_MEMBERS_PER_CONCEPT]
+    split_seed = [layout_seed, HELDOUT_SPLIT_SEED]
+    val, test = split_held_out(held_out, split_seed)
     ordered = pretrain + finetune + test + val
     coarse_names: list[str] = []
     coarse_index: dict[str, int] = {}
@@ -259,7 +269,28 @@ def build_catalogue(layout_seed: int = 0) -> GlyphCatalogue:
         fonts=fonts,
         candidates_considered=considered,
         homoglyphs_dropped=dropped,
+        heldout_split={"seed": split_seed, "validation_letter_share": VALIDATION_LETTER_SHARE,
+                       "validation_letters": sorted({_concept_of(c) for c in val}),
+                       "test_letters": sorted({_concept_of(c) for c in test})},
     )
+
+
+def split_held_out(held_out: dict[str, list[str]], seed) -> tuple[list[str], list[str]]:
+    """(validation characters, test characters) of the held-out characters ``held_out`` (base letter -> its forms).
+
+    Whole base letters go to one side: a permutation of the letters (sorted, then shuffled by
+    ``numpy.random.default_rng(seed)``) gives its first ``floor(VALIDATION_LETTER_SHARE * letters)`` letters to
+    validation and the others to test, so the two pools are disjoint by base letter, every held-out character is in
+    exactly one, and both are a random draw from the same letters. Letters without forms are ignored; each side
+    lists its letters' forms in sorted letter order, forms in the given order.
+    """
+    letters = sorted(base for base, forms in held_out.items() if forms)
+    order = np.random.default_rng(seed).permutation(len(letters))
+    count = int(VALIDATION_LETTER_SHARE * len(letters))
+    val_letters = {letters[i] for i in order[:count]}
+    val = [char for base in letters if base in val_letters for char in held_out[base]]
+    test = [char for base in letters if base not in val_letters for char in held_out[base]]
+    return val, test
 
 
 def _layout_key(layout_seed: int) -> str:

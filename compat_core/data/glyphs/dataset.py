@@ -10,13 +10,15 @@ Class pools mirror the roles in the papers (IAM-CL2R: ImageNet32 -> CIFAR100 -> 
   ``pretrain-1`` / ``-2`` / ``-3`` are the first 100 / 300 / 600 classes (the ImageNet32 pool sizes of IAM-CL2R).
 - ``finetune``: 100 classes (the demo's 10 + 6x15): for every *concept* (a Latin base letter with enough
   accented variants) the plain letter plus further variants, e.g. ``u``, ``ü``.
-- ``test``: the open-set pool for query/gallery: other variants of the same base letters, e.g. ``ú``, ``ű``, ``ṹ``.
+- ``test``: the open-set pool for query/gallery: other variants of the fine-tuning base letters, e.g. ``ú``, ``ű``.
   Fine labels are disjoint from every training pool; the coarse label (base letter, by Unicode canonical
   decomposition, case kept) is shared with fine-tuning classes, as CIFAR10's ``truck`` is covered by CIFAR100's
   ``pickup truck``. Evaluate it with ``label_level="coarse"``.
-- ``val``: the validation pool, built like ``test`` from forms left over by every other pool (up to
-  TEST_MEMBERS_PER_CONCEPT more forms of each base letter): its characters are in no other pool, so selecting a
-  setting on ``val-query`` / ``val-gallery`` sees neither a test image nor a test class nor a trained class.
+- ``val``: the validation pool. The held-out characters (accented forms in no training pool) are split at random
+  by base letter, half the letters each (seeded, recorded in the catalogue's ``heldout_split``), into ``val`` and
+  ``test``: the two pools never share a character or a base letter and are drawn from one distribution, so
+  selecting a setting on ``val-query`` / ``val-gallery`` sees neither a test image nor a test class nor a test
+  coarse label nor a trained class.
 
 Styles: ``source`` (clean DejaVu Sans/Serif, for pre-training) and ``target`` (STIX, DejaVu Sans Mono and Computer
 Modern, stroke, blur, lower contrast, background texture and noise, for fine-tuning and test). Any pool can be

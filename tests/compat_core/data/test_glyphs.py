@@ -11,9 +11,11 @@ from compat_core.data.glyphs import dataset as glyphs
 from compat_core.data.glyphs import render as glyph_render
 from compat_core.data.glyphs.catalogue import (
     DEFAULT_IMAGE_SIZE,
+    HELDOUT_SPLIT_SEED,
     TEST_MEMBERS_PER_CONCEPT,
     build_catalogue,
     glyph_catalogue,
+    split_held_out,
 )
 from compat_core.data.glyphs.dataset import glyph_set_summary, load_glyphs
 from compat_core.data.glyphs.fonts import STYLES
@@ -112,8 +114,8 @@ def test_pools_disjoint_nested_and_concepts_shared(full_set):
 def test_validation_pool_shares_nothing_with_test_or_training(full_set):
     """The test pool is open-set by class (no test character is trained on) and split into query / gallery by
     instance; the validation pool must be the same kind of pool without touching it: its own characters (none in
-    test, pretrain or finetune), base letters that fine-tuning draws (coarse labels as in test), target style, and
-    query / gallery halves of its own rendered instances."""
+    test, pretrain or finetune) and its own base letters (none a test letter), base letters that fine-tuning draws
+    (coarse labels as in test), target style, and query / gallery halves of its own rendered instances."""
     cache, _ = full_set
     split_of = {split: load_glyphs(split=split, cache_dir=cache)
                 for split in ("pretrain", "finetune", "test", "val", "val-query", "val-gallery", "test-query")}
@@ -131,15 +133,60 @@ def test_validation_pool_shares_nothing_with_test_or_training(full_set):
     base = lambda char: unicodedata.normalize("NFD", char)[0]  # noqa: E731
     finetune_bases = {base(_char_of(val, c)) for c in np.unique(split_of["finetune"].fine_labels)}
     val_bases = {base(char) for char in val_chars}
+    test_bases = {base(_char_of(val, c)) for c in np.unique(split_of["test"].fine_labels)}
     assert val_bases <= finetune_bases and len(val_bases) >= 10
+    assert not val_bases & test_bases  # disjoint by base letter, so validation never sees a test coarse label
+    # 38 held-out letters split in half: 19 each; every letter holds up to 2 x TEST_MEMBERS_PER_CONCEPT forms
+    assert (len(val_bases), len(test_bases)) == (19, 19)
     counts = {char: sum(base(c) == char for c in val_chars) for char in val_bases}
-    assert max(counts.values()) <= TEST_MEMBERS_PER_CONCEPT
+    assert max(counts.values()) <= 2 * TEST_MEMBERS_PER_CONCEPT
     # Query / gallery: odd / even instances of every validation class, together the whole pool.
     assert len(query) + len(gallery) == len(val)
     assert set(query.instance_ids % 2) == {1} and set(gallery.instance_ids % 2) == {0}
     np.testing.assert_array_equal(np.unique(query.fine_labels), val_ids)
     np.testing.assert_array_equal(np.unique(gallery.fine_labels), val_ids)
     assert query.mean == val.mean and gallery.std == val.std
+
+
+def test_held_out_split_by_letter_on_a_hand_worked_fixture():
+    """Five held-out letters with 2 + 1 + 3 + 1 + 0 forms: two letters (floor of half the four with forms) go to
+    validation, the other two to test; every form lands on exactly one side, with its whole letter."""
+    held_out = {"a": ["á", "à"], "b": ["ḃ"], "c": ["ç", "ć", "ĉ"], "d": ["ď"], "e": []}
+    val, test = split_held_out(held_out, [0, HELDOUT_SPLIT_SEED])
+    base = lambda char: unicodedata.normalize("NFD", char)[0]  # noqa: E731
+    val_letters, test_letters = {base(c) for c in val}, {base(c) for c in test}
+    assert len(val_letters) == 2 and len(test_letters) == 2 and not val_letters & test_letters
+    assert sorted(val + test) == sorted(["á", "à", "ḃ", "ç", "ć", "ĉ", "ď"])  # each form exactly once
+    assert len(val) == sum(len(held_out[letter]) for letter in val_letters)
+    # the permutation of the sorted letters a, b, c, d by default_rng([0, seed]), its first two to validation
+    order = np.random.default_rng([0, HELDOUT_SPLIT_SEED]).permutation(4)
+    assert val_letters == {"abcd"[i] for i in order[:2]}
+    # stable: the same seed gives the same split, whatever the dict order; another seed may differ
+    assert split_held_out(dict(reversed(list(held_out.items()))), [0, HELDOUT_SPLIT_SEED]) == (val, test)
+    splits = {tuple(split_held_out(held_out, [seed, HELDOUT_SPLIT_SEED])[0]) for seed in range(8)}
+    assert len(splits) > 1
+
+
+def test_held_out_characters_split_between_validation_and_test(full_set):
+    """The catalogue's validation and test pools: together the 190 held-out characters of the default layout
+    (38 letters), each in exactly one pool, disjoint by letter, the seed and letters recorded,
+    the same on a rebuild."""
+    cache, _ = full_set
+    catalogue = glyph_catalogue(cache)
+    val_chars = [catalogue.chars[i] for i in catalogue.pools["val"]]
+    test_chars = [catalogue.chars[i] for i in catalogue.pools["test"]]
+    assert len(val_chars) + len(test_chars) == 190 and not set(val_chars) & set(test_chars)
+    base = lambda char: unicodedata.normalize("NFD", char)[0]  # noqa: E731
+    split = catalogue.heldout_split
+    assert split["seed"] == [0, HELDOUT_SPLIT_SEED]
+    assert split["validation_letters"] == sorted({base(c) for c in val_chars})
+    assert split["test_letters"] == sorted({base(c) for c in test_chars})
+    assert len(split["validation_letters"]) == len(split["test_letters"]) == 19
+    assert not set(split["validation_letters"]) & set(split["test_letters"])
+    rebuilt = build_catalogue(0)
+    assert rebuilt.heldout_split == split
+    np.testing.assert_array_equal(rebuilt.pools["val"], catalogue.pools["val"])
+    np.testing.assert_array_equal(rebuilt.pools["test"], catalogue.pools["test"])
 
 
 def test_second_load_hits_the_cache(full_set, renderer_forbidden, tmp_path):
