@@ -61,8 +61,7 @@ def build_state(ref: ModelUri, model: Any, index: GalleryIndex, adapter: tuple[s
                              "only; a gallery adapter needs them loaded (load_index(lean=False))")
         version = str(index.versions[0])
         # one group, re-ranked from the structure's own stored rows: no prepared copy of the gallery
-        groups = (VersionGroup(version, np.arange(index.size, dtype=np.int64), None, query_maps.get(version),
-                               index.ann),)
+        groups = (VersionGroup(version, None, None, query_maps.get(version), index.ann),)
     else:
         groups = build_groups(index.embeddings, index.versions, precision, query_maps, gallery_maps,
                               structures=index.structures())

@@ -229,3 +229,55 @@ class _Identity:
 
     def apply(self, rows):
         return rows
+
+
+def test_ids_and_payloads_of_varied_lengths_and_unicode_read_back_and_answer_as_given(tmp_path):
+    """Item ids and payload URIs of every length (empty, one character, several hundred) and script (accents,
+    CJK, emoji), some payloads null, a later shard overriding some rows: the loaded columns equal the strings as
+    written position by position (one at a time, by an array of positions, all at once), for a full and a lean
+    load, and a served answer serialises to the same JSON bytes as one built from plain Python strings."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from cluster.serving.app import _answer
+    from cluster.serving.index_build import AnnSettings, build_search_entry
+    from cluster.serving.state import build_state
+    from compat_core.retrieval.mixed_gallery import search_groups
+    from pipelines.config.model_uri import ModelUri
+
+    rng = np.random.default_rng(3)
+    root, count = str(tmp_path / "index"), 120
+    shapes = ["", "a", "é", "日本語の商品", "🙂" * 3, "x" * 300, "naïve-ü-", "ID\u00a0with space", "Ωmega/ß"]
+    ids = [shapes[i % len(shapes)] + (str(i) if i % 4 else "") for i in range(count)]
+    payloads = [None if i % 3 == 0 else f"s3://bücket/画像/{ids[i]}.jpg" for i in range(count)]
+    rows = rng.standard_normal((count, 8))
+    rows = (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float16).astype(np.float32)
+    entry = build_search_entry(root, rows, rng.standard_normal((40, 8)), AnnSettings("ivf", 0.5, 40, 0), "1")
+    shards = [write_shard(root, shard_table(np.arange(s, s + 60), ids[s:s + 60], rows[s:s + 60], "1",
+                                            payload_uris=payloads[s:s + 60])) for s in (60, 0)]   # out of order
+    overridden = [7, 64, 119]
+    for position, new_id, new_payload in zip(overridden, ["", "新しい🙂", "z" * 70], ["s3://ü/1", None, ""]):
+        ids[position], payloads[position] = new_id, new_payload
+    shards.append(write_shard(root, shard_table(overridden, [ids[p] for p in overridden], rows[overridden], "1",
+                                                payload_uris=[payloads[p] for p in overridden])))
+    commit_manifest(root, new_manifest(8, count, {"name": "m", "version": "1"}, shards, search=entry))
+    picked = np.array([119, 0, 7, 64, 5, 5])
+    for lean in (False, True):
+        index = load_index(root, lean=lean)
+        assert index.rows_in_structure is lean
+        assert index.item_ids.tolist() == ids and index.payload_uris.tolist() == payloads
+        assert [index.item_ids[p] for p in range(count)] == ids and index.item_ids[np.int64(64)] == "新しい🙂"
+        assert index.item_ids[picked].tolist() == [ids[p] for p in picked]
+        assert index.payload_uris[picked].tolist() == [payloads[p] for p in picked]
+        assert len(index.item_ids) == index.size == count and index.item_ids[-1] == ids[-1]
+        state = build_state(ModelUri("m", "1"), None, index, None, "auto")
+        positions, scores, groups = search_groups(torch.from_numpy(rows[[7, 64, 30]]), state.groups, 4)
+        for row in range(3):
+            answer = _answer(state, SimpleNamespace(k=4, include_payload=True), positions[row], scores[row],
+                             groups[row])
+            expected = [{"id": ids[p], "position": int(p), "score": float(s), "item_version": "1", "adapter": None,
+                         "payload_uri": payloads[p]} for p, s in zip(positions[row], scores[row])]
+            assert json.dumps(answer["results"], allow_nan=False) == json.dumps(expected, allow_nan=False)
+        assert positions[:, 0].tolist() == [7, 64, 30]     # each stored row finds itself first
