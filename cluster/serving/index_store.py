@@ -14,6 +14,9 @@ Layout::
                                    entry: kind, build parameters, search effort, the measured recall and its sample;
                                    during a backfill into an approximate index, the "search_backfill" entry
                                    describes a second structure of the same kind over the rows re-embedded so far
+    ROOT/rows/<sha256>.f16         an ivfpq structure's rows (fp16, row-major, as an ivf structure would store them),
+                                   the "search" entry's "row_file": a replica re-ranks from them memory-mapped (a
+                                   local copy of an s3:// root's, fetched once into ``COMPAT_ROW_FILE_CACHE``)
 
 Every blob is named by the sha256 of its bytes and verified on read (an ``IntegrityError`` names the file, the
 expected and the actual hash); manifests are stored by the one manifest codec (:mod:`compat_core.codec`). A position
@@ -23,7 +26,11 @@ lists it (one HEAD swap); readers see either the whole chunk in the new version 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import io
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -36,13 +43,14 @@ from compat_core import io as cio
 from compat_core.codec import decode_manifest, encode_manifest
 from compat_core.integrity import IntegrityError
 from compat_core.retrieval.ann import STORED_EXACT, AnnIndex
+from compat_core.retrieval.row_file import RowFile
 from pipelines.store.run_store import sha256_bytes
 
 FORMAT = "compat-gallery-index/1"
 HEAD = "HEAD"
 
 __all__ = ["GalleryIndex", "shard_table", "write_shard", "commit_manifest", "read_head", "read_manifest",
-           "load_index", "new_manifest", "write_ann", "search_entry", "FORMAT"]
+           "load_index", "new_manifest", "write_ann", "write_row_file_blob", "search_entry", "FORMAT"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,8 @@ class GalleryIndex:
     @property
     def rows_in_structure(self) -> bool:
         """Whether the approximate structure alone holds the gallery's rows (``embeddings`` is None): it stores
-        them exactly (kinds ``STORED_EXACT``) and every row is of the version it was built over."""
+        them exactly (kinds ``STORED_EXACT``) or reads them from its memory-mapped row file (``ivfpq``), and every
+        row is of the version it was built over."""
         return self.embeddings is None
 
     def row(self, position: int) -> np.ndarray:
@@ -135,6 +144,50 @@ def write_ann(root: str, data: bytes) -> dict:
     if not cio.exists(target):
         cio.write_bytes(target, data)
     return {"file": name, "sha256": digest, "bytes": len(data)}
+
+
+def write_row_file_blob(root: str, data: bytes) -> dict:
+    """Write an ivfpq structure's fp16 rows (content-addressed); returns the "row_file" entry."""
+    digest = sha256_bytes(data)
+    name = f"rows/{digest}.f16"
+    target = cio.join(root, name)
+    if not cio.exists(target):
+        cio.write_bytes(target, data)
+    return {"file": name, "sha256": digest, "bytes": len(data), "dtype": "float16"}
+
+
+def _local_row_file(root: str, entry: dict, rows: int, dim: int) -> RowFile:
+    """The "row_file" of search ``entry`` as a local memory-mapped file, its sha256 verified (streamed, never held
+    whole); a remote root's is fetched once into ``COMPAT_ROW_FILE_CACHE`` (default: the system's temporary folder)
+    and reused while its digest matches."""
+    uri = cio.join(root, entry["file"])
+    if cio.is_remote(uri):
+        folder = os.environ.get("COMPAT_ROW_FILE_CACHE") or os.path.join(tempfile.gettempdir(), "compat-row-files")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{entry['sha256']}.f16")
+        if not (os.path.exists(path) and _file_sha256(path) == entry["sha256"]):
+            partial = f"{path}.{os.getpid()}.part"
+            with cio.open_input(uri) as source, open(partial, "wb") as sink:
+                shutil.copyfileobj(source, sink, 1 << 23)
+            os.replace(partial, path)
+    else:
+        path = uri
+    actual = _file_sha256(path)
+    if actual != entry["sha256"]:
+        raise IntegrityError(f"{uri}: sha256 expected {entry['sha256']}, actual {actual}", uri=uri, field="sha256",
+                             expected=entry["sha256"], actual=actual)
+    try:
+        return RowFile(path, rows, dim)
+    except ValueError as error:
+        raise IntegrityError(f"{uri}: {error}", uri=uri, field="row_file bytes") from None
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        for block in iter(lambda: source.read(1 << 23), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def search_entry(manifest: dict) -> dict:
@@ -208,9 +261,10 @@ def read_manifest(root: str, digest: str | None = None) -> tuple[str, dict]:
 
 def load_index(root: str, digest: str | None = None, lean: bool = False) -> GalleryIndex:
     """The index at HEAD (or manifest ``digest``): every shard verified, later shards overriding earlier ones.
-    lean: when the approximate structure holds every row exactly (kinds ``STORED_EXACT``; the manifest lists only
-    rows of the version it was built over), the shards' embedding column is not loaded (``embeddings`` None) and
-    the structure is made ready to re-rank from its own rows (16 bytes a row); a search then answers exactly over
+    lean: when the approximate structure holds every row exactly (kinds ``STORED_EXACT``), or holds lossy codes
+    and comes with a row file (``ivfpq``), and the manifest lists only rows of the version it was built over, the
+    shards' embedding column is not loaded (``embeddings`` None) and the structure is made ready to re-rank from
+    its own rows or the memory-mapped row file (16 bytes a row, 8 for ivfpq); a search then answers exactly over
     the rows as stored."""
     digest, manifest = read_manifest(root, digest)
     dim, count = int(manifest["dim"]), int(manifest["count"])
@@ -243,6 +297,9 @@ def load_index(root: str, digest: str | None = None, lean: bool = False) -> Gall
         if not np.all(versions == built_for):
             raise IntegrityError(f"{root}: manifest {digest[:12]} lists shards of version {built_for} only, their "
                                  f"rows say {sorted(set(versions.tolist()))}", uri=root, field="model_versions")
+        if ann.kind not in STORED_EXACT:   # lossy codes: the candidates' rows are read from the row file
+            entry = search_entry(manifest)
+            ann.attach_rows(_local_row_file(root, entry["row_file"], ann.size, dim))
         ann.prepare_rerank()
     item_ids, payloads = columns.strings("item_id"), columns.strings("payload_uri")
     labels = columns.labels if columns.has_label.all() else None
@@ -306,10 +363,12 @@ def _return_freed_memory() -> None:
 
 
 def _structure_holds_rows(manifest: dict) -> bool:
-    """Whether the manifest's search structure holds every gallery row exactly: a kind of ``STORED_EXACT`` over all
-    ``count`` rows, every shard of the version it was built over, and no backfill under way."""
+    """Whether the manifest's search structure holds every gallery row exactly (or, for lossy codes, comes with a
+    file of the rows as stored): a kind of ``STORED_EXACT`` or with a "row_file", over all ``count`` rows, every
+    shard of the version it was built over, and no backfill under way."""
     entry = search_entry(manifest)
     built_for = entry.get("model_version")
-    return (entry["kind"] in STORED_EXACT and built_for is not None and not manifest.get("search_backfill")
+    return ((entry["kind"] in STORED_EXACT or bool(entry.get("row_file"))) and built_for is not None
+            and not manifest.get("search_backfill")
             and int(entry.get("rows", -1)) == int(manifest["count"])
             and all(shard.get("model_versions") == [str(built_for)] for shard in manifest["shards"]))
