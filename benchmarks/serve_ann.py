@@ -226,7 +226,7 @@ def table(args, methods: dict) -> list[dict]:
     raw = args.rows * args.dim * 2
     exact_qps = methods["flat (exact kernel)"]["qps"]
     rows = []
-    print(f"\n{'method':34} {'build s':>8} {'struct x':>8} {'MiB':>9} {'x fp16':>7} {'q/s':>9} {'x exact':>8} "
+    print(f"\n{'method':38} {'build s':>8} {'struct x':>8} {'MiB':>9} {'x fp16':>7} {'q/s':>9} {'x exact':>8} "
           f"{'x faiss':>8} {'R@1 of exact':>13}  effort")
     for name, m in methods.items():
         alone = methods.get(f"faiss {m.get('kind')} alone")
@@ -237,7 +237,7 @@ def table(args, methods: dict) -> list[dict]:
                "recall_of_exact": m["recall"], "effort": m["effort"], "tune_recall": m.get("tune_recall"),
                **{key: m[key] for key in ("anonymous_bytes", "resident_file_bytes", "batch_file_bytes") if key in m}}
         rows.append(row)
-        print(f"{name:34} {m['build_s']:8.1f} {m['structure_bytes'] / raw:8.3f} {m['bytes'] / 2 ** 20:9.1f} "
+        print(f"{name:38} {m['build_s']:8.1f} {m['structure_bytes'] / raw:8.3f} {m['bytes'] / 2 ** 20:9.1f} "
               f"{m['bytes'] / raw:7.2f} {m['qps']:9.0f} "
               f"{row['qps_vs_exact']:8.2f} {'' if versus is None else f'{versus:8.2f}':>8} {m['recall']:13.4f}  "
               f"{m['effort']}")
