@@ -15,6 +15,12 @@ interleaved passes) and Recall@1 of exact (the fraction of queries whose top-1 r
   chosen by ``--pq-recall`` (``compat_core.retrieval.ann_pq.tune_pq``, as ``compat index build --kind ivfpq`` does),
   re-ranked from the exact kernel's prepared gallery, and faiss IVF-PQ alone at the same target. Bytes are reported
   twice: the structure's ("struct x": what faiss holds) and the product's (what the process holds to answer);
+- IVF-PQ re-ranked from a row file: the same codes and effort, the fp16 rows written to a file (``--row-dir``) and
+  memory-mapped (``compat_core.retrieval.row_file``), each query reading only its candidates' rows. Its bytes are
+  measured, not assumed: the codes, 8 bytes a row of inverse norms, and the file pages resident in the process's
+  mapping after all measured passes (``/proc/self/smaps``); the pages one batch touches from a cold cache are
+  printed besides. "(cold)": a second copy of the file whose pages are dropped from the process and the kernel's
+  cache before every batch (``RowFile.drop_cache``), so every batch reads its rows from the device;
 - ``--shards N``: the gallery split by row range into N parts searched in turn and merged exactly in this process
   (``ann_shards.shard_methods``); with ``--serve``, also served over HTTP by Ray Serve, one replica vs N shard
   deployments behind the router, with the replicas' resident memory (``ann_shards.serve_rates``). On one small
@@ -32,6 +38,7 @@ import os
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -52,6 +59,7 @@ from compat_core.retrieval.ann import (  # noqa: E402
     tune_ann,
 )
 from compat_core.retrieval.ann_pq import tune_pq  # noqa: E402
+from compat_core.retrieval.row_file import write_row_file  # noqa: E402
 from compat_core.retrieval.search import PreparedGallery, search_prepared  # noqa: E402
 from ann_shards import serve_rates, shard_methods  # noqa: E402
 
@@ -95,6 +103,15 @@ def faiss_top1(ann):
     return lambda rows: ann.index.search(rows.numpy(), 1)[1][:, 0]
 
 
+def at_effort(ann: AnnIndex, effort: dict, search):
+    """``search`` run with ``ann`` at ``effort``: faiss alone and the product share one structure (no second copy
+    in memory), each searched at its own tuned effort."""
+    def run(rows):
+        ann.set_effort(effort)
+        return search(rows)
+    return run
+
+
 def tune_faiss_alone(ann, sample: torch.Tensor, exact: np.ndarray, recall: float) -> tuple[dict, float]:
     """The smallest effort of ``ann``'s ladder at which faiss' own top-1 reaches ``recall`` of exact on the tuning
     sample (else the largest); (effort, recall there)."""
@@ -130,10 +147,9 @@ def build_methods(args, gallery, tune_q) -> tuple[dict, PreparedGallery]:
         size = ann.bytes_in_memory()
         print(f"  built {kind} {ann.params} in {seconds:.1f} s ({size / 2 ** 20:.1f} MiB)", flush=True)
         effort, reached = tune_faiss_alone(ann, tune_q, exact_tune, target)
-        alone = AnnIndex.from_bytes(ann.to_bytes(), kind, ann.params, effort)
         methods[f"faiss {kind} alone"] = {"build_s": seconds, "bytes": size, "structure_bytes": size,
-                                          "effort": effort, "tune_recall": reached, "search": faiss_top1(alone),
-                                          "kind": kind}
+                                          "effort": effort, "tune_recall": reached, "kind": kind,
+                                          "search": at_effort(ann, effort, faiss_top1(ann))}
         # the product re-ranks from the structure's own rows where it holds them exactly (ivf, hnsw): it holds the
         # structure and 16 bytes a row; ivfpq's lossy codes need the exact kernel's prepared gallery beside
         stored = kind in STORED_EXACT
@@ -147,10 +163,57 @@ def build_methods(args, gallery, tune_q) -> tuple[dict, PreparedGallery]:
             "build_s": seconds + (0.0 if stored else flat_seconds),
             "bytes": ann.bytes_in_memory() + (0 if stored else flat_bytes), "structure_bytes": size,
             "effort": dict(ann.effort), "tune_recall": measured["recall"], "kind": kind,
-            "search": lambda rows, a=ann, p=None if stored else prepared: ann_search(rows, p, a, 1)[0][:, 0].numpy()}
+            "search": at_effort(ann, dict(ann.effort), lambda rows, a=ann, p=None if stored else prepared:
+                                ann_search(rows, p, a, 1)[0][:, 0].numpy())}
         print(f"  tuned {kind}: product {ann.effort} ({measured['recall']:.4f}); faiss alone "
               f"{methods.get(f'faiss {kind} alone', {}).get('effort')}", flush=True)
+        if kind == "ivfpq":
+            methods.update(row_file_methods(args, gallery, ann, seconds, measured["recall"]))
     return methods, prepared
+
+
+def row_file_methods(args, gallery, ann: AnnIndex, build_s: float, tune_recall: float) -> dict:
+    """IVF-PQ ``ann`` (tuned) re-ranked from memory-mapped fp16 row files: warm (pages stay mapped between
+    batches) and cold (the file's pages dropped before every batch)."""
+    methods = {}
+    for cold in (False, True):
+        started = time.perf_counter()
+        rows = write_row_file(os.path.join(args.row_dir, f"rows-{os.getpid()}-{int(cold)}.f16"), gallery.numpy())
+        copy = AnnIndex.from_bytes(ann.to_bytes(), "ivfpq", ann.params, ann.effort).attach_rows(rows)
+        copy.prepare_rerank()     # one pass over the file for the inverse norms, then its pages dropped
+        seconds = build_s + time.perf_counter() - started
+
+        def search(batch, a=copy, r=rows, drop=cold):
+            if drop:
+                r.drop_cache()
+            return ann_search(batch, None, a, 1)[0][:, 0].numpy()
+
+        name = "ivfpq + re-rank from row file" + (" (cold)" if cold else "")
+        methods[name] = {"build_s": seconds, "bytes": copy.bytes_in_memory(), "structure_bytes": ann.bytes_in_memory(),
+                         "effort": dict(copy.effort), "tune_recall": tune_recall, "kind": "ivfpq", "search": search,
+                         "row_file": rows, "ann": copy}
+    return methods
+
+
+def settle_row_files(args, methods: dict, queries: torch.Tensor) -> None:
+    """The bytes of the row-file methods after the measured passes: codes + inverse norms + the file pages resident
+    in this process's mapping; and the pages one batch maps from a cold cache. Removes the files."""
+    raw = args.rows * args.dim * 2
+    for name, method in methods.items():
+        rows = method.pop("row_file", None)
+        if rows is None:
+            continue
+        anonymous = method.pop("ann").bytes_in_memory()
+        resident = rows.resident_bytes() or 0
+        rows.drop_cache()
+        method["search"](queries[:args.batch])
+        batch = rows.resident_bytes() or 0
+        method.update({"bytes": anonymous + resident, "anonymous_bytes": anonymous, "resident_file_bytes": resident,
+                       "batch_file_bytes": batch})
+        print(f"  {name}: codes + inverse norms {anonymous / raw:.3f}x the fp16 rows, file pages resident after "
+              f"the passes {resident / raw:.3f}x, one batch of {args.batch} from a cold cache maps "
+              f"{batch / 2 ** 20:.2f} MiB ({batch / raw:.4f}x)")
+        os.remove(rows.path)
 
 
 def measure(args, methods: dict, queries: torch.Tensor) -> None:
@@ -172,7 +235,7 @@ def table(args, methods: dict) -> list[dict]:
     raw = args.rows * args.dim * 2
     exact_qps = methods["flat (exact kernel)"]["qps"]
     rows = []
-    print(f"\n{'method':34} {'build s':>8} {'struct x':>8} {'MiB':>9} {'x fp16':>7} {'q/s':>9} {'x exact':>8} "
+    print(f"\n{'method':38} {'build s':>8} {'struct x':>8} {'MiB':>9} {'x fp16':>7} {'q/s':>9} {'x exact':>8} "
           f"{'x faiss':>8} {'R@1 of exact':>13}  effort")
     for name, m in methods.items():
         alone = methods.get(f"faiss {m.get('kind')} alone")
@@ -180,9 +243,10 @@ def table(args, methods: dict) -> list[dict]:
         row = {"method": name, "build_s": m["build_s"], "structure_bytes": m["structure_bytes"],
                "structure_vs_fp16": m["structure_bytes"] / raw, "bytes": m["bytes"], "bytes_vs_fp16": m["bytes"] / raw,
                "qps": m["qps"], "qps_vs_exact": m["qps"] / exact_qps, "qps_vs_faiss": versus,
-               "recall_of_exact": m["recall"], "effort": m["effort"], "tune_recall": m.get("tune_recall")}
+               "recall_of_exact": m["recall"], "effort": m["effort"], "tune_recall": m.get("tune_recall"),
+               **{key: m[key] for key in ("anonymous_bytes", "resident_file_bytes", "batch_file_bytes") if key in m}}
         rows.append(row)
-        print(f"{name:34} {m['build_s']:8.1f} {m['structure_bytes'] / raw:8.3f} {m['bytes'] / 2 ** 20:9.1f} "
+        print(f"{name:38} {m['build_s']:8.1f} {m['structure_bytes'] / raw:8.3f} {m['bytes'] / 2 ** 20:9.1f} "
               f"{m['bytes'] / raw:7.2f} {m['qps']:9.0f} "
               f"{row['qps_vs_exact']:8.2f} {'' if versus is None else f'{versus:8.2f}':>8} {m['recall']:13.4f}  "
               f"{m['effort']}")
@@ -211,6 +275,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kinds", default="ivf,hnsw,ivfpq")
+    parser.add_argument("--row-dir", default=tempfile.gettempdir(), help="a local folder for the IVF-PQ row files "
+                        "(2 D bytes a row each, two of them; removed at the end)")
     args = parser.parse_args(argv)
     args.kinds = [k for k in args.kinds.split(",") if k]
     import faiss
@@ -226,6 +292,7 @@ def main(argv=None) -> int:
         methods.update(shard_methods(gallery, tune_q, args.shards, [k for k in args.kinds if k == "ivf"],
                                      args.recall, prepared_bytes))
     measure(args, methods, queries)
+    settle_row_files(args, methods, queries)
     rows = table(args, methods)
     served = []
     if args.shards and args.serve:

@@ -11,10 +11,17 @@ import numpy as np
 
 from cluster.model_registry.serving_indexes import record_serving_index
 from cluster.model_registry.versions import MlflowModelResolver
-from cluster.serving.index_store import commit_manifest, new_manifest, shard_table, write_ann, write_shard
+from cluster.serving.index_store import (
+    commit_manifest,
+    new_manifest,
+    shard_table,
+    write_ann,
+    write_row_file_blob,
+    write_shard,
+)
 from cluster.serving.models import load_served_model, resolve_model_ref
 from cluster.serving.shards import write_sharded_index
-from compat_core.retrieval.ann import KINDS, build_ann, candidate_rule, tune_ann
+from compat_core.retrieval.ann import KINDS, build_ann, candidate_rule, stored_fp16_rows, tune_ann
 from compat_core.retrieval.ann_pq import tune_pq
 from compat_core.retrieval.mixed_gallery import unit_rows
 from compat_core.retrieval.search import PreparedGallery
@@ -145,6 +152,8 @@ def build_search_entry(root: str, features: np.ndarray, held_out: np.ndarray, an
         built = time.perf_counter() - started
         measured = tune_ann(structure, PreparedGallery(gallery), held_out[rows], ann.recall)
     stored = write_ann(root, structure.to_bytes())
+    if ann.kind == "ivfpq":   # lossy codes: a replica re-ranks from these rows, memory-mapped, not held in memory
+        stored["row_file"] = write_row_file_blob(root, stored_fp16_rows(gallery).astype("<f2").tobytes())
     log(f"index: {ann.kind} {structure.params} built in {built:.1f} s; {structure.effort} reaches Recall@1 of exact "
         f"{measured['recall']:.4f} >= {ann.recall} on {take} held-out {sample_pool} rows")
     return {"kind": ann.kind, **stored, "params": structure.params, "effort": structure.effort,

@@ -14,6 +14,9 @@ Layout::
                                    entry: kind, build parameters, search effort, the measured recall and its sample;
                                    during a backfill into an approximate index, the "search_backfill" entry
                                    describes a second structure of the same kind over the rows re-embedded so far
+    ROOT/rows/<sha256>.f16         an ivfpq structure's rows (fp16, row-major, as an ivf structure would store them),
+                                   the "search" entry's "row_file": a replica re-ranks from them memory-mapped (a
+                                   local copy of an s3:// root's, fetched once into ``COMPAT_ROW_FILE_CACHE``)
 
 Every blob is named by the sha256 of its bytes and verified on read (an ``IntegrityError`` names the file, the
 expected and the actual hash); manifests are stored by the one manifest codec (:mod:`compat_core.codec`). A position
@@ -22,7 +25,12 @@ lists it (one HEAD swap); readers see either the whole chunk in the new version 
 """
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import io
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -30,17 +38,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cluster.serving.string_column import StringColumn, gather_strings
 from compat_core import io as cio
 from compat_core.codec import decode_manifest, encode_manifest
 from compat_core.integrity import IntegrityError
 from compat_core.retrieval.ann import STORED_EXACT, AnnIndex
+from compat_core.retrieval.row_file import RowFile
 from pipelines.store.run_store import sha256_bytes
 
 FORMAT = "compat-gallery-index/1"
 HEAD = "HEAD"
 
 __all__ = ["GalleryIndex", "shard_table", "write_shard", "commit_manifest", "read_head", "read_manifest",
-           "load_index", "new_manifest", "write_ann", "search_entry", "FORMAT"]
+           "load_index", "new_manifest", "write_ann", "write_row_file_blob", "search_entry", "FORMAT"]
 
 
 @dataclass(frozen=True)
@@ -49,10 +59,10 @@ class GalleryIndex:
 
     manifest_sha: str
     manifest: dict
-    item_ids: np.ndarray          # (N,) str
+    item_ids: StringColumn        # (N,) str, held as one Arrow string array (decoded when read)
     embeddings: np.ndarray | None  # (N, D) float32 as stored; None when only the structure holds the rows
     versions: np.ndarray          # (N,) str: the model version that embedded each item
-    payload_uris: np.ndarray      # (N,) object (str or None)
+    payload_uris: StringColumn    # (N,) str or None
     labels: np.ndarray | None     # (N,) int64 or None
     ann: AnnIndex | None = None   # the approximate structure over the rows of manifest["search"]["model_version"]
     ann_backfill: AnnIndex | None = None   # manifest["search_backfill"]'s, over the rows re-embedded so far
@@ -72,7 +82,7 @@ class GalleryIndex:
 
     @property
     def size(self) -> int:
-        return int(self.item_ids.shape[0])
+        return len(self.item_ids)
 
     @property
     def dim(self) -> int:
@@ -81,7 +91,8 @@ class GalleryIndex:
     @property
     def rows_in_structure(self) -> bool:
         """Whether the approximate structure alone holds the gallery's rows (``embeddings`` is None): it stores
-        them exactly (kinds ``STORED_EXACT``) and every row is of the version it was built over."""
+        them exactly (kinds ``STORED_EXACT``) or reads them from its memory-mapped row file (``ivfpq``), and every
+        row is of the version it was built over."""
         return self.embeddings is None
 
     def row(self, position: int) -> np.ndarray:
@@ -133,6 +144,50 @@ def write_ann(root: str, data: bytes) -> dict:
     if not cio.exists(target):
         cio.write_bytes(target, data)
     return {"file": name, "sha256": digest, "bytes": len(data)}
+
+
+def write_row_file_blob(root: str, data: bytes) -> dict:
+    """Write an ivfpq structure's fp16 rows (content-addressed); returns the "row_file" entry."""
+    digest = sha256_bytes(data)
+    name = f"rows/{digest}.f16"
+    target = cio.join(root, name)
+    if not cio.exists(target):
+        cio.write_bytes(target, data)
+    return {"file": name, "sha256": digest, "bytes": len(data), "dtype": "float16"}
+
+
+def _local_row_file(root: str, entry: dict, rows: int, dim: int) -> RowFile:
+    """The "row_file" of search ``entry`` as a local memory-mapped file, its sha256 verified (streamed, never held
+    whole); a remote root's is fetched once into ``COMPAT_ROW_FILE_CACHE`` (default: the system's temporary folder)
+    and reused while its digest matches."""
+    uri = cio.join(root, entry["file"])
+    if cio.is_remote(uri):
+        folder = os.environ.get("COMPAT_ROW_FILE_CACHE") or os.path.join(tempfile.gettempdir(), "compat-row-files")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"{entry['sha256']}.f16")
+        if not (os.path.exists(path) and _file_sha256(path) == entry["sha256"]):
+            partial = f"{path}.{os.getpid()}.part"
+            with cio.open_input(uri) as source, open(partial, "wb") as sink:
+                shutil.copyfileobj(source, sink, 1 << 23)
+            os.replace(partial, path)
+    else:
+        path = uri
+    actual = _file_sha256(path)
+    if actual != entry["sha256"]:
+        raise IntegrityError(f"{uri}: sha256 expected {entry['sha256']}, actual {actual}", uri=uri, field="sha256",
+                             expected=entry["sha256"], actual=actual)
+    try:
+        return RowFile(path, rows, dim)
+    except ValueError as error:
+        raise IntegrityError(f"{uri}: {error}", uri=uri, field="row_file bytes") from None
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        for block in iter(lambda: source.read(1 << 23), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def search_entry(manifest: dict) -> dict:
@@ -206,18 +261,16 @@ def read_manifest(root: str, digest: str | None = None) -> tuple[str, dict]:
 
 def load_index(root: str, digest: str | None = None, lean: bool = False) -> GalleryIndex:
     """The index at HEAD (or manifest ``digest``): every shard verified, later shards overriding earlier ones.
-    lean: when the approximate structure holds every row exactly (kinds ``STORED_EXACT``; the manifest lists only
-    rows of the version it was built over), the shards' embedding column is not loaded (``embeddings`` None) and
-    the structure is made ready to re-rank from its own rows (16 bytes a row); a search then answers exactly over
+    lean: when the approximate structure holds every row exactly (kinds ``STORED_EXACT``), or holds lossy codes
+    and comes with a row file (``ivfpq``), and the manifest lists only rows of the version it was built over, the
+    shards' embedding column is not loaded (``embeddings`` None) and the structure is made ready to re-rank from
+    its own rows or the memory-mapped row file (16 bytes a row, 8 for ivfpq); a search then answers exactly over
     the rows as stored."""
     digest, manifest = read_manifest(root, digest)
     dim, count = int(manifest["dim"]), int(manifest["count"])
     rows_in_structure = lean and _structure_holds_rows(manifest)
     embeddings = None if rows_in_structure else np.zeros((count, dim), dtype=np.float32)
-    item_ids, versions, payloads = (np.empty(count, dtype=object) for _ in range(3))
-    labels = np.full(count, -1, dtype=np.int64)
-    has_label = np.zeros(count, dtype=bool)
-    seen = np.zeros(count, dtype=bool)
+    columns = _RowColumns(count)
     for entry in manifest["shards"]:
         uri = cio.join(root, entry["file"])
         shard = pq.ParquetFile(io.BytesIO(_verified(uri, entry["sha256"])))
@@ -225,43 +278,97 @@ def load_index(root: str, digest: str | None = None, lean: bool = False) -> Gall
         if width != dim:
             raise IntegrityError(f"{uri}: embedding width {width}, manifest says {dim}", uri=uri,
                                  field="embedding width", expected=dim, actual=width)
+        # on the calling thread: Arrow's pool returns what its worker threads allocated only in part
         table = shard.read(columns=[name for name in shard.schema_arrow.names
-                                    if not (rows_in_structure and name == "embedding")])
+                                    if not (rows_in_structure and name == "embedding")], use_threads=False)
         positions = table.column("position").to_numpy()
         if positions.size and (positions.min() < 0 or positions.max() >= count):
             raise IntegrityError(f"{uri}: positions outside 0..{count - 1}", uri=uri)
         if embeddings is not None:
             embeddings[positions] = table.column("embedding").combine_chunks().flatten().to_numpy(
                 zero_copy_only=False).reshape(-1, dim)
-        item_ids[positions] = table.column("item_id").to_pylist()
-        versions[positions] = table.column("model_version").to_pylist()
-        payloads[positions] = table.column("payload_uri").to_pylist()
-        label_column = table.column("label")
-        valid = ~np.asarray(label_column.is_null().to_numpy(zero_copy_only=False), dtype=bool)
-        labels[positions[valid]] = np.asarray(label_column.drop_null().to_numpy(), dtype=np.int64)
-        has_label[positions] = valid
-        seen[positions] = True
-    if not seen.all():
-        raise IntegrityError(f"{root}: manifest {digest[:12]} leaves {int((~seen).sum())} of {count} gallery "
-                             f"positions without a row (e.g. {int(np.flatnonzero(~seen)[0])})")
-    ann, versions = _load_ann(root, search_entry(manifest), dim), versions.astype(str)
+        columns.add(positions, table)
+    if not columns.seen.all():
+        raise IntegrityError(f"{root}: manifest {digest[:12]} leaves {int((~columns.seen).sum())} of {count} "
+                             f"gallery positions without a row (e.g. {int(np.flatnonzero(~columns.seen)[0])})")
+    ann, versions = _load_ann(root, search_entry(manifest), dim), columns.versions()
     if rows_in_structure:
         built_for = str(search_entry(manifest)["model_version"])
         if not np.all(versions == built_for):
             raise IntegrityError(f"{root}: manifest {digest[:12]} lists shards of version {built_for} only, their "
                                  f"rows say {sorted(set(versions.tolist()))}", uri=root, field="model_versions")
+        if ann.kind not in STORED_EXACT:   # lossy codes: the candidates' rows are read from the row file
+            entry = search_entry(manifest)
+            ann.attach_rows(_local_row_file(root, entry["row_file"], ann.size, dim))
         ann.prepare_rerank()
-    pa.default_memory_pool().release_unused()   # the shards' decoded columns are not kept
-    return GalleryIndex(digest, manifest, item_ids.astype(str), embeddings, versions, payloads,
-                        labels if has_label.all() else None, ann,
+    item_ids, payloads = columns.strings("item_id"), columns.strings("payload_uri")
+    labels = columns.labels if columns.has_label.all() else None
+    del columns
+    _return_freed_memory()
+    return GalleryIndex(digest, manifest, item_ids, embeddings, versions, payloads, labels, ann,
                         _load_ann(root, manifest.get("search_backfill") or {}, dim))
 
 
+class _RowColumns:
+    """The per-row columns of an index's shards gathered in position order without one Python object a row: the
+    last shard listed wins a position. Strings stay Arrow arrays until the end (:class:`StringColumn`), versions
+    are held as codes into the distinct names met."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.seen = np.zeros(count, dtype=bool)
+        self.labels = np.full(count, -1, dtype=np.int64)
+        self.has_label = np.zeros(count, dtype=bool)
+        self.version_codes = np.zeros(count, dtype=np.int32)
+        self.version_names: list[str] = []
+        self.source = np.zeros(count, dtype=np.int64)   # position -> row of the shards laid end to end
+        self.chunks: dict[str, list[pa.Array]] = {"item_id": [], "payload_uri": []}
+        self.rows = 0
+
+    def add(self, positions: np.ndarray, table: pa.Table) -> None:
+        for name, chunks in self.chunks.items():
+            chunks.append(table.column(name).combine_chunks())
+        self.source[positions] = self.rows + np.arange(positions.size)
+        self.rows += positions.size
+        encoded = table.column("model_version").combine_chunks().dictionary_encode()
+        names = [str(name) for name in encoded.dictionary.to_pylist()]
+        for name in names:
+            if name not in self.version_names:
+                self.version_names.append(name)
+        remap = np.asarray([self.version_names.index(name) for name in names], dtype=np.int32)
+        self.version_codes[positions] = remap[encoded.indices.to_numpy(zero_copy_only=False)]
+        label_column = table.column("label")
+        valid = ~np.asarray(label_column.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+        self.labels[positions[valid]] = np.asarray(label_column.drop_null().to_numpy(), dtype=np.int64)
+        self.has_label[positions] = valid
+        self.seen[positions] = True
+
+    def versions(self) -> np.ndarray:
+        """(N,) str: the model version of each position."""
+        return np.asarray(self.version_names or [""], dtype=str)[self.version_codes]
+
+    def strings(self, name: str) -> StringColumn:
+        return StringColumn(gather_strings(self.chunks.pop(name), self.source), self.count)
+
+
+def _return_freed_memory() -> None:
+    """Hand the memory the load freed back to the system: the shards' decoded columns (Arrow's pool) and the
+    temporaries between the structure's and the columns' allocations (the C heap keeps freed pages resident until
+    trimmed, glibc only)."""
+    pa.default_memory_pool().release_unused()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc: its allocator decides
+        pass
+
+
 def _structure_holds_rows(manifest: dict) -> bool:
-    """Whether the manifest's search structure holds every gallery row exactly: a kind of ``STORED_EXACT`` over all
-    ``count`` rows, every shard of the version it was built over, and no backfill under way."""
+    """Whether the manifest's search structure holds every gallery row exactly (or, for lossy codes, comes with a
+    file of the rows as stored): a kind of ``STORED_EXACT`` or with a "row_file", over all ``count`` rows, every
+    shard of the version it was built over, and no backfill under way."""
     entry = search_entry(manifest)
     built_for = entry.get("model_version")
-    return (entry["kind"] in STORED_EXACT and built_for is not None and not manifest.get("search_backfill")
+    return ((entry["kind"] in STORED_EXACT or bool(entry.get("row_file"))) and built_for is not None
+            and not manifest.get("search_backfill")
             and int(entry.get("rows", -1)) == int(manifest["count"])
             and all(shard.get("model_versions") == [str(built_for)] for shard in manifest["shards"]))

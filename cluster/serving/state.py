@@ -61,8 +61,7 @@ def build_state(ref: ModelUri, model: Any, index: GalleryIndex, adapter: tuple[s
                              "only; a gallery adapter needs them loaded (load_index(lean=False))")
         version = str(index.versions[0])
         # one group, re-ranked from the structure's own stored rows: no prepared copy of the gallery
-        groups = (VersionGroup(version, np.arange(index.size, dtype=np.int64), None, query_maps.get(version),
-                               index.ann),)
+        groups = (VersionGroup(version, None, None, query_maps.get(version), index.ann),)
     else:
         groups = build_groups(index.embeddings, index.versions, precision, query_maps, gallery_maps,
                               structures=index.structures())
@@ -167,9 +166,11 @@ def search_summary(state: ServingState) -> dict:
     entry = search_entry(state.index.manifest)
     summary = {"kind": entry["kind"], "approximate_groups": [g.version for g in state.groups if g.ann is not None]}
     if entry["kind"] != "flat":
-        # where the exact re-rank reads the rows: the structure's own stored rows (the replica holds no other
-        # copy of the gallery) or the gallery's rows prepared for the exact kernel
-        summary["rerank"] = "structure" if state.index.rows_in_structure else "gallery"
+        # where the exact re-rank reads the rows: the structure's own stored rows or, for lossy codes, the
+        # memory-mapped row file (the replica holds no other copy of the gallery), or the gallery's rows prepared
+        # for the exact kernel
+        summary["rerank"] = ("gallery" if not state.index.rows_in_structure
+                             else "row_file" if state.index.ann.row_file is not None else "structure")
         summary.update({key: entry.get(key) for key in ("params", "effort", "candidates", "recall", "recall_target",
                                                          "sample", "model_version")})
     backfill = state.index.manifest.get("search_backfill")

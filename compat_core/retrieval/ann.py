@@ -19,7 +19,10 @@ so these two can also re-rank without the gallery's prepared rows (``ann_search(
 structure's own fp32 scores of its candidates, scaled by each stored row's fp64 inverse norm, rule out every
 candidate that a proven bound keeps from the top-k (``compat_core.retrieval.rerank``), and only the survivors
 (about one a query for top-1) are decoded and scored in fp64. The answer is then the exact top-k over the rows as
-stored, whenever the candidates hold it.
+stored, whenever the candidates hold it. ``ivfpq``'s codes are lossy: it re-ranks against the prepared gallery, or,
+with the gallery's fp16 rows in a memory-mapped file (:meth:`AnnIndex.attach_rows`,
+``compat_core.retrieval.row_file``), from the rows of its candidates read there (all of them: lossy scores bound
+nothing), holding the codes and 8 bytes a row besides the file pages its queries touch.
 
 faiss is imported inside the functions that use it (a heavy optional dependency); the index travels as
 ``faiss.serialize_index`` bytes, never pickled.
@@ -34,10 +37,12 @@ import numpy as np
 import torch
 
 from compat_core.retrieval.rerank import compact, rerank_vectors, stored_inverse_norms, survivors, unit_queries
+from compat_core.retrieval.row_file import RowFile
 from compat_core.retrieval.search import PreparedGallery, search_candidates, search_prepared
 
 __all__ = ["KINDS", "STORED_EXACT", "AnnIndex", "AnnSubset", "build_ann", "tune_ann", "ann_search", "ann_subset",
-           "candidate_count", "candidate_rule", "default_params", "effort_ladder", "recall_of_exact", "set_faiss_threads"]
+           "candidate_count", "candidate_rule", "default_params", "effort_ladder", "recall_of_exact",
+           "set_faiss_threads", "stored_fp16_rows"]
 
 KINDS = ("flat", "ivf", "hnsw", "ivfpq")
 STORED_EXACT = ("ivf", "hnsw")   # structures holding the rows themselves (fp16, fp32): the re-rank reads them there
@@ -119,6 +124,7 @@ class AnnIndex:
     index: object
     effort: dict = field(default_factory=dict)
     inverse: torch.Tensor | None = field(default=None, repr=False)   # (N,) fp64 inverse norms of the stored rows
+    row_file: RowFile | None = field(default=None, repr=False)       # the rows, where the structure's are lossy
 
     @property
     def size(self) -> int:
@@ -156,25 +162,41 @@ class AnnIndex:
 
     def stored_rows(self, start: int, stop: int) -> np.ndarray:
         """(stop - start, D) float32: the structure's stored rows start..stop-1 as it holds them (fp16 rows of
-        ``ivf`` decoded exactly, fp32 rows of ``hnsw``); ValueError for ``ivfpq``, whose codes are lossy."""
+        ``ivf`` decoded exactly, fp32 rows of ``hnsw``), or the attached row file's (:meth:`attach_rows`);
+        ValueError for ``ivfpq`` without one, its codes being lossy."""
         self._check_stored()
+        if self.row_file is not None:
+            return self.row_file.stored_rows(start, stop)
         return self.index.reconstruct_n(int(start), int(stop - start))
+
+    def attach_rows(self, row_file: RowFile) -> "AnnIndex":
+        """Re-rank from ``row_file`` (the gallery's rows in the structure's row order, memory-mapped): what an
+        ``ivfpq`` structure needs to answer exactly without the gallery's rows in memory. Returns self."""
+        if (row_file.size, row_file.dim) != (self.size, self.dim):
+            raise ValueError(f"{row_file.path}: {row_file.size} x {row_file.dim} rows for a {self.kind} structure "
+                             f"of {self.size} x {self.dim}")
+        self.row_file, self.inverse = row_file, None
+        return self
 
     def prepare_rerank(self) -> "AnnIndex":
         """Make the structure ready to re-rank from its own rows (kinds ``STORED_EXACT``): measure the stored
         rows' fp64 inverse norms once (8 bytes a row) and give an IVF structure its row-to-list map (8 bytes a
         row), so :func:`ann_search` needs no prepared gallery. Returns self."""
         self._check_stored()
-        if self.kind == "ivf":
+        if self.kind == "ivf" and self.row_file is None:
             ivf = _faiss().extract_index_ivf(self.index)
             if ivf.direct_map.type == _faiss().DirectMap.NoMap:
                 ivf.make_direct_map()
         if self.inverse is None:
             self.inverse = stored_inverse_norms(self.stored_rows, self.size)
+            if self.row_file is not None:   # the whole file was read once: queries start from a cold cache
+                self.row_file.drop_cache()
         return self
 
     def rows_of(self, rows: np.ndarray) -> np.ndarray:
         """(n, D) float32: the stored rows ``rows`` (int64 gallery rows; :meth:`prepare_rerank` first)."""
+        if self.row_file is not None:
+            return self.row_file.rows_of(rows)
         return self.index.reconstruct_batch(np.ascontiguousarray(rows, dtype=np.int64))
 
     def scored_candidates(self, unit_query: np.ndarray, count: int,
@@ -188,9 +210,9 @@ class AnnIndex:
         return scores, rows.astype(np.int64, copy=False)
 
     def _check_stored(self) -> None:
-        if self.kind not in STORED_EXACT:
+        if self.kind not in STORED_EXACT and self.row_file is None:
             raise ValueError(f"a {self.kind} index does not hold its rows exactly (only {STORED_EXACT} do); "
-                             "re-rank it against the gallery's prepared rows")
+                             "re-rank it against the gallery's prepared rows or attach a row file (attach_rows)")
 
     def to_bytes(self) -> bytes:
         """The structure as ``faiss.serialize_index`` bytes."""
@@ -210,7 +232,8 @@ class AnnIndex:
         return ann
 
     def bytes_in_memory(self) -> int:
-        """What a process holds of it, bytes: the serialized structure, plus the inverse norms once measured."""
+        """What a process holds of it, bytes: the serialized structure, plus the inverse norms once measured (not
+        an attached row file's pages: :meth:`RowFile.resident_bytes`)."""
         return len(self.to_bytes()) + (0 if self.inverse is None else self.inverse.numel() * 8)
 
 
@@ -246,6 +269,13 @@ def _stored_form(gallery) -> np.ndarray:
         if np.all(np.abs(norms - 1.0) <= _UNIT_SLACK):
             return np.ascontiguousarray(array, dtype=np.float32)
     return _unit32(array)
+
+
+def stored_fp16_rows(gallery) -> np.ndarray:
+    """(N, D) fp16: the gallery's rows as an ``ivf`` structure stores them (as given where every norm is within
+    ``_UNIT_SLACK`` of 1, else L2-normalised; then rounded to fp16): what a row file holds for an ``ivfpq``
+    structure, so that both re-rank over the same rows."""
+    return _stored_form(gallery).astype(np.float16)
 
 
 def build_ann(gallery, kind: str, params: dict | None = None, seed: int = 0) -> AnnIndex:
@@ -286,8 +316,9 @@ def ann_search(query, prepared: PreparedGallery | None, ann: AnnIndex, k: int = 
     """Top-k of each query row: ``ann``'s candidates re-ranked exactly (fp64 reference scores, ties by the lowest
     gallery row); rows for which the structure found fewer than k rows are searched exactly over the whole gallery.
     prepared: the gallery's rows prepared for the exact kernel, or None to re-rank from the structure's own stored
-    rows (kinds ``STORED_EXACT``; the answer is then exact over the rows as stored, and nothing but the structure
-    and 16 bytes a row is held; :meth:`AnnIndex.prepare_rerank` once before searching from several threads).
+    rows (kinds ``STORED_EXACT``, or any kind with a row file attached; the answer is then exact over the rows as
+    stored, and nothing but the structure and 16 bytes a row is held; :meth:`AnnIndex.prepare_rerank` once before
+    searching from several threads).
     subset: search only these structure rows; the answer's indices are then rows of the subset (0 = its first),
     and ``prepared``, when given, holds exactly the subset's rows in the same order.
     Returns (indices (Nq, k) int64 tensor, fp64 cosine scores (Nq, k) tensor)."""
@@ -346,7 +377,8 @@ def _search_stored(query, ann: AnnIndex, k: int, subset: AnnSubset | None = None
     q64, unit32 = unit_queries(query)
     scores32, cand = ann.scored_candidates(unit32, candidate_count(k, size, ann.kind), subset)
     inverse = ann.inverse.numpy()
-    kept = compact(survivors(scores32, cand, inverse, ann.dim, k), cand)
+    # the bound on the structure's own scores holds for rows it stores exactly; lossy codes rule nothing out
+    kept = compact(survivors(scores32, cand, inverse, ann.dim, k), cand) if ann.kind in STORED_EXACT else cand
     vectors = np.zeros((kept.shape[0], kept.shape[1], ann.dim), dtype=np.float32)
     present = kept >= 0
     vectors[present] = ann.rows_of(kept[present])

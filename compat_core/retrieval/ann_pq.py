@@ -4,8 +4,9 @@ top-1 reaches a Recall@1-of-exact target on held-out queries.
 :func:`tune_pq` tries product quantisers of 8-bit codes over ``m`` sub-vectors, ``m`` in a ladder of divisors of
 the width from small to large (by default D/16, D/8, D/4: 1/32, 1/16 and 1/8 of the fp16 rows' bytes), and keeps
 the first whose search effort, tuned by :func:`compat_core.retrieval.ann.tune_ann`, reaches the target. The codes
-rank coarsely; the exact re-rank reads the gallery's rows (the prepared gallery), so an index that re-ranks holds
-those too: its memory is the codes plus the rows, not the codes alone.
+rank coarsely; the exact re-rank reads the gallery's rows: the prepared gallery (then an index that re-ranks holds
+the codes plus the rows), or a memory-mapped file of the fp16 rows (``AnnIndex.attach_rows``: the codes, 8 bytes a
+row and the file pages the queries touch).
 """
 from __future__ import annotations
 

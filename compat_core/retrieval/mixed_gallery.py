@@ -35,7 +35,8 @@ def unit_rows(features) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class VersionGroup:
-    """The gallery items of one model version. positions: (n,) int64 ascending gallery positions; prepared: their
+    """The gallery items of one model version. positions: (n,) int64 ascending gallery positions, or None when the
+    group is the whole gallery in order (group row i = position i: nothing held a row for it); prepared: their
     unit embeddings ready for the kernel; query_map: embedding of the serving model -> this group's query space
     (None: as is); ann: an approximate structure over these rows (None: exact search); ann_subset: the group's
     rows in ``ann`` when it holds more rows than the group (a whole-gallery structure some of whose rows were
@@ -47,6 +48,18 @@ class VersionGroup:
     query_map: Callable[[torch.Tensor], torch.Tensor] | None = None
     ann: AnnIndex | None = None
     ann_subset: AnnSubset | None = None
+
+    @property
+    def size(self) -> int:
+        """Gallery items in the group."""
+        if self.positions is not None:
+            return int(self.positions.shape[0])
+        return int(self.prepared.size if self.prepared is not None else self.ann.size)
+
+    def gallery_positions(self, rows: np.ndarray) -> np.ndarray:
+        """int64 gallery positions of the group's rows ``rows`` (any shape)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return rows if self.positions is None else self.positions[rows]
 
 
 def build_groups(embeddings: np.ndarray, versions: np.ndarray, precision: str = "auto",
@@ -96,19 +109,19 @@ def search_groups(query: torch.Tensor, groups: tuple[VersionGroup, ...], k: int)
     scores (Nq, k) float64 cosine similarities, group (Nq, k) int64 index into ``groups``), best first, exact ties
     by the lowest gallery position. Raises ValueError unless 1 <= k <= the gallery size.
     """
-    total = sum(group.positions.shape[0] for group in groups)
+    total = sum(group.size for group in groups)
     if not 1 <= k <= total:
         raise ValueError(f"k: expected 1 <= k <= gallery size ({total}), got {k}")
     query = unit_rows(query)
     parts_pos, parts_score, parts_group = [], [], []
     for number, group in enumerate(groups):
         q = query if group.query_map is None else unit_rows(group.query_map(query))
-        take = min(k, group.positions.shape[0])
+        take = min(k, group.size)
         if group.ann is not None:
             index, score = ann_search(q, group.prepared, group.ann, take, group.ann_subset)
         else:
             index, score = search_prepared(q, group.prepared, take)
-        parts_pos.append(group.positions[index.cpu().numpy()])
+        parts_pos.append(group.gallery_positions(index.cpu().numpy()))
         parts_score.append(score.cpu().numpy())
         parts_group.append(np.full(index.shape, number, dtype=np.int64))
     positions = np.concatenate(parts_pos, axis=1)

@@ -123,3 +123,52 @@ def test_lossy_codes_are_refused_without_the_prepared_gallery(data):
         ann_search(queries, None, ann, 1)
     with pytest.raises(ValueError, match="query: row 0 has zero or non-finite norm"):
         ann_search(torch.zeros(2, 32), None, build_ann(gallery.float(), "hnsw"), 1)
+
+
+def test_lossy_codes_re_rank_from_a_row_file_as_the_exact_kernel_over_their_candidates(data, tmp_path):
+    """IVF-PQ with its fp16 rows in a memory-mapped file: every query's answer is the fp64 brute force over the
+    structure's candidates (ties to the lowest row), bit for bit the exact kernel's over the gallery when every list
+    is probed."""
+    from compat_core.retrieval.row_file import RowFile, write_row_file
+
+    gallery, queries = data
+    ann = build_ann(gallery.float(), "ivfpq")
+    ann.attach_rows(write_row_file(str(tmp_path / "rows.f16"), gallery.numpy())).prepare_rerank()
+    assert np.array_equal(ann.stored_rows(0, gallery.shape[0]), gallery.float().numpy())
+    ann.set_effort({"nprobe": 4})
+    k = 3
+    index, score = ann_search(queries, None, ann, k)
+    _, candidates = ann.scored_candidates(queries.numpy(), candidate_count(k, ann.size, "ivfpq"))
+    for row in range(queries.shape[0]):
+        order, expected = _brute(queries[row], gallery, k, candidates[row])
+        assert index[row].tolist() == order.tolist()
+        np.testing.assert_allclose(score[row].numpy(), expected, rtol=0, atol=1e-12)
+    ann.set_effort({"nprobe": int(ann.params["nlist"])})
+    prepared = PreparedGallery(gallery.float())
+    exhaustive, exhaustive_score = ann_search(queries, None, ann, 1)
+    kernel, kernel_score = search_prepared(queries, prepared, 1)
+    both = (exhaustive == kernel)[:, 0]
+    assert float(both.float().mean()) >= 0.95        # the codes' 128 candidates hold the exact top-1
+    assert torch.equal(exhaustive_score[both], kernel_score[both]) and both[0]     # row 0: the duplicates' first
+    assert torch.equal(ann_search(queries, prepared, ann, 1)[1][both], exhaustive_score[both])
+    rows = RowFile(str(tmp_path / "rows.f16"), gallery.shape[0], gallery.shape[1])
+    with pytest.raises(ValueError, match="rows.f16: 4000 x 32 rows for a ivfpq structure of 3999 x 32"):
+        build_ann(gallery[:3999].float(), "ivfpq").attach_rows(rows)
+    (tmp_path / "short.f16").write_bytes(b"\0" * 10)
+    with pytest.raises(ValueError, match="short.f16: 10 bytes, expected 256000"):
+        RowFile(str(tmp_path / "short.f16"), 4000, 32)
+
+
+def test_a_row_file_search_holds_only_the_pages_of_its_candidates(tmp_path):
+    """After the inverse norms are measured (one pass over the file, then its pages dropped), one query maps at most
+    the pages of its candidates: 128 rows of 1 KiB, a quarter of a 4,000-row file at most."""
+    from compat_core.retrieval.row_file import write_row_file
+
+    gallery, queries = _fp16_gallery(4000, 512, 2)
+    rows = write_row_file(str(tmp_path / "rows.f16"), gallery.numpy())
+    ann = build_ann(gallery.float(), "ivfpq").attach_rows(rows).prepare_rerank()
+    ann.set_effort({"nprobe": int(ann.params["nlist"])})
+    assert rows.resident_bytes() == 0
+    ann_search(queries[2:3], None, ann, 1)
+    count = candidate_count(1, ann.size, "ivfpq")
+    assert 0 < rows.resident_bytes() <= count * 4096 <= rows.nbytes / 4

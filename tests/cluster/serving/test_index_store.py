@@ -68,6 +68,49 @@ def test_index_on_s3(s3_bucket, fresh_object_storage):
     np.testing.assert_array_equal(index.embeddings, embeddings)
 
 
+@pytest.mark.integration
+def test_an_ivfpq_index_on_s3_re_ranks_from_its_row_file_fetched_once(s3_bucket, fresh_object_storage, tmp_path,
+                                                                      monkeypatch):
+    """A lean load of an IVF-PQ index on S3 fetches its row file once into COMPAT_ROW_FILE_CACHE (digest checked),
+    reuses it at the next load, fetches it again when the local copy was altered, and answers as the full load
+    does (same candidates; its rows are the build's unit rows in fp16)."""
+    import torch
+
+    from cluster.serving.index_build import AnnSettings, build_search_entry
+    from cluster.serving.state import build_state, search_summary
+    from cluster.storage import s3 as storage
+    from compat_core.retrieval.ann import stored_fp16_rows
+    from compat_core.retrieval.mixed_gallery import search_groups, unit_rows
+    from pipelines.config.model_uri import ModelUri
+
+    storage.configure_object_storage()  # undone after the test (fresh_object_storage)
+    monkeypatch.setenv("COMPAT_ROW_FILE_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(4)
+    root = f"s3://{s3_bucket}/galleries/pq"
+    rows = rng.standard_normal((600, 16))
+    rows = (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float16).astype(np.float32)
+    entry = build_search_entry(root, rows, rng.standard_normal((60, 16)), AnnSettings("ivfpq", 0.5, 60, 0), "1",
+                               log=lambda _: None)
+    shards = [write_shard(root, shard_table(np.arange(600), [f"id{i}" for i in range(600)], rows, "1"))]
+    commit_manifest(root, new_manifest(16, 600, {"name": "m", "version": "1"}, shards, search=entry))
+    lean = load_index(root, lean=True)
+    cached = tmp_path / "cache" / f"{entry['row_file']['sha256']}.f16"
+    assert lean.ann.row_file.path == str(cached) and cached.stat().st_size == 600 * 16 * 2
+    stored = stored_fp16_rows(unit_rows(rows)).astype(np.float32)   # the build's unit rows, in fp16
+    np.testing.assert_array_equal(lean.ann.row_file.stored_rows(0, 600), stored)
+    stamp = cached.stat().st_mtime_ns
+    assert load_index(root, lean=True).ann.row_file.path == str(cached) and cached.stat().st_mtime_ns == stamp
+    data = bytearray(cached.read_bytes())
+    data[3] ^= 0x01
+    cached.write_bytes(bytes(data))
+    np.testing.assert_array_equal(load_index(root, lean=True).row(0), stored[0])   # fetched again, intact
+    state = build_state(ModelUri("m", "1"), None, lean, None, "auto")
+    full = build_state(ModelUri("m", "1"), None, load_index(root), None, "auto")
+    assert search_summary(state)["rerank"] == "row_file" and search_summary(full)["rerank"] == "gallery"
+    queries = torch.from_numpy(rng.standard_normal((20, 16)).astype(np.float32))
+    assert np.array_equal(search_groups(queries, state.groups, 3)[0], search_groups(queries, full.groups, 3)[0])
+
+
 def test_ann_structure_beside_the_shards_is_digest_checked(tmp_path):
     """An index built with an approximate structure: the "search" entry records kind, parameters, the measured
     recall on the held-out sample and its seed; the structure loads with the index and a changed byte is refused."""
@@ -153,7 +196,8 @@ def test_backfill_structures_flip_with_their_rows_and_the_old_one_retires(tmp_pa
 @pytest.mark.parametrize("kind", ["ivf", "hnsw", "ivfpq"])
 def test_a_lean_load_keeps_the_rows_only_in_a_structure_that_holds_them_exactly(tmp_path, kind):
     """lean: an IVF / HNSW index of one version is held by its structure alone (its stored rows read back equal the
-    fp16 rows given); IVF-PQ (lossy codes), a flat index and a gallery of two versions keep the loaded rows."""
+    fp16 rows given); IVF-PQ (lossy codes) by its codes and its row file, memory-mapped (the fp16 rows given, its
+    digest checked); a flat index and a gallery of two versions keep the loaded rows."""
     from cluster.serving.index_build import AnnSettings, build_search_entry
     from compat_core.retrieval.mixed_gallery import unit_rows
 
@@ -165,13 +209,23 @@ def test_a_lean_load_keeps_the_rows_only_in_a_structure_that_holds_them_exactly(
     shards = [write_shard(root, shard_table(np.arange(400), [f"id{i}" for i in range(400)], rows, "1"))]
     head = commit_manifest(root, new_manifest(8, 400, {"name": "m", "version": "1"}, shards, search=entry))
     lean = load_index(root, lean=True)
-    holds = kind != "ivfpq"
-    assert lean.rows_in_structure is holds and (lean.embeddings is None) is holds
+    assert lean.rows_in_structure and lean.embeddings is None
     assert (lean.size, lean.dim) == (400, 8) and lean.item_ids[399] == "id399"
-    # the build stores L2-normalised fp32 rows: IVF keeps them in fp16 (the given fp16 rows back), HNSW in fp32
+    # the build stores L2-normalised fp32 rows: IVF keeps them in fp16 (the given fp16 rows back), HNSW in fp32,
+    # IVF-PQ's row file in fp16 as IVF does
     unit = unit_rows(rows).numpy()
-    expected = {"ivf": rows[123], "hnsw": unit[123], "ivfpq": lean.embeddings[123] if not holds else None}[kind]
+    expected = {"ivf": rows[123], "hnsw": unit[123], "ivfpq": rows[123]}[kind]
     np.testing.assert_array_equal(lean.row(123), expected)
+    assert ("row_file" in entry) is (kind == "ivfpq") and (lean.ann.row_file is not None) is (kind == "ivfpq")
+    if kind == "ivfpq":   # a row file altered after the build is refused, naming it
+        path = tmp_path / "index" / entry["row_file"]["file"]
+        data = bytearray(path.read_bytes())
+        data[7] ^= 0x01
+        path.write_bytes(bytes(data))
+        with pytest.raises(IntegrityError, match=entry["row_file"]["sha256"][:12]):
+            load_index(root, lean=True)
+        data[7] ^= 0x01
+        path.write_bytes(bytes(data))
     assert not load_index(root).rows_in_structure          # the default load keeps the rows
     other = write_shard(root, shard_table([5], ["id5"], rows[6:7], "2"))
     commit_manifest(root, {**lean.manifest, "shards": lean.manifest["shards"] + [other]}, expected_head=head)
@@ -229,3 +283,55 @@ class _Identity:
 
     def apply(self, rows):
         return rows
+
+
+def test_ids_and_payloads_of_varied_lengths_and_unicode_read_back_and_answer_as_given(tmp_path):
+    """Item ids and payload URIs of every length (empty, one character, several hundred) and script (accents,
+    CJK, emoji), some payloads null, a later shard overriding some rows: the loaded columns equal the strings as
+    written position by position (one at a time, by an array of positions, all at once), for a full and a lean
+    load, and a served answer serialises to the same JSON bytes as one built from plain Python strings."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from cluster.serving.app import _answer
+    from cluster.serving.index_build import AnnSettings, build_search_entry
+    from cluster.serving.state import build_state
+    from compat_core.retrieval.mixed_gallery import search_groups
+    from pipelines.config.model_uri import ModelUri
+
+    rng = np.random.default_rng(3)
+    root, count = str(tmp_path / "index"), 120
+    shapes = ["", "a", "é", "日本語の商品", "🙂" * 3, "x" * 300, "naïve-ü-", "ID\u00a0with space", "Ωmega/ß"]
+    ids = [shapes[i % len(shapes)] + (str(i) if i % 4 else "") for i in range(count)]
+    payloads = [None if i % 3 == 0 else f"s3://bücket/画像/{ids[i]}.jpg" for i in range(count)]
+    rows = rng.standard_normal((count, 8))
+    rows = (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float16).astype(np.float32)
+    entry = build_search_entry(root, rows, rng.standard_normal((40, 8)), AnnSettings("ivf", 0.5, 40, 0), "1")
+    shards = [write_shard(root, shard_table(np.arange(s, s + 60), ids[s:s + 60], rows[s:s + 60], "1",
+                                            payload_uris=payloads[s:s + 60])) for s in (60, 0)]   # out of order
+    overridden = [7, 64, 119]
+    for position, new_id, new_payload in zip(overridden, ["", "新しい🙂", "z" * 70], ["s3://ü/1", None, ""]):
+        ids[position], payloads[position] = new_id, new_payload
+    shards.append(write_shard(root, shard_table(overridden, [ids[p] for p in overridden], rows[overridden], "1",
+                                                payload_uris=[payloads[p] for p in overridden])))
+    commit_manifest(root, new_manifest(8, count, {"name": "m", "version": "1"}, shards, search=entry))
+    picked = np.array([119, 0, 7, 64, 5, 5])
+    for lean in (False, True):
+        index = load_index(root, lean=lean)
+        assert index.rows_in_structure is lean
+        assert index.item_ids.tolist() == ids and index.payload_uris.tolist() == payloads
+        assert [index.item_ids[p] for p in range(count)] == ids and index.item_ids[np.int64(64)] == "新しい🙂"
+        assert index.item_ids[picked].tolist() == [ids[p] for p in picked]
+        assert index.payload_uris[picked].tolist() == [payloads[p] for p in picked]
+        assert len(index.item_ids) == index.size == count and index.item_ids[-1] == ids[-1]
+        state = build_state(ModelUri("m", "1"), None, index, None, "auto")
+        positions, scores, groups = search_groups(torch.from_numpy(rows[[7, 64, 30]]), state.groups, 4)
+        for row in range(3):
+            answer = _answer(state, SimpleNamespace(k=4, include_payload=True), positions[row], scores[row],
+                             groups[row])
+            expected = [{"id": ids[p], "position": int(p), "score": float(s), "item_version": "1", "adapter": None,
+                         "payload_uri": payloads[p]} for p, s in zip(positions[row], scores[row])]
+            assert json.dumps(answer["results"], allow_nan=False) == json.dumps(expected, allow_nan=False)
+        assert positions[:, 0].tolist() == [7, 64, 30]     # each stored row finds itself first
