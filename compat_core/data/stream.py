@@ -152,7 +152,10 @@ def stream_batches(source, indices: np.ndarray, batches: Iterable[np.ndarray] | 
     are uint8 ``(n, H, W, C)`` CPU tensors of ``source.read(indices[positions])`` (pinned when ``pin_memory``).
 
     workers: decoding processes (0: in this thread). prefetch: batches read ahead per worker.
-    With workers, a yielded ``images`` tensor is a view of a shared buffer that its worker reuses: it stays valid
+    With workers, the workers get their first ``prefetch`` batches each when this function returns (not at the
+    first ``next``), so a caller that opens the stream before other set-up work has its first batches decoded
+    meanwhile; close the returned iterator (``.close()``) when it is not drained.
+    A yielded ``images`` tensor is then a view of a shared buffer that its worker reuses: it stays valid
     while the consumer works on it and the next batch is drawn (each worker cycles through ``prefetch + 2``
     buffers, at most ``prefetch`` of them written ahead), but not beyond that: copy it (``.clone()``) to keep it.
     Pinned batches (``pin_memory``) are copies already. persistent: keep the workers for the next stream of the same
@@ -164,11 +167,7 @@ def stream_batches(source, indices: np.ndarray, batches: Iterable[np.ndarray] | 
         raise ValueError(f"prefetch must be an int >= 1 (batches read ahead per worker), got {prefetch!r}")
     batches = [np.asarray(b, dtype=np.int64) for b in batches]
     if workers == 0:
-        dataset = _BatchReads(source, indices)
-        for positions in batches:
-            images = torch.from_numpy(dataset.read(positions))
-            yield positions, (images.pin_memory() if pin_memory else images)
-        return
+        return _read_in_thread(_BatchReads(source, indices), batches, pin_memory)
     # each worker cycles through prefetch + 2 buffers: at most `prefetch` of its batches are in flight while the
     # consumer holds one, so the batch in use and the one before it are never overwritten
     rows = max((b.size for b in batches), default=0)
@@ -177,17 +176,27 @@ def stream_batches(source, indices: np.ndarray, batches: Iterable[np.ndarray] | 
         pool = _persistent_pool(source, workers, prefetch, rows, shape)
         indices = np.asarray(indices, dtype=np.int64)
         pool.sampler.batches = [indices[positions] for positions in batches]
-        for positions, (_, worker, slot, count) in zip(batches, pool.loader):
-            images = pool.buffers[worker][slot][:count]
-            yield positions, (images.pin_memory() if pin_memory else images)
-        return
+        return _from_workers(batches, iter(pool.loader), pool.buffers, pin_memory)  # iter(): the reads start here
     buffers = [[torch.empty((rows, *shape), dtype=torch.uint8).share_memory_() for _ in range(prefetch + 2)]
                for _ in range(workers)]
     loader = torch.utils.data.DataLoader(
         _BatchReads(source, indices, buffers), sampler=batches, batch_size=None, num_workers=workers,
         prefetch_factor=prefetch, collate_fn=_as_is, worker_init_fn=_worker_init, persistent_workers=False,
     )
-    for positions, worker, slot, count in loader:
+    return _from_workers(batches, iter(loader), buffers, pin_memory)  # iter(): the workers start and read here
+
+
+def _read_in_thread(dataset: _BatchReads, batches: list[np.ndarray], pin_memory: bool
+                    ) -> Iterator[tuple[np.ndarray, torch.Tensor]]:
+    for positions in batches:
+        images = torch.from_numpy(dataset.read(positions))
+        yield positions, (images.pin_memory() if pin_memory else images)
+
+
+def _from_workers(batches: list[np.ndarray], reads: Iterator, buffers: list[list[torch.Tensor]], pin_memory: bool
+                  ) -> Iterator[tuple[np.ndarray, torch.Tensor]]:
+    """The batches of a started DataLoader iterator ``reads`` whose items name a worker's buffer slot."""
+    for positions, (_, worker, slot, count) in zip(batches, reads):
         images = buffers[worker][slot][:count]
         yield positions, (images.pin_memory() if pin_memory else images)
 

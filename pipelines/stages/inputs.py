@@ -92,6 +92,7 @@ class RunSettings(FrozenInputs):
     input_workers: int = 0
     prefetch_batches: int = 2
     persistent_workers: bool = False
+    prefetch_first_batches: bool = True
     guards: DataGuards | None = None
 
     @classmethod

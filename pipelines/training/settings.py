@@ -123,6 +123,11 @@ class TrainConfig(StrictModel):
         "process (no worker start-up from the second task on; compat_core.data.stream). Off by default: rows the "
         "next task keeps in memory (ingested shards) are then read from storage by the workers. Not part of any "
         "stage key")
+    prefetch_first_batches: bool = Field(
+        True, description="with input workers: open the task's input stream as soon as its batch order is known, so "
+        "the workers decode its first batches while the method's setup, the optimiser, compile and a checkpoint's "
+        "restore run and the first step does not wait for them (false: opened when the epochs start). The same "
+        "batches in the same order either way. Not part of any stage key")
     log_every_steps: int = Field(0, ge=0)
     checkpoint_every_epochs: int | None = Field(
         None, ge=0, description="pretrain / fine-tune stages save their training state to the run store at epoch "

@@ -209,12 +209,16 @@ class Trainer:
         self.stats = LoopStatistics()
         self.window = _Window()
         self.selector: CompatibilitySelector | None = None
+        self.early_stream: tuple[tuple[int, int], list[EpochPlan], Iterator] | None = None  # see prepare()
 
     def fit(self) -> TrainResult:
         """prepare, resume, run, finish."""
-        self.prepare()
-        start = self.resume()
-        self.run(start)
+        try:
+            self.prepare()
+            start = self.resume()
+            self.run(start)
+        finally:
+            self._close_early_stream()  # a failure before the epochs: stop the reads opened in prepare
         return self.finish(start)
 
     # ---- prepare -------------------------------------------------------------------------------------------------
@@ -228,6 +232,8 @@ class Trainer:
         self._prepare_weights()
         self._resolve_precision()
         self._prepare_data()
+        if self.config.prefetch_first_batches:  # the workers decode the first batches while the rest is prepared
+            self.early_stream = self._open_stream(ResumePoint())
         self._setup_method()
         self._prepare_optimisation()
         self._compile_step()
@@ -357,14 +363,29 @@ class Trainer:
         """Every planned epoch over one input stream: the next batches are read and decoded on CPU workers while a
         step runs (same order for a seed), and the workers start once and read the next epoch's first batches while
         an epoch ends. SIGTERM is answered at the next step boundary (see :meth:`end_epoch`)."""
-        plans = plan_epochs(self.data, self.method, self.config, start, self.parallel)
-        stream = stream_batches(self.data.source, self.loader.all_indices, [b for plan in plans for b in plan.local],
-                                workers=self.config.input_workers, prefetch=self.config.prefetch_batches,
-                                pin_memory=self.device.type == "cuda", persistent=self.config.persistent_workers)
+        if self.early_stream is not None and self.early_stream[0] == (start.epoch, start.step_in_epoch):
+            (_, plans, stream), self.early_stream = self.early_stream, None
+        else:  # opened late (training.prefetch_first_batches off), or a checkpoint moved the start
+            self._close_early_stream()
+            _, plans, stream = self._open_stream(start)
         with preemption_guard(enabled=self.checkpoints is not None) as preempted, contextlib.closing(stream):
             for plan in plans:
                 self.run_epoch(plan, stream, preempted)
                 self.end_epoch(plan.epoch, preempted)
+
+    def _open_stream(self, start: ResumePoint) -> tuple[tuple[int, int], list[EpochPlan], Iterator]:
+        """The epochs from ``start`` and their input stream, opened: its workers start reading the first batches
+        now (``compat_core.data.stream.stream_batches``)."""
+        plans = plan_epochs(self.data, self.method, self.config, start, self.parallel)
+        stream = stream_batches(self.data.source, self.loader.all_indices, [b for plan in plans for b in plan.local],
+                                workers=self.config.input_workers, prefetch=self.config.prefetch_batches,
+                                pin_memory=self.device.type == "cuda", persistent=self.config.persistent_workers)
+        return (start.epoch, start.step_in_epoch), plans, stream
+
+    def _close_early_stream(self) -> None:
+        if self.early_stream is not None:
+            self.early_stream[2].close()
+            self.early_stream = None
 
     def run_epoch(self, plan: EpochPlan, stream: Iterator[tuple[np.ndarray, torch.Tensor]],
                   preempted: PreemptionFlag) -> None:
