@@ -14,7 +14,7 @@ tiny data and for a 1-2 core budget).
 source object in this process (the next task of a run: pools are cached per process, so consecutive stages on one
 executor process share the source): that stream starts without forking workers. The batches then travel as source
 rows, so any indices of the source can be read; the pool is rebuilt when the source, the worker count, the prefetch
-depth or the image shape differ, or a batch is larger than its buffers. Rows a later task asks a source over row-group
+depth or the image shape differ, or a batch is larger than its buffers, and a process holds one pool at a time. Rows a later task asks a source over row-group
 storage to keep in memory (``keep_rows``) after the workers started are read from storage by them instead.
 """
 from __future__ import annotations
@@ -136,12 +136,14 @@ def close_persistent_workers() -> None:
 
 
 def _persistent_pool(source, workers: int, prefetch: int, rows: int, shape: tuple[int, ...]) -> _Pool:
+    """The pool of ``source`` if it fits, else a new one; a new pool stops every other pool of this process first
+    (one pool at a time: a source object that is made anew for each task, such as a task's source with its replay
+    memory, would otherwise leave one idle pool of workers per task)."""
     pool = _POOLS.get(id(source))
-    if pool is not None and not pool.fits(source, workers, prefetch, rows, shape):
-        pool.close()
-        pool = None
-    if pool is None:
-        pool = _POOLS[id(source)] = _Pool(source, workers, prefetch, rows, shape)
+    if pool is not None and pool.fits(source, workers, prefetch, rows, shape):
+        return pool
+    close_persistent_workers()
+    pool = _POOLS[id(source)] = _Pool(source, workers, prefetch, rows, shape)
     return pool
 
 

@@ -86,7 +86,8 @@ class _PidImages(_IndexImages):
 
 def test_persistent_workers_serve_the_next_stream_of_the_same_source_without_new_processes():
     """Two streams of one source with other index maps (two tasks of one pool): each batch holds its own rows, and
-    the second stream's batches are read by the first stream's worker processes; another source gets its own."""
+    the second stream's batches are read by the first stream's worker processes; another source gets its own
+    workers, and the first source's stop."""
     from compat_core.data.stream import _POOLS, close_persistent_workers
 
     source = _PidImages(300)
@@ -104,9 +105,11 @@ def test_persistent_workers_serve_the_next_stream_of_the_same_source_without_new
                     break
             readers.append(pids)
         assert len(readers[1]) == 2 and readers[1] == readers[0]
+        first_pool = _POOLS[id(source)]
         other = _PidImages(300)
         list(stream_batches(other, np.arange(300), [np.arange(10)], workers=2, prefetch=1, persistent=True))
-        assert id(other) in _POOLS and _POOLS[id(other)] is not _POOLS[id(source)]
+        # another source gets its own workers, and the first source's pool is stopped (one pool per process)
+        assert list(_POOLS) == [id(other)] and first_pool.loader._iterator is None
     finally:
         close_persistent_workers()
     assert not _POOLS
