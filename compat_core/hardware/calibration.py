@@ -14,6 +14,8 @@ candidates are timed once per machine and device and the result is cached as JSO
   depend on whether the cache existed).
 - ``compile``: seconds of a training step eager and through ``torch.compile`` and the compile time itself
   (``compat_core.hardware.compile_probe``: ``training.compile: auto``).
+- ``channels_last``: seconds of a training step of a conv net with contiguous and with channels_last weights and
+  batches (``compat_core.hardware.layout_probe``: ``training.channels_last: auto``).
 
 Cache: ``$COMPAT_CALIBRATION_DIR`` or ``$XDG_CACHE_HOME/compat/calibration`` (default ``~/.cache/compat/
 calibration``), one file per key (device name, core count, torch threads, torch version, CPU-flag digest). A file
@@ -409,4 +411,7 @@ def format_calibration(document: dict[str, Any] | None, path: Path | None = None
     for name, entry in sorted((document.get("compile") or {}).items()):
         lines.append(f"  compile {name}: eager {entry['eager_s'] * 1e3:.1f} ms, compiled {entry['compiled_s'] * 1e3:.1f} "
                      f"ms per step, compile {entry['compile_s']:.1f} s (auto decides per stage from its steps)")
+    for name, entry in sorted((document.get("channels_last") or {}).items()):
+        lines.append(f"  channels_last {name}: contiguous {entry['contiguous_s'] * 1e3:.1f} ms, channels_last "
+                     f"{entry['channels_last_s'] * 1e3:.1f} ms per step -> channels_last auto = {entry.get('choice', '?')}")
     return "\n".join(lines)

@@ -59,10 +59,13 @@ def _has_conv(model: nn.Module) -> bool:
 
 
 def _step_function(model: nn.Module, inputs: torch.Tensor, dtype: torch.dtype | None, train: bool,
-                   device: torch.device) -> tuple[Callable[[], None], Callable[[], None]]:
+                   device: torch.device, channels_last: bool | None = None
+                   ) -> tuple[Callable[[], None], Callable[[], None]]:
     """One step of ``model`` (the calibration's private copy) and the untimed preparation that puts the copy and the
-    inputs in the step's memory layout: channels_last with a half dtype for conv nets, as training does."""
-    channels_last = dtype is not None and _has_conv(model) and inputs.ndim == 4
+    inputs in the step's memory layout: ``channels_last`` (None: with a half dtype for conv nets)."""
+    if channels_last is None:
+        channels_last = dtype is not None and _has_conv(model)
+    channels_last = channels_last and inputs.ndim == 4
     layout = torch.channels_last if channels_last else torch.contiguous_format
     batch = inputs.contiguous(memory_format=layout)
 

@@ -120,6 +120,7 @@ class TrainRecipe(FrozenInputs):
     selection_holdout: float
     autocast: Autocast
     compile: Literal["auto", "on", "off"]
+    channels_last: Literal["auto", "on", "off"]
     augment: bool
     replay_sampling: Literal["half_and_half", "mixed"]
     log_every_steps: int
@@ -275,7 +276,7 @@ class Extraction(FrozenInputs):
 # ---- per kind --------------------------------------------------------------------------------------------------------
 class TrainingStageInputs(FrozenInputs):
     """Base of the inputs of a stage that trains (its subclasses declare ``training: TrainRecipe``): its precision
-    and compile mode as resolved for the run."""
+    compile mode and memory layout as resolved for the run."""
 
     @property
     def precision(self) -> str:
@@ -285,6 +286,12 @@ class TrainingStageInputs(FrozenInputs):
     def compiled(self) -> str:
         """on | off: whether the stage's training step runs compiled (``training.compile`` as resolved)."""
         return self.training.compile
+
+    @property
+    def channels_last(self) -> str:
+        """on | off: whether the stage trains in the channels_last layout (``training.channels_last`` as
+        resolved)."""
+        return self.training.channels_last
 
 
 class PretrainInputs(TrainingStageInputs):

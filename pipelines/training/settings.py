@@ -20,6 +20,7 @@ SEED_LIMIT = 2 ** 63  # seeds are in [0, 2^63)
 _PLAIN_DEVICE = re.compile(r"(cpu|meta|mps|cuda)(:\d+)?")
 AUTOCAST_MODES = ("auto", "bf16", "fp16", "off")
 COMPILE_MODES = ("auto", "on", "off")
+CHANNELS_LAST_MODES = ("auto", "on", "off")
 # the arithmetic each resolved autocast setting trains and extracts in ("auto": not resolved yet)
 PRECISION_NAMES = {"off": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": "auto"}
 
@@ -111,6 +112,13 @@ class TrainConfig(StrictModel):
         "compiled only where a timed probe (compile time counted, cached per machine, batch shape and torch version) "
         "says it pays over the stage's steps; off (default): eager. Changes numerics at rounding level, so the "
         "resolved value is in every training stage's key")
+    channels_last: Literal["auto", "on", "off"] = Field(
+        "auto", description="the memory layout of a convolutional backbone's weights and batches in training. on: "
+        "channels_last (NHWC); off: contiguous (NCHW); auto (default): channels_last only where a timed training "
+        "step of the model in both layouts (under the resolved autocast, cached per machine, batch shape and torch "
+        "version) says it is faster; off without measuring for a backbone without convolutions or with "
+        "calibration off. on is refused for a backbone without convolutions. Changes numerics at rounding level, "
+        "so the resolved value is in every training stage's key")
     augment: bool = Field(True, description="training augmentation of the dataset's transforms")
     replay_sampling: Literal["half_and_half", "mixed"] = "half_and_half"
     input_workers: int = Field(0, ge=0, le=MAX_INPUT_WORKERS, description="CPU processes that read and decode the next batches while a "
@@ -170,5 +178,5 @@ class TrainConfig(StrictModel):
         return type(self).model_validate({**dict(self), **values})
 
 
-__all__ = ["AUTOCAST_MODES", "BOUND_FIELDS", "COMPILE_MODES", "OptimizerSpec", "PRECISION_NAMES", "autocast_mode", "precision_name",
+__all__ = ["AUTOCAST_MODES", "BOUND_FIELDS", "CHANNELS_LAST_MODES", "COMPILE_MODES", "OptimizerSpec", "PRECISION_NAMES", "autocast_mode", "precision_name",
            "PRETRAIN_OVERRIDES", "ScheduleSpec", "StrictModel", "TrainConfig"]

@@ -27,13 +27,15 @@ from torch import nn
 from compat_core.data.stream import keep_rows, stream_batches
 from pipelines.methods.objective import Method, TaskContext
 from pipelines.training import distributed
+from compat_core.models.precision import has_convolutions
 from pipelines.training.autocast import (autocast_mode, example_batch, precision_context, prepare_model,
-                                         resolve_autocast, resolve_compile)
+                                         resolve_autocast, resolve_channels_last, resolve_compile)
 from pipelines.training.checkpoints import CheckpointSink, EpochCheckpoint, PreemptionFlag, preemption_guard
 from pipelines.training.records import ProgressHook, TrainRecord, TrainResult, _Window
 from pipelines.training.selection import CompatibilitySelector
 from pipelines.training.settings import TrainConfig
 from pipelines.training.loop_state import restore_training_state, training_state
+from pipelines.training.loop_stats import InputStall, LoopStatistics
 from pipelines.training.batches import _Loader
 from pipelines.training.task_data import TaskData, _augment_seed, _steps_per_epoch, epoch_batches
 
@@ -85,47 +87,6 @@ def check_model_for_method(model: nn.Module, method: Method, data: TaskData) -> 
         raise ValueError(f"method {method.name!r} retrains from the same initial weights: TaskData.initial_state is required")
 
 
-@dataclass
-class LoopStatistics:
-    """Running totals of one task's loop.
-
-    step: optimiser steps done in the task; train_seconds / train_images: step time (input wait included) and
-    images over those steps (carried by checkpoints, so a resumed task reports its throughput over all its steps);
-    first_step_seconds: from the start of :meth:`Trainer.prepare` to the end of this process's first step;
-    checkpoints_written / checkpoint_seconds: saves by this process and the seconds they took.
-    """
-
-    step: int = 0
-    train_seconds: float = 0.0
-    train_images: int = 0
-    first_step_seconds: float | None = None
-    checkpoints_written: int = 0
-    checkpoint_seconds: float = 0.0
-
-    @property
-    def images_per_s(self) -> float:
-        """Training throughput over the task's steps so far (images per second)."""
-        return self.train_images / max(self.train_seconds, 1e-9)
-
-    def add_step(self, images: int, seconds: float) -> None:
-        """Count a step's time and images (the step itself is counted when the optimiser steps)."""
-        self.train_seconds += seconds
-        self.train_images += images
-
-    def add_checkpoint(self, seconds: float) -> None:
-        self.checkpoints_written += 1
-        self.checkpoint_seconds += seconds
-
-    def checkpoint_extras(self, window: _Window) -> dict[str, Any]:
-        """What a checkpoint carries besides the step: throughput totals and the open record window."""
-        return {"train_seconds": self.train_seconds, "train_images": self.train_images, "window": window.state()}
-
-    def restore(self, step: int, extras: Mapping[str, Any]) -> None:
-        """Take the step and the totals from a checkpoint's position (:meth:`checkpoint_extras`)."""
-        self.step = step
-        self.train_seconds, self.train_images = extras["train_seconds"], extras["train_images"]
-
-
 @dataclass(frozen=True)
 class ResumePoint:
     """Where the loop starts: 0-based ``epoch``, of which ``step_in_epoch`` steps are already done.
@@ -160,29 +121,6 @@ def plan_epochs(data: TaskData, method: Method, config: TrainConfig, start: Resu
         plans.append(EpochPlan(epoch, batches, skip,
                                remaining if parallel is None else distributed.shard_batches(parallel, remaining)))
     return plans
-
-
-class InputStall:
-    """Seconds the device sat idle waiting for input batches (an upper bound).
-
-    After each step a CUDA event marks the end of the work queued so far. When the next batch arrives, the host's wait
-    counts as a stall only if that event has already completed, i.e. the accelerator ran out of work before the
-    batch came; a wait while queued work still runs costs nothing. On the CPU every wait is a stall.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.seconds = 0.0
-        self._event = torch.cuda.Event() if device.type == "cuda" else None
-        self._queued = False
-
-    def step_queued(self) -> None:
-        if self._event is not None:
-            self._event.record()
-            self._queued = True
-
-    def batch_arrived(self, waited_seconds: float) -> None:
-        if self._event is None or not self._queued or self._event.query():
-            self.seconds += max(0.0, waited_seconds)
 
 
 class Trainer:
@@ -259,18 +197,25 @@ class Trainer:
                 model.expand_classes(needed)
 
     def _resolve_precision(self) -> None:
-        """``autocast: auto`` measured on an example batch (every rank takes rank 0's choice); both models moved
-        to the device in that precision, the old one frozen in eval mode."""
+        """``autocast: auto`` and ``channels_last: auto`` measured on an example batch (every rank takes rank 0's
+        choices); both models moved to the device in that precision and layout, the old one frozen in eval mode."""
         config, device = self.config, self.device
         if autocast_mode(config.autocast) == "auto":
             example = example_batch(self.data.source, self.data.indices, config.batch_size, device)
             config = config.model_copy(update={"autocast": resolve_autocast("auto", device, self.model, example)})
         if self.parallel is not None:  # every rank computes in rank 0's precision (its measured "auto" choice)
             config = config.model_copy(update={"autocast": self.parallel.agree(config.autocast)})
+        example = None
+        if config.channels_last == "auto" and has_convolutions(self.model):
+            example = example_batch(self.data.source, self.data.indices, config.batch_size, device)
+        config = config.model_copy(update={"channels_last": resolve_channels_last(
+            config.channels_last, device, self.model, example, config.autocast)})
+        if self.parallel is not None:
+            config = config.model_copy(update={"channels_last": self.parallel.agree(config.channels_last)})
         self.config = config
-        prepare_model(self.model, device, config.autocast)
+        prepare_model(self.model, device, config.autocast, config.channels_last)
         if self.old_model is not None:
-            prepare_model(self.old_model, device, config.autocast)
+            prepare_model(self.old_model, device, config.autocast, config.channels_last)
             self.old_model.eval()
             self.old_model.requires_grad_(False)
 
