@@ -24,6 +24,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from compat_core.data.encoded import EncodedImages
+from compat_core.data.replay_parquet import encoded_images
 from compat_core.data.source import keep_rows
 
 
@@ -188,6 +190,22 @@ def stream_batches(source, indices: np.ndarray, batches: Iterable[np.ndarray] | 
     return _from_workers(batches, iter(loader), buffers, pin_memory)  # iter(): the workers start and read here
 
 
+def stream_encoded(source, indices: np.ndarray, batches: Iterable[np.ndarray] | Sequence[np.ndarray]
+                   ) -> Iterator[tuple[np.ndarray, EncodedImages]]:
+    """Yield ``(positions, encoded)`` for each batch of ``batches`` in order: the encoded bytes of
+    ``source[indices[positions]]`` (``source.encoded_images``), gathered in the calling thread and decoded by the
+    consumer (on its device: ``compat_core.data.device_decode``). A ValueError naming the source when it holds
+    pixels, not encoded files."""
+    indices = np.asarray(indices, dtype=np.int64)
+    for positions in batches:
+        positions = np.asarray(positions, dtype=np.int64)
+        encoded = encoded_images(source, indices[positions])
+        if encoded is None:
+            raise ValueError(f"{getattr(source, 'name', 'source')}: holds decoded pixels, not encoded images; "
+                             f"decoding on the device needs a pool of JPEG files (e.g. ingested shards)")
+        yield positions, encoded
+
+
 def _read_in_thread(dataset: _BatchReads, batches: list[np.ndarray], pin_memory: bool
                     ) -> Iterator[tuple[np.ndarray, torch.Tensor]]:
     for positions in batches:
@@ -203,4 +221,4 @@ def _from_workers(batches: list[np.ndarray], reads: Iterator, buffers: list[list
         yield positions, (images.pin_memory() if pin_memory else images)
 
 
-__all__ = ["close_persistent_workers", "keep_rows", "stream_batches", "to_device"]
+__all__ = ["close_persistent_workers", "keep_rows", "stream_batches", "stream_encoded", "to_device"]

@@ -121,6 +121,7 @@ class TrainRecipe(FrozenInputs):
     autocast: Autocast
     compile: Literal["auto", "on", "off"]
     channels_last: Literal["auto", "on", "off"]
+    decode: Literal["cpu", "gpu"]
     augment: bool
     replay_sampling: Literal["half_and_half", "mixed"]
     log_every_steps: int

@@ -25,6 +25,13 @@ CHANNELS_LAST_MODES = ("auto", "on", "off")
 PRECISION_NAMES = {"off": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": "auto"}
 
 
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device here (imports torch: called only for a setting that needs CUDA)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def autocast_mode(value: object) -> str:
     """Normalise an autocast setting: True -> "auto", False -> "off", or one of AUTOCAST_MODES (ValueError else)."""
     if value is True:
@@ -119,6 +126,12 @@ class TrainConfig(StrictModel):
         "version) says it is faster; off without measuring for a backbone without convolutions or with "
         "calibration off. on is refused for a backbone without convolutions. Changes numerics at rounding level, "
         "so the resolved value is in every training stage's key")
+    decode: Literal["cpu", "gpu"] = Field(
+        "cpu", description="where the training batches' JPEGs are decoded. cpu (default): by the pool's reader, in "
+        "the input workers; gpu: on the CUDA training device (torchvision.io.decode_jpeg with nvJPEG, the crop and "
+        "resize there too; compat_core.data.device_decode), the CPU only gathering bytes, for pools of encoded "
+        "images (ingested shards). Refused at load on a machine without CUDA. Pixels differ from the CPU decoders "
+        "by rounding-level amounts, so the value is in every training stage's key")
     augment: bool = Field(True, description="training augmentation of the dataset's transforms")
     replay_sampling: Literal["half_and_half", "mixed"] = "half_and_half"
     input_workers: int = Field(0, ge=0, le=MAX_INPUT_WORKERS, description="CPU processes that read and decode the next batches while a "
@@ -165,6 +178,14 @@ class TrainConfig(StrictModel):
             torch.device(value)
         except (RuntimeError, TypeError):
             raise ValueError(f"must be a torch device string such as 'cpu' or 'cuda:0', got {value!r}") from None
+        return value
+
+    @field_validator("decode")
+    @classmethod
+    def _decode_device(cls, value: str) -> str:
+        if value == "gpu" and not cuda_available():
+            raise ValueError("gpu decodes JPEGs on a CUDA device (torchvision.io.decode_jpeg with device='cuda'), "
+                             "and this machine has none (torch.cuda.is_available() is False); use cpu")
         return value
 
     @model_validator(mode="after")

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from compat_core.data.stream import keep_rows, stream_batches
+from compat_core.data.replay_parquet import encoded_images
+from compat_core.data.stream import keep_rows, stream_batches, stream_encoded
 from pipelines.methods.objective import Method, TaskContext
 from pipelines.training import distributed
 from compat_core.models.precision import has_convolutions
@@ -226,6 +227,10 @@ class Trainer:
         # every epoch reads these rows in a new random order: sources over row-group storage keep them in memory (read
         # once, in storage order) before the input workers fork
         keep_rows(data.source, self.loader.all_indices)
+        if config.decode == "gpu" and encoded_images(data.source, self.loader.all_indices[:1]) is None:
+            raise ValueError(f"training.decode: gpu decodes encoded images on the device, and the pool "
+                             f"{getattr(data.source, 'name', 'source')!r} holds decoded pixels; use a pool of JPEG "
+                             f"files (e.g. ingested shards) or decode: cpu")
         self.steps_per_epoch = _steps_per_epoch(data, self.method, config)
         if self.steps_per_epoch == 0:
             raise ValueError(f"task {data.task} yields no batch of >= 2 samples with batch_size {config.batch_size}")
@@ -322,7 +327,11 @@ class Trainer:
         """The epochs from ``start`` and their input stream, opened: its workers start reading the first batches
         now (``compat_core.data.stream.stream_batches``)."""
         plans = plan_epochs(self.data, self.method, self.config, start, self.parallel)
-        stream = stream_batches(self.data.source, self.loader.all_indices, [b for plan in plans for b in plan.local],
+        batches = [b for plan in plans for b in plan.local]
+        if self.config.decode == "gpu":  # bytes here, decoded on the device by the loader
+            return (start.epoch, start.step_in_epoch), plans, stream_encoded(self.data.source, self.loader.all_indices,
+                                                                             batches)
+        stream = stream_batches(self.data.source, self.loader.all_indices, batches,
                                 workers=self.config.input_workers, prefetch=self.config.prefetch_batches,
                                 pin_memory=self.device.type == "cuda", persistent=self.config.persistent_workers)
         return (start.epoch, start.step_in_epoch), plans, stream
