@@ -16,7 +16,6 @@ second task's input stall (seconds waiting for a batch over its training seconds
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -96,15 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-ms", type=float, default=0.0, help="sleep per image read (a decode's cost)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the medians here")
     args = parser.parse_args(argv)
-    print(measure(args.images, args.size, args.workers, args.steps, args.repeats, args.decode_ms, args.json))
+    result = measure(args.images, args.size, args.workers, args.steps, args.repeats, args.decode_ms)
+    print(f"second task, {args.workers} input workers, {args.decode_ms:g} ms decode per image, median of "
+          f"{args.repeats} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs):")
+    base = result["per-stage workers"]["first_step_s"]
+    for name, values in result.items():
+        print(f"  {name:22s} first step {values['first_step_s']:.3f} s ({values['first_step_s'] / base:.2f}x "
+              f"per-stage), input stall {values['input_stall_fraction'] * 100:.1f} %  (rounds {values['rounds']})")
     return 0
 
 
-def measure(images: int, size: int, workers: int, steps: int, repeats: int, decode_ms: float = 0.0,
-            json_path: Path | None = None) -> str:
-    """Every variant's medians (written to ``json_path`` when given) and the printed table."""
+def measure(images: int, size: int, workers: int, steps: int, repeats: int, decode_ms: float = 0.0
+            ) -> dict[str, dict]:
+    """Per variant (VARIANTS, in interleaved rounds): the medians of the second task's time to first step and input
+    stall fraction, and each round's time to first step."""
     source = pool(images, size, decode_ms)
     first: dict[str, list[float]] = {name: [] for name in VARIANTS}
     stall: dict[str, list[float]] = {name: [] for name in VARIANTS}
@@ -113,18 +118,9 @@ def measure(images: int, size: int, workers: int, steps: int, repeats: int, deco
             seconds, fraction = second_task_first_step(source, workers, steps, persistent, prefetch_first)
             first[name].append(seconds)
             stall[name].append(fraction)
-    base = statistics.median(first["per-stage workers"])
-    lines = [f"second task, {workers} input workers, {decode_ms:g} ms decode per image, median of {repeats} "
-             f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs):"]
-    medians = {}
-    for name in VARIANTS:
-        seconds, fraction = statistics.median(first[name]), statistics.median(stall[name])
-        medians[name] = {"first_step_s": seconds, "input_stall_fraction": fraction}
-        lines.append(f"  {name:22s} first step {seconds:.3f} s ({seconds / base:.2f}x per-stage), input stall "
-                     f"{fraction * 100:.1f} %  (rounds {[round(v, 3) for v in first[name]]})")
-    if json_path is not None:
-        json_path.write_text(json.dumps(medians, indent=1))
-    return "\n".join(lines)
+    return {name: {"first_step_s": statistics.median(first[name]),
+                   "input_stall_fraction": statistics.median(stall[name]),
+                   "rounds": [round(v, 3) for v in first[name]]} for name in VARIANTS}
 
 
 if __name__ == "__main__":

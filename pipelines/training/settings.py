@@ -180,6 +180,12 @@ class TrainConfig(StrictModel):
             raise ValueError(f"must be a torch device string such as 'cpu' or 'cuda:0', got {value!r}") from None
         return value
 
+    @field_validator("channels_last", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: object) -> object:
+        """YAML 1.1 reads a bare on / off as true / false: the same switch."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
     @field_validator("decode")
     @classmethod
     def _decode_device(cls, value: str) -> str:

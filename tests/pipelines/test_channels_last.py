@@ -156,3 +156,13 @@ def test_the_resolved_layout_is_in_manifests_config_report_and_mlflow_params(tmp
     runs = client.search_runs([client.get_experiment_by_name("tiny-dsimplex-hoc").experiment_id], max_results=100)
     (parent,) = [run for run in runs if run.data.tags.get("run_role") == "pipeline"]
     assert parent.data.params["training.channels_last"] == "on"
+
+
+def test_a_bare_yaml_on_or_off_is_the_same_switch():
+    from pipelines.training.settings import TrainConfig
+
+    assert yaml.safe_load("channels_last: on")["channels_last"] is True   # why the setting accepts booleans
+    assert TrainConfig(channels_last=True).channels_last == "on"
+    assert TrainConfig(channels_last=False).channels_last == "off"
+    with pytest.raises(ValueError, match="channels_last"):
+        TrainConfig(channels_last="yes")
