@@ -14,8 +14,11 @@ tiny data and for a 1-2 core budget).
 source object in this process (the next task of a run: pools are cached per process, so consecutive stages on one
 executor process share the source): that stream starts without forking workers. The batches then travel as source
 rows, so any indices of the source can be read; the pool is rebuilt when the source, the worker count, the prefetch
-depth or the image shape differ, or a batch is larger than its buffers, and a process holds one pool at a time. Rows a later task asks a source over row-group
-storage to keep in memory (``keep_rows``) after the workers started are read from storage by them instead.
+depth or the image shape differ, or a batch is larger than its buffers, and a process holds one pool at a time. Rows
+a later task asks a source over row-group storage to keep in memory (``keep_rows``) after the workers started are
+read from storage by them instead.
+
+``stream_encoded`` yields the batches' encoded bytes instead, for a consumer that decodes them on its device.
 """
 from __future__ import annotations
 

@@ -26,9 +26,10 @@ from torch import nn
 
 from compat_core.data.replay_parquet import encoded_images
 from compat_core.data.stream import keep_rows, stream_batches, stream_encoded
+from compat_core.hardware.calibration import calibration_enabled
+from compat_core.models.precision import has_convolutions
 from pipelines.methods.objective import Method, TaskContext
 from pipelines.training import distributed
-from compat_core.models.precision import has_convolutions
 from pipelines.training.autocast import (autocast_mode, example_batch, precision_context, prepare_model,
                                          resolve_autocast, resolve_channels_last, resolve_compile)
 from pipelines.training.checkpoints import CheckpointSink, EpochCheckpoint, PreemptionFlag, preemption_guard
@@ -206,8 +207,8 @@ class Trainer:
             config = config.model_copy(update={"autocast": resolve_autocast("auto", device, self.model, example)})
         if self.parallel is not None:  # every rank computes in rank 0's precision (its measured "auto" choice)
             config = config.model_copy(update={"autocast": self.parallel.agree(config.autocast)})
-        example = None
-        if config.channels_last == "auto" and has_convolutions(self.model):
+        example = None  # read only where the probe may run (calibration off: auto is off, nothing is read)
+        if config.channels_last == "auto" and has_convolutions(self.model) and calibration_enabled():
             example = example_batch(self.data.source, self.data.indices, config.batch_size, device)
         config = config.model_copy(update={"channels_last": resolve_channels_last(
             config.channels_last, device, self.model, example, config.autocast)})
