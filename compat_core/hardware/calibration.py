@@ -53,6 +53,8 @@ __all__ = [
     "gemm_rates",
     "fastest_matmul",
     "workload_signature",
+    "cached_measurement",
+    "training_signature",
     "calibration_enabled",
     "format_calibration",
 ]
@@ -163,6 +165,24 @@ def _locked(device: torch.device | str):
             yield path
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def cached_measurement(device: torch.device | str, section: str, name: str, valid: Callable[[Any], bool],
+                       measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The entry ``name`` of ``section`` in this machine's cache when ``valid(entry)``, else ``measure()`` run under
+    the cache's lock (once: a process that waited for the lock finds the other's entry) and stored."""
+    def cached() -> dict[str, Any] | None:
+        entry = ((load(device) or {}).get(section) or {}).get(name)
+        return entry if isinstance(entry, dict) and valid(entry) else None
+
+    entry = cached()
+    if entry is None:
+        with _locked(device):
+            entry = cached()
+            if entry is None:
+                entry = measure()
+                _update(device, section, name, entry)
+    return entry
 
 
 def _update(device: torch.device | str, section: str, name: str | None, value: dict[str, Any]) -> None:
@@ -374,6 +394,11 @@ def workload_signature(model: nn.Module, example: torch.Tensor, train: bool) -> 
     digest = hashlib.sha256(repr(body).encode()).hexdigest()[:12]
     shape = "x".join(str(size) for size in example.shape)
     return f"{'train' if train else 'infer'}-{type(body).__name__}-{digest}-in{shape}"
+
+
+def training_signature(model: nn.Module, example: torch.Tensor, dtype: torch.dtype | None) -> str:
+    """Cache name of a training step of ``model`` on ``example`` under autocast ``dtype`` (None: fp32)."""
+    return f"{workload_signature(model, example, True)}-{str(dtype).replace('torch.', '') if dtype else 'fp32'}"
 
 
 # ----------------------------------------------------------------------------------------------------------------

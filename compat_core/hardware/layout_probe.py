@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from compat_core.hardware.calibration import _locked, _now, _time_rounds, _update, calibration_enabled, load, \
-    workload_signature
+from compat_core.hardware.calibration import _now, _time_rounds, cached_measurement, calibration_enabled, \
+    training_signature
 from compat_core.hardware.workloads import PROBE_BATCH, _step_function
 
 __all__ = ["channels_last_choice", "channels_last_pays", "measure_layouts"]
@@ -57,20 +57,9 @@ def channels_last_choice(device: torch.device | str, model: nn.Module, example: 
     measuring when calibration is off (``COMPAT_CALIBRATION=off``)."""
     if not calibration_enabled():
         return False
-    device = torch.device(device)
-    example = example[:PROBE_BATCH]
-    name = f"{workload_signature(model, example, True)}-{str(dtype).replace('torch.', '') if dtype else 'fp32'}"
-    entry = _cached(device, name)
-    if entry is None:
-        with _locked(device):
-            entry = _cached(device, name)
-            if entry is None:
-                entry = measure_layouts(model, example, device, dtype)
-                _update(device, "channels_last", name, entry)
+    device, example = torch.device(device), example[:PROBE_BATCH]
+    name = training_signature(model, example, dtype)
+    entry = cached_measurement(device, "channels_last", name,
+                               lambda entry: all(key in entry for key in ("contiguous_s", "channels_last_s")),
+                               lambda: measure_layouts(model, example, device, dtype))
     return channels_last_pays(entry)
-
-
-def _cached(device: torch.device, name: str) -> dict[str, Any] | None:
-    entry = ((load(device) or {}).get("channels_last") or {}).get(name)
-    keys = ("contiguous_s", "channels_last_s", "probe_batch")
-    return entry if isinstance(entry, dict) and all(key in entry for key in keys) else None

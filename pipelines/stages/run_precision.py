@@ -52,6 +52,16 @@ def precision_probe(config: ScenarioConfig, device: torch.device) -> tuple[torch
     return model.to(device), example
 
 
+def measuring_device(config: ScenarioConfig, key: str, pins: str) -> torch.device:
+    """The run's device, where ``key``'s ``auto`` is measured; a ValueError naming ``key`` and its pinned values
+    ``pins`` when it is a CUDA device this driver does not have."""
+    device = resolve_device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{key}: auto is measured on the run's device {config.device!r}, which this driver does not "
+                         f"have; pin {key} ({pins})")
+    return device
+
+
 def resolve_run_precision(config: ScenarioConfig) -> ScenarioConfig:
     """``config`` with ``training.autocast`` resolved: bf16 | fp16 | off (see the module doc). With calibration off
     (``COMPAT_CALIBRATION=off``) ``auto`` is off (fp32) without measuring."""
@@ -60,10 +70,7 @@ def resolve_run_precision(config: ScenarioConfig) -> ScenarioConfig:
         if not calibration_enabled():
             mode = "off"
         else:
-            device = resolve_device(config.device)
-            if device.type == "cuda" and not torch.cuda.is_available():
-                raise ValueError(f"training.autocast: auto is measured on the run's device {config.device!r}, which "
-                                 f"this driver does not have; pin training.autocast (bf16, fp16 or off)")
+            device = measuring_device(config, "training.autocast", "bf16, fp16 or off")
             model, example = precision_probe(config, device)
             mode = resolve_autocast("auto", device, model, example, train=True)
     compiled = resolve_run_compile(config, mode)
@@ -93,10 +100,7 @@ def resolve_run_compile(config: ScenarioConfig, autocast: str) -> str:
         return mode
     if not calibration_enabled():
         return "off"
-    device = resolve_device(config.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"training.compile: auto is measured on the run's device {config.device!r}, which this "
-                         f"driver does not have; pin training.compile (on or off)")
+    device = measuring_device(config, "training.compile", "on or off")
     model, example = precision_probe(config, device)
     steps = stage_steps(config, len(load_pool(config.data, "data")))
     return resolve_compile("auto", device, model, example, steps, config.training.batch_size, autocast)
@@ -111,10 +115,7 @@ def resolve_run_channels_last(config: ScenarioConfig, autocast: str) -> str:
     if not calibration_enabled() or not all(BACKBONES.get(name).convolutional
                                             for name in training_backbones(config).values()):
         return "off"
-    device = resolve_device(config.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"training.channels_last: auto is measured on the run's device {config.device!r}, which "
-                         f"this driver does not have; pin training.channels_last (on or off)")
+    device = measuring_device(config, "training.channels_last", "on or off")
     model, example = precision_probe(config, device)
     return resolve_channels_last("auto", device, model, example, autocast)
 
