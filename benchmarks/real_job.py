@@ -10,9 +10,12 @@ What it does, in order, and what it reports (one table, as JSON and markdown, un
    ``identity_CelebA.txt``, ``list_eval_partition.txt``): 2 tasks of 512 identities with 12 train images each, and
    512 other identities with 4 test images each (CelebA's partitions are identity-disjoint). With an S3 server and Ray available (``--executor ray``, what the test suite's machine has),
    they are ingested into the local S3 server with ``compat ingest`` and read from the bucket.
-3. ``product``: once per ``training.compile`` value (``--compile``; default off, then on: the eager and the
-   compiled step, the compile time inside the compiled run's time to first step) ``compat run`` of the real config ``configs/iam-cl2r-celeba-dinov3-t16.yaml`` with its data roots
-   overridden, 2 of its 16 tasks (task 1 trains d-Simplex-HOC against the frozen task-0 model, K = 22,000), no
+3. ``product``: once per variant (``--variants``): ``eager`` (every option below off: the eager step, input workers
+   started per task, the stream opened when the epochs start, CPU decode), then each option on alone against it:
+   ``compiled`` (``training.compile: on``, the compile time inside the run's time to first step), ``persistent
+   workers``, ``prefetch first batches`` (``training.prefetch_first_batches``) and ``gpu decode``
+   (``training.decode: gpu``, CUDA only: "not measured" elsewhere), each a ``compat run`` of the real config
+   ``configs/iam-cl2r-celeba-dinov3-t16.yaml`` with its data roots overridden, 2 of its 16 tasks (task 1 trains d-Simplex-HOC against the frozen task-0 model, K = 22,000), no
    third-party stages (random initial weights: speed does not depend on them) and a step budget
    (``training.steps_per_epoch``). From the stage records: images/s (mean over the task's steps, the wait for the
    first batch included, so start-up counts against the product), device
@@ -24,8 +27,15 @@ What it does, in order, and what it reports (one table, as JSON and markdown, un
    d = 21,999, as stored: fp16) through the product's entry function (``pipelines.stages.entry_metrics.compute_entry``) on
    the GPU, as an entry stage with a GPU runs it, and on the CPU, both checked against an fp64 brute-force Recall@1.
 
-6. ``workers``: the second task's time to its first step with input workers started per task and with workers that
-   outlive the first task (``training.persistent_workers``), in one process (``benchmarks/persistent_workers.py``).
+6. ``workers``: the second task's time to its first step and input stall with input workers started per task and
+   with workers that outlive the first task (``training.persistent_workers``), each with and without
+   ``training.prefetch_first_batches``, in one process (``benchmarks/persistent_workers.py``).
+7. ``decode``: JPEG decode throughput of one input worker (the shards' CPU decoder on one core) and on the GPU
+   (``training.decode: gpu``'s decoder; "not measured" without CUDA) on the job's JPEGs, its pixels against the CPU
+   decoder's, and the CPU workers one GPU needs at the product's rate (the eager product's task-1 images/s, and the
+   bare step's) over one worker's decode rate.
+8. ``channels_last``: the layout probe behind ``training.channels_last: auto`` on a convolutional backbone (ResNet-18
+   at the job's image size: contiguous and channels_last step seconds), and the job's ViT config refusing ``on``.
 
 Where Ray, MLflow or the S3 server are not installed (a bare GPU machine), step 3 runs the same stages through
 ``compat run --executor local --tracking-uri none`` and the table says so. Never reports a number it did not measure.
@@ -33,6 +43,7 @@ Where Ray, MLflow or the S3 server are not installed (a bare GPU machine), step 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import io
 import json
@@ -52,6 +63,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.real_job_sections import run_decode, run_layout, run_workers  # noqa: E402
 from compat_core.losses import compatibility_info_nce, simplex_cross_entropy  # noqa: E402
 from compat_core.simplex import dsimplex_logits  # noqa: E402
 
@@ -74,7 +86,7 @@ class Shape:
     backbone_config: dict
     entry_rows: int            # query = gallery rows of the matrix entry
     input_workers: int
-    compile_modes: tuple = ("off", "on")   # training.compile of each product run (eager, then compiled)
+    variants: tuple = ("eager", "compiled", "persistent workers", "prefetch first batches", "gpu decode")
 
 
 FULL = Shape(image_size=224, num_slots=22000, identities_per_task=512, train_images=12, test_identities=512,
@@ -83,8 +95,18 @@ FULL = Shape(image_size=224, num_slots=22000, identities_per_task=512, train_ima
 SMOKE = Shape(image_size=32, num_slots=64, identities_per_task=8, train_images=4, test_identities=8, test_images=2,
               batch_size=16,
               steps=3, epochs=1, backbone_config={"img_size": 32, "depth": 1, "embed_dim": 64, "num_heads": 2},
-              entry_rows=200, input_workers=1)
+              entry_rows=200, input_workers=1, variants=("eager", "compiled", "prefetch first batches", "gpu decode"))
 TASKS = 2
+# every option of the product off: the eager baseline each variant turns one option on against
+BASELINE = {"training.compile": "off", "training.persistent_workers": False, "training.prefetch_first_batches": False,
+            "training.decode": "cpu", "training.channels_last": "off"}
+VARIANTS = {
+    "eager": {},
+    "compiled": {"training.compile": "on"},
+    "persistent workers": {"training.persistent_workers": True},
+    "prefetch first batches": {"training.prefetch_first_batches": True},
+    "gpu decode": {"training.decode": "gpu"},
+}
 
 
 def log(message: str) -> None:
@@ -248,21 +270,29 @@ def _compat(arguments: list[str], env: dict, timeout_s: float) -> float:
     return time.perf_counter() - started
 
 
-def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeout_s: float,
-                compile_mode: str = "off") -> dict:
-    """``compat run`` of the CelebA config at ``shape``; per-task numbers read back from the run's stage records."""
-    from pipelines.store.run_store import RunStore
+@dataclass
+class ProductData:
+    """Where every product run of a report reads the CelebA JPEGs: ingested once into the S3 server (Ray executor),
+    else the local files; ``env`` is the runs' environment."""
 
+    executor: str
+    pool: dict
+    env: dict
+    server: object = None
+
+    @property
+    def description(self) -> str:
+        return "s3 (ingested shards)" if self.server is not None else "local JPEG files"
+
+
+@contextlib.contextmanager
+def product_data(shape: Shape, work: Path, data_root: Path, executor: str, timeout_s: float):
+    """The :class:`ProductData` of a report (the S3 server stopped at exit)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1")
-    server = None
-    root_uri = str(data_root)
-    if executor == "ray":
-        server = _s3_server(work / "s3")
-        if server is None:
-            executor = "local"
+    server = _s3_server(work / "s3") if executor == "ray" else None
     try:
-        pool = {"dataset": "celeba", "root": root_uri, "options": {"image_size": shape.image_size}}
+        pool = {"dataset": "celeba", "root": str(data_root), "options": {"image_size": shape.image_size}}
         if server is not None:
             env.update(server.environment())
             _create_bucket(server.environment(), "real-job")
@@ -271,64 +301,72 @@ def run_product(shape: Shape, work: Path, data_root: Path, executor: str, timeou
                      "--out", root_uri, "--workers", "0", "--option", f"image_size={shape.image_size}"], env,
                     timeout_s)
             pool = {"dataset": "shards", "root": root_uri, "options": {"decoder": "torchvision"}}
-        gpus = 1 if torch.cuda.is_available() else 0
-        cpus = max(1, min(8, (os.cpu_count() or 2) - 1))
-        overrides = {
-            "data.dataset": pool["dataset"], "data.root": pool["root"], "data.options": pool["options"],
-            "tasks.spec": f"{TASKS}x{shape.identities_per_task}",
-            "model.num_slots": shape.num_slots, "model.backbone_config": shape.backbone_config,
-            "pretrain": [], "initial_model": None, "replacements": [],
-            "training.epochs": shape.epochs, "training.steps_per_epoch": shape.steps,
-            "training.batch_size": shape.batch_size, "training.input_workers": shape.input_workers,
-            "training.compile": compile_mode,
-            **{f"evaluation.{name}.{field}": pool[field] for name in ("query_set", "gallery_set")
-               for field in ("dataset", "root", "options")},
-            "resources.finetune": {"num_gpus": gpus, "num_cpus": cpus},
-            "resources.extract": {"num_gpus": gpus, "num_cpus": min(4, cpus)},
-        }
-        arguments = ["run", str(CONFIG), "--output", str(work / "run"), "--executor", executor, "--no-progress"]
-        for key, value in overrides.items():
-            arguments += ["--set", f"{key}={json.dumps(value)}"]
-        if executor == "local" or not _has_cluster_stack():
-            arguments += ["--tracking-uri", "none"]
-        else:
-            arguments += ["--tracking-uri", f"sqlite:///{work / 'mlflow.db'}"]
-        with DeviceSampler() as sampler:
-            wall = _compat(arguments, env, timeout_s)
-        store = RunStore(str(work / "run"))
-        tasks, entry_devices, entry_seconds = [], set(), 0.0
-        for key in sorted(store.stage_keys()):
-            record = store.load_record(key)
-            if key.startswith("entry-"):
-                features = record.get("features") or {}
-                entry_devices.add(str(features.get("device")))
-                entry_seconds += float(features.get("seconds") or 0.0)
-            if not key.startswith("finetune-"):
-                continue
-            compiled = store.load_manifest(key).get("compile")
-            training = record.get("training") or {}
-            window = training.get("loop_unix_seconds") or [0.0, 0.0]
-            first = training.get("first_step_seconds")
-            seconds = float(training.get("seconds") or 0.0)
-            tasks.append({
-                "task": int(record["task"]),
-                "images_per_s": training.get("images_per_s"),
-                "input_stall_fraction": training.get("input_stall_fraction"),
-                "device_busy_fraction": sampler.busy_between(*window) if len(window) == 2 else None,
-                "first_step_seconds": first,
-                "peak_gpu_memory_gib": (training["peak_device_memory_bytes"] / 2**30
-                                        if training.get("peak_device_memory_bytes") else None),
-                "stage_seconds": seconds,
-                "compiled": compiled,
-            })
-        metrics = json.loads((work / "run" / "metrics.json").read_text())
-        return {"executor": executor, "data": "s3 (ingested shards)" if server is not None else "local JPEG files",
-                "tracking": "mlflow sqlite" if "sqlite" in " ".join(arguments) else "off", "wall_seconds": wall,
-                "tasks": sorted(tasks, key=lambda t: t["task"]), "AA": metrics.get("AA"),
-                "entry_devices": sorted(entry_devices), "entry_seconds": entry_seconds}
+        yield ProductData("ray" if server is not None else "local", pool, env, server)
     finally:
         if server is not None:
             server.stop()
+
+
+def run_product(shape: Shape, work: Path, data: ProductData, timeout_s: float, variant: str = "eager") -> dict:
+    """``compat run`` of the CelebA config at ``shape`` with the baseline's options and ``variant``'s one turned on;
+    per-task numbers read back from the run's stage records."""
+    from pipelines.store.run_store import RunStore
+
+    executor, pool, env = data.executor, data.pool, data.env
+    gpus = 1 if torch.cuda.is_available() else 0
+    cpus = max(1, min(8, (os.cpu_count() or 2) - 1))
+    overrides = {
+        "data.dataset": pool["dataset"], "data.root": pool["root"], "data.options": pool["options"],
+        "tasks.spec": f"{TASKS}x{shape.identities_per_task}",
+        "model.num_slots": shape.num_slots, "model.backbone_config": shape.backbone_config,
+        "pretrain": [], "initial_model": None, "replacements": [],
+        "training.epochs": shape.epochs, "training.steps_per_epoch": shape.steps,
+        "training.batch_size": shape.batch_size, "training.input_workers": shape.input_workers,
+        **BASELINE, **VARIANTS[variant],
+        **{f"evaluation.{name}.{field}": pool[field] for name in ("query_set", "gallery_set")
+           for field in ("dataset", "root", "options")},
+        "resources.finetune": {"num_gpus": gpus, "num_cpus": cpus},
+        "resources.extract": {"num_gpus": gpus, "num_cpus": min(4, cpus)},
+    }
+    arguments = ["run", str(CONFIG), "--output", str(work / "run"), "--executor", executor, "--no-progress"]
+    for key, value in overrides.items():
+        arguments += ["--set", f"{key}={json.dumps(value)}"]
+    if executor == "local" or not _has_cluster_stack():
+        arguments += ["--tracking-uri", "none"]
+    else:
+        arguments += ["--tracking-uri", f"sqlite:///{work / 'mlflow.db'}"]
+    with DeviceSampler() as sampler:
+        wall = _compat(arguments, env, timeout_s)
+    store = RunStore(str(work / "run"))
+    tasks, entry_devices, entry_seconds = [], set(), 0.0
+    for key in sorted(store.stage_keys()):
+        record = store.load_record(key)
+        if key.startswith("entry-"):
+            features = record.get("features") or {}
+            entry_devices.add(str(features.get("device")))
+            entry_seconds += float(features.get("seconds") or 0.0)
+        if not key.startswith("finetune-"):
+            continue
+        manifest = store.load_manifest(key)
+        training = record.get("training") or {}
+        window = training.get("loop_unix_seconds") or [0.0, 0.0]
+        tasks.append({
+            "task": int(record["task"]),
+            "images_per_s": training.get("images_per_s"),
+            "input_stall_fraction": training.get("input_stall_fraction"),
+            "device_busy_fraction": sampler.busy_between(*window) if len(window) == 2 else None,
+            "first_step_seconds": training.get("first_step_seconds"),
+            "peak_gpu_memory_gib": (training["peak_device_memory_bytes"] / 2**30
+                                    if training.get("peak_device_memory_bytes") else None),
+            "stage_seconds": float(training.get("seconds") or 0.0),
+            "compiled": manifest.get("compile"),
+            "channels_last": manifest.get("channels_last"),
+        })
+    metrics = json.loads((work / "run" / "metrics.json").read_text())
+    return {"executor": executor, "data": data.description,
+            "tracking": "mlflow sqlite" if "sqlite" in " ".join(arguments) else "off", "wall_seconds": wall,
+            "tasks": sorted(tasks, key=lambda t: t["task"]), "AA": metrics.get("AA"),
+            "entry_devices": sorted(entry_devices), "entry_seconds": entry_seconds}
 
 
 # ---- 4. the bare step ----------------------------------------------------------------------------------------------
@@ -421,24 +459,6 @@ def run_entry(shape: Shape, device: torch.device) -> dict:
     return result
 
 
-# ---- 6. input workers that outlive a task --------------------------------------------------------------------------
-def run_workers(shape: Shape, repeats: int) -> dict:
-    """The second task's time to its first step with input workers started per task and with persistent ones
-    (``training.persistent_workers``), two tasks in this process (``benchmarks/persistent_workers.py``)."""
-    spec = importlib.util.spec_from_file_location("persistent_workers", ROOT / "benchmarks" / "persistent_workers.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    source = bench.pool(256, 32)
-    workers = max(1, shape.input_workers)
-    times: dict[str, list[float]] = {"per_stage": [], "persistent": []}
-    for _ in range(repeats):
-        times["per_stage"].append(bench.second_task_first_step(source, workers, 2, False))
-        times["persistent"].append(bench.second_task_first_step(source, workers, 2, True))
-    per_stage, persistent = float(np.median(times["per_stage"])), float(np.median(times["persistent"]))
-    return {"input_workers": workers, "second_task_first_step_per_stage_s": per_stage,
-            "second_task_first_step_persistent_s": persistent, "persistent_over_per_stage": persistent / per_stage}
-
-
 # ---- report --------------------------------------------------------------------------------------------------------
 def markdown(report: dict) -> str:
     lines = [f"# real_job ({report['mode']}), {report['date']}", "",
@@ -459,25 +479,58 @@ def markdown(report: dict) -> str:
     row("bare step: peak GPU memory GiB", bare.get("peak_gpu_memory_gib"))
     for product in report.get("products", []):
         workers = product.get("input_workers")
-        row(f"product path ({workers} input workers)",
+        if "status" in product:
+            row(f"product path, {product['variant']} ({workers} input workers)", product["status"])
+            continue
+        row(f"product path, {product['variant']} ({workers} input workers)",
             f"compat run --executor {product.get('executor')}, data {product.get('data')}, "
             f"tracking {product.get('tracking')}, {product.get('wall_seconds', 0):.1f} s wall")
-        step = f"compile {product.get('compile', 'off')}"
+        step = product["variant"]
         for task in product.get("tasks", []):
             name = (f"{workers} workers, {step}, task {task['task']} "
                     f"({'HOC, frozen old model' if task['task'] else 'SCE only'})")
             for key in ("images_per_s", "device_busy_fraction", "input_stall_fraction", "peak_gpu_memory_gib",
-                        "first_step_seconds", "compiled"):
+                        "first_step_seconds", "compiled", "channels_last"):
                 row(f"{name}: {key}", task.get(key))
         row(f"{workers} workers, {step}: product / bare eager (task 1, HOC)", product.get("product_over_bare"))
         row(f"{workers} workers, {step}: matrix entries' device, seconds in all",
             f"{', '.join(product.get('entry_devices', []))}, {product.get('entry_seconds', 0):.2f} s")
-    for key, value in report.get("workers", {}).items():
-        row(f"input workers: {key}", value)
+    for section, label in (("workers", "input workers"), ("decode", "JPEG decode"),
+                           ("channels_last", "channels_last probe")):
+        for key, value in report.get(section, {}).items():
+            row(f"{label}: {key}", value)
     entry = report.get("entry", {})
     for key, value in entry.items():
         row(f"matrix entry: {key}", value)
     return "\n".join(lines) + "\n"
+
+
+def run_products(report: dict, shape: Shape, args, work: Path, executor: str, device: torch.device) -> None:
+    """The product path once per input-worker count and variant (module doc, step 3), into ``report["products"]``;
+    ``gpu decode`` is "not measured" without CUDA (the setting is refused at load there)."""
+    with product_data(shape, work, work / "celeba", executor, args.timeout) as data:
+        for workers in args.input_workers or [shape.input_workers]:
+            for variant in args.variants or shape.variants:
+                run_variant(report, shape, args, work, data, device, workers, variant)
+    measured = [p for p in report.get("products", []) if "tasks" in p]
+    if measured:
+        report["product"] = measured[0]
+
+
+def run_variant(report: dict, shape: Shape, args, work: Path, data: ProductData, device: torch.device,
+                workers: int, variant: str) -> None:
+    """One product run (``variant`` with ``workers`` input workers) into ``report["products"]``."""
+    if VARIANTS[variant].get("training.decode") == "gpu" and device.type != "cuda":
+        report.setdefault("products", []).append({"variant": variant, "input_workers": workers,
+                                                  "status": "not measured: no CUDA device"})
+        return
+    sized = Shape(**{**shape.__dict__, "input_workers": workers})
+    folder = work / f"workers-{workers}-{variant.replace(' ', '-')}"
+    product = run_product(sized, folder, data, args.timeout, variant)
+    product.update(input_workers=workers, variant=variant,
+                   compile={**BASELINE, **VARIANTS[variant]}["training.compile"])
+    report.setdefault("products", []).append(product)
+    log(f"  {json.dumps(product)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -489,11 +542,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="step budget per epoch (default: the shape's)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs per task (default: the shape's, 1)")
     parser.add_argument("--skip", action="append", default=[],
-                        choices=("tests", "product", "bare", "entry", "workers"))
+                        choices=("tests", "product", "bare", "entry", "workers", "decode", "layout"))
     parser.add_argument("--input-workers", type=int, nargs="+", default=None,
                         help="run the product once per value of training.input_workers (default: the config's 3)")
-    parser.add_argument("--compile", nargs="+", default=None, choices=("off", "on", "auto"),
-                        help="run the product once per training.compile value (default: off, then on)")
+    parser.add_argument("--variants", nargs="+", default=None, choices=tuple(VARIANTS),
+                        help="run the product once per variant (default: the shape's; every one on the real shape)")
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds allowed to each subprocess")
     args = parser.parse_args(argv)
     shape = SMOKE if args.smoke else FULL
@@ -519,36 +572,40 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  {report['cuda_tests']}")
     with tempfile.TemporaryDirectory(prefix="real-job-") as scratch:
         work = Path(scratch)
-        if "product" not in args.skip:
+        if not {"product", "decode"} <= set(args.skip):
             log("writing CelebA-layout JPEGs")
             report["data"] = write_celeba(work / "celeba", shape)
             log(f"  {report['data']}")
-            for workers in args.input_workers or [shape.input_workers]:
-                for compile_mode in args.compile or shape.compile_modes:
-                    sized = Shape(**{**shape.__dict__, "input_workers": workers})
-                    product = run_product(sized, work / f"workers-{workers}-compile-{compile_mode}", work / "celeba",
-                                          executor, args.timeout, compile_mode)
-                    product["input_workers"], product["compile"] = workers, compile_mode
-                    report.setdefault("products", []).append(product)
-                    log(f"  {json.dumps(product)}")
-            report["product"] = report["products"][0]
-    if "bare" not in args.skip:
-        log("bare PyTorch/timm step")
-        autocast = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "off"
-        report["bare"] = run_bare(shape, device, max(shape.steps, 5), autocast)
-        log(f"  {report['bare']}")
-        for product in report.get("products", []):
-            hoc = [t for t in product.get("tasks", []) if t["task"] == 1]
-            if hoc and hoc[0].get("images_per_s"):
-                product["product_over_bare"] = hoc[0]["images_per_s"] / report["bare"]["images_per_s"]
+        if "product" not in args.skip:
+            run_products(report, shape, args, work, executor, device)
+        if "bare" not in args.skip:
+            log("bare PyTorch/timm step")
+            autocast = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "off"
+            report["bare"] = run_bare(shape, device, max(shape.steps, 5), autocast)
+            log(f"  {report['bare']}")
+            for product in report.get("products", []):
+                hoc = [t for t in product.get("tasks", []) if t["task"] == 1]
+                if hoc and hoc[0].get("images_per_s"):
+                    product["product_over_bare"] = hoc[0]["images_per_s"] / report["bare"]["images_per_s"]
+        if "decode" not in args.skip:
+            log("JPEG decode: one CPU worker, the GPU decoder, workers needed per GPU")
+            eager = [p for p in report.get("products", []) if p.get("variant") == "eager" and p.get("tasks")]
+            hoc = [t for t in (eager[0]["tasks"] if eager else []) if t["task"] == 1]
+            report["decode"] = run_decode(shape, work / "celeba", device, hoc[0].get("images_per_s") if hoc else None,
+                                          report.get("bare", {}).get("images_per_s"))
+            log(f"  {report['decode']}")
     if "entry" not in args.skip:
         log("one matrix entry at CelebA's shape")
         report["entry"] = run_entry(shape, device)
         log(f"  {report['entry']}")
     if "workers" not in args.skip:
-        log("input workers per task against persistent workers (second task's time to first step)")
+        log("input workers per task against persistent workers, each with and without the first batches prefetched")
         report["workers"] = run_workers(shape, 1 if args.smoke else 3)
         log(f"  {report['workers']}")
+    if "layout" not in args.skip:
+        log("channels_last: the layout probe on a convolutional backbone")
+        report["channels_last"] = run_layout(shape, device)
+        log(f"  {report['channels_last']}")
     report["seconds"] = time.perf_counter() - started
     (out / "real_job.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "real_job.md").write_text(markdown(report))

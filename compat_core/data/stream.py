@@ -14,8 +14,11 @@ tiny data and for a 1-2 core budget).
 source object in this process (the next task of a run: pools are cached per process, so consecutive stages on one
 executor process share the source): that stream starts without forking workers. The batches then travel as source
 rows, so any indices of the source can be read; the pool is rebuilt when the source, the worker count, the prefetch
-depth or the image shape differ, or a batch is larger than its buffers. Rows a later task asks a source over row-group
-storage to keep in memory (``keep_rows``) after the workers started are read from storage by them instead.
+depth or the image shape differ, or a batch is larger than its buffers, and a process holds one pool at a time. Rows
+a later task asks a source over row-group storage to keep in memory (``keep_rows``) after the workers started are
+read from storage by them instead.
+
+``stream_encoded`` yields the batches' encoded bytes instead, for a consumer that decodes them on its device.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from compat_core.data.encoded import EncodedImages
+from compat_core.data.replay_parquet import encoded_images
 from compat_core.data.source import keep_rows
 
 
@@ -136,12 +141,14 @@ def close_persistent_workers() -> None:
 
 
 def _persistent_pool(source, workers: int, prefetch: int, rows: int, shape: tuple[int, ...]) -> _Pool:
+    """The pool of ``source`` if it fits, else a new one; a new pool stops every other pool of this process first
+    (one pool at a time: a source object that is made anew for each task, such as a task's source with its replay
+    memory, would otherwise leave one idle pool of workers per task)."""
     pool = _POOLS.get(id(source))
-    if pool is not None and not pool.fits(source, workers, prefetch, rows, shape):
-        pool.close()
-        pool = None
-    if pool is None:
-        pool = _POOLS[id(source)] = _Pool(source, workers, prefetch, rows, shape)
+    if pool is not None and pool.fits(source, workers, prefetch, rows, shape):
+        return pool
+    close_persistent_workers()
+    pool = _POOLS[id(source)] = _Pool(source, workers, prefetch, rows, shape)
     return pool
 
 
@@ -152,7 +159,10 @@ def stream_batches(source, indices: np.ndarray, batches: Iterable[np.ndarray] | 
     are uint8 ``(n, H, W, C)`` CPU tensors of ``source.read(indices[positions])`` (pinned when ``pin_memory``).
 
     workers: decoding processes (0: in this thread). prefetch: batches read ahead per worker.
-    With workers, a yielded ``images`` tensor is a view of a shared buffer that its worker reuses: it stays valid
+    With workers, the workers get their first ``prefetch`` batches each when this function returns (not at the
+    first ``next``), so a caller that opens the stream before other set-up work has its first batches decoded
+    meanwhile; close the returned iterator (``.close()``) when it is not drained.
+    A yielded ``images`` tensor is then a view of a shared buffer that its worker reuses: it stays valid
     while the consumer works on it and the next batch is drawn (each worker cycles through ``prefetch + 2``
     buffers, at most ``prefetch`` of them written ahead), but not beyond that: copy it (``.clone()``) to keep it.
     Pinned batches (``pin_memory``) are copies already. persistent: keep the workers for the next stream of the same
@@ -164,11 +174,7 @@ def stream_batches(source, indices: np.ndarray, batches: Iterable[np.ndarray] | 
         raise ValueError(f"prefetch must be an int >= 1 (batches read ahead per worker), got {prefetch!r}")
     batches = [np.asarray(b, dtype=np.int64) for b in batches]
     if workers == 0:
-        dataset = _BatchReads(source, indices)
-        for positions in batches:
-            images = torch.from_numpy(dataset.read(positions))
-            yield positions, (images.pin_memory() if pin_memory else images)
-        return
+        return _read_in_thread(_BatchReads(source, indices), batches, pin_memory)
     # each worker cycles through prefetch + 2 buffers: at most `prefetch` of its batches are in flight while the
     # consumer holds one, so the batch in use and the one before it are never overwritten
     rows = max((b.size for b in batches), default=0)
@@ -177,19 +183,45 @@ def stream_batches(source, indices: np.ndarray, batches: Iterable[np.ndarray] | 
         pool = _persistent_pool(source, workers, prefetch, rows, shape)
         indices = np.asarray(indices, dtype=np.int64)
         pool.sampler.batches = [indices[positions] for positions in batches]
-        for positions, (_, worker, slot, count) in zip(batches, pool.loader):
-            images = pool.buffers[worker][slot][:count]
-            yield positions, (images.pin_memory() if pin_memory else images)
-        return
+        return _from_workers(batches, iter(pool.loader), pool.buffers, pin_memory)  # iter(): the reads start here
     buffers = [[torch.empty((rows, *shape), dtype=torch.uint8).share_memory_() for _ in range(prefetch + 2)]
                for _ in range(workers)]
     loader = torch.utils.data.DataLoader(
         _BatchReads(source, indices, buffers), sampler=batches, batch_size=None, num_workers=workers,
         prefetch_factor=prefetch, collate_fn=_as_is, worker_init_fn=_worker_init, persistent_workers=False,
     )
-    for positions, worker, slot, count in loader:
+    return _from_workers(batches, iter(loader), buffers, pin_memory)  # iter(): the workers start and read here
+
+
+def stream_encoded(source, indices: np.ndarray, batches: Iterable[np.ndarray] | Sequence[np.ndarray]
+                   ) -> Iterator[tuple[np.ndarray, EncodedImages]]:
+    """Yield ``(positions, encoded)`` for each batch of ``batches`` in order: the encoded bytes of
+    ``source[indices[positions]]`` (``source.encoded_images``), gathered in the calling thread and decoded by the
+    consumer (on its device: ``compat_core.data.device_decode``). A ValueError naming the source when it holds
+    pixels, not encoded files."""
+    indices = np.asarray(indices, dtype=np.int64)
+    for positions in batches:
+        positions = np.asarray(positions, dtype=np.int64)
+        encoded = encoded_images(source, indices[positions])
+        if encoded is None:
+            raise ValueError(f"{getattr(source, 'name', 'source')}: holds decoded pixels, not encoded images; "
+                             f"decoding on the device needs a pool of JPEG files (e.g. ingested shards)")
+        yield positions, encoded
+
+
+def _read_in_thread(dataset: _BatchReads, batches: list[np.ndarray], pin_memory: bool
+                    ) -> Iterator[tuple[np.ndarray, torch.Tensor]]:
+    for positions in batches:
+        images = torch.from_numpy(dataset.read(positions))
+        yield positions, (images.pin_memory() if pin_memory else images)
+
+
+def _from_workers(batches: list[np.ndarray], reads: Iterator, buffers: list[list[torch.Tensor]], pin_memory: bool
+                  ) -> Iterator[tuple[np.ndarray, torch.Tensor]]:
+    """The batches of a started DataLoader iterator ``reads`` whose items name a worker's buffer slot."""
+    for positions, (_, worker, slot, count) in zip(batches, reads):
         images = buffers[worker][slot][:count]
         yield positions, (images.pin_memory() if pin_memory else images)
 
 
-__all__ = ["close_persistent_workers", "keep_rows", "stream_batches", "to_device"]
+__all__ = ["close_persistent_workers", "keep_rows", "stream_batches", "stream_encoded", "to_device"]

@@ -14,6 +14,8 @@ candidates are timed once per machine and device and the result is cached as JSO
   depend on whether the cache existed).
 - ``compile``: seconds of a training step eager and through ``torch.compile`` and the compile time itself
   (``compat_core.hardware.compile_probe``: ``training.compile: auto``).
+- ``channels_last``: seconds of a training step of a conv net with contiguous and with channels_last weights and
+  batches (``compat_core.hardware.layout_probe``: ``training.channels_last: auto``).
 
 Cache: ``$COMPAT_CALIBRATION_DIR`` or ``$XDG_CACHE_HOME/compat/calibration`` (default ``~/.cache/compat/
 calibration``), one file per key (device name, core count, torch threads, torch version, CPU-flag digest). A file
@@ -51,6 +53,8 @@ __all__ = [
     "gemm_rates",
     "fastest_matmul",
     "workload_signature",
+    "cached_measurement",
+    "training_signature",
     "calibration_enabled",
     "format_calibration",
 ]
@@ -161,6 +165,24 @@ def _locked(device: torch.device | str):
             yield path
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def cached_measurement(device: torch.device | str, section: str, name: str, valid: Callable[[Any], bool],
+                       measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The entry ``name`` of ``section`` in this machine's cache when ``valid(entry)``, else ``measure()`` run under
+    the cache's lock (once: a process that waited for the lock finds the other's entry) and stored."""
+    def cached() -> dict[str, Any] | None:
+        entry = ((load(device) or {}).get(section) or {}).get(name)
+        return entry if isinstance(entry, dict) and valid(entry) else None
+
+    entry = cached()
+    if entry is None:
+        with _locked(device):
+            entry = cached()
+            if entry is None:
+                entry = measure()
+                _update(device, section, name, entry)
+    return entry
 
 
 def _update(device: torch.device | str, section: str, name: str | None, value: dict[str, Any]) -> None:
@@ -374,6 +396,11 @@ def workload_signature(model: nn.Module, example: torch.Tensor, train: bool) -> 
     return f"{'train' if train else 'infer'}-{type(body).__name__}-{digest}-in{shape}"
 
 
+def training_signature(model: nn.Module, example: torch.Tensor, dtype: torch.dtype | None) -> str:
+    """Cache name of a training step of ``model`` on ``example`` under autocast ``dtype`` (None: fp32)."""
+    return f"{workload_signature(model, example, True)}-{str(dtype).replace('torch.', '') if dtype else 'fp32'}"
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # showing it
 
@@ -409,4 +436,7 @@ def format_calibration(document: dict[str, Any] | None, path: Path | None = None
     for name, entry in sorted((document.get("compile") or {}).items()):
         lines.append(f"  compile {name}: eager {entry['eager_s'] * 1e3:.1f} ms, compiled {entry['compiled_s'] * 1e3:.1f} "
                      f"ms per step, compile {entry['compile_s']:.1f} s (auto decides per stage from its steps)")
+    for name, entry in sorted((document.get("channels_last") or {}).items()):
+        lines.append(f"  channels_last {name}: contiguous {entry['contiguous_s'] * 1e3:.1f} ms, channels_last "
+                     f"{entry['channels_last_s'] * 1e3:.1f} ms per step -> channels_last auto = {entry.get('choice', '?')}")
     return "\n".join(lines)

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from compat_core.hardware.calibration import _locked, _now, _time_rounds, _update, calibration_enabled, load, \
-    workload_signature
+from compat_core.hardware.calibration import _now, _time_rounds, cached_measurement, calibration_enabled, \
+    training_signature
 from compat_core.hardware.workloads import PROBE_BATCH, _step_function
 
 __all__ = ["compile_choice", "compile_pays", "measure_compile"]
@@ -73,20 +73,9 @@ def compile_choice(device: torch.device | str, model: nn.Module, example: torch.
     measuring when calibration is off (``COMPAT_CALIBRATION=off``)."""
     if not calibration_enabled():
         return False
-    device = torch.device(device)
-    example = example[:PROBE_BATCH]
-    name = f"{workload_signature(model, example, True)}-{str(dtype).replace('torch.', '') if dtype else 'fp32'}"
-    entry = _cached(device, name)
-    if entry is None:
-        with _locked(device):
-            entry = _cached(device, name)
-            if entry is None:
-                entry = measure_compile(model, example, device, dtype)
-                _update(device, "compile", name, entry)
-    return compile_pays(entry, steps, batch_size)
-
-
-def _cached(device: torch.device, name: str) -> dict[str, Any] | None:
-    entry = ((load(device) or {}).get("compile") or {}).get(name)
+    device, example = torch.device(device), example[:PROBE_BATCH]
+    name = training_signature(model, example, dtype)
     keys = ("eager_s", "compiled_s", "compile_s", "probe_batch")
-    return entry if isinstance(entry, dict) and all(key in entry for key in keys) else None
+    entry = cached_measurement(device, "compile", name, lambda entry: all(key in entry for key in keys),
+                               lambda: measure_compile(model, example, device, dtype))
+    return compile_pays(entry, steps, batch_size)

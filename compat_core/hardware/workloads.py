@@ -15,12 +15,10 @@ from torch import nn
 from compat_core.hardware.calibration import (
     _HALF_MARGIN,
     _ROUNDS,
-    _locked,
     _now,
     _time_rounds,
-    _update,
+    cached_measurement,
     calibration_enabled,
-    load,
     workload_signature,
 )
 
@@ -59,10 +57,13 @@ def _has_conv(model: nn.Module) -> bool:
 
 
 def _step_function(model: nn.Module, inputs: torch.Tensor, dtype: torch.dtype | None, train: bool,
-                   device: torch.device) -> tuple[Callable[[], None], Callable[[], None]]:
+                   device: torch.device, channels_last: bool | None = None
+                   ) -> tuple[Callable[[], None], Callable[[], None]]:
     """One step of ``model`` (the calibration's private copy) and the untimed preparation that puts the copy and the
-    inputs in the step's memory layout: channels_last with a half dtype for conv nets, as training does."""
-    channels_last = dtype is not None and _has_conv(model) and inputs.ndim == 4
+    inputs in the step's memory layout: ``channels_last`` (None: with a half dtype for conv nets)."""
+    if channels_last is None:
+        channels_last = dtype is not None and _has_conv(model)
+    channels_last = channels_last and inputs.ndim == 4
     layout = torch.channels_last if channels_last else torch.contiguous_format
     batch = inputs.contiguous(memory_format=layout)
 
@@ -140,17 +141,6 @@ def autocast_choice(device: torch.device | str, model: nn.Module, example: torch
     device = torch.device(device)
     example = example[:PROBE_BATCH]  # the cache name, like the measurement, is that of the probe batch
     name = workload_signature(model, example, train)
-    entry = _cached_workload(device, name)
-    if entry is None:
-        with _locked(device):
-            entry = _cached_workload(device, name)
-            if entry is None:
-                entry = measure_workload(model, example, device, train)
-                _update(device, "workloads", name, entry)
+    entry = cached_measurement(device, "workloads", name, lambda entry: entry.get("choice") in ("fp32", "bf16", "fp16"),
+                               lambda: measure_workload(model, example, device, train))
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[entry["choice"]]
-
-
-def _cached_workload(device: torch.device, name: str) -> dict[str, Any] | None:
-    document = load(device)
-    entry = (document or {}).get("workloads", {}).get(name)
-    return entry if isinstance(entry, dict) and entry.get("choice") in ("fp32", "bf16", "fp16") else None

@@ -23,12 +23,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class BackboneCard:
     """A registered backbone. factory: ``"module:function"``; embed_dim: options -> m (the width ``factory(**options)``
-    reports, a test checks both agree); small_config: options for CPU tests (empty: the defaults are small)."""
+    reports, a test checks both agree); small_config: options for CPU tests (empty: the defaults are small);
+    convolutional: whether its layers include 2-D convolutions besides a ViT's patch embedding (what
+    ``training.channels_last`` can change; a test checks it against the built model)."""
 
     name: str
     factory: str
     embed_dim: Callable[[Mapping[str, Any]], int]
     small_config: Mapping[str, Any] = field(default_factory=dict)
+    convolutional: bool = True
 
     def build(self, **config: Any) -> "nn.Module":
         """The factory called with ``config`` (imports the factory's module, and so torch)."""
@@ -60,11 +63,11 @@ for _card in (
     BackboneCard("lenetpp", "compat_core.models.lenetpp:lenetpp", lambda o: o.get("embed_dim", 2), {"img_size": 32}),
     BackboneCard("cnn4", "compat_core.models.lenetpp:cnn4", lambda o: 8 * o.get("width", 32), {"width": 8}),
     BackboneCard("dinov3_vitb16", "compat_core.models.vit:dinov3_vitb16", _option("embed_dim", 768),
-                 {"img_size": 32, "depth": 2, "embed_dim": 64, "num_heads": 2}),
+                 {"img_size": 32, "depth": 2, "embed_dim": 64, "num_heads": 2}, convolutional=False),
     BackboneCard("dinov3_vits16", "compat_core.models.vit:dinov3_vits16", _option("embed_dim", 384),
-                 {"img_size": 32, "depth": 2, "embed_dim": 64, "num_heads": 2}),
+                 {"img_size": 32, "depth": 2, "embed_dim": 64, "num_heads": 2}, convolutional=False),
     BackboneCard("dinov2_vitb14", "compat_core.models.vit:dinov2_vitb14", _option("embed_dim", 768),
-                 {"img_size": 28, "depth": 2, "embed_dim": 64, "num_heads": 2}),
+                 {"img_size": 28, "depth": 2, "embed_dim": 64, "num_heads": 2}, convolutional=False),
 ):
     BACKBONES.register(_card.name, _card)
 

@@ -150,7 +150,7 @@ def config_hash(config: ScenarioConfig) -> str:
 # training keys that change how a stage runs, never its results (the input stream yields the same batches in the
 # same order for any number of workers): left out of stage keys and config hashes
 HOW_NOT_WHAT = ("checkpoint_every_epochs", "checkpoint_every_minutes", "input_workers", "prefetch_batches",
-                "persistent_workers")
+                "persistent_workers", "prefetch_first_batches")
 
 
 __all__ = [

@@ -223,17 +223,26 @@ def pools(config: ScenarioConfig) -> dict[str, PoolSpec]:
     return found
 
 
-def registry_problems(config: ScenarioConfig) -> list[str]:
-    """Backbones, datasets, splits and dataset options against the registries (a typo fails at load with its key
-    path and the valid names, not when a stage runs)."""
-    problems = []
+def training_backbones(config: ScenarioConfig) -> dict[str, str]:
+    """Config key -> backbone name of every backbone the scenario names: the model's, pre-training entries' and
+    replacements' own."""
     backbones = {"model.backbone": config.model.backbone}
     backbones.update({f"pretrain[{i}].backbone": p.backbone for i, p in enumerate(config.pretrain) if p.backbone})
     backbones.update({f"replacements[{i}].backbone": r.backbone for i, r in enumerate(config.replacements)
                       if r.backbone})
-    for key, name in backbones.items():
+    return backbones
+
+
+def registry_problems(config: ScenarioConfig) -> list[str]:
+    """Backbones, datasets, splits and dataset options against the registries (a typo fails at load with its key
+    path and the valid names, not when a stage runs); ``training.channels_last: on`` against the backbones."""
+    problems = []
+    for key, name in training_backbones(config).items():
         if name not in BACKBONES:
             problems.append(f"{key}: unknown backbone {name!r}; valid: {', '.join(BACKBONES.names())}")
+        elif config.training.channels_last == "on" and not BACKBONES.get(name).convolutional:
+            problems.append(f"training.channels_last: on needs convolutional backbones; {key} is {name!r}, which has "
+                            f"no 2-D convolution besides its patch embedding; use auto or off")
     known = dataset_names()
     for key, pool in pools(config).items():
         if pool.dataset not in known:

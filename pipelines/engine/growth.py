@@ -120,8 +120,8 @@ def judge_growth(previous: ScenarioConfig, config: ScenarioConfig, code_version:
 def judge_folder(config: ScenarioConfig, root: str, code_version: str) -> Growth | None:
     """:func:`judge_growth` of ``config`` against the config.yaml of the run folder ``root`` (None when it has none
     yet), for a caller that decides before the run starts elsewhere (``compat submit``). An unresolved
-    ``training.autocast: auto`` or ``training.compile: auto`` is judged as the recorded run resolved it (the run
-    resolves them where it runs)."""
+    ``training.autocast: auto``, ``training.compile: auto`` or ``training.channels_last: auto`` is judged as the
+    recorded run resolved it (the run resolves them where it runs)."""
     path = cio.join(root, "config.yaml")
     if not cio.exists(path):
         return None
@@ -131,6 +131,8 @@ def judge_folder(config: ScenarioConfig, root: str, code_version: str) -> Growth
         resolved["autocast"] = previous.training.autocast
     if config.training.compile == "auto":  # resolved like the precision, where the run runs
         resolved["compile"] = previous.training.compile
+    if config.training.channels_last == "auto":
+        resolved["channels_last"] = previous.training.channels_last
     if resolved:
         config = config.model_copy(update={"training": config.training.model_copy(update=resolved)})
     return judge_growth(previous, config, code_version, root)

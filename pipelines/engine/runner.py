@@ -338,6 +338,7 @@ def record_invocation(store: RunStore, summary: Invocation, graph: StageGraph) -
         "run_id": summary.run_id, "executed": summary.executed, "skipped": summary.skipped,
         "seconds": summary.seconds, "code_version": graph.code_version,
         "precision": precision_name(graph.config.training.autocast), "compile": graph.config.training.compile,
+        "channels_last": graph.config.training.channels_last,
         **(graph.origin or RunOrigin()).as_json()}, indent=1))
 
 

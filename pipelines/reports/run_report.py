@@ -118,6 +118,8 @@ def render_report_markdown(results: RunResult, images: dict[str, str] | None = N
         f"- replacements at tasks (1-based): {replaced}",
         f"- precision: {results.precision or 'unknown'} (`training.autocast` as resolved for this run)",
         f"- compiled training step: {results.compiled or 'unknown'} (`training.compile` as resolved for this run)",
+        f"- channels_last training layout: {results.channels_last or 'unknown'} (`training.channels_last` as resolved "
+        f"for this run)",
         "",
     ]
     if results.warnings:

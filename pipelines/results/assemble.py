@@ -86,6 +86,15 @@ class RunResult:
         return str(((self.config or {}).get("training") or {}).get("compile", "off"))
 
     @property
+    def channels_last(self) -> str | None:
+        """on | off: whether the run's training steps ran in the channels_last layout (its resolved
+        ``training.channels_last``; "auto" for a config written before the setting existed, which chose by device),
+        None when the config is unknown."""
+        if self.config is None:
+            return None
+        return str(((self.config or {}).get("training") or {}).get("channels_last", "auto"))
+
+    @property
     def method(self) -> str:
         """The method's name from the config ('' when the config is unknown)."""
         method = (self.config or {}).get("method")

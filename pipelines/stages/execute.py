@@ -71,7 +71,8 @@ def execute_stage(stage: Stage, settings: RunSettings, store: RunStore, emit: Em
     if placement is not None:
         node["placement"] = dict(placement)
     manifest = store.commit(stage.key, record_to_json(result.record, **node), result.blobs, code_version=code_version,
-                            precision=stage.inputs.precision, compiled=getattr(stage.inputs, "compiled", None))
+                            precision=stage.inputs.precision, compiled=getattr(stage.inputs, "compiled", None),
+                            channels_last=getattr(stage.inputs, "channels_last", None))
     if stage.kind.trains:
         collect_garbage(store, stage.key)  # the committed model supersedes its epoch checkpoints
     return committed_stage(manifest)

@@ -92,6 +92,7 @@ class RunSettings(FrozenInputs):
     input_workers: int = 0
     prefetch_batches: int = 2
     persistent_workers: bool = False
+    prefetch_first_batches: bool = True
     guards: DataGuards | None = None
 
     @classmethod
@@ -119,6 +120,8 @@ class TrainRecipe(FrozenInputs):
     selection_holdout: float
     autocast: Autocast
     compile: Literal["auto", "on", "off"]
+    channels_last: Literal["auto", "on", "off"]
+    decode: Literal["cpu", "gpu"]
     augment: bool
     replay_sampling: Literal["half_and_half", "mixed"]
     log_every_steps: int
@@ -274,7 +277,7 @@ class Extraction(FrozenInputs):
 # ---- per kind --------------------------------------------------------------------------------------------------------
 class TrainingStageInputs(FrozenInputs):
     """Base of the inputs of a stage that trains (its subclasses declare ``training: TrainRecipe``): its precision
-    and compile mode as resolved for the run."""
+    compile mode and memory layout as resolved for the run."""
 
     @property
     def precision(self) -> str:
@@ -284,6 +287,12 @@ class TrainingStageInputs(FrozenInputs):
     def compiled(self) -> str:
         """on | off: whether the stage's training step runs compiled (``training.compile`` as resolved)."""
         return self.training.compile
+
+    @property
+    def channels_last(self) -> str:
+        """on | off: whether the stage trains in the channels_last layout (``training.channels_last`` as
+        resolved)."""
+        return self.training.channels_last
 
 
 class PretrainInputs(TrainingStageInputs):

@@ -21,6 +21,7 @@ from compat_core.data.replay import ReplayMemory
 from compat_core.data.replay_parquet import (
     concatenate_images,
     corrupt_shard,
+    encoded_images,
     read_replay_shard,
     shard_uris,
     write_replay_shard,
@@ -127,6 +128,20 @@ class WithMemory:
         """Keep the task rows among ``indices`` resident in the task's source (the replay rows are in memory)."""
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         keep_rows(self.source, indices[indices < self.base])
+
+    def encoded_images(self, indices: np.ndarray) -> EncodedImages | None:
+        """The encoded bytes of samples ``indices`` in order (task rows from the source, replay rows from the
+        shard), or None when either part holds pixels."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        from_memory = indices >= self.base
+        task = encoded_images(self.source, indices[~from_memory])
+        if task is None or not isinstance(self.images, EncodedImages):
+            return None
+        memory = self.images.take(indices[from_memory] - self.base)
+        blobs, task_blobs, memory_blobs = [], iter(task.blobs), iter(memory.blobs)
+        for is_memory in from_memory:
+            blobs.append(next(memory_blobs) if is_memory else next(task_blobs))
+        return EncodedImages(blobs, self.image_shape, task.decoder)
 
     def read(self, indices: np.ndarray) -> np.ndarray:
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)

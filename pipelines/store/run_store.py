@@ -5,7 +5,7 @@ Layout under the run root (a local folder or an ``s3://bucket/prefix`` URI)::
     artifacts/<stage_key>/<blob name>     blobs of one stage (model weights, feature shards, ...)
     manifests/<stage_key>.json            {"stage_key", "record", "blobs": {name: {"sha256", "size"}}, "code_version",
                                            "precision" (training and extract stages),
-                                           "compile" (training stages: on | off)}
+                                           "compile", "channels_last" (training stages: on | off)}
 
 A stage is done exactly when its manifest exists: a crash after some blobs and before the manifest leaves the stage
 not done, and running it again overwrites the orphaned blobs. Locally every file is written under a temporary name
@@ -159,10 +159,11 @@ class RunStore:
         return self.fs.get_file_info(self.manifest_path(stage_key)).type == pafs.FileType.File
 
     def commit(self, stage_key: str, record: Mapping[str, Any], blobs: Mapping[str, bytes] | None = None,
-               code_version: str | None = None, precision: str | None = None, compiled: str | None = None) -> dict:
+               code_version: str | None = None, precision: str | None = None, compiled: str | None = None,
+               channels_last: str | None = None) -> dict:
         """Write ``blobs`` (name -> bytes) then the manifest holding ``record`` (JSON data), the code version and,
         for a stage whose output depends on it, the precision it computed in (fp32 | bf16 | fp16) and (training
-        stages) whether its step ran compiled (on | off). Returns the manifest."""
+        stages) whether its step ran compiled and in the channels_last layout (on | off). Returns the manifest."""
         infos: dict[str, dict] = {}
         for name, data in (blobs or {}).items():
             if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -186,6 +187,8 @@ class RunStore:
             manifest["precision"] = precision
         if compiled is not None:
             manifest["compile"] = compiled
+        if channels_last is not None:
+            manifest["channels_last"] = channels_last
         data = encode_manifest(manifest)
         self._write(self.manifest_path(stage_key), data)
         return decode_manifest(data, self._display(self.manifest_path(stage_key)), "stage manifest", stage_key)

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from compat_core.data.device_decode import decode_on_device
+from compat_core.data.encoded import EncodedImages
 from compat_core.data.stream import to_device
 from compat_core.data.transforms import make_transforms
 from compat_core.models.precision import prepare_batch
@@ -33,11 +35,15 @@ class _Loader:
             self.all_indices, self.all_slots = data.indices, data.slots
         self.num_task = data.indices.size
 
-    def batch(self, positions: np.ndarray, images: torch.Tensor | None = None,
+    def batch(self, positions: np.ndarray, images: torch.Tensor | EncodedImages | None = None,
               rows: tuple[int, int] | None = None) -> Batch:
-        """The device batch of ``positions``; ``images`` (uint8, already read, e.g. by the stream) or read here.
+        """The device batch of ``positions``; ``images`` (uint8, already read, e.g. by the stream; or their encoded
+        bytes, decoded here on the device: ``training.decode: gpu``) or read here.
 
         rows: data-parallel training: ``images`` are rows [start, stop) of the global batch ``positions``."""
+        if isinstance(images, EncodedImages):
+            images = decode_on_device(images.blobs, images.image_shape[0], self.device,
+                                      getattr(self.data.source, "name", "source"))
         if images is None:
             local = positions if rows is None else positions[rows[0] : rows[1]]
             images = torch.from_numpy(np.ascontiguousarray(self.data.source.read(self.all_indices[local])))

@@ -20,8 +20,16 @@ SEED_LIMIT = 2 ** 63  # seeds are in [0, 2^63)
 _PLAIN_DEVICE = re.compile(r"(cpu|meta|mps|cuda)(:\d+)?")
 AUTOCAST_MODES = ("auto", "bf16", "fp16", "off")
 COMPILE_MODES = ("auto", "on", "off")
+CHANNELS_LAST_MODES = ("auto", "on", "off")
 # the arithmetic each resolved autocast setting trains and extracts in ("auto": not resolved yet)
 PRECISION_NAMES = {"off": "fp32", "bf16": "bf16", "fp16": "fp16", "auto": "auto"}
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device here (imports torch: called only for a setting that needs CUDA)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def autocast_mode(value: object) -> str:
@@ -111,6 +119,19 @@ class TrainConfig(StrictModel):
         "compiled only where a timed probe (compile time counted, cached per machine, batch shape and torch version) "
         "says it pays over the stage's steps; off (default): eager. Changes numerics at rounding level, so the "
         "resolved value is in every training stage's key")
+    channels_last: Literal["auto", "on", "off"] = Field(
+        "auto", description="the memory layout of a convolutional backbone's weights and batches in training. on: "
+        "channels_last (NHWC); off: contiguous (NCHW); auto (default): channels_last only where a timed training "
+        "step of the model in both layouts (under the resolved autocast, cached per machine, batch shape and torch "
+        "version) says it is faster; off without measuring for a backbone without convolutions or with "
+        "calibration off. on is refused for a backbone without convolutions. Changes numerics at rounding level, "
+        "so the resolved value is in every training stage's key")
+    decode: Literal["cpu", "gpu"] = Field(
+        "cpu", description="where the training batches' JPEGs are decoded. cpu (default): by the pool's reader, in "
+        "the input workers; gpu: on the CUDA training device (torchvision.io.decode_jpeg with nvJPEG, the crop and "
+        "resize there too; compat_core.data.device_decode), the CPU only gathering bytes, for pools of encoded "
+        "images (ingested shards). Refused at load on a machine without CUDA. Pixels differ from the CPU decoders "
+        "by rounding-level amounts, so the value is in every training stage's key")
     augment: bool = Field(True, description="training augmentation of the dataset's transforms")
     replay_sampling: Literal["half_and_half", "mixed"] = "half_and_half"
     input_workers: int = Field(0, ge=0, le=MAX_INPUT_WORKERS, description="CPU processes that read and decode the next batches while a "
@@ -121,8 +142,14 @@ class TrainConfig(StrictModel):
     persistent_workers: bool = Field(
         False, description="keep the input workers alive after a task for the next task of the same pool in the same "
         "process (no worker start-up from the second task on; compat_core.data.stream). Off by default: rows the "
-        "next task keeps in memory (ingested shards) are then read from storage by the workers. Not part of any "
-        "stage key")
+        "next task keeps in memory (ingested shards) are then read from storage by the workers. A task with replay "
+        "memory reads a source made for it (its pool and the replay shard), so its workers start anew, and the "
+        "process's earlier pool stops (one pool per process). Not part of any stage key")
+    prefetch_first_batches: bool = Field(
+        True, description="with input workers: open the task's input stream as soon as its batch order is known, so "
+        "the workers decode its first batches while the method's setup, the optimiser, compile and a checkpoint's "
+        "restore run and the first step does not wait for them (false: opened when the epochs start). The same "
+        "batches in the same order either way. Not part of any stage key")
     log_every_steps: int = Field(0, ge=0)
     checkpoint_every_epochs: int | None = Field(
         None, ge=0, description="pretrain / fine-tune stages save their training state to the run store at epoch "
@@ -153,6 +180,20 @@ class TrainConfig(StrictModel):
             raise ValueError(f"must be a torch device string such as 'cpu' or 'cuda:0', got {value!r}") from None
         return value
 
+    @field_validator("channels_last", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: object) -> object:
+        """YAML 1.1 reads a bare on / off as true / false: the same switch."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+    @field_validator("decode")
+    @classmethod
+    def _decode_device(cls, value: str) -> str:
+        if value == "gpu" and not cuda_available():
+            raise ValueError("gpu decodes JPEGs on a CUDA device (torchvision.io.decode_jpeg with device='cuda'), "
+                             "and this machine has none (torch.cuda.is_available() is False); use cpu")
+        return value
+
     @model_validator(mode="after")
     def _warmup_within_epochs(self) -> "TrainConfig":
         if self.warmup_epochs >= self.epochs:
@@ -164,5 +205,5 @@ class TrainConfig(StrictModel):
         return type(self).model_validate({**dict(self), **values})
 
 
-__all__ = ["AUTOCAST_MODES", "BOUND_FIELDS", "COMPILE_MODES", "OptimizerSpec", "PRECISION_NAMES", "autocast_mode", "precision_name",
+__all__ = ["AUTOCAST_MODES", "BOUND_FIELDS", "CHANNELS_LAST_MODES", "COMPILE_MODES", "OptimizerSpec", "PRECISION_NAMES", "autocast_mode", "precision_name",
            "PRETRAIN_OVERRIDES", "ScheduleSpec", "StrictModel", "TrainConfig"]

@@ -24,16 +24,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from compat_core.data.stream import keep_rows, stream_batches
+from compat_core.data.replay_parquet import encoded_images
+from compat_core.data.stream import keep_rows, stream_batches, stream_encoded
+from compat_core.hardware.calibration import calibration_enabled
+from compat_core.models.precision import has_convolutions
 from pipelines.methods.objective import Method, TaskContext
 from pipelines.training import distributed
 from pipelines.training.autocast import (autocast_mode, example_batch, precision_context, prepare_model,
-                                         resolve_autocast, resolve_compile)
+                                         resolve_autocast, resolve_channels_last, resolve_compile)
 from pipelines.training.checkpoints import CheckpointSink, EpochCheckpoint, PreemptionFlag, preemption_guard
 from pipelines.training.records import ProgressHook, TrainRecord, TrainResult, _Window
 from pipelines.training.selection import CompatibilitySelector
 from pipelines.training.settings import TrainConfig
 from pipelines.training.loop_state import restore_training_state, training_state
+from pipelines.training.loop_stats import InputStall, LoopStatistics
 from pipelines.training.batches import _Loader
 from pipelines.training.task_data import TaskData, _augment_seed, _steps_per_epoch, epoch_batches
 
@@ -85,47 +89,6 @@ def check_model_for_method(model: nn.Module, method: Method, data: TaskData) -> 
         raise ValueError(f"method {method.name!r} retrains from the same initial weights: TaskData.initial_state is required")
 
 
-@dataclass
-class LoopStatistics:
-    """Running totals of one task's loop.
-
-    step: optimiser steps done in the task; train_seconds / train_images: step time (input wait included) and
-    images over those steps (carried by checkpoints, so a resumed task reports its throughput over all its steps);
-    first_step_seconds: from the start of :meth:`Trainer.prepare` to the end of this process's first step;
-    checkpoints_written / checkpoint_seconds: saves by this process and the seconds they took.
-    """
-
-    step: int = 0
-    train_seconds: float = 0.0
-    train_images: int = 0
-    first_step_seconds: float | None = None
-    checkpoints_written: int = 0
-    checkpoint_seconds: float = 0.0
-
-    @property
-    def images_per_s(self) -> float:
-        """Training throughput over the task's steps so far (images per second)."""
-        return self.train_images / max(self.train_seconds, 1e-9)
-
-    def add_step(self, images: int, seconds: float) -> None:
-        """Count a step's time and images (the step itself is counted when the optimiser steps)."""
-        self.train_seconds += seconds
-        self.train_images += images
-
-    def add_checkpoint(self, seconds: float) -> None:
-        self.checkpoints_written += 1
-        self.checkpoint_seconds += seconds
-
-    def checkpoint_extras(self, window: _Window) -> dict[str, Any]:
-        """What a checkpoint carries besides the step: throughput totals and the open record window."""
-        return {"train_seconds": self.train_seconds, "train_images": self.train_images, "window": window.state()}
-
-    def restore(self, step: int, extras: Mapping[str, Any]) -> None:
-        """Take the step and the totals from a checkpoint's position (:meth:`checkpoint_extras`)."""
-        self.step = step
-        self.train_seconds, self.train_images = extras["train_seconds"], extras["train_images"]
-
-
 @dataclass(frozen=True)
 class ResumePoint:
     """Where the loop starts: 0-based ``epoch``, of which ``step_in_epoch`` steps are already done.
@@ -162,29 +125,6 @@ def plan_epochs(data: TaskData, method: Method, config: TrainConfig, start: Resu
     return plans
 
 
-class InputStall:
-    """Seconds the device sat idle waiting for input batches (an upper bound).
-
-    After each step a CUDA event marks the end of the work queued so far. When the next batch arrives, the host's wait
-    counts as a stall only if that event has already completed, i.e. the accelerator ran out of work before the
-    batch came; a wait while queued work still runs costs nothing. On the CPU every wait is a stall.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.seconds = 0.0
-        self._event = torch.cuda.Event() if device.type == "cuda" else None
-        self._queued = False
-
-    def step_queued(self) -> None:
-        if self._event is not None:
-            self._event.record()
-            self._queued = True
-
-    def batch_arrived(self, waited_seconds: float) -> None:
-        if self._event is None or not self._queued or self._event.query():
-            self.seconds += max(0.0, waited_seconds)
-
-
 class Trainer:
     """Trains ``model`` on one task with ``method`` (see :func:`pipelines.training.loop.train_task` for the
     arguments); :meth:`fit` runs the steps below in order and returns the :class:`TrainResult`."""
@@ -209,12 +149,16 @@ class Trainer:
         self.stats = LoopStatistics()
         self.window = _Window()
         self.selector: CompatibilitySelector | None = None
+        self.early_stream: tuple[tuple[int, int], list[EpochPlan], Iterator] | None = None  # see prepare()
 
     def fit(self) -> TrainResult:
         """prepare, resume, run, finish."""
-        self.prepare()
-        start = self.resume()
-        self.run(start)
+        try:
+            self.prepare()
+            start = self.resume()
+            self.run(start)
+        finally:
+            self._close_early_stream()  # a failure before the epochs: stop the reads opened in prepare
         return self.finish(start)
 
     # ---- prepare -------------------------------------------------------------------------------------------------
@@ -228,6 +172,8 @@ class Trainer:
         self._prepare_weights()
         self._resolve_precision()
         self._prepare_data()
+        if self.config.prefetch_first_batches:  # the workers decode the first batches while the rest is prepared
+            self.early_stream = self._open_stream(ResumePoint())
         self._setup_method()
         self._prepare_optimisation()
         self._compile_step()
@@ -253,18 +199,25 @@ class Trainer:
                 model.expand_classes(needed)
 
     def _resolve_precision(self) -> None:
-        """``autocast: auto`` measured on an example batch (every rank takes rank 0's choice); both models moved
-        to the device in that precision, the old one frozen in eval mode."""
+        """``autocast: auto`` and ``channels_last: auto`` measured on an example batch (every rank takes rank 0's
+        choices); both models moved to the device in that precision and layout, the old one frozen in eval mode."""
         config, device = self.config, self.device
         if autocast_mode(config.autocast) == "auto":
             example = example_batch(self.data.source, self.data.indices, config.batch_size, device)
             config = config.model_copy(update={"autocast": resolve_autocast("auto", device, self.model, example)})
         if self.parallel is not None:  # every rank computes in rank 0's precision (its measured "auto" choice)
             config = config.model_copy(update={"autocast": self.parallel.agree(config.autocast)})
+        example = None  # read only where the probe may run (calibration off: auto is off, nothing is read)
+        if config.channels_last == "auto" and has_convolutions(self.model) and calibration_enabled():
+            example = example_batch(self.data.source, self.data.indices, config.batch_size, device)
+        config = config.model_copy(update={"channels_last": resolve_channels_last(
+            config.channels_last, device, self.model, example, config.autocast)})
+        if self.parallel is not None:
+            config = config.model_copy(update={"channels_last": self.parallel.agree(config.channels_last)})
         self.config = config
-        prepare_model(self.model, device, config.autocast)
+        prepare_model(self.model, device, config.autocast, config.channels_last)
         if self.old_model is not None:
-            prepare_model(self.old_model, device, config.autocast)
+            prepare_model(self.old_model, device, config.autocast, config.channels_last)
             self.old_model.eval()
             self.old_model.requires_grad_(False)
 
@@ -275,6 +228,10 @@ class Trainer:
         # every epoch reads these rows in a new random order: sources over row-group storage keep them in memory (read
         # once, in storage order) before the input workers fork
         keep_rows(data.source, self.loader.all_indices)
+        if config.decode == "gpu" and encoded_images(data.source, self.loader.all_indices[:1]) is None:
+            raise ValueError(f"training.decode: gpu decodes encoded images on the device, and the pool "
+                             f"{getattr(data.source, 'name', 'source')!r} holds decoded pixels; use a pool of JPEG "
+                             f"files (e.g. ingested shards) or decode: cpu")
         self.steps_per_epoch = _steps_per_epoch(data, self.method, config)
         if self.steps_per_epoch == 0:
             raise ValueError(f"task {data.task} yields no batch of >= 2 samples with batch_size {config.batch_size}")
@@ -357,14 +314,33 @@ class Trainer:
         """Every planned epoch over one input stream: the next batches are read and decoded on CPU workers while a
         step runs (same order for a seed), and the workers start once and read the next epoch's first batches while
         an epoch ends. SIGTERM is answered at the next step boundary (see :meth:`end_epoch`)."""
-        plans = plan_epochs(self.data, self.method, self.config, start, self.parallel)
-        stream = stream_batches(self.data.source, self.loader.all_indices, [b for plan in plans for b in plan.local],
-                                workers=self.config.input_workers, prefetch=self.config.prefetch_batches,
-                                pin_memory=self.device.type == "cuda", persistent=self.config.persistent_workers)
+        if self.early_stream is not None and self.early_stream[0] == (start.epoch, start.step_in_epoch):
+            (_, plans, stream), self.early_stream = self.early_stream, None
+        else:  # opened late (training.prefetch_first_batches off), or a checkpoint moved the start
+            self._close_early_stream()
+            _, plans, stream = self._open_stream(start)
         with preemption_guard(enabled=self.checkpoints is not None) as preempted, contextlib.closing(stream):
             for plan in plans:
                 self.run_epoch(plan, stream, preempted)
                 self.end_epoch(plan.epoch, preempted)
+
+    def _open_stream(self, start: ResumePoint) -> tuple[tuple[int, int], list[EpochPlan], Iterator]:
+        """The epochs from ``start`` and their input stream, opened: its workers start reading the first batches
+        now (``compat_core.data.stream.stream_batches``)."""
+        plans = plan_epochs(self.data, self.method, self.config, start, self.parallel)
+        batches = [b for plan in plans for b in plan.local]
+        if self.config.decode == "gpu":  # bytes here, decoded on the device by the loader
+            return (start.epoch, start.step_in_epoch), plans, stream_encoded(self.data.source, self.loader.all_indices,
+                                                                             batches)
+        stream = stream_batches(self.data.source, self.loader.all_indices, batches,
+                                workers=self.config.input_workers, prefetch=self.config.prefetch_batches,
+                                pin_memory=self.device.type == "cuda", persistent=self.config.persistent_workers)
+        return (start.epoch, start.step_in_epoch), plans, stream
+
+    def _close_early_stream(self) -> None:
+        if self.early_stream is not None:
+            self.early_stream[2].close()
+            self.early_stream = None
 
     def run_epoch(self, plan: EpochPlan, stream: Iterator[tuple[np.ndarray, torch.Tensor]],
                   preempted: PreemptionFlag) -> None:

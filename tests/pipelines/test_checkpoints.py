@@ -67,12 +67,15 @@ def _setup(source, method_name: str, selection: bool):
     return classifier, data, old, settings
 
 
-@pytest.mark.parametrize("method_name, selection", [("dsimplex-hoc", False), ("fan", False), ("er", True)])
-def test_training_killed_after_epoch_2_resumes_bit_identically(source, tmp_path, method_name, selection):
+@pytest.mark.parametrize("method_name, selection, workers", [("dsimplex-hoc", False, 0), ("fan", False, 0),
+                                                              ("er", True, 0), ("dsimplex-hoc", False, 2)])
+def test_training_killed_after_epoch_2_resumes_bit_identically(source, tmp_path, method_name, selection, workers):
     """Reference: 4 epochs without checkpoints. Then a run killed right after the epoch-2 checkpoint and a restart
     with a fresh model: identical weights, method extra state (FAN adapter), selected epoch and records; the restart
-    trains only epochs 3 and 4."""
+    trains only epochs 3 and 4. With input workers the restart's stream, opened before the checkpoint is read (from
+    epoch 0), is replaced by one from the checkpoint's position."""
     classifier, data, old, settings = _setup(source, method_name, selection)
+    settings["input_workers"] = workers
     classes = 3 if classifier == "learnable" else 0
     reference = train_task(tiny_model(classifier, classes=classes), old, get_method(method_name), data,
                            config(**settings))

@@ -81,8 +81,11 @@ def _force_calibration_choice(config, choice: str, folder, monkeypatch) -> None:
 
 
 def _pinned(document: dict, autocast) -> dict:
+    """``document`` with ``training.autocast`` set, and the layout pinned (contiguous), which calibration would
+    otherwise measure for this conv net in the auto-resolved run only."""
     changed = json.loads(json.dumps(document))
     changed["training"]["autocast"] = autocast
+    changed["training"]["channels_last"] = "off"
     return changed
 
 
@@ -140,6 +143,7 @@ def test_the_shipped_demo_configs_pin_fp32():
     for name in ("demo-er.yaml", "demo-dsimplex-hoc.yaml"):
         config = load_config(CONFIGS / name)
         assert precision_name(config.training.autocast) == "fp32", name
+        assert config.training.channels_last == "off", name  # the layout is pinned too: the same numbers anywhere
 
 
 def test_a_submitted_job_records_the_submit_command_and_its_overrides(tmp_path, capsys):

@@ -50,7 +50,9 @@ def scenario(method: str = "dsimplex-hoc", params: dict | None = None, output: s
         "tasks": {"spec": "2+2x2"},
         "model": {"backbone": "cnn4", "backbone_config": {"in_chans": 1, "width": 4}, "num_slots": 10},
         "method": {"name": method, "params": params or {}},
-        "training": {"optimizer": {"name": "sgd", "lr": 0.01}, "epochs": 1, "batch_size": 8, "autocast": False},
+        # precision and layout pinned: a graph compiled from this document has the keys of the run made from it
+        "training": {"optimizer": {"name": "sgd", "lr": 0.01}, "epochs": 1, "batch_size": 8, "autocast": False,
+                     "channels_last": "off"},
         "replay": {"per_class": 3},
         "pretrain": [{"name": "p1", "pool": {"dataset": "tiny-synth", "split": "pretrain"}, "num_classes": 4}],
         "replacements": [{"at_task": 3, "source": "pretrain:p1"}],

@@ -86,7 +86,8 @@ class _PidImages(_IndexImages):
 
 def test_persistent_workers_serve_the_next_stream_of_the_same_source_without_new_processes():
     """Two streams of one source with other index maps (two tasks of one pool): each batch holds its own rows, and
-    the second stream's batches are read by the first stream's worker processes; another source gets its own."""
+    the second stream's batches are read by the first stream's worker processes; another source gets its own
+    workers, and the first source's stop."""
     from compat_core.data.stream import _POOLS, close_persistent_workers
 
     source = _PidImages(300)
@@ -104,9 +105,50 @@ def test_persistent_workers_serve_the_next_stream_of_the_same_source_without_new
                     break
             readers.append(pids)
         assert len(readers[1]) == 2 and readers[1] == readers[0]
+        first_pool = _POOLS[id(source)]
         other = _PidImages(300)
         list(stream_batches(other, np.arange(300), [np.arange(10)], workers=2, prefetch=1, persistent=True))
-        assert id(other) in _POOLS and _POOLS[id(other)] is not _POOLS[id(source)]
+        # another source gets its own workers, and the first source's pool is stopped (one pool per process)
+        assert list(_POOLS) == [id(other)] and first_pool.loader._iterator is None
     finally:
         close_persistent_workers()
     assert not _POOLS
+
+
+class _MarkedReads(_IndexImages):
+    """Each read leaves a file named after its first index in ``folder``: the consumer sees which batches a worker
+    has read."""
+
+    def __init__(self, count: int, folder) -> None:
+        super().__init__(count)
+        self.folder = folder
+
+    def read(self, indices: np.ndarray) -> np.ndarray:
+        (self.folder / f"read-{int(np.asarray(indices)[0])}").touch()
+        return super().read(indices)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_read_the_first_batches_before_the_first_draw(tmp_path, persistent):
+    """Opening a stream with workers hands them their first batches: they are read while the consumer does other
+    work, before it draws anything; then the stream yields every batch in order as usual."""
+    import time
+
+    from compat_core.data.stream import close_persistent_workers
+
+    indices = np.arange(100)[::-1].copy()
+    batches = [np.arange(start, start + 10) for start in range(0, 100, 10)]
+    stream = stream_batches(_MarkedReads(100, tmp_path), indices, batches, workers=2, prefetch=1,
+                            persistent=persistent)
+    try:
+        first = tmp_path / f"read-{int(indices[0])}"
+        deadline = time.monotonic() + 60  # bounded: worker start-up on a loaded machine
+        while not first.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.exists(), "the first batch was not read before the first draw"
+        drawn = [(positions.tolist(), images.clone()) for positions, images in stream]
+        assert [p for p, _ in drawn] == [b.tolist() for b in batches]
+        assert all(torch.equal(images, _expected(indices, np.asarray(p))) for p, images in drawn)
+    finally:
+        stream.close()
+        close_persistent_workers()
