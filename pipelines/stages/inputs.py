@@ -120,6 +120,7 @@ class TrainRecipe(FrozenInputs):
     autocast: Autocast
     compile: Literal["auto", "on", "off"]
     augment: bool
+    drop_last: bool
     replay_sampling: Literal["half_and_half", "mixed"]
     log_every_steps: int
     seed: int

@@ -47,8 +47,12 @@ def lr_factor(config: TrainConfig, steps_per_epoch: int) -> Callable[[int], floa
         if step < warmup:
             return (step + 1) / warmup
         if config.schedule.name == "cosine":
-            progress = (step - warmup) / max(1, total - warmup)
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
+            if config.schedule.interval == "epoch":
+                progress = (step // steps_per_epoch - config.warmup_epochs) / (config.epochs - config.warmup_epochs)
+            else:
+                progress = (step - warmup) / max(1, total - warmup)
+            floor = config.schedule.min_lr / config.optimizer.lr
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
         if config.schedule.name == "step":
             epoch = step // steps_per_epoch
             return config.schedule.gamma ** sum(1 for milestone in config.schedule.milestones if epoch >= milestone)
@@ -57,9 +61,22 @@ def lr_factor(config: TrainConfig, steps_per_epoch: int) -> Callable[[int], floa
     return factor
 
 
-def make_optimizer(parameters: list[nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
-    """The optimiser of ``config.optimizer`` over ``parameters``: the fused kernels (one launch for every parameter)
-    on CUDA; on the CPU the default per-parameter path, so CPU runs keep their numerics."""
+def parameter_groups(named: list[tuple[str, nn.Parameter]], config: TrainConfig) -> list[dict[str, Any]]:
+    """The optimiser's parameter groups of the trained ``(name, parameter)`` pairs: one group, or with
+    ``optimizer.weight_decay_exclude: norm_and_bias`` the parameters of fewer than 2 dimensions (normalisation gains
+    and shifts, biases) without weight decay first, then the rest."""
+    trained = [(name, p) for name, p in named if p.requires_grad]
+    if config.optimizer.weight_decay_exclude == "none":
+        return [{"params": [p for _, p in trained]}]
+    exempt = [p for name, p in trained if p.ndim < 2 or name.endswith("bias")]
+    kept = {id(p) for p in exempt}
+    return [{"params": exempt, "weight_decay": 0.0}, {"params": [p for _, p in trained if id(p) not in kept]}]
+
+
+def make_optimizer(parameters: list[nn.Parameter] | list[dict[str, Any]], config: TrainConfig) -> torch.optim.Optimizer:
+    """The optimiser of ``config.optimizer`` over ``parameters`` (or parameter groups, :func:`parameter_groups`):
+    the fused kernels (one launch for every parameter) on CUDA; on the CPU the default per-parameter path, so CPU
+    runs keep their numerics."""
     settings = config.optimizer
     fused = {"fused": True} if torch.device(config.device).type == "cuda" else {}
     if settings.name == "sgd":
@@ -300,10 +317,10 @@ class Trainer:
             module.to(self.device).train()
 
     def _prepare_optimisation(self) -> None:
-        parameters = [p for p in self.model.parameters() if p.requires_grad]
-        for module in self.extra_modules:
-            parameters.extend(p for p in module.parameters() if p.requires_grad)
-        self.optimizer = make_optimizer(parameters, self.config)
+        named = list(self.model.named_parameters())
+        for number, module in enumerate(self.extra_modules):
+            named.extend((f"extra{number}.{name}", p) for name, p in module.named_parameters())
+        self.optimizer = make_optimizer(parameter_groups(named, self.config), self.config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(self.config, self.steps_per_epoch))
         self.total_steps = self.config.epochs * self.steps_per_epoch
 
@@ -496,4 +513,4 @@ class Trainer:
 
 
 __all__ = ["EpochPlan", "InputStall", "LoopStatistics", "ResumePoint", "Trainer", "check_model_for_method",
-           "lr_factor", "make_optimizer", "plan_epochs"]
+           "lr_factor", "make_optimizer", "parameter_groups", "plan_epochs"]
