@@ -127,3 +127,36 @@ def test_fp64_default_dtype_gives_fp64_batches_and_logits():
     assert logits.dtype == torch.float64
     fp32 = make_transforms(((0.5, 0.5, 0.5), (0.25, 0.25, 0.25)), train=False)(images)
     assert fp32.dtype == torch.float32
+
+
+def test_pool_normalisation_override_replaces_the_readers_statistics(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from parity.cifar_pool import PoolShape, write_cifar_pool
+    from pipelines.config.schema import PoolSpec
+    from pipelines.stages.pools import load_pool
+
+    write_cifar_pool(tmp_path, PoolShape(classes=2, train_per_class=3, test_per_class=1), seed=0)
+    public = {"mean": [0.5071, 0.4867, 0.4408], "std": [0.2675, 0.2565, 0.2761]}
+    pool = load_pool(PoolSpec(dataset="cifar10", root=str(tmp_path), split="test", normalize=public))
+    plain = load_pool(PoolSpec(dataset="cifar10", root=str(tmp_path), split="test"))
+    assert pool.mean == tuple(public["mean"]) and pool.std == tuple(public["std"])
+    assert plain.mean == (0.4914, 0.4822, 0.4465)  # the reader's own, untouched
+    assert np.array_equal(pool.read(np.arange(len(pool))), plain.read(np.arange(len(plain))))
+    with pytest.raises(ValueError, match="3 channels"):
+        load_pool(PoolSpec(dataset="cifar10", root=str(tmp_path), split="test", normalize={"mean": [0.5], "std": [0.2]}))
+    with pytest.raises(ValidationError, match="one value per channel"):
+        PoolSpec(dataset="cifar10", normalize={"mean": [0.5, 0.5], "std": [0.2]})
+    with pytest.raises(ValidationError, match="std values be > 0"):
+        PoolSpec(dataset="cifar10", normalize={"mean": [0.5], "std": [0.0]})
+
+
+def test_the_new_options_are_in_the_training_stage_key():
+    from pipelines.stages.inputs import TrainRecipe
+
+    base = TrainRecipe.of(TrainConfig())
+    for changed in (TrainConfig(drop_last=True), TrainConfig(optimizer={"weight_decay_exclude": "norm_and_bias"}),
+                    TrainConfig(schedule={"name": "cosine", "min_lr": 1e-5, "interval": "epoch"})):
+        assert TrainRecipe.of(changed).model_dump(mode="json") != base.model_dump(mode="json")
