@@ -38,6 +38,7 @@ from compat_core.data.datasets import load_dataset  # noqa: E402
 from compat_core.models.compat_model import create_model, frozen_copy  # noqa: E402
 from parity.cifar_pool import PoolShape, write_cifar_pool  # noqa: E402
 from parity.plan import PlanShape, make_plan, steps  # noqa: E402
+from parity.scenario import run_scenario  # noqa: E402
 from parity.traces import compare_traces, format_table  # noqa: E402
 from parity.weight_layout import public_state  # noqa: E402
 from pipelines.methods import get_method  # noqa: E402
@@ -68,6 +69,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1, help="seed of the pool, the weights and the plan")
     parser.add_argument("--out", default=str(Path.cwd() / "reference_parity_out"), help="working folder (replaced)")
     parser.add_argument("--keep-snapshots", action="store_true", help="keep the public per-step state files")
+    parser.add_argument("--part", choices=("steps", "scenario", "both"), default="steps",
+                        help="steps: per-step parity (default); scenario: the 7-task scenario end to end in both codes")
+    parser.add_argument("--seeds", default="1,2,3", help="scenario: comma list of non-zero seeds (0 means a random "
+                        "seed to the public code)")
+    parser.add_argument("--scenario-epochs", type=int, default=2, help="scenario: epochs per task")
     return parser.parse_args(argv)
 
 
@@ -273,19 +279,31 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    shape = PlanShape(epochs=args.epochs, batch_size=args.batch_size)
-    write_cifar_pool(work / "data", PoolShape(classes=shape.initial + (shape.tasks - 1) * shape.increment,
-                                              train_per_class=shape.per_class), seed=args.seed)
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load "
-          f"{os.getloadavg()[0]:.2f}; torch {torch.__version__}, fp64, 1 thread")
-    results = [step_parity(args, clone, work, method) for method in methods]
-    (work / "parity.json").write_text(json.dumps(results, indent=1))
-    print(f"\nresults: {work / 'parity.json'}")
-    for result in results:
-        s = result["summary"]
-        print(f"{result['method']}: {s['steps']} steps, max |loss diff| {s['max_loss_diff']:.2e}, max |param diff| "
-              f"{s['max_param_diff']:.2e}")
+          f"{os.getloadavg()[0]:.2f}; torch {torch.__version__}, 1 thread")
+    if args.part in ("steps", "both"):
+        shape = PlanShape(epochs=args.epochs, batch_size=args.batch_size)
+        write_cifar_pool(work / "data", PoolShape(classes=shape.initial + (shape.tasks - 1) * shape.increment,
+                                                  train_per_class=shape.per_class), seed=args.seed)
+        torch.set_default_dtype(torch.float64)
+        results = [step_parity(args, clone, work, method) for method in methods]
+        torch.set_default_dtype(torch.float32)
+        (work / "parity.json").write_text(json.dumps(results, indent=1))
+        print(f"\nresults: {work / 'parity.json'}")
+        for result in results:
+            s = result["summary"]
+            print(f"{result['method']}: {s['steps']} steps, max |loss diff| {s['max_loss_diff']:.2e}, max |param "
+                  f"diff| {s['max_param_diff']:.2e}")
+    if args.part in ("scenario", "both"):
+        seeds = [int(v) for v in args.seeds.split(",") if v.strip()]
+        if not seeds or 0 in seeds:
+            raise SystemExit("--seeds: non-zero integers (the public code draws a random seed for 0)")
+        print(f"\nscenario: 7 tasks (2 + 6 x 2), replacements at tasks 3 and 5, d-Simplex-HOC, {args.scenario_epochs} "
+              f"epochs per task, batch {args.batch_size}, seeds {seeds}, fp32")
+        scenario = run_scenario(args.reference_python, clone, work / "scenario", seeds, args.scenario_epochs,
+                                args.batch_size)
+        (work / "scenario.json").write_text(json.dumps(scenario, indent=1))
+        print(f"results: {work / 'scenario.json'}")
     return 0
 
 
