@@ -137,3 +137,18 @@ def test_missing_reference_says_what_it_needs(extra):
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode != 0
     assert "needs --reference PATH" in done.stderr and "git clone https://github.com/miccunifi/iamcl2r" in done.stderr
+
+
+def test_scenario_config_of_ours_validates_with_the_public_script_options(tmp_path):
+    from parity.scenario import PUBLIC_NORMALIZE, metrics, our_config, side_by_side
+    from pipelines.config.load import load_config
+
+    paths = [tmp_path / f"model_{i}.safetensors" for i in range(3)]
+    config = load_config(our_config(tmp_path, paths, seed=3, epochs=2, batch_size=16))
+    assert config.training.schedule.interval == "epoch" and config.training.schedule.min_lr == 1e-5
+    assert config.training.optimizer.weight_decay_exclude == "norm_and_bias" and config.training.drop_last
+    assert config.evaluation.query_set.normalize.mean == PUBLIC_NORMALIZE["mean"]
+    assert [r.at_task for r in config.replacements] == [3, 5] and config.tasks.order == "given"
+    matrix = np.array([[0.5, 0.0], [0.6, 0.4]])  # pair (2, 1): 0.6 > 0.5 compatible; AA = (0.5 + 0.6 + 0.4) / 3
+    assert metrics(matrix) == pytest.approx((1.0, 0.5))
+    assert "0.600" in side_by_side(matrix, matrix, 3)
