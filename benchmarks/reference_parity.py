@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=4, help="epochs per task (4: 64 steps over 3 tasks)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=1, help="seed of the pool, the weights and the plan")
-    parser.add_argument("--out", default=str(Path.cwd() / "reference_parity_out"), help="working folder (replaced)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "reference_parity"),
+                        help="working folder, emptied first (default benchmarks/results/reference_parity, git-ignored)")
     parser.add_argument("--keep-snapshots", action="store_true", help="keep the public per-step state files")
     parser.add_argument("--part", choices=("steps", "scenario", "both"), default="steps",
                         help="steps: per-step parity (default); scenario: the 7-task scenario end to end in both codes")
