@@ -277,8 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--methods: unknown {unknown}; valid: {sorted(PUBLIC_METHOD)}")
     work = Path(args.out).resolve()
+    marker = work / ".reference_parity"
+    if work.exists() and any(work.iterdir()) and not marker.exists():
+        raise SystemExit(f"--out {work}: not empty and not a folder of this benchmark; give a new or empty folder")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    marker.touch()
     torch.set_num_threads(1)
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores, load "
           f"{os.getloadavg()[0]:.2f}; torch {torch.__version__}, 1 thread")
