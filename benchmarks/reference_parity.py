@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "reference_parity"),
                         help="working folder, emptied first (default benchmarks/results/reference_parity, git-ignored)")
     parser.add_argument("--keep-snapshots", action="store_true", help="keep the public per-step state files")
+    parser.add_argument("--ours-masking", default="reference", choices=("reference", "standard", "paper"),
+                        help="HOC masking of ours (a negative control: another masking than the public code's must "
+                        "show in the table)")
     parser.add_argument("--part", choices=("steps", "scenario", "both"), default="steps",
                         help="steps: per-step parity (default); scenario: the 7-task scenario end to end in both codes")
     parser.add_argument("--seeds", default="1,2,3", help="scenario: comma list of non-zero seeds (0 means a random "
@@ -181,7 +184,7 @@ def train_config(shape: PlanShape, seed: int) -> TrainConfig:
 
 
 def run_ours(method: str, models: list[torch.nn.Module], plan: dict, shape: PlanShape, seed: int, source,
-             trace_dir: Path) -> tuple[list[dict], list[float], dict]:
+             trace_dir: Path, masking: str = "reference") -> tuple[list[dict], list[float], dict]:
     """Our trainer on ``plan``; after every step the largest state difference to the public snapshot."""
     config = train_config(shape, seed)
     ours_steps: list[dict] = []
@@ -215,7 +218,7 @@ def run_ours(method: str, models: list[torch.nn.Module], plan: dict, shape: Plan
                         memory_indices=memory if memory.size else None,
                         memory_slots=slots[memory] if memory.size else None,
                         batch_plan=[[np.asarray(b) for b in epoch] for epoch in entry["batches"]])
-        objective = get_method(PUBLIC_METHOD[method], **({"lam": 0.1, "rho": 10.0, "masking": "reference"}
+        objective = get_method(PUBLIC_METHOD[method], **({"lam": 0.1, "rho": 10.0, "masking": masking}
                                                           if method == "hoc" else {}))
         factor = lr_factor(config, len(entry["batches"][0]))
         task_start = len(ours_steps)
@@ -257,7 +260,8 @@ def step_parity(args, clone: Path, work: Path, method: str) -> dict:
     trace = run_reference(args, clone, work, method, config, plan)
     source = load_dataset("cifar100", str(work / "data"), "train")
     source = replace(source, mean=PUBLIC_MEAN, std=PUBLIC_STD)
-    ours_steps, diffs, checks = run_ours(method, models, plan, shape, args.seed, source, Path(trace["dir"]))
+    ours_steps, diffs, checks = run_ours(method, models, plan, shape, args.seed, source, Path(trace["dir"]),
+                                         args.ours_masking)
     rows, summary = compare_traces(ours_steps, trace["steps"], diffs)
     title = {"hoc": "d-Simplex-HOC (masking: reference)", "er": "ER"}[method]
     print(format_table(rows, summary, f"\n{title}: per step (task 3 loads the replacement model)"))
