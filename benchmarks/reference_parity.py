@@ -307,10 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [int(v) for v in args.seeds.split(",") if v.strip()]
         if not seeds or 0 in seeds:
             raise SystemExit("--seeds: non-zero integers (the public code draws a random seed for 0)")
-        print(f"\nscenario: 7 tasks (2 + 6 x 2), replacements at tasks 3 and 5, d-Simplex-HOC, {args.scenario_epochs} "
+        print(f"\nscenario: 7 tasks (2 + 6 x 2), replacements at tasks 3 and 5, {methods}, {args.scenario_epochs} "
               f"epochs per task, batch {args.batch_size}, seeds {seeds}, fp32")
         scenario = run_scenario(args.reference_python, clone, work / "scenario", seeds, args.scenario_epochs,
-                                args.batch_size)
+                                args.batch_size, tuple(methods))
         (work / "scenario.json").write_text(json.dumps(scenario, indent=1))
         print(f"results: {work / 'scenario.json'}")
     return 0

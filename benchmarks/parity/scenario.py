@@ -2,7 +2,7 @@
 
 Reduced shape: 14 CIFAR-100-format classes (2 + 6 x 2) of 24 structured images, replacements at tasks 3 and 5
 (1-based), batch 16, a few epochs, ResNet18 with the ImageNet stem, K = 1024, d-Simplex-HOC (lam 0.1, rho 10,
-``masking: reference``), replay 20 per class, queries CIFAR-10-format train, gallery CIFAR-10-format test as class-mean
+``masking: reference``) and ER, replay 20 per class, queries CIFAR-10-format train, gallery CIFAR-10-format test as class-mean
 templates, Recall@1, strict compatibility. Each code draws its own batches, memory and augmentation from its own
 seeded generators (nothing is replayed): the matrices agree in distribution, not entry by entry. Ours runs as a user
 runs it, ``compat run CONFIG --executor local``, with the options that follow the public script; the public code runs
@@ -31,13 +31,16 @@ INITIAL, INCREMENT, TASKS, PER_CLASS, REHEARSAL = 2, 2, 7, 24, 20
 REPLACED_AT = (3, 5)  # 1-based tasks that start from a new model
 
 
-def export_models(work: Path, seed: int) -> tuple[list[Path], list[Path]]:
-    """Initial model and the two replacements: ours as safetensors, the public layout as .pt (plain tensors)."""
+def export_models(work: Path, seed: int, method: str = "hoc") -> tuple[list[Path], list[Path]]:
+    """Initial model and the two replacements: ours as safetensors, the public layout as .pt (plain tensors). ER's
+    files hold no classifier rows: the public code deletes a loaded classifier and grows a fresh one, and ours then
+    grows its classifier from 0 rows too (fine-tuning class i at output i)."""
     ours, public = [], []
     for number in range(3):
         torch.manual_seed(seed * 100 + number)
-        model = create_model("resnet18", 1024)
-        state = {name: value.contiguous() for name, value in model.state_dict().items()}
+        model = create_model("resnet18", 1024) if method == "hoc" else create_model(
+            "resnet18", 1024, classifier="learnable", head="backbone")
+        state = {name: value.contiguous() for name, value in model.state_dict().items() if name != "classifier.weight"}
         path = work / "models" / f"model_{number}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(state, str(path))
@@ -49,14 +52,15 @@ def export_models(work: Path, seed: int) -> tuple[list[Path], list[Path]]:
     return ours, public
 
 
-def our_config(work: Path, models: list[Path], seed: int, epochs: int, batch_size: int) -> Path:
+def our_config(work: Path, models: list[Path], seed: int, epochs: int, batch_size: int, method: str = "hoc") -> Path:
     data = str(work / "data")
     document = {
         "name": f"parity-scenario-s{seed}", "seed": seed,
         "data": {"dataset": "cifar100", "root": data, "split": "train", "normalize": PUBLIC_NORMALIZE},
         "tasks": {"spec": f"{INITIAL}+{TASKS - 1}x{INCREMENT}", "order": "given"},
         "model": {"backbone": "resnet18", "num_slots": 1024},
-        "method": {"name": "dsimplex-hoc", "params": {"lam": 0.1, "rho": 10.0, "masking": "reference"}},
+        "method": ({"name": "dsimplex-hoc", "params": {"lam": 0.1, "rho": 10.0, "masking": "reference"}}
+                   if method == "hoc" else {"name": "er", "params": {}}),
         "training": {"optimizer": {"name": "sgd", "lr": 0.001, "momentum": 0.9, "weight_decay": 0.0005,
                                    "weight_decay_exclude": "norm_and_bias"},
                      "schedule": {"name": "cosine", "min_lr": 1e-5, "interval": "epoch"},
@@ -68,45 +72,45 @@ def our_config(work: Path, models: list[Path], seed: int, epochs: int, batch_siz
                        "gallery_set": {"dataset": "cifar10", "root": data, "split": "test", "normalize": PUBLIC_NORMALIZE},
                        "metric": "recall_at_1", "gallery": "class_means", "strict": True},
     }
-    path = work / f"ours_s{seed}.yaml"
+    path = work / f"ours_{method}_s{seed}.yaml"
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
 
 
 def run_ours(work: Path, config: Path, seed: int) -> np.ndarray:
     """``compat run`` of ``config`` in a subprocess; returns the matrix (fractions) from the run's matrix.json."""
-    run_dir = work / f"ours_s{seed}"
+    run_dir = work / config.stem
     command = [sys.executable, "-m", "app.cli", "run", str(config), "--executor", "local", "--output", str(run_dir),
                "--tracking-uri", "none", "--no-progress"]
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COMPAT_CALIBRATION": "off"}
-    with open(work / f"ours_s{seed}.log", "w") as log:
+    log_path = work / f"{config.stem}.log"
+    with open(log_path, "w") as log:
         done = subprocess.run(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        raise SystemExit(f"compat run failed (seed {seed}); log {work / f'ours_s{seed}.log'}:\n"
-                         f"{(work / f'ours_s{seed}.log').read_text()[-3000:]}")
+        raise SystemExit(f"compat run failed (seed {seed}); log {log_path}:\n{log_path.read_text()[-3000:]}")
     values = json.loads((run_dir / "matrix.json").read_text())["values"]  # fractions, null above the diagonal
     return np.array([[np.nan if v is None else v for v in row] for row in values], dtype=float)
 
 
-def public_yaml(work: Path, models: list[Path], seed: int, epochs: int, batch_size: int) -> Path:
-    values = {"method": "hoc", "data_path": str(work / "data"), "output_folder": str(work / f"public_s{seed}"),
+def public_yaml(work: Path, models: list[Path], seed: int, epochs: int, batch_size: int, method: str = "hoc") -> Path:
+    values = {"method": method, "data_path": str(work / "data"), "output_folder": str(work / f"public_{method}_s{seed}"),
               "pretrained_model_path": [str(m) for m in models], "replace_ids": [at - 1 for at in REPLACED_AT],
               "initial_increment": INITIAL, "increment": INCREMENT, "epochs": epochs, "batch_size": batch_size,
               "num_workers": 0, "amp": False, "seed": seed, "use_subsampled_dataset": True, "img_per_class": PER_CLASS,
               "rehearsal": REHEARSAL, "lr": 0.001, "min_lr": 0.00001, "weight_decay": 0.0005, "eval_period": epochs,
               "save_period": epochs, "learning_rate": 0.001, "momentum": 0.9}
-    path = work / f"public_s{seed}.yaml"
+    path = work / f"public_{method}_s{seed}.yaml"
     path.write_text("".join(f"{key}: {np.format_float_positional(value) if isinstance(value, float) else json.dumps(value)}\n"
                             for key, value in values.items()))
     return path
 
 
-def run_public(reference_python: str, clone: Path, work: Path, config: Path, seed: int) -> np.ndarray:
+def run_public(reference_python: str, clone: Path, work: Path, config: Path, seed: int, method: str = "hoc") -> np.ndarray:
     """The public main() (training with its own samplers and augmentation, then its evaluation); its float matrix."""
-    out = work / f"public_s{seed}_trace"
+    out = work / f"{config.stem}_trace"
     out.mkdir(parents=True, exist_ok=True)
-    job = {"clone": str(clone), "out": str(out), "method": "hoc", "config": str(config), "threads": 1, "fp64": False,
+    job = {"clone": str(clone), "out": str(out), "method": method, "config": str(config), "threads": 1, "fp64": False,
            "snapshots": False, "augment": True, "evaluate": True,
            "plan": {"shape": {"per_class": PER_CLASS}, "replay_batches": False, "replay_memory": False}}
     (out / "job.json").write_text(json.dumps(job))
@@ -143,30 +147,35 @@ def metrics(matrix: np.ndarray) -> tuple[float, float]:
 
 
 def run_scenario(reference_python: str, clone: Path, work: Path, seeds: list[int], epochs: int,
-                 batch_size: int) -> dict:
-    """Both codes on every seed; prints the matrices side by side and AC / AA with their spread."""
+                 batch_size: int, methods: tuple[str, ...] = ("hoc",)) -> dict:
+    """Both codes on every method and seed; prints the matrices side by side and AC / AA with their spread."""
     from parity.cifar_pool import PoolShape, write_cifar_pool
 
     write_cifar_pool(work / "data", PoolShape(classes=INITIAL + (TASKS - 1) * INCREMENT, train_per_class=PER_CLASS,
                                               test_per_class=2, cifar10_train_per_class=20,
                                               cifar10_test_per_class=10, structured=True), seed=0)
-    results = {"ours": [], "public": [], "seeds": seeds}
-    for seed in seeds:
-        ours_models, public_models = export_models(work / f"weights_s{seed}", seed)
-        started = time.time()
-        public = run_public(reference_python, clone, work, public_yaml(work, public_models, seed, epochs, batch_size), seed)
-        print(f"  seed {seed}: public code done in {time.time() - started:.0f} s", flush=True)
-        started = time.time()
-        ours = run_ours(work, our_config(work, ours_models, seed, epochs, batch_size), seed)
-        print(f"  seed {seed}: ours done in {time.time() - started:.0f} s", flush=True)
-        print(side_by_side(ours, public, seed))
-        for name, matrix in (("ours", ours), ("public", public)):
-            ac, aa = metrics(matrix)
-            results[name].append({"seed": seed, "matrix": np.nan_to_num(_lower(matrix), nan=-1).tolist(), "AC": ac, "AA": aa})
-            print(f"  {name}: AC {ac:.3f}  AA {aa:.3f}")
-    for name in ("ours", "public"):
-        acs = [r["AC"] for r in results[name]]
-        aas = [r["AA"] for r in results[name]]
-        print(f"{name}: {len(acs)} seed(s): AC {np.mean(acs):.3f} +- {np.std(acs):.3f}, AA {np.mean(aas):.3f} +- "
-              f"{np.std(aas):.3f} (mean +- population std over seeds)")
+    results: dict = {"seeds": seeds}
+    for method in methods:
+        runs: dict = {"ours": [], "public": []}
+        for seed in seeds:
+            ours_models, public_models = export_models(work / f"weights_{method}_s{seed}", seed, method)
+            started = time.time()
+            public = run_public(reference_python, clone, work,
+                                public_yaml(work, public_models, seed, epochs, batch_size, method), seed, method)
+            print(f"  {method} seed {seed}: public code done in {time.time() - started:.0f} s", flush=True)
+            started = time.time()
+            ours = run_ours(work, our_config(work, ours_models, seed, epochs, batch_size, method), seed)
+            print(f"  {method} seed {seed}: ours done in {time.time() - started:.0f} s", flush=True)
+            print(f"{method}, " + side_by_side(ours, public, seed))
+            for name, matrix in (("ours", ours), ("public", public)):
+                ac, aa = metrics(matrix)
+                runs[name].append({"seed": seed, "matrix": np.nan_to_num(_lower(matrix), nan=-1).tolist(),
+                                   "AC": ac, "AA": aa})
+                print(f"  {name}: AC {ac:.3f}  AA {aa:.3f}", flush=True)
+        for name in ("ours", "public"):
+            acs = [r["AC"] for r in runs[name]]
+            aas = [r["AA"] for r in runs[name]]
+            print(f"{method} {name}: {len(acs)} seed(s): AC {np.mean(acs):.3f} +- {np.std(acs):.3f}, AA "
+                  f"{np.mean(aas):.3f} +- {np.std(aas):.3f} (mean +- population std over seeds)", flush=True)
+        results[method] = runs
     return results

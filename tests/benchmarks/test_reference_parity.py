@@ -145,6 +145,7 @@ def test_scenario_config_of_ours_validates_with_the_public_script_options(tmp_pa
 
     paths = [tmp_path / f"model_{i}.safetensors" for i in range(3)]
     config = load_config(our_config(tmp_path, paths, seed=3, epochs=2, batch_size=16))
+    assert load_config(our_config(tmp_path, paths, 3, 2, 16, method="er")).method.name == "er"
     assert config.training.schedule.interval == "epoch" and config.training.schedule.min_lr == 1e-5
     assert config.training.optimizer.weight_decay_exclude == "norm_and_bias" and config.training.drop_last
     assert config.evaluation.query_set.normalize.mean == PUBLIC_NORMALIZE["mean"]
