@@ -14,7 +14,7 @@ import torchvision
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.append(str(ROOT / "benchmarks"))  # appended: benchmarks/cluster.py must not shadow the cluster package
 
 from compat_core.data.datasets import load_dataset  # noqa: E402
 from compat_core.models.compat_model import create_model  # noqa: E402

@@ -133,7 +133,7 @@ def test_pool_normalisation_override_replaces_the_readers_statistics(tmp_path):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    sys.path.append(str(Path(__file__).resolve().parents[2] / "benchmarks"))  # appended: never shadows a package
     from parity.cifar_pool import PoolShape, write_cifar_pool
     from pipelines.config.schema import PoolSpec
     from pipelines.stages.pools import load_pool
