@@ -124,9 +124,9 @@ class TrainConfig(StrictModel):
         "says it pays over the stage's steps; off (default): eager. Changes numerics at rounding level, so the "
         "resolved value is in every training stage's key")
     augment: bool = Field(True, description="training augmentation of the dataset's transforms")
-    drop_last: bool = Field(False, description="a task trained without replay drops its last partial batch (the "
-                            "public IAM-CL2R script's first task: DataLoader(drop_last=True), src/iamcl2r/main.py:181-183); "
-                            "false keeps it when it holds >= 2 samples")
+    drop_last: bool = Field(False, description="drop an epoch's last partial batch (the public IAM-CL2R script's "
+                            "first task: DataLoader(drop_last=True), src/iamcl2r/main.py:181-183; its replay batches "
+                            "are always full); false keeps it when it holds >= 2 samples")
     replay_sampling: Literal["half_and_half", "mixed"] = "half_and_half"
     input_workers: int = Field(0, ge=0, le=MAX_INPUT_WORKERS, description="CPU processes that read and decode the next batches while a "
                                "step runs (0: in the training thread). One worker delivers ~3,000-3,800 images/s "
