@@ -29,7 +29,7 @@ import torch
 from compat_core.slots import SlotMapper, finetune_slot, pretrain_slot
 from compat_core.validation import check_int
 
-NORMS = ("row", "frobenius")
+NORMS = ("row", "frobenius", "row_eps")
 
 # Appendix D of the 2026 paper adds this to the Frobenius norm before dividing; kept so "frobenius" reproduces it.
 _APPENDIX_D_EPS = 1e-8
@@ -49,6 +49,9 @@ def _entry_constants(K: int, norm: str) -> tuple[float, float, float]:
     row_norm = math.sqrt((1.0 - col_mean) ** 2 + (K - 2) * col_mean**2)
     if norm == "row":
         scale = 1.0 / row_norm
+    elif norm == "row_eps":
+        # the public IAM-CL2R code divides each row by its norm + 1e-8 (models/__init__.py:114): exact parity only
+        scale = 1.0 / (row_norm + _APPENDIX_D_EPS)
     else:
         # Frobenius norm of the centred matrix: K rows of equal norm r.
         scale = 1.0 / (row_norm * math.sqrt(K) + _APPENDIX_D_EPS)
@@ -62,7 +65,8 @@ def dsimplex(
 
     ``norm="row"`` (default): unit rows, pairwise cosine exactly ``-1/(K-1)``, rows (and columns) summing to zero.
     ``norm="frobenius"``: the 2026 paper's Appendix D, the same matrix divided by its Frobenius norm (+1e-8), i.e.
-    every row has norm ``1/sqrt(K)``. Memory: only the output itself (K=22000 in fp32 is 1.9 GB).
+    every row has norm ``1/sqrt(K)``. ``norm="row_eps"``: rows divided by their norm + 1e-8, as the public
+    IAM-CL2R code builds them (rows of norm 1 - 1e-8; for step-by-step parity with it). Memory: only the output itself (K=22000 in fp32 is 1.9 GB).
     """
     K = _check_num_slots(K)
     diag, off, last = _entry_constants(K, norm)

@@ -22,7 +22,7 @@ from compat_core.data.stream import to_device
 
 @dataclass
 class BatchTransform:
-    """Callable: uint8 ``(B, H, W, C)`` -> float32 ``(B, C, H, W)`` normalised by ``mean``/``std`` ([0, 1] units).
+    """Callable: uint8 ``(B, H, W, C)`` -> float32 (torch's default float dtype) ``(B, C, H, W)`` normalised by ``mean``/``std`` ([0, 1] units).
 
     With ``train``: per-image random crop of the original size from the image zero-padded by ``crop_padding``
     pixels (padding is black, as torchvision's default fill, i.e. ``-mean/std`` after normalising), then a per-image
@@ -55,12 +55,12 @@ class BatchTransform:
         values = torch.randint(0, high, (total,), generator=self.generator, device=where)
         return to_device(values[start:stop], device)
 
-    def _stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """mean and std as float32 tensors on ``device``, made once per device (a list passed to normalize is
+    def _stats(self, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """mean and std as ``dtype`` tensors on ``device``, made once per device and dtype (a list passed to normalize is
         copied to the device on every call, a host-device sync per batch on CUDA)."""
-        key = str(device)
+        key = (str(device), dtype)
         if key not in self._device_stats:
-            self._device_stats[key] = tuple(to_device(torch.tensor(v, dtype=torch.float32), device)
+            self._device_stats[key] = tuple(to_device(torch.tensor(v, dtype=dtype), device)
                                             for v in (self.mean, self.std))
         return self._device_stats[key]
 
@@ -79,8 +79,9 @@ class BatchTransform:
             raise ValueError(f"transform rows {rows} do not describe {batch.shape[0]} rows of a batch")
         if self.train and batch.shape[0] > 0:
             batch = self._augment(batch, rows)
-        out = TF.to_dtype(batch.contiguous(), torch.float32, scale=True)
-        mean, std = self._stats(out.device)
+        # torch's default float dtype: fp32 unless a caller (an fp64 parity run) changed it
+        out = TF.to_dtype(batch.contiguous(), torch.get_default_dtype(), scale=True)
+        mean, std = self._stats(out.device, out.dtype)
         out = TF.normalize(out, mean=mean, std=std)
         if self.channels_last:
             out = out.contiguous(memory_format=torch.channels_last)

@@ -4,7 +4,7 @@ Classifier kinds:
 - ``"simplex"``: the fixed d-Simplex prototypes ``(K, K-1)``. They are never built: the logits
   ``projection @ prototypes.T`` are computed in closed form (``compat_core.simplex.dsimplex_logits``, O(B*K)), so a
   K=22000 model holds no 1.9 GB matrix in memory, in a checkpoint, in a registered model or in a pickle, and its
-  forward/backward costs O(B*K) instead of O(B*K^2). Logits are fp32 ``(B, K)`` of the *unnormalised* junction
+  forward/backward costs O(B*K) instead of O(B*K^2). Logits are fp32 (fp64 for an fp64 model) ``(B, K)`` of the *unnormalised* junction
   output; ``prototype_rows`` gives individual prototypes.
 - ``"learnable"``: a bias-free ``nn.Linear(d, n_active)`` for baselines (ER, BCT, ...) that grows with
   ``expand_classes``; logits ``(B, n_active)``.
@@ -126,8 +126,9 @@ class CompatModel(nn.Module):
         """Logits for a given junction output ``(B, K-1)``: ``(B, K)`` simplex or ``(B, n_active)`` learnable."""
         if self.classifier is not None:
             return self.classifier(projection)
-        # fp32 whatever the autocast dtype: the closed form sums K-1 entries per row, and the losses read fp32
-        return dsimplex_logits(projection.float(), self.num_slots, norm=self.simplex_norm)
+        # at least fp32 whatever the autocast dtype: the closed form sums K-1 entries per row (fp64 stays fp64)
+        wide = projection if projection.dtype == torch.float64 else projection.float()
+        return dsimplex_logits(wide, self.num_slots, norm=self.simplex_norm)
 
     def prototype_rows(self, rows) -> torch.Tensor:
         """Prototypes of the slots ``rows`` (0-based), fp32 ``(len(rows), K-1)`` on the junction's device, built

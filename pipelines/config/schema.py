@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SerializeAsAny, ValidationInfo, field_validator
+from pydantic import BaseModel, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from compat_core.kinds import AdapterKind, ClassifierFamily
 from pipelines.config.method_params import MethodParams
@@ -46,6 +46,23 @@ class Portion(StrictModel):
     seed: int = Field(0, ge=0, lt=SEED_LIMIT)
 
 
+class Normalization(StrictModel):
+    """Per-channel statistics, fractions of 255, that a pool's transforms use instead of its reader's own."""
+
+    mean: list[float] = Field(min_length=1, description="per-channel mean in [0, 1]")
+    std: list[float] = Field(min_length=1, description="per-channel standard deviation, > 0")
+
+    @model_validator(mode="after")
+    def _per_channel(self) -> "Normalization":
+        if len(self.mean) != len(self.std):
+            raise ValueError(f"normalize.mean and normalize.std need one value per channel, got {len(self.mean)} "
+                             f"and {len(self.std)}")
+        if any(not 0.0 <= m <= 1.0 for m in self.mean) or any(s <= 0.0 for s in self.std):
+            raise ValueError(f"normalize: mean values must lie in [0, 1] and std values be > 0 (fractions of 255), "
+                             f"got mean {self.mean} std {self.std}")
+        return self
+
+
 class PoolSpec(StrictModel):
     """One labelled image pool: ``load_dataset(dataset, root, split, **options)`` then optional filtering."""
 
@@ -59,6 +76,11 @@ class PoolSpec(StrictModel):
     num_samples: int | None = Field(
         None, ge=1, description="expected samples after filtering: used by `compat plan` estimates only"
     )
+    normalize: Normalization | None = Field(
+        None, description="statistics replacing the reader's own in this pool's transforms (None: the reader's), "
+        "e.g. the public IAM-CL2R code's CIFAR-100 values (0.5071, 0.4867, 0.4408) / (0.2675, 0.2565, 0.2761), which "
+        "it uses for CIFAR-100 training and for the CIFAR-10 queries and gallery (src/iamcl2r/dataset/cifar.py:14-27, "
+        "48-52)")
 
     def identity(self) -> tuple:
         """What makes two pools draw from the same class space (for the open-set guard)."""

@@ -175,7 +175,7 @@ def classification_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) ->
             f"targets must be classifier outputs in [0, {logits.shape[1]}), got range "
             f"[{int(targets.min())}, {int(targets.max())}]; expand the classifier to the task's classes first"
         )
-    return F.cross_entropy(logits.float(), targets.long())
+    return F.cross_entropy(logits if logits.dtype == torch.float64 else logits.float(), targets.long())
 
 
 @torch.no_grad()

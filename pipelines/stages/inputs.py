@@ -123,6 +123,7 @@ class TrainRecipe(FrozenInputs):
     channels_last: Literal["auto", "on", "off"]
     decode: Literal["cpu", "gpu"]
     augment: bool
+    drop_last: bool
     replay_sampling: Literal["half_and_half", "mixed"]
     log_every_steps: int
     seed: int

@@ -106,7 +106,13 @@ def load_pool(spec: PoolSpec, key: str = "pool") -> Any:
     if spec.num_samples is not None and indices.shape[0] != spec.num_samples:
         raise ValueError(f"{key}.num_samples: config expects {spec.num_samples} samples, the data has "
                          f"{indices.shape[0]} after filtering; fix num_samples or the filters")
-    pool = source if indices.shape[0] == labels.shape[0] else SubsetSource(source, indices)
+    pool = source if indices.shape[0] == labels.shape[0] and spec.normalize is None else SubsetSource(source, indices)
+    if spec.normalize is not None:
+        channels = int(pool.image_shape[-1])
+        if len(spec.normalize.mean) != channels:
+            raise ValueError(f"{key}.normalize: {len(spec.normalize.mean)} values per statistic, but the images of "
+                             f"{spec.dataset}/{spec.split} have {channels} channels")
+        pool.mean, pool.std = tuple(spec.normalize.mean), tuple(spec.normalize.std)
     _POOL_CACHE[cache_key] = pool
     return pool
 

@@ -59,14 +59,23 @@ class OptimizerSpec(StrictModel):
     lr: float = Field(0.1, gt=0.0, le=MAX_LR, description="peak learning rate (finite, at most 10)")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum (ignored by adamw)")
     weight_decay: float = Field(5e-4, ge=0.0)
+    weight_decay_exclude: Literal["none", "norm_and_bias"] = Field(
+        "none", description="none: weight decay on every trained parameter; norm_and_bias: none on parameters of "
+        "fewer than 2 dimensions (normalisation gains and shifts, biases), as the public IAM-CL2R script "
+        "(src/iamcl2r/main.py:147-156)")
 
 
 class ScheduleSpec(StrictModel):
-    """cosine: to 0 over all steps after warm-up; constant; step: multiply by ``gamma`` at each milestone epoch."""
+    """cosine: from the lr to ``min_lr`` after warm-up, annealed per optimiser step (``interval: step``) or once per
+    epoch (``interval: epoch``: epoch e trains at min_lr + (lr - min_lr)(1 + cos(pi e / E)) / 2, as PyTorch's
+    CosineAnnealingLR(T_max=epochs, eta_min=min_lr) stepped after every epoch, the public IAM-CL2R script's
+    schedule, src/iamcl2r/main.py:162,207); constant; step: multiply by ``gamma`` at each milestone epoch."""
 
     name: Literal["cosine", "constant", "step"] = "constant"
     milestones: list[int] = Field(default_factory=list, description="epochs (0-based) where step divides the lr")
     gamma: float = Field(0.1, gt=0.0, description="lr multiplier at each milestone (step schedule)")
+    min_lr: float = Field(0.0, ge=0.0, description="cosine: the lr it anneals to (absolute; below optimizer.lr)")
+    interval: Literal["step", "epoch"] = Field("step", description="cosine: anneal per optimiser step or per epoch")
 
     @model_validator(mode="after")
     def _milestones_for_step(self) -> "ScheduleSpec":
@@ -74,6 +83,9 @@ class ScheduleSpec(StrictModel):
             raise ValueError("schedule.milestones: the step schedule needs at least one epoch, e.g. [50, 64]")
         if self.milestones != sorted(self.milestones) or any(m < 1 for m in self.milestones):
             raise ValueError(f"schedule.milestones must be increasing epochs >= 1, got {self.milestones}")
+        if self.name != "cosine" and (self.min_lr or self.interval != "step"):
+            raise ValueError(f"schedule.min_lr and schedule.interval apply to the cosine schedule only, got name "
+                             f"{self.name!r} with min_lr {self.min_lr} and interval {self.interval!r}")
         return self
 
 
@@ -133,6 +145,9 @@ class TrainConfig(StrictModel):
         "images (ingested shards). Refused at load on a machine without CUDA. Pixels differ from the CPU decoders "
         "by rounding-level amounts, so the value is in every training stage's key")
     augment: bool = Field(True, description="training augmentation of the dataset's transforms")
+    drop_last: bool = Field(False, description="drop an epoch's last partial batch (the public IAM-CL2R script's "
+                            "first task: DataLoader(drop_last=True), src/iamcl2r/main.py:181-183; its replay batches "
+                            "are always full); false keeps it when it holds >= 2 samples")
     replay_sampling: Literal["half_and_half", "mixed"] = "half_and_half"
     input_workers: int = Field(0, ge=0, le=MAX_INPUT_WORKERS, description="CPU processes that read and decode the next batches while a "
                                "step runs (0: in the training thread). One worker delivers ~3,000-3,800 images/s "
@@ -198,6 +213,8 @@ class TrainConfig(StrictModel):
     def _warmup_within_epochs(self) -> "TrainConfig":
         if self.warmup_epochs >= self.epochs:
             raise ValueError(f"warmup_epochs must be < epochs ({self.epochs}), got {self.warmup_epochs}")
+        if self.schedule.min_lr >= self.optimizer.lr:
+            raise ValueError(f"schedule.min_lr ({self.schedule.min_lr}) must be below optimizer.lr ({self.optimizer.lr})")
         return self
 
     def bound(self, **values) -> "TrainConfig":

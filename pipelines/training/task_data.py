@@ -54,7 +54,10 @@ class TaskData:
     learnable-classifier output). memory_indices / memory_slots: the replay memory (same source) or None.
     num_old_classes / num_new_classes: counts of classes before / introduced by this task. initial_state: the
     weights CoReS restarts from (required by methods with ``requires_initial_state``). selection: held-out split
-    for ``model_selection: compatibility``.
+    for ``model_selection: compatibility``. batch_plan: a fixed batch order replacing the sampler, one list of
+    position batches per epoch (positions as :func:`epoch_batches` numbers them, every epoch the same number of
+    batches); it replays another implementation's order, e.g. the public IAM-CL2R code's in
+    ``benchmarks/reference_parity.py``.
     """
 
     source: ImageSource
@@ -67,6 +70,7 @@ class TaskData:
     memory_slots: np.ndarray | None = None
     initial_state: Mapping[str, torch.Tensor] | None = None
     selection: SelectionSplit | None = None
+    batch_plan: list[list[np.ndarray]] | None = None
 
     def __post_init__(self) -> None:
         for name in ("task", "num_old_classes", "num_new_classes"):
@@ -82,6 +86,21 @@ class TaskData:
             self.memory_indices, self.memory_slots = self._pair(
                 "memory_indices", self.memory_indices, "memory_slots", self.memory_slots
             )
+        if self.batch_plan is not None:
+            self.batch_plan = self._checked_plan(self.batch_plan)
+
+    def _checked_plan(self, plan) -> list[list[np.ndarray]]:
+        total = self.indices.size + (0 if self.memory_indices is None else self.memory_indices.size)
+        epochs = [[np.asarray(b, dtype=np.int64).reshape(-1) for b in epoch] for epoch in plan]
+        if not epochs or any(len(epoch) != len(epochs[0]) or not epoch for epoch in epochs):
+            raise ValueError("TaskData.batch_plan must hold one non-empty list of batches per epoch, every epoch "
+                             f"the same number of batches, got {[len(epoch) for epoch in epochs]}")
+        for number, epoch in enumerate(epochs):
+            for batch in epoch:
+                if batch.size < 2 or batch.min() < 0 or batch.max() >= total:
+                    raise ValueError(f"TaskData.batch_plan epoch {number}: a batch must hold >= 2 positions in "
+                                     f"[0, {total}) (task samples, then memory), got {batch.tolist()}")
+        return epochs
 
     def _pair(self, index_name: str, indices, slot_name: str, slots) -> tuple[np.ndarray, np.ndarray]:
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -112,8 +131,15 @@ def epoch_batches(data: TaskData, method: Sampling, config: TrainConfig, epoch: 
     """Batches of positions for one epoch: ``< len(indices)`` are task samples, the rest memory samples.
 
     Replay methods with a memory use ``half_and_half_batches`` (or a joint shuffle with ``replay_sampling:
-    mixed``); others shuffle the task data. A final batch of one sample is dropped (batch norm needs two).
+    mixed``); others shuffle the task data. A final batch of one sample is dropped (batch norm needs two), and
+    with ``training.drop_last`` any final partial batch. ``data.batch_plan`` replaces all of it.
     """
+    if data.batch_plan is not None:
+        if epoch >= len(data.batch_plan):
+            raise ValueError(f"TaskData.batch_plan holds {len(data.batch_plan)} epochs; epoch {epoch} was asked for "
+                             f"(training.epochs is larger)")
+        yield from data.batch_plan[epoch][: config.steps_per_epoch]
+        return
     seed = _epoch_seed(config.seed, data.task, epoch)
     num_task = data.indices.size
     task_positions = np.arange(num_task, dtype=np.int64)
@@ -132,7 +158,7 @@ def epoch_batches(data: TaskData, method: Sampling, config: TrainConfig, epoch: 
         if config.steps_per_epoch is not None and count >= config.steps_per_epoch:
             return
         positions = np.asarray(positions, dtype=np.int64)
-        if positions.size >= 2:
+        if positions.size >= 2 and not (config.drop_last and positions.size < config.batch_size):
             yield positions
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
@@ -38,38 +37,9 @@ from pipelines.training.selection import CompatibilitySelector
 from pipelines.training.settings import TrainConfig
 from pipelines.training.loop_state import restore_training_state, training_state
 from pipelines.training.loop_stats import InputStall, LoopStatistics
+from pipelines.training.optimisation import lr_factor, make_optimizer, parameter_groups
 from pipelines.training.batches import _Loader
 from pipelines.training.task_data import TaskData, _augment_seed, _steps_per_epoch, epoch_batches
-
-
-def lr_factor(config: TrainConfig, steps_per_epoch: int) -> Callable[[int], float]:
-    """The learning-rate multiplier of optimiser step ``step`` (0-based): linear warm-up, then the schedule."""
-    total = config.epochs * steps_per_epoch
-    warmup = config.warmup_epochs * steps_per_epoch
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        if config.schedule.name == "cosine":
-            progress = (step - warmup) / max(1, total - warmup)
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        if config.schedule.name == "step":
-            epoch = step // steps_per_epoch
-            return config.schedule.gamma ** sum(1 for milestone in config.schedule.milestones if epoch >= milestone)
-        return 1.0
-
-    return factor
-
-
-def make_optimizer(parameters: list[nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
-    """The optimiser of ``config.optimizer`` over ``parameters``: the fused kernels (one launch for every parameter)
-    on CUDA; on the CPU the default per-parameter path, so CPU runs keep their numerics."""
-    settings = config.optimizer
-    fused = {"fused": True} if torch.device(config.device).type == "cuda" else {}
-    if settings.name == "sgd":
-        return torch.optim.SGD(parameters, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay,
-                               **fused)
-    return torch.optim.AdamW(parameters, lr=settings.lr, weight_decay=settings.weight_decay, **fused)
 
 
 def check_model_for_method(model: nn.Module, method: Method, data: TaskData) -> None:
@@ -257,10 +227,10 @@ class Trainer:
             module.to(self.device).train()
 
     def _prepare_optimisation(self) -> None:
-        parameters = [p for p in self.model.parameters() if p.requires_grad]
-        for module in self.extra_modules:
-            parameters.extend(p for p in module.parameters() if p.requires_grad)
-        self.optimizer = make_optimizer(parameters, self.config)
+        named = list(self.model.named_parameters())
+        for number, module in enumerate(self.extra_modules):
+            named.extend((f"extra{number}.{name}", p) for name, p in module.named_parameters())
+        self.optimizer = make_optimizer(parameter_groups(named, self.config), self.config)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(self.config, self.steps_per_epoch))
         self.total_steps = self.config.epochs * self.steps_per_epoch
 
@@ -472,4 +442,4 @@ class Trainer:
 
 
 __all__ = ["EpochPlan", "InputStall", "LoopStatistics", "ResumePoint", "Trainer", "check_model_for_method",
-           "lr_factor", "make_optimizer", "plan_epochs"]
+           "lr_factor", "make_optimizer", "parameter_groups", "plan_epochs"]

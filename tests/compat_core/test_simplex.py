@@ -214,3 +214,25 @@ def test_mapper_growth_and_undeclared_labels():
         grown.finetune_slots([1, 2])
     with pytest.raises(ValueError, match=r"pretrain labels \[8, 9\]"):
         grown.pretrain_slots(np.array([8, 9, 1]))
+
+
+def test_row_eps_rows_are_the_public_construction_divided_by_norm_plus_1e8():
+    """The public IAM-CL2R construction, step by step in fp64: identity rows, a last row of (1 - sqrt(1 + n)) / n,
+    columns centred, each row divided by its norm + 1e-8."""
+    import math
+
+    import torch
+
+    from compat_core.simplex import dsimplex, dsimplex_logits
+
+    K = 6
+    n = K - 1
+    t = torch.zeros(K, n, dtype=torch.float64)
+    t[:n] = torch.eye(n, dtype=torch.float64)
+    t[n] = (1.0 - math.sqrt(1.0 + n)) / n
+    t -= t.mean(dim=0)
+    t /= t.norm(dim=1, keepdim=True) + 1e-8
+    torch.testing.assert_close(dsimplex(K, norm="row_eps", dtype=torch.float64), t, rtol=0, atol=1e-15)
+    x = torch.randn(3, n, dtype=torch.float64)
+    torch.testing.assert_close(dsimplex_logits(x, K, norm="row_eps"), x @ t.T, rtol=0, atol=1e-14)
+    assert not torch.equal(dsimplex(K, norm="row_eps", dtype=torch.float64), dsimplex(K, dtype=torch.float64))
