@@ -195,7 +195,7 @@ class TrainConfig(StrictModel):
             raise ValueError(f"must be a torch device string such as 'cpu' or 'cuda:0', got {value!r}") from None
         return value
 
-    @field_validator("channels_last", mode="before")
+    @field_validator("channels_last", "compile", mode="before")
     @classmethod
     def _yaml_switch(cls, value: object) -> object:
         """YAML 1.1 reads a bare on / off as true / false: the same switch."""

@@ -166,3 +166,13 @@ def test_a_bare_yaml_on_or_off_is_the_same_switch():
     assert TrainConfig(channels_last=False).channels_last == "off"
     with pytest.raises(ValueError, match="channels_last"):
         TrainConfig(channels_last="yes")
+
+
+def test_training_compile_takes_a_bare_yaml_on_or_off_too():
+    """The three auto|on|off switches read the same: a config that writes ``compile: on`` unquoted compiles."""
+    from pipelines.training.settings import TrainConfig
+
+    assert TrainConfig(**yaml.safe_load("compile: on")).compile == "on"
+    assert TrainConfig(**yaml.safe_load("compile: off")).compile == "off"
+    with pytest.raises(ValueError, match="compile"):
+        TrainConfig(compile="yes")
