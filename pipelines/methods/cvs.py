@@ -12,6 +12,7 @@ from pipelines.methods.objective import (
     TaskContext,
     classifier_input,
     learnable_classifier,
+    old_class_statistics,
     old_features,
 )
 from pipelines.methods.cards import cvs as cards
@@ -105,22 +106,13 @@ def data_coherence(new_unit: torch.Tensor, targets: torch.Tensor, attractors: At
     return (new_unit[valid] - attractors.means[safe[valid]]).pow(2).sum(dim=1).mean()
 
 
-@torch.no_grad()
 def memory_attractors(ctx: TaskContext, num_classes: int) -> Attractors | None:
-    """Per old class, the mean of the frozen old model's unit embeddings over the replay memory (None without one)."""
-    if ctx.iterate_memory is None or num_classes <= 0:
+    """Per old class, the mean of the frozen old model's unit embeddings over the replay memory (None without one).
+
+    From the shared class statistics: the mean m of unit vectors has the direction of the centre c and the length
+    ``m . c = 1 - mean(1 - f . c)``, i.e. ``m = c * (1 - radius)``.
+    """
+    stats = old_class_statistics(ctx, num_classes)
+    if stats is None:
         return None
-    sums: torch.Tensor | None = None
-    counts = torch.zeros(num_classes, dtype=torch.float64, device=ctx.device)
-    for batch in ctx.iterate_memory():
-        keep = batch.targets < num_classes
-        units = old_features(ctx, batch.images).double()[keep]
-        targets = batch.targets[keep]
-        if sums is None:
-            sums = torch.zeros(num_classes, units.shape[1], dtype=torch.float64, device=ctx.device)
-        sums.index_add_(0, targets, units)
-        counts.index_add_(0, targets, torch.ones_like(targets, dtype=torch.float64))
-    if sums is None or not bool((counts > 0).any()):
-        return None
-    means = sums / counts.clamp_min(1.0)[:, None]
-    return Attractors(means=means.float(), present=counts > 0)
+    return Attractors(means=stats.centres * (1.0 - stats.radius)[:, None], present=stats.present)
