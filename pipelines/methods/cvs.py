@@ -82,7 +82,9 @@ def normalised_softmax_cross_entropy(
     return F.cross_entropy(cosines / temperature, targets.long())
 
 
-def model_coherence(new_unit: torch.Tensor, old_unit: torch.Tensor, targets: torch.Tensor, margin: float) -> torch.Tensor:
+def model_coherence(
+    new_unit: torch.Tensor, old_unit: torch.Tensor, targets: torch.Tensor, margin: float,
+) -> torch.Tensor:
     """Mean triplet margin loss (new_i, old_i, old_j*), j* = the other-label image whose old unit embedding is
     nearest (Euclidean) to new_i. A batch of a single label has no negative: 0."""
     same_label = targets[:, None] == targets[None, :]

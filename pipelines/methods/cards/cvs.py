@@ -45,8 +45,8 @@ PAPER = (
     "classifier's input and retrieval feature (the backbone output under model.head auto, the junction output "
     "under model.head junction; the authors': a Linear(512, 128) embedding layer, models/cifar.py:198, 227-231)",
     "the authors' training recipe is the config's, not the method's (their values, for a reviewer comparing runs): "
-    "ResNet-18, embedding 128, batch 16 drawn from the task data with the memory appended (train.py:28, 153-156; here the "
-    "config's replay batches), "
+    "ResNet-18, embedding 128, batch 16 drawn from the task data with the memory appended (train.py:28, 153-156; "
+    "here the config's replay batches), "
     "SGD lr 0.03 momentum 0.9 Nesterov weight decay 1e-4 (utils/train_utils.py:19), one warm-up epoch at lr/10 "
     "then cosine warm restarts T_0 1, T_mult 2 to lr/100 (train.py:221-232, utils/train_utils.py:24), 256 epochs, "
     "herding memory of 2000 (utils/train_utils.py:132-178), the epoch with the best validation recall@1 kept "
