@@ -15,7 +15,7 @@ from compat_core.upgrades.adapters import FanAdapter, apply_chain, load_adapter_
 from pipelines.methods import METHODS, get_method
 from pipelines.methods.objective import Batch, ClassStatistics, TaskContext, boundary_hinge
 from pipelines.methods.cards.dsimplex import HOCParams
-from pipelines.methods.cvs import relation_distillation
+from pipelines.methods.cvs import Attractors, data_coherence, model_coherence
 
 K = 16
 NUM_OLD, NUM_NEW = 3, 3
@@ -136,7 +136,7 @@ def test_contract_one_step_trains(name):
     assert ctx.model(batch.images).features.shape == (8, K - 1)
 
 
-@pytest.mark.parametrize("name", ["er", "dsimplex-hoc", "dsimplex-fd", "bct-er", "fan", "cvs", "lce-er", "advbct-er"])
+@pytest.mark.parametrize("name", ["er", "dsimplex-hoc", "dsimplex-fd", "bct-er", "fan", "lce-er", "advbct-er"])
 def test_first_task_without_old_model_is_plain_classification(name):
     method = get_method(name)
     ctx, batch = make_context(method, with_old=False)
@@ -301,13 +301,116 @@ def test_psp_and_lsp_features_by_hand():
     np.testing.assert_allclose(top1.numpy(), [[1, 0, 0, 0], [0, 0, 1, 0]], atol=1e-6)
 
 
-def test_cvs_relation_distillation_zero_iff_same_structure():
-    generator = torch.Generator().manual_seed(0)
-    features = torch.nn.functional.normalize(torch.randn(5, 4, generator=generator), dim=1)
-    assert float(relation_distillation(features, features, 0.1)) == pytest.approx(0.0, abs=1e-6)
-    other = torch.nn.functional.normalize(torch.randn(5, 4, generator=generator), dim=1)
-    assert float(relation_distillation(other, features, 0.1)) > 0.01
-    assert float(relation_distillation(other[:2], features[:2], 0.1)) == 0.0
+def _lists(tensor):
+    return [list(map(float, row)) for row in tensor.detach().double()]
+
+
+def _unit(vector):
+    norm = math.sqrt(sum(x * x for x in vector))
+    return [x / norm for x in vector]
+
+
+def _distance(a, b, eps=0.0):
+    return math.sqrt(sum((x - y + eps) ** 2 for x, y in zip(a, b)))
+
+
+def cvs_normalised_softmax_loop(embeddings, weights, targets, temperature):
+    """Mean over samples of -log softmax_c(cos(f_i, w_c) / T)[y_i], written out in fp64."""
+    total = 0.0
+    for f, y in zip(embeddings, targets):
+        logits = [sum(a * b for a, b in zip(_unit(f), _unit(w))) / temperature for w in weights]
+        top = max(logits)
+        total += -(logits[y] - top - math.log(sum(math.exp(v - top) for v in logits)))
+    return total / len(targets)
+
+
+def cvs_model_coherence_loop(new_unit, old_unit, targets, margin):
+    """The authors' triplet: for each anchor i, the other-label j nearest (Euclidean) to new_i among old_j, then
+    max(d(new_i, old_i) - d(new_i, old_j) + margin, 0) with torch's pairwise distance (eps 1e-6 on the difference)."""
+    terms = []
+    for i in range(len(targets)):
+        candidates = [j for j in range(len(targets)) if targets[j] != targets[i]]
+        if not candidates:
+            continue
+        j = min(candidates, key=lambda c: _distance(new_unit[i], old_unit[c]))
+        positive = _distance(new_unit[i], old_unit[i], eps=1e-6)
+        negative = _distance(new_unit[i], old_unit[j], eps=1e-6)
+        terms.append(max(positive - negative + margin, 0.0))
+    return sum(terms) / len(terms) if terms else 0.0
+
+
+def cvs_data_coherence_loop(new_unit, targets, memory_unit, memory_targets, num_old):
+    """Mean over old-class samples of ||new_i - mean of the class's old unit memory embeddings||^2."""
+    terms = []
+    for f, y in zip(new_unit, targets):
+        members = [m for m, t in zip(memory_unit, memory_targets) if t == y]
+        if y >= num_old or not members:
+            continue
+        centre = [sum(m[k] for m in members) / len(members) for k in range(len(f))]
+        terms.append(sum((a - b) ** 2 for a, b in zip(f, centre)))
+    return sum(terms) / len(terms) if terms else 0.0
+
+
+def test_cvs_defaults_are_the_authors_values():
+    hp = get_method("cvs").hparams
+    assert (hp.lam_model, hp.lam_data, hp.margin, hp.temperature) == (10.0, 1.0, 0.1, 0.05)
+
+
+def test_cvs_loss_equals_the_fp64_loop_of_the_authors_terms():
+    """L_c + 10 L_m + 1 L_d on the hand-sized batch, each term from its own fp64 loop."""
+    method = get_method("cvs")
+    ctx, batch = make_context(method)
+    ctx.model.eval()
+    assert method.setup(ctx) == []
+    loss, parts = method.loss(batch, ctx)
+    targets = batch.targets.tolist()
+    with torch.no_grad():
+        embeddings = _lists(ctx.model(batch.images).projection)
+        new_unit = [_unit(f) for f in embeddings]
+        old_unit = [_unit(f) for f in _lists(ctx.old_model(batch.images).projection)]
+    weights = _lists(ctx.model.classifier.weight)
+    discrimination = cvs_normalised_softmax_loop(embeddings, weights, targets, 0.05)
+    model_term = cvs_model_coherence_loop(new_unit, old_unit, targets, 0.1)
+    data_term = cvs_data_coherence_loop(new_unit, targets, old_unit[:4], targets[:4], NUM_OLD)
+    assert model_term > 0 and data_term > 0
+    assert float(parts["ce"]) == pytest.approx(discrimination, rel=1e-5)
+    assert float(parts["model"]) == pytest.approx(model_term, rel=1e-5)
+    assert float(parts["data"]) == pytest.approx(data_term, rel=1e-5)
+    assert loss.item() == pytest.approx(discrimination + 10.0 * model_term + data_term, rel=1e-5)
+
+
+def test_cvs_first_task_is_the_normalised_softmax_alone():
+    method = get_method("cvs", temperature=0.5)
+    ctx, batch = make_context(method, with_old=False)
+    ctx.model.eval()
+    assert method.setup(ctx) == []
+    loss, parts = method.loss(batch, ctx)
+    with torch.no_grad():
+        embeddings = _lists(ctx.model(batch.images).projection)
+    expected = cvs_normalised_softmax_loop(embeddings, _lists(ctx.model.classifier.weight), batch.targets.tolist(), 0.5)
+    assert set(parts) == {"ce"} and loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_cvs_terms_by_hand_on_tied_and_degenerate_batches():
+    """Hand-worked: 2-d unit embeddings where the hardest negative is not the first other-label sample."""
+    new = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], dtype=torch.float64)
+    old = torch.tensor([[0.0, 1.0], [0.8, 0.6], [1.0, 0.0]], dtype=torch.float64)
+    targets = torch.tensor([0, 1, 2])
+    got = float(model_coherence(new, old, targets, margin=0.1))
+    expected = cvs_model_coherence_loop(_lists(new), _lists(old), targets.tolist(), 0.1)
+    # anchor 0: positive at sqrt 2, hardest negative old_2 (not old_1) at 0; anchor 1: positive at sqrt 0.8,
+    # hardest old_0 at 0; anchor 2: positive at sqrt 0.8, hardest old_1 at sqrt 0.08
+    by_hand = (math.sqrt(2) + 0.1 + math.sqrt(0.8) + 0.1 + math.sqrt(0.8) - math.sqrt(0.08) + 0.1) / 3
+    assert expected == pytest.approx(by_hand, rel=1e-5) and got == pytest.approx(expected, rel=1e-9)
+    assert float(model_coherence(new, old, torch.tensor([4, 4, 4]), margin=0.1)) == 0.0  # no negative anywhere
+    # two labels: every anchor has a negative (the class-3 anchors can only take the class-7 image)
+    partial = float(model_coherence(new, old, torch.tensor([3, 3, 7]), margin=0.1))
+    assert partial == pytest.approx(cvs_model_coherence_loop(_lists(new), _lists(old), [3, 3, 7], 0.1), rel=1e-9)
+    attractors = Attractors(means=torch.tensor([[0.5, 0.5], [0.0, 0.0]], dtype=torch.float64),
+                            present=torch.tensor([True, False]))
+    # sample 0 (class 0): (0.5)^2 + (0.5)^2; class 1 has no memory, class 2 is new
+    assert float(data_coherence(new, targets, attractors)) == pytest.approx(0.5, rel=1e-12)
+    assert float(data_coherence(new, torch.tensor([1, 2, 2]), attractors)) == 0.0
 
 
 def test_fan_adapters_compose_and_round_trip():
