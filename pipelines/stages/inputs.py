@@ -152,6 +152,9 @@ class ModelShape(FrozenInputs):
     backbone_config: dict[str, Any]
     num_slots: int
     head: Literal["junction", "backbone"]
+    simplex_norm: Literal["row", "row_eps"] = Field(
+        "row", exclude_if=lambda value: value == "row",  # the default leaves the keys of configs without it alone
+        description="model.simplex_norm: how the d-Simplex prototype rows are normalised")
 
     @classmethod
     def of(cls, config: ScenarioConfig, classifier: ClassifierFamily, backbone: str | None = None,
@@ -161,7 +164,7 @@ class ModelShape(FrozenInputs):
         head = "junction" if classifier == "simplex" else resolved_head(config, classifier)
         return cls(backbone=backbone or config.model.backbone,
                    backbone_config=config.model.backbone_config if backbone_config is None else backbone_config,
-                   num_slots=config.model.num_slots, head=head)
+                   num_slots=config.model.num_slots, head=head, simplex_norm=config.model.simplex_norm)
 
 
 class WeightsFile(FrozenInputs):
