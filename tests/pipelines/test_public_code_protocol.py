@@ -131,3 +131,30 @@ def test_every_iam_cifar_config_plans_with_the_preset_and_its_label_says_how(pat
     differences = yaml.safe_load(path.read_text())["paper"]["public_code_differences"]
     assert any("--set protocol=public-code" in item for item in differences), path.name
     assert not any("no config key selects" in item or "is refused" in item for item in differences), path.name
+
+
+@pytest.mark.slow
+def test_a_run_under_the_preset_trains_public_d_simplex_models(tmp_path, tmp_path_factory, monkeypatch, capsys):
+    """The 7-task IAM config made tiny (tests/pipelines/paper_fixtures.py), under protocol: public-code with a --set
+    for a small backbone, runs end to end; its saved config and every trained model carry the preset's values."""
+    import json
+
+    import paper_fixtures as papers
+
+    data_dir = tmp_path_factory.mktemp("public-code-data")
+    papers.write_all(data_dir)
+    monkeypatch.chdir(data_dir)
+    torch.set_num_threads(1)
+    tiny = papers.shrink(yaml.safe_load(CONFIG.read_text()), str(tmp_path / "run"))
+    config_path = tmp_path / "public.yaml"
+    config_path.write_text(yaml.safe_dump({**tiny, "protocol": "public-code"}, sort_keys=False))
+    assert main(["run", str(config_path), "--no-progress", "--tracking-uri", "none", "--set", "model.backbone=cnn4"]) \
+        == 0, capsys.readouterr().err
+    run = tmp_path / "run"
+    assert len(json.loads((run / "matrix.json").read_text())["values"]) == 3
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["model"]["simplex_norm"] == "row_eps" and saved["model"]["backbone"] == "cnn4"
+    assert saved["data"]["normalize"] == PUBLIC_STATS and saved["training"]["drop_last"] is True
+    model_configs = [json.loads(path.read_text()) for path in run.rglob("config.json")]
+    norms = {entry.get("simplex_norm") for entry in model_configs if "num_slots" in entry}
+    assert norms == {"row_eps"}, norms
