@@ -191,9 +191,11 @@ def half_and_half_batches(
       ``drop_last`` drops it unless it is the only batch.
     - ``"reference"``: as the public CL2R / IAM-CL2R code's ``BalancedBatchSampler``: ``(len(task) + len(memory))
       // batch_size`` batches per epoch of ``batch_size // 2`` samples per side, drawn independently across batches
-      (so an epoch need not visit every task sample); a side is drawn without replacement within the batch when it
-      holds more samples than it gives, with replacement when it holds that many or fewer. When task and memory
-      together hold fewer than ``batch_size`` samples, one batch of ``(len(task) + len(memory)) // 2`` per side.
+      (so an epoch need not visit every task sample); as the IAM-CL2R sampler, a side is drawn without replacement
+      within the batch when it holds more samples than it gives, with replacement when it holds that many or fewer,
+      and when task and memory together hold fewer than ``batch_size`` samples, one batch of ``(len(task) +
+      len(memory)) // 2`` per side (the CL2R sampler always draws without replacement: the same wherever it runs,
+      except for a side of exactly ``batch_size // 2``).
     With an empty memory (first task) batches are plain shuffled task batches of ``batch_size``.
     Randomness is seeded by ``(seed, epoch)`` with ``epoch`` counted from ``first_epoch``, so a run resumed at
     epoch e yields the same batches as an uninterrupted run.

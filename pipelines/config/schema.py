@@ -106,8 +106,9 @@ class ReplaySpec(StrictModel):
     strategy: Literal["random", "herding"] = "random"
     epoch_length: Literal["task", "reference"] = Field(
         "task", description="half-memory/half-task epochs: 'task' = one pass over the task data (batch_size // 2 task "
-        "samples per batch); 'reference' = (task + memory) // batch_size batches, as the public CL2R / IAM-CL2R code, "
-        "a side holding <= batch_size / 2 samples drawn with replacement as there")
+        "samples per batch); 'reference' = (task + memory) // batch_size batches, as the public CL2R / IAM-CL2R code; "
+        "a side holding <= batch_size / 2 samples is drawn with replacement, as the public IAM-CL2R code (the public "
+        "CL2R code draws without replacement and cannot run a side smaller than batch_size / 2)")
 
 
 def method_params_model(name: str) -> type[MethodParams]:
