@@ -75,8 +75,10 @@ def validate_config(document: dict, source: str = "<config>") -> ScenarioConfig:
     if not isinstance(document, dict):
         raise ConfigError(f"invalid scenario config {source}: expected a mapping at the top level")
     protocol = document.get(PROTOCOL_KEY)
-    if PROTOCOL_KEY in document:
+    if protocol is not None:
         document = _with_protocol(document, source)
+    elif PROTOCOL_KEY in document:  # protocol: null, no preset
+        document = {key: value for key, value in document.items() if key != PROTOCOL_KEY}
     try:
         config = ScenarioConfig.model_validate(document)
     except ValidationError as error:

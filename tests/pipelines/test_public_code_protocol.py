@@ -11,6 +11,7 @@ import yaml
 
 from app.cli import main
 from pipelines.config.load import ConfigError, config_hash, config_to_dict, load_config, validate_config
+from pipelines.config.local_paths import absolute_config
 from pipelines.stages.inputs import ModelShape
 from pipelines.stages.model_io import initial_model
 
@@ -94,6 +95,9 @@ def test_public_code_preset_in_the_file_then_set_overrides_it(tmp_path):
     saved = yaml.safe_load(yaml.safe_dump(config_to_dict(from_file)))
     assert "protocol" not in saved
     assert config_hash(validate_config(saved)) == config_hash(from_file)
+    assert validate_config({**saved, "protocol": None}).protocol is None
+    direct = absolute_config(validate_config({**document, "protocol": "public-code"}))
+    assert config_hash(direct) == config_hash(load_config(path))  # a document validated directly gets it too
     # --set protocol=null drops the file's preset
     assert load_config(path, ["protocol=null"]).training.drop_last is False
     assert config_hash(load_config(path, ["protocol=null"])) == config_hash(load_config(CONFIG))
