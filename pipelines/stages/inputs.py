@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from compat_core.kinds import AdapterKind, ClassifierFamily
 from pipelines.config.load import HOW_NOT_WHAT
@@ -153,8 +153,15 @@ class ModelShape(FrozenInputs):
     num_slots: int
     head: Literal["junction", "backbone"]
     simplex_norm: Literal["row", "row_eps"] = Field(
-        "row", exclude_if=lambda value: value == "row",  # the default leaves the keys of configs without it alone
-        description="model.simplex_norm: how the d-Simplex prototype rows are normalised")
+        "row", description="model.simplex_norm: how the d-Simplex prototype rows are normalised")
+
+    @model_serializer(mode="wrap")
+    def _default_norm_left_out(self, handler: Any) -> dict[str, Any]:
+        # the default is what every config without the key built: leaving it out keeps their stage inputs as they were
+        data = handler(self)
+        if data.get("simplex_norm") == "row":
+            data.pop("simplex_norm")
+        return data
 
     @classmethod
     def of(cls, config: ScenarioConfig, classifier: ClassifierFamily, backbone: str | None = None,

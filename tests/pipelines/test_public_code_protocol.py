@@ -61,6 +61,14 @@ def test_simplex_norm_enters_keys_only_when_not_the_default():
     shape = ModelShape.of(plain, "simplex").model_dump(mode="json")
     assert "simplex_norm" not in shape  # the stage inputs of configs without the key are as before
     assert ModelShape.of(eps, "simplex").model_dump(mode="json") == {**shape, "simplex_norm": "row_eps"}
+    from pipelines.graph.compile import compile_scenario
+
+    def norms_in_inputs(config) -> list[bool]:
+        return ["simplex_norm" in str(stage.inputs.model_dump(mode="json")) for stage in compile_scenario(config)]
+
+    assert not any(norms_in_inputs(plain))  # nested in every training stage's inputs, and left out there too
+    with_eps = norms_in_inputs(eps)
+    assert any(with_eps) and not all(with_eps)  # training stages carry it; extract / entry stages do not
     with pytest.raises(ConfigError, match=r"model\.simplex_norm"):
         load_config(CONFIG, ["model.simplex_norm=frobenius"])
 
