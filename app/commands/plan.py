@@ -11,7 +11,8 @@ import importlib
 import sys
 
 from cluster.storage.s3 import configure_object_storage, uses_object_storage
-from pipelines.config.load import ConfigError, load_config
+from pipelines.config.load import ConfigError, config_to_dict, load_config
+from pipelines.config.protocols import describe_protocol
 from pipelines.graph.compile import compile_scenario, describe
 from pipelines.graph.plan_cost import cost_lines
 from pipelines.graph.source_digests import file_digest
@@ -127,6 +128,8 @@ def describe_paper(config) -> str:
         lines += [f"    - {item}" for item in card.paper]
     if config.evaluation.closed_set:
         lines.append(CLOSED_SET_LINE)
+    if config.protocol is not None:
+        lines += describe_protocol(config.protocol, config_to_dict(config))
     return "\n".join(lines)
 
 

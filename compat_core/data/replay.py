@@ -159,7 +159,7 @@ def half_and_half_num_batches(
         full, rest = divmod(num_task, batch_size)
         return full + (1 if rest and (not drop_last or full == 0) else 0)
     if epoch_length == "reference":
-        return (num_task + num_memory) // batch_size
+        return max(1, (num_task + num_memory) // batch_size)
     if epoch_length != "task":
         raise ValueError(f"epoch_length must be 'task' or 'reference', got {epoch_length!r}")
     full, rest = divmod(num_task, batch_size // 2)
@@ -189,9 +189,13 @@ def half_and_half_batches(
       batch; the memory halves walk through fresh shuffles of the memory, cycling as often as needed, so every
       memory sample is used equally often (+-1). The last batch may be smaller but is still exactly half/half;
       ``drop_last`` drops it unless it is the only batch.
-    - ``"reference"``: as the public CL2R code's ``BalancedBatchSampler``: ``(len(task) + len(memory)) //
-      batch_size`` batches per epoch, each half drawn without replacement within the batch and independently
-      across batches (so an epoch need not visit every task sample). Needs ``batch_size // 2`` samples on each side.
+    - ``"reference"``: as the public CL2R / IAM-CL2R code's ``BalancedBatchSampler``: ``(len(task) + len(memory))
+      // batch_size`` batches per epoch of ``batch_size // 2`` samples per side, drawn independently across batches
+      (so an epoch need not visit every task sample); as the IAM-CL2R sampler, a side is drawn without replacement
+      within the batch when it holds more samples than it gives, with replacement when it holds that many or fewer,
+      and when task and memory together hold fewer than ``batch_size`` samples, one batch of ``(len(task) +
+      len(memory)) // 2`` per side (the CL2R sampler always draws without replacement: the same wherever it runs,
+      except for a side of exactly ``batch_size // 2``).
     With an empty memory (first task) batches are plain shuffled task batches of ``batch_size``.
     Randomness is seeded by ``(seed, epoch)`` with ``epoch`` counted from ``first_epoch``, so a run resumed at
     epoch e yields the same batches as an uninterrupted run.
@@ -205,11 +209,6 @@ def half_and_half_batches(
         raise ValueError(f"epoch_length must be 'task' or 'reference', got {epoch_length!r}")
     epochs = check_int("epochs", epochs, 0)
     half = batch_size // 2
-    if epoch_length == "reference" and memory.size and (memory.size < half or task.size < half):
-        raise ValueError(
-            f"epoch_length 'reference' draws {half} samples per side without replacement, but memory has "
-            f"{memory.size} and the task {task.size}; use epoch_length 'task' or a smaller batch_size"
-        )
     for epoch in range(int(first_epoch), int(first_epoch) + int(epochs)):
         rng = np.random.default_rng([int(seed), epoch])
         if memory.size == 0:
@@ -220,10 +219,7 @@ def half_and_half_batches(
             continue
         count = half_and_half_num_batches(task.size, memory.size, batch_size, epoch_length, drop_last)
         if epoch_length == "reference":
-            for _ in range(count):
-                from_memory = rng.choice(memory, size=half, replace=False)
-                from_task = rng.choice(task, size=half, replace=False)
-                yield np.concatenate([from_memory, from_task])
+            yield from _reference_batches(rng, task, memory, count, batch_size)
             continue
         order = task[rng.permutation(task.size)]
         task_parts = [order[b * half: (b + 1) * half] for b in range(count)]
@@ -234,6 +230,18 @@ def half_and_half_batches(
         for part in task_parts:
             yield np.concatenate([memory_stream[start: start + part.size], part])
             start += part.size
+
+
+def _reference_batches(rng: np.random.Generator, task: np.ndarray, memory: np.ndarray, count: int,
+                       batch_size: int) -> Iterator[np.ndarray]:
+    """``count`` batches of the public BalancedBatchSampler's rule (src/iamcl2r/dataset/dataset_utils.py:43-67 of
+    the public IAM-CL2R code): ``batch_size // 2`` per side, or half of all samples when they fill no batch; a side
+    holding no more samples than it gives is drawn with replacement."""
+    per_side = batch_size // 2 if task.size + memory.size >= batch_size else (task.size + memory.size) // 2
+    for _ in range(count):
+        from_memory = rng.choice(memory, size=per_side, replace=bool(memory.size <= per_side))
+        from_task = rng.choice(task, size=per_side, replace=bool(task.size <= per_side))
+        yield np.concatenate([from_memory, from_task])
 
 
 __all__ = ["ReplayMemory", "half_and_half_batches", "half_and_half_num_batches", "update_memory"]

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from compat_core import io
 from pipelines.config.local_paths import absolute_config, check_overridden_roots
 from pipelines.config.method_params import error_lines
+from pipelines.config.protocols import PROTOCOL_KEY, apply_protocol
 from pipelines.config.schema import ScenarioConfig, method_params_model
 from pipelines.config.validate import ConfigError, validate
 
@@ -68,15 +69,32 @@ def format_validation_error(error: ValidationError, source: str, document: Any =
 
 
 def validate_config(document: dict, source: str = "<config>") -> ScenarioConfig:
-    """Validate a plain dict into a :class:`ScenarioConfig`: the schema (each field, and the method's own parameter
-    schema), then every cross-field rule once (:func:`pipelines.config.validate.validate`)."""
+    """Validate a plain dict into a :class:`ScenarioConfig`: a ``protocol:`` preset written in
+    (:mod:`pipelines.config.protocols`), the schema (each field, and the method's own parameter schema), then every
+    cross-field rule once (:func:`pipelines.config.validate.validate`)."""
     if not isinstance(document, dict):
         raise ConfigError(f"invalid scenario config {source}: expected a mapping at the top level")
+    protocol = document.get(PROTOCOL_KEY)
+    if protocol is not None:
+        document = _with_protocol(document, source)
+    elif PROTOCOL_KEY in document:  # protocol: null, no preset
+        document = {key: value for key, value in document.items() if key != PROTOCOL_KEY}
     try:
         config = ScenarioConfig.model_validate(document)
     except ValidationError as error:
         raise ConfigError(format_validation_error(error, source, document)) from None
-    return validate(config, source)
+    config = validate(config, source)
+    config._protocol = protocol
+    return config
+
+
+def _with_protocol(document: dict, source: str, scenario: dict | None = None) -> dict:
+    """``document`` with its ``protocol:`` preset's values written in, for the pools and method of ``scenario``
+    (default: ``document``); ConfigError naming the key otherwise."""
+    try:
+        return apply_protocol(document, document[PROTOCOL_KEY], source, scenario)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def read_document(path: str | os.PathLike) -> dict:
@@ -100,7 +118,14 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     original = copy.deepcopy(document)
     for assignment in overrides or []:
         apply_override(document, assignment)
+    protocol = document.pop(PROTOCOL_KEY, None)
+    if protocol is not None:  # file, then the preset's values, then every --set: --set may change a preset key
+        document = _with_protocol({**original, PROTOCOL_KEY: protocol}, os.fspath(path), scenario=document)
+        for assignment in overrides or []:
+            apply_override(document, assignment)
+        document.pop(PROTOCOL_KEY, None)
     config = absolute_config(validate_config(document, source=os.fspath(path)))
+    config._protocol = protocol
     if overrides:
         try:
             before = absolute_config(validate_config(original, source=os.fspath(path)))
@@ -140,6 +165,8 @@ def config_hash(config: ScenarioConfig) -> str:
                          data.get("pretrain", [])), *((entry, "ignore_keys") for entry in data.get("replacements", []))]:
         if holder.get(name) is None:  # unset ignore lists leave the hash of configs written without them alone
             holder.pop(name, None)
+    if data.get("model", {}).get("simplex_norm") == "row":  # the default: the hash of configs written without it
+        data["model"].pop("simplex_norm")
     if not data.get("tasks", {}).get("sources"):  # no own-data task: the hash of configs written without them
         data.get("tasks", {}).pop("sources", None)
     for key in HOW_NOT_WHAT:  # where work is saved and how the input is read, not what it computes

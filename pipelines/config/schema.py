@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from compat_core.kinds import AdapterKind, ClassifierFamily
 from pipelines.config.method_params import MethodParams
@@ -95,6 +95,10 @@ class ModelSpec(StrictModel):
         "auto", description="retrieval feature: 'junction' = Linear(m, K-1) output (d-Simplex methods need it); "
         "'backbone' = the backbone output with the classifier on it (the papers' learnable-classifier baselines); "
         "'auto' = backbone for learnable classifiers, junction for the d-Simplex")
+    simplex_norm: Literal["row", "row_eps"] = Field(
+        "row", description="d-Simplex prototype rows: 'row' (default) divided by their exact norm (unit rows, SPEC "
+        "section 3); 'row_eps' divided by norm + 1e-8, as the public IAM-CL2R code builds them "
+        "(src/iamcl2r/models/__init__.py:114): prototypes 1e-8 shorter, for step-by-step parity with it")
 
 
 class ReplaySpec(StrictModel):
@@ -102,7 +106,9 @@ class ReplaySpec(StrictModel):
     strategy: Literal["random", "herding"] = "random"
     epoch_length: Literal["task", "reference"] = Field(
         "task", description="half-memory/half-task epochs: 'task' = one pass over the task data (batch_size // 2 task "
-        "samples per batch); 'reference' = (task + memory) // batch_size batches, as the public CL2R / IAM-CL2R code")
+        "samples per batch); 'reference' = (task + memory) // batch_size batches, as the public CL2R / IAM-CL2R code; "
+        "a side holding <= batch_size / 2 samples is drawn with replacement, as the public IAM-CL2R code (the public "
+        "CL2R code draws without replacement and cannot run a side smaller than batch_size / 2)")
 
 
 def method_params_model(name: str) -> type[MethodParams]:
@@ -326,6 +332,13 @@ class ScenarioConfig(StrictModel):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     output: OutputSpec = Field(default_factory=OutputSpec)
     paper: PaperSpec | None = Field(None, description="which paper table the config reproduces, and divergences")
+    # the `protocol:` preset whose values pipelines.config.load wrote in (pipelines.config.protocols); not dumped
+    _protocol: str | None = PrivateAttr(None)
+
+    @property
+    def protocol(self) -> str | None:
+        """Name of the protocol preset applied at load (its values are in the config), None without one."""
+        return self._protocol
 
     # ---- derived values -------------------------------------------------------------------------------------
     @property

@@ -288,13 +288,19 @@ def estimate(graph: StageGraph) -> PlanEstimate:
     return PlanEstimate(dim, query_rows, gallery_rows, feature_bytes, entries, flops)
 
 
+# model.simplex_norm values other than the default, as the plan's first line names them
+SIMPLEX_NORM_NOTES = {"row_eps": " (model.simplex_norm row_eps: d-Simplex rows divided by norm + 1e-8, as the public "
+                                 "IAM-CL2R code)"}
+
+
 def describe(graph: StageGraph) -> str:
     """Human-readable plan: stages with parents and resources, then the estimates."""
     config = graph.config
     sources = "".join(f" + {source.name}" for source in config.tasks.sources)
     lines = [f"scenario {config.name}: {config.num_tasks} tasks ({config.tasks.spec}{sources}), "
              f"method {config.method.name}, "
-             f"K={config.model.num_slots}, code {graph.code_version}"]
+             f"K={config.model.num_slots}{SIMPLEX_NORM_NOTES.get(config.model.simplex_norm, '')}, "
+             f"code {graph.code_version}"]
     counts = graph.count_by_kind()
     lines.append("stages: " + ", ".join(f"{n} {k}" for k, n in counts.items()) + f" ({len(graph)} in all)")
     labels = {stage.key: stage.label for stage in graph}

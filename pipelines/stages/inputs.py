@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from compat_core.kinds import AdapterKind, ClassifierFamily
 from pipelines.config.load import HOW_NOT_WHAT
@@ -152,6 +152,16 @@ class ModelShape(FrozenInputs):
     backbone_config: dict[str, Any]
     num_slots: int
     head: Literal["junction", "backbone"]
+    simplex_norm: Literal["row", "row_eps"] = Field(
+        "row", description="model.simplex_norm: how the d-Simplex prototype rows are normalised")
+
+    @model_serializer(mode="wrap")
+    def _default_norm_left_out(self, handler: Any) -> dict[str, Any]:
+        # the default is what every config without the key built: leaving it out keeps their stage inputs as they were
+        data = handler(self)
+        if data.get("simplex_norm") == "row":
+            data.pop("simplex_norm")
+        return data
 
     @classmethod
     def of(cls, config: ScenarioConfig, classifier: ClassifierFamily, backbone: str | None = None,
@@ -161,7 +171,7 @@ class ModelShape(FrozenInputs):
         head = "junction" if classifier == "simplex" else resolved_head(config, classifier)
         return cls(backbone=backbone or config.model.backbone,
                    backbone_config=config.model.backbone_config if backbone_config is None else backbone_config,
-                   num_slots=config.model.num_slots, head=head)
+                   num_slots=config.model.num_slots, head=head, simplex_norm=config.model.simplex_norm)
 
 
 class WeightsFile(FrozenInputs):

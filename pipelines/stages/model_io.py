@@ -62,7 +62,7 @@ def initial_model(shape: ModelShape, classifier: ClassifierFamily, seed: int, nu
     ``seed``."""
     _seed_everything(seed)
     return create_model(shape.backbone, shape.num_slots, classifier=classifier, backbone_config=shape.backbone_config,
-                        num_active_classes=num_active, head=shape.head)
+                        num_active_classes=num_active, head=shape.head, simplex_norm=shape.simplex_norm)
 
 
 def load_weights_strictly(model, source: str, sha256: str | None, ignore: list[str] | None,

@@ -16,7 +16,7 @@ from pipelines.reports.seed_spread import format_table, spread, summarise
 SHRINK = [
     "tasks.spec=2+2x2",
     "training.epochs=1",
-    "training.batch_size=16",  # the public-code replay epochs draw batch / 2 memory images without replacement
+    "training.batch_size=16",  # 8 per side: the 40 memory images are drawn without replacement, as in the demo
     "model.backbone_config={in_chans: 1, width: 4}",
     "pretrain=[{name: p1, pool: {dataset: glyphs, split: pretrain-1, options: {style: source}, per_class: 3}, "
     "num_classes: 100, epochs: 1, classifier: simplex}]",

@@ -161,8 +161,30 @@ def test_reference_epoch_length():
     for batch in batches:
         assert np.isin(batch[:8], MEMORY).all() and np.isin(batch[8:], TASK).all()
         assert np.unique(batch[:8]).size == 8 and np.unique(batch[8:]).size == 8
-    with pytest.raises(ValueError, match="memory has 4"):
-        list(half_and_half_batches(TASK, MEMORY[:4], 16, epoch_length="reference"))
+
+
+def test_reference_small_sides_follow_the_public_sampler():
+    """The public BalancedBatchSampler's rule worked by hand: (task + memory) // batch batches (one when that is
+    0, then (task + memory) // 2 per side); a side holding <= the samples it gives is drawn with replacement."""
+    task, memory = np.arange(10), 100 + np.arange(3)
+    # batch 8: (10 + 3) // 8 = 1 batch of 4 + 4; memory holds 3 <= 4 -> with replacement (a repeat is forced),
+    # task holds 10 > 4 -> without replacement
+    batches = list(half_and_half_batches(task, memory, 8, seed=0, epochs=3, epoch_length="reference"))
+    assert len(batches) == 3 and half_and_half_num_batches(10, 3, 8, "reference") == 1
+    for batch in batches:
+        assert batch.size == 8 and np.isin(batch[:4], memory).all() and np.isin(batch[4:], task).all()
+        assert np.unique(batch[:4]).size <= 3 and np.unique(batch[4:]).size == 4
+    # batch 16: 13 // 16 = 0 -> one batch of 13 // 2 = 6 per side; memory 3 <= 6 and task 10 > 6
+    tiny = list(half_and_half_batches(task, memory, 16, seed=0, epoch_length="reference"))
+    assert len(tiny) == 1 == half_and_half_num_batches(10, 3, 16, "reference")
+    assert tiny[0].size == 12 and np.isin(tiny[0][:6], memory).all() and np.unique(tiny[0][6:]).size == 6
+    # a side holding exactly batch / 2 samples is drawn with replacement too (the public rule is <=): over 20
+    # batches of 4 draws from 4 samples, some batch repeats one (all-distinct has probability 4!/4^4 each)
+    equal = list(half_and_half_batches(np.arange(40), 100 + np.arange(4), 8, seed=1, epoch_length="reference",
+                                       epochs=4))
+    assert len(equal) == 4 * (44 // 8) == 20
+    assert any(np.unique(batch[:4]).size < 4 for batch in equal)
+    assert all(np.unique(batch[4:]).size == 4 for batch in equal)
 
 
 def test_sampler_errors():
