@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -66,6 +66,11 @@ class GalleryIndex:
     labels: np.ndarray | None     # (N,) int64 or None
     ann: AnnIndex | None = None   # the approximate structure over the rows of manifest["search"]["model_version"]
     ann_backfill: AnnIndex | None = None   # manifest["search_backfill"]'s, over the rows re-embedded so far
+    version_set: frozenset = field(init=False, repr=False)   # the distinct versions, found once at load
+
+    def __post_init__(self) -> None:
+        # a request naming another model version is checked against this set, not against the (N,) column
+        object.__setattr__(self, "version_set", frozenset(str(v) for v in np.unique(self.versions).tolist()))
 
     def structures(self) -> dict[str, AnnIndex]:
         """model version -> the approximate structure over its rows (empty for an exact-only index)."""
