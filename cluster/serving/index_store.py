@@ -15,7 +15,7 @@ Layout::
                                    during a backfill into an approximate index, the "search_backfill" entry
                                    describes a second structure of the same kind over the rows re-embedded so far
     ROOT/rows/<sha256>.f16         an ivfpq structure's rows (fp16, row-major, as an ivf structure would store them),
-                                   the "search" entry's "row_file": a replica re-ranks from them memory-mapped (a
+                                   the "search" entry's "row_file": a replica re-ranks from them, read per candidate (a
                                    local copy of an s3:// root's, fetched once into ``COMPAT_ROW_FILE_CACHE``)
 
 Every blob is named by the sha256 of its bytes and verified on read (an ``IntegrityError`` names the file, the
@@ -96,7 +96,7 @@ class GalleryIndex:
     @property
     def rows_in_structure(self) -> bool:
         """Whether the approximate structure alone holds the gallery's rows (``embeddings`` is None): it stores
-        them exactly (kinds ``STORED_EXACT``) or reads them from its memory-mapped row file (``ivfpq``), and every
+        them exactly (kinds ``STORED_EXACT``) or reads them from its row file (``ivfpq``), and every
         row is of the version it was built over."""
         return self.embeddings is None
 
@@ -162,7 +162,7 @@ def write_row_file_blob(root: str, data: bytes) -> dict:
 
 
 def _local_row_file(root: str, entry: dict, rows: int, dim: int) -> RowFile:
-    """The "row_file" of search ``entry`` as a local memory-mapped file, its sha256 verified (streamed, never held
+    """The "row_file" of search ``entry`` as a local file, its sha256 verified (streamed, never held
     whole); a remote root's is fetched once into ``COMPAT_ROW_FILE_CACHE`` (default: the system's temporary folder)
     and reused while its digest matches."""
     uri = cio.join(root, entry["file"])
@@ -269,7 +269,7 @@ def load_index(root: str, digest: str | None = None, lean: bool = False) -> Gall
     lean: when the approximate structure holds every row exactly (kinds ``STORED_EXACT``), or holds lossy codes
     and comes with a row file (``ivfpq``), and the manifest lists only rows of the version it was built over, the
     shards' embedding column is not loaded (``embeddings`` None) and the structure is made ready to re-rank from
-    its own rows or the memory-mapped row file (16 bytes a row, 8 for ivfpq); a search then answers exactly over
+    its own rows or the row file (16 bytes a row, 8 for ivfpq); a search then answers exactly over
     the rows as stored."""
     digest, manifest = read_manifest(root, digest)
     dim, count = int(manifest["dim"]), int(manifest["count"])

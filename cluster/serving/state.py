@@ -181,7 +181,7 @@ def search_summary(state: ServingState) -> dict:
     summary = {"kind": entry["kind"], "approximate_groups": [g.version for g in state.groups if g.ann is not None]}
     if entry["kind"] != "flat":
         # where the exact re-rank reads the rows: the structure's own stored rows or, for lossy codes, the
-        # memory-mapped row file (the replica holds no other copy of the gallery), or the gallery's rows prepared
+        # row file, read per candidate (the replica holds no other copy of the gallery), or the gallery's rows prepared
         # for the exact kernel
         summary["rerank"] = ("gallery" if not state.index.rows_in_structure
                              else "row_file" if state.index.ann.row_file is not None else "structure")

@@ -224,7 +224,7 @@ def test_backfill_structures_flip_with_their_rows_and_the_old_one_retires(tmp_pa
 @pytest.mark.parametrize("kind", ["ivf", "hnsw", "ivfpq"])
 def test_a_lean_load_keeps_the_rows_only_in_a_structure_that_holds_them_exactly(tmp_path, kind):
     """lean: an IVF / HNSW index of one version is held by its structure alone (its stored rows read back equal the
-    fp16 rows given); IVF-PQ (lossy codes) by its codes and its row file, memory-mapped (the fp16 rows given, its
+    fp16 rows given); IVF-PQ (lossy codes) by its codes and its row file, read per candidate (the fp16 rows given, its
     digest checked); a flat index and a gallery of two versions keep the loaded rows."""
     from cluster.serving.index_build import AnnSettings, build_search_entry
     from compat_core.retrieval.mixed_gallery import unit_rows
