@@ -81,14 +81,15 @@ def measure_one(root: str, lean: bool, queries_file: str) -> dict:
     grown = _rss_bytes() - before
     queries = torch.from_numpy(np.load(queries_file))
     positions, scores, after = [], [], {}
-    for start in range(0, queries.shape[0], _BATCH):
-        found, score, _ = search_groups(queries[start:start + _BATCH], state.groups, 5)
+    count = queries.shape[0]
+    bounds = sorted(set(range(0, count, _BATCH)) | {min(100, count), count})   # a measure after exactly 100
+    for start, stop in zip(bounds, bounds[1:]):
+        found, score, _ = search_groups(queries[start:stop], state.groups, 5)
         positions.append(found)
         scores.append(score)
-        done = min(start + _BATCH, queries.shape[0])
-        if done in (100, queries.shape[0]) or start < 100 < done:
-            after[done] = _rss_bytes() - before
-    positions, scores = torch.cat(positions), torch.cat(scores)
+        if stop in (100, count):
+            after[stop] = _rss_bytes() - before
+    positions, scores = np.concatenate(positions), np.concatenate(scores)
     return {"lean": lean, "rss_growth_bytes": grown,
             "rss_growth_after_queries_bytes": {str(count): value for count, value in after.items()},
             "load_seconds": seconds, "rows": state.index.size,
@@ -119,7 +120,9 @@ def main(argv=None) -> int:
         results = []
         for lean in (False, True):
             out = subprocess.run([sys.executable, __file__, "--measure", root, str(int(lean)), queries_file],
-                                 check=True, capture_output=True, text=True, timeout=3600)
+                                 capture_output=True, text=True, timeout=3600)
+            if out.returncode != 0:
+                raise RuntimeError(f"measuring the load (lean={lean}) failed:\n{out.stderr[-4000:]}")
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     raw = args.rows * args.dim * 2
     for row in results:
