@@ -5,7 +5,8 @@ One file of ``--rows`` random fp16 rows; ``--batches`` batches of ``--batch`` x 
 queries' re-rank candidates), each read four ways, warm (the file in the kernel's page cache) and cold (the
 file's pages dropped from the cache before every batch):
 
-- mapped: gathered from a read-only memory mapping that stays mapped (the process keeps what it touched);
+- mapped: gathered from a read-only memory mapping that stays mapped (the process keeps what it touched; its
+  "cold" line is not cold: the kernel does not drop pages a process maps);
 - mapped + release: the same, then ``madvise(MADV_DONTNEED)`` over the whole mapping (the process's pages
   unmapped, the page cache kept);
 - mapped + release touched: the same, released page range by page range over the pages the rows lie on;
