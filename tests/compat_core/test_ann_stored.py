@@ -175,6 +175,9 @@ def test_a_row_file_search_holds_none_of_the_file_after_many_batches(tmp_path):
     count = candidate_count(1, ann.size, "ivfpq")
     batch_bound = 2 * count * 4096
     assert rows.mapped_bytes() == 0
+    np.testing.assert_array_equal(rows.rows_of(np.array([7, 3, 7])), gallery[[7, 3, 7]].float().numpy())
+    with pytest.raises(ValueError, match=r"rows.f16: rows outside 0..3999"):
+        rows.rows_of(np.array([3, 4000]))
     for start in range(0, 40, 2):
         batch = queries[start:start + 2]
         index, score = ann_search(batch, None, ann, 1)
