@@ -16,11 +16,13 @@ interleaved passes) and Recall@1 of exact (the fraction of queries whose top-1 r
   re-ranked from the exact kernel's prepared gallery, and faiss IVF-PQ alone at the same target. Bytes are reported
   twice: the structure's ("struct x": what faiss holds) and the product's (what the process holds to answer);
 - IVF-PQ re-ranked from a row file: the same codes and effort, the fp16 rows written to a file (``--row-dir``) and
-  memory-mapped (``compat_core.retrieval.row_file``), each query reading only its candidates' rows. Its bytes are
-  measured, not assumed: the codes, 8 bytes a row of inverse norms, and the file pages resident in the process's
-  mapping after all measured passes (``/proc/self/smaps``); the pages one batch touches from a cold cache are
-  printed besides. "(cold)": a second copy of the file whose pages are dropped from the process and the kernel's
-  cache before every batch (``RowFile.drop_cache``), so every batch reads its rows from the device;
+  read per candidate with positioned reads (``compat_core.retrieval.row_file``), each query reading only its
+  candidates' rows into a buffer. Its bytes are measured, not assumed: the codes, 8 bytes a row of inverse norms,
+  and the file pages mapped in the process after all measured passes (``/proc/self/smaps``; none: nothing is
+  mapped); one batch's candidate rows buffer (``--batch`` x candidates x D x 6 bytes, fp16 read + fp32 copy) is
+  printed besides, what a search holds while it runs. "warm": the file stays in the kernel's page cache (not the
+  process's memory); "(cold)": a second copy of the file whose pages are dropped from the kernel's cache before
+  every batch (``RowFile.drop_cache``), so every batch reads its rows from the device;
 - ``--shards N``: the gallery split by row range into N parts searched in turn and merged exactly in this process
   (``ann_shards.shard_methods``); with ``--serve``, also served over HTTP by Ray Serve, one replica vs N shard
   deployments behind the router, with the replicas' resident memory (``ann_shards.serve_rates``). On one small
@@ -54,6 +56,7 @@ from compat_core.retrieval.ann import (  # noqa: E402
     AnnIndex,
     ann_search,
     build_ann,
+    candidate_count,
     effort_ladder,
     recall_of_exact,
     tune_ann,
@@ -173,8 +176,8 @@ def build_methods(args, gallery, tune_q) -> tuple[dict, PreparedGallery]:
 
 
 def row_file_methods(args, gallery, ann: AnnIndex, build_s: float, tune_recall: float) -> dict:
-    """IVF-PQ ``ann`` (tuned) re-ranked from memory-mapped fp16 row files: warm (pages stay mapped between
-    batches) and cold (the file's pages dropped before every batch)."""
+    """IVF-PQ ``ann`` (tuned) re-ranked from fp16 row files read per candidate: warm (the file stays in the
+    kernel's page cache) and cold (the file's pages dropped from the cache before every batch)."""
     methods = {}
     for cold in (False, True):
         started = time.perf_counter()
@@ -196,22 +199,20 @@ def row_file_methods(args, gallery, ann: AnnIndex, build_s: float, tune_recall: 
 
 
 def settle_row_files(args, methods: dict, queries: torch.Tensor) -> None:
-    """The bytes of the row-file methods after the measured passes: codes + inverse norms + the file pages resident
-    in this process's mapping; and the pages one batch maps from a cold cache. Removes the files."""
+    """The bytes of the row-file methods after the measured passes: codes + inverse norms + the file pages mapped
+    in this process (none: reads map nothing); and one batch's candidate rows buffer. Removes the files."""
     raw = args.rows * args.dim * 2
     for name, method in methods.items():
         rows = method.pop("row_file", None)
         if rows is None:
             continue
         anonymous = method.pop("ann").bytes_in_memory()
-        resident = rows.resident_bytes() or 0
-        rows.drop_cache()
-        method["search"](queries[:args.batch])
-        batch = rows.resident_bytes() or 0
+        resident = rows.mapped_bytes() or 0
+        batch = args.batch * candidate_count(1, args.rows, "ivfpq") * args.dim * 6
         method.update({"bytes": anonymous + resident, "anonymous_bytes": anonymous, "resident_file_bytes": resident,
                        "batch_file_bytes": batch})
-        print(f"  {name}: codes + inverse norms {anonymous / raw:.3f}x the fp16 rows, file pages resident after "
-              f"the passes {resident / raw:.3f}x, one batch of {args.batch} from a cold cache maps "
+        print(f"  {name}: codes + inverse norms {anonymous / raw:.3f}x the fp16 rows, file pages mapped after "
+              f"the passes {resident / raw:.3f}x, one batch of {args.batch} holds its candidate rows while it runs: "
               f"{batch / 2 ** 20:.2f} MiB ({batch / raw:.4f}x)")
         os.remove(rows.path)
 

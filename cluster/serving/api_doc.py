@@ -72,7 +72,7 @@ RESPONSE_OBJECTS: dict[str, dict[str, tuple[dict, str, str]]] = {
                    "kind (flat, ivf, hnsw, ivfpq) and approximate_groups; for an approximate structure also "
                    "params, effort, candidates, recall (Recall@1 of exact, fraction), recall_target, sample, "
                    "model_version, and rerank: where the exact re-rank reads the rows (structure: the structure's "
-                   "own rows; row_file: an ivfpq index's memory-mapped fp16 rows; gallery: the loaded rows)."),
+                   "own rows; row_file: an ivfpq index's fp16 row file, read per candidate; gallery: the loaded rows)."),
         "loaded_unix": ({"type": "number"}, "seconds since the Unix epoch", "When this state was loaded."),
         "alias": ({"type": "object", "properties": {"uri": {"type": "string"}, "error": {"type": "string"},
                                                     "target_version": {"type": ["string", "null"]}}},

@@ -47,6 +47,7 @@ from cluster.serving.state import (
     ServingState,
     as_query_tensor,
     build_state,
+    check_model_version,
     check_servable,
     state_summary,
 )
@@ -283,13 +284,7 @@ class SearchService:
         parsed = parse_search_request(body, content_type, dim=state.index.dim,
                                       image_shape=state.image_shape, gallery_size=state.index.size,
                                       limits=self.limits)
-        if parsed.model_version is not None and parsed.model_version != state.ref.version:
-            known = set(state.index.versions.tolist())
-            if parsed.model_version not in known:
-                raise RequestError(400, "model_version", f"unknown version {parsed.model_version!r}: the service "
-                                   f"embeds with {state.ref.version}, the index holds {sorted(known)}")
-            raise RequestError(409, "model_version", f"the embedding was made by version {parsed.model_version}, "
-                               f"the service now embeds with {state.ref.version}; re-embed or retry")
+        check_model_version(state.ref.version, state.index, parsed.model_version)
         if parsed.image is not None and state.model is None:
             raise RequestError(400, "image", "no model to embed images; send 'embedding'")
         return await self._batched((state, parsed))

@@ -152,7 +152,7 @@ def build_search_entry(root: str, features: np.ndarray, held_out: np.ndarray, an
         built = time.perf_counter() - started
         measured = tune_ann(structure, PreparedGallery(gallery), held_out[rows], ann.recall)
     stored = write_ann(root, structure.to_bytes())
-    if ann.kind == "ivfpq":   # lossy codes: a replica re-ranks from these rows, memory-mapped, not held in memory
+    if ann.kind == "ivfpq":   # lossy codes: a replica re-ranks from these rows, read per candidate, not held in memory
         stored["row_file"] = write_row_file_blob(root, stored_fp16_rows(gallery).astype("<f2").tobytes())
     log(f"index: {ann.kind} {structure.params} built in {built:.1f} s; {structure.effort} reaches Recall@1 of exact "
         f"{measured['recall']:.4f} >= {ann.recall} on {take} held-out {sample_pool} rows")

@@ -15,7 +15,7 @@ Layout::
                                    during a backfill into an approximate index, the "search_backfill" entry
                                    describes a second structure of the same kind over the rows re-embedded so far
     ROOT/rows/<sha256>.f16         an ivfpq structure's rows (fp16, row-major, as an ivf structure would store them),
-                                   the "search" entry's "row_file": a replica re-ranks from them memory-mapped (a
+                                   the "search" entry's "row_file": a replica re-ranks from them, read per candidate (a
                                    local copy of an s3:// root's, fetched once into ``COMPAT_ROW_FILE_CACHE``)
 
 Every blob is named by the sha256 of its bytes and verified on read (an ``IntegrityError`` names the file, the
@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -66,6 +66,11 @@ class GalleryIndex:
     labels: np.ndarray | None     # (N,) int64 or None
     ann: AnnIndex | None = None   # the approximate structure over the rows of manifest["search"]["model_version"]
     ann_backfill: AnnIndex | None = None   # manifest["search_backfill"]'s, over the rows re-embedded so far
+    version_set: frozenset = field(init=False, repr=False)   # the distinct versions, found once at load
+
+    def __post_init__(self) -> None:
+        # a request naming another model version is checked against this set, not against the (N,) column
+        object.__setattr__(self, "version_set", frozenset(str(v) for v in np.unique(self.versions).tolist()))
 
     def structures(self) -> dict[str, AnnIndex]:
         """model version -> the approximate structure over its rows (empty for an exact-only index)."""
@@ -91,7 +96,7 @@ class GalleryIndex:
     @property
     def rows_in_structure(self) -> bool:
         """Whether the approximate structure alone holds the gallery's rows (``embeddings`` is None): it stores
-        them exactly (kinds ``STORED_EXACT``) or reads them from its memory-mapped row file (``ivfpq``), and every
+        them exactly (kinds ``STORED_EXACT``) or reads them from its row file (``ivfpq``), and every
         row is of the version it was built over."""
         return self.embeddings is None
 
@@ -157,7 +162,7 @@ def write_row_file_blob(root: str, data: bytes) -> dict:
 
 
 def _local_row_file(root: str, entry: dict, rows: int, dim: int) -> RowFile:
-    """The "row_file" of search ``entry`` as a local memory-mapped file, its sha256 verified (streamed, never held
+    """The "row_file" of search ``entry`` as a local file, its sha256 verified (streamed, never held
     whole); a remote root's is fetched once into ``COMPAT_ROW_FILE_CACHE`` (default: the system's temporary folder)
     and reused while its digest matches."""
     uri = cio.join(root, entry["file"])
@@ -264,7 +269,7 @@ def load_index(root: str, digest: str | None = None, lean: bool = False) -> Gall
     lean: when the approximate structure holds every row exactly (kinds ``STORED_EXACT``), or holds lossy codes
     and comes with a row file (``ivfpq``), and the manifest lists only rows of the version it was built over, the
     shards' embedding column is not loaded (``embeddings`` None) and the structure is made ready to re-rank from
-    its own rows or the memory-mapped row file (16 bytes a row, 8 for ivfpq); a search then answers exactly over
+    its own rows or the row file (16 bytes a row, 8 for ivfpq); a search then answers exactly over
     the rows as stored."""
     digest, manifest = read_manifest(root, digest)
     dim, count = int(manifest["dim"]), int(manifest["count"])

@@ -17,8 +17,22 @@ import torch
 from cluster.serving.index_store import GalleryIndex, search_entry
 from compat_core.retrieval.ann import KINDS
 from compat_core.retrieval.mixed_gallery import VersionGroup, build_groups
+from compat_core.retrieval.search_request import RequestError
 from compat_core.upgrades.adapters import GALLERY_ADAPTERS
 from pipelines.config.model_uri import ModelUri
+
+def check_model_version(serving_version: str, index: GalleryIndex, requested: str | None) -> None:
+    """Refuse a query embedded by another model version than ``serving_version``: RequestError 400 when the
+    index holds no row of ``requested`` (naming the versions it holds), 409 when it does (the alias moved: re-embed
+    or retry). O(versions) a request: the index's distinct versions are found once at load."""
+    if requested is None or requested == serving_version:
+        return
+    if requested not in index.version_set:
+        raise RequestError(400, "model_version", f"unknown version {requested!r}: the service embeds with "
+                           f"{serving_version}, the index holds {sorted(index.version_set)}")
+    raise RequestError(409, "model_version", f"the embedding was made by version {requested}, the service now "
+                       f"embeds with {serving_version}; re-embed or retry")
+
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -49,7 +63,7 @@ def build_state(ref: ModelUri, model: Any, index: GalleryIndex, adapter: tuple[s
     query_maps, gallery_maps, applied = {}, {}, None
     if adapter is not None:
         kind, old_version, fitted = adapter
-        if old_version in set(index.versions.tolist()) and old_version != ref.version:
+        if old_version in index.version_set and old_version != ref.version:
             if kind in GALLERY_ADAPTERS:
                 gallery_maps[old_version] = lambda rows, f=fitted: f.apply(rows).float()
             else:
@@ -167,7 +181,7 @@ def search_summary(state: ServingState) -> dict:
     summary = {"kind": entry["kind"], "approximate_groups": [g.version for g in state.groups if g.ann is not None]}
     if entry["kind"] != "flat":
         # where the exact re-rank reads the rows: the structure's own stored rows or, for lossy codes, the
-        # memory-mapped row file (the replica holds no other copy of the gallery), or the gallery's rows prepared
+        # row file, read per candidate (the replica holds no other copy of the gallery), or the gallery's rows prepared
         # for the exact kernel
         summary["rerank"] = ("gallery" if not state.index.rows_in_structure
                              else "row_file" if state.index.ann.row_file is not None else "structure")

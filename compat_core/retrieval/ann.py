@@ -20,9 +20,9 @@ structure's own fp32 scores of its candidates, scaled by each stored row's fp64 
 candidate that a proven bound keeps from the top-k (``compat_core.retrieval.rerank``), and only the survivors
 (about one a query for top-1) are decoded and scored in fp64. The answer is then the exact top-k over the rows as
 stored, whenever the candidates hold it. ``ivfpq``'s codes are lossy: it re-ranks against the prepared gallery, or,
-with the gallery's fp16 rows in a memory-mapped file (:meth:`AnnIndex.attach_rows`,
-``compat_core.retrieval.row_file``), from the rows of its candidates read there (all of them: lossy scores bound
-nothing), holding the codes and 8 bytes a row besides the file pages its queries touch.
+with the gallery's fp16 rows in a local file (:meth:`AnnIndex.attach_rows`, ``compat_core.retrieval.row_file``),
+from the rows of its candidates read there (all of them: lossy scores bound nothing; positioned reads, nothing
+mapped), holding the codes and 8 bytes a row, plus one search's candidate rows while it runs.
 
 faiss is imported inside the functions that use it (a heavy optional dependency); the index travels as
 ``faiss.serialize_index`` bytes, never pickled.
@@ -170,7 +170,7 @@ class AnnIndex:
         return self.index.reconstruct_n(int(start), int(stop - start))
 
     def attach_rows(self, row_file: RowFile) -> "AnnIndex":
-        """Re-rank from ``row_file`` (the gallery's rows in the structure's row order, memory-mapped): what an
+        """Re-rank from ``row_file`` (the gallery's rows in the structure's row order, read per candidate): what an
         ``ivfpq`` structure needs to answer exactly without the gallery's rows in memory. Returns self."""
         if (row_file.size, row_file.dim) != (self.size, self.dim):
             raise ValueError(f"{row_file.path}: {row_file.size} x {row_file.dim} rows for a {self.kind} structure "
@@ -232,8 +232,8 @@ class AnnIndex:
         return ann
 
     def bytes_in_memory(self) -> int:
-        """What a process holds of it, bytes: the serialized structure, plus the inverse norms once measured (not
-        an attached row file's pages: :meth:`RowFile.resident_bytes`)."""
+        """What a process holds of it, bytes: the serialized structure, plus the inverse norms once measured (an
+        attached row file maps nothing: its reads hold one search's candidate rows while it runs)."""
         return len(self.to_bytes()) + (0 if self.inverse is None else self.inverse.numel() * 8)
 
 

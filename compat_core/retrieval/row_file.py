@@ -1,14 +1,21 @@
-"""A gallery's fp16 rows in a local file, memory-mapped read-only: the rows the exact re-rank reads when the
-structure in memory holds only lossy codes (IVF-PQ). A search reads the rows of its candidates and nothing else,
-so what a process holds of the gallery's vectors is the codes, one fp64 inverse norm a row, and the file pages
-its queries touched (clean page-cache pages the kernel may reclaim; :meth:`RowFile.drop_cache` returns them).
+"""A gallery's fp16 rows in a local file, read with positioned reads: the rows the exact re-rank reads when the
+structure in memory holds only lossy codes (IVF-PQ). A search reads the rows of its candidates (one ``pread`` a
+distinct row into a buffer of the call's rows) and nothing else; nothing of the file is mapped. What a process
+holds of the gallery's vectors is therefore the codes and one fp64 inverse norm a row, plus, during one search,
+its candidates' rows: bounded whatever the number of queries answered.
+
+The kernel's page cache may keep the whole file warm (a warm read costs a copy, not a device read): that is not
+the process's memory, and the kernel reclaims it under pressure (in a cgroup v2 container it is charged to the
+container but reclaimed before an OOM kill), reads then falling toward the cost of a cold cache
+(:meth:`RowFile.drop_cache`). A memory mapping was measured against these reads (benchmarks/row_file_reads.py):
+released after every read it is faster warm, but while a read runs the kernel maps whole cached folios around
+each faulting row, up to the whole file.
 
 The file is the rows alone, row-major little-endian fp16 (2 D bytes a row, no header): its size and width are
 given by whoever opened it (an index manifest, or the caller that wrote it).
 """
 from __future__ import annotations
 
-import mmap
 import os
 
 import numpy as np
@@ -33,7 +40,7 @@ def write_row_file(path: str, rows) -> "RowFile":
 
 class RowFile:
     """Rows 0..size-1 of width ``dim`` in the fp16 file ``path`` (ValueError naming it when its length is not
-    size x dim x 2 bytes), mapped read-only with random access advised (no read-ahead beyond the rows read)."""
+    size x dim x 2 bytes), opened read-only with random access advised (no read-ahead beyond the rows read)."""
 
     def __init__(self, path: str, size: int, dim: int) -> None:
         self.path, self.size, self.dim = str(path), int(size), int(dim)
@@ -42,11 +49,14 @@ class RowFile:
         if actual != expected:
             raise ValueError(f"{self.path}: {actual} bytes, expected {expected} ({self.size} fp16 rows of width "
                              f"{self.dim})")
-        with open(self.path, "rb") as source:
-            self._map = mmap.mmap(source.fileno(), expected, access=mmap.ACCESS_READ)
-        if hasattr(mmap, "MADV_RANDOM"):
-            self._map.madvise(mmap.MADV_RANDOM)
-        self._rows = np.frombuffer(self._map, dtype="<f2").reshape(self.size, self.dim)
+        self._descriptor = os.open(self.path, os.O_RDONLY)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._descriptor, 0, 0, os.POSIX_FADV_RANDOM)
+
+    def __del__(self) -> None:
+        descriptor = getattr(self, "_descriptor", None)
+        if descriptor is not None:
+            os.close(descriptor)
 
     @property
     def nbytes(self) -> int:
@@ -54,40 +64,54 @@ class RowFile:
         return self.size * self.dim * 2
 
     def rows_of(self, rows: np.ndarray) -> np.ndarray:
-        """(n, D) float32: the rows ``rows`` (int64 row numbers), read from the file (only their pages)."""
-        return self._rows[np.asarray(rows, dtype=np.int64)].astype(np.float32)
+        """(n, D) float32: the rows ``rows`` (int64 row numbers), each distinct row read once from the file."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.size):
+            raise ValueError(f"{self.path}: rows outside 0..{self.size - 1}")
+        distinct, where = np.unique(rows, return_inverse=True)
+        width = self.dim * 2
+        buffer = np.empty((distinct.size, self.dim), dtype="<f2")
+        view = memoryview(buffer).cast("B")
+        for slot, row in enumerate(distinct.tolist()):
+            self._read_into(view[slot * width:(slot + 1) * width], row * width)
+        return buffer.astype(np.float32)[where.reshape(-1)]
 
     def stored_rows(self, start: int, stop: int) -> np.ndarray:
-        """(stop - start, D) float32: rows start..stop-1."""
-        return self._rows[int(start):int(stop)].astype(np.float32)
+        """(stop - start, D) float32: rows start..stop-1 (one read)."""
+        start, stop = int(start), int(stop)
+        buffer = np.empty((max(0, stop - start), self.dim), dtype="<f2")
+        if buffer.size:
+            self._read_into(memoryview(buffer).cast("B"), start * self.dim * 2)
+        return buffer.astype(np.float32)
+
+    def _read_into(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            count = os.preadv(self._descriptor, [view[done:]], offset + done)
+            if count <= 0:
+                raise OSError(f"{self.path}: ended at byte {offset + done}, expected {self.nbytes} bytes "
+                              "(the file changed after it was opened)")
+            done += count
 
     def drop_cache(self) -> None:
-        """Unmap the pages this process touched and ask the kernel to drop the file's clean pages from its cache,
-        so that the next reads come from the device (a cold start; what a process holds of the file is then what
-        later queries touch)."""
-        if hasattr(mmap, "MADV_DONTNEED"):
-            self._map.madvise(mmap.MADV_DONTNEED)
+        """Ask the kernel to drop the file's clean pages from its cache, so that the next reads come from the
+        device (a cold start)."""
         if hasattr(os, "posix_fadvise"):
-            descriptor = os.open(self.path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(descriptor)
+            os.posix_fadvise(self._descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def resident_bytes(self) -> int | None:
-        """Bytes of the file's pages mapped resident in this process (Linux ``/proc/self/smaps`` Rss of the
-        mapping); None where the system does not say."""
-        start = np.frombuffer(self._map, dtype=np.uint8).ctypes.data
+    def mapped_bytes(self) -> int | None:
+        """Bytes of this file mapped resident in this process, over every mapping of it (Linux
+        ``/proc/self/smaps`` Rss; 0 when none: reads map nothing); None where the system does not say."""
+        real, total = os.path.realpath(self.path), 0
         try:
             with open("/proc/self/smaps") as smaps:
                 inside = False
                 for line in smaps:
-                    head = line.split(" ", 1)[0]
-                    if "-" in head and ":" not in head:
-                        low, high = (int(x, 16) for x in head.split("-"))
-                        inside = low <= start < high
-                    elif inside and line.startswith("Rss:"):
-                        return int(line.split()[1]) * 1024
+                    fields = line.split()
+                    if fields and "-" in fields[0] and ":" not in fields[0]:
+                        inside = len(fields) >= 6 and " ".join(fields[5:]) == real
+                    elif inside and fields and fields[0] == "Rss:":
+                        total += int(fields[1]) * 1024
         except OSError:
             return None
-        return None
+        return total

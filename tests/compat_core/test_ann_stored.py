@@ -126,7 +126,7 @@ def test_lossy_codes_are_refused_without_the_prepared_gallery(data):
 
 
 def test_lossy_codes_re_rank_from_a_row_file_as_the_exact_kernel_over_their_candidates(data, tmp_path):
-    """IVF-PQ with its fp16 rows in a memory-mapped file: every query's answer is the fp64 brute force over the
+    """IVF-PQ with its fp16 rows in a row file: every query's answer is the fp64 brute force over the
     structure's candidates (ties to the lowest row), bit for bit the exact kernel's over the gallery when every list
     is probed."""
     from compat_core.retrieval.row_file import RowFile, write_row_file
@@ -159,16 +159,42 @@ def test_lossy_codes_re_rank_from_a_row_file_as_the_exact_kernel_over_their_cand
         RowFile(str(tmp_path / "short.f16"), 4000, 32)
 
 
-def test_a_row_file_search_holds_only_the_pages_of_its_candidates(tmp_path):
-    """After the inverse norms are measured (one pass over the file, then its pages dropped), one query maps at most
-    the pages of its candidates: 128 rows of 1 KiB, a quarter of a 4,000-row file at most."""
+def test_a_row_file_search_holds_none_of_the_file_after_many_batches(tmp_path):
+    """Searches read their candidates' rows with positioned reads: after 20 batches of 2 queries the process maps
+    none of the file (a mapping of the same file read for the same candidates, as the check's own control, holds
+    more than one batch's 256 candidate pages), and every answer is the fp64 brute force over its candidates."""
+    import mmap
+
     from compat_core.retrieval.row_file import write_row_file
 
-    gallery, queries = _fp16_gallery(4000, 512, 2)
+    gallery, _ = _fp16_gallery(4000, 512, 2)
+    queries = torch.nn.functional.normalize(torch.randn(40, 512, generator=torch.Generator().manual_seed(3)), dim=1)
     rows = write_row_file(str(tmp_path / "rows.f16"), gallery.numpy())
     ann = build_ann(gallery.float(), "ivfpq").attach_rows(rows).prepare_rerank()
-    ann.set_effort({"nprobe": int(ann.params["nlist"])})
-    assert rows.resident_bytes() == 0
-    ann_search(queries[2:3], None, ann, 1)
+    ann.set_effort({"nprobe": 4})
     count = candidate_count(1, ann.size, "ivfpq")
-    assert 0 < rows.resident_bytes() <= count * 4096 <= rows.nbytes / 4
+    batch_bound = 2 * count * 4096
+    assert rows.mapped_bytes() == 0
+    np.testing.assert_array_equal(rows.rows_of(np.array([7, 3, 7])), gallery[[7, 3, 7]].float().numpy())
+    with pytest.raises(ValueError, match=r"rows.f16: rows outside 0..3999"):
+        rows.rows_of(np.array([3, 4000]))
+    for start in range(0, 40, 2):
+        batch = queries[start:start + 2]
+        index, score = ann_search(batch, None, ann, 1)
+        _, candidates = ann.scored_candidates(batch.numpy(), count)
+        for row in range(2):
+            order, expected = _brute(batch[row], gallery, 1, candidates[row])
+            assert index[row].tolist() == order.tolist()
+            np.testing.assert_allclose(score[row].numpy(), expected, rtol=0, atol=1e-12)
+        assert rows.mapped_bytes() == 0
+    with open(rows.path, "rb") as source:
+        mapping = mmap.mmap(source.fileno(), rows.nbytes, access=mmap.ACCESS_READ)
+    try:
+        view = np.frombuffer(mapping, dtype="<f2").reshape(ann.size, ann.dim)
+        _, candidates = ann.scored_candidates(queries.numpy(), count)
+        view[np.unique(candidates[candidates >= 0])].astype(np.float32)
+        assert rows.mapped_bytes() > batch_bound
+        del view
+    finally:
+        mapping.close()
+    assert rows.mapped_bytes() == 0

@@ -51,6 +51,34 @@ def test_round_trip_override_and_guards(tmp_path):
         load_index(root)
 
 
+def test_a_request_of_another_version_is_answered_from_the_versions_found_at_load(tmp_path):
+    """The versions an index holds are found once at load (the distinct values of its (N,) column); a request
+    embedded by another version gets the same answer as a check against the column: 400 naming the held versions
+    when it holds none of that version's rows, 409 when it does, nothing when it is the serving version."""
+    from cluster.serving.state import check_model_version
+    from compat_core.retrieval.search_request import RequestError
+
+    rng = np.random.default_rng(0)
+    root = str(tmp_path / "index")
+    embeddings, head = _build(root, rng)
+    entry = write_shard(root, shard_table([2, 7], ["id2", "id7"], embeddings[[2, 7]], "2", labels=[2, 1]))
+    _, manifest = read_manifest(root, head)
+    commit_manifest(root, {**manifest, "shards": manifest["shards"] + [entry]}, expected_head=head)
+    index = load_index(root)
+    assert index.version_set == frozenset(index.versions.tolist()) == {"1", "2"}
+    for serving in ("1", "2"):
+        check_model_version(serving, index, None)
+        check_model_version(serving, index, serving)
+        other = "2" if serving == "1" else "1"
+        with pytest.raises(RequestError, match=f"made by version {other}, the service now embeds with {serving}") \
+                as conflict:
+            check_model_version(serving, index, other)
+        assert (conflict.value.status, conflict.value.field) == (409, "model_version")
+        with pytest.raises(RequestError, match=r"unknown version '3': .* the index holds \['1', '2'\]") as unknown:
+            check_model_version(serving, index, "3")
+        assert (unknown.value.status, unknown.value.field) == (400, "model_version")
+
+
 def test_missing_index_names_the_root(tmp_path):
     with pytest.raises(FileNotFoundError, match="compat index build"):
         read_head(str(tmp_path / "nowhere"))
@@ -196,7 +224,7 @@ def test_backfill_structures_flip_with_their_rows_and_the_old_one_retires(tmp_pa
 @pytest.mark.parametrize("kind", ["ivf", "hnsw", "ivfpq"])
 def test_a_lean_load_keeps_the_rows_only_in_a_structure_that_holds_them_exactly(tmp_path, kind):
     """lean: an IVF / HNSW index of one version is held by its structure alone (its stored rows read back equal the
-    fp16 rows given); IVF-PQ (lossy codes) by its codes and its row file, memory-mapped (the fp16 rows given, its
+    fp16 rows given); IVF-PQ (lossy codes) by its codes and its row file, read per candidate (the fp16 rows given, its
     digest checked); a flat index and a gallery of two versions keep the loaded rows."""
     from cluster.serving.index_build import AnnSettings, build_search_entry
     from compat_core.retrieval.mixed_gallery import unit_rows
