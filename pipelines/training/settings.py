@@ -162,8 +162,8 @@ class TrainConfig(StrictModel):
         "task. Another pool stops the process's earlier one (one pool per process). Not part of any stage key")
     prefetch_first_batches: bool = Field(
         True, description="with input workers: open the task's input stream as soon as its batch order is known, so "
-        "the workers decode its first batches while the method's setup, the optimiser, compile and a checkpoint's "
-        "restore run and the first step does not wait for them (false: opened when the epochs start). The same "
+        "the workers decode its first batches while the precision and layout probes, the method's setup, the "
+        "optimiser, compile and a checkpoint's restore run and the first step does not wait for them (false: opened when the epochs start). The same "
         "batches in the same order either way. Not part of any stage key")
     log_every_steps: int = Field(0, ge=0)
     checkpoint_every_epochs: int | None = Field(
