@@ -23,15 +23,21 @@ from pipelines.training.task_data import TaskData
 K = 16
 
 
-def two_tasks(persistent: bool, prefetch_first: bool = False) -> dict[str, torch.Tensor]:
+def run_parts(tasks: int, persistent: bool, prefetch_first: bool):
+    """A pool of 16 random images per task (4 classes each), a fresh model and the training config."""
     rng = np.random.default_rng(0)
-    labels = np.arange(64) % 8
-    source = ArraySource(name="pool", images=rng.integers(0, 255, size=(64, 16, 16, 3), dtype=np.uint8),
-                         labels=labels, class_names=[str(c) for c in range(8)])
+    labels = np.arange(32 * tasks) % (4 * tasks)
+    source = ArraySource(name="pool", images=rng.integers(0, 255, size=(labels.size, 16, 16, 3), dtype=np.uint8),
+                         labels=labels, class_names=[str(c) for c in range(4 * tasks)])
     torch.manual_seed(0)
     model = create_model("cnn4", K, classifier="simplex", backbone_config={"width": 4})
     config = TrainConfig(epochs=2, batch_size=8, optimizer={"lr": 0.05}, autocast=False, input_workers=2,
                          persistent_workers=persistent, prefetch_first_batches=prefetch_first, seed=1)
+    return source, labels, model, config
+
+
+def two_tasks(persistent: bool, prefetch_first: bool = False) -> dict[str, torch.Tensor]:
+    source, labels, model, config = run_parts(2, persistent, prefetch_first)
     for task, classes in enumerate(((0, 1, 2, 3), (4, 5, 6, 7))):
         indices = np.flatnonzero(np.isin(labels, classes))
         data = TaskData(source=source, task=task, indices=indices, slots=K - 1 - labels[indices],
@@ -64,14 +70,7 @@ def replay_tasks(persistent: bool, prefetch_first: bool = False) -> tuple[dict[s
     """Three tasks of one pool as a run trains them: task 0 on the pool, tasks 1 and 2 each on a new source (the pool
     followed by that task's replay memory: copies of earlier tasks' images, so a wrong row reads other pixels).
     Returns the final weights and, per task, the pids of the persistent workers after it."""
-    rng = np.random.default_rng(0)
-    labels = np.arange(96) % 12
-    source = ArraySource(name="pool", images=rng.integers(0, 255, size=(96, 16, 16, 3), dtype=np.uint8),
-                         labels=labels, class_names=[str(c) for c in range(12)])
-    torch.manual_seed(0)
-    model = create_model("cnn4", K, classifier="simplex", backbone_config={"width": 4})
-    config = TrainConfig(epochs=2, batch_size=8, optimizer={"lr": 0.05}, autocast=False, input_workers=2,
-                         persistent_workers=persistent, prefetch_first_batches=prefetch_first, seed=1)
+    source, labels, model, config = run_parts(3, persistent, prefetch_first)
     pids = []
     for task, classes in enumerate(((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11))):
         indices = np.flatnonzero(np.isin(labels, classes))
