@@ -27,9 +27,10 @@ What it does, in order, and what it reports (one table, as JSON and markdown, un
    d = 21,999, as stored: fp16) through the product's entry function (``pipelines.stages.entry_metrics.compute_entry``) on
    the GPU, as an entry stage with a GPU runs it, and on the CPU, both checked against an fp64 brute-force Recall@1.
 
-6. ``workers``: the second task's time to its first step and input stall with input workers started per task and
-   with workers that outlive the first task (``training.persistent_workers``), each with and without
-   ``training.prefetch_first_batches``, in one process (``benchmarks/persistent_workers.py``).
+6. ``workers``: the time to first step and input stall of tasks 2..3, each with a new replay memory as IAM-CL2R's
+   tasks have, with input workers started per task and with workers that outlive a task
+   (``training.persistent_workers``), each with and without ``training.prefetch_first_batches``, in one process
+   (``benchmarks/persistent_workers.py``), and whether the worker processes stayed the same over the run.
 7. ``decode``: JPEG decode throughput of one input worker (the shards' CPU decoder on one core) and on the GPU
    (``training.decode: gpu``'s decoder; "not measured" without CUDA) on the job's JPEGs, its pixels against the CPU
    decoder's, and the CPU workers one GPU needs at the product's rate (the eager product's task-1 images/s, and the

@@ -11,17 +11,24 @@ host-to-device copy can be ``non_blocking``.
 tiny data and for a 1-2 core budget).
 
 ``persistent=True`` keeps the workers of a source alive after the stream ends, for the next stream of the same
-source object in this process (the next task of a run: pools are cached per process, so consecutive stages on one
-executor process share the source): that stream starts without forking workers. The batches then travel as source
-rows, so any indices of the source can be read; the pool is rebuilt when the source, the worker count, the prefetch
-depth or the image shape differ, or a batch is larger than its buffers, and a process holds one pool at a time. Rows
-a later task asks a source over row-group storage to keep in memory (``keep_rows``) after the workers started are
-read from storage by them instead.
+source in this process (the next task of a run: pools are cached per process, so consecutive stages on one
+executor process share the source): that stream starts without forking workers. A task's source that is a view
+over a long-lived one (a pool followed by the task's replay memory, made anew for each task) keeps the pool's
+workers too: such a source names its long-lived source ``worker_root`` and offers ``worker_parts(directory)``,
+which writes what the root lacks (the memory's images) to files under ``directory`` (a folder the pool owns, in
+shared memory where the system has ``/dev/shm``) and returns a small picklable ``view``: ``view(root)`` rebuilds
+the task's source in a worker, ``view.key`` names it. Each batch then travels as ``(rows, view)``; a worker
+rebuilds the view once per task, so it reads exactly what the task's source reads. The pool is rebuilt when the
+root, the worker count, the prefetch depth or the image shape differ, or a batch is larger than its buffers, and a
+process holds one pool at a time. Rows a later task asks a source over row-group storage to keep in memory
+(``keep_rows``) after the workers started are read from storage by them instead.
 
 ``stream_encoded`` yields the batches' encoded bytes instead, for a consumer that decodes them on its device.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -47,6 +54,7 @@ class _BatchReads(torch.utils.data.Dataset):
         self.indices = None if indices is None else np.asarray(indices, dtype=np.int64)  # None: items are rows
         self.buffers = buffers
         self._reads = 0
+        self._view_key, self._view_source = None, None   # a persistent worker's rebuilt view of the current task
 
     def __len__(self) -> int:
         return int(len(self.source) if self.indices is None else self.indices.shape[0])
@@ -57,9 +65,23 @@ class _BatchReads(torch.utils.data.Dataset):
         positions = np.asarray(positions, dtype=np.int64)
         return np.ascontiguousarray(self.source.read(positions if self.indices is None else self.indices[positions]))
 
-    def __getitem__(self, positions):
-        positions = np.asarray(positions, dtype=np.int64)
-        images = self.read(positions)
+    def _source_of(self, view):
+        """The source a persistent worker reads for ``view`` (None: the root), rebuilt once per view."""
+        if view is None:
+            return self.source
+        if view.key != self._view_key:
+            self._view_key, self._view_source = view.key, view(self.source)
+        return self._view_source
+
+    def __getitem__(self, item):
+        view = None
+        if isinstance(item, tuple):  # a persistent pool's item: (rows, view of the task's source or None)
+            item, view = item
+        positions = np.asarray(item, dtype=np.int64)
+        if view is None:
+            images = self.read(positions)
+        else:
+            images = np.ascontiguousarray(self._source_of(view).read(positions))
         worker = torch.utils.data.get_worker_info()
         ring = self.buffers[worker.id]
         slot = self._reads % len(ring)
@@ -107,11 +129,20 @@ class _Batches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
+def _shared_folder() -> tempfile.TemporaryDirectory:
+    """A folder for the views' files, in shared memory where the system has it (removed with the pool)."""
+    return tempfile.TemporaryDirectory(prefix="compat-input-views-",
+                                       dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
 class _Pool:
-    """Workers of one source that outlive a stream: a DataLoader with persistent workers over source rows."""
+    """Workers of one source that outlive a stream: a DataLoader with persistent workers over source rows (of the
+    root source, or of a task's view over it)."""
 
     def __init__(self, source, workers: int, prefetch: int, rows: int, shape: tuple[int, ...]) -> None:
         self.source, self.workers, self.prefetch, self.rows, self.shape = source, workers, prefetch, rows, shape
+        self.folder: tempfile.TemporaryDirectory | None = None   # the current view's files
+        self.view_of: tuple[object, object] | None = None          # (task source, its view), written once
         self.buffers = [[torch.empty((rows, *shape), dtype=torch.uint8).share_memory_() for _ in range(prefetch + 2)]
                         for _ in range(workers)]
         self.sampler = _Batches()
@@ -123,15 +154,35 @@ class _Pool:
         return (source is self.source and workers == self.workers and prefetch == self.prefetch
                 and rows <= self.rows and shape == self.shape)
 
+    def view(self, source) -> tuple[object | None, tempfile.TemporaryDirectory | None]:
+        """The view of task ``source`` (None for the root itself) and the folder it replaced, to remove once no
+        worker reads it (after the next ``iter``: the workers finish the items queued before it)."""
+        if source is self.source:
+            return None, None
+        if self.view_of is not None and self.view_of[0] is source:
+            return self.view_of[1], None
+        replaced, self.folder = self.folder, _shared_folder()
+        view = source.worker_parts(self.folder.name)
+        self.view_of = (source, view)
+        return view, replaced
+
+    def worker_pids(self) -> list[int]:
+        """The process ids of the running workers (empty before the first stream)."""
+        iterator = getattr(self.loader, "_iterator", None)
+        return [] if iterator is None else [worker.pid for worker in iterator._workers]
+
     def close(self) -> None:
-        """Stop the workers now (they also stop with the process)."""
+        """Stop the workers now (they also stop with the process) and remove the views' files."""
         iterator = getattr(self.loader, "_iterator", None)
         if iterator is not None:
             iterator._shutdown_workers()
             self.loader._iterator = None
+        if self.folder is not None:
+            self.folder.cleanup()
+            self.folder, self.view_of = None, None
 
 
-_POOLS: dict[int, _Pool] = {}   # id(source) -> its persistent pool (one per source object in this process)
+_POOLS: dict[int, _Pool] = {}   # id(root source) -> its persistent pool (one pool in this process)
 
 
 def close_persistent_workers() -> None:
@@ -140,15 +191,27 @@ def close_persistent_workers() -> None:
         _POOLS.popitem()[1].close()
 
 
+def root_source(source):
+    """The long-lived source whose persistent workers read ``source``: its ``worker_root`` for a task's view over
+    one (module docstring), else ``source`` itself."""
+    return getattr(source, "worker_root", source)
+
+
+def persistent_worker_pids(source) -> list[int]:
+    """Process ids of the persistent input workers that read ``source`` in this process (empty when none)."""
+    pool = _POOLS.get(id(root_source(source)))
+    return [] if pool is None else pool.worker_pids()
+
+
 def _persistent_pool(source, workers: int, prefetch: int, rows: int, shape: tuple[int, ...]) -> _Pool:
-    """The pool of ``source`` if it fits, else a new one; a new pool stops every other pool of this process first
-    (one pool at a time: a source object that is made anew for each task, such as a task's source with its replay
-    memory, would otherwise leave one idle pool of workers per task)."""
-    pool = _POOLS.get(id(source))
-    if pool is not None and pool.fits(source, workers, prefetch, rows, shape):
+    """The pool of ``source``'s root if it fits, else a new one; a new pool stops every other pool of this process
+    first (one pool at a time: a root that changes would otherwise leave one idle pool of workers behind)."""
+    root = root_source(source)
+    pool = _POOLS.get(id(root))
+    if pool is not None and pool.fits(root, workers, prefetch, rows, shape):
         return pool
     close_persistent_workers()
-    pool = _POOLS[id(source)] = _Pool(source, workers, prefetch, rows, shape)
+    pool = _POOLS[id(root)] = _Pool(root, workers, prefetch, rows, shape)
     return pool
 
 
@@ -181,9 +244,13 @@ def stream_batches(source, indices: np.ndarray, batches: Iterable[np.ndarray] | 
     shape = tuple(int(v) for v in source.image_shape)
     if persistent:
         pool = _persistent_pool(source, workers, prefetch, rows, shape)
+        view, replaced = pool.view(source)
         indices = np.asarray(indices, dtype=np.int64)
-        pool.sampler.batches = [indices[positions] for positions in batches]
-        return _from_workers(batches, iter(pool.loader), pool.buffers, pin_memory)  # iter(): the reads start here
+        pool.sampler.batches = [(indices[positions], view) for positions in batches]
+        reads = iter(pool.loader)  # the reads start here (after the workers finished any earlier stream's items)
+        if replaced is not None:
+            replaced.cleanup()
+        return _from_workers(batches, reads, pool.buffers, pin_memory)
     buffers = [[torch.empty((rows, *shape), dtype=torch.uint8).share_memory_() for _ in range(prefetch + 2)]
                for _ in range(workers)]
     loader = torch.utils.data.DataLoader(
@@ -224,4 +291,5 @@ def _from_workers(batches: list[np.ndarray], reads: Iterator, buffers: list[list
         yield positions, (images.pin_memory() if pin_memory else images)
 
 
-__all__ = ["close_persistent_workers", "keep_rows", "stream_batches", "stream_encoded", "to_device"]
+__all__ = ["close_persistent_workers", "keep_rows", "persistent_worker_pids", "root_source", "stream_batches",
+           "stream_encoded", "to_device"]

@@ -13,6 +13,9 @@ written before appending) is one shard holding the whole memory.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
 
 from compat_core import io as cio
@@ -124,6 +127,25 @@ class WithMemory:
         """Sample indices of the replay rows."""
         return np.arange(self.base, len(self), dtype=np.int64)
 
+    @property
+    def worker_root(self):
+        """The long-lived source whose persistent input workers read this view (``compat_core.data.stream``)."""
+        return self.source
+
+    def worker_parts(self, directory: str) -> "MemoryView":
+        """The replay rows written to ``directory`` (pixels as one ``.npy``, encoded images as their bytes and
+        offsets) and the picklable view that rebuilds this source over the root in an input worker."""
+        folder = Path(directory)
+        labels = self.labels[self.base:]
+        np.save(folder / "labels.npy", labels)
+        if isinstance(self.images, EncodedImages):
+            sizes = np.asarray([len(blob) for blob in self.images.blobs], dtype=np.int64)
+            np.save(folder / "offsets.npy", np.concatenate([[0], np.cumsum(sizes)]))
+            np.save(folder / "images.npy", np.frombuffer(b"".join(self.images.blobs), dtype=np.uint8))
+            return MemoryView(str(folder), self.images.decoder)
+        np.save(folder / "images.npy", self.images)
+        return MemoryView(str(folder), None)
+
     def keep_rows(self, indices: np.ndarray) -> None:
         """Keep the task rows among ``indices`` resident in the task's source (the replay rows are in memory)."""
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -152,3 +174,27 @@ class WithMemory:
         if from_memory.any():
             out[from_memory] = self.images[indices[from_memory] - self.base]
         return out
+
+
+@dataclass(frozen=True)
+class MemoryView:
+    """A task's source with its replay memory, as an input worker rebuilds it over the long-lived pool: the memory
+    rows' files in ``folder`` (written by :meth:`WithMemory.worker_parts`); ``decoder``: the encoded images'
+    decoder, None for pixels (memory-mapped, not copied)."""
+
+    folder: str
+    decoder: str | None
+
+    @property
+    def key(self) -> str:
+        return self.folder
+
+    def __call__(self, root) -> WithMemory:
+        folder = Path(self.folder)
+        labels = np.load(folder / "labels.npy")
+        images = np.load(folder / "images.npy", mmap_mode="r" if labels.size else None)  # no map of 0 bytes
+        if self.decoder is not None:
+            offsets, data = np.load(folder / "offsets.npy"), images.tobytes()
+            images = EncodedImages([data[start:stop] for start, stop in zip(offsets[:-1], offsets[1:])],
+                                   tuple(root.image_shape), self.decoder)
+        return WithMemory(root, images, labels)

@@ -158,12 +158,12 @@ class TrainConfig(StrictModel):
         False, description="keep the input workers alive after a task for the next task of the same pool in the same "
         "process (no worker start-up from the second task on; compat_core.data.stream). Off by default: rows the "
         "next task keeps in memory (ingested shards) are then read from storage by the workers. A task with replay "
-        "memory reads a source made for it (its pool and the replay shard), so its workers start anew, and the "
-        "process's earlier pool stops (one pool per process). Not part of any stage key")
+        "memory keeps the pool's workers too: its memory reaches them as files in shared memory, written once per "
+        "task. Another pool stops the process's earlier one (one pool per process). Not part of any stage key")
     prefetch_first_batches: bool = Field(
         True, description="with input workers: open the task's input stream as soon as its batch order is known, so "
-        "the workers decode its first batches while the method's setup, the optimiser, compile and a checkpoint's "
-        "restore run and the first step does not wait for them (false: opened when the epochs start). The same "
+        "the workers decode its first batches while the precision and layout probes, the method's setup, the "
+        "optimiser, compile and a checkpoint's restore run and the first step does not wait for them (false: opened when the epochs start). The same "
         "batches in the same order either way. Not part of any stage key")
     log_every_steps: int = Field(0, ge=0)
     checkpoint_every_epochs: int | None = Field(

@@ -2,7 +2,9 @@
 
 ``Trainer(...).fit()`` is the whole life of a task, in this order::
 
-    prepare()   model weights and classes, precision, method setup, optimiser, schedule, data-parallel wrap,
+    prepare()   model weights and classes, the task's data (its input stream opened here with
+                training.prefetch_first_batches), precision and layout, method setup, optimiser, schedule, compile,
+                data-parallel wrap,
                 model selection (in the order that fixes the random draws: a task seeded alike trains alike)
     resume()    the latest epoch checkpoint, if any: weights, optimiser, schedule, RNG states, records, statistics
     run()       the planned epochs over one input stream: run_epoch() steps, end_epoch() records and checkpoints
@@ -140,10 +142,10 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         torch.manual_seed(self.config.seed)
         self._prepare_weights()
-        self._resolve_precision()
-        self._prepare_data()
+        self._prepare_data()  # the batch order needs neither the precision nor the layout
         if self.config.prefetch_first_batches:  # the workers decode the first batches while the rest is prepared
             self.early_stream = self._open_stream(ResumePoint())
+        self._resolve_precision()
         self._setup_method()
         self._prepare_optimisation()
         self._compile_step()
