@@ -5,7 +5,7 @@ is :mod:`pipelines.training.batches`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
+from typing import TYPE_CHECKING, Iterator, Mapping, Protocol
 
 import numpy as np
 

@@ -4,7 +4,6 @@ evaluation's Recall@1, bad requests are 4xx naming the field, a gate move is swa
 from __future__ import annotations
 
 import base64
-import json
 import re
 import time
 
