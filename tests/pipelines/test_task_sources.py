@@ -349,6 +349,7 @@ def test_config_hash_of_a_scenario_without_own_data_tasks_is_unchanged(data_root
     for name in ("output", "resources", "description", "paper", "initial_model_ignore_keys"):
         data.pop(name)
     data["tasks"].pop("sources")
+    data["model"].pop("simplex_norm")  # the default d-Simplex norm leaves the hash of configs written without it
     for key in HOW_NOT_WHAT:
         data["training"].pop(key)
     assert config_hash(validate_config(document)) == stable_hash(data)
