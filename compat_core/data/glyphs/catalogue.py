@@ -188,6 +188,21 @@ def _distinct_characters() -> tuple[list[str], int, int]:
     return chars, len(candidates), len(visible) - len(kept)
 
 
+def _coarse_labels(ordered: list[str]) -> tuple[list[str], list[int]]:
+    """(coarse names in order of first appearance, each class's coarse index) of the characters ``ordered``: a
+    character's coarse label is its base letter."""
+    coarse_names: list[str] = []
+    coarse_index: dict[str, int] = {}
+    coarse_of_class = []
+    for char in ordered:
+        key = _concept_of(char)
+        if key not in coarse_index:
+            coarse_index[key] = len(coarse_names)
+            coarse_names.append(key)
+        coarse_of_class.append(coarse_index[key])
+    return coarse_names, coarse_of_class
+
+
 def build_catalogue(layout_seed: int = 0) -> GlyphCatalogue:
     """Choose the classes and split them into pools (deterministic for a given ``layout_seed`` and font set).
 
@@ -241,15 +256,7 @@ def build_catalogue(layout_seed: int = 0) -> GlyphCatalogue:
     split_seed = [layout_seed, HELDOUT_SPLIT_SEED]
     val, test = split_held_out(held_out, split_seed)
     ordered = pretrain + finetune + test + val
-    coarse_names: list[str] = []
-    coarse_index: dict[str, int] = {}
-    coarse_of_class = []
-    for char in ordered:
-        key = _concept_of(char)
-        if key not in coarse_index:
-            coarse_index[key] = len(coarse_names)
-            coarse_names.append(key)
-        coarse_of_class.append(coarse_index[key])
+    coarse_names, coarse_of_class = _coarse_labels(ordered)
     offsets = np.cumsum([0, len(pretrain), len(finetune), len(test), len(val)])
     pools = {
         "pretrain": np.arange(offsets[0], offsets[1], dtype=np.int64),
