@@ -127,37 +127,36 @@ def shard_table(positions, item_ids, embeddings, version: str, payload_uris=None
     return pa.table(columns)
 
 
+def _write_content_addressed(root: str, folder: str, suffix: str, data: bytes) -> tuple[str, str]:
+    """Write ``data`` as ``<folder>/<sha256>.<suffix>`` under ``root`` unless that file exists (same name, same
+    bytes); returns (its name relative to ``root``, its sha256)."""
+    digest = sha256_bytes(data)
+    name = f"{folder}/{digest}.{suffix}"
+    target = cio.join(root, name)
+    if not cio.exists(target):
+        cio.write_bytes(target, data)
+    return name, digest
+
+
 def write_shard(root: str, table: pa.Table) -> dict:
     """Write a shard (content-addressed); returns its manifest entry."""
     sink = io.BytesIO()
     pq.write_table(table, sink, compression="zstd")
     data = sink.getvalue()
-    digest = sha256_bytes(data)
-    name = f"shards/{digest}.parquet"
-    target = cio.join(root, name)
-    if not cio.exists(target):
-        cio.write_bytes(target, data)
+    name, digest = _write_content_addressed(root, "shards", "parquet", data)
     versions = sorted(set(table.column("model_version").to_pylist()))
     return {"file": name, "sha256": digest, "rows": table.num_rows, "model_versions": versions}
 
 
 def write_ann(root: str, data: bytes) -> dict:
     """Write an approximate structure's bytes (content-addressed); returns its file entry."""
-    digest = sha256_bytes(data)
-    name = f"ann/{digest}.faiss"
-    target = cio.join(root, name)
-    if not cio.exists(target):
-        cio.write_bytes(target, data)
+    name, digest = _write_content_addressed(root, "ann", "faiss", data)
     return {"file": name, "sha256": digest, "bytes": len(data)}
 
 
 def write_row_file_blob(root: str, data: bytes) -> dict:
     """Write an ivfpq structure's fp16 rows (content-addressed); returns the "row_file" entry."""
-    digest = sha256_bytes(data)
-    name = f"rows/{digest}.f16"
-    target = cio.join(root, name)
-    if not cio.exists(target):
-        cio.write_bytes(target, data)
+    name, digest = _write_content_addressed(root, "rows", "f16", data)
     return {"file": name, "sha256": digest, "bytes": len(data), "dtype": "float16"}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,18 +13,8 @@ from app.cli import main
 from app.commands.demo import parse_seeds, seed_passes
 from pipelines.reports.seed_spread import format_table, spread, summarise
 
-# the shrunk demo of tests/cluster/test_demo.py: the mechanism, not the claim
-SHRINK = [
-    "tasks.spec=2+2x2",
-    "training.epochs=1",
-    "training.batch_size=16",  # 8 per side: the 40 memory images are drawn without replacement, as in the demo
-    "model.backbone_config={in_chans: 1, width: 4}",
-    "pretrain=[{name: p1, pool: {dataset: glyphs, split: pretrain-1, options: {style: source}, per_class: 3}, "
-    "num_classes: 100, epochs: 1, classifier: simplex}]",
-    "replacements=[{at_task: 3, source: 'pretrain:p1'}]",
-    "evaluation.query_set.per_class=2",
-    "evaluation.gallery_set.per_class=2",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cluster"))
+from demo_shrink import SHRINK  # noqa: E402  (the shrunk demo of tests/cluster/test_demo.py)
 
 
 def test_parse_seeds_and_refuse_bad_lists():

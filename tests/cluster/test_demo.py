@@ -4,6 +4,7 @@ scenario run on its own with `compat run`, which trains its own copy."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,18 +12,9 @@ import pytest
 from app.cli import main
 from app.commands.demo import DEMOS, configs_dir
 
-# 3 tasks of 2 classes, one epoch, a 4-wide cnn4, pools cut to a few images per class: the mechanism, not the claim
-SHRINK = [
-    "tasks.spec=2+2x2",
-    "training.epochs=1",
-    "training.batch_size=16",  # 8 per side: the 40 memory images are drawn without replacement, as in the demo
-    "model.backbone_config={in_chans: 1, width: 4}",
-    "pretrain=[{name: p1, pool: {dataset: glyphs, split: pretrain-1, options: {style: source}, per_class: 3}, "
-    "num_classes: 100, epochs: 1, classifier: simplex}]",
-    "replacements=[{at_task: 3, source: 'pretrain:p1'}]",
-    "evaluation.query_set.per_class=2",
-    "evaluation.gallery_set.per_class=2",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from demo_shrink import SHRINK  # noqa: E402
 
 
 def _sets() -> list[str]:
